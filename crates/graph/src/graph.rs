@@ -1,0 +1,259 @@
+use serde::{Deserialize, Serialize};
+
+use crate::ops::{Op, OutSpec};
+use crate::tensor::{checked_numel, TensorMeta, ViewOf};
+use crate::{DType, GraphError, Result, Role, TensorId};
+
+/// Index of a node in its [`Graph`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct NodeId(pub u32);
+
+impl NodeId {
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// One op application: reads `inputs`, writes `outputs`, and may use a private `workspace`.
+#[derive(Debug, Clone)]
+pub struct Node {
+    pub op: Op,
+    pub inputs: Vec<TensorId>,
+    pub outputs: Vec<TensorId>,
+    /// Scratch memory the kernel needs while it runs (a `Temporary` tensor, planned like any other).
+    pub workspace: Option<TensorId>,
+}
+
+/// A static dataflow graph over tensor metadata. Nodes are stored in a valid topological order
+/// (the builder only appends nodes whose inputs already exist).
+#[derive(Debug, Clone, Default)]
+pub struct Graph {
+    tensors: Vec<TensorMeta>,
+    nodes: Vec<Node>,
+    producer: Vec<Option<NodeId>>,
+    /// Tensors read after the graph has run (the loss): alive until the end of the schedule.
+    outputs: Vec<TensorId>,
+    scope: String,
+    /// Role given to op outputs while building (activations in forward, temporaries in backward).
+    build_role: Option<Role>,
+    /// Worker threads kernels may use; sizes per-thread workspaces, so plans depend on it.
+    threads: usize,
+}
+
+impl Graph {
+    pub fn new() -> Self {
+        Graph {
+            threads: 1,
+            ..Default::default()
+        }
+    }
+
+    /// Sets the number of worker threads kernels partition their workspaces for.
+    pub fn with_threads(mut self, threads: usize) -> Self {
+        self.threads = threads.max(1);
+        self
+    }
+
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    pub fn tensors(&self) -> &[TensorMeta] {
+        &self.tensors
+    }
+
+    pub fn tensor(&self, id: TensorId) -> &TensorMeta {
+        &self.tensors[id.index()]
+    }
+
+    pub fn try_tensor(&self, id: TensorId) -> Result<&TensorMeta> {
+        self.tensors
+            .get(id.index())
+            .ok_or(GraphError::UnknownTensor(id))
+    }
+
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
+    }
+
+    pub fn node(&self, id: NodeId) -> &Node {
+        &self.nodes[id.index()]
+    }
+
+    pub fn producer(&self, id: TensorId) -> Option<NodeId> {
+        self.producer[id.index()]
+    }
+
+    pub fn outputs(&self) -> &[TensorId] {
+        &self.outputs
+    }
+
+    /// Keeps `id` alive to the end of the step so that it can be read afterwards.
+    pub fn mark_output(&mut self, id: TensorId) {
+        if !self.outputs.contains(&id) {
+            self.outputs.push(id);
+        }
+    }
+
+    /// The storage a tensor lives in: itself, or the base of the view chain it belongs to.
+    pub fn storage_root(&self, mut id: TensorId) -> TensorId {
+        while let Some(v) = self.tensors[id.index()].view_of {
+            id = v.base;
+        }
+        id
+    }
+
+    /// Prefix for the names of tensors created from now on (for example `h.3.attn`).
+    pub fn set_scope(&mut self, scope: impl Into<String>) {
+        self.scope = scope.into();
+    }
+
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    pub(crate) fn set_build_role(&mut self, role: Option<Role>) -> Option<Role> {
+        std::mem::replace(&mut self.build_role, role)
+    }
+
+    pub fn set_role(&mut self, id: TensorId, role: Role) {
+        self.tensors[id.index()].role = role;
+    }
+
+    pub fn rename(&mut self, id: TensorId, name: impl Into<String>) {
+        self.tensors[id.index()].name = name.into();
+    }
+
+    /// Adds a tensor with no producer: a parameter, optimizer state or input.
+    pub fn add_leaf(
+        &mut self,
+        name: impl Into<String>,
+        shape: &[usize],
+        dtype: DType,
+        role: Role,
+    ) -> Result<TensorId> {
+        let name = name.into();
+        checked_numel(&name, shape, dtype)?;
+        Ok(self.push_tensor(TensorMeta {
+            name,
+            shape: shape.to_vec(),
+            dtype,
+            role,
+            view_of: None,
+        }))
+    }
+
+    pub fn parameter(&mut self, name: impl Into<String>, shape: &[usize]) -> Result<TensorId> {
+        self.add_leaf(name, shape, DType::F32, Role::Parameter)
+    }
+
+    pub fn input(
+        &mut self,
+        name: impl Into<String>,
+        shape: &[usize],
+        dtype: DType,
+    ) -> Result<TensorId> {
+        self.add_leaf(name, shape, dtype, Role::Input)
+    }
+
+    fn push_tensor(&mut self, meta: TensorMeta) -> TensorId {
+        let id = TensorId(self.tensors.len() as u32);
+        self.tensors.push(meta);
+        self.producer.push(None);
+        id
+    }
+
+    /// Applies `op` to `inputs`, checking the op's shape rule, and returns its outputs.
+    pub fn apply(&mut self, op: impl Into<Op>, inputs: &[TensorId]) -> Result<Vec<TensorId>> {
+        let op = op.into();
+        for &i in inputs {
+            self.try_tensor(i)?;
+        }
+        let metas: Vec<&TensorMeta> = inputs.iter().map(|&i| self.tensor(i)).collect();
+        let specs = op.infer(&metas)?;
+        let ws_elems = op.workspace_elems(&metas, self.threads);
+        let node_id = NodeId(self.nodes.len() as u32);
+        let role = self.build_role.unwrap_or(Role::Activation);
+        let op_name = op.name();
+        let mut outputs = Vec::with_capacity(specs.len());
+        for (k, spec) in specs.into_iter().enumerate() {
+            let OutSpec {
+                shape,
+                dtype,
+                view_of_input,
+                suffix,
+            } = spec;
+            let name = self.out_name(op_name, suffix, k);
+            checked_numel(&name, &shape, dtype)?;
+            let view_of = view_of_input.map(|(input, offset_elems)| ViewOf {
+                base: inputs[input],
+                offset_elems,
+            });
+            // A view of a persistent tensor keeps its role so that it is never placed in the arena.
+            let role = match view_of {
+                Some(v) => self.tensors[v.base.index()].role,
+                None => role,
+            };
+            let id = self.push_tensor(TensorMeta {
+                name,
+                shape,
+                dtype,
+                role,
+                view_of,
+            });
+            self.producer[id.index()] = Some(node_id);
+            outputs.push(id);
+        }
+        let workspace = if ws_elems > 0 {
+            let name = self.out_name(op_name, Some("workspace"), 0);
+            let id = self.push_tensor(TensorMeta {
+                name,
+                shape: vec![ws_elems],
+                dtype: DType::F32,
+                role: Role::Temporary,
+                view_of: None,
+            });
+            self.producer[id.index()] = Some(node_id);
+            Some(id)
+        } else {
+            None
+        };
+        self.nodes.push(Node {
+            op,
+            inputs: inputs.to_vec(),
+            outputs: outputs.clone(),
+            workspace,
+        });
+        Ok(outputs)
+    }
+
+    /// Like [`Graph::apply`] for single-output ops.
+    pub fn apply1(&mut self, op: impl Into<Op>, inputs: &[TensorId]) -> Result<TensorId> {
+        Ok(self.apply(op, inputs)?[0])
+    }
+
+    fn out_name(&self, op_name: &str, suffix: Option<&'static str>, k: usize) -> String {
+        let base = if self.scope.is_empty() {
+            format!("{op_name}#{}", self.nodes.len())
+        } else {
+            format!("{}.{op_name}#{}", self.scope, self.nodes.len())
+        };
+        match suffix {
+            Some(s) => format!("{base}.{s}"),
+            None if k == 0 => base,
+            None => format!("{base}.{k}"),
+        }
+    }
+
+    /// Total model FLOPs of one run of the graph (matmuls and attention dominate).
+    pub fn flops(&self) -> u64 {
+        self.nodes
+            .iter()
+            .map(|n| {
+                let ins: Vec<&TensorMeta> = n.inputs.iter().map(|&i| self.tensor(i)).collect();
+                let outs: Vec<&TensorMeta> = n.outputs.iter().map(|&i| self.tensor(i)).collect();
+                n.op.flops(&ins, &outs)
+            })
+            .sum()
+    }
+}

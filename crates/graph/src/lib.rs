@@ -1,0 +1,23 @@
+//! snug's graph: tensor metadata, the op IR and its builder, autodiff as a graph transformation,
+//! and the training step graph (forward + backward + optimizer update).
+//!
+//! - [`tensor`]: shapes, dtypes and roles — all the planner needs to know about a tensor.
+//! - [`graph`]: nodes in topological order, and the builder API ([`Graph::apply`]).
+//! - [`ops`]: each op's shape rule, gradient rule and CPU kernel, one file per op family.
+//! - [`autodiff`]: [`backward`] appends the gradient nodes of a scalar loss.
+//! - [`step`]: [`StepGraph`] bundles a model's forward, backward and AdamW updates.
+
+pub mod autodiff;
+mod dtype;
+mod error;
+pub mod graph;
+pub mod ops;
+pub mod step;
+pub mod tensor;
+
+pub use autodiff::{backward, GradCtx};
+pub use dtype::DType;
+pub use error::{GraphError, Result};
+pub use graph::{Graph, Node, NodeId};
+pub use step::{OptimizerSpec, ParamSlot, StepGraph};
+pub use tensor::{Role, TensorId, TensorMeta};

@@ -1,0 +1,131 @@
+//! GELU, exact (erf) or with GPT-2's tanh approximation.
+
+use super::{expect_arity, float_dtype, shape_err, OpRule, OutSpec};
+use crate::autodiff::GradCtx;
+use crate::tensor::TensorMeta;
+use crate::{GraphError, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GeluApprox {
+    /// `x · Φ(x)` with the error function.
+    Exact,
+    /// `0.5x(1 + tanh(√(2/π)(x + 0.044715x³)))`, as GPT-2 was trained.
+    #[default]
+    Tanh,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Gelu {
+    pub approx: GeluApprox,
+}
+
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+const COEF: f32 = 0.044_715;
+const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
+/// 1/√(2π)
+const INV_SQRT_2PI: f32 = 0.398_942_3;
+
+#[cfg(feature = "cpu")]
+#[inline]
+fn gelu(approx: GeluApprox, x: f32) -> f32 {
+    match approx {
+        GeluApprox::Tanh => 0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + COEF * x * x * x)).tanh()),
+        GeluApprox::Exact => 0.5 * x * (1.0 + libm::erff(x * FRAC_1_SQRT_2)),
+    }
+}
+
+#[cfg(feature = "cpu")]
+#[inline]
+fn gelu_grad(approx: GeluApprox, x: f32) -> f32 {
+    match approx {
+        GeluApprox::Tanh => {
+            let u = SQRT_2_OVER_PI * (x + COEF * x * x * x);
+            let t = u.tanh();
+            let du = SQRT_2_OVER_PI * (1.0 + 3.0 * COEF * x * x);
+            0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
+        }
+        GeluApprox::Exact => {
+            let cdf = 0.5 * (1.0 + libm::erff(x * FRAC_1_SQRT_2));
+            cdf + x * INV_SQRT_2PI * (-0.5 * x * x).exp()
+        }
+    }
+}
+
+impl OpRule for Gelu {
+    fn name(&self) -> &'static str {
+        "gelu"
+    }
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
+        expect_arity(self.name(), inputs, 1)?;
+        let dtype = float_dtype(self.name(), inputs)?;
+        let mut spec = OutSpec::f32(inputs[0].shape.clone());
+        spec.dtype = dtype;
+        Ok(vec![spec])
+    }
+    fn backward(&self, ctx: &mut GradCtx<'_>) -> Result<()> {
+        if let Some(dy) = ctx.grad_out(0) {
+            let x = ctx.input(0);
+            let dx = ctx.apply1(
+                GeluBackward {
+                    approx: self.approx,
+                },
+                &[x, dy],
+            )?;
+            ctx.set_grad(0, dx);
+        }
+        Ok(())
+    }
+    fn flops(&self, _inputs: &[&TensorMeta], outputs: &[&TensorMeta]) -> u64 {
+        8 * outputs[0].numel() as u64
+    }
+    #[cfg(feature = "cpu")]
+    fn cpu(&self, k: &super::Kernel<'_>) {
+        let (x, y) = (k.in_f32(0), k.out_f32(0));
+        let approx = self.approx;
+        super::par::elems_mut(y, |start, out| {
+            let n = out.len();
+            for (o, &v) in out.iter_mut().zip(&x[start..start + n]) {
+                *o = gelu(approx, v);
+            }
+        });
+    }
+}
+
+/// Inputs `[x, dy]`; output `dx = dy · gelu'(x)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct GeluBackward {
+    pub approx: GeluApprox,
+}
+
+impl OpRule for GeluBackward {
+    fn name(&self) -> &'static str {
+        "gelu_backward"
+    }
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
+        expect_arity(self.name(), inputs, 2)?;
+        if inputs[0].shape != inputs[1].shape {
+            return Err(shape_err(self.name(), "x and dy differ in shape"));
+        }
+        Ok(vec![OutSpec::f32(inputs[0].shape.clone())])
+    }
+    fn backward(&self, _ctx: &mut GradCtx<'_>) -> Result<()> {
+        Err(GraphError::Invalid {
+            op: "gelu_backward",
+            detail: "second derivatives are not supported".into(),
+        })
+    }
+    fn flops(&self, _inputs: &[&TensorMeta], outputs: &[&TensorMeta]) -> u64 {
+        12 * outputs[0].numel() as u64
+    }
+    #[cfg(feature = "cpu")]
+    fn cpu(&self, k: &super::Kernel<'_>) {
+        let (x, dy, dx) = (k.in_f32(0), k.in_f32(1), k.out_f32(0));
+        let approx = self.approx;
+        super::par::elems_mut(dx, |start, out| {
+            let range = start..start + out.len();
+            for ((o, &v), &g) in out.iter_mut().zip(&x[range.clone()]).zip(&dy[range]) {
+                *o = g * gelu_grad(approx, v);
+            }
+        });
+    }
+}

@@ -1,0 +1,329 @@
+//! Matrix multiply with transposed operands read in place (strides, never a materialised
+//! transpose), an optional fused bias, and either a shared 2-D right operand (weights) or a
+//! batch of right operands.
+
+use super::{expect_arity, float_dtype, shape_err, OpRule, OutSpec, Reshape, SumTo};
+use crate::autodiff::GradCtx;
+use crate::tensor::TensorMeta;
+use crate::Result;
+
+/// `op(a) · op(b) (+ bias)`, where `op` transposes the last two axes when its flag is set.
+///
+/// With a 2-D `b`, every leading axis of `a` is folded into the rows (a linear layer).
+/// With a batched `b`, `a` and `b` share their leading axes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MatMul {
+    pub ta: bool,
+    pub tb: bool,
+    pub bias: bool,
+}
+
+/// Sizes of one matmul as `batch` independent `[m,k]·[k,n]` products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatMulDims {
+    pub batch: usize,
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+    /// `b` is one matrix shared by the whole batch.
+    pub shared_b: bool,
+}
+
+impl MatMul {
+    pub const NAME: &'static str = "matmul";
+
+    pub fn dims(&self, a: &[usize], b: &[usize]) -> Result<MatMulDims> {
+        let op = Self::NAME;
+        if a.len() < 2 || b.len() < 2 {
+            return Err(shape_err(
+                op,
+                format!("operands must be at least 2-D, got {a:?} and {b:?}"),
+            ));
+        }
+        let (ar, ac) = (a[a.len() - 2], a[a.len() - 1]);
+        let (br, bc) = (b[b.len() - 2], b[b.len() - 1]);
+        let (mut m, ka) = if self.ta { (ac, ar) } else { (ar, ac) };
+        let (kb, n) = if self.tb { (bc, br) } else { (br, bc) };
+        if ka != kb {
+            return Err(shape_err(
+                op,
+                format!(
+                    "inner dimensions differ: {a:?}{} · {b:?}{}",
+                    t(self.ta),
+                    t(self.tb)
+                ),
+            ));
+        }
+        let a_batch: usize = a[..a.len() - 2].iter().product();
+        let (batch, shared_b) = if b.len() == 2 {
+            if self.ta && a.len() > 2 {
+                return Err(shape_err(
+                    op,
+                    "a transposed, batched left operand needs a batched right operand",
+                ));
+            }
+            m *= a_batch;
+            (1, true)
+        } else {
+            if a[..a.len() - 2] != b[..b.len() - 2] {
+                return Err(shape_err(
+                    op,
+                    format!("batch dimensions differ: {a:?} vs {b:?}"),
+                ));
+            }
+            (a_batch, false)
+        };
+        Ok(MatMulDims {
+            batch,
+            m,
+            k: ka,
+            n,
+            shared_b,
+        })
+    }
+}
+
+fn t(flag: bool) -> &'static str {
+    if flag {
+        "ᵀ"
+    } else {
+        ""
+    }
+}
+
+impl OpRule for MatMul {
+    fn name(&self) -> &'static str {
+        Self::NAME
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
+        expect_arity(Self::NAME, inputs, 2 + self.bias as usize)?;
+        let dtype = float_dtype(Self::NAME, inputs)?;
+        let (a, b) = (&inputs[0].shape, &inputs[1].shape);
+        let d = self.dims(a, b)?;
+        if self.bias && inputs[2].shape != [d.n] {
+            return Err(shape_err(
+                Self::NAME,
+                format!("bias has shape {:?}, expected [{}]", inputs[2].shape, d.n),
+            ));
+        }
+        let mut shape = a[..a.len() - 2].to_vec();
+        shape.push(if self.ta {
+            a[a.len() - 1]
+        } else {
+            a[a.len() - 2]
+        });
+        shape.push(d.n);
+        let mut spec = OutSpec::f32(shape);
+        spec.dtype = dtype;
+        Ok(vec![spec])
+    }
+
+    fn backward(&self, ctx: &mut GradCtx<'_>) -> Result<()> {
+        let Some(dc) = ctx.grad_out(0) else {
+            return Ok(());
+        };
+        let (a, b) = (ctx.input(0), ctx.input(1));
+        let (ta, tb) = (self.ta, self.tb);
+        if ctx.wants(0) {
+            let da = if !ta {
+                // dA = dC · op(B)ᵀ
+                ctx.apply1(
+                    MatMul {
+                        ta: false,
+                        tb: !tb,
+                        bias: false,
+                    },
+                    &[dc, b],
+                )?
+            } else {
+                // A is stored transposed: dAᵀ = op(B) · dCᵀ
+                ctx.apply1(
+                    MatMul {
+                        ta: tb,
+                        tb: true,
+                        bias: false,
+                    },
+                    &[b, dc],
+                )?
+            };
+            ctx.set_grad(0, da);
+        }
+        if ctx.wants(1) {
+            let b_rank = ctx.input_shape(1).len();
+            let (a2, dc2) = if b_rank == 2 {
+                // A shared weight sums over every row of the batch: fold leading axes (views).
+                let a_shape = ctx.input_shape(0);
+                let dc_shape = ctx.graph().tensor(dc).shape.clone();
+                (flatten2(ctx, a, &a_shape)?, flatten2(ctx, dc, &dc_shape)?)
+            } else {
+                (a, dc)
+            };
+            let db = if !tb {
+                // dB = op(A)ᵀ · dC
+                ctx.apply1(
+                    MatMul {
+                        ta: !ta,
+                        tb: false,
+                        bias: false,
+                    },
+                    &[a2, dc2],
+                )?
+            } else {
+                // B is stored transposed: dBᵀ = dCᵀ · op(A)
+                ctx.apply1(
+                    MatMul {
+                        ta: true,
+                        tb: ta,
+                        bias: false,
+                    },
+                    &[dc2, a2],
+                )?
+            };
+            ctx.set_grad(1, db);
+        }
+        if self.bias && ctx.wants(2) {
+            let n = ctx.input_shape(2);
+            let dbias = ctx.apply1(SumTo { shape: n }, &[dc])?;
+            ctx.set_grad(2, dbias);
+        }
+        Ok(())
+    }
+
+    fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
+        match self.dims(&inputs[0].shape, &inputs[1].shape) {
+            Ok(d) => 2 * (d.batch * d.m * d.n * d.k) as u64,
+            Err(_) => 0,
+        }
+    }
+
+    #[cfg(feature = "cpu")]
+    fn cpu(&self, k: &super::Kernel<'_>) {
+        let Ok(d) = self.dims(k.in_shape(0), k.in_shape(1)) else {
+            unreachable!("shape rule checked at build time")
+        };
+        let (a, b, c) = (k.in_f32(0), k.in_f32(1), k.out_f32(0));
+        if self.bias {
+            let bias = k.in_f32(2);
+            super::par::rows_mut(c, d.n, |_, rows| {
+                for row in rows.chunks_exact_mut(d.n) {
+                    row.copy_from_slice(bias);
+                }
+            });
+        }
+        let a_stride = d.m * d.k;
+        let b_stride = if d.shared_b { 0 } else { d.k * d.n };
+        let c_stride = d.m * d.n;
+        let threads = rayon::current_num_threads();
+        let run = |i: usize, c: &mut [f32], par: gemm::Parallelism| {
+            let (a, b) = (&a[i * a_stride..], &b[i * b_stride..]);
+            // SAFETY: the slices hold `m·k`, `k·n` and `m·n` elements at the strides below.
+            unsafe { gemm_strided(self.ta, self.tb, d.m, d.n, d.k, a, b, c, self.bias, par) }
+        };
+        if d.batch >= threads && threads > 1 {
+            use rayon::prelude::*;
+            c.par_chunks_mut(c_stride)
+                .enumerate()
+                .for_each(|(i, c)| run(i, c, gemm::Parallelism::None));
+        } else {
+            for (i, c) in c.chunks_mut(c_stride).enumerate() {
+                run(i, c, par_for(d.m, d.n, d.k, threads));
+            }
+        }
+    }
+}
+
+fn flatten2(ctx: &mut GradCtx<'_>, x: crate::TensorId, shape: &[usize]) -> Result<crate::TensorId> {
+    if shape.len() == 2 {
+        return Ok(x);
+    }
+    let cols = shape[shape.len() - 1];
+    let rows: usize = shape[..shape.len() - 1].iter().product();
+    ctx.apply1(
+        Reshape {
+            shape: vec![rows, cols],
+        },
+        &[x],
+    )
+}
+
+/// Threads for one GEMM: small products run single-threaded (rayon overhead dominates).
+#[cfg(feature = "cpu")]
+pub(crate) fn par_for(m: usize, n: usize, k: usize, threads: usize) -> gemm::Parallelism {
+    if threads <= 1 || m * n * k < 64 * 64 * 64 {
+        gemm::Parallelism::None
+    } else {
+        gemm::Parallelism::Rayon(threads)
+    }
+}
+
+/// `c (+)= op(a) · op(b)` over row-major storage; `accumulate` keeps what `c` holds.
+///
+/// # Safety
+/// `a`, `b` and `c` must hold at least `m·k`, `k·n` and `m·n` elements.
+#[cfg(feature = "cpu")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_strided(
+    ta: bool,
+    tb: bool,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+    accumulate: bool,
+    par: gemm::Parallelism,
+) {
+    debug_assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
+    // Element (i, j) of op(x) sits at i·rs + j·cs.
+    let (a_rs, a_cs) = if ta { (1, m as isize) } else { (k as isize, 1) };
+    let (b_rs, b_cs) = if tb { (1, k as isize) } else { (n as isize, 1) };
+    gemm_raw(
+        (m, n, k),
+        (c.as_mut_ptr(), n as isize, 1),
+        (a.as_ptr(), a_rs, a_cs),
+        (b.as_ptr(), b_rs, b_cs),
+        1.0,
+        accumulate,
+        par,
+    );
+}
+
+/// `c (+)= scale · a · b` for strided matrices given as (pointer, row stride, column stride).
+///
+/// # Safety
+/// Every pointer must be valid for the elements its strides reach.
+#[cfg(feature = "cpu")]
+pub(crate) unsafe fn gemm_raw(
+    (m, n, k): (usize, usize, usize),
+    (c, c_rs, c_cs): (*mut f32, isize, isize),
+    (a, a_rs, a_cs): (*const f32, isize, isize),
+    (b, b_rs, b_cs): (*const f32, isize, isize),
+    scale: f32,
+    accumulate: bool,
+    par: gemm::Parallelism,
+) {
+    // gemm computes dst = alpha·dst + beta·lhs·rhs, strides given column-first.
+    gemm::gemm(
+        m,
+        n,
+        k,
+        c,
+        c_cs,
+        c_rs,
+        accumulate,
+        a,
+        a_cs,
+        a_rs,
+        b,
+        b_cs,
+        b_rs,
+        if accumulate { 1.0 } else { 0.0 },
+        scale,
+        false,
+        false,
+        false,
+        par,
+    );
+}

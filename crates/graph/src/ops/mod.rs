@@ -1,0 +1,225 @@
+//! Every op in one place: its shape rule (`infer`), its gradient rule (`backward`) and its CPU
+//! kernel (`cpu`, behind the `cpu` feature) sit side by side in the op's file.
+
+mod adamw;
+mod attention;
+mod broadcast;
+mod cross_entropy;
+mod elementwise;
+mod embedding;
+mod fill;
+mod gelu;
+mod layernorm;
+mod matmul;
+mod reduce;
+mod softmax;
+mod view;
+
+#[cfg(feature = "cpu")]
+mod kernel;
+#[cfg(feature = "cpu")]
+pub mod par;
+
+pub use adamw::AdamW;
+pub use attention::{CausalAttention, CausalAttentionBackward};
+pub use broadcast::{broadcast_shape, broadcasts_to};
+pub use cross_entropy::{CrossEntropy, CrossEntropyBackward};
+pub use elementwise::{Binary, BinaryKind, Scale};
+pub use embedding::{Embedding, EmbeddingBackward};
+pub use fill::Fill;
+pub use gelu::{Gelu, GeluApprox, GeluBackward};
+pub use layernorm::{LayerNorm, LayerNormBackward};
+pub use matmul::MatMul;
+pub use reduce::{BroadcastTo, MaxBackward, Reduce, ReduceKind, SumTo};
+pub use softmax::{LogSoftmax, LogSoftmaxBackward, Softmax, SoftmaxBackward};
+pub use view::{Narrow, Pad, Reshape, Transpose};
+
+#[cfg(feature = "cpu")]
+pub use kernel::{ExecCtx, Kernel, TensorArg};
+
+use crate::autodiff::GradCtx;
+use crate::tensor::TensorMeta;
+use crate::{DType, Result};
+
+/// What an op says about each output before anything runs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutSpec {
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    /// `Some((input, offset))`: the output is a view of that input's storage (no copy).
+    pub view_of_input: Option<(usize, usize)>,
+    /// Name suffix for secondary outputs (`mean`, `rstd`, `lse`).
+    pub suffix: Option<&'static str>,
+}
+
+impl OutSpec {
+    pub fn f32(shape: Vec<usize>) -> Self {
+        OutSpec {
+            shape,
+            dtype: DType::F32,
+            view_of_input: None,
+            suffix: None,
+        }
+    }
+
+    pub fn named(mut self, suffix: &'static str) -> Self {
+        self.suffix = Some(suffix);
+        self
+    }
+}
+
+/// The rule set every op implements.
+pub trait OpRule {
+    fn name(&self) -> &'static str;
+
+    /// Shape rule: output shapes and dtypes from input metadata, or a shape error.
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>>;
+
+    /// Gradient rule: given the gradients of the outputs, emit nodes computing the inputs'.
+    fn backward(&self, ctx: &mut GradCtx<'_>) -> Result<()>;
+
+    /// Scratch elements (f32) the kernel needs when run with `threads` workers.
+    fn workspace_elems(&self, _inputs: &[&TensorMeta], _threads: usize) -> usize {
+        0
+    }
+
+    /// Inputs the op updates in place (optimizer steps); they must be persistent.
+    fn mutates_inputs(&self) -> &'static [usize] {
+        &[]
+    }
+
+    /// Floating-point operations of one run; elementwise ops count one per output element.
+    fn flops(&self, _inputs: &[&TensorMeta], outputs: &[&TensorMeta]) -> u64 {
+        outputs.iter().map(|t| t.numel() as u64).sum()
+    }
+
+    /// CPU kernel. Inputs and outputs never overlap unless the plan says so.
+    #[cfg(feature = "cpu")]
+    fn cpu(&self, k: &Kernel<'_>);
+}
+
+macro_rules! ops {
+    ($($variant:ident),* $(,)?) => {
+        /// The closed set of ops the IR knows; each variant's rules live in its own module.
+        #[derive(Debug, Clone, PartialEq)]
+        pub enum Op { $($variant($variant)),* }
+
+        $(impl From<$variant> for Op {
+            fn from(op: $variant) -> Op { Op::$variant(op) }
+        })*
+
+        impl Op {
+            fn rule(&self) -> &dyn OpRule {
+                match self { $(Op::$variant(op) => op),* }
+            }
+        }
+    };
+}
+
+ops!(
+    MatMul,
+    Binary,
+    Scale,
+    Reduce,
+    SumTo,
+    BroadcastTo,
+    MaxBackward,
+    Softmax,
+    SoftmaxBackward,
+    LogSoftmax,
+    LogSoftmaxBackward,
+    LayerNorm,
+    LayerNormBackward,
+    Gelu,
+    GeluBackward,
+    Embedding,
+    EmbeddingBackward,
+    Reshape,
+    Narrow,
+    Pad,
+    Transpose,
+    CausalAttention,
+    CausalAttentionBackward,
+    CrossEntropy,
+    CrossEntropyBackward,
+    Fill,
+    AdamW,
+);
+
+impl Op {
+    pub fn name(&self) -> &'static str {
+        self.rule().name()
+    }
+    pub fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
+        self.rule().infer(inputs)
+    }
+    pub fn backward(&self, ctx: &mut GradCtx<'_>) -> Result<()> {
+        self.rule().backward(ctx)
+    }
+    pub fn workspace_elems(&self, inputs: &[&TensorMeta], threads: usize) -> usize {
+        self.rule().workspace_elems(inputs, threads)
+    }
+    pub fn mutates_inputs(&self) -> &'static [usize] {
+        self.rule().mutates_inputs()
+    }
+    pub fn flops(&self, inputs: &[&TensorMeta], outputs: &[&TensorMeta]) -> u64 {
+        self.rule().flops(inputs, outputs)
+    }
+    #[cfg(feature = "cpu")]
+    pub fn cpu(&self, k: &Kernel<'_>) {
+        self.rule().cpu(k)
+    }
+}
+
+/// Shared checks for shape rules.
+pub(crate) fn expect_arity(op: &'static str, inputs: &[&TensorMeta], n: usize) -> Result<()> {
+    if inputs.len() != n {
+        return Err(crate::GraphError::Arity {
+            op,
+            expected: n,
+            got: inputs.len(),
+        });
+    }
+    Ok(())
+}
+
+pub(crate) fn expect_dtype(
+    op: &'static str,
+    inputs: &[&TensorMeta],
+    index: usize,
+    expected: DType,
+) -> Result<()> {
+    let found = inputs[index].dtype;
+    if found != expected {
+        return Err(crate::GraphError::DType {
+            op,
+            index,
+            expected,
+            found,
+        });
+    }
+    Ok(())
+}
+
+pub(crate) fn shape_err(op: &'static str, detail: impl Into<String>) -> crate::GraphError {
+    crate::GraphError::Shape {
+        op,
+        detail: detail.into(),
+    }
+}
+
+/// Requires all float inputs to share one dtype and returns it.
+pub(crate) fn float_dtype(op: &'static str, inputs: &[&TensorMeta]) -> Result<DType> {
+    let dt = inputs[0].dtype;
+    for (i, t) in inputs.iter().enumerate() {
+        if t.dtype != dt || !t.dtype.is_float() {
+            return Err(crate::GraphError::DType {
+                op,
+                index: i,
+                expected: dt,
+                found: t.dtype,
+            });
+        }
+    }
+    Ok(dt)
+}

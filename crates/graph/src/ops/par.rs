@@ -1,0 +1,54 @@
+//! Data-parallel helpers for kernels: split work into chunks large enough to amortise rayon.
+
+use rayon::prelude::*;
+
+/// Below this many elements an elementwise kernel runs on one thread.
+pub const MIN_PAR_ELEMS: usize = 1 << 15;
+
+/// Runs `f(start_index, chunk)` over `out` in parallel chunks of whole rows of `row` elements.
+pub fn rows_mut<F>(out: &mut [f32], row: usize, f: F)
+where
+    F: Fn(usize, &mut [f32]) + Sync + Send,
+{
+    let row = row.max(1);
+    let rows_per_chunk = (MIN_PAR_ELEMS / row).max(1);
+    let chunk = rows_per_chunk * row;
+    if out.len() <= chunk {
+        f(0, out);
+        return;
+    }
+    out.par_chunks_mut(chunk)
+        .enumerate()
+        .for_each(|(c, part)| f(c * rows_per_chunk, part));
+}
+
+/// Like [`rows_mut`] for two outputs with the same row structure (`a_row`, `b_row` per row).
+pub fn rows_mut2<F>(a: &mut [f32], a_row: usize, b: &mut [f32], b_row: usize, f: F)
+where
+    F: Fn(usize, &mut [f32], &mut [f32]) + Sync + Send,
+{
+    let rows_per_chunk = (MIN_PAR_ELEMS / a_row.max(1)).max(1);
+    if a.len() <= rows_per_chunk * a_row {
+        f(0, a, b);
+        return;
+    }
+    a.par_chunks_mut(rows_per_chunk * a_row)
+        .zip(b.par_chunks_mut(rows_per_chunk * b_row))
+        .enumerate()
+        .for_each(|(c, (pa, pb))| f(c * rows_per_chunk, pa, pb));
+}
+
+/// Elementwise map over a flat output: `f(start, chunk)` with `start` the first element's index.
+pub fn elems_mut<F>(out: &mut [f32], f: F)
+where
+    F: Fn(usize, &mut [f32]) + Sync + Send,
+{
+    if out.len() <= MIN_PAR_ELEMS {
+        f(0, out);
+        return;
+    }
+    let chunk = MIN_PAR_ELEMS;
+    out.par_chunks_mut(chunk)
+        .enumerate()
+        .for_each(|(c, part)| f(c * chunk, part));
+}

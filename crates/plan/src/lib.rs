@@ -1,0 +1,17 @@
+//! snug's memory planner. Pure computation over shapes: nothing here allocates tensor data.
+//!
+//! - [`schedule`]: the order nodes run in.
+//! - [`lifetime`]: when each arena tensor is first written and last read.
+//! - [`placement`]: byte offsets inside one arena, with the lower bound beside them.
+//! - [`memory_plan`]: [`MemoryPlan`], the table a runtime executes and a user reads.
+
+pub mod lifetime;
+pub mod memory_plan;
+pub mod placement;
+pub mod schedule;
+
+pub use lifetime::{lifetimes, Lifetime};
+pub use memory_plan::{
+    plan, Allocation, Breakdown, MemoryPlan, PersistentBuffer, PlanError, PlanOptions,
+};
+pub use placement::{place, Interval, Placement};

@@ -1,0 +1,126 @@
+//! Offset assignment inside one arena: greedy by size with best fit, as in TFLite's arena
+//! planner and XLA's heap simulator. A pure function of sizes and lifetimes, so it is tested
+//! with hand-written intervals.
+
+/// A block of `size` bytes live over schedule positions `first..=last`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Interval {
+    pub size: usize,
+    pub first: usize,
+    pub last: usize,
+}
+
+impl Interval {
+    pub fn overlaps_in_time(&self, other: &Interval) -> bool {
+        self.first <= other.last && other.first <= self.last
+    }
+}
+
+/// Offsets for a set of intervals, with the arena size they need and the lower bound any
+/// placement needs (the most bytes live at one position).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    pub offsets: Vec<usize>,
+    pub arena_bytes: usize,
+    pub lower_bound_bytes: usize,
+    /// A schedule position where the lower bound is reached.
+    pub peak_position: usize,
+}
+
+/// Rounds `n` up to a multiple of `align` (a power of two).
+pub fn align_up(n: usize, align: usize) -> usize {
+    n.div_ceil(align) * align
+}
+
+/// Most bytes live at once, and where.
+pub fn max_live(intervals: &[Interval]) -> (usize, usize) {
+    let mut events: Vec<(usize, bool, usize)> = Vec::with_capacity(2 * intervals.len());
+    for iv in intervals {
+        events.push((iv.first, true, iv.size));
+        events.push((iv.last + 1, false, iv.size));
+    }
+    // Frees at a position happen before allocations at it.
+    events.sort_unstable_by_key(|&(pos, alloc, _)| (pos, alloc));
+    let (mut live, mut best, mut at) = (0usize, 0usize, 0usize);
+    for (pos, alloc, size) in events {
+        if alloc {
+            live += size;
+            if live > best {
+                best = live;
+                at = pos;
+            }
+        } else {
+            live -= size;
+        }
+    }
+    (best, at)
+}
+
+/// Places every interval (sizes already aligned by the caller) so that no two that are live at
+/// the same time overlap in bytes. Largest first; each goes into the smallest gap that fits
+/// among the already placed intervals it coexists with, or on top.
+pub fn place(intervals: &[Interval]) -> Placement {
+    let mut order: Vec<usize> = (0..intervals.len()).collect();
+    order.sort_by(|&a, &b| {
+        let (x, y) = (&intervals[a], &intervals[b]);
+        y.size
+            .cmp(&x.size)
+            .then(x.first.cmp(&y.first))
+            .then(a.cmp(&b))
+    });
+    let mut offsets = vec![0usize; intervals.len()];
+    let mut placed: Vec<usize> = Vec::with_capacity(intervals.len());
+    let mut arena = 0usize;
+    let mut neighbours: Vec<(usize, usize)> = Vec::new();
+    for &i in &order {
+        let iv = intervals[i];
+        neighbours.clear();
+        neighbours.extend(
+            placed
+                .iter()
+                .filter(|&&j| intervals[j].overlaps_in_time(&iv))
+                .map(|&j| (offsets[j], offsets[j] + intervals[j].size)),
+        );
+        neighbours.sort_unstable();
+        let mut best: Option<(usize, usize)> = None; // (gap size, offset)
+        let mut cursor = 0usize;
+        for &(start, end) in &neighbours {
+            if start > cursor {
+                let gap = start - cursor;
+                if gap >= iv.size && best.is_none_or(|(g, _)| gap < g) {
+                    best = Some((gap, cursor));
+                }
+            }
+            cursor = cursor.max(end);
+        }
+        let offset = best.map_or(cursor, |(_, off)| off);
+        offsets[i] = offset;
+        arena = arena.max(offset + iv.size);
+        placed.push(i);
+    }
+    let (lower_bound_bytes, peak_position) = max_live(intervals);
+    Placement {
+        offsets,
+        arena_bytes: arena,
+        lower_bound_bytes,
+        peak_position,
+    }
+}
+
+/// Checks a placement: every interval inside the arena, no two coexisting ones overlapping.
+/// Returns the first offending pair.
+pub fn find_overlap(intervals: &[Interval], p: &Placement) -> Option<(usize, usize)> {
+    for i in 0..intervals.len() {
+        let (a, oa) = (&intervals[i], p.offsets[i]);
+        if oa + a.size > p.arena_bytes {
+            return Some((i, i));
+        }
+        for j in i + 1..intervals.len() {
+            let (b, ob) = (&intervals[j], p.offsets[j]);
+            if a.overlaps_in_time(b) && oa < ob + b.size && ob < oa + a.size {
+                return Some((i, j));
+            }
+        }
+    }
+    None
+}

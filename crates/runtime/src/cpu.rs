@@ -1,0 +1,247 @@
+//! The CPU executor: one arena per plan, one buffer per persistent tensor, and a precomputed
+//! binding per node, so a step allocates nothing.
+
+use snug_graph::ops::{ExecCtx, Kernel, TensorArg};
+use snug_graph::{DType, Graph, Role, TensorId};
+use snug_plan::MemoryPlan;
+
+use crate::{Allocator, Buffer, RuntimeError};
+
+/// Physical cores of this machine (hyper-threads share FPUs, so GEMM gains nothing from them).
+pub fn physical_cores() -> usize {
+    num_cpus::get_physical().max(1)
+}
+
+struct NodeBinding {
+    node: usize,
+    inputs: Vec<TensorArg>,
+    outputs: Vec<TensorArg>,
+    workspace: Option<TensorArg>,
+}
+
+/// A planned graph, loaded into memory and ready to run step after step.
+pub struct CpuSession {
+    graph: Graph,
+    plan: MemoryPlan,
+    allocator: Allocator,
+    arena: Buffer,
+    /// Indexed by tensor id; `Some` for persistent storage roots.
+    persistent: Vec<Option<Buffer>>,
+    bindings: Vec<NodeBinding>,
+    pool: rayon::ThreadPool,
+}
+
+impl CpuSession {
+    /// Allocates the arena and every persistent buffer through `allocator`.
+    pub fn new(
+        graph: Graph,
+        plan: MemoryPlan,
+        allocator: Allocator,
+        threads: usize,
+    ) -> Result<Self, RuntimeError> {
+        for t in graph.tensors() {
+            if !matches!(t.dtype, DType::F32 | DType::I32) {
+                return Err(RuntimeError::UnsupportedDType {
+                    name: t.name.clone(),
+                    dtype: t.dtype,
+                });
+            }
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads.max(1))
+            .thread_name(|i| format!("snug-cpu-{i}"))
+            .build()
+            .map_err(|e| RuntimeError::Threads {
+                threads,
+                reason: e.to_string(),
+            })?;
+        let mut persistent: Vec<Option<Buffer>> =
+            (0..graph.tensors().len()).map(|_| None).collect();
+        for p in &plan.persistent {
+            persistent[p.tensor.index()] = Some(allocator.alloc(p.size)?);
+        }
+        let arena = allocator.alloc(plan.arena_bytes)?;
+        let mut session = CpuSession {
+            graph,
+            plan,
+            allocator,
+            arena,
+            persistent,
+            bindings: Vec::new(),
+            pool,
+        };
+        session.bindings = session.bind_all();
+        Ok(session)
+    }
+
+    fn arg(&self, id: TensorId) -> TensorArg {
+        let meta = self.graph.tensor(id);
+        let ptr = self.data_ptr(id);
+        // SAFETY: `data_ptr` points inside a buffer this session owns for its whole life, with
+        // room for the tensor (the plan sized it).
+        unsafe { TensorArg::new(ptr, meta.numel(), meta.shape.clone(), meta.dtype) }
+    }
+
+    /// Start of a tensor's bytes: its storage root's buffer or arena slot, plus the view offset.
+    fn data_ptr(&self, id: TensorId) -> *mut u8 {
+        let mut elem_offset = 0;
+        let mut t = id;
+        while let Some(v) = self.graph.tensor(t).view_of {
+            elem_offset += v.offset_elems;
+            t = v.base;
+        }
+        let base = match (&self.persistent[t.index()], self.plan.arena_offset(t)) {
+            (Some(buf), _) => buf.as_ptr(),
+            // SAFETY: the plan placed this storage inside the arena.
+            (None, Some(off)) => unsafe { self.arena.as_ptr().add(off) },
+            (None, None) => unreachable!("every storage used by the schedule is planned"),
+        };
+        let width = self.graph.tensor(id).dtype.size_bytes();
+        // SAFETY: views stay inside their base (checked by their shape rules).
+        unsafe { base.add(elem_offset * width) }
+    }
+
+    fn bind_all(&self) -> Vec<NodeBinding> {
+        self.plan
+            .schedule
+            .iter()
+            .map(|&nid| {
+                let node = self.graph.node(nid);
+                NodeBinding {
+                    node: nid.index(),
+                    inputs: node.inputs.iter().map(|&t| self.arg(t)).collect(),
+                    outputs: node.outputs.iter().map(|&t| self.arg(t)).collect(),
+                    workspace: node.workspace.map(|t| self.arg(t)),
+                }
+            })
+            .collect()
+    }
+
+    /// Runs every node of the schedule once.
+    pub fn run(&mut self, ctx: ExecCtx) {
+        let graph = &self.graph;
+        let bindings = &self.bindings;
+        self.pool.install(|| {
+            for b in bindings {
+                let node = &graph.nodes()[b.node];
+                // SAFETY: the plan gives coexisting tensors disjoint bytes; views (whose output
+                // aliases the input) have kernels that touch nothing.
+                let kernel = unsafe {
+                    Kernel::new(
+                        &b.inputs,
+                        &b.outputs,
+                        b.workspace.as_ref(),
+                        node.op.mutates_inputs(),
+                        ctx,
+                    )
+                };
+                node.op.cpu(&kernel);
+            }
+        });
+    }
+
+    pub fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    pub fn plan(&self) -> &MemoryPlan {
+        &self.plan
+    }
+
+    pub fn allocator(&self) -> &Allocator {
+        &self.allocator
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+
+    fn check(&self, id: TensorId, dtype: DType, len: usize) -> Result<(), RuntimeError> {
+        let meta = self.graph.try_tensor(id)?;
+        if meta.dtype != dtype {
+            return Err(RuntimeError::WrongDType {
+                name: meta.name.clone(),
+                expected: meta.dtype,
+                found: dtype,
+            });
+        }
+        if meta.numel() != len {
+            return Err(RuntimeError::SizeMismatch {
+                name: meta.name.clone(),
+                expected: meta.numel(),
+                got: len,
+            });
+        }
+        Ok(())
+    }
+
+    fn writable(&self, id: TensorId) -> Result<(), RuntimeError> {
+        let meta = self.graph.tensor(id);
+        if meta.role == Role::Input || meta.role.is_persistent() {
+            Ok(())
+        } else {
+            Err(RuntimeError::NotWritable {
+                name: meta.name.clone(),
+            })
+        }
+    }
+
+    /// Writes a parameter, optimizer state or input (before [`CpuSession::run`]).
+    pub fn write_f32(&mut self, id: TensorId, data: &[f32]) -> Result<(), RuntimeError> {
+        self.check(id, DType::F32, data.len())?;
+        self.writable(id)?;
+        // SAFETY: the tensor's storage holds `data.len()` f32s and nothing runs concurrently.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.data_ptr(id) as *mut f32, data.len())
+        };
+        Ok(())
+    }
+
+    /// Writes token ids, checking each is below `bound` (an embedding's vocabulary).
+    pub fn write_i32(
+        &mut self,
+        id: TensorId,
+        data: &[i32],
+        bound: usize,
+    ) -> Result<(), RuntimeError> {
+        self.check(id, DType::I32, data.len())?;
+        self.writable(id)?;
+        if let Some((index, &value)) = data
+            .iter()
+            .enumerate()
+            .find(|(_, &v)| v < 0 || v as usize >= bound)
+        {
+            return Err(RuntimeError::OutOfRange {
+                name: self.graph.tensor(id).name.clone(),
+                index,
+                value,
+                bound,
+            });
+        }
+        // SAFETY: as in `write_f32`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.data_ptr(id) as *mut i32, data.len())
+        };
+        Ok(())
+    }
+
+    /// Reads a persistent tensor or a graph output (after [`CpuSession::run`]).
+    pub fn read_f32(&self, id: TensorId) -> Result<&[f32], RuntimeError> {
+        let meta = self.graph.try_tensor(id)?;
+        let root = self.graph.storage_root(id);
+        let readable = meta.role.is_persistent()
+            || self
+                .graph
+                .outputs()
+                .iter()
+                .any(|&o| self.graph.storage_root(o) == root);
+        if !readable {
+            return Err(RuntimeError::NotReadable {
+                name: meta.name.clone(),
+            });
+        }
+        self.check(id, DType::F32, meta.numel())?;
+        // SAFETY: the storage holds `numel` f32s and stays untouched until the next run.
+        Ok(unsafe { std::slice::from_raw_parts(self.data_ptr(id) as *const f32, meta.numel()) })
+    }
+}

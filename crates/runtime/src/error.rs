@@ -1,0 +1,41 @@
+use snug_graph::{DType, GraphError};
+use snug_plan::PlanError;
+
+use crate::OutOfMemory;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error(transparent)]
+    OutOfMemory(#[from] OutOfMemory),
+    #[error(transparent)]
+    Graph(#[from] GraphError),
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error("the CPU backend runs f32 graphs; tensor `{name}` is {dtype}")]
+    UnsupportedDType { name: String, dtype: DType },
+    #[error("tensor `{name}` holds {expected} elements, got {got}")]
+    SizeMismatch {
+        name: String,
+        expected: usize,
+        got: usize,
+    },
+    #[error("tensor `{name}` is {found}, not {expected}")]
+    WrongDType {
+        name: String,
+        expected: DType,
+        found: DType,
+    },
+    #[error("tensor `{name}` is not readable after the step (only persistent tensors and graph outputs are)")]
+    NotReadable { name: String },
+    #[error("tensor `{name}` is not an input or persistent tensor and cannot be written")]
+    NotWritable { name: String },
+    #[error("value {value} at position {index} of `{name}` is outside 0..{bound}")]
+    OutOfRange {
+        name: String,
+        index: usize,
+        value: i32,
+        bound: usize,
+    },
+    #[error("could not start {threads} worker threads: {reason}")]
+    Threads { threads: usize, reason: String },
+}
