@@ -41,7 +41,9 @@ impl StepGraph {
     pub fn build(mut graph: Graph, loss: TensorId, optimizer: OptimizerSpec) -> Result<StepGraph> {
         let params: Vec<TensorId> = (0..graph.tensors().len() as u32)
             .map(TensorId)
-            .filter(|&t| graph.tensor(t).role == Role::Parameter)
+            .filter(|&t| {
+                graph.tensor(t).role == Role::Parameter && graph.tensor(t).view_of.is_none()
+            })
             .collect();
         if params.is_empty() {
             return Err(GraphError::Invalid {

@@ -7,6 +7,7 @@
 pub mod allocator;
 pub mod cpu;
 mod error;
+pub mod process;
 
 pub use allocator::{Allocator, Buffer, Device, OutOfMemory};
 pub use cpu::{physical_cores, CpuSession};

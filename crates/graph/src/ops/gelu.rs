@@ -19,9 +19,13 @@ pub struct Gelu {
     pub approx: GeluApprox,
 }
 
+#[cfg(feature = "cpu")]
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+#[cfg(feature = "cpu")]
 const COEF: f32 = 0.044_715;
+#[cfg(feature = "cpu")]
 const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
+#[cfg(feature = "cpu")]
 /// 1/√(2π)
 const INV_SQRT_2PI: f32 = 0.398_942_3;
 

@@ -18,6 +18,7 @@ impl Default for LayerNorm {
     }
 }
 
+#[cfg(feature = "cpu")]
 fn rows_and_width(shape: &[usize]) -> (usize, usize) {
     let c = *shape.last().unwrap_or(&1);
     (shape.iter().product::<usize>() / c.max(1), c)

@@ -1,0 +1,89 @@
+//! `snug`: plan a training step's memory before anything runs, and train.
+
+mod plan_cmd;
+mod train_cmd;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use snug_train::{ModelSection, TrainSection};
+
+#[derive(Parser)]
+#[command(
+    name = "snug",
+    version,
+    about = "Train neural networks on the memory you have"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a model (with no arguments: a small GPT on built-in generated addition data).
+    Train(train_cmd::TrainArgs),
+    /// Print a training step's predicted peak memory and its breakdown, allocating no tensor.
+    Plan(plan_cmd::PlanArgs),
+}
+
+/// Flags shared by every command that builds a model; each has a TOML key of the same name.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Model preset: tiny, char-small, gpt2, gpt2-medium, gpt2-large, gpt2-xl.
+    #[arg(long)]
+    preset: Option<String>,
+    /// TOML file with [model] and [train] sections (flags override it).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Text file to train on (default: built-in generated addition data).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Sequences per step.
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Tokens per sequence (default: the model's block size).
+    #[arg(long)]
+    block: Option<usize>,
+    /// Override the model's vocabulary size.
+    #[arg(long)]
+    vocab: Option<usize>,
+    /// Worker threads (default: physical cores).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+impl ModelArgs {
+    fn sections(&self) -> (ModelSection, TrainSection) {
+        (
+            ModelSection {
+                preset: self.preset.clone(),
+                vocab_size: self.vocab,
+                ..Default::default()
+            },
+            TrainSection {
+                data: self.data.clone(),
+                batch: self.batch,
+                block: self.block,
+                threads: self.threads,
+                ..Default::default()
+            },
+        )
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Train(args) => train_cmd::run(args),
+        Command::Plan(args) => plan_cmd::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

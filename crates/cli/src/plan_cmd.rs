@@ -1,0 +1,115 @@
+//! `snug plan`: the memory plan of one training step, from shapes alone.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use clap::Args;
+use serde::Serialize;
+use snug_plan::memory_plan::human_bytes;
+use snug_plan::{plan, Breakdown, PlanOptions};
+use snug_train::{TokenDataset, TrainConfig};
+
+use crate::ModelArgs;
+
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Also print the allocation table (offset, size, lifetime of every arena tensor).
+    #[arg(long)]
+    table: bool,
+    /// Machine-readable output.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct PlanReport {
+    preset: String,
+    n_layer: usize,
+    n_head: usize,
+    n_embd: usize,
+    vocab_size: usize,
+    batch: usize,
+    block: usize,
+    threads: usize,
+    parameters: usize,
+    nodes: usize,
+    tensors: usize,
+    flops_per_step: u64,
+    peak_bytes: usize,
+    persistent_bytes: usize,
+    arena_bytes: usize,
+    lower_bound_bytes: usize,
+    arena_over_lower_bound: f64,
+    breakdown: Breakdown,
+    plan_ms: f64,
+}
+
+pub fn run(args: PlanArgs) -> Result<()> {
+    let start = Instant::now();
+    let (model, train) = args.model.sections();
+    let cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
+    // Character data sets the vocabulary; without data the preset's (or --vocab) stands.
+    let gpt = match &train.data {
+        Some(path) => cfg.model_for_vocab(TokenDataset::from_file(path)?.tokenizer.vocab_size())?,
+        None => {
+            let m = cfg.base_model()?;
+            cfg.model_for_vocab(m.vocab_size)?
+        }
+    };
+    let (step, _, _) =
+        snug_train::trainer::compile_step(&gpt, cfg.batch, cfg.block, cfg.threads, &cfg)?;
+    let memory_plan = plan(&step.graph, &PlanOptions::default())?;
+    let plan_ms = start.elapsed().as_secs_f64() * 1e3;
+    let report = PlanReport {
+        preset: cfg.model.preset.clone().unwrap_or_default(),
+        n_layer: gpt.n_layer,
+        n_head: gpt.n_head,
+        n_embd: gpt.n_embd,
+        vocab_size: gpt.vocab_size,
+        batch: cfg.batch,
+        block: cfg.block,
+        threads: cfg.threads,
+        parameters: step.parameter_count(),
+        nodes: step.graph.nodes().len(),
+        tensors: step.graph.tensors().len(),
+        flops_per_step: step.graph.flops(),
+        peak_bytes: memory_plan.peak_bytes(),
+        persistent_bytes: memory_plan.persistent_bytes,
+        arena_bytes: memory_plan.arena_bytes,
+        lower_bound_bytes: memory_plan.lower_bound_bytes,
+        arena_over_lower_bound: 1.0 + memory_plan.fragmentation(),
+        breakdown: memory_plan.breakdown.clone(),
+        plan_ms,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!(
+        "model {} ({} layers, {} heads, {} wide, vocab {}): {} parameters ({})",
+        report.preset,
+        gpt.n_layer,
+        gpt.n_head,
+        gpt.n_embd,
+        gpt.vocab_size,
+        report.parameters,
+        human_bytes(report.parameters * 4)
+    );
+    println!(
+        "training step: batch {} x block {} = {} tokens, AdamW, f32, {} threads; {} nodes, {:.1} GFLOP",
+        cfg.batch,
+        cfg.block,
+        cfg.batch * cfg.block,
+        cfg.threads,
+        report.nodes,
+        report.flops_per_step as f64 / 1e9
+    );
+    print!("{memory_plan}");
+    println!("planned in {plan_ms:.1} ms, no tensor allocated");
+    if args.table {
+        print!("{}", memory_plan.table());
+    }
+    Ok(())
+}

@@ -1,0 +1,421 @@
+//! GPT in the GPT-2 / nanoGPT shape: token and learned position embeddings, pre-LayerNorm blocks
+//! (causal multi-head attention, 4× GELU MLP), a final LayerNorm, and an LM head tied to the
+//! token embedding. Parameter names and layouts follow Hugging Face's GPT-2 (`Conv1D` weights are
+//! stored `[in, out]`).
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, Normal};
+use serde::{Deserialize, Serialize};
+use snug_graph::ops::{
+    Binary, CausalAttention, CrossEntropy, Embedding, Gelu, GeluApprox, LayerNorm, MatMul, Narrow,
+    Reshape,
+};
+use snug_graph::{DType, Graph, GraphError, TensorId};
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum NnError {
+    #[error("unknown preset `{name}` (known: {known})")]
+    UnknownPreset { name: String, known: String },
+    #[error("model config: `{field}` {detail}")]
+    Config { field: &'static str, detail: String },
+    #[error(transparent)]
+    Graph(#[from] GraphError),
+}
+
+/// Shape of a GPT model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GptConfig {
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_embd: usize,
+    /// Longest sequence (rows of the position embedding).
+    pub block_size: usize,
+    pub vocab_size: usize,
+}
+
+/// Named configurations. `char-small` is the benchmarks' model "A" (nanoGPT shakespeare-char).
+pub const PRESETS: &[(&str, GptConfig)] = &[
+    (
+        "tiny",
+        GptConfig {
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 128,
+            block_size: 64,
+            vocab_size: 65,
+        },
+    ),
+    (
+        "char-small",
+        GptConfig {
+            n_layer: 6,
+            n_head: 6,
+            n_embd: 384,
+            block_size: 256,
+            vocab_size: 65,
+        },
+    ),
+    (
+        "gpt2",
+        GptConfig {
+            n_layer: 12,
+            n_head: 12,
+            n_embd: 768,
+            block_size: 1024,
+            vocab_size: 50257,
+        },
+    ),
+    (
+        "gpt2-medium",
+        GptConfig {
+            n_layer: 24,
+            n_head: 16,
+            n_embd: 1024,
+            block_size: 1024,
+            vocab_size: 50257,
+        },
+    ),
+    (
+        "gpt2-large",
+        GptConfig {
+            n_layer: 36,
+            n_head: 20,
+            n_embd: 1280,
+            block_size: 1024,
+            vocab_size: 50257,
+        },
+    ),
+    (
+        "gpt2-xl",
+        GptConfig {
+            n_layer: 48,
+            n_head: 25,
+            n_embd: 1600,
+            block_size: 1024,
+            vocab_size: 50257,
+        },
+    ),
+];
+
+/// A model's graph: its inputs, its loss, and its parameters by Hugging Face name.
+#[derive(Debug, Clone)]
+pub struct GptGraph {
+    pub graph: Graph,
+    /// `[batch, seq]` token ids.
+    pub tokens: TensorId,
+    /// `[batch · seq]` next-token ids.
+    pub targets: TensorId,
+    pub loss: TensorId,
+    pub params: Vec<(String, TensorId)>,
+}
+
+impl GptConfig {
+    pub fn preset(name: &str) -> Result<GptConfig, NnError> {
+        PRESETS
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, c)| c.clone())
+            .ok_or_else(|| NnError::UnknownPreset {
+                name: name.to_string(),
+                known: PRESETS
+                    .iter()
+                    .map(|(n, _)| *n)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
+    }
+
+    pub fn validate(&self) -> Result<(), NnError> {
+        let positive = [
+            ("n_layer", self.n_layer),
+            ("n_head", self.n_head),
+            ("n_embd", self.n_embd),
+            ("block_size", self.block_size),
+            ("vocab_size", self.vocab_size),
+        ];
+        for (field, v) in positive {
+            if v == 0 {
+                return Err(NnError::Config {
+                    field,
+                    detail: "must be at least 1".into(),
+                });
+            }
+        }
+        if self.n_embd % self.n_head != 0 {
+            return Err(NnError::Config {
+                field: "n_head",
+                detail: format!("({}) must divide n_embd ({})", self.n_head, self.n_embd),
+            });
+        }
+        if self.vocab_size > i32::MAX as usize {
+            return Err(NnError::Config {
+                field: "vocab_size",
+                detail: "must fit in i32 token ids".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Every parameter's Hugging Face name and shape, in checkpoint order.
+    pub fn parameter_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let c = self.n_embd;
+        let mut v = vec![
+            ("wte.weight".to_string(), vec![self.vocab_size, c]),
+            ("wpe.weight".to_string(), vec![self.block_size, c]),
+        ];
+        for i in 0..self.n_layer {
+            let p = |s: &str| format!("h.{i}.{s}");
+            v.extend([
+                (p("ln_1.weight"), vec![c]),
+                (p("ln_1.bias"), vec![c]),
+                (p("attn.c_attn.weight"), vec![c, 3 * c]),
+                (p("attn.c_attn.bias"), vec![3 * c]),
+                (p("attn.c_proj.weight"), vec![c, c]),
+                (p("attn.c_proj.bias"), vec![c]),
+                (p("ln_2.weight"), vec![c]),
+                (p("ln_2.bias"), vec![c]),
+                (p("mlp.c_fc.weight"), vec![c, 4 * c]),
+                (p("mlp.c_fc.bias"), vec![4 * c]),
+                (p("mlp.c_proj.weight"), vec![4 * c, c]),
+                (p("mlp.c_proj.bias"), vec![c]),
+            ]);
+        }
+        v.push(("ln_f.weight".to_string(), vec![c]));
+        v.push(("ln_f.bias".to_string(), vec![c]));
+        v
+    }
+
+    /// Trainable parameters (the LM head shares `wte`).
+    pub fn parameter_count(&self) -> usize {
+        self.parameter_shapes()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum()
+    }
+
+    /// Bytes of weights, gradients and AdamW moments at `dtype` (master weights and moments
+    /// are f32 regardless), before any activation.
+    pub fn training_state_bytes(&self, dtype: DType) -> usize {
+        let n = self.parameter_count();
+        n * dtype.size_bytes() + n * dtype.size_bytes() + 2 * n * 4
+    }
+
+    /// Model FLOPs per token of a training step, as nanoGPT and PaLM count them: `6N` for the
+    /// weights plus `12·L·C·T` for attention.
+    pub fn flops_per_token(&self, seq: usize) -> u64 {
+        let n = self.parameter_count() as u64;
+        6 * n + 12 * (self.n_layer * self.n_embd * seq) as u64
+    }
+
+    /// Builds the forward graph and loss for `batch` sequences of `seq` tokens.
+    pub fn build(&self, batch: usize, seq: usize, threads: usize) -> Result<GptGraph, NnError> {
+        self.validate()?;
+        if batch == 0 {
+            return Err(NnError::Config {
+                field: "batch",
+                detail: "must be at least 1".into(),
+            });
+        }
+        if seq == 0 || seq > self.block_size {
+            return Err(NnError::Config {
+                field: "block",
+                detail: format!(
+                    "{seq} must be between 1 and the model's block_size {}",
+                    self.block_size
+                ),
+            });
+        }
+        let c = self.n_embd;
+        let mut g = Graph::new().with_threads(threads);
+        let mut params = Vec::new();
+        let mut param =
+            |g: &mut Graph, name: String, shape: &[usize]| -> Result<TensorId, GraphError> {
+                let id = g.parameter(name.clone(), shape)?;
+                params.push((name, id));
+                Ok(id)
+            };
+        let tokens = g.input("tokens", &[batch, seq], DType::I32)?;
+        let targets = g.input("targets", &[batch * seq], DType::I32)?;
+        let wte = param(&mut g, "wte.weight".into(), &[self.vocab_size, c])?;
+        let wpe = param(&mut g, "wpe.weight".into(), &[self.block_size, c])?;
+
+        g.set_scope("embed");
+        let tok = g.apply1(Embedding, &[wte, tokens])?;
+        let pos = g.apply1(Narrow { start: 0, len: seq }, &[wpe])?;
+        let mut x = g.apply1(Binary::add(), &[tok, pos])?;
+
+        let linear = MatMul {
+            ta: false,
+            tb: false,
+            bias: true,
+        };
+        for i in 0..self.n_layer {
+            let mut p =
+                |g: &mut Graph, s: &str, shape: &[usize]| param(g, format!("h.{i}.{s}"), shape);
+            let ln1w = p(&mut g, "ln_1.weight", &[c])?;
+            let ln1b = p(&mut g, "ln_1.bias", &[c])?;
+            let wqkv = p(&mut g, "attn.c_attn.weight", &[c, 3 * c])?;
+            let bqkv = p(&mut g, "attn.c_attn.bias", &[3 * c])?;
+            let wo = p(&mut g, "attn.c_proj.weight", &[c, c])?;
+            let bo = p(&mut g, "attn.c_proj.bias", &[c])?;
+            let ln2w = p(&mut g, "ln_2.weight", &[c])?;
+            let ln2b = p(&mut g, "ln_2.bias", &[c])?;
+            let wfc = p(&mut g, "mlp.c_fc.weight", &[c, 4 * c])?;
+            let bfc = p(&mut g, "mlp.c_fc.bias", &[4 * c])?;
+            let wp = p(&mut g, "mlp.c_proj.weight", &[4 * c, c])?;
+            let bp = p(&mut g, "mlp.c_proj.bias", &[c])?;
+
+            g.set_scope(format!("h.{i}.attn"));
+            let h = g.apply(LayerNorm::default(), &[x, ln1w, ln1b])?[0];
+            let qkv = g.apply1(linear, &[h, wqkv, bqkv])?;
+            let a = g.apply(
+                CausalAttention {
+                    n_head: self.n_head,
+                },
+                &[qkv],
+            )?[0];
+            let proj = g.apply1(linear, &[a, wo, bo])?;
+            x = g.apply1(Binary::add(), &[x, proj])?;
+
+            g.set_scope(format!("h.{i}.mlp"));
+            let h = g.apply(LayerNorm::default(), &[x, ln2w, ln2b])?[0];
+            let f = g.apply1(linear, &[h, wfc, bfc])?;
+            let f = g.apply1(
+                Gelu {
+                    approx: GeluApprox::Tanh,
+                },
+                &[f],
+            )?;
+            let m = g.apply1(linear, &[f, wp, bp])?;
+            x = g.apply1(Binary::add(), &[x, m])?;
+        }
+        let lnfw = param(&mut g, "ln_f.weight".into(), &[c])?;
+        let lnfb = param(&mut g, "ln_f.bias".into(), &[c])?;
+        g.set_scope("head");
+        let xf = g.apply(LayerNorm::default(), &[x, lnfw, lnfb])?[0];
+        let xf = g.apply1(
+            Reshape {
+                shape: vec![batch * seq, c],
+            },
+            &[xf],
+        )?;
+        let logits = g.apply1(
+            MatMul {
+                ta: false,
+                tb: true,
+                bias: false,
+            },
+            &[xf, wte],
+        )?;
+        let loss = g.apply1(CrossEntropy, &[logits, targets])?;
+        g.set_scope("");
+        g.rename(loss, "loss");
+        Ok(GptGraph {
+            graph: g,
+            tokens,
+            targets,
+            loss,
+            params,
+        })
+    }
+
+    /// GPT-2's initialisation: weights N(0, 0.02), residual projections N(0, 0.02/√(2L)),
+    /// biases zero, LayerNorm gains one. Deterministic in `seed`.
+    pub fn init_parameters(&self, seed: u64) -> Vec<(String, Vec<f32>)> {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let std = 0.02f32;
+        let proj_std = std / (2.0 * self.n_layer as f32).sqrt();
+        self.parameter_shapes()
+            .into_iter()
+            .map(|(name, shape)| {
+                let n: usize = shape.iter().product();
+                let values = if name.ends_with("ln_1.weight")
+                    || name.ends_with("ln_2.weight")
+                    || name == "ln_f.weight"
+                {
+                    vec![1.0; n]
+                } else if name.ends_with(".bias") {
+                    vec![0.0; n]
+                } else {
+                    let s = if name.ends_with("c_proj.weight") {
+                        proj_std
+                    } else {
+                        std
+                    };
+                    // A positive, finite standard deviation cannot fail.
+                    let normal = Normal::new(0.0, s).unwrap_or_else(|_| unreachable!());
+                    (0..n).map(|_| normal.sample(&mut rng)).collect()
+                };
+                (name, values)
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parameter_counts_match_published_sizes() {
+        // nanoGPT's count for the shakespeare-char model (peers/README: 10,770,816 with biases).
+        assert_eq!(
+            GptConfig::preset("char-small").unwrap().parameter_count(),
+            10_770_816
+        );
+        // Hugging Face GPT-2 sizes (tied head): 124,439,808 / 354,823,168 / 774,030,080 / 1,557,611,200.
+        let expect = [
+            ("gpt2", 124_439_808),
+            ("gpt2-medium", 354_823_168),
+            ("gpt2-large", 774_030_080),
+            ("gpt2-xl", 1_557_611_200),
+        ];
+        for (name, n) in expect {
+            assert_eq!(
+                GptConfig::preset(name).unwrap().parameter_count(),
+                n,
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn graph_parameters_follow_the_shape_table() {
+        let cfg = GptConfig::preset("tiny").unwrap();
+        let g = cfg.build(2, 16, 1).unwrap();
+        let shapes = cfg.parameter_shapes();
+        assert_eq!(g.params.len(), shapes.len());
+        for ((name, id), (want_name, want_shape)) in g.params.iter().zip(&shapes) {
+            assert_eq!(name, want_name);
+            assert_eq!(&g.graph.tensor(*id).shape, want_shape);
+        }
+        assert!(g.graph.tensor(g.loss).shape.is_empty());
+    }
+
+    #[test]
+    fn bad_configs_are_named_errors() {
+        assert!(matches!(
+            GptConfig::preset("gpt5"),
+            Err(NnError::UnknownPreset { .. })
+        ));
+        let mut cfg = GptConfig::preset("tiny").unwrap();
+        assert!(matches!(
+            cfg.build(0, 8, 1),
+            Err(NnError::Config { field: "batch", .. })
+        ));
+        assert!(matches!(
+            cfg.build(1, 65, 1),
+            Err(NnError::Config { field: "block", .. })
+        ));
+        cfg.n_head = 3;
+        assert!(matches!(
+            cfg.build(1, 8, 1),
+            Err(NnError::Config {
+                field: "n_head",
+                ..
+            })
+        ));
+    }
+}

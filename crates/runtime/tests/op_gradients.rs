@@ -1,0 +1,1025 @@
+//! Every op's gradient rule checked against central finite differences of its own CPU kernel.
+//!
+//! A case builds `loss = Σ op(params…) ⊙ R` for a fixed random `R` (an `Input`, so it gets no
+//! gradient), lets [`StepGraph`] append the backward pass, reads the analytic gradient of every
+//! parameter, then re-runs the same session with one parameter element moved by `±h` and
+//! compares `(loss(p + h) − loss(p − h)) / 2h` with it. The random `R` weights every output
+//! element differently, so a rule that is wrong for any one output element shows up.
+
+use rand::seq::{index, SliceRandom};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use snug_graph::ops::{
+    Binary, BinaryKind, BroadcastTo, CausalAttention, CrossEntropy, Embedding, Gelu, GeluApprox,
+    LayerNorm, LogSoftmax, MatMul, Narrow, Op, Pad, Reduce, ReduceKind, Reshape, Scale, Softmax,
+    SumTo, Transpose,
+};
+use snug_graph::{DType, Graph, OptimizerSpec, StepGraph, TensorId};
+use snug_plan::{plan, PlanOptions};
+use snug_runtime::{Allocator, CpuSession, ExecCtx};
+
+/// Step of the central difference, relative to the element: `h = REL_STEP · max(1, |x|)`.
+const REL_STEP: f32 = 1e-2;
+
+/// Tolerance: `|analytic − numeric| ≤ ATOL + RTOL · |numeric|`.
+///
+/// Why these values, for f32 kernels: every loss here is a sum of at most a few hundred terms of
+/// magnitude ≲ 1, so one loss evaluation carries a rounding error of about 1e-7..1e-6; the
+/// central difference divides it by `2h = 2e-2`, giving ≲ 1e-4 of noise. Its truncation error
+/// is `h²/6 · |f'''| ≈ 2e-5 · |f'''|`, and the inputs below are kept where `f'''` is O(1)
+/// (denominators away from zero, no ties for max, moderate logits). `ATOL = 1e-3` is about 10×
+/// that noise, and `RTOL = 5e-3` absorbs the terms that grow with the gradient (sums over
+/// broadcast axes, longer dot products). Measured on x86-64, no element of the suite comes
+/// within 5× of this tolerance (`--nocapture` prints each case's worst error / tolerance).
+/// A sign error (`|a − n| = 2|n|`) or a wrong factor of 1.5 fails for any element with
+/// `|n| ≥ MIN_SIGNAL`, and every case requires each parameter to have such an element;
+/// `checker_rejects_sign_and_scale_errors` checks that it does fail.
+const ATOL: f64 = 1e-3;
+const RTOL: f64 = 5e-3;
+
+/// Each parameter needs one probed element whose numeric gradient exceeds this, or the case
+/// would prove nothing (the loss might not depend on the parameter at all). Above it, a sign
+/// error or a 1.5× factor is at least twice the tolerance.
+const MIN_SIGNAL: f64 = 4.0 * ATOL;
+
+/// Parameters up to this many elements are probed exhaustively; bigger ones at `SAMPLE` random
+/// elements.
+const EXHAUSTIVE: usize = 256;
+const SAMPLE: usize = 30;
+
+enum Feed {
+    F32(Vec<f32>),
+    I32 { data: Vec<i32>, bound: usize },
+}
+
+/// One compared gradient element.
+#[derive(Debug, Clone)]
+struct Probe {
+    param: String,
+    index: usize,
+    analytic: f64,
+    numeric: f64,
+}
+
+impl Probe {
+    fn agrees(&self) -> bool {
+        (self.analytic - self.numeric).abs() <= ATOL + RTOL * self.numeric.abs()
+    }
+}
+
+/// Builder for one gradient-check case.
+struct GradCheck {
+    label: String,
+    graph: Graph,
+    rng: ChaCha8Rng,
+    params: Vec<(TensorId, Vec<f32>)>,
+    feeds: Vec<(TensorId, Feed)>,
+    /// Evaluate the perturbed losses on the host (see [`GradCheck::large`]).
+    host_loss: bool,
+    /// Elements probed besides the random sample of big parameters.
+    extra: Vec<(TensorId, Vec<usize>)>,
+}
+
+/// FNV-1a, so that every case gets its own fixed seed from its label.
+fn seed_of(label: &str) -> u64 {
+    label.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+impl GradCheck {
+    fn new(label: impl Into<String>) -> Self {
+        Self::with_threads(label, 1)
+    }
+
+    fn with_threads(label: impl Into<String>, threads: usize) -> Self {
+        let label = label.into();
+        GradCheck {
+            rng: ChaCha8Rng::seed_from_u64(seed_of(&label)),
+            label,
+            graph: Graph::new().with_threads(threads),
+            params: Vec::new(),
+            feeds: Vec::new(),
+            host_loss: false,
+            extra: Vec::new(),
+        }
+    }
+
+    /// Probes these elements of `param` too, whatever its size.
+    fn probe_also(&mut self, param: TensorId, indices: Vec<usize>) {
+        self.extra.push((param, indices));
+    }
+
+    /// For outputs of tens of thousands of elements (which take the kernels' multi-chunk
+    /// parallel paths): the f32 sum inside the graph would put ~1e-3 of rounding noise into
+    /// each loss, far above `ATOL · 2h`. The backward pass still starts from that graph loss,
+    /// but the finite differences use `Σ out ⊙ R` summed in f64 on the host, where the output
+    /// elements a perturbation does not touch cancel exactly.
+    fn large(mut self) -> Self {
+        self.host_loss = true;
+        self
+    }
+
+    fn uniform(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+        (0..n).map(|_| self.rng.random_range(lo..hi)).collect()
+    }
+
+    /// Magnitudes uniform in `[lo, hi)` with random signs.
+    fn signed(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                let m = self.rng.random_range(lo..hi);
+                if self.rng.random::<bool>() {
+                    m
+                } else {
+                    -m
+                }
+            })
+            .collect()
+    }
+
+    /// A parameter with the given values.
+    fn param_with(&mut self, shape: &[usize], values: Vec<f32>) -> TensorId {
+        let name = format!("p{}", self.params.len());
+        let id = self.graph.parameter(name, shape).unwrap();
+        assert_eq!(values.len(), self.graph.tensor(id).numel());
+        self.params.push((id, values));
+        id
+    }
+
+    /// A parameter uniform in `[lo, hi)`.
+    fn param_in(&mut self, shape: &[usize], lo: f32, hi: f32) -> TensorId {
+        let v = self.uniform(shape.iter().product(), lo, hi);
+        self.param_with(shape, v)
+    }
+
+    /// A parameter uniform in `[-1, 1)`.
+    fn param(&mut self, shape: &[usize]) -> TensorId {
+        self.param_in(shape, -1.0, 1.0)
+    }
+
+    /// A parameter with magnitudes in `[lo, hi)` and random signs (a safe denominator).
+    fn param_away_from_zero(&mut self, shape: &[usize], lo: f32, hi: f32) -> TensorId {
+        let v = self.signed(shape.iter().product(), lo, hi);
+        self.param_with(shape, v)
+    }
+
+    /// A parameter whose elements are distinct and at least 0.1 apart (no ties for max, even
+    /// after a `±h` perturbation).
+    fn param_distinct(&mut self, shape: &[usize]) -> TensorId {
+        let n: usize = shape.iter().product();
+        let mut v: Vec<f32> = (0..n).map(|i| (i as f32 - n as f32 / 2.0) * 0.1).collect();
+        v.shuffle(&mut self.rng);
+        self.param_with(shape, v)
+    }
+
+    /// An i32 input of ids in `0..bound`.
+    fn ids(&mut self, shape: &[usize], bound: usize) -> TensorId {
+        let n: usize = shape.iter().product();
+        let data: Vec<i32> = (0..n)
+            .map(|_| self.rng.random_range(0..bound as i32))
+            .collect();
+        self.ids_with(shape, data, bound)
+    }
+
+    fn ids_with(&mut self, shape: &[usize], data: Vec<i32>, bound: usize) -> TensorId {
+        let name = format!("ids{}", self.feeds.len());
+        let id = self.graph.input(name, shape, DType::I32).unwrap();
+        self.feeds.push((id, Feed::I32 { data, bound }));
+        id
+    }
+
+    /// Applies `op` and returns its first output.
+    fn op(&mut self, op: impl Into<Op>, inputs: &[TensorId]) -> TensorId {
+        self.graph.apply(op, inputs).unwrap()[0]
+    }
+
+    /// Builds the loss on `out`, runs forward and backward, and probes every parameter.
+    fn probes(mut self, out: TensorId) -> (String, Vec<Probe>) {
+        let shape = self.graph.tensor(out).shape.clone();
+        let n: usize = shape.iter().product();
+        let r = self.graph.input("r", &shape, DType::F32).unwrap();
+        // Magnitudes away from zero, so that a single output (a loss) is weighted visibly too.
+        let r_values = self.signed(n, 0.5, 1.5);
+        self.feeds.push((r, Feed::F32(r_values.clone())));
+        if self.host_loss {
+            self.graph.mark_output(out);
+        }
+        let weighted = self.op(Binary::mul(), &[out, r]);
+        let flat = self.op(Reshape { shape: vec![n] }, &[weighted]);
+        let loss = self.op(
+            Reduce {
+                kind: ReduceKind::Sum,
+                axis: 0,
+                keepdim: false,
+            },
+            &[flat],
+        );
+
+        let threads = self.graph.threads();
+        let step = StepGraph::build(self.graph, loss, OptimizerSpec::None).unwrap();
+        let grads: Vec<TensorId> = self
+            .params
+            .iter()
+            .map(|(p, _)| {
+                step.params
+                    .iter()
+                    .find(|s| s.param == *p)
+                    .expect("every parameter has a slot")
+                    .grad
+            })
+            .collect();
+        let memory = plan(&step.graph, &PlanOptions::default()).unwrap();
+        let mut session =
+            CpuSession::new(step.graph, memory, Allocator::default(), threads).unwrap();
+        assert_eq!(session.threads(), threads);
+        let feeds = &self.feeds;
+        let (host_loss, label) = (self.host_loss, &self.label);
+        // Inputs live in the arena and may be overwritten once read: feed them before every run.
+        let loss_at = |session: &mut CpuSession| -> f64 {
+            for (id, feed) in feeds {
+                match feed {
+                    Feed::F32(v) => session.write_f32(*id, v).unwrap(),
+                    Feed::I32 { data, bound } => session.write_i32(*id, data, *bound).unwrap(),
+                }
+            }
+            session.run(ExecCtx::default());
+            let graph_loss = session.read_f32(step.loss).unwrap()[0] as f64;
+            if !host_loss {
+                return graph_loss;
+            }
+            let y = session.read_f32(out).unwrap();
+            let host: f64 = y
+                .iter()
+                .zip(&r_values)
+                .map(|(&a, &b)| a as f64 * b as f64)
+                .sum();
+            let scale: f64 = y
+                .iter()
+                .zip(&r_values)
+                .map(|(&a, &b)| (a * b).abs() as f64)
+                .sum();
+            // The graph's own loss is the same sum, up to f32 rounding.
+            assert!(
+                (graph_loss - host).abs() <= 1e-5 * scale + 1e-6,
+                "{label}: graph loss {graph_loss} differs from Σ out ⊙ R = {host}"
+            );
+            host
+        };
+
+        for (p, values) in &self.params {
+            session.write_f32(*p, values).unwrap();
+        }
+        let base = loss_at(&mut session);
+        assert!(base.is_finite(), "{}: loss is {base}", self.label);
+        let analytic: Vec<Vec<f32>> = grads
+            .iter()
+            .map(|&g| session.read_f32(g).unwrap().to_vec())
+            .collect();
+
+        let mut probes = Vec::new();
+        for (k, (p, values)) in self.params.iter().enumerate() {
+            let len = values.len();
+            let mut indices: Vec<usize> = if len <= EXHAUSTIVE {
+                (0..len).collect()
+            } else {
+                index::sample(&mut self.rng, len, SAMPLE).into_vec()
+            };
+            for (_, extra) in self.extra.iter().filter(|(q, _)| q == p) {
+                for &i in extra {
+                    if !indices.contains(&i) {
+                        indices.push(i);
+                    }
+                }
+            }
+            let mut moved = values.clone();
+            for i in indices {
+                let x = values[i];
+                let h = REL_STEP * x.abs().max(1.0);
+                let (xp, xm) = (x + h, x - h);
+                moved[i] = xp;
+                session.write_f32(*p, &moved).unwrap();
+                let lp = loss_at(&mut session);
+                moved[i] = xm;
+                session.write_f32(*p, &moved).unwrap();
+                let lm = loss_at(&mut session);
+                moved[i] = x;
+                // The step actually taken, after rounding `x ± h` to f32.
+                let numeric = (lp - lm) / (xp as f64 - xm as f64);
+                probes.push(Probe {
+                    param: format!("p{k}"),
+                    index: i,
+                    analytic: analytic[k][i] as f64,
+                    numeric,
+                });
+            }
+            session.write_f32(*p, values).unwrap();
+        }
+        (self.label, probes)
+    }
+
+    /// Runs the case and panics with every disagreeing element.
+    fn check(self, out: TensorId) {
+        let n_params = self.params.len();
+        let (label, probes) = self.probes(out);
+        assert_agree(&label, &probes);
+        for k in 0..n_params {
+            let name = format!("p{k}");
+            let signal = probes
+                .iter()
+                .filter(|p| p.param == name)
+                .map(|p| p.numeric.abs())
+                .fold(0.0, f64::max);
+            assert!(
+                signal > MIN_SIGNAL,
+                "{label}: gradient of {name} is ~0 everywhere ({signal:e}); the case proves nothing"
+            );
+        }
+    }
+}
+
+fn worst(probes: &[Probe]) -> f64 {
+    probes
+        .iter()
+        .map(|p| (p.analytic - p.numeric).abs() / (ATOL + RTOL * p.numeric.abs()))
+        .fold(0.0, f64::max)
+}
+
+fn assert_agree(label: &str, probes: &[Probe]) {
+    // Shown with --nocapture: how close each case comes to its tolerance (1.0 = at the limit).
+    println!(
+        "{label}: {} elements, worst error / tolerance = {:.3}",
+        probes.len(),
+        worst(probes)
+    );
+    let bad: Vec<String> = probes
+        .iter()
+        .filter(|p| !p.agrees())
+        .map(|p| {
+            format!(
+                "  {}[{}]: analytic {:+.6} numeric {:+.6}",
+                p.param, p.index, p.analytic, p.numeric
+            )
+        })
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "{label}: {} of {} gradient elements disagree with finite differences:\n{}",
+        bad.len(),
+        probes.len(),
+        bad.join("\n")
+    );
+}
+
+fn reduce(kind: ReduceKind, axis: usize, keepdim: bool) -> Reduce {
+    Reduce {
+        kind,
+        axis,
+        keepdim,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The checker itself
+
+#[test]
+fn checker_rejects_sign_and_scale_errors() {
+    let mut c = GradCheck::new("self-test");
+    let x = c.param(&[3, 4]);
+    let w = c.param_in(&[4], 0.5, 1.5);
+    let b = c.param(&[4]);
+    let y = c.op(LayerNorm::default(), &[x, w, b]);
+    let (label, probes) = c.probes(y);
+    assert_agree(&label, &probes);
+
+    let flipped: Vec<Probe> = probes
+        .iter()
+        .map(|p| Probe {
+            analytic: -p.analytic,
+            ..p.clone()
+        })
+        .collect();
+    let scaled: Vec<Probe> = probes
+        .iter()
+        .map(|p| Probe {
+            analytic: 1.5 * p.analytic,
+            ..p.clone()
+        })
+        .collect();
+    for (what, wrong) in [("sign", flipped), ("factor 1.5", scaled)] {
+        for param in ["p0", "p1", "p2"] {
+            assert!(
+                wrong.iter().any(|p| p.param == param && !p.agrees()),
+                "a {what} error in the gradient of {param} would go unnoticed"
+            );
+        }
+        assert!(
+            std::panic::catch_unwind(|| assert_agree("wrong", &wrong)).is_err(),
+            "a {what} error would pass"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// MatMul
+
+#[test]
+fn matmul_2d_every_transpose_with_and_without_bias() {
+    let (m, k, n) = (3, 4, 5);
+    for ta in [false, true] {
+        for tb in [false, true] {
+            for bias in [false, true] {
+                let mut c = GradCheck::new(format!("matmul 2-D ta={ta} tb={tb} bias={bias}"));
+                let a = c.param(&if ta { [k, m] } else { [m, k] });
+                let b = c.param(&if tb { [n, k] } else { [k, n] });
+                let mut ins = vec![a, b];
+                if bias {
+                    ins.push(c.param(&[n]));
+                }
+                let y = c.op(MatMul { ta, tb, bias }, &ins);
+                c.check(y);
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_shared_weight_over_batched_left_operand() {
+    let (k, n) = (4, 5);
+    for a_shape in [vec![2, 3, k], vec![2, 2, 3, k]] {
+        for tb in [false, true] {
+            for bias in [false, true] {
+                let mut c =
+                    GradCheck::new(format!("matmul shared a={a_shape:?} tb={tb} bias={bias}"));
+                let a = c.param(&a_shape);
+                let b = c.param(&if tb { [n, k] } else { [k, n] });
+                let mut ins = vec![a, b];
+                if bias {
+                    ins.push(c.param(&[n]));
+                }
+                let y = c.op(
+                    MatMul {
+                        ta: false,
+                        tb,
+                        bias,
+                    },
+                    &ins,
+                );
+                c.check(y);
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_fully_batched_every_transpose() {
+    let (m, k, n) = (3, 4, 5);
+    // Two threads with a batch of 2 takes the kernel's batch-parallel path.
+    for threads in [1, 2] {
+        for batch in [vec![2], vec![2, 2]] {
+            for ta in [false, true] {
+                for tb in [false, true] {
+                    let bias = ta != tb;
+                    let mut c = GradCheck::with_threads(
+                        format!(
+                            "matmul batched {batch:?} ta={ta} tb={tb} bias={bias} threads={threads}"
+                        ),
+                        threads,
+                    );
+                    let a_last: [usize; 2] = if ta { [k, m] } else { [m, k] };
+                    let b_last: [usize; 2] = if tb { [n, k] } else { [k, n] };
+                    let a = c.param(&[batch.as_slice(), &a_last].concat());
+                    let b = c.param(&[batch.as_slice(), &b_last].concat());
+                    let mut ins = vec![a, b];
+                    if bias {
+                        ins.push(c.param(&[n]));
+                    }
+                    let y = c.op(MatMul { ta, tb, bias }, &ins);
+                    c.check(y);
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Binary and Scale
+
+/// Shape pairs covering every broadcast mapping of the kernels: same shape, a trailing block
+/// (`[4]`, `[1,3,4]`), a leading block (`[2,3,1]`), strided (`[2,1,4]` with `[3,1]`), and a
+/// single element, each with the broadcast operand on either side.
+fn broadcast_pairs() -> Vec<(Vec<usize>, Vec<usize>)> {
+    vec![
+        (vec![2, 3, 4], vec![2, 3, 4]),
+        (vec![2, 3, 4], vec![4]),
+        (vec![4], vec![2, 3, 4]),
+        (vec![2, 1, 4], vec![3, 1]),
+        (vec![3, 1], vec![2, 1, 4]),
+        (vec![2, 3], vec![1]),
+        (vec![1], vec![2, 3]),
+        (vec![2, 3, 1], vec![2, 3, 4]),
+        (vec![2, 3, 4], vec![1, 3, 4]),
+        (vec![2, 3, 4], vec![2, 3, 1]),
+    ]
+}
+
+fn check_binary(kind: BinaryKind) {
+    for (sa, sb) in broadcast_pairs() {
+        let mut c = GradCheck::new(format!("{kind:?} {sa:?} with {sb:?}"));
+        let a = c.param(&sa);
+        let b = if kind == BinaryKind::Div {
+            c.param_away_from_zero(&sb, 0.8, 1.6)
+        } else {
+            c.param(&sb)
+        };
+        let y = c.op(Binary { kind }, &[a, b]);
+        c.check(y);
+    }
+}
+
+#[test]
+fn binary_add_with_broadcasting() {
+    check_binary(BinaryKind::Add);
+}
+
+#[test]
+fn binary_sub_with_broadcasting() {
+    check_binary(BinaryKind::Sub);
+}
+
+#[test]
+fn binary_mul_with_broadcasting() {
+    check_binary(BinaryKind::Mul);
+}
+
+#[test]
+fn binary_div_with_broadcasting() {
+    check_binary(BinaryKind::Div);
+}
+
+#[test]
+fn binary_with_one_tensor_on_both_sides() {
+    // x ⊙ x, x + x and (x − x) + x: the contributions to x's gradient must be summed (fan-out).
+    for kind in [BinaryKind::Mul, BinaryKind::Sub, BinaryKind::Add] {
+        let mut c = GradCheck::new(format!("{kind:?} x with x"));
+        let x = c.param(&[3, 4]);
+        let y = c.op(Binary { kind }, &[x, x]);
+        if kind == BinaryKind::Sub {
+            // x − x is constant: check through a second use instead, (x − x) + x.
+            let z = c.op(Binary::add(), &[y, x]);
+            c.check(z);
+        } else {
+            c.check(y);
+        }
+    }
+}
+
+#[test]
+fn scale() {
+    for factor in [-1.7, 0.25] {
+        let mut c = GradCheck::new(format!("scale {factor}"));
+        let x = c.param(&[2, 3, 4]);
+        let y = c.op(Scale { factor }, &[x]);
+        c.check(y);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reductions and broadcasts
+
+fn check_reduce(kind: ReduceKind) {
+    for axis in 0..3 {
+        for keepdim in [true, false] {
+            let mut c = GradCheck::new(format!("{kind:?} axis={axis} keepdim={keepdim}"));
+            let x = if kind == ReduceKind::Max {
+                c.param_distinct(&[2, 3, 4])
+            } else {
+                c.param(&[2, 3, 4])
+            };
+            let y = c.op(reduce(kind, axis, keepdim), &[x]);
+            c.check(y);
+        }
+    }
+}
+
+#[test]
+fn reduce_sum() {
+    check_reduce(ReduceKind::Sum);
+}
+
+#[test]
+fn reduce_mean() {
+    check_reduce(ReduceKind::Mean);
+}
+
+#[test]
+fn reduce_max() {
+    check_reduce(ReduceKind::Max);
+}
+
+#[test]
+fn sum_to() {
+    let targets: [&[usize]; 9] = [
+        &[4],
+        &[3, 1],
+        &[1, 3, 4],
+        &[2, 1, 4],
+        &[2, 3, 1],
+        &[1],
+        &[3, 4],
+        &[1, 1, 1],
+        &[2, 3, 4],
+    ];
+    for shape in targets {
+        let mut c = GradCheck::new(format!("sum_to {shape:?}"));
+        let x = c.param(&[2, 3, 4]);
+        let y = c.op(
+            SumTo {
+                shape: shape.to_vec(),
+            },
+            &[x],
+        );
+        c.check(y);
+    }
+}
+
+#[test]
+fn broadcast_to() {
+    let cases: [(&[usize], &[usize]); 7] = [
+        (&[4], &[2, 3, 4]),
+        (&[3, 1], &[2, 3, 4]),
+        (&[2, 1, 4], &[2, 3, 4]),
+        (&[2, 3, 1], &[2, 3, 4]),
+        (&[1, 3, 4], &[2, 3, 4]),
+        (&[1], &[2, 3]),
+        (&[2, 3], &[2, 3]),
+    ];
+    for (from, to) in cases {
+        let mut c = GradCheck::new(format!("broadcast_to {from:?} -> {to:?}"));
+        let x = c.param(from);
+        let y = c.op(BroadcastTo { shape: to.to_vec() }, &[x]);
+        c.check(y);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Softmax, normalisation, activations
+
+#[test]
+fn softmax() {
+    for shape in [vec![2, 3, 5], vec![1, 7]] {
+        let mut c = GradCheck::new(format!("softmax {shape:?}"));
+        let x = c.param_in(&shape, -2.0, 2.0);
+        let y = c.op(Softmax, &[x]);
+        c.check(y);
+    }
+}
+
+#[test]
+fn log_softmax() {
+    for shape in [vec![2, 3, 5], vec![1, 7]] {
+        let mut c = GradCheck::new(format!("log_softmax {shape:?}"));
+        let x = c.param_in(&shape, -2.0, 2.0);
+        let y = c.op(LogSoftmax, &[x]);
+        c.check(y);
+    }
+}
+
+#[test]
+fn layer_norm_input_weight_and_bias() {
+    // Two threads split the rows between two partial dw/db sums (evenly for 6 rows, not for 3).
+    for (shape, threads) in [
+        (vec![2, 3, 8], 1),
+        (vec![2, 3, 8], 2),
+        (vec![3, 8], 2),
+        (vec![1, 5], 2),
+    ] {
+        let c_dim = *shape.last().unwrap();
+        let mut c =
+            GradCheck::with_threads(format!("layer_norm {shape:?} threads={threads}"), threads);
+        let x = c.param(&shape);
+        let w = c.param_in(&[c_dim], 0.5, 1.5);
+        let b = c.param_in(&[c_dim], -0.5, 0.5);
+        let y = c.op(LayerNorm::default(), &[x, w, b]);
+        c.check(y);
+    }
+}
+
+#[test]
+fn gelu_exact_and_tanh() {
+    for approx in [GeluApprox::Exact, GeluApprox::Tanh] {
+        let mut c = GradCheck::new(format!("gelu {approx:?}"));
+        let x = c.param_in(&[4, 6], -3.0, 3.0);
+        let y = c.op(Gelu { approx }, &[x]);
+        c.check(y);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Embedding, views and layout
+
+#[test]
+fn embedding_table() {
+    let (vocab, dim) = (7, 4);
+    // Repeated ids: their rows' gradients must add up. Id 6 is never used: its row gets zero.
+    let fixed = vec![0, 3, 3, 5, 0, 1, 3, 2, 4, 5];
+    let mut c = GradCheck::new("embedding [2, 5] ids");
+    let table = c.param(&[vocab, dim]);
+    let ids = c.ids_with(&[2, 5], fixed, vocab);
+    let y = c.op(Embedding, &[table, ids]);
+    c.check(y);
+
+    let mut c = GradCheck::new("embedding [6] random ids");
+    let table = c.param(&[vocab, dim]);
+    let ids = c.ids(&[6], vocab);
+    let y = c.op(Embedding, &[table, ids]);
+    c.check(y);
+}
+
+#[test]
+fn reshape() {
+    // On a parameter (the output is a view of persistent storage) and on an activation.
+    for to in [vec![6, 4], vec![24], vec![4, 3, 2]] {
+        let mut c = GradCheck::new(format!("reshape param -> {to:?}"));
+        let x = c.param(&[2, 3, 4]);
+        let y = c.op(Reshape { shape: to.clone() }, &[x]);
+        c.check(y);
+
+        let mut c = GradCheck::new(format!("reshape activation -> {to:?}"));
+        let x = c.param(&[2, 3, 4]);
+        let s = c.op(Scale { factor: 1.5 }, &[x]);
+        let y = c.op(Reshape { shape: to }, &[s]);
+        c.check(y);
+    }
+}
+
+#[test]
+fn narrow() {
+    let cases: [(&[usize], Narrow); 4] = [
+        (&[5, 3], Narrow { start: 1, len: 3 }),
+        (&[5, 3], Narrow { start: 0, len: 5 }),
+        (&[4, 2, 3], Narrow { start: 2, len: 2 }),
+        (&[6], Narrow { start: 4, len: 1 }),
+    ];
+    for (shape, op) in cases {
+        let mut c = GradCheck::new(format!("narrow param {shape:?} {op:?}"));
+        let x = c.param(shape);
+        let y = c.op(op, &[x]);
+        c.check(y);
+
+        let mut c = GradCheck::new(format!("narrow activation {shape:?} {op:?}"));
+        let x = c.param(shape);
+        let s = c.op(Scale { factor: -0.5 }, &[x]);
+        let y = c.op(op, &[s]);
+        c.check(y);
+    }
+}
+
+#[test]
+fn pad() {
+    let cases: [(&[usize], Pad); 4] = [
+        (&[2, 3], Pad { start: 1, total: 5 }),
+        (&[2, 2, 3], Pad { start: 0, total: 4 }),
+        (&[2, 2, 3], Pad { start: 2, total: 4 }),
+        (&[3], Pad { start: 0, total: 3 }),
+    ];
+    for (shape, op) in cases {
+        let mut c = GradCheck::new(format!("pad {shape:?} {op:?}"));
+        let x = c.param(shape);
+        let y = c.op(op, &[x]);
+        c.check(y);
+    }
+}
+
+#[test]
+fn transpose() {
+    let cases: [(&[usize], usize, usize); 6] = [
+        (&[3, 5], 0, 1),
+        (&[2, 3, 4], 0, 1),
+        (&[2, 3, 4], 1, 2),
+        (&[2, 3, 4], 0, 2),
+        (&[2, 3, 4], 2, 0),
+        (&[2, 3, 4, 2], 1, 3),
+    ];
+    for (shape, dim0, dim1) in cases {
+        let mut c = GradCheck::new(format!("transpose {shape:?} ({dim0}, {dim1})"));
+        let x = c.param(shape);
+        let y = c.op(Transpose { dim0, dim1 }, &[x]);
+        c.check(y);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention and loss
+
+#[test]
+fn causal_attention_two_heads() {
+    // [B, T, 3C] with C = 4 (head width 2), and one longer sequence with C = 8 (head width 4).
+    for shape in [vec![2, 5, 12], vec![1, 7, 24]] {
+        for threads in [1, 2] {
+            let mut c = GradCheck::with_threads(
+                format!("causal_attention {shape:?} 2 heads threads={threads}"),
+                threads,
+            );
+            let qkv = c.param(&shape);
+            let y = c.op(CausalAttention { n_head: 2 }, &[qkv]);
+            c.check(y);
+        }
+    }
+}
+
+#[test]
+fn cross_entropy() {
+    for (n, v) in [(4, 6), (1, 3)] {
+        let mut c = GradCheck::new(format!("cross_entropy [{n}, {v}]"));
+        let logits = c.param_in(&[n, v], -2.0, 2.0);
+        let targets = c.ids(&[n], v);
+        let y = c.op(CrossEntropy, &[logits, targets]);
+        c.check(y);
+    }
+}
+
+#[test]
+fn small_network_end_to_end() {
+    // Embedding → LayerNorm → linear+bias → GELU → attention input → attention → linear →
+    // cross-entropy: gradients flow through every rule in sequence, with a residual fan-out.
+    let (vocab, b, t, ch) = (5, 2, 3, 4);
+    for threads in [1, 2] {
+        let mut c = GradCheck::with_threads(format!("small network threads={threads}"), threads);
+        let table = c.param(&[vocab, ch]);
+        let ids = c.ids(&[b, t], vocab);
+        let ln_w = c.param_in(&[ch], 0.5, 1.5);
+        let ln_b = c.param_in(&[ch], -0.5, 0.5);
+        let w_qkv = c.param(&[ch, 3 * ch]);
+        let b_qkv = c.param(&[3 * ch]);
+        let w_out = c.param(&[ch, vocab]);
+        let x = c.op(Embedding, &[table, ids]);
+        let h = c.op(LayerNorm::default(), &[x, ln_w, ln_b]);
+        let qkv = c.op(
+            MatMul {
+                ta: false,
+                tb: false,
+                bias: true,
+            },
+            &[h, w_qkv, b_qkv],
+        );
+        let qkv = c.op(Gelu::default(), &[qkv]);
+        let a = c.op(CausalAttention { n_head: 2 }, &[qkv]);
+        let r = c.op(Binary::add(), &[a, x]);
+        let logits = c.op(MatMul::default(), &[r, w_out]);
+        let logits = c.op(
+            Reshape {
+                shape: vec![b * t, vocab],
+            },
+            &[logits],
+        );
+        let targets = c.ids(&[b * t], vocab);
+        let loss = c.op(CrossEntropy, &[logits, targets]);
+        c.check(loss);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Large tensors: above `par::MIN_PAR_ELEMS` (32768) elements kernels split their outputs into
+// chunks run on several threads, and each chunk must find its own rows.
+
+#[test]
+fn large_tensors_through_the_parallel_kernel_paths() {
+    let t = 2;
+    let big = |label: &str| GradCheck::with_threads(format!("large {label}"), t).large();
+
+    let mut c = big("add [260, 130] + [130]");
+    let a = c.param(&[260, 130]);
+    let b = c.param(&[130]);
+    let y = c.op(Binary::add(), &[a, b]);
+    c.check(y);
+
+    let mut c = big("mul [260, 130] * [260, 1]");
+    let a = c.param(&[260, 130]);
+    let b = c.param(&[260, 1]);
+    let y = c.op(Binary::mul(), &[a, b]);
+    c.check(y);
+
+    let mut c = big("div [260, 130] / [260, 130]");
+    let a = c.param(&[260, 130]);
+    let b = c.param_away_from_zero(&[260, 130], 0.8, 1.6);
+    let y = c.op(Binary::div(), &[a, b]);
+    c.check(y);
+
+    let mut c = big("scale [40000]");
+    let x = c.param(&[40000]);
+    let y = c.op(Scale { factor: 0.75 }, &[x]);
+    c.check(y);
+
+    for (from, to) in [
+        (vec![2, 33000], vec![33000]),
+        (vec![33000, 2], vec![33000, 1]),
+    ] {
+        let mut c = big(&format!("sum_to {from:?} -> {to:?}"));
+        let x = c.param(&from);
+        let y = c.op(SumTo { shape: to }, &[x]);
+        c.check(y);
+    }
+
+    let mut c = big("broadcast_to [130] -> [260, 130]");
+    let x = c.param(&[130]);
+    let y = c.op(
+        BroadcastTo {
+            shape: vec![260, 130],
+        },
+        &[x],
+    );
+    c.check(y);
+
+    for kind in [ReduceKind::Sum, ReduceKind::Mean] {
+        for (shape, axis) in [(vec![2, 3, 20000], 1), (vec![40000, 3], 1)] {
+            let mut c = big(&format!("{kind:?} {shape:?} axis={axis}"));
+            let x = c.param(&shape);
+            let y = c.op(reduce(kind, axis, false), &[x]);
+            c.check(y);
+        }
+    }
+    let mut c = big("Max [2, 3, 20000] axis=1");
+    let n = 2 * 3 * 20000;
+    // Spaced 0.1 apart along the reduced axis of each column, in a random order.
+    let mut values = vec![0.0f32; n];
+    for o in 0..2 {
+        for i in 0..20000 {
+            let mut col = [-0.1f32, 0.0, 0.1];
+            col.shuffle(&mut c.rng);
+            let shift = c.rng.random_range(-1.0..1.0f32);
+            for (j, v) in col.iter().enumerate() {
+                values[(o * 3 + j) * 20000 + i] = v + shift;
+            }
+        }
+    }
+    let x = c.param_with(&[2, 3, 20000], values);
+    let y = c.op(reduce(ReduceKind::Max, 1, false), &[x]);
+    c.check(y);
+
+    let mut c = big("softmax [400, 100]");
+    let x = c.param_in(&[400, 100], -2.0, 2.0);
+    let y = c.op(Softmax, &[x]);
+    c.check(y);
+
+    let mut c = big("log_softmax [400, 100]");
+    let x = c.param_in(&[400, 100], -2.0, 2.0);
+    let y = c.op(LogSoftmax, &[x]);
+    c.check(y);
+
+    let mut c = big("layer_norm [400, 100]");
+    let x = c.param(&[400, 100]);
+    let w = c.param_in(&[100], 0.5, 1.5);
+    let b = c.param_in(&[100], -0.5, 0.5);
+    let y = c.op(LayerNorm::default(), &[x, w, b]);
+    c.check(y);
+
+    for approx in [GeluApprox::Exact, GeluApprox::Tanh] {
+        let mut c = big(&format!("gelu {approx:?} [40000]"));
+        let x = c.param_in(&[40000], -3.0, 3.0);
+        let y = c.op(Gelu { approx }, &[x]);
+        c.check(y);
+    }
+
+    let mut c = big("transpose [200, 170]");
+    let x = c.param(&[200, 170]);
+    let y = c.op(Transpose { dim0: 0, dim1: 1 }, &[x]);
+    c.check(y);
+
+    let mut c = big("embedding [50, 700] x 60 ids");
+    let table = c.param(&[50, 700]);
+    let ids = c.ids(&[60], 50);
+    let y = c.op(Embedding, &[table, ids]);
+    c.check(y);
+
+    // The loss is one f32 scalar, so finite differences resolve only gradients ≳ 1e-4: few rows
+    // (the mean divides by them) of a wide vocabulary, which still makes two chunks of rows.
+    // Random elements of such rows have gradients ~1e-4; each row's target element (-1/N) is
+    // probed too, and is where a row offset bug would show.
+    let (n, v) = (5, 8000);
+    let mut c = big(&format!("cross_entropy [{n}, {v}]"));
+    let logits = c.param_in(&[n, v], -2.0, 2.0);
+    let target_ids = vec![17, 4000, 7999, 0, 5123];
+    let hot: Vec<usize> = (0..n).map(|r| r * v + target_ids[r] as usize).collect();
+    let targets = c.ids_with(&[n], target_ids, v);
+    c.probe_also(logits, hot);
+    let y = c.op(CrossEntropy, &[logits, targets]);
+    c.check(y);
+
+    // Large enough for gemm's own threading (m·n·k ≥ 64³) and a chunked bias fill.
+    for tb in [false, true] {
+        let mut c = big(&format!("matmul [600, 64] x [64, 64] tb={tb} bias"));
+        let a = c.param(&[600, 64]);
+        let b = c.param(&[64, 64]);
+        let bias = c.param(&[64]);
+        let y = c.op(
+            MatMul {
+                ta: false,
+                tb,
+                bias: true,
+            },
+            &[a, b, bias],
+        );
+        c.check(y);
+    }
+}

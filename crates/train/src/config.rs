@@ -1,0 +1,358 @@
+//! Training configuration. Defaults, then a TOML file (`[model]` and `[train]` sections), then
+//! command-line flags: each layer overrides the one before. Every flag has a TOML key of the
+//! same name.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use snug_nn::GptConfig;
+
+use crate::{DataSource, TrainError};
+
+/// `[model]`: a preset and optional overrides of its fields.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    pub preset: Option<String>,
+    pub n_layer: Option<usize>,
+    pub n_head: Option<usize>,
+    pub n_embd: Option<usize>,
+    pub block_size: Option<usize>,
+    /// Defaults to the data's vocabulary for character-level training.
+    pub vocab_size: Option<usize>,
+}
+
+/// `[train]`: every key is optional; missing keys keep their defaults.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainSection {
+    /// A text file; absent means the built-in generated data set.
+    pub data: Option<PathBuf>,
+    pub steps: Option<u64>,
+    pub batch: Option<usize>,
+    pub block: Option<usize>,
+    pub lr: Option<f32>,
+    pub min_lr: Option<f32>,
+    pub warmup_steps: Option<u64>,
+    pub beta1: Option<f32>,
+    pub beta2: Option<f32>,
+    pub weight_decay: Option<f32>,
+    pub seed: Option<u64>,
+    pub threads: Option<usize>,
+    pub log_every: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    #[serde(default)]
+    model: ModelSection,
+    #[serde(default)]
+    train: TrainSection,
+}
+
+/// A complete, validated training configuration.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TrainConfig {
+    pub model: ModelSection,
+    pub data: DataSourceConfig,
+    pub steps: u64,
+    pub batch: usize,
+    pub block: usize,
+    pub lr: f32,
+    pub min_lr: f32,
+    pub warmup_steps: u64,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub weight_decay: f32,
+    pub seed: u64,
+    pub threads: usize,
+    pub log_every: u64,
+}
+
+/// Serializable form of [`DataSource`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DataSourceConfig {
+    Addition,
+    File(PathBuf),
+}
+
+impl From<&DataSourceConfig> for DataSource {
+    fn from(d: &DataSourceConfig) -> DataSource {
+        match d {
+            DataSourceConfig::Addition => DataSource::Addition,
+            DataSourceConfig::File(p) => DataSource::File(p.clone()),
+        }
+    }
+}
+
+impl Default for TrainConfig {
+    /// The demo: a small GPT learning addition, a couple of minutes on two cores.
+    fn default() -> Self {
+        TrainConfig {
+            model: ModelSection {
+                preset: Some("tiny".into()),
+                ..Default::default()
+            },
+            data: DataSourceConfig::Addition,
+            steps: 300,
+            batch: 16,
+            block: 64,
+            lr: 3e-3,
+            min_lr: 3e-4,
+            warmup_steps: 20,
+            beta1: 0.9,
+            beta2: 0.95,
+            weight_decay: 0.1,
+            seed: 1337,
+            threads: snug_runtime::physical_cores(),
+            log_every: 10,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Defaults, then `file` (if any), then `model` and `train` overrides, validated.
+    pub fn resolve(
+        file: Option<&Path>,
+        model: &ModelSection,
+        train: &TrainSection,
+    ) -> Result<TrainConfig, TrainError> {
+        let mut cfg = TrainConfig::default();
+        let mut block_set = train.block.is_some();
+        if let Some(path) = file {
+            let text = std::fs::read_to_string(path).map_err(|source| TrainError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
+            let parsed: FileConfig = toml::from_str(&text).map_err(|e| TrainError::ConfigFile {
+                path: path.to_path_buf(),
+                message: e.to_string(),
+            })?;
+            block_set |= parsed.train.block.is_some();
+            cfg.apply(&parsed.model, &parsed.train);
+        }
+        cfg.apply(model, train);
+        if !block_set {
+            // Without an explicit block, train on the model's full context.
+            cfg.block = cfg.base_model()?.block_size;
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn apply(&mut self, m: &ModelSection, t: &TrainSection) {
+        if m.preset.is_some() {
+            // A new preset replaces the default one and its overrides.
+            self.model = ModelSection::default();
+        }
+        macro_rules! set {
+            ($dst:expr, $src:expr) => {
+                if let Some(v) = $src.clone() {
+                    $dst = Some(v);
+                }
+            };
+        }
+        set!(self.model.preset, m.preset);
+        set!(self.model.n_layer, m.n_layer);
+        set!(self.model.n_head, m.n_head);
+        set!(self.model.n_embd, m.n_embd);
+        set!(self.model.block_size, m.block_size);
+        set!(self.model.vocab_size, m.vocab_size);
+        if let Some(p) = &t.data {
+            self.data = DataSourceConfig::File(p.clone());
+        }
+        macro_rules! take {
+            ($($f:ident),*) => { $(if let Some(v) = t.$f { self.$f = v; })* };
+        }
+        take!(
+            steps,
+            batch,
+            block,
+            lr,
+            min_lr,
+            warmup_steps,
+            beta1,
+            beta2,
+            weight_decay,
+            seed,
+            threads,
+            log_every
+        );
+    }
+
+    fn validate(&self) -> Result<(), TrainError> {
+        let err = |field: &'static str, detail: String| Err(TrainError::Config { field, detail });
+        if self.steps == 0 {
+            return err("steps", "must be at least 1".into());
+        }
+        if self.batch == 0 {
+            return err("batch", "must be at least 1".into());
+        }
+        if self.block == 0 {
+            return err("block", "must be at least 1".into());
+        }
+        if self.threads == 0 {
+            return err("threads", "must be at least 1".into());
+        }
+        if self.log_every == 0 {
+            return err("log_every", "must be at least 1".into());
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return err("lr", format!("must be a positive number, got {}", self.lr));
+        }
+        if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr <= self.lr) {
+            return err(
+                "min_lr",
+                format!(
+                    "must be between 0 and lr ({}), got {}",
+                    self.lr, self.min_lr
+                ),
+            );
+        }
+        for (field, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&b) {
+                return err(field, format!("must be in [0, 1), got {b}"));
+            }
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return err(
+                "weight_decay",
+                format!("must be non-negative, got {}", self.weight_decay),
+            );
+        }
+        self.base_model()?;
+        Ok(())
+    }
+
+    /// The preset with the `[model]` overrides applied; `vocab_size` may still change to fit
+    /// the data (see [`TrainConfig::model_for_vocab`]).
+    pub fn base_model(&self) -> Result<GptConfig, TrainError> {
+        let m = &self.model;
+        let mut cfg = GptConfig::preset(m.preset.as_deref().unwrap_or("tiny"))?;
+        cfg.n_layer = m.n_layer.unwrap_or(cfg.n_layer);
+        cfg.n_head = m.n_head.unwrap_or(cfg.n_head);
+        cfg.n_embd = m.n_embd.unwrap_or(cfg.n_embd);
+        cfg.block_size = m.block_size.unwrap_or(cfg.block_size);
+        cfg.vocab_size = m.vocab_size.unwrap_or(cfg.vocab_size);
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The model for data with `data_vocab` symbols: the data's vocabulary unless `vocab_size`
+    /// was set, in which case it must be large enough.
+    pub fn model_for_vocab(&self, data_vocab: usize) -> Result<GptConfig, TrainError> {
+        let mut cfg = self.base_model()?;
+        match self.model.vocab_size {
+            Some(v) if v < data_vocab => {
+                return Err(TrainError::Config {
+                    field: "vocab_size",
+                    detail: format!("{v} is smaller than the data's {data_vocab} distinct symbols"),
+                })
+            }
+            Some(_) => {}
+            None => cfg.vocab_size = data_vocab,
+        }
+        if self.block > cfg.block_size {
+            return Err(TrainError::Config {
+                field: "block",
+                detail: format!(
+                    "{} exceeds the model's block_size {}",
+                    self.block, cfg.block_size
+                ),
+            });
+        }
+        Ok(cfg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_then_flags_override_defaults() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run.toml");
+        std::fs::write(
+            &path,
+            "[model]\npreset = \"char-small\"\nn_layer = 2\n[train]\nsteps = 7\nbatch = 3\n",
+        )
+        .unwrap();
+        let flags = TrainSection {
+            batch: Some(5),
+            ..Default::default()
+        };
+        let cfg = TrainConfig::resolve(Some(&path), &ModelSection::default(), &flags).unwrap();
+        assert_eq!((cfg.steps, cfg.batch), (7, 5));
+        let model = cfg.base_model().unwrap();
+        assert_eq!((model.n_layer, model.n_embd), (2, 384));
+    }
+
+    #[test]
+    fn malformed_and_unknown_keys_name_the_file_and_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bad.toml");
+        std::fs::write(&path, "[train]\nstepz = 3\n").unwrap();
+        let err = TrainConfig::resolve(
+            Some(&path),
+            &ModelSection::default(),
+            &TrainSection::default(),
+        )
+        .unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("bad.toml") && msg.contains("stepz"), "{msg}");
+        std::fs::write(&path, "[train\nsteps = ").unwrap();
+        assert!(matches!(
+            TrainConfig::resolve(
+                Some(&path),
+                &ModelSection::default(),
+                &TrainSection::default()
+            ),
+            Err(TrainError::ConfigFile { .. })
+        ));
+    }
+
+    #[test]
+    fn invalid_values_are_named() {
+        let m = ModelSection::default();
+        let zero_batch = TrainSection {
+            batch: Some(0),
+            ..Default::default()
+        };
+        assert!(matches!(
+            TrainConfig::resolve(None, &m, &zero_batch),
+            Err(TrainError::Config { field: "batch", .. })
+        ));
+        let bad_lr = TrainSection {
+            lr: Some(-1.0),
+            ..Default::default()
+        };
+        assert!(matches!(
+            TrainConfig::resolve(None, &m, &bad_lr),
+            Err(TrainError::Config { field: "lr", .. })
+        ));
+        let unknown = ModelSection {
+            preset: Some("gpt9".into()),
+            ..Default::default()
+        };
+        assert!(matches!(
+            TrainConfig::resolve(None, &unknown, &TrainSection::default()),
+            Err(TrainError::Model(snug_nn::NnError::UnknownPreset { .. }))
+        ));
+        let cfg = TrainConfig::resolve(
+            None,
+            &m,
+            &TrainSection {
+                block: Some(1000),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert!(matches!(
+            cfg.model_for_vocab(13),
+            Err(TrainError::Config { field: "block", .. })
+        ));
+    }
+}
