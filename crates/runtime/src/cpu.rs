@@ -140,6 +140,27 @@ impl CpuSession {
         });
     }
 
+    /// Runs the schedule once, timing every node (seconds, in schedule order).
+    pub fn run_profiled(&mut self, ctx: ExecCtx) -> Vec<f64> {
+        let graph = &self.graph;
+        let bindings = &self.bindings;
+        self.pool.install(|| {
+            bindings
+                .iter()
+                .map(|b| {
+                    let node = &graph.nodes()[b.node];
+                    let start = std::time::Instant::now();
+                    // SAFETY: as in `run`.
+                    let kernel = unsafe {
+                        Kernel::new(&b.inputs, &b.outputs, b.workspace.as_ref(), node.op.mutates_inputs(), ctx)
+                    };
+                    node.op.cpu(&kernel);
+                    start.elapsed().as_secs_f64()
+                })
+                .collect()
+        })
+    }
+
     pub fn graph(&self) -> &Graph {
         &self.graph
     }

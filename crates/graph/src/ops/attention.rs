@@ -192,7 +192,7 @@ impl OpRule for CausalAttentionBackward {
                 for i in 0..t {
                     let row = &mut p[i * t..(i + 1) * t];
                     for (j, x) in row.iter_mut().enumerate() {
-                        *x = if j <= i { (*x - lse_row[i]).exp() } else { 0.0 };
+                        *x = if j <= i { super::math::exp(*x - lse_row[i]) } else { 0.0 };
                     }
                 }
                 // dV = Pᵀ · dY
@@ -318,7 +318,7 @@ fn softmax_causal(t: usize, s: &mut [f32], lse: &mut [f32]) {
         let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0.0;
         for x in live.iter_mut() {
-            *x = (*x - max).exp();
+            *x = super::math::exp(*x - max);
             sum += *x;
         }
         let inv = 1.0 / sum;

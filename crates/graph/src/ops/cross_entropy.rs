@@ -61,7 +61,7 @@ impl OpRule for CrossEntropy {
             for (r, o) in out.iter_mut().enumerate() {
                 let row = &logits[(r0 + r) * v..(r0 + r + 1) * v];
                 let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let sum: f32 = row.iter().map(|&x| (x - max).exp()).sum();
+                let sum: f32 = row.iter().map(|&x| super::math::exp(x - max)).sum();
                 let t = targets[r0 + r].clamp(0, v as i32 - 1) as usize;
                 *o = max + sum.ln() - row[t];
             }
@@ -109,7 +109,7 @@ impl OpRule for CrossEntropyBackward {
                 let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let mut sum = 0.0;
                 for (o, &x) in out.iter_mut().zip(row) {
-                    *o = (x - max).exp();
+                    *o = super::math::exp(x - max);
                     sum += *o;
                 }
                 let inv = g / sum;

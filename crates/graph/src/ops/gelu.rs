@@ -30,27 +30,47 @@ const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
 const INV_SQRT_2PI: f32 = 0.398_942_3;
 
 #[cfg(feature = "cpu")]
-#[inline]
+fn map(x: &[f32], y: &mut [f32], f: impl Fn(f32) -> f32 + Sync + Send) {
+    super::par::elems_mut(y, |start, out| {
+        let n = out.len();
+        for (o, &v) in out.iter_mut().zip(&x[start..start + n]) {
+            *o = f(v);
+        }
+    });
+}
+
+#[cfg(feature = "cpu")]
+fn map2(x: &[f32], g: &[f32], y: &mut [f32], f: impl Fn(f32, f32) -> f32 + Sync + Send) {
+    super::par::elems_mut(y, |start, out| {
+        let n = out.len();
+        for ((o, &v), &d) in out.iter_mut().zip(&x[start..start + n]).zip(&g[start..start + n]) {
+            *o = f(v, d);
+        }
+    });
+}
+
+#[cfg(feature = "cpu")]
+#[inline(always)]
 fn gelu(approx: GeluApprox, x: f32) -> f32 {
     match approx {
-        GeluApprox::Tanh => 0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + COEF * x * x * x)).tanh()),
+        GeluApprox::Tanh => 0.5 * x * (1.0 + super::math::tanh(SQRT_2_OVER_PI * (x + COEF * x * x * x))),
         GeluApprox::Exact => 0.5 * x * (1.0 + libm::erff(x * FRAC_1_SQRT_2)),
     }
 }
 
 #[cfg(feature = "cpu")]
-#[inline]
+#[inline(always)]
 fn gelu_grad(approx: GeluApprox, x: f32) -> f32 {
     match approx {
         GeluApprox::Tanh => {
             let u = SQRT_2_OVER_PI * (x + COEF * x * x * x);
-            let t = u.tanh();
+            let t = super::math::tanh(u);
             let du = SQRT_2_OVER_PI * (1.0 + 3.0 * COEF * x * x);
             0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
         }
         GeluApprox::Exact => {
             let cdf = 0.5 * (1.0 + libm::erff(x * FRAC_1_SQRT_2));
-            cdf + x * INV_SQRT_2PI * (-0.5 * x * x).exp()
+            cdf + x * INV_SQRT_2PI * super::math::exp(-0.5 * x * x)
         }
     }
 }
@@ -85,13 +105,11 @@ impl OpRule for Gelu {
     #[cfg(feature = "cpu")]
     fn cpu(&self, k: &super::Kernel<'_>) {
         let (x, y) = (k.in_f32(0), k.out_f32(0));
-        let approx = self.approx;
-        super::par::elems_mut(y, |start, out| {
-            let n = out.len();
-            for (o, &v) in out.iter_mut().zip(&x[start..start + n]) {
-                *o = gelu(approx, v);
-            }
-        });
+        // One loop per variant, so each vectorises on its own.
+        match self.approx {
+            GeluApprox::Tanh => map(x, y, |v| gelu(GeluApprox::Tanh, v)),
+            GeluApprox::Exact => map(x, y, |v| gelu(GeluApprox::Exact, v)),
+        }
     }
 }
 
@@ -124,12 +142,9 @@ impl OpRule for GeluBackward {
     #[cfg(feature = "cpu")]
     fn cpu(&self, k: &super::Kernel<'_>) {
         let (x, dy, dx) = (k.in_f32(0), k.in_f32(1), k.out_f32(0));
-        let approx = self.approx;
-        super::par::elems_mut(dx, |start, out| {
-            let range = start..start + out.len();
-            for ((o, &v), &g) in out.iter_mut().zip(&x[range.clone()]).zip(&dy[range]) {
-                *o = g * gelu_grad(approx, v);
-            }
-        });
+        match self.approx {
+            GeluApprox::Tanh => map2(x, dy, dx, |v, g| g * gelu_grad(GeluApprox::Tanh, v)),
+            GeluApprox::Exact => map2(x, dy, dx, |v, g| g * gelu_grad(GeluApprox::Exact, v)),
+        }
     }
 }

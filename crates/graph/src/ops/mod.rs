@@ -18,6 +18,8 @@ mod view;
 #[cfg(feature = "cpu")]
 mod kernel;
 #[cfg(feature = "cpu")]
+pub mod math;
+#[cfg(feature = "cpu")]
 pub mod par;
 
 pub use adamw::AdamW;

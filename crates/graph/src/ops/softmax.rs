@@ -64,7 +64,7 @@ impl OpRule for Softmax {
                 let max = src.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let mut sum = 0.0;
                 for (o, &v) in out.iter_mut().zip(src) {
-                    *o = (v - max).exp();
+                    *o = super::math::exp(v - max);
                     sum += *o;
                 }
                 let inv = 1.0 / sum;
@@ -135,7 +135,7 @@ impl OpRule for LogSoftmax {
             for (r, out) in rows.chunks_exact_mut(n).enumerate() {
                 let src = &x[(r0 + r) * n..(r0 + r + 1) * n];
                 let max = src.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let sum: f32 = src.iter().map(|&v| (v - max).exp()).sum();
+                let sum: f32 = src.iter().map(|&v| super::math::exp(v - max)).sum();
                 let lse = max + sum.ln();
                 for (o, &v) in out.iter_mut().zip(src) {
                     *o = v - lse;
@@ -169,7 +169,7 @@ impl OpRule for LogSoftmaxBackward {
                 let (y, dy) = (&y[range.clone()], &dy[range]);
                 let sum: f32 = dy.iter().sum();
                 for ((o, &yv), &g) in out.iter_mut().zip(y).zip(dy) {
-                    *o = g - yv.exp() * sum;
+                    *o = g - super::math::exp(yv) * sum;
                 }
             }
         });
