@@ -14,7 +14,8 @@ pub struct Lifetime {
 
 /// Lifetimes of every non-persistent storage root used by `schedule`, in tensor order.
 ///
-/// Inputs are live from position 0; graph outputs stay live to the last position; a tensor
+/// Inputs are live over the whole schedule (written before it runs, and left intact so a step
+/// can be re-run on the same batch); graph outputs stay live to the last position; a tensor
 /// nobody reads lives only at the step that writes it.
 pub fn lifetimes(graph: &Graph, schedule: &[NodeId]) -> Vec<Lifetime> {
     let n = graph.tensors().len();
@@ -29,6 +30,7 @@ pub fn lifetimes(graph: &Graph, schedule: &[NodeId]) -> Vec<Lifetime> {
     for (i, t) in graph.tensors().iter().enumerate() {
         if t.role == snug_graph::Role::Input && t.view_of.is_none() {
             touch(TensorId(i as u32), 0, &mut first);
+            touch(TensorId(i as u32), end, &mut first);
         }
     }
     for (pos, &node_id) in schedule.iter().enumerate() {

@@ -1,0 +1,161 @@
+//! End-to-end checks of the engine through the trainer's public API: whole-model gradients
+//! against finite differences, the plan's peak against the allocator's, and learning on real
+//! text.
+
+use std::path::PathBuf;
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, Normal};
+use snug_graph::{OptimizerSpec, StepGraph};
+use snug_nn::GptConfig;
+use snug_plan::{plan, PlanOptions};
+use snug_runtime::{Allocator, CpuSession, ExecCtx};
+use snug_train::{ModelSection, TokenDataset, TrainConfig, TrainSection, Trainer};
+
+fn shakespeare() -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/tinyshakespeare.txt");
+    assert!(p.exists(), "tests read the corpus at {} (see README)", p.display());
+    p
+}
+
+/// Every parameter gradient of a whole GPT step (embeddings, attention, MLP, norms, tied head)
+/// against central differences of the loss.
+#[test]
+fn gpt_step_gradients_match_finite_differences() {
+    let cfg = GptConfig {
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 8,
+        block_size: 8,
+        vocab_size: 11,
+    };
+    let (batch, seq) = (2, 5); // seq < block exercises the position-embedding slice
+    let g = cfg.build(batch, seq, 2).unwrap();
+    let (tokens, targets) = (g.tokens, g.targets);
+    let step = StepGraph::build(g.graph, g.loss, OptimizerSpec::None).unwrap();
+    let memory_plan = plan(&step.graph, &PlanOptions::default()).unwrap();
+    let mut s = CpuSession::new(step.graph.clone(), memory_plan, Allocator::default(), 2).unwrap();
+
+    // Larger-than-default weights make every gradient large enough to difference in f32.
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let normal = Normal::new(0.0f32, 0.3).unwrap();
+    let mut values = Vec::new();
+    for slot in &step.params {
+        let n = step.graph.tensor(slot.param).numel();
+        let base = if slot.name.contains("ln_") && slot.name.ends_with("weight") { 1.0 } else { 0.0 };
+        let v: Vec<f32> = (0..n).map(|_| base + normal.sample(&mut rng)).collect();
+        s.write_f32(slot.param, &v).unwrap();
+        values.push(v);
+    }
+    let ids: Vec<i32> = (0..batch * seq).map(|i| ((i * 7 + 3) % 11) as i32).collect();
+    let next: Vec<i32> = (0..batch * seq).map(|i| ((i * 5 + 1) % 11) as i32).collect();
+    s.write_i32(tokens, &ids, 11).unwrap();
+    s.write_i32(targets, &next, 11).unwrap();
+    s.run(ExecCtx::default());
+    let grads: Vec<Vec<f32>> = step.params.iter().map(|p| s.read_f32(p.grad).unwrap().to_vec()).collect();
+
+    let eps = 1e-2f32;
+    let mut checked = 0;
+    for (k, slot) in step.params.iter().enumerate() {
+        let n = values[k].len();
+        // A spread of elements of every parameter, first and last included.
+        for &i in &[0, n / 3, n / 2, n - 1] {
+            let mut loss_at = |delta: f32| {
+                let mut v = values[k].clone();
+                v[i] += delta;
+                s.write_f32(slot.param, &v).unwrap();
+                s.run(ExecCtx::default());
+                s.read_f32(step.loss).unwrap()[0] as f64
+            };
+            let (up, down) = (loss_at(eps), loss_at(-eps));
+            s.write_f32(slot.param, &values[k]).unwrap();
+            let numeric = (up - down) / (2.0 * eps as f64);
+            let analytic = grads[k][i] as f64;
+            // f32 loss of ~2.5 differenced over 2e-2: noise ~1e-5; curvature error ~eps².
+            let tol = 5e-4 + 2e-2 * numeric.abs();
+            assert!(
+                (numeric - analytic).abs() <= tol,
+                "{}[{i}]: analytic {analytic:.6}, numeric {numeric:.6}",
+                slot.name
+            );
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 4 * step.params.len());
+}
+
+fn small_config(data: Option<PathBuf>, steps: u64) -> TrainConfig {
+    let model = ModelSection {
+        preset: Some("char-small".into()),
+        n_layer: Some(2),
+        n_head: Some(4),
+        n_embd: Some(64),
+        block_size: Some(64),
+        ..Default::default()
+    };
+    let train = TrainSection {
+        data,
+        steps: Some(steps),
+        batch: Some(16),
+        block: Some(64),
+        lr: Some(3e-3),
+        min_lr: Some(3e-4),
+        warmup_steps: Some(10),
+        threads: Some(2),
+        ..Default::default()
+    };
+    TrainConfig::resolve(None, &model, &train).unwrap()
+}
+
+/// The allocator's measured peak after real steps equals the plan's prediction, byte for byte,
+/// and the steps allocate nothing more.
+#[test]
+fn measured_peak_equals_predicted_peak() {
+    let cfg = small_config(Some(shakespeare()), 3);
+    let data = TokenDataset::load(&(&cfg.data).into()).unwrap();
+    let allocator = Allocator::default();
+    let mut t = Trainer::with_allocator(cfg, data, allocator.clone()).unwrap();
+    let before = allocator.allocation_count();
+    for _ in 0..3 {
+        t.train_step().unwrap();
+    }
+    let predicted = t.plan().peak_bytes();
+    assert_eq!(allocator.peak_bytes(), predicted);
+    assert_eq!(allocator.active_bytes(), predicted);
+    assert_eq!(allocator.allocation_count(), before, "a step allocated");
+    assert!(t.plan().arena_bytes >= t.plan().lower_bound_bytes);
+    drop(t);
+    assert_eq!(allocator.active_bytes(), 0, "session leaked");
+}
+
+/// A reduced char-small learns tinyshakespeare: from ln 65 ≈ 4.17 to well below 2.5.
+#[test]
+fn training_on_shakespeare_lowers_the_loss() {
+    let steps = 300;
+    let cfg = small_config(Some(shakespeare()), steps);
+    let data = TokenDataset::load(&(&cfg.data).into()).unwrap();
+    assert_eq!(data.tokenizer.vocab_size(), 65);
+    let mut t = Trainer::new(cfg, data).unwrap();
+    let first = t.train_step().unwrap().loss;
+    assert!((first - 65f32.ln()).abs() < 0.3, "initial loss {first}");
+    let mut recent = Vec::new();
+    for _ in 1..steps {
+        recent.push(t.train_step().unwrap().loss);
+    }
+    let tail: f32 = recent[recent.len() - 10..].iter().sum::<f32>() / 10.0;
+    println!("loss {first:.3} -> {tail:.3} (mean of the last 10 of {steps} steps)");
+    assert!(tail < 2.5, "mean loss of the last 10 steps is {tail}");
+}
+
+/// Same seed, same losses: runs are reproducible bit for bit.
+#[test]
+fn training_is_deterministic() {
+    let run = || {
+        let cfg = small_config(None, 5);
+        let data = TokenDataset::load(&(&cfg.data).into()).unwrap();
+        let mut t = Trainer::new(cfg, data).unwrap();
+        (0..5).map(|_| t.train_step().unwrap().loss.to_bits()).collect::<Vec<_>>()
+    };
+    assert_eq!(run(), run());
+}
