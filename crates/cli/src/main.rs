@@ -1,6 +1,7 @@
 //! `snug`: plan a training step's memory before anything runs, and train.
 
 mod plan_cmd;
+mod profile_cmd;
 mod train_cmd;
 
 use std::path::PathBuf;
@@ -26,6 +27,8 @@ enum Command {
     Train(train_cmd::TrainArgs),
     /// Print a training step's predicted peak memory and its breakdown, allocating no tensor.
     Plan(plan_cmd::PlanArgs),
+    /// Time one training step op by op.
+    Profile(profile_cmd::ProfileArgs),
 }
 
 /// Flags shared by every command that builds a model; each has a TOML key of the same name.
@@ -78,6 +81,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Train(args) => train_cmd::run(args),
         Command::Plan(args) => plan_cmd::run(args),
+        Command::Profile(args) => profile_cmd::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

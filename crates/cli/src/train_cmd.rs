@@ -17,7 +17,7 @@ pub struct TrainArgs {
     #[arg(long)]
     steps: Option<u64>,
     /// Peak learning rate (AdamW).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     lr: Option<f32>,
     /// Seed for initialisation and batch sampling.
     #[arg(long)]

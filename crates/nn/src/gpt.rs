@@ -143,7 +143,7 @@ impl GptConfig {
                 });
             }
         }
-        if self.n_embd % self.n_head != 0 {
+        if !self.n_embd.is_multiple_of(self.n_head) {
             return Err(NnError::Config {
                 field: "n_head",
                 detail: format!("({}) must divide n_embd ({})", self.n_head, self.n_embd),

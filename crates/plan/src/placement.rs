@@ -115,8 +115,8 @@ pub fn find_overlap(intervals: &[Interval], p: &Placement) -> Option<(usize, usi
         if oa + a.size > p.arena_bytes {
             return Some((i, i));
         }
-        for j in i + 1..intervals.len() {
-            let (b, ob) = (&intervals[j], p.offsets[j]);
+        for (j, b) in intervals.iter().enumerate().skip(i + 1) {
+            let ob = p.offsets[j];
             if a.overlaps_in_time(b) && oa < ob + b.size && ob < oa + a.size {
                 return Some((i, j));
             }

@@ -152,7 +152,13 @@ impl CpuSession {
                     let start = std::time::Instant::now();
                     // SAFETY: as in `run`.
                     let kernel = unsafe {
-                        Kernel::new(&b.inputs, &b.outputs, b.workspace.as_ref(), node.op.mutates_inputs(), ctx)
+                        Kernel::new(
+                            &b.inputs,
+                            &b.outputs,
+                            b.workspace.as_ref(),
+                            node.op.mutates_inputs(),
+                            ctx,
+                        )
                     };
                     node.op.cpu(&kernel);
                     start.elapsed().as_secs_f64()

@@ -362,6 +362,7 @@ fn assert_agree(label: &str, probes: &[Probe]) {
         probes.len(),
         worst(probes)
     );
+    // GRADCHECK_DUMP=1 (with --nocapture) lists every compared element.
     if std::env::var("GRADCHECK_DUMP").is_ok() {
         for p in probes {
             println!(

@@ -134,6 +134,15 @@ impl Trainer {
 
     /// Runs one optimizer step on a freshly sampled batch.
     pub fn train_step(&mut self) -> Result<StepStats, TrainError> {
+        Ok(self.step_inner(false)?.0)
+    }
+
+    /// Like [`Trainer::train_step`], also timing every node (seconds, in schedule order).
+    pub fn train_step_profiled(&mut self) -> Result<(StepStats, Vec<f64>), TrainError> {
+        self.step_inner(true)
+    }
+
+    fn step_inner(&mut self, profile: bool) -> Result<(StepStats, Vec<f64>), TrainError> {
         let (batch, block) = (self.config.batch, self.config.block);
         sample_batch(
             &mut self.rng,
@@ -151,7 +160,13 @@ impl Trainer {
         let step = self.step + 1;
         let lr = self.schedule.at(step);
         let start = Instant::now();
-        self.session.run(ExecCtx { lr, step });
+        let ctx = ExecCtx { lr, step };
+        let node_times = if profile {
+            self.session.run_profiled(ctx)
+        } else {
+            self.session.run(ctx);
+            Vec::new()
+        };
         let secs = start.elapsed().as_secs_f64();
         let loss = self.session.read_f32(self.step_graph.loss)?[0];
         if !loss.is_finite() {
@@ -159,7 +174,7 @@ impl Trainer {
         }
         self.step = step;
         let alloc = self.session.allocator();
-        Ok(StepStats {
+        let stats = StepStats {
             step,
             loss,
             lr,
@@ -167,7 +182,8 @@ impl Trainer {
             tokens_per_s: (batch * block) as f64 / secs,
             active_bytes: alloc.active_bytes(),
             peak_bytes: alloc.peak_bytes(),
-        })
+        };
+        Ok((stats, node_times))
     }
 
     pub fn config(&self) -> &TrainConfig {

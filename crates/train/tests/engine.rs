@@ -14,8 +14,13 @@ use snug_runtime::{Allocator, CpuSession, ExecCtx};
 use snug_train::{ModelSection, TokenDataset, TrainConfig, TrainSection, Trainer};
 
 fn shakespeare() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/tinyshakespeare.txt");
-    assert!(p.exists(), "tests read the corpus at {} (see README)", p.display());
+    let p =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/tinyshakespeare.txt");
+    assert!(
+        p.exists(),
+        "tests read the corpus at {} (see README)",
+        p.display()
+    );
     p
 }
 
@@ -43,17 +48,29 @@ fn gpt_step_gradients_match_finite_differences() {
     let mut values = Vec::new();
     for slot in &step.params {
         let n = step.graph.tensor(slot.param).numel();
-        let base = if slot.name.contains("ln_") && slot.name.ends_with("weight") { 1.0 } else { 0.0 };
+        let base = if slot.name.contains("ln_") && slot.name.ends_with("weight") {
+            1.0
+        } else {
+            0.0
+        };
         let v: Vec<f32> = (0..n).map(|_| base + normal.sample(&mut rng)).collect();
         s.write_f32(slot.param, &v).unwrap();
         values.push(v);
     }
-    let ids: Vec<i32> = (0..batch * seq).map(|i| ((i * 7 + 3) % 11) as i32).collect();
-    let next: Vec<i32> = (0..batch * seq).map(|i| ((i * 5 + 1) % 11) as i32).collect();
+    let ids: Vec<i32> = (0..batch * seq)
+        .map(|i| ((i * 7 + 3) % 11) as i32)
+        .collect();
+    let next: Vec<i32> = (0..batch * seq)
+        .map(|i| ((i * 5 + 1) % 11) as i32)
+        .collect();
     s.write_i32(tokens, &ids, 11).unwrap();
     s.write_i32(targets, &next, 11).unwrap();
     s.run(ExecCtx::default());
-    let grads: Vec<Vec<f32>> = step.params.iter().map(|p| s.read_f32(p.grad).unwrap().to_vec()).collect();
+    let grads: Vec<Vec<f32>> = step
+        .params
+        .iter()
+        .map(|p| s.read_f32(p.grad).unwrap().to_vec())
+        .collect();
 
     let eps = 1e-2f32;
     let mut checked = 0;
@@ -97,7 +114,7 @@ fn small_config(data: Option<PathBuf>, steps: u64) -> TrainConfig {
     let train = TrainSection {
         data,
         steps: Some(steps),
-        batch: Some(16),
+        batch: Some(32),
         block: Some(64),
         lr: Some(3e-3),
         min_lr: Some(3e-4),
@@ -155,7 +172,9 @@ fn training_is_deterministic() {
         let cfg = small_config(None, 5);
         let data = TokenDataset::load(&(&cfg.data).into()).unwrap();
         let mut t = Trainer::new(cfg, data).unwrap();
-        (0..5).map(|_| t.train_step().unwrap().loss.to_bits()).collect::<Vec<_>>()
+        (0..5)
+            .map(|_| t.train_step().unwrap().loss.to_bits())
+            .collect::<Vec<_>>()
     };
     assert_eq!(run(), run());
 }

@@ -18,14 +18,14 @@ pub struct CausalAttention {
 
 /// Batch, sequence, width and head size of a packed qkv shape.
 fn dims(op: &'static str, qkv: &[usize], n_head: usize) -> Result<(usize, usize, usize, usize)> {
-    if qkv.len() != 3 || qkv[2] % 3 != 0 {
+    if qkv.len() != 3 || !qkv[2].is_multiple_of(3) {
         return Err(shape_err(
             op,
             format!("qkv must be [B, T, 3C], got {qkv:?}"),
         ));
     }
     let c = qkv[2] / 3;
-    if n_head == 0 || c % n_head != 0 {
+    if n_head == 0 || !c.is_multiple_of(n_head) {
         return Err(shape_err(
             op,
             format!("width {c} is not divisible by {n_head} heads"),
@@ -192,7 +192,11 @@ impl OpRule for CausalAttentionBackward {
                 for i in 0..t {
                     let row = &mut p[i * t..(i + 1) * t];
                     for (j, x) in row.iter_mut().enumerate() {
-                        *x = if j <= i { super::math::exp(*x - lse_row[i]) } else { 0.0 };
+                        *x = if j <= i {
+                            super::math::exp(*x - lse_row[i])
+                        } else {
+                            0.0
+                        };
                     }
                 }
                 // dV = Pᵀ · dY

@@ -43,7 +43,11 @@ fn map(x: &[f32], y: &mut [f32], f: impl Fn(f32) -> f32 + Sync + Send) {
 fn map2(x: &[f32], g: &[f32], y: &mut [f32], f: impl Fn(f32, f32) -> f32 + Sync + Send) {
     super::par::elems_mut(y, |start, out| {
         let n = out.len();
-        for ((o, &v), &d) in out.iter_mut().zip(&x[start..start + n]).zip(&g[start..start + n]) {
+        for ((o, &v), &d) in out
+            .iter_mut()
+            .zip(&x[start..start + n])
+            .zip(&g[start..start + n])
+        {
             *o = f(v, d);
         }
     });
@@ -53,7 +57,9 @@ fn map2(x: &[f32], g: &[f32], y: &mut [f32], f: impl Fn(f32, f32) -> f32 + Sync 
 #[inline(always)]
 fn gelu(approx: GeluApprox, x: f32) -> f32 {
     match approx {
-        GeluApprox::Tanh => 0.5 * x * (1.0 + super::math::tanh(SQRT_2_OVER_PI * (x + COEF * x * x * x))),
+        GeluApprox::Tanh => {
+            0.5 * x * (1.0 + super::math::tanh(SQRT_2_OVER_PI * (x + COEF * x * x * x)))
+        }
         GeluApprox::Exact => 0.5 * x * (1.0 + libm::erff(x * FRAC_1_SQRT_2)),
     }
 }

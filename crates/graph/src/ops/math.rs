@@ -15,12 +15,13 @@ pub fn exp(x: f32) -> f32 {
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
     let y = (x - n * LN2_HI) - n * LN2_LO; // |y| ≤ ln2 / 2
-    // Taylor series of e^y to degree 7: truncation error < 6e-9 on |y| ≤ 0.347.
+                                           // Taylor series of e^y to degree 7: truncation error < 6e-9 on |y| ≤ 0.347.
     let p = 1.0
         + y * (1.0
             + y * (0.5
                 + y * (1.0 / 6.0
-                    + y * (1.0 / 24.0 + y * (1.0 / 120.0 + y * (1.0 / 720.0 + y * (1.0 / 5040.0)))))));
+                    + y * (1.0 / 24.0
+                        + y * (1.0 / 120.0 + y * (1.0 / 720.0 + y * (1.0 / 5040.0)))))));
     let scale = f32::from_bits(((n as i32 + 127) << 23) as u32);
     p * scale
 }
@@ -53,7 +54,10 @@ mod tests {
         let mut x = -12.0f32;
         while x < 12.0 {
             let (a, b) = (tanh(x), x.tanh());
-            assert!((a - b).abs() < 2e-7 + 1e-6 * b.abs(), "tanh({x}) = {a}, std {b}");
+            assert!(
+                (a - b).abs() < 2e-7 + 1e-6 * b.abs(),
+                "tanh({x}) = {a}, std {b}"
+            );
             x += 0.001;
         }
     }

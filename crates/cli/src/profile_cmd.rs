@@ -1,0 +1,102 @@
+//! `snug profile`: where a training step's time goes, op by op.
+
+use std::collections::BTreeMap;
+
+use anyhow::Result;
+use clap::Args;
+use serde::Serialize;
+use snug_graph::ops::Op;
+use snug_train::{DataSource, TokenDataset, TrainConfig, Trainer};
+
+use crate::ModelArgs;
+
+#[derive(Args, Debug)]
+pub struct ProfileArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Profiled steps (after one warm-up step); times are averaged over them.
+    #[arg(long, default_value_t = 3)]
+    steps: u64,
+    /// Machine-readable output.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct OpRow {
+    op: String,
+    calls: usize,
+    ms: f64,
+    share: f64,
+    gflop_per_s: f64,
+}
+
+pub fn run(args: ProfileArgs) -> Result<()> {
+    let (model, mut train) = args.model.sections();
+    train.steps = Some(args.steps.max(1) + 1);
+    let cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
+    let data = TokenDataset::load(&DataSource::from(&cfg.data))?;
+    let mut trainer = Trainer::new(cfg, data)?;
+    trainer.train_step()?;
+    let graph = trainer.session().graph().clone();
+    let schedule = trainer.plan().schedule.clone();
+    let mut rows: BTreeMap<String, (usize, f64, u64)> = BTreeMap::new();
+    let steps = args.steps.max(1);
+    for _ in 0..steps {
+        let (_, times) = trainer.train_step_profiled()?;
+        for (&nid, t) in schedule.iter().zip(times) {
+            let node = graph.node(nid);
+            let ins: Vec<_> = node.inputs.iter().map(|&i| graph.tensor(i)).collect();
+            let outs: Vec<_> = node.outputs.iter().map(|&i| graph.tensor(i)).collect();
+            let key = match &node.op {
+                Op::MatMul(m) => format!(
+                    "matmul{}{} {:?}·{:?}",
+                    if m.ta { " aᵀ" } else { "" },
+                    if m.tb { " bᵀ" } else { "" },
+                    ins[0].shape,
+                    ins[1].shape
+                ),
+                op => op.name().to_string(),
+            };
+            let e = rows.entry(key).or_default();
+            e.0 += 1;
+            e.1 += t;
+            e.2 += node.op.flops(&ins, &outs);
+        }
+    }
+    let total: f64 = rows.values().map(|r| r.1).sum();
+    let mut table: Vec<OpRow> = rows
+        .into_iter()
+        .map(|(op, (calls, secs, flops))| OpRow {
+            op,
+            calls: calls / steps as usize,
+            ms: secs * 1e3 / steps as f64,
+            share: secs / total,
+            gflop_per_s: flops as f64 / secs / 1e9,
+        })
+        .collect();
+    table.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&table)?);
+        return Ok(());
+    }
+    println!(
+        "step time {:.1} ms (mean of {steps} profiled steps)",
+        total * 1e3 / steps as f64
+    );
+    println!(
+        "{:>10} {:>6} {:>6} {:>9}  op",
+        "ms", "share", "calls", "GFLOP/s"
+    );
+    for r in &table {
+        println!(
+            "{:>10.2} {:>5.1}% {:>6} {:>9.1}  {}",
+            r.ms,
+            100.0 * r.share,
+            r.calls,
+            r.gflop_per_s,
+            r.op
+        );
+    }
+    Ok(())
+}

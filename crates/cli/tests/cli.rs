@@ -1,0 +1,164 @@
+//! The `snug` binary end to end: the demo trains, `plan` reports, and bad input gives a named
+//! error with a non-zero exit and no panic.
+
+use std::process::{Command, Output};
+
+fn snug(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_snug"))
+        .args(args)
+        .output()
+        .expect("the snug binary runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn fails_with(args: &[&str], needles: &[&str]) {
+    let o = snug(args);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{args:?} succeeded");
+    assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+    for n in needles {
+        assert!(err.contains(n), "{args:?}: `{n}` missing from: {err}");
+    }
+}
+
+#[test]
+fn train_with_builtin_data_reports_falling_loss_and_exact_peak() {
+    let o = snug(&["train", "--steps", "40", "--json", "--threads", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let stdout = String::from_utf8(o.stdout).unwrap();
+    let lines: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 41, "40 steps and a summary");
+    let summary = &lines[40];
+    let (first, last) = (
+        summary["first_loss"].as_f64().unwrap(),
+        summary["final_loss"].as_f64().unwrap(),
+    );
+    assert!(last < first - 0.2, "loss {first} -> {last}");
+    assert_eq!(
+        summary["predicted_peak_bytes"],
+        summary["measured_peak_bytes"]
+    );
+    for (i, l) in lines[..40].iter().enumerate() {
+        assert_eq!(l["step"].as_u64(), Some(i as u64 + 1));
+    }
+}
+
+#[test]
+fn plan_reports_a_breakdown_that_adds_up() {
+    let o = snug(&[
+        "plan", "--preset", "gpt2", "--batch", "4", "--block", "1024", "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let b = &v["breakdown"];
+    let sum: u64 = [
+        "parameters",
+        "gradients",
+        "optimizer_state",
+        "activations",
+        "temporaries",
+        "inputs",
+        "fragmentation",
+    ]
+    .iter()
+    .map(|k| b[k].as_u64().unwrap())
+    .sum();
+    assert_eq!(sum, v["peak_bytes"].as_u64().unwrap());
+    assert_eq!(v["parameters"].as_u64(), Some(124_439_808));
+    // Weights and both Adam moments, 4 bytes each, aligned per tensor.
+    assert!(b["parameters"].as_u64().unwrap() >= 124_439_808 * 4);
+    assert_eq!(
+        b["optimizer_state"].as_u64().unwrap(),
+        2 * b["parameters"].as_u64().unwrap()
+    );
+    assert!(v["arena_bytes"].as_u64() >= v["lower_bound_bytes"].as_u64());
+}
+
+#[test]
+fn bad_input_is_a_named_error() {
+    fails_with(&["plan", "--preset", "gpt5"], &["unknown preset `gpt5`"]);
+    fails_with(&["train", "--preset", "gpt5"], &["gpt5"]);
+    fails_with(&["train", "--batch", "0"], &["batch"]);
+    fails_with(&["train", "--block", "0"], &["block"]);
+    fails_with(&["train", "--steps", "0"], &["steps"]);
+    fails_with(&["train", "--threads", "0"], &["threads"]);
+    fails_with(&["train", "--block", "65"], &["block", "65"]);
+    fails_with(&["train", "--lr", "-1"], &["lr"]);
+    fails_with(
+        &["train", "--data", "/nonexistent/corpus.txt"],
+        &["/nonexistent/corpus.txt"],
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    fails_with(
+        &["train", "--data", empty.to_str().unwrap()],
+        &["empty.txt", "empty"],
+    );
+    let short = dir.path().join("short.txt");
+    std::fs::write(&short, "to be or not").unwrap();
+    fails_with(
+        &["train", "--data", short.to_str().unwrap()],
+        &["short.txt", "too few"],
+    );
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "[train]\nsteps = \"many\"\n").unwrap();
+    fails_with(
+        &["train", "--config", bad.to_str().unwrap()],
+        &["bad.toml", "steps"],
+    );
+    std::fs::write(&bad, "[model]\npreset = \"tiny\"\nwidth = 3\n").unwrap();
+    fails_with(
+        &["plan", "--config", bad.to_str().unwrap()],
+        &["bad.toml", "width"],
+    );
+    // A negative number is not a size: clap rejects it with its usage error (exit 2).
+    let o = snug(&["train", "--batch", "-4"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(!stderr(&o).contains("panicked"));
+}
+
+#[test]
+fn config_file_trains_and_flags_override_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("run.toml");
+    std::fs::write(
+        &cfg,
+        "[model]\npreset = \"tiny\"\nn_layer = 1\n[train]\nsteps = 50\nbatch = 4\nblock = 16\n",
+    )
+    .unwrap();
+    let o = snug(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--steps",
+        "3",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let stdout = String::from_utf8(o.stdout).unwrap();
+    assert_eq!(stdout.lines().count(), 4, "3 steps and a summary");
+    let summary: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(summary["tokens_per_step"].as_u64(), Some(4 * 16));
+}
+
+#[test]
+fn profile_times_every_op_kind() {
+    let o = snug(&["profile", "--steps", "1", "--batch", "2", "--block", "16", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&o.stdout).unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["op"].as_str().unwrap()).collect();
+    for op in ["causal_attention", "causal_attention_backward", "layer_norm", "gelu", "adamw", "cross_entropy"] {
+        assert!(names.contains(&op), "{op} missing from {names:?}");
+    }
+    let share: f64 = rows.iter().map(|r| r["share"].as_f64().unwrap()).sum();
+    assert!((share - 1.0).abs() < 1e-6);
+}
