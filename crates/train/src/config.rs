@@ -96,7 +96,7 @@ impl Default for TrainConfig {
                 ..Default::default()
             },
             data: DataSourceConfig::Addition,
-            steps: 300,
+            steps: 600,
             batch: 16,
             block: 64,
             lr: 3e-3,
@@ -107,7 +107,7 @@ impl Default for TrainConfig {
             weight_decay: 0.1,
             seed: 1337,
             threads: snug_runtime::physical_cores(),
-            log_every: 10,
+            log_every: 1,
         }
     }
 }
