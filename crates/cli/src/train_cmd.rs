@@ -5,6 +5,7 @@ use clap::Args;
 use serde::Serialize;
 use snug_plan::memory_plan::human_bytes;
 use snug_runtime::process::resident_set;
+use snug_runtime::Allocator;
 use snug_train::{DataSource, TokenDataset, TrainConfig, Trainer};
 
 use crate::ModelArgs;
@@ -25,6 +26,13 @@ pub struct TrainArgs {
     /// Print a line every this many steps.
     #[arg(long)]
     log_every: Option<u64>,
+    /// Cap on the memory snug holds, e.g. 1.5GiB or 800MB (relaxed: exceeded only when
+    /// freeing cached buffers cannot make room, and reported).
+    #[arg(long, value_name = "SIZE")]
+    memory_limit: Option<String>,
+    /// Make --memory-limit strict: an allocation over it fails with an out-of-memory error.
+    #[arg(long, requires = "memory_limit")]
+    strict: bool,
     /// One JSON object per step, then a summary object.
     #[arg(long)]
     json: bool,
@@ -46,6 +54,9 @@ struct Summary {
     lower_bound_bytes: usize,
     arena_bytes: usize,
     peak_rss_bytes: Option<usize>,
+    cache_bytes: usize,
+    memory_limit_bytes: Option<usize>,
+    limit_overruns: u64,
     parameters: usize,
 }
 
@@ -55,6 +66,10 @@ pub fn run(args: TrainArgs) -> Result<()> {
     train.lr = args.lr;
     train.seed = args.seed;
     train.log_every = args.log_every;
+    train.memory_limit = args.memory_limit.clone();
+    if args.strict {
+        train.strict_memory_limit = Some(true);
+    }
     let cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
     let data = TokenDataset::load(&DataSource::from(&cfg.data))?;
     let json = args.json;
@@ -68,7 +83,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
             data.tokenizer.vocab_size()
         );
     }
-    let mut trainer = Trainer::new(cfg.clone(), data).context("setting up training")?;
+    let allocator = Allocator::cpu();
+    let mut trainer = Trainer::with_allocator(cfg.clone(), data, allocator.clone())
+        .context("setting up training")?;
     let plan = trainer.plan().clone();
     let params = trainer.step_graph().parameter_count();
     let tokens_per_step = cfg.batch * cfg.block;
@@ -97,7 +114,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
             println!("{}", serde_json::to_string(&s)?);
         } else if s.step % cfg.log_every == 0 || s.step == 1 || s.step == cfg.steps {
             println!(
-                "step {:>5}/{} | loss {:.4} | lr {:.2e} | {:>8.0} tok/s | {:>7.1} ms | mem {} / peak {}",
+                "step {:>5}/{} | loss {:.4} | lr {:.2e} | {:>8.0} tok/s | {:>7.1} ms | mem {} / peak {} / cache {}",
                 s.step,
                 cfg.steps,
                 s.loss,
@@ -105,7 +122,8 @@ pub fn run(args: TrainArgs) -> Result<()> {
                 s.tokens_per_s,
                 s.ms,
                 human_bytes(s.active_bytes),
-                human_bytes(s.peak_bytes)
+                human_bytes(s.peak_bytes),
+                human_bytes(s.cache_bytes)
             );
         }
     }
@@ -127,10 +145,13 @@ pub fn run(args: TrainArgs) -> Result<()> {
         tokens_per_s: tokens_per_step as f64 / (median / 1e3),
         model_flops_per_s: flops_per_step / (median / 1e3),
         predicted_peak_bytes: plan.peak_bytes(),
-        measured_peak_bytes: trainer.session().allocator().peak_bytes(),
+        measured_peak_bytes: allocator.peak_bytes(),
         lower_bound_bytes: plan.lower_bound_bytes,
         arena_bytes: plan.arena_bytes,
         peak_rss_bytes: resident_set().map(|(_, peak)| peak),
+        cache_bytes: allocator.cache_bytes(),
+        memory_limit_bytes: cfg.memory_limit,
+        limit_overruns: allocator.stats().limit_overruns,
         parameters: params,
     };
     if json {
@@ -157,6 +178,13 @@ pub fn run(args: TrainArgs) -> Result<()> {
             },
             summary.peak_rss_bytes.map_or("n/a".into(), human_bytes)
         );
+        if summary.limit_overruns > 0 {
+            println!(
+                "warning: {} allocation(s) exceeded the relaxed memory limit of {} B",
+                summary.limit_overruns,
+                cfg.memory_limit.unwrap_or(usize::MAX)
+            );
+        }
     }
     Ok(())
 }

@@ -152,13 +152,54 @@ fn config_file_trains_and_flags_override_it() {
 
 #[test]
 fn profile_times_every_op_kind() {
-    let o = snug(&["profile", "--steps", "1", "--batch", "2", "--block", "16", "--json"]);
+    let o = snug(&[
+        "profile", "--steps", "1", "--batch", "2", "--block", "16", "--json",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let rows: Vec<serde_json::Value> = serde_json::from_slice(&o.stdout).unwrap();
     let names: Vec<&str> = rows.iter().map(|r| r["op"].as_str().unwrap()).collect();
-    for op in ["causal_attention", "causal_attention_backward", "layer_norm", "gelu", "adamw", "cross_entropy"] {
+    for op in [
+        "causal_attention",
+        "causal_attention_backward",
+        "layer_norm",
+        "gelu",
+        "adamw",
+        "cross_entropy",
+    ] {
         assert!(names.contains(&op), "{op} missing from {names:?}");
     }
     let share: f64 = rows.iter().map(|r| r["share"].as_f64().unwrap()).sum();
     assert!((share - 1.0).abs() < 1e-6);
+}
+
+#[test]
+fn memory_limit_flags() {
+    fails_with(
+        &[
+            "train",
+            "--steps",
+            "1",
+            "--memory-limit",
+            "10MB",
+            "--strict",
+        ],
+        &["needs", "10000000"],
+    );
+    fails_with(
+        &["train", "--steps", "1", "--memory-limit", "lots"],
+        &["memory_limit", "lots"],
+    );
+    let o = snug(&["train", "--steps", "2", "--memory-limit", "10MB", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let stdout = String::from_utf8(o.stdout).unwrap();
+    let step: serde_json::Value = serde_json::from_str(stdout.lines().next().unwrap()).unwrap();
+    for key in ["active_bytes", "peak_bytes", "cache_bytes", "rss_bytes"] {
+        assert!(step.get(key).is_some(), "{key} missing from {step}");
+    }
+    let summary: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert!(
+        summary["limit_overruns"].as_u64().unwrap() >= 1,
+        "relaxed limit exceeded and reported"
+    );
+    assert_eq!(summary["memory_limit_bytes"].as_u64(), Some(10_000_000));
 }

@@ -252,6 +252,36 @@ impl CpuSession {
         Ok(())
     }
 
+    /// Fills an i32 input in place with `fill` (no staging buffer), then checks every value is
+    /// below `bound`.
+    pub fn fill_i32(
+        &mut self,
+        id: TensorId,
+        bound: usize,
+        fill: impl FnOnce(&mut [i32]),
+    ) -> Result<(), RuntimeError> {
+        let meta = self.graph.try_tensor(id)?;
+        let n = meta.numel();
+        self.check(id, DType::I32, n)?;
+        self.writable(id)?;
+        // SAFETY: the storage holds `n` i32s and nothing runs concurrently.
+        let slot = unsafe { std::slice::from_raw_parts_mut(self.data_ptr(id) as *mut i32, n) };
+        fill(slot);
+        if let Some((index, &value)) = slot
+            .iter()
+            .enumerate()
+            .find(|(_, &v)| v < 0 || v as usize >= bound)
+        {
+            return Err(RuntimeError::OutOfRange {
+                name: self.graph.tensor(id).name.clone(),
+                index,
+                value,
+                bound,
+            });
+        }
+        Ok(())
+    }
+
     /// Reads a persistent tensor or a graph output (after [`CpuSession::run`]).
     pub fn read_f32(&self, id: TensorId) -> Result<&[f32], RuntimeError> {
         let meta = self.graph.try_tensor(id)?;

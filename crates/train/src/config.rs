@@ -40,6 +40,10 @@ pub struct TrainSection {
     pub seed: Option<u64>,
     pub threads: Option<usize>,
     pub log_every: Option<u64>,
+    /// Cap on the bytes snug holds (`"1.5GiB"`, `"800MB"`); relaxed unless `strict_memory_limit`.
+    pub memory_limit: Option<String>,
+    /// Fail an allocation over the limit instead of exceeding it.
+    pub strict_memory_limit: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -68,6 +72,8 @@ pub struct TrainConfig {
     pub seed: u64,
     pub threads: usize,
     pub log_every: u64,
+    pub memory_limit: Option<usize>,
+    pub strict_memory_limit: bool,
 }
 
 /// Serializable form of [`DataSource`].
@@ -108,6 +114,8 @@ impl Default for TrainConfig {
             seed: 1337,
             threads: snug_runtime::physical_cores(),
             log_every: 1,
+            memory_limit: None,
+            strict_memory_limit: false,
         }
     }
 }
@@ -131,9 +139,9 @@ impl TrainConfig {
                 message: e.to_string(),
             })?;
             block_set |= parsed.train.block.is_some();
-            cfg.apply(&parsed.model, &parsed.train);
+            cfg.apply(&parsed.model, &parsed.train)?;
         }
-        cfg.apply(model, train);
+        cfg.apply(model, train)?;
         if !block_set {
             // Without an explicit block, train on the model's full context.
             cfg.block = cfg.base_model()?.block_size;
@@ -142,7 +150,7 @@ impl TrainConfig {
         Ok(cfg)
     }
 
-    fn apply(&mut self, m: &ModelSection, t: &TrainSection) {
+    fn apply(&mut self, m: &ModelSection, t: &TrainSection) -> Result<(), TrainError> {
         if m.preset.is_some() {
             // A new preset replaces the default one and its overrides.
             self.model = ModelSection::default();
@@ -180,6 +188,17 @@ impl TrainConfig {
             threads,
             log_every
         );
+        if let Some(limit) = &t.memory_limit {
+            let bytes = snug_runtime::parse_bytes(limit).map_err(|e| TrainError::Config {
+                field: "memory_limit",
+                detail: e.to_string(),
+            })?;
+            self.memory_limit = Some(bytes);
+        }
+        if let Some(strict) = t.strict_memory_limit {
+            self.strict_memory_limit = strict;
+        }
+        Ok(())
     }
 
     fn validate(&self) -> Result<(), TrainError> {

@@ -89,22 +89,26 @@ impl TokenDataset {
     }
 }
 
-/// Fills `inputs` and `targets` (each `batch · block` ids) with random windows of `ids`.
-pub fn sample_batch(
+/// Draws `batch` random window starts for sequences of `block` tokens plus one target.
+pub fn sample_starts(
     rng: &mut ChaCha8Rng,
-    ids: &[u32],
+    len: usize,
     batch: usize,
     block: usize,
-    inputs: &mut Vec<i32>,
-    targets: &mut Vec<i32>,
+    starts: &mut Vec<usize>,
 ) {
-    inputs.clear();
-    targets.clear();
-    let max_start = ids.len() - block - 1;
-    for _ in 0..batch {
-        let s = rng.random_range(0..=max_start);
-        inputs.extend(ids[s..s + block].iter().map(|&t| t as i32));
-        targets.extend(ids[s + 1..s + block + 1].iter().map(|&t| t as i32));
+    starts.clear();
+    let max_start = len - block - 1;
+    starts.extend((0..batch).map(|_| rng.random_range(0..=max_start)));
+}
+
+/// Writes the windows `ids[s + shift .. s + shift + block]` for each start `s` into `out`
+/// (`shift` 0 gives the inputs, 1 the next-token targets).
+pub fn fill_windows(ids: &[u32], starts: &[usize], block: usize, shift: usize, out: &mut [i32]) {
+    for (row, &s) in out.chunks_exact_mut(block).zip(starts) {
+        for (o, &t) in row.iter_mut().zip(&ids[s + shift..s + shift + block]) {
+            *o = t as i32;
+        }
     }
 }
 
@@ -134,9 +138,15 @@ mod tests {
     fn batches_are_shifted_windows() {
         let ids: Vec<u32> = (0..100).collect();
         let mut rng = ChaCha8Rng::seed_from_u64(0);
-        let (mut x, mut y) = (Vec::new(), Vec::new());
-        sample_batch(&mut rng, &ids, 3, 8, &mut x, &mut y);
-        assert_eq!(x.len(), 24);
+        let mut starts = Vec::new();
+        sample_starts(&mut rng, ids.len(), 3, 8, &mut starts);
+        let (mut x, mut y) = (vec![0; 24], vec![0; 24]);
+        fill_windows(&ids, &starts, 8, 0, &mut x);
+        fill_windows(&ids, &starts, 8, 1, &mut y);
+        assert_eq!(
+            x[..8],
+            (starts[0] as i32..starts[0] as i32 + 8).collect::<Vec<_>>()[..]
+        );
         for (a, b) in x.iter().zip(&y) {
             assert_eq!(a + 1, *b);
         }

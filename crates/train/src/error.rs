@@ -25,6 +25,8 @@ pub enum TrainError {
     ConfigFile { path: PathBuf, message: String },
     #[error("config: `{field}` {detail}")]
     Config { field: &'static str, detail: String },
+    #[error("the training step needs {needed} bytes (planned peak) but the memory limit is {limit} bytes: lower the batch or block size")]
+    DoesNotFit { needed: usize, limit: usize },
     #[error("loss is {loss} at step {step}: training diverged (lower the learning rate)")]
     NonFinite { step: u64, loss: f32 },
     #[error(transparent)]

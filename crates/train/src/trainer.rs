@@ -12,7 +12,7 @@ use snug_nn::GptConfig;
 use snug_plan::{plan, MemoryPlan, PlanOptions};
 use snug_runtime::{Allocator, CpuSession, ExecCtx};
 
-use crate::data::sample_batch;
+use crate::data::{fill_windows, sample_starts};
 use crate::{TokenDataset, TrainConfig, TrainError};
 
 /// Linear warmup to `lr`, then cosine decay to `min_lr` at the last step.
@@ -47,6 +47,9 @@ pub struct StepStats {
     pub tokens_per_s: f64,
     pub active_bytes: usize,
     pub peak_bytes: usize,
+    pub cache_bytes: usize,
+    /// The process's resident set as the OS reports it, beside the allocator's figures.
+    pub rss_bytes: Option<usize>,
 }
 
 /// A model being trained: its compiled step, plan, session and data.
@@ -61,8 +64,9 @@ pub struct Trainer {
     rng: ChaCha8Rng,
     schedule: LrSchedule,
     step: u64,
-    batch_inputs: Vec<i32>,
-    batch_targets: Vec<i32>,
+    /// Window starts of the current batch (the batch itself is written straight into the
+    /// session's input tensors, which the allocator accounts for).
+    starts: Vec<usize>,
 }
 
 /// Compiles the training step of `model` for `batch × block` tokens.
@@ -99,12 +103,25 @@ impl Trainer {
         let (step_graph, tokens, targets) =
             compile_step(&model, config.batch, config.block, config.threads, &config)?;
         let memory_plan = plan(&step_graph.graph, &PlanOptions::default())?;
-        let mut session = CpuSession::new(
+        if let Some(limit) = config.memory_limit {
+            allocator.set_memory_limit(limit, !config.strict_memory_limit);
+        }
+        let needed = memory_plan.peak_bytes();
+        let session = CpuSession::new(
             step_graph.graph.clone(),
             memory_plan,
             allocator,
             config.threads,
-        )?;
+        );
+        let mut session = match session {
+            Err(snug_runtime::RuntimeError::OutOfMemory(oom)) => {
+                return Err(TrainError::DoesNotFit {
+                    needed,
+                    limit: oom.limit,
+                });
+            }
+            other => other?,
+        };
         let init = model.init_parameters(config.seed);
         for (slot, (name, values)) in step_graph.params.iter().zip(&init) {
             debug_assert_eq!(&slot.name, name);
@@ -127,8 +144,7 @@ impl Trainer {
             targets,
             schedule,
             step: 0,
-            batch_inputs: Vec::new(),
-            batch_targets: Vec::new(),
+            starts: Vec::new(),
         })
     }
 
@@ -144,19 +160,16 @@ impl Trainer {
 
     fn step_inner(&mut self, profile: bool) -> Result<(StepStats, Vec<f64>), TrainError> {
         let (batch, block) = (self.config.batch, self.config.block);
-        sample_batch(
-            &mut self.rng,
-            &self.data.train,
-            batch,
-            block,
-            &mut self.batch_inputs,
-            &mut self.batch_targets,
-        );
+        let ids = &self.data.train;
+        sample_starts(&mut self.rng, ids.len(), batch, block, &mut self.starts);
         let vocab = self.model.vocab_size;
-        self.session
-            .write_i32(self.tokens, &self.batch_inputs, vocab)?;
-        self.session
-            .write_i32(self.targets, &self.batch_targets, vocab)?;
+        let starts = &self.starts;
+        self.session.fill_i32(self.tokens, vocab, |out| {
+            fill_windows(ids, starts, block, 0, out)
+        })?;
+        self.session.fill_i32(self.targets, vocab, |out| {
+            fill_windows(ids, starts, block, 1, out)
+        })?;
         let step = self.step + 1;
         let lr = self.schedule.at(step);
         let start = Instant::now();
@@ -173,15 +186,17 @@ impl Trainer {
             return Err(TrainError::NonFinite { step, loss });
         }
         self.step = step;
-        let alloc = self.session.allocator();
+        let mem = self.session.allocator().stats();
         let stats = StepStats {
             step,
             loss,
             lr,
             ms: secs * 1e3,
             tokens_per_s: (batch * block) as f64 / secs,
-            active_bytes: alloc.active_bytes(),
-            peak_bytes: alloc.peak_bytes(),
+            active_bytes: mem.active_bytes,
+            peak_bytes: mem.peak_bytes,
+            cache_bytes: mem.cache_bytes,
+            rss_bytes: snug_runtime::process::resident_set().map(|(rss, _)| rss),
         };
         Ok((stats, node_times))
     }

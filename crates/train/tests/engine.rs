@@ -135,7 +135,8 @@ fn measured_peak_equals_predicted_peak() {
     let mut t = Trainer::with_allocator(cfg, data, allocator.clone()).unwrap();
     let before = allocator.allocation_count();
     for _ in 0..3 {
-        t.train_step().unwrap();
+        // Everything a step touches persists in the session: active after == active before.
+        allocator.check_leaks(|| t.train_step().unwrap()).unwrap();
     }
     let predicted = t.plan().peak_bytes();
     assert_eq!(allocator.peak_bytes(), predicted);
@@ -144,6 +145,69 @@ fn measured_peak_equals_predicted_peak() {
     assert!(t.plan().arena_bytes >= t.plan().lower_bound_bytes);
     drop(t);
     assert_eq!(allocator.active_bytes(), 0, "session leaked");
+    // Its memory waits in the cache, and a second trainer of the same shape reuses all of it.
+    assert_eq!(allocator.cache_bytes(), predicted);
+    let cfg = small_config(Some(shakespeare()), 1);
+    let data = TokenDataset::load(&(&cfg.data).into()).unwrap();
+    let misses = allocator.allocation_count();
+    let t = Trainer::with_allocator(cfg, data, allocator.clone()).unwrap();
+    assert_eq!(
+        allocator.allocation_count(),
+        misses,
+        "served from the cache"
+    );
+    assert_eq!(
+        (allocator.active_bytes(), allocator.cache_bytes()),
+        (predicted, 0)
+    );
+    drop(t);
+    allocator.clear_cache();
+    assert_eq!(allocator.cache_bytes(), 0);
+}
+
+/// A strict memory limit below the plan stops before training, naming both figures; a relaxed
+/// one trains and counts the overrun.
+#[test]
+fn memory_limits_apply_to_the_whole_session() {
+    let mut cfg = small_config(None, 1);
+    let data = TokenDataset::load(&(&cfg.data).into()).unwrap();
+    let needed = Trainer::new(cfg.clone(), data.clone())
+        .unwrap()
+        .plan()
+        .peak_bytes();
+    cfg.memory_limit = Some(needed - 1);
+    cfg.strict_memory_limit = true;
+    let allocator = Allocator::default();
+    match Trainer::with_allocator(cfg.clone(), data.clone(), allocator.clone()) {
+        Err(snug_train::TrainError::DoesNotFit { needed: n, limit }) => {
+            assert_eq!((n, limit), (needed, needed - 1))
+        }
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!(
+            "a step that needs {needed} bytes ran under a strict limit of {}",
+            needed - 1
+        ),
+    }
+    assert_eq!(
+        allocator.active_bytes(),
+        0,
+        "the failed setup released what it took"
+    );
+    cfg.memory_limit = Some(needed);
+    let mut t = Trainer::with_allocator(cfg.clone(), data.clone(), allocator.clone()).unwrap();
+    t.train_step().unwrap();
+    assert_eq!(
+        allocator.stats().limit_overruns,
+        0,
+        "exactly the planned peak fits"
+    );
+    drop(t);
+    cfg.memory_limit = Some(needed / 2);
+    cfg.strict_memory_limit = false;
+    let fresh = Allocator::default();
+    let mut t = Trainer::with_allocator(cfg, data, fresh.clone()).unwrap();
+    t.train_step().unwrap();
+    assert!(fresh.stats().limit_overruns > 0);
 }
 
 /// A reduced char-small learns tinyshakespeare: from ln 65 ≈ 4.17 to well below 2.5.
