@@ -6,7 +6,7 @@ use anyhow::Result;
 use clap::Args;
 use serde::Serialize;
 use snug_plan::memory_plan::human_bytes;
-use snug_plan::{plan, Breakdown, PlanOptions};
+use snug_plan::{plan, Breakdown, PeakInfo, PlanOptions, ScheduleKind, Strategy};
 use snug_train::{TokenDataset, TrainConfig};
 
 use crate::ModelArgs;
@@ -43,6 +43,13 @@ struct PlanReport {
     lower_bound_bytes: usize,
     arena_over_lower_bound: f64,
     breakdown: Breakdown,
+    schedule: ScheduleKind,
+    program_order_peak_bytes: usize,
+    strategy: Strategy,
+    strategy_arenas: Vec<(Strategy, usize)>,
+    peak: PeakInfo,
+    /// Bytes held while each op of the schedule runs.
+    timeline: Vec<usize>,
     plan_ms: f64,
 }
 
@@ -81,6 +88,12 @@ pub fn run(args: PlanArgs) -> Result<()> {
         lower_bound_bytes: memory_plan.lower_bound_bytes,
         arena_over_lower_bound: 1.0 + memory_plan.fragmentation(),
         breakdown: memory_plan.breakdown.clone(),
+        schedule: memory_plan.schedule_kind,
+        program_order_peak_bytes: memory_plan.program_order_peak_bytes,
+        strategy: memory_plan.strategy,
+        strategy_arenas: memory_plan.strategy_arenas.clone(),
+        peak: memory_plan.peak.clone(),
+        timeline: memory_plan.timeline.clone(),
         plan_ms,
     };
     if args.json {

@@ -257,3 +257,9 @@ impl Graph {
             .sum()
     }
 }
+
+impl AsRef<Graph> for Graph {
+    fn as_ref(&self) -> &Graph {
+        self
+    }
+}

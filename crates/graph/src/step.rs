@@ -124,3 +124,9 @@ impl StepGraph {
             .sum()
     }
 }
+
+impl AsRef<Graph> for StepGraph {
+    fn as_ref(&self) -> &Graph {
+        &self.graph
+    }
+}

@@ -12,6 +12,7 @@ pub mod schedule;
 
 pub use lifetime::{lifetimes, Lifetime};
 pub use memory_plan::{
-    plan, Allocation, Breakdown, MemoryPlan, PersistentBuffer, PlanError, PlanOptions,
+    plan, Allocation, Breakdown, MemoryPlan, PeakInfo, PersistentBuffer, PlanError, PlanOptions,
 };
-pub use placement::{place, Interval, Placement};
+pub use placement::{place, place_best, place_with, Interval, Placement, Strategy};
+pub use schedule::ScheduleKind;

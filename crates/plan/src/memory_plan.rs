@@ -6,9 +6,9 @@ use std::fmt;
 use serde::Serialize;
 use snug_graph::{Graph, NodeId, Role, TensorId};
 
-use crate::lifetime::lifetimes;
-use crate::placement::{align_up, place, Interval};
-use crate::schedule::program_order;
+use crate::lifetime::{lifetimes, Lifetime};
+use crate::placement::{align_up, max_live, place_best, Interval, Strategy};
+use crate::schedule::{schedule, ScheduleKind};
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum PlanError {
@@ -23,12 +23,29 @@ pub struct PlanOptions {
     /// Every arena offset is a multiple of this (bytes; a power of two). 64 = one cache line,
     /// enough for any SIMD load.
     pub alignment: usize,
+    /// `MemoryAware` also plans the program order and keeps whichever peaks lower.
+    pub schedule: ScheduleKind,
 }
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        PlanOptions { alignment: 64 }
+        PlanOptions {
+            alignment: 64,
+            schedule: ScheduleKind::MemoryAware,
+        }
     }
+}
+
+/// What is live when the arena is fullest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PeakInfo {
+    /// Schedule position and the op running there.
+    pub position: usize,
+    pub op: String,
+    /// The first output of that op (names carry the model scope, e.g. `h.3.mlp.gelu#212`).
+    pub output: String,
+    /// The largest tensors live at that moment: (name, role, bytes).
+    pub largest_live: Vec<(String, Role, usize)>,
 }
 
 /// One tensor's place in the arena.
@@ -115,6 +132,15 @@ pub struct MemoryPlan {
     pub peak_position: usize,
     pub breakdown: Breakdown,
     pub alignment: usize,
+    /// The schedule this plan uses, and the peak the program order would have had.
+    pub schedule_kind: ScheduleKind,
+    pub program_order_peak_bytes: usize,
+    /// The placement kept, and every strategy's arena.
+    pub strategy: Strategy,
+    pub strategy_arenas: Vec<(Strategy, usize)>,
+    /// Bytes held (persistent + live arena tensors) while each op of the schedule runs.
+    pub timeline: Vec<usize>,
+    pub peak: PeakInfo,
     #[serde(skip)]
     offsets: Vec<Option<usize>>,
 }
@@ -186,9 +212,28 @@ impl fmt::Display for MemoryPlan {
             self.lower_bound_bytes,
             1.0 + self.fragmentation()
         )?;
+        writeln!(
+            f,
+            "  schedule          {:?} (program order would peak at {} bytes); placement {}",
+            self.schedule_kind,
+            self.program_order_peak_bytes,
+            self.strategy.name()
+        )?;
+        writeln!(
+            f,
+            "peak at op {} of {}: {} `{}`",
+            self.peak.position,
+            self.schedule.len(),
+            self.peak.op,
+            self.peak.output
+        )?;
         writeln!(f, "breakdown at peak:")?;
         for (name, bytes) in self.breakdown.rows() {
             writeln!(f, "  {name:<17} {bytes:>14} bytes ({})", human_bytes(bytes))?;
+        }
+        writeln!(f, "largest tensors live at peak:")?;
+        for (name, role, bytes) in &self.peak.largest_live {
+            writeln!(f, "  {bytes:>14} bytes  {:<16} {name}", role.name())?;
         }
         Ok(())
     }
@@ -210,43 +255,75 @@ pub fn human_bytes(n: usize) -> String {
     }
 }
 
-/// Plans a graph: schedule, lifetimes, offsets, peak and breakdown. Allocates no tensor data.
-pub fn plan(graph: &Graph, options: &PlanOptions) -> Result<MemoryPlan, PlanError> {
-    let align = options.alignment;
-    if align == 0 || !align.is_power_of_two() {
-        return Err(PlanError::Alignment(align));
-    }
-    let schedule = program_order(graph);
-    let lives = lifetimes(graph, &schedule);
+fn aligned_intervals(lives: &[Lifetime], align: usize) -> Result<Vec<Interval>, PlanError> {
     let mut intervals = Vec::with_capacity(lives.len());
-    for l in &lives {
+    let mut total = 0usize;
+    for l in lives {
         let size = l
             .size_bytes
             .checked_add(align - 1)
             .ok_or(PlanError::Overflow)?
             / align
             * align;
+        let size = size.max(align);
+        // Sums below cannot wrap if the total of all sizes does not.
+        total = total.checked_add(size).ok_or(PlanError::Overflow)?;
         intervals.push(Interval {
-            size: size.max(align),
+            size,
             first: l.first,
             last: l.last,
         });
     }
-    // Sums below cannot wrap if the total of all sizes does not.
-    intervals
-        .iter()
-        .try_fold(0usize, |acc, iv| acc.checked_add(iv.size))
-        .ok_or(PlanError::Overflow)?;
-    let placement = place(&intervals);
+    Ok(intervals)
+}
+
+/// Plans a graph (a `Graph` or a `StepGraph`): schedule, lifetimes, offsets, peak, breakdown
+/// and timeline. Allocates no tensor data.
+pub fn plan<G: AsRef<Graph>>(graph: &G, options: &PlanOptions) -> Result<MemoryPlan, PlanError> {
+    let graph = graph.as_ref();
+    let align = options.alignment;
+    if align == 0 || !align.is_power_of_two() {
+        return Err(PlanError::Alignment(align));
+    }
+    let program = schedule(graph, ScheduleKind::Program);
+    let program_lives = lifetimes(graph, &program);
+    let program_intervals = aligned_intervals(&program_lives, align)?;
+    let program_bound = max_live(&program_intervals).0;
+    let (schedule_kind, order, lives, intervals) = match options.schedule {
+        ScheduleKind::Program => (
+            ScheduleKind::Program,
+            program,
+            program_lives,
+            program_intervals,
+        ),
+        ScheduleKind::MemoryAware => {
+            let order = schedule(graph, ScheduleKind::MemoryAware);
+            let lives = lifetimes(graph, &order);
+            let intervals = aligned_intervals(&lives, align)?;
+            if max_live(&intervals).0 < program_bound {
+                (ScheduleKind::MemoryAware, order, lives, intervals)
+            } else {
+                (
+                    ScheduleKind::Program,
+                    program,
+                    program_lives,
+                    program_intervals,
+                )
+            }
+        }
+    };
+    let (placement, strategy, strategy_arenas) = place_best(&intervals);
 
     let mut offsets = vec![None; graph.tensors().len()];
     let mut allocations = Vec::with_capacity(lives.len());
     let mut breakdown = Breakdown::default();
+    let mut largest_live = Vec::new();
     for ((l, iv), &offset) in lives.iter().zip(&intervals).zip(&placement.offsets) {
         let meta = graph.tensor(l.tensor);
         offsets[l.tensor.index()] = Some(offset);
         if iv.first <= placement.peak_position && placement.peak_position <= iv.last {
             breakdown.add(meta.role, iv.size);
+            largest_live.push((meta.name.clone(), meta.role, iv.size));
         }
         allocations.push(Allocation {
             tensor: l.tensor,
@@ -258,6 +335,9 @@ pub fn plan(graph: &Graph, options: &PlanOptions) -> Result<MemoryPlan, PlanErro
             last: l.last,
         });
     }
+    largest_live.sort_by(|a, b| b.2.cmp(&a.2).then(a.0.cmp(&b.0)));
+    largest_live.truncate(8);
+
     let mut persistent = Vec::new();
     let mut persistent_bytes = 0usize;
     for (i, t) in graph.tensors().iter().enumerate() {
@@ -279,8 +359,43 @@ pub fn plan(graph: &Graph, options: &PlanOptions) -> Result<MemoryPlan, PlanErro
     persistent_bytes
         .checked_add(placement.arena_bytes)
         .ok_or(PlanError::Overflow)?;
+
+    // Live bytes per position: +size where a tensor starts, −size after it ends.
+    let mut diff = vec![0i128; order.len() + 1];
+    for iv in &intervals {
+        diff[iv.first] += iv.size as i128;
+        diff[iv.last + 1] -= iv.size as i128;
+    }
+    let mut live = 0i128;
+    let timeline: Vec<usize> = diff[..order.len()]
+        .iter()
+        .map(|d| {
+            live += d;
+            persistent_bytes + live as usize
+        })
+        .collect();
+    let peak = match order.get(placement.peak_position) {
+        Some(&nid) => {
+            let node = graph.node(nid);
+            PeakInfo {
+                position: placement.peak_position,
+                op: node.op.name().to_string(),
+                output: node
+                    .outputs
+                    .first()
+                    .map_or(String::new(), |&o| graph.tensor(o).name.clone()),
+                largest_live,
+            }
+        }
+        None => PeakInfo {
+            position: 0,
+            op: String::new(),
+            output: String::new(),
+            largest_live,
+        },
+    };
     Ok(MemoryPlan {
-        schedule,
+        schedule: order,
         allocations,
         persistent,
         arena_bytes: placement.arena_bytes,
@@ -289,6 +404,12 @@ pub fn plan(graph: &Graph, options: &PlanOptions) -> Result<MemoryPlan, PlanErro
         peak_position: placement.peak_position,
         breakdown,
         alignment: align,
+        schedule_kind,
+        program_order_peak_bytes: persistent_bytes + program_bound,
+        strategy,
+        strategy_arenas,
+        timeline,
+        peak,
         offsets,
     })
 }

@@ -56,17 +56,78 @@ pub fn max_live(intervals: &[Interval]) -> (usize, usize) {
     (best, at)
 }
 
-/// Places every interval (sizes already aligned by the caller) so that no two that are live at
-/// the same time overlap in bytes. Largest first; each goes into the smallest gap that fits
-/// among the already placed intervals it coexists with, or on top.
+/// A placement strategy: the order in which intervals are given their offsets. Each places
+/// an interval into the smallest gap that fits among the already placed intervals it coexists
+/// with, or on top of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Strategy {
+    /// Largest first (TFLite's and XLA's greedy by size).
+    GreedyBySize,
+    /// In order of first use, as a best-fit heap allocator would see them at run time.
+    BestFitByFirstUse,
+    /// Largest size × lifetime first: long-lived large tensors claim the bottom of the arena.
+    GreedyByArea,
+}
+
+impl Strategy {
+    pub const ALL: [Strategy; 3] = [
+        Strategy::GreedyBySize,
+        Strategy::BestFitByFirstUse,
+        Strategy::GreedyByArea,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::GreedyBySize => "greedy_by_size",
+            Strategy::BestFitByFirstUse => "best_fit_by_first_use",
+            Strategy::GreedyByArea => "greedy_by_area",
+        }
+    }
+}
+
+/// Runs every strategy (in parallel) and keeps the smallest arena; ties go to the earlier
+/// strategy in [`Strategy::ALL`]. Also returns each strategy's arena size.
+pub fn place_best(intervals: &[Interval]) -> (Placement, Strategy, Vec<(Strategy, usize)>) {
+    let results: Vec<(Strategy, Placement)> = std::thread::scope(|s| {
+        let handles: Vec<_> = Strategy::ALL
+            .iter()
+            .map(|&st| s.spawn(move || (st, place_with(st, intervals))))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect()
+    });
+    let sizes = results.iter().map(|(s, p)| (*s, p.arena_bytes)).collect();
+    let (strategy, placement) = results
+        .into_iter()
+        .min_by_key(|(s, p)| (p.arena_bytes, Strategy::ALL.iter().position(|x| x == s)))
+        .unwrap_or((
+            Strategy::GreedyBySize,
+            place_with(Strategy::GreedyBySize, intervals),
+        ));
+    (placement, strategy, sizes)
+}
+
+/// Greedy by size (see [`Strategy::GreedyBySize`]).
 pub fn place(intervals: &[Interval]) -> Placement {
+    place_with(Strategy::GreedyBySize, intervals)
+}
+
+/// Places every interval (sizes already aligned by the caller) so that no two that are live at
+/// the same time overlap in bytes, in the order `strategy` gives.
+pub fn place_with(strategy: Strategy, intervals: &[Interval]) -> Placement {
     let mut order: Vec<usize> = (0..intervals.len()).collect();
+    let area = |iv: &Interval| iv.size as u128 * (iv.last - iv.first + 1) as u128;
     order.sort_by(|&a, &b| {
         let (x, y) = (&intervals[a], &intervals[b]);
-        y.size
-            .cmp(&x.size)
-            .then(x.first.cmp(&y.first))
-            .then(a.cmp(&b))
+        let key = match strategy {
+            Strategy::GreedyBySize => y.size.cmp(&x.size).then(x.first.cmp(&y.first)),
+            Strategy::BestFitByFirstUse => x.first.cmp(&y.first).then(y.size.cmp(&x.size)),
+            Strategy::GreedyByArea => area(y).cmp(&area(x)).then(y.size.cmp(&x.size)),
+        };
+        key.then(a.cmp(&b))
     });
     let mut offsets = vec![0usize; intervals.len()];
     let mut placed: Vec<usize> = Vec::with_capacity(intervals.len());
