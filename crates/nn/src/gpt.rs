@@ -19,6 +19,8 @@ pub enum NnError {
     UnknownPreset { name: String, known: String },
     #[error("model config: `{field}` {detail}")]
     Config { field: &'static str, detail: String },
+    #[error("{path}: `{field}` {detail}")]
+    HfConfig { path: String, field: String, detail: String },
     #[error(transparent)]
     Graph(#[from] GraphError),
 }

@@ -4,5 +4,9 @@
 //! - [`gpt`]: GPT-2 / nanoGPT configuration, presets, the forward graph, initialisation.
 
 pub mod gpt;
+pub mod hf_config;
+pub mod llama;
 
 pub use gpt::{GptConfig, GptGraph, NnError, PRESETS};
+pub use hf_config::ModelConfig;
+pub use llama::{LlamaConfig, LLAMA_PRESETS};

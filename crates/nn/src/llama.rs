@@ -1,0 +1,175 @@
+//! Llama-family models (Llama 2 / Llama 3 shapes): RMSNorm, rotary position embeddings,
+//! grouped-query attention, a SwiGLU MLP, and an LM head separate from the token embedding.
+//! Parameter names follow Hugging Face's `LlamaForCausalLM` (`model.layers.0.self_attn.q_proj.weight`,
+//! ...), with linear weights stored `[in, out]` (the transpose of HF's `nn.Linear` layout).
+
+use serde::{Deserialize, Serialize};
+
+use crate::NnError;
+
+/// Shape of a Llama model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LlamaConfig {
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub hidden: usize,
+    /// Width of the SwiGLU MLP.
+    pub intermediate: usize,
+    pub vocab_size: usize,
+    pub max_seq: usize,
+    pub rms_eps: f32,
+    pub rope_theta: f32,
+}
+
+/// Llama 2's published shapes (7B and 13B with full attention, 70B with 8 key/value heads).
+pub const LLAMA_PRESETS: &[(&str, LlamaConfig)] = &[
+    (
+        "llama-tiny",
+        LlamaConfig {
+            n_layer: 2,
+            n_head: 4,
+            n_kv_head: 2,
+            hidden: 64,
+            intermediate: 172,
+            vocab_size: 65,
+            max_seq: 128,
+            rms_eps: 1e-5,
+            rope_theta: 10000.0,
+        },
+    ),
+    (
+        "llama-7b",
+        LlamaConfig {
+            n_layer: 32,
+            n_head: 32,
+            n_kv_head: 32,
+            hidden: 4096,
+            intermediate: 11008,
+            vocab_size: 32000,
+            max_seq: 4096,
+            rms_eps: 1e-5,
+            rope_theta: 10000.0,
+        },
+    ),
+    (
+        "llama-13b",
+        LlamaConfig {
+            n_layer: 40,
+            n_head: 40,
+            n_kv_head: 40,
+            hidden: 5120,
+            intermediate: 13824,
+            vocab_size: 32000,
+            max_seq: 4096,
+            rms_eps: 1e-5,
+            rope_theta: 10000.0,
+        },
+    ),
+    (
+        "llama-70b",
+        LlamaConfig {
+            n_layer: 80,
+            n_head: 64,
+            n_kv_head: 8,
+            hidden: 8192,
+            intermediate: 28672,
+            vocab_size: 32000,
+            max_seq: 4096,
+            rms_eps: 1e-5,
+            rope_theta: 10000.0,
+        },
+    ),
+];
+
+impl LlamaConfig {
+    pub fn preset(name: &str) -> Option<LlamaConfig> {
+        LLAMA_PRESETS.iter().find(|(n, _)| *n == name).map(|(_, c)| c.clone())
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.hidden / self.n_head.max(1)
+    }
+
+    pub fn validate(&self) -> Result<(), NnError> {
+        let positive = [
+            ("num_hidden_layers", self.n_layer),
+            ("num_attention_heads", self.n_head),
+            ("num_key_value_heads", self.n_kv_head),
+            ("hidden_size", self.hidden),
+            ("intermediate_size", self.intermediate),
+            ("vocab_size", self.vocab_size),
+            ("max_position_embeddings", self.max_seq),
+        ];
+        for (field, v) in positive {
+            if v == 0 {
+                return Err(NnError::Config {
+                    field,
+                    detail: "must be at least 1".into(),
+                });
+            }
+        }
+        if !self.hidden.is_multiple_of(self.n_head) || !self.head_dim().is_multiple_of(2) {
+            return Err(NnError::Config {
+                field: "num_attention_heads",
+                detail: format!("({}) must divide hidden_size ({}) into even head widths", self.n_head, self.hidden),
+            });
+        }
+        if !self.n_head.is_multiple_of(self.n_kv_head) {
+            return Err(NnError::Config {
+                field: "num_key_value_heads",
+                detail: format!("({}) must divide num_attention_heads ({})", self.n_kv_head, self.n_head),
+            });
+        }
+        if self.vocab_size > i32::MAX as usize {
+            return Err(NnError::Config {
+                field: "vocab_size",
+                detail: "must fit in i32 token ids".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Every parameter's Hugging Face name and snug shape, in checkpoint order.
+    pub fn parameter_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let (c, f) = (self.hidden, self.intermediate);
+        let kv = self.n_kv_head * self.head_dim();
+        let mut v = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab_size, c])];
+        for i in 0..self.n_layer {
+            let p = |s: &str| format!("model.layers.{i}.{s}");
+            v.extend([
+                (p("input_layernorm.weight"), vec![c]),
+                (p("self_attn.q_proj.weight"), vec![c, c]),
+                (p("self_attn.k_proj.weight"), vec![c, kv]),
+                (p("self_attn.v_proj.weight"), vec![c, kv]),
+                (p("self_attn.o_proj.weight"), vec![c, c]),
+                (p("post_attention_layernorm.weight"), vec![c]),
+                (p("mlp.gate_proj.weight"), vec![c, f]),
+                (p("mlp.up_proj.weight"), vec![c, f]),
+                (p("mlp.down_proj.weight"), vec![f, c]),
+            ]);
+        }
+        v.push(("model.norm.weight".to_string(), vec![c]));
+        v.push(("lm_head.weight".to_string(), vec![c, self.vocab_size]));
+        v
+    }
+
+    pub fn parameter_count(&self) -> usize {
+        self.parameter_shapes().iter().map(|(_, s)| s.iter().product::<usize>()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parameter_counts_match_published_sizes() {
+        // Llama 2: 6,738,415,616 / 13,015,864,320 / 68,976,648,192 parameters.
+        let expect = [("llama-7b", 6_738_415_616), ("llama-13b", 13_015_864_320), ("llama-70b", 68_976_648_192)];
+        for (name, n) in expect {
+            assert_eq!(LlamaConfig::preset(name).unwrap().parameter_count(), n, "{name}");
+        }
+    }
+}
