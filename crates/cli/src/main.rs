@@ -34,7 +34,8 @@ enum Command {
 /// Flags shared by every command that builds a model; each has a TOML key of the same name.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// Model preset: tiny, char-small, gpt2, gpt2-medium, gpt2-large, gpt2-xl.
+    /// Model preset: tiny, char-small, gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-tiny,
+    /// llama-7b, llama-13b, llama-70b.
     #[arg(long)]
     preset: Option<String>,
     /// TOML file with [model] and [train] sections (flags override it).
@@ -52,6 +53,18 @@ pub struct ModelArgs {
     /// Override the model's vocabulary size.
     #[arg(long)]
     vocab: Option<usize>,
+    /// A Hugging Face config.json (GPT-2 or Llama family) instead of a preset.
+    #[arg(long, value_name = "CONFIG_JSON")]
+    hf_config: Option<PathBuf>,
+    /// Storage type of weights and activations: f32, bf16, f16 (bf16/f16 are planned, not run).
+    #[arg(long)]
+    precision: Option<String>,
+    /// Optimizer: adamw (default) or sgd.
+    #[arg(long)]
+    optimizer: Option<String>,
+    /// Sequence length (same as --block).
+    #[arg(long, conflicts_with = "block")]
+    seq: Option<usize>,
     /// Worker threads (default: physical cores).
     #[arg(long)]
     threads: Option<usize>,
@@ -63,13 +76,16 @@ impl ModelArgs {
             ModelSection {
                 preset: self.preset.clone(),
                 vocab_size: self.vocab,
+                hf_config: self.hf_config.clone(),
                 ..Default::default()
             },
             TrainSection {
                 data: self.data.clone(),
                 batch: self.batch,
-                block: self.block,
+                block: self.block.or(self.seq),
                 threads: self.threads,
+                precision: self.precision.clone(),
+                optimizer: self.optimizer.clone(),
                 ..Default::default()
             },
         )

@@ -5,6 +5,8 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::Args;
 use serde::Serialize;
+use snug_graph::DType;
+use snug_nn::ModelConfig;
 use snug_plan::memory_plan::human_bytes;
 use snug_plan::{plan, Breakdown, PeakInfo, PlanOptions, ScheduleKind, Strategy};
 use snug_train::{TokenDataset, TrainConfig};
@@ -26,10 +28,8 @@ pub struct PlanArgs {
 #[derive(Serialize)]
 struct PlanReport {
     preset: String,
-    n_layer: usize,
-    n_head: usize,
-    n_embd: usize,
-    vocab_size: usize,
+    model: ModelConfig,
+    precision: DType,
     batch: usize,
     block: usize,
     threads: usize,
@@ -62,7 +62,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         Some(path) => cfg.model_for_vocab(TokenDataset::from_file(path)?.tokenizer.vocab_size())?,
         None => {
             let m = cfg.base_model()?;
-            cfg.model_for_vocab(m.vocab_size)?
+            cfg.model_for_vocab(m.vocab_size())?
         }
     };
     let (step, _, _) =
@@ -71,10 +71,8 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let plan_ms = start.elapsed().as_secs_f64() * 1e3;
     let report = PlanReport {
         preset: cfg.model.preset.clone().unwrap_or_default(),
-        n_layer: gpt.n_layer,
-        n_head: gpt.n_head,
-        n_embd: gpt.n_embd,
-        vocab_size: gpt.vocab_size,
+        model: gpt.clone(),
+        precision: cfg.precision,
         batch: cfg.batch,
         block: cfg.block,
         threads: cfg.threads,
@@ -101,20 +99,20 @@ pub fn run(args: PlanArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "model {} ({} layers, {} heads, {} wide, vocab {}): {} parameters ({})",
+        "model {} ({}): {} parameters ({} at {})",
         report.preset,
-        gpt.n_layer,
-        gpt.n_head,
-        gpt.n_embd,
-        gpt.vocab_size,
+        gpt.summary(),
         report.parameters,
-        human_bytes(report.parameters * 4)
+        human_bytes(report.parameters * cfg.precision.size_bytes()),
+        cfg.precision
     );
     println!(
-        "training step: batch {} x block {} = {} tokens, AdamW, f32, {} threads; {} nodes, {:.1} GFLOP",
+        "training step: batch {} x block {} = {} tokens, {:?}, {}, {} threads; {} nodes, {:.1} GFLOP",
         cfg.batch,
         cfg.block,
         cfg.batch * cfg.block,
+        cfg.optimizer,
+        cfg.precision,
         cfg.threads,
         report.nodes,
         report.flops_per_step as f64 / 1e9

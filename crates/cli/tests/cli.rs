@@ -203,3 +203,82 @@ fn memory_limit_flags() {
     );
     assert_eq!(summary["memory_limit_bytes"].as_u64(), Some(10_000_000));
 }
+
+#[test]
+fn plan_reads_hugging_face_configs_and_plans_llama_70b() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("config.json");
+    std::fs::write(
+        &cfg,
+        r#"{"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+            "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000,
+            "max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "tie_word_embeddings": false}"#,
+    )
+    .unwrap();
+    let args = [
+        "plan",
+        "--batch",
+        "1",
+        "--seq",
+        "4096",
+        "--precision",
+        "bf16",
+        "--optimizer",
+        "adamw",
+        "--json",
+    ];
+    let from_file = snug(&[&args[..], &["--hf-config", cfg.to_str().unwrap()]].concat());
+    assert!(from_file.status.success(), "{}", stderr(&from_file));
+    let preset = snug(&[&args[..], &["--preset", "llama-70b"]].concat());
+    let (a, b): (serde_json::Value, serde_json::Value) = (
+        serde_json::from_slice(&from_file.stdout).unwrap(),
+        serde_json::from_slice(&preset.stdout).unwrap(),
+    );
+    assert_eq!(a["peak_bytes"], b["peak_bytes"]);
+    assert_eq!(a["parameters"].as_u64(), Some(68_976_648_192));
+    // bf16 weights, f32 Adam moments.
+    assert_eq!(
+        a["breakdown"]["parameters"].as_u64().unwrap() * 4,
+        a["breakdown"]["optimizer_state"].as_u64().unwrap()
+    );
+    assert!(a["arena_over_lower_bound"].as_f64().unwrap() < 1.05);
+    assert!(
+        a["peak_bytes"].as_u64() < a["program_order_peak_bytes"].as_u64(),
+        "scheduling lowered the peak"
+    );
+
+    std::fs::write(&cfg, r#"{"model_type": "bert", "hidden_size": 8}"#).unwrap();
+    fails_with(
+        &["plan", "--hf-config", cfg.to_str().unwrap()],
+        &["config.json", "model_type", "bert"],
+    );
+    std::fs::write(
+        &cfg,
+        r#"{"model_type": "gpt2", "n_layer": 2, "n_head": 2, "vocab_size": 10}"#,
+    )
+    .unwrap();
+    fails_with(
+        &["plan", "--hf-config", cfg.to_str().unwrap()],
+        &["config.json", "n_embd"],
+    );
+    fails_with(
+        &["plan", "--preset", "gpt2", "--precision", "fp8"],
+        &["precision", "fp8"],
+    );
+    fails_with(
+        &["plan", "--preset", "gpt2", "--optimizer", "lion"],
+        &["optimizer", "lion"],
+    );
+    fails_with(
+        &[
+            "plan",
+            "--preset",
+            "gpt2",
+            "--batch",
+            "1000000000000000",
+            "--block",
+            "1024",
+        ],
+        &["overflow"],
+    );
+}

@@ -4,15 +4,18 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::ops::AdamW;
-use crate::{backward, Graph, GraphError, Result, Role, TensorId};
+use crate::ops::{AdamW, Sgd};
+use crate::{backward, DType, Graph, GraphError, Result, Role, TensorId};
 
 /// Optimizer applied at the end of the step.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum OptimizerSpec {
     /// AdamW; weight decay applies to parameters of rank ≥ 2 (weights and embeddings, not
-    /// biases or norm gains), as in GPT-2 and nanoGPT.
+    /// biases or norm gains), as in GPT-2 and nanoGPT. Moments are f32 whatever the weights'
+    /// precision.
     AdamW(AdamW),
+    /// Plain SGD (no optimizer state); weight decay as for AdamW.
+    Sgd(Sgd),
     /// No update: gradients are kept alive to the end of the step so they can be read.
     None,
 }
@@ -66,13 +69,13 @@ impl StepGraph {
                     let m = graph.add_leaf(
                         format!("{}.adam_m", meta.name),
                         &meta.shape,
-                        meta.dtype,
+                        DType::F32,
                         Role::OptimizerState,
                     )?;
                     let v = graph.add_leaf(
                         format!("{}.adam_v", meta.name),
                         &meta.shape,
-                        meta.dtype,
+                        DType::F32,
                         Role::OptimizerState,
                     )?;
                     let adamw = AdamW {
@@ -85,6 +88,17 @@ impl StepGraph {
                     };
                     graph.apply(adamw, &[p, g, m, v])?;
                     Some((m, v))
+                }
+                OptimizerSpec::Sgd(sgd) => {
+                    let sgd = Sgd {
+                        weight_decay: if meta.rank() >= 2 {
+                            sgd.weight_decay
+                        } else {
+                            0.0
+                        },
+                    };
+                    graph.apply(sgd, &[p, g])?;
+                    None
                 }
                 OptimizerSpec::None => {
                     graph.mark_output(g);

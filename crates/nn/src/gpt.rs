@@ -11,7 +11,7 @@ use snug_graph::ops::{
     Binary, CausalAttention, CrossEntropy, Embedding, Gelu, GeluApprox, LayerNorm, MatMul, Narrow,
     Reshape,
 };
-use snug_graph::{DType, Graph, GraphError, TensorId};
+use snug_graph::{DType, Graph, GraphError, Role, TensorId};
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum NnError {
@@ -20,7 +20,11 @@ pub enum NnError {
     #[error("model config: `{field}` {detail}")]
     Config { field: &'static str, detail: String },
     #[error("{path}: `{field}` {detail}")]
-    HfConfig { path: String, field: String, detail: String },
+    HfConfig {
+        path: String,
+        field: String,
+        detail: String,
+    },
     #[error(transparent)]
     Graph(#[from] GraphError),
 }
@@ -103,7 +107,7 @@ pub const PRESETS: &[(&str, GptConfig)] = &[
 
 /// A model's graph: its inputs, its loss, and its parameters by Hugging Face name.
 #[derive(Debug, Clone)]
-pub struct GptGraph {
+pub struct ModelGraph {
     pub graph: Graph,
     /// `[batch, seq]` token ids.
     pub tokens: TensorId,
@@ -212,7 +216,19 @@ impl GptConfig {
     }
 
     /// Builds the forward graph and loss for `batch` sequences of `seq` tokens.
-    pub fn build(&self, batch: usize, seq: usize, threads: usize) -> Result<GptGraph, NnError> {
+    pub fn build(&self, batch: usize, seq: usize, threads: usize) -> Result<ModelGraph, NnError> {
+        self.build_with_dtype(batch, seq, threads, DType::F32)
+    }
+
+    /// [`GptConfig::build`] with parameters and activations stored as `dtype` (bf16/f16 graphs
+    /// are planned; the CPU runtime executes f32).
+    pub fn build_with_dtype(
+        &self,
+        batch: usize,
+        seq: usize,
+        threads: usize,
+        dtype: DType,
+    ) -> Result<ModelGraph, NnError> {
         self.validate()?;
         if batch == 0 {
             return Err(NnError::Config {
@@ -234,7 +250,7 @@ impl GptConfig {
         let mut params = Vec::new();
         let mut param =
             |g: &mut Graph, name: String, shape: &[usize]| -> Result<TensorId, GraphError> {
-                let id = g.parameter(name.clone(), shape)?;
+                let id = g.add_leaf(name.clone(), shape, dtype, Role::Parameter)?;
                 params.push((name, id));
                 Ok(id)
             };
@@ -314,7 +330,7 @@ impl GptConfig {
         let loss = g.apply1(CrossEntropy, &[logits, targets])?;
         g.set_scope("");
         g.rename(loss, "loss");
-        Ok(GptGraph {
+        Ok(ModelGraph {
             graph: g,
             tokens,
             targets,

@@ -4,9 +4,9 @@
 //! - [`gpt`]: GPT-2 / nanoGPT configuration, presets, the forward graph, initialisation.
 
 pub mod gpt;
-pub mod hf_config;
 pub mod llama;
+pub mod model;
 
-pub use gpt::{GptConfig, GptGraph, NnError, PRESETS};
-pub use hf_config::ModelConfig;
+pub use gpt::{GptConfig, ModelGraph, NnError, PRESETS};
 pub use llama::{LlamaConfig, LLAMA_PRESETS};
+pub use model::ModelConfig;

@@ -85,7 +85,10 @@ pub const LLAMA_PRESETS: &[(&str, LlamaConfig)] = &[
 
 impl LlamaConfig {
     pub fn preset(name: &str) -> Option<LlamaConfig> {
-        LLAMA_PRESETS.iter().find(|(n, _)| *n == name).map(|(_, c)| c.clone())
+        LLAMA_PRESETS
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, c)| c.clone())
     }
 
     pub fn head_dim(&self) -> usize {
@@ -113,13 +116,19 @@ impl LlamaConfig {
         if !self.hidden.is_multiple_of(self.n_head) || !self.head_dim().is_multiple_of(2) {
             return Err(NnError::Config {
                 field: "num_attention_heads",
-                detail: format!("({}) must divide hidden_size ({}) into even head widths", self.n_head, self.hidden),
+                detail: format!(
+                    "({}) must divide hidden_size ({}) into even head widths",
+                    self.n_head, self.hidden
+                ),
             });
         }
         if !self.n_head.is_multiple_of(self.n_kv_head) {
             return Err(NnError::Config {
                 field: "num_key_value_heads",
-                detail: format!("({}) must divide num_attention_heads ({})", self.n_kv_head, self.n_head),
+                detail: format!(
+                    "({}) must divide num_attention_heads ({})",
+                    self.n_kv_head, self.n_head
+                ),
             });
         }
         if self.vocab_size > i32::MAX as usize {
@@ -135,7 +144,10 @@ impl LlamaConfig {
     pub fn parameter_shapes(&self) -> Vec<(String, Vec<usize>)> {
         let (c, f) = (self.hidden, self.intermediate);
         let kv = self.n_kv_head * self.head_dim();
-        let mut v = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab_size, c])];
+        let mut v = vec![(
+            "model.embed_tokens.weight".to_string(),
+            vec![self.vocab_size, c],
+        )];
         for i in 0..self.n_layer {
             let p = |s: &str| format!("model.layers.{i}.{s}");
             v.extend([
@@ -156,7 +168,145 @@ impl LlamaConfig {
     }
 
     pub fn parameter_count(&self) -> usize {
-        self.parameter_shapes().iter().map(|(_, s)| s.iter().product::<usize>()).sum()
+        self.parameter_shapes()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum()
+    }
+}
+
+impl LlamaConfig {
+    /// Builds the forward graph and loss for `batch` sequences of `seq` tokens, with parameters
+    /// and activations stored as `dtype`.
+    pub fn build(
+        &self,
+        batch: usize,
+        seq: usize,
+        threads: usize,
+        dtype: snug_graph::DType,
+    ) -> Result<crate::ModelGraph, NnError> {
+        use snug_graph::ops::{
+            Binary, CrossEntropy, Embedding, GqaAttention, MatMul, Reshape, RmsNorm, Rope, SwiGlu,
+        };
+        use snug_graph::{DType, Graph, Role};
+        self.validate()?;
+        if batch == 0 {
+            return Err(NnError::Config {
+                field: "batch",
+                detail: "must be at least 1".into(),
+            });
+        }
+        if seq == 0 || seq > self.max_seq {
+            return Err(NnError::Config {
+                field: "block",
+                detail: format!(
+                    "{seq} must be between 1 and the model's max_position_embeddings {}",
+                    self.max_seq
+                ),
+            });
+        }
+        let (c, f, d) = (self.hidden, self.intermediate, self.head_dim());
+        let kv = self.n_kv_head * d;
+        let mut g = Graph::new().with_threads(threads);
+        let mut params = Vec::new();
+        let mut param = |g: &mut Graph,
+                         name: String,
+                         shape: &[usize]|
+         -> Result<snug_graph::TensorId, NnError> {
+            let id = g.add_leaf(name.clone(), shape, dtype, Role::Parameter)?;
+            params.push((name, id));
+            Ok(id)
+        };
+        let tokens = g.input("tokens", &[batch, seq], DType::I32)?;
+        let targets = g.input("targets", &[batch * seq], DType::I32)?;
+        let embed = param(
+            &mut g,
+            "model.embed_tokens.weight".into(),
+            &[self.vocab_size, c],
+        )?;
+        g.set_scope("embed");
+        let mut x = g.apply1(Embedding, &[embed, tokens])?;
+        let linear = MatMul::default();
+        let norm = RmsNorm { eps: self.rms_eps };
+        for i in 0..self.n_layer {
+            let mut p = |g: &mut Graph, s: &str, shape: &[usize]| {
+                param(g, format!("model.layers.{i}.{s}"), shape)
+            };
+            let ln1 = p(&mut g, "input_layernorm.weight", &[c])?;
+            let wq = p(&mut g, "self_attn.q_proj.weight", &[c, c])?;
+            let wk = p(&mut g, "self_attn.k_proj.weight", &[c, kv])?;
+            let wv = p(&mut g, "self_attn.v_proj.weight", &[c, kv])?;
+            let wo = p(&mut g, "self_attn.o_proj.weight", &[c, c])?;
+            let ln2 = p(&mut g, "post_attention_layernorm.weight", &[c])?;
+            let wg = p(&mut g, "mlp.gate_proj.weight", &[c, f])?;
+            let wu = p(&mut g, "mlp.up_proj.weight", &[c, f])?;
+            let wd = p(&mut g, "mlp.down_proj.weight", &[f, c])?;
+
+            g.set_scope(format!("model.layers.{i}.self_attn"));
+            let h = g.apply(norm, &[x, ln1])?[0];
+            let q = g.apply1(linear, &[h, wq])?;
+            let k = g.apply1(linear, &[h, wk])?;
+            let v = g.apply1(linear, &[h, wv])?;
+            let q = g.apply1(Rope::new(self.n_head, d, self.rope_theta), &[q])?;
+            let k = g.apply1(Rope::new(self.n_kv_head, d, self.rope_theta), &[k])?;
+            let attn = GqaAttention {
+                n_head: self.n_head,
+                n_kv_head: self.n_kv_head,
+            };
+            let a = g.apply(attn, &[q, k, v])?[0];
+            let o = g.apply1(linear, &[a, wo])?;
+            x = g.apply1(Binary::add(), &[x, o])?;
+
+            g.set_scope(format!("model.layers.{i}.mlp"));
+            let h = g.apply(norm, &[x, ln2])?[0];
+            let gate = g.apply1(linear, &[h, wg])?;
+            let up = g.apply1(linear, &[h, wu])?;
+            let m = g.apply1(SwiGlu, &[gate, up])?;
+            let down = g.apply1(linear, &[m, wd])?;
+            x = g.apply1(Binary::add(), &[x, down])?;
+        }
+        let final_norm = param(&mut g, "model.norm.weight".into(), &[c])?;
+        let lm_head = param(&mut g, "lm_head.weight".into(), &[c, self.vocab_size])?;
+        g.set_scope("head");
+        let xf = g.apply(norm, &[x, final_norm])?[0];
+        let xf = g.apply1(
+            Reshape {
+                shape: vec![batch * seq, c],
+            },
+            &[xf],
+        )?;
+        let logits = g.apply1(linear, &[xf, lm_head])?;
+        let loss = g.apply1(CrossEntropy, &[logits, targets])?;
+        g.set_scope("");
+        g.rename(loss, "loss");
+        Ok(crate::ModelGraph {
+            graph: g,
+            tokens,
+            targets,
+            loss,
+            params,
+        })
+    }
+
+    /// Llama's initialisation: linear weights and embeddings N(0, 0.02), norm gains one.
+    pub fn init_parameters(&self, seed: u64) -> Vec<(String, Vec<f32>)> {
+        use rand::SeedableRng;
+        use rand_distr::{Distribution, Normal};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        // A positive, finite standard deviation cannot fail.
+        let normal = Normal::new(0.0f32, 0.02).unwrap_or_else(|_| unreachable!());
+        self.parameter_shapes()
+            .into_iter()
+            .map(|(name, shape)| {
+                let n: usize = shape.iter().product();
+                let values = if name.ends_with("norm.weight") {
+                    vec![1.0; n]
+                } else {
+                    (0..n).map(|_| normal.sample(&mut rng)).collect()
+                };
+                (name, values)
+            })
+            .collect()
     }
 }
 
@@ -167,9 +317,17 @@ mod tests {
     #[test]
     fn parameter_counts_match_published_sizes() {
         // Llama 2: 6,738,415,616 / 13,015,864,320 / 68,976,648,192 parameters.
-        let expect = [("llama-7b", 6_738_415_616), ("llama-13b", 13_015_864_320), ("llama-70b", 68_976_648_192)];
+        let expect = [
+            ("llama-7b", 6_738_415_616),
+            ("llama-13b", 13_015_864_320),
+            ("llama-70b", 68_976_648_192),
+        ];
         for (name, n) in expect {
-            assert_eq!(LlamaConfig::preset(name).unwrap().parameter_count(), n, "{name}");
+            assert_eq!(
+                LlamaConfig::preset(name).unwrap().parameter_count(),
+                n,
+                "{name}"
+            );
         }
     }
 }

@@ -11,8 +11,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use snug_graph::ops::{
     Binary, BinaryKind, BroadcastTo, CausalAttention, CrossEntropy, Embedding, Gelu, GeluApprox,
-    LayerNorm, LogSoftmax, MatMul, Narrow, Op, Pad, Reduce, ReduceKind, Reshape, Scale, Softmax,
-    SumTo, Transpose,
+    GqaAttention, LayerNorm, LogSoftmax, MatMul, Narrow, Op, Pad, Reduce, ReduceKind, Reshape,
+    RmsNorm, Rope, Scale, Silu, Softmax, SumTo, SwiGlu, Transpose,
 };
 use snug_graph::{DType, Graph, OptimizerSpec, StepGraph, TensorId};
 use snug_plan::{plan, PlanOptions};
@@ -78,6 +78,8 @@ struct GradCheck {
     host_loss: bool,
     /// Elements probed besides the random sample of big parameters.
     extra: Vec<(TensorId, Vec<usize>)>,
+    /// Parameters the output does not depend on (see [`GradCheck::expect_zero_grad`]).
+    zero_grad: Vec<TensorId>,
     rel_step: f32,
 }
 
@@ -103,6 +105,7 @@ impl GradCheck {
             feeds: Vec::new(),
             host_loss: false,
             extra: Vec::new(),
+            zero_grad: Vec::new(),
             rel_step: REL_STEP,
         }
     }
@@ -113,6 +116,13 @@ impl GradCheck {
     fn linear_in_each_element(mut self) -> Self {
         self.rel_step = 10.0 * REL_STEP;
         self
+    }
+
+    /// `param`'s gradient is zero everywhere (the output does not depend on it, as attention's
+    /// queries and keys at a single position): its analytic gradient must agree with that, and
+    /// the case does not require a signal from it.
+    fn expect_zero_grad(&mut self, param: TensorId) {
+        self.zero_grad.push(param);
     }
 
     /// Probes these elements of `param` too, whatever its size.
@@ -330,16 +340,33 @@ impl GradCheck {
 
     /// Runs the case and panics with every disagreeing element.
     fn check(self, out: TensorId) {
-        let n_params = self.params.len();
+        let zero: Vec<bool> = self
+            .params
+            .iter()
+            .map(|(p, _)| self.zero_grad.contains(p))
+            .collect();
         let (label, probes) = self.probes(out);
         assert_agree(&label, &probes);
-        for k in 0..n_params {
+        for (k, &zero) in zero.iter().enumerate() {
             let name = format!("p{k}");
             let signal = probes
                 .iter()
                 .filter(|p| p.param == name)
                 .map(|p| p.numeric.abs())
                 .fold(0.0, f64::max);
+            if zero {
+                let analytic = probes
+                    .iter()
+                    .filter(|p| p.param == name)
+                    .map(|p| p.analytic.abs())
+                    .fold(0.0, f64::max);
+                assert!(
+                    signal <= ATOL && analytic <= ATOL,
+                    "{label}: gradient of {name} should be zero, got analytic {analytic:e}, \
+                     numeric {signal:e}"
+                );
+                continue;
+            }
             assert!(
                 signal > MIN_SIGNAL,
                 "{label}: gradient of {name} is ~0 everywhere ({signal:e}); the case proves nothing"
@@ -1043,4 +1070,310 @@ fn large_tensors_through_the_parallel_kernel_paths() {
         );
         c.check(y);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Llama-family ops: RMSNorm, RoPE, SiLU, SwiGLU, grouped-query attention
+
+#[test]
+fn rms_norm_input_and_weight() {
+    // Two threads split the rows between two partial dw sums (evenly for 6 rows, not for 3).
+    for (shape, threads) in [
+        (vec![2, 3, 8], 1),
+        (vec![2, 3, 8], 2),
+        (vec![3, 8], 2),
+        (vec![1, 5], 2),
+    ] {
+        let c_dim = *shape.last().unwrap();
+        let mut c =
+            GradCheck::with_threads(format!("rms_norm {shape:?} threads={threads}"), threads);
+        let x = c.param(&shape);
+        let w = c.param_in(&[c_dim], 0.5, 1.5);
+        let y = c.op(RmsNorm::default(), &[x, w]);
+        c.check(y);
+    }
+}
+
+#[test]
+fn rope_two_heads() {
+    // Head widths 4 and 6 (pairs (0,2),(1,3) and (0,3),(1,4),(2,5)), both directions, Llama's
+    // θ and a small one (fast-turning pairs at every index), one and two threads.
+    for (shape, head_dim) in [(vec![2, 5, 8], 4), (vec![1, 7, 12], 6)] {
+        for theta in [10_000.0, 3.0] {
+            for inverse in [false, true] {
+                for threads in [1, 2] {
+                    let mut c = GradCheck::with_threads(
+                        format!(
+                            "rope {shape:?} head_dim={head_dim} theta={theta} inverse={inverse} \
+                             threads={threads}"
+                        ),
+                        threads,
+                    )
+                    .linear_in_each_element();
+                    let x = c.param(&shape);
+                    let op = Rope {
+                        inverse,
+                        ..Rope::new(2, head_dim, theta)
+                    };
+                    let y = c.op(op, &[x]);
+                    c.check(y);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn silu() {
+    for shape in [vec![4, 6], vec![1, 3]] {
+        let mut c = GradCheck::new(format!("silu {shape:?}"));
+        let x = c.param_in(&shape, -4.0, 4.0);
+        let y = c.op(Silu, &[x]);
+        c.check(y);
+    }
+}
+
+#[test]
+fn swiglu_gate_and_up() {
+    for shape in [vec![3, 8], vec![2, 2, 5]] {
+        let mut c = GradCheck::new(format!("swiglu {shape:?}"));
+        let gate = c.param_in(&shape, -3.0, 3.0);
+        let up = c.param(&shape);
+        let y = c.op(SwiGlu, &[gate, up]);
+        c.check(y);
+    }
+    // One tensor as both gate and up: the two contributions must be summed.
+    let mut c = GradCheck::new("swiglu x with x");
+    let x = c.param_in(&[3, 4], -3.0, 3.0);
+    let y = c.op(SwiGlu, &[x, x]);
+    c.check(y);
+}
+
+#[test]
+fn gqa_attention_grouped_and_ungrouped() {
+    // (B, T, n_head, n_kv_head, head width): two query heads per kv head, ungrouped heads
+    // (n_kv_head == n_head), one kv head for all (multi-query), and a single position.
+    let cases = [
+        (2, 5, 4, 2, 2),
+        (1, 7, 4, 2, 4),
+        (1, 1, 4, 2, 2),
+        (2, 5, 2, 2, 2),
+        (1, 6, 4, 4, 2),
+        (1, 1, 2, 2, 3),
+        (2, 4, 4, 1, 2),
+    ];
+    for (b, t, h, kh, d) in cases {
+        for threads in [1, 2] {
+            let mut c = GradCheck::with_threads(
+                format!("gqa_attention B={b} T={t} heads={h}/{kh} D={d} threads={threads}"),
+                threads,
+            );
+            let q = c.param(&[b, t, h * d]);
+            let k = c.param(&[b, t, kh * d]);
+            let v = c.param(&[b, t, kh * d]);
+            if t == 1 {
+                // Each query sees only its own key: the output is v, whatever q and k are.
+                c.expect_zero_grad(q);
+                c.expect_zero_grad(k);
+            }
+            let y = c.op(
+                GqaAttention {
+                    n_head: h,
+                    n_kv_head: kh,
+                },
+                &[q, k, v],
+            );
+            c.check(y);
+        }
+    }
+}
+
+#[test]
+fn gqa_attention_rejects_bad_shapes() {
+    let mut g = Graph::new();
+    let q = g.input("q", &[1, 3, 12], DType::F32).unwrap();
+    let k = g.input("k", &[1, 3, 6], DType::F32).unwrap();
+    let v = g.input("v", &[1, 3, 6], DType::F32).unwrap();
+    let k_wide = g.input("k_wide", &[1, 3, 8], DType::F32).unwrap();
+    let v_short = g.input("v_short", &[1, 2, 6], DType::F32).unwrap();
+    let gqa = |n_head, n_kv_head| GqaAttention { n_head, n_kv_head };
+    // Query heads of width 3 over 2 kv heads of width 3: fine.
+    assert!(g.apply(gqa(4, 2), &[q, k, v]).is_ok());
+    // 4 query heads cannot be grouped over 3 kv heads; zero heads make no sense.
+    assert!(g.apply(gqa(4, 3), &[q, k, v]).is_err());
+    assert!(g.apply(gqa(4, 0), &[q, k, v]).is_err());
+    assert!(g.apply(gqa(0, 0), &[q, k, v]).is_err());
+    // 12 is not divisible by 5 heads; k's width is not 2 heads of width 3; v's length differs.
+    assert!(g.apply(gqa(5, 1), &[q, k, v]).is_err());
+    assert!(g.apply(gqa(4, 2), &[q, k_wide, v]).is_err());
+    assert!(g.apply(gqa(4, 2), &[q, k, v_short]).is_err());
+    assert!(g.apply(gqa(4, 2), &[q, k]).is_err());
+}
+
+/// Runs a forward-only graph once with f32 `feeds` and returns the values of `outs`.
+fn run_forward(
+    mut graph: Graph,
+    feeds: &[(TensorId, Vec<f32>)],
+    outs: &[TensorId],
+) -> Vec<Vec<f32>> {
+    for &o in outs {
+        graph.mark_output(o);
+    }
+    let threads = graph.threads();
+    let memory = plan(&graph, &PlanOptions::default()).unwrap();
+    let mut session = CpuSession::new(graph, memory, Allocator::default(), threads).unwrap();
+    for (id, v) in feeds {
+        session.write_f32(*id, v).unwrap();
+    }
+    session.run(ExecCtx::default());
+    outs.iter()
+        .map(|&o| session.read_f32(o).unwrap().to_vec())
+        .collect()
+}
+
+fn random_values(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0..1.0f32)).collect()
+}
+
+#[test]
+fn rope_matches_rotate_half_and_inverse_undoes_it() {
+    let (b, t, n_head, head_dim) = (2, 9, 2, 8);
+    let width = n_head * head_dim;
+    for theta in [10_000.0f32, 500_000.0, 2.0] {
+        for threads in [1, 2] {
+            let mut rng = ChaCha8Rng::seed_from_u64(seed_of("rope round trip"));
+            let xv = random_values(&mut rng, b * t * width);
+            let mut g = Graph::new().with_threads(threads);
+            let x = g.input("x", &[b, t, width], DType::F32).unwrap();
+            let fwd = Rope::new(n_head, head_dim, theta);
+            let y = g.apply1(fwd, &[x]).unwrap();
+            let back = g
+                .apply1(
+                    Rope {
+                        inverse: true,
+                        ..fwd
+                    },
+                    &[y],
+                )
+                .unwrap();
+            let out = run_forward(g, &[(x, xv.clone())], &[y, back]);
+            let (yv, back_v) = (&out[0], &out[1]);
+
+            // Reference in f64: pair (i, i + D/2) of each head turned by t · θ^(−2i/D).
+            let half = head_dim / 2;
+            let mut max_err = 0.0f64;
+            for bi in 0..b {
+                for pos in 0..t {
+                    for h in 0..n_head {
+                        let base = (bi * t + pos) * width + h * head_dim;
+                        for i in 0..half {
+                            let inv = (theta as f64).powf(-2.0 * i as f64 / head_dim as f64);
+                            let (s, co) = (pos as f64 * inv).sin_cos();
+                            let (x1, x2) = (xv[base + i] as f64, xv[base + i + half] as f64);
+                            let e1 = x1 * co - x2 * s;
+                            let e2 = x2 * co + x1 * s;
+                            max_err = max_err
+                                .max((yv[base + i] as f64 - e1).abs())
+                                .max((yv[base + i + half] as f64 - e2).abs());
+                        }
+                    }
+                }
+            }
+            assert!(
+                max_err < 1e-6,
+                "theta={theta}: rope differs from rotate_half by {max_err}"
+            );
+            // Position 0 is not rotated; later positions are.
+            assert_eq!(&yv[..width], &xv[..width]);
+            assert!(yv.iter().zip(&xv).any(|(a, b)| (a - b).abs() > 0.1));
+            let round_trip = back_v
+                .iter()
+                .zip(&xv)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                round_trip < 1e-6,
+                "theta={theta} threads={threads}: inverse rope leaves an error of {round_trip}"
+            );
+        }
+    }
+}
+
+#[test]
+fn gqa_attention_with_all_heads_equals_causal_attention() {
+    for (b, t, n_head, d) in [(2, 6, 2, 4), (1, 1, 3, 2), (3, 5, 4, 3)] {
+        for threads in [1, 2] {
+            let c = n_head * d;
+            let mut rng = ChaCha8Rng::seed_from_u64(seed_of("gqa vs causal"));
+            let qv = random_values(&mut rng, b * t * c);
+            let kv = random_values(&mut rng, b * t * c);
+            let vv = random_values(&mut rng, b * t * c);
+            // q, k and v side by side in each row of a packed [B, T, 3C] tensor.
+            let mut packed = Vec::with_capacity(3 * b * t * c);
+            for row in 0..b * t {
+                for src in [&qv, &kv, &vv] {
+                    packed.extend_from_slice(&src[row * c..(row + 1) * c]);
+                }
+            }
+            let mut g = Graph::new().with_threads(threads);
+            let q = g.input("q", &[b, t, c], DType::F32).unwrap();
+            let k = g.input("k", &[b, t, c], DType::F32).unwrap();
+            let v = g.input("v", &[b, t, c], DType::F32).unwrap();
+            let qkv = g.input("qkv", &[b, t, 3 * c], DType::F32).unwrap();
+            let gqa = g
+                .apply(
+                    GqaAttention {
+                        n_head,
+                        n_kv_head: n_head,
+                    },
+                    &[q, k, v],
+                )
+                .unwrap();
+            let mha = g.apply(CausalAttention { n_head }, &[qkv]).unwrap();
+            let out = run_forward(
+                g,
+                &[(q, qv), (k, kv), (v, vv), (qkv, packed)],
+                &[gqa[0], gqa[1], mha[0], mha[1]],
+            );
+            for (what, ours, theirs) in [("y", &out[0], &out[2]), ("lse", &out[1], &out[3])] {
+                assert_eq!(ours.len(), theirs.len());
+                let diff = ours
+                    .iter()
+                    .zip(theirs.iter())
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(
+                    diff < 1e-5,
+                    "B={b} T={t} heads={n_head} threads={threads}: {what} differs by {diff}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn large_llama_ops_through_the_parallel_kernel_paths() {
+    let big = |label: &str| GradCheck::with_threads(format!("large {label}"), 2).large();
+
+    let mut c = big("rms_norm [400, 100]");
+    let x = c.param(&[400, 100]);
+    let w = c.param_in(&[100], 0.5, 1.5);
+    let y = c.op(RmsNorm::default(), &[x, w]);
+    c.check(y);
+
+    let mut c = big("silu [40000]");
+    let x = c.param_in(&[40000], -4.0, 4.0);
+    let y = c.op(Silu, &[x]);
+    c.check(y);
+
+    let mut c = big("swiglu [40000]");
+    let gate = c.param_in(&[40000], -3.0, 3.0);
+    let up = c.param(&[40000]);
+    let y = c.op(SwiGlu, &[gate, up]);
+    c.check(y);
+
+    let mut c = big("rope [3, 40, 320]").linear_in_each_element();
+    let x = c.param(&[3, 40, 320]);
+    let y = c.op(Rope::new(5, 64, 10_000.0), &[x]);
+    c.check(y);
 }

@@ -5,7 +5,8 @@
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use snug_nn::GptConfig;
+use snug_graph::DType;
+use snug_nn::ModelConfig;
 
 use crate::{DataSource, TrainError};
 
@@ -20,6 +21,8 @@ pub struct ModelSection {
     pub block_size: Option<usize>,
     /// Defaults to the data's vocabulary for character-level training.
     pub vocab_size: Option<usize>,
+    /// A Hugging Face `config.json` (GPT-2 or Llama family) instead of a preset.
+    pub hf_config: Option<PathBuf>,
 }
 
 /// `[train]`: every key is optional; missing keys keep their defaults.
@@ -44,6 +47,10 @@ pub struct TrainSection {
     pub memory_limit: Option<String>,
     /// Fail an allocation over the limit instead of exceeding it.
     pub strict_memory_limit: Option<bool>,
+    /// Storage type of parameters and activations: f32 (runs), bf16 or f16 (planned only).
+    pub precision: Option<String>,
+    /// `adamw` (default) or `sgd`.
+    pub optimizer: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -74,6 +81,16 @@ pub struct TrainConfig {
     pub log_every: u64,
     pub memory_limit: Option<usize>,
     pub strict_memory_limit: bool,
+    pub precision: DType,
+    pub optimizer: OptimizerKind,
+}
+
+/// The optimizer a step ends with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    AdamW,
+    Sgd,
 }
 
 /// Serializable form of [`DataSource`].
@@ -116,6 +133,8 @@ impl Default for TrainConfig {
             log_every: 1,
             memory_limit: None,
             strict_memory_limit: false,
+            precision: DType::F32,
+            optimizer: OptimizerKind::AdamW,
         }
     }
 }
@@ -144,14 +163,14 @@ impl TrainConfig {
         cfg.apply(model, train)?;
         if !block_set {
             // Without an explicit block, train on the model's full context.
-            cfg.block = cfg.base_model()?.block_size;
+            cfg.block = cfg.base_model()?.max_seq();
         }
         cfg.validate()?;
         Ok(cfg)
     }
 
     fn apply(&mut self, m: &ModelSection, t: &TrainSection) -> Result<(), TrainError> {
-        if m.preset.is_some() {
+        if m.preset.is_some() || m.hf_config.is_some() {
             // A new preset replaces the default one and its overrides.
             self.model = ModelSection::default();
         }
@@ -168,6 +187,7 @@ impl TrainConfig {
         set!(self.model.n_embd, m.n_embd);
         set!(self.model.block_size, m.block_size);
         set!(self.model.vocab_size, m.vocab_size);
+        set!(self.model.hf_config, m.hf_config);
         if let Some(p) = &t.data {
             self.data = DataSourceConfig::File(p.clone());
         }
@@ -197,6 +217,29 @@ impl TrainConfig {
         }
         if let Some(strict) = t.strict_memory_limit {
             self.strict_memory_limit = strict;
+        }
+        if let Some(o) = &t.optimizer {
+            self.optimizer = match o.to_ascii_lowercase().as_str() {
+                "adamw" => OptimizerKind::AdamW,
+                "sgd" => OptimizerKind::Sgd,
+                _ => {
+                    return Err(TrainError::Config {
+                        field: "optimizer",
+                        detail: format!("`{o}` is not one of adamw, sgd"),
+                    })
+                }
+            };
+        }
+        if let Some(p) = &t.precision {
+            self.precision = match p.parse::<DType>() {
+                Ok(d) if d.is_float() => d,
+                _ => {
+                    return Err(TrainError::Config {
+                        field: "precision",
+                        detail: format!("`{p}` is not one of f32, bf16, f16"),
+                    })
+                }
+            };
         }
         Ok(())
     }
@@ -245,23 +288,25 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// The preset with the `[model]` overrides applied; `vocab_size` may still change to fit
-    /// the data (see [`TrainConfig::model_for_vocab`]).
-    pub fn base_model(&self) -> Result<GptConfig, TrainError> {
+    /// The preset (or Hugging Face config) with the `[model]` overrides applied; `vocab_size`
+    /// may still change to fit the data (see [`TrainConfig::model_for_vocab`]).
+    pub fn base_model(&self) -> Result<ModelConfig, TrainError> {
         let m = &self.model;
-        let mut cfg = GptConfig::preset(m.preset.as_deref().unwrap_or("tiny"))?;
-        cfg.n_layer = m.n_layer.unwrap_or(cfg.n_layer);
-        cfg.n_head = m.n_head.unwrap_or(cfg.n_head);
-        cfg.n_embd = m.n_embd.unwrap_or(cfg.n_embd);
-        cfg.block_size = m.block_size.unwrap_or(cfg.block_size);
-        cfg.vocab_size = m.vocab_size.unwrap_or(cfg.vocab_size);
+        let mut cfg = match &m.hf_config {
+            Some(path) => ModelConfig::from_hf_file(path)?,
+            None => ModelConfig::preset(m.preset.as_deref().unwrap_or("tiny"))?,
+        };
+        cfg.override_shape(m.n_layer, m.n_head, m.n_embd, m.block_size);
+        if let Some(v) = m.vocab_size {
+            cfg.set_vocab_size(v);
+        }
         cfg.validate()?;
         Ok(cfg)
     }
 
     /// The model for data with `data_vocab` symbols: the data's vocabulary unless `vocab_size`
     /// was set, in which case it must be large enough.
-    pub fn model_for_vocab(&self, data_vocab: usize) -> Result<GptConfig, TrainError> {
+    pub fn model_for_vocab(&self, data_vocab: usize) -> Result<ModelConfig, TrainError> {
         let mut cfg = self.base_model()?;
         match self.model.vocab_size {
             Some(v) if v < data_vocab => {
@@ -271,14 +316,15 @@ impl TrainConfig {
                 })
             }
             Some(_) => {}
-            None => cfg.vocab_size = data_vocab,
+            None => cfg.set_vocab_size(data_vocab),
         }
-        if self.block > cfg.block_size {
+        if self.block > cfg.max_seq() {
             return Err(TrainError::Config {
                 field: "block",
                 detail: format!(
                     "{} exceeds the model's block_size {}",
-                    self.block, cfg.block_size
+                    self.block,
+                    cfg.max_seq()
                 ),
             });
         }
@@ -306,6 +352,9 @@ mod tests {
         let cfg = TrainConfig::resolve(Some(&path), &ModelSection::default(), &flags).unwrap();
         assert_eq!((cfg.steps, cfg.batch), (7, 5));
         let model = cfg.base_model().unwrap();
+        let snug_nn::ModelConfig::Gpt(model) = model else {
+            panic!("char-small is a GPT")
+        };
         assert_eq!((model.n_layer, model.n_embd), (2, 384));
     }
 

@@ -11,7 +11,7 @@ mod error;
 pub mod tokenizer;
 pub mod trainer;
 
-pub use config::{ModelSection, TrainConfig, TrainSection};
+pub use config::{ModelSection, OptimizerKind, TrainConfig, TrainSection};
 pub use data::{DataSource, TokenDataset};
 pub use error::TrainError;
 pub use tokenizer::CharTokenizer;

@@ -3,12 +3,13 @@
 
 use std::time::Instant;
 
+use crate::config::OptimizerKind;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
-use snug_graph::ops::AdamW;
+use snug_graph::ops::{AdamW, Sgd};
 use snug_graph::{OptimizerSpec, StepGraph, TensorId};
-use snug_nn::GptConfig;
+use snug_nn::ModelConfig;
 use snug_plan::{plan, MemoryPlan, PlanOptions};
 use snug_runtime::{Allocator, CpuSession, ExecCtx};
 
@@ -55,7 +56,7 @@ pub struct StepStats {
 /// A model being trained: its compiled step, plan, session and data.
 pub struct Trainer {
     config: TrainConfig,
-    model: GptConfig,
+    model: ModelConfig,
     step_graph: StepGraph,
     session: CpuSession,
     data: TokenDataset,
@@ -71,20 +72,26 @@ pub struct Trainer {
 
 /// Compiles the training step of `model` for `batch × block` tokens.
 pub fn compile_step(
-    model: &GptConfig,
+    model: &ModelConfig,
     batch: usize,
     block: usize,
     threads: usize,
     config: &TrainConfig,
 ) -> Result<(StepGraph, TensorId, TensorId), TrainError> {
-    let g = model.build(batch, block, threads)?;
+    let g = model.build(batch, block, threads, config.precision)?;
     let adamw = AdamW {
         beta1: config.beta1,
         beta2: config.beta2,
         eps: 1e-8,
         weight_decay: config.weight_decay,
     };
-    let step = StepGraph::build(g.graph, g.loss, OptimizerSpec::AdamW(adamw))?;
+    let optimizer = match config.optimizer {
+        OptimizerKind::AdamW => OptimizerSpec::AdamW(adamw),
+        OptimizerKind::Sgd => OptimizerSpec::Sgd(Sgd {
+            weight_decay: config.weight_decay,
+        }),
+    };
+    let step = StepGraph::build(g.graph, g.loss, optimizer)?;
     Ok((step, g.tokens, g.targets))
 }
 
@@ -162,7 +169,7 @@ impl Trainer {
         let (batch, block) = (self.config.batch, self.config.block);
         let ids = &self.data.train;
         sample_starts(&mut self.rng, ids.len(), batch, block, &mut self.starts);
-        let vocab = self.model.vocab_size;
+        let vocab = self.model.vocab_size();
         let starts = &self.starts;
         self.session.fill_i32(self.tokens, vocab, |out| {
             fill_windows(ids, starts, block, 0, out)
@@ -205,7 +212,7 @@ impl Trainer {
         &self.config
     }
 
-    pub fn model(&self) -> &GptConfig {
+    pub fn model(&self) -> &ModelConfig {
         &self.model
     }
 

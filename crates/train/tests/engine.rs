@@ -8,7 +8,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 use snug_graph::{OptimizerSpec, StepGraph};
-use snug_nn::GptConfig;
+use snug_nn::{GptConfig, LlamaConfig, ModelConfig};
 use snug_plan::{plan, PlanOptions};
 use snug_runtime::{Allocator, CpuSession, ExecCtx};
 use snug_train::{ModelSection, TokenDataset, TrainConfig, TrainSection, Trainer};
@@ -35,8 +35,31 @@ fn gpt_step_gradients_match_finite_differences() {
         block_size: 8,
         vocab_size: 11,
     };
-    let (batch, seq) = (2, 5); // seq < block exercises the position-embedding slice
-    let g = cfg.build(batch, seq, 2).unwrap();
+    // seq < block exercises the position-embedding slice
+    whole_model_gradients_match(&ModelConfig::Gpt(cfg));
+}
+
+/// The same for a Llama (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, untied
+/// head).
+#[test]
+fn llama_step_gradients_match_finite_differences() {
+    let cfg = LlamaConfig {
+        n_layer: 2,
+        n_head: 4,
+        n_kv_head: 2,
+        hidden: 16,
+        intermediate: 24,
+        vocab_size: 11,
+        max_seq: 8,
+        rms_eps: 1e-5,
+        rope_theta: 10000.0,
+    };
+    whole_model_gradients_match(&ModelConfig::Llama(cfg));
+}
+
+fn whole_model_gradients_match(cfg: &ModelConfig) {
+    let (batch, seq) = (2, 5);
+    let g = cfg.build(batch, seq, 2, snug_graph::DType::F32).unwrap();
     let (tokens, targets) = (g.tokens, g.targets);
     let step = StepGraph::build(g.graph, g.loss, OptimizerSpec::None).unwrap();
     let memory_plan = plan(&step.graph, &PlanOptions::default()).unwrap();
@@ -321,7 +344,7 @@ fn memory_aware_schedule_is_valid_lower_and_exact() {
         for (slot, (_, v)) in step.params.iter().zip(cfg.init_parameters(3)) {
             s.write_f32(slot.param, &v).unwrap();
         }
-        let ids: Vec<i32> = (0..8).map(|i| (i * 37 % 512) as i32).collect();
+        let ids: Vec<i32> = (0..8).map(|i| i * 37 % 512).collect();
         let mut losses = Vec::new();
         for k in 1..=3 {
             s.write_i32(tokens, &ids, 512).unwrap();
@@ -338,4 +361,119 @@ fn memory_aware_schedule_is_valid_lower_and_exact() {
         (losses, w)
     };
     assert_eq!(run(program), run(aware));
+}
+
+/// A tiny Llama trains on CPU: its loss falls on tinyshakespeare.
+#[test]
+fn tiny_llama_trains() {
+    let model = ModelSection {
+        preset: Some("llama-tiny".into()),
+        ..Default::default()
+    };
+    let train = TrainSection {
+        data: Some(shakespeare()),
+        steps: Some(60),
+        batch: Some(8),
+        block: Some(32),
+        lr: Some(3e-3),
+        warmup_steps: Some(5),
+        threads: Some(2),
+        ..Default::default()
+    };
+    let cfg = TrainConfig::resolve(None, &model, &train).unwrap();
+    let data = TokenDataset::load(&(&cfg.data).into()).unwrap();
+    let mut t = Trainer::new(cfg, data).unwrap();
+    let first = t.train_step().unwrap().loss;
+    let mut last = first;
+    for _ in 1..60 {
+        last = t.train_step().unwrap().loss;
+    }
+    assert!(last < first - 0.8, "loss {first} -> {last}");
+    assert_eq!(t.session().allocator().peak_bytes(), t.plan().peak_bytes());
+}
+
+/// SGD's update, checked by hand: p ← p·(1 − lr·wd) − lr·g, with decay on matrices only.
+#[test]
+fn sgd_step_updates_parameters_exactly() {
+    use snug_graph::ops::Sgd;
+    let cfg = GptConfig::preset("tiny").unwrap();
+    let g = cfg.build(1, 4, 1).unwrap();
+    let (tokens, targets) = (g.tokens, g.targets);
+    // Gradients come from an identical graph without an update.
+    let grads_step = StepGraph::build(g.graph.clone(), g.loss, OptimizerSpec::None).unwrap();
+    let sgd_step = StepGraph::build(
+        g.graph,
+        g.loss,
+        OptimizerSpec::Sgd(Sgd { weight_decay: 0.5 }),
+    )
+    .unwrap();
+    let init = cfg.init_parameters(5);
+    let ids = [1, 2, 3, 4];
+    let session = |step: &StepGraph| {
+        let p = plan(step, &PlanOptions::default()).unwrap();
+        let mut s = CpuSession::new(step.graph.clone(), p, Allocator::default(), 1).unwrap();
+        for (slot, (_, v)) in step.params.iter().zip(&init) {
+            s.write_f32(slot.param, v).unwrap();
+        }
+        s.write_i32(tokens, &ids, 65).unwrap();
+        s.write_i32(targets, &ids, 65).unwrap();
+        s.run(ExecCtx { lr: 0.1, step: 1 });
+        s
+    };
+    let (with_grads, updated) = (session(&grads_step), session(&sgd_step));
+    for (k, (a, b)) in grads_step.params.iter().zip(&sgd_step.params).enumerate() {
+        let grad = with_grads.read_f32(a.grad).unwrap();
+        let wd = if grads_step.graph.tensor(a.param).rank() >= 2 {
+            0.5
+        } else {
+            0.0
+        };
+        let after = updated.read_f32(b.param).unwrap();
+        for ((&p0, &g), &p1) in init[k].1.iter().zip(grad).zip(after) {
+            let expect = p0 * (1.0 - 0.1 * wd) - 0.1 * g;
+            assert!(
+                (p1 - expect).abs() <= 1e-6 * (1.0 + expect.abs()),
+                "{}: {p1} vs {expect}",
+                a.name
+            );
+        }
+    }
+    assert_eq!(
+        updated.plan().persistent_bytes,
+        with_grads.plan().persistent_bytes,
+        "SGD holds no state"
+    );
+}
+
+/// bf16 graphs plan (half the bytes of f32 for weights and activations) but the CPU runtime
+/// refuses to run them, with a typed error.
+#[test]
+fn bf16_plans_but_does_not_run_on_cpu() {
+    let cfg = ModelConfig::preset("char-small").unwrap();
+    let build = |dtype| {
+        let g = cfg.build(2, 64, 2, dtype).unwrap();
+        StepGraph::build(g.graph, g.loss, OptimizerSpec::AdamW(Default::default())).unwrap()
+    };
+    let (f32_step, bf16_step) = (
+        build(snug_graph::DType::F32),
+        build(snug_graph::DType::BF16),
+    );
+    let (pf, pb) = (
+        plan(&f32_step, &PlanOptions::default()).unwrap(),
+        plan(&bf16_step, &PlanOptions::default()).unwrap(),
+    );
+    assert_eq!(pb.breakdown.parameters * 2, pf.breakdown.parameters);
+    assert!(
+        pb.arena_bytes < pf.arena_bytes * 6 / 10,
+        "{} vs {}",
+        pb.arena_bytes,
+        pf.arena_bytes
+    );
+    let err = CpuSession::new(bf16_step.graph.clone(), pb, Allocator::default(), 1)
+        .err()
+        .unwrap();
+    assert!(
+        matches!(err, snug_runtime::RuntimeError::UnsupportedDType { .. }),
+        "{err}"
+    );
 }

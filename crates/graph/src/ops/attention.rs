@@ -134,7 +134,9 @@ impl OpRule for CausalAttentionBackward {
         if inputs[2].shape != [b, self.n_head, t] {
             return Err(shape_err(self.name(), "lse must be [B, n_head, T]"));
         }
-        Ok(vec![OutSpec::f32(inputs[0].shape.clone())])
+        Ok(vec![
+            OutSpec::f32(inputs[0].shape.clone()).with_dtype(inputs[0].dtype)
+        ])
     }
 
     fn backward(&self, _ctx: &mut GradCtx<'_>) -> Result<()> {
@@ -255,38 +257,7 @@ impl OpRule for CausalAttentionBackward {
 }
 
 #[cfg(feature = "cpu")]
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: used only to hand disjoint per-head regions of one buffer to worker threads.
-#[cfg(feature = "cpu")]
-unsafe impl Send for SendPtr {}
-#[cfg(feature = "cpu")]
-unsafe impl Sync for SendPtr {}
-#[cfg(feature = "cpu")]
-impl SendPtr {
-    // A method, so closures capture the whole (Send) wrapper rather than its raw field.
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-
-/// Runs `f(item, scratch)` for every (batch, head) item, one workspace slot per worker.
-#[cfg(feature = "cpu")]
-fn for_each_head<F>(ws: &mut [f32], per_slot: usize, items: usize, f: F)
-where
-    F: Fn(usize, &mut [f32]) + Sync + Send,
-{
-    use rayon::prelude::*;
-    let slots = (ws.len() / per_slot).max(1).min(items);
-    ws.par_chunks_mut(per_slot)
-        .take(slots)
-        .enumerate()
-        .for_each(|(slot, scratch)| {
-            for item in (slot..items).step_by(slots) {
-                f(item, scratch);
-            }
-        });
-}
+use super::par::{for_each_item as for_each_head, SendPtr};
 
 /// `s = scale · Q · Kᵀ` for one head (rows of Q and K `row_stride` apart).
 ///
@@ -315,7 +286,7 @@ unsafe fn scores(
 
 /// Turns each row of scores into causal probabilities in place and records its log-sum-exp.
 #[cfg(feature = "cpu")]
-fn softmax_causal(t: usize, s: &mut [f32], lse: &mut [f32]) {
+pub(super) fn softmax_causal(t: usize, s: &mut [f32], lse: &mut [f32]) {
     for i in 0..t {
         let row = &mut s[i * t..(i + 1) * t];
         let (live, masked) = row.split_at_mut(i + 1);

@@ -84,7 +84,9 @@ impl OpRule for CrossEntropyBackward {
         expect_arity(self.name(), inputs, 3)?;
         expect_dtype(self.name(), inputs, 1, DType::I32)?;
         check(self.name(), inputs[0], inputs[1])?;
-        Ok(vec![OutSpec::f32(inputs[0].shape.clone())])
+        Ok(vec![
+            OutSpec::f32(inputs[0].shape.clone()).with_dtype(inputs[0].dtype)
+        ])
     }
 
     fn backward(&self, _ctx: &mut GradCtx<'_>) -> Result<()> {

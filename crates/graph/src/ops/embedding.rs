@@ -87,7 +87,9 @@ impl OpRule for EmbeddingBackward {
                 format!("dy {dy:?} does not match ids {:?}", inputs[0].shape),
             ));
         }
-        Ok(vec![OutSpec::f32(vec![self.vocab, c])])
+        Ok(vec![
+            OutSpec::f32(vec![self.vocab, c]).with_dtype(inputs[1].dtype)
+        ])
     }
 
     fn backward(&self, _ctx: &mut GradCtx<'_>) -> Result<()> {

@@ -134,7 +134,9 @@ impl OpRule for GeluBackward {
         if inputs[0].shape != inputs[1].shape {
             return Err(shape_err(self.name(), "x and dy differ in shape"));
         }
-        Ok(vec![OutSpec::f32(inputs[0].shape.clone())])
+        Ok(vec![
+            OutSpec::f32(inputs[0].shape.clone()).with_dtype(inputs[0].dtype)
+        ])
     }
     fn backward(&self, _ctx: &mut GradCtx<'_>) -> Result<()> {
         Err(GraphError::Invalid {

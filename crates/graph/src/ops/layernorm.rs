@@ -117,10 +117,11 @@ impl OpRule for LayerNormBackward {
             return Err(shape_err(self.name(), "dy and x differ in shape"));
         }
         let w = inputs[2].shape.clone();
+        let (xt, wt) = (inputs[1].dtype, inputs[2].dtype);
         Ok(vec![
-            OutSpec::f32(x.clone()),
-            OutSpec::f32(w.clone()),
-            OutSpec::f32(w),
+            OutSpec::f32(x.clone()).with_dtype(xt),
+            OutSpec::f32(w.clone()).with_dtype(wt),
+            OutSpec::f32(w).with_dtype(wt),
         ])
     }
 

@@ -9,10 +9,16 @@ mod elementwise;
 mod embedding;
 mod fill;
 mod gelu;
+mod gqa_attention;
 mod layernorm;
 mod matmul;
 mod reduce;
+mod rmsnorm;
+mod rope;
+mod sgd;
+mod silu;
 mod softmax;
+mod swiglu;
 mod view;
 
 #[cfg(feature = "cpu")]
@@ -30,10 +36,16 @@ pub use elementwise::{Binary, BinaryKind, Scale};
 pub use embedding::{Embedding, EmbeddingBackward};
 pub use fill::Fill;
 pub use gelu::{Gelu, GeluApprox, GeluBackward};
+pub use gqa_attention::{GqaAttention, GqaAttentionBackward};
 pub use layernorm::{LayerNorm, LayerNormBackward};
 pub use matmul::MatMul;
 pub use reduce::{BroadcastTo, MaxBackward, Reduce, ReduceKind, SumTo};
+pub use rmsnorm::{RmsNorm, RmsNormBackward};
+pub use rope::Rope;
+pub use sgd::Sgd;
+pub use silu::{Silu, SiluBackward};
 pub use softmax::{LogSoftmax, LogSoftmaxBackward, Softmax, SoftmaxBackward};
+pub use swiglu::{SwiGlu, SwiGluBackward};
 pub use view::{Narrow, Pad, Reshape, Transpose};
 
 #[cfg(feature = "cpu")]
@@ -62,6 +74,11 @@ impl OutSpec {
             view_of_input: None,
             suffix: None,
         }
+    }
+
+    pub fn with_dtype(mut self, dtype: DType) -> Self {
+        self.dtype = dtype;
+        self
     }
 
     pub fn named(mut self, suffix: &'static str) -> Self {
@@ -146,6 +163,16 @@ ops!(
     CrossEntropyBackward,
     Fill,
     AdamW,
+    Sgd,
+    RmsNorm,
+    RmsNormBackward,
+    Rope,
+    Silu,
+    SiluBackward,
+    SwiGlu,
+    SwiGluBackward,
+    GqaAttention,
+    GqaAttentionBackward,
 );
 
 impl Op {

@@ -52,3 +52,41 @@ where
         .enumerate()
         .for_each(|(c, part)| f(c * chunk, part));
 }
+
+/// A raw pointer that worker threads may share, for kernels whose work items write disjoint,
+/// non-contiguous regions of one buffer (attention heads, rows of one position).
+#[derive(Clone, Copy)]
+pub(crate) struct SendPtr(pub(crate) *mut f32);
+// SAFETY: used only to hand disjoint regions of one buffer to worker threads.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+impl SendPtr {
+    // A method, so closures capture the whole (Send) wrapper rather than its raw field.
+    pub(crate) fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Runs `f(item, scratch)` for every item in `0..items`, one `per_slot` slice of the workspace
+/// per worker (items are dealt round-robin to `ws.len() / per_slot` slots).
+pub(crate) fn for_each_item<F>(ws: &mut [f32], per_slot: usize, items: usize, f: F)
+where
+    F: Fn(usize, &mut [f32]) + Sync + Send,
+{
+    if items == 0 {
+        return;
+    }
+    if per_slot == 0 {
+        (0..items).into_par_iter().for_each(|item| f(item, &mut []));
+        return;
+    }
+    let slots = (ws.len() / per_slot).max(1).min(items);
+    ws.par_chunks_mut(per_slot)
+        .take(slots)
+        .enumerate()
+        .for_each(|(slot, scratch)| {
+            for item in (slot..items).step_by(slots) {
+                f(item, scratch);
+            }
+        });
+}

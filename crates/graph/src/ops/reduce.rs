@@ -155,7 +155,7 @@ impl OpRule for MaxBackward {
                 format!("dy {:?} does not match x {x:?}", inputs[1].shape),
             ));
         }
-        Ok(vec![OutSpec::f32(x.clone())])
+        Ok(vec![OutSpec::f32(x.clone()).with_dtype(inputs[0].dtype)])
     }
 
     fn backward(&self, _ctx: &mut GradCtx<'_>) -> Result<()> {

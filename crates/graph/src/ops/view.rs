@@ -130,7 +130,7 @@ impl OpRule for Pad {
         }
         let mut out = shape.clone();
         out[0] = self.total;
-        Ok(vec![OutSpec::f32(out)])
+        Ok(vec![OutSpec::f32(out).with_dtype(inputs[0].dtype)])
     }
     fn backward(&self, ctx: &mut GradCtx<'_>) -> Result<()> {
         if let Some(dy) = ctx.grad_out(0) {

@@ -1,0 +1,184 @@
+//! Root-mean-square normalisation over the last axis with an affine weight (no bias, no mean
+//! subtraction), as in Llama. The forward saves each row's reciprocal RMS for the backward.
+
+use super::{expect_arity, float_dtype, shape_err, OpRule, OutSpec};
+use crate::autodiff::GradCtx;
+use crate::tensor::TensorMeta;
+use crate::{GraphError, Result};
+
+/// `y = x · rstd · w` with `rstd = 1 / √(mean(x²) + eps)` per row; inputs `[x [..., C], w [C]]`,
+/// outputs `[y, rstd [...]]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RmsNorm {
+    pub eps: f32,
+}
+
+impl Default for RmsNorm {
+    fn default() -> Self {
+        RmsNorm { eps: 1e-5 }
+    }
+}
+
+#[cfg(feature = "cpu")]
+fn rows_and_width(shape: &[usize]) -> (usize, usize) {
+    let c = *shape.last().unwrap_or(&1);
+    (shape.iter().product::<usize>() / c.max(1), c)
+}
+
+impl OpRule for RmsNorm {
+    fn name(&self) -> &'static str {
+        "rms_norm"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
+        expect_arity(self.name(), inputs, 2)?;
+        let dtype = float_dtype(self.name(), inputs)?;
+        let x = &inputs[0].shape;
+        let Some(&c) = x.last() else {
+            return Err(shape_err(self.name(), "input must have at least one axis"));
+        };
+        if inputs[1].shape != [c] {
+            return Err(shape_err(
+                self.name(),
+                format!("weight has shape {:?}, expected [{c}]", inputs[1].shape),
+            ));
+        }
+        let mut y = OutSpec::f32(x.clone());
+        y.dtype = dtype;
+        Ok(vec![
+            y,
+            OutSpec::f32(x[..x.len() - 1].to_vec()).named("rstd"),
+        ])
+    }
+
+    fn backward(&self, ctx: &mut GradCtx<'_>) -> Result<()> {
+        let Some(dy) = ctx.grad_out(0) else {
+            return Ok(());
+        };
+        let ins = [dy, ctx.input(0), ctx.input(1), ctx.output(1)];
+        let g = ctx.apply(RmsNormBackward, &ins)?;
+        for (i, &t) in g.iter().enumerate() {
+            if ctx.wants(i) {
+                ctx.set_grad(i, t);
+            }
+        }
+        Ok(())
+    }
+
+    fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
+        4 * inputs[0].numel() as u64
+    }
+
+    #[cfg(feature = "cpu")]
+    fn cpu(&self, k: &super::Kernel<'_>) {
+        let (x, w) = (k.in_f32(0), k.in_f32(1));
+        let (y, rstd) = (k.out_f32(0), k.out_f32(1));
+        let (_, c) = rows_and_width(k.in_shape(0));
+        if c == 0 {
+            rstd.fill(1.0 / self.eps.sqrt());
+            return;
+        }
+        let eps = self.eps;
+        super::par::rows_mut2(y, c, rstd, 1, |r0, y, rstd| {
+            for (r, yr) in y.chunks_exact_mut(c).enumerate() {
+                let xr = &x[(r0 + r) * c..(r0 + r + 1) * c];
+                let ms = xr.iter().map(|&v| v * v).sum::<f32>() / c as f32;
+                let s = 1.0 / (ms + eps).sqrt();
+                for ((o, &v), &wv) in yr.iter_mut().zip(xr).zip(w) {
+                    *o = v * s * wv;
+                }
+                rstd[r] = s;
+            }
+        });
+    }
+}
+
+/// Inputs `[dy, x, w, rstd]`; outputs `[dx, dw]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RmsNormBackward;
+
+impl OpRule for RmsNormBackward {
+    fn name(&self) -> &'static str {
+        "rms_norm_backward"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
+        expect_arity(self.name(), inputs, 4)?;
+        let x = &inputs[1].shape;
+        if &inputs[0].shape != x {
+            return Err(shape_err(self.name(), "dy and x differ in shape"));
+        }
+        let Some(&c) = x.last() else {
+            return Err(shape_err(self.name(), "input must have at least one axis"));
+        };
+        if inputs[2].shape != [c] {
+            return Err(shape_err(self.name(), "weight must be [C]"));
+        }
+        if inputs[3].shape != x[..x.len() - 1] {
+            return Err(shape_err(self.name(), "rstd must have x's leading axes"));
+        }
+        Ok(vec![
+            OutSpec::f32(x.clone()).with_dtype(inputs[1].dtype),
+            OutSpec::f32(inputs[2].shape.clone()).with_dtype(inputs[2].dtype),
+        ])
+    }
+
+    fn backward(&self, _ctx: &mut GradCtx<'_>) -> Result<()> {
+        Err(GraphError::Invalid {
+            op: "rms_norm_backward",
+            detail: "second derivatives are not supported".into(),
+        })
+    }
+
+    /// One partial `dw` per thread, summed at the end.
+    fn workspace_elems(&self, inputs: &[&TensorMeta], threads: usize) -> usize {
+        threads.max(1) * inputs[2].numel()
+    }
+
+    fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
+        8 * inputs[0].numel() as u64
+    }
+
+    #[cfg(feature = "cpu")]
+    fn cpu(&self, k: &super::Kernel<'_>) {
+        use rayon::prelude::*;
+        let (dy, x, w, rstd) = (k.in_f32(0), k.in_f32(1), k.in_f32(2), k.in_f32(3));
+        let (dx, dw) = (k.out_f32(0), k.out_f32(1));
+        let ws = k.workspace();
+        let (rows, c) = rows_and_width(k.in_shape(1));
+        dw.fill(0.0);
+        if c == 0 || rows == 0 {
+            return;
+        }
+        let parts = (ws.len() / c).max(1);
+        let rows_per = rows.div_ceil(parts);
+        dx.par_chunks_mut(rows_per * c)
+            .zip(ws.par_chunks_mut(c))
+            .enumerate()
+            .for_each(|(p, (dx, pdw))| {
+                pdw.fill(0.0);
+                let r0 = p * rows_per;
+                for (r, dxr) in dx.chunks_exact_mut(c).enumerate() {
+                    let row = r0 + r;
+                    let (xr, dyr) = (&x[row * c..(row + 1) * c], &dy[row * c..(row + 1) * c]);
+                    let s = rstd[row];
+                    // dx = s · (g − x̂ · mean(g ⊙ x̂)) with g = dy ⊙ w and x̂ = x · s.
+                    let mut sum_gx = 0.0;
+                    for j in 0..c {
+                        let xhat = xr[j] * s;
+                        sum_gx += dyr[j] * w[j] * xhat;
+                        pdw[j] += dyr[j] * xhat;
+                    }
+                    let mgx = sum_gx / c as f32;
+                    for j in 0..c {
+                        let xhat = xr[j] * s;
+                        dxr[j] = s * (dyr[j] * w[j] - xhat * mgx);
+                    }
+                }
+            });
+        let used = rows.div_ceil(rows_per);
+        for pdw in ws.chunks_exact(c).take(used) {
+            dw.iter_mut().zip(pdw).for_each(|(a, b)| *a += b);
+        }
+    }
+}

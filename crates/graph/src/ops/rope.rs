@@ -1,0 +1,134 @@
+//! Rotary position embedding (RoPE) in the Llama / Hugging Face "rotate half" layout: within each
+//! head of width `D`, element `i` and element `i + D/2` form a pair rotated by the angle
+//! `t · θ^(−2i/D)`, where `t` is the position along axis 1. The cosines and sines are computed in
+//! the kernel (angle in f64, then rounded to f32): no table is stored.
+
+use super::{expect_arity, float_dtype, shape_err, OpRule, OutSpec};
+use crate::autodiff::GradCtx;
+use crate::tensor::TensorMeta;
+use crate::Result;
+
+/// Input `x [B, T, n_head · head_dim]`; output the same shape, each head's pairs rotated.
+///
+/// With `inverse` the rotation runs the other way (angle `−t · θ^(−2i/D)`): it undoes the
+/// forward, and since a rotation is orthogonal it is also the forward's gradient.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rope {
+    pub n_head: usize,
+    pub head_dim: usize,
+    /// Base of the frequencies (10 000 in Llama 2, 500 000 in Llama 3).
+    pub theta: f32,
+    pub inverse: bool,
+}
+
+impl Rope {
+    /// The forward rotation.
+    pub fn new(n_head: usize, head_dim: usize, theta: f32) -> Self {
+        Rope {
+            n_head,
+            head_dim,
+            theta,
+            inverse: false,
+        }
+    }
+}
+
+/// Batch, sequence and width of `x`, after checking it against the op's head layout.
+fn dims(op: &Rope, x: &[usize]) -> Result<(usize, usize, usize)> {
+    let name = op.name();
+    if op.head_dim == 0 || !op.head_dim.is_multiple_of(2) {
+        return Err(shape_err(
+            name,
+            format!("head_dim must be even and positive, got {}", op.head_dim),
+        ));
+    }
+    if !(op.theta.is_finite() && op.theta > 0.0) {
+        return Err(shape_err(
+            name,
+            format!("theta must be positive, got {}", op.theta),
+        ));
+    }
+    let width = op.n_head * op.head_dim;
+    if x.len() != 3 || op.n_head == 0 || x[2] != width {
+        return Err(shape_err(
+            name,
+            format!(
+                "x must be [B, T, {} heads × {}], got {x:?}",
+                op.n_head, op.head_dim
+            ),
+        ));
+    }
+    Ok((x[0], x[1], width))
+}
+
+impl OpRule for Rope {
+    fn name(&self) -> &'static str {
+        "rope"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
+        expect_arity(self.name(), inputs, 1)?;
+        let dtype = float_dtype(self.name(), inputs)?;
+        dims(self, &inputs[0].shape)?;
+        let mut y = OutSpec::f32(inputs[0].shape.clone());
+        y.dtype = dtype;
+        Ok(vec![y])
+    }
+
+    fn backward(&self, ctx: &mut GradCtx<'_>) -> Result<()> {
+        if let Some(dy) = ctx.grad_out(0) {
+            let inverse = Rope {
+                inverse: !self.inverse,
+                ..*self
+            };
+            let dx = ctx.apply1(inverse, &[dy])?;
+            ctx.set_grad(0, dx);
+        }
+        Ok(())
+    }
+
+    /// One position's cosines and sines (`head_dim / 2` each) per thread.
+    fn workspace_elems(&self, _inputs: &[&TensorMeta], threads: usize) -> usize {
+        threads.max(1) * self.head_dim
+    }
+
+    fn flops(&self, _inputs: &[&TensorMeta], outputs: &[&TensorMeta]) -> u64 {
+        3 * outputs[0].numel() as u64
+    }
+
+    #[cfg(feature = "cpu")]
+    fn cpu(&self, k: &super::Kernel<'_>) {
+        let Ok((b, t, c)) = dims(self, k.in_shape(0)) else {
+            unreachable!("shape rule checked at build time")
+        };
+        let x = k.in_f32(0);
+        let y = super::par::SendPtr(k.out_f32(0).as_mut_ptr());
+        let (hd, half) = (self.head_dim, self.head_dim / 2);
+        let theta = self.theta as f64;
+        let sign = if self.inverse { -1.0 } else { 1.0 };
+        // One position per item: its angles are computed once and used for every batch row.
+        super::par::for_each_item(k.workspace(), hd, t, |pos, scratch| {
+            let (cos, sin) = scratch.split_at_mut(half);
+            for i in 0..half {
+                let inv_freq = theta.powf(-((2 * i) as f64) / hd as f64);
+                let (s, co) = (pos as f64 * inv_freq).sin_cos();
+                cos[i] = co as f32;
+                sin[i] = (sign * s) as f32;
+            }
+            for bi in 0..b {
+                let off = (bi * t + pos) * c;
+                let xr = &x[off..off + c];
+                // SAFETY: row (bi, pos) of y is written by this item only, and lies inside y.
+                let yr = unsafe { std::slice::from_raw_parts_mut(y.get().add(off), c) };
+                for (xh, yh) in xr.chunks_exact(hd).zip(yr.chunks_exact_mut(hd)) {
+                    let (x1, x2) = xh.split_at(half);
+                    let (y1, y2) = yh.split_at_mut(half);
+                    for i in 0..half {
+                        y1[i] = x1[i] * cos[i] - x2[i] * sin[i];
+                        y2[i] = x2[i] * cos[i] + x1[i] * sin[i];
+                    }
+                }
+            }
+        });
+    }
+}

@@ -1,0 +1,69 @@
+//! Plain SGD with decoupled weight decay: no optimizer state at all.
+
+use super::{expect_arity, shape_err, OpRule, OutSpec};
+use crate::autodiff::GradCtx;
+use crate::tensor::TensorMeta;
+use crate::{GraphError, Result};
+
+/// Inputs `[param, grad]`; writes `param ← param·(1 − lr·wd) − lr·grad`.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Sgd {
+    pub weight_decay: f32,
+}
+
+impl OpRule for Sgd {
+    fn name(&self) -> &'static str {
+        "sgd"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
+        expect_arity(self.name(), inputs, 2)?;
+        if inputs[0].shape != inputs[1].shape {
+            return Err(shape_err(
+                self.name(),
+                format!(
+                    "gradient {:?} differs from parameter {:?}",
+                    inputs[1].shape, inputs[0].shape
+                ),
+            ));
+        }
+        if !inputs[0].role.is_persistent() {
+            return Err(GraphError::Invalid {
+                op: "sgd",
+                detail: format!(
+                    "`{}` is updated in place and must be persistent",
+                    inputs[0].name
+                ),
+            });
+        }
+        Ok(vec![])
+    }
+
+    fn backward(&self, _ctx: &mut GradCtx<'_>) -> Result<()> {
+        Err(GraphError::Invalid {
+            op: "sgd",
+            detail: "an optimizer update has no gradient".into(),
+        })
+    }
+
+    fn mutates_inputs(&self) -> &'static [usize] {
+        &[0]
+    }
+
+    fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
+        3 * inputs[0].numel() as u64
+    }
+
+    #[cfg(feature = "cpu")]
+    fn cpu(&self, k: &super::Kernel<'_>) {
+        let (p, g) = (k.in_mut_f32(0), k.in_f32(1));
+        let lr = k.ctx.lr;
+        let decay = 1.0 - lr * self.weight_decay;
+        super::par::elems_mut(p, |start, out| {
+            let n = out.len();
+            for (w, &gi) in out.iter_mut().zip(&g[start..start + n]) {
+                *w = *w * decay - lr * gi;
+            }
+        });
+    }
+}

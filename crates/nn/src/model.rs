@@ -1,0 +1,288 @@
+//! Any model snug builds (GPT-2 or Llama family), by preset name or from a Hugging Face
+//! `config.json`.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::{GptConfig, LlamaConfig, NnError};
+
+/// A model snug knows how to build.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(tag = "family", rename_all = "snake_case")]
+pub enum ModelConfig {
+    Gpt(GptConfig),
+    Llama(LlamaConfig),
+}
+
+impl ModelConfig {
+    /// Reads `config.json`; an unsupported `model_type` or a missing or malformed field is an
+    /// error naming the file and the field.
+    pub fn from_hf_file(path: &Path) -> Result<ModelConfig, NnError> {
+        let text = std::fs::read_to_string(path).map_err(|e| NnError::HfConfig {
+            path: path.display().to_string(),
+            field: "-".into(),
+            detail: e.to_string(),
+        })?;
+        Self::from_hf_json(&text).map_err(|(field, detail)| NnError::HfConfig {
+            path: path.display().to_string(),
+            field,
+            detail,
+        })
+    }
+
+    /// Parses the text of a `config.json`; errors are (field, detail).
+    pub fn from_hf_json(text: &str) -> Result<ModelConfig, (String, String)> {
+        let v: Value =
+            serde_json::from_str(text).map_err(|e| ("-".to_string(), format!("not JSON: {e}")))?;
+        let obj = v
+            .as_object()
+            .ok_or(("-".to_string(), "not a JSON object".to_string()))?;
+        let model_type = obj.get("model_type").and_then(Value::as_str).ok_or((
+            "model_type".to_string(),
+            "missing (expected \"gpt2\" or \"llama\")".to_string(),
+        ))?;
+        let int = |key: &str| -> Result<usize, (String, String)> {
+            let x = obj
+                .get(key)
+                .ok_or((key.to_string(), "missing".to_string()))?;
+            x.as_u64().and_then(|n| usize::try_from(n).ok()).ok_or((
+                key.to_string(),
+                format!("expected a non-negative integer, found {x}"),
+            ))
+        };
+        let int_or = |key: &str, default: usize| {
+            if obj.contains_key(key) {
+                int(key)
+            } else {
+                Ok(default)
+            }
+        };
+        let float_or = |key: &str, default: f32| -> Result<f32, (String, String)> {
+            match obj.get(key) {
+                None | Some(Value::Null) => Ok(default),
+                Some(x) => x
+                    .as_f64()
+                    .map(|f| f as f32)
+                    .ok_or((key.to_string(), format!("expected a number, found {x}"))),
+            }
+        };
+        let cfg = match model_type {
+            "gpt2" => ModelConfig::Gpt(GptConfig {
+                n_layer: int("n_layer")?,
+                n_head: int("n_head")?,
+                n_embd: int("n_embd")?,
+                block_size: int_or("n_positions", int_or("n_ctx", 1024)?)?,
+                vocab_size: int("vocab_size")?,
+            }),
+            "llama" => {
+                let n_head = int("num_attention_heads")?;
+                if let Some(true) = obj.get("tie_word_embeddings").and_then(Value::as_bool) {
+                    return Err((
+                        "tie_word_embeddings".into(),
+                        "tied Llama heads are not supported yet".into(),
+                    ));
+                }
+                ModelConfig::Llama(LlamaConfig {
+                    n_layer: int("num_hidden_layers")?,
+                    n_head,
+                    n_kv_head: int_or("num_key_value_heads", n_head)?,
+                    hidden: int("hidden_size")?,
+                    intermediate: int("intermediate_size")?,
+                    vocab_size: int("vocab_size")?,
+                    max_seq: int_or("max_position_embeddings", 4096)?,
+                    rms_eps: float_or("rms_norm_eps", 1e-5)?,
+                    rope_theta: float_or("rope_theta", 10000.0)?,
+                })
+            }
+            other => {
+                return Err((
+                    "model_type".into(),
+                    format!("`{other}` is not supported (supported: gpt2, llama)"),
+                ))
+            }
+        };
+        cfg.validate().map_err(|e| match e {
+            NnError::Config { field, detail } => (field.to_string(), detail),
+            other => ("-".to_string(), other.to_string()),
+        })?;
+        Ok(cfg)
+    }
+
+    pub fn validate(&self) -> Result<(), NnError> {
+        match self {
+            ModelConfig::Gpt(c) => c.validate(),
+            ModelConfig::Llama(c) => c.validate(),
+        }
+    }
+
+    pub fn parameter_count(&self) -> usize {
+        match self {
+            ModelConfig::Gpt(c) => c.parameter_count(),
+            ModelConfig::Llama(c) => c.parameter_count(),
+        }
+    }
+
+    /// A GPT or Llama preset by name.
+    pub fn preset(name: &str) -> Result<ModelConfig, NnError> {
+        if let Some(c) = LlamaConfig::preset(name) {
+            return Ok(ModelConfig::Llama(c));
+        }
+        GptConfig::preset(name)
+            .map(ModelConfig::Gpt)
+            .map_err(|_| NnError::UnknownPreset {
+                name: name.to_string(),
+                known: crate::gpt::PRESETS
+                    .iter()
+                    .map(|(n, _)| *n)
+                    .chain(crate::llama::LLAMA_PRESETS.iter().map(|(n, _)| *n))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
+    }
+
+    /// `12 layers, 12 heads, 768 wide, vocab 50257` (and key/value heads for Llama).
+    pub fn summary(&self) -> String {
+        match self {
+            ModelConfig::Gpt(c) => format!(
+                "GPT, {} layers, {} heads, {} wide, vocab {}",
+                c.n_layer, c.n_head, c.n_embd, c.vocab_size
+            ),
+            ModelConfig::Llama(c) => format!(
+                "Llama, {} layers, {} heads ({} key/value), {} wide, MLP {}, vocab {}",
+                c.n_layer, c.n_head, c.n_kv_head, c.hidden, c.intermediate, c.vocab_size
+            ),
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            ModelConfig::Gpt(c) => c.vocab_size,
+            ModelConfig::Llama(c) => c.vocab_size,
+        }
+    }
+
+    pub fn set_vocab_size(&mut self, vocab: usize) {
+        match self {
+            ModelConfig::Gpt(c) => c.vocab_size = vocab,
+            ModelConfig::Llama(c) => c.vocab_size = vocab,
+        }
+    }
+
+    /// Longest sequence the model takes.
+    pub fn max_seq(&self) -> usize {
+        match self {
+            ModelConfig::Gpt(c) => c.block_size,
+            ModelConfig::Llama(c) => c.max_seq,
+        }
+    }
+
+    /// Applies `[model]` overrides: layers, heads, width, context.
+    pub fn override_shape(
+        &mut self,
+        n_layer: Option<usize>,
+        n_head: Option<usize>,
+        width: Option<usize>,
+        max_seq: Option<usize>,
+    ) {
+        match self {
+            ModelConfig::Gpt(c) => {
+                c.n_layer = n_layer.unwrap_or(c.n_layer);
+                c.n_head = n_head.unwrap_or(c.n_head);
+                c.n_embd = width.unwrap_or(c.n_embd);
+                c.block_size = max_seq.unwrap_or(c.block_size);
+            }
+            ModelConfig::Llama(c) => {
+                c.n_layer = n_layer.unwrap_or(c.n_layer);
+                if let Some(h) = n_head {
+                    // Keep the grouping ratio when the head count changes.
+                    let group = (c.n_head / c.n_kv_head.max(1)).max(1);
+                    c.n_head = h;
+                    c.n_kv_head = (h / group).max(1);
+                }
+                c.hidden = width.unwrap_or(c.hidden);
+                c.max_seq = max_seq.unwrap_or(c.max_seq);
+            }
+        }
+    }
+
+    /// Model FLOPs per token of a training step: `6N` for the weights plus `12·L·C·T` for
+    /// attention (nanoGPT's and PaLM's count).
+    pub fn flops_per_token(&self, seq: usize) -> u64 {
+        let (layers, width) = match self {
+            ModelConfig::Gpt(c) => (c.n_layer, c.n_embd),
+            ModelConfig::Llama(c) => (c.n_layer, c.hidden),
+        };
+        6 * self.parameter_count() as u64 + 12 * (layers * width * seq) as u64
+    }
+
+    pub fn build(
+        &self,
+        batch: usize,
+        seq: usize,
+        threads: usize,
+        dtype: snug_graph::DType,
+    ) -> Result<crate::ModelGraph, NnError> {
+        match self {
+            ModelConfig::Gpt(c) => c.build_with_dtype(batch, seq, threads, dtype),
+            ModelConfig::Llama(c) => c.build(batch, seq, threads, dtype),
+        }
+    }
+
+    /// Initial parameter values by name, in the order of the built graph's parameters.
+    pub fn init_parameters(&self, seed: u64) -> Vec<(String, Vec<f32>)> {
+        match self {
+            ModelConfig::Gpt(c) => c.init_parameters(seed),
+            ModelConfig::Llama(c) => c.init_parameters(seed),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_gpt2_and_llama_configs() {
+        let gpt2 = r#"{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 12, "n_head": 12,
+            "n_embd": 768, "n_positions": 1024, "n_ctx": 1024, "vocab_size": 50257, "layer_norm_epsilon": 1e-05}"#;
+        assert_eq!(
+            ModelConfig::from_hf_json(gpt2).unwrap(),
+            ModelConfig::Gpt(GptConfig::preset("gpt2").unwrap())
+        );
+        let llama = r#"{"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
+            "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000,
+            "max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "tie_word_embeddings": false}"#;
+        assert_eq!(
+            ModelConfig::from_hf_json(llama).unwrap(),
+            ModelConfig::Llama(LlamaConfig::preset("llama-70b").unwrap())
+        );
+    }
+
+    #[test]
+    fn bad_configs_name_the_field() {
+        let field = |text: &str| ModelConfig::from_hf_json(text).unwrap_err().0;
+        assert_eq!(field(r#"{"model_type": "bert"}"#), "model_type");
+        assert_eq!(field(r#"{"n_layer": 2}"#), "model_type");
+        assert_eq!(
+            field(r#"{"model_type": "gpt2", "n_layer": 2, "n_head": 2, "vocab_size": 10}"#),
+            "n_embd"
+        );
+        assert_eq!(
+            field(
+                r#"{"model_type": "gpt2", "n_layer": -2, "n_head": 2, "n_embd": 8, "vocab_size": 10}"#
+            ),
+            "n_layer"
+        );
+        assert_eq!(
+            field(
+                r#"{"model_type": "gpt2", "n_layer": 2, "n_head": 3, "n_embd": 8, "vocab_size": 10}"#
+            ),
+            "n_head"
+        );
+        assert_eq!(field("not json"), "-");
+        let llama = r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 3, "vocab_size": 10}"#;
+        assert_eq!(field(llama), "num_key_value_heads");
+    }
+}
