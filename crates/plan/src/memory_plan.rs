@@ -168,6 +168,11 @@ impl MemoryPlan {
         &self.breakdown
     }
 
+    /// Bytes held (persistent + live arena tensors) while each op of the schedule runs.
+    pub fn timeline(&self) -> &[usize] {
+        &self.timeline
+    }
+
     /// Arena offset of a storage root, or `None` for persistent tensors.
     pub fn arena_offset(&self, root: TensorId) -> Option<usize> {
         self.offsets.get(root.index()).copied().flatten()
