@@ -119,11 +119,22 @@ impl CpuSession {
 
     /// Runs every node of the schedule once.
     pub fn run(&mut self, ctx: ExecCtx) {
+        self.execute(ctx, None);
+    }
+
+    /// Runs the schedule once, timing every node (seconds, in schedule order).
+    pub fn run_profiled(&mut self, ctx: ExecCtx) -> Vec<f64> {
+        let mut times = Vec::with_capacity(self.bindings.len());
+        self.execute(ctx, Some(&mut times));
+        times
+    }
+
+    fn execute(&self, ctx: ExecCtx, mut times: Option<&mut Vec<f64>>) {
         let graph = &self.graph;
-        let bindings = &self.bindings;
         self.pool.install(|| {
-            for b in bindings {
+            for b in &self.bindings {
                 let node = &graph.nodes()[b.node];
+                let start = times.is_some().then(std::time::Instant::now);
                 // SAFETY: the plan gives coexisting tensors disjoint bytes; views (whose output
                 // aliases the input) have kernels that touch nothing.
                 let kernel = unsafe {
@@ -136,35 +147,11 @@ impl CpuSession {
                     )
                 };
                 node.op.cpu(&kernel);
+                if let (Some(times), Some(start)) = (times.as_deref_mut(), start) {
+                    times.push(start.elapsed().as_secs_f64());
+                }
             }
         });
-    }
-
-    /// Runs the schedule once, timing every node (seconds, in schedule order).
-    pub fn run_profiled(&mut self, ctx: ExecCtx) -> Vec<f64> {
-        let graph = &self.graph;
-        let bindings = &self.bindings;
-        self.pool.install(|| {
-            bindings
-                .iter()
-                .map(|b| {
-                    let node = &graph.nodes()[b.node];
-                    let start = std::time::Instant::now();
-                    // SAFETY: as in `run`.
-                    let kernel = unsafe {
-                        Kernel::new(
-                            &b.inputs,
-                            &b.outputs,
-                            b.workspace.as_ref(),
-                            node.op.mutates_inputs(),
-                            ctx,
-                        )
-                    };
-                    node.op.cpu(&kernel);
-                    start.elapsed().as_secs_f64()
-                })
-                .collect()
-        })
     }
 
     pub fn graph(&self) -> &Graph {

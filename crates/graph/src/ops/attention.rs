@@ -81,33 +81,29 @@ impl OpRule for CausalAttention {
         let Ok((b, t, c, d)) = dims(self.name(), k.in_shape(0), self.n_head) else {
             unreachable!("shape rule checked at build time")
         };
-        let qkv = k.in_f32(0).as_ptr();
+        let qkv = SendPtr(k.in_f32(0).as_ptr() as *mut f32);
         let y = SendPtr(k.out_f32(0).as_mut_ptr());
         let lse = SendPtr(k.out_f32(1).as_mut_ptr());
         let h = self.n_head;
         let scale = 1.0 / (d as f32).sqrt();
-        let qkv = SendPtr(qkv as *mut f32);
         for_each_head(k.workspace(), t * t, b * h, |item, s| {
             let (bi, hi) = (item / h, item % h);
-            let s3 = 3 * c as isize;
             // SAFETY: every pointer below stays inside its tensor; each (b, h) writes only its
             // own columns of y and its own row of lse.
             unsafe {
                 let q = qkv.get().add(bi * t * 3 * c + hi * d);
-                let kk = q.add(c);
-                let v = q.add(2 * c);
-                scores(t, d, q, kk, s3, scale, s);
+                let rows = |ptr, stride| Rows { ptr, stride };
                 let lse_row = std::slice::from_raw_parts_mut(lse.get().add(item * t), t);
-                softmax_causal(t, s, lse_row);
-                let yb = y.get().add(bi * t * c + hi * d);
-                super::matmul::gemm_raw(
-                    (t, d, t),
-                    (yb, c as isize, 1),
-                    (s.as_ptr(), t as isize, 1),
-                    (v, s3, 1),
-                    1.0,
-                    false,
-                    gemm::Parallelism::None,
+                head_forward(
+                    (t, d, scale),
+                    [
+                        rows(q, 3 * c),
+                        rows(q.add(c), 3 * c),
+                        rows(q.add(2 * c), 3 * c),
+                    ],
+                    rows(y.get().add(bi * t * c + hi * d), c),
+                    s,
+                    lse_row,
                 );
             }
         });
@@ -174,82 +170,32 @@ impl OpRule for CausalAttentionBackward {
         let scale = 1.0 / (d as f32).sqrt();
         for_each_head(k.workspace(), 2 * t * t, b * h, |item, ws| {
             let (bi, hi) = (item / h, item % h);
-            let (p, dp) = ws.split_at_mut(t * t);
-            let s3 = 3 * c as isize;
-            let ci = c as isize;
-            let none = gemm::Parallelism::None;
             // SAFETY: as in the forward; each (b, h) writes only its own columns of dqkv.
             unsafe {
                 let q = qkv.get().add(bi * t * 3 * c + hi * d);
-                let kk = q.add(c);
-                let v = q.add(2 * c);
                 let dq = dqkv.get().add(bi * t * 3 * c + hi * d);
-                let dk = dq.add(c);
-                let dv = dq.add(2 * c);
-                let yb = y.get().add(bi * t * c + hi * d);
-                let dyb = dy.get().add(bi * t * c + hi * d);
-                // P = exp(scale·QKᵀ − lse), zero above the diagonal.
-                scores(t, d, q, kk, s3, scale, p);
-                let lse_row = &lse[item * t..(item + 1) * t];
-                for i in 0..t {
-                    let row = &mut p[i * t..(i + 1) * t];
-                    for (j, x) in row.iter_mut().enumerate() {
-                        *x = if j <= i {
-                            super::math::exp(*x - lse_row[i])
-                        } else {
-                            0.0
-                        };
-                    }
-                }
-                // dV = Pᵀ · dY
-                super::matmul::gemm_raw(
-                    (t, d, t),
-                    (dv, s3, 1),
-                    (p.as_ptr(), 1, t as isize),
-                    (dyb, ci, 1),
-                    1.0,
-                    false,
-                    none,
+                let (yb, dyb) = (
+                    y.get().add(bi * t * c + hi * d),
+                    dy.get().add(bi * t * c + hi * d),
                 );
-                // dP = dY · Vᵀ
-                super::matmul::gemm_raw(
-                    (t, t, d),
-                    (dp.as_mut_ptr(), t as isize, 1),
-                    (dyb, ci, 1),
-                    (v, 1, s3),
-                    1.0,
+                let r3 = |ptr| Rows { ptr, stride: 3 * c };
+                let rc = |ptr| Rows { ptr, stride: c };
+                let head = HeadGrads {
+                    q: r3(q),
+                    k: r3(q.add(c)),
+                    v: r3(q.add(2 * c)),
+                    y: rc(yb),
+                    dy: rc(dyb),
+                    dq: r3(dq),
+                    dk: r3(dq.add(c)),
+                    dv: r3(dq.add(2 * c)),
+                };
+                head_backward(
+                    (t, d, scale),
+                    &head,
+                    &lse[item * t..(item + 1) * t],
+                    ws,
                     false,
-                    none,
-                );
-                // dS = P ⊙ (dP − rowsum(dY ⊙ Y))
-                for i in 0..t {
-                    let mut di = 0.0;
-                    for e in 0..d {
-                        di += *dyb.add(i * c + e) * *yb.add(i * c + e);
-                    }
-                    let (pr, dpr) = (&p[i * t..(i + 1) * t], &mut dp[i * t..(i + 1) * t]);
-                    for (g, &pv) in dpr.iter_mut().zip(pr) {
-                        *g = pv * (*g - di);
-                    }
-                }
-                // dQ = scale · dS · K ;  dK = scale · dSᵀ · Q
-                super::matmul::gemm_raw(
-                    (t, d, t),
-                    (dq, s3, 1),
-                    (dp.as_ptr(), t as isize, 1),
-                    (kk, s3, 1),
-                    scale,
-                    false,
-                    none,
-                );
-                super::matmul::gemm_raw(
-                    (t, d, t),
-                    (dk, s3, 1),
-                    (dp.as_ptr(), 1, t as isize),
-                    (q, s3, 1),
-                    scale,
-                    false,
-                    none,
                 );
             }
         });
@@ -259,34 +205,161 @@ impl OpRule for CausalAttentionBackward {
 #[cfg(feature = "cpu")]
 use super::par::{for_each_item as for_each_head, SendPtr};
 
-/// `s = scale · Q · Kᵀ` for one head (rows of Q and K `row_stride` apart).
+/// One head's rows inside a strided tensor: the first element and the distance between rows.
+#[cfg(feature = "cpu")]
+#[derive(Clone, Copy)]
+pub(super) struct Rows {
+    pub ptr: *mut f32,
+    pub stride: usize,
+}
+
+/// A head's forward inputs and outputs and their gradients, for [`head_backward`].
+#[cfg(feature = "cpu")]
+pub(super) struct HeadGrads {
+    pub q: Rows,
+    pub k: Rows,
+    pub v: Rows,
+    pub y: Rows,
+    pub dy: Rows,
+    pub dq: Rows,
+    pub dk: Rows,
+    pub dv: Rows,
+}
+
+/// `c (+)= scale · a · b` on strided head matrices; `ta`/`tb` read an operand transposed.
 ///
 /// # Safety
-/// `q` and `k` must be valid for `t` rows of `d` elements at `row_stride`.
+/// Every pointer must be valid for the rows its shape and stride reach.
 #[cfg(feature = "cpu")]
-unsafe fn scores(
-    t: usize,
-    d: usize,
-    q: *const f32,
-    k: *const f32,
-    row_stride: isize,
+#[allow(clippy::too_many_arguments)]
+unsafe fn head_gemm(
+    (m, n, k): (usize, usize, usize),
+    c: Rows,
+    a: Rows,
+    ta: bool,
+    b: Rows,
+    tb: bool,
     scale: f32,
-    s: &mut [f32],
+    acc: bool,
 ) {
+    let strides = |r: Rows, t: bool| {
+        if t {
+            (1, r.stride as isize)
+        } else {
+            (r.stride as isize, 1)
+        }
+    };
+    let ((a_rs, a_cs), (b_rs, b_cs)) = (strides(a, ta), strides(b, tb));
     super::matmul::gemm_raw(
-        (t, t, d),
-        (s.as_mut_ptr(), t as isize, 1),
-        (q, row_stride, 1),
-        (k, 1, row_stride),
+        (m, n, k),
+        (c.ptr, c.stride as isize, 1),
+        (a.ptr, a_rs, a_cs),
+        (b.ptr, b_rs, b_cs),
         scale,
-        false,
+        acc,
         gemm::Parallelism::None,
+    );
+}
+
+/// One (batch, head) of causal attention: `y = softmax(scale·QKᵀ, causal) · V`, recording each
+/// row's log-sum-exp; `s` is `t × t` scratch.
+///
+/// # Safety
+/// The pointers must be valid for `t` rows of `d` elements at their strides.
+#[cfg(feature = "cpu")]
+pub(super) unsafe fn head_forward(
+    (t, d, scale): (usize, usize, f32),
+    [q, k, v]: [Rows; 3],
+    y: Rows,
+    s: &mut [f32],
+    lse: &mut [f32],
+) {
+    let s_rows = Rows {
+        ptr: s.as_mut_ptr(),
+        stride: t,
+    };
+    head_gemm((t, t, d), s_rows, q, false, k, true, scale, false);
+    softmax_causal(t, s, lse);
+    head_gemm((t, d, t), y, s_rows, false, v, false, 1.0, false);
+}
+
+/// Gradients of one (batch, head), recomputing the probabilities from `lse`; `ws` is `2·t·t`
+/// scratch. With `accumulate_kv`, `dk` and `dv` are added to (several query heads sharing a
+/// key/value head) instead of overwritten.
+///
+/// # Safety
+/// The pointers must be valid for `t` rows of `d` elements at their strides.
+#[cfg(feature = "cpu")]
+pub(super) unsafe fn head_backward(
+    (t, d, scale): (usize, usize, f32),
+    h: &HeadGrads,
+    lse: &[f32],
+    ws: &mut [f32],
+    accumulate_kv: bool,
+) {
+    let (p, dp) = ws.split_at_mut(t * t);
+    let (p_rows, dp_rows) = (
+        Rows {
+            ptr: p.as_mut_ptr(),
+            stride: t,
+        },
+        Rows {
+            ptr: dp.as_mut_ptr(),
+            stride: t,
+        },
+    );
+    // P = exp(scale·QKᵀ − lse), zero above the diagonal.
+    head_gemm((t, t, d), p_rows, h.q, false, h.k, true, scale, false);
+    for i in 0..t {
+        let row = &mut p[i * t..(i + 1) * t];
+        for (j, x) in row.iter_mut().enumerate() {
+            *x = if j <= i {
+                super::math::exp(*x - lse[i])
+            } else {
+                0.0
+            };
+        }
+    }
+    // dV (+)= Pᵀ · dY ;  dP = dY · Vᵀ
+    head_gemm(
+        (t, d, t),
+        h.dv,
+        p_rows,
+        true,
+        h.dy,
+        false,
+        1.0,
+        accumulate_kv,
+    );
+    head_gemm((t, t, d), dp_rows, h.dy, false, h.v, true, 1.0, false);
+    // dS = P ⊙ (dP − rowsum(dY ⊙ Y))
+    for i in 0..t {
+        let mut di = 0.0;
+        for e in 0..d {
+            di += *h.dy.ptr.add(i * h.dy.stride + e) * *h.y.ptr.add(i * h.y.stride + e);
+        }
+        let (pr, dpr) = (&p[i * t..(i + 1) * t], &mut dp[i * t..(i + 1) * t]);
+        for (g, &pv) in dpr.iter_mut().zip(pr) {
+            *g = pv * (*g - di);
+        }
+    }
+    // dQ = scale · dS · K ;  dK (+)= scale · dSᵀ · Q
+    head_gemm((t, d, t), h.dq, dp_rows, false, h.k, false, scale, false);
+    head_gemm(
+        (t, d, t),
+        h.dk,
+        dp_rows,
+        true,
+        h.q,
+        false,
+        scale,
+        accumulate_kv,
     );
 }
 
 /// Turns each row of scores into causal probabilities in place and records its log-sum-exp.
 #[cfg(feature = "cpu")]
-pub(super) fn softmax_causal(t: usize, s: &mut [f32], lse: &mut [f32]) {
+fn softmax_causal(t: usize, s: &mut [f32], lse: &mut [f32]) {
     for i in 0..t {
         let row = &mut s[i * t..(i + 1) * t];
         let (live, masked) = row.split_at_mut(i + 1);

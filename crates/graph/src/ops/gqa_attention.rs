@@ -10,6 +10,9 @@ use crate::autodiff::GradCtx;
 use crate::tensor::TensorMeta;
 use crate::{GraphError, Result};
 
+#[cfg(feature = "cpu")]
+use super::attention::{head_backward, head_forward, HeadGrads, Rows};
+
 /// Inputs `[q [B, T, n_head·D], k [B, T, n_kv_head·D], v [B, T, n_kv_head·D]]`; outputs
 /// `[y [B, T, n_head·D], lse [B, n_head, T]]`. With `n_kv_head == n_head` it is ordinary
 /// multi-head attention; with `n_kv_head == 1`, multi-query attention.
@@ -156,27 +159,24 @@ impl OpRule for GqaAttention {
         let y = SendPtr(k.out_f32(0).as_mut_ptr());
         let lse = SendPtr(k.out_f32(1).as_mut_ptr());
         let scale = 1.0 / (d as f32).sqrt();
-        let none = gemm::Parallelism::None;
         super::par::for_each_item(k.workspace(), t * t, s.b * h, |item, sc| {
             let (bi, hi) = (item / h, item % h);
             let kvh = hi / group;
             // SAFETY: every pointer below stays inside its tensor; each (b, h) writes only its
             // own columns of y and its own row of lse.
             unsafe {
-                let qp = q.get().add(bi * t * cq + hi * d);
-                let kp = kk.get().add(bi * t * ckv + kvh * d);
-                let vp = v.get().add(bi * t * ckv + kvh * d);
-                scores(t, d, (qp, cq as isize), (kp, ckv as isize), scale, sc);
+                let rows = |ptr, stride| Rows { ptr, stride };
                 let lse_row = std::slice::from_raw_parts_mut(lse.get().add(item * t), t);
-                super::attention::softmax_causal(t, sc, lse_row);
-                super::matmul::gemm_raw(
-                    (t, d, t),
-                    (y.get().add(bi * t * cq + hi * d), cq as isize, 1),
-                    (sc.as_ptr(), t as isize, 1),
-                    (vp, ckv as isize, 1),
-                    1.0,
-                    false,
-                    none,
+                head_forward(
+                    (t, d, scale),
+                    [
+                        rows(q.get().add(bi * t * cq + hi * d), cq),
+                        rows(kk.get().add(bi * t * ckv + kvh * d), ckv),
+                        rows(v.get().add(bi * t * ckv + kvh * d), ckv),
+                    ],
+                    rows(y.get().add(bi * t * cq + hi * d), cq),
+                    sc,
+                    lse_row,
                 );
             }
         });
@@ -256,7 +256,6 @@ impl OpRule for GqaAttentionBackward {
         };
         let (t, d, h, kh, group) = (s.t, s.d, s.h, s.kh, s.group());
         let (cq, ckv) = (h * d, kh * d);
-        let (cqi, ckvi, ti) = (cq as isize, ckv as isize, t as isize);
         let q = SendPtr(k.in_f32(0).as_ptr() as *mut f32);
         let kk = SendPtr(k.in_f32(1).as_ptr() as *mut f32);
         let v = SendPtr(k.in_f32(2).as_ptr() as *mut f32);
@@ -267,117 +266,34 @@ impl OpRule for GqaAttentionBackward {
         let dk = SendPtr(k.out_f32(1).as_mut_ptr());
         let dv = SendPtr(k.out_f32(2).as_mut_ptr());
         let scale = 1.0 / (d as f32).sqrt();
-        let none = gemm::Parallelism::None;
         super::par::for_each_item(k.workspace(), 2 * t * t, s.b * kh, |item, ws| {
             let (bi, kvh) = (item / kh, item % kh);
-            let (p, dp) = ws.split_at_mut(t * t);
             // SAFETY: every pointer stays inside its tensor; this (b, kv head) item alone writes
             // its kv head's columns of dk and dv, and its query heads' columns of dq.
             unsafe {
-                let kp = kk.get().add(bi * t * ckv + kvh * d);
-                let vp = v.get().add(bi * t * ckv + kvh * d);
-                let dkp = dk.get().add(bi * t * ckv + kvh * d);
-                let dvp = dv.get().add(bi * t * ckv + kvh * d);
+                let kv_off = bi * t * ckv + kvh * d;
+                let (rq, rkv) = (
+                    |ptr| Rows { ptr, stride: cq },
+                    |ptr| Rows { ptr, stride: ckv },
+                );
                 for j in 0..group {
                     let hi = kvh * group + j;
-                    let acc = j > 0;
                     let off = bi * t * cq + hi * d;
-                    let (qp, yp, dyp, dqp) = (
-                        q.get().add(off),
-                        y.get().add(off),
-                        dy.get().add(off),
-                        dq.get().add(off),
-                    );
-                    // P = exp(scale·QKᵀ − lse), zero above the diagonal.
-                    scores(t, d, (qp, cqi), (kp, ckvi), scale, p);
+                    let head = HeadGrads {
+                        q: rq(q.get().add(off)),
+                        k: rkv(kk.get().add(kv_off)),
+                        v: rkv(v.get().add(kv_off)),
+                        y: rq(y.get().add(off)),
+                        dy: rq(dy.get().add(off)),
+                        dq: rq(dq.get().add(off)),
+                        dk: rkv(dk.get().add(kv_off)),
+                        dv: rkv(dv.get().add(kv_off)),
+                    };
                     let lse_row = &lse[(bi * h + hi) * t..(bi * h + hi + 1) * t];
-                    for i in 0..t {
-                        let row = &mut p[i * t..(i + 1) * t];
-                        for (jj, x) in row.iter_mut().enumerate() {
-                            *x = if jj <= i {
-                                super::math::exp(*x - lse_row[i])
-                            } else {
-                                0.0
-                            };
-                        }
-                    }
-                    // dV (+)= Pᵀ · dY
-                    super::matmul::gemm_raw(
-                        (t, d, t),
-                        (dvp, ckvi, 1),
-                        (p.as_ptr(), 1, ti),
-                        (dyp, cqi, 1),
-                        1.0,
-                        acc,
-                        none,
-                    );
-                    // dP = dY · Vᵀ
-                    super::matmul::gemm_raw(
-                        (t, t, d),
-                        (dp.as_mut_ptr(), ti, 1),
-                        (dyp, cqi, 1),
-                        (vp, 1, ckvi),
-                        1.0,
-                        false,
-                        none,
-                    );
-                    // dS = P ⊙ (dP − rowsum(dY ⊙ Y))
-                    for i in 0..t {
-                        let mut di = 0.0;
-                        for e in 0..d {
-                            di += *dyp.add(i * cq + e) * *yp.add(i * cq + e);
-                        }
-                        let (pr, dpr) = (&p[i * t..(i + 1) * t], &mut dp[i * t..(i + 1) * t]);
-                        for (g, &pv) in dpr.iter_mut().zip(pr) {
-                            *g = pv * (*g - di);
-                        }
-                    }
-                    // dQ = scale · dS · K ;  dK (+)= scale · dSᵀ · Q
-                    super::matmul::gemm_raw(
-                        (t, d, t),
-                        (dqp, cqi, 1),
-                        (dp.as_ptr(), ti, 1),
-                        (kp, ckvi, 1),
-                        scale,
-                        false,
-                        none,
-                    );
-                    super::matmul::gemm_raw(
-                        (t, d, t),
-                        (dkp, ckvi, 1),
-                        (dp.as_ptr(), 1, ti),
-                        (qp, cqi, 1),
-                        scale,
-                        acc,
-                        none,
-                    );
+                    // The first query head of the group writes dk/dv, the rest add to them.
+                    head_backward((t, d, scale), &head, lse_row, ws, j > 0);
                 }
             }
         });
     }
-}
-
-/// `s = scale · Q · Kᵀ` for one query head and its kv head (each given as pointer and row
-/// stride).
-///
-/// # Safety
-/// `q` and `k` must be valid for `t` rows of `d` elements at their strides.
-#[cfg(feature = "cpu")]
-unsafe fn scores(
-    t: usize,
-    d: usize,
-    (q, q_stride): (*const f32, isize),
-    (k, k_stride): (*const f32, isize),
-    scale: f32,
-    s: &mut [f32],
-) {
-    super::matmul::gemm_raw(
-        (t, t, d),
-        (s.as_mut_ptr(), t as isize, 1),
-        (q, q_stride, 1),
-        (k, 1, k_stride),
-        scale,
-        false,
-        gemm::Parallelism::None,
-    );
 }
