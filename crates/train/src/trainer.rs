@@ -129,9 +129,13 @@ impl Trainer {
             }
             other => other?,
         };
-        let init = model.init_parameters(config.seed);
-        for (slot, (name, values)) in step_graph.params.iter().zip(&init) {
-            debug_assert_eq!(&slot.name, name);
+        let init: std::collections::HashMap<String, Vec<f32>> =
+            model.init_parameters(config.seed).into_iter().collect();
+        for slot in &step_graph.params {
+            let values = init.get(&slot.name).ok_or_else(|| TrainError::Config {
+                field: "model",
+                detail: format!("no initial value for parameter `{}`", slot.name),
+            })?;
             session.write_f32(slot.param, values)?;
         }
         let schedule = LrSchedule {
