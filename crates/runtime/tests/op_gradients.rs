@@ -861,8 +861,15 @@ fn transpose() {
 #[test]
 fn causal_attention_two_heads() {
     // [B, T, 3C] with C = 4 (head width 2), one longer sequence with C = 8 (head width 4), and
-    // a single position (each query sees only itself).
-    for shape in [vec![2, 5, 12], vec![1, 7, 24], vec![1, 1, 12]] {
+    // a single position (each query sees only itself), and sequences longer than one 64-row
+    // block of the kernel (later row blocks read earlier keys, and add into their gradients).
+    for shape in [
+        vec![2, 5, 12],
+        vec![1, 7, 24],
+        vec![1, 1, 12],
+        vec![1, 70, 12],
+        vec![1, 130, 12],
+    ] {
         for threads in [1, 2] {
             let mut c = GradCheck::with_threads(
                 format!("causal_attention {shape:?} 2 heads threads={threads}"),
@@ -1161,6 +1168,8 @@ fn gqa_attention_grouped_and_ungrouped() {
         (1, 6, 4, 4, 2),
         (1, 1, 2, 2, 3),
         (2, 4, 4, 1, 2),
+        // Longer than one 64-row block of the kernel.
+        (1, 70, 4, 2, 2),
     ];
     for (b, t, h, kh, d) in cases {
         for threads in [1, 2] {
@@ -1301,7 +1310,7 @@ fn rope_matches_rotate_half_and_inverse_undoes_it() {
 
 #[test]
 fn gqa_attention_with_all_heads_equals_causal_attention() {
-    for (b, t, n_head, d) in [(2, 6, 2, 4), (1, 1, 3, 2), (3, 5, 4, 3)] {
+    for (b, t, n_head, d) in [(2, 6, 2, 4), (1, 1, 3, 2), (3, 5, 4, 3), (1, 140, 2, 4)] {
         for threads in [1, 2] {
             let c = n_head * d;
             let mut rng = ChaCha8Rng::seed_from_u64(seed_of("gqa vs causal"));

@@ -70,8 +70,8 @@ impl OpRule for CausalAttention {
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         match dims(self.name(), &inputs[0].shape, self.n_head) {
-            // QKᵀ and PV, full square (the causal half is computed and masked).
-            Ok((b, t, c, _)) => 4 * (b * t * t * c) as u64,
+            // QKᵀ and PV over the blocked causal pairs.
+            Ok((b, t, c, _)) => 4 * (b * score_pairs(t) * c) as u64,
             Err(_) => 0,
         }
     }
@@ -151,7 +151,7 @@ impl OpRule for CausalAttentionBackward {
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         match dims(self.name(), &inputs[0].shape, self.n_head) {
             // Recomputed QKᵀ, then dV, dP, dQ, dK.
-            Ok((b, t, c, _)) => 10 * (b * t * t * c) as u64,
+            Ok((b, t, c, _)) => 10 * (b * score_pairs(t) * c) as u64,
             Err(_) => 0,
         }
     }
@@ -261,6 +261,34 @@ unsafe fn head_gemm(
     );
 }
 
+/// Query rows handled together. Row block `[r0, r1)` only needs keys `[0, r1)`, so working in
+/// blocks skips most of the masked upper triangle (about 40% of the work at T = 256).
+const ROW_BLOCK: usize = 64;
+
+#[cfg(feature = "cpu")]
+impl Rows {
+    /// The same rows starting `r` rows further down.
+    unsafe fn down(self, r: usize) -> Rows {
+        Rows {
+            ptr: self.ptr.add(r * self.stride),
+            stride: self.stride,
+        }
+    }
+}
+
+/// Query-key pairs the blocked kernels compute per head: each row block against every key up
+/// to its end.
+pub(super) fn score_pairs(t: usize) -> usize {
+    row_blocks(t).map(|(r0, r1)| (r1 - r0) * r1).sum()
+}
+
+/// Row blocks `(r0, r1)` covering `0..t`.
+fn row_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..t)
+        .step_by(ROW_BLOCK)
+        .map(move |r0| (r0, (r0 + ROW_BLOCK).min(t)))
+}
+
 /// One (batch, head) of causal attention: `y = softmax(scale·QKᵀ, causal) · V`, recording each
 /// row's log-sum-exp; `s` is `t × t` scratch.
 ///
@@ -278,9 +306,14 @@ pub(super) unsafe fn head_forward(
         ptr: s.as_mut_ptr(),
         stride: t,
     };
-    head_gemm((t, t, d), s_rows, q, false, k, true, scale, false);
-    softmax_causal(t, s, lse);
-    head_gemm((t, d, t), y, s_rows, false, v, false, 1.0, false);
+    for (r0, r1) in row_blocks(t) {
+        let (m, s_blk) = (r1 - r0, s_rows.down(r0));
+        head_gemm((m, r1, d), s_blk, q.down(r0), false, k, true, scale, false);
+        for i in r0..r1 {
+            softmax_causal_row(i, &mut s[i * t..i * t + r1], &mut lse[i]);
+        }
+        head_gemm((m, d, r1), y.down(r0), s_blk, false, v, false, 1.0, false);
+    }
 }
 
 /// Gradients of one (batch, head), recomputing the probabilities from `lse`; `ws` is `2·t·t`
@@ -297,6 +330,13 @@ pub(super) unsafe fn head_backward(
     ws: &mut [f32],
     accumulate_kv: bool,
 ) {
+    if !accumulate_kv {
+        // Every row block adds into dK and dV rows 0..r1.
+        for r in 0..t {
+            std::slice::from_raw_parts_mut(h.dk.ptr.add(r * h.dk.stride), d).fill(0.0);
+            std::slice::from_raw_parts_mut(h.dv.ptr.add(r * h.dv.stride), d).fill(0.0);
+        }
+    }
     let (p, dp) = ws.split_at_mut(t * t);
     let (p_rows, dp_rows) = (
         Rows {
@@ -308,70 +348,99 @@ pub(super) unsafe fn head_backward(
             stride: t,
         },
     );
-    // P = exp(scale·QKᵀ − lse), zero above the diagonal.
-    head_gemm((t, t, d), p_rows, h.q, false, h.k, true, scale, false);
-    for i in 0..t {
-        let row = &mut p[i * t..(i + 1) * t];
-        for (j, x) in row.iter_mut().enumerate() {
-            *x = if j <= i {
-                super::math::exp(*x - lse[i])
-            } else {
-                0.0
-            };
+    for (r0, r1) in row_blocks(t) {
+        let m = r1 - r0;
+        let (p_blk, dp_blk) = (p_rows.down(r0), dp_rows.down(r0));
+        // P = exp(scale·QKᵀ − lse), zero above the diagonal.
+        head_gemm(
+            (m, r1, d),
+            p_blk,
+            h.q.down(r0),
+            false,
+            h.k,
+            true,
+            scale,
+            false,
+        );
+        for i in r0..r1 {
+            let row = &mut p[i * t..i * t + r1];
+            for (j, x) in row.iter_mut().enumerate() {
+                *x = if j <= i {
+                    super::math::exp(*x - lse[i])
+                } else {
+                    0.0
+                };
+            }
         }
+        // dV[0..r1] += Pᵀ · dY ;  dP = dY · Vᵀ
+        head_gemm(
+            (r1, d, m),
+            h.dv,
+            p_blk,
+            true,
+            h.dy.down(r0),
+            false,
+            1.0,
+            true,
+        );
+        head_gemm(
+            (m, r1, d),
+            dp_blk,
+            h.dy.down(r0),
+            false,
+            h.v,
+            true,
+            1.0,
+            false,
+        );
+        // dS = P ⊙ (dP − rowsum(dY ⊙ Y))
+        for i in r0..r1 {
+            let mut di = 0.0;
+            for e in 0..d {
+                di += *h.dy.ptr.add(i * h.dy.stride + e) * *h.y.ptr.add(i * h.y.stride + e);
+            }
+            let (pr, dpr) = (&p[i * t..i * t + r1], &mut dp[i * t..i * t + r1]);
+            for (g, &pv) in dpr.iter_mut().zip(pr) {
+                *g = pv * (*g - di);
+            }
+        }
+        // dQ = scale · dS · K ;  dK[0..r1] += scale · dSᵀ · Q
+        head_gemm(
+            (m, d, r1),
+            h.dq.down(r0),
+            dp_blk,
+            false,
+            h.k,
+            false,
+            scale,
+            false,
+        );
+        head_gemm(
+            (r1, d, m),
+            h.dk,
+            dp_blk,
+            true,
+            h.q.down(r0),
+            false,
+            scale,
+            true,
+        );
     }
-    // dV (+)= Pᵀ · dY ;  dP = dY · Vᵀ
-    head_gemm(
-        (t, d, t),
-        h.dv,
-        p_rows,
-        true,
-        h.dy,
-        false,
-        1.0,
-        accumulate_kv,
-    );
-    head_gemm((t, t, d), dp_rows, h.dy, false, h.v, true, 1.0, false);
-    // dS = P ⊙ (dP − rowsum(dY ⊙ Y))
-    for i in 0..t {
-        let mut di = 0.0;
-        for e in 0..d {
-            di += *h.dy.ptr.add(i * h.dy.stride + e) * *h.y.ptr.add(i * h.y.stride + e);
-        }
-        let (pr, dpr) = (&p[i * t..(i + 1) * t], &mut dp[i * t..(i + 1) * t]);
-        for (g, &pv) in dpr.iter_mut().zip(pr) {
-            *g = pv * (*g - di);
-        }
-    }
-    // dQ = scale · dS · K ;  dK (+)= scale · dSᵀ · Q
-    head_gemm((t, d, t), h.dq, dp_rows, false, h.k, false, scale, false);
-    head_gemm(
-        (t, d, t),
-        h.dk,
-        dp_rows,
-        true,
-        h.q,
-        false,
-        scale,
-        accumulate_kv,
-    );
 }
 
-/// Turns each row of scores into causal probabilities in place and records its log-sum-exp.
+/// Row `i` of scores (only its first `r1 ≥ i + 1` columns are read later) becomes causal
+/// probabilities in place; records the row's log-sum-exp.
 #[cfg(feature = "cpu")]
-fn softmax_causal(t: usize, s: &mut [f32], lse: &mut [f32]) {
-    for i in 0..t {
-        let row = &mut s[i * t..(i + 1) * t];
-        let (live, masked) = row.split_at_mut(i + 1);
-        let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0;
-        for x in live.iter_mut() {
-            *x = super::math::exp(*x - max);
-            sum += *x;
-        }
-        let inv = 1.0 / sum;
-        live.iter_mut().for_each(|x| *x *= inv);
-        masked.fill(0.0);
-        lse[i] = max + sum.ln();
+fn softmax_causal_row(i: usize, row: &mut [f32], lse: &mut f32) {
+    let (live, masked) = row.split_at_mut(i + 1);
+    let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for x in live.iter_mut() {
+        *x = super::math::exp(*x - max);
+        sum += *x;
     }
+    let inv = 1.0 / sum;
+    live.iter_mut().for_each(|x| *x *= inv);
+    masked.fill(0.0);
+    *lse = max + sum.ln();
 }

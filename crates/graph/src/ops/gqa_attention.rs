@@ -133,8 +133,9 @@ impl OpRule for GqaAttention {
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
-        // QKᵀ and PV per query head, full square (the causal half is computed and masked).
-        4 * (inputs[0].numel() * inputs[0].shape.get(1).copied().unwrap_or(0)) as u64
+        // QKᵀ and PV per query head over the blocked causal pairs.
+        let t = inputs[0].shape.get(1).copied().unwrap_or(1).max(1);
+        4 * (inputs[0].numel() / t * super::attention::score_pairs(t)) as u64
     }
 
     #[cfg(feature = "cpu")]
@@ -234,7 +235,8 @@ impl OpRule for GqaAttentionBackward {
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         // Recomputed QKᵀ, then dV, dP, dQ, dK, per query head.
-        10 * (inputs[0].numel() * inputs[0].shape.get(1).copied().unwrap_or(0)) as u64
+        let t = inputs[0].shape.get(1).copied().unwrap_or(1).max(1);
+        10 * (inputs[0].numel() / t * super::attention::score_pairs(t)) as u64
     }
 
     /// One work item per (batch, kv head): it runs that kv head's query heads one after the
