@@ -193,13 +193,7 @@ impl OpRule for Scale {
 
     #[cfg(feature = "cpu")]
     fn cpu(&self, k: &super::Kernel<'_>) {
-        let (x, y) = (k.in_f32(0), k.out_f32(0));
         let s = self.factor;
-        super::par::elems_mut(y, |start, out| {
-            let n = out.len();
-            for (o, &v) in out.iter_mut().zip(&x[start..start + n]) {
-                *o = v * s;
-            }
-        });
+        super::par::map(k.in_f32(0), k.out_f32(0), |v| v * s);
     }
 }

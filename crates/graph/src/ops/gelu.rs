@@ -30,30 +30,6 @@ const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
 const INV_SQRT_2PI: f32 = 0.398_942_3;
 
 #[cfg(feature = "cpu")]
-fn map(x: &[f32], y: &mut [f32], f: impl Fn(f32) -> f32 + Sync + Send) {
-    super::par::elems_mut(y, |start, out| {
-        let n = out.len();
-        for (o, &v) in out.iter_mut().zip(&x[start..start + n]) {
-            *o = f(v);
-        }
-    });
-}
-
-#[cfg(feature = "cpu")]
-fn map2(x: &[f32], g: &[f32], y: &mut [f32], f: impl Fn(f32, f32) -> f32 + Sync + Send) {
-    super::par::elems_mut(y, |start, out| {
-        let n = out.len();
-        for ((o, &v), &d) in out
-            .iter_mut()
-            .zip(&x[start..start + n])
-            .zip(&g[start..start + n])
-        {
-            *o = f(v, d);
-        }
-    });
-}
-
-#[cfg(feature = "cpu")]
 #[inline(always)]
 fn gelu(approx: GeluApprox, x: f32) -> f32 {
     match approx {
@@ -113,8 +89,8 @@ impl OpRule for Gelu {
         let (x, y) = (k.in_f32(0), k.out_f32(0));
         // One loop per variant, so each vectorises on its own.
         match self.approx {
-            GeluApprox::Tanh => map(x, y, |v| gelu(GeluApprox::Tanh, v)),
-            GeluApprox::Exact => map(x, y, |v| gelu(GeluApprox::Exact, v)),
+            GeluApprox::Tanh => super::par::map(x, y, |v| gelu(GeluApprox::Tanh, v)),
+            GeluApprox::Exact => super::par::map(x, y, |v| gelu(GeluApprox::Exact, v)),
         }
     }
 }
@@ -151,8 +127,12 @@ impl OpRule for GeluBackward {
     fn cpu(&self, k: &super::Kernel<'_>) {
         let (x, dy, dx) = (k.in_f32(0), k.in_f32(1), k.out_f32(0));
         match self.approx {
-            GeluApprox::Tanh => map2(x, dy, dx, |v, g| g * gelu_grad(GeluApprox::Tanh, v)),
-            GeluApprox::Exact => map2(x, dy, dx, |v, g| g * gelu_grad(GeluApprox::Exact, v)),
+            GeluApprox::Tanh => {
+                super::par::map2(x, dy, dx, |v, g| g * gelu_grad(GeluApprox::Tanh, v))
+            }
+            GeluApprox::Exact => {
+                super::par::map2(x, dy, dx, |v, g| g * gelu_grad(GeluApprox::Exact, v))
+            }
         }
     }
 }

@@ -90,3 +90,27 @@ where
             }
         });
 }
+
+/// `y[i] = f(x[i])` in parallel chunks; one closure per call site so each loop vectorises.
+pub fn map(x: &[f32], y: &mut [f32], f: impl Fn(f32) -> f32 + Sync + Send) {
+    elems_mut(y, |start, out| {
+        let n = out.len();
+        for (o, &v) in out.iter_mut().zip(&x[start..start + n]) {
+            *o = f(v);
+        }
+    });
+}
+
+/// `y[i] = f(a[i], b[i])` in parallel chunks.
+pub fn map2(a: &[f32], b: &[f32], y: &mut [f32], f: impl Fn(f32, f32) -> f32 + Sync + Send) {
+    elems_mut(y, |start, out| {
+        let n = out.len();
+        for ((o, &u), &v) in out
+            .iter_mut()
+            .zip(&a[start..start + n])
+            .zip(&b[start..start + n])
+        {
+            *o = f(u, v);
+        }
+    });
+}

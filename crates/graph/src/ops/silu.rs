@@ -55,13 +55,7 @@ impl OpRule for Silu {
     }
     #[cfg(feature = "cpu")]
     fn cpu(&self, k: &super::Kernel<'_>) {
-        let (x, y) = (k.in_f32(0), k.out_f32(0));
-        super::par::elems_mut(y, |start, out| {
-            let n = out.len();
-            for (o, &v) in out.iter_mut().zip(&x[start..start + n]) {
-                *o = silu(v);
-            }
-        });
+        super::par::map(k.in_f32(0), k.out_f32(0), silu);
     }
 }
 
@@ -94,15 +88,6 @@ impl OpRule for SiluBackward {
     #[cfg(feature = "cpu")]
     fn cpu(&self, k: &super::Kernel<'_>) {
         let (x, dy, dx) = (k.in_f32(0), k.in_f32(1), k.out_f32(0));
-        super::par::elems_mut(dx, |start, out| {
-            let n = out.len();
-            for ((o, &v), &g) in out
-                .iter_mut()
-                .zip(&x[start..start + n])
-                .zip(&dy[start..start + n])
-            {
-                *o = g * silu_grad(v);
-            }
-        });
+        super::par::map2(x, dy, dx, |v, g| g * silu_grad(v));
     }
 }

@@ -48,16 +48,7 @@ impl OpRule for SwiGlu {
     #[cfg(feature = "cpu")]
     fn cpu(&self, k: &super::Kernel<'_>) {
         let (gate, up, y) = (k.in_f32(0), k.in_f32(1), k.out_f32(0));
-        super::par::elems_mut(y, |start, out| {
-            let n = out.len();
-            for ((o, &g), &u) in out
-                .iter_mut()
-                .zip(&gate[start..start + n])
-                .zip(&up[start..start + n])
-            {
-                *o = super::silu::silu(g) * u;
-            }
-        });
+        super::par::map2(gate, up, y, |g, u| super::silu::silu(g) * u);
     }
 }
 
