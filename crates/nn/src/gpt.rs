@@ -230,21 +230,7 @@ impl GptConfig {
         dtype: DType,
     ) -> Result<ModelGraph, NnError> {
         self.validate()?;
-        if batch == 0 {
-            return Err(NnError::Config {
-                field: "batch",
-                detail: "must be at least 1".into(),
-            });
-        }
-        if seq == 0 || seq > self.block_size {
-            return Err(NnError::Config {
-                field: "block",
-                detail: format!(
-                    "{seq} must be between 1 and the model's block_size {}",
-                    self.block_size
-                ),
-            });
-        }
+        check_batch_seq(batch, seq, self.block_size, "block_size")?;
         let c = self.n_embd;
         let mut g = Graph::new().with_threads(threads);
         let mut params = Vec::new();
@@ -313,23 +299,8 @@ impl GptConfig {
         let lnfb = param(&mut g, "ln_f.bias".into(), &[c])?;
         g.set_scope("head");
         let xf = g.apply(LayerNorm::default(), &[x, lnfw, lnfb])?[0];
-        let xf = g.apply1(
-            Reshape {
-                shape: vec![batch * seq, c],
-            },
-            &[xf],
-        )?;
-        let logits = g.apply1(
-            MatMul {
-                ta: false,
-                tb: true,
-                bias: false,
-            },
-            &[xf, wte],
-        )?;
-        let loss = g.apply1(CrossEntropy, &[logits, targets])?;
-        g.set_scope("");
-        g.rename(loss, "loss");
+        // The head is tied to the token embedding, stored [vocab, C]: read it transposed.
+        let loss = lm_head_loss(&mut g, xf, wte, true, targets)?;
         Ok(ModelGraph {
             graph: g,
             tokens,
@@ -370,6 +341,58 @@ impl GptConfig {
             })
             .collect()
     }
+}
+
+/// Batch and sequence checks shared by every model builder.
+pub(crate) fn check_batch_seq(
+    batch: usize,
+    seq: usize,
+    max_seq: usize,
+    max_name: &str,
+) -> Result<(), NnError> {
+    if batch == 0 {
+        return Err(NnError::Config {
+            field: "batch",
+            detail: "must be at least 1".into(),
+        });
+    }
+    if seq == 0 || seq > max_seq {
+        return Err(NnError::Config {
+            field: "block",
+            detail: format!("{seq} must be between 1 and the model's {max_name} {max_seq}"),
+        });
+    }
+    Ok(())
+}
+
+/// Logits of the final hidden states `x [B, T, C]` against `head` (read transposed when it is
+/// stored `[vocab, C]`), and their mean cross-entropy against `targets`, named `loss`.
+pub(crate) fn lm_head_loss(
+    g: &mut Graph,
+    x: TensorId,
+    head: TensorId,
+    head_transposed: bool,
+    targets: TensorId,
+) -> Result<TensorId, NnError> {
+    let shape = g.tensor(x).shape.clone();
+    let c = shape.last().copied().unwrap_or(1);
+    let rows = shape.iter().product::<usize>() / c.max(1);
+    let x = g.apply1(
+        Reshape {
+            shape: vec![rows, c],
+        },
+        &[x],
+    )?;
+    let matmul = MatMul {
+        ta: false,
+        tb: head_transposed,
+        bias: false,
+    };
+    let logits = g.apply1(matmul, &[x, head])?;
+    let loss = g.apply1(CrossEntropy, &[logits, targets])?;
+    g.set_scope("");
+    g.rename(loss, "loss");
+    Ok(loss)
 }
 
 #[cfg(test)]

@@ -185,26 +185,10 @@ impl LlamaConfig {
         threads: usize,
         dtype: snug_graph::DType,
     ) -> Result<crate::ModelGraph, NnError> {
-        use snug_graph::ops::{
-            Binary, CrossEntropy, Embedding, GqaAttention, MatMul, Reshape, RmsNorm, Rope, SwiGlu,
-        };
+        use snug_graph::ops::{Binary, Embedding, GqaAttention, MatMul, RmsNorm, Rope, SwiGlu};
         use snug_graph::{DType, Graph, Role};
         self.validate()?;
-        if batch == 0 {
-            return Err(NnError::Config {
-                field: "batch",
-                detail: "must be at least 1".into(),
-            });
-        }
-        if seq == 0 || seq > self.max_seq {
-            return Err(NnError::Config {
-                field: "block",
-                detail: format!(
-                    "{seq} must be between 1 and the model's max_position_embeddings {}",
-                    self.max_seq
-                ),
-            });
-        }
+        crate::gpt::check_batch_seq(batch, seq, self.max_seq, "max_position_embeddings")?;
         let (c, f, d) = (self.hidden, self.intermediate, self.head_dim());
         let kv = self.n_kv_head * d;
         let mut g = Graph::new().with_threads(threads);
@@ -269,16 +253,7 @@ impl LlamaConfig {
         let lm_head = param(&mut g, "lm_head.weight".into(), &[c, self.vocab_size])?;
         g.set_scope("head");
         let xf = g.apply(norm, &[x, final_norm])?[0];
-        let xf = g.apply1(
-            Reshape {
-                shape: vec![batch * seq, c],
-            },
-            &[xf],
-        )?;
-        let logits = g.apply1(linear, &[xf, lm_head])?;
-        let loss = g.apply1(CrossEntropy, &[logits, targets])?;
-        g.set_scope("");
-        g.rename(loss, "loss");
+        let loss = crate::gpt::lm_head_loss(&mut g, xf, lm_head, false, targets)?;
         Ok(crate::ModelGraph {
             graph: g,
             tokens,

@@ -220,18 +220,7 @@ impl CpuSession {
     ) -> Result<(), RuntimeError> {
         self.check(id, DType::I32, data.len())?;
         self.writable(id)?;
-        if let Some((index, &value)) = data
-            .iter()
-            .enumerate()
-            .find(|(_, &v)| v < 0 || v as usize >= bound)
-        {
-            return Err(RuntimeError::OutOfRange {
-                name: self.graph.tensor(id).name.clone(),
-                index,
-                value,
-                bound,
-            });
-        }
+        self.check_range(id, data, bound)?;
         // SAFETY: as in `write_f32`.
         unsafe {
             std::ptr::copy_nonoverlapping(data.as_ptr(), self.data_ptr(id) as *mut i32, data.len())
@@ -254,19 +243,20 @@ impl CpuSession {
         // SAFETY: the storage holds `n` i32s and nothing runs concurrently.
         let slot = unsafe { std::slice::from_raw_parts_mut(self.data_ptr(id) as *mut i32, n) };
         fill(slot);
-        if let Some((index, &value)) = slot
-            .iter()
-            .enumerate()
-            .find(|(_, &v)| v < 0 || v as usize >= bound)
-        {
-            return Err(RuntimeError::OutOfRange {
+        self.check_range(id, slot, bound)
+    }
+
+    /// Token ids must index an embedding of `bound` rows.
+    fn check_range(&self, id: TensorId, data: &[i32], bound: usize) -> Result<(), RuntimeError> {
+        match data.iter().position(|&v| v < 0 || v as usize >= bound) {
+            None => Ok(()),
+            Some(index) => Err(RuntimeError::OutOfRange {
                 name: self.graph.tensor(id).name.clone(),
                 index,
-                value,
+                value: data[index],
                 bound,
-            });
+            }),
         }
-        Ok(())
     }
 
     /// Reads a persistent tensor or a graph output (after [`CpuSession::run`]).

@@ -176,11 +176,7 @@ impl OpRule for Scale {
     }
 
     fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
-        expect_arity(self.name(), inputs, 1)?;
-        let dtype = float_dtype(self.name(), inputs)?;
-        let mut spec = OutSpec::f32(inputs[0].shape.clone());
-        spec.dtype = dtype;
-        Ok(vec![spec])
+        super::same_as_input(self.name(), inputs)
     }
 
     fn backward(&self, ctx: &mut GradCtx<'_>) -> Result<()> {

@@ -237,6 +237,13 @@ pub(crate) fn shape_err(op: &'static str, detail: impl Into<String>) -> crate::G
     }
 }
 
+/// Shape rule of a unary elementwise op: one float input, an output like it.
+pub(crate) fn same_as_input(op: &'static str, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
+    expect_arity(op, inputs, 1)?;
+    let dtype = float_dtype(op, inputs)?;
+    Ok(vec![OutSpec::f32(inputs[0].shape.clone()).with_dtype(dtype)])
+}
+
 /// Requires all float inputs to share one dtype and returns it.
 pub(crate) fn float_dtype(op: &'static str, inputs: &[&TensorMeta]) -> Result<DType> {
     let dt = inputs[0].dtype;

@@ -1,6 +1,6 @@
 //! SiLU (swish), `x · σ(x)`, the activation inside Llama's gated MLP.
 
-use super::{expect_arity, float_dtype, shape_err, OpRule, OutSpec};
+use super::{expect_arity, shape_err, OpRule, OutSpec};
 use crate::autodiff::GradCtx;
 use crate::tensor::TensorMeta;
 use crate::{GraphError, Result};
@@ -36,11 +36,7 @@ impl OpRule for Silu {
         "silu"
     }
     fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
-        expect_arity(self.name(), inputs, 1)?;
-        let dtype = float_dtype(self.name(), inputs)?;
-        let mut spec = OutSpec::f32(inputs[0].shape.clone());
-        spec.dtype = dtype;
-        Ok(vec![spec])
+        super::same_as_input(self.name(), inputs)
     }
     fn backward(&self, ctx: &mut GradCtx<'_>) -> Result<()> {
         if let Some(dy) = ctx.grad_out(0) {
