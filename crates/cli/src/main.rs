@@ -1,6 +1,7 @@
 //! `snug`: plan a training step's memory before anything runs, and train.
 
 mod plan_cmd;
+mod prepare_cmd;
 mod profile_cmd;
 mod train_cmd;
 
@@ -29,6 +30,8 @@ enum Command {
     Plan(plan_cmd::PlanArgs),
     /// Time one training step op by op.
     Profile(profile_cmd::ProfileArgs),
+    /// Tokenize a text file into train.bin and val.bin for `--data DIR`.
+    Prepare(prepare_cmd::PrepareArgs),
 }
 
 /// Flags shared by every command that builds a model; each has a TOML key of the same name.
@@ -41,7 +44,8 @@ pub struct ModelArgs {
     /// TOML file with [model] and [train] sections (flags override it).
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Text file to train on (default: built-in generated addition data).
+    /// Text file, or directory prepared by `snug prepare`, to train on (default: built-in
+    /// generated addition data).
     #[arg(long)]
     data: Option<PathBuf>,
     /// Sequences per step.
@@ -100,11 +104,23 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    // Diagnostics (checkpoints saved, runs resumed, warnings) go to stderr through `tracing`;
+    // `SNUG_LOG=debug` (or any filter) changes the level.
+    let filter = tracing_subscriber::EnvFilter::try_from_env("SNUG_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .without_time()
+        .init();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Train(args) => train_cmd::run(args),
         Command::Plan(args) => plan_cmd::run(args),
         Command::Profile(args) => profile_cmd::run(args),
+        Command::Prepare(args) => prepare_cmd::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

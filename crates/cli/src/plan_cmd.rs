@@ -9,7 +9,7 @@ use snug_graph::DType;
 use snug_nn::ModelConfig;
 use snug_plan::memory_plan::human_bytes;
 use snug_plan::{plan, Breakdown, PeakInfo, PlanOptions, ScheduleKind, Strategy};
-use snug_train::{TokenDataset, TrainConfig};
+use snug_train::{DataSource, TokenDataset, TrainConfig};
 
 use crate::ModelArgs;
 
@@ -59,7 +59,11 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
     // Character data sets the vocabulary; without data the preset's (or --vocab) stands.
     let gpt = match &train.data {
-        Some(path) => cfg.model_for_vocab(TokenDataset::from_file(path)?.tokenizer.vocab_size())?,
+        Some(path) => cfg.model_for_vocab(
+            TokenDataset::load(&DataSource::from_path(path))?
+                .tokenizer
+                .vocab_size(),
+        )?,
         None => {
             let m = cfg.base_model()?;
             cfg.model_for_vocab(m.vocab_size())?

@@ -1,12 +1,19 @@
-//! `snug train`: compile, plan and run the training loop, reporting loss, speed and memory.
+//! `snug train`: compile, plan and run the training loop, reporting loss, speed and memory;
+//! evaluate, checkpoint, resume, and stop cleanly on Ctrl-C.
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use snug_plan::memory_plan::human_bytes;
 use snug_runtime::process::resident_set;
 use snug_runtime::Allocator;
-use snug_train::{DataSource, TokenDataset, TrainConfig, Trainer};
+use snug_train::checkpoint;
+use snug_train::{DataSource, Event, TokenDataset, TrainConfig, Trainer};
 
 use crate::ModelArgs;
 
@@ -14,15 +21,50 @@ use crate::ModelArgs;
 pub struct TrainArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Optimizer steps to run.
+    /// Optimizer steps to run (in all, counting steps before a resume).
     #[arg(long)]
     steps: Option<u64>,
-    /// Peak learning rate (AdamW).
+    /// Peak learning rate.
     #[arg(long, allow_negative_numbers = true)]
     lr: Option<f32>,
+    /// Learning rate at the end of the cosine decay.
+    #[arg(long, allow_negative_numbers = true)]
+    min_lr: Option<f32>,
+    /// Steps of linear warmup.
+    #[arg(long)]
+    warmup_steps: Option<u64>,
+    /// Decoupled weight decay (weights and embeddings only).
+    #[arg(long, allow_negative_numbers = true)]
+    weight_decay: Option<f32>,
     /// Seed for initialisation and batch sampling.
     #[arg(long)]
     seed: Option<u64>,
+    /// Micro-batches per step (gradient accumulation); --batch is the whole step's batch.
+    #[arg(long)]
+    accumulation: Option<usize>,
+    /// Clip the global gradient norm to this value (0: off; default 1).
+    #[arg(long, allow_negative_numbers = true)]
+    grad_clip: Option<f32>,
+    /// Evaluate train and validation loss every this many steps and at the end (0: never).
+    #[arg(long)]
+    eval_every: Option<u64>,
+    /// Micro-batches per evaluation.
+    #[arg(long)]
+    eval_batches: Option<usize>,
+    /// Run directory: checkpoints (ckpt-<step>.safetensors) and metrics.jsonl. The final
+    /// state is saved there, also on Ctrl-C.
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+    /// Save a checkpoint every this many steps (0: only at the end and on Ctrl-C).
+    #[arg(long)]
+    checkpoint_every: Option<u64>,
+    /// Checkpoints to keep in the run directory.
+    #[arg(long)]
+    keep_checkpoints: Option<usize>,
+    /// Continue the run saved in DIR (or a checkpoint file) exactly where it stopped; flags
+    /// given here override its configuration (e.g. more --steps).
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
     /// Print a line every this many steps.
     #[arg(long)]
     log_every: Option<u64>,
@@ -33,7 +75,7 @@ pub struct TrainArgs {
     /// Make --memory-limit strict: an allocation over it fails with an out-of-memory error.
     #[arg(long, requires = "memory_limit")]
     strict: bool,
-    /// One JSON object per step, then a summary object.
+    /// One JSON object per step and evaluation, then a summary object.
     #[arg(long)]
     json: bool,
 }
@@ -41,8 +83,12 @@ pub struct TrainArgs {
 #[derive(Serialize)]
 struct Summary {
     steps: u64,
-    first_loss: f32,
-    final_loss: f32,
+    start_step: u64,
+    interrupted: bool,
+    first_loss: Option<f32>,
+    final_loss: Option<f32>,
+    train_loss: Option<f32>,
+    val_loss: Option<f32>,
     median_step_ms: f64,
     min_step_ms: f64,
     max_step_ms: f64,
@@ -58,92 +104,191 @@ struct Summary {
     memory_limit_bytes: Option<usize>,
     limit_overruns: u64,
     parameters: usize,
+    checkpoint: Option<PathBuf>,
+    metrics: Option<PathBuf>,
+}
+
+/// Sets the stop flag on SIGINT/SIGTERM; a second signal ends the process at once.
+fn stop_flag() -> Result<Arc<AtomicBool>> {
+    let stop = Arc::new(AtomicBool::new(false));
+    #[cfg(unix)]
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        // Registered first, so it sees the flag as it was before this signal.
+        signal_hook::flag::register_conditional_shutdown(sig, 130, Arc::clone(&stop))
+            .context("installing the signal handler")?;
+        signal_hook::flag::register(sig, Arc::clone(&stop))
+            .context("installing the signal handler")?;
+    }
+    Ok(stop)
 }
 
 pub fn run(args: TrainArgs) -> Result<()> {
     let (model, mut train) = args.model.sections();
     train.steps = args.steps;
     train.lr = args.lr;
+    train.min_lr = args.min_lr;
+    train.warmup_steps = args.warmup_steps;
+    train.weight_decay = args.weight_decay;
     train.seed = args.seed;
     train.log_every = args.log_every;
+    train.accumulation = args.accumulation;
+    train.grad_clip = args.grad_clip;
+    train.eval_every = args.eval_every;
+    train.eval_batches = args.eval_batches;
+    train.out = args.out.clone();
+    train.checkpoint_every = args.checkpoint_every;
+    train.keep_checkpoints = args.keep_checkpoints;
     train.memory_limit = args.memory_limit.clone();
     if args.strict {
         train.strict_memory_limit = Some(true);
     }
-    let cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
-    let data = TokenDataset::load(&DataSource::from(&cfg.data))?;
     let json = args.json;
+    let allocator = Allocator::cpu();
+    let config_file = args.model.config.as_deref();
+    let (cfg, data, mut trainer) = match &args.resume {
+        Some(from) => {
+            let (path, ckpt) = checkpoint::load(from)?;
+            if train.out.is_none() {
+                // Keep saving where the run lives.
+                train.out = Some(if from.is_dir() {
+                    from.clone()
+                } else {
+                    from.parent().map_or_else(|| PathBuf::from("."), |p| p.to_path_buf())
+                });
+            }
+            let cfg = TrainConfig::resolve_resumed(ckpt.config.clone(), config_file, &model, &train)?;
+            let data = TokenDataset::load(&DataSource::from(&cfg.data))?;
+            let summary = data_line(&data);
+            let trainer = Trainer::resume(cfg.clone(), data, allocator.clone(), &ckpt)
+                .with_context(|| format!("resuming from {}", path.display()))?;
+            tracing::info!("resumed from {} at step {}", path.display(), ckpt.step);
+            (cfg, summary, trainer)
+        }
+        None => {
+            let cfg = TrainConfig::resolve(config_file, &model, &train)?;
+            let data = TokenDataset::load(&DataSource::from(&cfg.data))?;
+            let summary = data_line(&data);
+            let trainer = Trainer::with_allocator(cfg.clone(), data, allocator.clone())
+                .context("setting up training")?;
+            (cfg, summary, trainer)
+        }
+    };
     if !json {
         println!("config: {}", serde_json::to_string(&cfg)?);
-        println!(
-            "data: {} ({} train / {} val tokens, vocab {})",
-            data.name,
-            data.train.len(),
-            data.val.len(),
-            data.tokenizer.vocab_size()
-        );
+        println!("{data}");
     }
-    let allocator = Allocator::cpu();
-    let mut trainer = Trainer::with_allocator(cfg.clone(), data, allocator.clone())
-        .context("setting up training")?;
     let plan = trainer.plan().clone();
     let params = trainer.step_graph().parameter_count();
     let tokens_per_step = cfg.batch * cfg.block;
     let flops_per_step = trainer.model().flops_per_token(cfg.block) as f64 * tokens_per_step as f64;
     if !json {
         println!(
-            "model: {} parameters; step of {} tokens; predicted peak {} (persistent {}, arena {}, lower bound {})",
+            "model: {} parameters; step of {} tokens ({} micro-batch(es) of {}); predicted peak {} (persistent {}, arena {}, lower bound {})",
             params,
             tokens_per_step,
+            cfg.accumulation,
+            cfg.micro_batch(),
             human_bytes(plan.peak_bytes()),
             human_bytes(plan.persistent_bytes),
             human_bytes(plan.arena_bytes),
             human_bytes(plan.lower_bound_bytes)
         );
     }
-    let mut times = Vec::with_capacity(cfg.steps as usize);
-    let (mut first_loss, mut last_loss) = (f32::NAN, f32::NAN);
-    for _ in 0..cfg.steps {
-        let s = trainer.train_step()?;
-        if s.step == 1 {
-            first_loss = s.loss;
-        }
-        last_loss = s.loss;
-        times.push(s.ms);
-        if json {
-            println!("{}", serde_json::to_string(&s)?);
-        } else if s.step % cfg.log_every == 0 || s.step == 1 || s.step == cfg.steps {
-            println!(
-                "step {:>5}/{} | loss {:.4} | lr {:.2e} | {:>8.0} tok/s | {:>7.1} ms | mem {} / peak {} / cache {}",
-                s.step,
-                cfg.steps,
+    let stop = stop_flag()?;
+    let bar = if json {
+        ProgressBar::hidden()
+    } else {
+        // Hidden automatically when stderr is not a terminal.
+        let bar = ProgressBar::new(cfg.steps);
+        bar.set_style(
+            ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed} < {eta}]")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        bar.set_position(trainer.steps_done());
+        bar
+    };
+    let mut out_err: Option<serde_json::Error> = None;
+    let result = snug_train::run(&mut trainer, &stop, |event| match event {
+        Event::Step(s) => {
+            bar.set_position(s.step);
+            bar.set_message(format!(
+                "loss {:.4} | lr {:.2e} | {:.0} tok/s | mem {}",
                 s.loss,
                 s.lr,
                 s.tokens_per_s,
-                s.ms,
-                human_bytes(s.active_bytes),
-                human_bytes(s.peak_bytes),
-                human_bytes(s.cache_bytes)
-            );
+                human_bytes(s.active_bytes)
+            ));
+            if json {
+                if let Err(e) = print_json("step", s) {
+                    out_err.get_or_insert(e);
+                }
+            } else if s.step % cfg.log_every == 0 || s.step == 1 || s.step == cfg.steps {
+                bar.suspend(|| {
+                    println!(
+                        "step {:>5}/{} | loss {:.4} | lr {:.2e} | norm {} | {:>8.0} tok/s | {:>7.1} ms | mem {} / peak {} / cache {}",
+                        s.step,
+                        cfg.steps,
+                        s.loss,
+                        s.lr,
+                        s.grad_norm.map_or("-".into(), |n| format!("{n:.3}")),
+                        s.tokens_per_s,
+                        s.ms,
+                        human_bytes(s.active_bytes),
+                        human_bytes(s.peak_bytes),
+                        human_bytes(s.cache_bytes)
+                    )
+                });
+            }
         }
+        Event::Eval(e) => {
+            if json {
+                if let Err(err) = print_json("eval", e) {
+                    out_err.get_or_insert(err);
+                }
+            } else {
+                bar.suspend(|| {
+                    println!(
+                        "eval  {:>5} | train loss {:.4} | val loss {:.4} | {:.0} ms",
+                        e.step, e.train_loss, e.val_loss, e.ms
+                    )
+                });
+            }
+        }
+        Event::Checkpoint { step, path } => {
+            bar.suspend(|| tracing::info!("saved checkpoint {} (step {step})", path.display()));
+        }
+        Event::Stopping { step } => {
+            bar.suspend(|| tracing::warn!("interrupted: stopping after step {step}"));
+        }
+    });
+    bar.finish_and_clear();
+    let run = result?;
+    if let Some(e) = out_err {
+        return Err(e.into());
     }
     // The first step pays for page faults and thread start-up: leave it out when there are more.
+    let times = &run.step_ms;
     let steady: Vec<f64> = if times.len() > 1 {
         times[1..].to_vec()
     } else {
         times.clone()
     };
     let (median, min, max) = stats(&steady);
+    let per_s = |x: f64| if median > 0.0 { x / (median / 1e3) } else { 0.0 };
     let summary = Summary {
-        steps: cfg.steps,
-        first_loss,
-        final_loss: last_loss,
+        steps: run.end_step,
+        start_step: run.start_step,
+        interrupted: run.interrupted,
+        first_loss: run.first_loss,
+        final_loss: run.final_loss,
+        train_loss: run.last_eval.map(|e| e.train_loss),
+        val_loss: run.last_eval.map(|e| e.val_loss),
         median_step_ms: median,
         min_step_ms: min,
         max_step_ms: max,
         tokens_per_step,
-        tokens_per_s: tokens_per_step as f64 / (median / 1e3),
-        model_flops_per_s: flops_per_step / (median / 1e3),
+        tokens_per_s: per_s(tokens_per_step as f64),
+        model_flops_per_s: per_s(flops_per_step),
         predicted_peak_bytes: plan.peak_bytes(),
         measured_peak_bytes: allocator.peak_bytes(),
         lower_bound_bytes: plan.lower_bound_bytes,
@@ -153,39 +298,88 @@ pub fn run(args: TrainArgs) -> Result<()> {
         memory_limit_bytes: cfg.memory_limit,
         limit_overruns: allocator.stats().limit_overruns,
         parameters: params,
+        checkpoint: run.checkpoint.clone(),
+        metrics: run.metrics.clone(),
     };
     if json {
-        println!("{}", serde_json::to_string(&summary)?);
-    } else {
+        print_json("summary", &summary)?;
+        return Ok(());
+    }
+    let fmt_loss = |l: Option<f32>| l.map_or("-".into(), |l| format!("{l:.4}"));
+    println!(
+        "done: steps {}..{}; loss {} -> {}; median step {:.1} ms (min {:.1}, max {:.1}), {:.0} tok/s, {:.1} model GFLOP/s",
+        summary.start_step,
+        summary.steps,
+        fmt_loss(summary.first_loss),
+        fmt_loss(summary.final_loss),
+        median,
+        min,
+        max,
+        summary.tokens_per_s,
+        summary.model_flops_per_s / 1e9
+    );
+    if let Some(e) = run.last_eval {
         println!(
-            "done: loss {:.4} -> {:.4}; median step {:.1} ms (min {:.1}, max {:.1}), {:.0} tok/s, {:.1} model GFLOP/s",
-            summary.first_loss,
-            summary.final_loss,
-            median,
-            min,
-            max,
-            summary.tokens_per_s,
-            summary.model_flops_per_s / 1e9
+            "eval at step {}: train loss {:.4}, val loss {:.4}",
+            e.step, e.train_loss, e.val_loss
         );
+    }
+    println!(
+        "memory: predicted peak {} B, measured peak {} B ({}), peak RSS {}",
+        summary.predicted_peak_bytes,
+        summary.measured_peak_bytes,
+        if summary.predicted_peak_bytes == summary.measured_peak_bytes {
+            "exact"
+        } else {
+            "MISMATCH"
+        },
+        summary.peak_rss_bytes.map_or("n/a".into(), human_bytes)
+    );
+    if summary.limit_overruns > 0 {
         println!(
-            "memory: predicted peak {} B, measured peak {} B ({}), peak RSS {}",
-            summary.predicted_peak_bytes,
-            summary.measured_peak_bytes,
-            if summary.predicted_peak_bytes == summary.measured_peak_bytes {
-                "exact"
-            } else {
-                "MISMATCH"
-            },
-            summary.peak_rss_bytes.map_or("n/a".into(), human_bytes)
+            "warning: {} allocation(s) exceeded the relaxed memory limit of {} B",
+            summary.limit_overruns,
+            cfg.memory_limit.unwrap_or(usize::MAX)
         );
-        if summary.limit_overruns > 0 {
+    }
+    if let Some(path) = &summary.checkpoint {
+        println!("checkpoint: {}", path.display());
+    }
+    if run.interrupted {
+        if let Some(out) = &cfg.out {
             println!(
-                "warning: {} allocation(s) exceeded the relaxed memory limit of {} B",
-                summary.limit_overruns,
-                cfg.memory_limit.unwrap_or(usize::MAX)
+                "interrupted at step {}: continue with `snug train --resume {}`",
+                summary.steps,
+                out.display()
+            );
+        } else {
+            println!(
+                "interrupted at step {} (no --out directory, nothing saved)",
+                summary.steps
             );
         }
     }
+    Ok(())
+}
+
+fn data_line(data: &TokenDataset) -> String {
+    format!(
+        "data: {} ({} train / {} val tokens, {} tokenizer, vocab {})",
+        data.name,
+        data.train.len(),
+        data.val.len(),
+        data.tokenizer.name(),
+        data.tokenizer.vocab_size()
+    )
+}
+
+/// One JSON object tagged with its kind, on its own line.
+fn print_json<T: Serialize>(kind: &str, value: &T) -> serde_json::Result<()> {
+    let mut v = serde_json::to_value(value)?;
+    if let serde_json::Value::Object(map) = &mut v {
+        map.insert("kind".into(), kind.into());
+    }
+    println!("{}", serde_json::to_string(&v)?);
     Ok(())
 }
 

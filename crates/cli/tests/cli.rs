@@ -282,3 +282,185 @@ fn plan_reads_hugging_face_configs_and_plans_llama_70b() {
         &["overflow"],
     );
 }
+
+/// A few public-domain lines, repeated: enough tokens for a validation split of 16 + 1.
+fn shakespeare_like() -> String {
+    let passage = "First Citizen:\nBefore we proceed any further, hear me speak.\n\n\
+        All:\nSpeak, speak.\n\n\
+        First Citizen:\nYou are all resolved rather to die than to famish?\n\n\
+        All:\nResolved. resolved.\n\n\
+        First Citizen:\nFirst, you know Caius Marcius is chief enemy to the people.\n\n";
+    passage.repeat(8)
+}
+
+fn prepare_json(args: &[&str]) -> serde_json::Value {
+    let o = snug(args);
+    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+    serde_json::from_slice(&o.stdout).expect("one JSON object")
+}
+
+#[test]
+fn prepare_writes_token_files_that_train_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = shakespeare_like();
+    let input = dir.path().join("corpus.txt");
+    std::fs::write(&input, &text).unwrap();
+    let input = input.to_str().unwrap();
+    let distinct = text
+        .chars()
+        .collect::<std::collections::BTreeSet<_>>()
+        .len() as u64;
+    for (name, vocab) in [("char", distinct), ("gpt2", 50257)] {
+        let out = dir.path().join(format!("{name}-data"));
+        let out_s = out.to_str().unwrap();
+        let v = prepare_json(&[
+            "prepare",
+            "--input",
+            input,
+            "--tokenizer",
+            name,
+            "--out",
+            out_s,
+            "--json",
+        ]);
+        assert_eq!(v["tokenizer"], name);
+        assert_eq!(v["vocab_size"].as_u64(), Some(vocab), "{v}");
+        assert_eq!(v["input_bytes"].as_u64(), Some(text.len() as u64));
+        let (tokens, train, val) = (
+            v["tokens"].as_u64().unwrap(),
+            v["train_tokens"].as_u64().unwrap(),
+            v["val_tokens"].as_u64().unwrap(),
+        );
+        assert_eq!(train + val, tokens);
+        assert_eq!(val, (tokens as f64 * 0.1).round() as u64);
+        // The files hold exactly the tokenizer's ids of the text, split at the reported place.
+        let train_file = snug_train::TokenFile::open(&out.join("train.bin")).unwrap();
+        let val_file = snug_train::TokenFile::open(&out.join("val.bin")).unwrap();
+        assert_eq!(
+            std::fs::metadata(out.join("train.bin")).unwrap().len(),
+            v["train_bytes"].as_u64().unwrap()
+        );
+        let tokenizer = train_file.tokenizer().clone();
+        assert_eq!(tokenizer.name(), name);
+        let mut ids = train_file.to_vec();
+        assert_eq!(ids.len() as u64, train);
+        ids.extend(val_file.to_vec());
+        assert_eq!(ids, tokenizer.encode(&text).unwrap());
+        if name == "char" {
+            assert_eq!(tokens, text.chars().count() as u64);
+        }
+
+        let o = snug(&[
+            "train",
+            "--data",
+            out_s,
+            "--steps",
+            "2",
+            "--preset",
+            "tiny",
+            "--batch",
+            "2",
+            "--block",
+            "16",
+            "--threads",
+            "2",
+        ]);
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "{}\n{stdout}", stderr(&o));
+        let expected = format!("{train} train / {val} val tokens, {name} tokenizer, vocab {vocab}");
+        assert!(
+            stdout.contains(&expected),
+            "`{expected}` missing from:\n{stdout}"
+        );
+    }
+    // Text output names the files it wrote.
+    let out = dir.path().join("text-out");
+    let o = snug(&[
+        "prepare",
+        "--input",
+        input,
+        "--tokenizer",
+        "char",
+        "--out",
+        out.to_str().unwrap(),
+        "--val-fraction",
+        "0.25",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        stdout.contains("train.bin") && stdout.contains("val.bin"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn prepare_and_token_directory_errors_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("corpus.txt");
+    std::fs::write(&input, shakespeare_like()).unwrap();
+    let input_s = input.to_str().unwrap();
+    let out = dir.path().join("out");
+    let out_s = out.to_str().unwrap();
+    let prepare = |input: &str, tokenizer: &str, out: &str| {
+        vec![
+            "prepare".to_string(),
+            "--input".into(),
+            input.into(),
+            "--tokenizer".into(),
+            tokenizer.into(),
+            "--out".into(),
+            out.into(),
+        ]
+    };
+    let fails = |args: Vec<String>, needles: &[&str]| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        fails_with(&args, needles);
+    };
+    fails(
+        prepare("/nonexistent/corpus.txt", "char", out_s),
+        &["/nonexistent/corpus.txt"],
+    );
+    let empty = dir.path().join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    fails(
+        prepare(empty.to_str().unwrap(), "gpt2", out_s),
+        &["empty.txt", "empty"],
+    );
+    fails(
+        prepare(input_s, "sentencepiece", out_s),
+        &["--tokenizer", "sentencepiece"],
+    );
+    // An output "directory" below a regular file cannot be created.
+    let blocked = input.join("sub");
+    fails(
+        prepare(input_s, "char", blocked.to_str().unwrap()),
+        &["corpus.txt/sub"],
+    );
+    let mut args = prepare(input_s, "char", out_s);
+    args.extend(["--val-fraction".into(), "1.5".into()]);
+    fails(args, &["--val-fraction", "1.5"]);
+    let tiny = dir.path().join("tiny.txt");
+    std::fs::write(&tiny, "ab").unwrap();
+    fails(
+        prepare(tiny.to_str().unwrap(), "char", out_s),
+        &["tiny.txt", "validation"],
+    );
+    assert!(!out.exists(), "failed runs wrote nothing");
+
+    // Training from a directory: a missing split and a corrupt header are named.
+    let o = snug(
+        &prepare(input_s, "char", out_s)
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let train_args = [
+        "train", "--data", out_s, "--steps", "1", "--preset", "tiny", "--block", "16",
+    ];
+    std::fs::remove_file(out.join("val.bin")).unwrap();
+    fails_with(&train_args, &["val.bin"]);
+    std::fs::write(out.join("val.bin"), b"NOTSNUG!garbage and more garbage").unwrap();
+    fails_with(&train_args, &["val.bin", "magic"]);
+}

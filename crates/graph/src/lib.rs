@@ -19,5 +19,5 @@ pub use autodiff::{backward, GradCtx};
 pub use dtype::DType;
 pub use error::{GraphError, Result};
 pub use graph::{Graph, Node, NodeId};
-pub use step::{OptimizerSpec, ParamSlot, StepGraph};
+pub use step::{OptimizerSpec, ParamSlot, StepGraph, StepOptions};
 pub use tensor::{Role, TensorId, TensorMeta};

@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::ops::{AdamW, Sgd};
+use crate::ops::{AccumulateGrad, AdamW, GradNorm, Sgd, SumSquares};
 use crate::{backward, DType, Graph, GraphError, Result, Role, TensorId};
 
 /// Optimizer applied at the end of the step.
@@ -20,6 +20,30 @@ pub enum OptimizerSpec {
     None,
 }
 
+/// How the step turns gradients into an update.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepOptions {
+    pub optimizer: OptimizerSpec,
+    /// Micro-batches whose gradients one update averages (1: no accumulation). Each needs its
+    /// own run of the step; accumulators (one per parameter) carry the sums between runs.
+    pub micro_steps: usize,
+    /// Clip the global gradient norm to this value before the update.
+    pub clip_grad_norm: Option<f32>,
+    /// Compute the global gradient norm (an output), for logging.
+    pub grad_norm: bool,
+}
+
+impl StepOptions {
+    pub fn new(optimizer: OptimizerSpec) -> Self {
+        StepOptions {
+            optimizer,
+            micro_steps: 1,
+            clip_grad_norm: None,
+            grad_norm: false,
+        }
+    }
+}
+
 /// One trainable parameter and the tensors that belong to it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ParamSlot {
@@ -28,6 +52,8 @@ pub struct ParamSlot {
     pub grad: TensorId,
     /// Adam's first and second moments.
     pub moments: Option<(TensorId, TensorId)>,
+    /// The gradient sum carried between micro-batches.
+    pub accumulator: Option<TensorId>,
 }
 
 /// A compiled-but-not-planned training step.
@@ -37,11 +63,34 @@ pub struct StepGraph {
     pub loss: TensorId,
     pub inputs: Vec<TensorId>,
     pub params: Vec<ParamSlot>,
+    pub micro_steps: usize,
+    /// The global gradient norm (of the averaged gradient, before clipping), when computed.
+    pub grad_norm: Option<TensorId>,
 }
 
 impl StepGraph {
     /// Differentiates `loss` with respect to every parameter of `graph` and appends `optimizer`.
-    pub fn build(mut graph: Graph, loss: TensorId, optimizer: OptimizerSpec) -> Result<StepGraph> {
+    pub fn build(graph: Graph, loss: TensorId, optimizer: OptimizerSpec) -> Result<StepGraph> {
+        Self::build_with(graph, loss, &StepOptions::new(optimizer))
+    }
+
+    /// As [`StepGraph::build`], with accumulation, clipping and the gradient norm as asked.
+    pub fn build_with(mut graph: Graph, loss: TensorId, opts: &StepOptions) -> Result<StepGraph> {
+        let optimizer = opts.optimizer;
+        if opts.micro_steps == 0 {
+            return Err(GraphError::Invalid {
+                op: "step",
+                detail: "micro_steps must be at least 1".into(),
+            });
+        }
+        if let Some(c) = opts.clip_grad_norm {
+            if !(c.is_finite() && c > 0.0) {
+                return Err(GraphError::Invalid {
+                    op: "step",
+                    detail: format!("clip_grad_norm must be a positive number, got {c}"),
+                });
+            }
+        }
         let params: Vec<TensorId> = (0..graph.tensors().len() as u32)
             .map(TensorId)
             .filter(|&t| {
@@ -59,10 +108,46 @@ impl StepGraph {
             .filter(|&t| graph.tensor(t).role == Role::Input)
             .collect();
         graph.mark_output(loss);
-        let grads = backward(&mut graph, loss, &params)?;
-        let mut slots = Vec::with_capacity(params.len());
+        let raw_grads = backward(&mut graph, loss, &params)?;
         graph.set_scope("optimizer");
-        for (&p, &g) in params.iter().zip(&grads) {
+        let accumulate = opts.micro_steps > 1;
+        let mut grads = Vec::with_capacity(params.len());
+        let mut accumulators = Vec::with_capacity(params.len());
+        for (&p, &g) in params.iter().zip(&raw_grads) {
+            if accumulate {
+                let meta = graph.tensor(p).clone();
+                let acc = graph.add_leaf(
+                    format!("{}.grad_acc", meta.name),
+                    &meta.shape,
+                    graph.tensor(g).dtype,
+                    Role::GradAccumulator,
+                )?;
+                grads.push(graph.apply1(AccumulateGrad, &[acc, g])?);
+                accumulators.push(Some(acc));
+            } else {
+                grads.push(g);
+                accumulators.push(None);
+            }
+        }
+        let scale_needed = accumulate || opts.clip_grad_norm.is_some();
+        let (coef, grad_norm) = if scale_needed || opts.grad_norm {
+            let squares = grads
+                .iter()
+                .map(|&g| graph.apply1(SumSquares, &[g]))
+                .collect::<Result<Vec<_>>>()?;
+            let norm_op = GradNorm {
+                max_norm: opts.clip_grad_norm.unwrap_or(f32::INFINITY),
+                scale: 1.0 / opts.micro_steps as f32,
+            };
+            let outs = graph.apply(norm_op, &squares)?;
+            graph.rename(outs[1], "grad_norm");
+            graph.mark_output(outs[1]);
+            (scale_needed.then_some(outs[0]), Some(outs[1]))
+        } else {
+            (None, None)
+        };
+        let mut slots = Vec::with_capacity(params.len());
+        for ((&p, &g), accumulator) in params.iter().zip(&grads).zip(accumulators) {
             let meta = graph.tensor(p).clone();
             let moments = match optimizer {
                 OptimizerSpec::AdamW(adamw) => {
@@ -86,7 +171,9 @@ impl StepGraph {
                         },
                         ..adamw
                     };
-                    graph.apply(adamw, &[p, g, m, v])?;
+                    let mut inputs = vec![p, g, m, v];
+                    inputs.extend(coef);
+                    graph.apply(adamw, &inputs)?;
                     Some((m, v))
                 }
                 OptimizerSpec::Sgd(sgd) => {
@@ -97,7 +184,9 @@ impl StepGraph {
                             0.0
                         },
                     };
-                    graph.apply(sgd, &[p, g])?;
+                    let mut inputs = vec![p, g];
+                    inputs.extend(coef);
+                    graph.apply(sgd, &inputs)?;
                     None
                 }
                 OptimizerSpec::None => {
@@ -110,6 +199,7 @@ impl StepGraph {
                 param: p,
                 grad: g,
                 moments,
+                accumulator,
             });
         }
         graph.set_scope("");
@@ -118,10 +208,12 @@ impl StepGraph {
             loss,
             inputs,
             params: slots,
+            micro_steps: opts.micro_steps,
+            grad_norm,
         })
     }
 
-    /// Bytes of every persistent tensor (parameters and optimizer state).
+    /// Bytes of every persistent tensor (parameters, optimizer state, accumulators).
     pub fn persistent_bytes(&self) -> usize {
         self.graph
             .tensors()

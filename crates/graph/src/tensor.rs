@@ -22,6 +22,8 @@ pub enum Role {
     Gradient,
     /// Optimizer moments: persistent across steps.
     OptimizerState,
+    /// Gradient sums carried between the micro-batches of one step: persistent.
+    GradAccumulator,
     /// Forward values (some are saved for the backward pass).
     Activation,
     /// Backward intermediates and op workspaces.
@@ -31,10 +33,11 @@ pub enum Role {
 }
 
 impl Role {
-    pub const ALL: [Role; 6] = [
+    pub const ALL: [Role; 7] = [
         Role::Parameter,
         Role::Gradient,
         Role::OptimizerState,
+        Role::GradAccumulator,
         Role::Activation,
         Role::Temporary,
         Role::Input,
@@ -42,7 +45,10 @@ impl Role {
 
     /// Persistent tensors live in their own buffers across steps; the rest live in the arena.
     pub fn is_persistent(self) -> bool {
-        matches!(self, Role::Parameter | Role::OptimizerState)
+        matches!(
+            self,
+            Role::Parameter | Role::OptimizerState | Role::GradAccumulator
+        )
     }
 
     pub fn name(self) -> &'static str {
@@ -50,6 +56,7 @@ impl Role {
             Role::Parameter => "parameters",
             Role::Gradient => "gradients",
             Role::OptimizerState => "optimizer state",
+            Role::GradAccumulator => "gradient accumulators",
             Role::Activation => "activations",
             Role::Temporary => "temporaries",
             Role::Input => "inputs",

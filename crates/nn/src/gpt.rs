@@ -27,6 +27,31 @@ pub enum NnError {
     },
     #[error(transparent)]
     Graph(#[from] GraphError),
+    /// Reading or writing a weights file failed (I/O), or it is not a safetensors file
+    /// (bad header, truncated data).
+    #[error("{path}: {detail}")]
+    WeightsFile { path: String, detail: String },
+    #[error("{path}: tensor `{name}` is missing")]
+    MissingTensor { path: String, name: String },
+    #[error("{path}: unexpected tensor `{name}` (not a parameter of this model)")]
+    UnexpectedTensor { path: String, name: String },
+    #[error("{path}: tensor `{name}` appears twice")]
+    DuplicateTensor { path: String, name: String },
+    #[error("{path}: tensor `{name}` has shape {found:?}, expected {expected:?}")]
+    TensorShape {
+        path: String,
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    #[error("{path}: tensor `{name}` has dtype {dtype}, supported: F32, F16, BF16, F64")]
+    TensorDType {
+        path: String,
+        name: String,
+        dtype: String,
+    },
+    #[error("{path}: `lm_head.weight` differs from `wte.weight`, but snug's GPT ties the LM head to the token embedding")]
+    UntiedHead { path: String },
 }
 
 /// Shape of a GPT model.
@@ -114,6 +139,29 @@ pub struct ModelGraph {
     /// `[batch · seq]` next-token ids.
     pub targets: TensorId,
     pub loss: TensorId,
+    pub params: Vec<(String, TensorId)>,
+}
+
+/// A forward-only graph whose output is the logits (no targets, loss or gradients).
+#[derive(Debug, Clone)]
+pub struct InferenceGraph {
+    pub graph: Graph,
+    /// `[batch, seq]` token ids.
+    pub tokens: TensorId,
+    /// `[batch · seq, vocab]`: row `b · seq + t` scores the token after position `t` of
+    /// sequence `b`. Marked as a graph output, so it can be read after a run.
+    pub logits: TensorId,
+    pub params: Vec<(String, TensorId)>,
+}
+
+/// The model body that training and inference share: embeddings through the final norm.
+pub(crate) struct Trunk {
+    /// Final hidden states `[batch, seq, C]`.
+    pub hidden: TensorId,
+    /// The LM head weight; `head_transposed` when it is stored `[vocab, C]` (tied to the
+    /// token embedding) and read transposed.
+    pub head: TensorId,
+    pub head_transposed: bool,
     pub params: Vec<(String, TensorId)>,
 }
 
@@ -231,8 +279,18 @@ impl GptConfig {
     ) -> Result<ModelGraph, NnError> {
         self.validate()?;
         check_batch_seq(batch, seq, self.block_size, "block_size")?;
+        loss_graph(batch, seq, threads, |g, tokens| self.trunk(g, tokens, dtype))
+    }
+
+    /// Adds the model from `tokens [batch, seq]` to the final LayerNorm.
+    pub(crate) fn trunk(
+        &self,
+        g: &mut Graph,
+        tokens: TensorId,
+        dtype: DType,
+    ) -> Result<Trunk, NnError> {
+        let seq = g.tensor(tokens).shape.last().copied().unwrap_or(1);
         let c = self.n_embd;
-        let mut g = Graph::new().with_threads(threads);
         let mut params = Vec::new();
         let mut param =
             |g: &mut Graph, name: String, shape: &[usize]| -> Result<TensorId, GraphError> {
@@ -240,10 +298,8 @@ impl GptConfig {
                 params.push((name, id));
                 Ok(id)
             };
-        let tokens = g.input("tokens", &[batch, seq], DType::I32)?;
-        let targets = g.input("targets", &[batch * seq], DType::I32)?;
-        let wte = param(&mut g, "wte.weight".into(), &[self.vocab_size, c])?;
-        let wpe = param(&mut g, "wpe.weight".into(), &[self.block_size, c])?;
+        let wte = param(g, "wte.weight".into(), &[self.vocab_size, c])?;
+        let wpe = param(g, "wpe.weight".into(), &[self.block_size, c])?;
 
         g.set_scope("embed");
         let tok = g.apply1(Embedding, &[wte, tokens])?;
@@ -258,18 +314,18 @@ impl GptConfig {
         for i in 0..self.n_layer {
             let mut p =
                 |g: &mut Graph, s: &str, shape: &[usize]| param(g, format!("h.{i}.{s}"), shape);
-            let ln1w = p(&mut g, "ln_1.weight", &[c])?;
-            let ln1b = p(&mut g, "ln_1.bias", &[c])?;
-            let wqkv = p(&mut g, "attn.c_attn.weight", &[c, 3 * c])?;
-            let bqkv = p(&mut g, "attn.c_attn.bias", &[3 * c])?;
-            let wo = p(&mut g, "attn.c_proj.weight", &[c, c])?;
-            let bo = p(&mut g, "attn.c_proj.bias", &[c])?;
-            let ln2w = p(&mut g, "ln_2.weight", &[c])?;
-            let ln2b = p(&mut g, "ln_2.bias", &[c])?;
-            let wfc = p(&mut g, "mlp.c_fc.weight", &[c, 4 * c])?;
-            let bfc = p(&mut g, "mlp.c_fc.bias", &[4 * c])?;
-            let wp = p(&mut g, "mlp.c_proj.weight", &[4 * c, c])?;
-            let bp = p(&mut g, "mlp.c_proj.bias", &[c])?;
+            let ln1w = p(g, "ln_1.weight", &[c])?;
+            let ln1b = p(g, "ln_1.bias", &[c])?;
+            let wqkv = p(g, "attn.c_attn.weight", &[c, 3 * c])?;
+            let bqkv = p(g, "attn.c_attn.bias", &[3 * c])?;
+            let wo = p(g, "attn.c_proj.weight", &[c, c])?;
+            let bo = p(g, "attn.c_proj.bias", &[c])?;
+            let ln2w = p(g, "ln_2.weight", &[c])?;
+            let ln2b = p(g, "ln_2.bias", &[c])?;
+            let wfc = p(g, "mlp.c_fc.weight", &[c, 4 * c])?;
+            let bfc = p(g, "mlp.c_fc.bias", &[4 * c])?;
+            let wp = p(g, "mlp.c_proj.weight", &[4 * c, c])?;
+            let bp = p(g, "mlp.c_proj.bias", &[c])?;
 
             g.set_scope(format!("h.{i}.attn"));
             let h = g.apply(LayerNorm::default(), &[x, ln1w, ln1b])?[0];
@@ -295,17 +351,15 @@ impl GptConfig {
             let m = g.apply1(linear, &[f, wp, bp])?;
             x = g.apply1(Binary::add(), &[x, m])?;
         }
-        let lnfw = param(&mut g, "ln_f.weight".into(), &[c])?;
-        let lnfb = param(&mut g, "ln_f.bias".into(), &[c])?;
+        let lnfw = param(g, "ln_f.weight".into(), &[c])?;
+        let lnfb = param(g, "ln_f.bias".into(), &[c])?;
         g.set_scope("head");
         let xf = g.apply(LayerNorm::default(), &[x, lnfw, lnfb])?[0];
         // The head is tied to the token embedding, stored [vocab, C]: read it transposed.
-        let loss = lm_head_loss(&mut g, xf, wte, true, targets)?;
-        Ok(ModelGraph {
-            graph: g,
-            tokens,
-            targets,
-            loss,
+        Ok(Trunk {
+            hidden: xf,
+            head: wte,
+            head_transposed: true,
             params,
         })
     }
@@ -365,34 +419,70 @@ pub(crate) fn check_batch_seq(
     Ok(())
 }
 
-/// Logits of the final hidden states `x [B, T, C]` against `head` (read transposed when it is
-/// stored `[vocab, C]`), and their mean cross-entropy against `targets`, named `loss`.
-pub(crate) fn lm_head_loss(
-    g: &mut Graph,
-    x: TensorId,
-    head: TensorId,
-    head_transposed: bool,
-    targets: TensorId,
-) -> Result<TensorId, NnError> {
-    let shape = g.tensor(x).shape.clone();
+/// The training graph: `tokens` and `targets` inputs, a model trunk, and the mean
+/// cross-entropy of the logits against `targets`, named `loss`.
+pub(crate) fn loss_graph(
+    batch: usize,
+    seq: usize,
+    threads: usize,
+    trunk: impl FnOnce(&mut Graph, TensorId) -> Result<Trunk, NnError>,
+) -> Result<ModelGraph, NnError> {
+    let mut g = Graph::new().with_threads(threads);
+    let tokens = g.input("tokens", &[batch, seq], DType::I32)?;
+    let targets = g.input("targets", &[batch * seq], DType::I32)?;
+    let t = trunk(&mut g, tokens)?;
+    let logits = head_logits(&mut g, &t)?;
+    let loss = g.apply1(CrossEntropy, &[logits, targets])?;
+    g.set_scope("");
+    g.rename(loss, "loss");
+    Ok(ModelGraph {
+        graph: g,
+        tokens,
+        targets,
+        loss,
+        params: t.params,
+    })
+}
+
+/// The inference graph: a `tokens` input, a model trunk, and its logits as the graph output.
+pub(crate) fn logits_graph(
+    batch: usize,
+    seq: usize,
+    threads: usize,
+    trunk: impl FnOnce(&mut Graph, TensorId) -> Result<Trunk, NnError>,
+) -> Result<InferenceGraph, NnError> {
+    let mut g = Graph::new().with_threads(threads);
+    let tokens = g.input("tokens", &[batch, seq], DType::I32)?;
+    let t = trunk(&mut g, tokens)?;
+    let logits = head_logits(&mut g, &t)?;
+    g.set_scope("");
+    g.rename(logits, "logits");
+    g.mark_output(logits);
+    Ok(InferenceGraph {
+        graph: g,
+        tokens,
+        logits,
+        params: t.params,
+    })
+}
+
+/// Logits `[B·T, vocab]` of the trunk's final hidden states `[B, T, C]` against its head.
+fn head_logits(g: &mut Graph, t: &Trunk) -> Result<TensorId, NnError> {
+    let shape = g.tensor(t.hidden).shape.clone();
     let c = shape.last().copied().unwrap_or(1);
     let rows = shape.iter().product::<usize>() / c.max(1);
     let x = g.apply1(
         Reshape {
             shape: vec![rows, c],
         },
-        &[x],
+        &[t.hidden],
     )?;
     let matmul = MatMul {
         ta: false,
-        tb: head_transposed,
+        tb: t.head_transposed,
         bias: false,
     };
-    let logits = g.apply1(matmul, &[x, head])?;
-    let loss = g.apply1(CrossEntropy, &[logits, targets])?;
-    g.set_scope("");
-    g.rename(loss, "loss");
-    Ok(loss)
+    Ok(g.apply1(matmul, &[x, t.head])?)
 }
 
 #[cfg(test)]

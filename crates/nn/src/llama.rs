@@ -185,13 +185,24 @@ impl LlamaConfig {
         threads: usize,
         dtype: snug_graph::DType,
     ) -> Result<crate::ModelGraph, NnError> {
-        use snug_graph::ops::{Binary, Embedding, GqaAttention, MatMul, RmsNorm, Rope, SwiGlu};
-        use snug_graph::{DType, Graph, Role};
         self.validate()?;
         crate::gpt::check_batch_seq(batch, seq, self.max_seq, "max_position_embeddings")?;
+        crate::gpt::loss_graph(batch, seq, threads, |g, tokens| {
+            self.trunk(g, tokens, dtype)
+        })
+    }
+
+    /// Adds the model from `tokens [batch, seq]` to the final RMSNorm.
+    pub(crate) fn trunk(
+        &self,
+        g: &mut snug_graph::Graph,
+        tokens: snug_graph::TensorId,
+        dtype: snug_graph::DType,
+    ) -> Result<crate::gpt::Trunk, NnError> {
+        use snug_graph::ops::{Binary, Embedding, GqaAttention, MatMul, RmsNorm, Rope, SwiGlu};
+        use snug_graph::{Graph, Role};
         let (c, f, d) = (self.hidden, self.intermediate, self.head_dim());
         let kv = self.n_kv_head * d;
-        let mut g = Graph::new().with_threads(threads);
         let mut params = Vec::new();
         let mut param = |g: &mut Graph,
                          name: String,
@@ -201,10 +212,8 @@ impl LlamaConfig {
             params.push((name, id));
             Ok(id)
         };
-        let tokens = g.input("tokens", &[batch, seq], DType::I32)?;
-        let targets = g.input("targets", &[batch * seq], DType::I32)?;
         let embed = param(
-            &mut g,
+            g,
             "model.embed_tokens.weight".into(),
             &[self.vocab_size, c],
         )?;
@@ -216,15 +225,15 @@ impl LlamaConfig {
             let mut p = |g: &mut Graph, s: &str, shape: &[usize]| {
                 param(g, format!("model.layers.{i}.{s}"), shape)
             };
-            let ln1 = p(&mut g, "input_layernorm.weight", &[c])?;
-            let wq = p(&mut g, "self_attn.q_proj.weight", &[c, c])?;
-            let wk = p(&mut g, "self_attn.k_proj.weight", &[c, kv])?;
-            let wv = p(&mut g, "self_attn.v_proj.weight", &[c, kv])?;
-            let wo = p(&mut g, "self_attn.o_proj.weight", &[c, c])?;
-            let ln2 = p(&mut g, "post_attention_layernorm.weight", &[c])?;
-            let wg = p(&mut g, "mlp.gate_proj.weight", &[c, f])?;
-            let wu = p(&mut g, "mlp.up_proj.weight", &[c, f])?;
-            let wd = p(&mut g, "mlp.down_proj.weight", &[f, c])?;
+            let ln1 = p(g, "input_layernorm.weight", &[c])?;
+            let wq = p(g, "self_attn.q_proj.weight", &[c, c])?;
+            let wk = p(g, "self_attn.k_proj.weight", &[c, kv])?;
+            let wv = p(g, "self_attn.v_proj.weight", &[c, kv])?;
+            let wo = p(g, "self_attn.o_proj.weight", &[c, c])?;
+            let ln2 = p(g, "post_attention_layernorm.weight", &[c])?;
+            let wg = p(g, "mlp.gate_proj.weight", &[c, f])?;
+            let wu = p(g, "mlp.up_proj.weight", &[c, f])?;
+            let wd = p(g, "mlp.down_proj.weight", &[f, c])?;
 
             g.set_scope(format!("model.layers.{i}.self_attn"));
             let h = g.apply(norm, &[x, ln1])?[0];
@@ -249,16 +258,14 @@ impl LlamaConfig {
             let down = g.apply1(linear, &[m, wd])?;
             x = g.apply1(Binary::add(), &[x, down])?;
         }
-        let final_norm = param(&mut g, "model.norm.weight".into(), &[c])?;
-        let lm_head = param(&mut g, "lm_head.weight".into(), &[c, self.vocab_size])?;
+        let final_norm = param(g, "model.norm.weight".into(), &[c])?;
+        let lm_head = param(g, "lm_head.weight".into(), &[c, self.vocab_size])?;
         g.set_scope("head");
         let xf = g.apply(norm, &[x, final_norm])?[0];
-        let loss = crate::gpt::lm_head_loss(&mut g, xf, lm_head, false, targets)?;
-        Ok(crate::ModelGraph {
-            graph: g,
-            tokens,
-            targets,
-            loss,
+        Ok(crate::gpt::Trunk {
+            hidden: xf,
+            head: lm_head,
+            head_transposed: false,
             params,
         })
     }

@@ -229,6 +229,28 @@ impl ModelConfig {
         }
     }
 
+    /// The forward-only graph for `batch` sequences of `seq` tokens (f32), ending in the
+    /// logits instead of the loss: the same trunk as [`ModelConfig::build`], with no targets.
+    pub fn build_inference(
+        &self,
+        batch: usize,
+        seq: usize,
+        threads: usize,
+    ) -> Result<crate::InferenceGraph, NnError> {
+        self.validate()?;
+        let dtype = snug_graph::DType::F32;
+        match self {
+            ModelConfig::Gpt(c) => {
+                crate::gpt::check_batch_seq(batch, seq, c.block_size, "block_size")?;
+                crate::gpt::logits_graph(batch, seq, threads, |g, t| c.trunk(g, t, dtype))
+            }
+            ModelConfig::Llama(c) => {
+                crate::gpt::check_batch_seq(batch, seq, c.max_seq, "max_position_embeddings")?;
+                crate::gpt::logits_graph(batch, seq, threads, |g, t| c.trunk(g, t, dtype))
+            }
+        }
+    }
+
     /// Initial parameter values by name, in the order of the built graph's parameters.
     pub fn init_parameters(&self, seed: u64) -> Vec<(String, Vec<f32>)> {
         match self {

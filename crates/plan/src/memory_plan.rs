@@ -77,6 +77,7 @@ pub struct Breakdown {
     pub parameters: usize,
     pub gradients: usize,
     pub optimizer_state: usize,
+    pub grad_accumulators: usize,
     pub activations: usize,
     pub temporaries: usize,
     pub inputs: usize,
@@ -90,6 +91,7 @@ impl Breakdown {
             Role::Parameter => &mut self.parameters,
             Role::Gradient => &mut self.gradients,
             Role::OptimizerState => &mut self.optimizer_state,
+            Role::GradAccumulator => &mut self.grad_accumulators,
             Role::Activation => &mut self.activations,
             Role::Temporary => &mut self.temporaries,
             Role::Input => &mut self.inputs,
@@ -101,17 +103,19 @@ impl Breakdown {
         self.parameters
             + self.gradients
             + self.optimizer_state
+            + self.grad_accumulators
             + self.activations
             + self.temporaries
             + self.inputs
             + self.fragmentation
     }
 
-    pub fn rows(&self) -> [(&'static str, usize); 7] {
+    pub fn rows(&self) -> [(&'static str, usize); 8] {
         [
             ("parameters", self.parameters),
             ("gradients", self.gradients),
             ("optimizer state", self.optimizer_state),
+            ("gradient accumulators", self.grad_accumulators),
             ("activations", self.activations),
             ("temporaries", self.temporaries),
             ("inputs", self.inputs),

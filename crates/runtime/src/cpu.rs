@@ -119,20 +119,50 @@ impl CpuSession {
 
     /// Runs every node of the schedule once.
     pub fn run(&mut self, ctx: ExecCtx) {
-        self.execute(ctx, None);
+        self.execute(ctx, None, None);
+    }
+
+    /// The nodes that `targets` depend on, as a mask in schedule order, for
+    /// [`CpuSession::run_only`]. For a step graph and its loss, that is the forward pass.
+    pub fn nodes_for(&self, targets: &[TensorId]) -> Vec<bool> {
+        let mut needed = vec![false; self.graph.nodes().len()];
+        let mut stack: Vec<TensorId> = targets.to_vec();
+        let mut seen = vec![false; self.graph.tensors().len()];
+        while let Some(t) = stack.pop() {
+            if std::mem::replace(&mut seen[t.index()], true) {
+                continue;
+            }
+            if let Some(n) = self.graph.producer(t) {
+                if !std::mem::replace(&mut needed[n.index()], true) {
+                    stack.extend(self.graph.node(n).inputs.iter().copied());
+                }
+            }
+        }
+        self.bindings.iter().map(|b| needed[b.node]).collect()
+    }
+
+    /// Runs the nodes of the schedule that `mask` (from [`CpuSession::nodes_for`]) selects, in
+    /// schedule order. The plan stays valid: each skipped node only shortens lifetimes. Values
+    /// of the targets are readable afterwards, as after a full run; in-place updates outside the
+    /// mask do not happen, so evaluating a loss this way leaves the training state untouched.
+    pub fn run_only(&mut self, ctx: ExecCtx, mask: &[bool]) {
+        self.execute(ctx, None, Some(mask));
     }
 
     /// Runs the schedule once, timing every node (seconds, in schedule order).
     pub fn run_profiled(&mut self, ctx: ExecCtx) -> Vec<f64> {
         let mut times = Vec::with_capacity(self.bindings.len());
-        self.execute(ctx, Some(&mut times));
+        self.execute(ctx, Some(&mut times), None);
         times
     }
 
-    fn execute(&self, ctx: ExecCtx, mut times: Option<&mut Vec<f64>>) {
+    fn execute(&self, ctx: ExecCtx, mut times: Option<&mut Vec<f64>>, mask: Option<&[bool]>) {
         let graph = &self.graph;
         self.pool.install(|| {
-            for b in &self.bindings {
+            for (i, b) in self.bindings.iter().enumerate() {
+                if mask.is_some_and(|m| !m.get(i).copied().unwrap_or(false)) {
+                    continue;
+                }
                 let node = &graph.nodes()[b.node];
                 let start = times.is_some().then(std::time::Instant::now);
                 // SAFETY: the plan gives coexisting tensors disjoint bytes; views (whose output

@@ -29,7 +29,8 @@ pub struct ModelSection {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TrainSection {
-    /// A text file; absent means the built-in generated data set.
+    /// A text file, or a directory of token files from `snug prepare`; absent means the
+    /// built-in generated data set.
     pub data: Option<PathBuf>,
     pub steps: Option<u64>,
     pub batch: Option<usize>,
@@ -51,6 +52,20 @@ pub struct TrainSection {
     pub precision: Option<String>,
     /// `adamw` (default) or `sgd`.
     pub optimizer: Option<String>,
+    /// Micro-batches per optimizer step (gradient accumulation); `batch` must divide evenly.
+    pub accumulation: Option<usize>,
+    /// Clip the global gradient norm to this value (0 disables).
+    pub grad_clip: Option<f32>,
+    /// Evaluate on the validation split every this many steps, and at the end (0 disables).
+    pub eval_every: Option<u64>,
+    /// Micro-batches per evaluation.
+    pub eval_batches: Option<usize>,
+    /// Run directory: checkpoints and `metrics.jsonl` go here.
+    pub out: Option<PathBuf>,
+    /// Save a checkpoint every this many steps (0: only at the end and on interrupt).
+    pub checkpoint_every: Option<u64>,
+    /// Checkpoints kept in `out` (the oldest are deleted).
+    pub keep_checkpoints: Option<usize>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -63,7 +78,7 @@ struct FileConfig {
 }
 
 /// A complete, validated training configuration.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrainConfig {
     pub model: ModelSection,
     pub data: DataSourceConfig,
@@ -83,10 +98,17 @@ pub struct TrainConfig {
     pub strict_memory_limit: bool,
     pub precision: DType,
     pub optimizer: OptimizerKind,
+    pub accumulation: usize,
+    pub grad_clip: f32,
+    pub eval_every: u64,
+    pub eval_batches: usize,
+    pub out: Option<PathBuf>,
+    pub checkpoint_every: u64,
+    pub keep_checkpoints: usize,
 }
 
 /// The optimizer a step ends with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum OptimizerKind {
     AdamW,
@@ -94,7 +116,7 @@ pub enum OptimizerKind {
 }
 
 /// Serializable form of [`DataSource`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DataSourceConfig {
     Addition,
@@ -105,7 +127,8 @@ impl From<&DataSourceConfig> for DataSource {
     fn from(d: &DataSourceConfig) -> DataSource {
         match d {
             DataSourceConfig::Addition => DataSource::Addition,
-            DataSourceConfig::File(p) => DataSource::File(p.clone()),
+            // A directory is prepared token files (`snug prepare`), a file is text.
+            DataSourceConfig::File(p) => DataSource::from_path(p),
         }
     }
 }
@@ -135,6 +158,13 @@ impl Default for TrainConfig {
             strict_memory_limit: false,
             precision: DType::F32,
             optimizer: OptimizerKind::AdamW,
+            accumulation: 1,
+            grad_clip: 1.0,
+            eval_every: 200,
+            eval_batches: 8,
+            out: None,
+            checkpoint_every: 0,
+            keep_checkpoints: 3,
         }
     }
 }
@@ -146,8 +176,28 @@ impl TrainConfig {
         model: &ModelSection,
         train: &TrainSection,
     ) -> Result<TrainConfig, TrainError> {
-        let mut cfg = TrainConfig::default();
-        let mut block_set = train.block.is_some();
+        Self::resolve_over(TrainConfig::default(), false, file, model, train)
+    }
+
+    /// `base` (a checkpoint's configuration), then `file` and the overrides, validated: the
+    /// configuration of a resumed run.
+    pub fn resolve_resumed(
+        base: TrainConfig,
+        file: Option<&Path>,
+        model: &ModelSection,
+        train: &TrainSection,
+    ) -> Result<TrainConfig, TrainError> {
+        Self::resolve_over(base, true, file, model, train)
+    }
+
+    fn resolve_over(
+        mut cfg: TrainConfig,
+        block_fixed: bool,
+        file: Option<&Path>,
+        model: &ModelSection,
+        train: &TrainSection,
+    ) -> Result<TrainConfig, TrainError> {
+        let mut block_set = block_fixed || train.block.is_some();
         if let Some(path) = file {
             let text = std::fs::read_to_string(path).map_err(|source| TrainError::Io {
                 path: path.to_path_buf(),
@@ -206,8 +256,17 @@ impl TrainConfig {
             weight_decay,
             seed,
             threads,
-            log_every
+            log_every,
+            accumulation,
+            grad_clip,
+            eval_every,
+            eval_batches,
+            checkpoint_every,
+            keep_checkpoints
         );
+        if let Some(o) = &t.out {
+            self.out = Some(o.clone());
+        }
         if let Some(limit) = &t.memory_limit {
             let bytes = snug_runtime::parse_bytes(limit).map_err(|e| TrainError::Config {
                 field: "memory_limit",
@@ -261,6 +320,27 @@ impl TrainConfig {
         if self.log_every == 0 {
             return err("log_every", "must be at least 1".into());
         }
+        if self.accumulation == 0 || self.batch % self.accumulation != 0 {
+            return err(
+                "accumulation",
+                format!(
+                    "must be at least 1 and divide batch ({}), got {}",
+                    self.batch, self.accumulation
+                ),
+            );
+        }
+        if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
+            return err(
+                "grad_clip",
+                format!("must be 0 (off) or positive, got {}", self.grad_clip),
+            );
+        }
+        if self.eval_batches == 0 {
+            return err("eval_batches", "must be at least 1".into());
+        }
+        if self.keep_checkpoints == 0 {
+            return err("keep_checkpoints", "must be at least 1".into());
+        }
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return err("lr", format!("must be a positive number, got {}", self.lr));
         }
@@ -286,6 +366,11 @@ impl TrainConfig {
         }
         self.base_model()?;
         Ok(())
+    }
+
+    /// Sequences per forward/backward pass.
+    pub fn micro_batch(&self) -> usize {
+        self.batch / self.accumulation
     }
 
     /// The preset (or Hugging Face config) with the `[model]` overrides applied; `vocab_size`

@@ -1,20 +1,44 @@
 //! Training data: a built-in generated data set (so `snug train` works on a fresh clone), text
-//! files, the train/validation split, and seeded batch sampling.
+//! files, prepared token directories (`snug prepare`), the train/validation split, deterministic
+//! per-step batches, and a thread that prepares batches ahead of the training step.
 
 use std::path::{Path, PathBuf};
+use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::{CharTokenizer, TrainError};
+use crate::token_file::{TokenFile, TokenFileProblem};
+use crate::{CharTokenizer, Tokenizer, TrainError};
 
-/// Where training text comes from.
+/// The training split's file in a prepared token directory.
+pub const TRAIN_FILE: &str = "train.bin";
+/// The validation split's file in a prepared token directory.
+pub const VAL_FILE: &str = "val.bin";
+
+/// Where training data comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DataSource {
     /// Generated multi-digit additions, `"482+39=521\n"`: a language with exact rules, so a
     /// falling loss means the model is learning arithmetic, not memorising text.
     Addition,
+    /// A text file, tokenized by characters and split 90/10.
     File(PathBuf),
+    /// A directory holding `train.bin` and `val.bin` token files.
+    Tokens(PathBuf),
+}
+
+impl DataSource {
+    /// A directory is a prepared token directory; anything else is read as a text file.
+    pub fn from_path(path: &Path) -> DataSource {
+        if path.is_dir() {
+            DataSource::Tokens(path.to_path_buf())
+        } else {
+            DataSource::File(path.to_path_buf())
+        }
+    }
 }
 
 /// Generates `lines` additions of numbers below 1000, deterministically from `seed`.
@@ -29,12 +53,53 @@ pub fn addition_text(lines: usize, seed: u64) -> String {
     s
 }
 
-/// A tokenized corpus split 90/10 into training and validation ids.
+/// A split's token ids: in memory, or memory-mapped from a token file.
+#[derive(Debug, Clone)]
+pub enum Tokens {
+    Owned(Vec<u32>),
+    Mapped(TokenFile),
+}
+
+impl Tokens {
+    pub fn len(&self) -> usize {
+        match self {
+            Tokens::Owned(v) => v.len(),
+            Tokens::Mapped(f) => f.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Copies `out.len()` tokens starting at `start` into `out`. Panics past the end.
+    pub fn window(&self, start: usize, out: &mut [i32]) {
+        match self {
+            Tokens::Owned(v) => {
+                let src = &v[start..start + out.len()];
+                for (o, &t) in out.iter_mut().zip(src) {
+                    *o = t as i32;
+                }
+            }
+            Tokens::Mapped(f) => f.copy_window(start, out),
+        }
+    }
+
+    /// Every token, in memory.
+    pub fn to_vec(&self) -> Vec<u32> {
+        match self {
+            Tokens::Owned(v) => v.clone(),
+            Tokens::Mapped(f) => f.to_vec(),
+        }
+    }
+}
+
+/// A tokenized corpus split into training and validation ids.
 #[derive(Debug, Clone)]
 pub struct TokenDataset {
-    pub tokenizer: CharTokenizer,
-    pub train: Vec<u32>,
-    pub val: Vec<u32>,
+    pub tokenizer: Tokenizer,
+    pub train: Tokens,
+    pub val: Tokens,
     pub name: String,
 }
 
@@ -46,9 +111,11 @@ impl TokenDataset {
                 &addition_text(50_000, 1234),
             )),
             DataSource::File(path) => Self::from_file(path),
+            DataSource::Tokens(dir) => Self::from_dir(dir),
         }
     }
 
+    /// A text file, character-tokenized, split 90/10.
     pub fn from_file(path: &Path) -> Result<TokenDataset, TrainError> {
         let text = std::fs::read_to_string(path).map_err(|source| TrainError::Io {
             path: path.to_path_buf(),
@@ -62,17 +129,45 @@ impl TokenDataset {
         Ok(Self::from_text(&path.display().to_string(), &text))
     }
 
+    /// `text` with a character tokenizer built from it, split 90/10.
     pub fn from_text(name: &str, text: &str) -> TokenDataset {
         let tokenizer = CharTokenizer::from_text(text);
         // Every character is in the vocabulary it was built from.
-        let ids = tokenizer.encode(text).unwrap_or_default();
+        let mut ids = tokenizer.encode(text).unwrap_or_default();
         let split = ids.len() * 9 / 10;
+        let val = ids.split_off(split);
         TokenDataset {
-            tokenizer,
-            train: ids[..split].to_vec(),
-            val: ids[split..].to_vec(),
+            tokenizer: Tokenizer::Char(tokenizer),
+            train: Tokens::Owned(ids),
+            val: Tokens::Owned(val),
             name: name.to_string(),
         }
+    }
+
+    /// A directory prepared by `snug prepare`: `train.bin` and `val.bin`, memory-mapped. Both
+    /// must carry the same tokenizer.
+    pub fn from_dir(dir: &Path) -> Result<TokenDataset, TrainError> {
+        let train = TokenFile::open(&dir.join(TRAIN_FILE))?;
+        let val_path = dir.join(VAL_FILE);
+        let val = TokenFile::open(&val_path)?;
+        if train.tokenizer() != val.tokenizer() {
+            return Err(TrainError::TokenFile {
+                path: val_path,
+                problem: TokenFileProblem::Spec {
+                    detail: format!(
+                        "its {} tokenizer differs from the {} tokenizer of {TRAIN_FILE} beside it",
+                        val.tokenizer().name(),
+                        train.tokenizer().name()
+                    ),
+                },
+            });
+        }
+        Ok(TokenDataset {
+            tokenizer: train.tokenizer().clone(),
+            train: Tokens::Mapped(train),
+            val: Tokens::Mapped(val),
+            name: dir.display().to_string(),
+        })
     }
 
     /// Fails unless both splits hold at least one sequence of `block` tokens plus its target.
@@ -89,25 +184,155 @@ impl TokenDataset {
     }
 }
 
-/// Draws `batch` random window starts for sequences of `block` tokens plus one target.
-pub fn sample_starts(
-    rng: &mut ChaCha8Rng,
+/// Keeps batch sampling's random stream apart from parameter initialisation, which seeds
+/// ChaCha8 with the bare seed.
+const DATA_SEED_SALT: u64 = 0x5EED_DA7A;
+
+/// Writes into `out` the `count` window starts of step `step`'s batch, each uniform in
+/// `0..=len - block - 1` (room for `block` inputs and the shifted target).
+///
+/// The starts depend only on `(seed, step)`: a ChaCha8 stream per step, so no random state is
+/// carried between steps. A resumed run draws the same batches as an uninterrupted one, and a
+/// batch split into micro-batches is the same batch. Needs `len ≥ block + 1`
+/// ([`TokenDataset::check_block`]); shorter data yields starts of 0.
+pub fn batch_starts(
+    seed: u64,
+    step: u64,
     len: usize,
-    batch: usize,
+    count: usize,
     block: usize,
-    starts: &mut Vec<usize>,
+    out: &mut Vec<usize>,
 ) {
-    starts.clear();
-    let max_start = len - block - 1;
-    starts.extend((0..batch).map(|_| rng.random_range(0..=max_start)));
+    out.clear();
+    let max_start = len.saturating_sub(block + 1);
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ DATA_SEED_SALT);
+    rng.set_stream(step);
+    out.extend((0..count).map(|_| rng.random_range(0..=max_start)));
 }
 
-/// Writes the windows `ids[s + shift .. s + shift + block]` for each start `s` into `out`
-/// (`shift` 0 gives the inputs, 1 the next-token targets).
-pub fn fill_windows(ids: &[u32], starts: &[usize], block: usize, shift: usize, out: &mut [i32]) {
-    for (row, &s) in out.chunks_exact_mut(block).zip(starts) {
-        for (o, &t) in row.iter_mut().zip(&ids[s + shift..s + shift + block]) {
-            *o = t as i32;
+/// Fills `x` with the windows `tokens[s..s + block]` and `y` with their next-token targets
+/// `tokens[s + 1..s + block + 1]`, one row of `block` per start. Panics if a window runs past
+/// the end of `tokens`.
+pub fn fill_batch(tokens: &Tokens, starts: &[usize], block: usize, x: &mut [i32], y: &mut [i32]) {
+    debug_assert_eq!(x.len(), starts.len() * block);
+    debug_assert_eq!(y.len(), starts.len() * block);
+    for ((xr, yr), &s) in x
+        .chunks_exact_mut(block)
+        .zip(y.chunks_exact_mut(block))
+        .zip(starts)
+    {
+        tokens.window(s, xr);
+        tokens.window(s + 1, yr);
+    }
+}
+
+/// One step's batch: `starts.len()` sequences of `block` inputs (`x`) and targets (`y`),
+/// row-major.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Batch {
+    pub step: u64,
+    pub starts: Vec<usize>,
+    pub x: Vec<i32>,
+    pub y: Vec<i32>,
+}
+
+impl Batch {
+    /// Step `step`'s batch of the training split, computed here and now.
+    pub fn compute(data: &TokenDataset, seed: u64, step: u64, count: usize, block: usize) -> Batch {
+        let mut starts = Vec::with_capacity(count);
+        batch_starts(seed, step, data.train.len(), count, block, &mut starts);
+        let (mut x, mut y) = (vec![0; count * block], vec![0; count * block]);
+        fill_batch(&data.train, &starts, block, &mut x, &mut y);
+        Batch { step, starts, x, y }
+    }
+}
+
+/// Prepares the training split's batches for steps `first_step, first_step + 1, …` on a
+/// background thread, at most two ahead, so a step never waits for data (a memory-mapped
+/// corpus may fault pages in). The batches live outside the allocator: at most four (two
+/// queued, one being built, one being consumed) of `count × block × 8` bytes each.
+///
+/// Dropping it stops the thread: the queue closes, the thread's next send fails, and it exits.
+pub struct Prefetcher {
+    rx: Option<Receiver<Batch>>,
+    handle: Option<JoinHandle<()>>,
+    /// Why no thread runs, found at construction and reported by the first [`Prefetcher::next`].
+    startup_error: Option<TrainError>,
+}
+
+impl Prefetcher {
+    /// Starts producing `count` sequences of `block` tokens per step. Never fails itself: data
+    /// too small for `block`, or a thread that cannot start, is the first `next`'s error, so a
+    /// caller can hold a prefetcher before it knows it will train.
+    pub fn new(
+        data: Arc<TokenDataset>,
+        seed: u64,
+        count: usize,
+        block: usize,
+        first_step: u64,
+    ) -> Prefetcher {
+        let stopped = |e| Prefetcher {
+            rx: None,
+            handle: None,
+            startup_error: Some(e),
+        };
+        if let Err(e) = data.check_block(block) {
+            return stopped(e);
+        }
+        let (tx, rx) = sync_channel(2);
+        let spawned = std::thread::Builder::new()
+            .name("snug-prefetch".into())
+            .spawn(move || {
+                let mut step = first_step;
+                // A failed send means the receiver is gone: stop.
+                while tx
+                    .send(Batch::compute(&data, seed, step, count, block))
+                    .is_ok()
+                {
+                    step += 1;
+                }
+            });
+        match spawned {
+            Ok(handle) => Prefetcher {
+                rx: Some(rx),
+                handle: Some(handle),
+                startup_error: None,
+            },
+            Err(e) => stopped(TrainError::Prefetch(format!(
+                "could not start the thread: {e}"
+            ))),
+        }
+    }
+
+    /// The next step's batch, waiting only if the thread has fallen behind.
+    #[allow(clippy::should_implement_trait)] // fallible, so not an `Iterator`
+    pub fn next(&mut self) -> Result<Batch, TrainError> {
+        if let Some(e) = self.startup_error.take() {
+            return Err(e);
+        }
+        if let Some(batch) = self.rx.as_ref().and_then(|rx| rx.recv().ok()) {
+            return Ok(batch);
+        }
+        // The sender is gone, so the thread has ended: by a panic, whose message we report.
+        let detail = match self.handle.take().map(JoinHandle::join) {
+            Some(Err(payload)) => payload
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "it panicked".into()),
+            _ => "it is not running".into(),
+        };
+        Err(TrainError::Prefetch(detail))
+    }
+}
+
+impl Drop for Prefetcher {
+    fn drop(&mut self) {
+        // Close the queue first so a thread blocked on a full queue wakes up and exits.
+        drop(self.rx.take());
+        if let Some(h) = self.handle.take() {
+            // A panic in the thread was either reported by `next_batch` or is moot now.
+            let _ = h.join();
         }
     }
 }
@@ -136,20 +361,133 @@ mod tests {
 
     #[test]
     fn batches_are_shifted_windows() {
-        let ids: Vec<u32> = (0..100).collect();
-        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let tokens = Tokens::Owned((0..100).collect());
         let mut starts = Vec::new();
-        sample_starts(&mut rng, ids.len(), 3, 8, &mut starts);
+        batch_starts(0, 1, tokens.len(), 3, 8, &mut starts);
+        assert_eq!(starts.len(), 3);
         let (mut x, mut y) = (vec![0; 24], vec![0; 24]);
-        fill_windows(&ids, &starts, 8, 0, &mut x);
-        fill_windows(&ids, &starts, 8, 1, &mut y);
-        assert_eq!(
-            x[..8],
-            (starts[0] as i32..starts[0] as i32 + 8).collect::<Vec<_>>()[..]
-        );
+        fill_batch(&tokens, &starts, 8, &mut x, &mut y);
+        for (row, &s) in x.chunks(8).zip(&starts) {
+            assert_eq!(row, (s as i32..s as i32 + 8).collect::<Vec<_>>());
+        }
         for (a, b) in x.iter().zip(&y) {
             assert_eq!(a + 1, *b);
         }
+    }
+
+    #[test]
+    fn batch_starts_depend_only_on_seed_and_step_and_cover_the_range() {
+        let (len, block) = (50, 9);
+        let draw = |seed, step| {
+            let mut v = vec![123; 7]; // stale contents are replaced
+            batch_starts(seed, step, len, 40, block, &mut v);
+            v
+        };
+        // Same (seed, step): same starts, whatever was drawn before.
+        let a = draw(1, 5);
+        let _ = draw(1, 4);
+        assert_eq!(draw(1, 5), a);
+        assert_eq!(a.len(), 40);
+        assert_ne!(draw(1, 6), a, "steps differ");
+        assert_ne!(draw(2, 5), a, "seeds differ");
+        // Uniform over 0..=len - block - 1: both ends are reached, nothing beyond.
+        let mut seen = vec![false; len - block];
+        for step in 0..200 {
+            for s in draw(3, step) {
+                assert!(s < len - block, "start {s}");
+                seen[s] = true;
+            }
+        }
+        assert!(seen.iter().all(|&b| b), "{seen:?}");
+        // Micro-batches: the first k starts of a batch of n are the batch of k.
+        let mut big = Vec::new();
+        let mut small = Vec::new();
+        batch_starts(9, 3, 1000, 16, 8, &mut big);
+        batch_starts(9, 3, 1000, 4, 8, &mut small);
+        assert_eq!(big[..4], small[..]);
+    }
+
+    #[test]
+    fn mapped_and_owned_tokens_give_the_same_batches() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = TokenDataset::from_text("t", &addition_text(300, 3));
+        crate::TokenFile::write(
+            &dir.path().join(TRAIN_FILE),
+            &data.tokenizer,
+            &data.train.to_vec(),
+        )
+        .unwrap();
+        crate::TokenFile::write(
+            &dir.path().join(VAL_FILE),
+            &data.tokenizer,
+            &data.val.to_vec(),
+        )
+        .unwrap();
+        let mapped = TokenDataset::load(&DataSource::from_path(dir.path())).unwrap();
+        assert!(matches!(mapped.train, Tokens::Mapped(_)));
+        assert_eq!(mapped.tokenizer, data.tokenizer);
+        assert_eq!(
+            (mapped.train.len(), mapped.val.len()),
+            (data.train.len(), data.val.len())
+        );
+        for step in 1..5 {
+            assert_eq!(
+                Batch::compute(&mapped, 7, step, 4, 32),
+                Batch::compute(&data, 7, step, 4, 32)
+            );
+        }
+    }
+
+    #[test]
+    fn token_directories_must_be_complete_and_agree() {
+        let dir = tempfile::tempdir().unwrap();
+        let abc = Tokenizer::Char(CharTokenizer::from_text("abc"));
+        let abd = Tokenizer::Char(CharTokenizer::from_text("abd"));
+        crate::TokenFile::write(&dir.path().join(TRAIN_FILE), &abc, &[0, 1, 2]).unwrap();
+        let err = TokenDataset::from_dir(dir.path()).unwrap_err();
+        assert!(
+            matches!(&err, TrainError::Io { path, .. } if path.ends_with(VAL_FILE)),
+            "{err}"
+        );
+        crate::TokenFile::write(&dir.path().join(VAL_FILE), &abd, &[0, 1, 2]).unwrap();
+        match TokenDataset::from_dir(dir.path()) {
+            Err(TrainError::TokenFile {
+                path,
+                problem: TokenFileProblem::Spec { .. },
+            }) => assert!(path.ends_with(VAL_FILE)),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn data_source_follows_the_path_kind() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(
+            DataSource::from_path(dir.path()),
+            DataSource::Tokens(dir.path().to_path_buf())
+        );
+        let file = dir.path().join("a.txt");
+        assert_eq!(DataSource::from_path(&file), DataSource::File(file.clone()));
+    }
+
+    #[test]
+    fn prefetched_batches_equal_computed_ones() {
+        let data = Arc::new(TokenDataset::from_text("t", &addition_text(500, 1)));
+        let mut p = Prefetcher::new(data.clone(), 42, 3, 16, 10);
+        for step in 10..20 {
+            let b = p.next().unwrap();
+            assert_eq!(b, Batch::compute(&data, 42, step, 3, 16));
+            assert_eq!((b.step, b.x.len(), b.starts.len()), (step, 48, 3));
+        }
+        // Dropping it with a full queue (the thread blocked on send) stops the thread, which
+        // releases its handle on the data.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        drop(p);
+        assert_eq!(Arc::strong_count(&data), 1, "the thread released the data");
+        // Data too small for the block: no thread, and the first batch is the typed error.
+        let mut p = Prefetcher::new(data, 0, 2, 1 << 20, 1);
+        assert!(matches!(p.next(), Err(TrainError::DataTooSmall { .. })));
+        assert!(matches!(p.next(), Err(TrainError::Prefetch(_))));
     }
 
     #[test]

@@ -21,6 +21,22 @@ pub enum TrainError {
         tokens: usize,
         needed: usize,
     },
+    #[error("checkpoint {path}: {detail}")]
+    Checkpoint { path: PathBuf, detail: String },
+    #[error("no checkpoint to resume from in {dir}: {detail}")]
+    NoCheckpoint { dir: PathBuf, detail: String },
+    #[error("character {ch:?} is not in the tokenizer's vocabulary of {vocab} symbols")]
+    UnknownChar { ch: char, vocab: usize },
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// The problem is part of the message, not a `source`, so error chains print it once.
+    #[error("{path}: {problem}")]
+    TokenFile {
+        path: PathBuf,
+        problem: crate::token_file::TokenFileProblem,
+    },
+    #[error("the data prefetch thread stopped: {0}")]
+    Prefetch(String),
     #[error("{path}: {message}")]
     ConfigFile { path: PathBuf, message: String },
     #[error("config: `{field}` {detail}")]
@@ -29,6 +45,8 @@ pub enum TrainError {
     DoesNotFit { needed: usize, limit: usize },
     #[error("loss is {loss} at step {step}: training diverged (lower the learning rate)")]
     NonFinite { step: u64, loss: f32 },
+    #[error("the model's logits at position {position} are not finite: its weights hold NaN or infinity")]
+    NonFiniteLogits { position: usize },
     #[error(transparent)]
     Model(#[from] NnError),
     #[error(transparent)]

@@ -1,18 +1,30 @@
 //! snug's trainer: from text to a trained model.
 //!
-//! - [`tokenizer`]: character-level tokenizer.
-//! - [`data`]: the built-in generated data set, text files, and batch sampling.
+//! - [`tokenizer`]: character-level and GPT-2 BPE tokenizers.
+//! - [`token_file`]: prepared token files (`snug prepare`), memory-mapped for training.
+//! - [`data`]: the built-in generated data set, text files, token directories, deterministic
+//!   per-step batches and a prefetching thread.
 //! - [`config`]: the training configuration (TOML file, then command-line overrides).
-//! - [`trainer`]: compiles the step, plans it, and runs the loop.
+//! - [`trainer`]: compiles the step, plans it, and runs it step by step.
+//! - [`sample`]: text generation from a model's weights, on the planned inference graph.
+//! - [`checkpoint`]: atomic safetensors checkpoints and resume.
+//! - [`run`]: the loop: evaluation, checkpoints, metrics file, clean stop on Ctrl-C.
 
+pub mod checkpoint;
 pub mod config;
 pub mod data;
 mod error;
+pub mod run;
+pub mod sample;
+pub mod token_file;
 pub mod tokenizer;
 pub mod trainer;
 
 pub use config::{ModelSection, OptimizerKind, TrainConfig, TrainSection};
-pub use data::{DataSource, TokenDataset};
+pub use data::{Batch, DataSource, Prefetcher, TokenDataset, Tokens};
 pub use error::TrainError;
-pub use tokenizer::CharTokenizer;
-pub use trainer::{LrSchedule, StepStats, Trainer};
+pub use sample::{SampleOptions, Sampler};
+pub use token_file::{TokenFile, TokenFileProblem};
+pub use tokenizer::{CharTokenizer, Gpt2Tokenizer, Tokenizer, TokenizerSpec};
+pub use run::{run, Event, RunSummary};
+pub use trainer::{EvalStats, LrSchedule, StepStats, Trainer};

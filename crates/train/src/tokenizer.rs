@@ -1,7 +1,17 @@
-//! Character-level tokenizer: one id per distinct character, in sorted order (as nanoGPT's
-//! shakespeare-char, which gives tinyshakespeare's 65 symbols).
+//! Tokenizers: character level (one id per distinct character, in sorted order, as nanoGPT's
+//! shakespeare-char, which gives tinyshakespeare's 65 symbols) and GPT-2's byte-level BPE
+//! (`r50k_base`, 50,257 tokens, through `tiktoken-rs`, whose ranks ship inside the crate).
+//!
+//! [`Tokenizer`] is either; [`TokenizerSpec`] is its serializable description, stored in token
+//! files and checkpoints so the exact tokenizer can be rebuilt.
 
 use std::collections::HashMap;
+use std::sync::OnceLock;
+
+use serde::{Deserialize, Serialize};
+use tiktoken_rs::CoreBPE;
+
+use crate::TrainError;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CharTokenizer {
@@ -18,6 +28,8 @@ impl CharTokenizer {
         CharTokenizer::from_chars(chars)
     }
 
+    /// A tokenizer whose id `i` is `chars[i]`. With a repeated character the later id wins
+    /// when encoding; [`Tokenizer::from_spec`] rejects such lists.
     pub fn from_chars(chars: Vec<char>) -> CharTokenizer {
         let ids = chars
             .iter()
@@ -50,9 +62,270 @@ impl CharTokenizer {
     }
 }
 
+/// GPT-2's tokenizer: tiktoken's `r50k_base` (50,256 merges' worth of byte-level BPE tokens
+/// plus `<|endoftext|>` = 50256).
+#[derive(Clone, Copy)]
+pub struct Gpt2Tokenizer {
+    bpe: &'static CoreBPE,
+}
+
+/// GPT-2's vocabulary: 50,256 BPE tokens and `<|endoftext|>`.
+pub const GPT2_VOCAB_SIZE: usize = 50257;
+/// GPT-2's `<|endoftext|>` id.
+pub const GPT2_EOT: u32 = 50256;
+
+/// Target size of the pieces a large text is cut into for parallel encoding.
+const GPT2_CHUNK_BYTES: usize = 256 * 1024;
+/// Whitespace runs longer than this get a cut of their own: GPT-2's pre-tokenizer pattern
+/// (`\s+(?!\S)`) backtracks through a whole run followed by text, and fancy-regex gives up
+/// (tiktoken-rs then panics) on runs of about a million characters.
+const GPT2_LONG_WHITESPACE: usize = 1024;
+
+impl Gpt2Tokenizer {
+    /// Builds the ranks once per process (about 0.1 s) and shares them.
+    pub fn new() -> Result<Gpt2Tokenizer, TrainError> {
+        static BPE: OnceLock<Result<CoreBPE, String>> = OnceLock::new();
+        match BPE.get_or_init(|| tiktoken_rs::r50k_base().map_err(|e| e.to_string())) {
+            Ok(bpe) => Ok(Gpt2Tokenizer { bpe }),
+            Err(e) => Err(TrainError::Tokenizer(format!(
+                "building GPT-2's r50k_base: {e}"
+            ))),
+        }
+    }
+
+    /// Ids of `text` with special tokens read as plain text (`"<|endoftext|>"` in a corpus is
+    /// seven ordinary tokens, as in nanoGPT's `encode_ordinary`). Large texts are encoded in
+    /// parallel pieces, cut only where the result is provably the same as one call.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TrainError> {
+        let chunks = gpt2_chunks(text, GPT2_CHUNK_BYTES);
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(chunks.len());
+        if threads <= 1 {
+            let mut ids = Vec::with_capacity(text.len() / 3);
+            for c in &chunks {
+                ids.extend(self.encode_piece(c)?);
+            }
+            return Ok(ids);
+        }
+        // Contiguous groups of chunks of about equal bytes, one per thread, joined in order.
+        let per_thread = text.len().div_ceil(threads);
+        let mut groups: Vec<&[&str]> = Vec::with_capacity(threads);
+        let (mut start, mut bytes) = (0, 0);
+        for (i, c) in chunks.iter().enumerate() {
+            bytes += c.len();
+            if bytes >= per_thread || i + 1 == chunks.len() {
+                groups.push(&chunks[start..=i]);
+                (start, bytes) = (i + 1, 0);
+            }
+        }
+        let parts: Vec<Result<Vec<u32>, TrainError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .iter()
+                .map(|group| {
+                    s.spawn(move || {
+                        let mut ids = Vec::new();
+                        for c in *group {
+                            ids.extend(self.encode_piece(c)?);
+                        }
+                        Ok(ids)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(TrainError::Tokenizer(
+                            "a GPT-2 encoding thread panicked".into(),
+                        ))
+                    })
+                })
+                .collect()
+        });
+        let mut ids = Vec::with_capacity(text.len() / 3);
+        for p in parts {
+            ids.extend(p?);
+        }
+        Ok(ids)
+    }
+
+    /// One call into tiktoken. Its regex errors are `unwrap`ped inside the crate; the cuts make
+    /// them unreachable for whitespace runs, and any other one becomes an error, not an abort.
+    fn encode_piece(&self, piece: &str) -> Result<Vec<u32>, TrainError> {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.bpe.encode_ordinary(piece)
+        }))
+        .map_err(|_| {
+            TrainError::Tokenizer(format!(
+                "GPT-2's pre-tokenizer failed on a {}-byte piece of text starting {:?}",
+                piece.len(),
+                piece.chars().take(32).collect::<String>()
+            ))
+        })
+    }
+
+    /// Text of `ids`: bytes that are not UTF-8 and ids outside the vocabulary become U+FFFD.
+    pub fn decode(&self, ids: &[u32]) -> String {
+        let mut bytes = Vec::with_capacity(ids.len() * 4);
+        for &id in ids {
+            match self.bpe.decode_bytes(&[id]) {
+                Ok(b) => bytes.extend_from_slice(&b),
+                Err(_) => bytes.extend_from_slice("\u{FFFD}".as_bytes()),
+            }
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
+
+impl std::fmt::Debug for Gpt2Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Gpt2Tokenizer(r50k_base)")
+    }
+}
+
+impl PartialEq for Gpt2Tokenizer {
+    /// There is one GPT-2 tokenizer.
+    fn eq(&self, _: &Gpt2Tokenizer) -> bool {
+        true
+    }
+}
+
+impl Eq for Gpt2Tokenizer {}
+
+/// Cuts `text` into pieces of at least `target` bytes (except the last) that GPT-2's
+/// pre-tokenizer splits exactly as it splits the whole, so encoding the pieces one by one gives
+/// the same ids. A cut goes right before the last character of a whitespace run that is followed
+/// by a non-whitespace character. Every alternative of the pattern
+/// `'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s` then ends
+/// its match at the cut in the whole text too: a run of n ≥ 2 whitespace characters followed by
+/// text matches as its first n−1 (`\s+(?!\S)`), which at the end of the left piece match as one
+/// (`\s++$`); a run of one is its own match or the optional leading space of the next, which
+/// starts the right piece; no alternative ending in non-whitespace reaches past whitespace.
+fn gpt2_chunks(text: &str, target: usize) -> Vec<&str> {
+    let mut chunks = Vec::new();
+    let mut start = 0;
+    let mut run = 0usize;
+    let mut chars = text.char_indices().peekable();
+    while let Some((i, c)) = chars.next() {
+        if !c.is_whitespace() {
+            run = 0;
+            continue;
+        }
+        run += 1;
+        let before_text = matches!(chars.peek(), Some(&(_, next)) if !next.is_whitespace());
+        if before_text && i > start && (i - start >= target || run > GPT2_LONG_WHITESPACE) {
+            chunks.push(&text[start..i]);
+            start = i;
+        }
+    }
+    chunks.push(&text[start..]);
+    chunks
+}
+
+/// A tokenizer snug can train with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Tokenizer {
+    Char(CharTokenizer),
+    Gpt2(Gpt2Tokenizer),
+}
+
+/// What a token file or checkpoint stores to rebuild its [`Tokenizer`]: a character vocabulary
+/// in id order, or GPT-2 (whose ranks are built in).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum TokenizerSpec {
+    Char { chars: String },
+    Gpt2,
+}
+
+impl Tokenizer {
+    pub fn gpt2() -> Result<Tokenizer, TrainError> {
+        Ok(Tokenizer::Gpt2(Gpt2Tokenizer::new()?))
+    }
+
+    /// `"char"` or `"gpt2"`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Tokenizer::Char(_) => "char",
+            Tokenizer::Gpt2(_) => "gpt2",
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Tokenizer::Char(t) => t.vocab_size(),
+            Tokenizer::Gpt2(_) => GPT2_VOCAB_SIZE,
+        }
+    }
+
+    /// Ids of `text`; for the character tokenizer a character outside the vocabulary is an
+    /// error naming it.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TrainError> {
+        match self {
+            Tokenizer::Char(t) => t.encode(text).map_err(|ch| TrainError::UnknownChar {
+                ch,
+                vocab: t.vocab_size(),
+            }),
+            Tokenizer::Gpt2(t) => t.encode(text),
+        }
+    }
+
+    /// Text of `ids`, never failing: invalid ids and invalid UTF-8 become U+FFFD.
+    pub fn decode(&self, ids: &[u32]) -> String {
+        match self {
+            Tokenizer::Char(t) => t.decode(ids),
+            Tokenizer::Gpt2(t) => t.decode(ids),
+        }
+    }
+
+    pub fn to_spec(&self) -> TokenizerSpec {
+        match self {
+            Tokenizer::Char(t) => TokenizerSpec::Char {
+                chars: t.chars().iter().collect(),
+            },
+            Tokenizer::Gpt2(_) => TokenizerSpec::Gpt2,
+        }
+    }
+
+    /// The tokenizer `spec` describes; an empty or repeating character list is an error.
+    pub fn from_spec(spec: &TokenizerSpec) -> Result<Tokenizer, TrainError> {
+        match spec {
+            TokenizerSpec::Char { chars } => {
+                let list: Vec<char> = chars.chars().collect();
+                if list.is_empty() {
+                    return Err(TrainError::Tokenizer(
+                        "a character tokenizer needs at least one character".into(),
+                    ));
+                }
+                let t = CharTokenizer::from_chars(list);
+                if t.ids.len() != t.chars.len() {
+                    let mut seen = std::collections::HashSet::new();
+                    let dup = t.chars.iter().find(|c| !seen.insert(**c));
+                    return Err(TrainError::Tokenizer(format!(
+                        "character {:?} appears more than once in the vocabulary",
+                        dup.copied().unwrap_or_default()
+                    )));
+                }
+                Ok(Tokenizer::Char(t))
+            }
+            TokenizerSpec::Gpt2 => Tokenizer::gpt2(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn shakespeare() -> String {
+        let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/data/tinyshakespeare.txt");
+        std::fs::read_to_string(&p).unwrap_or_else(|e| {
+            panic!("tests read the corpus at {} (see README): {e}", p.display())
+        })
+    }
 
     #[test]
     fn round_trips_and_sorts_the_vocabulary() {
@@ -62,5 +335,131 @@ mod tests {
         assert_eq!(ids, vec![4, 3, 5, 5, 6]);
         assert_eq!(t.decode(&ids), "hello");
         assert_eq!(t.encode("hex"), Err('x'));
+    }
+
+    #[test]
+    fn char_tokenizer_names_an_unknown_character_and_decodes_lossily() {
+        let t = Tokenizer::Char(CharTokenizer::from_text("abc"));
+        assert_eq!(t.name(), "char");
+        assert_eq!(t.vocab_size(), 3);
+        match t.encode("abz") {
+            Err(TrainError::UnknownChar { ch: 'z', vocab: 3 }) => {}
+            other => panic!("expected UnknownChar('z'), got {other:?}"),
+        }
+        let err = t.encode("a\u{e9}").unwrap_err().to_string();
+        assert!(err.contains('\u{e9}'), "{err}");
+        assert_eq!(t.decode(&[0, 2, 99, u32::MAX]), "ac\u{FFFD}\u{FFFD}");
+    }
+
+    /// Ids checked against tiktoken's own tests (`tests/test_simple_public.py`: gpt2 "hello
+    /// world" = [31373, 995]) and GPT-2's vocabulary ("Hello" 15496, " world" 995, " the" 262,
+    /// "\n" 198, "<|endoftext|>" 50256).
+    #[test]
+    fn gpt2_ids_match_known_token_ids() {
+        let t = Tokenizer::gpt2().unwrap();
+        assert_eq!((t.name(), t.vocab_size()), ("gpt2", 50257));
+        assert_eq!(t.encode("Hello world").unwrap(), [15496, 995]);
+        assert_eq!(t.encode(" the").unwrap(), [262]);
+        assert_eq!(t.encode("hello world").unwrap(), [31373, 995]);
+        assert_eq!(t.encode("\n").unwrap(), [198]);
+        assert_eq!(t.encode("").unwrap(), Vec::<u32>::new());
+        assert_eq!(t.decode(&[31373, 995]), "hello world");
+        assert_eq!(t.decode(&[GPT2_EOT]), "<|endoftext|>");
+        // Special tokens in a corpus are text, not control tokens.
+        assert!(!t.encode("<|endoftext|>").unwrap().contains(&GPT2_EOT));
+    }
+
+    #[test]
+    fn gpt2_round_trips_unicode_and_decodes_bad_ids_lossily() {
+        let t = Tokenizer::gpt2().unwrap();
+        let text = "Ünïcödé — 日本語, emoji 🦀, tabs\tand\r\nlines  \u{a0}end ";
+        let ids = t.encode(text).unwrap();
+        assert!(ids.iter().all(|&i| (i as usize) < t.vocab_size()));
+        assert_eq!(t.decode(&ids), text);
+        // An id past the vocabulary, and half of a multi-byte character (🦀 is split into
+        // byte-level tokens), both decode to replacement characters instead of panicking.
+        let crab = t.encode("🦀").unwrap();
+        assert!(crab.len() > 1, "{crab:?}");
+        assert_eq!(t.decode(&[15496, 60000]), "Hello\u{FFFD}");
+        assert!(t.decode(&crab[..1]).contains('\u{FFFD}'));
+    }
+
+    /// nanoGPT's `data/shakespeare/prepare.py` encodes the first 90% of tinyshakespeare's
+    /// characters and the rest with tiktoken's gpt2 and reports 301,966 and 36,059 tokens.
+    #[test]
+    fn gpt2_on_tinyshakespeare_matches_nanogpt_counts() {
+        let text = shakespeare();
+        assert!(text.is_ascii());
+        let split = text.len() * 9 / 10;
+        let t = Tokenizer::gpt2().unwrap();
+        assert_eq!(t.encode(&text[..split]).unwrap().len(), 301_966);
+        assert_eq!(t.encode(&text[split..]).unwrap().len(), 36_059);
+        let all = t.encode(&text).unwrap();
+        assert_eq!(t.decode(&all), text);
+    }
+
+    /// Cutting at every allowed place gives exactly the ids of one whole call, on text dense
+    /// in the whitespace patterns the pre-tokenizer treats specially.
+    #[test]
+    fn gpt2_chunked_encoding_equals_whole_encoding() {
+        let bpe = Gpt2Tokenizer::new().unwrap();
+        let alphabet = [
+            " ", " ", "  ", "\n", "\n\n", "\t", "\r\n", "\u{a0}", "\u{3000}", "a", "the", "Zq",
+            "7", "42", "!", "?!", "'s", "'ll", "'", "日本", "é", "🦀", "-", " \n ",
+        ];
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        for _ in 0..40 {
+            let n = rng.random_range(1..400);
+            let text: String = (0..n)
+                .map(|_| alphabet[rng.random_range(0..alphabet.len())])
+                .collect();
+            let whole = bpe.bpe.encode_ordinary(&text);
+            for target in [1, 3, 17] {
+                let chunks = gpt2_chunks(&text, target);
+                assert_eq!(chunks.concat(), text);
+                let pieces: Vec<u32> = chunks
+                    .iter()
+                    .flat_map(|c| bpe.bpe.encode_ordinary(c))
+                    .collect();
+                assert_eq!(pieces, whole, "{text:?} cut at target {target}: {chunks:?}");
+            }
+        }
+        // Large text takes the parallel path and still matches.
+        let text = shakespeare();
+        assert_eq!(bpe.encode(&text).unwrap(), bpe.bpe.encode_ordinary(&text));
+    }
+
+    /// tiktoken-rs panics on a million spaces followed by a letter; the cuts avoid it.
+    #[test]
+    fn gpt2_encodes_huge_whitespace_runs() {
+        let t = Tokenizer::gpt2().unwrap();
+        for ws in [" ", "\n", "\t "] {
+            let text = format!("a{}b", ws.repeat(1_000_000));
+            let ids = t.encode(&text).unwrap();
+            assert_eq!(t.decode(&ids), text);
+        }
+    }
+
+    #[test]
+    fn specs_round_trip_through_json() {
+        let char_tok = Tokenizer::Char(CharTokenizer::from_text("hello, world\n"));
+        for t in [char_tok, Tokenizer::gpt2().unwrap()] {
+            let json = serde_json::to_string(&t.to_spec()).unwrap();
+            let back: TokenizerSpec = serde_json::from_str(&json).unwrap();
+            let rebuilt = Tokenizer::from_spec(&back).unwrap();
+            assert_eq!(rebuilt, t);
+            assert_eq!(rebuilt.encode("hello").unwrap(), t.encode("hello").unwrap());
+        }
+        assert_eq!(
+            serde_json::to_string(&TokenizerSpec::Gpt2).unwrap(),
+            r#"{"kind":"gpt2"}"#
+        );
+        for bad in ["", "abca"] {
+            let spec = TokenizerSpec::Char { chars: bad.into() };
+            assert!(matches!(
+                Tokenizer::from_spec(&spec),
+                Err(TrainError::Tokenizer(_))
+            ));
+        }
     }
 }

@@ -1,19 +1,21 @@
-//! The training loop: compile the step graph once, plan it, load it into a CPU session, then
-//! per step sample a batch, run, and report.
+//! One training run's state: compile the step graph once, plan it, load it into a CPU session,
+//! then per step take the prefetched batch, run each micro-batch, and report. Evaluation,
+//! checkpoint and restore work on the same session.
 
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
-use crate::config::OptimizerKind;
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use snug_graph::ops::{AdamW, Sgd};
-use snug_graph::{OptimizerSpec, StepGraph, TensorId};
+use snug_graph::{OptimizerSpec, Role, StepGraph, StepOptions, TensorId};
 use snug_nn::ModelConfig;
 use snug_plan::{plan, MemoryPlan, PlanOptions};
 use snug_runtime::{Allocator, CpuSession, ExecCtx};
 
-use crate::data::{fill_windows, sample_starts};
+use crate::checkpoint::{Checkpoint, SavedTensor};
+use crate::config::OptimizerKind;
+use crate::data::{batch_starts, fill_batch, Prefetcher, Tokens};
 use crate::{TokenDataset, TrainConfig, TrainError};
 
 /// Linear warmup to `lr`, then cosine decay to `min_lr` at the last step.
@@ -42,10 +44,14 @@ impl LrSchedule {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct StepStats {
     pub step: u64,
+    /// Mean loss over the step's micro-batches.
     pub loss: f32,
     pub lr: f32,
+    /// Global norm of the averaged gradient, before clipping.
+    pub grad_norm: Option<f32>,
     pub ms: f64,
     pub tokens_per_s: f64,
+    pub tokens_seen: u64,
     pub active_bytes: usize,
     pub peak_bytes: usize,
     pub cache_bytes: usize,
@@ -53,24 +59,38 @@ pub struct StepStats {
     pub rss_bytes: Option<usize>,
 }
 
+/// Mean losses over fixed batches of each split (the same batches at every evaluation, so
+/// evaluations compare).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct EvalStats {
+    pub step: u64,
+    pub train_loss: f32,
+    pub val_loss: f32,
+    pub ms: f64,
+}
+
+/// Mixed into the seed for evaluation batches, so they never coincide with training batches.
+const EVAL_STREAM: u64 = 0xE7A1_0000_0000_0000;
+
 /// A model being trained: its compiled step, plan, session and data.
 pub struct Trainer {
     config: TrainConfig,
     model: ModelConfig,
     step_graph: StepGraph,
     session: CpuSession,
-    data: TokenDataset,
+    data: Arc<TokenDataset>,
     tokens: TensorId,
     targets: TensorId,
-    rng: ChaCha8Rng,
     schedule: LrSchedule,
     step: u64,
-    /// Window starts of the current batch (the batch itself is written straight into the
-    /// session's input tensors, which the allocator accounts for).
-    starts: Vec<usize>,
+    tokens_seen: u64,
+    /// Nodes the loss depends on: the forward pass, run alone for evaluation.
+    forward: Vec<bool>,
+    /// Batches of the coming steps, drawn on a background thread.
+    prefetch: Prefetcher,
 }
 
-/// Compiles the training step of `model` for `batch × block` tokens.
+/// Compiles the training step of `model` for micro-batches of `batch × block` tokens.
 pub fn compile_step(
     model: &ModelConfig,
     batch: usize,
@@ -91,7 +111,13 @@ pub fn compile_step(
             weight_decay: config.weight_decay,
         }),
     };
-    let step = StepGraph::build(g.graph, g.loss, optimizer)?;
+    let options = StepOptions {
+        optimizer,
+        micro_steps: config.accumulation,
+        clip_grad_norm: (config.grad_clip > 0.0).then_some(config.grad_clip),
+        grad_norm: true,
+    };
+    let step = StepGraph::build_with(g.graph, g.loss, &options)?;
     Ok((step, g.tokens, g.targets))
 }
 
@@ -107,8 +133,13 @@ impl Trainer {
     ) -> Result<Trainer, TrainError> {
         data.check_block(config.block)?;
         let model = config.model_for_vocab(data.tokenizer.vocab_size())?;
-        let (step_graph, tokens, targets) =
-            compile_step(&model, config.batch, config.block, config.threads, &config)?;
+        let (step_graph, tokens, targets) = compile_step(
+            &model,
+            config.micro_batch(),
+            config.block,
+            config.threads,
+            &config,
+        )?;
         let memory_plan = plan(&step_graph.graph, &PlanOptions::default())?;
         if let Some(limit) = config.memory_limit {
             allocator.set_memory_limit(limit, !config.strict_memory_limit);
@@ -144,8 +175,10 @@ impl Trainer {
             warmup_steps: config.warmup_steps,
             total_steps: config.steps,
         };
+        let forward = session.nodes_for(&[step_graph.loss]);
+        let data = Arc::new(data);
+        let prefetch = Prefetcher::new(data.clone(), config.seed, config.batch, config.block, 1);
         Ok(Trainer {
-            rng: ChaCha8Rng::seed_from_u64(config.seed ^ 0x5EED_DA7A),
             config,
             model,
             step_graph,
@@ -155,61 +188,220 @@ impl Trainer {
             targets,
             schedule,
             step: 0,
-            starts: Vec::new(),
+            tokens_seen: 0,
+            forward,
+            prefetch,
         })
     }
 
-    /// Runs one optimizer step on a freshly sampled batch.
+    /// A trainer continuing from `ckpt` exactly where it stopped; `config` must describe the
+    /// same model (the checkpoint's own configuration, possibly with a new step count).
+    pub fn resume(
+        config: TrainConfig,
+        data: TokenDataset,
+        allocator: Allocator,
+        ckpt: &Checkpoint,
+    ) -> Result<Trainer, TrainError> {
+        if data.tokenizer.to_spec() != ckpt.tokenizer {
+            return Err(TrainError::Config {
+                field: "data",
+                detail: format!(
+                    "the data's {} tokenizer differs from the checkpoint's: resume on the data it was trained on",
+                    data.tokenizer.name()
+                ),
+            });
+        }
+        let mut trainer = Self::with_allocator(config, data, allocator)?;
+        trainer.restore(ckpt)?;
+        Ok(trainer)
+    }
+
+    /// Every persistent tensor a checkpoint holds: parameters and optimizer state.
+    fn saved_tensors(&self) -> impl Iterator<Item = TensorId> + '_ {
+        let g = &self.step_graph.graph;
+        (0..g.tensors().len() as u32).map(TensorId).filter(move |&t| {
+            let m = g.tensor(t);
+            m.view_of.is_none() && matches!(m.role, Role::Parameter | Role::OptimizerState)
+        })
+    }
+
+    /// The training state after the steps run so far.
+    pub fn checkpoint(&self) -> Result<Checkpoint, TrainError> {
+        let g = &self.step_graph.graph;
+        let tensors = self
+            .saved_tensors()
+            .map(|t| {
+                Ok(SavedTensor {
+                    name: g.tensor(t).name.clone(),
+                    shape: g.tensor(t).shape.clone(),
+                    data: self.session.read_f32(t)?.to_vec(),
+                })
+            })
+            .collect::<Result<Vec<_>, TrainError>>()?;
+        Ok(Checkpoint {
+            step: self.step,
+            tokens_seen: self.tokens_seen,
+            config: self.config.clone(),
+            tokenizer: self.data.tokenizer.to_spec(),
+            tensors,
+        })
+    }
+
+    /// Loads `ckpt`'s parameters, optimizer state and position. Every tensor must match by
+    /// name and shape, both ways.
+    pub fn restore(&mut self, ckpt: &Checkpoint) -> Result<(), TrainError> {
+        let ids: Vec<TensorId> = self.saved_tensors().collect();
+        let bad = |detail: String| TrainError::Checkpoint {
+            path: PathBuf::from("<checkpoint>"),
+            detail,
+        };
+        for &t in &ids {
+            let meta = self.step_graph.graph.tensor(t).clone();
+            let saved = ckpt
+                .tensor(&meta.name)
+                .ok_or_else(|| bad(format!("tensor `{}` is missing", meta.name)))?;
+            if saved.shape != meta.shape {
+                return Err(bad(format!(
+                    "tensor `{}` has shape {:?}, the model expects {:?}",
+                    meta.name, saved.shape, meta.shape
+                )));
+            }
+            self.session.write_f32(t, &saved.data)?;
+        }
+        if let Some(extra) = ckpt
+            .tensors
+            .iter()
+            .find(|s| !ids.iter().any(|&t| self.step_graph.graph.tensor(t).name == s.name))
+        {
+            return Err(bad(format!(
+                "tensor `{}` has no place in this model (a different model or optimizer?)",
+                extra.name
+            )));
+        }
+        self.step = ckpt.step;
+        self.tokens_seen = ckpt.tokens_seen;
+        self.prefetch = Prefetcher::new(
+            self.data.clone(),
+            self.config.seed,
+            self.config.batch,
+            self.config.block,
+            self.step + 1,
+        );
+        Ok(())
+    }
+
+    /// Runs one optimizer step: every micro-batch of the step's batch, then the update.
     pub fn train_step(&mut self) -> Result<StepStats, TrainError> {
         Ok(self.step_inner(false)?.0)
     }
 
-    /// Like [`Trainer::train_step`], also timing every node (seconds, in schedule order).
+    /// Like [`Trainer::train_step`], also timing every node (seconds, in schedule order, summed
+    /// over micro-batches).
     pub fn train_step_profiled(&mut self) -> Result<(StepStats, Vec<f64>), TrainError> {
         self.step_inner(true)
     }
 
     fn step_inner(&mut self, profile: bool) -> Result<(StepStats, Vec<f64>), TrainError> {
-        let (batch, block) = (self.config.batch, self.config.block);
-        let ids = &self.data.train;
-        sample_starts(&mut self.rng, ids.len(), batch, block, &mut self.starts);
-        let vocab = self.model.vocab_size();
-        let starts = &self.starts;
-        self.session.fill_i32(self.tokens, vocab, |out| {
-            fill_windows(ids, starts, block, 0, out)
-        })?;
-        self.session.fill_i32(self.targets, vocab, |out| {
-            fill_windows(ids, starts, block, 1, out)
-        })?;
         let step = self.step + 1;
+        let batch = self.prefetch.next()?;
+        debug_assert_eq!(batch.step, step, "the prefetcher follows the trainer");
+        let k = self.config.accumulation;
+        let chunk = self.config.micro_batch() * self.config.block;
+        let vocab = self.model.vocab_size();
         let lr = self.schedule.at(step);
         let start = Instant::now();
-        let ctx = ExecCtx { lr, step };
-        let node_times = if profile {
-            self.session.run_profiled(ctx)
-        } else {
-            self.session.run(ctx);
-            Vec::new()
-        };
+        let mut node_times: Vec<f64> = Vec::new();
+        let mut loss_sum = 0.0f64;
+        for micro in 0..k {
+            let range = micro * chunk..(micro + 1) * chunk;
+            let (x, y) = (&batch.x[range.clone()], &batch.y[range]);
+            self.session
+                .fill_i32(self.tokens, vocab, |out| out.copy_from_slice(x))?;
+            self.session
+                .fill_i32(self.targets, vocab, |out| out.copy_from_slice(y))?;
+            let ctx = ExecCtx {
+                lr,
+                step,
+                micro: micro as u32,
+                micro_steps: k as u32,
+            };
+            if profile {
+                let times = self.session.run_profiled(ctx);
+                if node_times.is_empty() {
+                    node_times = times;
+                } else {
+                    node_times.iter_mut().zip(times).for_each(|(a, b)| *a += b);
+                }
+            } else {
+                self.session.run(ctx);
+            }
+            loss_sum += self.session.read_f32(self.step_graph.loss)?[0] as f64;
+        }
         let secs = start.elapsed().as_secs_f64();
-        let loss = self.session.read_f32(self.step_graph.loss)?[0];
+        let loss = (loss_sum / k as f64) as f32;
         if !loss.is_finite() {
             return Err(TrainError::NonFinite { step, loss });
         }
+        let grad_norm = match self.step_graph.grad_norm {
+            Some(t) => Some(self.session.read_f32(t)?[0]),
+            None => None,
+        };
         self.step = step;
+        let tokens = (self.config.batch * self.config.block) as u64;
+        self.tokens_seen += tokens;
         let mem = self.session.allocator().stats();
         let stats = StepStats {
             step,
             loss,
             lr,
+            grad_norm,
             ms: secs * 1e3,
-            tokens_per_s: (batch * block) as f64 / secs,
+            tokens_per_s: tokens as f64 / secs,
+            tokens_seen: self.tokens_seen,
             active_bytes: mem.active_bytes,
             peak_bytes: mem.peak_bytes,
             cache_bytes: mem.cache_bytes,
             rss_bytes: snug_runtime::process::resident_set().map(|(rss, _)| rss),
         };
         Ok((stats, node_times))
+    }
+
+    /// Mean loss over `eval_batches` fixed micro-batches of the training and the validation
+    /// split, running the forward pass alone: parameters and optimizer state are untouched.
+    pub fn evaluate(&mut self) -> Result<EvalStats, TrainError> {
+        let start = Instant::now();
+        let data = self.data.clone();
+        let train_loss = self.mean_loss(&data.train)?;
+        let val_loss = self.mean_loss(&data.val)?;
+        Ok(EvalStats {
+            step: self.step,
+            train_loss,
+            val_loss,
+            ms: start.elapsed().as_secs_f64() * 1e3,
+        })
+    }
+
+    fn mean_loss(&mut self, split: &Tokens) -> Result<f32, TrainError> {
+        let (mb, block) = (self.config.micro_batch(), self.config.block);
+        let vocab = self.model.vocab_size();
+        let (mut starts, mut x, mut y) = (Vec::new(), vec![0; mb * block], vec![0; mb * block]);
+        let mut sum = 0.0f64;
+        for i in 0..self.config.eval_batches {
+            batch_starts(
+                self.config.seed ^ EVAL_STREAM,
+                i as u64,
+                split.len(),
+                mb,
+                block,
+                &mut starts,
+            );
+            fill_batch(split, &starts, block, &mut x, &mut y);
+            self.session.write_i32(self.tokens, &x, vocab)?;
+            self.session.write_i32(self.targets, &y, vocab)?;
+            self.session.run_only(ExecCtx::default(), &self.forward);
+            sum += self.session.read_f32(self.step_graph.loss)?[0] as f64;
+        }
+        Ok((sum / self.config.eval_batches as f64) as f32)
     }
 
     pub fn config(&self) -> &TrainConfig {

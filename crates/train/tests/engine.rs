@@ -349,7 +349,7 @@ fn memory_aware_schedule_is_valid_lower_and_exact() {
         for k in 1..=3 {
             s.write_i32(tokens, &ids, 512).unwrap();
             s.write_i32(targets, &ids, 512).unwrap();
-            s.run(ExecCtx { lr: 1e-2, step: k });
+            s.run(ExecCtx::step(1e-2, k));
             losses.push(s.read_f32(step.loss).unwrap()[0].to_bits());
         }
         let w: Vec<u32> = s
@@ -417,7 +417,7 @@ fn sgd_step_updates_parameters_exactly() {
         }
         s.write_i32(tokens, &ids, 65).unwrap();
         s.write_i32(targets, &ids, 65).unwrap();
-        s.run(ExecCtx { lr: 0.1, step: 1 });
+        s.run(ExecCtx::step(0.1, 1));
         s
     };
     let (with_grads, updated) = (session(&grads_step), session(&sgd_step));

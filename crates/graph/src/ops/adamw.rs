@@ -6,8 +6,10 @@ use crate::autodiff::GradCtx;
 use crate::tensor::TensorMeta;
 use crate::{GraphError, Result};
 
-/// Inputs `[param, grad, m, v]`; writes `param`, `m` and `v`. The learning rate and step count
-/// come from the runtime each step, so one compiled graph serves a whole schedule.
+/// Inputs `[param, grad, m, v]` and optionally a scalar `[scale]` the gradient is multiplied by
+/// (clipping, micro-batch averaging); writes `param`, `m` and `v`. The learning rate and step
+/// count come from the runtime each step, so one compiled graph serves a whole schedule. With
+/// gradient accumulation it runs on the last micro-batch only.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamW {
     pub beta1: f32,
@@ -33,9 +35,12 @@ impl OpRule for AdamW {
     }
 
     fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
-        expect_arity(self.name(), inputs, 4)?;
+        if inputs.len() != 5 {
+            expect_arity(self.name(), inputs, 4)?;
+        }
+        super::check_grad_scale(self.name(), inputs, 4)?;
         let p = &inputs[0].shape;
-        for (i, t) in inputs.iter().enumerate().skip(1) {
+        for (i, t) in inputs.iter().enumerate().take(4).skip(1) {
             if &t.shape != p {
                 return Err(shape_err(
                     self.name(),
@@ -75,6 +80,10 @@ impl OpRule for AdamW {
     #[cfg(feature = "cpu")]
     fn cpu(&self, k: &super::Kernel<'_>) {
         use rayon::prelude::*;
+        if !k.ctx.is_last_micro() {
+            return;
+        }
+        let scale = super::grad_scale(k, 4);
         let (p, g, m, v) = (
             k.in_mut_f32(0),
             k.in_f32(1),
@@ -101,7 +110,10 @@ impl OpRule for AdamW {
             .for_each(|(c, ((p, m), v))| {
                 let g = &g[c * chunk..c * chunk + p.len()];
                 for i in 0..p.len() {
-                    let gi = g[i];
+                    let gi = match scale {
+                        Some(s) => g[i] * s,
+                        None => g[i],
+                    };
                     m[i] = beta1 * m[i] + (1.0 - beta1) * gi;
                     v[i] = beta2 * v[i] + (1.0 - beta2) * gi * gi;
                     let denom = v[i].sqrt() / bc2_sqrt + eps;

@@ -3,17 +3,37 @@ use std::marker::PhantomData;
 
 use crate::DType;
 
-/// Per-step values kernels read: the learning rate and the optimizer's step count.
+/// Per-run values kernels read: the learning rate, the optimizer's step count, and which
+/// micro-batch of the step this run is.
 #[derive(Debug, Clone, Copy)]
 pub struct ExecCtx {
     pub lr: f32,
     /// 1-based optimizer step, for Adam's bias correction.
     pub step: u64,
+    /// 0-based micro-batch within the step; the optimizer runs on the last one only.
+    pub micro: u32,
+    pub micro_steps: u32,
+}
+
+impl ExecCtx {
+    /// A run that is a whole step (no gradient accumulation).
+    pub fn step(lr: f32, step: u64) -> Self {
+        ExecCtx {
+            lr,
+            step,
+            micro: 0,
+            micro_steps: 1,
+        }
+    }
+
+    pub fn is_last_micro(&self) -> bool {
+        self.micro + 1 >= self.micro_steps
+    }
 }
 
 impl Default for ExecCtx {
     fn default() -> Self {
-        ExecCtx { lr: 1e-3, step: 1 }
+        ExecCtx::step(1e-3, 1)
     }
 }
 
@@ -91,6 +111,10 @@ impl<'a> Kernel<'a> {
         let t = self.taken.get();
         assert!(t & mask == 0, "kernel took the same mutable buffer twice");
         self.taken.set(t | mask);
+    }
+
+    pub fn in_count(&self) -> usize {
+        self.inputs.len()
     }
 
     pub fn in_shape(&self, i: usize) -> &'a [usize] {

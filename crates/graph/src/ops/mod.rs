@@ -1,6 +1,7 @@
 //! Every op in one place: its shape rule (`infer`), its gradient rule (`backward`) and its CPU
 //! kernel (`cpu`, behind the `cpu` feature) sit side by side in the op's file.
 
+mod accumulate;
 mod adamw;
 mod attention;
 mod broadcast;
@@ -10,6 +11,7 @@ mod embedding;
 mod fill;
 mod gelu;
 mod gqa_attention;
+mod grad_norm;
 mod layernorm;
 mod matmul;
 mod reduce;
@@ -28,6 +30,7 @@ pub mod math;
 #[cfg(feature = "cpu")]
 pub mod par;
 
+pub use accumulate::AccumulateGrad;
 pub use adamw::AdamW;
 pub use attention::{CausalAttention, CausalAttentionBackward};
 pub use broadcast::{broadcast_shape, broadcasts_to};
@@ -37,6 +40,7 @@ pub use embedding::{Embedding, EmbeddingBackward};
 pub use fill::Fill;
 pub use gelu::{Gelu, GeluApprox, GeluBackward};
 pub use gqa_attention::{GqaAttention, GqaAttentionBackward};
+pub use grad_norm::{GradNorm, SumSquares};
 pub use layernorm::{LayerNorm, LayerNormBackward};
 pub use matmul::MatMul;
 pub use reduce::{BroadcastTo, MaxBackward, Reduce, ReduceKind, SumTo};
@@ -173,6 +177,9 @@ ops!(
     SwiGluBackward,
     GqaAttention,
     GqaAttentionBackward,
+    AccumulateGrad,
+    SumSquares,
+    GradNorm,
 );
 
 impl Op {
@@ -235,6 +242,23 @@ pub(crate) fn shape_err(op: &'static str, detail: impl Into<String>) -> crate::G
         op,
         detail: detail.into(),
     }
+}
+
+/// An optimizer's optional gradient-scale input at `index` must be a scalar.
+pub(crate) fn check_grad_scale(op: &'static str, inputs: &[&TensorMeta], index: usize) -> Result<()> {
+    match inputs.get(index) {
+        Some(s) if s.numel() != 1 => Err(shape_err(
+            op,
+            format!("gradient scale must be a scalar, got {:?}", s.shape),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The value of an optimizer's optional gradient-scale input.
+#[cfg(feature = "cpu")]
+pub(crate) fn grad_scale(k: &Kernel<'_>, index: usize) -> Option<f32> {
+    (k.in_count() > index).then(|| k.in_f32(index)[0])
 }
 
 /// Shape rule of a unary elementwise op: one float input, an output like it.

@@ -5,7 +5,8 @@ use crate::autodiff::GradCtx;
 use crate::tensor::TensorMeta;
 use crate::{GraphError, Result};
 
-/// Inputs `[param, grad]`; writes `param ← param·(1 − lr·wd) − lr·grad`.
+/// Inputs `[param, grad]` and optionally a scalar `[scale]`; writes
+/// `param ← param·(1 − lr·wd) − lr·scale·grad`, on the last micro-batch of a step.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Sgd {
     pub weight_decay: f32,
@@ -17,7 +18,10 @@ impl OpRule for Sgd {
     }
 
     fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
-        expect_arity(self.name(), inputs, 2)?;
+        if inputs.len() != 3 {
+            expect_arity(self.name(), inputs, 2)?;
+        }
+        super::check_grad_scale(self.name(), inputs, 2)?;
         if inputs[0].shape != inputs[1].shape {
             return Err(shape_err(
                 self.name(),
@@ -56,9 +60,13 @@ impl OpRule for Sgd {
 
     #[cfg(feature = "cpu")]
     fn cpu(&self, k: &super::Kernel<'_>) {
+        if !k.ctx.is_last_micro() {
+            return;
+        }
         let (p, g) = (k.in_mut_f32(0), k.in_f32(1));
-        let lr = k.ctx.lr;
-        let decay = 1.0 - lr * self.weight_decay;
+        let scale = super::grad_scale(k, 2).unwrap_or(1.0);
+        let decay = 1.0 - k.ctx.lr * self.weight_decay;
+        let lr = k.ctx.lr * scale;
         super::par::elems_mut(p, |start, out| {
             let n = out.len();
             for (w, &gi) in out.iter_mut().zip(&g[start..start + n]) {

@@ -1,0 +1,104 @@
+//! The global gradient norm, for logging and for clipping (`torch.nn.utils.clip_grad_norm_`).
+//!
+//! Each gradient's sum of squares is taken as soon as the gradient is complete, so without
+//! clipping no gradient has to wait for the others; with clipping every update waits for the
+//! coefficient, which needs them all (as in every framework).
+
+use super::{OpRule, OutSpec};
+use crate::autodiff::GradCtx;
+use crate::tensor::TensorMeta;
+use crate::{GraphError, Result};
+
+/// One input, output `[1]`: the sum of its squared elements (accumulated in f64).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct SumSquares;
+
+impl OpRule for SumSquares {
+    fn name(&self) -> &'static str {
+        "sum_squares"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
+        super::expect_arity(self.name(), inputs, 1)?;
+        Ok(vec![OutSpec::f32(vec![1])])
+    }
+
+    fn backward(&self, _ctx: &mut GradCtx<'_>) -> Result<()> {
+        Err(no_gradient("sum_squares"))
+    }
+
+    fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
+        2 * inputs[0].numel() as u64
+    }
+
+    #[cfg(feature = "cpu")]
+    fn cpu(&self, k: &super::Kernel<'_>) {
+        use rayon::prelude::*;
+        if !k.ctx.is_last_micro() {
+            return;
+        }
+        let x = k.in_f32(0);
+        let sum: f64 = x
+            .par_chunks(super::par::MIN_PAR_ELEMS)
+            .map(|c| c.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>())
+            .sum();
+        k.out_f32(0)[0] = sum as f32;
+    }
+}
+
+/// Inputs: every gradient's [`SumSquares`]. Outputs `[coef]` and `[norm]`, where `norm` is
+/// the global L2 norm of the gradients times `scale` (`1/micro-batches`: the mean gradient's
+/// norm) and `coef = scale · min(1, max_norm / (norm + 1e-6))`, the factor the optimizer
+/// multiplies each gradient by. `max_norm = ∞` means no clipping.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GradNorm {
+    pub max_norm: f32,
+    pub scale: f32,
+}
+
+impl OpRule for GradNorm {
+    fn name(&self) -> &'static str {
+        "grad_norm"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
+        if inputs.is_empty() || inputs.iter().any(|t| t.numel() != 1) {
+            return Err(super::shape_err(
+                self.name(),
+                "expects one or more scalar sums of squares",
+            ));
+        }
+        Ok(vec![
+            OutSpec::f32(vec![1]).named("coef"),
+            OutSpec::f32(vec![1]).named("norm"),
+        ])
+    }
+
+    fn backward(&self, _ctx: &mut GradCtx<'_>) -> Result<()> {
+        Err(no_gradient("grad_norm"))
+    }
+
+    #[cfg(feature = "cpu")]
+    fn cpu(&self, k: &super::Kernel<'_>) {
+        if !k.ctx.is_last_micro() {
+            return;
+        }
+        let n_inputs = k.in_count();
+        let total: f64 = (0..n_inputs).map(|i| k.in_f32(i)[0] as f64).sum();
+        let norm = (total.sqrt() * self.scale as f64) as f32;
+        let clip = if self.max_norm.is_finite() {
+            (self.max_norm / (norm + 1e-6)).min(1.0)
+        } else {
+            1.0
+        };
+        k.out_f32(0)[0] = self.scale * clip;
+        k.out_f32(1)[0] = norm;
+    }
+}
+
+fn no_gradient(op: &'static str) -> GraphError {
+    GraphError::Invalid {
+        op,
+        detail: "a gradient statistic has no gradient".into(),
+    }
+}

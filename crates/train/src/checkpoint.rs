@@ -1,0 +1,360 @@
+//! Checkpoints: one safetensors file per saved step, holding the parameters, the optimizer
+//! state and, in the header's metadata, everything else a bit-exact resume needs (step,
+//! tokens seen, the full configuration, the tokenizer).
+//!
+//! There is no random-number state to save: the batch of step `s` is drawn from a generator
+//! seeded by `(seed, s)` (see [`crate::data::batch_starts`]), so the step count is the data
+//! position.
+//!
+//! Files are written atomically (temporary file in the same directory, fsync, rename, fsync of
+//! the directory), so a crash or a full disk during a save leaves every earlier checkpoint as
+//! it was.
+
+use std::collections::HashMap;
+use std::fs::{self, File};
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+
+use crate::tokenizer::TokenizerSpec;
+use crate::{TrainConfig, TrainError};
+
+/// The `format` metadata value of a snug checkpoint.
+pub const FORMAT: &str = "snug-checkpoint";
+/// Bumped when the layout changes incompatibly.
+pub const VERSION: u32 = 1;
+
+const PREFIX: &str = "ckpt-";
+const SUFFIX: &str = ".safetensors";
+
+/// A saved training state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checkpoint {
+    /// Optimizer steps completed.
+    pub step: u64,
+    pub tokens_seen: u64,
+    pub config: TrainConfig,
+    pub tokenizer: TokenizerSpec,
+    /// Parameters (Hugging Face names) and optimizer state (`<param>.adam_m`, `.adam_v`), in
+    /// graph order, with their shapes.
+    pub tensors: Vec<SavedTensor>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SavedTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+impl Checkpoint {
+    pub fn tensor(&self, name: &str) -> Option<&SavedTensor> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// Writes the checkpoint to `path` atomically.
+    pub fn save(&self, path: &Path) -> Result<(), TrainError> {
+        self.write_pending(path)?.commit()
+    }
+
+    /// Writes everything to a temporary file beside `path`; [`PendingWrite::commit`] makes it
+    /// the checkpoint. Until then a crash leaves only the temporary file, which loading ignores.
+    pub fn write_pending(&self, path: &Path) -> Result<PendingWrite, TrainError> {
+        let io = |source| TrainError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let file_name = path.file_name().ok_or_else(|| TrainError::Config {
+            field: "checkpoint",
+            detail: format!("`{}` is not a file path", path.display()),
+        })?;
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let tmp = dir.join(format!(".{}.tmp", file_name.to_string_lossy()));
+        let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = self
+            .tensors
+            .iter()
+            .map(|t| {
+                let b = t.data.iter().flat_map(|v| v.to_le_bytes()).collect();
+                (t.name.clone(), b, t.shape.clone())
+            })
+            .collect();
+        let mut views = Vec::with_capacity(bytes.len());
+        for (name, b, shape) in &bytes {
+            let view = TensorView::new(Dtype::F32, shape.clone(), b).map_err(|e| {
+                TrainError::Checkpoint {
+                    path: path.to_path_buf(),
+                    detail: format!("tensor `{name}`: {e}"),
+                }
+            })?;
+            views.push((name.as_str(), view));
+        }
+        let metadata = self.metadata()?;
+        let written = safetensors::serialize_to_file(views, Some(metadata), &tmp)
+            .map_err(|e| TrainError::Checkpoint {
+                path: tmp.clone(),
+                detail: e.to_string(),
+            })
+            .and_then(|()| File::open(&tmp).and_then(|f| f.sync_all()).map_err(io));
+        if let Err(e) = written {
+            let _ = fs::remove_file(&tmp);
+            return Err(e);
+        }
+        Ok(PendingWrite {
+            tmp,
+            path: path.to_path_buf(),
+            dir,
+        })
+    }
+
+    fn metadata(&self) -> Result<HashMap<String, String>, TrainError> {
+        let json = |v: serde_json::Result<String>| {
+            v.map_err(|e| TrainError::Checkpoint {
+                path: PathBuf::new(),
+                detail: e.to_string(),
+            })
+        };
+        Ok(HashMap::from([
+            ("format".to_string(), FORMAT.to_string()),
+            ("version".to_string(), VERSION.to_string()),
+            ("step".to_string(), self.step.to_string()),
+            ("tokens_seen".to_string(), self.tokens_seen.to_string()),
+            (
+                "config".to_string(),
+                json(serde_json::to_string(&self.config))?,
+            ),
+            (
+                "tokenizer".to_string(),
+                json(serde_json::to_string(&self.tokenizer))?,
+            ),
+        ]))
+    }
+
+    /// Reads and validates a checkpoint file.
+    pub fn load(path: &Path) -> Result<Checkpoint, TrainError> {
+        let bad = |detail: String| TrainError::Checkpoint {
+            path: path.to_path_buf(),
+            detail,
+        };
+        let bytes = fs::read(path).map_err(|source| TrainError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let (_, header) = SafeTensors::read_metadata(&bytes)
+            .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+        let st =
+            SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("not readable: {e}")))?;
+        let meta = header
+            .metadata()
+            .clone()
+            .ok_or_else(|| bad("no metadata: not a snug checkpoint".into()))?;
+        let field = |key: &str| {
+            meta.get(key)
+                .ok_or_else(|| bad(format!("metadata field `{key}` is missing")))
+        };
+        if field("format")? != FORMAT {
+            return Err(bad(format!(
+                "metadata `format` is `{}`, expected `{FORMAT}`",
+                field("format")?
+            )));
+        }
+        let version: u32 = field("version")?
+            .parse()
+            .map_err(|_| bad("metadata `version` is not a number".into()))?;
+        if version != VERSION {
+            return Err(bad(format!(
+                "checkpoint version {version}; this snug reads version {VERSION}"
+            )));
+        }
+        let number = |key: &str| -> Result<u64, TrainError> {
+            field(key)?
+                .parse()
+                .map_err(|_| bad(format!("metadata `{key}` is not a number")))
+        };
+        let config: TrainConfig = serde_json::from_str(field("config")?)
+            .map_err(|e| bad(format!("metadata `config`: {e}")))?;
+        let tokenizer: TokenizerSpec = serde_json::from_str(field("tokenizer")?)
+            .map_err(|e| bad(format!("metadata `tokenizer`: {e}")))?;
+        // The file's tensor order is alphabetical; callers look tensors up by name.
+        let mut tensors = Vec::with_capacity(st.len());
+        for (name, view) in st.tensors() {
+            if view.dtype() != Dtype::F32 {
+                return Err(bad(format!(
+                    "tensor `{name}` is {:?}; checkpoints hold F32",
+                    view.dtype()
+                )));
+            }
+            let data = view
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            tensors.push(SavedTensor {
+                name,
+                shape: view.shape().to_vec(),
+                data,
+            });
+        }
+        tensors.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(Checkpoint {
+            step: number("step")?,
+            tokens_seen: number("tokens_seen")?,
+            config,
+            tokenizer,
+            tensors,
+        })
+    }
+}
+
+/// A checkpoint written to its temporary file but not yet in place.
+#[derive(Debug)]
+pub struct PendingWrite {
+    tmp: PathBuf,
+    path: PathBuf,
+    dir: PathBuf,
+}
+
+impl PendingWrite {
+    /// Renames the temporary file over the final name, then syncs the directory so the rename
+    /// itself survives a power cut.
+    pub fn commit(self) -> Result<(), TrainError> {
+        fs::rename(&self.tmp, &self.path).map_err(|source| TrainError::Io {
+            path: self.path.clone(),
+            source,
+        })?;
+        sync_dir(&self.dir).map_err(|source| TrainError::Io {
+            path: self.dir.clone(),
+            source,
+        })
+    }
+
+    pub fn temp_path(&self) -> &Path {
+        &self.tmp
+    }
+}
+
+#[cfg(unix)]
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+#[cfg(not(unix))]
+fn sync_dir(_dir: &Path) -> std::io::Result<()> {
+    Ok(())
+}
+
+/// A directory of checkpoints `ckpt-<step>.safetensors`, newest kept.
+#[derive(Debug, Clone)]
+pub struct CheckpointDir {
+    dir: PathBuf,
+}
+
+impl CheckpointDir {
+    /// Opens (creating if needed) a checkpoint directory.
+    pub fn create(dir: &Path) -> Result<CheckpointDir, TrainError> {
+        fs::create_dir_all(dir).map_err(|source| TrainError::Io {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        Ok(CheckpointDir {
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    /// Opens an existing checkpoint directory.
+    pub fn open(dir: &Path) -> Result<CheckpointDir, TrainError> {
+        if !dir.is_dir() {
+            return Err(TrainError::NoCheckpoint {
+                dir: dir.to_path_buf(),
+                detail: "no such directory".into(),
+            });
+        }
+        Ok(CheckpointDir {
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn path_for(&self, step: u64) -> PathBuf {
+        self.dir.join(format!("{PREFIX}{step:08}{SUFFIX}"))
+    }
+
+    /// Checkpoint files by step, oldest first (temporary files are not listed).
+    pub fn list(&self) -> Result<Vec<(u64, PathBuf)>, TrainError> {
+        let entries = fs::read_dir(&self.dir).map_err(|source| TrainError::Io {
+            path: self.dir.clone(),
+            source,
+        })?;
+        let mut found: Vec<(u64, PathBuf)> = entries
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let step = name.strip_prefix(PREFIX)?.strip_suffix(SUFFIX)?.parse().ok()?;
+                Some((step, e.path()))
+            })
+            .collect();
+        found.sort();
+        Ok(found)
+    }
+
+    /// Saves `ckpt`, then deletes all but the newest `keep` checkpoints (and temporary files
+    /// that an interrupted save left behind).
+    pub fn save(&self, ckpt: &Checkpoint, keep: usize) -> Result<PathBuf, TrainError> {
+        let path = self.path_for(ckpt.step);
+        ckpt.save(&path)?;
+        let all = self.list()?;
+        for (_, old) in all.iter().take(all.len().saturating_sub(keep.max(1))) {
+            if let Err(e) = fs::remove_file(old) {
+                tracing::warn!("could not remove old checkpoint {}: {e}", old.display());
+            }
+        }
+        if let Ok(entries) = fs::read_dir(&self.dir) {
+            for e in entries.filter_map(|e| e.ok()) {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.starts_with(&format!(".{PREFIX}")) && name.ends_with(".tmp") {
+                    let _ = fs::remove_file(e.path());
+                }
+            }
+        }
+        Ok(path)
+    }
+
+    /// The newest checkpoint that loads; a damaged newer file is skipped with a warning.
+    pub fn load_latest(&self) -> Result<(PathBuf, Checkpoint), TrainError> {
+        let mut errors = Vec::new();
+        for (_, path) in self.list()?.into_iter().rev() {
+            match Checkpoint::load(&path) {
+                Ok(c) => {
+                    for e in &errors {
+                        tracing::warn!("skipped a damaged checkpoint: {e}");
+                    }
+                    return Ok((path, c));
+                }
+                Err(e) => errors.push(e.to_string()),
+            }
+        }
+        Err(TrainError::NoCheckpoint {
+            dir: self.dir.clone(),
+            detail: if errors.is_empty() {
+                format!("no {PREFIX}<step>{SUFFIX} files")
+            } else {
+                format!("none loads: {}", errors.join("; "))
+            },
+        })
+    }
+}
+
+/// Loads `path`: a checkpoint file, or the newest checkpoint in a directory.
+pub fn load(path: &Path) -> Result<(PathBuf, Checkpoint), TrainError> {
+    if path.is_dir() {
+        CheckpointDir::open(path)?.load_latest()
+    } else {
+        Ok((path.to_path_buf(), Checkpoint::load(path)?))
+    }
+}
