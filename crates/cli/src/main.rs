@@ -1,8 +1,10 @@
 //! `snug`: plan a training step's memory before anything runs, and train.
 
 mod plan_cmd;
+mod export_cmd;
 mod prepare_cmd;
 mod profile_cmd;
+mod sample_cmd;
 mod train_cmd;
 
 use std::path::PathBuf;
@@ -32,6 +34,10 @@ enum Command {
     Profile(profile_cmd::ProfileArgs),
     /// Tokenize a text file into train.bin and val.bin for `--data DIR`.
     Prepare(prepare_cmd::PrepareArgs),
+    /// Generate text from a checkpoint.
+    Sample(sample_cmd::SampleArgs),
+    /// Write a checkpoint's GPT-2 weights as a Hugging Face model directory.
+    Export(export_cmd::ExportArgs),
 }
 
 /// Flags shared by every command that builds a model; each has a TOML key of the same name.
@@ -72,6 +78,13 @@ pub struct ModelArgs {
     /// Worker threads (default: physical cores).
     #[arg(long)]
     threads: Option<usize>,
+    /// Micro-batches per step (gradient accumulation); --batch is the whole step's batch.
+    #[arg(long)]
+    accumulation: Option<usize>,
+    /// Clip the global gradient norm to this value (0: off; default 1). Clipping needs every
+    /// gradient before the first update, so they are all alive at once.
+    #[arg(long, allow_negative_numbers = true)]
+    grad_clip: Option<f32>,
 }
 
 impl ModelArgs {
@@ -90,6 +103,8 @@ impl ModelArgs {
                 threads: self.threads,
                 precision: self.precision.clone(),
                 optimizer: self.optimizer.clone(),
+                accumulation: self.accumulation,
+                grad_clip: self.grad_clip,
                 ..Default::default()
             },
         )
@@ -121,6 +136,8 @@ fn main() -> ExitCode {
         Command::Plan(args) => plan_cmd::run(args),
         Command::Profile(args) => profile_cmd::run(args),
         Command::Prepare(args) => prepare_cmd::run(args),
+        Command::Sample(args) => sample_cmd::run(args),
+        Command::Export(args) => export_cmd::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

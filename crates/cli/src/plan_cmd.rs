@@ -31,6 +31,10 @@ struct PlanReport {
     model: ModelConfig,
     precision: DType,
     batch: usize,
+    /// Micro-batches per step: each forward/backward pass sees batch / accumulation.
+    accumulation: usize,
+    /// 0: no clipping.
+    grad_clip: f32,
     block: usize,
     threads: usize,
     parameters: usize,
@@ -70,7 +74,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         }
     };
     let (step, _, _) =
-        snug_train::trainer::compile_step(&gpt, cfg.batch, cfg.block, cfg.threads, &cfg)?;
+        snug_train::trainer::compile_step(&gpt, cfg.micro_batch(), cfg.block, cfg.threads, &cfg)?;
     let memory_plan = plan(&step.graph, &PlanOptions::default())?;
     let plan_ms = start.elapsed().as_secs_f64() * 1e3;
     let report = PlanReport {
@@ -78,6 +82,8 @@ pub fn run(args: PlanArgs) -> Result<()> {
         model: gpt.clone(),
         precision: cfg.precision,
         batch: cfg.batch,
+        accumulation: cfg.accumulation,
+        grad_clip: cfg.grad_clip,
         block: cfg.block,
         threads: cfg.threads,
         parameters: step.parameter_count(),

@@ -70,7 +70,7 @@ pub fn run(args: PrepareArgs) -> Result<()> {
     }
     let tokenizer = match args.tokenizer.as_str() {
         "char" => Tokenizer::Char(CharTokenizer::from_text(&text)),
-        _ => Tokenizer::gpt2()?,
+        _ => Tokenizer::gpt2(),
     };
     let encode_start = Instant::now();
     let mut ids = tokenizer.encode(&text)?;

@@ -39,12 +39,6 @@ pub struct TrainArgs {
     /// Seed for initialisation and batch sampling.
     #[arg(long)]
     seed: Option<u64>,
-    /// Micro-batches per step (gradient accumulation); --batch is the whole step's batch.
-    #[arg(long)]
-    accumulation: Option<usize>,
-    /// Clip the global gradient norm to this value (0: off; default 1).
-    #[arg(long, allow_negative_numbers = true)]
-    grad_clip: Option<f32>,
     /// Evaluate train and validation loss every this many steps and at the end (0: never).
     #[arg(long)]
     eval_every: Option<u64>,
@@ -65,6 +59,10 @@ pub struct TrainArgs {
     /// given here override its configuration (e.g. more --steps).
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
+    /// Start from GPT-2 weights in Hugging Face's safetensors layout (e.g. from `snug export`
+    /// or the Hugging Face hub) instead of a random initialisation.
+    #[arg(long, value_name = "FILE")]
+    init_from: Option<PathBuf>,
     /// Print a line every this many steps.
     #[arg(long)]
     log_every: Option<u64>,
@@ -131,13 +129,12 @@ pub fn run(args: TrainArgs) -> Result<()> {
     train.weight_decay = args.weight_decay;
     train.seed = args.seed;
     train.log_every = args.log_every;
-    train.accumulation = args.accumulation;
-    train.grad_clip = args.grad_clip;
     train.eval_every = args.eval_every;
     train.eval_batches = args.eval_batches;
     train.out = args.out.clone();
     train.checkpoint_every = args.checkpoint_every;
     train.keep_checkpoints = args.keep_checkpoints;
+    train.init_from = args.init_from.clone();
     train.memory_limit = args.memory_limit.clone();
     if args.strict {
         train.strict_memory_limit = Some(true);

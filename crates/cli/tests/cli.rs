@@ -34,8 +34,11 @@ fn train_with_builtin_data_reports_falling_loss_and_exact_peak() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(lines.len(), 41, "40 steps and a summary");
-    let summary = &lines[40];
+    let kinds: Vec<&str> = lines.iter().map(|l| l["kind"].as_str().unwrap()).collect();
+    assert_eq!(kinds.len(), 42, "40 steps, the final evaluation and a summary");
+    assert_eq!((kinds[39], kinds[40], kinds[41]), ("step", "eval", "summary"));
+    let summary = &lines[41];
+    assert_eq!(summary["val_loss"], lines[40]["val_loss"]);
     let (first, last) = (
         summary["first_loss"].as_f64().unwrap(),
         summary["final_loss"].as_f64().unwrap(),
@@ -145,7 +148,7 @@ fn config_file_trains_and_flags_override_it() {
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let stdout = String::from_utf8(o.stdout).unwrap();
-    assert_eq!(stdout.lines().count(), 4, "3 steps and a summary");
+    assert_eq!(stdout.lines().count(), 5, "3 steps, an evaluation and a summary");
     let summary: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     assert_eq!(summary["tokens_per_step"].as_u64(), Some(4 * 16));
 }
@@ -242,10 +245,15 @@ fn plan_reads_hugging_face_configs_and_plans_llama_70b() {
         a["breakdown"]["optimizer_state"].as_u64().unwrap()
     );
     assert!(a["arena_over_lower_bound"].as_f64().unwrap() < 1.05);
+    // Clipping holds every gradient until the norm is known; without it, scheduling each
+    // update as soon as its gradient is complete lowers the peak.
+    let unclipped = snug(&[&args[..], &["--preset", "llama-70b", "--grad-clip", "0"]].concat());
+    let c: serde_json::Value = serde_json::from_slice(&unclipped.stdout).unwrap();
     assert!(
-        a["peak_bytes"].as_u64() < a["program_order_peak_bytes"].as_u64(),
+        c["peak_bytes"].as_u64() < c["program_order_peak_bytes"].as_u64(),
         "scheduling lowered the peak"
     );
+    assert!(c["peak_bytes"].as_u64() < a["peak_bytes"].as_u64());
 
     std::fs::write(&cfg, r#"{"model_type": "bert", "hidden_size": 8}"#).unwrap();
     fails_with(
@@ -463,4 +471,178 @@ fn prepare_and_token_directory_errors_are_named() {
     fails_with(&train_args, &["val.bin"]);
     std::fs::write(out.join("val.bin"), b"NOTSNUG!garbage and more garbage").unwrap();
     fails_with(&train_args, &["val.bin", "magic"]);
+}
+
+fn json_lines(o: &Output) -> Vec<serde_json::Value> {
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn step_losses(lines: &[serde_json::Value]) -> Vec<(u64, f64)> {
+    lines
+        .iter()
+        .filter(|l| l["kind"] == "step")
+        .map(|l| (l["step"].as_u64().unwrap(), l["loss"].as_f64().unwrap()))
+        .collect()
+}
+
+/// `--out` saves checkpoints and metrics; `--resume` continues with the same losses as an
+/// uninterrupted run; a bad resume path is a named error.
+#[test]
+fn resume_from_a_run_directory_continues_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let out_s = out.to_str().unwrap();
+    let common = ["--threads", "1", "--eval-every", "0", "--json", "--batch", "4"];
+    let mut straight_args = vec!["train", "--steps", "12"];
+    straight_args.extend(common);
+    let straight = snug(&straight_args);
+    assert!(straight.status.success(), "{}", stderr(&straight));
+
+    // The same 12-step run, saving at 6; resuming from that save (as after a crash at step
+    // 6) must redo steps 7..12 exactly.
+    let mut first_args = vec!["train", "--steps", "12", "--out", out_s];
+    first_args.extend(common);
+    first_args.extend(["--checkpoint-every", "6"]);
+    let first = snug(&first_args);
+    assert!(first.status.success(), "{}", stderr(&first));
+    assert!(out.join("ckpt-00000006.safetensors").exists());
+    assert!(out.join("ckpt-00000012.safetensors").exists());
+    std::fs::remove_file(out.join("ckpt-00000012.safetensors")).unwrap();
+
+    let mut resume_args = vec!["train", "--resume", out_s];
+    resume_args.extend(common);
+    let resumed = snug(&resume_args);
+    assert!(resumed.status.success(), "{}", stderr(&resumed));
+    let resumed_lines = json_lines(&resumed);
+    let tail = step_losses(&resumed_lines);
+    assert_eq!(tail.first().map(|s| s.0), Some(7));
+    assert_eq!(&step_losses(&json_lines(&straight))[6..], &tail[..]);
+    // The metrics file reads as one run: steps 1..12, once each.
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let steps: Vec<u64> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|l| l["kind"] == "step")
+        .map(|l| l["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, (1..=12).collect::<Vec<_>>());
+
+    fails_with(
+        &["train", "--resume", dir.path().join("nope").to_str().unwrap()],
+        &["nope"],
+    );
+    let junk = dir.path().join("junk.safetensors");
+    std::fs::write(&junk, b"junk").unwrap();
+    fails_with(&["train", "--resume", junk.to_str().unwrap()], &["junk.safetensors"]);
+}
+
+/// Ctrl-C (SIGINT) during training: the step in flight finishes, a checkpoint is saved, the
+/// process exits 0, and the checkpoint loads.
+#[cfg(unix)]
+#[test]
+fn sigint_saves_a_loadable_checkpoint_and_exits_zero() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_snug"))
+        .args(["train", "--steps", "100000", "--threads", "1", "--eval-every", "0"])
+        .args(["--json", "--out", out.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut reader = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    // Wait until training is under way.
+    loop {
+        line.clear();
+        assert!(reader.read_line(&mut line).unwrap() > 0, "snug exited early");
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        if v["kind"] == "step" && v["step"].as_u64() >= Some(3) {
+            break;
+        }
+    }
+    // SAFETY: sending a signal to our own child process.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut reader, &mut rest).unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "exit status {status}");
+    let summary: serde_json::Value =
+        serde_json::from_str(rest.lines().last().expect("a summary line")).unwrap();
+    assert_eq!(summary["kind"], "summary");
+    assert_eq!(summary["interrupted"], true);
+    let step = summary["steps"].as_u64().unwrap();
+    assert!((3..100000).contains(&step));
+    let (_, ckpt) = snug_train::checkpoint::load(&out).unwrap();
+    assert_eq!(ckpt.step, step);
+}
+
+/// Train, sample from the checkpoint, export it in Hugging Face's layout, and start a new run
+/// from the exported weights.
+#[test]
+fn sample_export_and_init_from_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let run_s = run.to_str().unwrap();
+    let common = ["--threads", "1", "--eval-every", "0", "--json", "--batch", "8"];
+    let mut args = vec!["train", "--steps", "60", "--out", run_s];
+    args.extend(common);
+    let trained = snug(&args);
+    assert!(trained.status.success(), "{}", stderr(&trained));
+    let trained_lines = json_lines(&trained);
+    let first_loss = trained_lines[0]["loss"].as_f64().unwrap();
+    let final_loss = trained_lines.last().unwrap()["final_loss"].as_f64().unwrap();
+
+    let o = snug(&[
+        "sample", "--checkpoint", run_s, "--prompt", "12+34=", "--tokens", "20", "--seed", "3",
+        "--json", "--threads", "1",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(report["tokens"], 20);
+    assert_eq!(report["text"].as_str().unwrap().chars().count(), 20);
+    assert_eq!(report["planned_peak_bytes"], report["measured_peak_bytes"]);
+    let again = snug(&[
+        "sample", "--checkpoint", run_s, "--prompt", "12+34=", "--tokens", "20", "--seed", "3",
+        "--json", "--threads", "1",
+    ]);
+    let again: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
+    assert_eq!(report["text"], again["text"], "seeded sampling repeats");
+
+    let hf = dir.path().join("hf");
+    let o = snug(&["export", "--checkpoint", run_s, "--out", hf.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(hf.join("config.json").exists());
+    let weights = hf.join("model.safetensors");
+    let mut args = vec!["train", "--steps", "1", "--init-from", weights.to_str().unwrap()];
+    args.extend(common);
+    let o = snug(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let loss = json_lines(&o)[0]["loss"].as_f64().unwrap();
+    assert!(
+        (loss - final_loss).abs() < (first_loss - final_loss) / 2.0,
+        "starts from the trained weights: {loss} (trained {first_loss} -> {final_loss})"
+    );
+
+    fails_with(
+        &["sample", "--checkpoint", dir.path().join("none").to_str().unwrap()],
+        &["none"],
+    );
+    fails_with(
+        &["sample", "--checkpoint", run_s, "--prompt", "hello"],
+        &["prompt"],
+    );
+    fails_with(
+        &["sample", "--checkpoint", run_s, "--temperature", "-1"],
+        &["temperature"],
+    );
+    let mut args = vec!["train", "--steps", "1", "--preset", "char-small", "--init-from"];
+    args.push(weights.to_str().unwrap());
+    fails_with(&args, &["model.safetensors", "has shape"]);
 }

@@ -279,7 +279,9 @@ impl GptConfig {
     ) -> Result<ModelGraph, NnError> {
         self.validate()?;
         check_batch_seq(batch, seq, self.block_size, "block_size")?;
-        loss_graph(batch, seq, threads, |g, tokens| self.trunk(g, tokens, dtype))
+        loss_graph(batch, seq, threads, |g, tokens| {
+            self.trunk(g, tokens, dtype)
+        })
     }
 
     /// Adds the model from `tokens [batch, seq]` to the final LayerNorm.

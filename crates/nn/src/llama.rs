@@ -212,11 +212,7 @@ impl LlamaConfig {
             params.push((name, id));
             Ok(id)
         };
-        let embed = param(
-            g,
-            "model.embed_tokens.weight".into(),
-            &[self.vocab_size, c],
-        )?;
+        let embed = param(g, "model.embed_tokens.weight".into(), &[self.vocab_size, c])?;
         g.set_scope("embed");
         let mut x = g.apply1(Embedding, &[embed, tokens])?;
         let linear = MatMul::default();

@@ -48,9 +48,28 @@ pub struct SavedTensor {
     pub data: Vec<f32>,
 }
 
+/// Optimizer state is named after its parameter with one of these suffixes.
+const OPTIMIZER_SUFFIXES: [&str; 2] = [".adam_m", ".adam_v"];
+
 impl Checkpoint {
     pub fn tensor(&self, name: &str) -> Option<&SavedTensor> {
         self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// The model's weights alone (no optimizer state), by Hugging Face name.
+    pub fn parameters(&self) -> Vec<(String, Vec<f32>)> {
+        self.tensors
+            .iter()
+            .filter(|t| !OPTIMIZER_SUFFIXES.iter().any(|s| t.name.ends_with(s)))
+            .map(|t| (t.name.clone(), t.data.clone()))
+            .collect()
+    }
+
+    /// The trained model's configuration (its vocabulary is the tokenizer's unless the
+    /// configuration fixed one).
+    pub fn model(&self) -> Result<snug_nn::ModelConfig, TrainError> {
+        let tokenizer = crate::Tokenizer::from_spec(&self.tokenizer)?;
+        self.config.model_for_vocab(tokenizer.vocab_size())
     }
 
     /// Writes the checkpoint to `path` atomically.

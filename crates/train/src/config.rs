@@ -66,6 +66,9 @@ pub struct TrainSection {
     pub checkpoint_every: Option<u64>,
     /// Checkpoints kept in `out` (the oldest are deleted).
     pub keep_checkpoints: Option<usize>,
+    /// Start from these GPT-2 weights (a Hugging Face `model.safetensors`) instead of a
+    /// random initialisation.
+    pub init_from: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -105,6 +108,7 @@ pub struct TrainConfig {
     pub out: Option<PathBuf>,
     pub checkpoint_every: u64,
     pub keep_checkpoints: usize,
+    pub init_from: Option<PathBuf>,
 }
 
 /// The optimizer a step ends with.
@@ -165,6 +169,7 @@ impl Default for TrainConfig {
             out: None,
             checkpoint_every: 0,
             keep_checkpoints: 3,
+            init_from: None,
         }
     }
 }
@@ -266,6 +271,9 @@ impl TrainConfig {
         );
         if let Some(o) = &t.out {
             self.out = Some(o.clone());
+        }
+        if let Some(p) = &t.init_from {
+            self.init_from = Some(p.clone());
         }
         if let Some(limit) = &t.memory_limit {
             let bytes = snug_runtime::parse_bytes(limit).map_err(|e| TrainError::Config {

@@ -62,11 +62,14 @@ impl CharTokenizer {
     }
 }
 
-/// GPT-2's tokenizer: tiktoken's `r50k_base` (50,256 merges' worth of byte-level BPE tokens
-/// plus `<|endoftext|>` = 50256).
-#[derive(Clone, Copy)]
+/// GPT-2's tokenizer: tiktoken's `r50k_base` (50,256 byte-level BPE tokens plus
+/// `<|endoftext|>` = 50256).
+///
+/// Its ranks are built on first use and shared by the process (about 0.1 s and 13 MB): training
+/// from prepared token files only needs the vocabulary size, so it never pays for them.
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
 pub struct Gpt2Tokenizer {
-    bpe: &'static CoreBPE,
+    _private: (),
 }
 
 /// GPT-2's vocabulary: 50,256 BPE tokens and `<|endoftext|>`.
@@ -82,21 +85,23 @@ const GPT2_CHUNK_BYTES: usize = 256 * 1024;
 const GPT2_LONG_WHITESPACE: usize = 1024;
 
 impl Gpt2Tokenizer {
-    /// Builds the ranks once per process (about 0.1 s) and shares them.
-    pub fn new() -> Result<Gpt2Tokenizer, TrainError> {
+    pub const fn new() -> Gpt2Tokenizer {
+        Gpt2Tokenizer { _private: () }
+    }
+
+    /// The process's shared ranks, built on the first call.
+    fn bpe(&self) -> Result<&'static CoreBPE, TrainError> {
         static BPE: OnceLock<Result<CoreBPE, String>> = OnceLock::new();
-        match BPE.get_or_init(|| tiktoken_rs::r50k_base().map_err(|e| e.to_string())) {
-            Ok(bpe) => Ok(Gpt2Tokenizer { bpe }),
-            Err(e) => Err(TrainError::Tokenizer(format!(
-                "building GPT-2's r50k_base: {e}"
-            ))),
-        }
+        BPE.get_or_init(|| tiktoken_rs::r50k_base().map_err(|e| e.to_string()))
+            .as_ref()
+            .map_err(|e| TrainError::Tokenizer(format!("building GPT-2's r50k_base: {e}")))
     }
 
     /// Ids of `text` with special tokens read as plain text (`"<|endoftext|>"` in a corpus is
     /// seven ordinary tokens, as in nanoGPT's `encode_ordinary`). Large texts are encoded in
     /// parallel pieces, cut only where the result is provably the same as one call.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TrainError> {
+        let bpe = self.bpe()?;
         let chunks = gpt2_chunks(text, GPT2_CHUNK_BYTES);
         let threads = std::thread::available_parallelism()
             .map_or(1, |n| n.get())
@@ -104,7 +109,7 @@ impl Gpt2Tokenizer {
         if threads <= 1 {
             let mut ids = Vec::with_capacity(text.len() / 3);
             for c in &chunks {
-                ids.extend(self.encode_piece(c)?);
+                ids.extend(encode_piece(bpe, c)?);
             }
             return Ok(ids);
         }
@@ -126,7 +131,7 @@ impl Gpt2Tokenizer {
                     s.spawn(move || {
                         let mut ids = Vec::new();
                         for c in *group {
-                            ids.extend(self.encode_piece(c)?);
+                            ids.extend(encode_piece(bpe, c)?);
                         }
                         Ok(ids)
                     })
@@ -150,32 +155,33 @@ impl Gpt2Tokenizer {
         Ok(ids)
     }
 
-    /// One call into tiktoken. Its regex errors are `unwrap`ped inside the crate; the cuts make
-    /// them unreachable for whitespace runs, and any other one becomes an error, not an abort.
-    fn encode_piece(&self, piece: &str) -> Result<Vec<u32>, TrainError> {
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.bpe.encode_ordinary(piece)
-        }))
-        .map_err(|_| {
+    /// Text of `ids`: bytes that are not UTF-8 and ids outside the vocabulary become U+FFFD
+    /// (every id does, should the ranks fail to build).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        let bpe = self.bpe().ok();
+        let mut bytes = Vec::with_capacity(ids.len() * 4);
+        for &id in ids {
+            match bpe.map(|b| b.decode_bytes(&[id])) {
+                Some(Ok(b)) => bytes.extend_from_slice(&b),
+                _ => bytes.extend_from_slice("\u{FFFD}".as_bytes()),
+            }
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
+
+/// One call into tiktoken. Its regex errors are `unwrap`ped inside the crate; the cuts make
+/// them unreachable for whitespace runs, and any other one becomes an error, not an abort.
+fn encode_piece(bpe: &CoreBPE, piece: &str) -> Result<Vec<u32>, TrainError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| bpe.encode_ordinary(piece))).map_err(
+        |_| {
             TrainError::Tokenizer(format!(
                 "GPT-2's pre-tokenizer failed on a {}-byte piece of text starting {:?}",
                 piece.len(),
                 piece.chars().take(32).collect::<String>()
             ))
-        })
-    }
-
-    /// Text of `ids`: bytes that are not UTF-8 and ids outside the vocabulary become U+FFFD.
-    pub fn decode(&self, ids: &[u32]) -> String {
-        let mut bytes = Vec::with_capacity(ids.len() * 4);
-        for &id in ids {
-            match self.bpe.decode_bytes(&[id]) {
-                Ok(b) => bytes.extend_from_slice(&b),
-                Err(_) => bytes.extend_from_slice("\u{FFFD}".as_bytes()),
-            }
-        }
-        String::from_utf8_lossy(&bytes).into_owned()
-    }
+        },
+    )
 }
 
 impl std::fmt::Debug for Gpt2Tokenizer {
@@ -183,15 +189,6 @@ impl std::fmt::Debug for Gpt2Tokenizer {
         f.write_str("Gpt2Tokenizer(r50k_base)")
     }
 }
-
-impl PartialEq for Gpt2Tokenizer {
-    /// There is one GPT-2 tokenizer.
-    fn eq(&self, _: &Gpt2Tokenizer) -> bool {
-        true
-    }
-}
-
-impl Eq for Gpt2Tokenizer {}
 
 /// Cuts `text` into pieces of at least `target` bytes (except the last) that GPT-2's
 /// pre-tokenizer splits exactly as it splits the whole, so encoding the pieces one by one gives
@@ -240,8 +237,8 @@ pub enum TokenizerSpec {
 }
 
 impl Tokenizer {
-    pub fn gpt2() -> Result<Tokenizer, TrainError> {
-        Ok(Tokenizer::Gpt2(Gpt2Tokenizer::new()?))
+    pub const fn gpt2() -> Tokenizer {
+        Tokenizer::Gpt2(Gpt2Tokenizer::new())
     }
 
     /// `"char"` or `"gpt2"`.
@@ -309,7 +306,7 @@ impl Tokenizer {
                 }
                 Ok(Tokenizer::Char(t))
             }
-            TokenizerSpec::Gpt2 => Tokenizer::gpt2(),
+            TokenizerSpec::Gpt2 => Ok(Tokenizer::gpt2()),
         }
     }
 }
@@ -356,7 +353,7 @@ mod tests {
     /// "\n" 198, "<|endoftext|>" 50256).
     #[test]
     fn gpt2_ids_match_known_token_ids() {
-        let t = Tokenizer::gpt2().unwrap();
+        let t = Tokenizer::gpt2();
         assert_eq!((t.name(), t.vocab_size()), ("gpt2", 50257));
         assert_eq!(t.encode("Hello world").unwrap(), [15496, 995]);
         assert_eq!(t.encode(" the").unwrap(), [262]);
@@ -371,7 +368,7 @@ mod tests {
 
     #[test]
     fn gpt2_round_trips_unicode_and_decodes_bad_ids_lossily() {
-        let t = Tokenizer::gpt2().unwrap();
+        let t = Tokenizer::gpt2();
         let text = "Ünïcödé — 日本語, emoji 🦀, tabs\tand\r\nlines  \u{a0}end ";
         let ids = t.encode(text).unwrap();
         assert!(ids.iter().all(|&i| (i as usize) < t.vocab_size()));
@@ -391,7 +388,7 @@ mod tests {
         let text = shakespeare();
         assert!(text.is_ascii());
         let split = text.len() * 9 / 10;
-        let t = Tokenizer::gpt2().unwrap();
+        let t = Tokenizer::gpt2();
         assert_eq!(t.encode(&text[..split]).unwrap().len(), 301_966);
         assert_eq!(t.encode(&text[split..]).unwrap().len(), 36_059);
         let all = t.encode(&text).unwrap();
@@ -402,7 +399,8 @@ mod tests {
     /// in the whitespace patterns the pre-tokenizer treats specially.
     #[test]
     fn gpt2_chunked_encoding_equals_whole_encoding() {
-        let bpe = Gpt2Tokenizer::new().unwrap();
+        let gpt2 = Gpt2Tokenizer::new();
+        let bpe = gpt2.bpe().unwrap();
         let alphabet = [
             " ", " ", "  ", "\n", "\n\n", "\t", "\r\n", "\u{a0}", "\u{3000}", "a", "the", "Zq",
             "7", "42", "!", "?!", "'s", "'ll", "'", "日本", "é", "🦀", "-", " \n ",
@@ -413,26 +411,23 @@ mod tests {
             let text: String = (0..n)
                 .map(|_| alphabet[rng.random_range(0..alphabet.len())])
                 .collect();
-            let whole = bpe.bpe.encode_ordinary(&text);
+            let whole = bpe.encode_ordinary(&text);
             for target in [1, 3, 17] {
                 let chunks = gpt2_chunks(&text, target);
                 assert_eq!(chunks.concat(), text);
-                let pieces: Vec<u32> = chunks
-                    .iter()
-                    .flat_map(|c| bpe.bpe.encode_ordinary(c))
-                    .collect();
+                let pieces: Vec<u32> = chunks.iter().flat_map(|c| bpe.encode_ordinary(c)).collect();
                 assert_eq!(pieces, whole, "{text:?} cut at target {target}: {chunks:?}");
             }
         }
         // Large text takes the parallel path and still matches.
         let text = shakespeare();
-        assert_eq!(bpe.encode(&text).unwrap(), bpe.bpe.encode_ordinary(&text));
+        assert_eq!(gpt2.encode(&text).unwrap(), bpe.encode_ordinary(&text));
     }
 
     /// tiktoken-rs panics on a million spaces followed by a letter; the cuts avoid it.
     #[test]
     fn gpt2_encodes_huge_whitespace_runs() {
-        let t = Tokenizer::gpt2().unwrap();
+        let t = Tokenizer::gpt2();
         for ws in [" ", "\n", "\t "] {
             let text = format!("a{}b", ws.repeat(1_000_000));
             let ids = t.encode(&text).unwrap();
@@ -443,7 +438,7 @@ mod tests {
     #[test]
     fn specs_round_trip_through_json() {
         let char_tok = Tokenizer::Char(CharTokenizer::from_text("hello, world\n"));
-        for t in [char_tok, Tokenizer::gpt2().unwrap()] {
+        for t in [char_tok, Tokenizer::gpt2()] {
             let json = serde_json::to_string(&t.to_spec()).unwrap();
             let back: TokenizerSpec = serde_json::from_str(&json).unwrap();
             let rebuilt = Tokenizer::from_spec(&back).unwrap();

@@ -160,8 +160,18 @@ impl Trainer {
             }
             other => other?,
         };
-        let init: std::collections::HashMap<String, Vec<f32>> =
-            model.init_parameters(config.seed).into_iter().collect();
+        let init: std::collections::HashMap<String, Vec<f32>> = match (&config.init_from, &model) {
+            (None, _) => model.init_parameters(config.seed).into_iter().collect(),
+            (Some(path), ModelConfig::Gpt(gpt)) => snug_nn::load_gpt2_safetensors(path, gpt)?
+                .into_iter()
+                .collect(),
+            (Some(_), ModelConfig::Llama(_)) => {
+                return Err(TrainError::Config {
+                    field: "init_from",
+                    detail: "Hugging Face weights load into GPT-2 models only".into(),
+                })
+            }
+        };
         for slot in &step_graph.params {
             let values = init.get(&slot.name).ok_or_else(|| TrainError::Config {
                 field: "model",
@@ -211,6 +221,11 @@ impl Trainer {
                 ),
             });
         }
+        // The checkpoint's weights replace any starting point the run was created from.
+        let config = TrainConfig {
+            init_from: None,
+            ..config
+        };
         let mut trainer = Self::with_allocator(config, data, allocator)?;
         trainer.restore(ckpt)?;
         Ok(trainer)
