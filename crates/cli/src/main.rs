@@ -1,7 +1,7 @@
 //! `snug`: plan a training step's memory before anything runs, and train.
 
-mod plan_cmd;
 mod export_cmd;
+mod plan_cmd;
 mod prepare_cmd;
 mod profile_cmd;
 mod sample_cmd;
@@ -27,7 +27,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Train a model (with no arguments: a small GPT on built-in generated addition data).
-    Train(train_cmd::TrainArgs),
+    Train(Box<train_cmd::TrainArgs>),
     /// Print a training step's predicted peak memory and its breakdown, allocating no tensor.
     Plan(plan_cmd::PlanArgs),
     /// Time one training step op by op.
@@ -132,7 +132,7 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Train(args) => train_cmd::run(args),
+        Command::Train(args) => train_cmd::run(*args),
         Command::Plan(args) => plan_cmd::run(args),
         Command::Profile(args) => profile_cmd::run(args),
         Command::Prepare(args) => prepare_cmd::run(args),

@@ -150,10 +150,12 @@ pub fn run(args: TrainArgs) -> Result<()> {
                 train.out = Some(if from.is_dir() {
                     from.clone()
                 } else {
-                    from.parent().map_or_else(|| PathBuf::from("."), |p| p.to_path_buf())
+                    from.parent()
+                        .map_or_else(|| PathBuf::from("."), |p| p.to_path_buf())
                 });
             }
-            let cfg = TrainConfig::resolve_resumed(ckpt.config.clone(), config_file, &model, &train)?;
+            let cfg =
+                TrainConfig::resolve_resumed(ckpt.config.clone(), config_file, &model, &train)?;
             let data = TokenDataset::load(&DataSource::from(&cfg.data))?;
             let summary = data_line(&data);
             let trainer = Trainer::resume(cfg.clone(), data, allocator.clone(), &ckpt)
@@ -271,7 +273,13 @@ pub fn run(args: TrainArgs) -> Result<()> {
         times.clone()
     };
     let (median, min, max) = stats(&steady);
-    let per_s = |x: f64| if median > 0.0 { x / (median / 1e3) } else { 0.0 };
+    let per_s = |x: f64| {
+        if median > 0.0 {
+            x / (median / 1e3)
+        } else {
+            0.0
+        }
+    };
     let summary = Summary {
         steps: run.end_step,
         start_step: run.start_step,

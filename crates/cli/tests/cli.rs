@@ -35,8 +35,15 @@ fn train_with_builtin_data_reports_falling_loss_and_exact_peak() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     let kinds: Vec<&str> = lines.iter().map(|l| l["kind"].as_str().unwrap()).collect();
-    assert_eq!(kinds.len(), 42, "40 steps, the final evaluation and a summary");
-    assert_eq!((kinds[39], kinds[40], kinds[41]), ("step", "eval", "summary"));
+    assert_eq!(
+        kinds.len(),
+        42,
+        "40 steps, the final evaluation and a summary"
+    );
+    assert_eq!(
+        (kinds[39], kinds[40], kinds[41]),
+        ("step", "eval", "summary")
+    );
     let summary = &lines[41];
     assert_eq!(summary["val_loss"], lines[40]["val_loss"]);
     let (first, last) = (
@@ -148,7 +155,11 @@ fn config_file_trains_and_flags_override_it() {
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let stdout = String::from_utf8(o.stdout).unwrap();
-    assert_eq!(stdout.lines().count(), 5, "3 steps, an evaluation and a summary");
+    assert_eq!(
+        stdout.lines().count(),
+        5,
+        "3 steps, an evaluation and a summary"
+    );
     let summary: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     assert_eq!(summary["tokens_per_step"].as_u64(), Some(4 * 16));
 }
@@ -473,6 +484,9 @@ fn prepare_and_token_directory_errors_are_named() {
     fails_with(&train_args, &["val.bin", "magic"]);
 }
 
+/// One thread, no evaluation, JSON lines: small runs whose losses tests compare.
+const QUIET_TRAIN: [&str; 5] = ["--threads", "1", "--eval-every", "0", "--json"];
+
 fn json_lines(o: &Output) -> Vec<serde_json::Value> {
     String::from_utf8_lossy(&o.stdout)
         .lines()
@@ -495,16 +509,16 @@ fn resume_from_a_run_directory_continues_exactly() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");
     let out_s = out.to_str().unwrap();
-    let common = ["--threads", "1", "--eval-every", "0", "--json", "--batch", "4"];
+    let common = [&QUIET_TRAIN[..], &["--batch", "4"]].concat();
     let mut straight_args = vec!["train", "--steps", "12"];
-    straight_args.extend(common);
+    straight_args.extend(&common);
     let straight = snug(&straight_args);
     assert!(straight.status.success(), "{}", stderr(&straight));
 
     // The same 12-step run, saving at 6; resuming from that save (as after a crash at step
     // 6) must redo steps 7..12 exactly.
     let mut first_args = vec!["train", "--steps", "12", "--out", out_s];
-    first_args.extend(common);
+    first_args.extend(&common);
     first_args.extend(["--checkpoint-every", "6"]);
     let first = snug(&first_args);
     assert!(first.status.success(), "{}", stderr(&first));
@@ -513,7 +527,7 @@ fn resume_from_a_run_directory_continues_exactly() {
     std::fs::remove_file(out.join("ckpt-00000012.safetensors")).unwrap();
 
     let mut resume_args = vec!["train", "--resume", out_s];
-    resume_args.extend(common);
+    resume_args.extend(&common);
     let resumed = snug(&resume_args);
     assert!(resumed.status.success(), "{}", stderr(&resumed));
     let resumed_lines = json_lines(&resumed);
@@ -531,12 +545,19 @@ fn resume_from_a_run_directory_continues_exactly() {
     assert_eq!(steps, (1..=12).collect::<Vec<_>>());
 
     fails_with(
-        &["train", "--resume", dir.path().join("nope").to_str().unwrap()],
+        &[
+            "train",
+            "--resume",
+            dir.path().join("nope").to_str().unwrap(),
+        ],
         &["nope"],
     );
     let junk = dir.path().join("junk.safetensors");
     std::fs::write(&junk, b"junk").unwrap();
-    fails_with(&["train", "--resume", junk.to_str().unwrap()], &["junk.safetensors"]);
+    fails_with(
+        &["train", "--resume", junk.to_str().unwrap()],
+        &["junk.safetensors"],
+    );
 }
 
 /// Ctrl-C (SIGINT) during training: the step in flight finishes, a checkpoint is saved, the
@@ -550,7 +571,15 @@ fn sigint_saves_a_loadable_checkpoint_and_exits_zero() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");
     let mut child = Command::new(env!("CARGO_BIN_EXE_snug"))
-        .args(["train", "--steps", "100000", "--threads", "1", "--eval-every", "0"])
+        .args([
+            "train",
+            "--steps",
+            "100000",
+            "--threads",
+            "1",
+            "--eval-every",
+            "0",
+        ])
         .args(["--json", "--out", out.to_str().unwrap()])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -561,7 +590,10 @@ fn sigint_saves_a_loadable_checkpoint_and_exits_zero() {
     // Wait until training is under way.
     loop {
         line.clear();
-        assert!(reader.read_line(&mut line).unwrap() > 0, "snug exited early");
+        assert!(
+            reader.read_line(&mut line).unwrap() > 0,
+            "snug exited early"
+        );
         let v: serde_json::Value = serde_json::from_str(&line).unwrap();
         if v["kind"] == "step" && v["step"].as_u64() >= Some(3) {
             break;
@@ -590,38 +622,60 @@ fn sample_export_and_init_from_round_trip() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
     let run_s = run.to_str().unwrap();
-    let common = ["--threads", "1", "--eval-every", "0", "--json", "--batch", "8"];
+    let common = [&QUIET_TRAIN[..], &["--batch", "8"]].concat();
     let mut args = vec!["train", "--steps", "60", "--out", run_s];
-    args.extend(common);
+    args.extend(&common);
     let trained = snug(&args);
     assert!(trained.status.success(), "{}", stderr(&trained));
     let trained_lines = json_lines(&trained);
     let first_loss = trained_lines[0]["loss"].as_f64().unwrap();
-    let final_loss = trained_lines.last().unwrap()["final_loss"].as_f64().unwrap();
+    let final_loss = trained_lines.last().unwrap()["final_loss"]
+        .as_f64()
+        .unwrap();
 
-    let o = snug(&[
-        "sample", "--checkpoint", run_s, "--prompt", "12+34=", "--tokens", "20", "--seed", "3",
-        "--json", "--threads", "1",
-    ]);
+    let sample_args = [
+        "sample",
+        "--checkpoint",
+        run_s,
+        "--prompt",
+        "12+34=",
+        "--tokens",
+        "20",
+        "--seed",
+        "3",
+        "--json",
+        "--threads",
+        "1",
+    ];
+    let o = snug(&sample_args);
     assert!(o.status.success(), "{}", stderr(&o));
     let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(report["tokens"], 20);
     assert_eq!(report["text"].as_str().unwrap().chars().count(), 20);
     assert_eq!(report["planned_peak_bytes"], report["measured_peak_bytes"]);
-    let again = snug(&[
-        "sample", "--checkpoint", run_s, "--prompt", "12+34=", "--tokens", "20", "--seed", "3",
-        "--json", "--threads", "1",
-    ]);
+    let again = snug(&sample_args);
     let again: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
     assert_eq!(report["text"], again["text"], "seeded sampling repeats");
 
     let hf = dir.path().join("hf");
-    let o = snug(&["export", "--checkpoint", run_s, "--out", hf.to_str().unwrap()]);
+    let o = snug(&[
+        "export",
+        "--checkpoint",
+        run_s,
+        "--out",
+        hf.to_str().unwrap(),
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(hf.join("config.json").exists());
     let weights = hf.join("model.safetensors");
-    let mut args = vec!["train", "--steps", "1", "--init-from", weights.to_str().unwrap()];
-    args.extend(common);
+    let mut args = vec![
+        "train",
+        "--steps",
+        "1",
+        "--init-from",
+        weights.to_str().unwrap(),
+    ];
+    args.extend(&common);
     let o = snug(&args);
     assert!(o.status.success(), "{}", stderr(&o));
     let loss = json_lines(&o)[0]["loss"].as_f64().unwrap();
@@ -631,7 +685,11 @@ fn sample_export_and_init_from_round_trip() {
     );
 
     fails_with(
-        &["sample", "--checkpoint", dir.path().join("none").to_str().unwrap()],
+        &[
+            "sample",
+            "--checkpoint",
+            dir.path().join("none").to_str().unwrap(),
+        ],
         &["none"],
     );
     fails_with(
@@ -642,7 +700,14 @@ fn sample_export_and_init_from_round_trip() {
         &["sample", "--checkpoint", run_s, "--temperature", "-1"],
         &["temperature"],
     );
-    let mut args = vec!["train", "--steps", "1", "--preset", "char-small", "--init-from"];
+    let mut args = vec![
+        "train",
+        "--steps",
+        "1",
+        "--preset",
+        "char-small",
+        "--init-from",
+    ];
     args.push(weights.to_str().unwrap());
     fails_with(&args, &["model.safetensors", "has shape"]);
 }

@@ -164,8 +164,7 @@ impl Checkpoint {
         })?;
         let (_, header) = SafeTensors::read_metadata(&bytes)
             .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
-        let st =
-            SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("not readable: {e}")))?;
+        let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("not readable: {e}")))?;
         let meta = header
             .metadata()
             .clone()
@@ -314,7 +313,11 @@ impl CheckpointDir {
             .filter_map(|e| e.ok())
             .filter_map(|e| {
                 let name = e.file_name().to_string_lossy().into_owned();
-                let step = name.strip_prefix(PREFIX)?.strip_suffix(SUFFIX)?.parse().ok()?;
+                let step = name
+                    .strip_prefix(PREFIX)?
+                    .strip_suffix(SUFFIX)?
+                    .parse()
+                    .ok()?;
                 Some((step, e.path()))
             })
             .collect();

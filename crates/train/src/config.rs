@@ -328,7 +328,7 @@ impl TrainConfig {
         if self.log_every == 0 {
             return err("log_every", "must be at least 1".into());
         }
-        if self.accumulation == 0 || self.batch % self.accumulation != 0 {
+        if self.accumulation == 0 || !self.batch.is_multiple_of(self.accumulation) {
             return err(
                 "accumulation",
                 format!(

@@ -7,7 +7,8 @@ use snug_runtime::RuntimeError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
-    #[error("{path}: {source}")]
+    // The cause is the error's source; `{:#}` (anyhow) prints it after the path.
+    #[error("{path}")]
     Io {
         path: PathBuf,
         #[source]

@@ -18,9 +18,14 @@ use crate::TrainError;
 pub enum Event<'a> {
     Step(&'a StepStats),
     Eval(&'a EvalStats),
-    Checkpoint { step: u64, path: &'a Path },
+    Checkpoint {
+        step: u64,
+        path: &'a Path,
+    },
     /// The stop flag was seen; the loop saves and returns.
-    Stopping { step: u64 },
+    Stopping {
+        step: u64,
+    },
 }
 
 /// What a call to [`run`] did.

@@ -234,10 +234,12 @@ impl Trainer {
     /// Every persistent tensor a checkpoint holds: parameters and optimizer state.
     fn saved_tensors(&self) -> impl Iterator<Item = TensorId> + '_ {
         let g = &self.step_graph.graph;
-        (0..g.tensors().len() as u32).map(TensorId).filter(move |&t| {
-            let m = g.tensor(t);
-            m.view_of.is_none() && matches!(m.role, Role::Parameter | Role::OptimizerState)
-        })
+        (0..g.tensors().len() as u32)
+            .map(TensorId)
+            .filter(move |&t| {
+                let m = g.tensor(t);
+                m.view_of.is_none() && matches!(m.role, Role::Parameter | Role::OptimizerState)
+            })
     }
 
     /// The training state after the steps run so far.
@@ -283,11 +285,10 @@ impl Trainer {
             }
             self.session.write_f32(t, &saved.data)?;
         }
-        if let Some(extra) = ckpt
-            .tensors
-            .iter()
-            .find(|s| !ids.iter().any(|&t| self.step_graph.graph.tensor(t).name == s.name))
-        {
+        if let Some(extra) = ckpt.tensors.iter().find(|s| {
+            !ids.iter()
+                .any(|&t| self.step_graph.graph.tensor(t).name == s.name)
+        }) {
             return Err(bad(format!(
                 "tensor `{}` has no place in this model (a different model or optimizer?)",
                 extra.name

@@ -5,7 +5,9 @@ use std::sync::atomic::AtomicBool;
 
 use snug_runtime::Allocator;
 use snug_train::checkpoint::{Checkpoint, CheckpointDir};
-use snug_train::{DataSource, ModelSection, TokenDataset, TrainConfig, TrainError, TrainSection, Trainer};
+use snug_train::{
+    DataSource, ModelSection, TokenDataset, TrainConfig, TrainError, TrainSection, Trainer,
+};
 
 fn config(steps: u64, accumulation: usize) -> TrainConfig {
     let model = ModelSection {
@@ -117,7 +119,12 @@ fn only_the_newest_checkpoints_are_kept() {
         t.train_step().unwrap();
         ckpt_dir.save(&t.checkpoint().unwrap(), 2).unwrap();
     }
-    let steps: Vec<u64> = ckpt_dir.list().unwrap().into_iter().map(|(s, _)| s).collect();
+    let steps: Vec<u64> = ckpt_dir
+        .list()
+        .unwrap()
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect();
     assert_eq!(steps, vec![3, 4]);
 }
 
@@ -158,7 +165,10 @@ fn a_stop_request_saves_and_returns() {
     .unwrap();
     assert!(summary.interrupted);
     assert_eq!(summary.end_step, 3);
-    let (_, ckpt) = CheckpointDir::open(dir.path()).unwrap().load_latest().unwrap();
+    let (_, ckpt) = CheckpointDir::open(dir.path())
+        .unwrap()
+        .load_latest()
+        .unwrap();
     assert_eq!(ckpt.step, 3);
     let lines = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
     assert_eq!(lines.lines().count(), 3);

@@ -21,7 +21,9 @@ fn tiny() -> GptConfig {
 }
 
 fn ids(n: usize, salt: usize) -> Vec<i32> {
-    (0..n).map(|i| ((i * 7 + salt * 3 + 1) % 13) as i32).collect()
+    (0..n)
+        .map(|i| ((i * 7 + salt * 3 + 1) % 13) as i32)
+        .collect()
 }
 
 struct Built {
@@ -101,10 +103,7 @@ fn step_with(cfg: &GptConfig, opts: &StepOptions) -> (Vec<Vec<f32>>, Option<f32>
         .iter()
         .map(|s| b.session.read_f32(s.param).unwrap().to_vec())
         .collect();
-    let norm = b
-        .step
-        .grad_norm
-        .map(|t| b.session.read_f32(t).unwrap()[0]);
+    let norm = b.step.grad_norm.map(|t| b.session.read_f32(t).unwrap()[0]);
     (params, norm)
 }
 

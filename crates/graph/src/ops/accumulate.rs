@@ -42,7 +42,9 @@ impl OpRule for AccumulateGrad {
                 ),
             });
         }
-        Ok(vec![OutSpec::f32(inputs[1].shape.clone()).with_dtype(inputs[1].dtype)])
+        Ok(vec![
+            OutSpec::f32(inputs[1].shape.clone()).with_dtype(inputs[1].dtype)
+        ])
     }
 
     fn backward(&self, _ctx: &mut GradCtx<'_>) -> Result<()> {

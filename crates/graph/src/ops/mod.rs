@@ -245,7 +245,11 @@ pub(crate) fn shape_err(op: &'static str, detail: impl Into<String>) -> crate::G
 }
 
 /// An optimizer's optional gradient-scale input at `index` must be a scalar.
-pub(crate) fn check_grad_scale(op: &'static str, inputs: &[&TensorMeta], index: usize) -> Result<()> {
+pub(crate) fn check_grad_scale(
+    op: &'static str,
+    inputs: &[&TensorMeta],
+    index: usize,
+) -> Result<()> {
     match inputs.get(index) {
         Some(s) if s.numel() != 1 => Err(shape_err(
             op,
