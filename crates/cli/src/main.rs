@@ -85,6 +85,9 @@ pub struct ModelArgs {
     /// gradient before the first update, so they are all alive at once.
     #[arg(long, allow_negative_numbers = true)]
     grad_clip: Option<f32>,
+    /// Graph passes, comma-separated: fused-ce (LM head + cross-entropy chunked over tokens).
+    #[arg(long, value_name = "LIST")]
+    passes: Option<String>,
 }
 
 impl ModelArgs {
@@ -105,6 +108,7 @@ impl ModelArgs {
                 optimizer: self.optimizer.clone(),
                 accumulation: self.accumulation,
                 grad_clip: self.grad_clip,
+                passes: self.passes.clone(),
                 ..Default::default()
             },
         )

@@ -55,6 +55,16 @@ struct PlanReport {
     /// Bytes held while each op of the schedule runs.
     timeline: Vec<usize>,
     plan_ms: f64,
+    /// What each pass saved at the planned peak.
+    passes: Vec<PassSaving>,
+}
+
+#[derive(Serialize)]
+struct PassSaving {
+    pass: &'static str,
+    peak_before_bytes: usize,
+    peak_after_bytes: usize,
+    saved_bytes: i64,
 }
 
 pub fn run(args: PlanArgs) -> Result<()> {
@@ -77,6 +87,33 @@ pub fn run(args: PlanArgs) -> Result<()> {
         snug_train::trainer::compile_step(&gpt, cfg.micro_batch(), cfg.block, cfg.threads, &cfg)?;
     let memory_plan = plan(&step.graph, &PlanOptions::default())?;
     let plan_ms = start.elapsed().as_secs_f64() * 1e3;
+    // Each pass's saving, measured by planning the step without it and with it (cumulative, in
+    // the order given).
+    let mut pass_savings = Vec::new();
+    if !cfg.passes.is_empty() {
+        let peak_with = |k: usize| -> Result<usize> {
+            let mut c = cfg.clone();
+            c.passes.truncate(k);
+            let (step, _, _) =
+                snug_train::trainer::compile_step(&gpt, c.micro_batch(), c.block, c.threads, &c)?;
+            Ok(plan(&step.graph, &PlanOptions::default())?.peak_bytes())
+        };
+        let mut before = peak_with(0)?;
+        for (k, pass) in cfg.passes.iter().enumerate() {
+            let after = if k + 1 == cfg.passes.len() {
+                memory_plan.peak_bytes()
+            } else {
+                peak_with(k + 1)?
+            };
+            pass_savings.push(PassSaving {
+                pass: pass.name(),
+                peak_before_bytes: before,
+                peak_after_bytes: after,
+                saved_bytes: before as i64 - after as i64,
+            });
+            before = after;
+        }
+    }
     let report = PlanReport {
         preset: cfg.model.preset.clone().unwrap_or_default(),
         model: gpt.clone(),
@@ -103,6 +140,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         peak: memory_plan.peak.clone(),
         timeline: memory_plan.timeline.clone(),
         plan_ms,
+        passes: pass_savings,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -128,6 +166,19 @@ pub fn run(args: PlanArgs) -> Result<()> {
         report.flops_per_step as f64 / 1e9
     );
     print!("{memory_plan}");
+    for s in &report.passes {
+        println!(
+            "pass {:<10} peak {} -> {} (saved {})",
+            s.pass,
+            human_bytes(s.peak_before_bytes),
+            human_bytes(s.peak_after_bytes),
+            if s.saved_bytes >= 0 {
+                human_bytes(s.saved_bytes as usize)
+            } else {
+                format!("-{}", human_bytes(s.saved_bytes.unsigned_abs() as usize))
+            }
+        );
+    }
     println!("planned in {plan_ms:.1} ms, no tensor allocated");
     if args.table {
         print!("{}", memory_plan.table());

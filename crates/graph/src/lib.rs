@@ -5,6 +5,7 @@
 //! - [`graph`]: nodes in topological order, and the builder API ([`Graph::apply`]).
 //! - [`ops`]: each op's shape rule, gradient rule and CPU kernel, one file per op family.
 //! - [`autodiff`]: [`backward`] appends the gradient nodes of a scalar loss.
+//! - [`passes`]: graph → graph rewrites that save memory.
 //! - [`step`]: [`StepGraph`] bundles a model's forward, backward and AdamW updates.
 
 pub mod autodiff;
@@ -12,6 +13,7 @@ mod dtype;
 mod error;
 pub mod graph;
 pub mod ops;
+pub mod passes;
 pub mod step;
 pub mod tensor;
 

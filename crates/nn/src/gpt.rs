@@ -142,6 +142,23 @@ pub struct ModelGraph {
     pub params: Vec<(String, TensorId)>,
 }
 
+impl ModelGraph {
+    /// The same model after a graph pass (the pass's map gives the new ids).
+    pub fn rewritten(self, r: snug_graph::passes::Rewritten) -> Result<ModelGraph, NnError> {
+        Ok(ModelGraph {
+            tokens: r.map(self.tokens)?,
+            targets: r.map(self.targets)?,
+            loss: r.map(self.loss)?,
+            params: self
+                .params
+                .into_iter()
+                .map(|(name, id)| Ok((name, r.map(id)?)))
+                .collect::<Result<_, NnError>>()?,
+            graph: r.graph,
+        })
+    }
+}
+
 /// A forward-only graph whose output is the logits (no targets, loss or gradients).
 #[derive(Debug, Clone)]
 pub struct InferenceGraph {

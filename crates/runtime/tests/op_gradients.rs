@@ -11,8 +11,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use snug_graph::ops::{
     Binary, BinaryKind, BroadcastTo, CausalAttention, CrossEntropy, Embedding, Gelu, GeluApprox,
-    GqaAttention, LayerNorm, LogSoftmax, MatMul, Narrow, Op, Pad, Reduce, ReduceKind, Reshape,
-    RmsNorm, Rope, Scale, Silu, Softmax, SumTo, SwiGlu, Transpose,
+    GqaAttention, LayerNorm, LmHeadLoss, LogSoftmax, MatMul, Narrow, Op, Pad, Reduce, ReduceKind,
+    Reshape, RmsNorm, Rope, Scale, Silu, Softmax, SumTo, SwiGlu, Transpose,
 };
 use snug_graph::{DType, Graph, OptimizerSpec, StepGraph, TensorId};
 use snug_plan::{plan, PlanOptions};
@@ -889,6 +889,26 @@ fn cross_entropy() {
         let logits = c.param_in(&[n, v], -2.0, 2.0);
         let targets = c.ids(&[n], v);
         let y = c.op(CrossEntropy, &[logits, targets]);
+        c.check(y);
+    }
+}
+
+/// The fused, chunked LM head + cross-entropy: several chunks (the head's gradient accumulates
+/// across them), one chunk, a tied `[V, C]` head and an untied `[C, V]` one, 1 and 2 threads.
+#[test]
+fn lm_head_loss() {
+    let (n, ch, v) = (7, 5, 6);
+    for (tb, chunk, threads) in [(false, 2, 1), (true, 3, 2), (true, 100, 1), (false, 1, 2)] {
+        let label = format!("lm_head_loss tb={tb} chunk={chunk} threads={threads}");
+        let mut c = GradCheck::with_threads(label, threads);
+        let x = c.param_in(&[n, ch], -1.0, 1.0);
+        let w = if tb {
+            c.param(&[v, ch])
+        } else {
+            c.param(&[ch, v])
+        };
+        let targets = c.ids(&[n], v);
+        let y = c.op(LmHeadLoss { tb, chunk }, &[x, w, targets]);
         c.check(y);
     }
 }

@@ -69,6 +69,8 @@ pub struct TrainSection {
     /// Start from these GPT-2 weights (a Hugging Face `model.safetensors`) instead of a
     /// random initialisation.
     pub init_from: Option<PathBuf>,
+    /// Graph passes, comma-separated (`fused-ce`).
+    pub passes: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -109,6 +111,25 @@ pub struct TrainConfig {
     pub checkpoint_every: u64,
     pub keep_checkpoints: usize,
     pub init_from: Option<PathBuf>,
+    pub passes: Vec<Pass>,
+}
+
+/// A graph pass applied when the step is compiled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Pass {
+    /// LM head + cross-entropy fused and chunked over tokens: no `tokens × vocab` logits.
+    #[serde(rename = "fused-ce")]
+    FusedCrossEntropy,
+}
+
+impl Pass {
+    pub const ALL: [Pass; 1] = [Pass::FusedCrossEntropy];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Pass::FusedCrossEntropy => "fused-ce",
+        }
+    }
 }
 
 /// The optimizer a step ends with.
@@ -170,6 +191,7 @@ impl Default for TrainConfig {
             checkpoint_every: 0,
             keep_checkpoints: 3,
             init_from: None,
+            passes: Vec::new(),
         }
     }
 }
@@ -274,6 +296,25 @@ impl TrainConfig {
         }
         if let Some(p) = &t.init_from {
             self.init_from = Some(p.clone());
+        }
+        if let Some(list) = &t.passes {
+            self.passes = list
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(|s| {
+                    Pass::ALL
+                        .into_iter()
+                        .find(|p| p.name() == s)
+                        .ok_or_else(|| TrainError::Config {
+                            field: "passes",
+                            detail: format!(
+                                "`{s}` is not a pass (known: {})",
+                                Pass::ALL.map(Pass::name).join(", ")
+                            ),
+                        })
+                })
+                .collect::<Result<_, _>>()?;
         }
         if let Some(limit) = &t.memory_limit {
             let bytes = snug_runtime::parse_bytes(limit).map_err(|e| TrainError::Config {

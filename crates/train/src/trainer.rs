@@ -8,13 +8,13 @@ use std::time::Instant;
 
 use serde::Serialize;
 use snug_graph::ops::{AdamW, Sgd};
-use snug_graph::{OptimizerSpec, Role, StepGraph, StepOptions, TensorId};
+use snug_graph::{passes, OptimizerSpec, Role, StepGraph, StepOptions, TensorId};
 use snug_nn::ModelConfig;
 use snug_plan::{plan, MemoryPlan, PlanOptions};
 use snug_runtime::{Allocator, CpuSession, ExecCtx};
 
 use crate::checkpoint::{Checkpoint, SavedTensor};
-use crate::config::OptimizerKind;
+use crate::config::{OptimizerKind, Pass};
 use crate::data::{batch_starts, fill_batch, Prefetcher, Tokens};
 use crate::{TokenDataset, TrainConfig, TrainError};
 
@@ -98,7 +98,15 @@ pub fn compile_step(
     threads: usize,
     config: &TrainConfig,
 ) -> Result<(StepGraph, TensorId, TensorId), TrainError> {
-    let g = model.build(batch, block, threads, config.precision)?;
+    let mut g = model.build(batch, block, threads, config.precision)?;
+    for pass in &config.passes {
+        g = match pass {
+            Pass::FusedCrossEntropy => {
+                let (r, _) = passes::fuse_lm_head_loss(&g.graph, passes::DEFAULT_CHUNK_BYTES)?;
+                g.rewritten(r)?
+            }
+        };
+    }
     let adamw = AdamW {
         beta1: config.beta1,
         beta2: config.beta2,

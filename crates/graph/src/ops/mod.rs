@@ -13,6 +13,7 @@ mod gelu;
 mod gqa_attention;
 mod grad_norm;
 mod layernorm;
+mod lm_head_loss;
 mod matmul;
 mod reduce;
 mod rmsnorm;
@@ -42,6 +43,7 @@ pub use gelu::{Gelu, GeluApprox, GeluBackward};
 pub use gqa_attention::{GqaAttention, GqaAttentionBackward};
 pub use grad_norm::{GradNorm, SumSquares};
 pub use layernorm::{LayerNorm, LayerNormBackward};
+pub use lm_head_loss::{LmHeadLoss, LmHeadLossBackward};
 pub use matmul::MatMul;
 pub use reduce::{BroadcastTo, MaxBackward, Reduce, ReduceKind, SumTo};
 pub use rmsnorm::{RmsNorm, RmsNormBackward};
@@ -180,6 +182,8 @@ ops!(
     AccumulateGrad,
     SumSquares,
     GradNorm,
+    LmHeadLoss,
+    LmHeadLossBackward,
 );
 
 impl Op {

@@ -1,0 +1,104 @@
+//! Passes over a graph: each is a pure function from a graph to a new graph. What a pass saves
+//! is measured by planning the step before and after it (`snug plan --passes ...`), not
+//! estimated here.
+//!
+//! - [`fuse_lm_head_loss`]: the LM head and its cross-entropy as one chunked op, so the
+//!   `tokens × vocab` logits and their gradient never exist.
+
+mod fuse_lm_head_loss;
+
+pub use fuse_lm_head_loss::{fuse_lm_head_loss, DEFAULT_CHUNK_BYTES};
+
+use crate::{Graph, GraphError, Result, TensorId};
+
+/// A graph rebuilt by a pass, with the map from the old graph's tensors to the new one's.
+#[derive(Debug, Clone)]
+pub struct Rewritten {
+    pub graph: Graph,
+    map: Vec<Option<TensorId>>,
+}
+
+impl Rewritten {
+    /// The new id of `old`, or an error when the pass removed it.
+    pub fn map(&self, old: TensorId) -> Result<TensorId> {
+        self.map
+            .get(old.index())
+            .copied()
+            .flatten()
+            .ok_or_else(|| GraphError::Invalid {
+                op: "pass",
+                detail: format!("tensor {old:?} was removed by the pass"),
+            })
+    }
+}
+
+/// Copies `old` into a new graph node by node; `replace(node index, mapped inputs)` may emit
+/// different nodes for a node (returning the new ids of that node's outputs, positionally) or
+/// `None` to copy it as it is. Names and roles of copied tensors are kept.
+pub(crate) fn rewrite(
+    old: &Graph,
+    mut replace: impl FnMut(
+        &mut Graph,
+        usize,
+        &dyn Fn(TensorId) -> TensorId,
+    ) -> Result<Option<Vec<Option<TensorId>>>>,
+    skip: &[bool],
+) -> Result<Rewritten> {
+    let mut new = Graph::new().with_threads(old.threads());
+    let mut map: Vec<Option<TensorId>> = vec![None; old.tensors().len()];
+    let copy_leaf =
+        |new: &mut Graph, map: &mut Vec<Option<TensorId>>, t: TensorId| -> Result<TensorId> {
+            if let Some(id) = map[t.index()] {
+                return Ok(id);
+            }
+            let m = old.tensor(t);
+            let id = new.add_leaf(m.name.clone(), &m.shape, m.dtype, m.role)?;
+            map[t.index()] = Some(id);
+            Ok(id)
+        };
+    for (i, node) in old.nodes().iter().enumerate() {
+        if skip[i] {
+            continue;
+        }
+        for &t in &node.inputs {
+            if old.producer(t).is_none() {
+                copy_leaf(&mut new, &mut map, t)?;
+            }
+        }
+        let replaced = {
+            let lookup = |t: TensorId| map[t.index()].expect("inputs are mapped before use");
+            replace(&mut new, i, &lookup)?
+        };
+        if let Some(outs) = replaced {
+            for (&o, n) in node.outputs.iter().zip(outs) {
+                map[o.index()] = n;
+            }
+            continue;
+        }
+        let inputs: Vec<TensorId> = node
+            .inputs
+            .iter()
+            .map(|&t| map[t.index()].expect("inputs are mapped before use"))
+            .collect();
+        let outs = new.apply(node.op.clone(), &inputs)?;
+        for (&o, &n) in node.outputs.iter().zip(&outs) {
+            let m = old.tensor(o);
+            new.rename(n, m.name.clone());
+            new.set_role(n, m.role);
+            map[o.index()] = Some(n);
+        }
+    }
+    // Leaves no node reads (an unused parameter) still belong to the model.
+    for t in 0..old.tensors().len() {
+        let t = TensorId(t as u32);
+        if old.producer(t).is_none() && old.tensor(t).view_of.is_none() {
+            copy_leaf(&mut new, &mut map, t)?;
+        }
+    }
+    for &o in old.outputs() {
+        if let Some(n) = map[o.index()] {
+            new.mark_output(n);
+        }
+    }
+    Ok(Rewritten { graph: new, map })
+}
