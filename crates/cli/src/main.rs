@@ -88,6 +88,10 @@ pub struct ModelArgs {
     /// Graph passes, comma-separated: fused-ce (LM head + cross-entropy chunked over tokens).
     #[arg(long, value_name = "LIST")]
     passes: Option<String>,
+    /// Activation checkpointing: none, block (every block), block:K (every K blocks),
+    /// selective (keep matmul and attention outputs, recompute the rest).
+    #[arg(long, value_name = "MODE")]
+    remat: Option<String>,
 }
 
 impl ModelArgs {
@@ -109,6 +113,7 @@ impl ModelArgs {
                 accumulation: self.accumulation,
                 grad_clip: self.grad_clip,
                 passes: self.passes.clone(),
+                remat: self.remat.clone(),
                 ..Default::default()
             },
         )

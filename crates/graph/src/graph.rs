@@ -22,6 +22,9 @@ pub struct Node {
     pub outputs: Vec<TensorId>,
     /// Scratch memory the kernel needs while it runs (a `Temporary` tensor, planned like any other).
     pub workspace: Option<TensorId>,
+    /// Tensors that must exist before this node runs, though it does not read them: orders a
+    /// recomputation after the backward pass reaches it (they do not extend lifetimes).
+    pub control: Vec<TensorId>,
 }
 
 /// A static dataflow graph over tensor metadata. Nodes are stored in a valid topological order
@@ -223,8 +226,17 @@ impl Graph {
             inputs: inputs.to_vec(),
             outputs: outputs.clone(),
             workspace,
+            control: Vec::new(),
         });
         Ok(outputs)
+    }
+
+    /// Makes `node` wait for `after` to be produced (a control dependency).
+    pub fn add_control(&mut self, node: NodeId, after: TensorId) {
+        let n = &mut self.nodes[node.index()];
+        if !n.control.contains(&after) {
+            n.control.push(after);
+        }
     }
 
     /// Like [`Graph::apply`] for single-output ops.

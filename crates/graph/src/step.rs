@@ -66,6 +66,8 @@ pub struct StepGraph {
     pub micro_steps: usize,
     /// The global gradient norm (of the averaged gradient, before clipping), when computed.
     pub grad_norm: Option<TensorId>,
+    /// Nodes `0..forward_nodes` are the forward pass.
+    pub forward_nodes: usize,
 }
 
 impl StepGraph {
@@ -108,6 +110,7 @@ impl StepGraph {
             .filter(|&t| graph.tensor(t).role == Role::Input)
             .collect();
         graph.mark_output(loss);
+        let forward_nodes = graph.nodes().len();
         let raw_grads = backward(&mut graph, loss, &params)?;
         graph.set_scope("optimizer");
         let accumulate = opts.micro_steps > 1;
@@ -210,6 +213,44 @@ impl StepGraph {
             params: slots,
             micro_steps: opts.micro_steps,
             grad_norm,
+            forward_nodes,
+        })
+    }
+
+    /// The same step after a pass over its graph (the pass's map gives the new ids).
+    pub fn rewritten(
+        &self,
+        r: crate::passes::Rewritten,
+        forward_nodes: usize,
+    ) -> Result<StepGraph> {
+        let params = self
+            .params
+            .iter()
+            .map(|p| {
+                Ok(ParamSlot {
+                    name: p.name.clone(),
+                    param: r.map(p.param)?,
+                    grad: r.map(p.grad)?,
+                    moments: match p.moments {
+                        Some((m, v)) => Some((r.map(m)?, r.map(v)?)),
+                        None => None,
+                    },
+                    accumulator: p.accumulator.map(|a| r.map(a)).transpose()?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(StepGraph {
+            loss: r.map(self.loss)?,
+            inputs: self
+                .inputs
+                .iter()
+                .map(|&t| r.map(t))
+                .collect::<Result<_>>()?,
+            params,
+            micro_steps: self.micro_steps,
+            grad_norm: self.grad_norm.map(|t| r.map(t)).transpose()?,
+            forward_nodes,
+            graph: r.graph,
         })
     }
 

@@ -56,6 +56,12 @@ pub fn memory_aware_order(graph: &Graph) -> Vec<NodeId> {
                 waiting[i] += 1;
             }
         }
+        for &t in &node.control {
+            if graph.producer(t).is_some() {
+                consumers[t.index()].push(i);
+                waiting[i] += 1;
+            }
+        }
     }
 
     // An in-place update (an optimizer step) must wait for every other reader of the storage

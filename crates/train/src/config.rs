@@ -71,6 +71,9 @@ pub struct TrainSection {
     pub init_from: Option<PathBuf>,
     /// Graph passes, comma-separated (`fused-ce`).
     pub passes: Option<String>,
+    /// Activation checkpointing: `none`, `block` (every block), `block:K` (every K blocks) or
+    /// `selective` (keep matmul and attention outputs, recompute the rest).
+    pub remat: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -112,6 +115,47 @@ pub struct TrainConfig {
     pub keep_checkpoints: usize,
     pub init_from: Option<PathBuf>,
     pub passes: Vec<Pass>,
+    pub remat: Remat,
+}
+
+/// Activation checkpointing mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Remat {
+    #[default]
+    None,
+    /// Keep only the residual stream between segments of `blocks` blocks.
+    Blocks { blocks: usize },
+    /// Keep matmul and attention outputs; recompute norms, activations, elementwise ops.
+    Selective,
+}
+
+impl std::str::FromStr for Remat {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Remat, String> {
+        let bad = || format!("`{s}` is not one of none, block, block:K, selective");
+        match s.trim() {
+            "none" => Ok(Remat::None),
+            "block" => Ok(Remat::Blocks { blocks: 1 }),
+            "selective" => Ok(Remat::Selective),
+            other => match other.strip_prefix("block:").map(str::parse::<usize>) {
+                Some(Ok(k)) if k >= 1 => Ok(Remat::Blocks { blocks: k }),
+                _ => Err(bad()),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for Remat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Remat::None => f.write_str("none"),
+            Remat::Blocks { blocks: 1 } => f.write_str("block"),
+            Remat::Blocks { blocks } => write!(f, "block:{blocks}"),
+            Remat::Selective => f.write_str("selective"),
+        }
+    }
 }
 
 /// A graph pass applied when the step is compiled.
@@ -192,6 +236,7 @@ impl Default for TrainConfig {
             keep_checkpoints: 3,
             init_from: None,
             passes: Vec::new(),
+            remat: Remat::None,
         }
     }
 }
@@ -296,6 +341,12 @@ impl TrainConfig {
         }
         if let Some(p) = &t.init_from {
             self.init_from = Some(p.clone());
+        }
+        if let Some(r) = &t.remat {
+            self.remat = r.parse().map_err(|detail| TrainError::Config {
+                field: "remat",
+                detail,
+            })?;
         }
         if let Some(list) = &t.passes {
             self.passes = list

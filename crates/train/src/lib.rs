@@ -20,7 +20,7 @@ pub mod token_file;
 pub mod tokenizer;
 pub mod trainer;
 
-pub use config::{ModelSection, OptimizerKind, Pass, TrainConfig, TrainSection};
+pub use config::{ModelSection, OptimizerKind, Pass, Remat, TrainConfig, TrainSection};
 pub use data::{Batch, DataSource, Prefetcher, TokenDataset, Tokens};
 pub use error::TrainError;
 pub use run::{run, Event, RunSummary};

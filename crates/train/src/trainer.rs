@@ -14,7 +14,7 @@ use snug_plan::{plan, MemoryPlan, PlanOptions};
 use snug_runtime::{Allocator, CpuSession, ExecCtx};
 
 use crate::checkpoint::{Checkpoint, SavedTensor};
-use crate::config::{OptimizerKind, Pass};
+use crate::config::{OptimizerKind, Pass, Remat};
 use crate::data::{batch_starts, fill_batch, Prefetcher, Tokens};
 use crate::{TokenDataset, TrainConfig, TrainError};
 
@@ -126,7 +126,17 @@ pub fn compile_step(
         grad_norm: true,
     };
     let step = StepGraph::build_with(g.graph, g.loss, &options)?;
-    Ok((step, g.tokens, g.targets))
+    let policy = match config.remat {
+        Remat::None => return Ok((step, g.tokens, g.targets)),
+        Remat::Blocks { blocks } => passes::RematPolicy::Uniform {
+            blocks_per_segment: blocks,
+        },
+        Remat::Selective => passes::RematPolicy::Selective,
+    };
+    let (r, _) = passes::rematerialize(&step, policy)?;
+    let (tokens, targets) = (r.map(g.tokens)?, r.map(g.targets)?);
+    let step = step.rewritten(r, step.forward_nodes)?;
+    Ok((step, tokens, targets))
 }
 
 impl Trainer {

@@ -4,10 +4,13 @@
 //!
 //! - [`fuse_lm_head_loss`]: the LM head and its cross-entropy as one chunked op, so the
 //!   `tokens × vocab` logits and their gradient never exist.
+//! - [`rematerialize`]: activation checkpointing on the step graph (per block, or selective).
 
 mod fuse_lm_head_loss;
+mod remat;
 
 pub use fuse_lm_head_loss::{fuse_lm_head_loss, DEFAULT_CHUNK_BYTES};
+pub use remat::{rematerialize, RematPolicy};
 
 use crate::{Graph, GraphError, Result, TensorId};
 
@@ -81,6 +84,12 @@ pub(crate) fn rewrite(
             .map(|&t| map[t.index()].expect("inputs are mapped before use"))
             .collect();
         let outs = new.apply(node.op.clone(), &inputs)?;
+        let id = crate::NodeId(new.nodes().len() as u32 - 1);
+        for &c in &node.control {
+            if let Some(c) = map[c.index()] {
+                new.add_control(id, c);
+            }
+        }
         for (&o, &n) in node.outputs.iter().zip(&outs) {
             let m = old.tensor(o);
             new.rename(n, m.name.clone());

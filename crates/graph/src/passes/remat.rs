@@ -1,0 +1,271 @@
+//! Rematerialization (activation checkpointing) on the step graph: forward values the backward
+//! reads are dropped after the forward pass and recomputed from kept values just before the
+//! backward needs them.
+//!
+//! Segments are transformer blocks (the tensors under `h.<i>.` or `model.layers.<i>.`).
+//! Within a segment, the policy says which tensors are kept; every other tensor the backward
+//! reads is recomputed, with the forward nodes it needs, right before the first backward node
+//! that reads a recomputed tensor of that segment. The recomputation waits (a control
+//! dependency) for the gradients flowing into that backward node from later segments, so no
+//! schedule can hoist it back into the forward pass. It runs the same kernels on the same
+//! inputs, so losses and gradients are bitwise those of the step without it.
+
+use super::{rewrite, Rewritten};
+use crate::ops::Op;
+use crate::{Graph, NodeId, Result, StepGraph, TensorId};
+
+/// What to keep inside each segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RematPolicy {
+    /// As `torch.utils.checkpoint` per block: keep only each segment's outputs (the residual
+    /// stream between blocks); segments are `blocks_per_segment` consecutive blocks.
+    Uniform { blocks_per_segment: usize },
+    /// Keep the outputs of the expensive ops (matmuls, attention) and recompute the cheap
+    /// ones (norms, activations, elementwise).
+    Selective,
+}
+
+/// The block a forward tensor belongs to: the first all-digit component of its name (before
+/// the `#node` suffix).
+fn block_of(name: &str) -> Option<usize> {
+    name.split('.').find_map(|c| {
+        let c = c.split('#').next()?;
+        if !c.is_empty() && c.bytes().all(|b| b.is_ascii_digit()) {
+            c.parse().ok()
+        } else {
+            None
+        }
+    })
+}
+
+fn expensive(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::MatMul(_) | Op::CausalAttention(_) | Op::GqaAttention(_)
+    )
+}
+
+/// `step` with `policy` applied; the count of forward nodes it recomputes is returned beside.
+pub fn rematerialize(step: &StepGraph, policy: RematPolicy) -> Result<(Rewritten, usize)> {
+    let g = &step.graph;
+    let n_fwd = step.forward_nodes;
+    let n_tensors = g.tensors().len();
+    // Segment of each forward-produced tensor.
+    let mut segment: Vec<Option<usize>> = vec![None; n_tensors];
+    for node in &g.nodes()[..n_fwd] {
+        for &o in node.outputs.iter().chain(&node.workspace) {
+            segment[o.index()] = block_of(&g.tensor(o).name).map(|b| match policy {
+                RematPolicy::Uniform { blocks_per_segment } => b / blocks_per_segment.max(1),
+                RematPolicy::Selective => b,
+            });
+        }
+    }
+    let mut read_by_backward = vec![false; n_tensors];
+    let mut read_outside = vec![false; n_tensors];
+    for (i, node) in g.nodes().iter().enumerate() {
+        for &t in &node.inputs {
+            let root = g.storage_root(t);
+            if i >= n_fwd {
+                read_by_backward[t.index()] = true;
+                read_by_backward[root.index()] = true;
+            } else {
+                let here = node.outputs.first().and_then(|o| segment[o.index()]);
+                if segment[t.index()].is_some() && segment[t.index()] != here {
+                    read_outside[t.index()] = true;
+                    read_outside[root.index()] = true;
+                }
+            }
+        }
+    }
+    // Kept: segment outputs, graph outputs, and what the policy keeps.
+    let mut kept = vec![true; n_tensors];
+    for node in &g.nodes()[..n_fwd] {
+        for &o in &node.outputs {
+            if segment[o.index()].is_none() {
+                continue;
+            }
+            let keep = read_outside[o.index()]
+                || g.outputs().contains(&o)
+                || match policy {
+                    RematPolicy::Uniform { .. } => false,
+                    RematPolicy::Selective => expensive(&node.op),
+                };
+            kept[o.index()] = keep;
+        }
+    }
+    // Views share their base's storage: keeping a forward view keeps its base. (A backward
+    // view of a dropped tensor reads it like any other backward node and is redirected.)
+    for t in 0..n_tensors {
+        if kept[t] && segment[t].is_some() {
+            if let Some(v) = g.tensors()[t].view_of {
+                kept[g.storage_root(v.base).index()] = true;
+            }
+        }
+    }
+    // Forward nodes to re-run: producers of dropped tensors the backward reads, and of the
+    // dropped tensors those need.
+    let mut rerun = vec![false; g.nodes().len()];
+    let mut stack: Vec<TensorId> = (0..n_tensors as u32)
+        .map(TensorId)
+        .filter(|t| read_by_backward[t.index()] && !kept[t.index()])
+        .collect();
+    while let Some(t) = stack.pop() {
+        let Some(p) = g.producer(t) else { continue };
+        if p.index() >= n_fwd || std::mem::replace(&mut rerun[p.index()], true) {
+            continue;
+        }
+        for &i in &g.node(p).inputs {
+            if !kept[i.index()] {
+                stack.push(i);
+            }
+        }
+    }
+    let recomputed_nodes = rerun.iter().filter(|&&r| r).count();
+    // Re-run nodes grouped by segment, in forward order.
+    let mut by_segment: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+    for (i, &r) in rerun.iter().enumerate() {
+        if r {
+            let seg = g.nodes()[i]
+                .outputs
+                .iter()
+                .find_map(|o| segment[o.index()])
+                .unwrap_or(usize::MAX);
+            by_segment.entry(seg).or_default().push(i);
+        }
+    }
+    let dropped = |t: TensorId| -> Option<usize> {
+        let p = g.producer(t)?;
+        if rerun[p.index()] && !kept[t.index()] {
+            segment[t.index()].or(Some(usize::MAX))
+        } else {
+            None
+        }
+    };
+    // The segment whose recomputation a node's input needs (directly, or through a backward
+    // view of a dropped tensor).
+    let needs = |t: TensorId| dropped(t).or_else(|| dropped(g.storage_root(t)));
+    // What each segment's recomputation waits for: the gradients entering the first backward
+    // node that needs it, among those that do not themselves depend on that recomputation
+    // (`tainted`, a bit per segment, would make a cycle).
+    let bit = |s: usize| 1u128 << s.min(127);
+    let mut tainted = vec![0u128; n_tensors];
+    let mut triggers: std::collections::BTreeMap<usize, Vec<TensorId>> = Default::default();
+    for node in &g.nodes()[n_fwd..] {
+        let mut mask = 0u128;
+        for &t in &node.inputs {
+            mask |= tainted[t.index()] | needs(t).map_or(0, bit);
+        }
+        for &o in node.outputs.iter().chain(&node.workspace) {
+            tainted[o.index()] |= mask;
+        }
+        for seg in node.inputs.iter().filter_map(|&t| needs(t)) {
+            if triggers.contains_key(&seg) {
+                continue;
+            }
+            let ready: Vec<TensorId> = node
+                .inputs
+                .iter()
+                .copied()
+                .filter(|&t| {
+                    g.producer(t).is_some_and(|p| p.index() >= n_fwd)
+                        && needs(t).is_none()
+                        && tainted[t.index()] & bit(seg) == 0
+                })
+                .collect();
+            if !ready.is_empty() {
+                triggers.insert(seg, ready);
+            }
+        }
+    }
+    // New ids of recomputed tensors, per segment, once emitted.
+    let mut again: Vec<Option<TensorId>> = vec![None; n_tensors];
+    let mut emitted: std::collections::BTreeSet<usize> = Default::default();
+    let rewritten = rewrite(
+        g,
+        |new: &mut Graph, i, lookup| {
+            if i < n_fwd {
+                return Ok(None);
+            }
+            let node = &g.nodes()[i];
+            let segs: Vec<usize> = node.inputs.iter().filter_map(|&t| dropped(t)).collect();
+            if segs.is_empty() {
+                return Ok(None);
+            }
+            for seg in segs {
+                if !emitted.insert(seg) {
+                    continue;
+                }
+                // Only tensors already built (earlier in program order) can be waited on: a
+                // trigger built later is replaced by the backward tensors it is made from.
+                let mut waits = Vec::new();
+                let mut todo: Vec<TensorId> = triggers.get(&seg).cloned().unwrap_or_default();
+                while let Some(t) = todo.pop() {
+                    match g.producer(t) {
+                        Some(p) if p.index() < i => waits.push(lookup(t)),
+                        Some(p) if p.index() >= n_fwd => todo.extend(
+                            g.node(p)
+                                .inputs
+                                .iter()
+                                .filter(|&&u| g.producer(u).is_some_and(|q| q.index() >= n_fwd)),
+                        ),
+                        _ => {}
+                    }
+                }
+                for &f in &by_segment[&seg] {
+                    let fnode = &g.nodes()[f];
+                    let ins: Vec<TensorId> = fnode
+                        .inputs
+                        .iter()
+                        .map(|&t| again[t.index()].unwrap_or_else(|| lookup(t)))
+                        .collect();
+                    let outs = new.apply(fnode.op.clone(), &ins)?;
+                    let id = NodeId(new.nodes().len() as u32 - 1);
+                    for &t in &waits {
+                        new.add_control(id, t);
+                    }
+                    for (&o, &n) in fnode.outputs.iter().zip(&outs) {
+                        let m = g.tensor(o);
+                        new.rename(n, format!("{}.remat", m.name));
+                        if new.tensor(n).view_of.is_none() {
+                            new.set_role(n, crate::Role::Temporary);
+                        }
+                        if !kept[o.index()] {
+                            again[o.index()] = Some(n);
+                        }
+                    }
+                }
+            }
+            let ins: Vec<TensorId> = node
+                .inputs
+                .iter()
+                .map(|&t| again[t.index()].unwrap_or_else(|| lookup(t)))
+                .collect();
+            let outs = new.apply(node.op.clone(), &ins)?;
+            let id = NodeId(new.nodes().len() as u32 - 1);
+            for &c in &node.control {
+                new.add_control(id, lookup(c));
+            }
+            for (&o, &n) in node.outputs.iter().zip(&outs) {
+                let m = g.tensor(o);
+                new.rename(n, m.name.clone());
+                new.set_role(n, m.role);
+            }
+            Ok(Some(outs.into_iter().map(Some).collect()))
+        },
+        &vec![false; g.nodes().len()],
+    )?;
+    Ok((rewritten, recomputed_nodes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::block_of;
+
+    #[test]
+    fn blocks_come_from_the_first_numeric_component() {
+        assert_eq!(block_of("h.11.mlp.matmul#121"), Some(11));
+        assert_eq!(block_of("model.layers.3.self_attn.rope#40"), Some(3));
+        assert_eq!(block_of("wte.embedding#0"), None);
+        assert_eq!(block_of("ln_f.layernorm#200"), None);
+    }
+}
