@@ -711,3 +711,28 @@ fn sample_export_and_init_from_round_trip() {
     args.push(weights.to_str().unwrap());
     fails_with(&args, &["model.safetensors", "has shape"]);
 }
+
+/// `plan --passes/--remat` reports each pass's saving, measured by planning with and without it.
+#[test]
+fn plan_reports_what_passes_save() {
+    let args = [
+        "plan", "--preset", "gpt2", "--batch", "4", "--block", "1024", "--json",
+    ];
+    let peak = |extra: &[&str]| -> serde_json::Value {
+        let o = snug(&[&args[..], extra].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let plain = peak(&[]);
+    let fused = peak(&["--passes", "fused-ce"]);
+    let saving = &fused["passes"][0];
+    assert_eq!(saving["pass"], "fused-ce");
+    assert_eq!(saving["peak_before_bytes"], plain["peak_bytes"]);
+    assert_eq!(saving["peak_after_bytes"], fused["peak_bytes"]);
+    // At least the 4096 × 50257 f32 logits.
+    assert!(saving["saved_bytes"].as_i64().unwrap() > 4096 * 50257 * 4);
+    let block = peak(&["--passes", "fused-ce", "--remat", "block"]);
+    assert!(block["peak_bytes"].as_u64() < fused["peak_bytes"].as_u64());
+    fails_with(&["plan", "--remat", "sometimes"], &["remat", "sometimes"]);
+    fails_with(&["plan", "--passes", "magic"], &["passes", "magic"]);
+}

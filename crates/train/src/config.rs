@@ -568,6 +568,40 @@ mod tests {
     }
 
     #[test]
+    fn remat_and_passes_parse_or_name_the_field() {
+        let m = ModelSection::default();
+        let with = |remat: &str, passes: &str| {
+            TrainConfig::resolve(
+                None,
+                &m,
+                &TrainSection {
+                    remat: Some(remat.into()),
+                    passes: Some(passes.into()),
+                    ..Default::default()
+                },
+            )
+        };
+        let cfg = with("block:2", "fused-ce").unwrap();
+        assert_eq!(cfg.remat, Remat::Blocks { blocks: 2 });
+        assert_eq!(cfg.passes, vec![Pass::FusedCrossEntropy]);
+        assert_eq!(with("selective", "").unwrap().remat, Remat::Selective);
+        assert_eq!(Remat::Blocks { blocks: 3 }.to_string(), "block:3");
+        for bad in ["block:0", "blocks", "all"] {
+            assert!(matches!(
+                with(bad, ""),
+                Err(TrainError::Config { field: "remat", .. })
+            ));
+        }
+        assert!(matches!(
+            with("none", "fused-ce,cse"),
+            Err(TrainError::Config {
+                field: "passes",
+                ..
+            })
+        ));
+    }
+
+    #[test]
     fn invalid_values_are_named() {
         let m = ModelSection::default();
         let zero_batch = TrainSection {
