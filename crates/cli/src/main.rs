@@ -85,7 +85,8 @@ pub struct ModelArgs {
     /// gradient before the first update, so they are all alive at once.
     #[arg(long, allow_negative_numbers = true)]
     grad_clip: Option<f32>,
-    /// Graph passes, comma-separated: fused-ce (LM head + cross-entropy chunked over tokens).
+    /// Graph passes, comma-separated: fused-ce (LM head + cross-entropy chunked over tokens),
+    /// cse (common subexpressions), dce (dead code).
     #[arg(long, value_name = "LIST")]
     passes: Option<String>,
     /// Activation checkpointing: none, block (every block), block:K (every K blocks),

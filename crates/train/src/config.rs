@@ -69,7 +69,7 @@ pub struct TrainSection {
     /// Start from these GPT-2 weights (a Hugging Face `model.safetensors`) instead of a
     /// random initialisation.
     pub init_from: Option<PathBuf>,
-    /// Graph passes, comma-separated (`fused-ce`).
+    /// Graph passes, comma-separated (`fused-ce`, `cse`, `dce`).
     pub passes: Option<String>,
     /// Activation checkpointing: `none`, `block` (every block), `block:K` (every K blocks) or
     /// `selective` (keep matmul and attention outputs, recompute the rest).
@@ -164,14 +164,22 @@ pub enum Pass {
     /// LM head + cross-entropy fused and chunked over tokens: no `tokens × vocab` logits.
     #[serde(rename = "fused-ce")]
     FusedCrossEntropy,
+    /// Common-subexpression elimination on the step graph.
+    #[serde(rename = "cse")]
+    Cse,
+    /// Dead-code elimination on the step graph.
+    #[serde(rename = "dce")]
+    Dce,
 }
 
 impl Pass {
-    pub const ALL: [Pass; 1] = [Pass::FusedCrossEntropy];
+    pub const ALL: [Pass; 3] = [Pass::FusedCrossEntropy, Pass::Cse, Pass::Dce];
 
     pub fn name(self) -> &'static str {
         match self {
             Pass::FusedCrossEntropy => "fused-ce",
+            Pass::Cse => "cse",
+            Pass::Dce => "dce",
         }
     }
 }

@@ -99,13 +99,12 @@ pub fn compile_step(
     config: &TrainConfig,
 ) -> Result<(StepGraph, TensorId, TensorId), TrainError> {
     let mut g = model.build(batch, block, threads, config.precision)?;
+    // Forward-graph passes run before autodiff (their ops bring their own gradients).
     for pass in &config.passes {
-        g = match pass {
-            Pass::FusedCrossEntropy => {
-                let (r, _) = passes::fuse_lm_head_loss(&g.graph, passes::DEFAULT_CHUNK_BYTES)?;
-                g.rewritten(r)?
-            }
-        };
+        if *pass == Pass::FusedCrossEntropy {
+            let (r, _) = passes::fuse_lm_head_loss(&g.graph, passes::DEFAULT_CHUNK_BYTES)?;
+            g = g.rewritten(r)?;
+        }
     }
     let adamw = AdamW {
         beta1: config.beta1,
@@ -125,16 +124,27 @@ pub fn compile_step(
         clip_grad_norm: (config.grad_clip > 0.0).then_some(config.grad_clip),
         grad_norm: true,
     };
-    let step = StepGraph::build_with(g.graph, g.loss, &options)?;
+    let mut step = StepGraph::build_with(g.graph, g.loss, &options)?;
+    let (mut tokens, mut targets) = (g.tokens, g.targets);
+    for pass in &config.passes {
+        let (r, _) = match pass {
+            Pass::FusedCrossEntropy => continue,
+            Pass::Cse => passes::eliminate_common_subexpressions(&step.graph)?,
+            Pass::Dce => passes::eliminate_dead_code(&step.graph)?,
+        };
+        (tokens, targets) = (r.map(tokens)?, r.map(targets)?);
+        let forward = r.surviving(step.forward_nodes);
+        step = step.rewritten(r, forward)?;
+    }
     let policy = match config.remat {
-        Remat::None => return Ok((step, g.tokens, g.targets)),
+        Remat::None => return Ok((step, tokens, targets)),
         Remat::Blocks { blocks } => passes::RematPolicy::Uniform {
             blocks_per_segment: blocks,
         },
         Remat::Selective => passes::RematPolicy::Selective,
     };
     let (r, _) = passes::rematerialize(&step, policy)?;
-    let (tokens, targets) = (r.map(g.tokens)?, r.map(g.targets)?);
+    let (tokens, targets) = (r.map(tokens)?, r.map(targets)?);
     let step = step.rewritten(r, step.forward_nodes)?;
     Ok((step, tokens, targets))
 }

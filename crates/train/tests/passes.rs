@@ -166,3 +166,69 @@ fn remat_keeps_the_numbers_bitwise_and_lowers_the_peak() {
     // Checkpointing every block keeps less than keeping the matmul outputs.
     assert!(peaks[0] < peaks[2], "{peaks:?}");
 }
+
+/// CSE merges a duplicated node and DCE drops an unread chain; loss and gradients stay bitwise
+/// the same, and the dead tensor's bytes leave the plan.
+#[test]
+fn cse_and_dce_remove_duplicates_and_dead_nodes_bitwise() {
+    use snug_graph::ops::{Binary, BinaryKind, Gelu, GeluApprox, Reduce, ReduceKind, Scale};
+    use snug_graph::passes::{eliminate_common_subexpressions, eliminate_dead_code};
+    use snug_graph::Graph;
+
+    let mut g = Graph::new();
+    let x = g.parameter("x", &[64, 64]).unwrap();
+    let gelu = Gelu {
+        approx: GeluApprox::Tanh,
+    };
+    let a = g.apply1(gelu, &[x]).unwrap();
+    let b = g.apply1(gelu, &[x]).unwrap(); // duplicate of `a`
+    let c = g
+        .apply1(
+            Binary {
+                kind: BinaryKind::Mul,
+            },
+            &[a, b],
+        )
+        .unwrap();
+    let dead = g.apply1(Scale { factor: 2.0 }, &[c]).unwrap();
+    let _dead2 = g.apply1(Scale { factor: 3.0 }, &[dead]).unwrap();
+    let sum = |axis| Reduce {
+        kind: ReduceKind::Sum,
+        axis,
+        keepdim: false,
+    };
+    let rows = g.apply1(sum(1), &[c]).unwrap();
+    let loss = g.apply1(sum(0), &[rows]).unwrap();
+    let step = StepGraph::build(g, loss, OptimizerSpec::None).unwrap();
+
+    let run = |step: &StepGraph| {
+        let p = plan(step, &PlanOptions::default()).unwrap();
+        let peak = p.peak_bytes();
+        let mut s = CpuSession::new(step.graph.clone(), p, Allocator::default(), 1).unwrap();
+        let v: Vec<f32> = (0..64 * 64).map(|i| (i as f32 * 0.37).sin()).collect();
+        s.write_f32(step.params[0].param, &v).unwrap();
+        s.run(ExecCtx::default());
+        let loss = s.read_f32(step.loss).unwrap()[0];
+        let grad = s.read_f32(step.params[0].grad).unwrap().to_vec();
+        (loss, grad, peak, step.graph.nodes().len())
+    };
+    let before = run(&step);
+
+    let (r, merged) = eliminate_common_subexpressions(&step.graph).unwrap();
+    assert!(
+        merged >= 1,
+        "the duplicated gelu (and its duplicated gradient work)"
+    );
+    let forward = r.surviving(step.forward_nodes);
+    let step2 = step.rewritten(r, forward).unwrap();
+    let (r, dropped) = eliminate_dead_code(&step2.graph).unwrap();
+    assert_eq!(dropped, 2, "the two unread scales");
+    let forward = r.surviving(step2.forward_nodes);
+    let step3 = step2.rewritten(r, forward).unwrap();
+    assert_eq!(step3.forward_nodes, step.forward_nodes - 3);
+
+    let after = run(&step3);
+    assert_eq!((before.0, &before.1), (after.0, &after.1), "bitwise");
+    assert!(after.2 < before.2, "peak {} -> {}", before.2, after.2);
+    assert_eq!(after.3, before.3 - merged - 2);
+}

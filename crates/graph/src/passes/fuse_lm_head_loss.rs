@@ -65,6 +65,7 @@ pub fn fuse_lm_head_loss(g: &Graph, chunk_bytes: usize) -> Result<(Rewritten, us
             Ok(Some(vec![Some(outs[0])]))
         },
         &skip,
+        None,
     )?;
     Ok((rewritten, count))
 }

@@ -4,11 +4,16 @@
 //!
 //! - [`fuse_lm_head_loss`]: the LM head and its cross-entropy as one chunked op, so the
 //!   `tokens × vocab` logits and their gradient never exist.
+//! - [`eliminate_common_subexpressions`], [`eliminate_dead_code`]: duplicate and unread nodes.
 //! - [`rematerialize`]: activation checkpointing on the step graph (per block, or selective).
 
+mod cse;
+mod dce;
 mod fuse_lm_head_loss;
 mod remat;
 
+pub use cse::eliminate_common_subexpressions;
+pub use dce::eliminate_dead_code;
 pub use fuse_lm_head_loss::{fuse_lm_head_loss, DEFAULT_CHUNK_BYTES};
 pub use remat::{rematerialize, RematPolicy};
 
@@ -19,6 +24,8 @@ use crate::{Graph, GraphError, Result, TensorId};
 pub struct Rewritten {
     pub graph: Graph,
     map: Vec<Option<TensorId>>,
+    /// Which old nodes were copied (not skipped).
+    kept: Vec<bool>,
 }
 
 impl Rewritten {
@@ -33,6 +40,17 @@ impl Rewritten {
                 detail: format!("tensor {old:?} was removed by the pass"),
             })
     }
+
+    /// Maps `old` to wherever `to` went (a merged duplicate).
+    pub(crate) fn alias(&mut self, old: TensorId, to: TensorId) {
+        self.map[old.index()] = self.map[to.index()];
+    }
+
+    /// How many of the old graph's first `forward_nodes` nodes survive: the forward count of
+    /// a graph whose pass only removed nodes.
+    pub fn surviving(&self, forward_nodes: usize) -> usize {
+        self.kept[..forward_nodes].iter().filter(|&&k| k).count()
+    }
 }
 
 /// Copies `old` into a new graph node by node; `replace(node index, mapped inputs)` may emit
@@ -46,6 +64,7 @@ pub(crate) fn rewrite(
         &dyn Fn(TensorId) -> TensorId,
     ) -> Result<Option<Vec<Option<TensorId>>>>,
     skip: &[bool],
+    same: Option<&[TensorId]>,
 ) -> Result<Rewritten> {
     let mut new = Graph::new().with_threads(old.threads());
     let mut map: Vec<Option<TensorId>> = vec![None; old.tensors().len()];
@@ -78,15 +97,17 @@ pub(crate) fn rewrite(
             }
             continue;
         }
+        // Inputs read through `same` (a merged duplicate's twin) when given.
+        let via = |t: TensorId| same.map_or(t, |s| s[t.index()]);
         let inputs: Vec<TensorId> = node
             .inputs
             .iter()
-            .map(|&t| map[t.index()].expect("inputs are mapped before use"))
+            .map(|&t| map[via(t).index()].expect("inputs are mapped before use"))
             .collect();
         let outs = new.apply(node.op.clone(), &inputs)?;
         let id = crate::NodeId(new.nodes().len() as u32 - 1);
         for &c in &node.control {
-            if let Some(c) = map[c.index()] {
+            if let Some(c) = map[via(c).index()] {
                 new.add_control(id, c);
             }
         }
@@ -105,9 +126,15 @@ pub(crate) fn rewrite(
         }
     }
     for &o in old.outputs() {
+        let o = same.map_or(o, |s| s[o.index()]);
         if let Some(n) = map[o.index()] {
             new.mark_output(n);
         }
     }
-    Ok(Rewritten { graph: new, map })
+    let kept = skip.iter().map(|&s| !s).collect();
+    Ok(Rewritten {
+        graph: new,
+        map,
+        kept,
+    })
 }

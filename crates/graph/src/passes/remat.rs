@@ -253,6 +253,7 @@ pub fn rematerialize(step: &StepGraph, policy: RematPolicy) -> Result<(Rewritten
             Ok(Some(outs.into_iter().map(Some).collect()))
         },
         &vec![false; g.nodes().len()],
+        None,
     )?;
     Ok((rewritten, recomputed_nodes))
 }
