@@ -90,7 +90,8 @@ pub struct ModelArgs {
     #[arg(long, value_name = "LIST")]
     passes: Option<String>,
     /// Activation checkpointing: none, block (every block), block:K (every K blocks),
-    /// selective (keep matmul and attention outputs, recompute the rest).
+    /// selective (keep matmul and attention outputs, recompute the rest), budget:SIZE (the
+    /// least recomputation whose planned peak fits SIZE, e.g. budget:3GiB).
     #[arg(long, value_name = "MODE")]
     remat: Option<String>,
 }

@@ -88,23 +88,20 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let memory_plan = plan(&step.graph, &PlanOptions::default())?;
     let plan_ms = start.elapsed().as_secs_f64() * 1e3;
     // Each pass's saving, measured by planning the step without it and with it (cumulative, in
-    // the order given).
+    // the order given), without rematerialization (whose budget mode adapts to the passes).
     let mut pass_savings = Vec::new();
     if !cfg.passes.is_empty() {
         let peak_with = |k: usize| -> Result<usize> {
             let mut c = cfg.clone();
             c.passes.truncate(k);
+            c.remat = snug_train::Remat::None;
             let (step, _, _) =
                 snug_train::trainer::compile_step(&gpt, c.micro_batch(), c.block, c.threads, &c)?;
             Ok(plan(&step.graph, &PlanOptions::default())?.peak_bytes())
         };
         let mut before = peak_with(0)?;
         for (k, pass) in cfg.passes.iter().enumerate() {
-            let after = if k + 1 == cfg.passes.len() {
-                memory_plan.peak_bytes()
-            } else {
-                peak_with(k + 1)?
-            };
+            let after = peak_with(k + 1)?;
             pass_savings.push(PassSaving {
                 pass: pass.name(),
                 peak_before_bytes: before,

@@ -128,13 +128,20 @@ pub enum Remat {
     Blocks { blocks: usize },
     /// Keep matmul and attention outputs; recompute norms, activations, elementwise ops.
     Selective,
+    /// Recompute the values cheapest per byte, just enough for the step to fit `bytes`.
+    Budget { bytes: usize },
 }
 
 impl std::str::FromStr for Remat {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Remat, String> {
-        let bad = || format!("`{s}` is not one of none, block, block:K, selective");
+        let bad = || format!("`{s}` is not one of none, block, block:K, selective, budget:SIZE");
+        if let Some(size) = s.trim().strip_prefix("budget:") {
+            return snug_runtime::parse_bytes(size)
+                .map(|bytes| Remat::Budget { bytes })
+                .map_err(|e| format!("`{s}`: {e}"));
+        }
         match s.trim() {
             "none" => Ok(Remat::None),
             "block" => Ok(Remat::Blocks { blocks: 1 }),
@@ -154,6 +161,7 @@ impl std::fmt::Display for Remat {
             Remat::Blocks { blocks: 1 } => f.write_str("block"),
             Remat::Blocks { blocks } => write!(f, "block:{blocks}"),
             Remat::Selective => f.write_str("selective"),
+            Remat::Budget { bytes } => write!(f, "budget:{bytes}"),
         }
     }
 }
@@ -593,15 +601,19 @@ mod tests {
         assert_eq!(cfg.remat, Remat::Blocks { blocks: 2 });
         assert_eq!(cfg.passes, vec![Pass::FusedCrossEntropy]);
         assert_eq!(with("selective", "").unwrap().remat, Remat::Selective);
+        assert_eq!(
+            with("budget:2KiB", "cse,dce").unwrap().remat,
+            Remat::Budget { bytes: 2048 }
+        );
         assert_eq!(Remat::Blocks { blocks: 3 }.to_string(), "block:3");
-        for bad in ["block:0", "blocks", "all"] {
+        for bad in ["block:0", "blocks", "all", "budget:lots"] {
             assert!(matches!(
                 with(bad, ""),
                 Err(TrainError::Config { field: "remat", .. })
             ));
         }
         assert!(matches!(
-            with("none", "fused-ce,cse"),
+            with("none", "fused-ce,magic"),
             Err(TrainError::Config {
                 field: "passes",
                 ..

@@ -142,6 +142,31 @@ pub fn compile_step(
             blocks_per_segment: blocks,
         },
         Remat::Selective => passes::RematPolicy::Selective,
+        Remat::Budget { bytes } => {
+            let chosen = snug_plan::remat_for_budget(&step, bytes, &PlanOptions::default())
+                .map_err(|e| match e {
+                    snug_plan::BudgetError::DoesNotFit { budget, smallest } => {
+                        TrainError::DoesNotFit {
+                            needed: smallest,
+                            limit: budget,
+                        }
+                    }
+                    snug_plan::BudgetError::Graph(e) => e.into(),
+                    snug_plan::BudgetError::Plan(e) => e.into(),
+                })?;
+            // Inputs keep their positions in `StepGraph::inputs` through a rewrite.
+            let find = |old: TensorId| {
+                let i = step.inputs.iter().position(|&t| t == old)?;
+                chosen.step.inputs.get(i).copied()
+            };
+            let (Some(tokens), Some(targets)) = (find(tokens), find(targets)) else {
+                return Err(TrainError::Config {
+                    field: "remat",
+                    detail: "the budgeted rewrite lost the step's inputs".into(),
+                });
+            };
+            return Ok((chosen.step, tokens, targets));
+        }
     };
     let (r, _) = passes::rematerialize(&step, policy)?;
     let (tokens, targets) = (r.map(tokens)?, r.map(targets)?);

@@ -232,3 +232,54 @@ fn cse_and_dce_remove_duplicates_and_dead_nodes_bitwise() {
     assert!(after.2 < before.2, "peak {} -> {}", before.2, after.2);
     assert_eq!(after.3, before.3 - merged - 2);
 }
+
+/// A byte budget between the plain step's peak and per-block checkpointing's: the chosen plan
+/// fits it, recomputes less than per-block checkpointing, and keeps the numbers bitwise.
+#[test]
+fn budgeted_remat_fits_the_budget_with_less_recompute() {
+    use snug_graph::passes::{rematerialize, RematPolicy};
+    let cfg = GptConfig {
+        n_layer: 4,
+        n_head: 2,
+        n_embd: 32,
+        block_size: 64,
+        vocab_size: 50,
+    };
+    let (batch, seq) = (8, 64);
+    let g = cfg.build(batch, seq, 2).unwrap();
+    let step = StepGraph::build(g.graph, g.loss, OptimizerSpec::AdamW(AdamW::default())).unwrap();
+    let opts = PlanOptions::default();
+    let plain_peak = plan(&step, &opts).unwrap().peak_bytes();
+    let (r, _) = rematerialize(
+        &step,
+        RematPolicy::Uniform {
+            blocks_per_segment: 1,
+        },
+    )
+    .unwrap();
+    let block = step.rewritten(r, step.forward_nodes).unwrap();
+    let block_peak = plan(&block, &opts).unwrap().peak_bytes();
+    let block_flops = block.graph.flops() - step.graph.flops();
+
+    let budget = (plain_peak + block_peak) / 2;
+    let chosen = snug_plan::remat_for_budget(&step, budget, &opts).unwrap();
+    assert!(chosen.plan.peak_bytes() <= budget);
+    assert_ne!(chosen.choice, "none");
+    assert!(chosen.dropped < chosen.candidates);
+    assert!(chosen.recompute_flops < block_flops);
+    let (plain, _) = run_step(&cfg, &step, batch, seq);
+    let (values, peak) = run_step(&cfg, &chosen.step, batch, seq);
+    assert_eq!(peak, chosen.plan.peak_bytes());
+    assert!(plain == values, "bitwise");
+
+    // A roomy budget changes nothing; an impossible one names the smallest reachable peak.
+    let roomy = snug_plan::remat_for_budget(&step, plain_peak, &opts).unwrap();
+    assert_eq!(roomy.dropped, 0);
+    match snug_plan::remat_for_budget(&step, 1000, &opts) {
+        Err(snug_plan::BudgetError::DoesNotFit { budget, smallest }) => {
+            assert_eq!(budget, 1000);
+            assert!(smallest > 1000 && smallest < plain_peak);
+        }
+        other => panic!("expected DoesNotFit, got {:?}", other.map(|c| c.dropped)),
+    }
+}

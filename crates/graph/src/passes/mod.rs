@@ -15,7 +15,9 @@ mod remat;
 pub use cse::eliminate_common_subexpressions;
 pub use dce::eliminate_dead_code;
 pub use fuse_lm_head_loss::{fuse_lm_head_loss, DEFAULT_CHUNK_BYTES};
-pub use remat::{rematerialize, RematPolicy};
+pub use remat::{
+    remat_candidates, rematerialize, rematerialize_dropping, RematCandidate, RematPolicy,
+};
 
 use crate::{Graph, GraphError, Result, TensorId};
 

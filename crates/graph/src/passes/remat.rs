@@ -25,6 +25,69 @@ pub enum RematPolicy {
     Selective,
 }
 
+/// A forward value the backward reads that rematerialization could drop, with what dropping it
+/// saves and costs (see [`remat_candidates`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RematCandidate {
+    pub tensor: TensorId,
+    pub bytes: usize,
+    /// FLOPs of the node that recomputes it.
+    pub flops: u64,
+}
+
+/// Every value inside a block that the backward reads and no other block reads: what a
+/// budgeted policy chooses among.
+pub fn remat_candidates(step: &StepGraph) -> Vec<RematCandidate> {
+    let g = &step.graph;
+    let n_fwd = step.forward_nodes;
+    let mut read_by_backward = vec![false; g.tensors().len()];
+    for node in &g.nodes()[n_fwd..] {
+        for &t in &node.inputs {
+            read_by_backward[g.storage_root(t).index()] = true;
+        }
+    }
+    let mut out = Vec::new();
+    for node in &g.nodes()[..n_fwd] {
+        let ins: Vec<&crate::TensorMeta> = node.inputs.iter().map(|&t| g.tensor(t)).collect();
+        let outs: Vec<&crate::TensorMeta> = node.outputs.iter().map(|&t| g.tensor(t)).collect();
+        let flops = node.op.flops(&ins, &outs);
+        for &o in &node.outputs {
+            let m = g.tensor(o);
+            if m.view_of.is_none()
+                && read_by_backward[o.index()]
+                && block_of(&m.name).is_some()
+                && !g.outputs().contains(&o)
+            {
+                out.push(RematCandidate {
+                    tensor: o,
+                    bytes: m.size_bytes(),
+                    flops,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// [`rematerialize`] dropping exactly `drop` (of [`remat_candidates`]; values other blocks
+/// read are kept whatever the list says).
+pub fn rematerialize_dropping(step: &StepGraph, drop: &[TensorId]) -> Result<(Rewritten, usize)> {
+    let g = &step.graph;
+    // Kept: what the backward reads and is not dropped. Values the backward never reads are
+    // free; if a recomputation needs one, it is recomputed too rather than held.
+    let mut keep = vec![false; g.tensors().len()];
+    for node in &g.nodes()[step.forward_nodes..] {
+        for &t in &node.inputs {
+            keep[g.storage_root(t).index()] = true;
+        }
+    }
+    for &t in drop {
+        keep[t.index()] = false;
+    }
+    // A view is kept exactly when the storage it looks into is.
+    remat_with(step, |t, _| keep[g.storage_root(t).index()], 1)
+}
+
 /// The block a forward tensor belongs to: the first all-digit component of its name (before
 /// the `#node` suffix).
 fn block_of(name: &str) -> Option<usize> {
@@ -47,6 +110,21 @@ fn expensive(op: &Op) -> bool {
 
 /// `step` with `policy` applied; the count of forward nodes it recomputes is returned beside.
 pub fn rematerialize(step: &StepGraph, policy: RematPolicy) -> Result<(Rewritten, usize)> {
+    match policy {
+        RematPolicy::Uniform { blocks_per_segment } => {
+            remat_with(step, |_, _| false, blocks_per_segment.max(1))
+        }
+        RematPolicy::Selective => remat_with(step, |_, op| expensive(op), 1),
+    }
+}
+
+/// Rematerialization keeping, inside segments of `blocks_per_segment` blocks, the values
+/// `keep(tensor, producing op)` says (segment outputs are always kept).
+fn remat_with(
+    step: &StepGraph,
+    keep: impl Fn(TensorId, &Op) -> bool,
+    blocks_per_segment: usize,
+) -> Result<(Rewritten, usize)> {
     let g = &step.graph;
     let n_fwd = step.forward_nodes;
     let n_tensors = g.tensors().len();
@@ -54,10 +132,7 @@ pub fn rematerialize(step: &StepGraph, policy: RematPolicy) -> Result<(Rewritten
     let mut segment: Vec<Option<usize>> = vec![None; n_tensors];
     for node in &g.nodes()[..n_fwd] {
         for &o in node.outputs.iter().chain(&node.workspace) {
-            segment[o.index()] = block_of(&g.tensor(o).name).map(|b| match policy {
-                RematPolicy::Uniform { blocks_per_segment } => b / blocks_per_segment.max(1),
-                RematPolicy::Selective => b,
-            });
+            segment[o.index()] = block_of(&g.tensor(o).name).map(|b| b / blocks_per_segment);
         }
     }
     let mut read_by_backward = vec![false; n_tensors];
@@ -84,13 +159,8 @@ pub fn rematerialize(step: &StepGraph, policy: RematPolicy) -> Result<(Rewritten
             if segment[o.index()].is_none() {
                 continue;
             }
-            let keep = read_outside[o.index()]
-                || g.outputs().contains(&o)
-                || match policy {
-                    RematPolicy::Uniform { .. } => false,
-                    RematPolicy::Selective => expensive(&node.op),
-                };
-            kept[o.index()] = keep;
+            kept[o.index()] =
+                read_outside[o.index()] || g.outputs().contains(&o) || keep(o, &node.op);
         }
     }
     // Views share their base's storage: keeping a forward view keeps its base. (A backward
