@@ -57,6 +57,8 @@ struct PlanReport {
     plan_ms: f64,
     /// What each pass saved at the planned peak.
     passes: Vec<PassSaving>,
+    /// Activation checkpointing mode (`none`, `block`, `block:K`, `selective`, `budget:BYTES`).
+    remat: String,
 }
 
 #[derive(Serialize)]
@@ -138,6 +140,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         timeline: memory_plan.timeline.clone(),
         plan_ms,
         passes: pass_savings,
+        remat: cfg.remat.to_string(),
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -152,13 +155,14 @@ pub fn run(args: PlanArgs) -> Result<()> {
         cfg.precision
     );
     println!(
-        "training step: batch {} x block {} = {} tokens, {:?}, {}, {} threads; {} nodes, {:.1} GFLOP",
+        "training step: batch {} x block {} = {} tokens, {:?}, {}, {} threads, remat {}; {} nodes, {:.1} GFLOP",
         cfg.batch,
         cfg.block,
         cfg.batch * cfg.block,
         cfg.optimizer,
         cfg.precision,
         cfg.threads,
+        report.remat,
         report.nodes,
         report.flops_per_step as f64 / 1e9
     );

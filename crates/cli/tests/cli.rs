@@ -734,5 +734,9 @@ fn plan_reports_what_passes_save() {
     let block = peak(&["--passes", "fused-ce", "--remat", "block"]);
     assert!(block["peak_bytes"].as_u64() < fused["peak_bytes"].as_u64());
     fails_with(&["plan", "--remat", "sometimes"], &["remat", "sometimes"]);
+    fails_with(
+        &[&args[..7], &["--remat", "budget:1MB"]].concat(),
+        &["budget of 1000000 bytes", "still peaks at"],
+    );
     fails_with(&["plan", "--passes", "magic"], &["passes", "magic"]);
 }

@@ -44,6 +44,8 @@ pub enum TrainError {
     Config { field: &'static str, detail: String },
     #[error("the training step needs {needed} bytes (planned peak) but the memory limit is {limit} bytes: lower the batch or block size")]
     DoesNotFit { needed: usize, limit: usize },
+    #[error("no rematerialization fits the budget of {budget} bytes: recomputing everything still peaks at {smallest} bytes (raise the budget, or lower the batch or block size)")]
+    RematBudget { budget: usize, smallest: usize },
     #[error("loss is {loss} at step {step}: training diverged (lower the learning rate)")]
     NonFinite { step: u64, loss: f32 },
     #[error("the model's logits at position {position} are not finite: its weights hold NaN or infinity")]

@@ -146,10 +146,7 @@ pub fn compile_step(
             let chosen = snug_plan::remat_for_budget(&step, bytes, &PlanOptions::default())
                 .map_err(|e| match e {
                     snug_plan::BudgetError::DoesNotFit { budget, smallest } => {
-                        TrainError::DoesNotFit {
-                            needed: smallest,
-                            limit: budget,
-                        }
+                        TrainError::RematBudget { budget, smallest }
                     }
                     snug_plan::BudgetError::Graph(e) => e.into(),
                     snug_plan::BudgetError::Plan(e) => e.into(),
