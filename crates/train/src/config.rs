@@ -85,8 +85,10 @@ struct FileConfig {
     train: TrainSection,
 }
 
-/// A complete, validated training configuration.
+/// A complete, validated training configuration. Fields missing from a saved configuration
+/// (a checkpoint from an older snug) take their defaults.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct TrainConfig {
     pub model: ModelSection,
     pub data: DataSourceConfig,

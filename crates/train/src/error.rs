@@ -24,7 +24,7 @@ pub enum TrainError {
     },
     #[error("checkpoint {path}: {detail}")]
     Checkpoint { path: PathBuf, detail: String },
-    #[error("no checkpoint to resume from in {dir}: {detail}")]
+    #[error("no loadable checkpoint in {dir}: {detail}")]
     NoCheckpoint { dir: PathBuf, detail: String },
     #[error("character {ch:?} is not in the tokenizer's vocabulary of {vocab} symbols")]
     UnknownChar { ch: char, vocab: usize },

@@ -220,3 +220,27 @@ fn bad_checkpoints_are_named_errors() {
         .unwrap();
     assert!(err.to_string().contains("adam_v"), "{err}");
 }
+
+/// A checkpoint whose saved configuration predates newer keys still loads: they take their
+/// defaults.
+#[test]
+fn checkpoints_from_before_newer_config_keys_load() {
+    let cfg = config(2, 1);
+    let ckpt = trainer(&cfg).checkpoint().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ckpt-00000000.safetensors");
+    ckpt.save(&path).unwrap();
+    // Rewrite the file with `passes` and `remat` removed from the saved configuration.
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let mut meta = header.metadata().clone().unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(&meta["config"]).unwrap();
+    let obj = config.as_object_mut().unwrap();
+    assert!(obj.remove("passes").is_some() && obj.remove("remat").is_some());
+    meta.insert("config".into(), config.to_string());
+    let tensors: Vec<(String, safetensors::tensor::TensorView<'_>)> = st.tensors();
+    safetensors::serialize_to_file(tensors, Some(meta), &path).unwrap();
+    let loaded = Checkpoint::load(&path).unwrap();
+    assert_eq!(loaded.config, ckpt.config);
+}
