@@ -93,23 +93,20 @@ impl Checkpoint {
             _ => PathBuf::from("."),
         };
         let tmp = dir.join(format!(".{}.tmp", file_name.to_string_lossy()));
-        let bytes: Vec<(String, Vec<u8>, Vec<usize>)> = self
+        let bytes: Vec<(&str, std::borrow::Cow<'_, [u8]>, &[usize])> = self
             .tensors
             .iter()
-            .map(|t| {
-                let b = t.data.iter().flat_map(|v| v.to_le_bytes()).collect();
-                (t.name.clone(), b, t.shape.clone())
-            })
+            .map(|t| (t.name.as_str(), le_bytes(&t.data), t.shape.as_slice()))
             .collect();
         let mut views = Vec::with_capacity(bytes.len());
         for (name, b, shape) in &bytes {
-            let view = TensorView::new(Dtype::F32, shape.clone(), b).map_err(|e| {
+            let view = TensorView::new(Dtype::F32, shape.to_vec(), b).map_err(|e| {
                 TrainError::Checkpoint {
                     path: path.to_path_buf(),
                     detail: format!("tensor `{name}`: {e}"),
                 }
             })?;
-            views.push((name.as_str(), view));
+            views.push((*name, view));
         }
         let metadata = self.metadata()?;
         let written = safetensors::serialize_to_file(views, Some(metadata), &tmp)
@@ -224,6 +221,16 @@ impl Checkpoint {
             tokenizer,
             tensors,
         })
+    }
+}
+
+/// The little-endian bytes of `data`: a view of it on little-endian machines (no copy of the
+/// weights while saving), a converted copy elsewhere.
+fn le_bytes(data: &[f32]) -> std::borrow::Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        std::borrow::Cow::Borrowed(bytemuck::cast_slice(data))
+    } else {
+        std::borrow::Cow::Owned(data.iter().flat_map(|v| v.to_le_bytes()).collect())
     }
 }
 
