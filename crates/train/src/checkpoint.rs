@@ -93,20 +93,17 @@ impl Checkpoint {
             _ => PathBuf::from("."),
         };
         let tmp = dir.join(format!(".{}.tmp", file_name.to_string_lossy()));
-        let bytes: Vec<(&str, std::borrow::Cow<'_, [u8]>, &[usize])> = self
-            .tensors
-            .iter()
-            .map(|t| (t.name.as_str(), le_bytes(&t.data), t.shape.as_slice()))
-            .collect();
+        let bytes: Vec<_> = self.tensors.iter().map(|t| le_bytes(&t.data)).collect();
         let mut views = Vec::with_capacity(bytes.len());
-        for (name, b, shape) in &bytes {
-            let view = TensorView::new(Dtype::F32, shape.to_vec(), b).map_err(|e| {
+        for (t, b) in self.tensors.iter().zip(&bytes) {
+            let name = t.name.as_str();
+            let view = TensorView::new(Dtype::F32, t.shape.clone(), b).map_err(|e| {
                 TrainError::Checkpoint {
                     path: path.to_path_buf(),
                     detail: format!("tensor `{name}`: {e}"),
                 }
             })?;
-            views.push((*name, view));
+            views.push((name, view));
         }
         let metadata = self.metadata()?;
         let written = safetensors::serialize_to_file(views, Some(metadata), &tmp)
