@@ -77,73 +77,24 @@ impl Checkpoint {
         self.write_pending(path)?.commit()
     }
 
-    /// Writes everything to a temporary file beside `path`; [`PendingWrite::commit`] makes it
-    /// the checkpoint. Until then a crash leaves only the temporary file, which loading ignores.
+    /// See [`CheckpointRef::write_pending`].
     pub fn write_pending(&self, path: &Path) -> Result<PendingWrite, TrainError> {
-        let io = |source| TrainError::Io {
-            path: path.to_path_buf(),
-            source,
-        };
-        let file_name = path.file_name().ok_or_else(|| TrainError::Config {
-            field: "checkpoint",
-            detail: format!("`{}` is not a file path", path.display()),
-        })?;
-        let dir = match path.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        let tmp = dir.join(format!(".{}.tmp", file_name.to_string_lossy()));
-        let bytes: Vec<_> = self.tensors.iter().map(|t| le_bytes(&t.data)).collect();
-        let mut views = Vec::with_capacity(bytes.len());
-        for (t, b) in self.tensors.iter().zip(&bytes) {
-            let name = t.name.as_str();
-            let view = TensorView::new(Dtype::F32, t.shape.clone(), b).map_err(|e| {
-                TrainError::Checkpoint {
-                    path: path.to_path_buf(),
-                    detail: format!("tensor `{name}`: {e}"),
-                }
-            })?;
-            views.push((name, view));
-        }
-        let metadata = self.metadata()?;
-        let written = safetensors::serialize_to_file(views, Some(metadata), &tmp)
-            .map_err(|e| TrainError::Checkpoint {
-                path: tmp.clone(),
-                detail: e.to_string(),
-            })
-            .and_then(|()| File::open(&tmp).and_then(|f| f.sync_all()).map_err(io));
-        if let Err(e) = written {
-            let _ = fs::remove_file(&tmp);
-            return Err(e);
-        }
-        Ok(PendingWrite {
-            tmp,
-            path: path.to_path_buf(),
-            dir,
-        })
+        self.as_ref().write_pending(path)
     }
 
-    fn metadata(&self) -> Result<HashMap<String, String>, TrainError> {
-        let json = |v: serde_json::Result<String>| {
-            v.map_err(|e| TrainError::Checkpoint {
-                path: PathBuf::new(),
-                detail: e.to_string(),
-            })
-        };
-        Ok(HashMap::from([
-            ("format".to_string(), FORMAT.to_string()),
-            ("version".to_string(), VERSION.to_string()),
-            ("step".to_string(), self.step.to_string()),
-            ("tokens_seen".to_string(), self.tokens_seen.to_string()),
-            (
-                "config".to_string(),
-                json(serde_json::to_string(&self.config))?,
-            ),
-            (
-                "tokenizer".to_string(),
-                json(serde_json::to_string(&self.tokenizer))?,
-            ),
-        ]))
+    /// A borrowed view, for writing.
+    pub fn as_ref(&self) -> CheckpointRef<'_> {
+        CheckpointRef {
+            step: self.step,
+            tokens_seen: self.tokens_seen,
+            config: &self.config,
+            tokenizer: self.tokenizer.clone(),
+            tensors: self
+                .tensors
+                .iter()
+                .map(|t| (t.name.as_str(), t.shape.as_slice(), t.data.as_slice()))
+                .collect(),
+        }
     }
 
     /// Reads and validates a checkpoint file.
@@ -218,6 +169,92 @@ impl Checkpoint {
             tokenizer,
             tensors,
         })
+    }
+}
+
+/// A checkpoint whose tensors are borrowed (from a live session), so saving copies nothing.
+#[derive(Debug, Clone)]
+pub struct CheckpointRef<'a> {
+    pub step: u64,
+    pub tokens_seen: u64,
+    pub config: &'a TrainConfig,
+    pub tokenizer: TokenizerSpec,
+    /// Name, shape and values of each tensor.
+    pub tensors: Vec<(&'a str, &'a [usize], &'a [f32])>,
+}
+
+impl CheckpointRef<'_> {
+    /// Writes the checkpoint to `path` atomically.
+    pub fn save(&self, path: &Path) -> Result<(), TrainError> {
+        self.write_pending(path)?.commit()
+    }
+
+    /// Writes everything to a temporary file beside `path`; [`PendingWrite::commit`] makes it
+    /// the checkpoint. Until then a crash leaves only the temporary file, which loading ignores.
+    pub fn write_pending(&self, path: &Path) -> Result<PendingWrite, TrainError> {
+        let io = |source| TrainError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let file_name = path.file_name().ok_or_else(|| TrainError::Config {
+            field: "checkpoint",
+            detail: format!("`{}` is not a file path", path.display()),
+        })?;
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let tmp = dir.join(format!(".{}.tmp", file_name.to_string_lossy()));
+        let bytes: Vec<_> = self.tensors.iter().map(|t| le_bytes(t.2)).collect();
+        let mut views = Vec::with_capacity(bytes.len());
+        for (&(name, shape, _), b) in self.tensors.iter().zip(&bytes) {
+            let view = TensorView::new(Dtype::F32, shape.to_vec(), b).map_err(|e| {
+                TrainError::Checkpoint {
+                    path: path.to_path_buf(),
+                    detail: format!("tensor `{name}`: {e}"),
+                }
+            })?;
+            views.push((name, view));
+        }
+        let metadata = self.metadata()?;
+        let written = safetensors::serialize_to_file(views, Some(metadata), &tmp)
+            .map_err(|e| TrainError::Checkpoint {
+                path: tmp.clone(),
+                detail: e.to_string(),
+            })
+            .and_then(|()| File::open(&tmp).and_then(|f| f.sync_all()).map_err(io));
+        if let Err(e) = written {
+            let _ = fs::remove_file(&tmp);
+            return Err(e);
+        }
+        Ok(PendingWrite {
+            tmp,
+            path: path.to_path_buf(),
+            dir,
+        })
+    }
+
+    fn metadata(&self) -> Result<HashMap<String, String>, TrainError> {
+        let json = |v: serde_json::Result<String>| {
+            v.map_err(|e| TrainError::Checkpoint {
+                path: PathBuf::new(),
+                detail: e.to_string(),
+            })
+        };
+        Ok(HashMap::from([
+            ("format".to_string(), FORMAT.to_string()),
+            ("version".to_string(), VERSION.to_string()),
+            ("step".to_string(), self.step.to_string()),
+            ("tokens_seen".to_string(), self.tokens_seen.to_string()),
+            (
+                "config".to_string(),
+                json(serde_json::to_string(self.config))?,
+            ),
+            (
+                "tokenizer".to_string(),
+                json(serde_json::to_string(&self.tokenizer))?,
+            ),
+        ]))
     }
 }
 
@@ -332,6 +369,11 @@ impl CheckpointDir {
     /// Saves `ckpt`, then deletes all but the newest `keep` checkpoints (and temporary files
     /// that an interrupted save left behind).
     pub fn save(&self, ckpt: &Checkpoint, keep: usize) -> Result<PathBuf, TrainError> {
+        self.save_ref(&ckpt.as_ref(), keep)
+    }
+
+    /// As [`CheckpointDir::save`], for a borrowed checkpoint.
+    pub fn save_ref(&self, ckpt: &CheckpointRef<'_>, keep: usize) -> Result<PathBuf, TrainError> {
         let path = self.path_for(ckpt.step);
         ckpt.save(&path)?;
         let all = self.list()?;

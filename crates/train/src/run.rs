@@ -104,7 +104,7 @@ pub fn run(
         }
         if let Some(dir) = &ckpt_dir {
             if cfg.checkpoint_every > 0 && s.step % cfg.checkpoint_every == 0 {
-                let path = dir.save(&trainer.checkpoint()?, cfg.keep_checkpoints)?;
+                let path = dir.save_ref(&trainer.checkpoint_ref()?, cfg.keep_checkpoints)?;
                 on_event(Event::Checkpoint {
                     step: s.step,
                     path: &path,
@@ -116,7 +116,7 @@ pub fn run(
     }
     if let Some(dir) = &ckpt_dir {
         if saved_at != Some(trainer.steps_done()) {
-            let path = dir.save(&trainer.checkpoint()?, cfg.keep_checkpoints)?;
+            let path = dir.save_ref(&trainer.checkpoint_ref()?, cfg.keep_checkpoints)?;
             on_event(Event::Checkpoint {
                 step: trainer.steps_done(),
                 path: &path,

@@ -13,7 +13,7 @@ use snug_nn::ModelConfig;
 use snug_plan::{plan, MemoryPlan, PlanOptions};
 use snug_runtime::{Allocator, CpuSession, ExecCtx};
 
-use crate::checkpoint::{Checkpoint, SavedTensor};
+use crate::checkpoint::{Checkpoint, CheckpointRef, SavedTensor};
 use crate::config::{OptimizerKind, Pass, Remat};
 use crate::data::{batch_starts, fill_batch, Prefetcher, Tokens};
 use crate::{TokenDataset, TrainConfig, TrainError};
@@ -309,6 +309,29 @@ impl Trainer {
             step: self.step,
             tokens_seen: self.tokens_seen,
             config: self.config.clone(),
+            tokenizer: self.data.tokenizer.to_spec(),
+            tensors,
+        })
+    }
+
+    /// The training state borrowed from the session (nothing copied), for saving.
+    pub fn checkpoint_ref(&self) -> Result<CheckpointRef<'_>, TrainError> {
+        let g = &self.step_graph.graph;
+        let tensors = self
+            .saved_tensors()
+            .map(|t| {
+                let m = g.tensor(t);
+                Ok((
+                    m.name.as_str(),
+                    m.shape.as_slice(),
+                    self.session.read_f32(t)?,
+                ))
+            })
+            .collect::<Result<Vec<_>, TrainError>>()?;
+        Ok(CheckpointRef {
+            step: self.step,
+            tokens_seen: self.tokens_seen,
+            config: &self.config,
             tokenizer: self.data.tokenizer.to_spec(),
             tensors,
         })
