@@ -17,23 +17,33 @@ fn gpt(vocab: usize) -> GptConfig {
     }
 }
 
-/// Loss and every gradient of one step, for the model graph as given.
-fn loss_and_grads(cfg: &GptConfig, g: ModelGraph, batch: usize) -> (f32, Vec<Vec<f32>>, usize) {
-    let (tokens, targets) = (g.tokens, g.targets);
-    let step = StepGraph::build(g.graph, g.loss, OptimizerSpec::None).unwrap();
-    let p = plan(&step, &PlanOptions::default()).unwrap();
+/// A session of `step` with initial weights and `tokens` fixed token ids and targets written,
+/// after one run; the allocator's peak is checked against the plan's.
+fn run_once(cfg: &GptConfig, step: &StepGraph, tokens: usize) -> (CpuSession, usize) {
+    let p = plan(step, &PlanOptions::default()).unwrap();
     let peak = p.peak_bytes();
-    let mut s = CpuSession::new(step.graph.clone(), p, Allocator::default(), 2).unwrap();
-    for (slot, (_, v)) in step.params.iter().zip(cfg.init_parameters(9)) {
+    let alloc = Allocator::default();
+    let mut s = CpuSession::new(step.graph.clone(), p, alloc.clone(), 2).unwrap();
+    for (slot, (_, v)) in step.params.iter().zip(cfg.init_parameters(4)) {
         s.write_f32(slot.param, &v).unwrap();
     }
-    let n = batch * 16;
     let v = cfg.vocab_size;
-    let ids: Vec<i32> = (0..n).map(|i| ((i * 31 + 7) % v) as i32).collect();
-    let next: Vec<i32> = (0..n).map(|i| ((i * 17 + 3) % v) as i32).collect();
-    s.write_i32(tokens, &ids, v).unwrap();
-    s.write_i32(targets, &next, v).unwrap();
-    s.run(ExecCtx::default());
+    let ids = |a: usize, b: usize| {
+        (0..tokens)
+            .map(|i| ((i * a + b) % v) as i32)
+            .collect::<Vec<_>>()
+    };
+    s.write_i32(step.inputs[0], &ids(31, 7), v).unwrap();
+    s.write_i32(step.inputs[1], &ids(17, 3), v).unwrap();
+    s.run(ExecCtx::step(1e-2, 1));
+    assert_eq!(alloc.peak_bytes(), peak, "measured peak equals the plan's");
+    (s, peak)
+}
+
+/// Loss and every gradient of one step, for the model graph as given.
+fn loss_and_grads(cfg: &GptConfig, g: ModelGraph, batch: usize) -> (f32, Vec<Vec<f32>>, usize) {
+    let step = StepGraph::build(g.graph, g.loss, OptimizerSpec::None).unwrap();
+    let (s, peak) = run_once(cfg, &step, batch * 16);
     let loss = s.read_f32(step.loss).unwrap()[0];
     let grads = step
         .params
@@ -93,30 +103,7 @@ fn fused_pass_applies_to_a_whole_training_step() {
 
 /// Loss, gradients, updated weights and planned peak of one AdamW step of `step`.
 fn run_step(cfg: &GptConfig, step: &StepGraph, batch: usize, seq: usize) -> (Vec<f32>, usize) {
-    let p = plan(step, &PlanOptions::default()).unwrap();
-    let peak = p.peak_bytes();
-    let alloc = Allocator::default();
-    let mut s = CpuSession::new(step.graph.clone(), p, alloc.clone(), 2).unwrap();
-    for (slot, (_, v)) in step.params.iter().zip(cfg.init_parameters(4)) {
-        s.write_f32(slot.param, &v).unwrap();
-    }
-    let (tokens, targets) = (step.inputs[0], step.inputs[1]);
-    let n = batch * seq;
-    let v = cfg.vocab_size;
-    s.write_i32(
-        tokens,
-        &(0..n).map(|i| ((i * 5 + 1) % v) as i32).collect::<Vec<_>>(),
-        v,
-    )
-    .unwrap();
-    s.write_i32(
-        targets,
-        &(0..n).map(|i| ((i * 3 + 2) % v) as i32).collect::<Vec<_>>(),
-        v,
-    )
-    .unwrap();
-    s.run(ExecCtx::step(1e-2, 1));
-    assert_eq!(alloc.peak_bytes(), peak, "measured peak equals the plan's");
+    let (s, peak) = run_once(cfg, step, batch * seq);
     let mut out = vec![s.read_f32(step.loss).unwrap()[0]];
     for slot in &step.params {
         out.extend_from_slice(s.read_f32(slot.param).unwrap());

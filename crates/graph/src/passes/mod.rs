@@ -55,6 +55,28 @@ impl Rewritten {
     }
 }
 
+/// Re-applies `node` of `old` in `new` on `inputs`, waiting on `control`, keeping its outputs'
+/// names and roles.
+pub(crate) fn copy_node(
+    new: &mut Graph,
+    old: &Graph,
+    node: &crate::Node,
+    inputs: &[TensorId],
+    control: &[TensorId],
+) -> Result<Vec<TensorId>> {
+    let outs = new.apply(node.op.clone(), inputs)?;
+    let id = crate::NodeId(new.nodes().len() as u32 - 1);
+    for &c in control {
+        new.add_control(id, c);
+    }
+    for (&o, &n) in node.outputs.iter().zip(&outs) {
+        let m = old.tensor(o);
+        new.rename(n, m.name.clone());
+        new.set_role(n, m.role);
+    }
+    Ok(outs)
+}
+
 /// Copies `old` into a new graph node by node; `replace(node index, mapped inputs)` may emit
 /// different nodes for a node (returning the new ids of that node's outputs, positionally) or
 /// `None` to copy it as it is. Names and roles of copied tensors are kept.
@@ -106,17 +128,13 @@ pub(crate) fn rewrite(
             .iter()
             .map(|&t| map[via(t).index()].expect("inputs are mapped before use"))
             .collect();
-        let outs = new.apply(node.op.clone(), &inputs)?;
-        let id = crate::NodeId(new.nodes().len() as u32 - 1);
-        for &c in &node.control {
-            if let Some(c) = map[via(c).index()] {
-                new.add_control(id, c);
-            }
-        }
+        let control: Vec<TensorId> = node
+            .control
+            .iter()
+            .filter_map(|&c| map[via(c).index()])
+            .collect();
+        let outs = copy_node(&mut new, old, node, &inputs, &control)?;
         for (&o, &n) in node.outputs.iter().zip(&outs) {
-            let m = old.tensor(o);
-            new.rename(n, m.name.clone());
-            new.set_role(n, m.role);
             map[o.index()] = Some(n);
         }
     }

@@ -10,7 +10,7 @@
 //! schedule can hoist it back into the forward pass. It runs the same kernels on the same
 //! inputs, so losses and gradients are bitwise those of the step without it.
 
-use super::{rewrite, Rewritten};
+use super::{copy_node, rewrite, Rewritten};
 use crate::ops::Op;
 use crate::{Graph, NodeId, Result, StepGraph, TensorId};
 
@@ -23,6 +23,20 @@ pub enum RematPolicy {
     /// Keep the outputs of the expensive ops (matmuls, attention) and recompute the cheap
     /// ones (norms, activations, elementwise).
     Selective,
+}
+
+/// Tensors the backward pass reads, directly or through a view (both the view and the storage
+/// it looks into are marked).
+fn backward_reads(step: &StepGraph) -> Vec<bool> {
+    let g = &step.graph;
+    let mut read = vec![false; g.tensors().len()];
+    for node in &g.nodes()[step.forward_nodes..] {
+        for &t in &node.inputs {
+            read[t.index()] = true;
+            read[g.storage_root(t).index()] = true;
+        }
+    }
+    read
 }
 
 /// A forward value the backward reads that rematerialization could drop, with what dropping it
@@ -40,12 +54,7 @@ pub struct RematCandidate {
 pub fn remat_candidates(step: &StepGraph) -> Vec<RematCandidate> {
     let g = &step.graph;
     let n_fwd = step.forward_nodes;
-    let mut read_by_backward = vec![false; g.tensors().len()];
-    for node in &g.nodes()[n_fwd..] {
-        for &t in &node.inputs {
-            read_by_backward[g.storage_root(t).index()] = true;
-        }
-    }
+    let read_by_backward = backward_reads(step);
     let mut out = Vec::new();
     for node in &g.nodes()[..n_fwd] {
         let ins: Vec<&crate::TensorMeta> = node.inputs.iter().map(|&t| g.tensor(t)).collect();
@@ -75,12 +84,7 @@ pub fn rematerialize_dropping(step: &StepGraph, drop: &[TensorId]) -> Result<(Re
     let g = &step.graph;
     // Kept: what the backward reads and is not dropped. Values the backward never reads are
     // free; if a recomputation needs one, it is recomputed too rather than held.
-    let mut keep = vec![false; g.tensors().len()];
-    for node in &g.nodes()[step.forward_nodes..] {
-        for &t in &node.inputs {
-            keep[g.storage_root(t).index()] = true;
-        }
-    }
+    let mut keep = backward_reads(step);
     for &t in drop {
         keep[t.index()] = false;
     }
@@ -135,20 +139,14 @@ fn remat_with(
             segment[o.index()] = block_of(&g.tensor(o).name).map(|b| b / blocks_per_segment);
         }
     }
-    let mut read_by_backward = vec![false; n_tensors];
+    let read_by_backward = backward_reads(step);
     let mut read_outside = vec![false; n_tensors];
-    for (i, node) in g.nodes().iter().enumerate() {
+    for node in &g.nodes()[..n_fwd] {
+        let here = node.outputs.first().and_then(|o| segment[o.index()]);
         for &t in &node.inputs {
-            let root = g.storage_root(t);
-            if i >= n_fwd {
-                read_by_backward[t.index()] = true;
-                read_by_backward[root.index()] = true;
-            } else {
-                let here = node.outputs.first().and_then(|o| segment[o.index()]);
-                if segment[t.index()].is_some() && segment[t.index()] != here {
-                    read_outside[t.index()] = true;
-                    read_outside[root.index()] = true;
-                }
+            if segment[t.index()].is_some() && segment[t.index()] != here {
+                read_outside[t.index()] = true;
+                read_outside[g.storage_root(t).index()] = true;
             }
         }
     }
@@ -310,16 +308,8 @@ fn remat_with(
                 .iter()
                 .map(|&t| again[t.index()].unwrap_or_else(|| lookup(t)))
                 .collect();
-            let outs = new.apply(node.op.clone(), &ins)?;
-            let id = NodeId(new.nodes().len() as u32 - 1);
-            for &c in &node.control {
-                new.add_control(id, lookup(c));
-            }
-            for (&o, &n) in node.outputs.iter().zip(&outs) {
-                let m = g.tensor(o);
-                new.rename(n, m.name.clone());
-                new.set_role(n, m.role);
-            }
+            let control: Vec<TensorId> = node.control.iter().map(|&c| lookup(c)).collect();
+            let outs = copy_node(new, g, node, &ins, &control)?;
             Ok(Some(outs.into_iter().map(Some).collect()))
         },
         &vec![false; g.nodes().len()],
