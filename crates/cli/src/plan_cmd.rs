@@ -85,8 +85,14 @@ pub fn run(args: PlanArgs) -> Result<()> {
             cfg.model_for_vocab(m.vocab_size())?
         }
     };
-    let (step, _, _) =
-        snug_train::trainer::compile_step(&gpt, cfg.micro_batch(), cfg.block, cfg.threads, &cfg)?;
+    let step = snug_fit::compile_step(
+        &gpt,
+        cfg.micro_batch(),
+        cfg.block,
+        cfg.threads,
+        &cfg.step_config(),
+    )?
+    .step;
     let memory_plan = plan(&step.graph, &PlanOptions::default())?;
     let plan_ms = start.elapsed().as_secs_f64() * 1e3;
     // Each pass's saving, measured by planning the step without it and with it (cumulative, in
@@ -97,8 +103,9 @@ pub fn run(args: PlanArgs) -> Result<()> {
             let mut c = cfg.clone();
             c.passes.truncate(k);
             c.remat = snug_train::Remat::None;
-            let (step, _, _) =
-                snug_train::trainer::compile_step(&gpt, c.micro_batch(), c.block, c.threads, &c)?;
+            let step =
+                snug_fit::compile_step(&gpt, c.micro_batch(), c.block, c.threads, &c.step_config())?
+                    .step;
             Ok(plan(&step.graph, &PlanOptions::default())?.peak_bytes())
         };
         let mut before = peak_with(0)?;

@@ -4,6 +4,7 @@
 //! - [`lifetime`]: when each arena tensor is first written and last read.
 //! - [`placement`]: byte offsets inside one arena, with the lower bound beside them.
 //! - [`remat_budget`]: the least recomputation that fits a byte budget.
+//! - [`size`]: byte counts as people write them (`2GiB`, `512MB`).
 //! - [`memory_plan`]: [`MemoryPlan`], the table a runtime executes and a user reads.
 
 pub mod lifetime;
@@ -11,6 +12,7 @@ pub mod memory_plan;
 pub mod placement;
 pub mod remat_budget;
 pub mod schedule;
+pub mod size;
 
 pub use lifetime::{lifetimes, Lifetime};
 pub use memory_plan::{
@@ -19,3 +21,4 @@ pub use memory_plan::{
 pub use placement::{place, place_best, place_with, Interval, Placement, Strategy};
 pub use remat_budget::{remat_for_budget, BudgetError, BudgetedRemat};
 pub use schedule::ScheduleKind;
+pub use size::{parse_bytes, SizeError};

@@ -1,5 +1,11 @@
 //! The CPU executor: one arena per plan, one buffer per persistent tensor, and a precomputed
 //! binding per node, so a step allocates nothing.
+//!
+//! The arena holds nothing between steps, so a trainer gives it back to the allocator's cache
+//! after each micro-batch ([`CpuSession::release_arena`]) and the next run takes it again: a
+//! cache hit, no system call, no zeroing. That makes a lowered memory limit bite at the next
+//! micro-batch, as a typed out-of-memory error before any kernel runs, and lets a session be
+//! re-planned ([`CpuSession::replan`]) keeping its parameters and optimizer state in place.
 
 use snug_graph::ops::{ExecCtx, Kernel, TensorArg};
 use snug_graph::{DType, Graph, Role, TensorId};
@@ -10,6 +16,18 @@ use crate::{Allocator, Buffer, RuntimeError};
 /// Physical cores of this machine (hyper-threads share FPUs, so GEMM gains nothing from them).
 pub fn physical_cores() -> usize {
     num_cpus::get_physical().max(1)
+}
+
+fn check_dtypes(graph: &Graph) -> Result<(), RuntimeError> {
+    for t in graph.tensors() {
+        if !matches!(t.dtype, DType::F32 | DType::I32) {
+            return Err(RuntimeError::UnsupportedDType {
+                name: t.name.clone(),
+                dtype: t.dtype,
+            });
+        }
+    }
+    Ok(())
 }
 
 struct NodeBinding {
@@ -24,7 +42,10 @@ pub struct CpuSession {
     graph: Graph,
     plan: MemoryPlan,
     allocator: Allocator,
-    arena: Buffer,
+    /// `None` between steps once released.
+    arena: Option<Buffer>,
+    /// The arena address `bindings` were computed for.
+    bound_to: usize,
     /// Indexed by tensor id; `Some` for persistent storage roots.
     persistent: Vec<Option<Buffer>>,
     bindings: Vec<NodeBinding>,
@@ -39,14 +60,7 @@ impl CpuSession {
         allocator: Allocator,
         threads: usize,
     ) -> Result<Self, RuntimeError> {
-        for t in graph.tensors() {
-            if !matches!(t.dtype, DType::F32 | DType::I32) {
-                return Err(RuntimeError::UnsupportedDType {
-                    name: t.name.clone(),
-                    dtype: t.dtype,
-                });
-            }
-        }
+        check_dtypes(&graph)?;
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads.max(1))
             .thread_name(|i| format!("snug-cpu-{i}"))
@@ -65,13 +79,109 @@ impl CpuSession {
             graph,
             plan,
             allocator,
-            arena,
+            arena: Some(arena),
+            bound_to: 0,
             persistent,
             bindings: Vec::new(),
             pool,
         };
-        session.bindings = session.bind_all();
+        session.acquire_arena()?;
         Ok(session)
+    }
+
+    /// Takes the arena (from the allocator's cache, as a rule) if it was released, and points
+    /// the node bindings at it. Fails, changing nothing, if the memory limit refuses it.
+    pub fn acquire_arena(&mut self) -> Result<(), RuntimeError> {
+        if self.arena.is_none() {
+            // The schedule writes every arena tensor before reading it, so old bytes are fine.
+            self.arena = Some(self.allocator.alloc_uninit(self.plan.arena_bytes)?);
+        }
+        let ptr = self.arena.as_ref().map_or(0, |a| a.as_ptr() as usize);
+        if ptr != self.bound_to {
+            self.bindings = self.bind_all();
+            self.bound_to = ptr;
+        }
+        Ok(())
+    }
+
+    /// Gives the arena back to the allocator (its cache) until the next run or write. Values
+    /// that lived in it, the loss included, are unreadable afterwards.
+    pub fn release_arena(&mut self) {
+        self.arena = None;
+    }
+
+    pub fn holds_arena(&self) -> bool {
+        self.arena.is_some()
+    }
+
+    /// Fills the arena with `byte` (for tests that prove no kernel reads arena bytes it did not
+    /// write first: 0xFF makes every such f32 a NaN).
+    #[doc(hidden)]
+    pub fn fill_arena(&mut self, byte: u8) -> Result<(), RuntimeError> {
+        self.acquire_arena()?;
+        if let Some(a) = &self.arena {
+            // SAFETY: the arena owns `len_bytes` bytes and no kernel is running.
+            unsafe { std::ptr::write_bytes(a.as_ptr(), byte, a.len_bytes()) };
+        }
+        Ok(())
+    }
+
+    /// Switches to another graph and plan of the same model (another micro-batch, remat or
+    /// passes), keeping every persistent buffer whose tensor has the same name and size (the
+    /// parameters and optimizer state, so training continues from them untouched) and
+    /// allocating the rest. The arena is released first and taken at the next run. On an
+    /// allocation failure the session keeps its old graph and plan and every buffer it had.
+    pub fn replan(&mut self, graph: Graph, plan: MemoryPlan) -> Result<(), RuntimeError> {
+        check_dtypes(&graph)?;
+        self.arena = None;
+        let mut old: std::collections::HashMap<String, (usize, Buffer)> = Default::default();
+        for (i, slot) in self.persistent.iter_mut().enumerate() {
+            if let Some(buf) = slot.take() {
+                old.insert(self.graph.tensors()[i].name.clone(), (i, buf));
+            }
+        }
+        let mut persistent: Vec<Option<Buffer>> =
+            (0..graph.tensors().len()).map(|_| None).collect();
+        let mut moved = Vec::new();
+        let mut failure = None;
+        for p in &plan.persistent {
+            let name = &graph.tensor(p.tensor).name;
+            match old.remove(name) {
+                Some((i, buf)) if buf.len_bytes() == p.size => {
+                    moved.push((p.tensor, i));
+                    persistent[p.tensor.index()] = Some(buf);
+                }
+                other => {
+                    if let Some((i, buf)) = other {
+                        old.insert(name.clone(), (i, buf));
+                    }
+                    match self.allocator.alloc(p.size) {
+                        Ok(buf) => persistent[p.tensor.index()] = Some(buf),
+                        Err(e) => {
+                            failure = Some(e);
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(e) = failure {
+            // Put every kept buffer back where the old graph had it.
+            for (new, i) in moved {
+                self.persistent[i] = persistent[new.index()].take();
+            }
+            for (_, (i, buf)) in old {
+                self.persistent[i] = Some(buf);
+            }
+            return Err(e.into());
+        }
+        drop(old);
+        self.graph = graph;
+        self.plan = plan;
+        self.persistent = persistent;
+        self.bound_to = 0;
+        self.bindings.clear();
+        Ok(())
     }
 
     fn arg(&self, id: TensorId) -> TensorArg {
@@ -90,11 +200,13 @@ impl CpuSession {
             elem_offset += v.offset_elems;
             t = v.base;
         }
-        let base = match (&self.persistent[t.index()], self.plan.arena_offset(t)) {
-            (Some(buf), _) => buf.as_ptr(),
+        let base = match (&self.persistent[t.index()], self.plan.arena_offset(t), &self.arena) {
+            (Some(buf), _, _) => buf.as_ptr(),
             // SAFETY: the plan placed this storage inside the arena.
-            (None, Some(off)) => unsafe { self.arena.as_ptr().add(off) },
-            (None, None) => unreachable!("every storage used by the schedule is planned"),
+            (None, Some(off), Some(arena)) => unsafe { arena.as_ptr().add(off) },
+            // Callers acquire the arena first (or, for reads, check it is held).
+            (None, Some(_), None) => unreachable!("arena tensor used while the arena is released"),
+            (None, None, _) => unreachable!("every storage used by the schedule is planned"),
         };
         let width = self.graph.tensor(id).dtype.size_bytes();
         // SAFETY: views stay inside their base (checked by their shape rules).
@@ -117,9 +229,11 @@ impl CpuSession {
             .collect()
     }
 
-    /// Runs every node of the schedule once.
-    pub fn run(&mut self, ctx: ExecCtx) {
+    /// Runs every node of the schedule once (taking the arena first if it was released).
+    pub fn run(&mut self, ctx: ExecCtx) -> Result<(), RuntimeError> {
+        self.acquire_arena()?;
         self.execute(ctx, None, None);
+        Ok(())
     }
 
     /// The nodes that `targets` depend on, as a mask in schedule order, for
@@ -138,22 +252,25 @@ impl CpuSession {
                 }
             }
         }
-        self.bindings.iter().map(|b| needed[b.node]).collect()
+        self.plan.schedule.iter().map(|n| needed[n.index()]).collect()
     }
 
     /// Runs the nodes of the schedule that `mask` (from [`CpuSession::nodes_for`]) selects, in
     /// schedule order. The plan stays valid: each skipped node only shortens lifetimes. Values
     /// of the targets are readable afterwards, as after a full run; in-place updates outside the
     /// mask do not happen, so evaluating a loss this way leaves the training state untouched.
-    pub fn run_only(&mut self, ctx: ExecCtx, mask: &[bool]) {
+    pub fn run_only(&mut self, ctx: ExecCtx, mask: &[bool]) -> Result<(), RuntimeError> {
+        self.acquire_arena()?;
         self.execute(ctx, None, Some(mask));
+        Ok(())
     }
 
     /// Runs the schedule once, timing every node (seconds, in schedule order).
-    pub fn run_profiled(&mut self, ctx: ExecCtx) -> Vec<f64> {
+    pub fn run_profiled(&mut self, ctx: ExecCtx) -> Result<Vec<f64>, RuntimeError> {
+        self.acquire_arena()?;
         let mut times = Vec::with_capacity(self.bindings.len());
         self.execute(ctx, Some(&mut times), None);
-        times
+        Ok(times)
     }
 
     fn execute(&self, ctx: ExecCtx, mut times: Option<&mut Vec<f64>>, mask: Option<&[bool]>) {
@@ -219,15 +336,18 @@ impl CpuSession {
         Ok(())
     }
 
-    fn writable(&self, id: TensorId) -> Result<(), RuntimeError> {
+    /// Checks `id` may be written, taking the arena if it lives there.
+    fn writable(&mut self, id: TensorId) -> Result<(), RuntimeError> {
         let meta = self.graph.tensor(id);
-        if meta.role == Role::Input || meta.role.is_persistent() {
-            Ok(())
-        } else {
-            Err(RuntimeError::NotWritable {
+        if !(meta.role == Role::Input || meta.role.is_persistent()) {
+            return Err(RuntimeError::NotWritable {
                 name: meta.name.clone(),
-            })
+            });
         }
+        if self.persistent[self.graph.storage_root(id).index()].is_none() {
+            self.acquire_arena()?;
+        }
+        Ok(())
     }
 
     /// Writes a parameter, optimizer state or input (before [`CpuSession::run`]).
@@ -301,6 +421,11 @@ impl CpuSession {
                 .any(|&o| self.graph.storage_root(o) == root);
         if !readable {
             return Err(RuntimeError::NotReadable {
+                name: meta.name.clone(),
+            });
+        }
+        if self.persistent[root.index()].is_none() && self.arena.is_none() {
+            return Err(RuntimeError::Released {
                 name: meta.name.clone(),
             });
         }

@@ -27,6 +27,8 @@ pub enum RuntimeError {
     },
     #[error("tensor `{name}` is not readable after the step (only persistent tensors and graph outputs are)")]
     NotReadable { name: String },
+    #[error("tensor `{name}` lived in the step's arena, which was released after the step: read it before releasing")]
+    Released { name: String },
     #[error("tensor `{name}` is not an input or persistent tensor and cannot be written")]
     NotWritable { name: String },
     #[error("value {value} at position {index} of `{name}` is outside 0..{bound}")]

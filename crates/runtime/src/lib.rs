@@ -8,12 +8,11 @@ pub mod allocator;
 pub mod cpu;
 mod error;
 pub mod process;
-pub mod size;
 
 pub use allocator::{
     Allocator, Buffer, Device, Leak, MemoryReport, MemoryStats, OutOfMemory, WiredLimitError,
 };
 pub use cpu::{physical_cores, CpuSession};
 pub use error::RuntimeError;
-pub use size::{parse_bytes, SizeError};
+pub use snug_plan::{parse_bytes, SizeError};
 pub use snug_graph::ops::ExecCtx;

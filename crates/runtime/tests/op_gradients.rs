@@ -263,7 +263,7 @@ impl GradCheck {
                     Feed::I32 { data, bound } => session.write_i32(*id, data, *bound).unwrap(),
                 }
             }
-            session.run(ExecCtx::default());
+            session.run(ExecCtx::default()).unwrap();
             let graph_loss = session.read_f32(step.loss).unwrap()[0] as f64;
             if !host_loss {
                 return graph_loss;
@@ -1254,7 +1254,7 @@ fn run_forward(
     for (id, v) in feeds {
         session.write_f32(*id, v).unwrap();
     }
-    session.run(ExecCtx::default());
+    session.run(ExecCtx::default()).unwrap();
     outs.iter()
         .map(|&o| session.read_f32(o).unwrap().to_vec())
         .collect()

@@ -8,6 +8,8 @@ use serde::{Deserialize, Serialize};
 use snug_graph::DType;
 use snug_nn::ModelConfig;
 
+pub use snug_fit::{OptimizerKind, Pass, Remat, StepConfig};
+
 use crate::{DataSource, TrainError};
 
 /// `[model]`: a preset and optional overrides of its fields.
@@ -118,88 +120,6 @@ pub struct TrainConfig {
     pub init_from: Option<PathBuf>,
     pub passes: Vec<Pass>,
     pub remat: Remat,
-}
-
-/// Activation checkpointing mode.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Remat {
-    #[default]
-    None,
-    /// Keep only the residual stream between segments of `blocks` blocks.
-    Blocks { blocks: usize },
-    /// Keep matmul and attention outputs; recompute norms, activations, elementwise ops.
-    Selective,
-    /// Recompute the values cheapest per byte, just enough for the step to fit `bytes`.
-    Budget { bytes: usize },
-}
-
-impl std::str::FromStr for Remat {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Remat, String> {
-        let bad = || format!("`{s}` is not one of none, block, block:K, selective, budget:SIZE");
-        if let Some(size) = s.trim().strip_prefix("budget:") {
-            return snug_runtime::parse_bytes(size)
-                .map(|bytes| Remat::Budget { bytes })
-                .map_err(|e| format!("`{s}`: {e}"));
-        }
-        match s.trim() {
-            "none" => Ok(Remat::None),
-            "block" => Ok(Remat::Blocks { blocks: 1 }),
-            "selective" => Ok(Remat::Selective),
-            other => match other.strip_prefix("block:").map(str::parse::<usize>) {
-                Some(Ok(k)) if k >= 1 => Ok(Remat::Blocks { blocks: k }),
-                _ => Err(bad()),
-            },
-        }
-    }
-}
-
-impl std::fmt::Display for Remat {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Remat::None => f.write_str("none"),
-            Remat::Blocks { blocks: 1 } => f.write_str("block"),
-            Remat::Blocks { blocks } => write!(f, "block:{blocks}"),
-            Remat::Selective => f.write_str("selective"),
-            Remat::Budget { bytes } => write!(f, "budget:{bytes}"),
-        }
-    }
-}
-
-/// A graph pass applied when the step is compiled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Pass {
-    /// LM head + cross-entropy fused and chunked over tokens: no `tokens × vocab` logits.
-    #[serde(rename = "fused-ce")]
-    FusedCrossEntropy,
-    /// Common-subexpression elimination on the step graph.
-    #[serde(rename = "cse")]
-    Cse,
-    /// Dead-code elimination on the step graph.
-    #[serde(rename = "dce")]
-    Dce,
-}
-
-impl Pass {
-    pub const ALL: [Pass; 3] = [Pass::FusedCrossEntropy, Pass::Cse, Pass::Dce];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Pass::FusedCrossEntropy => "fused-ce",
-            Pass::Cse => "cse",
-            Pass::Dce => "dce",
-        }
-    }
-}
-
-/// The optimizer a step ends with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum OptimizerKind {
-    AdamW,
-    Sgd,
 }
 
 /// Serializable form of [`DataSource`].
@@ -421,7 +341,7 @@ impl TrainConfig {
         Ok(())
     }
 
-    fn validate(&self) -> Result<(), TrainError> {
+    pub(crate) fn validate(&self) -> Result<(), TrainError> {
         let err = |field: &'static str, detail: String| Err(TrainError::Config { field, detail });
         if self.steps == 0 {
             return err("steps", "must be at least 1".into());
@@ -484,6 +404,29 @@ impl TrainConfig {
         }
         self.base_model()?;
         Ok(())
+    }
+
+    /// The step-level settings (optimizer, accumulation, clipping, passes, remat, precision).
+    pub fn step_config(&self) -> StepConfig {
+        StepConfig {
+            precision: self.precision,
+            optimizer: self.optimizer,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            weight_decay: self.weight_decay,
+            accumulation: self.accumulation,
+            grad_clip: self.grad_clip,
+            passes: self.passes.clone(),
+            remat: self.remat,
+        }
+    }
+
+    /// Sets the knobs fit chose (the batch stays: `micro_batch × accumulation` is it).
+    pub fn apply_fit(&mut self, fit: &snug_fit::FitConfig) {
+        self.accumulation = fit.accumulation;
+        self.remat = fit.remat;
+        self.passes = fit.passes.clone();
+        self.precision = fit.precision;
     }
 
     /// Sequences per forward/backward pass.

@@ -44,12 +44,18 @@ pub enum TrainError {
     Config { field: &'static str, detail: String },
     #[error("the training step needs {needed} bytes (planned peak) but the memory limit is {limit} bytes: lower the batch or block size")]
     DoesNotFit { needed: usize, limit: usize },
-    #[error("no rematerialization fits the budget of {budget} bytes: recomputing everything still peaks at {smallest} bytes (raise the budget, or lower the batch or block size)")]
-    RematBudget { budget: usize, smallest: usize },
+    #[error("out of memory at step {step} ({failure}) and no smaller configuration fits: {detail}")]
+    Unrecoverable {
+        step: u64,
+        failure: snug_runtime::OutOfMemory,
+        detail: String,
+    },
     #[error("loss is {loss} at step {step}: training diverged (lower the learning rate)")]
     NonFinite { step: u64, loss: f32 },
     #[error("the model's logits at position {position} are not finite: its weights hold NaN or infinity")]
     NonFiniteLogits { position: usize },
+    #[error(transparent)]
+    Fit(#[from] snug_fit::FitError),
     #[error(transparent)]
     Model(#[from] NnError),
     #[error(transparent)]

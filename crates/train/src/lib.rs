@@ -7,9 +7,11 @@
 //! - [`config`]: the training configuration (TOML file, then command-line overrides).
 //! - [`trainer`]: compiles the step, plans it, and runs it step by step.
 //! - [`sample`]: text generation from a model's weights, on the planned inference graph.
+//! - [`calibration`]: kernel timings of this machine for fit's cost model, cached.
 //! - [`checkpoint`]: atomic safetensors checkpoints and resume.
 //! - [`run`]: the loop: evaluation, checkpoints, metrics file, clean stop on Ctrl-C.
 
+pub mod calibration;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
@@ -27,4 +29,4 @@ pub use run::{run, Event, RunSummary};
 pub use sample::{SampleOptions, Sampler};
 pub use token_file::{TokenFile, TokenFileProblem};
 pub use tokenizer::{CharTokenizer, Gpt2Tokenizer, Tokenizer, TokenizerSpec};
-pub use trainer::{EvalStats, LrSchedule, StepStats, Trainer};
+pub use trainer::{EvalStats, LrSchedule, Recovery, StepStats, Trainer};

@@ -200,7 +200,7 @@ impl Sampler {
             }
             out[n..].fill(0);
         })?;
-        self.session.run(ExecCtx::default());
+        self.session.run(ExecCtx::default())?;
         let logits = self.session.read_f32(self.logits)?;
         let row = &logits[(n - 1) * self.vocab..n * self.vocab];
         if row.iter().any(|v| !v.is_finite()) {
@@ -326,7 +326,7 @@ mod tests {
         s.session
             .fill_i32(s.tokens, s.vocab, |out| out.copy_from_slice(tokens))
             .unwrap();
-        s.session.run(ExecCtx::default());
+        s.session.run(ExecCtx::default()).unwrap();
         s.session.read_f32(s.logits).unwrap().to_vec()
     }
 
@@ -390,7 +390,7 @@ mod tests {
                 let mut ids = random_ids(&mut rng, w, v);
                 ids.extend(&row1);
                 other.write_i32(g.tokens, &ids, v).unwrap();
-                other.run(ExecCtx::default());
+                other.run(ExecCtx::default()).unwrap();
                 let logits = other.read_f32(g.logits).unwrap();
                 let at = (w + n - 1) * v;
                 assert_eq!(

@@ -7,14 +7,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
-use snug_graph::ops::{AdamW, Sgd};
-use snug_graph::{passes, OptimizerSpec, Role, StepGraph, StepOptions, TensorId};
+use snug_fit::{compile_step, CompiledStep, Device, FitConfig, FitModel, MachineProfile, MemoryFailure};
+use snug_graph::{Role, StepGraph, TensorId};
 use snug_nn::ModelConfig;
 use snug_plan::{plan, MemoryPlan, PlanOptions};
-use snug_runtime::{Allocator, CpuSession, ExecCtx};
+use snug_runtime::{Allocator, CpuSession, ExecCtx, OutOfMemory, RuntimeError};
 
 use crate::checkpoint::{Checkpoint, CheckpointRef, SavedTensor};
-use crate::config::{OptimizerKind, Pass, Remat};
 use crate::data::{batch_starts, fill_batch, Prefetcher, Tokens};
 use crate::{TokenDataset, TrainConfig, TrainError};
 
@@ -88,88 +87,29 @@ pub struct Trainer {
     forward: Vec<bool>,
     /// Batches of the coming steps, drawn on a background thread.
     prefetch: Prefetcher,
+    /// Kernel timings for the recovery search; loaded from the calibration cache when first
+    /// needed, else nominal.
+    machine: Option<MachineProfile>,
+    /// Configuration changes made after out-of-memory, not yet taken by [`Trainer::take_recoveries`].
+    recoveries: Vec<Recovery>,
 }
 
-/// Compiles the training step of `model` for micro-batches of `batch × block` tokens.
-pub fn compile_step(
-    model: &ModelConfig,
-    batch: usize,
-    block: usize,
-    threads: usize,
-    config: &TrainConfig,
-) -> Result<(StepGraph, TensorId, TensorId), TrainError> {
-    let mut g = model.build(batch, block, threads, config.precision)?;
-    // Forward-graph passes run before autodiff (their ops bring their own gradients).
-    for pass in &config.passes {
-        if *pass == Pass::FusedCrossEntropy {
-            let (r, _) = passes::fuse_lm_head_loss(&g.graph, passes::DEFAULT_CHUNK_BYTES)?;
-            g = g.rewritten(r)?;
-        }
-    }
-    let adamw = AdamW {
-        beta1: config.beta1,
-        beta2: config.beta2,
-        eps: 1e-8,
-        weight_decay: config.weight_decay,
-    };
-    let optimizer = match config.optimizer {
-        OptimizerKind::AdamW => OptimizerSpec::AdamW(adamw),
-        OptimizerKind::Sgd => OptimizerSpec::Sgd(Sgd {
-            weight_decay: config.weight_decay,
-        }),
-    };
-    let options = StepOptions {
-        optimizer,
-        micro_steps: config.accumulation,
-        clip_grad_norm: (config.grad_clip > 0.0).then_some(config.grad_clip),
-        grad_norm: true,
-    };
-    let mut step = StepGraph::build_with(g.graph, g.loss, &options)?;
-    let (mut tokens, mut targets) = (g.tokens, g.targets);
-    for pass in &config.passes {
-        let (r, _) = match pass {
-            Pass::FusedCrossEntropy => continue,
-            Pass::Cse => passes::eliminate_common_subexpressions(&step.graph)?,
-            Pass::Dce => passes::eliminate_dead_code(&step.graph)?,
-        };
-        (tokens, targets) = (r.map(tokens)?, r.map(targets)?);
-        let forward = r.surviving(step.forward_nodes);
-        step = step.rewritten(r, forward)?;
-    }
-    let policy = match config.remat {
-        Remat::None => return Ok((step, tokens, targets)),
-        Remat::Blocks { blocks } => passes::RematPolicy::Uniform {
-            blocks_per_segment: blocks,
-        },
-        Remat::Selective => passes::RematPolicy::Selective,
-        Remat::Budget { bytes } => {
-            let chosen = snug_plan::remat_for_budget(&step, bytes, &PlanOptions::default())
-                .map_err(|e| match e {
-                    snug_plan::BudgetError::DoesNotFit { budget, smallest } => {
-                        TrainError::RematBudget { budget, smallest }
-                    }
-                    snug_plan::BudgetError::Graph(e) => e.into(),
-                    snug_plan::BudgetError::Plan(e) => e.into(),
-                })?;
-            // Inputs keep their positions in `StepGraph::inputs` through a rewrite.
-            let find = |old: TensorId| {
-                let i = step.inputs.iter().position(|&t| t == old)?;
-                chosen.step.inputs.get(i).copied()
-            };
-            let (Some(tokens), Some(targets)) = (find(tokens), find(targets)) else {
-                return Err(TrainError::Config {
-                    field: "remat",
-                    detail: "the budgeted rewrite lost the step's inputs".into(),
-                });
-            };
-            return Ok((chosen.step, tokens, targets));
-        }
-    };
-    let (r, _) = passes::rematerialize(&step, policy)?;
-    let (tokens, targets) = (r.map(tokens)?, r.map(targets)?);
-    let step = step.rewritten(r, step.forward_nodes)?;
-    Ok((step, tokens, targets))
+/// A change of configuration made to carry on after running out of memory mid-step.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Recovery {
+    /// The step that was redone, and the micro-batch where the allocation failed.
+    pub step: u64,
+    pub micro: usize,
+    pub failure: MemoryFailure,
+    pub from: FitConfig,
+    pub to: FitConfig,
+    pub from_peak_bytes: usize,
+    pub to_peak_bytes: usize,
 }
+
+/// Recoveries tried within one step before giving up (each one lowers the planned peak, so
+/// this is only reached when the memory keeps shrinking).
+const MAX_RECOVERIES_PER_STEP: usize = 8;
 
 impl Trainer {
     pub fn new(config: TrainConfig, data: TokenDataset) -> Result<Trainer, TrainError> {
@@ -183,12 +123,16 @@ impl Trainer {
     ) -> Result<Trainer, TrainError> {
         data.check_block(config.block)?;
         let model = config.model_for_vocab(data.tokenizer.vocab_size())?;
-        let (step_graph, tokens, targets) = compile_step(
+        let CompiledStep {
+            step: step_graph,
+            tokens,
+            targets,
+        } = compile_step(
             &model,
             config.micro_batch(),
             config.block,
             config.threads,
-            &config,
+            &config.step_config(),
         )?;
         let memory_plan = plan(&step_graph.graph, &PlanOptions::default())?;
         if let Some(limit) = config.memory_limit {
@@ -251,7 +195,110 @@ impl Trainer {
             tokens_seen: 0,
             forward,
             prefetch,
+            machine: None,
+            recoveries: Vec::new(),
         })
+    }
+
+    /// Switches to another configuration of the same model and batch (micro-batch and
+    /// accumulation, remat, passes): the step is recompiled and re-planned, and the session
+    /// keeps its parameters and optimizer state in place. On an allocation failure nothing
+    /// changes.
+    pub fn reconfigure(&mut self, config: TrainConfig) -> Result<(), TrainError> {
+        if config.batch != self.config.batch || config.block != self.config.block {
+            return Err(TrainError::Config {
+                field: "batch",
+                detail: format!(
+                    "a running trainer keeps its batch {} × {} (asked for {} × {})",
+                    self.config.batch, self.config.block, config.batch, config.block
+                ),
+            });
+        }
+        config.validate()?;
+        let CompiledStep {
+            step,
+            tokens,
+            targets,
+        } = compile_step(
+            &self.model,
+            config.micro_batch(),
+            config.block,
+            config.threads,
+            &config.step_config(),
+        )?;
+        let memory_plan = plan(&step.graph, &PlanOptions::default())?;
+        self.session.replan(step.graph.clone(), memory_plan)?;
+        self.forward = self.session.nodes_for(&[step.loss]);
+        self.step_graph = step;
+        self.tokens = tokens;
+        self.targets = targets;
+        self.config = config;
+        Ok(())
+    }
+
+    /// Uses `machine` to choose recovery configurations (instead of the cached calibration).
+    pub fn set_machine_profile(&mut self, machine: MachineProfile) {
+        self.machine = Some(machine);
+    }
+
+    /// Configuration changes made since the last call.
+    pub fn take_recoveries(&mut self) -> Vec<Recovery> {
+        std::mem::take(&mut self.recoveries)
+    }
+
+    /// After `oom` at micro-batch `micro` of `step`: the fastest configuration whose plan fits
+    /// under the limit, switched to. The step is then redone from its first micro-batch.
+    fn recover(&mut self, step: u64, micro: usize, oom: OutOfMemory) -> Result<(), TrainError> {
+        let failure = MemoryFailure {
+            limit: oom.limit,
+            requested: oom.requested,
+            active: oom.active,
+        };
+        let threads = self.config.threads;
+        let machine = self
+            .machine
+            .get_or_insert_with(|| crate::calibration::cached(threads).unwrap_or_else(|| MachineProfile::nominal(threads)));
+        let from = FitConfig::of(&self.config.step_config(), self.config.batch);
+        let fit_model = FitModel {
+            model: self.model.clone(),
+            block: self.config.block,
+            step: self.config.step_config(),
+        };
+        let from_peak_bytes = self.session.plan().peak_bytes();
+        let report = snug_fit::suggest_recovery_config(
+            &fit_model,
+            &from,
+            from_peak_bytes,
+            &failure,
+            &[Device::Cpu { threads }],
+            machine,
+        )
+        .map_err(|e| TrainError::Unrecoverable {
+            step,
+            failure: oom.clone(),
+            detail: e.to_string(),
+        })?;
+        let Some(chosen) = report.chosen() else {
+            return Err(report.nothing_fits().into());
+        };
+        let to = chosen.config.clone();
+        let to_peak_bytes = chosen.peak_bytes.unwrap_or(0);
+        let mut config = self.config.clone();
+        config.apply_fit(&to);
+        self.reconfigure(config)?;
+        tracing::warn!(
+            "out of memory at step {step}, micro-batch {micro} ({oom}): redoing the step with {to} (planned peak {to_peak_bytes} bytes, was {from_peak_bytes} with {from})"
+        );
+        self.recoveries.push(Recovery {
+            step,
+            micro,
+            failure,
+            from,
+            to,
+            from_peak_bytes,
+            to_peak_bytes,
+        });
+        Ok(())
     }
 
     /// A trainer continuing from `ckpt` exactly where it stopped; `config` must describe the
@@ -394,47 +441,46 @@ impl Trainer {
         let step = self.step + 1;
         let batch = self.prefetch.next()?;
         debug_assert_eq!(batch.step, step, "the prefetcher follows the trainer");
-        let k = self.config.accumulation;
-        let chunk = self.config.micro_batch() * self.config.block;
-        let vocab = self.model.vocab_size();
         let lr = self.schedule.at(step);
         let start = Instant::now();
-        let mut node_times: Vec<f64> = Vec::new();
-        let mut loss_sum = 0.0f64;
-        for micro in 0..k {
-            let range = micro * chunk..(micro + 1) * chunk;
-            let (x, y) = (&batch.x[range.clone()], &batch.y[range]);
-            self.session
-                .fill_i32(self.tokens, vocab, |out| out.copy_from_slice(x))?;
-            self.session
-                .fill_i32(self.targets, vocab, |out| out.copy_from_slice(y))?;
-            let ctx = ExecCtx {
-                lr,
-                step,
-                micro: micro as u32,
-                micro_steps: k as u32,
-            };
-            if profile {
-                let times = self.session.run_profiled(ctx);
-                if node_times.is_empty() {
-                    node_times = times;
-                } else {
-                    node_times.iter_mut().zip(times).for_each(|(a, b)| *a += b);
+        let mut recoveries = 0;
+        // An out-of-memory error comes before any kernel of its micro-batch runs, and the
+        // update runs on the last micro-batch only: redoing the step from the first micro-batch
+        // with a smaller plan loses nothing (the first micro-batch overwrites the gradient sums).
+        let (loss_sum, grad_norm, node_times) = 'attempt: loop {
+            let k = self.config.accumulation;
+            let mut node_times: Vec<f64> = Vec::new();
+            let mut loss_sum = 0.0f64;
+            let mut grad_norm = None;
+            for micro in 0..k {
+                match self.micro_step(&batch.x, &batch.y, step, lr, micro, profile) {
+                    Ok((loss, norm, times)) => {
+                        loss_sum += loss as f64;
+                        grad_norm = grad_norm.or(norm);
+                        if node_times.is_empty() {
+                            node_times = times;
+                        } else {
+                            node_times.iter_mut().zip(times).for_each(|(a, b)| *a += b);
+                        }
+                    }
+                    Err(TrainError::Runtime(RuntimeError::OutOfMemory(oom)))
+                        if recoveries < MAX_RECOVERIES_PER_STEP =>
+                    {
+                        recoveries += 1;
+                        self.recover(step, micro, oom)?;
+                        continue 'attempt;
+                    }
+                    Err(e) => return Err(e),
                 }
-            } else {
-                self.session.run(ctx);
             }
-            loss_sum += self.session.read_f32(self.step_graph.loss)?[0] as f64;
-        }
+            break (loss_sum, grad_norm, node_times);
+        };
+        let k = self.config.accumulation;
         let secs = start.elapsed().as_secs_f64();
         let loss = (loss_sum / k as f64) as f32;
         if !loss.is_finite() {
             return Err(TrainError::NonFinite { step, loss });
         }
-        let grad_norm = match self.step_graph.grad_norm {
-            Some(t) => Some(self.session.read_f32(t)?[0]),
-            None => None,
-        };
         self.step = step;
         let tokens = (self.config.batch * self.config.block) as u64;
         self.tokens_seen += tokens;
@@ -453,6 +499,47 @@ impl Trainer {
             rss_bytes: snug_runtime::process::resident_set().map(|(rss, _)| rss),
         };
         Ok((stats, node_times))
+    }
+
+    /// One micro-batch of `step`: inputs in, forward and backward (and on the last micro-batch
+    /// the update), loss and gradient norm out, arena given back.
+    fn micro_step(
+        &mut self,
+        x: &[i32],
+        y: &[i32],
+        step: u64,
+        lr: f32,
+        micro: usize,
+        profile: bool,
+    ) -> Result<(f32, Option<f32>, Vec<f64>), TrainError> {
+        let k = self.config.accumulation;
+        let chunk = self.config.micro_batch() * self.config.block;
+        let vocab = self.model.vocab_size();
+        let range = micro * chunk..(micro + 1) * chunk;
+        let (x, y) = (&x[range.clone()], &y[range]);
+        self.session
+            .fill_i32(self.tokens, vocab, |out| out.copy_from_slice(x))?;
+        self.session
+            .fill_i32(self.targets, vocab, |out| out.copy_from_slice(y))?;
+        let ctx = ExecCtx {
+            lr,
+            step,
+            micro: micro as u32,
+            micro_steps: k as u32,
+        };
+        let times = if profile {
+            self.session.run_profiled(ctx)?
+        } else {
+            self.session.run(ctx)?;
+            Vec::new()
+        };
+        let loss = self.session.read_f32(self.step_graph.loss)?[0];
+        let grad_norm = match self.step_graph.grad_norm {
+            Some(t) if micro + 1 == k => Some(self.session.read_f32(t)?[0]),
+            _ => None,
+        };
+        self.session.release_arena();
+        Ok((loss, grad_norm, times))
     }
 
     /// Mean loss over `eval_batches` fixed micro-batches of the training and the validation
@@ -487,9 +574,10 @@ impl Trainer {
             fill_batch(split, &starts, block, &mut x, &mut y);
             self.session.write_i32(self.tokens, &x, vocab)?;
             self.session.write_i32(self.targets, &y, vocab)?;
-            self.session.run_only(ExecCtx::default(), &self.forward);
+            self.session.run_only(ExecCtx::default(), &self.forward)?;
             sum += self.session.read_f32(self.step_graph.loss)?[0] as f64;
         }
+        self.session.release_arena();
         Ok((sum / self.config.eval_batches as f64) as f32)
     }
 

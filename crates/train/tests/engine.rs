@@ -88,7 +88,7 @@ fn whole_model_gradients_match(cfg: &ModelConfig) {
         .collect();
     s.write_i32(tokens, &ids, 11).unwrap();
     s.write_i32(targets, &next, 11).unwrap();
-    s.run(ExecCtx::default());
+    s.run(ExecCtx::default()).unwrap();
     let grads: Vec<Vec<f32>> = step
         .params
         .iter()
@@ -105,7 +105,7 @@ fn whole_model_gradients_match(cfg: &ModelConfig) {
                 let mut v = values[k].clone();
                 v[i] += delta;
                 s.write_f32(slot.param, &v).unwrap();
-                s.run(ExecCtx::default());
+                s.run(ExecCtx::default()).unwrap();
                 s.read_f32(step.loss).unwrap()[0] as f64
             };
             let (up, down) = (loss_at(eps), loss_at(-eps));
@@ -349,7 +349,7 @@ fn memory_aware_schedule_is_valid_lower_and_exact() {
         for k in 1..=3 {
             s.write_i32(tokens, &ids, 512).unwrap();
             s.write_i32(targets, &ids, 512).unwrap();
-            s.run(ExecCtx::step(1e-2, k));
+            s.run(ExecCtx::step(1e-2, k)).unwrap();
             losses.push(s.read_f32(step.loss).unwrap()[0].to_bits());
         }
         let w: Vec<u32> = s
@@ -417,7 +417,7 @@ fn sgd_step_updates_parameters_exactly() {
         }
         s.write_i32(tokens, &ids, 65).unwrap();
         s.write_i32(targets, &ids, 65).unwrap();
-        s.run(ExecCtx::step(0.1, 1));
+        s.run(ExecCtx::step(0.1, 1)).unwrap();
         s
     };
     let (with_grads, updated) = (session(&grads_step), session(&sgd_step));

@@ -35,7 +35,7 @@ fn run_once(cfg: &GptConfig, step: &StepGraph, tokens: usize) -> (CpuSession, us
     };
     s.write_i32(step.inputs[0], &ids(31, 7), v).unwrap();
     s.write_i32(step.inputs[1], &ids(17, 3), v).unwrap();
-    s.run(ExecCtx::step(1e-2, 1));
+    s.run(ExecCtx::step(1e-2, 1)).unwrap();
     assert_eq!(alloc.peak_bytes(), peak, "measured peak equals the plan's");
     (s, peak)
 }
@@ -194,7 +194,7 @@ fn cse_and_dce_remove_duplicates_and_dead_nodes_bitwise() {
         let mut s = CpuSession::new(step.graph.clone(), p, Allocator::default(), 1).unwrap();
         let v: Vec<f32> = (0..64 * 64).map(|i| (i as f32 * 0.37).sin()).collect();
         s.write_f32(step.params[0].param, &v).unwrap();
-        s.run(ExecCtx::default());
+        s.run(ExecCtx::default()).unwrap();
         let loss = s.read_f32(step.loss).unwrap()[0];
         let grad = s.read_f32(step.params[0].grad).unwrap().to_vec();
         (loss, grad, peak, step.graph.nodes().len())

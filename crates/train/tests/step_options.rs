@@ -55,7 +55,7 @@ fn full_batch_grads(cfg: &GptConfig) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
     let mut b = build(cfg, 4, &StepOptions::new(OptimizerSpec::None));
     b.session.write_i32(b.tokens, &ids(32, 0), 13).unwrap();
     b.session.write_i32(b.targets, &ids(32, 1), 13).unwrap();
-    b.session.run(ExecCtx::step(LR, 1));
+    b.session.run(ExecCtx::step(LR, 1)).unwrap();
     let params = b
         .step
         .params
@@ -95,7 +95,7 @@ fn step_with(cfg: &GptConfig, opts: &StepOptions) -> (Vec<Vec<f32>>, Option<f32>
             step: 1,
             micro: micro as u32,
             micro_steps: k as u32,
-        });
+        }).unwrap();
     }
     let params = b
         .step

@@ -252,6 +252,17 @@ impl Allocator {
 
     /// A zeroed buffer of `bytes` bytes.
     pub fn alloc(&self, bytes: usize) -> Result<Buffer, OutOfMemory> {
+        self.alloc_inner(bytes, true)
+    }
+
+    /// A buffer of `bytes` bytes whose contents are unspecified when it comes from the cache
+    /// (fresh memory is zeroed by the system anyway): for storage that is always written before
+    /// it is read, such as a step's arena re-acquired every step.
+    pub fn alloc_uninit(&self, bytes: usize) -> Result<Buffer, OutOfMemory> {
+        self.alloc_inner(bytes, false)
+    }
+
+    fn alloc_inner(&self, bytes: usize, zeroed: bool) -> Result<Buffer, OutOfMemory> {
         let mut s = self.lock();
         let capacity = bytes
             .max(1)
@@ -263,13 +274,21 @@ impl Allocator {
             return Err(self.oom(&s, bytes));
         }
         if let Some(block) = s.cache.take(capacity) {
-            s.cache_hits += 1;
-            if over(&s) {
-                s.limit_overruns += 1;
+            // A reused block counts with its whole capacity: under a strict limit, one too
+            // large to fit goes back to the system and a fresh exact-size block is tried.
+            if !s.relaxed && s.active.saturating_add(block.capacity) > s.memory_limit {
+                release(block);
+            } else {
+                s.cache_hits += 1;
+                if over(&s) {
+                    s.limit_overruns += 1;
+                }
+                if zeroed {
+                    // SAFETY: the block holds `block.capacity ≥ bytes` bytes.
+                    unsafe { std::ptr::write_bytes(block.ptr.as_ptr(), 0, bytes) };
+                }
+                return Ok(self.hand_out(&mut s, block.ptr, bytes, block.capacity));
             }
-            // SAFETY: the block holds `block.capacity ≥ bytes` bytes; buffers are handed out zeroed.
-            unsafe { std::ptr::write_bytes(block.ptr.as_ptr(), 0, bytes) };
-            return Ok(self.hand_out(&mut s, block.ptr, bytes, block.capacity));
         }
         // Keep the footprint (active + cached) under the limit: release the oldest blocks first.
         while s

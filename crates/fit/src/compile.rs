@@ -1,0 +1,217 @@
+//! From a model and a step configuration to a planned-ready step graph: the forward graph, the
+//! forward passes, autodiff with the optimizer, the step passes, and rematerialization. Pure
+//! computation over shapes, so fit can compile many candidates without allocating a tensor.
+
+use serde::{Deserialize, Serialize};
+use snug_graph::ops::{AdamW, Sgd};
+use snug_graph::{passes, DType, OptimizerSpec, StepGraph, StepOptions, TensorId};
+use snug_nn::ModelConfig;
+use snug_plan::PlanOptions;
+
+use crate::FitError;
+
+/// Activation checkpointing mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Remat {
+    #[default]
+    None,
+    /// Keep only the residual stream between segments of `blocks` blocks.
+    Blocks { blocks: usize },
+    /// Keep matmul and attention outputs; recompute norms, activations, elementwise ops.
+    Selective,
+    /// Recompute the values cheapest per byte, just enough for the step to fit `bytes`.
+    Budget { bytes: usize },
+}
+
+impl std::str::FromStr for Remat {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Remat, String> {
+        let bad = || format!("`{s}` is not one of none, block, block:K, selective, budget:SIZE");
+        if let Some(size) = s.trim().strip_prefix("budget:") {
+            return snug_plan::parse_bytes(size)
+                .map(|bytes| Remat::Budget { bytes })
+                .map_err(|e| format!("`{s}`: {e}"));
+        }
+        match s.trim() {
+            "none" => Ok(Remat::None),
+            "block" => Ok(Remat::Blocks { blocks: 1 }),
+            "selective" => Ok(Remat::Selective),
+            other => match other.strip_prefix("block:").map(str::parse::<usize>) {
+                Some(Ok(k)) if k >= 1 => Ok(Remat::Blocks { blocks: k }),
+                _ => Err(bad()),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for Remat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Remat::None => f.write_str("none"),
+            Remat::Blocks { blocks: 1 } => f.write_str("block"),
+            Remat::Blocks { blocks } => write!(f, "block:{blocks}"),
+            Remat::Selective => f.write_str("selective"),
+            Remat::Budget { bytes } => write!(f, "budget:{bytes}"),
+        }
+    }
+}
+
+/// A graph pass applied when the step is compiled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Pass {
+    /// LM head + cross-entropy fused and chunked over tokens: no `tokens × vocab` logits.
+    #[serde(rename = "fused-ce")]
+    FusedCrossEntropy,
+    /// Common-subexpression elimination on the step graph.
+    #[serde(rename = "cse")]
+    Cse,
+    /// Dead-code elimination on the step graph.
+    #[serde(rename = "dce")]
+    Dce,
+}
+
+impl Pass {
+    pub const ALL: [Pass; 3] = [Pass::FusedCrossEntropy, Pass::Cse, Pass::Dce];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Pass::FusedCrossEntropy => "fused-ce",
+            Pass::Cse => "cse",
+            Pass::Dce => "dce",
+        }
+    }
+}
+
+/// The optimizer a step ends with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    AdamW,
+    Sgd,
+}
+
+
+/// Everything about a training step besides the model and its batch shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepConfig {
+    pub precision: DType,
+    pub optimizer: OptimizerKind,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub weight_decay: f32,
+    /// Micro-batches per optimizer step.
+    pub accumulation: usize,
+    /// Global gradient-norm clip (0: off).
+    pub grad_clip: f32,
+    pub passes: Vec<Pass>,
+    pub remat: Remat,
+}
+
+impl Default for StepConfig {
+    fn default() -> Self {
+        StepConfig {
+            precision: DType::F32,
+            optimizer: OptimizerKind::AdamW,
+            beta1: 0.9,
+            beta2: 0.95,
+            weight_decay: 0.1,
+            accumulation: 1,
+            grad_clip: 1.0,
+            passes: Vec::new(),
+            remat: Remat::None,
+        }
+    }
+}
+
+/// A compiled training step and the inputs a trainer feeds.
+#[derive(Debug, Clone)]
+pub struct CompiledStep {
+    pub step: StepGraph,
+    pub tokens: TensorId,
+    pub targets: TensorId,
+}
+
+/// Compiles the training step of `model` for micro-batches of `micro_batch × block` tokens.
+pub fn compile_step(
+    model: &ModelConfig,
+    micro_batch: usize,
+    block: usize,
+    threads: usize,
+    config: &StepConfig,
+) -> Result<CompiledStep, FitError> {
+    let mut g = model.build(micro_batch, block, threads, config.precision)?;
+    // Forward-graph passes run before autodiff (their ops bring their own gradients).
+    if config.passes.contains(&Pass::FusedCrossEntropy) {
+        let (r, _) = passes::fuse_lm_head_loss(&g.graph, passes::DEFAULT_CHUNK_BYTES)?;
+        g = g.rewritten(r)?;
+    }
+    let adamw = AdamW {
+        beta1: config.beta1,
+        beta2: config.beta2,
+        eps: 1e-8,
+        weight_decay: config.weight_decay,
+    };
+    let optimizer = match config.optimizer {
+        OptimizerKind::AdamW => OptimizerSpec::AdamW(adamw),
+        OptimizerKind::Sgd => OptimizerSpec::Sgd(Sgd {
+            weight_decay: config.weight_decay,
+        }),
+    };
+    let options = StepOptions {
+        optimizer,
+        micro_steps: config.accumulation,
+        clip_grad_norm: (config.grad_clip > 0.0).then_some(config.grad_clip),
+        grad_norm: true,
+    };
+    let mut step = StepGraph::build_with(g.graph, g.loss, &options)?;
+    let (mut tokens, mut targets) = (g.tokens, g.targets);
+    for pass in &config.passes {
+        let (r, _) = match pass {
+            Pass::FusedCrossEntropy => continue,
+            Pass::Cse => passes::eliminate_common_subexpressions(&step.graph)?,
+            Pass::Dce => passes::eliminate_dead_code(&step.graph)?,
+        };
+        (tokens, targets) = (r.map(tokens)?, r.map(targets)?);
+        let forward = r.surviving(step.forward_nodes);
+        step = step.rewritten(r, forward)?;
+    }
+    let policy = match config.remat {
+        Remat::None => {
+            return Ok(CompiledStep {
+                step,
+                tokens,
+                targets,
+            })
+        }
+        Remat::Blocks { blocks } => passes::RematPolicy::Uniform {
+            blocks_per_segment: blocks,
+        },
+        Remat::Selective => passes::RematPolicy::Selective,
+        Remat::Budget { bytes } => {
+            let chosen = snug_plan::remat_for_budget(&step, bytes, &PlanOptions::default())?;
+            // Inputs keep their positions in `StepGraph::inputs` through a rewrite.
+            let find = |old: TensorId| {
+                let i = step.inputs.iter().position(|&t| t == old)?;
+                chosen.step.inputs.get(i).copied()
+            };
+            let (Some(tokens), Some(targets)) = (find(tokens), find(targets)) else {
+                return Err(FitError::LostInputs);
+            };
+            return Ok(CompiledStep {
+                step: chosen.step,
+                tokens,
+                targets,
+            });
+        }
+    };
+    let (r, _) = passes::rematerialize(&step, policy)?;
+    let (tokens, targets) = (r.map(tokens)?, r.map(targets)?);
+    let step = step.rewritten(r, step.forward_nodes)?;
+    Ok(CompiledStep {
+        step,
+        tokens,
+        targets,
+    })
+}

@@ -1,0 +1,357 @@
+//! The search: compile every candidate configuration (nothing allocated), plan it for its exact
+//! peak, predict its step time, and keep the fastest that fits.
+//!
+//! The space is micro-batch (every divisor of the effective batch, the rest made up by
+//! accumulation) × rematerialization (none; and where none does not fit: selective, per block,
+//! every two blocks, and the least recompute that fits the budget) × the fused LM head +
+//! cross-entropy pass (on, or as the user set it). Precision stays the user's: the CPU backend
+//! runs f32 only.
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+use serde::Serialize;
+use snug_graph::DType;
+use snug_nn::ModelConfig;
+use snug_plan::{plan, PlanOptions};
+
+use crate::compile::{compile_step, Pass, Remat, StepConfig};
+use crate::cost_model::MachineProfile;
+use crate::FitError;
+
+/// Where the step runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Device {
+    Cpu { threads: usize },
+}
+
+/// The model being fitted: its architecture, sequence length and the user's step settings
+/// (optimizer, clipping, passes), which the search varies only where it must.
+#[derive(Debug, Clone)]
+pub struct FitModel {
+    pub model: ModelConfig,
+    pub block: usize,
+    pub step: StepConfig,
+}
+
+/// The knobs one candidate sets.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FitConfig {
+    pub micro_batch: usize,
+    pub accumulation: usize,
+    #[serde(serialize_with = "display")]
+    pub remat: Remat,
+    pub passes: Vec<Pass>,
+    pub precision: DType,
+}
+
+fn display<S: serde::Serializer, T: std::fmt::Display>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(v)
+}
+
+impl FitConfig {
+    /// The user's step settings with this candidate's knobs applied.
+    pub fn apply(&self, base: &StepConfig) -> StepConfig {
+        StepConfig {
+            accumulation: self.accumulation,
+            remat: self.remat,
+            passes: self.passes.clone(),
+            precision: self.precision,
+            ..base.clone()
+        }
+    }
+
+    /// The knobs of a running configuration.
+    pub fn of(step: &StepConfig, batch: usize) -> FitConfig {
+        FitConfig {
+            micro_batch: batch / step.accumulation.max(1),
+            accumulation: step.accumulation.max(1),
+            remat: step.remat,
+            passes: step.passes.clone(),
+            precision: step.precision,
+        }
+    }
+}
+
+impl std::fmt::Display for FitConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "micro-batch {} × {}, remat {}",
+            self.micro_batch, self.accumulation, self.remat
+        )?;
+        let passes: Vec<&str> = self.passes.iter().map(|p| p.name()).collect();
+        if !passes.is_empty() {
+            write!(f, ", passes {}", passes.join(","))?;
+        }
+        write!(f, ", {}", self.precision)
+    }
+}
+
+/// Why a candidate was or was not chosen.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "verdict", rename_all = "snake_case")]
+pub enum Verdict {
+    Chosen,
+    /// Its planned peak exceeds the budget.
+    OverBudget,
+    /// It fits, but the chosen one is predicted faster by this factor.
+    Slower { ratio: f64 },
+    /// It could not be compiled or planned.
+    Failed { reason: String },
+}
+
+/// One configuration considered.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Candidate {
+    pub config: FitConfig,
+    pub peak_bytes: Option<usize>,
+    pub predicted_seconds: Option<f64>,
+    #[serde(flatten)]
+    pub verdict: Verdict,
+}
+
+/// Everything the search considered, and what it chose.
+#[derive(Debug, Clone, Serialize)]
+pub struct FitReport {
+    pub budget: usize,
+    pub effective_batch: usize,
+    pub block: usize,
+    /// Whether predictions come from this machine's calibration (else nominal figures).
+    pub calibrated: bool,
+    pub candidates: Vec<Candidate>,
+    /// Index into `candidates`.
+    pub chosen: Option<usize>,
+    pub search_seconds: f64,
+}
+
+impl FitReport {
+    pub fn chosen(&self) -> Option<&Candidate> {
+        self.chosen.map(|i| &self.candidates[i])
+    }
+
+    /// The error a caller reports when nothing fits: the smallest peak any candidate reached.
+    pub fn nothing_fits(&self) -> FitError {
+        let smallest = self
+            .candidates
+            .iter()
+            .filter_map(|c| Some((c.peak_bytes?, c)))
+            .min_by_key(|(p, _)| *p);
+        FitError::NothingFits {
+            budget: self.budget,
+            smallest: smallest.map_or(0, |(p, _)| p),
+            config: smallest.map_or_else(|| "none compiled".into(), |(_, c)| c.config.to_string()),
+        }
+    }
+}
+
+/// The fastest configuration whose planned peak fits `budget` bytes, training
+/// `target_effective_batch` sequences per optimizer step; an error names the smallest peak
+/// reachable when nothing fits.
+pub fn suggest_config(
+    model: &FitModel,
+    budget: usize,
+    devices: &[Device],
+    target_effective_batch: usize,
+    machine: &MachineProfile,
+) -> Result<FitReport, FitError> {
+    let report = search(model, budget, devices, target_effective_batch, machine, None)?;
+    match report.chosen {
+        Some(_) => Ok(report),
+        None => Err(report.nothing_fits()),
+    }
+}
+
+/// The whole table, whether or not anything fits. `max_micro_batch` bounds the micro-batches
+/// tried (recovery never grows them).
+pub fn search(
+    model: &FitModel,
+    budget: usize,
+    devices: &[Device],
+    effective_batch: usize,
+    machine: &MachineProfile,
+    max_micro_batch: Option<usize>,
+) -> Result<FitReport, FitError> {
+    let start = Instant::now();
+    let threads = match devices {
+        [Device::Cpu { threads }] => (*threads).max(1),
+        [] => {
+            return Err(FitError::Invalid {
+                field: "devices",
+                detail: "is empty: give the device to fit".into(),
+            })
+        }
+        _ => {
+            return Err(FitError::Invalid {
+                field: "devices",
+                detail: format!(
+                    "lists {} devices; sharding across devices is not implemented, fit one",
+                    devices.len()
+                ),
+            })
+        }
+    };
+    if effective_batch == 0 {
+        return Err(FitError::Invalid {
+            field: "effective_batch",
+            detail: "must be at least 1".into(),
+        });
+    }
+    let micro_batches: Vec<usize> = (1..=effective_batch)
+        .rev()
+        .filter(|m| effective_batch % m == 0)
+        .filter(|&m| max_micro_batch.is_none_or(|max| m <= max))
+        .collect();
+    let mut pass_sets = vec![model.step.passes.clone()];
+    if !model.step.passes.contains(&Pass::FusedCrossEntropy) {
+        let mut with = vec![Pass::FusedCrossEntropy];
+        with.extend(model.step.passes.iter().copied());
+        pass_sets.push(with);
+    }
+    let config = |micro_batch: usize, passes: &Vec<Pass>, remat: Remat| FitConfig {
+        micro_batch,
+        accumulation: effective_batch / micro_batch,
+        remat,
+        passes: passes.clone(),
+        precision: model.step.precision,
+    };
+    let evaluate = |c: FitConfig| evaluate(model, c, threads, machine);
+
+    // No recomputation first; remat only where that does not fit.
+    let plain: Vec<FitConfig> = micro_batches
+        .iter()
+        .flat_map(|&m| pass_sets.iter().map(move |p| (m, p)))
+        .map(|(m, p)| config(m, p, Remat::None))
+        .collect();
+    let mut candidates: Vec<Candidate> = plain.into_par_iter().map(evaluate).collect();
+    let remat: Vec<FitConfig> = candidates
+        .iter()
+        .filter(|c| c.peak_bytes.is_some_and(|p| p > budget))
+        .flat_map(|c| {
+            [
+                Remat::Selective,
+                Remat::Blocks { blocks: 2 },
+                Remat::Blocks { blocks: 1 },
+                Remat::Budget { bytes: budget },
+            ]
+            .map(|r| FitConfig {
+                remat: r,
+                ..c.config.clone()
+            })
+        })
+        .collect();
+    candidates.extend(remat.into_par_iter().map(evaluate).collect::<Vec<_>>());
+
+    let fastest = candidates
+        .iter()
+        .enumerate()
+        .filter_map(|(i, c)| match (c.peak_bytes, c.predicted_seconds) {
+            (Some(p), Some(t)) if p <= budget => Some((i, t)),
+            _ => None,
+        })
+        // Ties (equal predictions) go to the earlier candidate: larger micro-batch, less remat.
+        .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
+    let chosen = fastest.map(|(i, _)| i);
+    for (i, c) in candidates.iter_mut().enumerate() {
+        if matches!(c.verdict, Verdict::Failed { .. }) {
+            continue;
+        }
+        c.verdict = match (fastest, c.peak_bytes, c.predicted_seconds) {
+            (Some((f, _)), _, _) if f == i => Verdict::Chosen,
+            (_, Some(p), _) if p > budget => Verdict::OverBudget,
+            (Some((_, best)), _, Some(t)) => Verdict::Slower { ratio: t / best },
+            _ => Verdict::OverBudget,
+        };
+    }
+    Ok(FitReport {
+        budget,
+        effective_batch,
+        block: model.block,
+        calibrated: machine.is_measured(),
+        candidates,
+        chosen,
+        search_seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+fn evaluate(
+    model: &FitModel,
+    config: FitConfig,
+    threads: usize,
+    machine: &MachineProfile,
+) -> Candidate {
+    let step_config = config.apply(&model.step);
+    let result = compile_step(
+        &model.model,
+        config.micro_batch,
+        model.block,
+        threads,
+        &step_config,
+    )
+    .and_then(|c| {
+        let p = plan(&c.step.graph, &PlanOptions::default())?;
+        Ok((p.peak_bytes(), machine.step_seconds(&c.step, &p.schedule)))
+    });
+    match result {
+        Ok((peak, seconds)) => Candidate {
+            config,
+            peak_bytes: Some(peak),
+            predicted_seconds: Some(seconds),
+            verdict: Verdict::OverBudget,
+        },
+        // A budget no remat reaches is a plain "does not fit", with the smallest peak.
+        Err(FitError::RematBudget { smallest, .. }) => Candidate {
+            config,
+            peak_bytes: Some(smallest),
+            predicted_seconds: None,
+            verdict: Verdict::OverBudget,
+        },
+        Err(e) => Candidate {
+            config,
+            peak_bytes: None,
+            predicted_seconds: None,
+            verdict: Verdict::Failed {
+                reason: e.to_string(),
+            },
+        },
+    }
+}
+
+/// What failed: the allocator's limit and the request it refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct MemoryFailure {
+    /// The limit in force (`usize::MAX` when the system itself refused).
+    pub limit: usize,
+    pub requested: usize,
+    pub active: usize,
+}
+
+/// A configuration to carry on with after `failure`: the fastest predicted one, at the same
+/// effective batch and micro-batches no larger than now, whose planned peak is under the limit
+/// (or, when the system refused with no limit set, under the current plan's peak). With equal
+/// predictions the search order decides: smaller micro-batch with more accumulation before
+/// more remat. Precision is not lowered: the CPU backend runs f32 only.
+pub fn suggest_recovery_config(
+    model: &FitModel,
+    current: &FitConfig,
+    current_peak: usize,
+    failure: &MemoryFailure,
+    devices: &[Device],
+    machine: &MachineProfile,
+) -> Result<FitReport, FitError> {
+    let budget = failure.limit.min(current_peak.saturating_sub(1));
+    let batch = current.micro_batch * current.accumulation;
+    let report = search(
+        model,
+        budget,
+        devices,
+        batch,
+        machine,
+        Some(current.micro_batch),
+    )?;
+    match report.chosen {
+        Some(_) => Ok(report),
+        None => Err(report.nothing_fits()),
+    }
+}

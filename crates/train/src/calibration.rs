@@ -1,0 +1,210 @@
+//! Measuring this machine for fit's cost model: every kernel class the model builders emit is
+//! timed on one-layer probe models at the shapes snug's presets use (a GPT at width 384 and
+//! 768, sequence 256 and 1024, vocabulary 65 and 50,257, the fused and the plain LM head, and
+//! a Llama block), plus a memory-bandwidth probe. The result is cached as JSON under the user's
+//! cache directory (`$SNUG_CACHE_DIR`, else e.g. `~/.cache/snug`), one file per thread count.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use snug_fit::{compile_step, node_work, MachineProfile, Pass, Sample, StepConfig, PROFILE_VERSION};
+use snug_nn::ModelConfig;
+use snug_plan::{plan, PlanOptions};
+use snug_runtime::{Allocator, CpuSession, ExecCtx};
+
+use crate::TrainError;
+
+/// The cache file for `threads` worker threads.
+pub fn cache_path(threads: usize) -> Option<PathBuf> {
+    let dir = match std::env::var_os("SNUG_CACHE_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => dirs::cache_dir()?.join("snug"),
+    };
+    Some(dir.join(format!("machine-{threads}t.json")))
+}
+
+/// This machine's CPU model, as the OS names it.
+pub fn cpu_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|v| v.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
+/// The cached profile for `threads`, if one was measured by this version on this CPU.
+pub fn cached(threads: usize) -> Option<MachineProfile> {
+    let text = std::fs::read_to_string(cache_path(threads)?).ok()?;
+    let p = MachineProfile::from_json(&text).ok()?;
+    (p.version == PROFILE_VERSION && p.threads == threads && p.cpu == cpu_name()).then_some(p)
+}
+
+/// The cached profile, or a fresh measurement (saved to the cache) when there is none or
+/// `recalibrate` is set. The flag says whether it was measured now.
+pub fn machine_profile(
+    threads: usize,
+    recalibrate: bool,
+) -> Result<(MachineProfile, bool), TrainError> {
+    if !recalibrate {
+        if let Some(p) = cached(threads) {
+            return Ok((p, false));
+        }
+    }
+    let p = calibrate(threads)?;
+    if let Some(path) = cache_path(threads) {
+        save(&path, &p)?;
+    }
+    Ok((p, true))
+}
+
+fn save(path: &std::path::Path, p: &MachineProfile) -> Result<(), TrainError> {
+    let io = |source| TrainError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(io)?;
+    }
+    // Written aside and renamed, so a reader never sees half a file.
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, p.to_json()).map_err(io)?;
+    std::fs::rename(&tmp, path).map_err(io)
+}
+
+struct Probe {
+    preset: &'static str,
+    layers: usize,
+    heads: usize,
+    width: usize,
+    block: usize,
+    vocab: usize,
+    batch: usize,
+    accumulation: usize,
+    fused: bool,
+    runs: usize,
+}
+
+#[rustfmt::skip]
+const PROBES: &[Probe] = &[
+    // char-small's shapes, at two batch sizes, one with accumulation.
+    Probe { preset: "gpt2", layers: 1, heads: 6, width: 384, block: 256, vocab: 65, batch: 4, accumulation: 2, fused: false, runs: 3 },
+    Probe { preset: "gpt2", layers: 1, heads: 6, width: 384, block: 256, vocab: 65, batch: 16, accumulation: 1, fused: false, runs: 3 },
+    Probe { preset: "gpt2", layers: 1, heads: 6, width: 384, block: 256, vocab: 65, batch: 8, accumulation: 1, fused: true, runs: 3 },
+    // GPT-2 small's shapes, with the fused and the plain LM head.
+    Probe { preset: "gpt2", layers: 1, heads: 12, width: 768, block: 1024, vocab: 50257, batch: 1, accumulation: 1, fused: true, runs: 2 },
+    Probe { preset: "gpt2", layers: 1, heads: 12, width: 768, block: 1024, vocab: 50257, batch: 1, accumulation: 1, fused: false, runs: 2 },
+    // The Llama block's kernels (RMSNorm, RoPE, SwiGLU, grouped-query attention).
+    Probe { preset: "llama-tiny", layers: 1, heads: 0, width: 0, block: 256, vocab: 512, batch: 8, accumulation: 1, fused: false, runs: 3 },
+];
+
+/// Times every probe (one warm-up run, then `runs` timed ones, every node separately) and the
+/// memory bandwidth.
+pub fn calibrate(threads: usize) -> Result<MachineProfile, TrainError> {
+    let mut samples = Vec::new();
+    for probe in PROBES {
+        samples.extend(run_probe(probe, threads)?);
+    }
+    let gemm_peak_flops = samples
+        .iter()
+        .filter(|s| s.class.starts_with("matmul"))
+        .map(|s| s.work / s.seconds)
+        .fold(0.0, f64::max);
+    let mut secs: Vec<f64> = samples.iter().map(|s| s.seconds).collect();
+    secs.sort_by(f64::total_cmp);
+    let overhead = secs.get(secs.len() / 20).copied().unwrap_or(5e-6);
+    Ok(MachineProfile::new(
+        threads,
+        cpu_name(),
+        gemm_peak_flops,
+        bandwidth(),
+        overhead,
+        samples,
+    ))
+}
+
+fn run_probe(p: &Probe, threads: usize) -> Result<Vec<Sample>, TrainError> {
+    let mut model = ModelConfig::preset(p.preset)?;
+    let shape = |v: usize| (v > 0).then_some(v);
+    model.override_shape(
+        Some(p.layers),
+        shape(p.heads),
+        shape(p.width),
+        Some(p.block.max(model.max_seq())),
+    );
+    model.set_vocab_size(p.vocab);
+    let step_config = StepConfig {
+        accumulation: p.accumulation,
+        passes: if p.fused {
+            vec![Pass::FusedCrossEntropy]
+        } else {
+            Vec::new()
+        },
+        ..StepConfig::default()
+    };
+    let compiled = compile_step(&model, p.batch, p.block, threads, &step_config)?;
+    let memory_plan = plan(&compiled.step.graph, &PlanOptions::default())?;
+    let schedule = memory_plan.schedule.clone();
+    let mut session = CpuSession::new(
+        compiled.step.graph.clone(),
+        memory_plan,
+        Allocator::new(snug_runtime::Device::Cpu),
+        threads,
+    )?;
+    for (name, values) in model.init_parameters(1) {
+        if let Some(slot) = compiled.step.params.iter().find(|s| s.name == name) {
+            session.write_f32(slot.param, &values)?;
+        }
+    }
+    let n = p.batch / p.accumulation * p.block;
+    let ids: Vec<i32> = (0..n).map(|i| ((i * 7919 + 13) % p.vocab) as i32).collect();
+    session.write_i32(compiled.tokens, &ids, p.vocab)?;
+    session.write_i32(compiled.targets, &ids, p.vocab)?;
+    let mut samples = Vec::new();
+    for run in 0..=p.runs {
+        for micro in 0..p.accumulation {
+            let ctx = ExecCtx {
+                lr: 1e-4,
+                step: run as u64 + 1,
+                micro: micro as u32,
+                micro_steps: p.accumulation as u32,
+            };
+            let times = session.run_profiled(ctx)?;
+            let last = micro + 1 == p.accumulation;
+            // The first run warms caches and pages; optimizer kernels count on the last micro.
+            if run == 0 {
+                continue;
+            }
+            for (&node, t) in schedule.iter().zip(times) {
+                let (class, work, _) = node_work(&compiled.step.graph, node);
+                let is_update = matches!(class.as_str(), "adamw" | "sgd");
+                if work > 0.0 && (last || !is_update) {
+                    samples.push(Sample {
+                        class,
+                        work,
+                        seconds: t,
+                    });
+                }
+            }
+        }
+    }
+    Ok(samples)
+}
+
+/// Bytes per second copying 256 MiB (read and write both counted), best of five.
+fn bandwidth() -> f64 {
+    let n = 32 << 20;
+    let src = vec![1.0f32; n];
+    let mut dst = vec![0.0f32; n];
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let start = Instant::now();
+        dst.copy_from_slice(&src);
+        best = best.min(start.elapsed().as_secs_f64());
+        std::hint::black_box(&mut dst);
+    }
+    (2 * n * std::mem::size_of::<f32>()) as f64 / best.max(1e-9)
+}
