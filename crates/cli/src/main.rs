@@ -1,6 +1,7 @@
 //! `snug`: plan a training step's memory before anything runs, and train.
 
 mod export_cmd;
+mod fit_cmd;
 mod plan_cmd;
 mod prepare_cmd;
 mod profile_cmd;
@@ -30,6 +31,8 @@ enum Command {
     Train(Box<train_cmd::TrainArgs>),
     /// Print a training step's predicted peak memory and its breakdown, allocating no tensor.
     Plan(plan_cmd::PlanArgs),
+    /// The fastest configuration that fits a memory budget, and every candidate considered.
+    Fit(fit_cmd::FitArgs),
     /// Time one training step op by op.
     Profile(profile_cmd::ProfileArgs),
     /// Tokenize a text file into train.bin and val.bin for `--data DIR`.
@@ -145,6 +148,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Train(args) => train_cmd::run(*args),
         Command::Plan(args) => plan_cmd::run(args),
+        Command::Fit(args) => fit_cmd::run(args),
         Command::Profile(args) => profile_cmd::run(args),
         Command::Prepare(args) => prepare_cmd::run(args),
         Command::Sample(args) => sample_cmd::run(args),

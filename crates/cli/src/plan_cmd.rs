@@ -103,9 +103,14 @@ pub fn run(args: PlanArgs) -> Result<()> {
             let mut c = cfg.clone();
             c.passes.truncate(k);
             c.remat = snug_train::Remat::None;
-            let step =
-                snug_fit::compile_step(&gpt, c.micro_batch(), c.block, c.threads, &c.step_config())?
-                    .step;
+            let step = snug_fit::compile_step(
+                &gpt,
+                c.micro_batch(),
+                c.block,
+                c.threads,
+                &c.step_config(),
+            )?
+            .step;
             Ok(plan(&step.graph, &PlanOptions::default())?.peak_bytes())
         };
         let mut before = peak_with(0)?;

@@ -27,6 +27,8 @@ struct OpRow {
     op: String,
     calls: usize,
     ms: f64,
+    /// What fit's cost model predicts for these calls (with a cached calibration).
+    predicted_ms: Option<f64>,
     share: f64,
     gflop_per_s: f64,
 }
@@ -40,7 +42,9 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     trainer.train_step()?;
     let graph = trainer.session().graph().clone();
     let schedule = trainer.plan().schedule.clone();
-    let mut rows: BTreeMap<String, (usize, f64, u64)> = BTreeMap::new();
+    let machine = snug_train::calibration::cached(trainer.config().threads);
+    let micro = trainer.config().accumulation as f64;
+    let mut rows: BTreeMap<String, (usize, f64, u64, f64)> = BTreeMap::new();
     let steps = args.steps.max(1);
     for _ in 0..steps {
         let (_, times) = trainer.train_step_profiled()?;
@@ -62,15 +66,20 @@ pub fn run(args: ProfileArgs) -> Result<()> {
             e.0 += 1;
             e.1 += t;
             e.2 += node.op.flops(&ins, &outs);
+            if let Some(m) = &machine {
+                let once = matches!(node.op, Op::AdamW(_) | Op::Sgd(_));
+                e.3 += m.node_seconds(&graph, nid) * if once { 1.0 } else { micro };
+            }
         }
     }
     let total: f64 = rows.values().map(|r| r.1).sum();
     let mut table: Vec<OpRow> = rows
         .into_iter()
-        .map(|(op, (calls, secs, flops))| OpRow {
+        .map(|(op, (calls, secs, flops, predicted))| OpRow {
             op,
             calls: calls / steps as usize,
             ms: secs * 1e3 / steps as f64,
+            predicted_ms: machine.as_ref().map(|_| predicted * 1e3 / steps as f64),
             share: secs / total,
             gflop_per_s: flops as f64 / secs / 1e9,
         })
@@ -84,14 +93,19 @@ pub fn run(args: ProfileArgs) -> Result<()> {
         "step time {:.1} ms (mean of {steps} profiled steps)",
         total * 1e3 / steps as f64
     );
+    if machine.is_some() {
+        let predicted: f64 = table.iter().filter_map(|r| r.predicted_ms).sum();
+        println!("predicted by fit's cost model {predicted:.1} ms (calibrated kernel timings)");
+    }
     println!(
-        "{:>10} {:>6} {:>6} {:>9}  op",
-        "ms", "share", "calls", "GFLOP/s"
+        "{:>10} {:>10} {:>6} {:>6} {:>9}  op",
+        "ms", "predicted", "share", "calls", "GFLOP/s"
     );
     for r in &table {
         println!(
-            "{:>10.2} {:>5.1}% {:>6} {:>9.1}  {}",
+            "{:>10.2} {:>10} {:>5.1}% {:>6} {:>9.1}  {}",
             r.ms,
+            r.predicted_ms.map_or("-".into(), |p| format!("{p:.2}")),
             100.0 * r.share,
             r.calls,
             r.gflop_per_s,

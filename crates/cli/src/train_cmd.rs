@@ -73,6 +73,19 @@ pub struct TrainArgs {
     /// Make --memory-limit strict: an allocation over it fails with an out-of-memory error.
     #[arg(long, requires = "memory_limit")]
     strict: bool,
+    /// Train with the fastest configuration whose planned peak fits this budget (`snug fit`
+    /// chooses micro-batch × accumulation, remat and passes; --batch stays the effective
+    /// batch), and hold the run to it as a strict limit: a size (2GiB) or `auto`.
+    #[arg(long, value_name = "SIZE|auto", conflicts_with = "memory_limit")]
+    memory: Option<String>,
+    /// With --memory: measure this machine's kernels again instead of using the cached
+    /// calibration.
+    #[arg(long, requires = "memory")]
+    recalibrate: bool,
+    /// Simulate memory pressure: lower the strict memory limit to SIZE before step STEP (the
+    /// run recovers with a smaller configuration, redoing that step).
+    #[arg(long, value_name = "STEP:SIZE")]
+    lower_memory_at: Option<String>,
     /// One JSON object per step and evaluation, then a summary object.
     #[arg(long)]
     json: bool,
@@ -104,6 +117,52 @@ struct Summary {
     parameters: usize,
     checkpoint: Option<PathBuf>,
     metrics: Option<PathBuf>,
+}
+
+/// With `--memory`: runs fit and applies its choice, with the budget as a strict limit.
+fn fit_to_memory(args: &TrainArgs, cfg: &mut TrainConfig, vocab: usize) -> Result<()> {
+    let Some(memory) = &args.memory else {
+        return Ok(());
+    };
+    let budget = crate::fit_cmd::parse_budget(memory)?;
+    let report = crate::fit_cmd::fit_config(cfg, Some(vocab), budget, cfg.batch, args.recalibrate)?;
+    let Some(chosen) = report.chosen() else {
+        if !args.json {
+            crate::fit_cmd::print_table(&report);
+        }
+        return Err(report.nothing_fits().into());
+    };
+    if args.json {
+        print_json("fit", &report)?;
+    } else {
+        println!(
+            "fit: {} for a budget of {} (planned peak {}, predicted {:.3} s per step; {} candidates in {:.2} s)",
+            chosen.config,
+            human_bytes(budget),
+            chosen.peak_bytes.map_or("-".into(), human_bytes),
+            chosen.predicted_seconds.unwrap_or(0.0),
+            report.candidates.len(),
+            report.search_seconds
+        );
+    }
+    cfg.apply_fit(&chosen.config);
+    cfg.memory_limit = Some(budget);
+    cfg.strict_memory_limit = true;
+    Ok(())
+}
+
+/// `STEP:SIZE` of `--lower-memory-at`.
+fn parse_lower_at(text: &str) -> Result<(u64, usize)> {
+    let (step, size) = text
+        .split_once(':')
+        .with_context(|| format!("--lower-memory-at `{text}`: expected STEP:SIZE, e.g. 5:400MB"))?;
+    let step = step
+        .trim()
+        .parse()
+        .with_context(|| format!("--lower-memory-at `{text}`: step `{step}` is not a number"))?;
+    let size =
+        snug_runtime::parse_bytes(size).with_context(|| format!("--lower-memory-at `{text}`"))?;
+    Ok((step, size))
 }
 
 /// Sets the stop flag on SIGINT/SIGTERM; a second signal ends the process at once.
@@ -154,9 +213,10 @@ pub fn run(args: TrainArgs) -> Result<()> {
                         .map_or_else(|| PathBuf::from("."), |p| p.to_path_buf())
                 });
             }
-            let cfg =
+            let mut cfg =
                 TrainConfig::resolve_resumed(ckpt.config.clone(), config_file, &model, &train)?;
             let data = TokenDataset::load(&DataSource::from(&cfg.data))?;
+            fit_to_memory(&args, &mut cfg, data.tokenizer.vocab_size())?;
             let summary = data_line(&data);
             let trainer = Trainer::resume(cfg.clone(), data, allocator.clone(), &ckpt)
                 .with_context(|| format!("resuming from {}", path.display()))?;
@@ -164,8 +224,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
             (cfg, summary, trainer)
         }
         None => {
-            let cfg = TrainConfig::resolve(config_file, &model, &train)?;
+            let mut cfg = TrainConfig::resolve(config_file, &model, &train)?;
             let data = TokenDataset::load(&DataSource::from(&cfg.data))?;
+            fit_to_memory(&args, &mut cfg, data.tokenizer.vocab_size())?;
             let summary = data_line(&data);
             let trainer = Trainer::with_allocator(cfg.clone(), data, allocator.clone())
                 .context("setting up training")?;
@@ -193,6 +254,20 @@ pub fn run(args: TrainArgs) -> Result<()> {
             human_bytes(plan.lower_bound_bytes)
         );
     }
+    let lower_at = args
+        .lower_memory_at
+        .as_deref()
+        .map(parse_lower_at)
+        .transpose()?;
+    let lower = |step: u64| {
+        if let Some((at, bytes)) = lower_at {
+            if step + 1 == at {
+                allocator.set_memory_limit(bytes, false);
+                tracing::warn!("memory limit lowered to {bytes} bytes (strict) before step {at}");
+            }
+        }
+    };
+    lower(trainer.steps_done());
     let stop = stop_flag()?;
     let bar = if json {
         ProgressBar::hidden()
@@ -208,7 +283,28 @@ pub fn run(args: TrainArgs) -> Result<()> {
     };
     let mut out_err: Option<serde_json::Error> = None;
     let result = snug_train::run(&mut trainer, &stop, |event| match event {
+        Event::Recovered(r) => {
+            if json {
+                if let Err(e) = print_json("recovery", r) {
+                    out_err.get_or_insert(e);
+                }
+            } else {
+                bar.suspend(|| {
+                    println!(
+                        "recovered at step {} (micro-batch {}): out of memory under a limit of {}; now {} (planned peak {}, was {} with {})",
+                        r.step,
+                        r.micro,
+                        human_bytes(r.failure.limit),
+                        r.to,
+                        human_bytes(r.to_peak_bytes),
+                        human_bytes(r.from_peak_bytes),
+                        r.from
+                    )
+                });
+            }
+        }
         Event::Step(s) => {
+            lower(s.step);
             bar.set_position(s.step);
             bar.set_message(format!(
                 "loss {:.4} | lr {:.2e} | {:.0} tok/s | mem {}",

@@ -740,3 +740,135 @@ fn plan_reports_what_passes_save() {
     );
     fails_with(&["plan", "--passes", "magic"], &["passes", "magic"]);
 }
+
+/// A cache directory holding a calibration for `threads`, so `fit` does not measure the machine
+/// (which takes half a minute) in tests; its figures are nominal.
+fn calibrated_cache(threads: usize) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let mut p = snug_fit::MachineProfile::nominal(threads);
+    p.cpu = snug_train::calibration::cpu_name();
+    let path = dir.path().join(format!("machine-{threads}t.json"));
+    snug_train::calibration::save_profile(&path, &p).unwrap();
+    dir
+}
+
+fn snug_cached(args: &[&str], cache: &tempfile::TempDir) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_snug"))
+        .args(args)
+        .env("SNUG_CACHE_DIR", cache.path())
+        .output()
+        .expect("the snug binary runs")
+}
+
+#[test]
+fn fit_chooses_what_fits_and_train_holds_to_it() {
+    let cache = calibrated_cache(1);
+    let base = ["--batch", "16", "--block", "64", "--threads", "1"];
+    let plan = snug(&[&["plan", "--json"][..], &base].concat());
+    assert!(plan.status.success(), "{}", stderr(&plan));
+    let plain: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
+    let plain = plain["peak_bytes"].as_u64().unwrap();
+    let budget = (plain * 6 / 10).to_string();
+
+    let o = snug_cached(
+        &[&["fit", "--json", "--memory", &budget][..], &base].concat(),
+        &cache,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let chosen = &report["candidates"][report["chosen"].as_u64().unwrap() as usize];
+    assert_eq!(chosen["verdict"], "chosen");
+    let peak = chosen["peak_bytes"].as_u64().unwrap();
+    assert!(peak <= plain * 6 / 10, "{peak} over {budget}");
+    let c = &chosen["config"];
+    assert_eq!(
+        c["micro_batch"].as_u64().unwrap() * c["accumulation"].as_u64().unwrap(),
+        16
+    );
+
+    // Training with --memory uses that choice, and its measured peak stays under the budget.
+    let o = snug_cached(
+        &[
+            &[
+                "train",
+                "--json",
+                "--steps",
+                "3",
+                "--eval-every",
+                "0",
+                "--memory",
+                &budget,
+            ][..],
+            &base,
+        ]
+        .concat(),
+        &cache,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let lines = json_lines(&o);
+    assert_eq!(lines[0]["kind"], "fit");
+    assert_eq!(lines[0]["chosen"], report["chosen"]);
+    let summary = lines.last().unwrap();
+    assert_eq!(summary["predicted_peak_bytes"].as_u64(), Some(peak));
+    assert_eq!(summary["measured_peak_bytes"].as_u64(), Some(peak));
+
+    // A budget below the parameters and optimizer state: a clear error, exit 1.
+    let o = snug_cached(&[&["fit", "--memory", "1MB"][..], &base].concat(), &cache);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("nothing fits in 1000000 bytes"),
+        "{}",
+        stderr(&o)
+    );
+    fails_with(
+        &["fit", "--memory", "lots"],
+        &["--memory lots", "not a byte size"],
+    );
+}
+
+#[test]
+fn memory_lowered_mid_run_is_recovered_without_losing_a_step() {
+    let cache = calibrated_cache(1);
+    let args = [
+        "train",
+        "--json",
+        "--steps",
+        "5",
+        "--eval-every",
+        "0",
+        "--batch",
+        "16",
+        "--block",
+        "64",
+        "--threads",
+        "1",
+    ];
+    let plan = snug(&[
+        "plan",
+        "--json",
+        "--batch",
+        "16",
+        "--block",
+        "64",
+        "--threads",
+        "1",
+    ]);
+    let plain: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
+    let lowered = format!("3:{}", plain["peak_bytes"].as_u64().unwrap() / 2);
+    let o = snug_cached(
+        &[&args[..], &["--lower-memory-at", &lowered]].concat(),
+        &cache,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let lines = json_lines(&o);
+    let recovery: Vec<_> = lines.iter().filter(|l| l["kind"] == "recovery").collect();
+    assert_eq!(recovery.len(), 1);
+    assert_eq!(recovery[0]["step"], 3);
+    assert!(recovery[0]["to_peak_bytes"].as_u64() <= recovery[0]["failure"]["limit"].as_u64());
+    let steps: Vec<u64> = step_losses(&lines).iter().map(|s| s.0).collect();
+    assert_eq!(steps, vec![1, 2, 3, 4, 5]);
+    // The first two steps are those of an undisturbed run.
+    let undisturbed = snug(&args);
+    let undisturbed = step_losses(&json_lines(&undisturbed));
+    assert_eq!(step_losses(&lines)[..2], undisturbed[..2]);
+}

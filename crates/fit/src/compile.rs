@@ -92,7 +92,6 @@ pub enum OptimizerKind {
     Sgd,
 }
 
-
 /// Everything about a training step besides the model and its batch shape.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepConfig {

@@ -1,10 +1,13 @@
 //! Predicted step time from kernel timings measured on this machine.
 //!
 //! A [`MachineProfile`] holds samples: one op class (the op's name, plus the operand layout for
-//! matmuls), the work of one call (its FLOPs, or for ops that report none the bytes it reads and
-//! writes) and the seconds it took. A node's time is interpolated from the samples of its class,
-//! piecewise linear in log(work)–log(seconds), and at constant throughput beyond the measured
-//! range. Classes never measured fall back to the GEMM peak (FLOPs) or the memory bandwidth
+//! matmuls), its family (the operands' inner dimensions, which stay fixed when only the batch
+//! changes), the work of one call (its FLOPs, or for ops that report none the bytes it reads and
+//! writes) and the seconds it took. Within a family measured at two or more sizes, a node's time
+//! is a fixed cost plus a cost per unit of work, fitted by least squares on relative error: the
+//! machine is noisy, and a line through all the samples averages it out. Otherwise it is
+//! interpolated from the class's samples, piecewise linear in log(work)–log(seconds), and at
+//! constant throughput beyond the measured range. Classes never measured fall back to the GEMM peak (FLOPs) or the memory bandwidth
 //! (bytes). A step is the sum of its nodes over the micro-batches, with the optimizer counted
 //! once: on CPU the kernels run one after another, so the sum is the step.
 
@@ -15,12 +18,14 @@ use snug_graph::ops::Op;
 use snug_graph::{Graph, NodeId, StepGraph};
 
 /// Bumped when the meaning of samples changes, so stale caches are remeasured.
-pub const PROFILE_VERSION: u32 = 1;
+pub const PROFILE_VERSION: u32 = 2;
 
 /// One kernel call as measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Sample {
+    /// The op class and the inputs' innermost dimensions (see [`node_work`]).
     pub class: String,
+    pub family: String,
     pub work: f64,
     pub seconds: f64,
 }
@@ -39,8 +44,12 @@ pub struct MachineProfile {
     /// Seconds a kernel costs however small its work (launch, thread wake-up).
     pub overhead: f64,
     pub samples: Vec<Sample>,
+    /// (class, family) and class alone → (ln work, ln seconds), sorted by work.
     #[serde(skip)]
-    curves: BTreeMap<String, Vec<(f64, f64)>>,
+    curves: BTreeMap<(String, String), Vec<(f64, f64)>>,
+    /// (class, family) → seconds = a + b · work, where measured at two sizes or more.
+    #[serde(skip)]
+    lines: BTreeMap<(String, String), (f64, f64)>,
 }
 
 impl MachineProfile {
@@ -61,6 +70,7 @@ impl MachineProfile {
             overhead,
             samples,
             curves: BTreeMap::new(),
+            lines: BTreeMap::new(),
         };
         p.index();
         p
@@ -96,13 +106,20 @@ impl MachineProfile {
     }
 
     fn index(&mut self) {
-        let mut by_class: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+        let mut by_class: BTreeMap<(String, String), Vec<(f64, f64)>> = BTreeMap::new();
         for s in &self.samples {
             if s.work > 0.0 && s.seconds > 0.0 {
+                let point = (s.work.ln(), s.seconds.ln());
+                if !s.family.is_empty() {
+                    by_class
+                        .entry((s.class.clone(), s.family.clone()))
+                        .or_default()
+                        .push(point);
+                }
                 by_class
-                    .entry(s.class.clone())
+                    .entry((s.class.clone(), String::new()))
                     .or_default()
-                    .push((s.work.ln(), s.seconds.ln()));
+                    .push(point);
             }
         }
         for points in by_class.values_mut() {
@@ -123,15 +140,37 @@ impl MachineProfile {
             *points = merged;
         }
         self.curves = by_class;
+        let mut points: BTreeMap<(String, String), Vec<(f64, f64)>> = BTreeMap::new();
+        for s in &self.samples {
+            if s.work > 0.0 && s.seconds > 0.0 && !s.family.is_empty() {
+                points
+                    .entry((s.class.clone(), s.family.clone()))
+                    .or_default()
+                    .push((s.work, s.seconds));
+            }
+        }
+        self.lines = points
+            .into_iter()
+            .filter_map(|(k, p)| Some((k, fit_line(&p)?)))
+            .collect();
     }
 
     /// Predicted seconds of one call of `class` doing `work` (`flops` tells which unit work is
-    /// in, for the fallback of an unmeasured class).
-    pub fn seconds(&self, class: &str, work: f64, flops: bool) -> f64 {
+    /// in, for the fallback of an unmeasured class). Samples of the same `family` (operands of
+    /// the same inner dimensions: the same matmul at another batch size) are used when there
+    /// are any; the class's samples of every family otherwise.
+    pub fn seconds(&self, class: &str, family: &str, work: f64, flops: bool) -> f64 {
         if work <= 0.0 {
             return 0.0;
         }
-        let Some(curve) = self.curves.get(class).filter(|c| !c.is_empty()) else {
+        if let Some(&(a, b)) = self.lines.get(&(class.to_string(), family.to_string())) {
+            return (a + b * work).max(self.overhead);
+        }
+        let curve = self
+            .curves
+            .get(&(class.to_string(), family.to_string()))
+            .or_else(|| self.curves.get(&(class.to_string(), String::new())));
+        let Some(curve) = curve.filter(|c| !c.is_empty()) else {
             let rate = if flops {
                 self.gemm_peak_flops
             } else {
@@ -156,8 +195,8 @@ impl MachineProfile {
 
     /// Predicted seconds of one node of `graph`.
     pub fn node_seconds(&self, graph: &Graph, node: NodeId) -> f64 {
-        let (class, work, flops) = node_work(graph, node);
-        self.seconds(&class, work, flops)
+        let w = node_work(graph, node);
+        self.seconds(&w.class, &w.family, w.work, w.flops)
     }
 
     /// Predicted seconds of one optimizer step of `step` run in `schedule` order: every node
@@ -178,13 +217,49 @@ impl MachineProfile {
     }
 }
 
+/// `seconds = a + b · work` through `(work, seconds)` points, least squares on relative error;
+/// `None` unless two distinct sizes give a positive slope.
+fn fit_line(points: &[(f64, f64)]) -> Option<(f64, f64)> {
+    let (min, max) = points.iter().fold((f64::MAX, f64::MIN), |(lo, hi), p| {
+        (lo.min(p.0), hi.max(p.0))
+    });
+    if max <= min * 1.01 {
+        return None;
+    }
+    let (mut s, mut sx, mut sxx, mut st, mut sxt) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    for &(x, t) in points {
+        let w = 1.0 / (t * t);
+        s += w;
+        sx += w * x;
+        sxx += w * x * x;
+        st += w * t;
+        sxt += w * x * t;
+    }
+    let b = (s * sxt - sx * st) / (s * sxx - sx * sx);
+    let a = (st - b * sx) / s;
+    let (a, b) = if a < 0.0 { (0.0, sxt / sxx) } else { (a, b) };
+    (b > 0.0 && b.is_finite() && a.is_finite()).then_some((a, b))
+}
+
 /// Optimizer updates run on the last micro-batch only.
 fn once_per_step(op: &Op) -> bool {
     matches!(op, Op::AdamW(_) | Op::Sgd(_))
 }
 
-/// A node's cost class, its work, and whether the work is FLOPs (else bytes moved).
-pub fn node_work(graph: &Graph, node: NodeId) -> (String, f64, bool) {
+/// What one node costs, in the cost model's terms.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeWork {
+    /// The op's name, with the operand layout for matmuls.
+    pub class: String,
+    /// The inputs' innermost dimensions: what stays fixed when only the batch changes.
+    pub family: String,
+    /// FLOPs, or bytes read and written for ops that report no FLOPs.
+    pub work: f64,
+    pub flops: bool,
+}
+
+/// A node's cost class, family and work.
+pub fn node_work(graph: &Graph, node: NodeId) -> NodeWork {
     let n = graph.node(node);
     let ins: Vec<_> = n.inputs.iter().map(|&i| graph.tensor(i)).collect();
     let outs: Vec<_> = n.outputs.iter().map(|&i| graph.tensor(i)).collect();
@@ -196,16 +271,32 @@ pub fn node_work(graph: &Graph, node: NodeId) -> (String, f64, bool) {
         ),
         op => op.name().to_string(),
     };
-    // Views alias their input and run no kernel.
-    if outs.iter().all(|t| t.view_of.is_some()) {
-        return (class, 0.0, false);
+    let family = ins
+        .iter()
+        .map(|t| t.shape.last().map_or("-".into(), |d| d.to_string()))
+        .collect::<Vec<_>>()
+        .join("|");
+    let (work, flops) = if !outs.is_empty() && outs.iter().all(|t| t.view_of.is_some()) {
+        // Views alias their input and run no kernel (updates in place have no outputs at all).
+        (0.0, false)
+    } else {
+        match n.op.flops(&ins, &outs) {
+            0 => (
+                ins.iter()
+                    .chain(&outs)
+                    .map(|t| t.size_bytes())
+                    .sum::<usize>() as f64,
+                false,
+            ),
+            f => (f as f64, true),
+        }
+    };
+    NodeWork {
+        class,
+        family,
+        work,
+        flops,
     }
-    let flops = n.op.flops(&ins, &outs);
-    if flops > 0 {
-        return (class, flops as f64, true);
-    }
-    let bytes: usize = ins.iter().chain(&outs).map(|t| t.size_bytes()).sum();
-    (class, bytes as f64, false)
 }
 
 #[cfg(test)]
@@ -213,6 +304,15 @@ mod tests {
     use super::*;
 
     fn profile(samples: &[(&str, f64, f64)]) -> MachineProfile {
+        profile_with(
+            &samples
+                .iter()
+                .map(|&(c, w, s)| (c, "", w, s))
+                .collect::<Vec<_>>(),
+        )
+    }
+
+    fn profile_with(samples: &[(&str, &str, f64, f64)]) -> MachineProfile {
         MachineProfile::new(
             2,
             "test".into(),
@@ -221,8 +321,9 @@ mod tests {
             1e-6,
             samples
                 .iter()
-                .map(|&(c, w, s)| Sample {
+                .map(|&(c, f, w, s)| Sample {
                     class: c.into(),
+                    family: f.into(),
                     work: w,
                     seconds: s,
                 })
@@ -234,28 +335,54 @@ mod tests {
     fn interpolates_between_samples_and_extrapolates_at_the_end_rates() {
         // 1 GFLOP in 20 ms (50 GFLOP/s), 16 GFLOP in 160 ms (100 GFLOP/s).
         let p = profile(&[("matmul", 1e9, 0.02), ("matmul", 16e9, 0.16)]);
-        assert!((p.seconds("matmul", 1e9, true) - 0.02).abs() < 1e-12);
+        assert!((p.seconds("matmul", "", 1e9, true) - 0.02).abs() < 1e-12);
         // Halfway in log(work): the geometric mean of the two times.
-        let mid = p.seconds("matmul", 4e9, true);
+        let mid = p.seconds("matmul", "", 4e9, true);
         assert!((mid - (0.02f64 * 0.16).sqrt()).abs() < 1e-9, "{mid}");
         // Beyond the largest sample: its throughput.
-        assert!((p.seconds("matmul", 32e9, true) - 0.32).abs() < 1e-9);
+        assert!((p.seconds("matmul", "", 32e9, true) - 0.32).abs() < 1e-9);
         // Below the smallest: its throughput, floored at the overhead.
-        assert!((p.seconds("matmul", 0.5e9, true) - 0.01).abs() < 1e-9);
-        assert!((p.seconds("matmul", 1.0, true) - 1e-6).abs() < 1e-12);
+        assert!((p.seconds("matmul", "", 0.5e9, true) - 0.01).abs() < 1e-9);
+        assert!((p.seconds("matmul", "", 1.0, true) - 1e-6).abs() < 1e-12);
     }
 
     #[test]
     fn repeated_calls_take_their_median_and_unknown_classes_use_the_roofline() {
-        let p = profile(&[
-            ("add", 1e6, 3e-4),
-            ("add", 1e6, 1e-4),
-            ("add", 1e6, 2e-4),
-        ]);
-        assert!((p.seconds("add", 1e6, false) - 2e-4).abs() < 1e-12);
+        let p = profile(&[("add", 1e6, 3e-4), ("add", 1e6, 1e-4), ("add", 1e6, 2e-4)]);
+        assert!((p.seconds("add", "", 1e6, false) - 2e-4).abs() < 1e-12);
         // 1 GB at 10 GB/s, plus the overhead.
-        assert!((p.seconds("gelu", 1e9, false) - (0.1 + 1e-6)).abs() < 1e-9);
-        assert!((p.seconds("attention", 1e11, true) - (1.0 + 1e-6)).abs() < 1e-9);
+        assert!((p.seconds("gelu", "", 1e9, false) - (0.1 + 1e-6)).abs() < 1e-9);
+        assert!((p.seconds("attention", "", 1e11, true) - (1.0 + 1e-6)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_family_with_samples_is_preferred_to_the_whole_class() {
+        // Same work, different operand shapes: 2× apart.
+        let p = profile_with(&[
+            ("matmul", "384|1536", 1e9, 0.02),
+            ("matmul", "768|3072", 1e9, 0.01),
+        ]);
+        assert!((p.seconds("matmul", "384|1536", 2e9, true) - 0.04).abs() < 1e-12);
+        assert!((p.seconds("matmul", "768|3072", 2e9, true) - 0.02).abs() < 1e-12);
+        // An unseen family: the class's median at that work.
+        let t = p.seconds("matmul", "64|64", 1e9, true);
+        assert!((t - 0.02).abs() < 1e-12, "{t}");
+    }
+
+    #[test]
+    fn a_family_measured_at_several_sizes_gets_a_fixed_plus_linear_cost() {
+        // 1 ms fixed + 1 ns per unit, measured with ±10% noise at three sizes.
+        let p = profile_with(&[
+            ("gelu", "1536", 1e6, 0.0021 * 1.1),
+            ("gelu", "1536", 1e6, 0.0021 * 0.9),
+            ("gelu", "1536", 4e6, 0.0051),
+            ("gelu", "1536", 16e6, 0.0171),
+        ]);
+        let t = p.seconds("gelu", "1536", 8e6, false);
+        assert!((t - 0.009).abs() < 0.0005, "{t}");
+        // Far beyond the samples the line still holds.
+        let t = p.seconds("gelu", "1536", 64e6, false);
+        assert!((t - 0.065).abs() < 0.003, "{t}");
     }
 
     #[test]
@@ -263,6 +390,9 @@ mod tests {
         let p = profile(&[("matmul", 1e9, 0.02), ("matmul", 16e9, 0.16)]);
         let q = MachineProfile::from_json(&p.to_json()).expect("parses");
         assert_eq!(p, q);
-        assert_eq!(q.seconds("matmul", 4e9, true), p.seconds("matmul", 4e9, true));
+        assert_eq!(
+            q.seconds("matmul", "", 4e9, true),
+            p.seconds("matmul", "", 4e9, true)
+        );
     }
 }

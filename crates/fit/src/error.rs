@@ -28,7 +28,9 @@ pub enum FitError {
 impl From<BudgetError> for FitError {
     fn from(e: BudgetError) -> FitError {
         match e {
-            BudgetError::DoesNotFit { budget, smallest } => FitError::RematBudget { budget, smallest },
+            BudgetError::DoesNotFit { budget, smallest } => {
+                FitError::RematBudget { budget, smallest }
+            }
             BudgetError::Graph(e) => e.into(),
             BudgetError::Plan(e) => e.into(),
         }

@@ -14,7 +14,7 @@ mod error;
 pub mod search;
 
 pub use compile::{compile_step, CompiledStep, OptimizerKind, Pass, Remat, StepConfig};
-pub use cost_model::{node_work, MachineProfile, Sample, PROFILE_VERSION};
+pub use cost_model::{node_work, MachineProfile, NodeWork, Sample, PROFILE_VERSION};
 pub use error::FitError;
 pub use search::{
     search, suggest_config, suggest_recovery_config, Candidate, Device, FitConfig, FitModel,

@@ -97,9 +97,13 @@ pub enum Verdict {
     /// Its planned peak exceeds the budget.
     OverBudget,
     /// It fits, but the chosen one is predicted faster by this factor.
-    Slower { ratio: f64 },
+    Slower {
+        ratio: f64,
+    },
     /// It could not be compiled or planned.
-    Failed { reason: String },
+    Failed {
+        reason: String,
+    },
 }
 
 /// One configuration considered.
@@ -156,7 +160,14 @@ pub fn suggest_config(
     target_effective_batch: usize,
     machine: &MachineProfile,
 ) -> Result<FitReport, FitError> {
-    let report = search(model, budget, devices, target_effective_batch, machine, None)?;
+    let report = search(
+        model,
+        budget,
+        devices,
+        target_effective_batch,
+        machine,
+        None,
+    )?;
     match report.chosen {
         Some(_) => Ok(report),
         None => Err(report.nothing_fits()),
@@ -200,15 +211,9 @@ pub fn search(
     }
     let micro_batches: Vec<usize> = (1..=effective_batch)
         .rev()
-        .filter(|m| effective_batch % m == 0)
+        .filter(|&m| effective_batch.is_multiple_of(m))
         .filter(|&m| max_micro_batch.is_none_or(|max| m <= max))
         .collect();
-    let mut pass_sets = vec![model.step.passes.clone()];
-    if !model.step.passes.contains(&Pass::FusedCrossEntropy) {
-        let mut with = vec![Pass::FusedCrossEntropy];
-        with.extend(model.step.passes.iter().copied());
-        pass_sets.push(with);
-    }
     let config = |micro_batch: usize, passes: &Vec<Pass>, remat: Remat| FitConfig {
         micro_batch,
         accumulation: effective_batch / micro_batch,
@@ -217,6 +222,21 @@ pub fn search(
         precision: model.step.precision,
     };
     let evaluate = |c: FitConfig| evaluate(model, c, threads, machine);
+    let mut pass_sets = vec![model.step.passes.clone()];
+    if !model.step.passes.contains(&Pass::FusedCrossEntropy) {
+        let mut with = vec![Pass::FusedCrossEntropy];
+        with.extend(model.step.passes.iter().copied());
+        // Worth searching only where the logits matter (a large vocabulary): judged once, at
+        // the largest micro-batch.
+        let m = micro_batches.first().copied().unwrap_or(1);
+        let (plain, fused) = rayon::join(
+            || evaluate(config(m, &pass_sets[0], Remat::None)),
+            || evaluate(config(m, &with, Remat::None)),
+        );
+        if matches!((fused.peak_bytes, plain.peak_bytes), (Some(f), Some(p)) if f < p) {
+            pass_sets.push(with);
+        }
+    }
 
     // No recomputation first; remat only where that does not fit.
     let plain: Vec<FitConfig> = micro_batches

@@ -200,7 +200,11 @@ impl CpuSession {
             elem_offset += v.offset_elems;
             t = v.base;
         }
-        let base = match (&self.persistent[t.index()], self.plan.arena_offset(t), &self.arena) {
+        let base = match (
+            &self.persistent[t.index()],
+            self.plan.arena_offset(t),
+            &self.arena,
+        ) {
             (Some(buf), _, _) => buf.as_ptr(),
             // SAFETY: the plan placed this storage inside the arena.
             (None, Some(off), Some(arena)) => unsafe { arena.as_ptr().add(off) },
@@ -252,7 +256,11 @@ impl CpuSession {
                 }
             }
         }
-        self.plan.schedule.iter().map(|n| needed[n.index()]).collect()
+        self.plan
+            .schedule
+            .iter()
+            .map(|n| needed[n.index()])
+            .collect()
     }
 
     /// Runs the nodes of the schedule that `mask` (from [`CpuSession::nodes_for`]) selects, in

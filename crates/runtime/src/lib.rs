@@ -14,5 +14,5 @@ pub use allocator::{
 };
 pub use cpu::{physical_cores, CpuSession};
 pub use error::RuntimeError;
-pub use snug_plan::{parse_bytes, SizeError};
 pub use snug_graph::ops::ExecCtx;
+pub use snug_plan::{parse_bytes, SizeError};

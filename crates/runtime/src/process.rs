@@ -15,3 +15,16 @@ pub fn resident_set() -> Option<(usize, usize)> {
     };
     Some((field("VmRSS:")?, field("VmHWM:")?))
 }
+
+/// Memory the OS could give this process without swapping (`MemAvailable`), in bytes.
+pub fn available_memory() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line["MemAvailable:".len()..]
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}

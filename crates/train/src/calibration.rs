@@ -7,7 +7,9 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use snug_fit::{compile_step, node_work, MachineProfile, Pass, Sample, StepConfig, PROFILE_VERSION};
+use snug_fit::{
+    compile_step, node_work, MachineProfile, Pass, Sample, StepConfig, PROFILE_VERSION,
+};
 use snug_nn::ModelConfig;
 use snug_plan::{plan, PlanOptions};
 use snug_runtime::{Allocator, CpuSession, ExecCtx};
@@ -38,7 +40,13 @@ pub fn cpu_name() -> String {
 
 /// The cached profile for `threads`, if one was measured by this version on this CPU.
 pub fn cached(threads: usize) -> Option<MachineProfile> {
-    let text = std::fs::read_to_string(cache_path(threads)?).ok()?;
+    load_profile(&cache_path(threads)?, threads)
+}
+
+/// The profile in `path` if it is readable, from this version of snug, for `threads` threads
+/// on this CPU; anything else means "measure again".
+pub fn load_profile(path: &std::path::Path, threads: usize) -> Option<MachineProfile> {
+    let text = std::fs::read_to_string(path).ok()?;
     let p = MachineProfile::from_json(&text).ok()?;
     (p.version == PROFILE_VERSION && p.threads == threads && p.cpu == cpu_name()).then_some(p)
 }
@@ -56,12 +64,13 @@ pub fn machine_profile(
     }
     let p = calibrate(threads)?;
     if let Some(path) = cache_path(threads) {
-        save(&path, &p)?;
+        save_profile(&path, &p)?;
     }
     Ok((p, true))
 }
 
-fn save(path: &std::path::Path, p: &MachineProfile) -> Result<(), TrainError> {
+/// Writes `p` to `path` atomically (creating the directory).
+pub fn save_profile(path: &std::path::Path, p: &MachineProfile) -> Result<(), TrainError> {
     let io = |source| TrainError::Io {
         path: path.to_path_buf(),
         source,
@@ -82,6 +91,7 @@ struct Probe {
     width: usize,
     block: usize,
     vocab: usize,
+    /// Sequences per micro-batch.
     batch: usize,
     accumulation: usize,
     fused: bool,
@@ -95,7 +105,7 @@ const PROBES: &[Probe] = &[
     Probe { preset: "gpt2", layers: 1, heads: 6, width: 384, block: 256, vocab: 65, batch: 16, accumulation: 1, fused: false, runs: 3 },
     Probe { preset: "gpt2", layers: 1, heads: 6, width: 384, block: 256, vocab: 65, batch: 8, accumulation: 1, fused: true, runs: 3 },
     // GPT-2 small's shapes, with the fused and the plain LM head.
-    Probe { preset: "gpt2", layers: 1, heads: 12, width: 768, block: 1024, vocab: 50257, batch: 1, accumulation: 1, fused: true, runs: 2 },
+    Probe { preset: "gpt2", layers: 1, heads: 12, width: 768, block: 1024, vocab: 50257, batch: 2, accumulation: 1, fused: true, runs: 2 },
     Probe { preset: "gpt2", layers: 1, heads: 12, width: 768, block: 1024, vocab: 50257, batch: 1, accumulation: 1, fused: false, runs: 2 },
     // The Llama block's kernels (RMSNorm, RoPE, SwiGLU, grouped-query attention).
     Probe { preset: "llama-tiny", layers: 1, heads: 0, width: 0, block: 256, vocab: 512, batch: 8, accumulation: 1, fused: false, runs: 3 },
@@ -159,7 +169,7 @@ fn run_probe(p: &Probe, threads: usize) -> Result<Vec<Sample>, TrainError> {
             session.write_f32(slot.param, &values)?;
         }
     }
-    let n = p.batch / p.accumulation * p.block;
+    let n = p.batch * p.block;
     let ids: Vec<i32> = (0..n).map(|i| ((i * 7919 + 13) % p.vocab) as i32).collect();
     session.write_i32(compiled.tokens, &ids, p.vocab)?;
     session.write_i32(compiled.targets, &ids, p.vocab)?;
@@ -179,12 +189,13 @@ fn run_probe(p: &Probe, threads: usize) -> Result<Vec<Sample>, TrainError> {
                 continue;
             }
             for (&node, t) in schedule.iter().zip(times) {
-                let (class, work, _) = node_work(&compiled.step.graph, node);
-                let is_update = matches!(class.as_str(), "adamw" | "sgd");
-                if work > 0.0 && (last || !is_update) {
+                let w = node_work(&compiled.step.graph, node);
+                let is_update = matches!(w.class.as_str(), "adamw" | "sgd");
+                if w.work > 0.0 && (last || !is_update) {
                     samples.push(Sample {
-                        class,
-                        work,
+                        class: w.class,
+                        family: w.family,
+                        work: w.work,
                         seconds: t,
                     });
                 }
@@ -207,4 +218,45 @@ fn bandwidth() -> f64 {
         std::hint::black_box(&mut dst);
     }
     (2 * n * std::mem::size_of::<f32>()) as f64 / best.max(1e-9)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn profile(threads: usize) -> MachineProfile {
+        MachineProfile::new(
+            threads,
+            cpu_name(),
+            1e11,
+            1e10,
+            1e-6,
+            vec![Sample {
+                class: "matmul".into(),
+                family: "384|1536".into(),
+                work: 1e9,
+                seconds: 0.01,
+            }],
+        )
+    }
+
+    #[test]
+    fn profiles_round_trip_and_stale_ones_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("nested").join("machine-2t.json");
+        save_profile(&path, &profile(2)).unwrap();
+        assert_eq!(load_profile(&path, 2), Some(profile(2)));
+        // Another thread count, another CPU or another version: measure again.
+        assert_eq!(load_profile(&path, 4), None);
+        let mut other = profile(2);
+        other.cpu = "another cpu".into();
+        save_profile(&path, &other).unwrap();
+        assert_eq!(load_profile(&path, 2), None);
+        let mut old = profile(2);
+        old.version = PROFILE_VERSION - 1;
+        save_profile(&path, &old).unwrap();
+        assert_eq!(load_profile(&path, 2), None);
+        std::fs::write(&path, "{ not json").unwrap();
+        assert_eq!(load_profile(&path, 2), None);
+    }
 }

@@ -44,7 +44,9 @@ pub enum TrainError {
     Config { field: &'static str, detail: String },
     #[error("the training step needs {needed} bytes (planned peak) but the memory limit is {limit} bytes: lower the batch or block size")]
     DoesNotFit { needed: usize, limit: usize },
-    #[error("out of memory at step {step} ({failure}) and no smaller configuration fits: {detail}")]
+    #[error(
+        "out of memory at step {step} ({failure}) and no smaller configuration fits: {detail}"
+    )]
     Unrecoverable {
         step: u64,
         failure: snug_runtime::OutOfMemory,

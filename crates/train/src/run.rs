@@ -10,13 +10,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use serde::Serialize;
 
 use crate::checkpoint::CheckpointDir;
-use crate::trainer::{EvalStats, StepStats, Trainer};
+use crate::trainer::{EvalStats, Recovery, StepStats, Trainer};
 use crate::TrainError;
 
 /// Something the loop did, for progress display.
 #[derive(Debug)]
 pub enum Event<'a> {
     Step(&'a StepStats),
+    /// Memory ran out during a step, which was redone with a smaller configuration.
+    Recovered(&'a Recovery),
     Eval(&'a EvalStats),
     Checkpoint {
         step: u64,
@@ -43,6 +45,8 @@ pub struct RunSummary {
     pub checkpoint: Option<PathBuf>,
     pub metrics: Option<PathBuf>,
     pub interrupted: bool,
+    /// Configuration changes made after out-of-memory.
+    pub recoveries: Vec<Recovery>,
 }
 
 /// Name of the metrics file in the run directory.
@@ -75,6 +79,7 @@ pub fn run(
         checkpoint: None,
         metrics: metrics.as_ref().map(|m| m.path.clone()),
         interrupted: false,
+        recoveries: Vec::new(),
     };
     let mut saved_at = None;
     while trainer.steps_done() < cfg.steps {
@@ -86,6 +91,13 @@ pub fn run(
             break;
         }
         let s = trainer.train_step()?;
+        for r in trainer.take_recoveries() {
+            if let Some(m) = &mut metrics {
+                m.write("recovery", &r)?;
+            }
+            on_event(Event::Recovered(&r));
+            summary.recoveries.push(r);
+        }
         summary.first_loss.get_or_insert(s.loss);
         summary.final_loss = Some(s.loss);
         summary.step_ms.push(s.ms);

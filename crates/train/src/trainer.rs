@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
-use snug_fit::{compile_step, CompiledStep, Device, FitConfig, FitModel, MachineProfile, MemoryFailure};
+use snug_fit::{
+    compile_step, CompiledStep, Device, FitConfig, FitModel, MachineProfile, MemoryFailure,
+};
 use snug_graph::{Role, StepGraph, TensorId};
 use snug_nn::ModelConfig;
 use snug_plan::{plan, MemoryPlan, PlanOptions};
@@ -236,6 +238,13 @@ impl Trainer {
         Ok(())
     }
 
+    /// Fills the session's arena with `byte` before the next step (tests prove with it that no
+    /// kernel reads arena bytes it did not write).
+    #[doc(hidden)]
+    pub fn poison_arena_for_test(&mut self, byte: u8) -> Result<(), TrainError> {
+        Ok(self.session.fill_arena(byte)?)
+    }
+
     /// Uses `machine` to choose recovery configurations (instead of the cached calibration).
     pub fn set_machine_profile(&mut self, machine: MachineProfile) {
         self.machine = Some(machine);
@@ -255,9 +264,9 @@ impl Trainer {
             active: oom.active,
         };
         let threads = self.config.threads;
-        let machine = self
-            .machine
-            .get_or_insert_with(|| crate::calibration::cached(threads).unwrap_or_else(|| MachineProfile::nominal(threads)));
+        let machine = self.machine.get_or_insert_with(|| {
+            crate::calibration::cached(threads).unwrap_or_else(|| MachineProfile::nominal(threads))
+        });
         let from = FitConfig::of(&self.config.step_config(), self.config.batch);
         let fit_model = FitModel {
             model: self.model.clone(),

@@ -90,12 +90,14 @@ fn step_with(cfg: &GptConfig, opts: &StepOptions) -> (Vec<Vec<f32>>, Option<f32>
         let r = micro * chunk..(micro + 1) * chunk;
         b.session.write_i32(b.tokens, &x[r.clone()], 13).unwrap();
         b.session.write_i32(b.targets, &y[r], 13).unwrap();
-        b.session.run(ExecCtx {
-            lr: LR,
-            step: 1,
-            micro: micro as u32,
-            micro_steps: k as u32,
-        }).unwrap();
+        b.session
+            .run(ExecCtx {
+                lr: LR,
+                step: 1,
+                micro: micro as u32,
+                micro_steps: k as u32,
+            })
+            .unwrap();
     }
     let params = b
         .step

@@ -1,0 +1,166 @@
+//! The search over configurations: what fits is chosen by planned peak, the fastest predicted
+//! wins, and what cannot fit is a typed error naming the smallest peak.
+
+use snug_fit::{
+    compile_step, search, suggest_config, suggest_recovery_config, Device, FitError, FitModel,
+    MachineProfile, MemoryFailure, Remat, StepConfig, Verdict,
+};
+use snug_nn::ModelConfig;
+use snug_plan::{plan, PlanOptions};
+
+fn model() -> FitModel {
+    let mut m = ModelConfig::preset("char-small").unwrap();
+    m.set_vocab_size(65);
+    FitModel {
+        model: m,
+        block: 256,
+        step: StepConfig::default(),
+    }
+}
+
+const CPU: [Device; 1] = [Device::Cpu { threads: 1 }];
+
+fn peak_of(fit: &FitModel, micro: usize, step: &StepConfig) -> usize {
+    let c = compile_step(&fit.model, micro, fit.block, 1, step).unwrap();
+    plan(&c.step.graph, &PlanOptions::default())
+        .unwrap()
+        .peak_bytes()
+}
+
+#[test]
+fn with_room_to_spare_the_plain_configuration_wins() {
+    let fit = model();
+    let machine = MachineProfile::nominal(1);
+    let plain = peak_of(&fit, 16, &fit.step);
+    let report = suggest_config(&fit, plain, &CPU, 16, &machine).unwrap();
+    let chosen = report.chosen().unwrap();
+    assert_eq!(chosen.config.micro_batch, 16);
+    assert_eq!(chosen.config.remat, Remat::None);
+    assert_eq!(chosen.peak_bytes, Some(plain));
+    // No remat was even compiled: nothing needed it.
+    assert!(report
+        .candidates
+        .iter()
+        .all(|c| c.config.remat == Remat::None));
+}
+
+#[test]
+fn under_a_tight_budget_the_fastest_fitting_candidate_is_chosen() {
+    let fit = model();
+    let machine = MachineProfile::nominal(1);
+    let plain = peak_of(&fit, 16, &fit.step);
+    let budget = plain * 6 / 10;
+    let report = suggest_config(&fit, budget, &CPU, 16, &machine).unwrap();
+    let chosen = report.chosen().unwrap().clone();
+    let peak = chosen.peak_bytes.unwrap();
+    assert!(peak <= budget);
+    // Its planned peak is the plan of exactly that configuration.
+    assert_eq!(
+        peak,
+        peak_of(
+            &fit,
+            chosen.config.micro_batch,
+            &chosen.config.apply(&fit.step)
+        )
+    );
+    assert_eq!(
+        chosen.config.micro_batch * chosen.config.accumulation,
+        16,
+        "the effective batch is kept"
+    );
+    let best = chosen.predicted_seconds.unwrap();
+    for c in &report.candidates {
+        match (&c.verdict, c.peak_bytes, c.predicted_seconds) {
+            (Verdict::OverBudget, Some(p), _) => assert!(p > budget, "{c:?}"),
+            (Verdict::Slower { ratio }, Some(p), Some(t)) => {
+                assert!(p <= budget && t >= best && (ratio - t / best).abs() < 1e-12)
+            }
+            (Verdict::Chosen, ..) => assert_eq!(c, &chosen),
+            other => panic!("unexpected candidate {other:?}"),
+        }
+    }
+    // Per-block checkpointing at the full micro-batch was among them.
+    assert!(report
+        .candidates
+        .iter()
+        .any(|c| c.config.micro_batch == 16 && c.config.remat == Remat::Blocks { blocks: 1 }));
+}
+
+#[test]
+fn nothing_fits_names_the_smallest_peak() {
+    let fit = model();
+    let machine = MachineProfile::nominal(1);
+    let report = search(&fit, 1 << 20, &CPU, 16, &machine, None).unwrap();
+    assert!(report.chosen.is_none());
+    let smallest = report
+        .candidates
+        .iter()
+        .filter_map(|c| c.peak_bytes)
+        .min()
+        .unwrap();
+    match suggest_config(&fit, 1 << 20, &CPU, 16, &machine) {
+        Err(FitError::NothingFits {
+            budget,
+            smallest: s,
+            ..
+        }) => {
+            assert_eq!(budget, 1 << 20);
+            assert_eq!(s, smallest);
+        }
+        other => panic!("expected NothingFits, got {other:?}"),
+    }
+}
+
+#[test]
+fn devices_and_batch_are_checked() {
+    let fit = model();
+    let machine = MachineProfile::nominal(1);
+    let two = [Device::Cpu { threads: 1 }, Device::Cpu { threads: 1 }];
+    assert!(matches!(
+        suggest_config(&fit, usize::MAX, &two, 8, &machine),
+        Err(FitError::Invalid {
+            field: "devices",
+            ..
+        })
+    ));
+    assert!(matches!(
+        suggest_config(&fit, usize::MAX, &CPU, 0, &machine),
+        Err(FitError::Invalid {
+            field: "effective_batch",
+            ..
+        })
+    ));
+}
+
+#[test]
+fn recovery_fits_under_the_limit_without_growing_the_micro_batch() {
+    let fit = model();
+    let machine = MachineProfile::nominal(1);
+    let current = snug_fit::FitConfig::of(
+        &StepConfig {
+            accumulation: 2,
+            ..StepConfig::default()
+        },
+        16,
+    );
+    let current_peak = peak_of(&fit, 8, &current.apply(&fit.step));
+    let failure = MemoryFailure {
+        limit: current_peak * 8 / 10,
+        requested: 0,
+        active: 0,
+    };
+    let report =
+        suggest_recovery_config(&fit, &current, current_peak, &failure, &CPU, &machine).unwrap();
+    let to = report.chosen().unwrap();
+    assert!(to.peak_bytes.unwrap() <= failure.limit);
+    assert!(to.config.micro_batch <= 8);
+    assert_eq!(to.config.micro_batch * to.config.accumulation, 16);
+    // The system refusing with no limit set: anything below the current plan.
+    let system = MemoryFailure {
+        limit: usize::MAX,
+        ..failure
+    };
+    let report =
+        suggest_recovery_config(&fit, &current, current_peak, &system, &CPU, &machine).unwrap();
+    assert!(report.chosen().unwrap().peak_bytes.unwrap() < current_peak);
+}
