@@ -135,13 +135,18 @@ pub fn print_table(report: &FitReport) {
 pub fn run(args: FitArgs) -> Result<()> {
     let (model, train) = args.model.sections();
     let cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
-    // The data `snug train` would use (the built-in set without --data) sets the vocabulary.
-    let vocab = TokenDataset::load(&DataSource::from(&cfg.data))?
-        .tokenizer
-        .vocab_size();
+    // As in `snug plan`: the data's vocabulary with --data, else the preset's (or --vocab).
+    let vocab = match &train.data {
+        Some(path) => Some(
+            TokenDataset::load(&DataSource::from_path(path))?
+                .tokenizer
+                .vocab_size(),
+        ),
+        None => None,
+    };
     let budget = parse_budget(&args.memory)?;
     let effective = args.effective_batch.unwrap_or(cfg.batch);
-    let report = fit_config(&cfg, Some(vocab), budget, effective, args.recalibrate)?;
+    let report = fit_config(&cfg, vocab, budget, effective, args.recalibrate)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

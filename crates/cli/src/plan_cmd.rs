@@ -41,6 +41,8 @@ struct PlanReport {
     nodes: usize,
     tensors: usize,
     flops_per_step: u64,
+    /// fit's cost model on this machine's cached calibration (`snug fit` makes one).
+    predicted_step_ms: Option<f64>,
     peak_bytes: usize,
     persistent_bytes: usize,
     arena_bytes: usize,
@@ -138,6 +140,8 @@ pub fn run(args: PlanArgs) -> Result<()> {
         nodes: step.graph.nodes().len(),
         tensors: step.graph.tensors().len(),
         flops_per_step: step.graph.flops(),
+        predicted_step_ms: snug_train::calibration::cached(cfg.threads)
+            .map(|m| m.step_seconds(&step, &memory_plan.schedule) * 1e3),
         peak_bytes: memory_plan.peak_bytes(),
         persistent_bytes: memory_plan.persistent_bytes,
         arena_bytes: memory_plan.arena_bytes,
@@ -191,6 +195,9 @@ pub fn run(args: PlanArgs) -> Result<()> {
                 format!("-{}", human_bytes(s.saved_bytes.unsigned_abs() as usize))
             }
         );
+    }
+    if let Some(ms) = report.predicted_step_ms {
+        println!("predicted step time {ms:.1} ms (fit's cost model, this machine's calibration)");
     }
     println!("planned in {plan_ms:.1} ms, no tensor allocated");
     if args.table {

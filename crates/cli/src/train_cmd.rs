@@ -101,6 +101,8 @@ struct Summary {
     train_loss: Option<f32>,
     val_loss: Option<f32>,
     median_step_ms: f64,
+    /// fit's cost model for the configuration the run ended with (needs a cached calibration).
+    predicted_step_ms: Option<f64>,
     min_step_ms: f64,
     max_step_ms: f64,
     tokens_per_step: usize,
@@ -114,6 +116,8 @@ struct Summary {
     cache_bytes: usize,
     memory_limit_bytes: Option<usize>,
     limit_overruns: u64,
+    /// Out-of-memory recoveries during the run (each also printed as it happened).
+    recoveries: usize,
     parameters: usize,
     checkpoint: Option<PathBuf>,
     metrics: Option<PathBuf>,
@@ -385,6 +389,8 @@ pub fn run(args: TrainArgs) -> Result<()> {
         train_loss: run.last_eval.map(|e| e.train_loss),
         val_loss: run.last_eval.map(|e| e.val_loss),
         median_step_ms: median,
+        predicted_step_ms: snug_train::calibration::cached(cfg.threads)
+            .map(|m| m.step_seconds(trainer.step_graph(), &trainer.plan().schedule) * 1e3),
         min_step_ms: min,
         max_step_ms: max,
         tokens_per_step,
@@ -398,6 +404,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
         cache_bytes: allocator.cache_bytes(),
         memory_limit_bytes: cfg.memory_limit,
         limit_overruns: allocator.stats().limit_overruns,
+        recoveries: run.recoveries.len(),
         parameters: params,
         checkpoint: run.checkpoint.clone(),
         metrics: run.metrics.clone(),
@@ -419,6 +426,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
         summary.tokens_per_s,
         summary.model_flops_per_s / 1e9
     );
+    if let Some(p) = summary.predicted_step_ms {
+        println!("predicted step {p:.1} ms by fit's cost model (calibrated on this machine)");
+    }
     if let Some(e) = run.last_eval {
         println!(
             "eval at step {}: train loss {:.4}, val loss {:.4}",

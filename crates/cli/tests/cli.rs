@@ -763,7 +763,18 @@ fn snug_cached(args: &[&str], cache: &tempfile::TempDir) -> Output {
 #[test]
 fn fit_chooses_what_fits_and_train_holds_to_it() {
     let cache = calibrated_cache(1);
-    let base = ["--batch", "16", "--block", "64", "--threads", "1"];
+    // The built-in data's vocabulary, so `fit` (preset vocabulary without --data) and `train`
+    // (the data's) plan the same model.
+    let base = [
+        "--batch",
+        "16",
+        "--block",
+        "64",
+        "--threads",
+        "1",
+        "--vocab",
+        "13",
+    ];
     let plan = snug(&[&["plan", "--json"][..], &base].concat());
     assert!(plan.status.success(), "{}", stderr(&plan));
     let plain: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();

@@ -89,6 +89,8 @@ pub struct Trainer {
     forward: Vec<bool>,
     /// Batches of the coming steps, drawn on a background thread.
     prefetch: Prefetcher,
+    /// The batch of a step that failed, kept for the retry.
+    pending: Option<crate::data::Batch>,
     /// Kernel timings for the recovery search; loaded from the calibration cache when first
     /// needed, else nominal.
     machine: Option<MachineProfile>,
@@ -197,6 +199,7 @@ impl Trainer {
             tokens_seen: 0,
             forward,
             prefetch,
+            pending: None,
             machine: None,
             recoveries: Vec::new(),
         })
@@ -425,6 +428,7 @@ impl Trainer {
         }
         self.step = ckpt.step;
         self.tokens_seen = ckpt.tokens_seen;
+        self.pending = None;
         self.prefetch = Prefetcher::new(
             self.data.clone(),
             self.config.seed,
@@ -448,8 +452,25 @@ impl Trainer {
 
     fn step_inner(&mut self, profile: bool) -> Result<(StepStats, Vec<f64>), TrainError> {
         let step = self.step + 1;
-        let batch = self.prefetch.next()?;
+        let batch = match self.pending.take() {
+            Some(b) => b,
+            None => self.prefetch.next()?,
+        };
         debug_assert_eq!(batch.step, step, "the prefetcher follows the trainer");
+        let result = self.step_on(&batch, profile);
+        if result.is_err() {
+            // The step did not happen: its batch is the next one tried.
+            self.pending = Some(batch);
+        }
+        result
+    }
+
+    fn step_on(
+        &mut self,
+        batch: &crate::data::Batch,
+        profile: bool,
+    ) -> Result<(StepStats, Vec<f64>), TrainError> {
+        let step = batch.step;
         let lr = self.schedule.at(step);
         let start = Instant::now();
         let mut recoveries = 0;

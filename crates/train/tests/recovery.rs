@@ -159,9 +159,17 @@ fn when_nothing_fits_the_error_says_so_and_the_state_is_untouched() {
     }
     assert_eq!(t.steps_done(), 1);
     assert_eq!(parameters(&t), before);
-    // Memory back: the run continues from where it was.
+    // Memory back: the run continues from where it was, on step 2's own batch.
     allocator.set_memory_limit(usize::MAX, true);
-    assert_eq!(t.train_step().unwrap().step, 2);
+    let retried = t.train_step().unwrap();
+    assert_eq!(retried.step, 2);
+    let mut reference = trainer(&cfg, &Allocator::new(Device::Cpu));
+    reference.train_step().unwrap();
+    assert_eq!(
+        retried.loss.to_bits(),
+        reference.train_step().unwrap().loss.to_bits()
+    );
+    assert_eq!(parameters(&t), parameters(&reference));
 }
 
 /// The arena is re-taken from the cache every micro-batch without zeroing: that is sound only
