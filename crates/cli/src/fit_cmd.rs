@@ -46,7 +46,7 @@ pub fn fit_config(
     budget: usize,
     effective_batch: usize,
     recalibrate: bool,
-) -> Result<FitReport> {
+) -> Result<(FitReport, snug_fit::MachineProfile)> {
     let model = match vocab {
         Some(v) => cfg.model_for_vocab(v)?,
         None => {
@@ -54,7 +54,7 @@ pub fn fit_config(
             cfg.model_for_vocab(m.vocab_size())?
         }
     };
-    let (machine, fresh) = snug_train::calibration::machine_profile(cfg.threads, recalibrate)?;
+    let (machine, fresh) = snug_train::calibration::current_profile(cfg.threads, recalibrate)?;
     if fresh {
         tracing::info!(
             "calibrated this machine's kernels ({} samples, GEMM peak {:.1} GFLOP/s, copy {:.1} GB/s); cached at {}",
@@ -65,12 +65,18 @@ pub fn fit_config(
                 .map_or_else(|| "-".into(), |p| p.display().to_string())
         );
     }
+    if !fresh {
+        tracing::debug!(
+            "machine speed now: {:.2}× the calibration's step time",
+            machine.speed()
+        );
+    }
     let fit_model = FitModel {
         model,
         block: cfg.block,
         step: cfg.step_config(),
     };
-    Ok(snug_fit::search(
+    let report = snug_fit::search(
         &fit_model,
         budget,
         &[Device::Cpu {
@@ -79,19 +85,23 @@ pub fn fit_config(
         effective_batch,
         &machine,
         None,
-    )?)
+    )?;
+    Ok((report, machine))
 }
 
 pub fn print_table(report: &FitReport) {
     println!(
-        "budget {} for {} sequences of {} tokens per step; {} predictions",
+        "budget {} for {} sequences of {} tokens per step; {}",
         human_bytes(report.budget),
         report.effective_batch,
         report.block,
         if report.calibrated {
-            "calibrated"
+            format!(
+                "predictions calibrated on this machine (running at {:.2}× the calibration's step time now)",
+                report.machine_speed
+            )
         } else {
-            "nominal (uncalibrated)"
+            "nominal predictions (uncalibrated)".to_string()
         }
     );
     println!(
@@ -146,7 +156,7 @@ pub fn run(args: FitArgs) -> Result<()> {
     };
     let budget = parse_budget(&args.memory)?;
     let effective = args.effective_batch.unwrap_or(cfg.batch);
-    let report = fit_config(&cfg, vocab, budget, effective, args.recalibrate)?;
+    let (report, _) = fit_config(&cfg, vocab, budget, effective, args.recalibrate)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

@@ -124,12 +124,18 @@ struct Summary {
 }
 
 /// With `--memory`: runs fit and applies its choice, with the budget as a strict limit.
-fn fit_to_memory(args: &TrainArgs, cfg: &mut TrainConfig, vocab: usize) -> Result<()> {
+/// Returns the machine profile fit used (scaled to the machine's speed now).
+fn fit_to_memory(
+    args: &TrainArgs,
+    cfg: &mut TrainConfig,
+    vocab: usize,
+) -> Result<Option<snug_fit::MachineProfile>> {
     let Some(memory) = &args.memory else {
-        return Ok(());
+        return Ok(None);
     };
     let budget = crate::fit_cmd::parse_budget(memory)?;
-    let report = crate::fit_cmd::fit_config(cfg, Some(vocab), budget, cfg.batch, args.recalibrate)?;
+    let (report, machine) =
+        crate::fit_cmd::fit_config(cfg, Some(vocab), budget, cfg.batch, args.recalibrate)?;
     let Some(chosen) = report.chosen() else {
         if !args.json {
             crate::fit_cmd::print_table(&report);
@@ -152,7 +158,7 @@ fn fit_to_memory(args: &TrainArgs, cfg: &mut TrainConfig, vocab: usize) -> Resul
     cfg.apply_fit(&chosen.config);
     cfg.memory_limit = Some(budget);
     cfg.strict_memory_limit = true;
-    Ok(())
+    Ok(Some(machine))
 }
 
 /// `STEP:SIZE` of `--lower-memory-at`.
@@ -205,6 +211,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let json = args.json;
     let allocator = Allocator::cpu();
     let config_file = args.model.config.as_deref();
+    let machine;
     let (cfg, data, mut trainer) = match &args.resume {
         Some(from) => {
             let (path, ckpt) = checkpoint::load(from)?;
@@ -220,7 +227,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
             let mut cfg =
                 TrainConfig::resolve_resumed(ckpt.config.clone(), config_file, &model, &train)?;
             let data = TokenDataset::load(&DataSource::from(&cfg.data))?;
-            fit_to_memory(&args, &mut cfg, data.tokenizer.vocab_size())?;
+            machine = fit_to_memory(&args, &mut cfg, data.tokenizer.vocab_size())?;
             let summary = data_line(&data);
             let trainer = Trainer::resume(cfg.clone(), data, allocator.clone(), &ckpt)
                 .with_context(|| format!("resuming from {}", path.display()))?;
@@ -230,7 +237,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
         None => {
             let mut cfg = TrainConfig::resolve(config_file, &model, &train)?;
             let data = TokenDataset::load(&DataSource::from(&cfg.data))?;
-            fit_to_memory(&args, &mut cfg, data.tokenizer.vocab_size())?;
+            machine = fit_to_memory(&args, &mut cfg, data.tokenizer.vocab_size())?;
             let summary = data_line(&data);
             let trainer = Trainer::with_allocator(cfg.clone(), data, allocator.clone())
                 .context("setting up training")?;
@@ -389,7 +396,10 @@ pub fn run(args: TrainArgs) -> Result<()> {
         train_loss: run.last_eval.map(|e| e.train_loss),
         val_loss: run.last_eval.map(|e| e.val_loss),
         median_step_ms: median,
-        predicted_step_ms: snug_train::calibration::cached(cfg.threads)
+        // The profile fit used (scaled to the machine's speed at the start), else the cached one
+        // as calibrated: timing the reference step here would add its memory to the peak.
+        predicted_step_ms: machine
+            .or_else(|| snug_train::calibration::cached(cfg.threads))
             .map(|m| m.step_seconds(trainer.step_graph(), &trainer.plan().schedule) * 1e3),
         min_step_ms: min,
         max_step_ms: max,

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use snug_graph::ops::{AdamW, Sgd};
 use snug_graph::{passes, DType, OptimizerSpec, StepGraph, StepOptions, TensorId};
 use snug_nn::ModelConfig;
-use snug_plan::PlanOptions;
+use snug_plan::{MemoryPlan, PlanOptions};
 
 use crate::FitError;
 
@@ -130,6 +130,8 @@ pub struct CompiledStep {
     pub step: StepGraph,
     pub tokens: TensorId,
     pub targets: TensorId,
+    /// The step's plan, when compiling already made it (the budgeted remat plans its choice).
+    pub plan: Option<MemoryPlan>,
 }
 
 /// Compiles the training step of `model` for micro-batches of `micro_batch × block` tokens.
@@ -182,6 +184,7 @@ pub fn compile_step(
                 step,
                 tokens,
                 targets,
+                plan: None,
             })
         }
         Remat::Blocks { blocks } => passes::RematPolicy::Uniform {
@@ -202,6 +205,7 @@ pub fn compile_step(
                 step: chosen.step,
                 tokens,
                 targets,
+                plan: Some(chosen.plan),
             });
         }
     };
@@ -212,5 +216,6 @@ pub fn compile_step(
         step,
         tokens,
         targets,
+        plan: None,
     })
 }

@@ -18,7 +18,7 @@ use snug_graph::ops::Op;
 use snug_graph::{Graph, NodeId, StepGraph};
 
 /// Bumped when the meaning of samples changes, so stale caches are remeasured.
-pub const PROFILE_VERSION: u32 = 2;
+pub const PROFILE_VERSION: u32 = 5;
 
 /// One kernel call as measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -44,6 +44,12 @@ pub struct MachineProfile {
     /// Seconds a kernel costs however small its work (launch, thread wake-up).
     pub overhead: f64,
     pub samples: Vec<Sample>,
+    /// Seconds of the calibration's reference step when the samples were measured (0: none).
+    #[serde(default)]
+    pub reference_seconds: f64,
+    /// Multiplies every prediction: the reference step's time now over at calibration.
+    #[serde(skip, default = "one")]
+    speed: f64,
     /// (class, family) and class alone → (ln work, ln seconds), sorted by work.
     #[serde(skip)]
     curves: BTreeMap<(String, String), Vec<(f64, f64)>>,
@@ -69,6 +75,8 @@ impl MachineProfile {
             bandwidth,
             overhead,
             samples,
+            reference_seconds: 0.0,
+            speed: 1.0,
             curves: BTreeMap::new(),
             lines: BTreeMap::new(),
         };
@@ -98,6 +106,20 @@ impl MachineProfile {
 
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+
+    /// Scales every prediction by `factor` (the machine runs `factor` times slower than when
+    /// calibrated); clamped to 1/4..4 so one wild probe cannot make nonsense.
+    pub fn set_speed(&mut self, factor: f64) {
+        self.speed = if factor.is_finite() {
+            factor.clamp(0.25, 4.0)
+        } else {
+            1.0
+        };
+    }
+
+    pub fn speed(&self) -> f64 {
+        self.speed
     }
 
     /// Whether samples were measured (not [`MachineProfile::nominal`]).
@@ -196,7 +218,7 @@ impl MachineProfile {
     /// Predicted seconds of one node of `graph`.
     pub fn node_seconds(&self, graph: &Graph, node: NodeId) -> f64 {
         let w = node_work(graph, node);
-        self.seconds(&w.class, &w.family, w.work, w.flops)
+        self.seconds(&w.class, &w.family, w.work, w.flops) * self.speed
     }
 
     /// Predicted seconds of one optimizer step of `step` run in `schedule` order: every node
@@ -215,6 +237,10 @@ impl MachineProfile {
             })
             .sum()
     }
+}
+
+fn one() -> f64 {
+    1.0
 }
 
 /// `seconds = a + b · work` through `(work, seconds)` points, least squares on relative error;
@@ -251,7 +277,8 @@ fn once_per_step(op: &Op) -> bool {
 pub struct NodeWork {
     /// The op's name, with the operand layout for matmuls.
     pub class: String,
-    /// The inputs' innermost dimensions: what stays fixed when only the batch changes.
+    /// The inputs' and outputs' innermost dimensions: what stays fixed when only the batch
+    /// changes.
     pub family: String,
     /// FLOPs, or bytes read and written for ops that report no FLOPs.
     pub work: f64,
@@ -271,11 +298,15 @@ pub fn node_work(graph: &Graph, node: NodeId) -> NodeWork {
         ),
         op => op.name().to_string(),
     };
-    let family = ins
-        .iter()
-        .map(|t| t.shape.last().map_or("-".into(), |d| d.to_string()))
-        .collect::<Vec<_>>()
-        .join("|");
+    let last = |ts: &[&snug_graph::TensorMeta]| {
+        ts.iter()
+            .map(|t| t.shape.last().map_or("-".into(), |d| d.to_string()))
+            .collect::<Vec<_>>()
+            .join("|")
+    };
+    // Inputs and outputs both: the LM head ([.., 768]·[50257, 768]ᵀ) and a 768 × 768
+    // projection share their inputs' inner dimensions but not their outputs'.
+    let family = format!("{}>{}", last(&ins), last(&outs));
     let (work, flops) = if !outs.is_empty() && outs.iter().all(|t| t.view_of.is_some()) {
         // Views alias their input and run no kernel (updates in place have no outputs at all).
         (0.0, false)

@@ -124,6 +124,8 @@ pub struct FitReport {
     pub block: usize,
     /// Whether predictions come from this machine's calibration (else nominal figures).
     pub calibrated: bool,
+    /// The machine's step time now over at calibration (scales every prediction).
+    pub machine_speed: f64,
     pub candidates: Vec<Candidate>,
     /// Index into `candidates`.
     pub chosen: Option<usize>,
@@ -245,23 +247,32 @@ pub fn search(
         .map(|(m, p)| config(m, p, Remat::None))
         .collect();
     let mut candidates: Vec<Candidate> = plain.into_par_iter().map(evaluate).collect();
-    let remat: Vec<FitConfig> = candidates
+    let over = |c: &Candidate| c.peak_bytes.is_some_and(|p| p > budget);
+    let with_remat = |c: &Candidate, r: Remat| FitConfig {
+        remat: r,
+        ..c.config.clone()
+    };
+    let fixed: Vec<FitConfig> = candidates
         .iter()
-        .filter(|c| c.peak_bytes.is_some_and(|p| p > budget))
+        .filter(|c| over(c))
         .flat_map(|c| {
             [
                 Remat::Selective,
                 Remat::Blocks { blocks: 2 },
                 Remat::Blocks { blocks: 1 },
-                Remat::Budget { bytes: budget },
             ]
-            .map(|r| FitConfig {
-                remat: r,
-                ..c.config.clone()
-            })
+            .map(|r| with_remat(c, r))
         })
         .collect();
-    candidates.extend(remat.into_par_iter().map(evaluate).collect::<Vec<_>>());
+    candidates.extend(fixed.into_par_iter().map(evaluate).collect::<Vec<_>>());
+    // The budgeted choice, the costliest to compile, only where selective remat (its cheapest
+    // fixed competitor) does not fit: where it does, the budget search ends at it anyway.
+    let budgeted: Vec<FitConfig> = candidates
+        .iter()
+        .filter(|c| c.config.remat == Remat::Selective && over(c))
+        .map(|c| with_remat(c, Remat::Budget { bytes: budget }))
+        .collect();
+    candidates.extend(budgeted.into_par_iter().map(evaluate).collect::<Vec<_>>());
 
     let fastest = candidates
         .iter()
@@ -289,6 +300,7 @@ pub fn search(
         effective_batch,
         block: model.block,
         calibrated: machine.is_measured(),
+        machine_speed: machine.speed(),
         candidates,
         chosen,
         search_seconds: start.elapsed().as_secs_f64(),
@@ -310,7 +322,10 @@ fn evaluate(
         &step_config,
     )
     .and_then(|c| {
-        let p = plan(&c.step.graph, &PlanOptions::default())?;
+        let p = match c.plan {
+            Some(p) => p,
+            None => plan(&c.step.graph, &PlanOptions::default())?,
+        };
         Ok((p.peak_bytes(), machine.step_seconds(&c.step, &p.schedule)))
     });
     match result {

@@ -131,6 +131,7 @@ impl Trainer {
             step: step_graph,
             tokens,
             targets,
+            ..
         } = compile_step(
             &model,
             config.micro_batch(),
@@ -224,6 +225,7 @@ impl Trainer {
             step,
             tokens,
             targets,
+            ..
         } = compile_step(
             &self.model,
             config.micro_batch(),

@@ -383,6 +383,16 @@ impl Allocator {
     }
 }
 
+impl Drop for State {
+    /// The last handle is gone (every buffer holds one, so none is live): the cached blocks go
+    /// back to the system.
+    fn drop(&mut self) {
+        while let Some(b) = self.cache.pop_oldest() {
+            release(b);
+        }
+    }
+}
+
 fn trim_cache(s: &mut State) {
     while s.cache.bytes() > s.cache_limit {
         match s.cache.pop_oldest() {
