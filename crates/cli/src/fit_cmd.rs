@@ -54,7 +54,7 @@ pub fn fit_config(
             cfg.model_for_vocab(m.vocab_size())?
         }
     };
-    let (machine, fresh) = snug_train::calibration::current_profile(cfg.threads, recalibrate)?;
+    let (machine, fresh) = snug_train::calibration::machine_profile(cfg.threads, recalibrate)?;
     if fresh {
         tracing::info!(
             "calibrated this machine's kernels ({} samples, GEMM peak {:.1} GFLOP/s, copy {:.1} GB/s); cached at {}",
@@ -63,12 +63,6 @@ pub fn fit_config(
             machine.bandwidth / 1e9,
             snug_train::calibration::cache_path(cfg.threads)
                 .map_or_else(|| "-".into(), |p| p.display().to_string())
-        );
-    }
-    if !fresh {
-        tracing::debug!(
-            "machine speed now: {:.2}× the calibration's step time",
-            machine.speed()
         );
     }
     let fit_model = FitModel {
@@ -96,12 +90,9 @@ pub fn print_table(report: &FitReport) {
         report.effective_batch,
         report.block,
         if report.calibrated {
-            format!(
-                "predictions calibrated on this machine (running at {:.2}× the calibration's step time now)",
-                report.machine_speed
-            )
+            "predictions calibrated on this machine"
         } else {
-            "nominal predictions (uncalibrated)".to_string()
+            "nominal predictions (uncalibrated)"
         }
     );
     println!(

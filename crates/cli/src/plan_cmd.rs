@@ -140,7 +140,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         nodes: step.graph.nodes().len(),
         tensors: step.graph.tensors().len(),
         flops_per_step: step.graph.flops(),
-        predicted_step_ms: snug_train::calibration::cached_now(cfg.threads)
+        predicted_step_ms: snug_train::calibration::cached(cfg.threads)
             .map(|m| m.step_seconds(&step, &memory_plan.schedule) * 1e3),
         peak_bytes: memory_plan.peak_bytes(),
         persistent_bytes: memory_plan.persistent_bytes,

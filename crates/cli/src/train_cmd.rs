@@ -124,7 +124,7 @@ struct Summary {
 }
 
 /// With `--memory`: runs fit and applies its choice, with the budget as a strict limit.
-/// Returns the machine profile fit used (scaled to the machine's speed now).
+/// Returns the machine profile fit used.
 fn fit_to_memory(
     args: &TrainArgs,
     cfg: &mut TrainConfig,
@@ -396,8 +396,6 @@ pub fn run(args: TrainArgs) -> Result<()> {
         train_loss: run.last_eval.map(|e| e.train_loss),
         val_loss: run.last_eval.map(|e| e.val_loss),
         median_step_ms: median,
-        // The profile fit used (scaled to the machine's speed at the start), else the cached one
-        // as calibrated: timing the reference step here would add its memory to the peak.
         predicted_step_ms: machine
             .or_else(|| snug_train::calibration::cached(cfg.threads))
             .map(|m| m.step_seconds(trainer.step_graph(), &trainer.plan().schedule) * 1e3),

@@ -44,12 +44,6 @@ pub struct MachineProfile {
     /// Seconds a kernel costs however small its work (launch, thread wake-up).
     pub overhead: f64,
     pub samples: Vec<Sample>,
-    /// Seconds of the calibration's reference step when the samples were measured (0: none).
-    #[serde(default)]
-    pub reference_seconds: f64,
-    /// Multiplies every prediction: the reference step's time now over at calibration.
-    #[serde(skip, default = "one")]
-    speed: f64,
     /// (class, family) and class alone → (ln work, ln seconds), sorted by work.
     #[serde(skip)]
     curves: BTreeMap<(String, String), Vec<(f64, f64)>>,
@@ -75,8 +69,6 @@ impl MachineProfile {
             bandwidth,
             overhead,
             samples,
-            reference_seconds: 0.0,
-            speed: 1.0,
             curves: BTreeMap::new(),
             lines: BTreeMap::new(),
         };
@@ -106,20 +98,6 @@ impl MachineProfile {
 
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).unwrap_or_default()
-    }
-
-    /// Scales every prediction by `factor` (the machine runs `factor` times slower than when
-    /// calibrated); clamped to 1/4..4 so one wild probe cannot make nonsense.
-    pub fn set_speed(&mut self, factor: f64) {
-        self.speed = if factor.is_finite() {
-            factor.clamp(0.25, 4.0)
-        } else {
-            1.0
-        };
-    }
-
-    pub fn speed(&self) -> f64 {
-        self.speed
     }
 
     /// Whether samples were measured (not [`MachineProfile::nominal`]).
@@ -218,7 +196,7 @@ impl MachineProfile {
     /// Predicted seconds of one node of `graph`.
     pub fn node_seconds(&self, graph: &Graph, node: NodeId) -> f64 {
         let w = node_work(graph, node);
-        self.seconds(&w.class, &w.family, w.work, w.flops) * self.speed
+        self.seconds(&w.class, &w.family, w.work, w.flops)
     }
 
     /// Predicted seconds of one optimizer step of `step` run in `schedule` order: every node
@@ -237,10 +215,6 @@ impl MachineProfile {
             })
             .sum()
     }
-}
-
-fn one() -> f64 {
-    1.0
 }
 
 /// `seconds = a + b · work` through `(work, seconds)` points, least squares on relative error;

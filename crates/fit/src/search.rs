@@ -124,8 +124,6 @@ pub struct FitReport {
     pub block: usize,
     /// Whether predictions come from this machine's calibration (else nominal figures).
     pub calibrated: bool,
-    /// The machine's step time now over at calibration (scales every prediction).
-    pub machine_speed: f64,
     pub candidates: Vec<Candidate>,
     /// Index into `candidates`.
     pub chosen: Option<usize>,
@@ -300,7 +298,6 @@ pub fn search(
         effective_batch,
         block: model.block,
         calibrated: machine.is_measured(),
-        machine_speed: machine.speed(),
         candidates,
         chosen,
         search_seconds: start.elapsed().as_secs_f64(),

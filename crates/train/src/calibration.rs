@@ -3,8 +3,8 @@
 //! 768, sequence 256 and 1024, vocabulary 65 and 50,257, the fused and the plain LM head, and
 //! a Llama block), plus a memory-bandwidth probe. The result is cached as JSON under the user's
 //! cache directory (`$SNUG_CACHE_DIR`, else e.g. `~/.cache/snug`), one file per thread count.
-//! A reference step timed at calibration and again at each use scales the cached figures to the
-//! machine's speed now: on a shared host that drifts by tens of percent within minutes.
+//! Predictions are only as steady as the machine: on a shared host, other load moves kernel
+//! times by tens of percent within minutes.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -131,16 +131,14 @@ pub fn calibrate(threads: usize) -> Result<MachineProfile, TrainError> {
     let mut secs: Vec<f64> = samples.iter().map(|s| s.seconds).collect();
     secs.sort_by(f64::total_cmp);
     let overhead = secs.get(secs.len() / 20).copied().unwrap_or(5e-6);
-    let mut p = MachineProfile::new(
+    Ok(MachineProfile::new(
         threads,
         cpu_name(),
         gemm_peak_flops,
         bandwidth(),
         overhead,
         samples,
-    );
-    p.reference_seconds = reference_seconds(threads)?;
-    Ok(p)
+    ))
 }
 
 /// A loaded probe: its step, schedule and session with parameters and inputs written.
@@ -192,61 +190,6 @@ fn probe_session(p: &Probe, threads: usize) -> Result<ProbeSession, TrainError> 
         schedule,
         session,
     })
-}
-
-/// The reference workload: a one-block step at char-small's width, timed whole.
-const REFERENCE: Probe = Probe {
-    preset: "gpt2",
-    layers: 1,
-    heads: 6,
-    width: 384,
-    block: 256,
-    vocab: 65,
-    batch: 8,
-    accumulation: 1,
-    fused: false,
-    runs: 9,
-};
-
-/// Fastest of several runs of the reference step on this machine now: the least disturbed one,
-/// so a momentary spike of other load does not count. Its ratio to the figure taken at
-/// calibration is how much faster or slower the machine runs now (sustained load on a shared
-/// host), which scales every prediction.
-pub fn reference_seconds(threads: usize) -> Result<f64, TrainError> {
-    let mut probe = probe_session(&REFERENCE, threads)?;
-    let mut times = Vec::new();
-    for run in 0..=REFERENCE.runs {
-        let start = Instant::now();
-        probe.session.run(ExecCtx::step(1e-4, run as u64 + 1))?;
-        if run > 0 {
-            times.push(start.elapsed().as_secs_f64());
-        }
-    }
-    Ok(times.into_iter().fold(f64::MAX, f64::min))
-}
-
-/// The cached calibration (measured if there is none), scaled to this machine's speed now.
-pub fn current_profile(
-    threads: usize,
-    recalibrate: bool,
-) -> Result<(MachineProfile, bool), TrainError> {
-    let (mut p, fresh) = machine_profile(threads, recalibrate)?;
-    if !fresh && p.reference_seconds > 0.0 {
-        let factor = reference_seconds(threads)? / p.reference_seconds;
-        p.set_speed(factor);
-    }
-    Ok((p, fresh))
-}
-
-/// The cached calibration scaled to the machine's speed now, or `None` without a cache (this
-/// never starts a calibration).
-pub fn cached_now(threads: usize) -> Option<MachineProfile> {
-    let mut p = cached(threads)?;
-    if p.reference_seconds > 0.0 {
-        let now = reference_seconds(threads).ok()?;
-        p.set_speed(now / p.reference_seconds);
-    }
-    Some(p)
 }
 
 fn run_probe(p: &Probe, threads: usize) -> Result<Vec<Sample>, TrainError> {
