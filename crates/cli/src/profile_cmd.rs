@@ -43,7 +43,7 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     let graph = trainer.session().graph().clone();
     let schedule = trainer.plan().schedule.clone();
     let machine = snug_train::calibration::cached(trainer.config().threads);
-    let micro = trainer.config().accumulation as f64;
+    let micro = trainer.config().accumulation;
     let mut rows: BTreeMap<String, (usize, f64, u64, f64)> = BTreeMap::new();
     let steps = args.steps.max(1);
     for _ in 0..steps {
@@ -67,8 +67,7 @@ pub fn run(args: ProfileArgs) -> Result<()> {
             e.1 += t;
             e.2 += node.op.flops(&ins, &outs);
             if let Some(m) = &machine {
-                let once = matches!(node.op, Op::AdamW(_) | Op::Sgd(_));
-                e.3 += m.node_seconds(&graph, nid) * if once { 1.0 } else { micro };
+                e.3 += m.node_step_seconds(&graph, nid, micro);
             }
         }
     }

@@ -4,8 +4,13 @@
 use std::process::{Command, Output};
 
 fn snug(args: &[&str]) -> Output {
+    snug_with(args, &[])
+}
+
+fn snug_with(args: &[&str], env: &[(&str, &std::path::Path)]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_snug"))
         .args(args)
+        .envs(env.iter().copied())
         .output()
         .expect("the snug binary runs")
 }
@@ -753,11 +758,7 @@ fn calibrated_cache(threads: usize) -> tempfile::TempDir {
 }
 
 fn snug_cached(args: &[&str], cache: &tempfile::TempDir) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_snug"))
-        .args(args)
-        .env("SNUG_CACHE_DIR", cache.path())
-        .output()
-        .expect("the snug binary runs")
+    snug_with(args, &[("SNUG_CACHE_DIR", cache.path())])
 }
 
 #[test]

@@ -199,20 +199,21 @@ impl MachineProfile {
         self.seconds(&w.class, &w.family, w.work, w.flops)
     }
 
-    /// Predicted seconds of one optimizer step of `step` run in `schedule` order: every node
-    /// once per micro-batch, the optimizer update once.
+    /// Predicted seconds one node costs per optimizer step of `micro_steps` micro-batches:
+    /// once per micro-batch, except the optimizer update, which runs on the last one only.
+    pub fn node_step_seconds(&self, graph: &Graph, node: NodeId, micro_steps: usize) -> f64 {
+        let t = self.node_seconds(graph, node);
+        match graph.node(node).op {
+            Op::AdamW(_) | Op::Sgd(_) => t,
+            _ => t * micro_steps.max(1) as f64,
+        }
+    }
+
+    /// Predicted seconds of one optimizer step of `step` run in `schedule` order.
     pub fn step_seconds(&self, step: &StepGraph, schedule: &[NodeId]) -> f64 {
-        let micro = step.micro_steps.max(1) as f64;
         schedule
             .iter()
-            .map(|&n| {
-                let t = self.node_seconds(&step.graph, n);
-                if once_per_step(&step.graph.node(n).op) {
-                    t
-                } else {
-                    t * micro
-                }
-            })
+            .map(|&n| self.node_step_seconds(&step.graph, n, step.micro_steps))
             .sum()
     }
 }
@@ -239,11 +240,6 @@ fn fit_line(points: &[(f64, f64)]) -> Option<(f64, f64)> {
     let a = (st - b * sx) / s;
     let (a, b) = if a < 0.0 { (0.0, sxt / sxx) } else { (a, b) };
     (b > 0.0 && b.is_finite() && a.is_finite()).then_some((a, b))
-}
-
-/// Optimizer updates run on the last micro-batch only.
-fn once_per_step(op: &Op) -> bool {
-    matches!(op, Op::AdamW(_) | Op::Sgd(_))
 }
 
 /// What one node costs, in the cost model's terms.

@@ -222,29 +222,34 @@ pub fn search(
         precision: model.step.precision,
     };
     let evaluate = |c: FitConfig| evaluate(model, c, threads, machine);
+    // No recomputation first; remat only where that does not fit.
+    let largest = micro_batches.first().copied().unwrap_or(1);
     let mut pass_sets = vec![model.step.passes.clone()];
+    let mut candidates = Vec::new();
     if !model.step.passes.contains(&Pass::FusedCrossEntropy) {
         let mut with = vec![Pass::FusedCrossEntropy];
         with.extend(model.step.passes.iter().copied());
         // Worth searching only where the logits matter (a large vocabulary): judged once, at
-        // the largest micro-batch.
-        let m = micro_batches.first().copied().unwrap_or(1);
+        // the largest micro-batch, whose two candidates then stay in the table.
         let (plain, fused) = rayon::join(
-            || evaluate(config(m, &pass_sets[0], Remat::None)),
-            || evaluate(config(m, &with, Remat::None)),
+            || evaluate(config(largest, &pass_sets[0], Remat::None)),
+            || evaluate(config(largest, &with, Remat::None)),
         );
-        if matches!((fused.peak_bytes, plain.peak_bytes), (Some(f), Some(p)) if f < p) {
+        let keep = matches!((fused.peak_bytes, plain.peak_bytes), (Some(f), Some(p)) if f < p);
+        candidates.push(plain);
+        if keep {
+            candidates.push(fused);
             pass_sets.push(with);
         }
     }
-
-    // No recomputation first; remat only where that does not fit.
+    let done = candidates.len();
     let plain: Vec<FitConfig> = micro_batches
         .iter()
         .flat_map(|&m| pass_sets.iter().map(move |p| (m, p)))
         .map(|(m, p)| config(m, p, Remat::None))
+        .skip(done)
         .collect();
-    let mut candidates: Vec<Candidate> = plain.into_par_iter().map(evaluate).collect();
+    candidates.extend(plain.into_par_iter().map(evaluate).collect::<Vec<_>>());
     let over = |c: &Candidate| c.peak_bytes.is_some_and(|p| p > budget);
     let with_remat = |c: &Candidate, r: Remat| FitConfig {
         remat: r,

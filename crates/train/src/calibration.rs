@@ -141,14 +141,7 @@ pub fn calibrate(threads: usize) -> Result<MachineProfile, TrainError> {
     ))
 }
 
-/// A loaded probe: its step, schedule and session with parameters and inputs written.
-struct ProbeSession {
-    compiled: snug_fit::CompiledStep,
-    schedule: Vec<snug_graph::NodeId>,
-    session: CpuSession,
-}
-
-fn probe_session(p: &Probe, threads: usize) -> Result<ProbeSession, TrainError> {
+fn run_probe(p: &Probe, threads: usize) -> Result<Vec<Sample>, TrainError> {
     let mut model = ModelConfig::preset(p.preset)?;
     let shape = |v: usize| (v > 0).then_some(v);
     model.override_shape(
@@ -185,19 +178,6 @@ fn probe_session(p: &Probe, threads: usize) -> Result<ProbeSession, TrainError> 
     let ids: Vec<i32> = (0..n).map(|i| ((i * 7919 + 13) % p.vocab) as i32).collect();
     session.write_i32(compiled.tokens, &ids, p.vocab)?;
     session.write_i32(compiled.targets, &ids, p.vocab)?;
-    Ok(ProbeSession {
-        compiled,
-        schedule,
-        session,
-    })
-}
-
-fn run_probe(p: &Probe, threads: usize) -> Result<Vec<Sample>, TrainError> {
-    let ProbeSession {
-        compiled,
-        schedule,
-        mut session,
-    } = probe_session(p, threads)?;
     let mut samples = Vec::new();
     for run in 0..=p.runs {
         for micro in 0..p.accumulation {
