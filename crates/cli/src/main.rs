@@ -89,7 +89,8 @@ pub struct ModelArgs {
     #[arg(long, allow_negative_numbers = true)]
     grad_clip: Option<f32>,
     /// Graph passes, comma-separated: fused-ce (LM head + cross-entropy chunked over tokens),
-    /// cse (common subexpressions), dce (dead code).
+    /// cse (common subexpressions), dce (dead code), inplace (elementwise ops write over an
+    /// input that dies at them); remat=MODE and precision=TYPE set those options.
     #[arg(long, value_name = "LIST")]
     passes: Option<String>,
     /// Activation checkpointing: none, block (every block), block:K (every K blocks),

@@ -70,16 +70,20 @@ pub enum Pass {
     /// Dead-code elimination on the step graph.
     #[serde(rename = "dce")]
     Dce,
+    /// Elementwise ops write over an input that dies at them; runs after every other pass.
+    #[serde(rename = "inplace")]
+    InPlace,
 }
 
 impl Pass {
-    pub const ALL: [Pass; 3] = [Pass::FusedCrossEntropy, Pass::Cse, Pass::Dce];
+    pub const ALL: [Pass; 4] = [Pass::FusedCrossEntropy, Pass::Cse, Pass::Dce, Pass::InPlace];
 
     pub fn name(self) -> &'static str {
         match self {
             Pass::FusedCrossEntropy => "fused-ce",
             Pass::Cse => "cse",
             Pass::Dce => "dce",
+            Pass::InPlace => "inplace",
         }
     }
 }
@@ -170,7 +174,7 @@ pub fn compile_step(
     let (mut tokens, mut targets) = (g.tokens, g.targets);
     for pass in &config.passes {
         let (r, _) = match pass {
-            Pass::FusedCrossEntropy => continue,
+            Pass::FusedCrossEntropy | Pass::InPlace => continue,
             Pass::Cse => passes::eliminate_common_subexpressions(&step.graph)?,
             Pass::Dce => passes::eliminate_dead_code(&step.graph)?,
         };
@@ -178,7 +182,23 @@ pub fn compile_step(
         let forward = r.surviving(step.forward_nodes);
         step = step.rewritten(r, forward)?;
     }
-    let policy = match config.remat {
+    let mut compiled = rematerialize(step, tokens, targets, config.remat)?;
+    if config.passes.contains(&Pass::InPlace) {
+        // Marks nodes without renumbering tensors: the inputs and parameters keep their ids.
+        let (graph, _) = passes::write_in_place(&compiled.step.graph)?;
+        compiled.step.graph = graph;
+        compiled.plan = None;
+    }
+    Ok(compiled)
+}
+
+fn rematerialize(
+    step: StepGraph,
+    tokens: TensorId,
+    targets: TensorId,
+    remat: Remat,
+) -> Result<CompiledStep, FitError> {
+    let policy = match remat {
         Remat::None => {
             return Ok(CompiledStep {
                 step,

@@ -25,6 +25,9 @@ pub struct Node {
     /// Tensors that must exist before this node runs, though it does not read them: orders a
     /// recomputation after the backward pass reaches it (they do not extend lifetimes).
     pub control: Vec<TensorId>,
+    /// `Some(i)`: output 0 is written over input `i`, whose storage it shares (set by
+    /// [`crate::passes::write_in_place`]; a rewrite of the graph drops it).
+    pub inplace: Option<usize>,
 }
 
 /// A static dataflow graph over tensor metadata. Nodes are stored in a valid topological order
@@ -227,6 +230,7 @@ impl Graph {
             outputs: outputs.clone(),
             workspace,
             control: Vec::new(),
+            inplace: None,
         });
         Ok(outputs)
     }
@@ -237,6 +241,19 @@ impl Graph {
         if !n.control.contains(&after) {
             n.control.push(after);
         }
+    }
+
+    /// Makes `node` write its output 0 over its input `input`: the output becomes a view of
+    /// the input's storage. The caller (the in-place pass) has checked that nothing else reads
+    /// that storage, in any schedule.
+    pub(crate) fn set_inplace(&mut self, node: NodeId, input: usize) {
+        let n = &mut self.nodes[node.index()];
+        n.inplace = Some(input);
+        let (base, out) = (n.inputs[input], n.outputs[0]);
+        self.tensors[out.index()].view_of = Some(ViewOf {
+            base,
+            offset_elems: 0,
+        });
     }
 
     /// Like [`Graph::apply`] for single-output ops.

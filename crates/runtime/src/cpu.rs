@@ -291,13 +291,15 @@ impl CpuSession {
                 let node = &graph.nodes()[b.node];
                 let start = times.is_some().then(std::time::Instant::now);
                 // SAFETY: the plan gives coexisting tensors disjoint bytes; views (whose output
-                // aliases the input) have kernels that touch nothing.
+                // aliases the input) have kernels that touch nothing; an in-place node's output
+                // is its input's storage, which the kernel reads only through the output.
                 let kernel = unsafe {
                     Kernel::new(
                         &b.inputs,
                         &b.outputs,
                         b.workspace.as_ref(),
                         node.op.mutates_inputs(),
+                        node.inplace,
                         ctx,
                     )
                 };

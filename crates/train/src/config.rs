@@ -71,7 +71,7 @@ pub struct TrainSection {
     /// Start from these GPT-2 weights (a Hugging Face `model.safetensors`) instead of a
     /// random initialisation.
     pub init_from: Option<PathBuf>,
-    /// Graph passes, comma-separated (`fused-ce`, `cse`, `dce`).
+    /// Graph passes, comma-separated (`fused-ce`, `cse`, `dce`, `inplace`).
     pub passes: Option<String>,
     /// Activation checkpointing: `none`, `block` (every block), `block:K` (every K blocks) or
     /// `selective` (keep matmul and attention outputs, recompute the rest).
@@ -287,23 +287,32 @@ impl TrainConfig {
             })?;
         }
         if let Some(list) = &t.passes {
-            self.passes = list
-                .split(',')
-                .map(str::trim)
-                .filter(|s| !s.is_empty())
-                .map(|s| {
-                    Pass::ALL
-                        .into_iter()
-                        .find(|p| p.name() == s)
-                        .ok_or_else(|| TrainError::Config {
-                            field: "passes",
-                            detail: format!(
-                                "`{s}` is not a pass (known: {})",
+            let mut passes = Vec::new();
+            for s in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+                let bad = |detail: String| TrainError::Config {
+                    field: "passes",
+                    detail,
+                };
+                // `remat=MODE` and `precision=TYPE` in the list set those options.
+                if let Some(mode) = s.strip_prefix("remat=") {
+                    self.remat = mode.parse().map_err(bad)?;
+                } else if let Some(p) = s.strip_prefix("precision=") {
+                    self.precision = match p.parse::<DType>() {
+                        Ok(d) if d.is_float() => d,
+                        _ => return Err(bad(format!("`{p}` is not one of f32, bf16, f16"))),
+                    };
+                } else {
+                    passes.push(Pass::ALL.into_iter().find(|p| p.name() == s).ok_or_else(
+                        || {
+                            bad(format!(
+                                "`{s}` is not a pass (known: {}, remat=MODE, precision=TYPE)",
                                 Pass::ALL.map(Pass::name).join(", ")
-                            ),
-                        })
-                })
-                .collect::<Result<_, _>>()?;
+                            ))
+                        },
+                    )?);
+                }
+            }
+            self.passes = passes;
         }
         if let Some(limit) = &t.memory_limit {
             let bytes = snug_runtime::parse_bytes(limit).map_err(|e| TrainError::Config {

@@ -128,10 +128,13 @@ impl OpRule for Binary {
         Ok(())
     }
 
+    fn inplace_inputs(&self) -> &'static [usize] {
+        &[0, 1]
+    }
+
     #[cfg(feature = "cpu")]
     fn cpu(&self, k: &super::Kernel<'_>) {
         use super::broadcast::Mapping;
-        let (a, b, c) = (k.in_f32(0), k.in_f32(1), k.out_f32(0));
         let out_shape = k.out_shape(0);
         let ma = Mapping::new(k.in_shape(0), out_shape);
         let mb = Mapping::new(k.in_shape(1), out_shape);
@@ -141,6 +144,30 @@ impl OpRule for Binary {
             BinaryKind::Mul => |x, y| x * y,
             BinaryKind::Div => |x, y| x / y,
         };
+        if let Some(i) = k.inplace() {
+            // The output holds input `i` (same shape as the output); the other may broadcast.
+            let (other, m) = if i == 0 {
+                (k.in_f32(1), mb)
+            } else {
+                (k.in_f32(0), ma)
+            };
+            let g = move |own: f32, o: f32| if i == 0 { f(own, o) } else { f(o, own) };
+            super::par::elems_mut(k.out_f32(0), |start, out| match m {
+                Mapping::Same => {
+                    let n = out.len();
+                    for (o, &v) in out.iter_mut().zip(&other[start..start + n]) {
+                        *o = g(*o, v);
+                    }
+                }
+                _ => {
+                    for (j, o) in out.iter_mut().enumerate() {
+                        *o = g(*o, other[m.index(start + j)]);
+                    }
+                }
+            });
+            return;
+        }
+        let (a, b, c) = (k.in_f32(0), k.in_f32(1), k.out_f32(0));
         super::par::elems_mut(c, |start, out| match (&ma, &mb) {
             (Mapping::Same, Mapping::Same) => {
                 let (a, b) = (&a[start..start + out.len()], &b[start..start + out.len()]);
@@ -187,9 +214,13 @@ impl OpRule for Scale {
         Ok(())
     }
 
+    fn inplace_inputs(&self) -> &'static [usize] {
+        &[0]
+    }
+
     #[cfg(feature = "cpu")]
     fn cpu(&self, k: &super::Kernel<'_>) {
         let s = self.factor;
-        super::par::map(k.in_f32(0), k.out_f32(0), |v| v * s);
+        super::par::unary(k, |v| v * s);
     }
 }

@@ -80,13 +80,16 @@ impl OpRule for Gelu {
     fn flops(&self, _inputs: &[&TensorMeta], outputs: &[&TensorMeta]) -> u64 {
         8 * outputs[0].numel() as u64
     }
+    fn inplace_inputs(&self) -> &'static [usize] {
+        &[0]
+    }
+
     #[cfg(feature = "cpu")]
     fn cpu(&self, k: &super::Kernel<'_>) {
-        let (x, y) = (k.in_f32(0), k.out_f32(0));
         // One loop per variant, so each vectorises on its own.
         match self.approx {
-            GeluApprox::Tanh => super::par::map(x, y, |v| gelu(GeluApprox::Tanh, v)),
-            GeluApprox::Exact => super::par::map(x, y, |v| gelu(GeluApprox::Exact, v)),
+            GeluApprox::Tanh => super::par::unary(k, |v| gelu(GeluApprox::Tanh, v)),
+            GeluApprox::Exact => super::par::unary(k, |v| gelu(GeluApprox::Exact, v)),
         }
     }
 }
@@ -119,16 +122,15 @@ impl OpRule for GeluBackward {
     fn flops(&self, _inputs: &[&TensorMeta], outputs: &[&TensorMeta]) -> u64 {
         12 * outputs[0].numel() as u64
     }
+    fn inplace_inputs(&self) -> &'static [usize] {
+        &[1, 0]
+    }
+
     #[cfg(feature = "cpu")]
     fn cpu(&self, k: &super::Kernel<'_>) {
-        let (x, dy, dx) = (k.in_f32(0), k.in_f32(1), k.out_f32(0));
         match self.approx {
-            GeluApprox::Tanh => {
-                super::par::map2(x, dy, dx, |v, g| g * gelu_grad(GeluApprox::Tanh, v))
-            }
-            GeluApprox::Exact => {
-                super::par::map2(x, dy, dx, |v, g| g * gelu_grad(GeluApprox::Exact, v))
-            }
+            GeluApprox::Tanh => super::par::binary(k, |v, g| g * gelu_grad(GeluApprox::Tanh, v)),
+            GeluApprox::Exact => super::par::binary(k, |v, g| g * gelu_grad(GeluApprox::Exact, v)),
         }
     }
 }

@@ -78,6 +78,7 @@ pub struct Kernel<'a> {
     outputs: &'a [TensorArg],
     workspace: Option<&'a TensorArg>,
     mutable_inputs: &'static [usize],
+    inplace: Option<usize>,
     pub ctx: ExecCtx,
     taken: Cell<u64>,
     _p: PhantomData<&'a mut [u8]>,
@@ -86,13 +87,15 @@ pub struct Kernel<'a> {
 impl<'a> Kernel<'a> {
     /// # Safety
     /// Every output and the workspace must be disjoint from every other argument (a plan with
-    /// no overlapping live tensors guarantees it), and inputs named by `mutable_inputs` must not
-    /// be read through any other argument.
+    /// no overlapping live tensors guarantees it), except output 0 and input `inplace`, which
+    /// are the same bytes when given; inputs named by `mutable_inputs` must not be read through
+    /// any other argument.
     pub unsafe fn new(
         inputs: &'a [TensorArg],
         outputs: &'a [TensorArg],
         workspace: Option<&'a TensorArg>,
         mutable_inputs: &'static [usize],
+        inplace: Option<usize>,
         ctx: ExecCtx,
     ) -> Self {
         Kernel {
@@ -100,6 +103,7 @@ impl<'a> Kernel<'a> {
             outputs,
             workspace,
             mutable_inputs,
+            inplace,
             ctx,
             taken: Cell::new(0),
             _p: PhantomData,
@@ -125,7 +129,14 @@ impl<'a> Kernel<'a> {
         &self.outputs[i].shape
     }
 
+    /// The input output 0 is written over, when the node runs in place: read it through
+    /// `out_f32(0)` (reading it as an input would alias the output).
+    pub fn inplace(&self) -> Option<usize> {
+        self.inplace
+    }
+
     pub fn in_f32(&self, i: usize) -> &'a [f32] {
+        assert_ne!(self.inplace, Some(i), "input {i} is the in-place output");
         let a = &self.inputs[i];
         assert_eq!(a.dtype, DType::F32, "input {i} is not f32");
         // SAFETY: see `TensorArg::new`; shared reads of an input are always allowed.
@@ -133,6 +144,7 @@ impl<'a> Kernel<'a> {
     }
 
     pub fn in_i32(&self, i: usize) -> &'a [i32] {
+        assert_ne!(self.inplace, Some(i), "input {i} is the in-place output");
         let a = &self.inputs[i];
         assert_eq!(a.dtype, DType::I32, "input {i} is not i32");
         // SAFETY: as `in_f32`.

@@ -141,16 +141,19 @@ impl OpRule for LayerNormBackward {
         12 * inputs[0].numel() as u64
     }
 
+    /// `dx` may be written over `dy` or `x`: each row is read whole before it is written.
+    fn inplace_inputs(&self) -> &'static [usize] {
+        &[0, 1]
+    }
+
     #[cfg(feature = "cpu")]
     fn cpu(&self, k: &super::Kernel<'_>) {
         use rayon::prelude::*;
-        let (dy, x, w, mean, rstd) = (
-            k.in_f32(0),
-            k.in_f32(1),
-            k.in_f32(2),
-            k.in_f32(3),
-            k.in_f32(4),
-        );
+        let ip = k.inplace();
+        // `None`: that input's rows are read from `dx`, which holds them on entry.
+        let dy = (ip != Some(0)).then(|| k.in_f32(0));
+        let x = (ip != Some(1)).then(|| k.in_f32(1));
+        let (w, mean, rstd) = (k.in_f32(2), k.in_f32(3), k.in_f32(4));
         let (dx, dw, db) = (k.out_f32(0), k.out_f32(1), k.out_f32(2));
         let ws = k.workspace();
         let (rows, c) = rows_and_width(k.in_shape(1));
@@ -166,22 +169,46 @@ impl OpRule for LayerNormBackward {
                 let r0 = p * rows_per;
                 for (r, dxr) in dx.chunks_exact_mut(c).enumerate() {
                     let row = r0 + r;
-                    let (xr, dyr) = (&x[row * c..(row + 1) * c], &dy[row * c..(row + 1) * c]);
+                    let span = row * c..(row + 1) * c;
                     let (m, s) = (mean[row], rstd[row]);
                     let mut sum_g = 0.0;
                     let mut sum_gx = 0.0;
-                    for j in 0..c {
-                        let xhat = (xr[j] - m) * s;
-                        let g = dyr[j] * w[j];
-                        sum_g += g;
-                        sum_gx += g * xhat;
-                        pdw[j] += dyr[j] * xhat;
-                        pdb[j] += dyr[j];
+                    {
+                        let xr = x.map_or(&*dxr, |x| &x[span.clone()]);
+                        let dyr = dy.map_or(&*dxr, |dy| &dy[span.clone()]);
+                        for j in 0..c {
+                            let xhat = (xr[j] - m) * s;
+                            let g = dyr[j] * w[j];
+                            sum_g += g;
+                            sum_gx += g * xhat;
+                            pdw[j] += dyr[j] * xhat;
+                            pdb[j] += dyr[j];
+                        }
                     }
                     let (mg, mgx) = (sum_g / c as f32, sum_gx / c as f32);
-                    for j in 0..c {
-                        let xhat = (xr[j] - m) * s;
-                        dxr[j] = s * (dyr[j] * w[j] - mg - xhat * mgx);
+                    let dx_of = |dy: f32, x: f32, w: f32| {
+                        let xhat = (x - m) * s;
+                        s * (dy * w - mg - xhat * mgx)
+                    };
+                    match (dy, x) {
+                        (Some(dy), Some(x)) => {
+                            for (((o, &d), &v), &wj) in
+                                dxr.iter_mut().zip(&dy[span.clone()]).zip(&x[span]).zip(w)
+                            {
+                                *o = dx_of(d, v, wj);
+                            }
+                        }
+                        (None, Some(x)) => {
+                            for ((o, &v), &wj) in dxr.iter_mut().zip(&x[span]).zip(w) {
+                                *o = dx_of(*o, v, wj);
+                            }
+                        }
+                        (Some(dy), None) => {
+                            for ((o, &d), &wj) in dxr.iter_mut().zip(&dy[span]).zip(w) {
+                                *o = dx_of(d, *o, wj);
+                            }
+                        }
+                        (None, None) => unreachable!("one input at most is written over"),
                     }
                 }
             });

@@ -113,6 +113,13 @@ pub trait OpRule {
         &[]
     }
 
+    /// Inputs output 0 may be written over, in order of preference, when one has the output's
+    /// shape and dtype and dies at this op: its kernel then reads that input through the
+    /// output (see [`Kernel::inplace`]). Elementwise ops only.
+    fn inplace_inputs(&self) -> &'static [usize] {
+        &[]
+    }
+
     /// Floating-point operations of one run; elementwise ops count one per output element.
     fn flops(&self, _inputs: &[&TensorMeta], outputs: &[&TensorMeta]) -> u64 {
         outputs.iter().map(|t| t.numel() as u64).sum()
@@ -201,6 +208,9 @@ impl Op {
     }
     pub fn mutates_inputs(&self) -> &'static [usize] {
         self.rule().mutates_inputs()
+    }
+    pub fn inplace_inputs(&self) -> &'static [usize] {
+        self.rule().inplace_inputs()
     }
     pub fn flops(&self, inputs: &[&TensorMeta], outputs: &[&TensorMeta]) -> u64 {
         self.rule().flops(inputs, outputs)

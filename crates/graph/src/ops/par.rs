@@ -101,6 +101,39 @@ pub fn map(x: &[f32], y: &mut [f32], f: impl Fn(f32) -> f32 + Sync + Send) {
     });
 }
 
+/// A one-input elementwise kernel `y = f(x)`, run over `x`'s bytes when the node is in place.
+pub fn unary(k: &super::Kernel<'_>, f: impl Fn(f32) -> f32 + Sync + Send) {
+    if k.inplace().is_some() {
+        elems_mut(k.out_f32(0), |_, out| {
+            for o in out {
+                *o = f(*o);
+            }
+        });
+    } else {
+        map(k.in_f32(0), k.out_f32(0), f);
+    }
+}
+
+/// A two-input elementwise kernel `y = f(a, b)` over same-shape inputs, run over the bytes of
+/// whichever input the node writes in place.
+pub fn binary(k: &super::Kernel<'_>, f: impl Fn(f32, f32) -> f32 + Sync + Send) {
+    match k.inplace() {
+        Some(0) => update(k.in_f32(1), k.out_f32(0), |b, a| f(a, b)),
+        Some(_) => update(k.in_f32(0), k.out_f32(0), f),
+        None => map2(k.in_f32(0), k.in_f32(1), k.out_f32(0), f),
+    }
+}
+
+/// `y[i] = f(x[i], y[i])`: `y` holds the other operand on entry.
+fn update(x: &[f32], y: &mut [f32], f: impl Fn(f32, f32) -> f32 + Sync + Send) {
+    elems_mut(y, |start, out| {
+        let n = out.len();
+        for (o, &v) in out.iter_mut().zip(&x[start..start + n]) {
+            *o = f(v, *o);
+        }
+    });
+}
+
 /// `y[i] = f(a[i], b[i])` in parallel chunks.
 pub fn map2(a: &[f32], b: &[f32], y: &mut [f32], f: impl Fn(f32, f32) -> f32 + Sync + Send) {
     elems_mut(y, |start, out| {

@@ -49,9 +49,13 @@ impl OpRule for Silu {
     fn flops(&self, _inputs: &[&TensorMeta], outputs: &[&TensorMeta]) -> u64 {
         5 * outputs[0].numel() as u64
     }
+    fn inplace_inputs(&self) -> &'static [usize] {
+        &[0]
+    }
+
     #[cfg(feature = "cpu")]
     fn cpu(&self, k: &super::Kernel<'_>) {
-        super::par::map(k.in_f32(0), k.out_f32(0), silu);
+        super::par::unary(k, silu);
     }
 }
 
@@ -81,9 +85,12 @@ impl OpRule for SiluBackward {
     fn flops(&self, _inputs: &[&TensorMeta], outputs: &[&TensorMeta]) -> u64 {
         8 * outputs[0].numel() as u64
     }
+    fn inplace_inputs(&self) -> &'static [usize] {
+        &[1, 0]
+    }
+
     #[cfg(feature = "cpu")]
     fn cpu(&self, k: &super::Kernel<'_>) {
-        let (x, dy, dx) = (k.in_f32(0), k.in_f32(1), k.out_f32(0));
-        super::par::map2(x, dy, dx, |v, g| g * silu_grad(v));
+        super::par::binary(k, |v, g| g * silu_grad(v));
     }
 }

@@ -45,10 +45,13 @@ impl OpRule for SwiGlu {
     fn flops(&self, _inputs: &[&TensorMeta], outputs: &[&TensorMeta]) -> u64 {
         6 * outputs[0].numel() as u64
     }
+    fn inplace_inputs(&self) -> &'static [usize] {
+        &[0, 1]
+    }
+
     #[cfg(feature = "cpu")]
     fn cpu(&self, k: &super::Kernel<'_>) {
-        let (gate, up, y) = (k.in_f32(0), k.in_f32(1), k.out_f32(0));
-        super::par::map2(gate, up, y, |g, u| super::silu::silu(g) * u);
+        super::par::binary(k, |g, u| super::silu::silu(g) * u);
     }
 }
 
