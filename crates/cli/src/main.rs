@@ -69,7 +69,9 @@ pub struct ModelArgs {
     /// A Hugging Face config.json (GPT-2 or Llama family) instead of a preset.
     #[arg(long, value_name = "CONFIG_JSON")]
     hf_config: Option<PathBuf>,
-    /// Storage type of weights and activations: f32, bf16, f16 (bf16/f16 are planned, not run).
+    /// Mixed precision: f32 (default), bf16 or f16. Activations and their gradients are
+    /// rounded to and stored in 16 bits; weights and optimizer state stay f32; f16 scales the
+    /// loss dynamically.
     #[arg(long)]
     precision: Option<String>,
     /// Optimizer: adamw (default) or sgd.

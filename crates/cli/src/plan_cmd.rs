@@ -65,7 +65,7 @@ struct PlanReport {
 
 #[derive(Serialize)]
 struct PassSaving {
-    pass: &'static str,
+    pass: String,
     peak_before_bytes: usize,
     peak_after_bytes: usize,
     saved_bytes: i64,
@@ -97,29 +97,40 @@ pub fn run(args: PlanArgs) -> Result<()> {
     .step;
     let memory_plan = plan(&step.graph, &PlanOptions::default())?;
     let plan_ms = start.elapsed().as_secs_f64() * 1e3;
-    // Each pass's saving, measured by planning the step without it and with it (cumulative, in
-    // the order given), without rematerialization (whose budget mode adapts to the passes).
+    // Each pass's saving, measured by planning the step without it and with it, cumulatively:
+    // the passes in the order given, then the precision, then rematerialization (last, since
+    // its budget mode adapts to the rest).
+    let mut stages: Vec<(String, snug_train::TrainConfig)> = Vec::new();
+    let mut c = cfg.clone();
+    c.passes.clear();
+    c.precision = snug_graph::DType::F32;
+    c.remat = snug_train::Remat::None;
+    let base = c.clone();
+    for (k, pass) in cfg.passes.iter().enumerate() {
+        c.passes = cfg.passes[..=k].to_vec();
+        stages.push((pass.name().to_string(), c.clone()));
+    }
+    if cfg.precision != snug_graph::DType::F32 {
+        c.precision = cfg.precision;
+        stages.push((format!("precision={}", cfg.precision), c.clone()));
+    }
+    if cfg.remat != snug_train::Remat::None {
+        c.remat = cfg.remat;
+        stages.push((format!("remat={}", cfg.remat), c.clone()));
+    }
+    let peak_of = |c: &snug_train::TrainConfig| -> Result<usize> {
+        let step =
+            snug_fit::compile_step(&gpt, c.micro_batch(), c.block, c.threads, &c.step_config())?
+                .step;
+        Ok(plan(&step.graph, &PlanOptions::default())?.peak_bytes())
+    };
     let mut pass_savings = Vec::new();
-    if !cfg.passes.is_empty() {
-        let peak_with = |k: usize| -> Result<usize> {
-            let mut c = cfg.clone();
-            c.passes.truncate(k);
-            c.remat = snug_train::Remat::None;
-            let step = snug_fit::compile_step(
-                &gpt,
-                c.micro_batch(),
-                c.block,
-                c.threads,
-                &c.step_config(),
-            )?
-            .step;
-            Ok(plan(&step.graph, &PlanOptions::default())?.peak_bytes())
-        };
-        let mut before = peak_with(0)?;
-        for (k, pass) in cfg.passes.iter().enumerate() {
-            let after = peak_with(k + 1)?;
+    if !stages.is_empty() {
+        let mut before = peak_of(&base)?;
+        for (name, c) in &stages {
+            let after = peak_of(c)?;
             pass_savings.push(PassSaving {
-                pass: pass.name(),
+                pass: name.clone(),
                 peak_before_bytes: before,
                 peak_after_bytes: after,
                 saved_bytes: before as i64 - after as i64,
@@ -163,12 +174,11 @@ pub fn run(args: PlanArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "model {} ({}): {} parameters ({} at {})",
+        "model {} ({}): {} parameters ({} at f32)",
         report.preset,
         gpt.summary(),
         report.parameters,
-        human_bytes(report.parameters * cfg.precision.size_bytes()),
-        cfg.precision
+        human_bytes(report.parameters * 4),
     );
     println!(
         "training step: batch {} x block {} = {} tokens, {:?}, {}, {} threads, remat {}; {} nodes, {:.1} GFLOP",
@@ -185,7 +195,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     print!("{memory_plan}");
     for s in &report.passes {
         println!(
-            "pass {:<10} peak {} -> {} (saved {})",
+            "pass {:<20} peak {} -> {} (saved {})",
             s.pass,
             human_bytes(s.peak_before_bytes),
             human_bytes(s.peak_after_bytes),

@@ -45,6 +45,10 @@ pub struct TrainArgs {
     /// Micro-batches per evaluation.
     #[arg(long)]
     eval_batches: Option<usize>,
+    /// Initial loss scale for --precision f16 (default 65536): halved when the scaled
+    /// gradients overflow (that step's update is skipped), doubled after 2000 good steps.
+    #[arg(long)]
+    loss_scale: Option<f32>,
     /// Run directory: checkpoints (ckpt-<step>.safetensors) and metrics.jsonl. The final
     /// state is saved there, also on Ctrl-C.
     #[arg(long, value_name = "DIR")]
@@ -200,6 +204,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
     train.log_every = args.log_every;
     train.eval_every = args.eval_every;
     train.eval_batches = args.eval_batches;
+    train.loss_scale = args.loss_scale;
     train.out = args.out.clone();
     train.checkpoint_every = args.checkpoint_every;
     train.keep_checkpoints = args.keep_checkpoints;
@@ -331,7 +336,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
             } else if s.step % cfg.log_every == 0 || s.step == 1 || s.step == cfg.steps {
                 bar.suspend(|| {
                     println!(
-                        "step {:>5}/{} | loss {:.4} | lr {:.2e} | norm {} | {:>8.0} tok/s | {:>7.1} ms | mem {} / peak {} / cache {}",
+                        "step {:>5}/{} | loss {:.4} | lr {:.2e} | norm {} | {:>8.0} tok/s | {:>7.1} ms | mem {} / peak {} / cache {}{}",
                         s.step,
                         cfg.steps,
                         s.loss,
@@ -341,7 +346,14 @@ pub fn run(args: TrainArgs) -> Result<()> {
                         s.ms,
                         human_bytes(s.active_bytes),
                         human_bytes(s.peak_bytes),
-                        human_bytes(s.cache_bytes)
+                        human_bytes(s.cache_bytes),
+                        match (s.skipped, s.loss_scale) {
+                            (true, Some(scale)) => format!(
+                                " | overflow: update skipped, loss scale {scale} -> {}",
+                                scale / 2.0
+                            ),
+                            _ => String::new(),
+                        }
                     )
                 });
             }

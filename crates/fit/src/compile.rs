@@ -146,10 +146,17 @@ pub fn compile_step(
     threads: usize,
     config: &StepConfig,
 ) -> Result<CompiledStep, FitError> {
-    let mut g = model.build(micro_batch, block, threads, config.precision)?;
+    // Parameters are f32 master weights whatever the precision: the precision pass rounds
+    // activations and gradients.
+    let mut g = model.build(micro_batch, block, threads, DType::F32)?;
     // Forward-graph passes run before autodiff (their ops bring their own gradients).
     if config.passes.contains(&Pass::FusedCrossEntropy) {
         let (r, _) = passes::fuse_lm_head_loss(&g.graph, passes::DEFAULT_CHUNK_BYTES)?;
+        g = g.rewritten(r)?;
+    }
+    let low_precision = config.precision != DType::F32;
+    if low_precision {
+        let (r, _) = passes::mixed_precision(&g.graph, config.precision)?;
         g = g.rewritten(r)?;
     }
     let adamw = AdamW {
@@ -169,6 +176,8 @@ pub fn compile_step(
         micro_steps: config.accumulation,
         clip_grad_norm: (config.grad_clip > 0.0).then_some(config.grad_clip),
         grad_norm: true,
+        // bf16 keeps f32's exponent range; f16 gradients underflow without scaling.
+        loss_scale: config.precision == DType::F16,
     };
     let mut step = StepGraph::build_with(g.graph, g.loss, &options)?;
     let (mut tokens, mut targets) = (g.tokens, g.targets);
@@ -181,6 +190,11 @@ pub fn compile_step(
         (tokens, targets) = (r.map(tokens)?, r.map(targets)?);
         let forward = r.surviving(step.forward_nodes);
         step = step.rewritten(r, forward)?;
+    }
+    if low_precision {
+        let (r, _) = passes::recast_saved(&step)?;
+        (tokens, targets) = (r.map(tokens)?, r.map(targets)?);
+        step = step.rewritten(r, step.forward_nodes)?;
     }
     let mut compiled = rematerialize(step, tokens, targets, config.remat)?;
     if config.passes.contains(&Pass::InPlace) {

@@ -53,6 +53,17 @@ impl GradCtx<'_> {
 /// Appends the backward pass of `loss` to `graph` and returns the gradient of each tensor in
 /// `wrt` (in the same order). Parameter gradients get the `Gradient` role.
 pub fn backward(graph: &mut Graph, loss: TensorId, wrt: &[TensorId]) -> Result<Vec<TensorId>> {
+    backward_seeded(graph, loss, wrt, None)
+}
+
+/// [`backward`] with the loss's gradient read from `seed` (a tensor shaped like the loss, such
+/// as a loss scale fed at run time) instead of ones.
+pub fn backward_seeded(
+    graph: &mut Graph,
+    loss: TensorId,
+    wrt: &[TensorId],
+    seed: Option<TensorId>,
+) -> Result<Vec<TensorId>> {
     let loss_meta = graph.try_tensor(loss)?;
     if loss_meta.numel() != 1 {
         return Err(GraphError::NonScalarLoss(loss_meta.name.clone()));
@@ -77,13 +88,27 @@ pub fn backward(graph: &mut Graph, loss: TensorId, wrt: &[TensorId]) -> Result<V
     let prev_role = graph.set_build_role(Some(Role::Temporary));
     let prev_scope = graph.scope().to_string();
     graph.set_scope("grad");
-    let seed = graph.apply1(
-        Fill {
-            value: 1.0,
-            shape: graph.tensor(loss).shape.clone(),
-        },
-        &[],
-    )?;
+    let seed = match seed {
+        Some(s) if graph.try_tensor(s)?.shape == graph.tensor(loss).shape => s,
+        Some(s) => {
+            return Err(GraphError::Invalid {
+                op: "backward",
+                detail: format!(
+                    "seed `{}` is shaped {:?}, the loss {:?}",
+                    graph.tensor(s).name,
+                    graph.tensor(s).shape,
+                    graph.tensor(loss).shape
+                ),
+            })
+        }
+        None => graph.apply1(
+            Fill {
+                value: 1.0,
+                shape: graph.tensor(loss).shape.clone(),
+            },
+            &[],
+        )?,
+    };
     let mut grads: HashMap<TensorId, TensorId> = HashMap::new();
     grads.insert(loss, seed);
 

@@ -17,7 +17,7 @@ pub mod passes;
 pub mod step;
 pub mod tensor;
 
-pub use autodiff::{backward, GradCtx};
+pub use autodiff::{backward, backward_seeded, GradCtx};
 pub use dtype::DType;
 pub use error::{GraphError, Result};
 pub use graph::{Graph, Node, NodeId};

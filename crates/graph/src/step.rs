@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::ops::{AccumulateGrad, AdamW, GradNorm, Sgd, SumSquares};
-use crate::{backward, DType, Graph, GraphError, Result, Role, TensorId};
+use crate::{backward_seeded, DType, Graph, GraphError, Result, Role, TensorId};
 
 /// Optimizer applied at the end of the step.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -31,6 +31,10 @@ pub struct StepOptions {
     pub clip_grad_norm: Option<f32>,
     /// Compute the global gradient norm (an output), for logging.
     pub grad_norm: bool,
+    /// Seed the backward pass with a loss scale fed at run time ([`StepGraph::loss_scale`])
+    /// and divide it out before the update, which is skipped when any gradient is not finite
+    /// (f16 training, as PyTorch's GradScaler).
+    pub loss_scale: bool,
 }
 
 impl StepOptions {
@@ -40,6 +44,7 @@ impl StepOptions {
             micro_steps: 1,
             clip_grad_norm: None,
             grad_norm: false,
+            loss_scale: false,
         }
     }
 }
@@ -64,8 +69,11 @@ pub struct StepGraph {
     pub inputs: Vec<TensorId>,
     pub params: Vec<ParamSlot>,
     pub micro_steps: usize,
-    /// The global gradient norm (of the averaged gradient, before clipping), when computed.
+    /// The global gradient norm (of the averaged gradient, before clipping), when computed;
+    /// not finite when an update was skipped for an overflow under loss scaling.
     pub grad_norm: Option<TensorId>,
+    /// The loss-scale input (a scalar), when the step scales its loss.
+    pub loss_scale: Option<TensorId>,
     /// Nodes `0..forward_nodes` are the forward pass.
     pub forward_nodes: usize,
 }
@@ -111,7 +119,13 @@ impl StepGraph {
             .collect();
         graph.mark_output(loss);
         let forward_nodes = graph.nodes().len();
-        let raw_grads = backward(&mut graph, loss, &params)?;
+        let loss_scale = if opts.loss_scale {
+            let shape = graph.tensor(loss).shape.clone();
+            Some(graph.add_leaf("loss_scale", &shape, DType::F32, Role::Input)?)
+        } else {
+            None
+        };
+        let raw_grads = backward_seeded(&mut graph, loss, &params, loss_scale)?;
         graph.set_scope("optimizer");
         let accumulate = opts.micro_steps > 1;
         let mut grads = Vec::with_capacity(params.len());
@@ -132,15 +146,17 @@ impl StepGraph {
                 accumulators.push(None);
             }
         }
-        let scale_needed = accumulate || opts.clip_grad_norm.is_some();
+        let scale_needed = accumulate || opts.clip_grad_norm.is_some() || opts.loss_scale;
         let (coef, grad_norm) = if scale_needed || opts.grad_norm {
-            let squares = grads
+            let mut squares = grads
                 .iter()
                 .map(|&g| graph.apply1(SumSquares, &[g]))
                 .collect::<Result<Vec<_>>>()?;
+            squares.extend(loss_scale);
             let norm_op = GradNorm {
                 max_norm: opts.clip_grad_norm.unwrap_or(f32::INFINITY),
                 scale: 1.0 / opts.micro_steps as f32,
+                unscale: opts.loss_scale,
             };
             let outs = graph.apply(norm_op, &squares)?;
             graph.rename(outs[1], "grad_norm");
@@ -213,6 +229,7 @@ impl StepGraph {
             params: slots,
             micro_steps: opts.micro_steps,
             grad_norm,
+            loss_scale,
             forward_nodes,
         })
     }
@@ -249,6 +266,7 @@ impl StepGraph {
             params,
             micro_steps: self.micro_steps,
             grad_norm: self.grad_norm.map(|t| r.map(t)).transpose()?,
+            loss_scale: self.loss_scale.map(|t| r.map(t)).transpose()?,
             forward_nodes,
             graph: r.graph,
         })

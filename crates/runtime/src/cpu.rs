@@ -18,9 +18,27 @@ pub fn physical_cores() -> usize {
     num_cpus::get_physical().max(1)
 }
 
+/// 16-bit floats are storage only: casts convert them and views look into them; every other
+/// kernel reads and writes f32 (or i32 token ids).
 fn check_dtypes(graph: &Graph) -> Result<(), RuntimeError> {
+    for node in graph.nodes() {
+        let casts_or_views = matches!(node.op, snug_graph::ops::Op::Cast(_))
+            || node
+                .outputs
+                .iter()
+                .all(|&o| graph.tensor(o).view_of.is_some());
+        for &t in node.inputs.iter().chain(&node.outputs) {
+            let m = graph.tensor(t);
+            if !matches!(m.dtype, DType::F32 | DType::I32) && !casts_or_views {
+                return Err(RuntimeError::UnsupportedDType {
+                    name: m.name.clone(),
+                    dtype: m.dtype,
+                });
+            }
+        }
+    }
     for t in graph.tensors() {
-        if !matches!(t.dtype, DType::F32 | DType::I32) {
+        if t.role.is_persistent() && t.view_of.is_none() && t.dtype != DType::F32 {
             return Err(RuntimeError::UnsupportedDType {
                 name: t.name.clone(),
                 dtype: t.dtype,

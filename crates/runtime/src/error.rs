@@ -11,7 +11,10 @@ pub enum RuntimeError {
     Graph(#[from] GraphError),
     #[error(transparent)]
     Plan(#[from] PlanError),
-    #[error("the CPU backend runs f32 graphs; tensor `{name}` is {dtype}")]
+    #[error(
+        "the CPU backend's kernels compute in f32; tensor `{name}` is {dtype} and read or \
+         written by an op other than a cast or a view (use the mixed-precision pass)"
+    )]
     UnsupportedDType { name: String, dtype: DType },
     #[error("tensor `{name}` holds {expected} elements, got {got}")]
     SizeMismatch {

@@ -18,7 +18,7 @@ use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
 use crate::tokenizer::TokenizerSpec;
-use crate::{TrainConfig, TrainError};
+use crate::{LossScaler, TrainConfig, TrainError};
 
 /// The `format` metadata value of a snug checkpoint.
 pub const FORMAT: &str = "snug-checkpoint";
@@ -39,6 +39,8 @@ pub struct Checkpoint {
     /// Parameters (Hugging Face names) and optimizer state (`<param>.adam_m`, `.adam_v`), in
     /// graph order, with their shapes.
     pub tensors: Vec<SavedTensor>,
+    /// The dynamic loss scale's state (f16 training).
+    pub loss_scale: Option<LossScaler>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -94,6 +96,7 @@ impl Checkpoint {
                 .iter()
                 .map(|t| (t.name.as_str(), t.shape.as_slice(), t.data.as_slice()))
                 .collect(),
+            loss_scale: self.loss_scale,
         }
     }
 
@@ -162,12 +165,19 @@ impl Checkpoint {
             });
         }
         tensors.sort_by(|a, b| a.name.cmp(&b.name));
+        let loss_scale = match meta.get("loss_scale") {
+            Some(s) => Some(
+                serde_json::from_str(s).map_err(|e| bad(format!("metadata `loss_scale`: {e}")))?,
+            ),
+            None => None,
+        };
         Ok(Checkpoint {
             step: number("step")?,
             tokens_seen: number("tokens_seen")?,
             config,
             tokenizer,
             tensors,
+            loss_scale,
         })
     }
 }
@@ -181,6 +191,7 @@ pub struct CheckpointRef<'a> {
     pub tokenizer: TokenizerSpec,
     /// Name, shape and values of each tensor.
     pub tensors: Vec<(&'a str, &'a [usize], &'a [f32])>,
+    pub loss_scale: Option<LossScaler>,
 }
 
 impl CheckpointRef<'_> {
@@ -241,7 +252,7 @@ impl CheckpointRef<'_> {
                 detail: e.to_string(),
             })
         };
-        Ok(HashMap::from([
+        let mut meta = HashMap::from([
             ("format".to_string(), FORMAT.to_string()),
             ("version".to_string(), VERSION.to_string()),
             ("step".to_string(), self.step.to_string()),
@@ -254,7 +265,11 @@ impl CheckpointRef<'_> {
                 "tokenizer".to_string(),
                 json(serde_json::to_string(&self.tokenizer))?,
             ),
-        ]))
+        ]);
+        if let Some(s) = &self.loss_scale {
+            meta.insert("loss_scale".into(), json(serde_json::to_string(s))?);
+        }
+        Ok(meta)
     }
 }
 

@@ -50,8 +50,14 @@ pub struct TrainSection {
     pub memory_limit: Option<String>,
     /// Fail an allocation over the limit instead of exceeding it.
     pub strict_memory_limit: Option<bool>,
-    /// Storage type of parameters and activations: f32 (runs), bf16 or f16 (planned only).
+    /// Activation precision: f32, bf16 or f16 (mixed precision: activations and their
+    /// gradients rounded to and stored in 16 bits, f32 master weights and optimizer state).
     pub precision: Option<String>,
+    /// Initial loss scale for f16 (dynamic: halved on overflow, doubled after
+    /// `loss_scale_interval` good steps). Default 65536.
+    pub loss_scale: Option<f32>,
+    /// Good steps in a row before the loss scale doubles. Default 2000.
+    pub loss_scale_interval: Option<u32>,
     /// `adamw` (default) or `sgd`.
     pub optimizer: Option<String>,
     /// Micro-batches per optimizer step (gradient accumulation); `batch` must divide evenly.
@@ -109,6 +115,9 @@ pub struct TrainConfig {
     pub memory_limit: Option<usize>,
     pub strict_memory_limit: bool,
     pub precision: DType,
+    /// Initial dynamic loss scale (f16 only).
+    pub loss_scale: f32,
+    pub loss_scale_interval: u32,
     pub optimizer: OptimizerKind,
     pub accumulation: usize,
     pub grad_clip: f32,
@@ -164,6 +173,8 @@ impl Default for TrainConfig {
             memory_limit: None,
             strict_memory_limit: false,
             precision: DType::F32,
+            loss_scale: 65536.0,
+            loss_scale_interval: 2000,
             optimizer: OptimizerKind::AdamW,
             accumulation: 1,
             grad_clip: 1.0,
@@ -321,6 +332,12 @@ impl TrainConfig {
             })?;
             self.memory_limit = Some(bytes);
         }
+        if let Some(s) = t.loss_scale {
+            self.loss_scale = s;
+        }
+        if let Some(n) = t.loss_scale_interval {
+            self.loss_scale_interval = n;
+        }
         if let Some(strict) = t.strict_memory_limit {
             self.strict_memory_limit = strict;
         }
@@ -375,6 +392,18 @@ impl TrainConfig {
                     self.batch, self.accumulation
                 ),
             );
+        }
+        if !(self.loss_scale.is_finite() && self.loss_scale >= 1.0) {
+            return err(
+                "loss_scale",
+                format!(
+                    "must be a finite number of at least 1, got {}",
+                    self.loss_scale
+                ),
+            );
+        }
+        if self.loss_scale_interval == 0 {
+            return err("loss_scale_interval", "must be at least 1".into());
         }
         if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
             return err(

@@ -17,7 +17,7 @@ use snug_runtime::{Allocator, CpuSession, ExecCtx, OutOfMemory, RuntimeError};
 
 use crate::checkpoint::{Checkpoint, CheckpointRef, SavedTensor};
 use crate::data::{batch_starts, fill_batch, Prefetcher, Tokens};
-use crate::{TokenDataset, TrainConfig, TrainError};
+use crate::{LossScaler, TokenDataset, TrainConfig, TrainError};
 
 /// Linear warmup to `lr`, then cosine decay to `min_lr` at the last step.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -50,6 +50,10 @@ pub struct StepStats {
     pub lr: f32,
     /// Global norm of the averaged gradient, before clipping.
     pub grad_norm: Option<f32>,
+    /// The loss scale the step ran with (f16 only).
+    pub loss_scale: Option<f32>,
+    /// The update was skipped: the scaled gradients overflowed (the scale is halved).
+    pub skipped: bool,
     pub ms: f64,
     pub tokens_per_s: f64,
     pub tokens_seen: u64,
@@ -96,6 +100,8 @@ pub struct Trainer {
     machine: Option<MachineProfile>,
     /// Configuration changes made after out-of-memory, not yet taken by [`Trainer::take_recoveries`].
     recoveries: Vec<Recovery>,
+    /// Dynamic loss scaling, when the step scales its loss (f16).
+    scaler: Option<LossScaler>,
 }
 
 /// A change of configuration made to carry on after running out of memory mid-step.
@@ -185,6 +191,9 @@ impl Trainer {
             total_steps: config.steps,
         };
         let forward = session.nodes_for(&[step_graph.loss]);
+        let scaler = step_graph
+            .loss_scale
+            .map(|_| LossScaler::new(config.loss_scale, config.loss_scale_interval));
         let data = Arc::new(data);
         let prefetch = Prefetcher::new(data.clone(), config.seed, config.batch, config.block, 1);
         Ok(Trainer {
@@ -203,6 +212,7 @@ impl Trainer {
             pending: None,
             machine: None,
             recoveries: Vec::new(),
+            scaler,
         })
     }
 
@@ -236,6 +246,14 @@ impl Trainer {
         let memory_plan = plan(&step.graph, &PlanOptions::default())?;
         self.session.replan(step.graph.clone(), memory_plan)?;
         self.forward = self.session.nodes_for(&[step.loss]);
+        if step.loss_scale.is_none() {
+            self.scaler = None;
+        } else if self.scaler.is_none() {
+            self.scaler = Some(LossScaler::new(
+                config.loss_scale,
+                config.loss_scale_interval,
+            ));
+        }
         self.step_graph = step;
         self.tokens = tokens;
         self.targets = targets;
@@ -372,6 +390,7 @@ impl Trainer {
             config: self.config.clone(),
             tokenizer: self.data.tokenizer.to_spec(),
             tensors,
+            loss_scale: self.scaler,
         })
     }
 
@@ -395,6 +414,7 @@ impl Trainer {
             config: &self.config,
             tokenizer: self.data.tokenizer.to_spec(),
             tensors,
+            loss_scale: self.scaler,
         })
     }
 
@@ -430,6 +450,9 @@ impl Trainer {
         }
         self.step = ckpt.step;
         self.tokens_seen = ckpt.tokens_seen;
+        if self.scaler.is_some() {
+            self.scaler = ckpt.loss_scale.or(self.scaler);
+        }
         self.pending = None;
         self.prefetch = Prefetcher::new(
             self.data.clone(),
@@ -514,6 +537,18 @@ impl Trainer {
             return Err(TrainError::NonFinite { step, loss });
         }
         self.step = step;
+        let loss_scale = self.scaler.map(|s| s.scale);
+        let skipped = match (&mut self.scaler, grad_norm) {
+            (Some(s), Some(norm)) => s.update(norm),
+            _ => false,
+        };
+        if skipped {
+            tracing::warn!(
+                "step {step}: the scaled gradients overflowed; update skipped, loss scale {} -> {}",
+                loss_scale.unwrap_or(0.0),
+                self.scaler.map_or(0.0, |s| s.scale)
+            );
+        }
         let tokens = (self.config.batch * self.config.block) as u64;
         self.tokens_seen += tokens;
         let mem = self.session.allocator().stats();
@@ -522,6 +557,8 @@ impl Trainer {
             loss,
             lr,
             grad_norm,
+            loss_scale,
+            skipped,
             ms: secs * 1e3,
             tokens_per_s: tokens as f64 / secs,
             tokens_seen: self.tokens_seen,
@@ -553,9 +590,13 @@ impl Trainer {
             .fill_i32(self.tokens, vocab, |out| out.copy_from_slice(x))?;
         self.session
             .fill_i32(self.targets, vocab, |out| out.copy_from_slice(y))?;
+        if let (Some(t), Some(s)) = (self.step_graph.loss_scale, self.scaler) {
+            self.session.write_f32(t, &[s.scale])?;
+        }
         let ctx = ExecCtx {
             lr,
-            step,
+            // Adam's bias correction counts the updates made, not the skipped steps.
+            step: step - self.scaler.map_or(0, |s| s.skipped),
             micro: micro as u32,
             micro_steps: k as u32,
         };

@@ -84,6 +84,9 @@ impl OpRule for AdamW {
             return;
         }
         let scale = super::grad_scale(k, 4);
+        if scale.is_some_and(|s| !s.is_finite()) {
+            return; // an overflow under loss scaling: the step is skipped
+        }
         let (p, g, m, v) = (
             k.in_mut_f32(0),
             k.in_f32(1),

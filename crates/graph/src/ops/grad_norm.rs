@@ -50,10 +50,15 @@ impl OpRule for SumSquares {
 /// the global L2 norm of the gradients times `scale` (`1/micro-batches`: the mean gradient's
 /// norm) and `coef = scale · min(1, max_norm / (norm + 1e-6))`, the factor the optimizer
 /// multiplies each gradient by. `max_norm = ∞` means no clipping.
+///
+/// With `unscale`, the last input is the loss scale `S` the gradients carry: norm and coef are
+/// divided by it, and a norm that is not finite (an overflow) makes `coef` NaN, which tells
+/// the optimizers to skip the update.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GradNorm {
     pub max_norm: f32,
     pub scale: f32,
+    pub unscale: bool,
 }
 
 impl OpRule for GradNorm {
@@ -83,15 +88,24 @@ impl OpRule for GradNorm {
         if !k.ctx.is_last_micro() {
             return;
         }
-        let n_inputs = k.in_count();
-        let total: f64 = (0..n_inputs).map(|i| k.in_f32(i)[0] as f64).sum();
-        let norm = (total.sqrt() * self.scale as f64) as f32;
+        let n_sums = k.in_count() - usize::from(self.unscale);
+        let total: f64 = (0..n_sums).map(|i| k.in_f32(i)[0] as f64).sum();
+        let scale = if self.unscale {
+            self.scale / k.in_f32(n_sums)[0]
+        } else {
+            self.scale
+        };
+        let norm = (total.sqrt() * scale as f64) as f32;
         let clip = if self.max_norm.is_finite() {
             (self.max_norm / (norm + 1e-6)).min(1.0)
         } else {
             1.0
         };
-        k.out_f32(0)[0] = self.scale * clip;
+        k.out_f32(0)[0] = if self.unscale && !norm.is_finite() {
+            f32::NAN
+        } else {
+            scale * clip
+        };
         k.out_f32(1)[0] = norm;
     }
 }

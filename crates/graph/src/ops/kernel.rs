@@ -168,6 +168,32 @@ impl<'a> Kernel<'a> {
         unsafe { std::slice::from_raw_parts_mut(a.ptr as *mut f32, a.numel) }
     }
 
+    /// A 16-bit float input (bf16 or f16, by its dtype) as raw bits.
+    pub fn in_u16(&self, i: usize) -> &'a [u16] {
+        assert_ne!(self.inplace, Some(i), "input {i} is the in-place output");
+        let a = &self.inputs[i];
+        assert_eq!(a.dtype.size_bytes(), 2, "input {i} is not a 16-bit float");
+        // SAFETY: as `in_f32`.
+        unsafe { std::slice::from_raw_parts(a.ptr as *const u16, a.numel) }
+    }
+
+    /// A 16-bit float output (bf16 or f16, by its dtype) as raw bits.
+    pub fn out_u16(&self, i: usize) -> &'a mut [u16] {
+        self.take(i);
+        let a = &self.outputs[i];
+        assert_eq!(a.dtype.size_bytes(), 2, "output {i} is not a 16-bit float");
+        // SAFETY: as `out_f32`.
+        unsafe { std::slice::from_raw_parts_mut(a.ptr as *mut u16, a.numel) }
+    }
+
+    pub fn in_dtype(&self, i: usize) -> DType {
+        self.inputs[i].dtype
+    }
+
+    pub fn out_dtype(&self, i: usize) -> DType {
+        self.outputs[i].dtype
+    }
+
     pub fn workspace(&self) -> &'a mut [f32] {
         self.take(63);
         match self.workspace {

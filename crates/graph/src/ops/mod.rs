@@ -5,6 +5,7 @@ mod accumulate;
 mod adamw;
 mod attention;
 mod broadcast;
+mod cast;
 mod cross_entropy;
 mod elementwise;
 mod embedding;
@@ -35,6 +36,7 @@ pub use accumulate::AccumulateGrad;
 pub use adamw::AdamW;
 pub use attention::{CausalAttention, CausalAttentionBackward};
 pub use broadcast::{broadcast_shape, broadcasts_to};
+pub use cast::Cast;
 pub use cross_entropy::{CrossEntropy, CrossEntropyBackward};
 pub use elementwise::{Binary, BinaryKind, Scale};
 pub use embedding::{Embedding, EmbeddingBackward};
@@ -191,6 +193,7 @@ ops!(
     GradNorm,
     LmHeadLoss,
     LmHeadLossBackward,
+    Cast,
 );
 
 impl Op {

@@ -63,8 +63,11 @@ impl OpRule for Sgd {
         if !k.ctx.is_last_micro() {
             return;
         }
-        let (p, g) = (k.in_mut_f32(0), k.in_f32(1));
         let scale = super::grad_scale(k, 2).unwrap_or(1.0);
+        if !scale.is_finite() {
+            return; // an overflow under loss scaling: the step is skipped
+        }
+        let (p, g) = (k.in_mut_f32(0), k.in_f32(1));
         let decay = 1.0 - k.ctx.lr * self.weight_decay;
         let lr = k.ctx.lr * scale;
         super::par::elems_mut(p, |start, out| {

@@ -6,18 +6,22 @@
 //!   `tokens × vocab` logits and their gradient never exist.
 //! - [`eliminate_common_subexpressions`], [`eliminate_dead_code`]: duplicate and unread nodes.
 //! - [`rematerialize`]: activation checkpointing on the step graph (per block, or selective).
+//! - [`mixed_precision`], [`recast_saved`]: activations and their gradients rounded to and
+//!   stored in bf16 or f16, with f32 master weights.
 //! - [`write_in_place`]: elementwise ops write over an input that dies at them (runs last).
 
 mod cse;
 mod dce;
 mod fuse_lm_head_loss;
 mod inplace;
+mod precision;
 mod remat;
 
 pub use cse::eliminate_common_subexpressions;
 pub use dce::eliminate_dead_code;
 pub use fuse_lm_head_loss::{fuse_lm_head_loss, DEFAULT_CHUNK_BYTES};
 pub use inplace::write_in_place;
+pub use precision::{mixed_precision, recast_saved};
 pub use remat::{
     remat_candidates, rematerialize, rematerialize_dropping, RematCandidate, RematPolicy,
 };

@@ -59,7 +59,17 @@ pub fn remat_candidates(step: &StepGraph) -> Vec<RematCandidate> {
     for node in &g.nodes()[..n_fwd] {
         let ins: Vec<&crate::TensorMeta> = node.inputs.iter().map(|&t| g.tensor(t)).collect();
         let outs: Vec<&crate::TensorMeta> = node.outputs.iter().map(|&t| g.tensor(t)).collect();
-        let flops = node.op.flops(&ins, &outs);
+        let mut flops = node.op.flops(&ins, &outs);
+        // Recomputing a 16-bit copy recomputes the value it rounds.
+        if let Some(src) = node.inputs.first().and_then(|&x| g.producer(x)) {
+            if matches!(node.op, Op::Cast(_)) && src.index() < n_fwd {
+                let s = g.node(src);
+                let ins: Vec<&crate::TensorMeta> = s.inputs.iter().map(|&t| g.tensor(t)).collect();
+                let outs: Vec<&crate::TensorMeta> =
+                    s.outputs.iter().map(|&t| g.tensor(t)).collect();
+                flops += s.op.flops(&ins, &outs);
+            }
+        }
         for &o in &node.outputs {
             let m = g.tensor(o);
             if m.view_of.is_none()
@@ -118,7 +128,14 @@ pub fn rematerialize(step: &StepGraph, policy: RematPolicy) -> Result<(Rewritten
         RematPolicy::Uniform { blocks_per_segment } => {
             remat_with(step, |_, _| false, blocks_per_segment.max(1))
         }
-        RematPolicy::Selective => remat_with(step, |_, op| expensive(op), 1),
+        RematPolicy::Selective => {
+            let g = &step.graph;
+            // The 16-bit copy of an expensive output is what mixed precision keeps of it.
+            let keep = |t, op: &Op| {
+                expensive(op) || super::precision::rounded_from(g, t).is_some_and(expensive)
+            };
+            remat_with(step, keep, 1)
+        }
     }
 }
 

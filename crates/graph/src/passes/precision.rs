@@ -1,0 +1,186 @@
+//! Mixed precision: activations and their gradients rounded to a 16-bit float (bf16 or f16)
+//! at every op boundary and stored at that width, while parameters stay f32 (the master
+//! weights the optimizer updates) and kernels compute in f32.
+//!
+//! Rounding a matmul's operands to bf16 and accumulating in f32 is exactly what a bf16 GEMM
+//! with f32 accumulation computes (the product of two bf16 values is exact in f32), so the
+//! numbers are those of autocast-style bf16 compute; norms, softmax and the loss read the
+//! rounded values in f32, as autocast runs them in f32.
+//!
+//! Two steps:
+//! - [`mixed_precision`] (forward graph, before autodiff): each op's main float output `y` is
+//!   followed by `y16 = cast(y)`, and its consumers read `cast(y16) -> f32`, made just before
+//!   the first of them and named after it, so rematerialization counts it in the consumer's
+//!   block (views look into `y16` directly). Autodiff then sends every gradient back through
+//!   the opposite casts, so gradients are rounded at the same boundaries (and summed in f32).
+//! - [`recast_saved`] (step graph, after autodiff): a backward node that reads a forward
+//!   up-cast reads a fresh one made just before it, so between the passes only the 16-bit
+//!   copy is held: that is where the memory goes down. Both casts of `y16` give the same bits.
+//!   A backward that reads its op's own output (attention reads `O`) reads the rounded one
+//!   too, as a bf16 kernel's backward would.
+
+use super::{copy_node, rewrite, Rewritten};
+use crate::ops::{Cast, Op};
+use crate::{DType, Graph, GraphError, Result, Role, StepGraph, TensorId};
+
+fn is_view_op(g: &Graph, node: &crate::Node) -> bool {
+    !node.outputs.is_empty() && node.outputs.iter().all(|&o| g.tensor(o).view_of.is_some())
+}
+
+/// An up-cast: f32 from a 16-bit float.
+fn is_up_cast(g: &Graph, node: &crate::Node) -> bool {
+    matches!(node.op, Op::Cast(Cast { to: DType::F32 }))
+        && g.tensor(node.inputs[0]).dtype.size_bytes() == 2
+}
+
+/// The forward graph with every activation rounded to and stored as `low`; returns how many
+/// activations it rounds.
+pub fn mixed_precision(graph: &Graph, low: DType) -> Result<(Rewritten, usize)> {
+    if !matches!(low, DType::BF16 | DType::F16) {
+        return Err(GraphError::Invalid {
+            op: "mixed_precision",
+            detail: format!("the low precision must be bf16 or f16, got {low}"),
+        });
+    }
+    let old = graph;
+    // The 16-bit copy (in the new graph) of each old tensor that has one.
+    let mut low_of: Vec<Option<TensorId>> = vec![None; old.tensors().len()];
+    // Its f32 up-cast, once a consumer has made it.
+    let mut up_of: Vec<Option<TensorId>> = vec![None; old.tensors().len()];
+    let mut rounded = 0;
+    let r = rewrite(
+        old,
+        |new, i, lookup| {
+            let node = &old.nodes()[i];
+            let view = is_view_op(old, node);
+            let consumer = node
+                .outputs
+                .first()
+                .map_or("", |&o| old.tensor(o).name.as_str());
+            let mut inputs = Vec::with_capacity(node.inputs.len());
+            let mut changed = false;
+            for (k, &t) in node.inputs.iter().enumerate() {
+                match low_of[t.index()] {
+                    // A view looks into the 16-bit storage itself.
+                    Some(c) if view => {
+                        inputs.push(c);
+                        changed = true;
+                    }
+                    Some(c) => {
+                        let up = match up_of[t.index()] {
+                            Some(up) => up,
+                            None => {
+                                let up = new.apply1(Cast { to: DType::F32 }, &[c])?;
+                                new.rename(up, format!("{consumer}.up{k}"));
+                                new.set_role(up, Role::Activation);
+                                up_of[t.index()] = Some(up);
+                                up
+                            }
+                        };
+                        inputs.push(up);
+                        changed = true;
+                    }
+                    None => inputs.push(lookup(t)),
+                }
+            }
+            if !changed && (view || !eligible(old, node)) {
+                return Ok(None);
+            }
+            let control: Vec<TensorId> = node.control.iter().map(|&c| lookup(c)).collect();
+            let outs = copy_node(new, old, node, &inputs, &control)?;
+            if view {
+                // Views of a 16-bit tensor are 16-bit; their readers up-cast them.
+                for (&o, &n) in node.outputs.iter().zip(&outs) {
+                    if new.tensor(n).dtype == low {
+                        low_of[o.index()] = Some(n);
+                    }
+                }
+            } else if eligible(old, node) {
+                let y = outs[0];
+                let c = new.apply1(Cast { to: low }, &[y])?;
+                new.rename(c, format!("{}.{low}", old.tensor(node.outputs[0]).name));
+                new.set_role(c, Role::Activation);
+                low_of[node.outputs[0].index()] = Some(c);
+                rounded += 1;
+            }
+            Ok(Some(outs.into_iter().map(Some).collect()))
+        },
+        &vec![false; old.nodes().len()],
+        None,
+    )?;
+    Ok((r, rounded))
+}
+
+/// Whether a node's main output is rounded: an f32 activation with more than one element that
+/// is not read after the graph runs (the loss), nor a view, nor a cast already.
+fn eligible(g: &Graph, node: &crate::Node) -> bool {
+    let Some(&y) = node.outputs.first() else {
+        return false;
+    };
+    let m = g.tensor(y);
+    m.dtype == DType::F32
+        && m.role == Role::Activation
+        && m.view_of.is_none()
+        && m.numel() > 1
+        && !g.outputs().contains(&y)
+        && !matches!(node.op, Op::Cast(_))
+}
+
+/// `step` with every backward read of a forward up-cast replaced by a fresh up-cast made right
+/// before the reading node; returns how many it made.
+pub fn recast_saved(step: &StepGraph) -> Result<(Rewritten, usize)> {
+    let g = &step.graph;
+    let n_fwd = step.forward_nodes;
+    // For each forward tensor whose value is held in 16 bits: that 16-bit copy.
+    let mut held: Vec<Option<TensorId>> = vec![None; g.tensors().len()];
+    for node in &g.nodes()[..n_fwd] {
+        if is_up_cast(g, node) {
+            held[node.outputs[0].index()] = Some(node.inputs[0]);
+        } else if let Op::Cast(Cast {
+            to: DType::BF16 | DType::F16,
+        }) = node.op
+        {
+            held[node.inputs[0].index()] = Some(node.outputs[0]);
+        }
+    }
+    let mut made = 0;
+    let r = rewrite(
+        g,
+        |new, i, lookup| {
+            let node = &g.nodes()[i];
+            if i < n_fwd || !node.inputs.iter().any(|t| held[t.index()].is_some()) {
+                return Ok(None);
+            }
+            let mut inputs = Vec::with_capacity(node.inputs.len());
+            for &t in &node.inputs {
+                if let Some(src) = held[t.index()] {
+                    let fresh = new.apply1(Cast { to: DType::F32 }, &[lookup(src)])?;
+                    new.rename(fresh, format!("{}.again", g.tensor(t).name));
+                    new.set_role(fresh, Role::Temporary);
+                    inputs.push(fresh);
+                    made += 1;
+                } else {
+                    inputs.push(lookup(t));
+                }
+            }
+            let control: Vec<TensorId> = node.control.iter().map(|&c| lookup(c)).collect();
+            let outs = copy_node(new, g, node, &inputs, &control)?;
+            Ok(Some(outs.into_iter().map(Some).collect()))
+        },
+        &vec![false; g.nodes().len()],
+        None,
+    )?;
+    Ok((r, made))
+}
+
+/// The value a forward 16-bit copy holds was produced by `op` (for remat policies that keep
+/// the outputs of expensive ops: keeping the rounded copy keeps that output).
+pub(crate) fn rounded_from(g: &Graph, t: TensorId) -> Option<&Op> {
+    let node = g.node(g.producer(t)?);
+    match node.op {
+        Op::Cast(Cast {
+            to: DType::BF16 | DType::F16,
+        }) => Some(&g.node(g.producer(node.inputs[0])?).op),
+        _ => None,
+    }
+}
