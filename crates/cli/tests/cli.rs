@@ -255,9 +255,9 @@ fn plan_reads_hugging_face_configs_and_plans_llama_70b() {
     );
     assert_eq!(a["peak_bytes"], b["peak_bytes"]);
     assert_eq!(a["parameters"].as_u64(), Some(68_976_648_192));
-    // bf16 weights, f32 Adam moments.
+    // Mixed precision keeps f32 master weights beside the two f32 Adam moments.
     assert_eq!(
-        a["breakdown"]["parameters"].as_u64().unwrap() * 4,
+        a["breakdown"]["parameters"].as_u64().unwrap() * 2,
         a["breakdown"]["optimizer_state"].as_u64().unwrap()
     );
     assert!(a["arena_over_lower_bound"].as_f64().unwrap() < 1.05);
@@ -738,6 +738,29 @@ fn plan_reports_what_passes_save() {
     assert!(saving["saved_bytes"].as_i64().unwrap() > 4096 * 50257 * 4);
     let block = peak(&["--passes", "fused-ce", "--remat", "block"]);
     assert!(block["peak_bytes"].as_u64() < fused["peak_bytes"].as_u64());
+    // Every stage in one list, cumulatively: each row starts where the previous ended, and
+    // the last ends at the reported peak.
+    let all = peak(&["--passes", "fused-ce,inplace,precision=bf16,remat=selective"]);
+    let rows = all["passes"].as_array().unwrap();
+    let names: Vec<&str> = rows.iter().map(|r| r["pass"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        ["fused-ce", "inplace", "precision=bf16", "remat=selective"]
+    );
+    for w in rows.windows(2) {
+        assert_eq!(w[0]["peak_after_bytes"], w[1]["peak_before_bytes"]);
+    }
+    assert_eq!(rows[3]["peak_after_bytes"], all["peak_bytes"]);
+    assert_eq!(all["precision"], "bf16");
+    let saved = |i: usize| rows[i]["saved_bytes"].as_i64().unwrap();
+    assert!(saved(1) > 0, "in-place");
+    // bf16 halves most saved activations: well over a quarter of a GiB at this size.
+    assert!(saved(2) > 1 << 28, "precision saved {}", saved(2));
+    assert!(saved(3) > 0, "selective remat");
+    fails_with(
+        &["plan", "--passes", "precision=i32"],
+        &["passes", "i32"],
+    );
     fails_with(&["plan", "--remat", "sometimes"], &["remat", "sometimes"]);
     fails_with(
         &[&args[..7], &["--remat", "budget:1MB"]].concat(),
@@ -883,4 +906,55 @@ fn memory_lowered_mid_run_is_recovered_without_losing_a_step() {
     let undisturbed = snug(&args);
     let undisturbed = step_losses(&json_lines(&undisturbed));
     assert_eq!(step_losses(&lines)[..2], undisturbed[..2]);
+}
+
+/// f16 training with a loss scale so large that every scaled gradient overflows: each step is
+/// reported skipped with the scale it ran at, the scale halves each time, and the run ends
+/// normally; bf16 trains with no scale.
+#[test]
+fn f16_overflow_skips_steps_and_halves_the_loss_scale() {
+    let o = snug(&[
+        "train",
+        "--steps",
+        "3",
+        "--precision",
+        "f16",
+        "--loss-scale",
+        "1e30",
+        "--eval-every",
+        "0",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let steps: Vec<serde_json::Value> = String::from_utf8(o.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|l| l["kind"] == "step")
+        .collect();
+    assert_eq!(steps.len(), 3);
+    for (i, s) in steps.iter().enumerate() {
+        assert_eq!(s["skipped"], true, "step {i}");
+        let scale = s["loss_scale"].as_f64().unwrap() as f32;
+        assert_eq!(scale, 1e30f32 / 2f32.powi(i as i32), "step {i}");
+    }
+    let o = snug(&[
+        "train",
+        "--steps",
+        "2",
+        "--precision",
+        "bf16",
+        "--eval-every",
+        "0",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8(o.stdout).unwrap();
+    let first: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+    assert_eq!(first["skipped"], false);
+    assert!(first["loss_scale"].is_null());
+    fails_with(
+        &["train", "--precision", "f16", "--loss-scale", "0.5"],
+        &["loss_scale", "0.5"],
+    );
 }
