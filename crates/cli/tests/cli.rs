@@ -740,7 +740,10 @@ fn plan_reports_what_passes_save() {
     assert!(block["peak_bytes"].as_u64() < fused["peak_bytes"].as_u64());
     // Every stage in one list, cumulatively: each row starts where the previous ended, and
     // the last ends at the reported peak.
-    let all = peak(&["--passes", "fused-ce,inplace,precision=bf16,remat=selective"]);
+    let all = peak(&[
+        "--passes",
+        "fused-ce,inplace,precision=bf16,remat=selective",
+    ]);
     let rows = all["passes"].as_array().unwrap();
     let names: Vec<&str> = rows.iter().map(|r| r["pass"].as_str().unwrap()).collect();
     assert_eq!(
@@ -757,10 +760,7 @@ fn plan_reports_what_passes_save() {
     // bf16 halves most saved activations: well over a quarter of a GiB at this size.
     assert!(saved(2) > 1 << 28, "precision saved {}", saved(2));
     assert!(saved(3) > 0, "selective remat");
-    fails_with(
-        &["plan", "--passes", "precision=i32"],
-        &["passes", "i32"],
-    );
+    fails_with(&["plan", "--passes", "precision=i32"], &["passes", "i32"]);
     fails_with(&["plan", "--remat", "sometimes"], &["remat", "sometimes"]);
     fails_with(
         &[&args[..7], &["--remat", "budget:1MB"]].concat(),

@@ -6,11 +6,13 @@ use std::f32::consts::LOG2_E;
 /// e^x, flushing to 0 below -87 and saturating above 88.
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
-    let x = x.clamp(-87.0, 88.0);
+    // max/min rather than clamp: clamp's NaN handling kept the loop scalar.
+    let x = x.max(-87.0).min(88.0);
     let t = x * LOG2_E;
     // Round to nearest without a libm call: adding 1.5·2^23 pushes the fraction out.
     const SHIFT: f32 = 12_582_912.0;
-    let n = (t + SHIFT) - SHIFT;
+    let r = t + SHIFT;
+    let n = r - SHIFT;
     // Cody–Waite: subtract n·ln2 in two parts so that y keeps full precision for large |x|.
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
@@ -22,7 +24,10 @@ pub fn exp(x: f32) -> f32 {
                 + y * (1.0 / 6.0
                     + y * (1.0 / 24.0
                         + y * (1.0 / 120.0 + y * (1.0 / 720.0 + y * (1.0 / 5040.0)))))));
-    let scale = f32::from_bits(((n as i32 + 127) << 23) as u32);
+    // r's low mantissa bits hold n (|n| < 2^22): move them into the exponent field directly,
+    // since a float-to-int `as` (saturating) does not vectorise.
+    let k = r.to_bits().wrapping_sub(SHIFT.to_bits());
+    let scale = f32::from_bits(k.wrapping_add(127) << 23);
     p * scale
 }
 
