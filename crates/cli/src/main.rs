@@ -1,5 +1,6 @@
 //! `snug`: plan a training step's memory before anything runs, and train.
 
+mod bench_cmd;
 mod export_cmd;
 mod fit_cmd;
 mod plan_cmd;
@@ -41,6 +42,8 @@ enum Command {
     Sample(sample_cmd::SampleArgs),
     /// Write a checkpoint's GPT-2 weights as a Hugging Face model directory.
     Export(export_cmd::ExportArgs),
+    /// Time named training-step benchmarks (step time, tokens/s, model FLOP/s, MFU, memory).
+    Bench(bench_cmd::BenchArgs),
 }
 
 /// Flags shared by every command that builds a model; each has a TOML key of the same name.
@@ -153,6 +156,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => plan_cmd::run(args),
         Command::Fit(args) => fit_cmd::run(args),
         Command::Profile(args) => profile_cmd::run(args),
+        Command::Bench(args) => bench_cmd::run(args),
         Command::Prepare(args) => prepare_cmd::run(args),
         Command::Sample(args) => sample_cmd::run(args),
         Command::Export(args) => export_cmd::run(args),

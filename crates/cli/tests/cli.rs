@@ -958,3 +958,57 @@ fn f16_overflow_skips_steps_and_halves_the_loss_scale() {
         &["loss_scale", "0.5"],
     );
 }
+
+/// `bench --json`: a GEMM probe line, then one line per case whose figures agree with each
+/// other (tokens/s and FLOP/s from the median, MFU from the probe, measured peak = planned).
+#[test]
+fn bench_reports_step_times_mfu_and_memory() {
+    let o = snug(&[
+        "bench",
+        "--cases",
+        "tiny",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--threads",
+        "1",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let lines: Vec<serde_json::Value> = String::from_utf8(o.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2);
+    let (probe, case) = (&lines[0], &lines[1]);
+    assert_eq!(
+        (probe["kind"].as_str(), case["kind"].as_str()),
+        (Some("probe"), Some("case"))
+    );
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap();
+    let peak = f(probe, "gflop_per_s") * 1e9;
+    assert!(peak > 1e8, "a GEMM runs faster than 0.1 GFLOP/s: {peak}");
+    assert_eq!(case["case"], "tiny");
+    assert_eq!(case["steps"], 3);
+    let (median, min, max) = (
+        f(case, "median_step_ms"),
+        f(case, "min_step_ms"),
+        f(case, "max_step_ms"),
+    );
+    assert!(min <= median && median <= max && min > 0.0);
+    let tokens = f(case, "batch") * f(case, "block");
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.abs();
+    assert!(close(f(case, "tokens_per_s"), tokens / (median / 1e3)));
+    assert!(close(
+        f(case, "model_flops_per_s"),
+        f(case, "model_flops_per_step") / (median / 1e3)
+    ));
+    assert!(close(f(case, "mfu"), f(case, "model_flops_per_s") / peak));
+    assert_eq!(case["measured_peak_bytes"], case["predicted_peak_bytes"]);
+    assert!(case["peak_rss_bytes"].as_u64() > case["measured_peak_bytes"].as_u64());
+    assert!(f(case, "final_loss").is_finite());
+    fails_with(&["bench", "--cases", "resnet"], &["resnet", "char-small"]);
+    fails_with(&["bench", "--steps", "0"], &["--steps"]);
+}

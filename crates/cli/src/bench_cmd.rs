@@ -1,0 +1,338 @@
+//! `snug bench`: named training-step benchmarks, each timed over N steps after warm-up in a
+//! process of its own (so peak RSS is that case's alone), with MFU against a GEMM probe run
+//! on this machine first.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde::{Deserialize, Serialize};
+use snug_graph::ops::MatMul;
+use snug_graph::{DType, Graph, Role};
+use snug_plan::memory_plan::human_bytes;
+use snug_plan::{plan, PlanOptions};
+use snug_runtime::{Allocator, CpuSession, ExecCtx};
+use snug_train::{DataSource, ModelSection, TokenDataset, TrainConfig, TrainSection, Trainer};
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Cases, comma-separated: tiny, char-small, char-small-bf16, gpt2, gpt2-bf16 (the models
+    /// and batches of the PyTorch and JAX peers: char-small is 16 × 256 at vocabulary 65,
+    /// gpt2 is 4 × 1024 at 50304).
+    #[arg(long, default_value = "char-small,char-small-bf16")]
+    cases: String,
+    /// Timed steps per case.
+    #[arg(long, default_value_t = 10)]
+    steps: u64,
+    /// Untimed steps first (page faults, thread start-up, caches).
+    #[arg(long, default_value_t = 2)]
+    warmup: u64,
+    /// Worker threads (default: physical cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Text file or `snug prepare` directory to draw batches from (default: built-in data;
+    /// token values do not change the time).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Machine-readable output: one JSON line for the probe and one per case.
+    #[arg(long)]
+    json: bool,
+    /// Run the cases in this process instead of one child process each (RSS then
+    /// accumulates across cases).
+    #[arg(long, hide = true)]
+    in_process: bool,
+}
+
+/// A named benchmark: model, batch and precision.
+struct Case {
+    name: &'static str,
+    preset: &'static str,
+    batch: usize,
+    block: usize,
+    /// 0: the data's vocabulary.
+    vocab: usize,
+    precision: &'static str,
+}
+
+const CASES: [Case; 5] = [
+    Case {
+        name: "tiny",
+        preset: "tiny",
+        batch: 16,
+        block: 64,
+        vocab: 0,
+        precision: "f32",
+    },
+    Case {
+        name: "char-small",
+        preset: "char-small",
+        batch: 16,
+        block: 256,
+        vocab: 65,
+        precision: "f32",
+    },
+    Case {
+        name: "char-small-bf16",
+        preset: "char-small",
+        batch: 16,
+        block: 256,
+        vocab: 65,
+        precision: "bf16",
+    },
+    Case {
+        name: "gpt2",
+        preset: "gpt2",
+        batch: 4,
+        block: 1024,
+        vocab: 50304,
+        precision: "f32",
+    },
+    Case {
+        name: "gpt2-bf16",
+        preset: "gpt2",
+        batch: 4,
+        block: 1024,
+        vocab: 50304,
+        precision: "bf16",
+    },
+];
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Probe {
+    /// How the peak was measured.
+    method: String,
+    threads: usize,
+    gflop_per_s: f64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct CaseResult {
+    case: String,
+    preset: String,
+    batch: usize,
+    block: usize,
+    vocab: usize,
+    precision: String,
+    threads: usize,
+    warmup: u64,
+    steps: u64,
+    median_step_ms: f64,
+    min_step_ms: f64,
+    max_step_ms: f64,
+    tokens_per_s: f64,
+    model_flops_per_step: f64,
+    model_flops_per_s: f64,
+    /// Model FLOP/s over the probe's GEMM rate.
+    mfu: Option<f64>,
+    predicted_peak_bytes: usize,
+    measured_peak_bytes: usize,
+    peak_rss_bytes: Option<usize>,
+    final_loss: f32,
+}
+
+/// The GEMM shape PyTorch's peer probe uses for its peak (`../shared/peers/matmul_probe.py`).
+const PROBE: (usize, usize, usize) = (4096, 384, 1536);
+
+/// Best rate of snug's f32 matmul kernel on [`PROBE`] over 10 runs after 3 warm-ups.
+fn gemm_probe(threads: usize) -> Result<Probe> {
+    let (m, k, n) = PROBE;
+    let mut g = Graph::new().with_threads(threads);
+    let a = g.add_leaf("a", &[m, k], DType::F32, Role::Parameter)?;
+    let b = g.add_leaf("b", &[k, n], DType::F32, Role::Parameter)?;
+    let c = g.apply1(MatMul::default(), &[a, b])?;
+    g.mark_output(c);
+    let p = plan(&g, &PlanOptions::default())?;
+    let mut s = CpuSession::new(g, p, Allocator::default(), threads)?;
+    let fill = |len: usize| -> Vec<f32> { (0..len).map(|i| (i % 17) as f32 * 0.01).collect() };
+    s.write_f32(a, &fill(m * k))?;
+    s.write_f32(b, &fill(k * n))?;
+    let mut best = f64::INFINITY;
+    for i in 0..13 {
+        let t = Instant::now();
+        s.run(ExecCtx::default())?;
+        if i >= 3 {
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+    }
+    Ok(Probe {
+        method: format!(
+            "f32 matmul [{m}, {k}] x [{k}, {n}] through snug's kernel (gemm crate), best of 10 after 3 warm-ups"
+        ),
+        threads,
+        gflop_per_s: 2.0 * (m * k * n) as f64 / best / 1e9,
+    })
+}
+
+fn find(name: &str) -> Result<&'static Case> {
+    CASES.iter().find(|c| c.name == name).with_context(|| {
+        format!(
+            "`{name}` is not a bench case (known: {})",
+            CASES.map(|c| c.name).join(", ")
+        )
+    })
+}
+
+fn run_case(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
+    let model = ModelSection {
+        preset: Some(case.preset.into()),
+        vocab_size: (case.vocab > 0).then_some(case.vocab),
+        ..Default::default()
+    };
+    let train = TrainSection {
+        data: args.data.clone(),
+        batch: Some(case.batch),
+        block: Some(case.block),
+        threads: args.threads,
+        precision: Some(case.precision.into()),
+        steps: Some(args.warmup + args.steps),
+        eval_every: Some(0),
+        ..Default::default()
+    };
+    let cfg = TrainConfig::resolve(None, &model, &train)?;
+    let data = TokenDataset::load(&DataSource::from(&cfg.data))?;
+    let allocator = Allocator::cpu();
+    let mut trainer = Trainer::with_allocator(cfg.clone(), data, allocator.clone())?;
+    let mut times = Vec::new();
+    let mut loss = f32::NAN;
+    for i in 0..args.warmup + args.steps {
+        let s = trainer.train_step()?;
+        loss = s.loss;
+        if i >= args.warmup {
+            times.push(s.ms);
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2] / 2.0 + times[(times.len() - 1) / 2] / 2.0;
+    let tokens = (case.batch * case.block) as f64;
+    let flops = trainer.model().flops_per_token(case.block) as f64 * tokens;
+    Ok(CaseResult {
+        case: case.name.into(),
+        preset: case.preset.into(),
+        batch: case.batch,
+        block: case.block,
+        vocab: trainer.model().vocab_size(),
+        precision: case.precision.into(),
+        threads: cfg.threads,
+        warmup: args.warmup,
+        steps: args.steps,
+        median_step_ms: median,
+        min_step_ms: times[0],
+        max_step_ms: times[times.len() - 1],
+        tokens_per_s: tokens / (median / 1e3),
+        model_flops_per_step: flops,
+        model_flops_per_s: flops / (median / 1e3),
+        mfu: None,
+        predicted_peak_bytes: trainer.plan().peak_bytes(),
+        measured_peak_bytes: allocator.peak_bytes(),
+        peak_rss_bytes: snug_runtime::process::resident_set().map(|(_, peak)| peak),
+        final_loss: loss,
+    })
+}
+
+/// Runs `case` in a child process of this binary and reads its JSON line back.
+fn run_child(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
+    let exe = std::env::current_exe().context("locating the snug binary")?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.args(["bench", "--in-process", "--json", "--cases", case.name]);
+    cmd.args(["--steps", &args.steps.to_string()]);
+    cmd.args(["--warmup", &args.warmup.to_string()]);
+    if let Some(t) = args.threads {
+        cmd.args(["--threads", &t.to_string()]);
+    }
+    if let Some(d) = &args.data {
+        cmd.arg("--data").arg(d);
+    }
+    let out = cmd.output().context("running a bench case")?;
+    if !out.status.success() {
+        bail!(
+            "bench case `{}` failed: {}",
+            case.name,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .find(|l| l.contains("\"kind\":\"case\""))
+        .with_context(|| format!("bench case `{}` printed no result", case.name))?;
+    Ok(serde_json::from_str(line)?)
+}
+
+fn print_json<T: Serialize>(kind: &str, value: &T) -> Result<()> {
+    let mut v = serde_json::to_value(value)?;
+    if let serde_json::Value::Object(map) = &mut v {
+        map.insert("kind".into(), kind.into());
+    }
+    println!("{}", serde_json::to_string(&v)?);
+    Ok(())
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    if args.steps == 0 {
+        bail!("--steps must be at least 1");
+    }
+    let cases: Vec<&Case> = args
+        .cases
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(find)
+        .collect::<Result<_>>()?;
+    if cases.is_empty() {
+        bail!("--cases names no case");
+    }
+    if args.in_process {
+        for case in cases {
+            print_json("case", &run_case(case, &args)?)?;
+        }
+        return Ok(());
+    }
+    let threads = args
+        .threads
+        .unwrap_or_else(snug_runtime::physical_cores)
+        .max(1);
+    let probe = gemm_probe(threads)?;
+    if args.json {
+        print_json("probe", &probe)?;
+    } else {
+        println!(
+            "peak: {:.1} GFLOP/s ({}, {} threads)",
+            probe.gflop_per_s, probe.method, probe.threads
+        );
+        println!(
+            "{:<16} {:>28} {:>8} {:>8} {:>6} {:>13} {:>13} {:>11}",
+            "case",
+            "step ms: median (min-max)",
+            "tok/s",
+            "GFLOP/s",
+            "MFU",
+            "planned peak",
+            "measured",
+            "peak RSS"
+        );
+    }
+    for case in cases {
+        let mut r = run_child(case, &args)?;
+        r.mfu = Some(r.model_flops_per_s / (probe.gflop_per_s * 1e9));
+        if args.json {
+            print_json("case", &r)?;
+        } else {
+            println!(
+                "{:<16} {:>28} {:>8.0} {:>8.1} {:>5.0}% {:>13} {:>13} {:>11}",
+                r.case,
+                format!(
+                    "{:.1} ({:.1}-{:.1})",
+                    r.median_step_ms, r.min_step_ms, r.max_step_ms
+                ),
+                r.tokens_per_s,
+                r.model_flops_per_s / 1e9,
+                r.mfu.unwrap_or(0.0) * 100.0,
+                human_bytes(r.predicted_peak_bytes),
+                human_bytes(r.measured_peak_bytes),
+                r.peak_rss_bytes.map_or("-".into(), human_bytes),
+            );
+        }
+    }
+    Ok(())
+}
