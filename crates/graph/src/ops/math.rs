@@ -6,8 +6,7 @@ use std::f32::consts::LOG2_E;
 /// e^x, flushing to 0 below -87 and saturating above 88.
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
-    // max/min rather than clamp: clamp's NaN handling kept the loop scalar.
-    let x = x.max(-87.0).min(88.0);
+    let x = x.clamp(-87.0, 88.0);
     let t = x * LOG2_E;
     // Round to nearest without a libm call: adding 1.5·2^23 pushes the fraction out.
     const SHIFT: f32 = 12_582_912.0;
