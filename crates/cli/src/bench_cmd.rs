@@ -15,6 +15,8 @@ use snug_plan::{plan, PlanOptions};
 use snug_runtime::{Allocator, CpuSession, ExecCtx};
 use snug_train::{DataSource, ModelSection, TokenDataset, TrainConfig, TrainSection, Trainer};
 
+use crate::train_cmd::print_json;
+
 #[derive(Args, Debug)]
 pub struct BenchArgs {
     /// Cases, comma-separated: tiny, char-small, char-small-bf16, gpt2, gpt2-bf16 (the models
@@ -257,15 +259,6 @@ fn run_child(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
         .find(|l| l.contains("\"kind\":\"case\""))
         .with_context(|| format!("bench case `{}` printed no result", case.name))?;
     Ok(serde_json::from_str(line)?)
-}
-
-fn print_json<T: Serialize>(kind: &str, value: &T) -> Result<()> {
-    let mut v = serde_json::to_value(value)?;
-    if let serde_json::Value::Object(map) = &mut v {
-        map.insert("kind".into(), kind.into());
-    }
-    println!("{}", serde_json::to_string(&v)?);
-    Ok(())
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {

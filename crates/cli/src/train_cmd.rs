@@ -505,7 +505,8 @@ fn data_line(data: &TokenDataset) -> String {
 }
 
 /// One JSON object tagged with its kind, on its own line.
-fn print_json<T: Serialize>(kind: &str, value: &T) -> serde_json::Result<()> {
+/// One JSON line: `value`'s fields plus `"kind": kind`.
+pub(crate) fn print_json<T: Serialize>(kind: &str, value: &T) -> serde_json::Result<()> {
     let mut v = serde_json::to_value(value)?;
     if let serde_json::Value::Object(map) = &mut v {
         map.insert("kind".into(), kind.into());

@@ -363,14 +363,12 @@ pub(super) unsafe fn head_backward(
             false,
         );
         for i in r0..r1 {
-            let row = &mut p[i * t..i * t + r1];
-            for (j, x) in row.iter_mut().enumerate() {
-                *x = if j <= i {
-                    super::math::exp(*x - lse[i])
-                } else {
-                    0.0
-                };
+            let (live, masked) = p[i * t..i * t + r1].split_at_mut(i + 1);
+            let l = lse[i];
+            for x in live.iter_mut() {
+                *x = super::math::exp(*x - l);
             }
+            masked.fill(0.0);
         }
         // dV[0..r1] += Pᵀ · dY ;  dP = dY · Vᵀ
         head_gemm(
@@ -395,10 +393,9 @@ pub(super) unsafe fn head_backward(
         );
         // dS = P ⊙ (dP − rowsum(dY ⊙ Y))
         for i in r0..r1 {
-            let mut di = 0.0;
-            for e in 0..d {
-                di += *h.dy.ptr.add(i * h.dy.stride + e) * *h.y.ptr.add(i * h.y.stride + e);
-            }
+            let dy_row = std::slice::from_raw_parts(h.dy.ptr.add(i * h.dy.stride), d);
+            let y_row = std::slice::from_raw_parts(h.y.ptr.add(i * h.y.stride), d);
+            let di = super::math::dot(dy_row, y_row);
             let (pr, dpr) = (&p[i * t..i * t + r1], &mut dp[i * t..i * t + r1]);
             for (g, &pv) in dpr.iter_mut().zip(pr) {
                 *g = pv * (*g - di);
@@ -433,12 +430,12 @@ pub(super) unsafe fn head_backward(
 #[cfg(feature = "cpu")]
 fn softmax_causal_row(i: usize, row: &mut [f32], lse: &mut f32) {
     let (live, masked) = row.split_at_mut(i + 1);
-    let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0;
+    let max = super::math::max(live);
+    // Exponentials first, then their sum: one loop doing both stays scalar.
     for x in live.iter_mut() {
         *x = super::math::exp(*x - max);
-        sum += *x;
     }
+    let sum = super::math::sum(live);
     let inv = 1.0 / sum;
     live.iter_mut().for_each(|x| *x *= inv);
     masked.fill(0.0);

@@ -88,8 +88,8 @@ impl OpRule for LayerNorm {
                 let r0 = chunk * rows_per;
                 for (r, yr) in y.chunks_exact_mut(c).enumerate() {
                     let xr = &x[(r0 + r) * c..(r0 + r + 1) * c];
-                    let m = xr.iter().sum::<f32>() / c as f32;
-                    let var = xr.iter().map(|&v| (v - m) * (v - m)).sum::<f32>() / c as f32;
+                    let m = super::math::sum(xr) / c as f32;
+                    let var = super::math::sum_by(xr, |v| (v - m) * (v - m)) / c as f32;
                     let s = 1.0 / (var + eps).sqrt();
                     for (((o, &v), &wv), &bv) in yr.iter_mut().zip(xr).zip(w).zip(b) {
                         *o = (v - m) * s * wv + bv;

@@ -38,6 +38,69 @@ pub fn tanh(x: f32) -> f32 {
     ((1.0 - e) / (1.0 + e)).copysign(x)
 }
 
+/// Lanes of independent partial results in [`sum`] and [`max`]: one AVX-512 register, so the
+/// loop vectorises (a single running f32 sum is a serial dependency the compiler must keep).
+const LANES: usize = 16;
+
+/// Σ x, summed in 16 interleaved partial sums.
+#[inline]
+pub fn sum(x: &[f32]) -> f32 {
+    sum_by(x, |v| v)
+}
+
+/// Σ f(x), summed in 16 interleaved partial sums.
+#[inline(always)]
+pub fn sum_by(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail: f32 = chunks.remainder().iter().map(|&v| f(v)).sum();
+    for c in chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += f(v);
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Σ aᵢbᵢ over the shorter of the two, in 16 interleaved partial sums.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0.0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for ((s, &u), &v) in acc.iter_mut().zip(x).zip(y) {
+            *s += u * v;
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// The largest element (−∞ for an empty slice); NaNs are ignored, like `f32::max`.
+#[inline]
+pub fn max(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail = chunks
+        .remainder()
+        .iter()
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max);
+    for c in chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = a.max(v);
+        }
+    }
+    acc.iter().copied().fold(tail, f32::max)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -51,6 +114,27 @@ mod tests {
             x += 0.0137;
         }
         assert_eq!(exp(-200.0), (-87.0f32).exp().max(exp(-87.0)));
+    }
+
+    #[test]
+    fn lane_sum_and_max_match_serial() {
+        for n in [0, 1, 15, 16, 17, 100, 257] {
+            let x: Vec<f32> = (0..n)
+                .map(|i| ((i * 37) % 23) as f32 * 0.25 - 2.0)
+                .collect();
+            let serial: f32 = x.iter().sum();
+            assert!(
+                (sum(&x) - serial).abs() <= 1e-5 * (1.0 + serial.abs()),
+                "n = {n}"
+            );
+            let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            assert_eq!(max(&x), m, "n = {n}");
+            let serial: f32 = x.iter().map(|v| v * v).sum();
+            assert!(
+                (dot(&x, &x) - serial).abs() <= 1e-5 * (1.0 + serial),
+                "n = {n}"
+            );
+        }
     }
 
     #[test]
