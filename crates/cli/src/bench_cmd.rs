@@ -15,7 +15,7 @@ use snug_plan::{plan, PlanOptions};
 use snug_runtime::{Allocator, CpuSession, ExecCtx};
 use snug_train::{DataSource, ModelSection, TokenDataset, TrainConfig, TrainSection, Trainer};
 
-use crate::train_cmd::print_json;
+use crate::train_cmd::{print_json, stats};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -204,8 +204,7 @@ fn run_case(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
             times.push(s.ms);
         }
     }
-    times.sort_by(f64::total_cmp);
-    let median = times[times.len() / 2] / 2.0 + times[(times.len() - 1) / 2] / 2.0;
+    let (median, min, max) = stats(&times);
     let tokens = (case.batch * case.block) as f64;
     let flops = trainer.model().flops_per_token(case.block) as f64 * tokens;
     Ok(CaseResult {
@@ -219,8 +218,8 @@ fn run_case(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
         warmup: args.warmup,
         steps: args.steps,
         median_step_ms: median,
-        min_step_ms: times[0],
-        max_step_ms: times[times.len() - 1],
+        min_step_ms: min,
+        max_step_ms: max,
         tokens_per_s: tokens / (median / 1e3),
         model_flops_per_step: flops,
         model_flops_per_s: flops / (median / 1e3),

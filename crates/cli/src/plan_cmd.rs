@@ -127,8 +127,14 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let mut pass_savings = Vec::new();
     if !stages.is_empty() {
         let mut before = peak_of(&base)?;
-        for (name, c) in &stages {
-            let after = peak_of(c)?;
+        let last = stages.len() - 1;
+        for (i, (name, c)) in stages.iter().enumerate() {
+            // The last stage is the whole configuration, planned above.
+            let after = if i == last {
+                memory_plan.peak_bytes()
+            } else {
+                peak_of(c)?
+            };
             pass_savings.push(PassSaving {
                 pass: name.clone(),
                 peak_before_bytes: before,

@@ -515,7 +515,8 @@ pub(crate) fn print_json<T: Serialize>(kind: &str, value: &T) -> serde_json::Res
     Ok(())
 }
 
-fn stats(v: &[f64]) -> (f64, f64, f64) {
+/// Median, min and max of `v` (zeros when empty).
+pub(crate) fn stats(v: &[f64]) -> (f64, f64, f64) {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
     let median = if s.is_empty() {

@@ -926,10 +926,8 @@ fn f16_overflow_skips_steps_and_halves_the_loss_scale() {
         "--json",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let steps: Vec<serde_json::Value> = String::from_utf8(o.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+    let steps: Vec<serde_json::Value> = json_lines(&o)
+        .into_iter()
         .filter(|l| l["kind"] == "step")
         .collect();
     assert_eq!(steps.len(), 3);
@@ -949,8 +947,7 @@ fn f16_overflow_skips_steps_and_halves_the_loss_scale() {
         "--json",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let out = String::from_utf8(o.stdout).unwrap();
-    let first: serde_json::Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+    let first = &json_lines(&o)[0];
     assert_eq!(first["skipped"], false);
     assert!(first["loss_scale"].is_null());
     fails_with(
@@ -976,11 +973,7 @@ fn bench_reports_step_times_mfu_and_memory() {
         "--json",
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let lines: Vec<serde_json::Value> = String::from_utf8(o.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = json_lines(&o);
     assert_eq!(lines.len(), 2);
     let (probe, case) = (&lines[0], &lines[1]);
     assert_eq!(

@@ -196,7 +196,7 @@ pub fn compile_step(
         (tokens, targets) = (r.map(tokens)?, r.map(targets)?);
         step = step.rewritten(r, step.forward_nodes)?;
     }
-    let mut compiled = rematerialize(step, tokens, targets, config.remat)?;
+    let mut compiled = apply_remat(step, tokens, targets, config.remat)?;
     if config.passes.contains(&Pass::InPlace) {
         // Marks nodes without renumbering tensors: the inputs and parameters keep their ids.
         let (graph, _) = passes::write_in_place(&compiled.step.graph)?;
@@ -206,7 +206,8 @@ pub fn compile_step(
     Ok(compiled)
 }
 
-fn rematerialize(
+/// `step` checkpointed as `remat` says, with its batch inputs' new ids.
+fn apply_remat(
     step: StepGraph,
     tokens: TensorId,
     targets: TensorId,

@@ -277,8 +277,7 @@ pub fn node_work(graph: &Graph, node: NodeId) -> NodeWork {
     // Inputs and outputs both: the LM head ([.., 768]·[50257, 768]ᵀ) and a 768 × 768
     // projection share their inputs' inner dimensions but not their outputs'.
     let family = format!("{}>{}", last(&ins), last(&outs));
-    let view = n.inplace.is_none() && outs.iter().all(|t| t.view_of.is_some());
-    let (work, flops) = if !outs.is_empty() && view {
+    let (work, flops) = if graph.is_view(n) {
         // Views alias their input and run no kernel (updates in place have no outputs at all).
         (0.0, false)
     } else {

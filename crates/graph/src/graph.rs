@@ -101,6 +101,17 @@ impl Graph {
         }
     }
 
+    /// Whether `node` only makes views (reshape, row slices): every output looks into an
+    /// input's storage and the node does not write in place, so its kernel touches no byte.
+    pub fn is_view(&self, node: &Node) -> bool {
+        node.inplace.is_none()
+            && !node.outputs.is_empty()
+            && node
+                .outputs
+                .iter()
+                .all(|&o| self.tensors[o.index()].view_of.is_some())
+    }
+
     /// The storage a tensor lives in: itself, or the base of the view chain it belongs to.
     pub fn storage_root(&self, mut id: TensorId) -> TensorId {
         while let Some(v) = self.tensors[id.index()].view_of {

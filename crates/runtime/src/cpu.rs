@@ -22,11 +22,7 @@ pub fn physical_cores() -> usize {
 /// kernel reads and writes f32 (or i32 token ids).
 fn check_dtypes(graph: &Graph) -> Result<(), RuntimeError> {
     for node in graph.nodes() {
-        let casts_or_views = matches!(node.op, snug_graph::ops::Op::Cast(_))
-            || node
-                .outputs
-                .iter()
-                .all(|&o| graph.tensor(o).view_of.is_some());
+        let casts_or_views = matches!(node.op, snug_graph::ops::Op::Cast(_)) || graph.is_view(node);
         for &t in node.inputs.iter().chain(&node.outputs) {
             let m = graph.tensor(t);
             if !matches!(m.dtype, DType::F32 | DType::I32) && !casts_or_views {

@@ -111,21 +111,30 @@ fn run_step(cfg: &GptConfig, step: &StepGraph, batch: usize, seq: usize) -> (Vec
     (out, peak)
 }
 
+const BATCH: usize = 8;
+const SEQ: usize = 64;
+
+/// A GPT of `n_layer` 32-wide layers and its AdamW step at `BATCH × SEQ`.
+fn adamw_step(n_layer: usize) -> (GptConfig, StepGraph) {
+    let cfg = GptConfig {
+        n_layer,
+        n_head: 2,
+        n_embd: 32,
+        block_size: SEQ,
+        vocab_size: 50,
+    };
+    let g = cfg.build(BATCH, SEQ, 2).unwrap();
+    let step = StepGraph::build(g.graph, g.loss, OptimizerSpec::AdamW(AdamW::default())).unwrap();
+    (cfg, step)
+}
+
 /// Per-block and selective rematerialization give the same loss and the same updated weights,
 /// bit for bit, at a lower planned peak (and the runtime holds exactly that peak).
 #[test]
 fn remat_keeps_the_numbers_bitwise_and_lowers_the_peak() {
     use snug_graph::passes::{rematerialize, RematPolicy};
-    let cfg = GptConfig {
-        n_layer: 4,
-        n_head: 2,
-        n_embd: 32,
-        block_size: 64,
-        vocab_size: 50,
-    };
-    let (batch, seq) = (8, 64);
-    let g = cfg.build(batch, seq, 2).unwrap();
-    let step = StepGraph::build(g.graph, g.loss, OptimizerSpec::AdamW(AdamW::default())).unwrap();
+    let (cfg, step) = adamw_step(4);
+    let (batch, seq) = (BATCH, SEQ);
     let (plain, plain_peak) = run_step(&cfg, &step, batch, seq);
     let mut peaks = Vec::new();
     for policy in [
@@ -225,16 +234,8 @@ fn cse_and_dce_remove_duplicates_and_dead_nodes_bitwise() {
 #[test]
 fn budgeted_remat_fits_the_budget_with_less_recompute() {
     use snug_graph::passes::{rematerialize, RematPolicy};
-    let cfg = GptConfig {
-        n_layer: 4,
-        n_head: 2,
-        n_embd: 32,
-        block_size: 64,
-        vocab_size: 50,
-    };
-    let (batch, seq) = (8, 64);
-    let g = cfg.build(batch, seq, 2).unwrap();
-    let step = StepGraph::build(g.graph, g.loss, OptimizerSpec::AdamW(AdamW::default())).unwrap();
+    let (cfg, step) = adamw_step(4);
+    let (batch, seq) = (BATCH, SEQ);
     let opts = PlanOptions::default();
     let plain_peak = plan(&step, &opts).unwrap().peak_bytes();
     let (r, _) = rematerialize(
@@ -278,16 +279,8 @@ fn budgeted_remat_fits_the_budget_with_less_recompute() {
 #[test]
 fn in_place_keeps_the_numbers_bitwise_and_lowers_the_peak() {
     use snug_graph::passes::{rematerialize, write_in_place, RematPolicy};
-    let cfg = GptConfig {
-        n_layer: 3,
-        n_head: 2,
-        n_embd: 32,
-        block_size: 64,
-        vocab_size: 50,
-    };
-    let (batch, seq) = (8, 64);
-    let g = cfg.build(batch, seq, 2).unwrap();
-    let plain = StepGraph::build(g.graph, g.loss, OptimizerSpec::AdamW(AdamW::default())).unwrap();
+    let (cfg, plain) = adamw_step(3);
+    let (batch, seq) = (BATCH, SEQ);
     let (r, _) = rematerialize(&plain, RematPolicy::Selective).unwrap();
     let selective = plain.rewritten(r, plain.forward_nodes).unwrap();
     for (step, lowers) in [(plain, true), (selective, false)] {

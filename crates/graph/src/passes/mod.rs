@@ -84,6 +84,19 @@ pub(crate) fn copy_node(
     Ok(outs)
 }
 
+/// [`copy_node`] inside a [`rewrite`]'s `replace`: `node` re-applied on `inputs` (already in
+/// the new graph), waiting on its control dependencies as `lookup` maps them.
+pub(crate) fn copy_reading(
+    new: &mut Graph,
+    old: &Graph,
+    node: &crate::Node,
+    inputs: &[TensorId],
+    lookup: &dyn Fn(TensorId) -> TensorId,
+) -> Result<Vec<TensorId>> {
+    let control: Vec<TensorId> = node.control.iter().map(|&c| lookup(c)).collect();
+    copy_node(new, old, node, inputs, &control)
+}
+
 /// Copies `old` into a new graph node by node; `replace(node index, mapped inputs)` may emit
 /// different nodes for a node (returning the new ids of that node's outputs, positionally) or
 /// `None` to copy it as it is. Names and roles of copied tensors are kept.

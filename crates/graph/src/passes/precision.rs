@@ -19,13 +19,9 @@
 //!   A backward that reads its op's own output (attention reads `O`) reads the rounded one
 //!   too, as a bf16 kernel's backward would.
 
-use super::{copy_node, rewrite, Rewritten};
+use super::{copy_reading, rewrite, Rewritten};
 use crate::ops::{Cast, Op};
 use crate::{DType, Graph, GraphError, Result, Role, StepGraph, TensorId};
-
-fn is_view_op(g: &Graph, node: &crate::Node) -> bool {
-    !node.outputs.is_empty() && node.outputs.iter().all(|&o| g.tensor(o).view_of.is_some())
-}
 
 /// An up-cast: f32 from a 16-bit float.
 fn is_up_cast(g: &Graph, node: &crate::Node) -> bool {
@@ -52,7 +48,7 @@ pub fn mixed_precision(graph: &Graph, low: DType) -> Result<(Rewritten, usize)> 
         old,
         |new, i, lookup| {
             let node = &old.nodes()[i];
-            let view = is_view_op(old, node);
+            let view = old.is_view(node);
             let consumer = node
                 .outputs
                 .first()
@@ -86,8 +82,7 @@ pub fn mixed_precision(graph: &Graph, low: DType) -> Result<(Rewritten, usize)> 
             if !changed && (view || !eligible(old, node)) {
                 return Ok(None);
             }
-            let control: Vec<TensorId> = node.control.iter().map(|&c| lookup(c)).collect();
-            let outs = copy_node(new, old, node, &inputs, &control)?;
+            let outs = copy_reading(new, old, node, &inputs, lookup)?;
             if view {
                 // Views of a 16-bit tensor are 16-bit; their readers up-cast them.
                 for (&o, &n) in node.outputs.iter().zip(&outs) {
@@ -163,8 +158,7 @@ pub fn recast_saved(step: &StepGraph) -> Result<(Rewritten, usize)> {
                     inputs.push(lookup(t));
                 }
             }
-            let control: Vec<TensorId> = node.control.iter().map(|&c| lookup(c)).collect();
-            let outs = copy_node(new, g, node, &inputs, &control)?;
+            let outs = copy_reading(new, g, node, &inputs, lookup)?;
             Ok(Some(outs.into_iter().map(Some).collect()))
         },
         &vec![false; g.nodes().len()],

@@ -10,7 +10,7 @@
 //! schedule can hoist it back into the forward pass. It runs the same kernels on the same
 //! inputs, so losses and gradients are bitwise those of the step without it.
 
-use super::{copy_node, rewrite, Rewritten};
+use super::{copy_reading, rewrite, Rewritten};
 use crate::ops::Op;
 use crate::{Graph, NodeId, Result, StepGraph, TensorId};
 
@@ -325,8 +325,7 @@ fn remat_with(
                 .iter()
                 .map(|&t| again[t.index()].unwrap_or_else(|| lookup(t)))
                 .collect();
-            let control: Vec<TensorId> = node.control.iter().map(|&c| lookup(c)).collect();
-            let outs = copy_node(new, g, node, &ins, &control)?;
+            let outs = copy_reading(new, g, node, &ins, lookup)?;
             Ok(Some(outs.into_iter().map(Some).collect()))
         },
         &vec![false; g.nodes().len()],
