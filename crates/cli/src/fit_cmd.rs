@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use snug_fit::{Device, FitModel, FitReport, Verdict};
+use snug_fit::{Device, FitReport, Verdict};
 use snug_plan::memory_plan::human_bytes;
 use snug_train::{DataSource, TokenDataset, TrainConfig};
 
@@ -65,11 +65,7 @@ pub fn fit_config(
                 .map_or_else(|| "-".into(), |p| p.display().to_string())
         );
     }
-    let fit_model = FitModel {
-        model,
-        block: cfg.block,
-        step: cfg.step_config(),
-    };
+    let fit_model = cfg.fit_model(model);
     let report = snug_fit::search(
         &fit_model,
         budget,
@@ -96,8 +92,8 @@ pub fn print_table(report: &FitReport) {
         }
     );
     println!(
-        "{:>6} {:>4}  {:<14} {:<10} {:>12} {:>11}  verdict",
-        "micro", "acc", "remat", "passes", "peak", "predicted"
+        "{:>6} {:>4}  {:<14} {:<10} {:<5} {:>12} {:>11}  verdict",
+        "micro", "acc", "remat", "passes", "prec", "peak", "predicted"
     );
     for c in &report.candidates {
         let passes: Vec<&str> = c.config.passes.iter().map(|p| p.name()).collect();
@@ -108,7 +104,7 @@ pub fn print_table(report: &FitReport) {
             Verdict::Failed { reason } => format!("failed: {reason}"),
         };
         println!(
-            "{:>6} {:>4}  {:<14} {:<10} {:>12} {:>11}  {}",
+            "{:>6} {:>4}  {:<14} {:<10} {:<5} {:>12} {:>11}  {}",
             c.config.micro_batch,
             c.config.accumulation,
             match c.config.remat {
@@ -120,6 +116,7 @@ pub fn print_table(report: &FitReport) {
             } else {
                 passes.join(",")
             },
+            c.config.precision.to_string(),
             c.peak_bytes.map_or("-".into(), human_bytes),
             c.predicted_seconds
                 .map_or("-".into(), |s| format!("{:.3} s", s)),

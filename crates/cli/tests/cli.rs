@@ -820,6 +820,27 @@ fn fit_chooses_what_fits_and_train_holds_to_it() {
         c["micro_batch"].as_u64().unwrap() * c["accumulation"].as_u64().unwrap(),
         16
     );
+    // f32 does not fit as it is, so bf16 competes; unless the user pinned the precision.
+    let precisions = |r: &serde_json::Value| -> Vec<String> {
+        r["candidates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["config"]["precision"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert!(precisions(&report).iter().any(|p| p == "bf16"));
+    let o = snug_cached(
+        &[
+            &["fit", "--json", "--precision", "f32", "--memory", &budget][..],
+            &base,
+        ]
+        .concat(),
+        &cache,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let pinned: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(precisions(&pinned).iter().all(|p| p == "f32"));
 
     // Training with --memory uses that choice, and its measured peak stays under the budget.
     let o = snug_cached(

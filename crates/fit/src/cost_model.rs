@@ -18,7 +18,7 @@ use snug_graph::ops::Op;
 use snug_graph::{Graph, NodeId, StepGraph};
 
 /// Bumped when the meaning of samples changes, so stale caches are remeasured.
-pub const PROFILE_VERSION: u32 = 5;
+pub const PROFILE_VERSION: u32 = 6;
 
 /// One kernel call as measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -266,6 +266,8 @@ pub fn node_work(graph: &Graph, node: NodeId) -> NodeWork {
             if m.ta { "_ta" } else { "" },
             if m.tb { "_tb" } else { "" }
         ),
+        // Rounding down and widening up are different loops.
+        Op::Cast(c) => format!("cast_{}", c.to),
         op => op.name().to_string(),
     };
     let last = |ts: &[&snug_graph::TensorMeta]| {

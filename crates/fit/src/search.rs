@@ -4,8 +4,9 @@
 //! The space is micro-batch (every divisor of the effective batch, the rest made up by
 //! accumulation) × rematerialization (none; and where none does not fit: selective, per block,
 //! every two blocks, and the least recompute that fits the budget) × the fused LM head +
-//! cross-entropy pass (on, or as the user set it). Precision stays the user's: the CPU backend
-//! runs f32 only.
+//! cross-entropy pass (on, or as the user set it) × precision: where the model allows a 16-bit
+//! type ([`FitModel::low_precision`]), every f32 candidate over budget gets a mixed-precision
+//! twin, which then competes on predicted time like any other.
 
 use std::time::Instant;
 
@@ -33,6 +34,27 @@ pub struct FitModel {
     pub model: ModelConfig,
     pub block: usize,
     pub step: StepConfig,
+    /// A 16-bit type the search may train activations in (mixed precision, f32 master
+    /// weights) where the user's f32 does not fit as it is; `None` keeps `step.precision`.
+    pub low_precision: Option<DType>,
+}
+
+impl FitModel {
+    /// The user's settings, searched in their own precision only.
+    pub fn new(model: ModelConfig, block: usize, step: StepConfig) -> FitModel {
+        FitModel {
+            model,
+            block,
+            step,
+            low_precision: None,
+        }
+    }
+
+    /// Lets the search lower the precision to `low` (ignored unless the step runs in f32).
+    pub fn allowing(mut self, low: Option<DType>) -> FitModel {
+        self.low_precision = low;
+        self
+    }
 }
 
 /// The knobs one candidate sets.
@@ -221,6 +243,9 @@ pub fn search(
         passes: passes.clone(),
         precision: model.step.precision,
     };
+    let low = model
+        .low_precision
+        .filter(|l| model.step.precision == DType::F32 && *l != DType::F32);
     let evaluate = |c: FitConfig| evaluate(model, c, threads, machine);
     // No recomputation first; remat only where that does not fit.
     let largest = micro_batches.first().copied().unwrap_or(1);
@@ -251,21 +276,36 @@ pub fn search(
         .collect();
     candidates.extend(plain.into_par_iter().map(evaluate).collect::<Vec<_>>());
     let over = |c: &Candidate| c.peak_bytes.is_some_and(|p| p > budget);
+    // Lower precision only where f32 needs more than it is: recomputation or smaller
+    // micro-batches then compete with it on time.
+    if let Some(low) = low {
+        let twins: Vec<FitConfig> = candidates
+            .iter()
+            .filter(|c| over(c))
+            .map(|c| FitConfig {
+                precision: low,
+                ..c.config.clone()
+            })
+            .collect();
+        candidates.extend(twins.into_par_iter().map(evaluate).collect::<Vec<_>>());
+    }
     let with_remat = |c: &Candidate, r: Remat| FitConfig {
         remat: r,
         ..c.config.clone()
     };
+    let fixed_remat = |c: &Candidate| {
+        [
+            Remat::Selective,
+            Remat::Blocks { blocks: 2 },
+            Remat::Blocks { blocks: 1 },
+        ]
+        .map(|r| with_remat(c, r))
+    };
+    let user_precision = |c: &Candidate| c.config.precision == model.step.precision;
     let fixed: Vec<FitConfig> = candidates
         .iter()
-        .filter(|c| over(c))
-        .flat_map(|c| {
-            [
-                Remat::Selective,
-                Remat::Blocks { blocks: 2 },
-                Remat::Blocks { blocks: 1 },
-            ]
-            .map(|r| with_remat(c, r))
-        })
+        .filter(|c| over(c) && user_precision(c))
+        .flat_map(fixed_remat)
         .collect();
     candidates.extend(fixed.into_par_iter().map(evaluate).collect::<Vec<_>>());
     // The budgeted choice, the costliest to compile, only where selective remat (its cheapest
@@ -276,6 +316,17 @@ pub fn search(
         .map(|c| with_remat(c, Remat::Budget { bytes: budget }))
         .collect();
     candidates.extend(budgeted.into_par_iter().map(evaluate).collect::<Vec<_>>());
+    // Remat in the lower precision, the last resort, only where nothing else fits: it reaches
+    // the smallest peaks.
+    let fits = |c: &Candidate| c.peak_bytes.is_some_and(|p| p <= budget);
+    if !candidates.iter().any(fits) {
+        let last: Vec<FitConfig> = candidates
+            .iter()
+            .filter(|c| c.config.remat == Remat::None && over(c) && !user_precision(c))
+            .flat_map(fixed_remat)
+            .collect();
+        candidates.extend(last.into_par_iter().map(evaluate).collect::<Vec<_>>());
+    }
 
     let fastest = candidates
         .iter()
@@ -368,7 +419,7 @@ pub struct MemoryFailure {
 /// effective batch and micro-batches no larger than now, whose planned peak is under the limit
 /// (or, when the system refused with no limit set, under the current plan's peak). With equal
 /// predictions the search order decides: smaller micro-batch with more accumulation before
-/// more remat. Precision is not lowered: the CPU backend runs f32 only.
+/// more remat, before lower precision (where `model` allows it).
 pub fn suggest_recovery_config(
     model: &FitModel,
     current: &FitConfig,

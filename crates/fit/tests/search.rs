@@ -5,17 +5,14 @@ use snug_fit::{
     compile_step, search, suggest_config, suggest_recovery_config, Device, FitError, FitModel,
     MachineProfile, MemoryFailure, Remat, StepConfig, Verdict,
 };
+use snug_graph::DType;
 use snug_nn::ModelConfig;
 use snug_plan::{plan, PlanOptions};
 
 fn model() -> FitModel {
     let mut m = ModelConfig::preset("char-small").unwrap();
     m.set_vocab_size(65);
-    FitModel {
-        model: m,
-        block: 256,
-        step: StepConfig::default(),
-    }
+    FitModel::new(m, 256, StepConfig::default())
 }
 
 const CPU: [Device; 1] = [Device::Cpu { threads: 1 }];
@@ -163,4 +160,62 @@ fn recovery_fits_under_the_limit_without_growing_the_micro_batch() {
     let report =
         suggest_recovery_config(&fit, &current, current_peak, &system, &CPU, &machine).unwrap();
     assert!(report.chosen().unwrap().peak_bytes.unwrap() < current_peak);
+}
+
+#[test]
+fn lower_precision_is_searched_only_where_allowed_and_needed() {
+    let pinned = model();
+    let fit = model().allowing(Some(DType::BF16));
+    let machine = MachineProfile::nominal(1);
+    let low = |micro: usize, remat: Remat| {
+        let step = StepConfig {
+            precision: DType::BF16,
+            accumulation: 16 / micro,
+            remat,
+            ..StepConfig::default()
+        };
+        peak_of(&fit, micro, &step)
+    };
+    let bf16 = |r: &snug_fit::FitReport| {
+        r.candidates
+            .iter()
+            .filter(|c| c.config.precision == DType::BF16)
+            .count()
+    };
+
+    // f32 fits as it is: precision stays.
+    let plain = peak_of(&fit, 16, &fit.step);
+    let report = suggest_config(&fit, plain, &CPU, 16, &machine).unwrap();
+    assert_eq!(bf16(&report), 0);
+
+    // Just under it, the bf16 twin at full micro-batch is a candidate, with its own plan's peak.
+    let budget = plain - 1;
+    let twin = low(16, Remat::None);
+    assert!(twin < budget);
+    let report = suggest_config(&fit, budget, &CPU, 16, &machine).unwrap();
+    let c = report
+        .candidates
+        .iter()
+        .find(|c| c.config.precision == DType::BF16 && c.config.micro_batch == 16)
+        .expect("a bf16 twin");
+    assert_eq!((c.config.remat, c.peak_bytes), (Remat::None, Some(twin)));
+    assert!(matches!(
+        c.verdict,
+        Verdict::Chosen | Verdict::Slower { .. }
+    ));
+    // Pinned, none.
+    let report = suggest_config(&pinned, budget, &CPU, 16, &machine).unwrap();
+    assert_eq!(bf16(&report), 0);
+
+    // Where nothing fits, bf16 with recomputation is tried too, as the last resort, and the
+    // error names the smallest peak of all.
+    let report = search(&fit, 1 << 20, &CPU, 16, &machine, None).unwrap();
+    assert!(report.candidates.iter().any(
+        |c| c.config.precision == DType::BF16 && c.config.remat == Remat::Blocks { blocks: 1 }
+    ));
+    let smallest = report.candidates.iter().filter_map(|c| c.peak_bytes).min();
+    match report.nothing_fits() {
+        FitError::NothingFits { smallest: s, .. } => assert_eq!(Some(s), smallest),
+        other => panic!("expected NothingFits, got {other:?}"),
+    }
 }

@@ -12,6 +12,7 @@ use std::time::Instant;
 use snug_fit::{
     compile_step, node_work, MachineProfile, Pass, Sample, StepConfig, PROFILE_VERSION,
 };
+use snug_graph::DType;
 use snug_nn::ModelConfig;
 use snug_plan::{plan, PlanOptions};
 use snug_runtime::{Allocator, CpuSession, ExecCtx};
@@ -97,23 +98,29 @@ struct Probe {
     batch: usize,
     accumulation: usize,
     fused: bool,
+    /// Activation precision: bf16 probes measure the casts mixed precision adds.
+    bf16: bool,
     runs: usize,
 }
 
 #[rustfmt::skip]
 const PROBES: &[Probe] = &[
     // char-small's shapes, at two batch sizes, one with accumulation.
-    Probe { preset: "gpt2", layers: 1, heads: 6, width: 384, block: 256, vocab: 65, batch: 4, accumulation: 2, fused: false, runs: 3 },
-    Probe { preset: "gpt2", layers: 1, heads: 6, width: 384, block: 256, vocab: 65, batch: 16, accumulation: 1, fused: false, runs: 3 },
-    Probe { preset: "gpt2", layers: 1, heads: 6, width: 384, block: 256, vocab: 65, batch: 8, accumulation: 1, fused: true, runs: 3 },
+    Probe { preset: "gpt2", layers: 1, heads: 6, width: 384, block: 256, vocab: 65, batch: 4, accumulation: 2, fused: false, bf16: false, runs: 3 },
+    Probe { preset: "gpt2", layers: 1, heads: 6, width: 384, block: 256, vocab: 65, batch: 16, accumulation: 1, fused: false, bf16: false, runs: 3 },
+    Probe { preset: "gpt2", layers: 1, heads: 6, width: 384, block: 256, vocab: 65, batch: 8, accumulation: 1, fused: true, bf16: false, runs: 3 },
     // GPT-2 small's shapes, with the fused and the plain LM head; the block's kernels also at
     // 4 × 1024 tokens (a small head keeps that probe cheap): tensors that outgrow the caches
     // run slower per byte than a line through small sizes says.
-    Probe { preset: "gpt2", layers: 1, heads: 12, width: 768, block: 1024, vocab: 50257, batch: 1, accumulation: 1, fused: true, runs: 2 },
-    Probe { preset: "gpt2", layers: 1, heads: 12, width: 768, block: 1024, vocab: 50257, batch: 2, accumulation: 1, fused: false, runs: 2 },
-    Probe { preset: "gpt2", layers: 1, heads: 12, width: 768, block: 1024, vocab: 65, batch: 4, accumulation: 1, fused: false, runs: 2 },
+    Probe { preset: "gpt2", layers: 1, heads: 12, width: 768, block: 1024, vocab: 50257, batch: 1, accumulation: 1, fused: true, bf16: false, runs: 2 },
+    Probe { preset: "gpt2", layers: 1, heads: 12, width: 768, block: 1024, vocab: 50257, batch: 2, accumulation: 1, fused: false, bf16: false, runs: 2 },
+    Probe { preset: "gpt2", layers: 1, heads: 12, width: 768, block: 1024, vocab: 65, batch: 4, accumulation: 1, fused: false, bf16: false, runs: 2 },
+    // Mixed precision's casts, at both widths; at GPT-2's, also on 4 × 1024 tokens.
+    Probe { preset: "gpt2", layers: 1, heads: 6, width: 384, block: 256, vocab: 65, batch: 8, accumulation: 1, fused: false, bf16: true, runs: 3 },
+    Probe { preset: "gpt2", layers: 1, heads: 12, width: 768, block: 1024, vocab: 50257, batch: 1, accumulation: 1, fused: true, bf16: true, runs: 2 },
+    Probe { preset: "gpt2", layers: 1, heads: 12, width: 768, block: 1024, vocab: 65, batch: 4, accumulation: 1, fused: false, bf16: true, runs: 2 },
     // The Llama block's kernels (RMSNorm, RoPE, SwiGLU, grouped-query attention).
-    Probe { preset: "llama-tiny", layers: 1, heads: 0, width: 0, block: 256, vocab: 512, batch: 8, accumulation: 1, fused: false, runs: 3 },
+    Probe { preset: "llama-tiny", layers: 1, heads: 0, width: 0, block: 256, vocab: 512, batch: 8, accumulation: 1, fused: false, bf16: false, runs: 3 },
 ];
 
 /// Times every probe (one warm-up run, then `runs` timed ones, every node separately) and the
@@ -158,6 +165,7 @@ fn run_probe(p: &Probe, threads: usize) -> Result<Vec<Sample>, TrainError> {
         } else {
             Vec::new()
         },
+        precision: if p.bf16 { DType::BF16 } else { DType::F32 },
         ..StepConfig::default()
     };
     let compiled = compile_step(&model, p.batch, p.block, threads, &step_config)?;

@@ -115,6 +115,9 @@ pub struct TrainConfig {
     pub memory_limit: Option<usize>,
     pub strict_memory_limit: bool,
     pub precision: DType,
+    /// Whether the user chose `precision` (flag, TOML or `precision=` in the passes): fit
+    /// may lower an f32 it picked itself to bf16, never one the user asked for.
+    pub precision_pinned: bool,
     /// Initial dynamic loss scale (f16 only).
     pub loss_scale: f32,
     pub loss_scale_interval: u32,
@@ -173,6 +176,7 @@ impl Default for TrainConfig {
             memory_limit: None,
             strict_memory_limit: false,
             precision: DType::F32,
+            precision_pinned: false,
             loss_scale: 65536.0,
             loss_scale_interval: 2000,
             optimizer: OptimizerKind::AdamW,
@@ -308,6 +312,7 @@ impl TrainConfig {
                 if let Some(mode) = s.strip_prefix("remat=") {
                     self.remat = mode.parse().map_err(bad)?;
                 } else if let Some(p) = s.strip_prefix("precision=") {
+                    self.precision_pinned = true;
                     self.precision = match p.parse::<DType>() {
                         Ok(d) if d.is_float() => d,
                         _ => return Err(bad(format!("`{p}` is not one of f32, bf16, f16"))),
@@ -354,6 +359,7 @@ impl TrainConfig {
             };
         }
         if let Some(p) = &t.precision {
+            self.precision_pinned = true;
             self.precision = match p.parse::<DType>() {
                 Ok(d) if d.is_float() => d,
                 _ => {
@@ -457,6 +463,13 @@ impl TrainConfig {
             passes: self.passes.clone(),
             remat: self.remat,
         }
+    }
+
+    /// What fit searches for this run: `model` at this block and step settings, allowed to
+    /// lower the precision to bf16 unless the user set it.
+    pub fn fit_model(&self, model: ModelConfig) -> snug_fit::FitModel {
+        snug_fit::FitModel::new(model, self.block, self.step_config())
+            .allowing((!self.precision_pinned).then_some(DType::BF16))
     }
 
     /// Sets the knobs fit chose (the batch stays: `micro_batch × accumulation` is it).

@@ -7,9 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
-use snug_fit::{
-    compile_step, CompiledStep, Device, FitConfig, FitModel, MachineProfile, MemoryFailure,
-};
+use snug_fit::{compile_step, CompiledStep, Device, FitConfig, MachineProfile, MemoryFailure};
 use snug_graph::{Role, StepGraph, TensorId};
 use snug_nn::ModelConfig;
 use snug_plan::{plan, MemoryPlan, PlanOptions};
@@ -291,11 +289,7 @@ impl Trainer {
             crate::calibration::cached(threads).unwrap_or_else(|| MachineProfile::nominal(threads))
         });
         let from = FitConfig::of(&self.config.step_config(), self.config.batch);
-        let fit_model = FitModel {
-            model: self.model.clone(),
-            block: self.config.block,
-            step: self.config.step_config(),
-        };
+        let fit_model = self.config.fit_model(self.model.clone());
         let from_peak_bytes = self.session.plan().peak_bytes();
         let report = snug_fit::suggest_recovery_config(
             &fit_model,
