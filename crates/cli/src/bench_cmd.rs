@@ -3,16 +3,12 @@
 //! on this machine first.
 
 use std::path::PathBuf;
-use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::{Deserialize, Serialize};
-use snug_graph::ops::MatMul;
-use snug_graph::{DType, Graph, Role};
 use snug_plan::memory_plan::human_bytes;
-use snug_plan::{plan, PlanOptions};
-use snug_runtime::{Allocator, CpuSession, ExecCtx};
+use snug_runtime::Allocator;
 use snug_train::{DataSource, ModelSection, TokenDataset, TrainConfig, TrainSection, Trainer};
 
 use crate::train_cmd::{print_json, stats};
@@ -136,33 +132,15 @@ struct CaseResult {
 /// The GEMM shape PyTorch's peer probe uses for its peak (`../shared/peers/matmul_probe.py`).
 const PROBE: (usize, usize, usize) = (4096, 384, 1536);
 
-/// Best rate of snug's f32 matmul kernel on [`PROBE`] over 10 runs after 3 warm-ups.
+/// Best rate of snug's f32 matmul kernel on [`PROBE`] over 10 runs after a warm-up.
 fn gemm_probe(threads: usize) -> Result<Probe> {
     let (m, k, n) = PROBE;
-    let mut g = Graph::new().with_threads(threads);
-    let a = g.add_leaf("a", &[m, k], DType::F32, Role::Parameter)?;
-    let b = g.add_leaf("b", &[k, n], DType::F32, Role::Parameter)?;
-    let c = g.apply1(MatMul::default(), &[a, b])?;
-    g.mark_output(c);
-    let p = plan(&g, &PlanOptions::default())?;
-    let mut s = CpuSession::new(g, p, Allocator::default(), threads)?;
-    let fill = |len: usize| -> Vec<f32> { (0..len).map(|i| (i % 17) as f32 * 0.01).collect() };
-    s.write_f32(a, &fill(m * k))?;
-    s.write_f32(b, &fill(k * n))?;
-    let mut best = f64::INFINITY;
-    for i in 0..13 {
-        let t = Instant::now();
-        s.run(ExecCtx::default())?;
-        if i >= 3 {
-            best = best.min(t.elapsed().as_secs_f64());
-        }
-    }
     Ok(Probe {
         method: format!(
-            "f32 matmul [{m}, {k}] x [{k}, {n}] through snug's kernel (gemm crate), best of 10 after 3 warm-ups"
+            "f32 matmul [{m}, {k}] x [{k}, {n}] through snug's kernel (gemm crate), best of 10 after a warm-up"
         ),
         threads,
-        gflop_per_s: 2.0 * (m * k * n) as f64 / best / 1e9,
+        gflop_per_s: snug_train::calibration::gemm_rate(threads, PROBE, 10)? / 1e9,
     })
 }
 

@@ -4,7 +4,9 @@
 //! a Llama block), plus a memory-bandwidth probe. The result is cached as JSON under the user's
 //! cache directory (`$SNUG_CACHE_DIR`, else e.g. `~/.cache/snug`), one file per thread count.
 //! Predictions are only as steady as the machine: on a shared host, other load moves kernel
-//! times by tens of percent within minutes.
+//! times by tens of percent in spells of minutes (a small GEMM timed between probe runs read
+//! 70 to 220 GFLOP/s within one calibration, too noisy itself to correct the samples by), so a
+//! calibration taken in a slow spell predicts slow; `--recalibrate` measures again.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -15,6 +17,8 @@ use snug_fit::{
 use snug_graph::DType;
 use snug_nn::ModelConfig;
 use snug_plan::{plan, PlanOptions};
+use snug_graph::ops::MatMul;
+use snug_graph::{Graph, Role};
 use snug_runtime::{Allocator, CpuSession, ExecCtx};
 
 use crate::TrainError;
@@ -126,10 +130,11 @@ const PROBES: &[Probe] = &[
 /// Times every probe (one warm-up run, then `runs` timed ones, every node separately) and the
 /// memory bandwidth.
 pub fn calibrate(threads: usize) -> Result<MachineProfile, TrainError> {
-    let mut samples = Vec::new();
+    let mut runs = Vec::new();
     for probe in PROBES {
-        samples.extend(run_probe(probe, threads)?);
+        runs.extend(run_probe(probe, threads)?);
     }
+    let samples: Vec<Sample> = runs.into_iter().flatten().collect();
     let gemm_peak_flops = samples
         .iter()
         .filter(|s| s.class.starts_with("matmul"))
@@ -148,7 +153,34 @@ pub fn calibrate(threads: usize) -> Result<MachineProfile, TrainError> {
     ))
 }
 
-fn run_probe(p: &Probe, threads: usize) -> Result<Vec<Sample>, TrainError> {
+/// FLOP/s of snug's f32 matmul on `[m, k] · [k, n]`, best of `runs` after one warm-up.
+pub fn gemm_rate(
+    threads: usize,
+    (m, k, n): (usize, usize, usize),
+    runs: usize,
+) -> Result<f64, TrainError> {
+    let mut g = Graph::new().with_threads(threads);
+    let a = g.add_leaf("a", &[m, k], DType::F32, Role::Parameter)?;
+    let b = g.add_leaf("b", &[k, n], DType::F32, Role::Parameter)?;
+    let c = g.apply1(MatMul::default(), &[a, b])?;
+    g.mark_output(c);
+    let p = plan(&g, &PlanOptions::default())?;
+    let mut s = CpuSession::new(g, p, Allocator::default(), threads)?;
+    let fill = |len: usize| -> Vec<f32> { (0..len).map(|i| (i % 17) as f32 * 0.01).collect() };
+    s.write_f32(a, &fill(m * k))?;
+    s.write_f32(b, &fill(k * n))?;
+    let mut best = f64::INFINITY;
+    for i in 0..=runs {
+        let t = Instant::now();
+        s.run(ExecCtx::default())?;
+        if i > 0 {
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+    }
+    Ok(2.0 * (m * k * n) as f64 / best.max(1e-12))
+}
+
+fn run_probe(p: &Probe, threads: usize) -> Result<Vec<Vec<Sample>>, TrainError> {
     let mut model = ModelConfig::preset(p.preset)?;
     let shape = |v: usize| (v > 0).then_some(v);
     model.override_shape(
@@ -186,8 +218,9 @@ fn run_probe(p: &Probe, threads: usize) -> Result<Vec<Sample>, TrainError> {
     let ids: Vec<i32> = (0..n).map(|i| ((i * 7919 + 13) % p.vocab) as i32).collect();
     session.write_i32(compiled.tokens, &ids, p.vocab)?;
     session.write_i32(compiled.targets, &ids, p.vocab)?;
-    let mut samples = Vec::new();
+    let mut runs = Vec::new();
     for run in 0..=p.runs {
+        let mut samples = Vec::new();
         for micro in 0..p.accumulation {
             let ctx = ExecCtx {
                 lr: 1e-4,
@@ -214,8 +247,11 @@ fn run_probe(p: &Probe, threads: usize) -> Result<Vec<Sample>, TrainError> {
                 }
             }
         }
+        if run > 0 {
+            runs.push(samples);
+        }
     }
-    Ok(samples)
+    Ok(runs)
 }
 
 /// Bytes per second copying 256 MiB (read and write both counted), best of five.
