@@ -14,11 +14,11 @@ use std::time::Instant;
 use snug_fit::{
     compile_step, node_work, MachineProfile, Pass, Sample, StepConfig, PROFILE_VERSION,
 };
+use snug_graph::ops::MatMul;
 use snug_graph::DType;
+use snug_graph::{Graph, Role};
 use snug_nn::ModelConfig;
 use snug_plan::{plan, PlanOptions};
-use snug_graph::ops::MatMul;
-use snug_graph::{Graph, Role};
 use snug_runtime::{Allocator, CpuSession, ExecCtx};
 
 use crate::TrainError;
