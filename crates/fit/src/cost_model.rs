@@ -4,11 +4,12 @@
 //! matmuls), its family (the operands' inner dimensions, which stay fixed when only the batch
 //! changes), the work of one call (its FLOPs, or for ops that report none the bytes it reads and
 //! writes) and the seconds it took. Within a family measured at two or more sizes, a node's time
-//! is a fixed cost plus a cost per unit of work, fitted by least squares on relative error.
-//! Otherwise it is interpolated from the class's samples, piecewise linear in
-//! log(work)–log(seconds), and at constant throughput beyond the measured range. Classes never
-//! measured fall back to the GEMM peak (FLOPs) or the memory bandwidth (bytes). A step is the
-//! sum of its nodes over the micro-batches, with the optimizer counted once: on CPU the kernels run one after another, so the sum is the step.
+//! is a fixed cost plus a cost per unit of work, fitted by least squares on relative error
+//! through each size's median call. Otherwise it is interpolated from the class's samples,
+//! piecewise linear in log(work)–log(seconds), and at constant throughput beyond the measured
+//! range. Classes never measured fall back to the GEMM peak (FLOPs) or the memory bandwidth
+//! (bytes). A step is the sum of its nodes over the micro-batches, with the optimizer counted
+//! once: on CPU the kernels run one after another, so the sum is the step.
 
 use std::collections::BTreeMap;
 

@@ -4,9 +4,8 @@
 //! a Llama block), plus a memory-bandwidth probe. The result is cached as JSON under the user's
 //! cache directory (`$SNUG_CACHE_DIR`, else e.g. `~/.cache/snug`), one file per thread count.
 //! Predictions are only as steady as the machine: on a shared host, other load moves kernel
-//! times by tens of percent in spells of minutes (a small GEMM timed between probe runs read
-//! 70 to 220 GFLOP/s within one calibration, too noisy itself to correct the samples by), so a
-//! calibration taken in a slow spell predicts slow; `--recalibrate` measures again.
+//! times by tens of percent in spells of minutes, so a calibration taken in a slow spell
+//! predicts slow; `--recalibrate` measures again.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -15,8 +14,7 @@ use snug_fit::{
     compile_step, node_work, MachineProfile, Pass, Sample, StepConfig, PROFILE_VERSION,
 };
 use snug_graph::ops::MatMul;
-use snug_graph::DType;
-use snug_graph::{Graph, Role};
+use snug_graph::{DType, Graph, Role};
 use snug_nn::ModelConfig;
 use snug_plan::{plan, PlanOptions};
 use snug_runtime::{Allocator, CpuSession, ExecCtx};
@@ -130,11 +128,10 @@ const PROBES: &[Probe] = &[
 /// Times every probe (one warm-up run, then `runs` timed ones, every node separately) and the
 /// memory bandwidth.
 pub fn calibrate(threads: usize) -> Result<MachineProfile, TrainError> {
-    let mut runs = Vec::new();
+    let mut samples = Vec::new();
     for probe in PROBES {
-        runs.extend(run_probe(probe, threads)?);
+        samples.extend(run_probe(probe, threads)?);
     }
-    let samples: Vec<Sample> = runs.into_iter().flatten().collect();
     let gemm_peak_flops = samples
         .iter()
         .filter(|s| s.class.starts_with("matmul"))
@@ -180,7 +177,7 @@ pub fn gemm_rate(
     Ok(2.0 * (m * k * n) as f64 / best.max(1e-12))
 }
 
-fn run_probe(p: &Probe, threads: usize) -> Result<Vec<Vec<Sample>>, TrainError> {
+fn run_probe(p: &Probe, threads: usize) -> Result<Vec<Sample>, TrainError> {
     let mut model = ModelConfig::preset(p.preset)?;
     let shape = |v: usize| (v > 0).then_some(v);
     model.override_shape(
@@ -218,9 +215,8 @@ fn run_probe(p: &Probe, threads: usize) -> Result<Vec<Vec<Sample>>, TrainError> 
     let ids: Vec<i32> = (0..n).map(|i| ((i * 7919 + 13) % p.vocab) as i32).collect();
     session.write_i32(compiled.tokens, &ids, p.vocab)?;
     session.write_i32(compiled.targets, &ids, p.vocab)?;
-    let mut runs = Vec::new();
+    let mut samples = Vec::new();
     for run in 0..=p.runs {
-        let mut samples = Vec::new();
         for micro in 0..p.accumulation {
             let ctx = ExecCtx {
                 lr: 1e-4,
@@ -247,11 +243,8 @@ fn run_probe(p: &Probe, threads: usize) -> Result<Vec<Vec<Sample>>, TrainError> 
                 }
             }
         }
-        if run > 0 {
-            runs.push(samples);
-        }
     }
-    Ok(runs)
+    Ok(samples)
 }
 
 /// Bytes per second copying 256 MiB (read and write both counted), best of five.
