@@ -8,8 +8,8 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 use serde::{Deserialize, Serialize};
 use snug_graph::ops::{
-    Binary, CausalAttention, CrossEntropy, Embedding, Gelu, GeluApprox, LayerNorm, MatMul, Narrow,
-    Reshape,
+    Binary, CausalAttention, CrossEntropy, Embedding, GeluApprox, GeluLinear, LayerNorm, MatMul,
+    Narrow, Reshape,
 };
 use snug_graph::{DType, Graph, GraphError, Role, TensorId};
 
@@ -361,13 +361,13 @@ impl GptConfig {
             g.set_scope(format!("h.{i}.mlp"));
             let h = g.apply(LayerNorm::default(), &[x, ln2w, ln2b])?[0];
             let f = g.apply1(linear, &[h, wfc, bfc])?;
-            let f = g.apply1(
-                Gelu {
+            // GELU inside the down-projection: its output is never stored.
+            let m = g.apply1(
+                GeluLinear {
                     approx: GeluApprox::Tanh,
                 },
-                &[f],
+                &[f, wp, bp],
             )?;
-            let m = g.apply1(linear, &[f, wp, bp])?;
             x = g.apply1(Binary::add(), &[x, m])?;
         }
         let lnfw = param(g, "ln_f.weight".into(), &[c])?;

@@ -11,8 +11,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use snug_graph::ops::{
     Binary, BinaryKind, BroadcastTo, CausalAttention, CrossEntropy, Embedding, Gelu, GeluApprox,
-    GqaAttention, LayerNorm, LmHeadLoss, LogSoftmax, MatMul, Narrow, Op, Pad, Reduce, ReduceKind,
-    Reshape, RmsNorm, Rope, Scale, Silu, Softmax, SumTo, SwiGlu, Transpose,
+    GeluLinear, GqaAttention, LayerNorm, LmHeadLoss, LogSoftmax, MatMul, Narrow, Op, Pad, Reduce,
+    ReduceKind, Reshape, RmsNorm, Rope, Scale, Silu, Softmax, SumTo, SwiGlu, Transpose,
 };
 use snug_graph::{DType, Graph, OptimizerSpec, StepGraph, TensorId};
 use snug_plan::{plan, PlanOptions};
@@ -761,6 +761,64 @@ fn gelu_exact_and_tanh() {
     }
 }
 
+#[test]
+fn gelu_linear_input_weight_and_bias() {
+    for approx in [GeluApprox::Exact, GeluApprox::Tanh] {
+        let mut c = GradCheck::new(format!("gelu_linear {approx:?}")).linear_in_each_element();
+        // Small steps for `h`, where GELU is curved: the larger step suits only `w` and `b`.
+        c.rel_step = REL_STEP;
+        let h = c.param_in(&[2, 3, 5], -3.0, 3.0);
+        let w = c.param(&[5, 4]);
+        let b = c.param(&[4]);
+        let y = c.op(GeluLinear { approx }, &[h, w, b]);
+        c.check(y);
+    }
+}
+
+/// The fused op computes what `gelu` then a biased `matmul` compute, over several row tiles.
+#[test]
+fn gelu_linear_equals_gelu_then_matmul() {
+    // At most 2^21 elements per tile: at width 64, 33000 rows take two tiles.
+    let (rows, k, n) = (33000, 64, 3);
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let mut values =
+        |len: usize| -> Vec<f32> { (0..len).map(|_| rng.random_range(-3.0..3.0f32)).collect() };
+    let (hv, wv, bv) = (values(rows * k), values(k * n), values(n));
+    let run = |fused: bool| -> Vec<f32> {
+        let mut g = Graph::new().with_threads(2);
+        let h = g.input("h", &[rows, k], DType::F32).unwrap();
+        let w = g.input("w", &[k, n], DType::F32).unwrap();
+        let b = g.input("b", &[n], DType::F32).unwrap();
+        let approx = GeluApprox::Tanh;
+        let y = if fused {
+            g.apply1(GeluLinear { approx }, &[h, w, b]).unwrap()
+        } else {
+            let a = g.apply1(Gelu { approx }, &[h]).unwrap();
+            let linear = MatMul {
+                ta: false,
+                tb: false,
+                bias: true,
+            };
+            g.apply1(linear, &[a, w, b]).unwrap()
+        };
+        g.mark_output(y);
+        let memory = plan(&g, &PlanOptions::default()).unwrap();
+        let mut s = CpuSession::new(g, memory, Allocator::default(), 2).unwrap();
+        s.write_f32(h, &hv).unwrap();
+        s.write_f32(w, &wv).unwrap();
+        s.write_f32(b, &bv).unwrap();
+        s.run(ExecCtx::default()).unwrap();
+        s.read_f32(y).unwrap().to_vec()
+    };
+    let (fused, plain) = (run(true), run(false));
+    let worst = fused
+        .iter()
+        .zip(&plain)
+        .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
+        .fold(0.0f32, f32::max);
+    assert!(worst < 1e-5, "fused and unfused differ by {worst}");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Embedding, views and layout
 
@@ -988,6 +1046,8 @@ fn large_tensors_through_the_parallel_kernel_paths() {
     for (from, to) in [
         (vec![2, 33000], vec![33000]),
         (vec![33000, 2], vec![33000, 1]),
+        // A bias gradient: rows split between the workers' partial sums.
+        (vec![300, 130], vec![130]),
     ] {
         let mut c = big(&format!("sum_to {from:?} -> {to:?}"));
         let x = c.param(&from);
@@ -1054,6 +1114,14 @@ fn large_tensors_through_the_parallel_kernel_paths() {
         let y = c.op(Gelu { approx }, &[x]);
         c.check(y);
     }
+
+    // Two row tiles (at most 2^21 elements each), so the weight gradient sums over both.
+    let mut c = big("gelu_linear [33000, 64] x [64, 2]");
+    let h = c.param_in(&[33000, 64], -3.0, 3.0);
+    let w = c.param(&[64, 2]);
+    let b = c.param(&[2]);
+    let y = c.op(GeluLinear::default(), &[h, w, b]);
+    c.check(y);
 
     let mut c = big("transpose [200, 170]");
     let x = c.param(&[200, 170]);

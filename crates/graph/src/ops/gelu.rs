@@ -31,7 +31,7 @@ const INV_SQRT_2PI: f32 = 0.398_942_3;
 
 #[cfg(feature = "cpu")]
 #[inline(always)]
-fn gelu(approx: GeluApprox, x: f32) -> f32 {
+pub(super) fn gelu(approx: GeluApprox, x: f32) -> f32 {
     match approx {
         GeluApprox::Tanh => {
             0.5 * x * (1.0 + super::math::tanh(SQRT_2_OVER_PI * (x + COEF * x * x * x)))
@@ -40,21 +40,32 @@ fn gelu(approx: GeluApprox, x: f32) -> f32 {
     }
 }
 
+/// `(gelu(x), gelu'(x))`, sharing the one tanh or erf between them.
 #[cfg(feature = "cpu")]
 #[inline(always)]
-fn gelu_grad(approx: GeluApprox, x: f32) -> f32 {
+pub(super) fn gelu_and_grad(approx: GeluApprox, x: f32) -> (f32, f32) {
     match approx {
         GeluApprox::Tanh => {
             let u = SQRT_2_OVER_PI * (x + COEF * x * x * x);
             let t = super::math::tanh(u);
             let du = SQRT_2_OVER_PI * (1.0 + 3.0 * COEF * x * x);
-            0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
+            let half_1pt = 0.5 * (1.0 + t);
+            (x * half_1pt, half_1pt + 0.5 * x * (1.0 - t * t) * du)
         }
         GeluApprox::Exact => {
             let cdf = 0.5 * (1.0 + libm::erff(x * FRAC_1_SQRT_2));
-            cdf + x * INV_SQRT_2PI * super::math::exp(-0.5 * x * x)
+            (
+                x * cdf,
+                cdf + x * INV_SQRT_2PI * super::math::exp(-0.5 * x * x),
+            )
         }
     }
+}
+
+#[cfg(feature = "cpu")]
+#[inline(always)]
+fn gelu_grad(approx: GeluApprox, x: f32) -> f32 {
+    gelu_and_grad(approx, x).1
 }
 
 impl OpRule for Gelu {

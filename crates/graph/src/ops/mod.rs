@@ -11,6 +11,7 @@ mod elementwise;
 mod embedding;
 mod fill;
 mod gelu;
+mod gelu_linear;
 mod gqa_attention;
 mod grad_norm;
 mod layernorm;
@@ -42,6 +43,7 @@ pub use elementwise::{Binary, BinaryKind, Scale};
 pub use embedding::{Embedding, EmbeddingBackward};
 pub use fill::Fill;
 pub use gelu::{Gelu, GeluApprox, GeluBackward};
+pub use gelu_linear::{GeluLinear, GeluLinearBackward};
 pub use gqa_attention::{GqaAttention, GqaAttentionBackward};
 pub use grad_norm::{GradNorm, SumSquares};
 pub use layernorm::{LayerNorm, LayerNormBackward};
@@ -166,6 +168,8 @@ ops!(
     LayerNormBackward,
     Gelu,
     GeluBackward,
+    GeluLinear,
+    GeluLinearBackward,
     Embedding,
     EmbeddingBackward,
     Reshape,

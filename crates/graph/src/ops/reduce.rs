@@ -212,6 +212,17 @@ impl OpRule for SumTo {
         Ok(vec![spec])
     }
 
+    /// One partial sum per worker when summing over rows (a bias gradient).
+    fn workspace_elems(&self, inputs: &[&TensorMeta], threads: usize) -> usize {
+        let n: usize = self.shape.iter().product();
+        let rows = inputs[0].numel() / n.max(1);
+        if threads > 1 && rows >= 2 * threads && n * rows >= super::par::MIN_PAR_ELEMS {
+            threads * n
+        } else {
+            0
+        }
+    }
+
     fn backward(&self, ctx: &mut GradCtx<'_>) -> Result<()> {
         if let Some(dy) = ctx.grad_out(0) {
             let shape = ctx.input_shape(0);
@@ -228,17 +239,33 @@ impl OpRule for SumTo {
         match Mapping::new(&self.shape, k.in_shape(0)) {
             Mapping::Same => y.copy_from_slice(x),
             Mapping::Cycle(n) => {
-                // Column blocks in parallel, each summing every row: a bias gradient.
+                // A bias gradient: each worker sums a contiguous block of rows into its own
+                // partial, and the partials are added in order (deterministic for a thread count).
+                use rayon::prelude::*;
                 let rows = x.len() / n;
-                super::par::rows_mut(y, 1, |c0, cols| {
-                    cols.fill(0.0);
-                    for r in 0..rows {
-                        let src = &x[r * n + c0..r * n + c0 + cols.len()];
-                        for (acc, &v) in cols.iter_mut().zip(src) {
-                            *acc += v;
+                let ws = k.workspace();
+                let parts = (ws.len() / n).clamp(1, rows.max(1));
+                let rows_per = rows.div_ceil(parts);
+                let sum_rows = |p: usize, acc: &mut [f32]| {
+                    acc.fill(0.0);
+                    for r in p * rows_per..((p + 1) * rows_per).min(rows) {
+                        for (a, &v) in acc.iter_mut().zip(&x[r * n..(r + 1) * n]) {
+                            *a += v;
                         }
                     }
-                });
+                };
+                if parts <= 1 || ws.len() < n {
+                    sum_rows(0, y);
+                    return;
+                }
+                ws.par_chunks_mut(n)
+                    .take(parts)
+                    .enumerate()
+                    .for_each(|(p, acc)| sum_rows(p, acc));
+                y.copy_from_slice(&ws[..n]);
+                for part in ws.chunks_exact(n).take(parts).skip(1) {
+                    y.iter_mut().zip(part).for_each(|(a, b)| *a += b);
+                }
             }
             Mapping::Spread(n) => {
                 super::par::rows_mut(y, 1, |o0, outs| {

@@ -26,7 +26,7 @@ pub use remat::{
     remat_candidates, rematerialize, rematerialize_dropping, RematCandidate, RematPolicy,
 };
 
-use crate::{Graph, GraphError, Result, TensorId};
+use crate::{Graph, GraphError, Result, Role, TensorId};
 
 /// A graph rebuilt by a pass, with the map from the old graph's tensors to the new one's.
 #[derive(Debug, Clone)]
@@ -124,6 +124,13 @@ pub(crate) fn rewrite(
         };
     for (i, node) in old.nodes().iter().enumerate() {
         if skip[i] {
+            // A parameter read only by a node that a fusion skips (an untied LM head) is still
+            // the fused node's input.
+            for &t in &node.inputs {
+                if old.producer(t).is_none() && old.tensor(t).role == Role::Parameter {
+                    copy_leaf(&mut new, &mut map, t)?;
+                }
+            }
             continue;
         }
         for &t in &node.inputs {

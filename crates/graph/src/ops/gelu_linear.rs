@@ -1,0 +1,274 @@
+//! `gelu(h) · w + b`: GELU fused into the linear layer that reads it (a transformer MLP's
+//! down-projection).
+//!
+//! The GELU output is made a tile of rows at a time in the kernel's workspace, read by the GEMM
+//! while it is still in cache, and never stored: the step keeps only `h`. The backward makes it
+//! again, tile by tile, in the same pass that turns `dy · wᵀ` into `dh`, so the recomputation
+//! reads nothing an unfused backward would not (the unfused GELU backward reads `h` too).
+//! Per MLP that is one `rows × 4·width` activation less to hold and two passes over it less.
+
+use super::{expect_arity, float_dtype, shape_err, GeluApprox, OpRule, OutSpec, SumTo};
+use crate::autodiff::GradCtx;
+use crate::tensor::TensorMeta;
+use crate::{GraphError, Result};
+
+/// Elements of GELU output made at once: 8 MiB, so the tile stays in the last-level cache
+/// between its GELU and its GEMM, and the weight gradient is revisited only a few times.
+const TILE_ELEMS: usize = 1 << 21;
+
+/// Rows per tile for `rows` rows of width `k`: tiles of equal size, none above `TILE_ELEMS`.
+fn tile_rows(rows: usize, k: usize) -> usize {
+    let most = (TILE_ELEMS / k.max(1)).clamp(1, rows.max(1));
+    rows.div_ceil(rows.div_ceil(most).max(1)).max(1)
+}
+
+/// Inputs `[h, w, b]` with `h: [.., k]`, `w: [k, n]`, `b: [n]`; output `[.., n]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct GeluLinear {
+    pub approx: GeluApprox,
+}
+
+/// `(rows, k, n)` of `h: [.., k]` times `w: [k, n]`, or the shape error.
+fn dims(op: &'static str, h: &[usize], w: &[usize]) -> Result<(usize, usize, usize)> {
+    if h.is_empty() || w.len() != 2 || h[h.len() - 1] != w[0] {
+        return Err(shape_err(
+            op,
+            format!("h {h:?} and w {w:?}: expected h [.., k] and w [k, n]"),
+        ));
+    }
+    let k = w[0];
+    Ok((h.iter().product::<usize>() / k.max(1), k, w[1]))
+}
+
+impl OpRule for GeluLinear {
+    fn name(&self) -> &'static str {
+        "gelu_linear"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
+        expect_arity(self.name(), inputs, 3)?;
+        let dtype = float_dtype(self.name(), inputs)?;
+        let (h, w) = (&inputs[0].shape, &inputs[1].shape);
+        let (_, _, n) = dims(self.name(), h, w)?;
+        if inputs[2].shape != [n] {
+            return Err(shape_err(
+                self.name(),
+                format!("bias has shape {:?}, expected [{n}]", inputs[2].shape),
+            ));
+        }
+        let mut shape = h.clone();
+        if let Some(last) = shape.last_mut() {
+            *last = n;
+        }
+        Ok(vec![OutSpec::f32(shape).with_dtype(dtype)])
+    }
+
+    fn backward(&self, ctx: &mut GradCtx<'_>) -> Result<()> {
+        let Some(dy) = ctx.grad_out(0) else {
+            return Ok(());
+        };
+        if ctx.wants(0) || ctx.wants(1) {
+            let (h, w) = (ctx.input(0), ctx.input(1));
+            let g = ctx.apply(
+                GeluLinearBackward {
+                    approx: self.approx,
+                },
+                &[h, w, dy],
+            )?;
+            for (i, &grad) in g.iter().enumerate() {
+                if ctx.wants(i) {
+                    ctx.set_grad(i, grad);
+                }
+            }
+        }
+        if ctx.wants(2) {
+            let shape = ctx.input_shape(2);
+            let db = ctx.apply1(SumTo { shape }, &[dy])?;
+            ctx.set_grad(2, db);
+        }
+        Ok(())
+    }
+
+    fn workspace_elems(&self, inputs: &[&TensorMeta], _threads: usize) -> usize {
+        dims(self.name(), &inputs[0].shape, &inputs[1].shape)
+            .map_or(0, |(rows, k, _)| tile_rows(rows, k) * k)
+    }
+
+    fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
+        dims(self.name(), &inputs[0].shape, &inputs[1].shape)
+            .map_or(0, |(rows, k, n)| (2 * rows * k * n + 8 * rows * k) as u64)
+    }
+
+    #[cfg(feature = "cpu")]
+    fn cpu(&self, kern: &super::Kernel<'_>) {
+        match self.approx {
+            GeluApprox::Tanh => forward::<true>(kern),
+            GeluApprox::Exact => forward::<false>(kern),
+        }
+    }
+}
+
+/// Inputs `[h, w, dy]`; outputs `[dh, dw]` of `y = gelu(h) · w + b`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct GeluLinearBackward {
+    pub approx: GeluApprox,
+}
+
+impl OpRule for GeluLinearBackward {
+    fn name(&self) -> &'static str {
+        "gelu_linear_backward"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
+        expect_arity(self.name(), inputs, 3)?;
+        let dtype = float_dtype(self.name(), inputs)?;
+        let (h, w, dy) = (&inputs[0].shape, &inputs[1].shape, &inputs[2].shape);
+        let (_, _, n) = dims(self.name(), h, w)?;
+        if dy.len() != h.len() || dy[..dy.len() - 1] != h[..h.len() - 1] || dy[dy.len() - 1] != n {
+            return Err(shape_err(
+                self.name(),
+                format!("dy {dy:?} does not match h {h:?} and w {w:?}"),
+            ));
+        }
+        Ok(vec![
+            OutSpec::f32(h.clone()).with_dtype(dtype),
+            OutSpec::f32(w.clone()),
+        ])
+    }
+
+    fn backward(&self, _ctx: &mut GradCtx<'_>) -> Result<()> {
+        Err(GraphError::Invalid {
+            op: "gelu_linear_backward",
+            detail: "second derivatives are not supported".into(),
+        })
+    }
+
+    fn workspace_elems(&self, inputs: &[&TensorMeta], _threads: usize) -> usize {
+        dims(self.name(), &inputs[0].shape, &inputs[1].shape)
+            .map_or(0, |(rows, k, _)| tile_rows(rows, k) * k)
+    }
+
+    fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
+        dims(self.name(), &inputs[0].shape, &inputs[1].shape)
+            .map_or(0, |(rows, k, n)| (4 * rows * k * n + 20 * rows * k) as u64)
+    }
+
+    #[cfg(feature = "cpu")]
+    fn cpu(&self, kern: &super::Kernel<'_>) {
+        match self.approx {
+            GeluApprox::Tanh => backward::<true>(kern),
+            GeluApprox::Exact => backward::<false>(kern),
+        }
+    }
+}
+
+// Called inside the kernels' loops with the const parameter, so that each loop is compiled for
+// one variant and vectorises (a captured runtime value would leave a branch in the loop).
+#[cfg(feature = "cpu")]
+#[inline(always)]
+fn approx_of(tanh: bool) -> GeluApprox {
+    if tanh {
+        GeluApprox::Tanh
+    } else {
+        GeluApprox::Exact
+    }
+}
+
+#[cfg(feature = "cpu")]
+fn forward<const TANH: bool>(kern: &super::Kernel<'_>) {
+    use super::matmul::{gemm_strided, par_for};
+    let (h, w, bias) = (kern.in_f32(0), kern.in_f32(1), kern.in_f32(2));
+    let Ok((rows, k, n)) = dims("gelu_linear", kern.in_shape(0), kern.in_shape(1)) else {
+        unreachable!("shape rule checked at build time")
+    };
+    let (y, ws) = (kern.out_f32(0), kern.workspace());
+    let tile = tile_rows(rows, k);
+    let threads = rayon::current_num_threads();
+    for r0 in (0..rows).step_by(tile) {
+        let r1 = (r0 + tile).min(rows);
+        let g = &mut ws[..(r1 - r0) * k];
+        super::par::map(&h[r0 * k..r1 * k], g, |v| {
+            super::gelu::gelu(approx_of(TANH), v)
+        });
+        let yt = &mut y[r0 * n..r1 * n];
+        for row in yt.chunks_exact_mut(n) {
+            row.copy_from_slice(bias);
+        }
+        // SAFETY: `g` holds (r1-r0)·k, `w` k·n and `yt` (r1-r0)·n elements.
+        unsafe {
+            gemm_strided(
+                false,
+                false,
+                r1 - r0,
+                n,
+                k,
+                g,
+                w,
+                yt,
+                true,
+                par_for(r1 - r0, n, k, threads),
+            )
+        };
+    }
+}
+
+#[cfg(feature = "cpu")]
+fn backward<const TANH: bool>(kern: &super::Kernel<'_>) {
+    use super::matmul::{gemm_strided, par_for};
+    use rayon::prelude::*;
+    let (h, w, dy) = (kern.in_f32(0), kern.in_f32(1), kern.in_f32(2));
+    let Ok((rows, k, n)) = dims("gelu_linear_backward", kern.in_shape(0), kern.in_shape(1)) else {
+        unreachable!("shape rule checked at build time")
+    };
+    let (dh, dw, ws) = (kern.out_f32(0), kern.out_f32(1), kern.workspace());
+    let threads = rayon::current_num_threads();
+    // dg = dy · wᵀ, made in dh's storage and turned into dh tile by tile below.
+    // SAFETY: `dy` holds rows·n, `w` k·n and `dh` rows·k elements.
+    unsafe {
+        gemm_strided(
+            false,
+            true,
+            rows,
+            k,
+            n,
+            dy,
+            w,
+            dh,
+            false,
+            par_for(rows, k, n, threads),
+        )
+    };
+    let tile = tile_rows(rows, k);
+    for r0 in (0..rows).step_by(tile) {
+        let r1 = (r0 + tile).min(rows);
+        let g = &mut ws[..(r1 - r0) * k];
+        let (ht, dht) = (&h[r0 * k..r1 * k], &mut dh[r0 * k..r1 * k]);
+        let chunk = super::par::MIN_PAR_ELEMS;
+        g.par_chunks_mut(chunk)
+            .zip(dht.par_chunks_mut(chunk))
+            .zip(ht.par_chunks(chunk))
+            .for_each(|((g, d), x)| {
+                for ((g, d), &v) in g.iter_mut().zip(d.iter_mut()).zip(x) {
+                    let (value, slope) = super::gelu::gelu_and_grad(approx_of(TANH), v);
+                    *g = value;
+                    *d *= slope;
+                }
+            });
+        // dw (+)= gᵀ · dy over this tile's rows.
+        // SAFETY: `g` holds (r1-r0)·k, the `dy` tile (r1-r0)·n and `dw` k·n elements.
+        unsafe {
+            gemm_strided(
+                true,
+                false,
+                k,
+                n,
+                r1 - r0,
+                g,
+                &dy[r0 * n..r1 * n],
+                dw,
+                r0 > 0,
+                par_for(k, n, r1 - r0, threads),
+            )
+        };
+    }
+}
