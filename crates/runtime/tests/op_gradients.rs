@@ -1123,6 +1123,20 @@ fn large_tensors_through_the_parallel_kernel_paths() {
     let y = c.op(GeluLinear::default(), &[h, w, b]);
     c.check(y);
 
+    // Big enough for the threaded GEMM, which splits the output into slabs per worker:
+    // columns for the product and dA, rows for dB (A read transposed).
+    let mut c = big("matmul [300, 70] x [70, 90] + bias").linear_in_each_element();
+    let a = c.param(&[300, 70]);
+    let b = c.param(&[70, 90]);
+    let bias = c.param(&[90]);
+    let linear = MatMul {
+        ta: false,
+        tb: false,
+        bias: true,
+    };
+    let y = c.op(linear, &[a, b, bias]);
+    c.check(y);
+
     let mut c = big("transpose [200, 170]");
     let x = c.param(&[200, 170]);
     let y = c.op(Transpose { dim0: 0, dim1: 1 }, &[x]);

@@ -304,6 +304,51 @@ pub(crate) unsafe fn gemm_raw(
     accumulate: bool,
     par: gemm::Parallelism,
 ) {
+    if let gemm::Parallelism::Rayon(threads) = par {
+        // Each worker runs its own single-threaded GEMM on a slab of the output: measured here
+        // (2 threads, 4096×384×1536 and its transposes) 10–20 % faster than the gemm crate's
+        // own threading, and the char-small step 8 % faster. Slabs of columns, except when A
+        // is read transposed (a weight gradient), where slabs of rows measured faster.
+        let by_rows = a_cs != 1;
+        let (len, align) = if by_rows { (m, 8) } else { (n, 16) };
+        let parts = threads.min(len / (2 * align));
+        if parts >= 2 {
+            let each = len.div_ceil(parts).next_multiple_of(align);
+            use super::par::SendPtr;
+            let (c, a, b) = (SendPtr(c), SendPtr(a as *mut f32), SendPtr(b as *mut f32));
+            use rayon::prelude::*;
+            (0..len.div_ceil(each)).into_par_iter().for_each(|p| {
+                let (start, end) = (p * each, ((p + 1) * each).min(len));
+                let s = start as isize;
+                // SAFETY: each part writes its own rows or columns of `c` and reads inside
+                // `a` and `b` as the whole product would.
+                unsafe {
+                    if by_rows {
+                        gemm_raw(
+                            (end - start, n, k),
+                            (c.get().offset(s * c_rs), c_rs, c_cs),
+                            (a.get().offset(s * a_rs), a_rs, a_cs),
+                            (b.get(), b_rs, b_cs),
+                            scale,
+                            accumulate,
+                            gemm::Parallelism::None,
+                        )
+                    } else {
+                        gemm_raw(
+                            (m, end - start, k),
+                            (c.get().offset(s * c_cs), c_rs, c_cs),
+                            (a.get(), a_rs, a_cs),
+                            (b.get().offset(s * b_cs), b_rs, b_cs),
+                            scale,
+                            accumulate,
+                            gemm::Parallelism::None,
+                        )
+                    }
+                }
+            });
+            return;
+        }
+    }
     // gemm computes dst = alpha·dst + beta·lhs·rhs, strides given column-first.
     gemm::gemm(
         m,
