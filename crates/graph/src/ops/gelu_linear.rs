@@ -22,6 +22,12 @@ fn tile_rows(rows: usize, k: usize) -> usize {
     rows.div_ceil(rows.div_ceil(most).max(1)).max(1)
 }
 
+/// Workspace of both kernels: one tile of GELU output (`inputs` start with `h` and `w`).
+fn tile_elems(inputs: &[&TensorMeta]) -> usize {
+    dims("gelu_linear", &inputs[0].shape, &inputs[1].shape)
+        .map_or(0, |(rows, k, _)| tile_rows(rows, k) * k)
+}
+
 /// Inputs `[h, w, b]` with `h: [.., k]`, `w: [k, n]`, `b: [n]`; output `[.., n]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct GeluLinear {
@@ -90,8 +96,7 @@ impl OpRule for GeluLinear {
     }
 
     fn workspace_elems(&self, inputs: &[&TensorMeta], _threads: usize) -> usize {
-        dims(self.name(), &inputs[0].shape, &inputs[1].shape)
-            .map_or(0, |(rows, k, _)| tile_rows(rows, k) * k)
+        tile_elems(inputs)
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
@@ -144,8 +149,7 @@ impl OpRule for GeluLinearBackward {
     }
 
     fn workspace_elems(&self, inputs: &[&TensorMeta], _threads: usize) -> usize {
-        dims(self.name(), &inputs[0].shape, &inputs[1].shape)
-            .map_or(0, |(rows, k, _)| tile_rows(rows, k) * k)
+        tile_elems(inputs)
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {

@@ -254,7 +254,7 @@ impl OpRule for SumTo {
                         }
                     }
                 };
-                if parts <= 1 || ws.len() < n {
+                if parts <= 1 {
                     sum_rows(0, y);
                     return;
                 }
