@@ -5,8 +5,8 @@
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use snug_graph::ops::{
-    AdamW, Cast, CausalAttention, CausalAttentionBackward, Gelu, GeluBackward, LayerNorm,
-    LayerNormBackward, MatMul, Op,
+    AdamW, Cast, CausalAttention, CausalAttentionBackward, Gelu, GeluBackward, GeluLinear,
+    GeluLinearBackward, LayerNorm, LayerNormBackward, MatMul, Op,
 };
 use snug_graph::{DType, Graph, Role, TensorId};
 use snug_plan::{plan, PlanOptions};
@@ -107,6 +107,18 @@ fn kernels(c: &mut Criterion) {
         "gelu_backward",
         GeluBackward::default(),
         &[&[TOKENS, HIDDEN], &[TOKENS, HIDDEN]],
+    );
+    bench(
+        c,
+        "gelu_linear",
+        GeluLinear::default(),
+        &[&[TOKENS, HIDDEN], &[HIDDEN, C], &[C]],
+    );
+    bench(
+        c,
+        "gelu_linear_backward",
+        GeluLinearBackward::default(),
+        &[&[TOKENS, HIDDEN], &[HIDDEN, C], &[TOKENS, C]],
     );
     bench(
         c,
