@@ -18,7 +18,7 @@ use snug_graph::ops::Op;
 use snug_graph::{Graph, NodeId, StepGraph};
 
 /// Bumped when the meaning of samples changes, so stale caches are remeasured.
-pub const PROFILE_VERSION: u32 = 8;
+pub const PROFILE_VERSION: u32 = 9;
 
 /// One kernel call as measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -8,8 +8,8 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 use serde::{Deserialize, Serialize};
 use snug_graph::ops::{
-    Binary, CausalAttention, CrossEntropy, Embedding, GeluApprox, GeluLinear, LayerNorm, MatMul,
-    Narrow, Reshape,
+    Binary, CausalAttention, CrossEntropy, Embedding, GeluApprox, GeluLinear, LayerNorm,
+    LayerNormLinear, MatMul, Narrow, Reshape,
 };
 use snug_graph::{DType, Graph, GraphError, Role, TensorId};
 
@@ -347,8 +347,9 @@ impl GptConfig {
             let bp = p(g, "mlp.c_proj.bias", &[c])?;
 
             g.set_scope(format!("h.{i}.attn"));
-            let h = g.apply(LayerNorm::default(), &[x, ln1w, ln1b])?[0];
-            let qkv = g.apply1(linear, &[h, wqkv, bqkv])?;
+            // The norms sit inside the projections that read them: their outputs are never
+            // stored, the residual stream they read is.
+            let qkv = g.apply(LayerNormLinear::default(), &[x, ln1w, ln1b, wqkv, bqkv])?[0];
             let a = g.apply(
                 CausalAttention {
                     n_head: self.n_head,
@@ -359,8 +360,7 @@ impl GptConfig {
             x = g.apply1(Binary::add(), &[x, proj])?;
 
             g.set_scope(format!("h.{i}.mlp"));
-            let h = g.apply(LayerNorm::default(), &[x, ln2w, ln2b])?[0];
-            let f = g.apply1(linear, &[h, wfc, bfc])?;
+            let f = g.apply(LayerNormLinear::default(), &[x, ln2w, ln2b, wfc, bfc])?[0];
             // GELU inside the down-projection: its output is never stored.
             let m = g.apply1(
                 GeluLinear {

@@ -11,8 +11,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use snug_graph::ops::{
     Binary, BinaryKind, BroadcastTo, CausalAttention, CrossEntropy, Embedding, Gelu, GeluApprox,
-    GeluLinear, GqaAttention, LayerNorm, LmHeadLoss, LogSoftmax, MatMul, Narrow, Op, Pad, Reduce,
-    ReduceKind, Reshape, RmsNorm, Rope, Scale, Silu, Softmax, SumTo, SwiGlu, Transpose,
+    GeluLinear, GqaAttention, LayerNorm, LayerNormBackward, LayerNormLinear,
+    LayerNormLinearBackward, LmHeadLoss, LogSoftmax, MatMul, Narrow, Op, Pad, Reduce, ReduceKind,
+    Reshape, RmsNorm, Rope, Scale, Silu, Softmax, SumTo, SwiGlu, Transpose,
 };
 use snug_graph::{DType, Graph, OptimizerSpec, StepGraph, TensorId};
 use snug_plan::{plan, PlanOptions};
@@ -752,6 +753,24 @@ fn layer_norm_input_weight_and_bias() {
 }
 
 #[test]
+fn layer_norm_linear_all_five_inputs() {
+    // Two threads split each tile's rows between two partial norm-gradient sums (unevenly
+    // for 3 rows).
+    for (shape, threads) in [(vec![2, 3, 8], 1), (vec![2, 3, 8], 2), (vec![3, 8], 2)] {
+        let k = *shape.last().unwrap();
+        let name = format!("layer_norm_linear {shape:?} threads={threads}");
+        let mut c = GradCheck::with_threads(name, threads);
+        let x = c.param(&shape);
+        let lw = c.param_in(&[k], 0.5, 1.5);
+        let lb = c.param_in(&[k], -0.5, 0.5);
+        let w = c.param(&[k, 5]);
+        let b = c.param(&[5]);
+        let y = c.op(LayerNormLinear::default(), &[x, lw, lb, w, b]);
+        c.check(y);
+    }
+}
+
+#[test]
 fn gelu_exact_and_tanh() {
     for approx in [GeluApprox::Exact, GeluApprox::Tanh] {
         let mut c = GradCheck::new(format!("gelu {approx:?}"));
@@ -817,6 +836,103 @@ fn gelu_linear_equals_gelu_then_matmul() {
         .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
         .fold(0.0f32, f32::max);
     assert!(worst < 1e-5, "fused and unfused differ by {worst}");
+}
+
+/// The fused op computes what `layer_norm` then a biased `matmul` compute, forward and
+/// backward, over several row tiles.
+#[test]
+fn layer_norm_linear_equals_layer_norm_then_matmul() {
+    // At most 2^21 elements per tile: at width 64, 33000 rows take two tiles.
+    let (rows, k, n) = (33000, 64, 3);
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    let mut values = |len: usize, lo: f32, hi: f32| -> Vec<f32> {
+        (0..len).map(|_| rng.random_range(lo..hi)).collect()
+    };
+    let xv = values(rows * k, -3.0, 3.0);
+    let (lwv, lbv) = (values(k, 0.5, 1.5), values(k, -0.5, 0.5));
+    let (wv, bv, dyv) = (
+        values(k * n, -1.0, 1.0),
+        values(n, -1.0, 1.0),
+        values(rows * n, -1.0, 1.0),
+    );
+    let run = |fused: bool| -> Vec<Vec<f32>> {
+        let mut g = Graph::new().with_threads(2);
+        let x = g.input("x", &[rows, k], DType::F32).unwrap();
+        let lw = g.input("lw", &[k], DType::F32).unwrap();
+        let lb = g.input("lb", &[k], DType::F32).unwrap();
+        let w = g.input("w", &[k, n], DType::F32).unwrap();
+        let b = g.input("b", &[n], DType::F32).unwrap();
+        let dy = g.input("dy", &[rows, n], DType::F32).unwrap();
+        let outs = if fused {
+            let y = g
+                .apply(LayerNormLinear::default(), &[x, lw, lb, w, b])
+                .unwrap();
+            let (mean, rstd) = (y[1], y[2]);
+            let back = g
+                .apply(LayerNormLinearBackward, &[x, lw, lb, mean, rstd, w, dy])
+                .unwrap();
+            vec![y[0], back[0], back[1], back[2], back[3]]
+        } else {
+            let ln = g.apply(LayerNorm::default(), &[x, lw, lb]).unwrap();
+            let linear = MatMul {
+                ta: false,
+                tb: false,
+                bias: true,
+            };
+            let y = g.apply1(linear, &[ln[0], w, b]).unwrap();
+            let t = MatMul {
+                ta: false,
+                tb: true,
+                bias: false,
+            };
+            let dln = g.apply1(t, &[dy, w]).unwrap();
+            let dw_rule = MatMul {
+                ta: true,
+                tb: false,
+                bias: false,
+            };
+            let dw = g.apply1(dw_rule, &[ln[0], dy]).unwrap();
+            let back = g
+                .apply(LayerNormBackward, &[dln, x, lw, ln[1], ln[2]])
+                .unwrap();
+            vec![y, back[0], back[1], back[2], dw]
+        };
+        for &o in &outs {
+            g.mark_output(o);
+        }
+        let memory = plan(&g, &PlanOptions::default()).unwrap();
+        let mut s = CpuSession::new(g, memory, Allocator::default(), 2).unwrap();
+        for (t, v) in [
+            (x, &xv),
+            (lw, &lwv),
+            (lb, &lbv),
+            (w, &wv),
+            (b, &bv),
+            (dy, &dyv),
+        ] {
+            s.write_f32(t, v).unwrap();
+        }
+        s.run(ExecCtx::default()).unwrap();
+        outs.iter()
+            .map(|&o| s.read_f32(o).unwrap().to_vec())
+            .collect()
+    };
+    let (fused, plain) = (run(true), run(false));
+    for (what, (f, p)) in ["y", "dx", "d_ln_w", "d_ln_b", "dw"]
+        .iter()
+        .zip(fused.iter().zip(&plain))
+    {
+        // The weight gradients sum 33000 rows: errors are measured against each tensor's
+        // largest value (at least 1).
+        let scale = p.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+        let worst = f
+            .iter()
+            .zip(p)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max)
+            / scale;
+        assert!(worst < 1e-5, "{what}: fused and unfused differ by {worst}");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1121,6 +1237,16 @@ fn large_tensors_through_the_parallel_kernel_paths() {
     let w = c.param(&[64, 2]);
     let b = c.param(&[2]);
     let y = c.op(GeluLinear::default(), &[h, w, b]);
+    c.check(y);
+
+    // Two row tiles: the weight and norm-weight gradients sum over both.
+    let mut c = big("layer_norm_linear [33000, 64] x [64, 2]");
+    let x = c.param_in(&[33000, 64], -3.0, 3.0);
+    let lw = c.param_in(&[64], 0.5, 1.5);
+    let lb = c.param_in(&[64], -0.5, 0.5);
+    let w = c.param(&[64, 2]);
+    let b = c.param(&[2]);
+    let y = c.op(LayerNormLinear::default(), &[x, lw, lb, w, b]);
     c.check(y);
 
     // Big enough for the threaded GEMM, which splits the output into slabs per worker:

@@ -7,7 +7,7 @@
 //! reads nothing an unfused backward would not (the unfused GELU backward reads `h` too).
 //! Per MLP that is one `rows × 4·width` activation less to hold and two passes over it less.
 
-use super::{expect_arity, float_dtype, shape_err, GeluApprox, OpRule, OutSpec, SumTo};
+use super::{expect_arity, float_dtype, shape_err, tile_rows, GeluApprox, OpRule, OutSpec, SumTo};
 use crate::autodiff::GradCtx;
 use crate::tensor::TensorMeta;
 use crate::{GraphError, Result};
@@ -16,16 +16,10 @@ use crate::{GraphError, Result};
 /// between its GELU and its GEMM, and the weight gradient is revisited only a few times.
 const TILE_ELEMS: usize = 1 << 21;
 
-/// Rows per tile for `rows` rows of width `k`: tiles of equal size, none above `TILE_ELEMS`.
-fn tile_rows(rows: usize, k: usize) -> usize {
-    let most = (TILE_ELEMS / k.max(1)).clamp(1, rows.max(1));
-    rows.div_ceil(rows.div_ceil(most).max(1)).max(1)
-}
-
 /// Workspace of both kernels: one tile of GELU output (`inputs` start with `h` and `w`).
 fn tile_elems(inputs: &[&TensorMeta]) -> usize {
     dims("gelu_linear", &inputs[0].shape, &inputs[1].shape)
-        .map_or(0, |(rows, k, _)| tile_rows(rows, k) * k)
+        .map_or(0, |(rows, k, _)| tile_rows(rows, k, TILE_ELEMS) * k)
 }
 
 /// Inputs `[h, w, b]` with `h: [.., k]`, `w: [k, n]`, `b: [n]`; output `[.., n]`.
@@ -152,6 +146,11 @@ impl OpRule for GeluLinearBackward {
         tile_elems(inputs)
     }
 
+    /// `dh` may be written over `h`: the kernel reads each element of `h` before writing it.
+    fn inplace_inputs(&self) -> &'static [usize] {
+        &[0]
+    }
+
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         dims(self.name(), &inputs[0].shape, &inputs[1].shape)
             .map_or(0, |(rows, k, n)| (4 * rows * k * n + 20 * rows * k) as u64)
@@ -186,7 +185,7 @@ fn forward<const TANH: bool>(kern: &super::Kernel<'_>) {
         unreachable!("shape rule checked at build time")
     };
     let (y, ws) = (kern.out_f32(0), kern.workspace());
-    let tile = tile_rows(rows, k);
+    let tile = tile_rows(rows, k, TILE_ELEMS);
     let threads = rayon::current_num_threads();
     for r0 in (0..rows).step_by(tile) {
         let r1 = (r0 + tile).min(rows);
@@ -220,46 +219,64 @@ fn forward<const TANH: bool>(kern: &super::Kernel<'_>) {
 fn backward<const TANH: bool>(kern: &super::Kernel<'_>) {
     use super::matmul::{gemm_strided, par_for};
     use rayon::prelude::*;
-    let (h, w, dy) = (kern.in_f32(0), kern.in_f32(1), kern.in_f32(2));
+    // Run in place, `h` is read through `dh`: each element is read before it is written.
+    let h = (kern.inplace() != Some(0)).then(|| kern.in_f32(0));
+    let (w, dy) = (kern.in_f32(1), kern.in_f32(2));
     let Ok((rows, k, n)) = dims("gelu_linear_backward", kern.in_shape(0), kern.in_shape(1)) else {
         unreachable!("shape rule checked at build time")
     };
     let (dh, dw, ws) = (kern.out_f32(0), kern.out_f32(1), kern.workspace());
     let threads = rayon::current_num_threads();
-    // dg = dy · wᵀ, made in dh's storage and turned into dh tile by tile below.
-    // SAFETY: `dy` holds rows·n, `w` k·n and `dh` rows·k elements.
-    unsafe {
-        gemm_strided(
-            false,
-            true,
-            rows,
-            k,
-            n,
-            dy,
-            w,
-            dh,
-            false,
-            par_for(rows, k, n, threads),
-        )
-    };
-    let tile = tile_rows(rows, k);
+    let tile = tile_rows(rows, k, TILE_ELEMS);
     for r0 in (0..rows).step_by(tile) {
         let r1 = (r0 + tile).min(rows);
-        let g = &mut ws[..(r1 - r0) * k];
-        let (ht, dht) = (&h[r0 * k..r1 * k], &mut dh[r0 * k..r1 * k]);
+        let (t, dyt) = (&mut ws[..(r1 - r0) * k], &dy[r0 * n..r1 * n]);
+        // dg = dy · wᵀ for this tile's rows.
+        // SAFETY: `dyt` holds (r1-r0)·n, `w` k·n and `t` (r1-r0)·k elements.
+        unsafe {
+            gemm_strided(
+                false,
+                true,
+                r1 - r0,
+                k,
+                n,
+                dyt,
+                w,
+                t,
+                false,
+                par_for(r1 - r0, k, n, threads),
+            )
+        };
+        // One pass: dh = dg ⊙ gelu'(h), and the tile's dg is replaced by g = gelu(h).
+        let dht = &mut dh[r0 * k..r1 * k];
         let chunk = super::par::MIN_PAR_ELEMS;
-        g.par_chunks_mut(chunk)
-            .zip(dht.par_chunks_mut(chunk))
-            .zip(ht.par_chunks(chunk))
-            .for_each(|((g, d), x)| {
-                for ((g, d), &v) in g.iter_mut().zip(d.iter_mut()).zip(x) {
-                    let (value, slope) = super::gelu::gelu_and_grad(approx_of(TANH), v);
-                    *g = value;
-                    *d *= slope;
-                }
-            });
+        let step = |t: &mut f32, d: &mut f32, v: f32| {
+            let (value, slope) = super::gelu::gelu_and_grad(approx_of(TANH), v);
+            *d = *t * slope;
+            *t = value;
+        };
+        match h {
+            Some(h) => t
+                .par_chunks_mut(chunk)
+                .zip(dht.par_chunks_mut(chunk))
+                .zip(h[r0 * k..r1 * k].par_chunks(chunk))
+                .for_each(|((t, d), x)| {
+                    for ((t, d), &v) in t.iter_mut().zip(d.iter_mut()).zip(x) {
+                        step(t, d, v);
+                    }
+                }),
+            None => t
+                .par_chunks_mut(chunk)
+                .zip(dht.par_chunks_mut(chunk))
+                .for_each(|(t, d)| {
+                    for (t, d) in t.iter_mut().zip(d.iter_mut()) {
+                        let v = *d;
+                        step(t, d, v);
+                    }
+                }),
+        }
         // dw (+)= gᵀ · dy over this tile's rows.
-        // SAFETY: `g` holds (r1-r0)·k, the `dy` tile (r1-r0)·n and `dw` k·n elements.
+        // SAFETY: `t` holds (r1-r0)·k, `dyt` (r1-r0)·n and `dw` k·n elements.
         unsafe {
             gemm_strided(
                 true,
@@ -267,8 +284,8 @@ fn backward<const TANH: bool>(kern: &super::Kernel<'_>) {
                 k,
                 n,
                 r1 - r0,
-                g,
-                &dy[r0 * n..r1 * n],
+                t,
+                dyt,
                 dw,
                 r0 > 0,
                 par_for(k, n, r1 - r0, threads),

@@ -88,17 +88,63 @@ impl OpRule for LayerNorm {
                 let r0 = chunk * rows_per;
                 for (r, yr) in y.chunks_exact_mut(c).enumerate() {
                     let xr = &x[(r0 + r) * c..(r0 + r + 1) * c];
-                    let m = super::math::sum(xr) / c as f32;
-                    let var = super::math::sum_by(xr, |v| (v - m) * (v - m)) / c as f32;
-                    let s = 1.0 / (var + eps).sqrt();
-                    for (((o, &v), &wv), &bv) in yr.iter_mut().zip(xr).zip(w).zip(b) {
-                        *o = (v - m) * s * wv + bv;
-                    }
-                    mean[r] = m;
-                    rstd[r] = s;
+                    (mean[r], rstd[r]) = normalize_row(xr, w, b, eps, yr);
                 }
             });
     }
+}
+
+/// One row of the forward: writes `y` and returns the row's `(mean, rstd)`.
+#[cfg(feature = "cpu")]
+#[inline]
+pub(super) fn normalize_row(
+    xr: &[f32],
+    w: &[f32],
+    b: &[f32],
+    eps: f32,
+    yr: &mut [f32],
+) -> (f32, f32) {
+    let c = xr.len() as f32;
+    let m = super::math::sum(xr) / c;
+    let var = super::math::sum_by(xr, |v| (v - m) * (v - m)) / c;
+    let s = 1.0 / (var + eps).sqrt();
+    for (((o, &v), &wv), &bv) in yr.iter_mut().zip(xr).zip(w).zip(b) {
+        *o = (v - m) * s * wv + bv;
+    }
+    (m, s)
+}
+
+/// One row of the backward's first pass: adds the row's terms of `dw` and `db` to `pdw` and
+/// `pdb`, and returns `(mean(g), mean(g·x̂))` of `g = dy·w`, which every `dx` of the row needs.
+#[cfg(feature = "cpu")]
+#[inline]
+pub(super) fn backward_sums(
+    dyr: &[f32],
+    xr: &[f32],
+    w: &[f32],
+    (m, s): (f32, f32),
+    pdw: &mut [f32],
+    pdb: &mut [f32],
+) -> (f32, f32) {
+    let c = xr.len();
+    let (mut sum_g, mut sum_gx) = (0.0, 0.0);
+    for j in 0..c {
+        let xhat = (xr[j] - m) * s;
+        let g = dyr[j] * w[j];
+        sum_g += g;
+        sum_gx += g * xhat;
+        pdw[j] += dyr[j] * xhat;
+        pdb[j] += dyr[j];
+    }
+    (sum_g / c as f32, sum_gx / c as f32)
+}
+
+/// One element of `dx`, from the row's statistics and [`backward_sums`].
+#[cfg(feature = "cpu")]
+#[inline(always)]
+pub(super) fn dx_value(dy: f32, x: f32, w: f32, (m, s): (f32, f32), (mg, mgx): (f32, f32)) -> f32 {
+    let xhat = (x - m) * s;
+    s * (dy * w - mg - xhat * mgx)
 }
 
 /// Inputs `[dy, x, w, mean, rstd]`; outputs `[dx, dw, db]`.
@@ -171,25 +217,12 @@ impl OpRule for LayerNormBackward {
                     let row = r0 + r;
                     let span = row * c..(row + 1) * c;
                     let (m, s) = (mean[row], rstd[row]);
-                    let mut sum_g = 0.0;
-                    let mut sum_gx = 0.0;
-                    {
+                    let (mg, mgx) = {
                         let xr = x.map_or(&*dxr, |x| &x[span.clone()]);
                         let dyr = dy.map_or(&*dxr, |dy| &dy[span.clone()]);
-                        for j in 0..c {
-                            let xhat = (xr[j] - m) * s;
-                            let g = dyr[j] * w[j];
-                            sum_g += g;
-                            sum_gx += g * xhat;
-                            pdw[j] += dyr[j] * xhat;
-                            pdb[j] += dyr[j];
-                        }
-                    }
-                    let (mg, mgx) = (sum_g / c as f32, sum_gx / c as f32);
-                    let dx_of = |dy: f32, x: f32, w: f32| {
-                        let xhat = (x - m) * s;
-                        s * (dy * w - mg - xhat * mgx)
+                        backward_sums(dyr, xr, w, (m, s), pdw, pdb)
                     };
+                    let dx_of = |dy: f32, x: f32, w: f32| dx_value(dy, x, w, (m, s), (mg, mgx));
                     match (dy, x) {
                         (Some(dy), Some(x)) => {
                             for (((o, &d), &v), &wj) in

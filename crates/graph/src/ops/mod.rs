@@ -15,6 +15,7 @@ mod gelu_linear;
 mod gqa_attention;
 mod grad_norm;
 mod layernorm;
+mod layernorm_linear;
 mod lm_head_loss;
 mod matmul;
 mod reduce;
@@ -47,6 +48,7 @@ pub use gelu_linear::{GeluLinear, GeluLinearBackward};
 pub use gqa_attention::{GqaAttention, GqaAttentionBackward};
 pub use grad_norm::{GradNorm, SumSquares};
 pub use layernorm::{LayerNorm, LayerNormBackward};
+pub use layernorm_linear::{LayerNormLinear, LayerNormLinearBackward};
 pub use lm_head_loss::{LmHeadLoss, LmHeadLossBackward};
 pub use matmul::MatMul;
 pub use reduce::{BroadcastTo, MaxBackward, Reduce, ReduceKind, SumTo};
@@ -119,7 +121,8 @@ pub trait OpRule {
 
     /// Inputs output 0 may be written over, in order of preference, when one has the output's
     /// shape and dtype and dies at this op: its kernel then reads that input through the
-    /// output (see [`Kernel::inplace`]). Elementwise ops only.
+    /// output (see [`Kernel::inplace`]). Only for kernels that read each element of that input
+    /// before they write the same element of the output.
     fn inplace_inputs(&self) -> &'static [usize] {
         &[]
     }
@@ -166,6 +169,8 @@ ops!(
     LogSoftmaxBackward,
     LayerNorm,
     LayerNormBackward,
+    LayerNormLinear,
+    LayerNormLinearBackward,
     Gelu,
     GeluBackward,
     GeluLinear,
@@ -256,6 +261,13 @@ pub(crate) fn expect_dtype(
         });
     }
     Ok(())
+}
+
+/// Rows per tile when an op streams `rows` rows of width `k` through a workspace of at most
+/// `max_elems` elements: tiles of equal size (the last one no smaller than the others need be).
+pub(crate) fn tile_rows(rows: usize, k: usize, max_elems: usize) -> usize {
+    let most = (max_elems / k.max(1)).clamp(1, rows.max(1));
+    rows.div_ceil(rows.div_ceil(most).max(1)).max(1)
 }
 
 pub(crate) fn shape_err(op: &'static str, detail: impl Into<String>) -> crate::GraphError {

@@ -1,10 +1,13 @@
-//! In-place rewriting: an elementwise op whose input dies at that op writes its output over
-//! the input, so the two share one allocation instead of overlapping for the op's duration.
+//! In-place rewriting: an op whose input dies at that op writes its output over the input
+//! (elementwise ops, and fused backwards such as `gelu_linear_backward` that read each element
+//! before writing it), so the two share one allocation instead of overlapping for the op's
+//! duration.
 //!
-//! "Dies at that op" must hold in every schedule the planner may pick, so the input's storage
-//! must have this node as its only reader (through any view), and must not outlive the step
-//! (no parameter, optimizer state, batch input or graph output). The kernels compute the same
-//! value from the same operands, so the step's numbers are bitwise unchanged.
+//! "Dies at that op" must hold in every schedule the planner may pick, so every other reader of
+//! the input's storage must be an ancestor of this node, no view may look into it, and it must
+//! not outlive the step (no parameter, optimizer state, batch input or graph output). The
+//! kernels compute the same value from the same operands, so the step's numbers are bitwise
+//! unchanged.
 //!
 //! The pass runs last: it marks nodes of the final graph, and a later rewrite drops the marks.
 
@@ -14,11 +17,12 @@ use crate::{Graph, NodeId, Result};
 pub fn write_in_place(graph: &Graph) -> Result<(Graph, usize)> {
     let mut g = graph.clone();
     let n = g.tensors().len();
-    // Reads of each tensor itself (a node reading it twice counts twice).
-    let mut readers = vec![0usize; n];
-    for node in g.nodes() {
+    // The nodes reading each tensor itself, once per read (a node reading it twice is listed
+    // twice).
+    let mut readers: Vec<Vec<usize>> = vec![Vec::new(); n];
+    for (i, node) in g.nodes().iter().enumerate() {
         for &t in &node.inputs {
-            readers[t.index()] += 1;
+            readers[t.index()].push(i);
         }
     }
     let mut is_output = vec![false; n];
@@ -56,7 +60,7 @@ pub fn write_in_place(graph: &Graph) -> Result<(Graph, usize)> {
                 && root != crate::Role::Input
                 && !is_output[x.index()]
                 && !viewed[x.index()]
-                && readers[x.index()] == 1
+                && dies_at(&g, i, &readers[x.index()])
                 && m.shape == o.shape
                 && m.dtype == o.dtype
                 && o.view_of.is_none()
@@ -67,6 +71,46 @@ pub fn write_in_place(graph: &Graph) -> Result<(Graph, usize)> {
         }
     }
     Ok((g, marked))
+}
+
+/// Whether a tensor read by `readers` is read by `node` once and last in every schedule: each
+/// other reader is an ancestor of `node` (a backward reading what its forward read, say).
+fn dies_at(g: &Graph, node: usize, readers: &[usize]) -> bool {
+    if readers.iter().filter(|&&r| r == node).count() != 1 {
+        return false;
+    }
+    let others: Vec<usize> = readers.iter().copied().filter(|&r| r != node).collect();
+    let Some(&first) = others.iter().min() else {
+        return true;
+    };
+    if others.iter().any(|&r| r > node) {
+        return false;
+    }
+    // Walk up from `node`; nodes come in a topological order, so no ancestor sits below
+    // `first` that could lead back to a reader.
+    let mut seen = vec![false; node + 1 - first];
+    let mut stack = vec![node];
+    let mut found = 0;
+    while let Some(v) = stack.pop() {
+        let n = g.node(NodeId(v as u32));
+        for &t in n.inputs.iter().chain(&n.control) {
+            let Some(p) = g.producer(t) else { continue };
+            let p = p.index();
+            if p < first || seen[p - first] {
+                continue;
+            }
+            seen[p - first] = true;
+            if others.contains(&p) {
+                found += 1;
+            }
+            stack.push(p);
+        }
+    }
+    found
+        == others
+            .iter()
+            .collect::<std::collections::BTreeSet<_>>()
+            .len()
 }
 
 #[cfg(test)]
@@ -81,15 +125,40 @@ mod tests {
         let x = g.add_leaf("x", &[4, 8], DType::F32, Role::Input).unwrap();
         let a = g.apply1(Scale { factor: 2.0 }, &[x]).unwrap(); // x is an input: not in place
         let b = g.apply1(Gelu::default(), &[a]).unwrap(); // a is read again below: not in place
-        let c = g.apply1(Binary::add(), &[a, b]).unwrap(); // b dies here: in place over b
-        let d = g.apply1(Scale { factor: 0.5 }, &[c]).unwrap(); // c dies here: in place
+        let c = g.apply1(Binary::add(), &[b, b]).unwrap(); // b read twice: not in place
+        let e = g.apply1(Binary::add(), &[c, a]).unwrap(); // c dies here: in place over c
+        let d = g.apply1(Scale { factor: 0.5 }, &[e]).unwrap(); // e dies here: in place
         g.mark_output(d);
         let (h, marked) = write_in_place(&g).unwrap();
         let flags: Vec<Option<usize>> = h.nodes().iter().map(|n| n.inplace).collect();
-        assert_eq!(flags, vec![None, None, Some(1), Some(0)]);
+        assert_eq!(flags, vec![None, None, None, Some(0), Some(0)]);
         assert_eq!(marked, 2);
-        // d lives in b's storage, through c.
-        assert_eq!(h.storage_root(d), b);
-        assert_eq!(h.storage_root(c), b);
+        // d lives in c's storage, through e.
+        assert_eq!(h.storage_root(d), c);
+        assert_eq!(h.storage_root(e), c);
+    }
+
+    #[test]
+    fn an_input_dies_where_its_last_reader_runs_after_every_other() {
+        let mut g = Graph::new();
+        let x = g.add_leaf("x", &[4, 8], DType::F32, Role::Input).unwrap();
+        let a = g.apply1(Scale { factor: 2.0 }, &[x]).unwrap();
+        let b = g.apply1(Gelu::default(), &[a]).unwrap(); // a read by a descendant too
+        let s = g.apply1(Scale { factor: 3.0 }, &[a]).unwrap(); // a read by an unrelated node
+        let c = g.apply1(Binary::add(), &[b, a]).unwrap(); // s may run after: not over a
+        let d = g.apply1(Binary::add(), &[s, c]).unwrap();
+        let e = g.apply1(Binary::mul(), &[b, d]).unwrap(); // d dies; b read by c before: over b
+        g.mark_output(e);
+        let (h, _) = write_in_place(&g).unwrap();
+        let flags: Vec<Option<usize>> = h.nodes().iter().map(|n| n.inplace).collect();
+        assert_eq!(
+            flags[3], None,
+            "c must not write over a: s may read it later"
+        );
+        assert_eq!(
+            flags[5],
+            Some(0),
+            "b dies at e: gelu and c, its other readers, come first"
+        );
     }
 }

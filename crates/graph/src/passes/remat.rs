@@ -118,7 +118,11 @@ fn block_of(name: &str) -> Option<usize> {
 fn expensive(op: &Op) -> bool {
     matches!(
         op,
-        Op::MatMul(_) | Op::GeluLinear(_) | Op::CausalAttention(_) | Op::GqaAttention(_)
+        Op::MatMul(_)
+            | Op::GeluLinear(_)
+            | Op::LayerNormLinear(_)
+            | Op::CausalAttention(_)
+            | Op::GqaAttention(_)
     )
 }
 

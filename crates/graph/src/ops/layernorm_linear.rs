@@ -1,0 +1,372 @@
+//! `layer_norm(x) · w + b`: LayerNorm fused into the linear layer that reads it (a pre-norm
+//! transformer's QKV and MLP up-projections).
+//!
+//! The normalised rows are made a tile at a time in the kernel's workspace and fed to the GEMM;
+//! they are never stored. The step keeps `x` (the residual stream, which the unfused LayerNorm
+//! backward reads anyway) and each row's mean and reciprocal standard deviation, so per norm one
+//! `rows × width` activation less is held from the forward to the backward. The backward remakes
+//! each tile's normalised rows from the saved statistics, bit for bit those of the forward, for
+//! the weight gradient, then runs the LayerNorm backward on the same tile while it is in cache.
+
+use super::layernorm::{backward_sums, dx_value, normalize_row};
+use super::{expect_arity, float_dtype, shape_err, tile_rows, OpRule, OutSpec, SumTo};
+use crate::autodiff::GradCtx;
+use crate::tensor::TensorMeta;
+use crate::{GraphError, Result};
+
+/// Elements of normalised rows made at once (8 MiB), as in `gelu_linear`.
+const TILE_ELEMS: usize = 1 << 21;
+
+/// `(rows, k, n)` of `x: [.., k]` times `w: [k, n]`, or the shape error.
+fn dims(op: &'static str, x: &[usize], w: &[usize]) -> Result<(usize, usize, usize)> {
+    if x.is_empty() || w.len() != 2 || x[x.len() - 1] != w[0] {
+        return Err(shape_err(
+            op,
+            format!("x {x:?} and w {w:?}: expected x [.., k] and w [k, n]"),
+        ));
+    }
+    let k = w[0];
+    Ok((x.iter().product::<usize>() / k.max(1), k, w[1]))
+}
+
+/// One tile of normalised rows (`inputs` start with `x`; `w` is input `w_at`).
+fn tile_elems(inputs: &[&TensorMeta], w_at: usize) -> usize {
+    dims("layer_norm_linear", &inputs[0].shape, &inputs[w_at].shape)
+        .map_or(0, |(rows, k, _)| tile_rows(rows, k, TILE_ELEMS) * k)
+}
+
+/// Inputs `[x, ln_w, ln_b, w, b]` with `x: [.., k]`, `ln_w, ln_b: [k]`, `w: [k, n]`, `b: [n]`;
+/// outputs `[y: [.., n], mean, rstd]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerNormLinear {
+    pub eps: f32,
+}
+
+impl Default for LayerNormLinear {
+    fn default() -> Self {
+        LayerNormLinear { eps: 1e-5 }
+    }
+}
+
+impl OpRule for LayerNormLinear {
+    fn name(&self) -> &'static str {
+        "layer_norm_linear"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
+        expect_arity(self.name(), inputs, 5)?;
+        let dtype = float_dtype(self.name(), inputs)?;
+        let (x, w) = (&inputs[0].shape, &inputs[3].shape);
+        let (_, k, n) = dims(self.name(), x, w)?;
+        for (i, what, len) in [(1, "norm weight", k), (2, "norm bias", k), (4, "bias", n)] {
+            if inputs[i].shape != [len] {
+                return Err(shape_err(
+                    self.name(),
+                    format!("{what} has shape {:?}, expected [{len}]", inputs[i].shape),
+                ));
+            }
+        }
+        let mut y = x.clone();
+        if let Some(last) = y.last_mut() {
+            *last = n;
+        }
+        let stats = x[..x.len() - 1].to_vec();
+        Ok(vec![
+            OutSpec::f32(y).with_dtype(dtype),
+            OutSpec::f32(stats.clone()).named("mean"),
+            OutSpec::f32(stats).named("rstd"),
+        ])
+    }
+
+    fn backward(&self, ctx: &mut GradCtx<'_>) -> Result<()> {
+        let Some(dy) = ctx.grad_out(0) else {
+            return Ok(());
+        };
+        if (0..4).any(|i| ctx.wants(i)) {
+            let ins = [
+                ctx.input(0),
+                ctx.input(1),
+                ctx.input(2),
+                ctx.output(1),
+                ctx.output(2),
+                ctx.input(3),
+                dy,
+            ];
+            let g = ctx.apply(LayerNormLinearBackward, &ins)?;
+            for (i, &grad) in g.iter().enumerate() {
+                if ctx.wants(i) {
+                    ctx.set_grad(i, grad);
+                }
+            }
+        }
+        if ctx.wants(4) {
+            let shape = ctx.input_shape(4);
+            let db = ctx.apply1(SumTo { shape }, &[dy])?;
+            ctx.set_grad(4, db);
+        }
+        Ok(())
+    }
+
+    fn workspace_elems(&self, inputs: &[&TensorMeta], _threads: usize) -> usize {
+        tile_elems(inputs, 3)
+    }
+
+    fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
+        dims(self.name(), &inputs[0].shape, &inputs[3].shape)
+            .map_or(0, |(rows, k, n)| (2 * rows * k * n + 8 * rows * k) as u64)
+    }
+
+    #[cfg(feature = "cpu")]
+    fn cpu(&self, kern: &super::Kernel<'_>) {
+        forward(self.eps, kern);
+    }
+}
+
+/// Inputs `[x, ln_w, ln_b, mean, rstd, w, dy]`; outputs `[dx, d_ln_w, d_ln_b, dw]` of
+/// `y = layer_norm(x) · w + b` (the bias gradient is `dy` summed over rows, made apart).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LayerNormLinearBackward;
+
+impl OpRule for LayerNormLinearBackward {
+    fn name(&self) -> &'static str {
+        "layer_norm_linear_backward"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
+        expect_arity(self.name(), inputs, 7)?;
+        let dtype = float_dtype(self.name(), inputs)?;
+        let (x, w, dy) = (&inputs[0].shape, &inputs[5].shape, &inputs[6].shape);
+        let (_, k, n) = dims(self.name(), x, w)?;
+        let stats = &x[..x.len() - 1];
+        let fits = dy.len() == x.len()
+            && dy[..dy.len() - 1] == *stats
+            && dy[dy.len() - 1] == n
+            && inputs[1].shape == [k]
+            && inputs[2].shape == [k]
+            && inputs[3].shape == stats
+            && inputs[4].shape == stats;
+        if !fits {
+            return Err(shape_err(
+                self.name(),
+                format!(
+                    "x {x:?}, norm weight {:?}, norm bias {:?}, mean {:?}, rstd {:?}, w {w:?} \
+                     and dy {dy:?} do not agree",
+                    inputs[1].shape, inputs[2].shape, inputs[3].shape, inputs[4].shape
+                ),
+            ));
+        }
+        Ok(vec![
+            OutSpec::f32(x.clone()).with_dtype(dtype),
+            OutSpec::f32(vec![k]),
+            OutSpec::f32(vec![k]),
+            OutSpec::f32(w.clone()),
+        ])
+    }
+
+    fn backward(&self, _ctx: &mut GradCtx<'_>) -> Result<()> {
+        Err(GraphError::Invalid {
+            op: "layer_norm_linear_backward",
+            detail: "second derivatives are not supported".into(),
+        })
+    }
+
+    /// One tile of normalised rows, then one partial `d_ln_w` and `d_ln_b` per thread.
+    fn workspace_elems(&self, inputs: &[&TensorMeta], threads: usize) -> usize {
+        tile_elems(inputs, 5) + 2 * threads.max(1) * inputs[1].numel()
+    }
+
+    fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
+        dims(self.name(), &inputs[0].shape, &inputs[5].shape)
+            .map_or(0, |(rows, k, n)| (4 * rows * k * n + 20 * rows * k) as u64)
+    }
+
+    #[cfg(feature = "cpu")]
+    fn cpu(&self, kern: &super::Kernel<'_>) {
+        backward(kern);
+    }
+}
+
+/// How [`normalize_tile`] gets each row's mean and rstd.
+#[cfg(feature = "cpu")]
+enum Stats<'a> {
+    /// Computes them with this epsilon and stores them (the tile's rows only).
+    Make(f32, &'a mut [f32], &'a mut [f32]),
+    /// Reads them as the forward saved them (all rows).
+    Saved(&'a [f32], &'a [f32]),
+}
+
+/// Normalises rows `r0..r0 + tile.len() / k` of `x` into `tile`, in parallel over rows.
+#[cfg(feature = "cpu")]
+fn normalize_tile(
+    x: &[f32],
+    ln_w: &[f32],
+    ln_b: &[f32],
+    r0: usize,
+    tile: &mut [f32],
+    stats: Stats<'_>,
+) {
+    use rayon::prelude::*;
+    let k = ln_w.len();
+    let rows_per = (super::par::MIN_PAR_ELEMS / k).max(1);
+    match stats {
+        Stats::Make(eps, mean, rstd) => tile
+            .par_chunks_mut(rows_per * k)
+            .zip(mean.par_chunks_mut(rows_per))
+            .zip(rstd.par_chunks_mut(rows_per))
+            .enumerate()
+            .for_each(|(c, ((t, mean), rstd))| {
+                for (r, yr) in t.chunks_exact_mut(k).enumerate() {
+                    let row = r0 + c * rows_per + r;
+                    let xr = &x[row * k..(row + 1) * k];
+                    (mean[r], rstd[r]) = normalize_row(xr, ln_w, ln_b, eps, yr);
+                }
+            }),
+        Stats::Saved(mean, rstd) => {
+            tile.par_chunks_mut(rows_per * k)
+                .enumerate()
+                .for_each(|(c, t)| {
+                    for (r, yr) in t.chunks_exact_mut(k).enumerate() {
+                        let row = r0 + c * rows_per + r;
+                        let (m, s) = (mean[row], rstd[row]);
+                        let xr = &x[row * k..(row + 1) * k];
+                        for (((o, &v), &wv), &bv) in yr.iter_mut().zip(xr).zip(ln_w).zip(ln_b) {
+                            *o = (v - m) * s * wv + bv;
+                        }
+                    }
+                })
+        }
+    }
+}
+
+#[cfg(feature = "cpu")]
+fn forward(eps: f32, kern: &super::Kernel<'_>) {
+    use super::matmul::{gemm_strided, par_for};
+    let (x, ln_w, ln_b) = (kern.in_f32(0), kern.in_f32(1), kern.in_f32(2));
+    let (w, bias) = (kern.in_f32(3), kern.in_f32(4));
+    let Ok((rows, k, n)) = dims("layer_norm_linear", kern.in_shape(0), kern.in_shape(3)) else {
+        unreachable!("shape rule checked at build time")
+    };
+    let (y, mean, rstd) = (kern.out_f32(0), kern.out_f32(1), kern.out_f32(2));
+    let ws = kern.workspace();
+    let tile = tile_rows(rows, k, TILE_ELEMS);
+    let threads = rayon::current_num_threads();
+    for r0 in (0..rows).step_by(tile) {
+        let r1 = (r0 + tile).min(rows);
+        let t = &mut ws[..(r1 - r0) * k];
+        let stats = Stats::Make(eps, &mut mean[r0..r1], &mut rstd[r0..r1]);
+        normalize_tile(x, ln_w, ln_b, r0, t, stats);
+        let yt = &mut y[r0 * n..r1 * n];
+        for row in yt.chunks_exact_mut(n) {
+            row.copy_from_slice(bias);
+        }
+        // SAFETY: `t` holds (r1-r0)·k, `w` k·n and `yt` (r1-r0)·n elements.
+        unsafe {
+            gemm_strided(
+                false,
+                false,
+                r1 - r0,
+                n,
+                k,
+                t,
+                w,
+                yt,
+                true,
+                par_for(r1 - r0, n, k, threads),
+            )
+        };
+    }
+}
+
+#[cfg(feature = "cpu")]
+fn backward(kern: &super::Kernel<'_>) {
+    use super::matmul::{gemm_strided, par_for};
+    use rayon::prelude::*;
+    let (x, ln_w, ln_b) = (kern.in_f32(0), kern.in_f32(1), kern.in_f32(2));
+    let (mean, rstd, w, dy) = (
+        kern.in_f32(3),
+        kern.in_f32(4),
+        kern.in_f32(5),
+        kern.in_f32(6),
+    );
+    let Ok((rows, k, n)) = dims(
+        "layer_norm_linear_backward",
+        kern.in_shape(0),
+        kern.in_shape(5),
+    ) else {
+        unreachable!("shape rule checked at build time")
+    };
+    let (dx, d_ln_w, d_ln_b, dw) = (
+        kern.out_f32(0),
+        kern.out_f32(1),
+        kern.out_f32(2),
+        kern.out_f32(3),
+    );
+    let tile = tile_rows(rows, k, TILE_ELEMS);
+    let (ws, partials) = kern.workspace().split_at_mut(tile * k);
+    partials.fill(0.0);
+    let parts = partials.len() / (2 * k);
+    let threads = rayon::current_num_threads();
+    for r0 in (0..rows).step_by(tile) {
+        let r1 = (r0 + tile).min(rows);
+        let (t, dyt) = (&mut ws[..(r1 - r0) * k], &dy[r0 * n..r1 * n]);
+        let dxt = &mut dx[r0 * k..r1 * k];
+        // The LayerNorm's output gradient, dy · wᵀ, made in dx's rows.
+        // SAFETY: `dyt` holds (r1-r0)·n, `w` k·n and `dxt` (r1-r0)·k elements.
+        unsafe {
+            gemm_strided(
+                false,
+                true,
+                r1 - r0,
+                k,
+                n,
+                dyt,
+                w,
+                dxt,
+                false,
+                par_for(r1 - r0, k, n, threads),
+            )
+        };
+        normalize_tile(x, ln_w, ln_b, r0, t, Stats::Saved(mean, rstd));
+        // dw (+)= layer_norm(x)ᵀ · dy over this tile's rows.
+        // SAFETY: `t` holds (r1-r0)·k, `dyt` (r1-r0)·n and `dw` k·n elements.
+        unsafe {
+            gemm_strided(
+                true,
+                false,
+                k,
+                n,
+                r1 - r0,
+                t,
+                dyt,
+                dw,
+                r0 > 0,
+                par_for(k, n, r1 - r0, threads),
+            )
+        };
+        // The LayerNorm backward, in place over dx's rows. Part `p` always takes the same rows
+        // of a tile, so the partial sums (and the result) do not depend on thread timing.
+        let rows_per = (r1 - r0).div_ceil(parts);
+        dxt.par_chunks_mut(rows_per * k)
+            .zip(partials.par_chunks_mut(2 * k))
+            .enumerate()
+            .for_each(|(p, (dxp, part))| {
+                let (pdw, pdb) = part.split_at_mut(k);
+                for (r, dxr) in dxp.chunks_exact_mut(k).enumerate() {
+                    let row = r0 + p * rows_per + r;
+                    let xr = &x[row * k..(row + 1) * k];
+                    let ms = (mean[row], rstd[row]);
+                    let sums = backward_sums(dxr, xr, ln_w, ms, pdw, pdb);
+                    for ((o, &v), &wj) in dxr.iter_mut().zip(xr).zip(ln_w) {
+                        *o = dx_value(*o, v, wj, ms, sums);
+                    }
+                }
+            });
+    }
+    d_ln_w.fill(0.0);
+    d_ln_b.fill(0.0);
+    for part in partials.chunks_exact(2 * k) {
+        let (pdw, pdb) = part.split_at(k);
+        d_ln_w.iter_mut().zip(pdw).for_each(|(a, b)| *a += b);
+        d_ln_b.iter_mut().zip(pdb).for_each(|(a, b)| *a += b);
+    }
+}
