@@ -761,7 +761,14 @@ fn plan_reports_what_passes_save() {
     // train's `in_place_lowers_the_peak_of_an_elementwise_chain` checks what it saves.
     // bf16 halves most saved activations: well over a quarter of a GiB at this size.
     assert!(saved(2) > 1 << 28, "precision saved {}", saved(2));
-    assert!(saved(3) > 0, "selective remat");
+    // With the norms and GELU fused into their GEMMs, GPT stores only matmul and attention
+    // outputs and the residual stream: selective remat finds nothing it may drop, and must
+    // not raise the peak.
+    assert!(
+        saved(3) >= 0,
+        "selective remat raised the peak by {}",
+        -saved(3)
+    );
     // An untied LM head (Llama's) is read only by the matmul the fusion replaces.
     let llama = snug(&[
         "plan",

@@ -156,7 +156,13 @@ fn remat_keeps_the_numbers_bitwise_and_lowers_the_peak() {
             plain[0],
             values[0]
         );
-        assert!(peak < plain_peak, "{policy:?}: {peak} vs {plain_peak}");
+        if policy == RematPolicy::Selective {
+            // GPT keeps only matmul and attention outputs and the residual stream (norms and
+            // GELU are fused into their GEMMs): nothing selective remat drops lowers the peak.
+            assert!(peak <= plain_peak, "{policy:?}: {peak} vs {plain_peak}");
+        } else {
+            assert!(peak < plain_peak, "{policy:?}: {peak} vs {plain_peak}");
+        }
         peaks.push(peak);
     }
     // Checkpointing every block keeps less than keeping the matmul outputs.
@@ -282,8 +288,6 @@ fn in_place_keeps_the_numbers_bitwise() {
     let (batch, seq) = (BATCH, SEQ);
     let (r, _) = rematerialize(&plain, RematPolicy::Selective).unwrap();
     let selective = plain.rewritten(r, plain.forward_nodes).unwrap();
-    // GPT's MLP keeps no GELU output to write over (GELU is fused into its down-projection),
-    // so in-place leaves its peak where it was; a chain of elementwise ops shows the saving.
     for step in [plain, selective] {
         let (before, before_peak) = run_step(&cfg, &step, batch, seq);
         let (graph, marked) = write_in_place(&step.graph).unwrap();
@@ -295,11 +299,14 @@ fn in_place_keeps_the_numbers_bitwise() {
             .map(|n| n.op.name())
             .collect();
         assert!(names.contains(&"layer_norm_backward"), "{names:?}");
+        // Its dh over h, which the forward read before it.
+        assert!(names.contains(&"gelu_linear_backward"), "{names:?}");
         assert!(names.contains(&"add"), "{names:?}");
         let in_place = StepGraph { graph, ..step };
         let (after, after_peak) = run_step(&cfg, &in_place, batch, seq);
         assert!(before == after, "loss {} vs {}", before[0], after[0]);
-        assert!(after_peak <= before_peak, "{before_peak} -> {after_peak}");
+        // The peak sits in the last MLP's backward, where dh now takes h's place.
+        assert!(after_peak < before_peak, "{before_peak} -> {after_peak}");
     }
 }
 

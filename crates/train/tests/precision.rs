@@ -74,7 +74,9 @@ fn loss_grads_peak(low: Option<DType>) -> (f32, Vec<Vec<f32>>, usize) {
     let mut g = cfg.build(batch, seq, 2).unwrap();
     if let Some(low) = low {
         let (r, rounded) = mixed_precision(&g.graph, low).unwrap();
-        assert!(rounded > 10 * cfg.n_layer, "{rounded} activations rounded");
+        // Seven per block (two fused norm-linears, attention, its projection, the fused
+        // GELU-linear and two residual adds), and the embeddings and final norm.
+        assert!(rounded > 7 * cfg.n_layer, "{rounded} activations rounded");
         g = g.rewritten(r).unwrap();
     }
     let mut step = StepGraph::build(g.graph, g.loss, OptimizerSpec::None).unwrap();

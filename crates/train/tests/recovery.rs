@@ -52,8 +52,10 @@ fn out_of_memory_mid_run_redoes_the_step_with_a_smaller_plan() {
         losses_a.push(a.train_step().unwrap().loss.to_bits());
     }
     let full_peak = a.plan().peak_bytes();
-    // 90% of the plan: the arena no longer fits beside the parameters and optimizer state.
-    let limit = full_peak * 90 / 100;
+    // 95% of the plan: the arena no longer fits beside the parameters and optimizer state.
+    // (The tiny model's norms and GELU are fused into its GEMMs, so little is left for
+    // checkpointing to drop: every block checkpointed reaches about 94%.)
+    let limit = full_peak * 95 / 100;
     allocator.set_memory_limit(limit, false);
     allocator.reset_peak();
     let mut steps = Vec::new();

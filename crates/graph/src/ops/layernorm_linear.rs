@@ -134,7 +134,13 @@ impl OpRule for LayerNormLinearBackward {
 
     fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
         expect_arity(self.name(), inputs, 7)?;
-        let dtype = float_dtype(self.name(), inputs)?;
+        // The statistics are f32 whatever the activations' type.
+        let (x_w_dy, stats_in) = (
+            [inputs[0], inputs[1], inputs[2], inputs[5], inputs[6]],
+            [inputs[3], inputs[4]],
+        );
+        let dtype = float_dtype(self.name(), &x_w_dy)?;
+        float_dtype(self.name(), &stats_in)?;
         let (x, w, dy) = (&inputs[0].shape, &inputs[5].shape, &inputs[6].shape);
         let (_, k, n) = dims(self.name(), x, w)?;
         let stats = &x[..x.len() - 1];
@@ -157,9 +163,9 @@ impl OpRule for LayerNormLinearBackward {
         }
         Ok(vec![
             OutSpec::f32(x.clone()).with_dtype(dtype),
-            OutSpec::f32(vec![k]),
-            OutSpec::f32(vec![k]),
-            OutSpec::f32(w.clone()),
+            OutSpec::f32(vec![k]).with_dtype(inputs[1].dtype),
+            OutSpec::f32(vec![k]).with_dtype(inputs[2].dtype),
+            OutSpec::f32(w.clone()).with_dtype(inputs[5].dtype),
         ])
     }
 
