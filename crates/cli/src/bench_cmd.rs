@@ -33,6 +33,10 @@ pub struct BenchArgs {
     /// token values do not change the time).
     #[arg(long)]
     data: Option<PathBuf>,
+    /// Graph passes and options for every case, as `snug train --passes` takes them (e.g.
+    /// `fused-ce,inplace`); default: the trainer's.
+    #[arg(long, value_name = "LIST")]
+    passes: Option<String>,
     /// Machine-readable output: one JSON line for the probe and one per case.
     #[arg(long)]
     json: bool,
@@ -167,6 +171,7 @@ fn run_case(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
         precision: Some(case.precision.into()),
         steps: Some(args.warmup + args.steps),
         eval_every: Some(0),
+        passes: args.passes.clone(),
         ..Default::default()
     };
     let cfg = TrainConfig::resolve(None, &model, &train)?;
@@ -221,6 +226,9 @@ fn run_child(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
     }
     if let Some(d) = &args.data {
         cmd.arg("--data").arg(d);
+    }
+    if let Some(p) = &args.passes {
+        cmd.args(["--passes", p]);
     }
     let out = cmd.output().context("running a bench case")?;
     if !out.status.success() {

@@ -386,12 +386,21 @@ impl GptConfig {
     /// GPT-2's initialisation: weights N(0, 0.02), residual projections N(0, 0.02/√(2L)),
     /// biases zero, LayerNorm gains one. Deterministic in `seed`.
     pub fn init_parameters(&self, seed: u64) -> Vec<(String, Vec<f32>)> {
+        self.init_parameters_iter(seed).collect()
+    }
+
+    /// [`Self::init_parameters`] one tensor at a time, so a caller can store each and drop
+    /// it before the next is made.
+    pub fn init_parameters_iter(
+        &self,
+        seed: u64,
+    ) -> impl Iterator<Item = (String, Vec<f32>)> + '_ {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let std = 0.02f32;
         let proj_std = std / (2.0 * self.n_layer as f32).sqrt();
         self.parameter_shapes()
             .into_iter()
-            .map(|(name, shape)| {
+            .map(move |(name, shape)| {
                 let n: usize = shape.iter().product();
                 let values = if name.ends_with("ln_1.weight")
                     || name.ends_with("ln_2.weight")
@@ -412,7 +421,6 @@ impl GptConfig {
                 };
                 (name, values)
             })
-            .collect()
     }
 }
 

@@ -268,6 +268,15 @@ impl LlamaConfig {
 
     /// Llama's initialisation: linear weights and embeddings N(0, 0.02), norm gains one.
     pub fn init_parameters(&self, seed: u64) -> Vec<(String, Vec<f32>)> {
+        self.init_parameters_iter(seed).collect()
+    }
+
+    /// [`Self::init_parameters`] one tensor at a time, so a caller can store each and drop
+    /// it before the next is made.
+    pub fn init_parameters_iter(
+        &self,
+        seed: u64,
+    ) -> impl Iterator<Item = (String, Vec<f32>)> + '_ {
         use rand::SeedableRng;
         use rand_distr::{Distribution, Normal};
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
@@ -275,7 +284,7 @@ impl LlamaConfig {
         let normal = Normal::new(0.0f32, 0.02).unwrap_or_else(|_| unreachable!());
         self.parameter_shapes()
             .into_iter()
-            .map(|(name, shape)| {
+            .map(move |(name, shape)| {
                 let n: usize = shape.iter().product();
                 let values = if name.ends_with("norm.weight") {
                     vec![1.0; n]
@@ -284,7 +293,6 @@ impl LlamaConfig {
                 };
                 (name, values)
             })
-            .collect()
     }
 }
 

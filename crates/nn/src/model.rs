@@ -253,9 +253,17 @@ impl ModelConfig {
 
     /// Initial parameter values by name, in the order of the built graph's parameters.
     pub fn init_parameters(&self, seed: u64) -> Vec<(String, Vec<f32>)> {
+        self.init_parameters_iter(seed).collect()
+    }
+
+    /// The initial parameters one tensor at a time, in [`Self::init_parameters`]' order.
+    pub fn init_parameters_iter(
+        &self,
+        seed: u64,
+    ) -> Box<dyn Iterator<Item = (String, Vec<f32>)> + '_> {
         match self {
-            ModelConfig::Gpt(c) => c.init_parameters(seed),
-            ModelConfig::Llama(c) => c.init_parameters(seed),
+            ModelConfig::Gpt(c) => Box::new(c.init_parameters_iter(seed)),
+            ModelConfig::Llama(c) => Box::new(c.init_parameters_iter(seed)),
         }
     }
 }

@@ -163,11 +163,14 @@ impl Trainer {
             }
             other => other?,
         };
-        let init: std::collections::HashMap<String, Vec<f32>> = match (&config.init_from, &model) {
-            (None, _) => model.init_parameters(config.seed).into_iter().collect(),
-            (Some(path), ModelConfig::Gpt(gpt)) => snug_nn::load_gpt2_safetensors(path, gpt)?
-                .into_iter()
-                .collect(),
+        // Each tensor is written as it is made, so the arena (touched whole when the session
+        // is made) never sits beside a second copy of every parameter.
+        let init: Box<dyn Iterator<Item = (String, Vec<f32>)>> = match (&config.init_from, &model)
+        {
+            (None, _) => model.init_parameters_iter(config.seed),
+            (Some(path), ModelConfig::Gpt(gpt)) => {
+                Box::new(snug_nn::load_gpt2_safetensors(path, gpt)?.into_iter())
+            }
             (Some(_), ModelConfig::Llama(_)) => {
                 return Err(TrainError::Config {
                     field: "init_from",
@@ -175,12 +178,23 @@ impl Trainer {
                 })
             }
         };
-        for slot in &step_graph.params {
-            let values = init.get(&slot.name).ok_or_else(|| TrainError::Config {
+        let slot_of: std::collections::HashMap<&str, TensorId> = step_graph
+            .params
+            .iter()
+            .map(|s| (s.name.as_str(), s.param))
+            .collect();
+        let mut written = std::collections::HashSet::new();
+        for (name, values) in init {
+            if let Some(&t) = slot_of.get(name.as_str()) {
+                session.write_f32(t, &values)?;
+                written.insert(t);
+            }
+        }
+        if let Some(slot) = step_graph.params.iter().find(|s| !written.contains(&s.param)) {
+            return Err(TrainError::Config {
                 field: "model",
                 detail: format!("no initial value for parameter `{}`", slot.name),
-            })?;
-            session.write_f32(slot.param, values)?;
+            });
         }
         let schedule = LrSchedule {
             lr: config.lr,
