@@ -93,9 +93,10 @@ pub struct ModelArgs {
     /// gradient before the first update, so they are all alive at once.
     #[arg(long, allow_negative_numbers = true)]
     grad_clip: Option<f32>,
-    /// Graph passes, comma-separated: fused-ce (LM head + cross-entropy chunked over tokens),
-    /// cse (common subexpressions), dce (dead code), inplace (elementwise ops write over an
-    /// input that dies at them); remat=MODE and precision=TYPE set those options.
+    /// Graph passes, comma-separated: fused-ce (LM head + cross-entropy in tiles, no logits
+    /// tensor), cse (common subexpressions), dce (dead code), inplace (ops write over an input
+    /// that dies at them), none (no pass); remat=MODE and precision=TYPE set those options.
+    /// Default: fused-ce,inplace.
     #[arg(long, value_name = "LIST")]
     passes: Option<String>,
     /// Activation checkpointing: none, block (every block), block:K (every K blocks),

@@ -181,10 +181,13 @@ fn profile_times_every_op_kind() {
         "causal_attention",
         "causal_attention_backward",
         "layer_norm",
+        "layer_norm_linear",
+        "layer_norm_linear_backward",
         "gelu_linear",
         "gelu_linear_backward",
         "adamw",
-        "cross_entropy",
+        "lm_head_loss",
+        "lm_head_loss_backward",
     ] {
         assert!(names.contains(&op), "{op} missing from {names:?}");
     }
@@ -729,7 +732,12 @@ fn plan_reports_what_passes_save() {
         assert!(o.status.success(), "{}", stderr(&o));
         serde_json::from_slice(&o.stdout).unwrap()
     };
-    let plain = peak(&[]);
+    let plain = peak(&["--passes", "none"]);
+    // The defaults are fused-ce and inplace.
+    assert_eq!(
+        peak(&[])["peak_bytes"],
+        peak(&["--passes", "fused-ce,inplace"])["peak_bytes"]
+    );
     let fused = peak(&["--passes", "fused-ce"]);
     let saving = &fused["passes"][0];
     assert_eq!(saving["pass"], "fused-ce");

@@ -61,7 +61,7 @@ impl std::fmt::Display for Remat {
 /// A graph pass applied when the step is compiled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Pass {
-    /// LM head + cross-entropy fused and chunked over tokens: no `tokens × vocab` logits.
+    /// LM head + cross-entropy fused and tiled: no `tokens × vocab` logits.
     #[serde(rename = "fused-ce")]
     FusedCrossEntropy,
     /// Common-subexpression elimination on the step graph.
@@ -70,13 +70,17 @@ pub enum Pass {
     /// Dead-code elimination on the step graph.
     #[serde(rename = "dce")]
     Dce,
-    /// Elementwise ops write over an input that dies at them; runs after every other pass.
+    /// Ops write their output over an input that dies at them; runs after every other pass.
     #[serde(rename = "inplace")]
     InPlace,
 }
 
 impl Pass {
     pub const ALL: [Pass; 4] = [Pass::FusedCrossEntropy, Pass::Cse, Pass::Dce, Pass::InPlace];
+
+    /// What a step runs unless told otherwise: both leave the numbers as they are (in-place
+    /// bitwise; the fused head up to summation order) and only ever lower the peak.
+    pub const DEFAULT: [Pass; 2] = [Pass::FusedCrossEntropy, Pass::InPlace];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -122,7 +126,7 @@ impl Default for StepConfig {
             weight_decay: 0.1,
             accumulation: 1,
             grad_clip: 1.0,
-            passes: Vec::new(),
+            passes: Pass::DEFAULT.to_vec(),
             remat: Remat::None,
         }
     }

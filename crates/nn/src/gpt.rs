@@ -391,10 +391,7 @@ impl GptConfig {
 
     /// [`Self::init_parameters`] one tensor at a time, so a caller can store each and drop
     /// it before the next is made.
-    pub fn init_parameters_iter(
-        &self,
-        seed: u64,
-    ) -> impl Iterator<Item = (String, Vec<f32>)> + '_ {
+    pub fn init_parameters_iter(&self, seed: u64) -> impl Iterator<Item = (String, Vec<f32>)> + '_ {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let std = 0.02f32;
         let proj_std = std / (2.0 * self.n_layer as f32).sqrt();

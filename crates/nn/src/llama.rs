@@ -273,10 +273,7 @@ impl LlamaConfig {
 
     /// [`Self::init_parameters`] one tensor at a time, so a caller can store each and drop
     /// it before the next is made.
-    pub fn init_parameters_iter(
-        &self,
-        seed: u64,
-    ) -> impl Iterator<Item = (String, Vec<f32>)> + '_ {
+    pub fn init_parameters_iter(&self, seed: u64) -> impl Iterator<Item = (String, Vec<f32>)> + '_ {
         use rand::SeedableRng;
         use rand_distr::{Distribution, Normal};
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);

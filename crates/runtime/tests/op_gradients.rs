@@ -1067,13 +1067,22 @@ fn cross_entropy() {
     }
 }
 
-/// The fused, chunked LM head + cross-entropy: several chunks (the head's gradient accumulates
-/// across them), one chunk, a tied `[V, C]` head and an untied `[C, V]` one, 1 and 2 threads.
+/// The fused, tiled LM head + cross-entropy: several row tiles (the head's gradient
+/// accumulates across them), several vocabulary blocks (the online log-sum-exp and `dx`
+/// accumulate across them), one tile, a tied `[V, C]` head and an untied `[C, V]` one, 1 and 2
+/// threads.
 #[test]
 fn lm_head_loss() {
     let (n, ch, v) = (7, 5, 6);
-    for (tb, chunk, threads) in [(false, 2, 1), (true, 3, 2), (true, 100, 1), (false, 1, 2)] {
-        let label = format!("lm_head_loss tb={tb} chunk={chunk} threads={threads}");
+    for (tb, rows, cols, threads) in [
+        (false, 2, 6, 1),
+        (true, 3, 4, 2),
+        (true, 100, 100, 1),
+        (false, 1, 1, 2),
+        (true, 7, 2, 1),
+        (false, 4, 5, 2),
+    ] {
+        let label = format!("lm_head_loss tb={tb} tile={rows}x{cols} threads={threads}");
         let mut c = GradCheck::with_threads(label, threads);
         let x = c.param_in(&[n, ch], -1.0, 1.0);
         let w = if tb {
@@ -1082,7 +1091,7 @@ fn lm_head_loss() {
             c.param(&[ch, v])
         };
         let targets = c.ids(&[n], v);
-        let y = c.op(LmHeadLoss { tb, chunk }, &[x, w, targets]);
+        let y = c.op(LmHeadLoss { tb, rows, cols }, &[x, w, targets]);
         c.check(y);
     }
 }

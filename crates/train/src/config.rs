@@ -77,7 +77,8 @@ pub struct TrainSection {
     /// Start from these GPT-2 weights (a Hugging Face `model.safetensors`) instead of a
     /// random initialisation.
     pub init_from: Option<PathBuf>,
-    /// Graph passes, comma-separated (`fused-ce`, `cse`, `dce`, `inplace`).
+    /// Graph passes, comma-separated (`fused-ce`, `cse`, `dce`, `inplace`; `none` for no
+    /// pass). Default: `fused-ce,inplace`.
     pub passes: Option<String>,
     /// Activation checkpointing: `none`, `block` (every block), `block:K` (every K blocks) or
     /// `selective` (keep matmul and attention outputs, recompute the rest).
@@ -188,7 +189,7 @@ impl Default for TrainConfig {
             checkpoint_every: 0,
             keep_checkpoints: 3,
             init_from: None,
-            passes: Vec::new(),
+            passes: Pass::DEFAULT.to_vec(),
             remat: Remat::None,
         }
     }
@@ -303,7 +304,12 @@ impl TrainConfig {
         }
         if let Some(list) = &t.passes {
             let mut passes = Vec::new();
-            for s in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            // `none` alone turns the default passes off.
+            for s in list
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty() && *s != "none")
+            {
                 let bad = |detail: String| TrainError::Config {
                     field: "passes",
                     detail,

@@ -165,8 +165,7 @@ impl Trainer {
         };
         // Each tensor is written as it is made, so the arena (touched whole when the session
         // is made) never sits beside a second copy of every parameter.
-        let init: Box<dyn Iterator<Item = (String, Vec<f32>)>> = match (&config.init_from, &model)
-        {
+        let init: Box<dyn Iterator<Item = (String, Vec<f32>)>> = match (&config.init_from, &model) {
             (None, _) => model.init_parameters_iter(config.seed),
             (Some(path), ModelConfig::Gpt(gpt)) => {
                 Box::new(snug_nn::load_gpt2_safetensors(path, gpt)?.into_iter())
@@ -190,7 +189,11 @@ impl Trainer {
                 written.insert(t);
             }
         }
-        if let Some(slot) = step_graph.params.iter().find(|s| !written.contains(&s.param)) {
+        if let Some(slot) = step_graph
+            .params
+            .iter()
+            .find(|s| !written.contains(&s.param))
+        {
             return Err(TrainError::Config {
                 field: "model",
                 detail: format!("no initial value for parameter `{}`", slot.name),

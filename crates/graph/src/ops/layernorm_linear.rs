@@ -8,6 +8,7 @@
 //! each tile's normalised rows from the saved statistics, bit for bit those of the forward, for
 //! the weight gradient, then runs the LayerNorm backward on the same tile while it is in cache.
 
+#[cfg(feature = "cpu")]
 use super::layernorm::{backward_sums, dx_value, normalize_row};
 use super::{expect_arity, float_dtype, shape_err, tile_rows, OpRule, OutSpec, SumTo};
 use crate::autodiff::GradCtx;

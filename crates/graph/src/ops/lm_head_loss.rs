@@ -1,8 +1,13 @@
-//! The language-model head and its cross-entropy, fused and chunked over tokens: logits for
-//! `chunk` rows at a time live in the op's workspace, so the full `tokens × vocab` logits
-//! tensor and its gradient never exist. At GPT-2's vocabulary and 4,096 tokens that is 824 MB
-//! per logits-sized tensor. The backward recomputes each chunk's logits (one extra head GEMM)
-//! from the saved per-row log-sum-exp.
+//! The language-model head and its cross-entropy, fused and tiled: logits for a tile of `rows`
+//! tokens × `cols` vocabulary entries at a time live in the op's workspace, so the full
+//! `tokens × vocab` logits tensor and its gradient never exist. At GPT-2's vocabulary and
+//! 4,096 tokens that is 824 MB per logits-sized tensor.
+//!
+//! The forward walks each row's vocabulary in blocks with a running max and sum (an online
+//! log-sum-exp, as in FlashAttention), so tiles can span every token: each block of the head
+//! is then packed for the GEMM once per step rather than once per few hundred tokens, and the
+//! head's gradient is written once per block. The backward recomputes each tile's logits (one
+//! extra head GEMM) from the saved per-row log-sum-exp.
 
 use super::{expect_arity, expect_dtype, shape_err, OpRule, OutSpec};
 use crate::autodiff::GradCtx;
@@ -15,8 +20,15 @@ use crate::{DType, GraphError, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LmHeadLoss {
     pub tb: bool,
-    /// Rows whose logits are materialised at once.
-    pub chunk: usize,
+    /// Tokens per tile of logits.
+    pub rows: usize,
+    /// Vocabulary entries per tile of logits.
+    pub cols: usize,
+}
+
+/// A tile of `rows × cols` logits, clamped to the problem's `n` tokens and `v` entries.
+fn tile(rows: usize, cols: usize, n: usize, v: usize) -> (usize, usize) {
+    (rows.clamp(1, n.max(1)), cols.clamp(1, v.max(1)))
 }
 
 /// `(N, C, V)` of valid inputs.
@@ -36,12 +48,6 @@ fn dims(op: &'static str, tb: bool, inputs: &[&TensorMeta]) -> Result<(usize, us
         ));
     }
     Ok((x[0], c, v))
-}
-
-impl LmHeadLoss {
-    fn rows(&self, n: usize) -> usize {
-        self.chunk.clamp(1, n.max(1))
-    }
 }
 
 impl OpRule for LmHeadLoss {
@@ -69,7 +75,8 @@ impl OpRule for LmHeadLoss {
         let ins = [ctx.input(0), ctx.input(1), ctx.input(2), ctx.output(1), dl];
         let back = LmHeadLossBackward {
             tb: self.tb,
-            chunk: self.chunk,
+            rows: self.rows,
+            cols: self.cols,
         };
         let grads = ctx.apply(back, &ins)?;
         for (i, g) in grads.into_iter().enumerate() {
@@ -80,10 +87,12 @@ impl OpRule for LmHeadLoss {
         Ok(())
     }
 
-    /// One chunk of logits, and one loss per row (summed in a fixed order: bit-reproducible).
+    /// One tile of logits, each tile row's running sum and target logit, and one loss per
+    /// token (summed in a fixed order: bit-reproducible).
     fn workspace_elems(&self, inputs: &[&TensorMeta], _threads: usize) -> usize {
         let (n, v) = (inputs[0].shape[0], head_vocab(self.tb, inputs[1]));
-        self.rows(n) * v + n
+        let (rows, cols) = tile(self.rows, self.cols, n, v);
+        rows * cols + 2 * rows + n
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
@@ -99,25 +108,47 @@ impl OpRule for LmHeadLoss {
         let (loss, lse) = (k.out_f32(0), k.out_f32(1));
         let (n, c) = (k.in_shape(0)[0], k.in_shape(0)[1]);
         let v = head_vocab_of(self.tb, k.in_shape(1));
-        let rows = self.rows(n);
+        let (rows, cols) = tile(self.rows, self.cols, n, v);
         let ws = k.workspace();
-        let (logits, losses) = ws.split_at_mut(rows * v);
+        let (logits, rest) = ws.split_at_mut(rows * cols);
+        let (sums, rest) = rest.split_at_mut(rows);
+        let (picked, losses) = rest.split_at_mut(rows);
         for r0 in (0..n).step_by(rows) {
             let m = rows.min(n - r0);
-            let logits = &mut logits[..m * v];
-            chunk_logits(self.tb, x, w, (r0, m, c, v), logits);
-            logits
-                .par_chunks(v)
-                .zip(lse[r0..r0 + m].par_iter_mut())
-                .zip(losses[r0..r0 + m].par_iter_mut())
-                .zip(targets[r0..r0 + m].par_iter())
-                .for_each(|(((row, lse), loss), &t)| {
-                    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let sum: f32 = row.iter().map(|&l| super::math::exp(l - max)).sum();
-                    let t = t.clamp(0, v as i32 - 1) as usize;
-                    *lse = max + sum.ln();
-                    *loss = *lse - row[t];
-                });
+            // `lse` holds each row's running max until the block loop ends.
+            let (maxes, sums, picked) = (&mut lse[r0..r0 + m], &mut sums[..m], &mut picked[..m]);
+            maxes.fill(f32::NEG_INFINITY);
+            sums.fill(0.0);
+            for c0 in (0..v).step_by(cols) {
+                let vb = cols.min(v - c0);
+                let logits = &mut logits[..m * vb];
+                block_logits(self.tb, x, w, (r0, m, c, v), (c0, vb), logits);
+                logits
+                    .par_chunks(vb)
+                    .zip(maxes.par_iter_mut())
+                    .zip(sums.par_iter_mut())
+                    .zip(picked.par_iter_mut())
+                    .zip(targets[r0..r0 + m].par_iter())
+                    .for_each(|((((row, max), sum), picked), &t)| {
+                        let new_max = max.max(super::math::max(row));
+                        let block = super::math::sum_by(row, |l| super::math::exp(l - new_max));
+                        *sum = *sum * super::math::exp(*max - new_max) + block;
+                        *max = new_max;
+                        let t = t.clamp(0, v as i32 - 1) as usize;
+                        if (c0..c0 + vb).contains(&t) {
+                            *picked = row[t - c0];
+                        }
+                    });
+            }
+            for (((lse, &sum), &picked), loss) in maxes
+                .iter_mut()
+                .zip(&*sums)
+                .zip(&*picked)
+                .zip(&mut losses[r0..r0 + m])
+            {
+                *lse += sum.ln();
+                *loss = *lse - picked;
+            }
         }
         let total: f64 = losses.iter().map(|&l| l as f64).sum();
         loss[0] = (total / n as f64) as f32;
@@ -128,7 +159,8 @@ impl OpRule for LmHeadLoss {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LmHeadLossBackward {
     pub tb: bool,
-    pub chunk: usize,
+    pub rows: usize,
+    pub cols: usize,
 }
 
 impl OpRule for LmHeadLossBackward {
@@ -163,13 +195,9 @@ impl OpRule for LmHeadLossBackward {
     }
 
     fn workspace_elems(&self, inputs: &[&TensorMeta], _threads: usize) -> usize {
-        let n = inputs[0].shape[0];
-        LmHeadLoss {
-            tb: self.tb,
-            chunk: self.chunk,
-        }
-        .rows(n)
-            * head_vocab(self.tb, inputs[1])
+        let (n, v) = (inputs[0].shape[0], head_vocab(self.tb, inputs[1]));
+        let (rows, cols) = tile(self.rows, self.cols, n, v);
+        rows * cols
     }
 
     /// The recomputed logits plus the two gradient GEMMs.
@@ -192,56 +220,53 @@ impl OpRule for LmHeadLossBackward {
         let (dx, dw) = (k.out_f32(0), k.out_f32(1));
         let (n, c) = (k.in_shape(0)[0], k.in_shape(0)[1]);
         let v = head_vocab_of(self.tb, k.in_shape(1));
-        let rows = LmHeadLoss {
-            tb: self.tb,
-            chunk: self.chunk,
-        }
-        .rows(n);
+        let (rows, cols) = tile(self.rows, self.cols, n, v);
         let g = dloss[0] / n as f32;
         let logits = k.workspace();
         let threads = rayon::current_num_threads();
-        // The head as the logical [C, V] matrix B: (row stride, column stride).
-        let (b_rs, b_cs) = if self.tb {
-            (1, c as isize)
-        } else {
-            (v as isize, 1)
-        };
-        for (chunk_index, r0) in (0..n).step_by(rows).enumerate() {
+        for r0 in (0..n).step_by(rows) {
             let m = rows.min(n - r0);
-            let dlogits = &mut logits[..m * v];
-            chunk_logits(self.tb, x, w, (r0, m, c, v), dlogits);
-            super::par::rows_mut(dlogits, v, |i0, chunk| {
-                for (i, row) in chunk.chunks_exact_mut(v).enumerate() {
-                    let r = r0 + i0 + i;
-                    let s = lse[r];
-                    row.iter_mut()
-                        .for_each(|l| *l = super::math::exp(*l - s) * g);
-                    let t = targets[r].clamp(0, v as i32 - 1) as usize;
-                    row[t] -= g;
+            for c0 in (0..v).step_by(cols) {
+                let vb = cols.min(v - c0);
+                let dlogits = &mut logits[..m * vb];
+                block_logits(self.tb, x, w, (r0, m, c, v), (c0, vb), dlogits);
+                super::par::rows_mut(dlogits, vb, |i0, chunk| {
+                    for (i, row) in chunk.chunks_exact_mut(vb).enumerate() {
+                        let r = r0 + i0 + i;
+                        let s = lse[r];
+                        row.iter_mut()
+                            .for_each(|l| *l = super::math::exp(*l - s) * g);
+                        let t = targets[r].clamp(0, v as i32 - 1) as usize;
+                        if (c0..c0 + vb).contains(&t) {
+                            row[t - c0] -= g;
+                        }
+                    }
+                });
+                let (b, b_rs, b_cs) = head_block(self.tb, c, v, c0);
+                // SAFETY: every matrix below lies inside its slice (shapes checked by `infer`;
+                // `head_block` stays inside the head).
+                unsafe {
+                    // dx[r0..r0+m] (+)= dlogits · B[:, c0..c0+vb]ᵀ
+                    gemm_raw(
+                        (m, c, vb),
+                        (dx.as_mut_ptr().add(r0 * c), c as isize, 1),
+                        (dlogits.as_ptr(), vb as isize, 1),
+                        (w.as_ptr().add(b), b_cs, b_rs),
+                        1.0,
+                        c0 > 0,
+                        par_for(m, c, vb, threads),
+                    );
+                    // dB[:, c0..c0+vb] (+)= x[r0..r0+m]ᵀ · dlogits, in B's layout.
+                    gemm_raw(
+                        (c, vb, m),
+                        (dw.as_mut_ptr().add(b), b_rs, b_cs),
+                        (x.as_ptr().add(r0 * c), 1, c as isize),
+                        (dlogits.as_ptr(), vb as isize, 1),
+                        1.0,
+                        r0 > 0,
+                        par_for(c, vb, m, threads),
+                    );
                 }
-            });
-            // SAFETY: every matrix below lies inside its slice (shapes checked by `infer`).
-            unsafe {
-                // dx[r0..r0+m] = dlogits · Bᵀ
-                gemm_raw(
-                    (m, c, v),
-                    (dx.as_mut_ptr().add(r0 * c), c as isize, 1),
-                    (dlogits.as_ptr(), v as isize, 1),
-                    (w.as_ptr(), b_cs, b_rs),
-                    1.0,
-                    false,
-                    par_for(m, c, v, threads),
-                );
-                // dB += x[r0..r0+m]ᵀ · dlogits, in B's layout.
-                gemm_raw(
-                    (c, v, m),
-                    (dw.as_mut_ptr(), b_rs, b_cs),
-                    (x.as_ptr().add(r0 * c), 1, c as isize),
-                    (dlogits.as_ptr(), v as isize, 1),
-                    1.0,
-                    chunk_index > 0,
-                    par_for(c, v, m, threads),
-                );
             }
         }
     }
@@ -259,27 +284,39 @@ fn head_vocab_of(tb: bool, shape: &[usize]) -> usize {
     }
 }
 
-/// `out [m, V] = x[r0..r0+m] · B` for the head read as `[C, V]`.
+/// Where columns `c0..` of the head read as `[C, V]` start, and that matrix's (row, column)
+/// strides.
 #[cfg(feature = "cpu")]
-fn chunk_logits(
+fn head_block(tb: bool, c: usize, v: usize, c0: usize) -> (usize, isize, isize) {
+    if tb {
+        (c0 * c, 1, c as isize)
+    } else {
+        (c0, v as isize, 1)
+    }
+}
+
+/// `out [m, vb] = x[r0..r0+m] · B[:, c0..c0+vb]` for the head read as `[C, V]`.
+#[cfg(feature = "cpu")]
+fn block_logits(
     tb: bool,
     x: &[f32],
     w: &[f32],
     (r0, m, c, v): (usize, usize, usize, usize),
+    (c0, vb): (usize, usize),
     out: &mut [f32],
 ) {
     use super::matmul::{gemm_raw, par_for};
-    let (b_rs, b_cs) = if tb { (1, c as isize) } else { (v as isize, 1) };
-    // SAFETY: x holds rows r0..r0+m of width c, w holds c·v elements, out holds m·v.
+    let (b, b_rs, b_cs) = head_block(tb, c, v, c0);
+    // SAFETY: x holds rows r0..r0+m of width c, the head block lies inside w, out holds m·vb.
     unsafe {
         gemm_raw(
-            (m, v, c),
-            (out.as_mut_ptr(), v as isize, 1),
+            (m, vb, c),
+            (out.as_mut_ptr(), vb as isize, 1),
             (x.as_ptr().add(r0 * c), c as isize, 1),
-            (w.as_ptr(), b_rs, b_cs),
+            (w.as_ptr().add(b), b_rs, b_cs),
             1.0,
             false,
-            par_for(m, v, c, rayon::current_num_threads()),
+            par_for(m, vb, c, rayon::current_num_threads()),
         );
     }
 }

@@ -263,6 +263,10 @@ pub(crate) fn expect_dtype(
     Ok(())
 }
 
+/// Below this many elements an elementwise kernel runs on one thread (shape rules size their
+/// per-thread workspaces by it too, so it exists without the `cpu` feature).
+pub const MIN_PAR_ELEMS: usize = 1 << 15;
+
 /// Rows per tile when an op streams `rows` rows of width `k` through a workspace of at most
 /// `max_elems` elements: tiles of equal size (the last one no smaller than the others need be).
 pub(crate) fn tile_rows(rows: usize, k: usize, max_elems: usize) -> usize {

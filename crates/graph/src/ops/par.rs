@@ -2,8 +2,7 @@
 
 use rayon::prelude::*;
 
-/// Below this many elements an elementwise kernel runs on one thread.
-pub const MIN_PAR_ELEMS: usize = 1 << 15;
+pub use super::MIN_PAR_ELEMS;
 
 /// Runs `f(start_index, chunk)` over `out` in parallel chunks of whole rows of `row` elements.
 pub fn rows_mut<F>(out: &mut [f32], row: usize, f: F)

@@ -216,7 +216,7 @@ impl OpRule for SumTo {
     fn workspace_elems(&self, inputs: &[&TensorMeta], threads: usize) -> usize {
         let n: usize = self.shape.iter().product();
         let rows = inputs[0].numel() / n.max(1);
-        if threads > 1 && rows >= 2 * threads && n * rows >= super::par::MIN_PAR_ELEMS {
+        if threads > 1 && rows >= 2 * threads && n * rows >= super::MIN_PAR_ELEMS {
             threads * n
         } else {
             0

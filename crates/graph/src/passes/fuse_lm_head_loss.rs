@@ -1,14 +1,26 @@
 //! Finds `cross_entropy(matmul(x, head), targets)` where the logits feed nothing else, and
-//! replaces the pair by one [`LmHeadLoss`] that materialises logits a chunk of rows at a time.
+//! replaces the pair by one [`LmHeadLoss`] that materialises logits a tile at a time.
 //! Run it on the forward graph, before autodiff: the fused op brings its own gradient.
 
 use super::{rewrite, Rewritten};
 use crate::ops::{LmHeadLoss, Op};
 use crate::{DType, Graph, Result, TensorId};
 
-/// Bytes of logits materialised at once: 32 MiB, 166 rows at GPT-2's vocabulary, enough rows
-/// for the GEMMs to run near full speed.
+/// Bytes of logits materialised at once: 32 MiB, 4,096 tokens × 2,048 entries at GPT-2's size.
 pub const DEFAULT_CHUNK_BYTES: usize = 32 << 20;
+
+/// Fewest vocabulary entries per tile before a tile spans fewer tokens: a block of the head
+/// narrower than this makes thin GEMMs.
+const MIN_COLS: usize = 1024;
+
+/// The `(rows, cols)` tile of `chunk_bytes` of f32 logits for `tokens × vocab`: every token
+/// in one tile when that leaves at least `MIN_COLS` entries (or the whole vocabulary).
+pub fn lm_head_tile(chunk_bytes: usize, tokens: usize, vocab: usize) -> (usize, usize) {
+    let elems = (chunk_bytes / 4).max(1);
+    let rows = (elems / vocab.clamp(1, MIN_COLS)).clamp(1, tokens.max(1));
+    let cols = (elems / rows).clamp(1, vocab.max(1));
+    (rows, cols)
+}
 
 /// The graph with every LM-head + cross-entropy pair fused, and how many pairs there were.
 pub fn fuse_lm_head_loss(g: &Graph, chunk_bytes: usize) -> Result<(Rewritten, usize)> {
@@ -19,8 +31,9 @@ pub fn fuse_lm_head_loss(g: &Graph, chunk_bytes: usize) -> Result<(Rewritten, us
         }
     }
     let mut skip = vec![false; g.nodes().len()];
-    // CE node -> (x, head, transposed, chunk rows)
-    let mut fuse: Vec<Option<(TensorId, TensorId, bool, usize)>> = vec![None; g.nodes().len()];
+    // CE node -> (x, head, transposed, tile)
+    type Fused = (TensorId, TensorId, bool, (usize, usize));
+    let mut fuse: Vec<Option<Fused>> = vec![None; g.nodes().len()];
     for (i, n) in g.nodes().iter().enumerate() {
         if !matches!(n.op, Op::CrossEntropy(_)) {
             continue;
@@ -43,21 +56,20 @@ pub fn fuse_lm_head_loss(g: &Graph, chunk_bytes: usize) -> Result<(Rewritten, us
             && g.tensor(w).dtype == DType::F32;
         if fusable {
             let (rows, vocab) = (g.tensor(x).shape[0], g.tensor(logits).shape[1]);
-            let chunk = (chunk_bytes / (vocab * 4).max(1)).clamp(1, rows.max(1));
             skip[p.index()] = true;
-            fuse[i] = Some((x, w, mm.tb, chunk));
+            fuse[i] = Some((x, w, mm.tb, lm_head_tile(chunk_bytes, rows, vocab)));
         }
     }
     let count = fuse.iter().flatten().count();
     let rewritten = rewrite(
         g,
         |new, i, lookup| {
-            let Some((x, w, tb, chunk)) = fuse[i] else {
+            let Some((x, w, tb, (rows, cols))) = fuse[i] else {
                 return Ok(None);
             };
             let ce = g.node(crate::NodeId(i as u32));
             let ins = [lookup(x), lookup(w), lookup(ce.inputs[1])];
-            let outs = new.apply(LmHeadLoss { tb, chunk }, &ins)?;
+            let outs = new.apply(LmHeadLoss { tb, rows, cols }, &ins)?;
             let old_loss = g.tensor(ce.outputs[0]);
             new.rename(outs[0], old_loss.name.clone());
             new.set_role(outs[0], old_loss.role);

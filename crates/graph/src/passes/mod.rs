@@ -2,7 +2,7 @@
 //! is measured by planning the step before and after it (`snug plan --passes ...`), not
 //! estimated here.
 //!
-//! - [`fuse_lm_head_loss`]: the LM head and its cross-entropy as one chunked op, so the
+//! - [`fuse_lm_head_loss`]: the LM head and its cross-entropy as one tiled op, so the
 //!   `tokens × vocab` logits and their gradient never exist.
 //! - [`eliminate_common_subexpressions`], [`eliminate_dead_code`]: duplicate and unread nodes.
 //! - [`rematerialize`]: activation checkpointing on the step graph (per block, or selective).
