@@ -409,7 +409,11 @@ pub fn run(args: TrainArgs) -> Result<()> {
         val_loss: run.last_eval.map(|e| e.val_loss),
         median_step_ms: median,
         predicted_step_ms: machine
-            .or_else(|| snug_train::calibration::cached(cfg.threads))
+            .or_else(|| {
+                snug_train::calibration::cached_now(cfg.threads)
+                    .ok()
+                    .flatten()
+            })
             .map(|m| m.step_seconds(trainer.step_graph(), &trainer.plan().schedule) * 1e3),
         min_step_ms: min,
         max_step_ms: max,

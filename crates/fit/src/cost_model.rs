@@ -30,6 +30,10 @@ pub struct Sample {
     pub seconds: f64,
 }
 
+fn one() -> f64 {
+    1.0
+}
+
 /// What this machine's kernels cost, measured once and cached.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MachineProfile {
@@ -44,6 +48,14 @@ pub struct MachineProfile {
     /// Seconds a kernel costs however small its work (launch, thread wake-up).
     pub overhead: f64,
     pub samples: Vec<Sample>,
+    /// FLOP/s of the drift probe (one fixed GEMM) around the calibration: a probe taken later
+    /// says how much faster or slower the machine runs now (see [`MachineProfile::rescaled`]).
+    #[serde(default)]
+    pub probe_flops: f64,
+    /// How much faster than at calibration this profile assumes the machine runs now (1: as
+    /// calibrated). Set by [`MachineProfile::rescaled`], never cached.
+    #[serde(skip, default = "one")]
+    pub speed: f64,
     /// (class, family) and class alone → (ln work, ln seconds), sorted by work.
     #[serde(skip)]
     curves: BTreeMap<(String, String), Vec<(f64, f64)>>,
@@ -69,10 +81,47 @@ impl MachineProfile {
             bandwidth,
             overhead,
             samples,
+            probe_flops: 0.0,
+            speed: 1.0,
             curves: BTreeMap::new(),
             lines: BTreeMap::new(),
         };
         p.index();
+        p
+    }
+
+    /// This profile with the drift probe's rate at calibration.
+    pub fn with_probe(mut self, flops: f64) -> MachineProfile {
+        self.probe_flops = flops;
+        self
+    }
+
+    /// The profile for a machine running `speed` times as fast as when it was calibrated: every
+    /// time divided by `speed` (every rate multiplied). A shared host's speed moves by tens of
+    /// percent in spells of minutes; a drift probe's rate now over its rate at calibration
+    /// measures the spell, so predictions follow it instead of the calibration's own spell.
+    pub fn rescaled(&self, speed: f64) -> MachineProfile {
+        let speed = if speed.is_finite() && speed > 0.0 {
+            speed
+        } else {
+            1.0
+        };
+        let mut p = MachineProfile::new(
+            self.threads,
+            self.cpu.clone(),
+            self.gemm_peak_flops * speed,
+            self.bandwidth * speed,
+            self.overhead / speed,
+            self.samples
+                .iter()
+                .map(|s| Sample {
+                    seconds: s.seconds / speed,
+                    ..s.clone()
+                })
+                .collect(),
+        )
+        .with_probe(self.probe_flops);
+        p.speed = self.speed * speed;
         p
     }
 
@@ -327,6 +376,34 @@ mod tests {
                 })
                 .collect(),
         )
+    }
+
+    #[test]
+    fn a_rescaled_profile_divides_every_prediction_by_the_speed() {
+        let p = profile_with(&[
+            ("matmul", "a", 1e9, 0.02),
+            ("matmul", "a", 16e9, 0.16),
+            ("gelu", "", 1e6, 0.002),
+        ])
+        .with_probe(100e9);
+        let fast = p.rescaled(2.0);
+        for (class, family, work, flops) in [
+            ("matmul", "a", 4e9, true),
+            ("gelu", "", 4e6, false),
+            ("never measured", "", 1e9, true),
+            ("never measured", "", 1e9, false),
+        ] {
+            let (then, now) = (
+                p.seconds(class, family, work, flops),
+                fast.seconds(class, family, work, flops),
+            );
+            assert!((then / now - 2.0).abs() < 1e-9, "{class}: {then} vs {now}");
+        }
+        assert_eq!((fast.speed, fast.probe_flops), (2.0, 100e9));
+        // Rescaling composes, and nonsense speeds leave the profile as it is.
+        assert!((fast.rescaled(1.5).speed - 3.0).abs() < 1e-12);
+        assert_eq!(p.rescaled(f64::NAN).speed, 1.0);
+        assert_eq!(p.rescaled(0.0).speed, 1.0);
     }
 
     #[test]

@@ -146,6 +146,9 @@ pub struct FitReport {
     pub block: usize,
     /// Whether predictions come from this machine's calibration (else nominal figures).
     pub calibrated: bool,
+    /// The machine's speed now over its speed at calibration, which the predictions assume
+    /// (see [`MachineProfile::rescaled`]).
+    pub machine_speed: f64,
     pub candidates: Vec<Candidate>,
     /// Index into `candidates`.
     pub chosen: Option<usize>,
@@ -354,6 +357,7 @@ pub fn search(
         effective_batch,
         block: model.block,
         calibrated: machine.is_measured(),
+        machine_speed: machine.speed,
         candidates,
         chosen,
         search_seconds: start.elapsed().as_secs_f64(),

@@ -6,7 +6,8 @@
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use snug_graph::ops::{
     AdamW, Cast, CausalAttention, CausalAttentionBackward, Gelu, GeluBackward, GeluLinear,
-    GeluLinearBackward, LayerNorm, LayerNormBackward, MatMul, Op,
+    GeluLinearBackward, LayerNorm, LayerNormBackward, LayerNormLinear, LayerNormLinearBackward,
+    MatMul, Op,
 };
 use snug_graph::{DType, Graph, Role, TensorId};
 use snug_plan::{plan, PlanOptions};
@@ -119,6 +120,26 @@ fn kernels(c: &mut Criterion) {
         "gelu_linear_backward",
         GeluLinearBackward::default(),
         &[&[TOKENS, HIDDEN], &[HIDDEN, C], &[TOKENS, C]],
+    );
+    bench(
+        c,
+        "layer_norm_linear",
+        LayerNormLinear::default(),
+        &[&[TOKENS, C], &[C], &[C], &[C, HIDDEN], &[HIDDEN]],
+    );
+    bench(
+        c,
+        "layer_norm_linear_backward",
+        LayerNormLinearBackward,
+        &[
+            &[TOKENS, C],
+            &[C],
+            &[C],
+            &[TOKENS],
+            &[TOKENS],
+            &[C, HIDDEN],
+            &[TOKENS, HIDDEN],
+        ],
     );
     bench(
         c,

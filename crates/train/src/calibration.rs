@@ -4,8 +4,10 @@
 //! a Llama block), plus a memory-bandwidth probe. The result is cached as JSON under the user's
 //! cache directory (`$SNUG_CACHE_DIR`, else e.g. `~/.cache/snug`), one file per thread count.
 //! Predictions are only as steady as the machine: on a shared host, other load moves kernel
-//! times by tens of percent in spells of minutes, so a calibration taken in a slow spell
-//! predicts slow; `--recalibrate` measures again.
+//! times by tens of percent in spells of minutes. So a calibration keeps the rate of one fixed
+//! GEMM (the drift probe) beside its samples, and a cached profile is used rescaled by that
+//! probe's rate now over its rate then ([`cached_now`]); `--recalibrate` measures everything
+//! again.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -63,7 +65,7 @@ pub fn machine_profile(
     recalibrate: bool,
 ) -> Result<(MachineProfile, bool), TrainError> {
     if !recalibrate {
-        if let Some(p) = cached(threads) {
+        if let Some(p) = cached_now(threads)? {
             return Ok((p, false));
         }
     }
@@ -125,13 +127,39 @@ const PROBES: &[Probe] = &[
     Probe { preset: "llama-tiny", layers: 1, heads: 0, width: 0, block: 256, vocab: 512, batch: 8, accumulation: 1, fused: false, bf16: false, runs: 3 },
 ];
 
+/// The GEMM the drift probe times (char-small's MLP up-projection): about 0.1 s for three
+/// runs.
+const DRIFT_PROBE: (usize, usize, usize) = (4096, 384, 1536);
+
+/// How many times as fast as at `p`'s calibration this machine runs now, by the drift probe
+/// (1 when `p` has no probe rate).
+pub fn speed_now(p: &MachineProfile, threads: usize) -> Result<f64, TrainError> {
+    if p.probe_flops <= 0.0 {
+        return Ok(1.0);
+    }
+    Ok(gemm_rate(threads, DRIFT_PROBE, 3)? / p.probe_flops)
+}
+
+/// The cached profile rescaled to this machine's speed now (a 0.1 s GEMM probe): what `fit`,
+/// `plan` and `profile` predict with. Not for the middle of an out-of-memory recovery: the
+/// probe allocates.
+pub fn cached_now(threads: usize) -> Result<Option<MachineProfile>, TrainError> {
+    match cached(threads) {
+        Some(p) => Ok(Some(p.rescaled(speed_now(&p, threads)?))),
+        None => Ok(None),
+    }
+}
+
 /// Times every probe (one warm-up run, then `runs` timed ones, every node separately) and the
-/// memory bandwidth.
+/// memory bandwidth; the drift probe runs before and after, and its mean rate is the reference
+/// later probes are compared with.
 pub fn calibrate(threads: usize) -> Result<MachineProfile, TrainError> {
+    let before = gemm_rate(threads, DRIFT_PROBE, 3)?;
     let mut samples = Vec::new();
     for probe in PROBES {
         samples.extend(run_probe(probe, threads)?);
     }
+    let after = gemm_rate(threads, DRIFT_PROBE, 3)?;
     let gemm_peak_flops = samples
         .iter()
         .filter(|s| s.class.starts_with("matmul"))
@@ -147,7 +175,8 @@ pub fn calibrate(threads: usize) -> Result<MachineProfile, TrainError> {
         bandwidth(),
         overhead,
         samples,
-    ))
+    )
+    .with_probe((before + after) / 2.0))
 }
 
 /// FLOP/s of snug's f32 matmul on `[m, k] · [k, n]`, best of `runs` after one warm-up.
