@@ -193,56 +193,65 @@ impl OpRule for LayerNormLinearBackward {
     }
 }
 
-/// How [`normalize_tile`] gets each row's mean and rstd.
-#[cfg(feature = "cpu")]
-enum Stats<'a> {
-    /// Computes them with this epsilon and stores them (the tile's rows only).
-    Make(f32, &'a mut [f32], &'a mut [f32]),
-    /// Reads them as the forward saved them (all rows).
-    Saved(&'a [f32], &'a [f32]),
-}
-
-/// Normalises rows `r0..r0 + tile.len() / k` of `x` into `tile`, in parallel over rows.
+/// Normalises rows `r0..r0 + tile.len() / k` of `x` into `tile`, in parallel over rows, storing
+/// each row's mean and rstd.
 #[cfg(feature = "cpu")]
 fn normalize_tile(
     x: &[f32],
-    ln_w: &[f32],
-    ln_b: &[f32],
+    (ln_w, ln_b, eps): (&[f32], &[f32], f32),
     r0: usize,
     tile: &mut [f32],
-    stats: Stats<'_>,
+    (mean, rstd): (&mut [f32], &mut [f32]),
 ) {
     use rayon::prelude::*;
     let k = ln_w.len();
-    let rows_per = (super::par::MIN_PAR_ELEMS / k).max(1);
-    match stats {
-        Stats::Make(eps, mean, rstd) => tile
-            .par_chunks_mut(rows_per * k)
-            .zip(mean.par_chunks_mut(rows_per))
-            .zip(rstd.par_chunks_mut(rows_per))
-            .enumerate()
-            .for_each(|(c, ((t, mean), rstd))| {
-                for (r, yr) in t.chunks_exact_mut(k).enumerate() {
-                    let row = r0 + c * rows_per + r;
-                    let xr = &x[row * k..(row + 1) * k];
-                    (mean[r], rstd[r]) = normalize_row(xr, ln_w, ln_b, eps, yr);
-                }
-            }),
-        Stats::Saved(mean, rstd) => {
-            tile.par_chunks_mut(rows_per * k)
-                .enumerate()
-                .for_each(|(c, t)| {
-                    for (r, yr) in t.chunks_exact_mut(k).enumerate() {
-                        let row = r0 + c * rows_per + r;
-                        let (m, s) = (mean[row], rstd[row]);
-                        let xr = &x[row * k..(row + 1) * k];
-                        for (((o, &v), &wv), &bv) in yr.iter_mut().zip(xr).zip(ln_w).zip(ln_b) {
-                            *o = (v - m) * s * wv + bv;
-                        }
+    let rows_per = (super::MIN_PAR_ELEMS / k).max(1);
+    tile.par_chunks_mut(rows_per * k)
+        .zip(mean.par_chunks_mut(rows_per))
+        .zip(rstd.par_chunks_mut(rows_per))
+        .enumerate()
+        .for_each(|(c, ((t, mean), rstd))| {
+            for (r, yr) in t.chunks_exact_mut(k).enumerate() {
+                let row = r0 + c * rows_per + r;
+                let xr = &x[row * k..(row + 1) * k];
+                (mean[r], rstd[r]) = normalize_row(xr, ln_w, ln_b, eps, yr);
+            }
+        });
+}
+
+/// Rows `r0..r0 + m` of `layer_norm(x)` from the saved statistics, written transposed into
+/// `out` (`[k, m]`): bit for bit the forward's values. Parallel over blocks of columns; rows
+/// go 16 at a time, so each output row is written in runs and `x` is read in short strips.
+#[cfg(feature = "cpu")]
+fn normalize_tile_transposed(
+    x: &[f32],
+    ln_w: &[f32],
+    ln_b: &[f32],
+    (mean, rstd): (&[f32], &[f32]),
+    r0: usize,
+    m: usize,
+    out: &mut [f32],
+) {
+    use rayon::prelude::*;
+    const COLS: usize = 32;
+    const ROWS: usize = 16;
+    let k = ln_w.len();
+    out[..k * m]
+        .par_chunks_mut(COLS * m)
+        .enumerate()
+        .for_each(|(c, block)| {
+            let j0 = c * COLS;
+            for ra in (0..m).step_by(ROWS) {
+                let rb = (ra + ROWS).min(m);
+                for (jj, out_row) in block.chunks_exact_mut(m).enumerate() {
+                    let j = j0 + jj;
+                    let (wj, bj) = (ln_w[j], ln_b[j]);
+                    for (o, r) in out_row[ra..rb].iter_mut().zip(r0 + ra..r0 + rb) {
+                        *o = (x[r * k + j] - mean[r]) * rstd[r] * wj + bj;
                     }
-                })
-        }
-    }
+                }
+            }
+        });
 }
 
 #[cfg(feature = "cpu")]
@@ -260,8 +269,8 @@ fn forward(eps: f32, kern: &super::Kernel<'_>) {
     for r0 in (0..rows).step_by(tile) {
         let r1 = (r0 + tile).min(rows);
         let t = &mut ws[..(r1 - r0) * k];
-        let stats = Stats::Make(eps, &mut mean[r0..r1], &mut rstd[r0..r1]);
-        normalize_tile(x, ln_w, ln_b, r0, t, stats);
+        let stats = (&mut mean[r0..r1], &mut rstd[r0..r1]);
+        normalize_tile(x, (ln_w, ln_b, eps), r0, t, stats);
         let yt = &mut y[r0 * n..r1 * n];
         for row in yt.chunks_exact_mut(n) {
             row.copy_from_slice(bias);
@@ -333,12 +342,15 @@ fn backward(kern: &super::Kernel<'_>) {
                 par_for(r1 - r0, k, n, threads),
             )
         };
-        normalize_tile(x, ln_w, ln_b, r0, t, Stats::Saved(mean, rstd));
+        // The normalised rows, remade transposed (`[k, rows]`): the weight gradient's GEMM
+        // then reads its left operand in the layout the gemm crate runs fastest (measured
+        // 5-14 % faster at char-small's shapes than reading it transposed).
+        normalize_tile_transposed(x, ln_w, ln_b, (mean, rstd), r0, r1 - r0, t);
         // dw (+)= layer_norm(x)ᵀ · dy over this tile's rows.
-        // SAFETY: `t` holds (r1-r0)·k, `dyt` (r1-r0)·n and `dw` k·n elements.
+        // SAFETY: `t` holds k·(r1-r0), `dyt` (r1-r0)·n and `dw` k·n elements.
         unsafe {
             gemm_strided(
-                true,
+                false,
                 false,
                 k,
                 n,
