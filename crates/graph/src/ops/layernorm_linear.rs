@@ -15,8 +15,9 @@ use crate::autodiff::GradCtx;
 use crate::tensor::TensorMeta;
 use crate::{GraphError, Result};
 
-/// Elements of normalised rows made at once (8 MiB), as in `gelu_linear`.
-const TILE_ELEMS: usize = 1 << 21;
+/// Elements of normalised rows made at once (2 MiB): the backward's tile is live beside nearly
+/// every saved activation of the step (its last block's norms run first), so it is kept small.
+const TILE_ELEMS: usize = 1 << 19;
 
 /// `(rows, k, n)` of `x: [.., k]` times `w: [k, n]`, or the shape error.
 fn dims(op: &'static str, x: &[usize], w: &[usize]) -> Result<(usize, usize, usize)> {
