@@ -278,9 +278,9 @@ fn budgeted_remat_fits_the_budget_with_less_recompute() {
     }
 }
 
-/// Writing elementwise ops over inputs that die at them keeps a GPT step's loss and updated
-/// weights bitwise, with and without rematerialization, and never raises its planned peak,
-/// which the runtime then holds exactly (`run_once` checks it).
+/// Writing ops over inputs that die at them keeps a GPT step's loss and updated weights
+/// bitwise, with and without rematerialization, and lowers its planned peak, which the
+/// runtime then holds exactly (`run_once` checks it).
 #[test]
 fn in_place_keeps_the_numbers_bitwise() {
     use snug_graph::passes::{rematerialize, write_in_place, RematPolicy};

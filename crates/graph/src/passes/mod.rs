@@ -8,7 +8,7 @@
 //! - [`rematerialize`]: activation checkpointing on the step graph (per block, or selective).
 //! - [`mixed_precision`], [`recast_saved`]: activations and their gradients rounded to and
 //!   stored in bf16 or f16, with f32 master weights.
-//! - [`write_in_place`]: elementwise ops write over an input that dies at them (runs last).
+//! - [`write_in_place`]: ops write over an input that dies at them (runs last).
 
 mod cse;
 mod dce;
