@@ -7,7 +7,10 @@
 //! reads nothing an unfused backward would not (the unfused GELU backward reads `h` too).
 //! Per MLP that is one `rows × 4·width` activation less to hold and two passes over it less.
 
-use super::{expect_arity, float_dtype, shape_err, tile_rows, GeluApprox, OpRule, OutSpec, SumTo};
+use super::{
+    expect_arity, float_dtype, linear_dims, shape_err, tile_rows, GeluApprox, OpRule, OutSpec,
+    SumTo,
+};
 use crate::autodiff::GradCtx;
 use crate::tensor::TensorMeta;
 use crate::{GraphError, Result};
@@ -18,7 +21,7 @@ const TILE_ELEMS: usize = 1 << 21;
 
 /// Workspace of both kernels: one tile of GELU output (`inputs` start with `h` and `w`).
 fn tile_elems(inputs: &[&TensorMeta]) -> usize {
-    dims("gelu_linear", &inputs[0].shape, &inputs[1].shape)
+    linear_dims("gelu_linear", &inputs[0].shape, &inputs[1].shape)
         .map_or(0, |(rows, k, _)| tile_rows(rows, k, TILE_ELEMS) * k)
 }
 
@@ -26,18 +29,6 @@ fn tile_elems(inputs: &[&TensorMeta]) -> usize {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct GeluLinear {
     pub approx: GeluApprox,
-}
-
-/// `(rows, k, n)` of `h: [.., k]` times `w: [k, n]`, or the shape error.
-fn dims(op: &'static str, h: &[usize], w: &[usize]) -> Result<(usize, usize, usize)> {
-    if h.is_empty() || w.len() != 2 || h[h.len() - 1] != w[0] {
-        return Err(shape_err(
-            op,
-            format!("h {h:?} and w {w:?}: expected h [.., k] and w [k, n]"),
-        ));
-    }
-    let k = w[0];
-    Ok((h.iter().product::<usize>() / k.max(1), k, w[1]))
 }
 
 impl OpRule for GeluLinear {
@@ -49,7 +40,7 @@ impl OpRule for GeluLinear {
         expect_arity(self.name(), inputs, 3)?;
         let dtype = float_dtype(self.name(), inputs)?;
         let (h, w) = (&inputs[0].shape, &inputs[1].shape);
-        let (_, _, n) = dims(self.name(), h, w)?;
+        let (_, _, n) = linear_dims(self.name(), h, w)?;
         if inputs[2].shape != [n] {
             return Err(shape_err(
                 self.name(),
@@ -94,7 +85,7 @@ impl OpRule for GeluLinear {
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
-        dims(self.name(), &inputs[0].shape, &inputs[1].shape)
+        linear_dims(self.name(), &inputs[0].shape, &inputs[1].shape)
             .map_or(0, |(rows, k, n)| (2 * rows * k * n + 8 * rows * k) as u64)
     }
 
@@ -122,7 +113,7 @@ impl OpRule for GeluLinearBackward {
         expect_arity(self.name(), inputs, 3)?;
         let dtype = float_dtype(self.name(), inputs)?;
         let (h, w, dy) = (&inputs[0].shape, &inputs[1].shape, &inputs[2].shape);
-        let (_, _, n) = dims(self.name(), h, w)?;
+        let (_, _, n) = linear_dims(self.name(), h, w)?;
         if dy.len() != h.len() || dy[..dy.len() - 1] != h[..h.len() - 1] || dy[dy.len() - 1] != n {
             return Err(shape_err(
                 self.name(),
@@ -152,7 +143,7 @@ impl OpRule for GeluLinearBackward {
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
-        dims(self.name(), &inputs[0].shape, &inputs[1].shape)
+        linear_dims(self.name(), &inputs[0].shape, &inputs[1].shape)
             .map_or(0, |(rows, k, n)| (4 * rows * k * n + 20 * rows * k) as u64)
     }
 
@@ -179,39 +170,20 @@ fn approx_of(tanh: bool) -> GeluApprox {
 
 #[cfg(feature = "cpu")]
 fn forward<const TANH: bool>(kern: &super::Kernel<'_>) {
-    use super::matmul::{gemm_strided, par_for};
+    use super::matmul::linear_rows;
     let (h, w, bias) = (kern.in_f32(0), kern.in_f32(1), kern.in_f32(2));
-    let Ok((rows, k, n)) = dims("gelu_linear", kern.in_shape(0), kern.in_shape(1)) else {
+    let Ok((rows, k, n)) = linear_dims("gelu_linear", kern.in_shape(0), kern.in_shape(1)) else {
         unreachable!("shape rule checked at build time")
     };
     let (y, ws) = (kern.out_f32(0), kern.workspace());
     let tile = tile_rows(rows, k, TILE_ELEMS);
-    let threads = rayon::current_num_threads();
     for r0 in (0..rows).step_by(tile) {
         let r1 = (r0 + tile).min(rows);
         let g = &mut ws[..(r1 - r0) * k];
         super::par::map(&h[r0 * k..r1 * k], g, |v| {
             super::gelu::gelu(approx_of(TANH), v)
         });
-        let yt = &mut y[r0 * n..r1 * n];
-        for row in yt.chunks_exact_mut(n) {
-            row.copy_from_slice(bias);
-        }
-        // SAFETY: `g` holds (r1-r0)·k, `w` k·n and `yt` (r1-r0)·n elements.
-        unsafe {
-            gemm_strided(
-                false,
-                false,
-                r1 - r0,
-                n,
-                k,
-                g,
-                w,
-                yt,
-                true,
-                par_for(r1 - r0, n, k, threads),
-            )
-        };
+        linear_rows(g, w, bias, &mut y[r0 * n..r1 * n], (r1 - r0, k, n));
     }
 }
 
@@ -222,7 +194,8 @@ fn backward<const TANH: bool>(kern: &super::Kernel<'_>) {
     // Run in place, `h` is read through `dh`: each element is read before it is written.
     let h = (kern.inplace() != Some(0)).then(|| kern.in_f32(0));
     let (w, dy) = (kern.in_f32(1), kern.in_f32(2));
-    let Ok((rows, k, n)) = dims("gelu_linear_backward", kern.in_shape(0), kern.in_shape(1)) else {
+    let Ok((rows, k, n)) = linear_dims("gelu_linear_backward", kern.in_shape(0), kern.in_shape(1))
+    else {
         unreachable!("shape rule checked at build time")
     };
     let (dh, dw, ws) = (kern.out_f32(0), kern.out_f32(1), kern.workspace());

@@ -10,7 +10,7 @@
 
 #[cfg(feature = "cpu")]
 use super::layernorm::{backward_sums, dx_value, normalize_row};
-use super::{expect_arity, float_dtype, shape_err, tile_rows, OpRule, OutSpec, SumTo};
+use super::{expect_arity, float_dtype, linear_dims, shape_err, tile_rows, OpRule, OutSpec, SumTo};
 use crate::autodiff::GradCtx;
 use crate::tensor::TensorMeta;
 use crate::{GraphError, Result};
@@ -19,21 +19,9 @@ use crate::{GraphError, Result};
 /// every saved activation of the step (its last block's norms run first), so it is kept small.
 const TILE_ELEMS: usize = 1 << 19;
 
-/// `(rows, k, n)` of `x: [.., k]` times `w: [k, n]`, or the shape error.
-fn dims(op: &'static str, x: &[usize], w: &[usize]) -> Result<(usize, usize, usize)> {
-    if x.is_empty() || w.len() != 2 || x[x.len() - 1] != w[0] {
-        return Err(shape_err(
-            op,
-            format!("x {x:?} and w {w:?}: expected x [.., k] and w [k, n]"),
-        ));
-    }
-    let k = w[0];
-    Ok((x.iter().product::<usize>() / k.max(1), k, w[1]))
-}
-
 /// One tile of normalised rows (`inputs` start with `x`; `w` is input `w_at`).
 fn tile_elems(inputs: &[&TensorMeta], w_at: usize) -> usize {
-    dims("layer_norm_linear", &inputs[0].shape, &inputs[w_at].shape)
+    linear_dims("layer_norm_linear", &inputs[0].shape, &inputs[w_at].shape)
         .map_or(0, |(rows, k, _)| tile_rows(rows, k, TILE_ELEMS) * k)
 }
 
@@ -59,7 +47,7 @@ impl OpRule for LayerNormLinear {
         expect_arity(self.name(), inputs, 5)?;
         let dtype = float_dtype(self.name(), inputs)?;
         let (x, w) = (&inputs[0].shape, &inputs[3].shape);
-        let (_, k, n) = dims(self.name(), x, w)?;
+        let (_, k, n) = linear_dims(self.name(), x, w)?;
         for (i, what, len) in [(1, "norm weight", k), (2, "norm bias", k), (4, "bias", n)] {
             if inputs[i].shape != [len] {
                 return Err(shape_err(
@@ -114,7 +102,7 @@ impl OpRule for LayerNormLinear {
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
-        dims(self.name(), &inputs[0].shape, &inputs[3].shape)
+        linear_dims(self.name(), &inputs[0].shape, &inputs[3].shape)
             .map_or(0, |(rows, k, n)| (2 * rows * k * n + 8 * rows * k) as u64)
     }
 
@@ -144,7 +132,7 @@ impl OpRule for LayerNormLinearBackward {
         let dtype = float_dtype(self.name(), &x_w_dy)?;
         float_dtype(self.name(), &stats_in)?;
         let (x, w, dy) = (&inputs[0].shape, &inputs[5].shape, &inputs[6].shape);
-        let (_, k, n) = dims(self.name(), x, w)?;
+        let (_, k, n) = linear_dims(self.name(), x, w)?;
         let stats = &x[..x.len() - 1];
         let fits = dy.len() == x.len()
             && dy[..dy.len() - 1] == *stats
@@ -184,7 +172,7 @@ impl OpRule for LayerNormLinearBackward {
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
-        dims(self.name(), &inputs[0].shape, &inputs[5].shape)
+        linear_dims(self.name(), &inputs[0].shape, &inputs[5].shape)
             .map_or(0, |(rows, k, n)| (4 * rows * k * n + 20 * rows * k) as u64)
     }
 
@@ -257,40 +245,22 @@ fn normalize_tile_transposed(
 
 #[cfg(feature = "cpu")]
 fn forward(eps: f32, kern: &super::Kernel<'_>) {
-    use super::matmul::{gemm_strided, par_for};
+    use super::matmul::linear_rows;
     let (x, ln_w, ln_b) = (kern.in_f32(0), kern.in_f32(1), kern.in_f32(2));
     let (w, bias) = (kern.in_f32(3), kern.in_f32(4));
-    let Ok((rows, k, n)) = dims("layer_norm_linear", kern.in_shape(0), kern.in_shape(3)) else {
+    let Ok((rows, k, n)) = linear_dims("layer_norm_linear", kern.in_shape(0), kern.in_shape(3))
+    else {
         unreachable!("shape rule checked at build time")
     };
     let (y, mean, rstd) = (kern.out_f32(0), kern.out_f32(1), kern.out_f32(2));
     let ws = kern.workspace();
     let tile = tile_rows(rows, k, TILE_ELEMS);
-    let threads = rayon::current_num_threads();
     for r0 in (0..rows).step_by(tile) {
         let r1 = (r0 + tile).min(rows);
         let t = &mut ws[..(r1 - r0) * k];
         let stats = (&mut mean[r0..r1], &mut rstd[r0..r1]);
         normalize_tile(x, (ln_w, ln_b, eps), r0, t, stats);
-        let yt = &mut y[r0 * n..r1 * n];
-        for row in yt.chunks_exact_mut(n) {
-            row.copy_from_slice(bias);
-        }
-        // SAFETY: `t` holds (r1-r0)·k, `w` k·n and `yt` (r1-r0)·n elements.
-        unsafe {
-            gemm_strided(
-                false,
-                false,
-                r1 - r0,
-                n,
-                k,
-                t,
-                w,
-                yt,
-                true,
-                par_for(r1 - r0, n, k, threads),
-            )
-        };
+        linear_rows(t, w, bias, &mut y[r0 * n..r1 * n], (r1 - r0, k, n));
     }
 }
 
@@ -305,7 +275,7 @@ fn backward(kern: &super::Kernel<'_>) {
         kern.in_f32(5),
         kern.in_f32(6),
     );
-    let Ok((rows, k, n)) = dims(
+    let Ok((rows, k, n)) = linear_dims(
         "layer_norm_linear_backward",
         kern.in_shape(0),
         kern.in_shape(5),

@@ -257,6 +257,37 @@ pub(crate) fn par_for(m: usize, n: usize, k: usize, threads: usize) -> gemm::Par
     }
 }
 
+/// `y = t · w + bias` for `m` rows: `t [m, k]`, `w [k, n]`, `y [m, n]`. The row step of the
+/// fused ops that make a linear layer's input a tile at a time.
+#[cfg(feature = "cpu")]
+pub(crate) fn linear_rows(
+    t: &[f32],
+    w: &[f32],
+    bias: &[f32],
+    y: &mut [f32],
+    (m, k, n): (usize, usize, usize),
+) {
+    for row in y[..m * n].chunks_exact_mut(n) {
+        row.copy_from_slice(bias);
+    }
+    assert!(t.len() >= m * k && w.len() >= k * n && y.len() >= m * n);
+    // SAFETY: the lengths were checked just above.
+    unsafe {
+        gemm_strided(
+            false,
+            false,
+            m,
+            n,
+            k,
+            t,
+            w,
+            y,
+            true,
+            par_for(m, n, k, rayon::current_num_threads()),
+        )
+    };
+}
+
 /// `c (+)= op(a) · op(b)` over row-major storage; `accumulate` keeps what `c` holds.
 ///
 /// # Safety

@@ -267,6 +267,23 @@ pub(crate) fn expect_dtype(
 /// per-thread workspaces by it too, so it exists without the `cpu` feature).
 pub const MIN_PAR_ELEMS: usize = 1 << 15;
 
+/// `(rows, k, n)` of `x: [.., k]` times `w: [k, n]` (a fused op's linear layer), or the shape
+/// error naming `op`.
+pub(crate) fn linear_dims(
+    op: &'static str,
+    x: &[usize],
+    w: &[usize],
+) -> Result<(usize, usize, usize)> {
+    if x.is_empty() || w.len() != 2 || x[x.len() - 1] != w[0] {
+        return Err(shape_err(
+            op,
+            format!("input {x:?} and weight {w:?}: expected [.., k] and [k, n]"),
+        ));
+    }
+    let k = w[0];
+    Ok((x.iter().product::<usize>() / k.max(1), k, w[1]))
+}
+
 /// Rows per tile when an op streams `rows` rows of width `k` through a workspace of at most
 /// `max_elems` elements: tiles of equal size (the last one no smaller than the others need be).
 pub(crate) fn tile_rows(rows: usize, k: usize, max_elems: usize) -> usize {

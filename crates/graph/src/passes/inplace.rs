@@ -79,11 +79,13 @@ fn dies_at(g: &Graph, node: usize, readers: &[usize]) -> bool {
     if readers.iter().filter(|&&r| r == node).count() != 1 {
         return false;
     }
-    let others: Vec<usize> = readers.iter().copied().filter(|&r| r != node).collect();
-    let Some(&first) = others.iter().min() else {
+    let mut others: Vec<usize> = readers.iter().copied().filter(|&r| r != node).collect();
+    others.sort_unstable();
+    others.dedup();
+    let (Some(&first), Some(&last)) = (others.first(), others.last()) else {
         return true;
     };
-    if others.iter().any(|&r| r > node) {
+    if last > node {
         return false;
     }
     // Walk up from `node`; nodes come in a topological order, so no ancestor sits below
@@ -100,17 +102,13 @@ fn dies_at(g: &Graph, node: usize, readers: &[usize]) -> bool {
                 continue;
             }
             seen[p - first] = true;
-            if others.contains(&p) {
+            if others.binary_search(&p).is_ok() {
                 found += 1;
             }
             stack.push(p);
         }
     }
-    found
-        == others
-            .iter()
-            .collect::<std::collections::BTreeSet<_>>()
-            .len()
+    found == others.len()
 }
 
 #[cfg(test)]
