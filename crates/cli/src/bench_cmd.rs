@@ -141,7 +141,7 @@ fn gemm_probe(threads: usize) -> Result<Probe> {
     let (m, k, n) = PROBE;
     Ok(Probe {
         method: format!(
-            "f32 matmul [{m}, {k}] x [{k}, {n}] through snug's kernel (gemm crate), best of 10 after a warm-up"
+            "f32 matmul [{m}, {k}] x [{k}, {n}] through snug's GEMM (its AVX-512 kernel where the CPU has it, else the gemm crate), best of 10 after a warm-up"
         ),
         threads,
         gflop_per_s: snug_train::calibration::gemm_rate(threads, PROBE, 10)? / 1e9,

@@ -314,8 +314,8 @@ fn backward(kern: &super::Kernel<'_>) {
             )
         };
         // The normalised rows, remade transposed (`[k, rows]`): the weight gradient's GEMM
-        // then reads its left operand in the layout the gemm crate runs fastest (measured
-        // 5-14 % faster at char-small's shapes than reading it transposed).
+        // then reads its left operand plainly, which the gemm crate ran 5-14 % faster at
+        // char-small's shapes (our AVX-512 kernel packs either layout at about the same cost).
         normalize_tile_transposed(x, ln_w, ln_b, (mean, rstd), r0, r1 - r0, t);
         // dw (+)= layer_norm(x)ᵀ · dy over this tile's rows.
         // SAFETY: `t` holds k·(r1-r0), `dyt` (r1-r0)·n and `dw` k·n elements.

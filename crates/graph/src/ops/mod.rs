@@ -12,6 +12,8 @@ mod embedding;
 mod fill;
 mod gelu;
 mod gelu_linear;
+#[cfg(all(feature = "cpu", target_arch = "x86_64"))]
+mod gemm_avx512;
 mod gqa_attention;
 mod grad_norm;
 mod layernorm;
