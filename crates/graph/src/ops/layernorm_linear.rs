@@ -18,11 +18,16 @@ use crate::{GraphError, Result};
 /// Elements of normalised rows made at once (2 MiB): the backward's tile is live beside nearly
 /// every saved activation of the step (its last block's norms run first), so it is kept small.
 const TILE_ELEMS: usize = 1 << 19;
+/// The forward's tile (8 MiB): it sits beside only the activations saved so far, and each tile
+/// costs every thread a packing of the whole weight, which at 2^19 elements took a tenth of
+/// the forward's time.
+const FORWARD_TILE_ELEMS: usize = 1 << 21;
 
-/// One tile of normalised rows (`inputs` start with `x`; `w` is input `w_at`).
-fn tile_elems(inputs: &[&TensorMeta], w_at: usize) -> usize {
+/// One tile of at most `max` elements of normalised rows (`inputs` start with `x`; `w` is
+/// input `w_at`).
+fn tile_elems(inputs: &[&TensorMeta], w_at: usize, max: usize) -> usize {
     linear_dims("layer_norm_linear", &inputs[0].shape, &inputs[w_at].shape)
-        .map_or(0, |(rows, k, _)| tile_rows(rows, k, TILE_ELEMS) * k)
+        .map_or(0, |(rows, k, _)| tile_rows(rows, k, max) * k)
 }
 
 /// Inputs `[x, ln_w, ln_b, w, b]` with `x: [.., k]`, `ln_w, ln_b: [k]`, `w: [k, n]`, `b: [n]`;
@@ -98,7 +103,7 @@ impl OpRule for LayerNormLinear {
     }
 
     fn workspace_elems(&self, inputs: &[&TensorMeta], _threads: usize) -> usize {
-        tile_elems(inputs, 3)
+        tile_elems(inputs, 3, FORWARD_TILE_ELEMS)
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
@@ -168,7 +173,7 @@ impl OpRule for LayerNormLinearBackward {
 
     /// One tile of normalised rows, then one partial `d_ln_w` and `d_ln_b` per thread.
     fn workspace_elems(&self, inputs: &[&TensorMeta], threads: usize) -> usize {
-        tile_elems(inputs, 5) + 2 * threads.max(1) * inputs[1].numel()
+        tile_elems(inputs, 5, TILE_ELEMS) + 2 * threads.max(1) * inputs[1].numel()
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
@@ -254,7 +259,7 @@ fn forward(eps: f32, kern: &super::Kernel<'_>) {
     };
     let (y, mean, rstd) = (kern.out_f32(0), kern.out_f32(1), kern.out_f32(2));
     let ws = kern.workspace();
-    let tile = tile_rows(rows, k, TILE_ELEMS);
+    let tile = tile_rows(rows, k, FORWARD_TILE_ELEMS);
     for r0 in (0..rows).step_by(tile) {
         let r1 = (r0 + tile).min(rows);
         let t = &mut ws[..(r1 - r0) * k];
