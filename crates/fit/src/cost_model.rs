@@ -17,8 +17,9 @@ use serde::{Deserialize, Serialize};
 use snug_graph::ops::Op;
 use snug_graph::{Graph, NodeId, StepGraph};
 
-/// Bumped when the meaning of samples changes, so stale caches are remeasured.
-pub const PROFILE_VERSION: u32 = 9;
+/// Bumped when the meaning of samples changes (or the kernels they time), so stale caches are
+/// remeasured. 10: large f32 GEMMs run snug's AVX-512 kernel.
+pub const PROFILE_VERSION: u32 = 10;
 
 /// One kernel call as measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
