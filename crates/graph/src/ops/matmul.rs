@@ -353,6 +353,38 @@ pub(crate) unsafe fn gemm_raw(
     par: gemm::Parallelism,
 ) {
     let ours = own_kernel((m, n, k), c_cs);
+    // SAFETY: as the caller vouched.
+    unsafe {
+        gemm_with(
+            (m, n, k),
+            (c, c_rs, c_cs),
+            (a, a_rs, a_cs),
+            (b, b_rs, b_cs),
+            scale,
+            accumulate,
+            par,
+            ours,
+        )
+    }
+}
+
+/// [`gemm_raw`] with the kernel chosen once for the whole product, so that every slab runs the
+/// kernel its split was chosen for.
+///
+/// # Safety
+/// As [`gemm_raw`]; `ours` only where [`own_kernel`] allowed it.
+#[cfg(feature = "cpu")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_with(
+    (m, n, k): (usize, usize, usize),
+    (c, c_rs, c_cs): (*mut f32, isize, isize),
+    (a, a_rs, a_cs): (*const f32, isize, isize),
+    (b, b_rs, b_cs): (*const f32, isize, isize),
+    scale: f32,
+    accumulate: bool,
+    par: gemm::Parallelism,
+    ours: bool,
+) {
     if let gemm::Parallelism::Rayon(threads) = par {
         // Each worker runs its own single-threaded GEMM on a slab of the output: measured here
         // (2 threads, 4096×384×1536 and its transposes) 10–20 % faster than the gemm crate's
@@ -370,30 +402,26 @@ pub(crate) unsafe fn gemm_raw(
             (0..len.div_ceil(each)).into_par_iter().for_each(|p| {
                 let (start, end) = (p * each, ((p + 1) * each).min(len));
                 let s = start as isize;
+                // A slab of rows starts `s` rows into `c` and `a`; one of columns `s` columns
+                // into `c` and `b`.
+                let (dims, c_at, a_at, b_at) = if by_rows {
+                    ((end - start, n, k), s * c_rs, s * a_rs, 0)
+                } else {
+                    ((m, end - start, k), s * c_cs, 0, s * b_cs)
+                };
                 // SAFETY: each part writes its own rows or columns of `c` and reads inside
                 // `a` and `b` as the whole product would.
                 unsafe {
-                    if by_rows {
-                        gemm_raw(
-                            (end - start, n, k),
-                            (c.get().offset(s * c_rs), c_rs, c_cs),
-                            (a.get().offset(s * a_rs), a_rs, a_cs),
-                            (b.get(), b_rs, b_cs),
-                            scale,
-                            accumulate,
-                            gemm::Parallelism::None,
-                        )
-                    } else {
-                        gemm_raw(
-                            (m, end - start, k),
-                            (c.get().offset(s * c_cs), c_rs, c_cs),
-                            (a.get(), a_rs, a_cs),
-                            (b.get().offset(s * b_cs), b_rs, b_cs),
-                            scale,
-                            accumulate,
-                            gemm::Parallelism::None,
-                        )
-                    }
+                    gemm_with(
+                        dims,
+                        (c.get().offset(c_at), c_rs, c_cs),
+                        (a.get().offset(a_at), a_rs, a_cs),
+                        (b.get().offset(b_at), b_rs, b_cs),
+                        scale,
+                        accumulate,
+                        gemm::Parallelism::None,
+                        ours,
+                    )
                 }
             });
             return;
@@ -401,8 +429,8 @@ pub(crate) unsafe fn gemm_raw(
     }
     #[cfg(target_arch = "x86_64")]
     if ours {
-        // SAFETY: `own_kernel` checked the CPU and the unit column stride of `c`; the caller
-        // vouches for the pointers.
+        // SAFETY: `own_kernel` checked the CPU and the unit column stride of `c` (a slab keeps
+        // both); the caller vouches for the pointers.
         let done = unsafe {
             super::gemm_avx512::sgemm(
                 (m, n, k),
