@@ -407,16 +407,56 @@ fn layout(capacity: usize) -> Option<Layout> {
 }
 
 fn system_alloc(capacity: usize) -> Option<NonNull<u8>> {
+    #[cfg(target_os = "linux")]
+    if capacity >= HUGE_PAGE_MIN {
+        return huge_alloc(capacity);
+    }
     let layout = layout(capacity)?;
     // SAFETY: capacity ≥ ALIGNMENT > 0.
     NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })
 }
 
 fn release(block: CachedBlock) {
+    #[cfg(target_os = "linux")]
+    if block.capacity >= HUGE_PAGE_MIN {
+        // SAFETY: blocks this large were mapped by `huge_alloc` with this length.
+        unsafe { libc::munmap(block.ptr.as_ptr() as *mut libc::c_void, block.capacity) };
+        return;
+    }
     if let Some(layout) = layout(block.capacity) {
-        // SAFETY: every block was allocated by `system_alloc` with this capacity.
+        // SAFETY: every other block was allocated by `system_alloc` with this capacity.
         unsafe { std::alloc::dealloc(block.ptr.as_ptr(), layout) };
     }
+}
+
+/// Blocks at least this large are mapped directly and backed by transparent huge pages where
+/// the kernel allows: the step's large activations are read in strided panels by the GEMM's
+/// packing, and 4 KiB pages put nearly every row of a panel on its own TLB entry.
+#[cfg(target_os = "linux")]
+const HUGE_PAGE_MIN: usize = 4 << 20;
+
+/// A fresh anonymous mapping (zeroed by the kernel, page-aligned), advised as huge-page memory
+/// before any page is touched, so the first touch of each 2 MiB faults in one huge page.
+#[cfg(target_os = "linux")]
+fn huge_alloc(capacity: usize) -> Option<NonNull<u8>> {
+    // SAFETY: an anonymous private mapping with no address hint; the result is checked.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            capacity,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return None;
+    }
+    // SAFETY: the range is the mapping just made; the advice only changes how its pages are
+    // backed, and a refusal (huge pages off) leaves ordinary pages.
+    unsafe { libc::madvise(ptr, capacity, libc::MADV_HUGEPAGE) };
+    NonNull::new(ptr as *mut u8)
 }
 
 #[cfg(unix)]

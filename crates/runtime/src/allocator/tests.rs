@@ -200,3 +200,56 @@ fn measure_and_leak_check() {
         }
     );
 }
+
+/// The `VmFlags` line of the mapping of `/proc/self/smaps` that holds `addr`.
+#[cfg(target_os = "linux")]
+fn vm_flags_at(addr: usize) -> Option<String> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    let mut inside = false;
+    for line in smaps.lines() {
+        let range = line
+            .split_whitespace()
+            .next()
+            .and_then(|r| r.split_once('-'));
+        if let Some((lo, hi)) = range {
+            if let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+            {
+                inside = (lo..hi).contains(&addr);
+                continue;
+            }
+        }
+        if inside {
+            if let Some(flags) = line.strip_prefix("VmFlags:") {
+                return Some(flags.to_string());
+            }
+        }
+    }
+    None
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn large_blocks_are_huge_page_mappings_that_come_back_zeroed() {
+    let a = Allocator::default();
+    let bytes = HUGE_PAGE_MIN + 3 * K;
+    let x = a.alloc(bytes).unwrap();
+    let ptr = x.as_ptr();
+    assert_eq!(ptr as usize % 4096, 0, "a mapping starts on a page");
+    // SAFETY: the buffer holds `bytes` bytes.
+    let fresh = unsafe { std::slice::from_raw_parts_mut(ptr, bytes) };
+    assert!(fresh.iter().all(|&b| b == 0), "fresh memory is zeroed");
+    fresh.fill(0xCD);
+    if std::path::Path::new("/sys/kernel/mm/transparent_hugepage").exists() {
+        let flags = vm_flags_at(ptr as usize).expect("the block is a mapping of its own");
+        assert!(
+            flags.split_whitespace().any(|f| f == "hg"),
+            "advised for huge pages: {flags}"
+        );
+    }
+    drop(x);
+    let y = a.alloc(bytes).unwrap();
+    assert_eq!(y.as_ptr(), ptr, "the cached mapping is reused");
+    // SAFETY: as above.
+    let reused = unsafe { std::slice::from_raw_parts(y.as_ptr(), bytes) };
+    assert!(reused.iter().all(|&b| b == 0), "reused memory is zeroed");
+}
