@@ -12,6 +12,7 @@ use serde::Serialize;
 use snug_plan::memory_plan::human_bytes;
 use snug_runtime::process::resident_set;
 use snug_runtime::Allocator;
+use snug_train::calibration::{SpeedTracker, StepSpeed};
 use snug_train::checkpoint;
 use snug_train::{DataSource, Event, TokenDataset, TrainConfig, Trainer};
 
@@ -90,6 +91,12 @@ pub struct TrainArgs {
     /// run recovers with a smaller configuration, redoing that step).
     #[arg(long, value_name = "STEP:SIZE")]
     lower_memory_at: Option<String>,
+    /// After every step, time the cost model's 0.2 s GEMM probe and print the step's
+    /// predicted time at the machine's speed around it beside the measured one (needs a
+    /// cached calibration; the probe holds about 35 MB beside the run): on a shared machine,
+    /// tells a slow spell from a slow configuration.
+    #[arg(long)]
+    track_speed: bool,
     /// One JSON object per step and evaluation, then a summary object.
     #[arg(long)]
     json: bool,
@@ -107,6 +114,9 @@ struct Summary {
     median_step_ms: f64,
     /// fit's cost model for the configuration the run ended with (needs a cached calibration).
     predicted_step_ms: Option<f64>,
+    /// With --track-speed: the median of the steady steps' predictions, each at the speed the
+    /// probe measured around that step.
+    tracked_predicted_step_ms: Option<f64>,
     min_step_ms: f64,
     max_step_ms: f64,
     tokens_per_step: usize,
@@ -297,9 +307,30 @@ pub fn run(args: TrainArgs) -> Result<()> {
         bar.set_position(trainer.steps_done());
         bar
     };
+    let mut tracker = if args.track_speed {
+        match snug_train::calibration::cached(cfg.threads) {
+            Some(profile) => {
+                let base = profile.step_seconds(trainer.step_graph(), &trainer.plan().schedule);
+                Some(SpeedTracker::start(profile, base, cfg.threads)?)
+            }
+            None => {
+                tracing::warn!(
+                    "--track-speed: no calibration for {} threads is cached (`snug fit --recalibrate` makes one); not tracking",
+                    cfg.threads
+                );
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let mut tracked: Vec<StepSpeed> = Vec::new();
+    let mut track_err: Option<snug_train::TrainError> = None;
     let mut out_err: Option<serde_json::Error> = None;
     let result = snug_train::run(&mut trainer, &stop, |event| match event {
         Event::Recovered(r) => {
+            // The prediction was for the configuration the run started with.
+            tracker = None;
             if json {
                 if let Err(e) = print_json("recovery", r) {
                     out_err.get_or_insert(e);
@@ -320,6 +351,34 @@ pub fn run(args: TrainArgs) -> Result<()> {
             }
         }
         Event::Step(s) => {
+            if let Some(t) = &mut tracker {
+                match t.after_step(s.step, s.ms) {
+                    Ok(sp) => {
+                        if json {
+                            if let Err(e) = print_json("speed", &sp) {
+                                out_err.get_or_insert(e);
+                            }
+                        } else if s.step % cfg.log_every == 0 || s.step == 1 || s.step == cfg.steps
+                        {
+                            bar.suspend(|| {
+                                println!(
+                                    "step {:>5}: predicted {:.1} ms at {:.2}x the calibration's speed, measured {:.1} ms ({:+.0} %)",
+                                    sp.step,
+                                    sp.predicted_step_ms,
+                                    sp.speed,
+                                    sp.measured_step_ms,
+                                    sp.error * 100.0
+                                )
+                            });
+                        }
+                        tracked.push(sp);
+                    }
+                    Err(e) => {
+                        track_err.get_or_insert(e);
+                        tracker = None;
+                    }
+                }
+            }
             lower(s.step);
             bar.set_position(s.step);
             bar.set_message(format!(
@@ -384,6 +443,18 @@ pub fn run(args: TrainArgs) -> Result<()> {
     if let Some(e) = out_err {
         return Err(e.into());
     }
+    if let Some(e) = track_err {
+        return Err(e.into());
+    }
+    let tracked_predicted_step_ms = (!tracked.is_empty()).then(|| {
+        let preds: Vec<f64> = tracked.iter().map(|t| t.predicted_step_ms).collect();
+        let steady = if preds.len() > 1 {
+            &preds[1..]
+        } else {
+            &preds[..]
+        };
+        stats(steady).0
+    });
     // The first step pays for page faults and thread start-up: leave it out when there are more.
     let times = &run.step_ms;
     let steady: Vec<f64> = if times.len() > 1 {
@@ -415,6 +486,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
                     .flatten()
             })
             .map(|m| m.step_seconds(trainer.step_graph(), &trainer.plan().schedule) * 1e3),
+        tracked_predicted_step_ms,
         min_step_ms: min,
         max_step_ms: max,
         tokens_per_step,
@@ -452,6 +524,12 @@ pub fn run(args: TrainArgs) -> Result<()> {
     );
     if let Some(p) = summary.predicted_step_ms {
         println!("predicted step {p:.1} ms by fit's cost model (calibrated on this machine)");
+    }
+    if let Some(p) = summary.tracked_predicted_step_ms {
+        println!(
+            "predicted at the speed around each step: median {p:.1} ms against {median:.1} ms measured ({:+.0} %)",
+            (median - p) / p * 100.0
+        );
     }
     if let Some(e) = run.last_eval {
         println!(

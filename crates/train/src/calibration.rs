@@ -151,6 +151,83 @@ pub fn cached_now(threads: usize) -> Result<Option<MachineProfile>, TrainError> 
     }
 }
 
+/// Follows this machine's speed through a run, for `snug train --track-speed`: the drift
+/// probe runs before the first step and after every step, so each step's prediction is the
+/// cost model's at the mean of the speeds measured just before and just after it. On a shared
+/// host whose speed moves in spells, that tells a slow step of the machine from a slow
+/// configuration; the probes run between steps and are not in the steps' times.
+pub struct SpeedTracker {
+    profile: MachineProfile,
+    /// The step's predicted seconds at the calibration's speed.
+    base_seconds: f64,
+    threads: usize,
+    /// Speed (times the calibration's) measured before the next step.
+    before: f64,
+}
+
+/// One step's prediction at the machine's speed around it.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct StepSpeed {
+    pub step: u64,
+    /// Mean of the drift probe's speed before and after the step, times the calibration's.
+    pub speed: f64,
+    pub predicted_step_ms: f64,
+    pub measured_step_ms: f64,
+    /// `(measured − predicted) / predicted`.
+    pub error: f64,
+}
+
+impl SpeedTracker {
+    /// Starts tracking a step the uncorrected `profile` predicts at `base_seconds`: times the
+    /// drift probe once.
+    pub fn start(
+        profile: MachineProfile,
+        base_seconds: f64,
+        threads: usize,
+    ) -> Result<SpeedTracker, TrainError> {
+        let before = speed_now(&profile, threads)?;
+        Ok(SpeedTracker::with_speed(
+            profile,
+            base_seconds,
+            threads,
+            before,
+        ))
+    }
+
+    fn with_speed(
+        profile: MachineProfile,
+        base_seconds: f64,
+        threads: usize,
+        before: f64,
+    ) -> SpeedTracker {
+        SpeedTracker {
+            profile,
+            base_seconds,
+            threads,
+            before,
+        }
+    }
+
+    /// Times the drift probe after step `step`, which took `measured_ms`.
+    pub fn after_step(&mut self, step: u64, measured_ms: f64) -> Result<StepSpeed, TrainError> {
+        let after = speed_now(&self.profile, self.threads)?;
+        Ok(self.record(step, measured_ms, after))
+    }
+
+    fn record(&mut self, step: u64, measured_ms: f64, after: f64) -> StepSpeed {
+        let speed = (self.before + after) / 2.0;
+        self.before = after;
+        let predicted_step_ms = self.base_seconds * 1e3 / speed.max(1e-9);
+        StepSpeed {
+            step,
+            speed,
+            predicted_step_ms,
+            measured_step_ms: measured_ms,
+            error: (measured_ms - predicted_step_ms) / predicted_step_ms,
+        }
+    }
+}
+
 /// Times every probe (one warm-up run, then `runs` timed ones, every node separately) and the
 /// memory bandwidth; the drift probe runs before and after, and its mean rate is the reference
 /// later probes are compared with.
@@ -310,6 +387,19 @@ mod tests {
                 seconds: 0.01,
             }],
         )
+    }
+
+    #[test]
+    fn the_speed_tracker_predicts_each_step_at_the_speed_around_it() {
+        // A 2 s step at calibration speed; the machine runs at 0.5× before step 1, 1.5× after
+        // it and 1× after step 2.
+        let mut t = SpeedTracker::with_speed(profile(1), 2.0, 1, 0.5);
+        let s1 = t.record(1, 2500.0, 1.5);
+        assert_eq!((s1.step, s1.speed, s1.predicted_step_ms), (1, 1.0, 2000.0));
+        assert!((s1.error - 0.25).abs() < 1e-12);
+        let s2 = t.record(2, 1600.0, 1.0);
+        assert_eq!((s2.speed, s2.predicted_step_ms), (1.25, 1600.0));
+        assert_eq!(s2.error, 0.0);
     }
 
     #[test]
