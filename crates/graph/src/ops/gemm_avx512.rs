@@ -1,6 +1,7 @@
-//! Single-threaded f32 GEMM for x86-64 CPUs with AVX-512F: `c (+)= scale · a · b` with `c`
-//! row-major and `a`, `b` at any strides. `matmul::gemm_raw` calls it for each thread's slab of
-//! the output and keeps the gemm crate for other CPUs and for narrow outputs.
+//! f32 GEMM for x86-64 CPUs with AVX-512F: `c (+)= scale · a · b` with `c` row-major and `a`,
+//! `b` at any strides, on one thread ([`sgemm`]) or on the rayon pool with work dealt by demand
+//! ([`sgemm_threaded`]). `matmul::gemm_raw` keeps the gemm crate for other CPUs and for narrow
+//! outputs.
 //!
 //! Why our own: at the training step's shapes on the 2-core AVX-512 host, interleaved with the
 //! gemm crate in one process (2-thread slabs, median of 21), it ran 1.1–1.3× the crate's speed on
@@ -81,6 +82,232 @@ pub(crate) unsafe fn sgemm(
         }
         true
     })
+}
+
+/// Columns (or rows) of the operand the threads share, packed at a time: `KC × SHARED` floats
+/// (3.4 MiB) on the calling thread, beside each worker's [`PACK_FLOATS`].
+const SHARED: usize = 2304;
+
+thread_local! {
+    static SHARED_PACK: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// [`sgemm`] on every thread of the current rayon pool, dealing work by demand rather than in
+/// equal slabs. On a shared host one core often runs at 0.6× its speed while the other does
+/// not (measured here: two pinned single-thread GEMM processes dip independently); equal slabs
+/// then run at twice the slow core's speed, and dealt chunks at the sum of both. The operand
+/// the chunks share (`b` when splitting rows, `a` when splitting columns) is packed once, by
+/// all threads, instead of once per slab. Returns `false`, doing nothing, when the calling
+/// thread's shared packing space is in use.
+///
+/// The result is bitwise that of [`sgemm`]: every element sums the same blocks in the same
+/// order, whichever thread computes it.
+///
+/// # Safety
+/// As [`sgemm`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn sgemm_threaded(
+    (m, n, k): (usize, usize, usize),
+    (c, c_rs): (*mut f32, isize),
+    (a, a_rs, a_cs): (*const f32, isize, isize),
+    (b, b_rs, b_cs): (*const f32, isize, isize),
+    scale: f32,
+    accumulate: bool,
+) -> bool {
+    SHARED_PACK.with(|shared| {
+        let Ok(mut buf) = shared.try_borrow_mut() else {
+            return false;
+        };
+        if buf.len() < KC * SHARED + 16 {
+            buf.resize(KC * SHARED + 16, 0.0);
+        }
+        let base = buf.as_mut_ptr();
+        // SAFETY: the buffer holds 16 floats of slack for the alignment, then `KC × SHARED`;
+        // the caller vouches for the operands.
+        unsafe {
+            let sp = base.add(base.align_offset(64));
+            let ops = Operands {
+                c: Shared(c),
+                c_rs,
+                a: Shared(a as *mut f32),
+                a_s: (a_rs, a_cs),
+                b: Shared(b as *mut f32),
+                b_s: (b_rs, b_cs),
+            };
+            if m >= n {
+                by_rows((m, n, k), ops, Shared(sp), (scale, accumulate));
+            } else {
+                by_columns((m, n, k), ops, Shared(sp), (scale, accumulate));
+            }
+        }
+        true
+    })
+}
+
+/// A pointer the pool's threads share; each writes its own rows or columns through it.
+#[derive(Clone, Copy)]
+struct Shared(*mut f32);
+// SAFETY: the threads read the operands and the shared panels only after they are packed
+// (a broadcast's end is the barrier) and write disjoint tiles of `c`.
+unsafe impl Send for Shared {}
+unsafe impl Sync for Shared {}
+impl Shared {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Operands {
+    c: Shared,
+    c_rs: isize,
+    a: Shared,
+    a_s: (isize, isize),
+    b: Shared,
+    b_s: (isize, isize),
+}
+
+/// Runs `f(0..items)` on every thread of the current pool, each thread taking the next item
+/// as it finishes one, and returns when all are done.
+fn deal(items: usize, f: impl Fn(usize) + Sync) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let next = AtomicUsize::new(0);
+    rayon::broadcast(|_| loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        if i >= items {
+            break;
+        }
+        f(i);
+    });
+}
+
+/// Items of `align` elements each, about four per thread so that a slow core takes fewer,
+/// at most `most` elements each.
+fn chunk(len: usize, align: usize, most: usize) -> usize {
+    let per = len.div_ceil(4 * rayon::current_num_threads().max(1));
+    per.next_multiple_of(align).clamp(align, most)
+}
+
+/// Runs `f(ap, bp)` with this thread's packing space (a fresh one if it is in use).
+fn with_pack(f: impl FnOnce(*mut f32, *mut f32)) {
+    PACK.with(|pack| {
+        let mut spare = Vec::new();
+        let mut held = pack.try_borrow_mut();
+        let buf = match held.as_mut() {
+            Ok(b) => &mut **b,
+            Err(_) => &mut spare,
+        };
+        if buf.len() < PACK_FLOATS {
+            buf.resize(PACK_FLOATS, 0.0);
+        }
+        let base = buf.as_mut_ptr();
+        // SAFETY: 16 floats of slack for the alignment, then `b`'s block and `a`'s.
+        let bp = unsafe { base.add(base.align_offset(64)) };
+        f(unsafe { bp.add(KC * NC) }, bp)
+    })
+}
+
+/// Rows dealt to threads, `b` packed once per block of `KC × SHARED`.
+#[target_feature(enable = "avx512f")]
+unsafe fn by_rows(
+    (m, n, k): (usize, usize, usize),
+    o: Operands,
+    sp: Shared,
+    (scale, accumulate): (f32, bool),
+) {
+    let rows = chunk(m, MR, MC);
+    for pc in (0..k).step_by(KC) {
+        let kc = KC.min(k - pc);
+        let acc = accumulate || pc > 0;
+        for jg in (0..n).step_by(SHARED) {
+            let gw = SHARED.min(n - jg);
+            // SAFETY (both deals): as `sgemm_threaded`'s caller vouched; each item packs its
+            // own panels of the shared block, then each row chunk writes its own rows of `c`.
+            deal(gw.div_ceil(NC), |p| unsafe {
+                let j = p * NC;
+                let (rs, cs) = o.b_s;
+                let src = o.b.get().offset(pc as isize * rs + (jg + j) as isize * cs);
+                pack_b(kc, NC.min(gw - j), src, o.b_s, sp.get().add(j * kc));
+            });
+            deal(m.div_ceil(rows), |q| {
+                with_pack(|ap, _| unsafe {
+                    let i0 = q * rows;
+                    let mc = rows.min(m - i0);
+                    let (rs, cs) = o.a_s;
+                    for ir in (0..mc).step_by(MR) {
+                        let src = o.a.get().offset((i0 + ir) as isize * rs + pc as isize * cs);
+                        pack_a(kc, MR.min(mc - ir), src, o.a_s, ap.add(ir * kc));
+                    }
+                    for jc in (0..gw).step_by(NC) {
+                        let nc = NC.min(gw - jc);
+                        for ir in (0..mc).step_by(MR) {
+                            for jr in (0..nc).step_by(NR) {
+                                let at = (i0 + ir) as isize * o.c_rs + (jg + jc + jr) as isize;
+                                kernel(
+                                    kc,
+                                    ap.add(ir * kc),
+                                    sp.get().add((jc + jr) * kc),
+                                    (o.c.get().offset(at), o.c_rs),
+                                    (MR.min(mc - ir), NR.min(nc - jr)),
+                                    scale,
+                                    acc,
+                                );
+                            }
+                        }
+                    }
+                })
+            });
+        }
+    }
+}
+
+/// Columns dealt to threads, `a` packed once per block of `SHARED × KC`.
+#[target_feature(enable = "avx512f")]
+unsafe fn by_columns(
+    (m, n, k): (usize, usize, usize),
+    o: Operands,
+    sp: Shared,
+    (scale, accumulate): (f32, bool),
+) {
+    let cols = chunk(n, NR, NC);
+    for pc in (0..k).step_by(KC) {
+        let kc = KC.min(k - pc);
+        let acc = accumulate || pc > 0;
+        for ig in (0..m).step_by(SHARED) {
+            let mg = SHARED.min(m - ig);
+            // SAFETY (both deals): as in `by_rows`, with rows and columns exchanged.
+            deal(mg.div_ceil(MR * 8), |p| unsafe {
+                let (rs, cs) = o.a_s;
+                for ir in (p * MR * 8..mg).step_by(MR).take(8) {
+                    let src = o.a.get().offset((ig + ir) as isize * rs + pc as isize * cs);
+                    pack_a(kc, MR.min(mg - ir), src, o.a_s, sp.get().add(ir * kc));
+                }
+            });
+            deal(n.div_ceil(cols), |q| {
+                with_pack(|_, bp| unsafe {
+                    let j0 = q * cols;
+                    let nc = cols.min(n - j0);
+                    let (rs, cs) = o.b_s;
+                    let src = o.b.get().offset(pc as isize * rs + j0 as isize * cs);
+                    pack_b(kc, nc, src, o.b_s, bp);
+                    for ir in (0..mg).step_by(MR) {
+                        for jr in (0..nc).step_by(NR) {
+                            let at = (ig + ir) as isize * o.c_rs + (j0 + jr) as isize;
+                            kernel(
+                                kc,
+                                sp.get().add(ir * kc),
+                                bp.add(jr * kc),
+                                (o.c.get().offset(at), o.c_rs),
+                                (MR.min(mg - ir), NR.min(nc - jr)),
+                                scale,
+                                acc,
+                            );
+                        }
+                    }
+                })
+            });
+        }
+    }
 }
 
 #[target_feature(enable = "avx512f")]
@@ -366,6 +593,71 @@ mod tests {
                 (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
             })
             .collect()
+    }
+
+    /// Threads dealing rows or columns compute bitwise what one thread computes, in every
+    /// layout, with partial chunks, several `k` blocks, and shared blocks past `SHARED` in
+    /// both directions; also on a pool of three, where chunks do not divide evenly.
+    #[test]
+    fn dealing_work_to_threads_changes_no_bit() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX-512F");
+            return;
+        }
+        let shapes = [
+            (2400, 2350, 40),
+            (2330, 2345, 20),
+            (50, 2400, 400),
+            (700, 90, 385),
+            (13, 100, 5),
+        ];
+        for threads in [2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            for (m, n, k) in shapes {
+                for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                    let (a, b) = (values(m * k, 4), values(k * n, 5));
+                    let start = values(m * n, 6);
+                    let (a_rs, a_cs) = if ta { (1, m as isize) } else { (k as isize, 1) };
+                    let (b_rs, b_cs) = if tb { (1, k as isize) } else { (n as isize, 1) };
+                    let run = |c: &mut Vec<f32>| {
+                        // SAFETY: the CPU was checked; the strides stay inside the vectors.
+                        unsafe {
+                            sgemm_threaded(
+                                (m, n, k),
+                                (c.as_mut_ptr(), n as isize),
+                                (a.as_ptr(), a_rs, a_cs),
+                                (b.as_ptr(), b_rs, b_cs),
+                                0.5,
+                                true,
+                            )
+                        }
+                    };
+                    let (mut one, mut dealt) = (start.clone(), start.clone());
+                    // SAFETY: as above.
+                    let done = unsafe {
+                        sgemm(
+                            (m, n, k),
+                            (one.as_mut_ptr(), n as isize),
+                            (a.as_ptr(), a_rs, a_cs),
+                            (b.as_ptr(), b_rs, b_cs),
+                            0.5,
+                            true,
+                        )
+                    };
+                    assert!(done && pool.install(|| run(&mut dealt)));
+                    assert!(
+                        one.iter()
+                            .zip(&dealt)
+                            .all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{m}×{k}×{n} ta={ta} tb={tb} on {threads} threads"
+                    );
+                    assert_ne!(one, start, "{m}×{k}×{n}: the product was not added");
+                }
+            }
+        }
     }
 
     /// Every layout the step uses, and shapes that leave partial tiles and blocks in each

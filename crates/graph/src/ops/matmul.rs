@@ -385,6 +385,23 @@ unsafe fn gemm_with(
     par: gemm::Parallelism,
     ours: bool,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if ours && matches!(par, gemm::Parallelism::Rayon(_)) && m.max(n) >= 32 {
+        // SAFETY: as for `sgemm` below.
+        let done = unsafe {
+            super::gemm_avx512::sgemm_threaded(
+                (m, n, k),
+                (c, c_rs),
+                (a, a_rs, a_cs),
+                (b, b_rs, b_cs),
+                scale,
+                accumulate,
+            )
+        };
+        if done {
+            return;
+        }
+    }
     if let gemm::Parallelism::Rayon(threads) = par {
         // Each worker runs its own single-threaded GEMM on a slab of the output: measured here
         // (2 threads, 4096×384×1536 and its transposes) 10–20 % faster than the gemm crate's
