@@ -18,8 +18,9 @@ use snug_graph::ops::Op;
 use snug_graph::{Graph, NodeId, StepGraph};
 
 /// Bumped when the meaning of samples changes (or the kernels they time), so stale caches are
-/// remeasured. 10: large f32 GEMMs run snug's AVX-512 kernel.
-pub const PROFILE_VERSION: u32 = 10;
+/// remeasured. 10: large f32 GEMMs run snug's AVX-512 kernel. 11: it deals work to threads by
+/// demand.
+pub const PROFILE_VERSION: u32 = 11;
 
 /// One kernel call as measured.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -229,20 +229,33 @@ impl SpeedTracker {
 }
 
 /// Times every probe (one warm-up run, then `runs` timed ones, every node separately) and the
-/// memory bandwidth; the drift probe runs before and after, and its mean rate is the reference
-/// later probes are compared with.
+/// memory bandwidth. The drift probe runs before the first probe model and after each one, and
+/// each model's samples are brought to one reference speed, the median of those rates: a spell
+/// of slowness during one model would otherwise stay in its kernels' times for good. The
+/// reference is what later drift probes are compared with.
 pub fn calibrate(threads: usize) -> Result<MachineProfile, TrainError> {
-    let before = gemm_rate(threads, DRIFT_PROBE, DRIFT_RUNS)?;
-    let mut samples = Vec::new();
+    let mut rates = vec![gemm_rate(threads, DRIFT_PROBE, DRIFT_RUNS)?];
+    let mut measured = Vec::new();
     for probe in PROBES {
-        samples.extend(run_probe(probe, threads)?);
+        let samples = run_probe(probe, threads)?;
+        rates.push(gemm_rate(threads, DRIFT_PROBE, DRIFT_RUNS)?);
+        measured.push(samples);
     }
-    let after = gemm_rate(threads, DRIFT_PROBE, DRIFT_RUNS)?;
-    let gemm_peak_flops = samples
+    // The peak MFU is reported against is the best rate actually seen, before normalising: a
+    // fast call between two slow drift probes would otherwise come out above the hardware's.
+    let gemm_peak_flops = measured
         .iter()
+        .flatten()
         .filter(|s| s.class.starts_with("matmul"))
         .map(|s| s.work / s.seconds)
         .fold(0.0, f64::max);
+    let reference = median(&rates);
+    tracing::debug!(
+        ?rates,
+        reference,
+        "drift probe around each calibration model"
+    );
+    let samples = normalized(measured, &rates, reference);
     let mut secs: Vec<f64> = samples.iter().map(|s| s.seconds).collect();
     secs.sort_by(f64::total_cmp);
     let overhead = secs.get(secs.len() / 20).copied().unwrap_or(5e-6);
@@ -254,7 +267,35 @@ pub fn calibrate(threads: usize) -> Result<MachineProfile, TrainError> {
         overhead,
         samples,
     )
-    .with_probe((before + after) / 2.0))
+    .with_probe(reference))
+}
+
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Each probe model's samples (`measured[i]`, taken between drift-probe rates `rates[i]` and
+/// `rates[i + 1]`) at the `reference` rate: a model measured while the machine ran at 0.6× the
+/// reference has its times multiplied by 0.6.
+fn normalized(measured: Vec<Vec<Sample>>, rates: &[f64], reference: f64) -> Vec<Sample> {
+    measured
+        .into_iter()
+        .enumerate()
+        .flat_map(|(i, samples)| {
+            let around = (rates[i] + rates[i + 1]) / 2.0;
+            let factor = if around > 0.0 && reference > 0.0 {
+                around / reference
+            } else {
+                1.0
+            };
+            samples.into_iter().map(move |s| Sample {
+                seconds: s.seconds * factor,
+                ..s
+            })
+        })
+        .collect()
 }
 
 /// FLOP/s of snug's f32 matmul on `[m, k] · [k, n]`, best of `runs` after one warm-up.
@@ -387,6 +428,29 @@ mod tests {
                 seconds: 0.01,
             }],
         )
+    }
+
+    #[test]
+    fn each_probe_model_is_brought_to_the_reference_speed() {
+        let sample = |seconds| Sample {
+            class: "matmul".into(),
+            family: "f".into(),
+            work: 1e9,
+            seconds,
+        };
+        // Rates 200, 100, 200, 300 around three models: the reference is their median, 200.
+        let rates = [200.0, 100.0, 200.0, 300.0];
+        assert_eq!(median(&rates), 200.0);
+        let out = normalized(
+            vec![vec![sample(0.04)], vec![sample(0.02), sample(0.03)], vec![]],
+            &rates,
+            200.0,
+        );
+        // The first model ran at 150 (0.75×) and the second at 150 too; the third had none.
+        let secs: Vec<f64> = out.iter().map(|s| s.seconds).collect();
+        assert_eq!(secs, vec![0.04 * 0.75, 0.02 * 0.75, 0.03 * 0.75]);
+        let out = normalized(vec![vec![sample(0.1)]], &[0.0, 0.0], 0.0);
+        assert_eq!(out[0].seconds, 0.1);
     }
 
     #[test]
