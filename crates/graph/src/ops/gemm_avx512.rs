@@ -16,6 +16,8 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
+use super::par::SendPtr;
+
 /// Rows of the register tile.
 const MR: usize = 8;
 /// Columns of the register tile: three zmm vectors.
@@ -127,43 +129,30 @@ pub(crate) unsafe fn sgemm_threaded(
         unsafe {
             let sp = base.add(base.align_offset(64));
             let ops = Operands {
-                c: Shared(c),
+                c: SendPtr(c),
                 c_rs,
-                a: Shared(a as *mut f32),
+                a: SendPtr(a as *mut f32),
                 a_s: (a_rs, a_cs),
-                b: Shared(b as *mut f32),
+                b: SendPtr(b as *mut f32),
                 b_s: (b_rs, b_cs),
             };
             if m >= n {
-                by_rows((m, n, k), ops, Shared(sp), (scale, accumulate));
+                by_rows((m, n, k), ops, SendPtr(sp), (scale, accumulate));
             } else {
-                by_columns((m, n, k), ops, Shared(sp), (scale, accumulate));
+                by_columns((m, n, k), ops, SendPtr(sp), (scale, accumulate));
             }
         }
         true
     })
 }
 
-/// A pointer the pool's threads share; each writes its own rows or columns through it.
-#[derive(Clone, Copy)]
-struct Shared(*mut f32);
-// SAFETY: the threads read the operands and the shared panels only after they are packed
-// (a broadcast's end is the barrier) and write disjoint tiles of `c`.
-unsafe impl Send for Shared {}
-unsafe impl Sync for Shared {}
-impl Shared {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-
 #[derive(Clone, Copy)]
 struct Operands {
-    c: Shared,
+    c: SendPtr,
     c_rs: isize,
-    a: Shared,
+    a: SendPtr,
     a_s: (isize, isize),
-    b: Shared,
+    b: SendPtr,
     b_s: (isize, isize),
 }
 
@@ -212,7 +201,7 @@ fn with_pack(f: impl FnOnce(*mut f32, *mut f32)) {
 unsafe fn by_rows(
     (m, n, k): (usize, usize, usize),
     o: Operands,
-    sp: Shared,
+    sp: SendPtr,
     (scale, accumulate): (f32, bool),
 ) {
     let rows = chunk(m, MR, MC);
@@ -239,21 +228,10 @@ unsafe fn by_rows(
                         pack_a(kc, MR.min(mc - ir), src, o.a_s, ap.add(ir * kc));
                     }
                     for jc in (0..gw).step_by(NC) {
-                        let nc = NC.min(gw - jc);
-                        for ir in (0..mc).step_by(MR) {
-                            for jr in (0..nc).step_by(NR) {
-                                let at = (i0 + ir) as isize * o.c_rs + (jg + jc + jr) as isize;
-                                kernel(
-                                    kc,
-                                    ap.add(ir * kc),
-                                    sp.get().add((jc + jr) * kc),
-                                    (o.c.get().offset(at), o.c_rs),
-                                    (MR.min(mc - ir), NR.min(nc - jr)),
-                                    scale,
-                                    acc,
-                                );
-                            }
-                        }
+                        let at = i0 as isize * o.c_rs + (jg + jc) as isize;
+                        let panels = (ap as *const f32, sp.get().add(jc * kc) as *const f32);
+                        let c = (o.c.get().offset(at), o.c_rs);
+                        tiles(kc, panels, c, (mc, NC.min(gw - jc)), scale, acc);
                     }
                 })
             });
@@ -266,7 +244,7 @@ unsafe fn by_rows(
 unsafe fn by_columns(
     (m, n, k): (usize, usize, usize),
     o: Operands,
-    sp: Shared,
+    sp: SendPtr,
     (scale, accumulate): (f32, bool),
 ) {
     let cols = chunk(n, NR, NC);
@@ -290,20 +268,16 @@ unsafe fn by_columns(
                     let (rs, cs) = o.b_s;
                     let src = o.b.get().offset(pc as isize * rs + j0 as isize * cs);
                     pack_b(kc, nc, src, o.b_s, bp);
-                    for ir in (0..mg).step_by(MR) {
-                        for jr in (0..nc).step_by(NR) {
-                            let at = (ig + ir) as isize * o.c_rs + (j0 + jr) as isize;
-                            kernel(
-                                kc,
-                                sp.get().add(ir * kc),
-                                bp.add(jr * kc),
-                                (o.c.get().offset(at), o.c_rs),
-                                (MR.min(mg - ir), NR.min(nc - jr)),
-                                scale,
-                                acc,
-                            );
-                        }
-                    }
+                    let at = ig as isize * o.c_rs + j0 as isize;
+                    let panels = (sp.get() as *const f32, bp as *const f32);
+                    tiles(
+                        kc,
+                        panels,
+                        (o.c.get().offset(at), o.c_rs),
+                        (mg, nc),
+                        scale,
+                        acc,
+                    );
                 })
             });
         }
@@ -344,22 +318,9 @@ unsafe fn blocked(
             for jc in (0..n).step_by(NC) {
                 let nc = NC.min(n - jc);
                 unsafe { pack_b(kc, nc, b.offset(bt(pc, jc)), (b_rs, b_cs), bp) };
-                for ir in (0..mc).step_by(MR) {
-                    for jr in (0..nc).step_by(NR) {
-                        unsafe {
-                            let cp = c.offset((ic + ir) as isize * c_rs + (jc + jr) as isize);
-                            let tile = (MR.min(mc - ir), NR.min(nc - jr));
-                            kernel(
-                                kc,
-                                ap.add(ir * kc),
-                                bp.add(jr * kc),
-                                (cp, c_rs),
-                                tile,
-                                scale,
-                                acc,
-                            );
-                        }
-                    }
+                unsafe {
+                    let cp = c.offset(ic as isize * c_rs + jc as isize);
+                    tiles(kc, (ap, bp), (cp, c_rs), (mc, nc), scale, acc);
                 }
             }
         }
@@ -462,6 +423,37 @@ unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, (rs, cs): (isize, isize), 
                     }
                 }
             }
+        }
+    }
+}
+
+/// The `mc × nc` block of `c` at `c` from packed panels: `ap` holds `mc` rows in 8-row panels,
+/// `bp` `nc` columns in 48-column panels, both `kc` deep.
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tiles(
+    kc: usize,
+    (ap, bp): (*const f32, *const f32),
+    (c, c_rs): (*mut f32, isize),
+    (mc, nc): (usize, usize),
+    scale: f32,
+    accumulate: bool,
+) {
+    for ir in (0..mc).step_by(MR) {
+        for jr in (0..nc).step_by(NR) {
+            // SAFETY: the panels hold `kc` packed rows each and the tile lies inside `c`, as
+            // the caller vouched.
+            unsafe {
+                kernel(
+                    kc,
+                    ap.add(ir * kc),
+                    bp.add(jr * kc),
+                    (c.offset(ir as isize * c_rs + jr as isize), c_rs),
+                    (MR.min(mc - ir), NR.min(nc - jr)),
+                    scale,
+                    accumulate,
+                )
+            };
         }
     }
 }

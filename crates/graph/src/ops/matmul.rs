@@ -386,10 +386,16 @@ unsafe fn gemm_with(
     ours: bool,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if ours && matches!(par, gemm::Parallelism::Rayon(_)) && m.max(n) >= 32 {
-        // SAFETY: as for `sgemm` below.
+    if ours {
+        use super::gemm_avx512::{sgemm, sgemm_threaded};
+        // Threads deal the work by demand; where that cannot run (its packing space in use),
+        // the slabs below each run `sgemm`.
+        let threaded = matches!(par, gemm::Parallelism::Rayon(_)) && m.max(n) >= 32;
+        let run = if threaded { sgemm_threaded } else { sgemm };
+        // SAFETY: `own_kernel` checked the CPU and the unit column stride of `c` (a slab keeps
+        // both); the caller vouches for the pointers.
         let done = unsafe {
-            super::gemm_avx512::sgemm_threaded(
+            run(
                 (m, n, k),
                 (c, c_rs),
                 (a, a_rs, a_cs),
@@ -441,24 +447,6 @@ unsafe fn gemm_with(
                     )
                 }
             });
-            return;
-        }
-    }
-    #[cfg(target_arch = "x86_64")]
-    if ours {
-        // SAFETY: `own_kernel` checked the CPU and the unit column stride of `c` (a slab keeps
-        // both); the caller vouches for the pointers.
-        let done = unsafe {
-            super::gemm_avx512::sgemm(
-                (m, n, k),
-                (c, c_rs),
-                (a, a_rs, a_cs),
-                (b, b_rs, b_cs),
-                scale,
-                accumulate,
-            )
-        };
-        if done {
             return;
         }
     }
