@@ -794,11 +794,17 @@ fn gelu_linear_input_weight_and_bias() {
     }
 }
 
-/// The fused op computes what `gelu` then a biased `matmul` compute, over several row tiles.
+/// The fused op computes what `gelu` then a biased `matmul` compute: over several row tiles
+/// (an output too narrow for our AVX-512 kernel), and through that kernel where the CPU has it
+/// (GELU made as the kernel packs `h`, the bias added as it stores `y`).
 #[test]
 fn gelu_linear_equals_gelu_then_matmul() {
     // At most 2^21 elements per tile: at width 64, 33000 rows take two tiles.
-    let (rows, k, n) = (33000, 64, 3);
+    gelu_linear_against_unfused(33000, 64, 3);
+    gelu_linear_against_unfused(3000, 64, 40);
+}
+
+fn gelu_linear_against_unfused(rows: usize, k: usize, n: usize) {
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     let mut values =
         |len: usize| -> Vec<f32> { (0..len).map(|_| rng.random_range(-3.0..3.0f32)).collect() };
@@ -835,16 +841,25 @@ fn gelu_linear_equals_gelu_then_matmul() {
         .zip(&plain)
         .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
         .fold(0.0f32, f32::max);
-    assert!(worst < 1e-5, "fused and unfused differ by {worst}");
+    assert!(
+        worst < 1e-5,
+        "[{rows}, {k}] x [{k}, {n}]: fused and unfused differ by {worst}"
+    );
 }
 
 /// The fused op computes what `layer_norm` then a biased `matmul` compute, forward and
-/// backward, over several row tiles.
+/// backward: over several row tiles (an output too narrow for our AVX-512 kernel), and through
+/// that kernel where the CPU has it (rows normalised as the kernel packs them, in both
+/// orientations).
 #[test]
 fn layer_norm_linear_equals_layer_norm_then_matmul() {
     // At most 2^21 elements per forward tile and 2^19 per backward one: at width 64, 70000
     // rows take three and nine.
-    let (rows, k, n) = (70000, 64, 3);
+    layer_norm_linear_against_unfused(70000, 64, 3);
+    layer_norm_linear_against_unfused(3000, 64, 40);
+}
+
+fn layer_norm_linear_against_unfused(rows: usize, k: usize, n: usize) {
     let mut rng = ChaCha8Rng::seed_from_u64(11);
     let mut values = |len: usize, lo: f32, hi: f32| -> Vec<f32> {
         (0..len).map(|_| rng.random_range(lo..hi)).collect()
@@ -932,7 +947,10 @@ fn layer_norm_linear_equals_layer_norm_then_matmul() {
             .map(|(a, b)| (a - b).abs())
             .fold(0.0f32, f32::max)
             / scale;
-        assert!(worst < 1e-5, "{what}: fused and unfused differ by {worst}");
+        assert!(
+            worst < 1e-5,
+            "[{rows}, {k}] x [{k}, {n}] {what}: fused and unfused differ by {worst}"
+        );
     }
 }
 

@@ -29,13 +29,20 @@ const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
 /// 1/√(2π)
 const INV_SQRT_2PI: f32 = 0.398_942_3;
 
+/// `u = √(2/π)·(x + 0.044715·x³)`, the argument of GPT-2's tanh.
+#[cfg(feature = "cpu")]
+#[inline(always)]
+fn tanh_arg(x: f32) -> f32 {
+    SQRT_2_OVER_PI * (x + COEF * x * x * x)
+}
+
 #[cfg(feature = "cpu")]
 #[inline(always)]
 pub(super) fn gelu(approx: GeluApprox, x: f32) -> f32 {
     match approx {
-        GeluApprox::Tanh => {
-            0.5 * x * (1.0 + super::math::tanh(SQRT_2_OVER_PI * (x + COEF * x * x * x)))
-        }
+        // 0.5·(1 + tanh(u)) = σ(2u): one exp and one division, no sign juggling, and no
+        // cancellation in 1 + tanh(u) for negative x.
+        GeluApprox::Tanh => x / (1.0 + super::math::exp(-2.0 * tanh_arg(x))),
         GeluApprox::Exact => 0.5 * x * (1.0 + libm::erff(x * FRAC_1_SQRT_2)),
     }
 }
@@ -46,11 +53,10 @@ pub(super) fn gelu(approx: GeluApprox, x: f32) -> f32 {
 pub(super) fn gelu_and_grad(approx: GeluApprox, x: f32) -> (f32, f32) {
     match approx {
         GeluApprox::Tanh => {
-            let u = SQRT_2_OVER_PI * (x + COEF * x * x * x);
-            let t = super::math::tanh(u);
+            // With s = σ(2u) = 0.5·(1 + tanh(u)): gelu = x·s and gelu' = s + 2x·s(1 - s)·u'.
+            let s = 1.0 / (1.0 + super::math::exp(-2.0 * tanh_arg(x)));
             let du = SQRT_2_OVER_PI * (1.0 + 3.0 * COEF * x * x);
-            let half_1pt = 0.5 * (1.0 + t);
-            (x * half_1pt, half_1pt + 0.5 * x * (1.0 - t * t) * du)
+            (x * s, s + 2.0 * x * s * (1.0 - s) * du)
         }
         GeluApprox::Exact => {
             let cdf = 0.5 * (1.0 + libm::erff(x * FRAC_1_SQRT_2));
@@ -142,6 +148,38 @@ impl OpRule for GeluBackward {
         match self.approx {
             GeluApprox::Tanh => super::par::binary(k, |v, g| g * gelu_grad(GeluApprox::Tanh, v)),
             GeluApprox::Exact => super::par::binary(k, |v, g| g * gelu_grad(GeluApprox::Exact, v)),
+        }
+    }
+}
+
+#[cfg(all(test, feature = "cpu"))]
+mod tests {
+    use super::*;
+
+    /// Both variants and the tanh one's derivative against the textbook formulas in f64.
+    #[test]
+    fn values_and_slopes_match_the_formulas() {
+        let mut x = -9.0f32;
+        while x < 9.0 {
+            let v = f64::from(x);
+            let u = (2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v * v * v);
+            let tanh_form = 0.5 * v * (1.0 + u.tanh());
+            let du = (2.0 / std::f64::consts::PI).sqrt() * (1.0 + 3.0 * 0.044715 * v * v);
+            let slope = 0.5 * (1.0 + u.tanh()) + 0.5 * v * (1.0 - u.tanh().powi(2)) * du;
+            let exact = 0.5 * v * (1.0 + libm::erf(v / std::f64::consts::SQRT_2));
+            let close =
+                |got: f32, want: f64| (f64::from(got) - want).abs() <= 2e-6 * (1.0 + want.abs());
+            let (value, grad) = gelu_and_grad(GeluApprox::Tanh, x);
+            assert!(
+                close(gelu(GeluApprox::Tanh, x), tanh_form),
+                "tanh gelu({x})"
+            );
+            assert!(
+                close(value, tanh_form) && close(grad, slope),
+                "tanh gelu'({x})"
+            );
+            assert!(close(gelu(GeluApprox::Exact, x), exact), "exact gelu({x})");
+            x += 0.0173;
         }
     }
 }

@@ -170,12 +170,23 @@ fn approx_of(tanh: bool) -> GeluApprox {
 
 #[cfg(feature = "cpu")]
 fn forward<const TANH: bool>(kern: &super::Kernel<'_>) {
-    use super::matmul::linear_rows;
+    use super::matmul::{gemm_fused, linear_rows, par_for, Fused, Prologue};
     let (h, w, bias) = (kern.in_f32(0), kern.in_f32(1), kern.in_f32(2));
     let Ok((rows, k, n)) = linear_dims("gelu_linear", kern.in_shape(0), kern.in_shape(1)) else {
         unreachable!("shape rule checked at build time")
     };
-    let (y, ws) = (kern.out_f32(0), kern.workspace());
+    let y = kern.out_f32(0);
+    // Where our GEMM kernel runs the product, it takes GELU of `h` as it packs it.
+    let fused = Fused {
+        prologue: Prologue::Gelu(approx_of(TANH)),
+        bias: Some(bias),
+    };
+    let par = par_for(rows, n, k, rayon::current_num_threads());
+    // SAFETY: `h` holds rows·k, `w` k·n and `y` rows·n elements.
+    if unsafe { gemm_fused((false, false), (rows, n, k), h, w, y, par, fused) } {
+        return;
+    }
+    let ws = kern.workspace();
     let tile = tile_rows(rows, k, TILE_ELEMS);
     for r0 in (0..rows).step_by(tile) {
         let r1 = (r0 + tile).min(rows);

@@ -16,6 +16,8 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
+use super::gelu::{gelu, GeluApprox};
+use super::matmul::{Fused, Prologue};
 use super::par::SendPtr;
 
 /// Rows of the register tile.
@@ -45,13 +47,15 @@ pub(crate) fn available() -> bool {
     is_x86_feature_detected!("avx512f")
 }
 
-/// `c (+)= scale · a · b` for an `m × k` by `k × n` product. Element `(i, j)` of each operand
-/// sits at `i·rs + j·cs`; `c`'s columns are contiguous. Returns `false`, doing nothing, when the
+/// `c (+)= scale · f(a) · b (+ bias)` for an `m × k` by `k × n` product, `f` and the bias as
+/// `fused` says (the bias only without `accumulate`). Element `(i, j)` of each operand sits at
+/// `i·rs + j·cs`; `c`'s columns are contiguous. Returns `false`, doing nothing, when the
 /// thread's packing space is in use (a re-entrant call), so the caller can fall back.
 ///
 /// # Safety
 /// The CPU must have AVX-512F ([`available`]); every pointer must be valid for the elements its
-/// strides reach, and `c` must not overlap `a` or `b`.
+/// strides reach, and `c` must not overlap `a` or `b`. A prologue's statistics must cover every
+/// token and its weights every feature of `a`; a bias must hold `n` values.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn sgemm(
     (m, n, k): (usize, usize, usize),
@@ -60,6 +64,7 @@ pub(crate) unsafe fn sgemm(
     (b, b_rs, b_cs): (*const f32, isize, isize),
     scale: f32,
     accumulate: bool,
+    fused: Fused<'_>,
 ) -> bool {
     PACK.with(|pack| {
         let Ok(mut buf) = pack.try_borrow_mut() else {
@@ -80,6 +85,7 @@ pub(crate) unsafe fn sgemm(
                 (b, b_rs, b_cs),
                 (ap, bp),
                 (scale, accumulate),
+                fused,
             );
         }
         true
@@ -115,6 +121,7 @@ pub(crate) unsafe fn sgemm_threaded(
     (b, b_rs, b_cs): (*const f32, isize, isize),
     scale: f32,
     accumulate: bool,
+    fused: Fused<'_>,
 ) -> bool {
     SHARED_PACK.with(|shared| {
         let Ok(mut buf) = shared.try_borrow_mut() else {
@@ -135,6 +142,7 @@ pub(crate) unsafe fn sgemm_threaded(
                 a_s: (a_rs, a_cs),
                 b: SendPtr(b as *mut f32),
                 b_s: (b_rs, b_cs),
+                fused,
             };
             if m >= n {
                 by_rows((m, n, k), ops, SendPtr(sp), (scale, accumulate));
@@ -147,13 +155,14 @@ pub(crate) unsafe fn sgemm_threaded(
 }
 
 #[derive(Clone, Copy)]
-struct Operands {
+struct Operands<'a> {
     c: SendPtr,
     c_rs: isize,
     a: SendPtr,
     a_s: (isize, isize),
     b: SendPtr,
     b_s: (isize, isize),
+    fused: Fused<'a>,
 }
 
 /// Runs `f(0..items)` on every thread of the current pool, each thread taking the next item
@@ -200,7 +209,7 @@ fn with_pack(f: impl FnOnce(*mut f32, *mut f32)) {
 #[target_feature(enable = "avx512f")]
 unsafe fn by_rows(
     (m, n, k): (usize, usize, usize),
-    o: Operands,
+    o: Operands<'_>,
     sp: SendPtr,
     (scale, accumulate): (f32, bool),
 ) {
@@ -225,13 +234,15 @@ unsafe fn by_rows(
                     let (rs, cs) = o.a_s;
                     for ir in (0..mc).step_by(MR) {
                         let src = o.a.get().offset((i0 + ir) as isize * rs + pc as isize * cs);
-                        pack_a(kc, MR.min(mc - ir), src, o.a_s, ap.add(ir * kc));
+                        let panel = (ap.add(ir * kc), i0 + ir, pc);
+                        pack_a(kc, MR.min(mc - ir), src, o.a_s, panel, o.fused.prologue);
                     }
                     for jc in (0..gw).step_by(NC) {
                         let at = i0 as isize * o.c_rs + (jg + jc) as isize;
                         let panels = (ap as *const f32, sp.get().add(jc * kc) as *const f32);
                         let c = (o.c.get().offset(at), o.c_rs);
-                        tiles(kc, panels, c, (mc, NC.min(gw - jc)), scale, acc);
+                        let bias = o.fused.bias_at(jg + jc);
+                        tiles(kc, panels, c, (mc, NC.min(gw - jc)), (scale, bias), acc);
                     }
                 })
             });
@@ -243,7 +254,7 @@ unsafe fn by_rows(
 #[target_feature(enable = "avx512f")]
 unsafe fn by_columns(
     (m, n, k): (usize, usize, usize),
-    o: Operands,
+    o: Operands<'_>,
     sp: SendPtr,
     (scale, accumulate): (f32, bool),
 ) {
@@ -258,7 +269,8 @@ unsafe fn by_columns(
                 let (rs, cs) = o.a_s;
                 for ir in (p * MR * 8..mg).step_by(MR).take(8) {
                     let src = o.a.get().offset((ig + ir) as isize * rs + pc as isize * cs);
-                    pack_a(kc, MR.min(mg - ir), src, o.a_s, sp.get().add(ir * kc));
+                    let panel = (sp.get().add(ir * kc), ig + ir, pc);
+                    pack_a(kc, MR.min(mg - ir), src, o.a_s, panel, o.fused.prologue);
                 }
             });
             deal(n.div_ceil(cols), |q| {
@@ -275,7 +287,7 @@ unsafe fn by_columns(
                         panels,
                         (o.c.get().offset(at), o.c_rs),
                         (mg, nc),
-                        scale,
+                        (scale, o.fused.bias_at(j0)),
                         acc,
                     );
                 })
@@ -293,6 +305,7 @@ unsafe fn blocked(
     (b, b_rs, b_cs): (*const f32, isize, isize),
     (ap, bp): (*mut f32, *mut f32),
     (scale, accumulate): (f32, bool),
+    fused: Fused<'_>,
 ) {
     let at = |i: usize, p: usize| i as isize * a_rs + p as isize * a_cs;
     let bt = |p: usize, j: usize| p as isize * b_rs + j as isize * b_cs;
@@ -311,7 +324,8 @@ unsafe fn blocked(
                         MR.min(mc - ir),
                         a.offset(at(ic + ir, pc)),
                         (a_rs, a_cs),
-                        ap.add(ir * kc),
+                        (ap.add(ir * kc), ic + ir, pc),
+                        fused.prologue,
                     )
                 };
             }
@@ -320,16 +334,25 @@ unsafe fn blocked(
                 unsafe { pack_b(kc, nc, b.offset(bt(pc, jc)), (b_rs, b_cs), bp) };
                 unsafe {
                     let cp = c.offset(ic as isize * c_rs + jc as isize);
-                    tiles(kc, (ap, bp), (cp, c_rs), (mc, nc), scale, acc);
+                    let bias = fused.bias_at(jc);
+                    tiles(kc, (ap, bp), (cp, c_rs), (mc, nc), (scale, bias), acc);
                 }
             }
         }
     }
 }
 
-/// Packs `kc` columns of up to 8 rows of `a` as `out[p·8 + i]`, zero rows past `mr`.
+/// Packs `kc` columns of up to 8 rows of `a` as `out[p·8 + i]`, zero rows past `mr`, then
+/// applies the prologue; the panel's first element is `(i0, p0)` of the whole `a`.
 #[target_feature(enable = "avx512f")]
-unsafe fn pack_a(kc: usize, mr: usize, a: *const f32, (rs, cs): (isize, isize), out: *mut f32) {
+unsafe fn pack_a(
+    kc: usize,
+    mr: usize,
+    a: *const f32,
+    (rs, cs): (isize, isize),
+    (out, i0, p0): (*mut f32, usize, usize),
+    prologue: Prologue<'_>,
+) {
     let src = |i: usize, p: usize| i as isize * rs + p as isize * cs;
     // SAFETY (all blocks): reads stay within `mr` rows and `kc` columns of `a`; writes within
     // the `8·kc` floats of the panel.
@@ -355,6 +378,58 @@ unsafe fn pack_a(kc: usize, mr: usize, a: *const f32, (rs, cs): (isize, isize), 
             for p in 0..kc {
                 for i in 0..MR {
                     *out.add(p * MR + i) = if i < mr { *a.offset(src(i, p)) } else { 0.0 };
+                }
+            }
+        }
+        if !matches!(prologue, Prologue::None) {
+            let panel = std::slice::from_raw_parts_mut(out, kc * MR);
+            apply_prologue(prologue, panel, mr, (i0, p0));
+        }
+    }
+}
+
+/// The prologue over one packed panel (`panel[p·8 + i]` holds `a[i0 + i, p0 + p]`), rows past
+/// `mr` left as they are. Loops over whole 8-float columns where it can, so they vectorise.
+#[inline(always)]
+fn apply_prologue(prologue: Prologue<'_>, panel: &mut [f32], mr: usize, (i0, p0): (usize, usize)) {
+    match prologue {
+        Prologue::None => {}
+        // Padded rows hold zeros, and GELU(0) = 0. One loop per variant, each vectorised.
+        Prologue::Gelu(GeluApprox::Tanh) => {
+            panel
+                .iter_mut()
+                .for_each(|x| *x = gelu(GeluApprox::Tanh, *x));
+        }
+        Prologue::Gelu(GeluApprox::Exact) => {
+            panel
+                .iter_mut()
+                .for_each(|x| *x = gelu(GeluApprox::Exact, *x));
+        }
+        Prologue::LayerNorm {
+            mean,
+            rstd,
+            w,
+            b,
+            tokens_down,
+        } => {
+            let kc = panel.len() / MR;
+            if tokens_down {
+                // Token per row of the panel, feature per column.
+                let (m8, r8) = (&mean[i0..i0 + mr], &rstd[i0..i0 + mr]);
+                let (wk, bk) = (&w[p0..p0 + kc], &b[p0..p0 + kc]);
+                for ((col, &wf), &bf) in panel.chunks_exact_mut(MR).zip(wk).zip(bk) {
+                    for ((v, &m), &r) in col.iter_mut().zip(m8).zip(r8) {
+                        *v = (*v - m) * r * wf + bf;
+                    }
+                }
+            } else {
+                // Token per column of the panel, feature per row.
+                let (w8, b8) = (&w[i0..i0 + mr], &b[i0..i0 + mr]);
+                let (mk, rk) = (&mean[p0..p0 + kc], &rstd[p0..p0 + kc]);
+                for ((col, &m), &r) in panel.chunks_exact_mut(MR).zip(mk).zip(rk) {
+                    for ((v, &wf), &bf) in col.iter_mut().zip(w8).zip(b8) {
+                        *v = (*v - m) * r * wf + bf;
+                    }
                 }
             }
         }
@@ -428,29 +503,30 @@ unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, (rs, cs): (isize, isize), 
 }
 
 /// The `mc × nc` block of `c` at `c` from packed panels: `ap` holds `mc` rows in 8-row panels,
-/// `bp` `nc` columns in 48-column panels, both `kc` deep.
+/// `bp` `nc` columns in 48-column panels, both `kc` deep. `bias` (null for none) holds the
+/// block's `nc` columns' biases, added where `c` is not accumulated into.
 #[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn tiles(
     kc: usize,
     (ap, bp): (*const f32, *const f32),
     (c, c_rs): (*mut f32, isize),
     (mc, nc): (usize, usize),
-    scale: f32,
+    (scale, bias): (f32, *const f32),
     accumulate: bool,
 ) {
     for ir in (0..mc).step_by(MR) {
         for jr in (0..nc).step_by(NR) {
-            // SAFETY: the panels hold `kc` packed rows each and the tile lies inside `c`, as
-            // the caller vouched.
+            // SAFETY: the panels hold `kc` packed rows each and the tile lies inside `c` (and
+            // its biases inside `bias`), as the caller vouched.
             unsafe {
+                let bias = if bias.is_null() { bias } else { bias.add(jr) };
                 kernel(
                     kc,
                     ap.add(ir * kc),
                     bp.add(jr * kc),
                     (c.offset(ir as isize * c_rs + jr as isize), c_rs),
                     (MR.min(mc - ir), NR.min(nc - jr)),
-                    scale,
+                    (scale, bias),
                     accumulate,
                 )
             };
@@ -458,7 +534,8 @@ unsafe fn tiles(
     }
 }
 
-/// One 8 × 48 tile: `c (+)= scale · Σ_p a[p] ⊗ b[p]` over packed panels, storing `mr × nr`.
+/// One 8 × 48 tile: `c (+)= scale · Σ_p a[p] ⊗ b[p]` over packed panels, storing `mr × nr`;
+/// not accumulating, a non-null `bias` (the tile's `nr` columns) is added.
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn kernel(
@@ -467,7 +544,7 @@ unsafe fn kernel(
     bp: *const f32,
     (c, c_rs): (*mut f32, isize),
     (mr, nr): (usize, usize),
-    scale: f32,
+    (scale, bias): (f32, *const f32),
     accumulate: bool,
 ) {
     let mut acc = [[_mm512_setzero_ps(); 3]; MR];
@@ -506,6 +583,8 @@ unsafe fn kernel(
                 let mut x = _mm512_mul_ps(*r, s);
                 if accumulate {
                     x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, dst));
+                } else if !bias.is_null() {
+                    x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, bias.add(v * 16)));
                 }
                 _mm512_mask_storeu_ps(dst, mask, x);
             }
@@ -624,6 +703,7 @@ mod tests {
                                 (b.as_ptr(), b_rs, b_cs),
                                 0.5,
                                 true,
+                                Fused::NONE,
                             )
                         }
                     };
@@ -637,6 +717,7 @@ mod tests {
                             (b.as_ptr(), b_rs, b_cs),
                             0.5,
                             true,
+                            Fused::NONE,
                         )
                     };
                     assert!(done && pool.install(|| run(&mut dealt)));
@@ -647,6 +728,103 @@ mod tests {
                         "{m}×{k}×{n} ta={ta} tb={tb} on {threads} threads"
                     );
                     assert_ne!(one, start, "{m}×{k}×{n}: the product was not added");
+                }
+            }
+        }
+    }
+
+    /// A prologue made while packing, and a bias added while storing, give bitwise the product
+    /// of the materialised `f(op(a))` with `c` filled with the bias first: on one thread and
+    /// dealt (rows and columns), in both LayerNorm orientations, past `KC` and `MC`, with
+    /// partial panels.
+    #[test]
+    fn fused_prologue_and_bias_are_bitwise_the_materialised_product() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX-512F");
+            return;
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        for (m, n, k) in [(803, 70, 450), (45, 500, 390), (9, 20, 7)] {
+            for ta in [false, true] {
+                let (a, b) = (values(m * k, 7), values(k * n, 8));
+                let bias = values(n, 9);
+                // Tokens run along op(a)'s rows, or (a weight gradient's xᵀ) along its columns.
+                let (tokens, features) = if ta { (k, m) } else { (m, k) };
+                let mean = values(tokens, 10);
+                let rstd: Vec<f32> = values(tokens, 11).iter().map(|v| v + 1.0).collect();
+                let (lw, lb) = (values(features, 12), values(features, 13));
+                let (a_rs, a_cs) = if ta { (1, m as isize) } else { (k as isize, 1) };
+                let at = |i: usize, p: usize| (i as isize * a_rs + p as isize * a_cs) as usize;
+                // The prologue, and what it makes of element (i, p) of op(a).
+                type Made<'f> = &'f dyn Fn(usize, usize, f32) -> f32;
+                let prologues: [(&str, Prologue, Made); 3] = [
+                    (
+                        "layer norm",
+                        Prologue::LayerNorm {
+                            mean: &mean,
+                            rstd: &rstd,
+                            w: &lw,
+                            b: &lb,
+                            tokens_down: !ta,
+                        },
+                        &|i, p, v| {
+                            let (t, f) = if ta { (p, i) } else { (i, p) };
+                            (v - mean[t]) * rstd[t] * lw[f] + lb[f]
+                        },
+                    ),
+                    ("gelu", Prologue::Gelu(GeluApprox::Tanh), &|_, _, v| {
+                        gelu(GeluApprox::Tanh, v)
+                    }),
+                    ("bias alone", Prologue::None, &|_, _, v| v),
+                ];
+                for (name, prologue, f) in prologues {
+                    // op(a) made, row-major.
+                    let mut made = vec![0.0; m * k];
+                    for i in 0..m {
+                        for p in 0..k {
+                            made[i * k + p] = f(i, p, a[at(i, p)]);
+                        }
+                    }
+                    let mut want: Vec<f32> = (0..m).flat_map(|_| bias.iter().copied()).collect();
+                    let ptr = |c: &mut Vec<f32>| (c.as_mut_ptr(), n as isize);
+                    let b_op = (b.as_ptr(), n as isize, 1);
+                    // SAFETY (all three): the CPU was checked; the strides stay inside the
+                    // vectors; the statistics and weights cover op(a).
+                    let done = unsafe {
+                        sgemm(
+                            (m, n, k),
+                            ptr(&mut want),
+                            (made.as_ptr(), k as isize, 1),
+                            b_op,
+                            1.0,
+                            true,
+                            Fused::NONE,
+                        )
+                    };
+                    let fused = Fused {
+                        prologue,
+                        bias: Some(&bias),
+                    };
+                    let a_op = (a.as_ptr(), a_rs, a_cs);
+                    let (mut one, mut dealt) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
+                    let one_done =
+                        unsafe { sgemm((m, n, k), ptr(&mut one), a_op, b_op, 1.0, false, fused) };
+                    let dealt_done = pool.install(|| unsafe {
+                        let (a_op, b_op) = ((a.as_ptr(), a_rs, a_cs), (b.as_ptr(), n as isize, 1));
+                        sgemm_threaded((m, n, k), ptr(&mut dealt), a_op, b_op, 1.0, false, fused)
+                    });
+                    assert!(done && one_done && dealt_done);
+                    for (what, got) in [("one thread", &one), ("dealt", &dealt)] {
+                        assert!(
+                            got.iter()
+                                .zip(&want)
+                                .all(|(x, y)| x.to_bits() == y.to_bits()),
+                            "{m}×{k}×{n} ta={ta} {name} on {what}"
+                        );
+                    }
                 }
             }
         }
@@ -687,6 +865,7 @@ mod tests {
                             (b.as_ptr(), b_rs, b_cs),
                             scale,
                             accumulate,
+                            Fused::NONE,
                         )
                     };
                     assert!(done);

@@ -104,14 +104,21 @@ pub(super) fn normalize_row(
     eps: f32,
     yr: &mut [f32],
 ) -> (f32, f32) {
-    let c = xr.len() as f32;
-    let m = super::math::sum(xr) / c;
-    let var = super::math::sum_by(xr, |v| (v - m) * (v - m)) / c;
-    let s = 1.0 / (var + eps).sqrt();
+    let (m, s) = row_stats(xr, eps);
     for (((o, &v), &wv), &bv) in yr.iter_mut().zip(xr).zip(w).zip(b) {
         *o = (v - m) * s * wv + bv;
     }
     (m, s)
+}
+
+/// A row's `(mean, rstd)`.
+#[cfg(feature = "cpu")]
+#[inline]
+pub(super) fn row_stats(xr: &[f32], eps: f32) -> (f32, f32) {
+    let c = xr.len() as f32;
+    let m = super::math::sum(xr) / c;
+    let var = super::math::sum_by(xr, |v| (v - m) * (v - m)) / c;
+    (m, 1.0 / (var + eps).sqrt())
 }
 
 /// One row of the backward's first pass: adds the row's terms of `dw` and `db` to `pdw` and

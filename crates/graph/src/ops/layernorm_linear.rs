@@ -9,7 +9,7 @@
 //! the weight gradient, then runs the LayerNorm backward on the same tile while it is in cache.
 
 #[cfg(feature = "cpu")]
-use super::layernorm::{backward_sums, dx_value, normalize_row};
+use super::layernorm::{backward_sums, dx_value, normalize_row, row_stats};
 use super::{expect_arity, float_dtype, linear_dims, shape_err, tile_rows, OpRule, OutSpec, SumTo};
 use crate::autodiff::GradCtx;
 use crate::tensor::TensorMeta;
@@ -248,9 +248,24 @@ fn normalize_tile_transposed(
         });
 }
 
+/// Each row's mean and rstd, in parallel over rows.
+#[cfg(feature = "cpu")]
+fn row_stats_all(x: &[f32], k: usize, eps: f32, mean: &mut [f32], rstd: &mut [f32]) {
+    use rayon::prelude::*;
+    let rows_per = (super::MIN_PAR_ELEMS / k).max(1);
+    x.par_chunks(rows_per * k)
+        .zip(mean.par_chunks_mut(rows_per))
+        .zip(rstd.par_chunks_mut(rows_per))
+        .for_each(|((x, mean), rstd)| {
+            for ((xr, m), s) in x.chunks_exact(k).zip(mean).zip(rstd) {
+                (*m, *s) = row_stats(xr, eps);
+            }
+        });
+}
+
 #[cfg(feature = "cpu")]
 fn forward(eps: f32, kern: &super::Kernel<'_>) {
-    use super::matmul::linear_rows;
+    use super::matmul::{gemm_fused, linear_rows, par_for, Fused, Prologue};
     let (x, ln_w, ln_b) = (kern.in_f32(0), kern.in_f32(1), kern.in_f32(2));
     let (w, bias) = (kern.in_f32(3), kern.in_f32(4));
     let Ok((rows, k, n)) = linear_dims("layer_norm_linear", kern.in_shape(0), kern.in_shape(3))
@@ -258,6 +273,25 @@ fn forward(eps: f32, kern: &super::Kernel<'_>) {
         unreachable!("shape rule checked at build time")
     };
     let (y, mean, rstd) = (kern.out_f32(0), kern.out_f32(1), kern.out_f32(2));
+    // Where our GEMM kernel runs the product, it normalises rows as it packs them: only the
+    // statistics are made beforehand, and no normalised row is stored.
+    row_stats_all(x, k, eps, mean, rstd);
+    let fused = Fused {
+        prologue: Prologue::LayerNorm {
+            mean,
+            rstd,
+            w: ln_w,
+            b: ln_b,
+            tokens_down: true,
+        },
+        bias: Some(bias),
+    };
+    let par = par_for(rows, n, k, rayon::current_num_threads());
+    // SAFETY: `x` holds rows·k, `w` k·n and `y` rows·n elements; the statistics cover every
+    // row and the norm's weights every feature.
+    if unsafe { gemm_fused((false, false), (rows, n, k), x, w, y, par, fused) } {
+        return;
+    }
     let ws = kern.workspace();
     let tile = tile_rows(rows, k, FORWARD_TILE_ELEMS);
     for r0 in (0..rows).step_by(tile) {
@@ -271,7 +305,7 @@ fn forward(eps: f32, kern: &super::Kernel<'_>) {
 
 #[cfg(feature = "cpu")]
 fn backward(kern: &super::Kernel<'_>) {
-    use super::matmul::{gemm_strided, par_for};
+    use super::matmul::{gemm_fused, gemm_strided, par_for, Fused, Prologue};
     use rayon::prelude::*;
     let (x, ln_w, ln_b) = (kern.in_f32(0), kern.in_f32(1), kern.in_f32(2));
     let (mean, rstd, w, dy) = (
@@ -293,14 +327,36 @@ fn backward(kern: &super::Kernel<'_>) {
         kern.out_f32(2),
         kern.out_f32(3),
     );
-    let tile = tile_rows(rows, k, TILE_ELEMS);
-    let (ws, partials) = kern.workspace().split_at_mut(tile * k);
+    let threads = rayon::current_num_threads();
+    // dw = layer_norm(x)ᵀ · dy in one product over all rows where our GEMM kernel runs it,
+    // normalising `x` as it packs it; otherwise a tile at a time below.
+    let fused = Fused {
+        prologue: Prologue::LayerNorm {
+            mean,
+            rstd,
+            w: ln_w,
+            b: ln_b,
+            tokens_down: false,
+        },
+        bias: None,
+    };
+    let par = par_for(k, n, rows, threads);
+    // SAFETY: `x` holds rows·k, `dy` rows·n and `dw` k·n elements; the statistics cover every
+    // row and the norm's weights every feature.
+    let dw_done = unsafe { gemm_fused((true, false), (k, n, rows), x, dy, dw, par, fused) };
+    let tile = if dw_done {
+        rows
+    } else {
+        tile_rows(rows, k, TILE_ELEMS)
+    };
+    let (ws, partials) = kern
+        .workspace()
+        .split_at_mut(tile_rows(rows, k, TILE_ELEMS) * k);
     partials.fill(0.0);
     let parts = partials.len() / (2 * k);
-    let threads = rayon::current_num_threads();
     for r0 in (0..rows).step_by(tile) {
         let r1 = (r0 + tile).min(rows);
-        let (t, dyt) = (&mut ws[..(r1 - r0) * k], &dy[r0 * n..r1 * n]);
+        let (t, dyt) = (&mut *ws, &dy[r0 * n..r1 * n]);
         let dxt = &mut dx[r0 * k..r1 * k];
         // The LayerNorm's output gradient, dy · wᵀ, made in dx's rows.
         // SAFETY: `dyt` holds (r1-r0)·n, `w` k·n and `dxt` (r1-r0)·k elements.
@@ -318,26 +374,29 @@ fn backward(kern: &super::Kernel<'_>) {
                 par_for(r1 - r0, k, n, threads),
             )
         };
-        // The normalised rows, remade transposed (`[k, rows]`): the weight gradient's GEMM
-        // then reads its left operand plainly, which the gemm crate ran 5-14 % faster at
-        // char-small's shapes (our AVX-512 kernel packs either layout at about the same cost).
-        normalize_tile_transposed(x, ln_w, ln_b, (mean, rstd), r0, r1 - r0, t);
-        // dw (+)= layer_norm(x)ᵀ · dy over this tile's rows.
-        // SAFETY: `t` holds k·(r1-r0), `dyt` (r1-r0)·n and `dw` k·n elements.
-        unsafe {
-            gemm_strided(
-                false,
-                false,
-                k,
-                n,
-                r1 - r0,
-                t,
-                dyt,
-                dw,
-                r0 > 0,
-                par_for(k, n, r1 - r0, threads),
-            )
-        };
+        if !dw_done {
+            // The normalised rows, remade transposed (`[k, rows]`): the weight gradient's GEMM
+            // then reads its left operand plainly, which the gemm crate ran 5-14 % faster at
+            // char-small's shapes.
+            let t = &mut t[..(r1 - r0) * k];
+            normalize_tile_transposed(x, ln_w, ln_b, (mean, rstd), r0, r1 - r0, t);
+            // dw (+)= layer_norm(x)ᵀ · dy over this tile's rows.
+            // SAFETY: `t` holds k·(r1-r0), `dyt` (r1-r0)·n and `dw` k·n elements.
+            unsafe {
+                gemm_strided(
+                    false,
+                    false,
+                    k,
+                    n,
+                    r1 - r0,
+                    t,
+                    dyt,
+                    dw,
+                    r0 > 0,
+                    par_for(k, n, r1 - r0, threads),
+                )
+            };
+        }
         // The LayerNorm backward, in place over dx's rows. Part `p` always takes the same rows
         // of a tile, so the partial sums (and the result) do not depend on thread timing.
         let rows_per = (r1 - r0).div_ceil(parts);

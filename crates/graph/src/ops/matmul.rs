@@ -203,6 +203,19 @@ impl OpRule for MatMul {
             unreachable!("shape rule checked at build time")
         };
         let (a, b, c) = (k.in_f32(0), k.in_f32(1), k.out_f32(0));
+        let threads = rayon::current_num_threads();
+        if self.bias && d.batch == 1 {
+            let fused = Fused {
+                prologue: Prologue::None,
+                bias: Some(k.in_f32(2)),
+            };
+            let par = par_for(d.m, d.n, d.k, threads);
+            // SAFETY: the shape rule sized `a`, `b`, `c` and the bias for these dimensions.
+            let dims = (d.m, d.n, d.k);
+            if unsafe { gemm_fused((self.ta, self.tb), dims, a, b, c, par, fused) } {
+                return;
+            }
+        }
         if self.bias {
             let bias = k.in_f32(2);
             super::par::rows_mut(c, d.n, |_, rows| {
@@ -214,7 +227,6 @@ impl OpRule for MatMul {
         let a_stride = d.m * d.k;
         let b_stride = if d.shared_b { 0 } else { d.k * d.n };
         let c_stride = d.m * d.n;
-        let threads = rayon::current_num_threads();
         let run = |i: usize, c: &mut [f32], par: gemm::Parallelism| {
             let (a, b) = (&a[i * a_stride..], &b[i * b_stride..]);
             // SAFETY: the slices hold `m·k`, `k·n` and `m·n` elements at the strides below.
@@ -267,25 +279,21 @@ pub(crate) fn linear_rows(
     y: &mut [f32],
     (m, k, n): (usize, usize, usize),
 ) {
+    assert!(t.len() >= m * k && w.len() >= k * n && y.len() >= m * n && bias.len() >= n);
+    let par = par_for(m, n, k, rayon::current_num_threads());
+    let fused = Fused {
+        prologue: Prologue::None,
+        bias: Some(bias),
+    };
+    // SAFETY: the lengths were checked just above.
+    if unsafe { gemm_fused((false, false), (m, n, k), t, w, y, par, fused) } {
+        return;
+    }
     for row in y[..m * n].chunks_exact_mut(n) {
         row.copy_from_slice(bias);
     }
-    assert!(t.len() >= m * k && w.len() >= k * n && y.len() >= m * n);
     // SAFETY: the lengths were checked just above.
-    unsafe {
-        gemm_strided(
-            false,
-            false,
-            m,
-            n,
-            k,
-            t,
-            w,
-            y,
-            true,
-            par_for(m, n, k, rayon::current_num_threads()),
-        )
-    };
+    unsafe { gemm_strided(false, false, m, n, k, t, w, y, true, par) };
 }
 
 /// Whether `gemm_raw` runs our AVX-512 kernel (`gemm_avx512`): on a CPU that has it, for
@@ -336,6 +344,96 @@ pub(crate) unsafe fn gemm_strided(
         accumulate,
         par,
     );
+}
+
+/// A transform of `a`'s elements made as they are packed, so that the elementwise op feeding a
+/// GEMM never writes its output to memory: each element is transformed once per product (every
+/// blocking packs each element of `a` once), by the thread that packs it.
+#[cfg(feature = "cpu")]
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Prologue<'a> {
+    None,
+    /// LayerNorm from saved statistics, `(v - mean[t]) · rstd[t] · w[f] + b[f]` in the order
+    /// the LayerNorm kernels round it, so the values are bitwise theirs. Element `(i, p)` of `a`
+    /// is token `i`, feature `p` when `tokens_down`, else token `p`, feature `i` (`a` is the
+    /// transposed activation of a weight gradient).
+    LayerNorm {
+        mean: &'a [f32],
+        rstd: &'a [f32],
+        w: &'a [f32],
+        b: &'a [f32],
+        tokens_down: bool,
+    },
+    /// GELU of every element, the scalar function vectorised, so bitwise its values.
+    Gelu(super::gelu::GeluApprox),
+}
+
+/// What a product fuses: a [`Prologue`] on `a`, and a bias (one per column of `c`) added where
+/// the first block of the inner dimension is stored, instead of `c` being filled with it first.
+#[cfg(feature = "cpu")]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Fused<'a> {
+    pub prologue: Prologue<'a>,
+    pub bias: Option<&'a [f32]>,
+}
+
+#[cfg(feature = "cpu")]
+impl Fused<'_> {
+    pub(crate) const NONE: Fused<'static> = Fused {
+        prologue: Prologue::None,
+        bias: None,
+    };
+
+    /// The bias from column `j` on, or null.
+    pub(crate) fn bias_at(&self, j: usize) -> *const f32 {
+        self.bias.map_or(std::ptr::null(), |b| b[j..].as_ptr())
+    }
+}
+
+/// `c = f(op(a)) · op(b) (+ bias)` through our AVX-512 kernel, with `f` (made as `a` is packed)
+/// and the bias (added as `c` is first stored) as `fused` says: the op feeding the product
+/// never writes its output, and `c` is never filled with the bias first. Returns `false`, doing
+/// nothing, where our kernel does not run this product (another CPU, a small product, its
+/// packing space in use); the caller then materialises `f(op(a))` and runs [`gemm_strided`].
+///
+/// # Safety
+/// As [`gemm_strided`]; a prologue's statistics must cover every token and its weights every
+/// feature of `op(a)`, and a bias must hold `n` values.
+#[cfg(feature = "cpu")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_fused(
+    (ta, tb): (bool, bool),
+    (m, n, k): (usize, usize, usize),
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+    par: gemm::Parallelism,
+    fused: Fused<'_>,
+) -> bool {
+    debug_assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
+    debug_assert!(fused.bias.is_none_or(|bias| bias.len() >= n));
+    #[cfg(target_arch = "x86_64")]
+    if own_kernel((m, n, k), 1) {
+        use super::gemm_avx512::{sgemm, sgemm_threaded};
+        let (a_rs, a_cs) = if ta { (1, m as isize) } else { (k as isize, 1) };
+        let (b_rs, b_cs) = if tb { (1, k as isize) } else { (n as isize, 1) };
+        let threaded = matches!(par, gemm::Parallelism::Rayon(_)) && m.max(n) >= 32;
+        let run = if threaded { sgemm_threaded } else { sgemm };
+        // SAFETY: `own_kernel` checked the CPU; the caller vouches for the operands.
+        return unsafe {
+            run(
+                (m, n, k),
+                (c.as_mut_ptr(), n as isize),
+                (a.as_ptr(), a_rs, a_cs),
+                (b.as_ptr(), b_rs, b_cs),
+                1.0,
+                false,
+                fused,
+            )
+        };
+    }
+    let _ = (ta, tb, m, n, k, a, b, c, par, fused);
+    false
 }
 
 /// `c (+)= scale · a · b` for strided matrices given as (pointer, row stride, column stride).
@@ -402,6 +500,7 @@ unsafe fn gemm_with(
                 (b, b_rs, b_cs),
                 scale,
                 accumulate,
+                Fused::NONE,
             )
         };
         if done {
