@@ -954,6 +954,93 @@ fn layer_norm_linear_against_unfused(rows: usize, k: usize, n: usize) {
     }
 }
 
+/// Attention forward and backward against a plain f64 computation, at widths where the
+/// kernels' 64-column strips are full (64), and split with a partial one (80), and a length that
+/// leaves a partial row block and key strip (200).
+#[test]
+fn causal_attention_matches_a_plain_computation() {
+    use snug_graph::ops::CausalAttentionBackward;
+    for (t, d) in [(200, 64), (130, 80)] {
+        let (heads, c) = (2, 2 * d);
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let mut values =
+            |len: usize| -> Vec<f32> { (0..len).map(|_| rng.random_range(-1.0..1.0f32)).collect() };
+        let (qkv_v, dy_v) = (values(t * 3 * c), values(t * c));
+        let mut g = Graph::new().with_threads(2);
+        let qkv = g.input("qkv", &[1, t, 3 * c], DType::F32).unwrap();
+        let dy = g.input("dy", &[1, t, c], DType::F32).unwrap();
+        let fwd = g.apply(CausalAttention { n_head: heads }, &[qkv]).unwrap();
+        let back = CausalAttentionBackward { n_head: heads };
+        let dqkv = g.apply1(back, &[qkv, fwd[0], fwd[1], dy]).unwrap();
+        g.mark_output(fwd[0]);
+        g.mark_output(dqkv);
+        let memory = plan(&g, &PlanOptions::default()).unwrap();
+        let mut s = CpuSession::new(g, memory, Allocator::default(), 2).unwrap();
+        s.write_f32(qkv, &qkv_v).unwrap();
+        s.write_f32(dy, &dy_v).unwrap();
+        // Twice: the second run finds the first's results in every buffer, so an output that
+        // is added to rather than written would show.
+        s.run(ExecCtx::default()).unwrap();
+        s.run(ExecCtx::default()).unwrap();
+        let (y, dqkv) = (
+            s.read_f32(fwd[0]).unwrap().to_vec(),
+            s.read_f32(dqkv).unwrap().to_vec(),
+        );
+        let scale = 1.0 / (d as f64).sqrt();
+        let at = |x: &[f32], stride: usize, r: usize, col: usize| f64::from(x[r * stride + col]);
+        for h in 0..heads {
+            let (q0, k0, v0, y0) = (h * d, c + h * d, 2 * c + h * d, h * d);
+            let mut want_dqkv = vec![0.0f64; t * 3 * c];
+            for i in 0..t {
+                let s_row: Vec<f64> = (0..=i)
+                    .map(|j| {
+                        (0..d)
+                            .map(|p| at(&qkv_v, 3 * c, i, q0 + p) * at(&qkv_v, 3 * c, j, k0 + p))
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .collect();
+                let max = s_row.iter().copied().fold(f64::MIN, f64::max);
+                let e: Vec<f64> = s_row.iter().map(|v| (v - max).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                let prob: Vec<f64> = e.iter().map(|v| v / sum).collect();
+                let dp: Vec<f64> = (0..=i)
+                    .map(|j| {
+                        (0..d)
+                            .map(|p| at(&dy_v, c, i, y0 + p) * at(&qkv_v, 3 * c, j, v0 + p))
+                            .sum()
+                    })
+                    .collect();
+                let dot: f64 = prob.iter().zip(&dp).map(|(a, b)| a * b).sum();
+                for p in 0..d {
+                    let want: f64 = (0..=i)
+                        .map(|j| prob[j] * at(&qkv_v, 3 * c, j, v0 + p))
+                        .sum();
+                    let got = at(&y, c, i, y0 + p);
+                    assert!((got - want).abs() < 1e-5, "t={t} d={d} y[{i}, {p}]");
+                }
+                for j in 0..=i {
+                    let ds = prob[j] * (dp[j] - dot) * scale;
+                    for p in 0..d {
+                        want_dqkv[i * 3 * c + q0 + p] += ds * at(&qkv_v, 3 * c, j, k0 + p);
+                        want_dqkv[j * 3 * c + k0 + p] += ds * at(&qkv_v, 3 * c, i, q0 + p);
+                        want_dqkv[j * 3 * c + v0 + p] += prob[j] * at(&dy_v, c, i, y0 + p);
+                    }
+                }
+            }
+            for r in 0..t {
+                for col in [q0, k0, v0].into_iter().flat_map(|o| o..o + d) {
+                    let (got, want) = (at(&dqkv, 3 * c, r, col), want_dqkv[r * 3 * c + col]);
+                    assert!(
+                        (got - want).abs() < 1e-4 * (1.0 + want.abs()),
+                        "t={t} d={d} dqkv[{r}, {col}]: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Embedding, views and layout
 

@@ -1,5 +1,6 @@
 //! Fused causal self-attention over a packed `qkv` tensor. Heads are read in place with strided
-//! GEMMs (no split, no transpose copies); the forward keeps only the output and each row's
+//! GEMMs (no split); only keys (and, in the backward, values) are laid out transposed once per
+//! head, for the products against them. The forward keeps only the output and each row's
 //! log-sum-exp, and the backward recomputes the probabilities from them, as FlashAttention does.
 //! Scores for one head at a time live in a per-thread workspace, so no `[B, H, T, T]` tensor
 //! ever exists.
@@ -62,10 +63,10 @@ impl OpRule for CausalAttention {
         Ok(())
     }
 
-    /// One `T × T` score matrix per thread.
+    /// One head's scratch per thread.
     fn workspace_elems(&self, inputs: &[&TensorMeta], threads: usize) -> usize {
-        let t = inputs[0].shape.get(1).copied().unwrap_or(0);
-        threads * t * t
+        dims(self.name(), &inputs[0].shape, self.n_head)
+            .map_or(0, |(_, t, _, d)| threads * forward_scratch(t, d))
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
@@ -86,7 +87,7 @@ impl OpRule for CausalAttention {
         let lse = SendPtr(k.out_f32(1).as_mut_ptr());
         let h = self.n_head;
         let scale = 1.0 / (d as f32).sqrt();
-        for_each_head(k.workspace(), t * t, b * h, |item, s| {
+        for_each_head(k.workspace(), forward_scratch(t, d), b * h, |item, s| {
             let (bi, hi) = (item / h, item % h);
             // SAFETY: every pointer below stays inside its tensor; each (b, h) writes only its
             // own columns of y and its own row of lse.
@@ -142,10 +143,10 @@ impl OpRule for CausalAttentionBackward {
         })
     }
 
-    /// Probabilities and their gradient, `T × T` each, per thread.
+    /// One head's scratch per thread.
     fn workspace_elems(&self, inputs: &[&TensorMeta], threads: usize) -> usize {
-        let t = inputs[0].shape.get(1).copied().unwrap_or(0);
-        2 * threads * t * t
+        dims(self.name(), &inputs[0].shape, self.n_head)
+            .map_or(0, |(_, t, _, d)| threads * backward_scratch(t, d))
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
@@ -168,7 +169,7 @@ impl OpRule for CausalAttentionBackward {
         let dqkv = SendPtr(k.out_f32(0).as_mut_ptr());
         let h = self.n_head;
         let scale = 1.0 / (d as f32).sqrt();
-        for_each_head(k.workspace(), 2 * t * t, b * h, |item, ws| {
+        for_each_head(k.workspace(), backward_scratch(t, d), b * h, |item, ws| {
             let (bi, hi) = (item / h, item % h);
             // SAFETY: as in the forward; each (b, h) writes only its own columns of dqkv.
             unsafe {
@@ -226,7 +227,37 @@ pub(super) struct HeadGrads {
     pub dv: Rows,
 }
 
-/// `c (+)= scale · a · b` on strided head matrices; `ta`/`tb` read an operand transposed.
+/// A product's right operand as [`head_gemm`] reads it: strips of 64 columns `strip` floats
+/// apart, each strip's rows `rs` apart and contiguous.
+#[cfg(feature = "cpu")]
+#[derive(Clone, Copy)]
+struct Right {
+    ptr: *const f32,
+    rs: usize,
+    strip: usize,
+}
+
+#[cfg(feature = "cpu")]
+impl Right {
+    /// A head's rows read in place (copying them contiguous first measured no faster).
+    fn rows(x: Rows) -> Right {
+        Right {
+            ptr: x.ptr,
+            rs: x.stride,
+            strip: 64,
+        }
+    }
+
+    /// The same operand from row `r` on.
+    unsafe fn down(self, r: usize) -> Right {
+        Right {
+            ptr: unsafe { self.ptr.add(r * self.rs) },
+            ..self
+        }
+    }
+}
+
+/// `c (+)= scale · op(a) · b` on one head's matrices, `op` transposing with `ta`.
 ///
 /// # Safety
 /// Every pointer must be valid for the rows its shape and stride reach.
@@ -237,28 +268,91 @@ unsafe fn head_gemm(
     c: Rows,
     a: Rows,
     ta: bool,
-    b: Rows,
-    tb: bool,
+    b: Right,
     scale: f32,
     acc: bool,
 ) {
-    let strides = |r: Rows, t: bool| {
-        if t {
-            (1, r.stride as isize)
-        } else {
-            (r.stride as isize, 1)
+    let (a_rs, a_cs) = if ta { (1, a.stride) } else { (a.stride, 1) };
+    #[cfg(target_arch = "x86_64")]
+    if super::gemm_avx512::available() {
+        // SAFETY: the CPU was checked; the caller vouches for the operands.
+        unsafe {
+            super::gemm_avx512::small_gemm(
+                (m, n, k),
+                (c.ptr, c.stride),
+                (a.ptr, a_rs, a_cs),
+                (b.ptr, b.rs, b.strip),
+                scale,
+                acc,
+            )
+        };
+        return;
+    }
+    for j0 in (0..n).step_by(64) {
+        // SAFETY: strip `j0 / 64` of `b` and columns `j0..` of `c`, as the caller vouched.
+        unsafe {
+            super::matmul::gemm_raw(
+                (m, (n - j0).min(64), k),
+                (c.ptr.add(j0), c.stride as isize, 1),
+                (a.ptr, a_rs as isize, a_cs as isize),
+                (b.ptr.add(j0 / 64 * b.strip), b.rs as isize, 1),
+                scale,
+                acc,
+                gemm::Parallelism::None,
+            )
+        };
+    }
+}
+
+/// Floats of one head's operand laid out with its `t` rows across, in strips of 64.
+fn across_len(t: usize, d: usize) -> usize {
+    t.next_multiple_of(64) * d
+}
+
+/// Scratch floats one head's forward needs: its scores and its keys laid across.
+pub(super) fn forward_scratch(t: usize, d: usize) -> usize {
+    t * t + across_len(t, d)
+}
+
+/// Scratch floats one head's backward needs: probabilities and their gradient, and keys and
+/// values laid across.
+pub(super) fn backward_scratch(t: usize, d: usize) -> usize {
+    2 * t * t + 2 * across_len(t, d)
+}
+
+/// `x`'s `t` rows of `d` transposed (`[d, t]`), in strips of 64 of them ([`across_len`] floats),
+/// for products whose columns are `x`'s rows (scores against keys).
+///
+/// # Safety
+/// `x` must be valid for `t` rows of `d` elements at its stride.
+#[cfg(feature = "cpu")]
+unsafe fn rows_across(x: Rows, (t, d): (usize, usize), out: &mut [f32]) -> Right {
+    let out = &mut out[..across_len(t, d)];
+    for (strip, o) in out.chunks_exact_mut(64 * d).enumerate() {
+        let (r0, rows) = (strip * 64, (t - strip * 64).min(64));
+        // SAFETY: rows `r0..r0 + rows` of `x`, as the caller vouched.
+        let x = unsafe { x.down(r0) };
+        #[cfg(target_arch = "x86_64")]
+        if super::gemm_avx512::available() {
+            // SAFETY: the CPU was checked; `o` holds d rows of 64.
+            unsafe {
+                super::gemm_avx512::transpose((x.ptr, x.stride), (rows, d), (o.as_mut_ptr(), 64))
+            };
+            continue;
         }
-    };
-    let ((a_rs, a_cs), (b_rs, b_cs)) = (strides(a, ta), strides(b, tb));
-    super::matmul::gemm_raw(
-        (m, n, k),
-        (c.ptr, c.stride as isize, 1),
-        (a.ptr, a_rs, a_cs),
-        (b.ptr, b_rs, b_cs),
-        scale,
-        acc,
-        gemm::Parallelism::None,
-    );
+        for r in 0..rows {
+            // SAFETY: as above.
+            let row = unsafe { std::slice::from_raw_parts(x.ptr.add(r * x.stride), d) };
+            for (p, &v) in row.iter().enumerate() {
+                o[p * 64 + r] = v;
+            }
+        }
+    }
+    Right {
+        ptr: out.as_ptr(),
+        rs: 64,
+        strip: 64 * d,
+    }
 }
 
 /// Query rows handled together. Row block `[r0, r1)` only needs keys `[0, r1)`, so working in
@@ -283,14 +377,14 @@ pub(super) fn score_pairs(t: usize) -> usize {
 }
 
 /// Row blocks `(r0, r1)` covering `0..t`.
-fn row_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
+fn row_blocks(t: usize) -> impl DoubleEndedIterator<Item = (usize, usize)> {
     (0..t)
         .step_by(ROW_BLOCK)
         .map(move |r0| (r0, (r0 + ROW_BLOCK).min(t)))
 }
 
 /// One (batch, head) of causal attention: `y = softmax(scale·QKᵀ, causal) · V`, recording each
-/// row's log-sum-exp; `s` is `t × t` scratch.
+/// row's log-sum-exp; `s` is [`forward_scratch`] floats.
 ///
 /// # Safety
 /// The pointers must be valid for `t` rows of `d` elements at their strides.
@@ -302,22 +396,24 @@ pub(super) unsafe fn head_forward(
     s: &mut [f32],
     lse: &mut [f32],
 ) {
+    let (s, kt) = s.split_at_mut(t * t);
+    let (kt, v) = (rows_across(k, (t, d), kt), Right::rows(v));
     let s_rows = Rows {
         ptr: s.as_mut_ptr(),
         stride: t,
     };
     for (r0, r1) in row_blocks(t) {
         let (m, s_blk) = (r1 - r0, s_rows.down(r0));
-        head_gemm((m, r1, d), s_blk, q.down(r0), false, k, true, scale, false);
+        head_gemm((m, r1, d), s_blk, q.down(r0), false, kt, scale, false);
         for i in r0..r1 {
             softmax_causal_row(i, &mut s[i * t..i * t + r1], &mut lse[i]);
         }
-        head_gemm((m, d, r1), y.down(r0), s_blk, false, v, false, 1.0, false);
+        head_gemm((m, d, r1), y.down(r0), s_blk, false, v, 1.0, false);
     }
 }
 
-/// Gradients of one (batch, head), recomputing the probabilities from `lse`; `ws` is `2·t·t`
-/// scratch. With `accumulate_kv`, `dk` and `dv` are added to (several query heads sharing a
+/// Gradients of one (batch, head), recomputing the probabilities from `lse`; `ws` is
+/// [`backward_scratch`] floats. With `accumulate_kv`, `dk` and `dv` are added to (several query heads sharing a
 /// key/value head) instead of overwritten.
 ///
 /// # Safety
@@ -330,14 +426,11 @@ pub(super) unsafe fn head_backward(
     ws: &mut [f32],
     accumulate_kv: bool,
 ) {
-    if !accumulate_kv {
-        // Every row block adds into dK and dV rows 0..r1.
-        for r in 0..t {
-            std::slice::from_raw_parts_mut(h.dk.ptr.add(r * h.dk.stride), d).fill(0.0);
-            std::slice::from_raw_parts_mut(h.dv.ptr.add(r * h.dv.stride), d).fill(0.0);
-        }
-    }
-    let (p, dp) = ws.split_at_mut(t * t);
+    let (p, rest) = ws.split_at_mut(t * t);
+    let (dp, rest) = rest.split_at_mut(t * t);
+    let (kt, vt) = rest.split_at_mut(across_len(t, d));
+    let (kt, vt) = (rows_across(h.k, (t, d), kt), rows_across(h.v, (t, d), vt));
+    let (k, q, dy) = (Right::rows(h.k), Right::rows(h.q), Right::rows(h.dy));
     let (p_rows, dp_rows) = (
         Rows {
             ptr: p.as_mut_ptr(),
@@ -348,20 +441,14 @@ pub(super) unsafe fn head_backward(
             stride: t,
         },
     );
-    for (r0, r1) in row_blocks(t) {
+    // Every row block adds into dK and dV rows 0..r1: the last block, which reaches every row,
+    // goes first and writes them, so they need no zeroing.
+    for (r0, r1) in row_blocks(t).rev() {
+        let kv_acc = accumulate_kv || r1 < t;
         let m = r1 - r0;
         let (p_blk, dp_blk) = (p_rows.down(r0), dp_rows.down(r0));
         // P = exp(scale·QKᵀ − lse), zero above the diagonal.
-        head_gemm(
-            (m, r1, d),
-            p_blk,
-            h.q.down(r0),
-            false,
-            h.k,
-            true,
-            scale,
-            false,
-        );
+        head_gemm((m, r1, d), p_blk, h.q.down(r0), false, kt, scale, false);
         for i in r0..r1 {
             let (live, masked) = p[i * t..i * t + r1].split_at_mut(i + 1);
             let l = lse[i];
@@ -371,26 +458,8 @@ pub(super) unsafe fn head_backward(
             masked.fill(0.0);
         }
         // dV[0..r1] += Pᵀ · dY ;  dP = dY · Vᵀ
-        head_gemm(
-            (r1, d, m),
-            h.dv,
-            p_blk,
-            true,
-            h.dy.down(r0),
-            false,
-            1.0,
-            true,
-        );
-        head_gemm(
-            (m, r1, d),
-            dp_blk,
-            h.dy.down(r0),
-            false,
-            h.v,
-            true,
-            1.0,
-            false,
-        );
+        head_gemm((r1, d, m), h.dv, p_blk, true, dy.down(r0), 1.0, kv_acc);
+        head_gemm((m, r1, d), dp_blk, h.dy.down(r0), false, vt, 1.0, false);
         // dS = P ⊙ (dP − rowsum(dY ⊙ Y))
         for i in r0..r1 {
             let dy_row = std::slice::from_raw_parts(h.dy.ptr.add(i * h.dy.stride), d);
@@ -402,26 +471,8 @@ pub(super) unsafe fn head_backward(
             }
         }
         // dQ = scale · dS · K ;  dK[0..r1] += scale · dSᵀ · Q
-        head_gemm(
-            (m, d, r1),
-            h.dq.down(r0),
-            dp_blk,
-            false,
-            h.k,
-            false,
-            scale,
-            false,
-        );
-        head_gemm(
-            (r1, d, m),
-            h.dk,
-            dp_blk,
-            true,
-            h.q.down(r0),
-            false,
-            scale,
-            true,
-        );
+        head_gemm((m, d, r1), h.dq.down(r0), dp_blk, false, k, scale, false);
+        head_gemm((r1, d, m), h.dk, dp_blk, true, q.down(r0), scale, kv_acc);
     }
 }
 

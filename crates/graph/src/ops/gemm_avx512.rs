@@ -592,6 +592,140 @@ unsafe fn kernel(
     }
 }
 
+/// Rows of [`small_gemm`]'s register tile; its columns are four zmm vectors (64 floats, one
+/// attention head's width).
+const SMALL_MR: usize = 6;
+
+/// `c (+)= scale · a · b` for the small products of one attention head (tens to hundreds of
+/// rows, columns and depth), nothing packed per product: `a`'s elements are broadcast from
+/// wherever they lie (any strides, so `a` may be read transposed); `b` is read in strips of 64
+/// columns, `b_strip` floats apart, each strip's rows `b_rs` apart and contiguous (the caller
+/// lays each head's operands out once, so rows stream in order rather than thrash the cache's
+/// sets from a wide tensor); `c`'s rows are contiguous.
+///
+/// # Safety
+/// The CPU must have AVX-512F ([`available`]); every pointer must be valid for the elements its
+/// strides reach, and `c` must not overlap `a` or `b`.
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn small_gemm(
+    (m, n, k): (usize, usize, usize),
+    (c, c_rs): (*mut f32, usize),
+    a: (*const f32, usize, usize),
+    (b, b_rs, b_strip): (*const f32, usize, usize),
+    scale: f32,
+    accumulate: bool,
+) {
+    for j0 in (0..n).step_by(64) {
+        let nr = (n - j0).min(64);
+        let masks: [__mmask16; 4] = std::array::from_fn(|v| {
+            let left = nr.saturating_sub(16 * v).min(16);
+            (((1u32 << left) - 1) & 0xffff) as __mmask16
+        });
+        // SAFETY (all tiles): each stays inside `c`, and reads inside `a` and `b`, as the
+        // caller vouched; the masks stop loads and stores at column `n`.
+        unsafe {
+            let (b, c) = (b.add(j0 / 64 * b_strip), c.add(j0));
+            let mut i0 = 0;
+            while i0 + SMALL_MR <= m {
+                small_tile::<SMALL_MR>(k, i0, (c, c_rs), a, (b, b_rs), masks, (scale, accumulate));
+                i0 += SMALL_MR;
+            }
+            let tile = (c, c_rs);
+            let run = (scale, accumulate);
+            match m - i0 {
+                1 => small_tile::<1>(k, i0, tile, a, (b, b_rs), masks, run),
+                2 => small_tile::<2>(k, i0, tile, a, (b, b_rs), masks, run),
+                3 => small_tile::<3>(k, i0, tile, a, (b, b_rs), masks, run),
+                4 => small_tile::<4>(k, i0, tile, a, (b, b_rs), masks, run),
+                5 => small_tile::<5>(k, i0, tile, a, (b, b_rs), masks, run),
+                _ => {}
+            }
+        }
+    }
+}
+
+/// Rows `i0..i0 + R` of one 64-column strip for [`small_gemm`].
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn small_tile<const R: usize>(
+    k: usize,
+    i0: usize,
+    (c, c_rs): (*mut f32, usize),
+    (a, a_rs, a_cs): (*const f32, usize, usize),
+    (b, b_rs): (*const f32, usize),
+    masks: [__mmask16; 4],
+    (scale, accumulate): (f32, bool),
+) {
+    let mut acc = [[_mm512_setzero_ps(); 4]; R];
+    // SAFETY (all blocks): as `small_gemm`'s caller vouched; masked lanes are not touched.
+    unsafe {
+        let a = a.add(i0 * a_rs);
+        for p in 0..k {
+            let bq = b.add(p * b_rs);
+            let bv: [__m512; 4] =
+                std::array::from_fn(|v| _mm512_maskz_loadu_ps(masks[v], bq.wrapping_add(16 * v)));
+            let aq = a.add(p * a_cs);
+            for (i, row) in acc.iter_mut().enumerate() {
+                let x = _mm512_set1_ps(*aq.add(i * a_rs));
+                for (r, b) in row.iter_mut().zip(bv) {
+                    *r = _mm512_fmadd_ps(x, b, *r);
+                }
+            }
+        }
+        let s = _mm512_set1_ps(scale);
+        for (i, row) in acc.iter().enumerate() {
+            let out = c.add((i0 + i) * c_rs);
+            for (v, (r, &mask)) in row.iter().zip(&masks).enumerate() {
+                // Past column `n` the mask is empty and nothing is touched.
+                let dst = out.wrapping_add(16 * v);
+                let mut x = _mm512_mul_ps(*r, s);
+                if accumulate {
+                    x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, dst));
+                }
+                _mm512_mask_storeu_ps(dst, mask, x);
+            }
+        }
+    }
+}
+
+/// `out[p·out_rs + i] = x[i·x_rs + p]` for `rows × cols` of `x`: eight rows by sixteen columns
+/// at a time through registers, so that both sides are read and written in runs (one element
+/// at a time, the writes `out_rs` apart thrashed the cache's sets).
+///
+/// # Safety
+/// The CPU must have AVX-512F; `x` must be valid for `rows` rows of `cols` at its stride, `out`
+/// for `cols` rows of `rows` at its, and the two must not overlap.
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn transpose(
+    (x, x_rs): (*const f32, usize),
+    (rows, cols): (usize, usize),
+    (out, out_rs): (*mut f32, usize),
+) {
+    // SAFETY (all blocks): inside the extents the caller vouched for.
+    unsafe {
+        let full = rows - rows % 8;
+        for i0 in (0..full).step_by(8) {
+            let mut p0 = 0;
+            while p0 + 16 <= cols {
+                let r: [__m512; 8] =
+                    std::array::from_fn(|i| _mm512_loadu_ps(x.add((i0 + i) * x_rs + p0)));
+                transpose_8x16(&r, out.add(p0 * out_rs + i0), out_rs);
+                p0 += 16;
+            }
+            for p in p0..cols {
+                for i in i0..i0 + 8 {
+                    *out.add(p * out_rs + i) = *x.add(i * x_rs + p);
+                }
+            }
+        }
+        for i in full..rows {
+            for p in 0..cols {
+                *out.add(p * out_rs + i) = *x.add(i * x_rs + p);
+            }
+        }
+    }
+}
+
 /// Eight rows of sixteen floats written column after column: `out[p·stride + i] = r[i][p]`.
 #[target_feature(enable = "avx512f")]
 #[inline]

@@ -11,7 +11,9 @@ use crate::tensor::TensorMeta;
 use crate::{GraphError, Result};
 
 #[cfg(feature = "cpu")]
-use super::attention::{head_backward, head_forward, HeadGrads, Rows};
+use super::attention::{
+    backward_scratch, forward_scratch, head_backward, head_forward, HeadGrads, Rows,
+};
 
 /// Inputs `[q [B, T, n_head·D], k [B, T, n_kv_head·D], v [B, T, n_kv_head·D]]`; outputs
 /// `[y [B, T, n_head·D], lse [B, n_head, T]]`. With `n_kv_head == n_head` it is ordinary
@@ -126,10 +128,11 @@ impl OpRule for GqaAttention {
         Ok(())
     }
 
-    /// One `T × T` score matrix per thread.
+    /// One head's scratch per thread.
     fn workspace_elems(&self, inputs: &[&TensorMeta], threads: usize) -> usize {
-        let t = inputs[0].shape.get(1).copied().unwrap_or(0);
-        threads.max(1) * t * t
+        let (q, k, v) = (&inputs[0].shape, &inputs[1].shape, &inputs[2].shape);
+        dims(self.name(), self.n_head, self.n_kv_head, q, k, v)
+            .map_or(0, |s| threads.max(1) * forward_scratch(s.t, s.d))
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
@@ -160,7 +163,7 @@ impl OpRule for GqaAttention {
         let y = SendPtr(k.out_f32(0).as_mut_ptr());
         let lse = SendPtr(k.out_f32(1).as_mut_ptr());
         let scale = 1.0 / (d as f32).sqrt();
-        super::par::for_each_item(k.workspace(), t * t, s.b * h, |item, sc| {
+        super::par::for_each_item(k.workspace(), forward_scratch(t, d), s.b * h, |item, sc| {
             let (bi, hi) = (item / h, item % h);
             let kvh = hi / group;
             // SAFETY: every pointer below stays inside its tensor; each (b, h) writes only its
@@ -227,10 +230,11 @@ impl OpRule for GqaAttentionBackward {
         })
     }
 
-    /// Probabilities and their gradient, `T × T` each, per thread.
+    /// One head's scratch per thread.
     fn workspace_elems(&self, inputs: &[&TensorMeta], threads: usize) -> usize {
-        let t = inputs[0].shape.get(1).copied().unwrap_or(0);
-        2 * threads.max(1) * t * t
+        let (q, k, v) = (&inputs[0].shape, &inputs[1].shape, &inputs[2].shape);
+        dims(self.name(), self.n_head, self.n_kv_head, q, k, v)
+            .map_or(0, |s| threads.max(1) * backward_scratch(s.t, s.d))
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
@@ -268,34 +272,39 @@ impl OpRule for GqaAttentionBackward {
         let dk = SendPtr(k.out_f32(1).as_mut_ptr());
         let dv = SendPtr(k.out_f32(2).as_mut_ptr());
         let scale = 1.0 / (d as f32).sqrt();
-        super::par::for_each_item(k.workspace(), 2 * t * t, s.b * kh, |item, ws| {
-            let (bi, kvh) = (item / kh, item % kh);
-            // SAFETY: every pointer stays inside its tensor; this (b, kv head) item alone writes
-            // its kv head's columns of dk and dv, and its query heads' columns of dq.
-            unsafe {
-                let kv_off = bi * t * ckv + kvh * d;
-                let (rq, rkv) = (
-                    |ptr| Rows { ptr, stride: cq },
-                    |ptr| Rows { ptr, stride: ckv },
-                );
-                for j in 0..group {
-                    let hi = kvh * group + j;
-                    let off = bi * t * cq + hi * d;
-                    let head = HeadGrads {
-                        q: rq(q.get().add(off)),
-                        k: rkv(kk.get().add(kv_off)),
-                        v: rkv(v.get().add(kv_off)),
-                        y: rq(y.get().add(off)),
-                        dy: rq(dy.get().add(off)),
-                        dq: rq(dq.get().add(off)),
-                        dk: rkv(dk.get().add(kv_off)),
-                        dv: rkv(dv.get().add(kv_off)),
-                    };
-                    let lse_row = &lse[(bi * h + hi) * t..(bi * h + hi + 1) * t];
-                    // The first query head of the group writes dk/dv, the rest add to them.
-                    head_backward((t, d, scale), &head, lse_row, ws, j > 0);
+        super::par::for_each_item(
+            k.workspace(),
+            backward_scratch(t, d),
+            s.b * kh,
+            |item, ws| {
+                let (bi, kvh) = (item / kh, item % kh);
+                // SAFETY: every pointer stays inside its tensor; this (b, kv head) item alone writes
+                // its kv head's columns of dk and dv, and its query heads' columns of dq.
+                unsafe {
+                    let kv_off = bi * t * ckv + kvh * d;
+                    let (rq, rkv) = (
+                        |ptr| Rows { ptr, stride: cq },
+                        |ptr| Rows { ptr, stride: ckv },
+                    );
+                    for j in 0..group {
+                        let hi = kvh * group + j;
+                        let off = bi * t * cq + hi * d;
+                        let head = HeadGrads {
+                            q: rq(q.get().add(off)),
+                            k: rkv(kk.get().add(kv_off)),
+                            v: rkv(v.get().add(kv_off)),
+                            y: rq(y.get().add(off)),
+                            dy: rq(dy.get().add(off)),
+                            dq: rq(dq.get().add(off)),
+                            dk: rkv(dk.get().add(kv_off)),
+                            dv: rkv(dv.get().add(kv_off)),
+                        };
+                        let lse_row = &lse[(bi * h + hi) * t..(bi * h + hi + 1) * t];
+                        // The first query head of the group writes dk/dv, the rest add to them.
+                        head_backward((t, d, scale), &head, lse_row, ws, j > 0);
+                    }
                 }
-            }
-        });
+            },
+        );
     }
 }

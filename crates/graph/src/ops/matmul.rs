@@ -298,8 +298,8 @@ pub(crate) fn linear_rows(
 
 /// Whether `gemm_raw` runs our AVX-512 kernel (`gemm_avx512`): on a CPU that has it, for
 /// row-major outputs at least a third of its 48-column tile wide, and products big enough
-/// that packing both operands pays. Attention's blocks (at most 64 × 256 × 64) stay with the
-/// gemm crate, which skips packing at that size: through our kernel they measured 15 % slower.
+/// that packing both operands pays. (Attention's blocks, at most 64 × 256 × 64, run the
+/// kernel's unpacked `small_gemm` instead: through the packed one they measured 15 % slower.)
 #[cfg(feature = "cpu")]
 fn own_kernel((m, n, k): (usize, usize, usize), c_cs: isize) -> bool {
     #[cfg(target_arch = "x86_64")]
