@@ -248,6 +248,22 @@ fn normalize_tile_transposed(
         });
 }
 
+/// The GEMM prologue that normalises `x` (or, not `tokens_down`, `xᵀ`) from saved statistics.
+#[cfg(feature = "cpu")]
+fn norm_prologue<'a>(
+    (mean, rstd): (&'a [f32], &'a [f32]),
+    (w, b): (&'a [f32], &'a [f32]),
+    tokens_down: bool,
+) -> super::matmul::Prologue<'a> {
+    super::matmul::Prologue::LayerNorm {
+        mean,
+        rstd,
+        w,
+        b,
+        tokens_down,
+    }
+}
+
 /// Each row's mean and rstd, in parallel over rows.
 #[cfg(feature = "cpu")]
 fn row_stats_all(x: &[f32], k: usize, eps: f32, mean: &mut [f32], rstd: &mut [f32]) {
@@ -265,7 +281,7 @@ fn row_stats_all(x: &[f32], k: usize, eps: f32, mean: &mut [f32], rstd: &mut [f3
 
 #[cfg(feature = "cpu")]
 fn forward(eps: f32, kern: &super::Kernel<'_>) {
-    use super::matmul::{gemm_fused, linear_rows, par_for, Fused, Prologue};
+    use super::matmul::{gemm_fused, linear_rows, par_for, Fused};
     let (x, ln_w, ln_b) = (kern.in_f32(0), kern.in_f32(1), kern.in_f32(2));
     let (w, bias) = (kern.in_f32(3), kern.in_f32(4));
     let Ok((rows, k, n)) = linear_dims("layer_norm_linear", kern.in_shape(0), kern.in_shape(3))
@@ -277,13 +293,7 @@ fn forward(eps: f32, kern: &super::Kernel<'_>) {
     // statistics are made beforehand, and no normalised row is stored.
     row_stats_all(x, k, eps, mean, rstd);
     let fused = Fused {
-        prologue: Prologue::LayerNorm {
-            mean,
-            rstd,
-            w: ln_w,
-            b: ln_b,
-            tokens_down: true,
-        },
+        prologue: norm_prologue((mean, rstd), (ln_w, ln_b), true),
         bias: Some(bias),
     };
     let par = par_for(rows, n, k, rayon::current_num_threads());
@@ -305,7 +315,7 @@ fn forward(eps: f32, kern: &super::Kernel<'_>) {
 
 #[cfg(feature = "cpu")]
 fn backward(kern: &super::Kernel<'_>) {
-    use super::matmul::{gemm_fused, gemm_strided, par_for, Fused, Prologue};
+    use super::matmul::{gemm_fused, gemm_strided, par_for, Fused};
     use rayon::prelude::*;
     let (x, ln_w, ln_b) = (kern.in_f32(0), kern.in_f32(1), kern.in_f32(2));
     let (mean, rstd, w, dy) = (
@@ -331,13 +341,7 @@ fn backward(kern: &super::Kernel<'_>) {
     // dw = layer_norm(x)ᵀ · dy in one product over all rows where our GEMM kernel runs it,
     // normalising `x` as it packs it; otherwise a tile at a time below.
     let fused = Fused {
-        prologue: Prologue::LayerNorm {
-            mean,
-            rstd,
-            w: ln_w,
-            b: ln_b,
-            tokens_down: false,
-        },
+        prologue: norm_prologue((mean, rstd), (ln_w, ln_b), false),
         bias: None,
     };
     let par = par_for(k, n, rows, threads);

@@ -332,9 +332,7 @@ pub(crate) unsafe fn gemm_strided(
     par: gemm::Parallelism,
 ) {
     debug_assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
-    // Element (i, j) of op(x) sits at i·rs + j·cs.
-    let (a_rs, a_cs) = if ta { (1, m as isize) } else { (k as isize, 1) };
-    let (b_rs, b_cs) = if tb { (1, k as isize) } else { (n as isize, 1) };
+    let ((a_rs, a_cs), (b_rs, b_cs)) = strides((ta, tb), (m, n, k));
     gemm_raw(
         (m, n, k),
         (c.as_mut_ptr(), n as isize, 1),
@@ -390,6 +388,42 @@ impl Fused<'_> {
     }
 }
 
+/// Row and column strides of `op(a)` and `op(b)` stored row-major: element (i, j) of op(x)
+/// sits at i·rs + j·cs.
+#[cfg(feature = "cpu")]
+fn strides(
+    (ta, tb): (bool, bool),
+    (m, n, k): (usize, usize, usize),
+) -> ((isize, isize), (isize, isize)) {
+    let a = if ta { (1, m as isize) } else { (k as isize, 1) };
+    let b = if tb { (1, k as isize) } else { (n as isize, 1) };
+    (a, b)
+}
+
+/// Runs a product through our AVX-512 kernel, its threads dealt the work by demand where `par`
+/// asks for them. Returns `false`, doing nothing, where the kernel's packing space is in use.
+///
+/// # Safety
+/// As [`gemm_avx512::sgemm`](super::gemm_avx512::sgemm), on a CPU [`own_kernel`] accepted.
+#[cfg(all(feature = "cpu", target_arch = "x86_64"))]
+#[allow(clippy::too_many_arguments)]
+unsafe fn own_gemm(
+    (m, n, k): (usize, usize, usize),
+    c: (*mut f32, isize),
+    a: (*const f32, isize, isize),
+    b: (*const f32, isize, isize),
+    scale: f32,
+    accumulate: bool,
+    par: gemm::Parallelism,
+    fused: Fused<'_>,
+) -> bool {
+    use super::gemm_avx512::{sgemm, sgemm_threaded};
+    let threaded = matches!(par, gemm::Parallelism::Rayon(_)) && m.max(n) >= 32;
+    let run = if threaded { sgemm_threaded } else { sgemm };
+    // SAFETY: as the caller vouched.
+    unsafe { run((m, n, k), c, a, b, scale, accumulate, fused) }
+}
+
 /// `c = f(op(a)) · op(b) (+ bias)` through our AVX-512 kernel, with `f` (made as `a` is packed)
 /// and the bias (added as `c` is first stored) as `fused` says: the op feeding the product
 /// never writes its output, and `c` is never filled with the bias first. Returns `false`, doing
@@ -414,20 +448,17 @@ pub(crate) unsafe fn gemm_fused(
     debug_assert!(fused.bias.is_none_or(|bias| bias.len() >= n));
     #[cfg(target_arch = "x86_64")]
     if own_kernel((m, n, k), 1) {
-        use super::gemm_avx512::{sgemm, sgemm_threaded};
-        let (a_rs, a_cs) = if ta { (1, m as isize) } else { (k as isize, 1) };
-        let (b_rs, b_cs) = if tb { (1, k as isize) } else { (n as isize, 1) };
-        let threaded = matches!(par, gemm::Parallelism::Rayon(_)) && m.max(n) >= 32;
-        let run = if threaded { sgemm_threaded } else { sgemm };
+        let ((a_rs, a_cs), (b_rs, b_cs)) = strides((ta, tb), (m, n, k));
         // SAFETY: `own_kernel` checked the CPU; the caller vouches for the operands.
         return unsafe {
-            run(
+            own_gemm(
                 (m, n, k),
                 (c.as_mut_ptr(), n as isize),
                 (a.as_ptr(), a_rs, a_cs),
                 (b.as_ptr(), b_rs, b_cs),
                 1.0,
                 false,
+                par,
                 fused,
             )
         };
@@ -485,21 +516,19 @@ unsafe fn gemm_with(
 ) {
     #[cfg(target_arch = "x86_64")]
     if ours {
-        use super::gemm_avx512::{sgemm, sgemm_threaded};
-        // Threads deal the work by demand; where that cannot run (its packing space in use),
-        // the slabs below each run `sgemm`.
-        let threaded = matches!(par, gemm::Parallelism::Rayon(_)) && m.max(n) >= 32;
-        let run = if threaded { sgemm_threaded } else { sgemm };
+        // Where the dealt kernel cannot run (its packing space in use), the slabs below each
+        // run `sgemm`.
         // SAFETY: `own_kernel` checked the CPU and the unit column stride of `c` (a slab keeps
         // both); the caller vouches for the pointers.
         let done = unsafe {
-            run(
+            own_gemm(
                 (m, n, k),
                 (c, c_rs),
                 (a, a_rs, a_cs),
                 (b, b_rs, b_cs),
                 scale,
                 accumulate,
+                par,
                 Fused::NONE,
             )
         };
