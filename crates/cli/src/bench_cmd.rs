@@ -8,6 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 use snug_plan::memory_plan::human_bytes;
+use snug_runtime::process::CpuTicks;
 use snug_runtime::Allocator;
 use snug_train::{DataSource, ModelSection, TokenDataset, TrainConfig, TrainSection, Trainer};
 
@@ -106,6 +107,8 @@ struct Probe {
     method: String,
     threads: usize,
     gflop_per_s: f64,
+    /// As [`CaseResult::steal`], over the probe's runs.
+    steal: Option<f64>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -131,6 +134,11 @@ struct CaseResult {
     measured_peak_bytes: usize,
     peak_rss_bytes: Option<usize>,
     final_loss: f32,
+    /// Share of the machine's CPU time that a hypervisor gave to other guests during the timed
+    /// steps (Linux's steal time): on a shared host, figures taken while it is high are slow
+    /// for reasons outside the program.
+    #[serde(default)]
+    steal: Option<f64>,
 }
 
 /// The GEMM shape PyTorch's peer probe uses for its peak (`../shared/peers/matmul_probe.py`).
@@ -139,13 +147,21 @@ const PROBE: (usize, usize, usize) = (4096, 384, 1536);
 /// Best rate of snug's f32 matmul kernel on [`PROBE`] over 10 runs after a warm-up.
 fn gemm_probe(threads: usize) -> Result<Probe> {
     let (m, k, n) = PROBE;
+    let before = CpuTicks::now();
+    let gflop_per_s = snug_train::calibration::gemm_rate(threads, PROBE, 10)? / 1e9;
     Ok(Probe {
         method: format!(
             "f32 matmul [{m}, {k}] x [{k}, {n}] through snug's GEMM (its AVX-512 kernel where the CPU has it, else the gemm crate), best of 10 after a warm-up"
         ),
         threads,
-        gflop_per_s: snug_train::calibration::gemm_rate(threads, PROBE, 10)? / 1e9,
+        gflop_per_s,
+        steal: steal_since(before),
     })
+}
+
+/// The steal share since `before` (see [`CaseResult::steal`]), where the OS reports it.
+fn steal_since(before: Option<CpuTicks>) -> Option<f64> {
+    CpuTicks::now()?.steal_since(&before?)
 }
 
 fn find(name: &str) -> Result<&'static Case> {
@@ -180,13 +196,18 @@ fn run_case(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
     let mut trainer = Trainer::with_allocator(cfg.clone(), data, allocator.clone())?;
     let mut times = Vec::new();
     let mut loss = f32::NAN;
+    let mut timed_from = None;
     for i in 0..args.warmup + args.steps {
+        if i == args.warmup {
+            timed_from = CpuTicks::now();
+        }
         let s = trainer.train_step()?;
         loss = s.loss;
         if i >= args.warmup {
             times.push(s.ms);
         }
     }
+    let steal = steal_since(timed_from);
     let (median, min, max) = stats(&times);
     let tokens = (case.batch * case.block) as f64;
     let flops = trainer.model().flops_per_token(case.block) as f64 * tokens;
@@ -211,6 +232,7 @@ fn run_case(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
         measured_peak_bytes: allocator.peak_bytes(),
         peak_rss_bytes: snug_runtime::process::resident_set().map(|(_, peak)| peak),
         final_loss: loss,
+        steal,
     })
 }
 
@@ -275,11 +297,17 @@ pub fn run(args: BenchArgs) -> Result<()> {
         print_json("probe", &probe)?;
     } else {
         println!(
-            "peak: {:.1} GFLOP/s ({}, {} threads)",
-            probe.gflop_per_s, probe.method, probe.threads
+            "peak: {:.1} GFLOP/s ({}, {} threads){}",
+            probe.gflop_per_s,
+            probe.method,
+            probe.threads,
+            probe.steal.map_or(String::new(), |s| format!(
+                "; {:.0}% of CPU time stolen by the hypervisor meanwhile",
+                s * 100.0
+            ))
         );
         println!(
-            "{:<16} {:>28} {:>8} {:>8} {:>6} {:>13} {:>13} {:>11}",
+            "{:<16} {:>28} {:>8} {:>8} {:>6} {:>13} {:>13} {:>11} {:>6}",
             "case",
             "step ms: median (min-max)",
             "tok/s",
@@ -287,7 +315,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
             "MFU",
             "planned peak",
             "measured",
-            "peak RSS"
+            "peak RSS",
+            "steal"
         );
     }
     for case in cases {
@@ -297,7 +326,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             print_json("case", &r)?;
         } else {
             println!(
-                "{:<16} {:>28} {:>8.0} {:>8.1} {:>5.0}% {:>13} {:>13} {:>11}",
+                "{:<16} {:>28} {:>8.0} {:>8.1} {:>5.0}% {:>13} {:>13} {:>11} {:>6}",
                 r.case,
                 format!(
                     "{:.1} ({:.1}-{:.1})",
@@ -309,6 +338,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 human_bytes(r.predicted_peak_bytes),
                 human_bytes(r.measured_peak_bytes),
                 r.peak_rss_bytes.map_or("-".into(), human_bytes),
+                r.steal.map_or("-".into(), |s| format!("{:.0}%", s * 100.0)),
             );
         }
     }
