@@ -137,7 +137,6 @@ struct CaseResult {
     /// Share of the machine's CPU time that a hypervisor gave to other guests during the timed
     /// steps (Linux's steal time): on a shared host, figures taken while it is high are slow
     /// for reasons outside the program.
-    #[serde(default)]
     steal: Option<f64>,
 }
 

@@ -1056,6 +1056,13 @@ fn bench_reports_step_times_mfu_and_memory() {
     assert_eq!(case["measured_peak_bytes"], case["predicted_peak_bytes"]);
     assert!(case["peak_rss_bytes"].as_u64() > case["measured_peak_bytes"].as_u64());
     assert!(f(case, "final_loss").is_finite());
+    // The steal share, where Linux reports it, is a fraction of the CPU time.
+    if std::path::Path::new("/proc/stat").exists() {
+        for line in [probe, case] {
+            let steal = f(line, "steal");
+            assert!((0.0..=1.0).contains(&steal), "steal share {steal}");
+        }
+    }
     fails_with(&["bench", "--cases", "resnet"], &["resnet", "char-small"]);
     fails_with(&["bench", "--steps", "0"], &["--steps"]);
 }
