@@ -128,7 +128,11 @@ struct CaseResult {
     tokens_per_s: f64,
     model_flops_per_step: f64,
     model_flops_per_s: f64,
-    /// Model FLOP/s over the probe's GEMM rate.
+    /// The probe's GEMM rate run again in this case's process right after its timed steps
+    /// (after its peak RSS was read), in GFLOP/s: on a shared host the machine's speed drifts
+    /// between the first probe and a case.
+    probe_after_gflop_per_s: f64,
+    /// Model FLOP/s over the faster of the two probes' GEMM rates.
     mfu: Option<f64>,
     predicted_peak_bytes: usize,
     measured_peak_bytes: usize,
@@ -150,7 +154,7 @@ fn gemm_probe(threads: usize) -> Result<Probe> {
     let gflop_per_s = snug_train::calibration::gemm_rate(threads, PROBE, 10)? / 1e9;
     Ok(Probe {
         method: format!(
-            "f32 matmul [{m}, {k}] x [{k}, {n}] through snug's GEMM (its AVX-512 kernel where the CPU has it, else the gemm crate), best of 10 after a warm-up"
+            "f32 matmul [{m}, {k}] x [{k}, {n}] through snug's GEMM (its AVX-512 kernel where the CPU has it, else the gemm crate), best of 10 after a warm-up; each case runs it again after its timed steps, and its MFU takes the faster of the two"
         ),
         threads,
         gflop_per_s,
@@ -207,15 +211,22 @@ fn run_case(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
         }
     }
     let steal = steal_since(timed_from);
-    let (median, min, max) = stats(&times);
+    let peak_rss_bytes = snug_runtime::process::resident_set().map(|(_, peak)| peak);
+    let predicted_peak_bytes = trainer.plan().peak_bytes();
+    let measured_peak_bytes = allocator.peak_bytes();
     let tokens = (case.batch * case.block) as f64;
     let flops = trainer.model().flops_per_token(case.block) as f64 * tokens;
+    let vocab = trainer.model().vocab_size();
+    // The trainer's arena goes back before the probe allocates its own.
+    drop(trainer);
+    let probe_after = snug_train::calibration::gemm_rate(cfg.threads, PROBE, 10)? / 1e9;
+    let (median, min, max) = stats(&times);
     Ok(CaseResult {
         case: case.name.into(),
         preset: case.preset.into(),
         batch: case.batch,
         block: case.block,
-        vocab: trainer.model().vocab_size(),
+        vocab,
         precision: case.precision.into(),
         threads: cfg.threads,
         warmup: args.warmup,
@@ -226,10 +237,11 @@ fn run_case(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
         tokens_per_s: tokens / (median / 1e3),
         model_flops_per_step: flops,
         model_flops_per_s: flops / (median / 1e3),
+        probe_after_gflop_per_s: probe_after,
         mfu: None,
-        predicted_peak_bytes: trainer.plan().peak_bytes(),
-        measured_peak_bytes: allocator.peak_bytes(),
-        peak_rss_bytes: snug_runtime::process::resident_set().map(|(_, peak)| peak),
+        predicted_peak_bytes,
+        measured_peak_bytes,
+        peak_rss_bytes,
         final_loss: loss,
         steal,
     })
@@ -320,7 +332,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     for case in cases {
         let mut r = run_child(case, &args)?;
-        r.mfu = Some(r.model_flops_per_s / (probe.gflop_per_s * 1e9));
+        let peak = probe.gflop_per_s.max(r.probe_after_gflop_per_s);
+        r.mfu = Some(r.model_flops_per_s / (peak * 1e9));
         if args.json {
             print_json("case", &r)?;
         } else {
