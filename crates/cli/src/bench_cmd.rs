@@ -154,7 +154,7 @@ fn gemm_probe(threads: usize) -> Result<Probe> {
     let gflop_per_s = snug_train::calibration::gemm_rate(threads, PROBE, 10)? / 1e9;
     Ok(Probe {
         method: format!(
-            "f32 matmul [{m}, {k}] x [{k}, {n}] through snug's GEMM (its AVX-512 kernel where the CPU has it, else the gemm crate), best of 10 after a warm-up; each case runs it again after its timed steps, and its MFU takes the faster of the two"
+            "f32 matmul [{m}, {k}] x [{k}, {n}] through snug's GEMM (its own kernel on CPUs with AVX-512F or AVX2 + FMA, else the gemm crate), best of 10 after a warm-up; each case runs it again after its timed steps, and its MFU takes the faster of the two"
         ),
         threads,
         gflop_per_s,

@@ -795,7 +795,7 @@ fn gelu_linear_input_weight_and_bias() {
 }
 
 /// The fused op computes what `gelu` then a biased `matmul` compute: over several row tiles
-/// (an output too narrow for our AVX-512 kernel), and through that kernel where the CPU has it
+/// (an output too narrow for our GEMM kernel), and through that kernel where the CPU has it
 /// (GELU made as the kernel packs `h`, the bias added as it stores `y`).
 #[test]
 fn gelu_linear_equals_gelu_then_matmul() {
@@ -848,7 +848,7 @@ fn gelu_linear_against_unfused(rows: usize, k: usize, n: usize) {
 }
 
 /// The fused op computes what `layer_norm` then a biased `matmul` compute, forward and
-/// backward: over several row tiles (an output too narrow for our AVX-512 kernel), and through
+/// backward: over several row tiles (an output too narrow for our GEMM kernel), and through
 /// that kernel where the CPU has it (rows normalised as the kernel packs them, in both
 /// orientations).
 #[test]

@@ -1,345 +1,74 @@
-//! f32 GEMM for x86-64 CPUs with AVX-512F: `c (+)= scale · a · b` with `c` row-major and `a`,
-//! `b` at any strides, on one thread ([`sgemm`]) or on the rayon pool with work dealt by demand
-//! ([`sgemm_threaded`]). `matmul::gemm_raw` keeps the gemm crate for other CPUs and for narrow
-//! outputs.
+//! The AVX-512F register tile for our GEMM (`gemm_blocked`): 8 × 48 (24 zmm accumulators;
+//! `b` is the vector operand, `a` the broadcast one), its packing, and the unpacked
+//! [`small_gemm`] and [`transpose`] attention uses on these CPUs.
 //!
 //! Why our own: at the training step's shapes on the 2-core AVX-512 host, interleaved with the
 //! gemm crate in one process (2-thread slabs, median of 21), it ran 1.1–1.3× the crate's speed on
 //! the weight-gradient products (left operand read transposed) and level (0.95–1.07) on the rest.
-//!
-//! Blocking, in the BLIS manner, named for row-major `c`: an 8 × 48 register tile (24 zmm
-//! accumulators; `b` is the vector operand, `a` the broadcast one). For each block of `KC` of
-//! the inner dimension, `MC` rows of `a` are packed into 8-row panels (the panel the kernel
-//! broadcasts from stays in L1), and `NC` columns of `b` into 48-column panels, a block small
-//! enough to stay in L2 while every row panel of `a` streams over it.
 
 use std::arch::x86_64::*;
-use std::cell::RefCell;
 
-use super::gelu::{gelu, GeluApprox};
-use super::matmul::{Fused, Prologue};
-use super::par::SendPtr;
+use super::gemm_blocked::{apply_prologue, pack_a_any, pack_b_any, Tile};
+use super::matmul::Prologue;
 
 /// Rows of the register tile.
 const MR: usize = 8;
 /// Columns of the register tile: three zmm vectors.
 const NR: usize = 48;
-/// Inner-dimension block.
-const KC: usize = 384;
-/// Rows of `a` packed at a time (1.1 MiB at `KC`): a thread's slab of a fused op's tile (682 rows
-/// at char-small) packs `b` once.
-const MC: usize = 768;
-/// Columns of `b` packed at a time: `KC × NC` floats (288 KiB) stay in a 1 MiB L2 beside `a`'s
-/// panels; twice as wide measured 20 % slower in the kernel alone.
-const NC: usize = 192;
 /// Packed rows of `b` the kernel prefetches ahead.
 const PREFETCH: usize = 16;
 
-/// Floats of packing space one thread keeps: `b`'s block, `a`'s block, and slack to align.
-const PACK_FLOATS: usize = KC * NC + MC * KC + 16;
+/// The 8 × 48 tile, for CPUs with AVX-512F.
+pub(crate) struct Avx512;
 
-thread_local! {
-    static PACK: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+impl Tile for Avx512 {
+    const MR: usize = MR;
+    const NR: usize = NR;
+    const KC: usize = 384;
+    /// 1.1 MiB of `a` at `KC`: a thread's slab of a fused op's tile (682 rows at char-small)
+    /// packs `b` once.
+    const MC: usize = 768;
+    /// `KC × NC` floats (288 KiB) stay in a 1 MiB L2 beside `a`'s panels; twice as wide
+    /// measured 20 % slower in the kernel alone.
+    const NC: usize = 192;
+
+    fn available() -> bool {
+        is_x86_feature_detected!("avx512f")
+    }
+
+    unsafe fn pack_a(
+        kc: usize,
+        mr: usize,
+        a: *const f32,
+        strides: (isize, isize),
+        panel: (*mut f32, usize, usize),
+        prologue: Prologue<'_>,
+    ) {
+        // SAFETY: as the caller vouched.
+        unsafe { pack_a(kc, mr, a, strides, panel, prologue) }
+    }
+
+    unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, strides: (isize, isize), out: *mut f32) {
+        // SAFETY: as the caller vouched.
+        unsafe { pack_b(kc, nc, b, strides, out) }
+    }
+
+    unsafe fn tiles(
+        kc: usize,
+        panels: (*const f32, *const f32),
+        c: (*mut f32, isize),
+        block: (usize, usize),
+        scale_bias: (f32, *const f32),
+        accumulate: bool,
+    ) {
+        // SAFETY: as the caller vouched.
+        unsafe { tiles(kc, panels, c, block, scale_bias, accumulate) }
+    }
 }
 
-/// Whether this CPU runs [`sgemm`] (cached by the standard library after the first call).
+/// Whether this CPU runs [`small_gemm`] and [`transpose`].
 pub(crate) fn available() -> bool {
-    is_x86_feature_detected!("avx512f")
-}
-
-/// `c (+)= scale · f(a) · b (+ bias)` for an `m × k` by `k × n` product, `f` and the bias as
-/// `fused` says (the bias only without `accumulate`). Element `(i, j)` of each operand sits at
-/// `i·rs + j·cs`; `c`'s columns are contiguous. Returns `false`, doing nothing, when the
-/// thread's packing space is in use (a re-entrant call), so the caller can fall back.
-///
-/// # Safety
-/// The CPU must have AVX-512F ([`available`]); every pointer must be valid for the elements its
-/// strides reach, and `c` must not overlap `a` or `b`. A prologue's statistics must cover every
-/// token and its weights every feature of `a`; a bias must hold `n` values.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn sgemm(
-    (m, n, k): (usize, usize, usize),
-    (c, c_rs): (*mut f32, isize),
-    (a, a_rs, a_cs): (*const f32, isize, isize),
-    (b, b_rs, b_cs): (*const f32, isize, isize),
-    scale: f32,
-    accumulate: bool,
-    fused: Fused<'_>,
-) -> bool {
-    PACK.with(|pack| {
-        let Ok(mut buf) = pack.try_borrow_mut() else {
-            return false;
-        };
-        if buf.len() < PACK_FLOATS {
-            buf.resize(PACK_FLOATS, 0.0);
-        }
-        let base = buf.as_mut_ptr();
-        // SAFETY: the buffer holds 16 floats of slack for the alignment, then both blocks.
-        unsafe {
-            let bp = base.add(base.align_offset(64));
-            let ap = bp.add(KC * NC);
-            blocked(
-                (m, n, k),
-                (c, c_rs),
-                (a, a_rs, a_cs),
-                (b, b_rs, b_cs),
-                (ap, bp),
-                (scale, accumulate),
-                fused,
-            );
-        }
-        true
-    })
-}
-
-/// Columns (or rows) of the operand the threads share, packed at a time: `KC × SHARED` floats
-/// (3.4 MiB) on the calling thread, beside each worker's [`PACK_FLOATS`].
-const SHARED: usize = 2304;
-
-thread_local! {
-    static SHARED_PACK: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-}
-
-/// [`sgemm`] on every thread of the current rayon pool, dealing work by demand rather than in
-/// equal slabs. On a shared host one core often runs at 0.6× its speed while the other does
-/// not (measured here: two pinned single-thread GEMM processes dip independently); equal slabs
-/// then run at twice the slow core's speed, and dealt chunks at the sum of both. The operand
-/// the chunks share (`b` when splitting rows, `a` when splitting columns) is packed once, by
-/// all threads, instead of once per slab. Returns `false`, doing nothing, when the calling
-/// thread's shared packing space is in use.
-///
-/// The result is bitwise that of [`sgemm`]: every element sums the same blocks in the same
-/// order, whichever thread computes it.
-///
-/// # Safety
-/// As [`sgemm`].
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn sgemm_threaded(
-    (m, n, k): (usize, usize, usize),
-    (c, c_rs): (*mut f32, isize),
-    (a, a_rs, a_cs): (*const f32, isize, isize),
-    (b, b_rs, b_cs): (*const f32, isize, isize),
-    scale: f32,
-    accumulate: bool,
-    fused: Fused<'_>,
-) -> bool {
-    SHARED_PACK.with(|shared| {
-        let Ok(mut buf) = shared.try_borrow_mut() else {
-            return false;
-        };
-        if buf.len() < KC * SHARED + 16 {
-            buf.resize(KC * SHARED + 16, 0.0);
-        }
-        let base = buf.as_mut_ptr();
-        // SAFETY: the buffer holds 16 floats of slack for the alignment, then `KC × SHARED`;
-        // the caller vouches for the operands.
-        unsafe {
-            let sp = base.add(base.align_offset(64));
-            let ops = Operands {
-                c: SendPtr(c),
-                c_rs,
-                a: SendPtr(a as *mut f32),
-                a_s: (a_rs, a_cs),
-                b: SendPtr(b as *mut f32),
-                b_s: (b_rs, b_cs),
-                fused,
-            };
-            if m >= n {
-                by_rows((m, n, k), ops, SendPtr(sp), (scale, accumulate));
-            } else {
-                by_columns((m, n, k), ops, SendPtr(sp), (scale, accumulate));
-            }
-        }
-        true
-    })
-}
-
-#[derive(Clone, Copy)]
-struct Operands<'a> {
-    c: SendPtr,
-    c_rs: isize,
-    a: SendPtr,
-    a_s: (isize, isize),
-    b: SendPtr,
-    b_s: (isize, isize),
-    fused: Fused<'a>,
-}
-
-/// Runs `f(0..items)` on every thread of the current pool, each thread taking the next item
-/// as it finishes one, and returns when all are done.
-fn deal(items: usize, f: impl Fn(usize) + Sync) {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    let next = AtomicUsize::new(0);
-    rayon::broadcast(|_| loop {
-        let i = next.fetch_add(1, Ordering::Relaxed);
-        if i >= items {
-            break;
-        }
-        f(i);
-    });
-}
-
-/// Items of `align` elements each, about four per thread so that a slow core takes fewer,
-/// at most `most` elements each.
-fn chunk(len: usize, align: usize, most: usize) -> usize {
-    let per = len.div_ceil(4 * rayon::current_num_threads().max(1));
-    per.next_multiple_of(align).clamp(align, most)
-}
-
-/// Runs `f(ap, bp)` with this thread's packing space (a fresh one if it is in use).
-fn with_pack(f: impl FnOnce(*mut f32, *mut f32)) {
-    PACK.with(|pack| {
-        let mut spare = Vec::new();
-        let mut held = pack.try_borrow_mut();
-        let buf = match held.as_mut() {
-            Ok(b) => &mut **b,
-            Err(_) => &mut spare,
-        };
-        if buf.len() < PACK_FLOATS {
-            buf.resize(PACK_FLOATS, 0.0);
-        }
-        let base = buf.as_mut_ptr();
-        // SAFETY: 16 floats of slack for the alignment, then `b`'s block and `a`'s.
-        let bp = unsafe { base.add(base.align_offset(64)) };
-        f(unsafe { bp.add(KC * NC) }, bp)
-    })
-}
-
-/// Rows dealt to threads, `b` packed once per block of `KC × SHARED`.
-#[target_feature(enable = "avx512f")]
-unsafe fn by_rows(
-    (m, n, k): (usize, usize, usize),
-    o: Operands<'_>,
-    sp: SendPtr,
-    (scale, accumulate): (f32, bool),
-) {
-    let rows = chunk(m, MR, MC);
-    for pc in (0..k).step_by(KC) {
-        let kc = KC.min(k - pc);
-        let acc = accumulate || pc > 0;
-        for jg in (0..n).step_by(SHARED) {
-            let gw = SHARED.min(n - jg);
-            // SAFETY (both deals): as `sgemm_threaded`'s caller vouched; each item packs its
-            // own panels of the shared block, then each row chunk writes its own rows of `c`.
-            deal(gw.div_ceil(NC), |p| unsafe {
-                let j = p * NC;
-                let (rs, cs) = o.b_s;
-                let src = o.b.get().offset(pc as isize * rs + (jg + j) as isize * cs);
-                pack_b(kc, NC.min(gw - j), src, o.b_s, sp.get().add(j * kc));
-            });
-            deal(m.div_ceil(rows), |q| {
-                with_pack(|ap, _| unsafe {
-                    let i0 = q * rows;
-                    let mc = rows.min(m - i0);
-                    let (rs, cs) = o.a_s;
-                    for ir in (0..mc).step_by(MR) {
-                        let src = o.a.get().offset((i0 + ir) as isize * rs + pc as isize * cs);
-                        let panel = (ap.add(ir * kc), i0 + ir, pc);
-                        pack_a(kc, MR.min(mc - ir), src, o.a_s, panel, o.fused.prologue);
-                    }
-                    for jc in (0..gw).step_by(NC) {
-                        let at = i0 as isize * o.c_rs + (jg + jc) as isize;
-                        let panels = (ap as *const f32, sp.get().add(jc * kc) as *const f32);
-                        let c = (o.c.get().offset(at), o.c_rs);
-                        let bias = o.fused.bias_at(jg + jc);
-                        tiles(kc, panels, c, (mc, NC.min(gw - jc)), (scale, bias), acc);
-                    }
-                })
-            });
-        }
-    }
-}
-
-/// Columns dealt to threads, `a` packed once per block of `SHARED × KC`.
-#[target_feature(enable = "avx512f")]
-unsafe fn by_columns(
-    (m, n, k): (usize, usize, usize),
-    o: Operands<'_>,
-    sp: SendPtr,
-    (scale, accumulate): (f32, bool),
-) {
-    let cols = chunk(n, NR, NC);
-    for pc in (0..k).step_by(KC) {
-        let kc = KC.min(k - pc);
-        let acc = accumulate || pc > 0;
-        for ig in (0..m).step_by(SHARED) {
-            let mg = SHARED.min(m - ig);
-            // SAFETY (both deals): as in `by_rows`, with rows and columns exchanged.
-            deal(mg.div_ceil(MR * 8), |p| unsafe {
-                let (rs, cs) = o.a_s;
-                for ir in (p * MR * 8..mg).step_by(MR).take(8) {
-                    let src = o.a.get().offset((ig + ir) as isize * rs + pc as isize * cs);
-                    let panel = (sp.get().add(ir * kc), ig + ir, pc);
-                    pack_a(kc, MR.min(mg - ir), src, o.a_s, panel, o.fused.prologue);
-                }
-            });
-            deal(n.div_ceil(cols), |q| {
-                with_pack(|_, bp| unsafe {
-                    let j0 = q * cols;
-                    let nc = cols.min(n - j0);
-                    let (rs, cs) = o.b_s;
-                    let src = o.b.get().offset(pc as isize * rs + j0 as isize * cs);
-                    pack_b(kc, nc, src, o.b_s, bp);
-                    let at = ig as isize * o.c_rs + j0 as isize;
-                    let panels = (sp.get() as *const f32, bp as *const f32);
-                    tiles(
-                        kc,
-                        panels,
-                        (o.c.get().offset(at), o.c_rs),
-                        (mg, nc),
-                        (scale, o.fused.bias_at(j0)),
-                        acc,
-                    );
-                })
-            });
-        }
-    }
-}
-
-#[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn blocked(
-    (m, n, k): (usize, usize, usize),
-    (c, c_rs): (*mut f32, isize),
-    (a, a_rs, a_cs): (*const f32, isize, isize),
-    (b, b_rs, b_cs): (*const f32, isize, isize),
-    (ap, bp): (*mut f32, *mut f32),
-    (scale, accumulate): (f32, bool),
-    fused: Fused<'_>,
-) {
-    let at = |i: usize, p: usize| i as isize * a_rs + p as isize * a_cs;
-    let bt = |p: usize, j: usize| p as isize * b_rs + j as isize * b_cs;
-    for pc in (0..k).step_by(KC) {
-        let kc = KC.min(k - pc);
-        // Blocks after the first add to what the first wrote.
-        let acc = accumulate || pc > 0;
-        for ic in (0..m).step_by(MC) {
-            let mc = MC.min(m - ic);
-            for ir in (0..mc).step_by(MR) {
-                // SAFETY (all blocks below): indices stay inside the operands' extents, and the
-                // packed panels inside the buffers `sgemm` sized.
-                unsafe {
-                    pack_a(
-                        kc,
-                        MR.min(mc - ir),
-                        a.offset(at(ic + ir, pc)),
-                        (a_rs, a_cs),
-                        (ap.add(ir * kc), ic + ir, pc),
-                        fused.prologue,
-                    )
-                };
-            }
-            for jc in (0..n).step_by(NC) {
-                let nc = NC.min(n - jc);
-                unsafe { pack_b(kc, nc, b.offset(bt(pc, jc)), (b_rs, b_cs), bp) };
-                unsafe {
-                    let cp = c.offset(ic as isize * c_rs + jc as isize);
-                    let bias = fused.bias_at(jc);
-                    tiles(kc, (ap, bp), (cp, c_rs), (mc, nc), (scale, bias), acc);
-                }
-            }
-        }
-    }
+    Avx512::available()
 }
 
 /// Packs `kc` columns of up to 8 rows of `a` as `out[p·8 + i]`, zero rows past `mr`, then
@@ -375,63 +104,11 @@ unsafe fn pack_a(
                 }
             }
         } else {
-            for p in 0..kc {
-                for i in 0..MR {
-                    *out.add(p * MR + i) = if i < mr { *a.offset(src(i, p)) } else { 0.0 };
-                }
-            }
+            pack_a_any::<MR>(kc, mr, a, (rs, cs), out);
         }
         if !matches!(prologue, Prologue::None) {
             let panel = std::slice::from_raw_parts_mut(out, kc * MR);
-            apply_prologue(prologue, panel, mr, (i0, p0));
-        }
-    }
-}
-
-/// The prologue over one packed panel (`panel[p·8 + i]` holds `a[i0 + i, p0 + p]`), rows past
-/// `mr` left as they are. Loops over whole 8-float columns where it can, so they vectorise.
-#[inline(always)]
-fn apply_prologue(prologue: Prologue<'_>, panel: &mut [f32], mr: usize, (i0, p0): (usize, usize)) {
-    match prologue {
-        Prologue::None => {}
-        // Padded rows hold zeros, and GELU(0) = 0. One loop per variant, each vectorised.
-        Prologue::Gelu(GeluApprox::Tanh) => {
-            panel
-                .iter_mut()
-                .for_each(|x| *x = gelu(GeluApprox::Tanh, *x));
-        }
-        Prologue::Gelu(GeluApprox::Exact) => {
-            panel
-                .iter_mut()
-                .for_each(|x| *x = gelu(GeluApprox::Exact, *x));
-        }
-        Prologue::LayerNorm {
-            mean,
-            rstd,
-            w,
-            b,
-            tokens_down,
-        } => {
-            let kc = panel.len() / MR;
-            if tokens_down {
-                // Token per row of the panel, feature per column.
-                let (m8, r8) = (&mean[i0..i0 + mr], &rstd[i0..i0 + mr]);
-                let (wk, bk) = (&w[p0..p0 + kc], &b[p0..p0 + kc]);
-                for ((col, &wf), &bf) in panel.chunks_exact_mut(MR).zip(wk).zip(bk) {
-                    for ((v, &m), &r) in col.iter_mut().zip(m8).zip(r8) {
-                        *v = (*v - m) * r * wf + bf;
-                    }
-                }
-            } else {
-                // Token per column of the panel, feature per row.
-                let (w8, b8) = (&w[i0..i0 + mr], &b[i0..i0 + mr]);
-                let (mk, rk) = (&mean[p0..p0 + kc], &rstd[p0..p0 + kc]);
-                for ((col, &m), &r) in panel.chunks_exact_mut(MR).zip(mk).zip(rk) {
-                    for ((v, &wf), &bf) in col.iter_mut().zip(w8).zip(b8) {
-                        *v = (*v - m) * r * wf + bf;
-                    }
-                }
-            }
+            apply_prologue::<MR>(prologue, panel, mr, (i0, p0));
         }
     }
 }
@@ -486,17 +163,7 @@ unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, (rs, cs): (isize, isize), 
                     }
                 }
             } else {
-                for l in 0..nr {
-                    let col = src.offset(l as isize * cs);
-                    for p in 0..kc {
-                        *dst.add(p * NR + l) = *col.offset(p as isize * rs);
-                    }
-                }
-                for l in nr..NR {
-                    for p in 0..kc {
-                        *dst.add(p * NR + l) = 0.0;
-                    }
-                }
+                pack_b_any::<NR>(kc, nr, src, (rs, cs), dst);
             }
         }
     }
@@ -777,254 +444,6 @@ unsafe fn transpose_8x16(r: &[__m512; 8], out: *mut f32, stride: usize) {
                         out.add((p + 1) * stride) as *mut f64,
                         _mm512_extractf64x4_pd::<1>(two),
                     );
-                }
-            }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Deterministic values in [-0.5, 0.5) with no pattern a blocking bug could hide behind.
-    fn values(len: usize, seed: u64) -> Vec<f32> {
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-            })
-            .collect()
-    }
-
-    /// Threads dealing rows or columns compute bitwise what one thread computes, in every
-    /// layout, with partial chunks, several `k` blocks, and shared blocks past `SHARED` in
-    /// both directions; also on a pool of three, where chunks do not divide evenly.
-    #[test]
-    fn dealing_work_to_threads_changes_no_bit() {
-        if !available() {
-            eprintln!("skipped: this CPU has no AVX-512F");
-            return;
-        }
-        let shapes = [
-            (2400, 2350, 40),
-            (2330, 2345, 20),
-            (50, 2400, 400),
-            (700, 90, 385),
-            (13, 100, 5),
-        ];
-        for threads in [2, 3] {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            for (m, n, k) in shapes {
-                for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
-                    let (a, b) = (values(m * k, 4), values(k * n, 5));
-                    let start = values(m * n, 6);
-                    let (a_rs, a_cs) = if ta { (1, m as isize) } else { (k as isize, 1) };
-                    let (b_rs, b_cs) = if tb { (1, k as isize) } else { (n as isize, 1) };
-                    let run = |c: &mut Vec<f32>| {
-                        // SAFETY: the CPU was checked; the strides stay inside the vectors.
-                        unsafe {
-                            sgemm_threaded(
-                                (m, n, k),
-                                (c.as_mut_ptr(), n as isize),
-                                (a.as_ptr(), a_rs, a_cs),
-                                (b.as_ptr(), b_rs, b_cs),
-                                0.5,
-                                true,
-                                Fused::NONE,
-                            )
-                        }
-                    };
-                    let (mut one, mut dealt) = (start.clone(), start.clone());
-                    // SAFETY: as above.
-                    let done = unsafe {
-                        sgemm(
-                            (m, n, k),
-                            (one.as_mut_ptr(), n as isize),
-                            (a.as_ptr(), a_rs, a_cs),
-                            (b.as_ptr(), b_rs, b_cs),
-                            0.5,
-                            true,
-                            Fused::NONE,
-                        )
-                    };
-                    assert!(done && pool.install(|| run(&mut dealt)));
-                    assert!(
-                        one.iter()
-                            .zip(&dealt)
-                            .all(|(x, y)| x.to_bits() == y.to_bits()),
-                        "{m}×{k}×{n} ta={ta} tb={tb} on {threads} threads"
-                    );
-                    assert_ne!(one, start, "{m}×{k}×{n}: the product was not added");
-                }
-            }
-        }
-    }
-
-    /// A prologue made while packing, and a bias added while storing, give bitwise the product
-    /// of the materialised `f(op(a))` with `c` filled with the bias first: on one thread and
-    /// dealt (rows and columns), in both LayerNorm orientations, past `KC` and `MC`, with
-    /// partial panels.
-    #[test]
-    fn fused_prologue_and_bias_are_bitwise_the_materialised_product() {
-        if !available() {
-            eprintln!("skipped: this CPU has no AVX-512F");
-            return;
-        }
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .unwrap();
-        for (m, n, k) in [(803, 70, 450), (45, 500, 390), (9, 20, 7)] {
-            for ta in [false, true] {
-                let (a, b) = (values(m * k, 7), values(k * n, 8));
-                let bias = values(n, 9);
-                // Tokens run along op(a)'s rows, or (a weight gradient's xᵀ) along its columns.
-                let (tokens, features) = if ta { (k, m) } else { (m, k) };
-                let mean = values(tokens, 10);
-                let rstd: Vec<f32> = values(tokens, 11).iter().map(|v| v + 1.0).collect();
-                let (lw, lb) = (values(features, 12), values(features, 13));
-                let (a_rs, a_cs) = if ta { (1, m as isize) } else { (k as isize, 1) };
-                let at = |i: usize, p: usize| (i as isize * a_rs + p as isize * a_cs) as usize;
-                // The prologue, and what it makes of element (i, p) of op(a).
-                type Made<'f> = &'f dyn Fn(usize, usize, f32) -> f32;
-                let prologues: [(&str, Prologue, Made); 3] = [
-                    (
-                        "layer norm",
-                        Prologue::LayerNorm {
-                            mean: &mean,
-                            rstd: &rstd,
-                            w: &lw,
-                            b: &lb,
-                            tokens_down: !ta,
-                        },
-                        &|i, p, v| {
-                            let (t, f) = if ta { (p, i) } else { (i, p) };
-                            (v - mean[t]) * rstd[t] * lw[f] + lb[f]
-                        },
-                    ),
-                    ("gelu", Prologue::Gelu(GeluApprox::Tanh), &|_, _, v| {
-                        gelu(GeluApprox::Tanh, v)
-                    }),
-                    ("bias alone", Prologue::None, &|_, _, v| v),
-                ];
-                for (name, prologue, f) in prologues {
-                    // op(a) made, row-major.
-                    let mut made = vec![0.0; m * k];
-                    for i in 0..m {
-                        for p in 0..k {
-                            made[i * k + p] = f(i, p, a[at(i, p)]);
-                        }
-                    }
-                    let mut want: Vec<f32> = (0..m).flat_map(|_| bias.iter().copied()).collect();
-                    let ptr = |c: &mut Vec<f32>| (c.as_mut_ptr(), n as isize);
-                    let b_op = (b.as_ptr(), n as isize, 1);
-                    // SAFETY (all three): the CPU was checked; the strides stay inside the
-                    // vectors; the statistics and weights cover op(a).
-                    let done = unsafe {
-                        sgemm(
-                            (m, n, k),
-                            ptr(&mut want),
-                            (made.as_ptr(), k as isize, 1),
-                            b_op,
-                            1.0,
-                            true,
-                            Fused::NONE,
-                        )
-                    };
-                    let fused = Fused {
-                        prologue,
-                        bias: Some(&bias),
-                    };
-                    let a_op = (a.as_ptr(), a_rs, a_cs);
-                    let (mut one, mut dealt) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
-                    let one_done =
-                        unsafe { sgemm((m, n, k), ptr(&mut one), a_op, b_op, 1.0, false, fused) };
-                    let dealt_done = pool.install(|| unsafe {
-                        let (a_op, b_op) = ((a.as_ptr(), a_rs, a_cs), (b.as_ptr(), n as isize, 1));
-                        sgemm_threaded((m, n, k), ptr(&mut dealt), a_op, b_op, 1.0, false, fused)
-                    });
-                    assert!(done && one_done && dealt_done);
-                    for (what, got) in [("one thread", &one), ("dealt", &dealt)] {
-                        assert!(
-                            got.iter()
-                                .zip(&want)
-                                .all(|(x, y)| x.to_bits() == y.to_bits()),
-                            "{m}×{k}×{n} ta={ta} {name} on {what}"
-                        );
-                    }
-                }
-            }
-        }
-    }
-
-    /// Every layout the step uses, and shapes that leave partial tiles and blocks in each
-    /// dimension (m past `MC` and not a multiple of 8, n past `NC` and not of 48, k past `KC`
-    /// and not of 16), against a plain triple loop in f64.
-    #[test]
-    fn matches_a_triple_loop_in_every_layout_and_at_every_edge() {
-        if !available() {
-            eprintln!("skipped: this CPU has no AVX-512F");
-            return;
-        }
-        let shapes = [
-            (1, 1, 1),
-            (7, 5, 3),
-            (8, 48, 16),
-            (13, 50, 17),
-            (790, 203, 401),
-            (9, 97, 800),
-            (20, 61, 35),
-        ];
-        for (m, n, k) in shapes {
-            for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
-                for (scale, accumulate) in [(1.0f32, false), (0.5, true)] {
-                    let (a, b) = (values(m * k, 1), values(k * n, 2));
-                    let start = values(m * n, 3);
-                    let mut c = start.clone();
-                    let (a_rs, a_cs) = if ta { (1, m as isize) } else { (k as isize, 1) };
-                    let (b_rs, b_cs) = if tb { (1, k as isize) } else { (n as isize, 1) };
-                    // SAFETY: the CPU was checked; the strides stay inside the vectors.
-                    let done = unsafe {
-                        sgemm(
-                            (m, n, k),
-                            (c.as_mut_ptr(), n as isize),
-                            (a.as_ptr(), a_rs, a_cs),
-                            (b.as_ptr(), b_rs, b_cs),
-                            scale,
-                            accumulate,
-                            Fused::NONE,
-                        )
-                    };
-                    assert!(done);
-                    for i in 0..m {
-                        for j in 0..n {
-                            let dot: f64 = (0..k)
-                                .map(|p| {
-                                    let x = a[(i as isize * a_rs + p as isize * a_cs) as usize];
-                                    let y = b[(p as isize * b_rs + j as isize * b_cs) as usize];
-                                    f64::from(x) * f64::from(y)
-                                })
-                                .sum();
-                            let base = if accumulate {
-                                f64::from(start[i * n + j])
-                            } else {
-                                0.0
-                            };
-                            let want = base + f64::from(scale) * dot;
-                            let got = f64::from(c[i * n + j]);
-                            assert!(
-                                (got - want).abs() <= 1e-5 * (k as f64).sqrt() + 1e-6,
-                                "{m}×{k}×{n} ta={ta} tb={tb} scale={scale} at ({i}, {j}): {got} vs {want}"
-                            );
-                        }
-                    }
                 }
             }
         }

@@ -296,20 +296,39 @@ pub(crate) fn linear_rows(
     unsafe { gemm_strided(false, false, m, n, k, t, w, y, true, par) };
 }
 
-/// Whether `gemm_raw` runs our AVX-512 kernel (`gemm_avx512`): on a CPU that has it, for
-/// row-major outputs at least a third of its 48-column tile wide, and products big enough
-/// that packing both operands pays. (Attention's blocks, at most 64 × 256 × 64, run the
-/// kernel's unpacked `small_gemm` instead: through the packed one they measured 15 % slower.)
+/// Which of our register tiles (`gemm_blocked`) a product runs on.
 #[cfg(feature = "cpu")]
-fn own_kernel((m, n, k): (usize, usize, usize), c_cs: isize) -> bool {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OwnTile {
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+}
+
+/// Our tile for a product, if `gemm_raw` runs one: on a CPU with AVX-512F or AVX2 + FMA, for
+/// row-major outputs at least 16 columns wide, and products big enough that packing both
+/// operands pays. (Attention's blocks, at most 64 × 256 × 64, run an unpacked
+/// `small_gemm` instead: through the packed one they measured 15 % slower.)
+#[cfg(feature = "cpu")]
+fn own_kernel((m, n, k): (usize, usize, usize), c_cs: isize) -> Option<OwnTile> {
     #[cfg(target_arch = "x86_64")]
     {
-        c_cs == 1 && n >= 16 && m * n * k >= 1 << 22 && super::gemm_avx512::available()
+        use super::gemm_blocked::Tile;
+        if c_cs != 1 || n < 16 || m * n * k < 1 << 22 {
+            None
+        } else if super::gemm_avx512::Avx512::available() {
+            Some(OwnTile::Avx512)
+        } else if super::gemm_avx2::Avx2::available() {
+            Some(OwnTile::Avx2)
+        } else {
+            None
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = ((m, n, k), c_cs);
-        false
+        None
     }
 }
 
@@ -400,14 +419,16 @@ fn strides(
     (a, b)
 }
 
-/// Runs a product through our AVX-512 kernel, its threads dealt the work by demand where `par`
-/// asks for them. Returns `false`, doing nothing, where the kernel's packing space is in use.
+/// Runs a product through our kernel on `tile`, its threads dealt the work by demand where
+/// `par` asks for them. Returns `false`, doing nothing, where the kernel's packing space is in
+/// use.
 ///
 /// # Safety
-/// As [`gemm_avx512::sgemm`](super::gemm_avx512::sgemm), on a CPU [`own_kernel`] accepted.
+/// As [`gemm_blocked::sgemm`](super::gemm_blocked::sgemm), on a CPU [`own_kernel`] accepted.
 #[cfg(all(feature = "cpu", target_arch = "x86_64"))]
 #[allow(clippy::too_many_arguments)]
 unsafe fn own_gemm(
+    tile: OwnTile,
     (m, n, k): (usize, usize, usize),
     c: (*mut f32, isize),
     a: (*const f32, isize, isize),
@@ -417,14 +438,20 @@ unsafe fn own_gemm(
     par: gemm::Parallelism,
     fused: Fused<'_>,
 ) -> bool {
-    use super::gemm_avx512::{sgemm, sgemm_threaded};
+    use super::gemm_blocked::{sgemm, sgemm_threaded};
+    use super::{gemm_avx2::Avx2, gemm_avx512::Avx512};
     let threaded = matches!(par, gemm::Parallelism::Rayon(_)) && m.max(n) >= 32;
-    let run = if threaded { sgemm_threaded } else { sgemm };
+    let run = match (tile, threaded) {
+        (OwnTile::Avx512, false) => sgemm::<Avx512>,
+        (OwnTile::Avx512, true) => sgemm_threaded::<Avx512>,
+        (OwnTile::Avx2, false) => sgemm::<Avx2>,
+        (OwnTile::Avx2, true) => sgemm_threaded::<Avx2>,
+    };
     // SAFETY: as the caller vouched.
     unsafe { run((m, n, k), c, a, b, scale, accumulate, fused) }
 }
 
-/// `c = f(op(a)) · op(b) (+ bias)` through our AVX-512 kernel, with `f` (made as `a` is packed)
+/// `c = f(op(a)) · op(b) (+ bias)` through our kernel, with `f` (made as `a` is packed)
 /// and the bias (added as `c` is first stored) as `fused` says: the op feeding the product
 /// never writes its output, and `c` is never filled with the bias first. Returns `false`, doing
 /// nothing, where our kernel does not run this product (another CPU, a small product, its
@@ -447,11 +474,12 @@ pub(crate) unsafe fn gemm_fused(
     debug_assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
     debug_assert!(fused.bias.is_none_or(|bias| bias.len() >= n));
     #[cfg(target_arch = "x86_64")]
-    if own_kernel((m, n, k), 1) {
+    if let Some(tile) = own_kernel((m, n, k), 1) {
         let ((a_rs, a_cs), (b_rs, b_cs)) = strides((ta, tb), (m, n, k));
         // SAFETY: `own_kernel` checked the CPU; the caller vouches for the operands.
         return unsafe {
             own_gemm(
+                tile,
                 (m, n, k),
                 (c.as_mut_ptr(), n as isize),
                 (a.as_ptr(), a_rs, a_cs),
@@ -501,7 +529,7 @@ pub(crate) unsafe fn gemm_raw(
 /// kernel its split was chosen for.
 ///
 /// # Safety
-/// As [`gemm_raw`]; `ours` only where [`own_kernel`] allowed it.
+/// As [`gemm_raw`]; `ours` only what [`own_kernel`] chose.
 #[cfg(feature = "cpu")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn gemm_with(
@@ -512,16 +540,17 @@ unsafe fn gemm_with(
     scale: f32,
     accumulate: bool,
     par: gemm::Parallelism,
-    ours: bool,
+    ours: Option<OwnTile>,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if ours {
+    if let Some(tile) = ours {
         // Where the dealt kernel cannot run (its packing space in use), the slabs below each
         // run `sgemm`.
         // SAFETY: `own_kernel` checked the CPU and the unit column stride of `c` (a slab keeps
         // both); the caller vouches for the pointers.
         let done = unsafe {
             own_gemm(
+                tile,
                 (m, n, k),
                 (c, c_rs),
                 (a, a_rs, a_cs),
@@ -542,7 +571,7 @@ unsafe fn gemm_with(
         // own threading, and the char-small step 8 % faster. Each slab packs all of the
         // operand it shares, so our kernel splits the longer side; the gemm crate measured
         // faster on slabs of columns, except when A is read transposed (a weight gradient).
-        let by_rows = if ours { m >= n } else { a_cs != 1 };
+        let by_rows = if ours.is_some() { m >= n } else { a_cs != 1 };
         let (len, align) = if by_rows { (m, 8) } else { (n, 16) };
         let parts = threads.min(len / (2 * align));
         if parts >= 2 {

@@ -13,7 +13,11 @@ mod fill;
 mod gelu;
 mod gelu_linear;
 #[cfg(all(feature = "cpu", target_arch = "x86_64"))]
+mod gemm_avx2;
+#[cfg(all(feature = "cpu", target_arch = "x86_64"))]
 mod gemm_avx512;
+#[cfg(all(feature = "cpu", target_arch = "x86_64"))]
+mod gemm_blocked;
 mod gqa_attention;
 mod grad_norm;
 mod layernorm;

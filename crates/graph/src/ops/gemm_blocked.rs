@@ -1,0 +1,762 @@
+//! Our f32 GEMM, `c (+)= scale · f(a) · b (+ bias)` with `c` row-major and `a`, `b` at any
+//! strides, on one thread ([`sgemm`]) or on the rayon pool with work dealt by demand
+//! ([`sgemm_threaded`]); `f` (a LayerNorm or GELU made as `a` is packed) and the bias are what
+//! `matmul::Fused` asks for. The blocking here is the same on every CPU; the register tile and
+//! the packing that feeds it are a [`Tile`] per instruction set (`gemm_avx512`, `gemm_avx2`).
+//! `matmul::gemm_raw` keeps the gemm crate for other CPUs and for narrow outputs.
+//!
+//! Blocking, in the BLIS manner, named for row-major `c`: an `MR × NR` register tile (`b` is the
+//! vector operand, `a` the broadcast one). For each block of `KC` of the inner dimension, `MC`
+//! rows of `a` are packed into `MR`-row panels (the panel the tile broadcasts from stays in
+//! L1), and `NC` columns of `b` into `NR`-column panels, a block small enough to stay in L2
+//! while every row panel of `a` streams over it.
+
+use std::cell::RefCell;
+
+use super::gelu::{gelu, GeluApprox};
+use super::matmul::{Fused, Prologue};
+use super::par::SendPtr;
+
+/// A register tile and the packing that feeds it, for one instruction set, with the block
+/// sizes that suit the caches of the CPUs that have it.
+pub(crate) trait Tile {
+    /// Rows of the register tile (`a`'s panels).
+    const MR: usize;
+    /// Columns of the register tile (`b`'s panels).
+    const NR: usize;
+    /// Inner-dimension block.
+    const KC: usize;
+    /// Rows of `a` packed at a time.
+    const MC: usize;
+    /// Columns of `b` packed at a time; a multiple of `NR` dividing [`SHARED`].
+    const NC: usize;
+
+    /// Whether this CPU runs the tile (cached by the standard library after the first call).
+    fn available() -> bool;
+
+    /// Packs `kc` columns of up to `MR` rows of `a` as `out[p·MR + i]`, zero rows past `mr`,
+    /// then applies the prologue ([`apply_prologue`]); the panel's first element is `(i0, p0)`
+    /// of the whole `a`.
+    ///
+    /// # Safety
+    /// The CPU must have the instruction set; `a` must be valid for `mr` rows and `kc` columns
+    /// at its strides, `out` for `MR · kc` floats.
+    unsafe fn pack_a(
+        kc: usize,
+        mr: usize,
+        a: *const f32,
+        strides: (isize, isize),
+        panel: (*mut f32, usize, usize),
+        prologue: Prologue<'_>,
+    );
+
+    /// Packs `kc` rows of `nc` columns of `b` into `NR`-column panels (`out[j·kc + p·NR + l]`
+    /// for panel `j`), zero columns past `nc`.
+    ///
+    /// # Safety
+    /// The CPU must have the instruction set; `b` must be valid for `kc` rows and `nc` columns
+    /// at its strides; `out` must be 64-byte aligned and hold `kc · nc.next_multiple_of(NR)`.
+    unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, strides: (isize, isize), out: *mut f32);
+
+    /// The `mc × nc` block of `c` at `c` from packed panels: `ap` holds `mc` rows in `MR`-row
+    /// panels, `bp` `nc` columns in `NR`-column panels, both `kc` deep. `bias` (null for none)
+    /// holds the block's `nc` columns' biases, added where `c` is not accumulated into.
+    ///
+    /// # Safety
+    /// The CPU must have the instruction set; the panels must hold what they say, and the block
+    /// (and its biases) must lie inside `c` (and `bias`).
+    unsafe fn tiles(
+        kc: usize,
+        panels: (*const f32, *const f32),
+        c: (*mut f32, isize),
+        block: (usize, usize),
+        scale_bias: (f32, *const f32),
+        accumulate: bool,
+    );
+}
+
+/// Floats of packing space one thread keeps for tile `T`: `b`'s block, `a`'s block, and slack
+/// to align.
+const fn pack_floats<T: Tile>() -> usize {
+    T::KC * T::NC + T::MC * T::KC + 16
+}
+
+thread_local! {
+    static PACK: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `c (+)= scale · f(a) · b (+ bias)` for an `m × k` by `k × n` product, `f` and the bias as
+/// `fused` says (the bias only without `accumulate`). Element `(i, j)` of each operand sits at
+/// `i·rs + j·cs`; `c`'s columns are contiguous. Returns `false`, doing nothing, when the
+/// thread's packing space is in use (a re-entrant call), so the caller can fall back.
+///
+/// # Safety
+/// The CPU must have `T`'s instruction set ([`Tile::available`]); every pointer must be valid
+/// for the elements its strides reach, and `c` must not overlap `a` or `b`. A prologue's
+/// statistics must cover every token and its weights every feature of `a`; a bias must hold
+/// `n` values.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn sgemm<T: Tile>(
+    (m, n, k): (usize, usize, usize),
+    (c, c_rs): (*mut f32, isize),
+    (a, a_rs, a_cs): (*const f32, isize, isize),
+    (b, b_rs, b_cs): (*const f32, isize, isize),
+    scale: f32,
+    accumulate: bool,
+    fused: Fused<'_>,
+) -> bool {
+    PACK.with(|pack| {
+        let Ok(mut buf) = pack.try_borrow_mut() else {
+            return false;
+        };
+        if buf.len() < pack_floats::<T>() {
+            buf.resize(pack_floats::<T>(), 0.0);
+        }
+        let base = buf.as_mut_ptr();
+        // SAFETY: the buffer holds 16 floats of slack for the alignment, then both blocks.
+        unsafe {
+            let bp = base.add(base.align_offset(64));
+            let ap = bp.add(T::KC * T::NC);
+            blocked::<T>(
+                (m, n, k),
+                (c, c_rs),
+                (a, a_rs, a_cs),
+                (b, b_rs, b_cs),
+                (ap, bp),
+                (scale, accumulate),
+                fused,
+            );
+        }
+        true
+    })
+}
+
+/// Columns (or rows) of the operand the threads share, packed at a time: `KC × SHARED` floats
+/// on the calling thread, beside each worker's packing space.
+const SHARED: usize = 2304;
+
+thread_local! {
+    static SHARED_PACK: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// [`sgemm`] on every thread of the current rayon pool, dealing work by demand rather than in
+/// equal slabs. On a shared host one core often runs at 0.6× its speed while the other does
+/// not (measured here: two pinned single-thread GEMM processes dip independently); equal slabs
+/// then run at twice the slow core's speed, and dealt chunks at the sum of both. The operand
+/// the chunks share (`b` when splitting rows, `a` when splitting columns) is packed once, by
+/// all threads, instead of once per slab. Returns `false`, doing nothing, when the calling
+/// thread's shared packing space is in use.
+///
+/// The result is bitwise that of [`sgemm`]: every element sums the same blocks in the same
+/// order, whichever thread computes it.
+///
+/// # Safety
+/// As [`sgemm`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn sgemm_threaded<T: Tile>(
+    (m, n, k): (usize, usize, usize),
+    (c, c_rs): (*mut f32, isize),
+    (a, a_rs, a_cs): (*const f32, isize, isize),
+    (b, b_rs, b_cs): (*const f32, isize, isize),
+    scale: f32,
+    accumulate: bool,
+    fused: Fused<'_>,
+) -> bool {
+    SHARED_PACK.with(|shared| {
+        let Ok(mut buf) = shared.try_borrow_mut() else {
+            return false;
+        };
+        let floats = T::KC * SHARED + 16;
+        if buf.len() < floats {
+            buf.resize(floats, 0.0);
+        }
+        let base = buf.as_mut_ptr();
+        // SAFETY: the buffer holds 16 floats of slack for the alignment, then `KC × SHARED`;
+        // the caller vouches for the operands.
+        unsafe {
+            let sp = base.add(base.align_offset(64));
+            let ops = Operands {
+                c: SendPtr(c),
+                c_rs,
+                a: SendPtr(a as *mut f32),
+                a_s: (a_rs, a_cs),
+                b: SendPtr(b as *mut f32),
+                b_s: (b_rs, b_cs),
+                fused,
+            };
+            if m >= n {
+                by_rows::<T>((m, n, k), ops, SendPtr(sp), (scale, accumulate));
+            } else {
+                by_columns::<T>((m, n, k), ops, SendPtr(sp), (scale, accumulate));
+            }
+        }
+        true
+    })
+}
+
+#[derive(Clone, Copy)]
+struct Operands<'a> {
+    c: SendPtr,
+    c_rs: isize,
+    a: SendPtr,
+    a_s: (isize, isize),
+    b: SendPtr,
+    b_s: (isize, isize),
+    fused: Fused<'a>,
+}
+
+/// Runs `f(0..items)` on every thread of the current pool, each thread taking the next item
+/// as it finishes one, and returns when all are done.
+fn deal(items: usize, f: impl Fn(usize) + Sync) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let next = AtomicUsize::new(0);
+    rayon::broadcast(|_| loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        if i >= items {
+            break;
+        }
+        f(i);
+    });
+}
+
+/// Items of `align` elements each, about four per thread so that a slow core takes fewer,
+/// at most `most` elements each.
+fn chunk(len: usize, align: usize, most: usize) -> usize {
+    let per = len.div_ceil(4 * rayon::current_num_threads().max(1));
+    per.next_multiple_of(align).clamp(align, most)
+}
+
+/// Runs `f(ap, bp)` with this thread's packing space for `T` (a fresh one if it is in use).
+fn with_pack<T: Tile>(f: impl FnOnce(*mut f32, *mut f32)) {
+    PACK.with(|pack| {
+        let mut spare = Vec::new();
+        let mut held = pack.try_borrow_mut();
+        let buf = match held.as_mut() {
+            Ok(b) => &mut **b,
+            Err(_) => &mut spare,
+        };
+        if buf.len() < pack_floats::<T>() {
+            buf.resize(pack_floats::<T>(), 0.0);
+        }
+        let base = buf.as_mut_ptr();
+        // SAFETY: 16 floats of slack for the alignment, then `b`'s block and `a`'s.
+        let bp = unsafe { base.add(base.align_offset(64)) };
+        f(unsafe { bp.add(T::KC * T::NC) }, bp)
+    })
+}
+
+/// Rows dealt to threads, `b` packed once per block of `KC × SHARED`.
+unsafe fn by_rows<T: Tile>(
+    (m, n, k): (usize, usize, usize),
+    o: Operands<'_>,
+    sp: SendPtr,
+    (scale, accumulate): (f32, bool),
+) {
+    let rows = chunk(m, T::MR, T::MC - T::MC % T::MR);
+    for pc in (0..k).step_by(T::KC) {
+        let kc = T::KC.min(k - pc);
+        let acc = accumulate || pc > 0;
+        for jg in (0..n).step_by(SHARED) {
+            let gw = SHARED.min(n - jg);
+            // SAFETY (both deals): as `sgemm_threaded`'s caller vouched; each item packs its
+            // own panels of the shared block, then each row chunk writes its own rows of `c`.
+            deal(gw.div_ceil(T::NC), |p| unsafe {
+                let j = p * T::NC;
+                let (rs, cs) = o.b_s;
+                let src = o.b.get().offset(pc as isize * rs + (jg + j) as isize * cs);
+                T::pack_b(kc, T::NC.min(gw - j), src, o.b_s, sp.get().add(j * kc));
+            });
+            deal(m.div_ceil(rows), |q| {
+                with_pack::<T>(|ap, _| unsafe {
+                    let i0 = q * rows;
+                    let mc = rows.min(m - i0);
+                    let (rs, cs) = o.a_s;
+                    for ir in (0..mc).step_by(T::MR) {
+                        let src = o.a.get().offset((i0 + ir) as isize * rs + pc as isize * cs);
+                        let panel = (ap.add(ir * kc), i0 + ir, pc);
+                        T::pack_a(kc, T::MR.min(mc - ir), src, o.a_s, panel, o.fused.prologue);
+                    }
+                    for jc in (0..gw).step_by(T::NC) {
+                        let at = i0 as isize * o.c_rs + (jg + jc) as isize;
+                        let panels = (ap as *const f32, sp.get().add(jc * kc) as *const f32);
+                        let c = (o.c.get().offset(at), o.c_rs);
+                        let bias = o.fused.bias_at(jg + jc);
+                        T::tiles(kc, panels, c, (mc, T::NC.min(gw - jc)), (scale, bias), acc);
+                    }
+                })
+            });
+        }
+    }
+}
+
+/// Columns dealt to threads, `a` packed once per block of `SHARED × KC`.
+unsafe fn by_columns<T: Tile>(
+    (m, n, k): (usize, usize, usize),
+    o: Operands<'_>,
+    sp: SendPtr,
+    (scale, accumulate): (f32, bool),
+) {
+    let cols = chunk(n, T::NR, T::NC);
+    for pc in (0..k).step_by(T::KC) {
+        let kc = T::KC.min(k - pc);
+        let acc = accumulate || pc > 0;
+        for ig in (0..m).step_by(SHARED) {
+            let mg = SHARED.min(m - ig);
+            // SAFETY (both deals): as in `by_rows`, with rows and columns exchanged.
+            deal(mg.div_ceil(T::MR * 8), |p| unsafe {
+                let (rs, cs) = o.a_s;
+                for ir in (p * T::MR * 8..mg).step_by(T::MR).take(8) {
+                    let src = o.a.get().offset((ig + ir) as isize * rs + pc as isize * cs);
+                    let panel = (sp.get().add(ir * kc), ig + ir, pc);
+                    T::pack_a(kc, T::MR.min(mg - ir), src, o.a_s, panel, o.fused.prologue);
+                }
+            });
+            deal(n.div_ceil(cols), |q| {
+                with_pack::<T>(|_, bp| unsafe {
+                    let j0 = q * cols;
+                    let nc = cols.min(n - j0);
+                    let (rs, cs) = o.b_s;
+                    let src = o.b.get().offset(pc as isize * rs + j0 as isize * cs);
+                    T::pack_b(kc, nc, src, o.b_s, bp);
+                    let at = ig as isize * o.c_rs + j0 as isize;
+                    let panels = (sp.get() as *const f32, bp as *const f32);
+                    T::tiles(
+                        kc,
+                        panels,
+                        (o.c.get().offset(at), o.c_rs),
+                        (mg, nc),
+                        (scale, o.fused.bias_at(j0)),
+                        acc,
+                    );
+                })
+            });
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn blocked<T: Tile>(
+    (m, n, k): (usize, usize, usize),
+    (c, c_rs): (*mut f32, isize),
+    (a, a_rs, a_cs): (*const f32, isize, isize),
+    (b, b_rs, b_cs): (*const f32, isize, isize),
+    (ap, bp): (*mut f32, *mut f32),
+    (scale, accumulate): (f32, bool),
+    fused: Fused<'_>,
+) {
+    let at = |i: usize, p: usize| i as isize * a_rs + p as isize * a_cs;
+    let bt = |p: usize, j: usize| p as isize * b_rs + j as isize * b_cs;
+    let mc_most = T::MC - T::MC % T::MR;
+    for pc in (0..k).step_by(T::KC) {
+        let kc = T::KC.min(k - pc);
+        // Blocks after the first add to what the first wrote.
+        let acc = accumulate || pc > 0;
+        for ic in (0..m).step_by(mc_most) {
+            let mc = mc_most.min(m - ic);
+            for ir in (0..mc).step_by(T::MR) {
+                // SAFETY (all blocks below): indices stay inside the operands' extents, and the
+                // packed panels inside the buffers `sgemm` sized.
+                unsafe {
+                    T::pack_a(
+                        kc,
+                        T::MR.min(mc - ir),
+                        a.offset(at(ic + ir, pc)),
+                        (a_rs, a_cs),
+                        (ap.add(ir * kc), ic + ir, pc),
+                        fused.prologue,
+                    )
+                };
+            }
+            for jc in (0..n).step_by(T::NC) {
+                let nc = T::NC.min(n - jc);
+                unsafe { T::pack_b(kc, nc, b.offset(bt(pc, jc)), (b_rs, b_cs), bp) };
+                unsafe {
+                    let cp = c.offset(ic as isize * c_rs + jc as isize);
+                    let bias = fused.bias_at(jc);
+                    T::tiles(kc, (ap, bp), (cp, c_rs), (mc, nc), (scale, bias), acc);
+                }
+            }
+        }
+    }
+}
+
+/// The prologue over one packed panel of `MR` rows (`panel[p·MR + i]` holds `a[i0 + i, p0 +
+/// p]`), rows past `mr` left as they are. Loops over whole `MR`-float columns where it can, so
+/// they vectorise; inlined into each tile's `pack_a`, it is compiled for that instruction set.
+#[inline(always)]
+pub(super) fn apply_prologue<const MR: usize>(
+    prologue: Prologue<'_>,
+    panel: &mut [f32],
+    mr: usize,
+    (i0, p0): (usize, usize),
+) {
+    match prologue {
+        Prologue::None => {}
+        // Padded rows hold zeros, and GELU(0) = 0. One loop per variant, each vectorised.
+        Prologue::Gelu(GeluApprox::Tanh) => {
+            panel
+                .iter_mut()
+                .for_each(|x| *x = gelu(GeluApprox::Tanh, *x));
+        }
+        Prologue::Gelu(GeluApprox::Exact) => {
+            panel
+                .iter_mut()
+                .for_each(|x| *x = gelu(GeluApprox::Exact, *x));
+        }
+        Prologue::LayerNorm {
+            mean,
+            rstd,
+            w,
+            b,
+            tokens_down,
+        } => {
+            let kc = panel.len() / MR;
+            if tokens_down {
+                // Token per row of the panel, feature per column.
+                let (m8, r8) = (&mean[i0..i0 + mr], &rstd[i0..i0 + mr]);
+                let (wk, bk) = (&w[p0..p0 + kc], &b[p0..p0 + kc]);
+                for ((col, &wf), &bf) in panel.chunks_exact_mut(MR).zip(wk).zip(bk) {
+                    for ((v, &m), &r) in col.iter_mut().zip(m8).zip(r8) {
+                        *v = (*v - m) * r * wf + bf;
+                    }
+                }
+            } else {
+                // Token per column of the panel, feature per row.
+                let (w8, b8) = (&w[i0..i0 + mr], &b[i0..i0 + mr]);
+                let (mk, rk) = (&mean[p0..p0 + kc], &rstd[p0..p0 + kc]);
+                for ((col, &m), &r) in panel.chunks_exact_mut(MR).zip(mk).zip(rk) {
+                    for ((v, &wf), &bf) in col.iter_mut().zip(w8).zip(b8) {
+                        *v = (*v - m) * r * wf + bf;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Packs `kc` columns of up to `MR` rows of `a` element by element (any strides), zero rows
+/// past `mr`: the path for edges and strides a tile's vector packing does not cover.
+///
+/// # Safety
+/// As [`Tile::pack_a`].
+#[inline(always)]
+pub(super) unsafe fn pack_a_any<const MR: usize>(
+    kc: usize,
+    mr: usize,
+    a: *const f32,
+    (rs, cs): (isize, isize),
+    out: *mut f32,
+) {
+    for p in 0..kc {
+        for i in 0..MR {
+            // SAFETY: row `i < mr` and column `p < kc` of `a`; the panel holds `MR · kc`.
+            unsafe {
+                *out.add(p * MR + i) = if i < mr {
+                    *a.offset(i as isize * rs + p as isize * cs)
+                } else {
+                    0.0
+                };
+            }
+        }
+    }
+}
+
+/// Packs `kc` rows of `nr ≤ NR` columns of `b` element by element (any strides) as one panel,
+/// zero columns past `nr`: the path for edges and strides a tile's vector packing does not
+/// cover.
+///
+/// # Safety
+/// `b` must be valid for `kc` rows and `nr` columns at its strides, `out` for `NR · kc`.
+#[inline(always)]
+pub(super) unsafe fn pack_b_any<const NR: usize>(
+    kc: usize,
+    nr: usize,
+    b: *const f32,
+    (rs, cs): (isize, isize),
+    out: *mut f32,
+) {
+    for l in 0..NR {
+        for p in 0..kc {
+            // SAFETY: column `l < nr` and row `p < kc` of `b`; the panel holds `NR · kc`.
+            unsafe {
+                *out.add(p * NR + l) = if l < nr {
+                    *b.offset(l as isize * cs + p as isize * rs)
+                } else {
+                    0.0
+                };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic values in [-0.5, 0.5) with no pattern a blocking bug could hide behind.
+    fn values(len: usize, seed: u64) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            })
+            .collect()
+    }
+
+    /// Runs `check::<T>()` for every tile this CPU has, and says which it skipped.
+    macro_rules! for_each_tile {
+        ($check:ident) => {{
+            #[cfg(target_arch = "x86_64")]
+            {
+                use super::super::{gemm_avx2::Avx2, gemm_avx512::Avx512};
+                if Avx512::available() {
+                    $check::<Avx512>("avx512");
+                } else {
+                    eprintln!("skipped the AVX-512 tile: this CPU has no AVX-512F");
+                }
+                if Avx2::available() {
+                    $check::<Avx2>("avx2");
+                } else {
+                    eprintln!("skipped the AVX2 tile: this CPU has no AVX2 and FMA");
+                }
+            }
+        }};
+    }
+
+    /// Threads dealing rows or columns compute bitwise what one thread computes, in every
+    /// layout, with partial chunks, several `k` blocks, and shared blocks past `SHARED` in
+    /// both directions; also on a pool of three, where chunks do not divide evenly.
+    #[test]
+    fn dealing_work_to_threads_changes_no_bit() {
+        fn check<T: Tile>(tile: &str) {
+            let shapes = [
+                (2400, 2350, 40),
+                (2330, 2345, 20),
+                (50, 2400, 400),
+                (700, 90, 385),
+                (13, 100, 5),
+            ];
+            for threads in [2, 3] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                for (m, n, k) in shapes {
+                    for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                        let (a, b) = (values(m * k, 4), values(k * n, 5));
+                        let start = values(m * n, 6);
+                        let (a_rs, a_cs) = if ta { (1, m as isize) } else { (k as isize, 1) };
+                        let (b_rs, b_cs) = if tb { (1, k as isize) } else { (n as isize, 1) };
+                        let run = |c: &mut Vec<f32>| {
+                            // SAFETY: the CPU was checked; the strides stay inside the vectors.
+                            unsafe {
+                                sgemm_threaded::<T>(
+                                    (m, n, k),
+                                    (c.as_mut_ptr(), n as isize),
+                                    (a.as_ptr(), a_rs, a_cs),
+                                    (b.as_ptr(), b_rs, b_cs),
+                                    0.5,
+                                    true,
+                                    Fused::NONE,
+                                )
+                            }
+                        };
+                        let (mut one, mut dealt) = (start.clone(), start.clone());
+                        // SAFETY: as above.
+                        let done = unsafe {
+                            sgemm::<T>(
+                                (m, n, k),
+                                (one.as_mut_ptr(), n as isize),
+                                (a.as_ptr(), a_rs, a_cs),
+                                (b.as_ptr(), b_rs, b_cs),
+                                0.5,
+                                true,
+                                Fused::NONE,
+                            )
+                        };
+                        assert!(done && pool.install(|| run(&mut dealt)));
+                        assert!(
+                            one.iter()
+                                .zip(&dealt)
+                                .all(|(x, y)| x.to_bits() == y.to_bits()),
+                            "{tile}: {m}×{k}×{n} ta={ta} tb={tb} on {threads} threads"
+                        );
+                        assert_ne!(one, start, "{tile}: {m}×{k}×{n}: the product was not added");
+                    }
+                }
+            }
+        }
+        for_each_tile!(check);
+    }
+
+    /// A prologue made while packing, and a bias added while storing, give bitwise the product
+    /// of the materialised `f(op(a))` with `c` filled with the bias first: on one thread and
+    /// dealt (rows and columns), in both LayerNorm orientations, past `KC` and `MC`, with
+    /// partial panels.
+    #[test]
+    fn fused_prologue_and_bias_are_bitwise_the_materialised_product() {
+        fn check<T: Tile>(tile: &str) {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(2)
+                .build()
+                .unwrap();
+            for (m, n, k) in [(803, 70, 450), (45, 500, 390), (9, 20, 7)] {
+                for ta in [false, true] {
+                    let (a, b) = (values(m * k, 7), values(k * n, 8));
+                    let bias = values(n, 9);
+                    // Tokens run along op(a)'s rows, or (a weight gradient's xᵀ) along its
+                    // columns.
+                    let (tokens, features) = if ta { (k, m) } else { (m, k) };
+                    let mean = values(tokens, 10);
+                    let rstd: Vec<f32> = values(tokens, 11).iter().map(|v| v + 1.0).collect();
+                    let (lw, lb) = (values(features, 12), values(features, 13));
+                    let (a_rs, a_cs) = if ta { (1, m as isize) } else { (k as isize, 1) };
+                    let at = |i: usize, p: usize| (i as isize * a_rs + p as isize * a_cs) as usize;
+                    // The prologue, and what it makes of element (i, p) of op(a).
+                    type Made<'f> = &'f dyn Fn(usize, usize, f32) -> f32;
+                    let prologues: [(&str, Prologue, Made); 3] = [
+                        (
+                            "layer norm",
+                            Prologue::LayerNorm {
+                                mean: &mean,
+                                rstd: &rstd,
+                                w: &lw,
+                                b: &lb,
+                                tokens_down: !ta,
+                            },
+                            &|i, p, v| {
+                                let (t, f) = if ta { (p, i) } else { (i, p) };
+                                (v - mean[t]) * rstd[t] * lw[f] + lb[f]
+                            },
+                        ),
+                        ("gelu", Prologue::Gelu(GeluApprox::Tanh), &|_, _, v| {
+                            gelu(GeluApprox::Tanh, v)
+                        }),
+                        ("bias alone", Prologue::None, &|_, _, v| v),
+                    ];
+                    for (name, prologue, f) in prologues {
+                        // op(a) made, row-major.
+                        let mut made = vec![0.0; m * k];
+                        for i in 0..m {
+                            for p in 0..k {
+                                made[i * k + p] = f(i, p, a[at(i, p)]);
+                            }
+                        }
+                        let mut want: Vec<f32> =
+                            (0..m).flat_map(|_| bias.iter().copied()).collect();
+                        let ptr = |c: &mut Vec<f32>| (c.as_mut_ptr(), n as isize);
+                        let b_op = (b.as_ptr(), n as isize, 1);
+                        // SAFETY (all three): the CPU was checked; the strides stay inside the
+                        // vectors; the statistics and weights cover op(a).
+                        let done = unsafe {
+                            sgemm::<T>(
+                                (m, n, k),
+                                ptr(&mut want),
+                                (made.as_ptr(), k as isize, 1),
+                                b_op,
+                                1.0,
+                                true,
+                                Fused::NONE,
+                            )
+                        };
+                        let fused = Fused {
+                            prologue,
+                            bias: Some(&bias),
+                        };
+                        let a_op = (a.as_ptr(), a_rs, a_cs);
+                        let (mut one, mut dealt) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
+                        let one_done = unsafe {
+                            sgemm::<T>((m, n, k), ptr(&mut one), a_op, b_op, 1.0, false, fused)
+                        };
+                        let dealt_done = pool.install(|| unsafe {
+                            let (a_op, b_op) =
+                                ((a.as_ptr(), a_rs, a_cs), (b.as_ptr(), n as isize, 1));
+                            let c = ptr(&mut dealt);
+                            sgemm_threaded::<T>((m, n, k), c, a_op, b_op, 1.0, false, fused)
+                        });
+                        assert!(done && one_done && dealt_done);
+                        for (what, got) in [("one thread", &one), ("dealt", &dealt)] {
+                            assert!(
+                                got.iter()
+                                    .zip(&want)
+                                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                                "{tile}: {m}×{k}×{n} ta={ta} {name} on {what}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        for_each_tile!(check);
+    }
+
+    /// Every layout the step uses, and shapes that leave partial tiles and blocks in each
+    /// dimension (m past `MC` and not a multiple of the tile's rows, n past `NC` and not of its
+    /// columns, k past `KC` and not of 16), against a plain triple loop in f64.
+    #[test]
+    fn matches_a_triple_loop_in_every_layout_and_at_every_edge() {
+        fn check<T: Tile>(tile: &str) {
+            let shapes = [
+                (1, 1, 1),
+                (7, 5, 3),
+                (8, 48, 16),
+                (13, 50, 17),
+                (790, 203, 401),
+                (9, 97, 800),
+                (20, 61, 35),
+                (6, 16, 9),
+                (1000, 300, 260),
+            ];
+            for (m, n, k) in shapes {
+                for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                    for (scale, accumulate) in [(1.0f32, false), (0.5, true)] {
+                        let (a, b) = (values(m * k, 1), values(k * n, 2));
+                        let start = values(m * n, 3);
+                        let mut c = start.clone();
+                        let (a_rs, a_cs) = if ta { (1, m as isize) } else { (k as isize, 1) };
+                        let (b_rs, b_cs) = if tb { (1, k as isize) } else { (n as isize, 1) };
+                        // SAFETY: the CPU was checked; the strides stay inside the vectors.
+                        let done = unsafe {
+                            sgemm::<T>(
+                                (m, n, k),
+                                (c.as_mut_ptr(), n as isize),
+                                (a.as_ptr(), a_rs, a_cs),
+                                (b.as_ptr(), b_rs, b_cs),
+                                scale,
+                                accumulate,
+                                Fused::NONE,
+                            )
+                        };
+                        assert!(done);
+                        for i in 0..m {
+                            for j in 0..n {
+                                let dot: f64 = (0..k)
+                                    .map(|p| {
+                                        let x = a[(i as isize * a_rs + p as isize * a_cs) as usize];
+                                        let y = b[(p as isize * b_rs + j as isize * b_cs) as usize];
+                                        f64::from(x) * f64::from(y)
+                                    })
+                                    .sum();
+                                let base = if accumulate {
+                                    f64::from(start[i * n + j])
+                                } else {
+                                    0.0
+                                };
+                                let want = base + f64::from(scale) * dot;
+                                let got = f64::from(c[i * n + j]);
+                                assert!(
+                                    (got - want).abs() <= 1e-5 * (k as f64).sqrt() + 1e-6,
+                                    "{tile}: {m}×{k}×{n} ta={ta} tb={tb} scale={scale} at ({i}, {j}): {got} vs {want}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        for_each_tile!(check);
+    }
+}
