@@ -288,6 +288,21 @@ unsafe fn head_gemm(
         };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if super::gemm_avx2::available() {
+        // SAFETY: the CPU was checked; the caller vouches for the operands.
+        unsafe {
+            super::gemm_avx2::small_gemm(
+                (m, n, k),
+                (c.ptr, c.stride),
+                (a.ptr, a_rs, a_cs),
+                (b.ptr, b.rs, b.strip),
+                scale,
+                acc,
+            )
+        };
+        return;
+    }
     for j0 in (0..n).step_by(64) {
         // SAFETY: strip `j0 / 64` of `b` and columns `j0..` of `c`, as the caller vouched.
         unsafe {
@@ -337,6 +352,14 @@ unsafe fn rows_across(x: Rows, (t, d): (usize, usize), out: &mut [f32]) -> Right
             // SAFETY: the CPU was checked; `o` holds d rows of 64.
             unsafe {
                 super::gemm_avx512::transpose((x.ptr, x.stride), (rows, d), (o.as_mut_ptr(), 64))
+            };
+            continue;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if super::gemm_avx2::available() {
+            // SAFETY: the CPU was checked; `o` holds d rows of 64.
+            unsafe {
+                super::gemm_avx2::transpose((x.ptr, x.stride), (rows, d), (o.as_mut_ptr(), 64))
             };
             continue;
         }
