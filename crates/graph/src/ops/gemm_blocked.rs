@@ -603,7 +603,7 @@ mod tests {
                 .num_threads(2)
                 .build()
                 .unwrap();
-            for (m, n, k) in [(803, 70, 450), (45, 500, 390), (9, 20, 7)] {
+            for (m, n, k) in [(803, 70, 530), (45, 500, 390), (9, 20, 7)] {
                 for ta in [false, true] {
                     let (a, b) = (values(m * k, 7), values(k * n, 8));
                     let bias = values(n, 9);
