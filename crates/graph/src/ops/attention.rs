@@ -274,25 +274,10 @@ unsafe fn head_gemm(
 ) {
     let (a_rs, a_cs) = if ta { (1, a.stride) } else { (a.stride, 1) };
     #[cfg(target_arch = "x86_64")]
-    if super::gemm_avx512::available() {
+    if let Some((small_gemm, _)) = super::gemm_blocked::head_kernels() {
         // SAFETY: the CPU was checked; the caller vouches for the operands.
         unsafe {
-            super::gemm_avx512::small_gemm(
-                (m, n, k),
-                (c.ptr, c.stride),
-                (a.ptr, a_rs, a_cs),
-                (b.ptr, b.rs, b.strip),
-                scale,
-                acc,
-            )
-        };
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if super::gemm_avx2::available() {
-        // SAFETY: the CPU was checked; the caller vouches for the operands.
-        unsafe {
-            super::gemm_avx2::small_gemm(
+            small_gemm(
                 (m, n, k),
                 (c.ptr, c.stride),
                 (a.ptr, a_rs, a_cs),
@@ -348,19 +333,9 @@ unsafe fn rows_across(x: Rows, (t, d): (usize, usize), out: &mut [f32]) -> Right
         // SAFETY: rows `r0..r0 + rows` of `x`, as the caller vouched.
         let x = unsafe { x.down(r0) };
         #[cfg(target_arch = "x86_64")]
-        if super::gemm_avx512::available() {
+        if let Some((_, transpose)) = super::gemm_blocked::head_kernels() {
             // SAFETY: the CPU was checked; `o` holds d rows of 64.
-            unsafe {
-                super::gemm_avx512::transpose((x.ptr, x.stride), (rows, d), (o.as_mut_ptr(), 64))
-            };
-            continue;
-        }
-        #[cfg(target_arch = "x86_64")]
-        if super::gemm_avx2::available() {
-            // SAFETY: the CPU was checked; `o` holds d rows of 64.
-            unsafe {
-                super::gemm_avx2::transpose((x.ptr, x.stride), (rows, d), (o.as_mut_ptr(), 64))
-            };
+            unsafe { transpose((x.ptr, x.stride), (rows, d), (o.as_mut_ptr(), 64)) };
             continue;
         }
         for r in 0..rows {

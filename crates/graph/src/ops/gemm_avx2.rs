@@ -55,16 +55,16 @@ impl Tile for Avx2 {
         unsafe { pack_b(kc, nc, b, strides, out) }
     }
 
-    unsafe fn tiles(
+    unsafe fn kernel(
         kc: usize,
         panels: (*const f32, *const f32),
         c: (*mut f32, isize),
-        block: (usize, usize),
+        tile: (usize, usize),
         scale_bias: (f32, *const f32),
         accumulate: bool,
     ) {
         // SAFETY: as the caller vouched.
-        unsafe { tiles(kc, panels, c, block, scale_bias, accumulate) }
+        unsafe { kernel(kc, panels, c, tile, scale_bias, accumulate) }
     }
 }
 
@@ -143,44 +143,13 @@ unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, (rs, cs): (isize, isize), 
     }
 }
 
-/// As [`Tile::tiles`], in 6 × 16 tiles.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn tiles(
-    kc: usize,
-    (ap, bp): (*const f32, *const f32),
-    (c, c_rs): (*mut f32, isize),
-    (mc, nc): (usize, usize),
-    (scale, bias): (f32, *const f32),
-    accumulate: bool,
-) {
-    for ir in (0..mc).step_by(MR) {
-        for jr in (0..nc).step_by(NR) {
-            // SAFETY: the panels hold `kc` packed rows each and the tile lies inside `c` (and
-            // its biases inside `bias`), as the caller vouched.
-            unsafe {
-                let bias = if bias.is_null() { bias } else { bias.add(jr) };
-                kernel(
-                    kc,
-                    ap.add(ir * kc),
-                    bp.add(jr * kc),
-                    (c.offset(ir as isize * c_rs + jr as isize), c_rs),
-                    (MR.min(mc - ir), NR.min(nc - jr)),
-                    (scale, bias),
-                    accumulate,
-                )
-            };
-        }
-    }
-}
-
 /// One 6 × 16 tile: `c (+)= scale · Σ_p a[p] ⊗ b[p]` over packed panels, storing `mr × nr`;
 /// not accumulating, a non-null `bias` (the tile's `nr` columns) is added.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
 unsafe fn kernel(
     kc: usize,
-    ap: *const f32,
-    bp: *const f32,
+    (ap, bp): (*const f32, *const f32),
     (c, c_rs): (*mut f32, isize),
     (mr, nr): (usize, usize),
     (scale, bias): (f32, *const f32),
@@ -232,11 +201,6 @@ unsafe fn kernel(
             }
         }
     }
-}
-
-/// Whether this CPU runs [`small_gemm`] and [`transpose`].
-pub(crate) fn available() -> bool {
-    Avx2::available()
 }
 
 /// Rows of [`small_gemm`]'s register tile; its columns are two ymm vectors.
@@ -416,27 +380,15 @@ fn transpose_8x8(r: [__m256; 8]) -> [__m256; 8] {
 
 #[cfg(test)]
 mod tests {
+    use super::super::gemm_blocked::tests::values;
     use super::*;
-
-    /// Deterministic values in [-0.5, 0.5).
-    fn values(len: usize, seed: u64) -> Vec<f32> {
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-            })
-            .collect()
-    }
 
     /// Attention's unpacked products, against a triple loop in f64: `a` plain and transposed,
     /// `b` in strips of 64 (the last one partial, and a partial 16-column tile inside it), row
     /// counts that leave every remainder of the 6-row tile, scaled and accumulated.
     #[test]
     fn small_gemm_matches_a_triple_loop_at_every_edge() {
-        if !available() {
+        if !Avx2::available() {
             eprintln!("skipped: this CPU has no AVX2 and FMA");
             return;
         }
@@ -497,7 +449,7 @@ mod tests {
     /// The 8 × 8 register transpose, and the scalar edges, move every element exactly.
     #[test]
     fn transpose_moves_every_element() {
-        if !available() {
+        if !Avx2::available() {
             eprintln!("skipped: this CPU has no AVX2 and FMA");
             return;
         }

@@ -53,22 +53,17 @@ impl Tile for Avx512 {
         unsafe { pack_b(kc, nc, b, strides, out) }
     }
 
-    unsafe fn tiles(
+    unsafe fn kernel(
         kc: usize,
         panels: (*const f32, *const f32),
         c: (*mut f32, isize),
-        block: (usize, usize),
+        tile: (usize, usize),
         scale_bias: (f32, *const f32),
         accumulate: bool,
     ) {
         // SAFETY: as the caller vouched.
-        unsafe { tiles(kc, panels, c, block, scale_bias, accumulate) }
+        unsafe { kernel(kc, panels, c, tile, scale_bias, accumulate) }
     }
-}
-
-/// Whether this CPU runs [`small_gemm`] and [`transpose`].
-pub(crate) fn available() -> bool {
-    Avx512::available()
 }
 
 /// Packs `kc` columns of up to 8 rows of `a` as `out[p·8 + i]`, zero rows past `mr`, then
@@ -169,46 +164,13 @@ unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, (rs, cs): (isize, isize), 
     }
 }
 
-/// The `mc × nc` block of `c` at `c` from packed panels: `ap` holds `mc` rows in 8-row panels,
-/// `bp` `nc` columns in 48-column panels, both `kc` deep. `bias` (null for none) holds the
-/// block's `nc` columns' biases, added where `c` is not accumulated into.
-#[target_feature(enable = "avx512f")]
-unsafe fn tiles(
-    kc: usize,
-    (ap, bp): (*const f32, *const f32),
-    (c, c_rs): (*mut f32, isize),
-    (mc, nc): (usize, usize),
-    (scale, bias): (f32, *const f32),
-    accumulate: bool,
-) {
-    for ir in (0..mc).step_by(MR) {
-        for jr in (0..nc).step_by(NR) {
-            // SAFETY: the panels hold `kc` packed rows each and the tile lies inside `c` (and
-            // its biases inside `bias`), as the caller vouched.
-            unsafe {
-                let bias = if bias.is_null() { bias } else { bias.add(jr) };
-                kernel(
-                    kc,
-                    ap.add(ir * kc),
-                    bp.add(jr * kc),
-                    (c.offset(ir as isize * c_rs + jr as isize), c_rs),
-                    (MR.min(mc - ir), NR.min(nc - jr)),
-                    (scale, bias),
-                    accumulate,
-                )
-            };
-        }
-    }
-}
-
 /// One 8 × 48 tile: `c (+)= scale · Σ_p a[p] ⊗ b[p]` over packed panels, storing `mr × nr`;
 /// not accumulating, a non-null `bias` (the tile's `nr` columns) is added.
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn kernel(
     kc: usize,
-    ap: *const f32,
-    bp: *const f32,
+    (ap, bp): (*const f32, *const f32),
     (c, c_rs): (*mut f32, isize),
     (mr, nr): (usize, usize),
     (scale, bias): (f32, *const f32),
@@ -271,7 +233,7 @@ const SMALL_MR: usize = 6;
 /// sets from a wide tensor); `c`'s rows are contiguous.
 ///
 /// # Safety
-/// The CPU must have AVX-512F ([`available`]); every pointer must be valid for the elements its
+/// The CPU must have AVX-512F ([`Avx512::available`]); every pointer must be valid for the elements its
 /// strides reach, and `c` must not overlap `a` or `b`.
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn small_gemm(

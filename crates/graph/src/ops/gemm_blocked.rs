@@ -58,31 +58,40 @@ pub(crate) trait Tile {
     /// at its strides; `out` must be 64-byte aligned and hold `kc · nc.next_multiple_of(NR)`.
     unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, strides: (isize, isize), out: *mut f32);
 
-    /// The `mc × nc` block of `c` at `c` from packed panels: `ap` holds `mc` rows in `MR`-row
-    /// panels, `bp` `nc` columns in `NR`-column panels, both `kc` deep. `bias` (null for none)
-    /// holds the block's `nc` columns' biases, added where `c` is not accumulated into.
+    /// One `MR × NR` tile: `c (+)= scale · Σ_p a[p] ⊗ b[p]` over packed panels `kc` deep,
+    /// storing its `mr × nr` corner; not accumulating, a non-null `bias` (the tile's `nr`
+    /// columns) is added.
     ///
     /// # Safety
-    /// The CPU must have the instruction set; the panels must hold what they say, and the block
-    /// (and its biases) must lie inside `c` (and `bias`).
-    unsafe fn tiles(
+    /// The CPU must have the instruction set; the panels must hold `kc` packed rows, and the
+    /// tile (and its biases) must lie inside `c` (and `bias`).
+    unsafe fn kernel(
         kc: usize,
         panels: (*const f32, *const f32),
         c: (*mut f32, isize),
-        block: (usize, usize),
+        tile: (usize, usize),
         scale_bias: (f32, *const f32),
         accumulate: bool,
     );
 }
 
-/// Floats of packing space one thread keeps for tile `T`: `b`'s block, `a`'s block, and slack
-/// to align.
+/// Floats of packing space one thread keeps for tile `T`: `b`'s block, then `a`'s.
 const fn pack_floats<T: Tile>() -> usize {
-    T::KC * T::NC + T::MC * T::KC + 16
+    T::KC * T::NC + T::MC * T::KC
 }
 
 thread_local! {
     static PACK: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `floats` of `buf`, grown if need be, from a 64-byte boundary.
+fn aligned(buf: &mut Vec<f32>, floats: usize) -> *mut f32 {
+    if buf.len() < floats + 16 {
+        buf.resize(floats + 16, 0.0);
+    }
+    let base = buf.as_mut_ptr();
+    // SAFETY: the 16 floats of slack cover the offset to the boundary.
+    unsafe { base.add(base.align_offset(64)) }
 }
 
 /// `c (+)= scale · f(a) · b (+ bias)` for an `m × k` by `k × n` product, `f` and the bias as
@@ -109,13 +118,9 @@ pub(crate) unsafe fn sgemm<T: Tile>(
         let Ok(mut buf) = pack.try_borrow_mut() else {
             return false;
         };
-        if buf.len() < pack_floats::<T>() {
-            buf.resize(pack_floats::<T>(), 0.0);
-        }
-        let base = buf.as_mut_ptr();
-        // SAFETY: the buffer holds 16 floats of slack for the alignment, then both blocks.
+        let bp = aligned(&mut buf, pack_floats::<T>());
+        // SAFETY: the space holds both blocks.
         unsafe {
-            let bp = base.add(base.align_offset(64));
             let ap = bp.add(T::KC * T::NC);
             blocked::<T>(
                 (m, n, k),
@@ -166,15 +171,9 @@ pub(crate) unsafe fn sgemm_threaded<T: Tile>(
         let Ok(mut buf) = shared.try_borrow_mut() else {
             return false;
         };
-        let floats = T::KC * SHARED + 16;
-        if buf.len() < floats {
-            buf.resize(floats, 0.0);
-        }
-        let base = buf.as_mut_ptr();
-        // SAFETY: the buffer holds 16 floats of slack for the alignment, then `KC × SHARED`;
-        // the caller vouches for the operands.
+        let sp = aligned(&mut buf, T::KC * SHARED);
+        // SAFETY: the space holds `KC × SHARED`; the caller vouches for the operands.
         unsafe {
-            let sp = base.add(base.align_offset(64));
             let ops = Operands {
                 c: SendPtr(c),
                 c_rs,
@@ -235,12 +234,8 @@ fn with_pack<T: Tile>(f: impl FnOnce(*mut f32, *mut f32)) {
             Ok(b) => &mut **b,
             Err(_) => &mut spare,
         };
-        if buf.len() < pack_floats::<T>() {
-            buf.resize(pack_floats::<T>(), 0.0);
-        }
-        let base = buf.as_mut_ptr();
-        // SAFETY: 16 floats of slack for the alignment, then `b`'s block and `a`'s.
-        let bp = unsafe { base.add(base.align_offset(64)) };
+        let bp = aligned(buf, pack_floats::<T>());
+        // SAFETY: the space holds `b`'s block, then `a`'s.
         f(unsafe { bp.add(T::KC * T::NC) }, bp)
     })
 }
@@ -281,7 +276,7 @@ unsafe fn by_rows<T: Tile>(
                         let panels = (ap as *const f32, sp.get().add(jc * kc) as *const f32);
                         let c = (o.c.get().offset(at), o.c_rs);
                         let bias = o.fused.bias_at(jg + jc);
-                        T::tiles(kc, panels, c, (mc, T::NC.min(gw - jc)), (scale, bias), acc);
+                        tiles::<T>(kc, panels, c, (mc, T::NC.min(gw - jc)), (scale, bias), acc);
                     }
                 })
             });
@@ -320,7 +315,7 @@ unsafe fn by_columns<T: Tile>(
                     T::pack_b(kc, nc, src, o.b_s, bp);
                     let at = ig as isize * o.c_rs + j0 as isize;
                     let panels = (sp.get() as *const f32, bp as *const f32);
-                    T::tiles(
+                    tiles::<T>(
                         kc,
                         panels,
                         (o.c.get().offset(at), o.c_rs),
@@ -373,10 +368,71 @@ unsafe fn blocked<T: Tile>(
                 unsafe {
                     let cp = c.offset(ic as isize * c_rs + jc as isize);
                     let bias = fused.bias_at(jc);
-                    T::tiles(kc, (ap, bp), (cp, c_rs), (mc, nc), (scale, bias), acc);
+                    tiles::<T>(kc, (ap, bp), (cp, c_rs), (mc, nc), (scale, bias), acc);
                 }
             }
         }
+    }
+}
+
+/// The `mc × nc` block of `c` at `c` from packed panels: `ap` holds `mc` rows in `MR`-row
+/// panels, `bp` `nc` columns in `NR`-column panels, both `kc` deep. `bias` (null for none)
+/// holds the block's `nc` columns' biases, added where `c` is not accumulated into.
+///
+/// # Safety
+/// As [`Tile::kernel`], for every tile of the block.
+unsafe fn tiles<T: Tile>(
+    kc: usize,
+    (ap, bp): (*const f32, *const f32),
+    (c, c_rs): (*mut f32, isize),
+    (mc, nc): (usize, usize),
+    (scale, bias): (f32, *const f32),
+    accumulate: bool,
+) {
+    for ir in (0..mc).step_by(T::MR) {
+        for jr in (0..nc).step_by(T::NR) {
+            // SAFETY: the panels hold `kc` packed rows each and the tile lies inside `c` (and
+            // its biases inside `bias`), as the caller vouched.
+            unsafe {
+                let bias = if bias.is_null() { bias } else { bias.add(jr) };
+                T::kernel(
+                    kc,
+                    (ap.add(ir * kc), bp.add(jr * kc)),
+                    (c.offset(ir as isize * c_rs + jr as isize), c_rs),
+                    (T::MR.min(mc - ir), T::NR.min(nc - jr)),
+                    (scale, bias),
+                    accumulate,
+                )
+            };
+        }
+    }
+}
+
+/// Attention's unpacked per-head product (`small_gemm` in `gemm_avx512` and `gemm_avx2`):
+/// `(m, n, k)`, `(c, c_rs)`, `(a, a_rs, a_cs)`, `(b, b_rs, b_strip)`, `scale`, `accumulate`.
+pub(crate) type SmallGemm = unsafe fn(
+    (usize, usize, usize),
+    (*mut f32, usize),
+    (*const f32, usize, usize),
+    (*const f32, usize, usize),
+    f32,
+    bool,
+);
+
+/// A register transpose (`transpose` in `gemm_avx512` and `gemm_avx2`): `(x, x_rs)`,
+/// `(rows, cols)`, `(out, out_rs)`.
+pub(crate) type Transpose = unsafe fn((*const f32, usize), (usize, usize), (*mut f32, usize));
+
+/// Attention's head kernels for this CPU: AVX-512F's, else AVX2 + FMA's, else none (the
+/// caller then uses the gemm crate and scalar loops).
+pub(crate) fn head_kernels() -> Option<(SmallGemm, Transpose)> {
+    use super::{gemm_avx2 as avx2, gemm_avx512 as avx512};
+    if avx512::Avx512::available() {
+        Some((avx512::small_gemm, avx512::transpose))
+    } else if avx2::Avx2::available() {
+        Some((avx2::small_gemm, avx2::transpose))
+    } else {
+        None
     }
 }
 
@@ -490,11 +546,11 @@ pub(super) unsafe fn pack_b_any<const NR: usize>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// Deterministic values in [-0.5, 0.5) with no pattern a blocking bug could hide behind.
-    fn values(len: usize, seed: u64) -> Vec<f32> {
+    pub(in crate::ops) fn values(len: usize, seed: u64) -> Vec<f32> {
         let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         (0..len)
             .map(|_| {
