@@ -11,9 +11,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use snug_graph::ops::{
     Binary, BinaryKind, BroadcastTo, CausalAttention, CrossEntropy, Embedding, Gelu, GeluApprox,
-    GeluLinear, GqaAttention, LayerNorm, LayerNormBackward, LayerNormLinear,
-    LayerNormLinearBackward, LmHeadLoss, LogSoftmax, MatMul, Narrow, Op, Pad, Reduce, ReduceKind,
-    Reshape, RmsNorm, Rope, Scale, Silu, Softmax, SumTo, SwiGlu, Transpose,
+    GeluLinear, GeluLinearBackward, GqaAttention, LayerNorm, LayerNormBackward, LayerNormLinear,
+    LayerNormLinearBackward, LmHeadLoss, LmHeadLossBackward, LogSoftmax, MatMul, Narrow, Op, Pad,
+    Reduce, ReduceKind, Reshape, RmsNorm, Rope, Scale, Silu, Softmax, SumTo, SwiGlu, Transpose,
 };
 use snug_graph::{DType, Graph, OptimizerSpec, StepGraph, TensorId};
 use snug_plan::{plan, PlanOptions};
@@ -951,6 +951,133 @@ fn layer_norm_linear_against_unfused(rows: usize, k: usize, n: usize) {
             worst < 1e-5,
             "[{rows}, {k}] x [{k}, {n}] {what}: fused and unfused differ by {worst}"
         );
+    }
+}
+
+/// The fused backwards that may write `dx` over `x` (LayerNorm + linear, GELU + linear, the LM
+/// head + loss) give the same bits in place as beside it. `x` is made by an op (a graph input
+/// is never written over); the LM head's goes through a reshape, a view of a whole storage.
+#[test]
+fn fused_backwards_in_place_keep_the_bits() {
+    // Row tiles of at most 2^19 (LayerNorm) and 2^20 (GELU) elements: 9000 × 64 takes two and
+    // one, 20000 × 64 three and two.
+    for (rows, k, n) in [(9000, 64, 40), (20000, 64, 3)] {
+        in_place_same_bits("layer_norm_linear_backward", |g, feed| {
+            let x = made(g, feed, &[rows, k]);
+            let (lw, lb) = (feed.f32(g, &[k]), feed.f32(g, &[k]));
+            let (w, b, dy) = (
+                feed.f32(g, &[k, n]),
+                feed.f32(g, &[n]),
+                feed.f32(g, &[rows, n]),
+            );
+            let y = g
+                .apply(LayerNormLinear::default(), &[x, lw, lb, w, b])
+                .unwrap();
+            g.apply(LayerNormLinearBackward, &[x, lw, lb, y[1], y[2], w, dy])
+                .unwrap()
+        });
+        in_place_same_bits("gelu_linear_backward", |g, feed| {
+            let h = made(g, feed, &[rows, k]);
+            let (w, dy) = (feed.f32(g, &[k, n]), feed.f32(g, &[rows, n]));
+            let approx = GeluApprox::Tanh;
+            g.apply(GeluLinearBackward { approx }, &[h, w, dy]).unwrap()
+        });
+    }
+    // One tile; row tiles; vocabulary blocks (dx summed apart, then written); both.
+    let (n, c, v) = (60, 24, 35);
+    for (tb, rows, cols) in [
+        (true, 60, 35),
+        (false, 16, 35),
+        (true, 60, 8),
+        (false, 7, 10),
+    ] {
+        in_place_same_bits("lm_head_loss_backward", |g, feed| {
+            let x3 = made(g, feed, &[2, n / 2, c]);
+            let x = g.apply1(Reshape { shape: vec![n, c] }, &[x3]).unwrap();
+            let shape = if tb { [v, c] } else { [c, v] };
+            let w = feed.f32(g, &shape);
+            let t = feed.ids(g, n, v);
+            let dloss = feed.f32(g, &[]);
+            let lse = g.apply(LmHeadLoss { tb, rows, cols }, &[x, w, t]).unwrap()[1];
+            let back = LmHeadLossBackward { tb, rows, cols };
+            g.apply(back, &[x, w, t, lse, dloss]).unwrap()
+        });
+    }
+}
+
+/// Random values for a graph's inputs, written once the session exists.
+#[derive(Default)]
+struct Inputs {
+    f32s: Vec<(TensorId, Vec<f32>)>,
+    i32s: Vec<(TensorId, Vec<i32>, usize)>,
+}
+
+impl Inputs {
+    fn f32(&mut self, g: &mut Graph, shape: &[usize]) -> TensorId {
+        let mut rng = ChaCha8Rng::seed_from_u64(100 + self.f32s.len() as u64);
+        let id = g
+            .input(format!("in{}", self.f32s.len()), shape, DType::F32)
+            .unwrap();
+        let len = shape.iter().product();
+        let v = (0..len).map(|_| rng.random_range(-2.0..2.0f32)).collect();
+        self.f32s.push((id, v));
+        id
+    }
+
+    fn ids(&mut self, g: &mut Graph, len: usize, bound: usize) -> TensorId {
+        let mut rng = ChaCha8Rng::seed_from_u64(200 + self.i32s.len() as u64);
+        let id = g
+            .input(format!("ids{}", self.i32s.len()), &[len], DType::I32)
+            .unwrap();
+        let v = (0..len)
+            .map(|_| rng.random_range(0..bound as i32))
+            .collect();
+        self.i32s.push((id, v, bound));
+        id
+    }
+}
+
+/// A tensor an op makes (twice a random input), which can therefore be written over.
+fn made(g: &mut Graph, feed: &mut Inputs, shape: &[usize]) -> TensorId {
+    let x = feed.f32(g, shape);
+    g.apply1(Scale { factor: 2.0 }, &[x]).unwrap()
+}
+
+/// Runs the graph `build` makes (its returned tensors are the outputs) as it is and after
+/// `write_in_place`, which must mark `op`'s node to write its output 0 over its input 0, and
+/// checks that every output has the same bits.
+fn in_place_same_bits(op: &str, build: impl Fn(&mut Graph, &mut Inputs) -> Vec<TensorId>) {
+    let mut g = Graph::new().with_threads(2);
+    let mut feed = Inputs::default();
+    let outs = build(&mut g, &mut feed);
+    for &o in &outs {
+        g.mark_output(o);
+    }
+    let (in_place, _) = snug_graph::passes::write_in_place(&g).unwrap();
+    let node = in_place
+        .nodes()
+        .iter()
+        .find(|nd| nd.op.name() == op)
+        .unwrap();
+    assert_eq!(node.inplace, Some(0), "{op} is not written in place");
+    let run = |g: Graph| -> Vec<Vec<f32>> {
+        let memory = plan(&g, &PlanOptions::default()).unwrap();
+        let mut s = CpuSession::new(g, memory, Allocator::default(), 2).unwrap();
+        for (t, v) in &feed.f32s {
+            s.write_f32(*t, v).unwrap();
+        }
+        for (t, v, bound) in &feed.i32s {
+            s.write_i32(*t, v, *bound).unwrap();
+        }
+        s.run(ExecCtx::default()).unwrap();
+        outs.iter()
+            .map(|&o| s.read_f32(o).unwrap().to_vec())
+            .collect()
+    };
+    let (beside, over) = (run(g.clone()), run(in_place));
+    for (i, (a, b)) in beside.iter().zip(&over).enumerate() {
+        let same = a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "{op}: output {i} differs in place");
     }
 }
 

@@ -57,13 +57,25 @@ pub fn addition_text(lines: usize, seed: u64) -> String {
 #[derive(Debug, Clone)]
 pub enum Tokens {
     Owned(Vec<u32>),
+    /// Ids of a vocabulary of at most 65,536 entries, in half the memory.
+    Owned16(Vec<u16>),
     Mapped(TokenFile),
 }
 
 impl Tokens {
+    /// `ids` in memory, two bytes each where every id fits.
+    pub fn owned(ids: &[u32]) -> Tokens {
+        if ids.iter().all(|&t| t <= u16::MAX as u32) {
+            Tokens::Owned16(ids.iter().map(|&t| t as u16).collect())
+        } else {
+            Tokens::Owned(ids.to_vec())
+        }
+    }
+
     pub fn len(&self) -> usize {
         match self {
             Tokens::Owned(v) => v.len(),
+            Tokens::Owned16(v) => v.len(),
             Tokens::Mapped(f) => f.len(),
         }
     }
@@ -81,6 +93,12 @@ impl Tokens {
                     *o = t as i32;
                 }
             }
+            Tokens::Owned16(v) => {
+                let src = &v[start..start + out.len()];
+                for (o, &t) in out.iter_mut().zip(src) {
+                    *o = t as i32;
+                }
+            }
             Tokens::Mapped(f) => f.copy_window(start, out),
         }
     }
@@ -89,6 +107,7 @@ impl Tokens {
     pub fn to_vec(&self) -> Vec<u32> {
         match self {
             Tokens::Owned(v) => v.clone(),
+            Tokens::Owned16(v) => v.iter().map(|&t| t as u32).collect(),
             Tokens::Mapped(f) => f.to_vec(),
         }
     }
@@ -133,13 +152,13 @@ impl TokenDataset {
     pub fn from_text(name: &str, text: &str) -> TokenDataset {
         let tokenizer = CharTokenizer::from_text(text);
         // Every character is in the vocabulary it was built from.
-        let mut ids = tokenizer.encode(text).unwrap_or_default();
+        let ids = tokenizer.encode(text).unwrap_or_default();
         let split = ids.len() * 9 / 10;
-        let val = ids.split_off(split);
+        let (train, val) = ids.split_at(split);
         TokenDataset {
             tokenizer: Tokenizer::Char(tokenizer),
-            train: Tokens::Owned(ids),
-            val: Tokens::Owned(val),
+            train: Tokens::owned(train),
+            val: Tokens::owned(val),
             name: name.to_string(),
         }
     }
@@ -357,6 +376,27 @@ mod tests {
             addition_text(200, 7),
             "seeded generation is deterministic"
         );
+    }
+
+    /// Ids that fit in two bytes are kept in two, one that does not keeps all four; either
+    /// way windows and copies give the ids back.
+    #[test]
+    fn owned_tokens_narrow_only_when_every_id_fits() {
+        let small: Vec<u32> = vec![0, 7, 65_535, 3];
+        let wide: Vec<u32> = vec![0, 7, 65_536, 3];
+        assert!(matches!(Tokens::owned(&small), Tokens::Owned16(_)));
+        assert!(matches!(Tokens::owned(&wide), Tokens::Owned(_)));
+        for ids in [small, wide] {
+            let t = Tokens::owned(&ids);
+            assert_eq!(t.to_vec(), ids);
+            let mut out = [0i32; 2];
+            t.window(1, &mut out);
+            assert_eq!(out, [ids[1] as i32, ids[2] as i32]);
+        }
+        let text = addition_text(100, 3);
+        let d = TokenDataset::from_text("sums", &text);
+        assert!(matches!(d.train, Tokens::Owned16(_)));
+        assert_eq!(d.train.len() + d.val.len(), text.chars().count());
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! [`Tokenizer`] is either; [`TokenizerSpec`] is its serializable description, stored in token
 //! files and checkpoints so the exact tokenizer can be rebuilt.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::OnceLock;
 
 use serde::{Deserialize, Serialize};
@@ -22,10 +22,9 @@ pub struct CharTokenizer {
 impl CharTokenizer {
     /// The vocabulary of `text`.
     pub fn from_text(text: &str) -> CharTokenizer {
-        let mut chars: Vec<char> = text.chars().collect();
-        chars.sort_unstable();
-        chars.dedup();
-        CharTokenizer::from_chars(chars)
+        // A set rather than every character sorted: the tokenizer lives as long as the run.
+        let chars: BTreeSet<char> = text.chars().collect();
+        CharTokenizer::from_chars(chars.into_iter().collect())
     }
 
     /// A tokenizer whose id `i` is `chars[i]`. With a repeated character the later id wins

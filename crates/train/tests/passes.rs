@@ -301,6 +301,8 @@ fn in_place_keeps_the_numbers_bitwise() {
         assert!(names.contains(&"layer_norm_backward"), "{names:?}");
         // Its dh over h, which the forward read before it.
         assert!(names.contains(&"gelu_linear_backward"), "{names:?}");
+        // Its dx over the residual stream, which the block's forward read before it.
+        assert!(names.contains(&"layer_norm_linear_backward"), "{names:?}");
         assert!(names.contains(&"add"), "{names:?}");
         let in_place = StepGraph { graph, ..step };
         let (after, after_peak) = run_step(&cfg, &in_place, batch, seq);

@@ -12,6 +12,7 @@
 //! while every row panel of `a` streams over it.
 
 use std::cell::RefCell;
+use std::sync::{Mutex, TryLockError};
 
 use super::gelu::{gelu, GeluApprox};
 use super::matmul::{Fused, Prologue};
@@ -136,12 +137,18 @@ pub(crate) unsafe fn sgemm<T: Tile>(
     })
 }
 
-/// Columns (or rows) of the operand the threads share, packed at a time: `KC × SHARED` floats
-/// on the calling thread, beside each worker's packing space.
+/// Columns (or rows) of the operand the threads share, packed at a time: at most
+/// `KC × SHARED` floats, beside each worker's packing space.
 const SHARED: usize = 2304;
 
+/// The shared operand's packing space. One for the process, as products run one at a time:
+/// per thread, each rayon worker that happens to call a product would keep its own copy.
+static SHARED_PACK: Mutex<Vec<f32>> = Mutex::new(Vec::new());
+
 thread_local! {
-    static SHARED_PACK: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// A thread's own, while another thread's product holds [`SHARED_PACK`] (sessions run
+    /// side by side, as tests do): the same kernel runs, so the bits are the same.
+    static OWN_SHARED_PACK: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// [`sgemm`] on every thread of the current rayon pool, dealing work by demand rather than in
@@ -149,8 +156,8 @@ thread_local! {
 /// not (measured here: two pinned single-thread GEMM processes dip independently); equal slabs
 /// then run at twice the slow core's speed, and dealt chunks at the sum of both. The operand
 /// the chunks share (`b` when splitting rows, `a` when splitting columns) is packed once, by
-/// all threads, instead of once per slab. Returns `false`, doing nothing, when the calling
-/// thread's shared packing space is in use.
+/// all threads, instead of once per slab. Returns `false`, doing nothing, when both the
+/// process's shared packing space and the calling thread's own are in use.
 ///
 /// The result is bitwise that of [`sgemm`]: every element sums the same blocks in the same
 /// order, whichever thread computes it.
@@ -167,12 +174,16 @@ pub(crate) unsafe fn sgemm_threaded<T: Tile>(
     accumulate: bool,
     fused: Fused<'_>,
 ) -> bool {
-    SHARED_PACK.with(|shared| {
-        let Ok(mut buf) = shared.try_borrow_mut() else {
-            return false;
-        };
-        let sp = aligned(&mut buf, T::KC * SHARED);
-        // SAFETY: the space holds `KC × SHARED`; the caller vouches for the operands.
+    // The shared block is padded to whole panels, and never deeper than `k`.
+    let width = if m >= n {
+        n.next_multiple_of(T::NR)
+    } else {
+        m.next_multiple_of(T::MR)
+    };
+    let floats = T::KC.min(k) * width.min(SHARED);
+    let run = |buf: &mut Vec<f32>| {
+        let sp = aligned(buf, floats);
+        // SAFETY: the space holds the shared block; the caller vouches for the operands.
         unsafe {
             let ops = Operands {
                 c: SendPtr(c),
@@ -189,8 +200,17 @@ pub(crate) unsafe fn sgemm_threaded<T: Tile>(
                 by_columns::<T>((m, n, k), ops, SendPtr(sp), (scale, accumulate));
             }
         }
-        true
-    })
+    };
+    match SHARED_PACK.try_lock() {
+        Ok(mut buf) => run(&mut buf),
+        // A product that panicked left nothing in the space that a new one reads.
+        Err(TryLockError::Poisoned(p)) => run(&mut p.into_inner()),
+        Err(TryLockError::WouldBlock) => {
+            let done = OWN_SHARED_PACK.with(|own| own.try_borrow_mut().map(|mut b| run(&mut b)));
+            return done.is_ok();
+        }
+    }
+    true
 }
 
 #[derive(Clone, Copy)]

@@ -171,9 +171,17 @@ impl OpRule for LayerNormLinearBackward {
         })
     }
 
-    /// One tile of normalised rows, then one partial `d_ln_w` and `d_ln_b` per thread.
+    /// One tile of rows (the norm's output gradient, and where our GEMM does not run the
+    /// weight gradient, the normalised rows before it), then one partial `d_ln_w` and
+    /// `d_ln_b` per thread.
     fn workspace_elems(&self, inputs: &[&TensorMeta], threads: usize) -> usize {
         tile_elems(inputs, 5, TILE_ELEMS) + 2 * threads.max(1) * inputs[1].numel()
+    }
+
+    /// `dx` may be written over `x`: each row of `x` is read (for the weight gradient, then
+    /// for its own LayerNorm backward) before that row of `dx` is written.
+    fn inplace_inputs(&self) -> &'static [usize] {
+        &[0]
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
@@ -317,7 +325,9 @@ fn forward(eps: f32, kern: &super::Kernel<'_>) {
 fn backward(kern: &super::Kernel<'_>) {
     use super::matmul::{gemm_fused, gemm_strided, par_for, Fused};
     use rayon::prelude::*;
-    let (x, ln_w, ln_b) = (kern.in_f32(0), kern.in_f32(1), kern.in_f32(2));
+    // Run in place, `x` is read through `dx`: every read of a row comes before its write.
+    let x_in = (kern.inplace() != Some(0)).then(|| kern.in_f32(0));
+    let (ln_w, ln_b) = (kern.in_f32(1), kern.in_f32(2));
     let (mean, rstd, w, dy) = (
         kern.in_f32(3),
         kern.in_f32(4),
@@ -339,7 +349,8 @@ fn backward(kern: &super::Kernel<'_>) {
     );
     let threads = rayon::current_num_threads();
     // dw = layer_norm(x)ᵀ · dy in one product over all rows where our GEMM kernel runs it,
-    // normalising `x` as it packs it; otherwise a tile at a time below.
+    // normalising `x` as it packs it; otherwise a tile at a time below. Either way every row
+    // of `x` is read for it before the row's `dx` is written.
     let fused = Fused {
         prologue: norm_prologue((mean, rstd), (ln_w, ln_b), false),
         bias: None,
@@ -347,43 +358,37 @@ fn backward(kern: &super::Kernel<'_>) {
     let par = par_for(k, n, rows, threads);
     // SAFETY: `x` holds rows·k, `dy` rows·n and `dw` k·n elements; the statistics cover every
     // row and the norm's weights every feature.
-    let dw_done = unsafe { gemm_fused((true, false), (k, n, rows), x, dy, dw, par, fused) };
-    let tile = if dw_done {
-        rows
-    } else {
-        tile_rows(rows, k, TILE_ELEMS)
+    let dw_done = unsafe {
+        gemm_fused(
+            (true, false),
+            (k, n, rows),
+            x_in.unwrap_or(&*dx),
+            dy,
+            dw,
+            par,
+            fused,
+        )
     };
-    let (ws, partials) = kern
-        .workspace()
-        .split_at_mut(tile_rows(rows, k, TILE_ELEMS) * k);
+    let tile = tile_rows(rows, k, TILE_ELEMS);
+    let (ws, partials) = kern.workspace().split_at_mut(tile * k);
     partials.fill(0.0);
     let parts = partials.len() / (2 * k);
     for r0 in (0..rows).step_by(tile) {
         let r1 = (r0 + tile).min(rows);
-        let (t, dyt) = (&mut *ws, &dy[r0 * n..r1 * n]);
-        let dxt = &mut dx[r0 * k..r1 * k];
-        // The LayerNorm's output gradient, dy · wᵀ, made in dx's rows.
-        // SAFETY: `dyt` holds (r1-r0)·n, `w` k·n and `dxt` (r1-r0)·k elements.
-        unsafe {
-            gemm_strided(
-                false,
-                true,
-                r1 - r0,
-                k,
-                n,
-                dyt,
-                w,
-                dxt,
-                false,
-                par_for(r1 - r0, k, n, threads),
-            )
-        };
+        let (t, dyt) = (&mut ws[..(r1 - r0) * k], &dy[r0 * n..r1 * n]);
         if !dw_done {
             // The normalised rows, remade transposed (`[k, rows]`): the weight gradient's GEMM
             // then reads its left operand plainly, which the gemm crate ran 5-14 % faster at
             // char-small's shapes.
-            let t = &mut t[..(r1 - r0) * k];
-            normalize_tile_transposed(x, ln_w, ln_b, (mean, rstd), r0, r1 - r0, t);
+            normalize_tile_transposed(
+                x_in.unwrap_or(&*dx),
+                ln_w,
+                ln_b,
+                (mean, rstd),
+                r0,
+                r1 - r0,
+                t,
+            );
             // dw (+)= layer_norm(x)ᵀ · dy over this tile's rows.
             // SAFETY: `t` holds k·(r1-r0), `dyt` (r1-r0)·n and `dw` k·n elements.
             unsafe {
@@ -401,21 +406,49 @@ fn backward(kern: &super::Kernel<'_>) {
                 )
             };
         }
-        // The LayerNorm backward, in place over dx's rows. Part `p` always takes the same rows
-        // of a tile, so the partial sums (and the result) do not depend on thread timing.
+        // The LayerNorm's output gradient for the tile's rows, dy · wᵀ.
+        // SAFETY: `dyt` holds (r1-r0)·n, `w` k·n and `t` (r1-r0)·k elements.
+        unsafe {
+            gemm_strided(
+                false,
+                true,
+                r1 - r0,
+                k,
+                n,
+                dyt,
+                w,
+                t,
+                false,
+                par_for(r1 - r0, k, n, threads),
+            )
+        };
+        // The LayerNorm backward into dx's rows. Part `p` always takes the same rows of a
+        // tile, so the partial sums (and the result) do not depend on thread timing.
         let rows_per = (r1 - r0).div_ceil(parts);
-        dxt.par_chunks_mut(rows_per * k)
+        dx[r0 * k..r1 * k]
+            .par_chunks_mut(rows_per * k)
+            .zip(t.par_chunks(rows_per * k))
             .zip(partials.par_chunks_mut(2 * k))
             .enumerate()
-            .for_each(|(p, (dxp, part))| {
+            .for_each(|(p, ((dxp, tp), part))| {
                 let (pdw, pdb) = part.split_at_mut(k);
-                for (r, dxr) in dxp.chunks_exact_mut(k).enumerate() {
+                for (r, (dxr, gr)) in dxp.chunks_exact_mut(k).zip(tp.chunks_exact(k)).enumerate() {
                     let row = r0 + p * rows_per + r;
-                    let xr = &x[row * k..(row + 1) * k];
                     let ms = (mean[row], rstd[row]);
-                    let sums = backward_sums(dxr, xr, ln_w, ms, pdw, pdb);
-                    for ((o, &v), &wj) in dxr.iter_mut().zip(xr).zip(ln_w) {
-                        *o = dx_value(*o, v, wj, ms, sums);
+                    match x_in {
+                        Some(x) => {
+                            let xr = &x[row * k..(row + 1) * k];
+                            let sums = backward_sums(gr, xr, ln_w, ms, pdw, pdb);
+                            for (((o, &g), &v), &wj) in dxr.iter_mut().zip(gr).zip(xr).zip(ln_w) {
+                                *o = dx_value(g, v, wj, ms, sums);
+                            }
+                        }
+                        None => {
+                            let sums = backward_sums(gr, dxr, ln_w, ms, pdw, pdb);
+                            for ((o, &g), &wj) in dxr.iter_mut().zip(gr).zip(ln_w) {
+                                *o = dx_value(g, *o, wj, ms, sums);
+                            }
+                        }
                     }
                 }
             });

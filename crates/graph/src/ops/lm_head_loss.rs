@@ -194,10 +194,23 @@ impl OpRule for LmHeadLossBackward {
         })
     }
 
+    /// One tile of logits; where a tile spans part of the vocabulary, also its rows' `dx`,
+    /// summed over the vocabulary's blocks before it is written.
     fn workspace_elems(&self, inputs: &[&TensorMeta], _threads: usize) -> usize {
         let (n, v) = (inputs[0].shape[0], head_vocab(self.tb, inputs[1]));
         let (rows, cols) = tile(self.rows, self.cols, n, v);
         rows * cols
+            + if cols < v {
+                rows * inputs[0].shape[1]
+            } else {
+                0
+            }
+    }
+
+    /// `dx` may be written over `x`: a tile's rows of `x` are read (for its logits and the
+    /// head's gradient) before its rows of `dx` are written.
+    fn inplace_inputs(&self) -> &'static [usize] {
+        &[0]
     }
 
     /// The recomputed logits plus the two gradient GEMMs.
@@ -210,26 +223,33 @@ impl OpRule for LmHeadLossBackward {
     #[cfg(feature = "cpu")]
     fn cpu(&self, k: &super::Kernel<'_>) {
         use super::matmul::{gemm_raw, par_for};
-        let (x, w, targets, lse, dloss) = (
-            k.in_f32(0),
-            k.in_f32(1),
-            k.in_i32(2),
-            k.in_f32(3),
-            k.in_f32(4),
-        );
+        // Run in place, `x` is read through `dx`.
+        let x_in = (k.inplace() != Some(0)).then(|| k.in_f32(0));
+        let (w, targets, lse, dloss) = (k.in_f32(1), k.in_i32(2), k.in_f32(3), k.in_f32(4));
         let (dx, dw) = (k.out_f32(0), k.out_f32(1));
         let (n, c) = (k.in_shape(0)[0], k.in_shape(0)[1]);
         let v = head_vocab_of(self.tb, k.in_shape(1));
         let (rows, cols) = tile(self.rows, self.cols, n, v);
         let g = dloss[0] / n as f32;
-        let logits = k.workspace();
+        let (logits, dx_tile) = k.workspace().split_at_mut(rows * cols);
+        let dxp = dx.as_mut_ptr();
+        let xp = x_in.map_or(dxp as *const f32, <[f32]>::as_ptr);
         let threads = rayon::current_num_threads();
         for r0 in (0..n).step_by(rows) {
             let m = rows.min(n - r0);
+            // The tile's dx goes straight to its rows when one block spans the vocabulary.
+            let dxt = if cols < v {
+                dx_tile.as_mut_ptr()
+            } else {
+                // SAFETY: rows r0..r0+m lie inside dx.
+                unsafe { dxp.add(r0 * c) }
+            };
             for c0 in (0..v).step_by(cols) {
                 let vb = cols.min(v - c0);
                 let dlogits = &mut logits[..m * vb];
-                block_logits(self.tb, x, w, (r0, m, c, v), (c0, vb), dlogits);
+                // SAFETY: rows r0..r0+m of x lie inside it and are not yet written over.
+                let xt = unsafe { std::slice::from_raw_parts(xp.add(r0 * c), m * c) };
+                block_logits(self.tb, xt, w, (0, m, c, v), (c0, vb), dlogits);
                 super::par::rows_mut(dlogits, vb, |i0, chunk| {
                     for (i, row) in chunk.chunks_exact_mut(vb).enumerate() {
                         let r = r0 + i0 + i;
@@ -243,30 +263,35 @@ impl OpRule for LmHeadLossBackward {
                     }
                 });
                 let (b, b_rs, b_cs) = head_block(self.tb, c, v, c0);
-                // SAFETY: every matrix below lies inside its slice (shapes checked by `infer`;
-                // `head_block` stays inside the head).
+                // SAFETY: every matrix below lies inside its buffer (shapes checked by `infer`;
+                // `head_block` stays inside the head); the tile's rows of x are read before
+                // its rows of dx are written.
                 unsafe {
+                    // dB[:, c0..c0+vb] (+)= x[r0..r0+m]ᵀ · dlogits, in B's layout.
+                    gemm_raw(
+                        (c, vb, m),
+                        (dw.as_mut_ptr().add(b), b_rs, b_cs),
+                        (xp.add(r0 * c), 1, c as isize),
+                        (dlogits.as_ptr(), vb as isize, 1),
+                        1.0,
+                        r0 > 0,
+                        par_for(c, vb, m, threads),
+                    );
                     // dx[r0..r0+m] (+)= dlogits · B[:, c0..c0+vb]ᵀ
                     gemm_raw(
                         (m, c, vb),
-                        (dx.as_mut_ptr().add(r0 * c), c as isize, 1),
+                        (dxt, c as isize, 1),
                         (dlogits.as_ptr(), vb as isize, 1),
                         (w.as_ptr().add(b), b_cs, b_rs),
                         1.0,
                         c0 > 0,
                         par_for(m, c, vb, threads),
                     );
-                    // dB[:, c0..c0+vb] (+)= x[r0..r0+m]ᵀ · dlogits, in B's layout.
-                    gemm_raw(
-                        (c, vb, m),
-                        (dw.as_mut_ptr().add(b), b_rs, b_cs),
-                        (x.as_ptr().add(r0 * c), 1, c as isize),
-                        (dlogits.as_ptr(), vb as isize, 1),
-                        1.0,
-                        r0 > 0,
-                        par_for(c, vb, m, threads),
-                    );
                 }
+            }
+            if cols < v {
+                // SAFETY: rows r0..r0+m lie inside dx; the tile holds them.
+                unsafe { std::ptr::copy_nonoverlapping(dx_tile.as_ptr(), dxp.add(r0 * c), m * c) };
             }
         }
     }

@@ -52,15 +52,21 @@ pub fn write_in_place(graph: &Graph) -> Result<(Graph, usize)> {
             let Some(producer) = g.producer(x) else {
                 return false;
             };
-            // A chain of in-place ops shares one storage; a view op's output never qualifies.
+            // A chain of in-place ops shares one storage.
             let own_storage = m.view_of.is_none() || g.node(producer).inplace.is_some();
-            let root = g.tensor(g.storage_root(x)).role;
-            own_storage
-                && !root.is_persistent()
-                && root != crate::Role::Input
-                && !is_output[x.index()]
-                && !viewed[x.index()]
-                && dies_at(&g, i, &readers[x.index()])
+            let root_id = g.storage_root(x);
+            let root = g.tensor(root_id);
+            let dies = if own_storage {
+                !is_output[x.index()] && !viewed[x.index()] && dies_at(&g, i, &readers[x.index()])
+            } else {
+                // A view (a reshape, say) of a whole storage qualifies when nothing else reads
+                // that storage, through any tensor sharing it, after this node.
+                root.numel() == m.numel()
+                    && root.dtype == m.dtype
+                    && whole_storage_dies_at(&g, i, root_id, &readers, &is_output)
+            };
+            dies && !root.role.is_persistent()
+                && root.role != crate::Role::Input
                 && m.shape == o.shape
                 && m.dtype == o.dtype
                 && o.view_of.is_none()
@@ -71,6 +77,29 @@ pub fn write_in_place(graph: &Graph) -> Result<(Graph, usize)> {
         }
     }
     Ok((g, marked))
+}
+
+/// Whether the storage rooted at `root` (every tensor viewing it at offset zero, none a graph
+/// output) is read by `node` once and last in every schedule.
+fn whole_storage_dies_at(
+    g: &Graph,
+    node: usize,
+    root: crate::TensorId,
+    readers: &[Vec<usize>],
+    is_output: &[bool],
+) -> bool {
+    let mut all = Vec::new();
+    for (t, meta) in g.tensors().iter().enumerate() {
+        let id = crate::TensorId(t as u32);
+        if g.storage_root(id) != root {
+            continue;
+        }
+        if is_output[t] || meta.view_of.is_some_and(|v| v.offset_elems != 0) {
+            return false;
+        }
+        all.extend_from_slice(&readers[t]);
+    }
+    dies_at(g, node, &all)
 }
 
 /// Whether a tensor read by `readers` is read by `node` once and last in every schedule: each
