@@ -211,6 +211,7 @@ impl Trainer {
             .map(|_| LossScaler::new(config.loss_scale, config.loss_scale_interval));
         let data = Arc::new(data);
         let prefetch = Prefetcher::new(data.clone(), config.seed, config.batch, config.block, 1);
+        snug_runtime::process::return_free_heap();
         Ok(Trainer {
             config,
             model,

@@ -85,11 +85,11 @@ thread_local! {
     static PACK: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// `floats` of `buf`, grown if need be, from a 64-byte boundary.
+/// Room for `floats` in `buf`, grown if need be, from a 64-byte boundary. It is capacity,
+/// never initialised: packing writes every float a kernel reads, and pages no product packs
+/// into are never touched, so they hold no resident memory.
 fn aligned(buf: &mut Vec<f32>, floats: usize) -> *mut f32 {
-    if buf.len() < floats + 16 {
-        buf.resize(floats + 16, 0.0);
-    }
+    buf.reserve(floats + 16);
     let base = buf.as_mut_ptr();
     // SAFETY: the 16 floats of slack cover the offset to the boundary.
     unsafe { base.add(base.align_offset(64)) }
