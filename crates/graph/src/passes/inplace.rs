@@ -1,13 +1,15 @@
 //! In-place rewriting: an op whose input dies at that op writes its output over the input
-//! (elementwise ops, and fused backwards such as `gelu_linear_backward` that read each element
-//! before writing it), so the two share one allocation instead of overlapping for the op's
-//! duration.
+//! (elementwise ops, and fused backwards such as `gelu_linear_backward` or
+//! `layer_norm_linear_backward` that read each element or row before writing it), so the two
+//! share one allocation instead of overlapping for the op's duration.
 //!
 //! "Dies at that op" must hold in every schedule the planner may pick, so every other reader of
 //! the input's storage must be an ancestor of this node, no view may look into it, and it must
-//! not outlive the step (no parameter, optimizer state, batch input or graph output). The
-//! kernels compute the same value from the same operands, so the step's numbers are bitwise
-//! unchanged.
+//! not outlive the step (no parameter, optimizer state, batch input or graph output). An input
+//! that is itself a view (the LM head reads the final norm's output through a reshape)
+//! qualifies when it spans its whole storage and every reader of every tensor sharing that
+//! storage is an ancestor. The kernels compute the same value from the same operands, so the
+//! step's numbers are bitwise unchanged.
 //!
 //! The pass runs last: it marks nodes of the final graph, and a later rewrite drops the marks.
 
