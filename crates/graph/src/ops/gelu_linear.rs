@@ -204,7 +204,7 @@ fn forward<const TANH: bool>(kern: &super::Kernel<'_>) {
 
 #[cfg(feature = "cpu")]
 fn backward<const TANH: bool>(kern: &super::Kernel<'_>) {
-    use super::matmul::{gemm_strided, par_for};
+    use super::matmul::{gemm_strided, input_grad_rows, par_for};
     use rayon::prelude::*;
     // Run in place, `h` is read through `dh`: each element is read before it is written.
     let h = (kern.inplace() != Some(0)).then(|| kern.in_f32(0));
@@ -220,21 +220,7 @@ fn backward<const TANH: bool>(kern: &super::Kernel<'_>) {
         let r1 = (r0 + tile).min(rows);
         let (t, dyt) = (&mut ws[..(r1 - r0) * k], &dy[r0 * n..r1 * n]);
         // dg = dy · wᵀ for this tile's rows.
-        // SAFETY: `dyt` holds (r1-r0)·n, `w` k·n and `t` (r1-r0)·k elements.
-        unsafe {
-            gemm_strided(
-                false,
-                true,
-                r1 - r0,
-                k,
-                n,
-                dyt,
-                w,
-                t,
-                false,
-                par_for(r1 - r0, k, n, threads),
-            )
-        };
+        input_grad_rows(dyt, w, t, (r1 - r0, k, n));
         // One pass: dh = dg ⊙ gelu'(h), and the tile's dg is replaced by g = gelu(h).
         let dht = &mut dh[r0 * k..r1 * k];
         let chunk = super::par::MIN_PAR_ELEMS;

@@ -323,7 +323,7 @@ fn forward(eps: f32, kern: &super::Kernel<'_>) {
 
 #[cfg(feature = "cpu")]
 fn backward(kern: &super::Kernel<'_>) {
-    use super::matmul::{gemm_fused, gemm_strided, par_for, Fused};
+    use super::matmul::{gemm_fused, gemm_strided, input_grad_rows, par_for, Fused};
     use rayon::prelude::*;
     // Run in place, `x` is read through `dx`: every read of a row comes before its write.
     let x_in = (kern.inplace() != Some(0)).then(|| kern.in_f32(0));
@@ -407,21 +407,7 @@ fn backward(kern: &super::Kernel<'_>) {
             };
         }
         // The LayerNorm's output gradient for the tile's rows, dy · wᵀ.
-        // SAFETY: `dyt` holds (r1-r0)·n, `w` k·n and `t` (r1-r0)·k elements.
-        unsafe {
-            gemm_strided(
-                false,
-                true,
-                r1 - r0,
-                k,
-                n,
-                dyt,
-                w,
-                t,
-                false,
-                par_for(r1 - r0, k, n, threads),
-            )
-        };
+        input_grad_rows(dyt, w, t, (r1 - r0, k, n));
         // The LayerNorm backward into dx's rows. Part `p` always takes the same rows of a
         // tile, so the partial sums (and the result) do not depend on thread timing.
         let rows_per = (r1 - r0).div_ceil(parts);

@@ -332,6 +332,21 @@ fn own_kernel((m, n, k): (usize, usize, usize), c_cs: isize) -> Option<OwnTile> 
     }
 }
 
+/// `g = dy · wᵀ` for `m` rows: `dy [m, n]`, `w [k, n]`, `g [m, k]`. The row step of the fused
+/// backwards that turn a linear layer's output gradient into its input's a tile at a time.
+#[cfg(feature = "cpu")]
+pub(crate) fn input_grad_rows(
+    dy: &[f32],
+    w: &[f32],
+    g: &mut [f32],
+    (m, k, n): (usize, usize, usize),
+) {
+    assert!(dy.len() >= m * n && w.len() >= k * n && g.len() >= m * k);
+    let par = par_for(m, k, n, rayon::current_num_threads());
+    // SAFETY: the lengths were checked just above.
+    unsafe { gemm_strided(false, true, m, k, n, dy, w, g, false, par) };
+}
+
 /// `c (+)= op(a) · op(b)` over row-major storage; `accumulate` keeps what `c` holds.
 ///
 /// # Safety
