@@ -9,7 +9,7 @@
 
 use std::arch::x86_64::*;
 
-use super::gemm_blocked::{apply_prologue, pack_a_any, pack_b_any, Tile};
+use super::gemm_blocked::{apply_prologue, pack_a_any, pack_b_any, tile_entry_points, Tile};
 use super::matmul::Prologue;
 
 /// Rows of the register tile.
@@ -38,34 +38,7 @@ impl Tile for Avx2 {
         is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
     }
 
-    unsafe fn pack_a(
-        kc: usize,
-        mr: usize,
-        a: *const f32,
-        strides: (isize, isize),
-        panel: (*mut f32, usize, usize),
-        prologue: Prologue<'_>,
-    ) {
-        // SAFETY: as the caller vouched.
-        unsafe { pack_a(kc, mr, a, strides, panel, prologue) }
-    }
-
-    unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, strides: (isize, isize), out: *mut f32) {
-        // SAFETY: as the caller vouched.
-        unsafe { pack_b(kc, nc, b, strides, out) }
-    }
-
-    unsafe fn kernel(
-        kc: usize,
-        panels: (*const f32, *const f32),
-        c: (*mut f32, isize),
-        tile: (usize, usize),
-        scale_bias: (f32, *const f32),
-        accumulate: bool,
-    ) {
-        // SAFETY: as the caller vouched.
-        unsafe { kernel(kc, panels, c, tile, scale_bias, accumulate) }
-    }
+    tile_entry_points!();
 }
 
 /// As [`Tile::pack_a`]: `kc` columns of up to 6 rows of `a` as `out[p·6 + i]`.
@@ -380,7 +353,7 @@ fn transpose_8x8(r: [__m256; 8]) -> [__m256; 8] {
 
 #[cfg(test)]
 mod tests {
-    use super::super::gemm_blocked::tests::values;
+    use super::super::gemm_blocked::tests::{assert_product, values};
     use super::*;
 
     /// Attention's unpacked products, against a triple loop in f64: `a` plain and transposed,
@@ -421,26 +394,14 @@ mod tests {
                             accumulate,
                         )
                     };
-                    for i in 0..m {
-                        for j in 0..n {
-                            let dot: f64 = (0..k)
-                                .map(|p| {
-                                    f64::from(a[i * a_rs + p * a_cs]) * f64::from(b[b_at(p, j)])
-                                })
-                                .sum();
-                            let base = if accumulate {
-                                f64::from(start[i * n + j])
-                            } else {
-                                0.0
-                            };
-                            let want = base + f64::from(scale) * dot;
-                            let got = f64::from(c[i * n + j]);
-                            assert!(
-                                (got - want).abs() <= 1e-5,
-                                "{m}×{k}×{n} ta={ta} at ({i}, {j}): {got} vs {want}"
-                            );
-                        }
-                    }
+                    assert_product(
+                        (m, n, k),
+                        (|i, p| a[i * a_rs + p * a_cs], |p, j| b[b_at(p, j)]),
+                        (scale, accumulate),
+                        (&start, &c),
+                        1e-5,
+                        &format!("{m}×{k}×{n} ta={ta}"),
+                    );
                 }
             }
         }

@@ -8,7 +8,7 @@
 
 use std::arch::x86_64::*;
 
-use super::gemm_blocked::{apply_prologue, pack_a_any, pack_b_any, Tile};
+use super::gemm_blocked::{apply_prologue, pack_a_any, pack_b_any, tile_entry_points, Tile};
 use super::matmul::Prologue;
 
 /// Rows of the register tile.
@@ -36,34 +36,7 @@ impl Tile for Avx512 {
         is_x86_feature_detected!("avx512f")
     }
 
-    unsafe fn pack_a(
-        kc: usize,
-        mr: usize,
-        a: *const f32,
-        strides: (isize, isize),
-        panel: (*mut f32, usize, usize),
-        prologue: Prologue<'_>,
-    ) {
-        // SAFETY: as the caller vouched.
-        unsafe { pack_a(kc, mr, a, strides, panel, prologue) }
-    }
-
-    unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, strides: (isize, isize), out: *mut f32) {
-        // SAFETY: as the caller vouched.
-        unsafe { pack_b(kc, nc, b, strides, out) }
-    }
-
-    unsafe fn kernel(
-        kc: usize,
-        panels: (*const f32, *const f32),
-        c: (*mut f32, isize),
-        tile: (usize, usize),
-        scale_bias: (f32, *const f32),
-        accumulate: bool,
-    ) {
-        // SAFETY: as the caller vouched.
-        unsafe { kernel(kc, panels, c, tile, scale_bias, accumulate) }
-    }
+    tile_entry_points!();
 }
 
 /// Packs `kc` columns of up to 8 rows of `a` as `out[p·8 + i]`, zero rows past `mr`, then

@@ -76,6 +76,49 @@ pub(crate) trait Tile {
     );
 }
 
+/// A tile's [`Tile::pack_a`], [`Tile::pack_b`] and [`Tile::kernel`], each calling the
+/// instruction set's module-level function of the same name: a trait method cannot carry
+/// `#[target_feature]` itself.
+macro_rules! tile_entry_points {
+    () => {
+        unsafe fn pack_a(
+            kc: usize,
+            mr: usize,
+            a: *const f32,
+            strides: (isize, isize),
+            panel: (*mut f32, usize, usize),
+            prologue: Prologue<'_>,
+        ) {
+            // SAFETY: as the caller vouched.
+            unsafe { pack_a(kc, mr, a, strides, panel, prologue) }
+        }
+
+        unsafe fn pack_b(
+            kc: usize,
+            nc: usize,
+            b: *const f32,
+            strides: (isize, isize),
+            out: *mut f32,
+        ) {
+            // SAFETY: as the caller vouched.
+            unsafe { pack_b(kc, nc, b, strides, out) }
+        }
+
+        unsafe fn kernel(
+            kc: usize,
+            panels: (*const f32, *const f32),
+            c: (*mut f32, isize),
+            tile: (usize, usize),
+            scale_bias: (f32, *const f32),
+            accumulate: bool,
+        ) {
+            // SAFETY: as the caller vouched.
+            unsafe { kernel(kc, panels, c, tile, scale_bias, accumulate) }
+        }
+    };
+}
+pub(super) use tile_entry_points;
+
 /// Floats of packing space one thread keeps for tile `T`: `b`'s block, then `a`'s.
 const fn pack_floats<T: Tile>() -> usize {
     T::KC * T::NC + T::MC * T::KC
@@ -569,6 +612,36 @@ pub(super) unsafe fn pack_b_any<const NR: usize>(
 pub(super) mod tests {
     use super::*;
 
+    /// Asserts `c[i·n + j] = base + scale · Σ_p a(i, p) · b(p, j)`, summed in f64, to within
+    /// `tol`; the base is `start`'s element when accumulating, else zero.
+    pub(in crate::ops) fn assert_product(
+        (m, n, k): (usize, usize, usize),
+        (a, b): (impl Fn(usize, usize) -> f32, impl Fn(usize, usize) -> f32),
+        (scale, accumulate): (f32, bool),
+        (start, c): (&[f32], &[f32]),
+        tol: f64,
+        label: &str,
+    ) {
+        for i in 0..m {
+            for j in 0..n {
+                let dot: f64 = (0..k)
+                    .map(|p| f64::from(a(i, p)) * f64::from(b(p, j)))
+                    .sum();
+                let base = if accumulate {
+                    f64::from(start[i * n + j])
+                } else {
+                    0.0
+                };
+                let want = base + f64::from(scale) * dot;
+                let got = f64::from(c[i * n + j]);
+                assert!(
+                    (got - want).abs() <= tol,
+                    "{label} at ({i}, {j}): {got} vs {want}"
+                );
+            }
+        }
+    }
+
     /// Deterministic values in [-0.5, 0.5) with no pattern a blocking bug could hide behind.
     pub(in crate::ops) fn values(len: usize, seed: u64) -> Vec<f32> {
         let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -807,28 +880,20 @@ pub(super) mod tests {
                             )
                         };
                         assert!(done);
-                        for i in 0..m {
-                            for j in 0..n {
-                                let dot: f64 = (0..k)
-                                    .map(|p| {
-                                        let x = a[(i as isize * a_rs + p as isize * a_cs) as usize];
-                                        let y = b[(p as isize * b_rs + j as isize * b_cs) as usize];
-                                        f64::from(x) * f64::from(y)
-                                    })
-                                    .sum();
-                                let base = if accumulate {
-                                    f64::from(start[i * n + j])
-                                } else {
-                                    0.0
-                                };
-                                let want = base + f64::from(scale) * dot;
-                                let got = f64::from(c[i * n + j]);
-                                assert!(
-                                    (got - want).abs() <= 1e-5 * (k as f64).sqrt() + 1e-6,
-                                    "{tile}: {m}×{k}×{n} ta={ta} tb={tb} scale={scale} at ({i}, {j}): {got} vs {want}"
-                                );
-                            }
-                        }
+                        let at = |x: &[f32], (rs, cs): (isize, isize), r: usize, col: usize| {
+                            x[(r as isize * rs + col as isize * cs) as usize]
+                        };
+                        assert_product(
+                            (m, n, k),
+                            (
+                                |i, p| at(&a, (a_rs, a_cs), i, p),
+                                |p, j| at(&b, (b_rs, b_cs), p, j),
+                            ),
+                            (scale, accumulate),
+                            (&start, &c),
+                            1e-5 * (k as f64).sqrt() + 1e-6,
+                            &format!("{tile}: {m}×{k}×{n} ta={ta} tb={tb} scale={scale}"),
+                        );
                     }
                 }
             }
