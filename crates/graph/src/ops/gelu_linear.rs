@@ -8,8 +8,8 @@
 //! Per MLP that is one `rows × 4·width` activation less to hold and two passes over it less.
 
 use super::{
-    expect_arity, float_dtype, linear_dims, shape_err, tile_rows, GeluApprox, OpRule, OutSpec,
-    SumTo,
+    expect_arity, float_dtype, gemm_depth_block, linear_dims, shape_err, tile_rows,
+    tile_rows_in_blocks, GeluApprox, OpRule, OutSpec, SumTo,
 };
 use crate::autodiff::GradCtx;
 use crate::tensor::TensorMeta;
@@ -18,15 +18,14 @@ use crate::{GraphError, Result};
 /// Elements of GELU output the forward makes at once where our GEMM cannot take GELU as it
 /// packs: 8 MiB, so the tile stays in the last-level cache between its GELU and its GEMM.
 const TILE_ELEMS: usize = 1 << 21;
-/// The backward's tile (4 MiB): it is live beside nearly every saved activation of the step
-/// (the last block's MLP runs its backward first), so it is smaller, at the cost of revisiting
-/// the weight gradient a few more times (char-small: six tiles of 683 rows rather than four).
+/// The backward's tile (at most 4 MiB): it is live beside nearly every saved activation of the
+/// step (the last block's MLP runs its backward first), so it is smaller, at the cost of
+/// revisiting the weight gradient a few more times (char-small: eight tiles of 512 rows).
 const BACKWARD_TILE_ELEMS: usize = 1 << 20;
 
-/// One tile of at most `max` elements of `h`'s rows (`inputs` start with `h` and `w`).
-fn tile_elems(inputs: &[&TensorMeta], max: usize) -> usize {
-    linear_dims("gelu_linear", &inputs[0].shape, &inputs[1].shape)
-        .map_or(0, |(rows, k, _)| tile_rows(rows, k, max) * k)
+/// Rows of the backward's tile: the weight gradient is summed over tiles.
+fn backward_tile_rows(rows: usize, k: usize) -> usize {
+    tile_rows_in_blocks(rows, k, BACKWARD_TILE_ELEMS, gemm_depth_block())
 }
 
 /// Inputs `[h, w, b]` with `h: [.., k]`, `w: [k, n]`, `b: [n]`; output `[.., n]`.
@@ -85,7 +84,8 @@ impl OpRule for GeluLinear {
     }
 
     fn workspace_elems(&self, inputs: &[&TensorMeta], _threads: usize) -> usize {
-        tile_elems(inputs, TILE_ELEMS)
+        linear_dims(self.name(), &inputs[0].shape, &inputs[1].shape)
+            .map_or(0, |(rows, k, _)| tile_rows(rows, k, TILE_ELEMS) * k)
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
@@ -138,7 +138,8 @@ impl OpRule for GeluLinearBackward {
     }
 
     fn workspace_elems(&self, inputs: &[&TensorMeta], _threads: usize) -> usize {
-        tile_elems(inputs, BACKWARD_TILE_ELEMS)
+        linear_dims(self.name(), &inputs[0].shape, &inputs[1].shape)
+            .map_or(0, |(rows, k, _)| backward_tile_rows(rows, k) * k)
     }
 
     /// `dh` may be written over `h`: the kernel reads each element of `h` before writing it.
@@ -215,7 +216,7 @@ fn backward<const TANH: bool>(kern: &super::Kernel<'_>) {
     };
     let (dh, dw, ws) = (kern.out_f32(0), kern.out_f32(1), kern.workspace());
     let threads = rayon::current_num_threads();
-    let tile = tile_rows(rows, k, BACKWARD_TILE_ELEMS);
+    let tile = backward_tile_rows(rows, k);
     for r0 in (0..rows).step_by(tile) {
         let r1 = (r0 + tile).min(rows);
         let (t, dyt) = (&mut ws[..(r1 - r0) * k], &dy[r0 * n..r1 * n]);

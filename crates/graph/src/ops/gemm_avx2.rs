@@ -133,6 +133,15 @@ unsafe fn kernel(
     // them (wrapping arithmetic, and a prefetch never faults); partial stores are masked to
     // the tile.
     unsafe {
+        // Accumulating, `c`'s tile is read after the loop; a deep product's later passes
+        // find it evicted, so its lines are asked for now (each row may span two).
+        if accumulate {
+            for i in 0..mr {
+                let row = c.offset(i as isize * c_rs) as *const i8;
+                _mm_prefetch::<_MM_HINT_T0>(row);
+                _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(60));
+            }
+        }
         for p in 0..kc {
             let bq = bp.add(p * NR);
             _mm_prefetch::<_MM_HINT_T0>(bq.wrapping_add(PREFETCH * NR) as *const i8);

@@ -297,6 +297,36 @@ pub(crate) fn tile_rows(rows: usize, k: usize, max_elems: usize) -> usize {
     rows.div_ceil(rows.div_ceil(most).max(1)).max(1)
 }
 
+/// [`tile_rows`] for an op that sums a weight gradient over its row tiles: where a tile holds
+/// at least `block` rows (our GEMM's inner-dimension block, [`gemm_depth_block`]), it holds a
+/// whole number of them, so each tile's product is whole passes over the gradient (char-small's
+/// MLP: eight tiles of 512 rows, 8 passes, rather than seven of 586, 14 passes).
+pub(crate) fn tile_rows_in_blocks(rows: usize, k: usize, max_elems: usize, block: usize) -> usize {
+    let most = max_elems / k.max(1);
+    let most = if block > 0 && most >= block {
+        most - most % block
+    } else {
+        most
+    };
+    tile_rows(rows, k, most * k.max(1))
+}
+
+/// The depth our GEMM sums in one pass over its output on this CPU (its register tile's `KC`),
+/// or 0 where the gemm crate runs products.
+pub(crate) fn gemm_depth_block() -> usize {
+    #[cfg(all(feature = "cpu", target_arch = "x86_64"))]
+    {
+        use gemm_blocked::Tile;
+        if gemm_avx512::Avx512::available() {
+            return gemm_avx512::Avx512::KC;
+        }
+        if gemm_avx2::Avx2::available() {
+            return gemm_avx2::Avx2::KC;
+        }
+    }
+    0
+}
+
 pub(crate) fn shape_err(op: &'static str, detail: impl Into<String>) -> crate::GraphError {
     crate::GraphError::Shape {
         op,
@@ -346,4 +376,27 @@ pub(crate) fn float_dtype(op: &'static str, inputs: &[&TensorMeta]) -> Result<DT
         }
     }
     Ok(dt)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{tile_rows, tile_rows_in_blocks};
+
+    /// Equal tiles under the bound; where a tile holds a block of rows, a whole number of
+    /// blocks (char-small's MLP backward at both tiles' blocks, and bounds under one block).
+    #[test]
+    fn row_tiles_hold_whole_depth_blocks() {
+        // 2^20 / 1536 = 682 rows at most: seven tiles of 586 unblocked.
+        assert_eq!(tile_rows(4096, 1536, 1 << 20), 586);
+        assert_eq!(tile_rows_in_blocks(4096, 1536, 1 << 20, 512), 512);
+        // 384-deep blocks: 682 -> 384, eleven tiles of 373 (each one pass, not 384 + 202).
+        assert_eq!(tile_rows_in_blocks(4096, 1536, 1 << 20, 384), 373);
+        // Room for two blocks: 1365 -> 1024, four tiles of 1024.
+        assert_eq!(tile_rows_in_blocks(4096, 384, 1 << 19, 512), 1024);
+        // Under one block, or no block: as `tile_rows`.
+        assert_eq!(tile_rows_in_blocks(4096, 4096, 1 << 20, 512), 256);
+        assert_eq!(tile_rows_in_blocks(4096, 1536, 1 << 20, 0), 586);
+        // Fewer rows than a tile holds: one tile.
+        assert_eq!(tile_rows_in_blocks(100, 1536, 1 << 20, 512), 100);
+    }
 }
