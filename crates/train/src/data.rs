@@ -87,18 +87,8 @@ impl Tokens {
     /// Copies `out.len()` tokens starting at `start` into `out`. Panics past the end.
     pub fn window(&self, start: usize, out: &mut [i32]) {
         match self {
-            Tokens::Owned(v) => {
-                let src = &v[start..start + out.len()];
-                for (o, &t) in out.iter_mut().zip(src) {
-                    *o = t as i32;
-                }
-            }
-            Tokens::Owned16(v) => {
-                let src = &v[start..start + out.len()];
-                for (o, &t) in out.iter_mut().zip(src) {
-                    *o = t as i32;
-                }
-            }
+            Tokens::Owned(v) => widen(&v[start..start + out.len()], out),
+            Tokens::Owned16(v) => widen(&v[start..start + out.len()], out),
             Tokens::Mapped(f) => f.copy_window(start, out),
         }
     }
@@ -107,9 +97,16 @@ impl Tokens {
     pub fn to_vec(&self) -> Vec<u32> {
         match self {
             Tokens::Owned(v) => v.clone(),
-            Tokens::Owned16(v) => v.iter().map(|&t| t as u32).collect(),
+            Tokens::Owned16(v) => v.iter().map(|&t| u32::from(t)).collect(),
             Tokens::Mapped(f) => f.to_vec(),
         }
+    }
+}
+
+/// Ids as the step's i32 token inputs (vocabularies are far below 2^31).
+fn widen<T: Copy + Into<u32>>(src: &[T], out: &mut [i32]) {
+    for (o, &t) in out.iter_mut().zip(src) {
+        *o = t.into() as i32;
     }
 }
 

@@ -206,8 +206,8 @@ const SMALL_MR: usize = 6;
 /// sets from a wide tensor); `c`'s rows are contiguous.
 ///
 /// # Safety
-/// The CPU must have AVX-512F ([`Avx512::available`]); every pointer must be valid for the elements its
-/// strides reach, and `c` must not overlap `a` or `b`.
+/// The CPU must have AVX-512F ([`Avx512::available`]); every pointer must be valid for the
+/// elements its strides reach, and `c` must not overlap `a` or `b`.
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn small_gemm(
     (m, n, k): (usize, usize, usize),

@@ -270,15 +270,7 @@ struct Operands<'a> {
 /// Runs `f(0..items)` on every thread of the current pool, each thread taking the next item
 /// as it finishes one, and returns when all are done.
 fn deal(items: usize, f: impl Fn(usize) + Sync) {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    let next = AtomicUsize::new(0);
-    rayon::broadcast(|_| loop {
-        let i = next.fetch_add(1, Ordering::Relaxed);
-        if i >= items {
-            break;
-        }
-        f(i);
-    });
+    deal_ranges(items, 1, (1, 1), |i, _| f(i));
 }
 
 /// Runs `f(start, end)` over ranges covering `0..len` on every thread of the current pool,
