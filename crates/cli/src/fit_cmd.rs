@@ -5,7 +5,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use snug_fit::{Device, FitReport, Verdict};
 use snug_plan::memory_plan::human_bytes;
-use snug_train::{DataSource, TokenDataset, TrainConfig};
+use snug_train::TrainConfig;
 
 use crate::ModelArgs;
 
@@ -42,18 +42,11 @@ pub fn parse_budget(text: &str) -> Result<usize> {
 /// Runs the search for `cfg`'s model at `budget`, with the cached (or a fresh) calibration.
 pub fn fit_config(
     cfg: &TrainConfig,
-    vocab: Option<usize>,
+    model: snug_nn::ModelConfig,
     budget: usize,
     effective_batch: usize,
     recalibrate: bool,
 ) -> Result<(FitReport, snug_fit::MachineProfile)> {
-    let model = match vocab {
-        Some(v) => cfg.model_for_vocab(v)?,
-        None => {
-            let m = cfg.base_model()?;
-            cfg.model_for_vocab(m.vocab_size())?
-        }
-    };
     let (machine, fresh) = snug_train::calibration::machine_profile(cfg.threads, recalibrate)?;
     if fresh {
         tracing::info!(
@@ -137,18 +130,10 @@ pub fn print_table(report: &FitReport) {
 pub fn run(args: FitArgs) -> Result<()> {
     let (model, train) = args.model.sections();
     let cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
-    // As in `snug plan`: the data's vocabulary with --data, else the preset's (or --vocab).
-    let vocab = match &train.data {
-        Some(path) => Some(
-            TokenDataset::load(&DataSource::from_path(path))?
-                .tokenizer
-                .vocab_size(),
-        ),
-        None => None,
-    };
+    let (_, model) = cfg.load_data_and_model()?;
     let budget = parse_budget(&args.memory)?;
     let effective = args.effective_batch.unwrap_or(cfg.batch);
-    let (report, _) = fit_config(&cfg, vocab, budget, effective, args.recalibrate)?;
+    let (report, _) = fit_config(&cfg, model, budget, effective, args.recalibrate)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

@@ -9,7 +9,7 @@ use snug_graph::DType;
 use snug_nn::ModelConfig;
 use snug_plan::memory_plan::human_bytes;
 use snug_plan::{plan, Breakdown, PeakInfo, PlanOptions, ScheduleKind, Strategy};
-use snug_train::{DataSource, TokenDataset, TrainConfig};
+use snug_train::TrainConfig;
 
 use crate::ModelArgs;
 
@@ -61,6 +61,8 @@ struct PlanReport {
     passes: Vec<PassSaving>,
     /// Activation checkpointing mode (`none`, `block`, `block:K`, `selective`, `budget:BYTES`).
     remat: String,
+    /// The remat mode asked for, left out because it would not lower the peak.
+    remat_dropped: Option<snug_fit::RematDropped>,
 }
 
 #[derive(Serialize)]
@@ -75,26 +77,17 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let start = Instant::now();
     let (model, train) = args.model.sections();
     let cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
-    // Character data sets the vocabulary; without data the preset's (or --vocab) stands.
-    let gpt = match &train.data {
-        Some(path) => cfg.model_for_vocab(
-            TokenDataset::load(&DataSource::from_path(path))?
-                .tokenizer
-                .vocab_size(),
-        )?,
-        None => {
-            let m = cfg.base_model()?;
-            cfg.model_for_vocab(m.vocab_size())?
-        }
-    };
-    let step = snug_fit::compile_step(
+    // The same data, hence the same vocabulary, that `snug train` would load.
+    let (_, gpt) = cfg.load_data_and_model()?;
+    let compiled = snug_fit::compile_step(
         &gpt,
         cfg.micro_batch(),
         cfg.block,
         cfg.threads,
         &cfg.step_config(),
-    )?
-    .step;
+    )?;
+    let remat_dropped = compiled.remat_dropped;
+    let step = compiled.step;
     let memory_plan = plan(&step.graph, &PlanOptions::default())?;
     let plan_ms = start.elapsed().as_secs_f64() * 1e3;
     // Each pass's saving, measured by planning the step without it and with it, cumulatively:
@@ -174,6 +167,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         plan_ms,
         passes: pass_savings,
         remat: cfg.remat.to_string(),
+        remat_dropped,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -210,6 +204,14 @@ pub fn run(args: PlanArgs) -> Result<()> {
             } else {
                 format!("-{}", human_bytes(s.saved_bytes.unsigned_abs() as usize))
             }
+        );
+    }
+    if let Some(d) = &report.remat_dropped {
+        println!(
+            "remat {} left out: it would raise the peak from {} to {}, so the step keeps every activation",
+            d.remat,
+            human_bytes(d.peak_without_bytes),
+            human_bytes(d.peak_with_bytes)
         );
     }
     if let Some(ms) = report.predicted_step_ms {

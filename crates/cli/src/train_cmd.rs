@@ -14,7 +14,7 @@ use snug_runtime::process::resident_set;
 use snug_runtime::Allocator;
 use snug_train::calibration::{SpeedTracker, StepSpeed};
 use snug_train::checkpoint;
-use snug_train::{DataSource, Event, TokenDataset, TrainConfig, Trainer};
+use snug_train::{Event, TokenDataset, TrainConfig, Trainer};
 
 use crate::ModelArgs;
 
@@ -142,14 +142,14 @@ struct Summary {
 fn fit_to_memory(
     args: &TrainArgs,
     cfg: &mut TrainConfig,
-    vocab: usize,
+    model: snug_nn::ModelConfig,
 ) -> Result<Option<snug_fit::MachineProfile>> {
     let Some(memory) = &args.memory else {
         return Ok(None);
     };
     let budget = crate::fit_cmd::parse_budget(memory)?;
     let (report, machine) =
-        crate::fit_cmd::fit_config(cfg, Some(vocab), budget, cfg.batch, args.recalibrate)?;
+        crate::fit_cmd::fit_config(cfg, model, budget, cfg.batch, args.recalibrate)?;
     let Some(chosen) = report.chosen() else {
         if !args.json {
             crate::fit_cmd::print_table(&report);
@@ -241,8 +241,8 @@ pub fn run(args: TrainArgs) -> Result<()> {
             }
             let mut cfg =
                 TrainConfig::resolve_resumed(ckpt.config.clone(), config_file, &model, &train)?;
-            let data = TokenDataset::load(&DataSource::from(&cfg.data))?;
-            machine = fit_to_memory(&args, &mut cfg, data.tokenizer.vocab_size())?;
+            let (data, model) = cfg.load_data_and_model()?;
+            machine = fit_to_memory(&args, &mut cfg, model)?;
             let summary = data_line(&data);
             let trainer = Trainer::resume(cfg.clone(), data, allocator.clone(), &ckpt)
                 .with_context(|| format!("resuming from {}", path.display()))?;
@@ -251,8 +251,8 @@ pub fn run(args: TrainArgs) -> Result<()> {
         }
         None => {
             let mut cfg = TrainConfig::resolve(config_file, &model, &train)?;
-            let data = TokenDataset::load(&DataSource::from(&cfg.data))?;
-            machine = fit_to_memory(&args, &mut cfg, data.tokenizer.vocab_size())?;
+            let (data, model) = cfg.load_data_and_model()?;
+            machine = fit_to_memory(&args, &mut cfg, model)?;
             let summary = data_line(&data);
             let trainer = Trainer::with_allocator(cfg.clone(), data, allocator.clone())
                 .context("setting up training")?;

@@ -140,10 +140,55 @@ pub struct CompiledStep {
     pub targets: TensorId,
     /// The step's plan, when compiling already made it (the budgeted remat plans its choice).
     pub plan: Option<MemoryPlan>,
+    /// A fixed remat mode (`block`, `block:K`, `selective`) that was asked for but left out
+    /// because its planned peak was no lower than without it: recomputation that saves no
+    /// memory only costs time. Holds the peak without and with it.
+    pub remat_dropped: Option<RematDropped>,
+}
+
+/// The peaks of a step without and with a remat mode that did not lower it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct RematDropped {
+    pub remat: Remat,
+    pub peak_without_bytes: usize,
+    pub peak_with_bytes: usize,
 }
 
 /// Compiles the training step of `model` for micro-batches of `micro_batch × block` tokens.
 pub fn compile_step(
+    model: &ModelConfig,
+    micro_batch: usize,
+    block: usize,
+    threads: usize,
+    config: &StepConfig,
+) -> Result<CompiledStep, FitError> {
+    let compiled = compile_exactly(model, micro_batch, block, threads, config)?;
+    if !matches!(config.remat, Remat::Blocks { .. } | Remat::Selective) {
+        return Ok(compiled);
+    }
+    // Remat is offered as a memory saver: where a fixed mode would not lower the peak (a
+    // recomputed value can land at the peak it was meant to relieve), the step runs without it.
+    let options = PlanOptions::default();
+    let with = snug_plan::plan(&compiled.step.graph, &options)?.peak_bytes();
+    let plain = StepConfig {
+        remat: Remat::None,
+        ..config.clone()
+    };
+    let mut without = compile_exactly(model, micro_batch, block, threads, &plain)?;
+    let without_peak = snug_plan::plan(&without.step.graph, &options)?.peak_bytes();
+    if with < without_peak {
+        return Ok(compiled);
+    }
+    without.remat_dropped = Some(RematDropped {
+        remat: config.remat,
+        peak_without_bytes: without_peak,
+        peak_with_bytes: with,
+    });
+    Ok(without)
+}
+
+/// [`compile_step`] with the remat mode applied as given, whatever it does to the peak.
+pub fn compile_exactly(
     model: &ModelConfig,
     micro_batch: usize,
     block: usize,
@@ -224,6 +269,7 @@ fn apply_remat(
                 tokens,
                 targets,
                 plan: None,
+                remat_dropped: None,
             })
         }
         Remat::Blocks { blocks } => passes::RematPolicy::Uniform {
@@ -245,6 +291,7 @@ fn apply_remat(
                 tokens,
                 targets,
                 plan: Some(chosen.plan),
+                remat_dropped: None,
             });
         }
     };
@@ -256,5 +303,6 @@ fn apply_remat(
         tokens,
         targets,
         plan: None,
+        remat_dropped: None,
     })
 }

@@ -13,7 +13,9 @@ pub mod cost_model;
 mod error;
 pub mod search;
 
-pub use compile::{compile_step, CompiledStep, OptimizerKind, Pass, Remat, StepConfig};
+pub use compile::{
+    compile_exactly, compile_step, CompiledStep, OptimizerKind, Pass, Remat, RematDropped, StepConfig,
+};
 pub use cost_model::{node_work, MachineProfile, NodeWork, Sample, PROFILE_VERSION};
 pub use error::FitError;
 pub use search::{

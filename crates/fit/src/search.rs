@@ -16,7 +16,7 @@ use snug_graph::DType;
 use snug_nn::ModelConfig;
 use snug_plan::{plan, PlanOptions};
 
-use crate::compile::{compile_step, Pass, Remat, StepConfig};
+use crate::compile::{compile_exactly, Pass, Remat, StepConfig};
 use crate::cost_model::MachineProfile;
 use crate::FitError;
 
@@ -371,7 +371,9 @@ fn evaluate(
     machine: &MachineProfile,
 ) -> Candidate {
     let step_config = config.apply(&model.step);
-    let result = compile_step(
+    // Each candidate is exactly what it says: a remat mode that raises the peak loses to its
+    // plain twin on both peak and time, so the search never chooses it.
+    let result = compile_exactly(
         &model.model,
         config.micro_batch,
         model.block,

@@ -507,6 +507,15 @@ impl TrainConfig {
         Ok(cfg)
     }
 
+    /// The data this configuration trains on and the model it trains. `plan`, `fit` and `train`
+    /// all resolve a run through here, so the step planned is the step that runs.
+    pub fn load_data_and_model(&self) -> Result<(crate::TokenDataset, ModelConfig), TrainError> {
+        let data = crate::TokenDataset::load(&DataSource::from(&self.data))?;
+        data.check_block(self.block)?;
+        let model = self.model_for_vocab(data.tokenizer.vocab_size())?;
+        Ok((data, model))
+    }
+
     /// The model for data with `data_vocab` symbols: the data's vocabulary unless `vocab_size`
     /// was set, in which case it must be large enough.
     pub fn model_for_vocab(&self, data_vocab: usize) -> Result<ModelConfig, TrainError> {

@@ -135,6 +135,7 @@ impl Trainer {
             step: step_graph,
             tokens,
             targets,
+            remat_dropped,
             ..
         } = compile_step(
             &model,
@@ -143,6 +144,14 @@ impl Trainer {
             config.threads,
             &config.step_config(),
         )?;
+        if let Some(d) = remat_dropped {
+            tracing::warn!(
+                "remat {} left out: it would raise the planned peak from {} to {} bytes",
+                d.remat,
+                d.peak_without_bytes,
+                d.peak_with_bytes
+            );
+        }
         let memory_plan = plan(&step_graph.graph, &PlanOptions::default())?;
         if let Some(limit) = config.memory_limit {
             allocator.set_memory_limit(limit, !config.strict_memory_limit);

@@ -1,0 +1,182 @@
+//! `snug plan` predicts the peak `snug train` then measures, for every way of giving a model
+//! and its data: both resolve a run through one path, so they plan the same step.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn snug(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_snug"))
+        .args(args)
+        .output()
+        .expect("the snug binary runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Plan's peak, and train's predicted and measured peaks after one step, for the same flags.
+fn plan_and_train(args: &[&str]) -> (u64, u64, u64) {
+    // The thread count is part of the configuration (each thread has its own scratch).
+    let plan = snug(&[&["plan", "--json", "--threads", "1"], args].concat());
+    assert!(plan.status.success(), "plan {args:?}: {}", stderr(&plan));
+    let plan: serde_json::Value = serde_json::from_slice(&plan.stdout).expect("plan's JSON");
+    let train = snug(
+        &[
+            &[
+                "train",
+                "--json",
+                "--steps",
+                "1",
+                "--eval-every",
+                "0",
+                "--threads",
+                "1",
+            ],
+            args,
+        ]
+        .concat(),
+    );
+    assert!(train.status.success(), "train {args:?}: {}", stderr(&train));
+    let text = String::from_utf8_lossy(&train.stdout);
+    let summary: serde_json::Value = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["kind"] == "summary")
+        .expect("a summary line");
+    let get = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap_or_else(|| panic!("{k}"));
+    (
+        get(&plan, "peak_bytes"),
+        get(&summary, "predicted_peak_bytes"),
+        get(&summary, "measured_peak_bytes"),
+    )
+}
+
+fn text_corpus() -> String {
+    // Enough distinct words for a BPE vocabulary and splits of a few blocks each.
+    (0..400)
+        .map(|i| format!("line {i}: the quick brown fox {} jumps over the lazy dog.\n", i * 7919 % 1000))
+        .collect()
+}
+
+fn write(path: &Path, text: &str) {
+    std::fs::write(path, text).expect("writing a test fixture");
+}
+
+#[test]
+fn plan_predicts_what_train_measures_for_every_way_of_giving_a_run() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let p = |name: &str| dir.path().join(name);
+    let s = |name: &str| p(name).to_string_lossy().into_owned();
+    write(&p("corpus.txt"), &text_corpus());
+    let prep = snug(&[
+        "prepare",
+        "--input",
+        &s("corpus.txt"),
+        "--tokenizer",
+        "gpt2",
+        "--out",
+        &s("tokens"),
+    ]);
+    assert!(prep.status.success(), "{}", stderr(&prep));
+    write(
+        &p("run.toml"),
+        &format!(
+            "[model]\npreset = \"tiny\"\nn_layer = 1\n[train]\ndata = {:?}\nbatch = 2\nblock = 32\n",
+            s("tokens")
+        ),
+    );
+    write(
+        &p("gpt2.json"),
+        r#"{"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 32, "n_positions": 64,
+            "vocab_size": 300}"#,
+    );
+    write(
+        &p("llama.json"),
+        r#"{"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 300, "max_position_embeddings": 64, "rms_norm_eps": 1e-05}"#,
+    );
+    let corpus = s("corpus.txt");
+    let tokens = s("tokens");
+    let config = s("run.toml");
+    let gpt2 = s("gpt2.json");
+    let llama = s("llama.json");
+    let cases: Vec<Vec<&str>> = vec![
+        // The defaults: the demo model on the built-in data.
+        vec![],
+        vec!["--preset", "char-small", "--batch", "2", "--block", "32"],
+        // The data in the file gives the vocabulary (GPT-2 BPE here), not the preset.
+        vec!["--config", &config],
+        vec!["--config", &config, "--batch", "4", "--accumulation", "2"],
+        vec!["--hf-config", &gpt2, "--data", &corpus, "--batch", "2"],
+        vec!["--hf-config", &llama, "--data", &corpus, "--batch", "2"],
+        vec![
+            "--preset", "tiny", "--data", &tokens, "--batch", "2", "--block", "16",
+        ],
+        vec![
+            "--preset",
+            "llama-tiny",
+            "--data",
+            &corpus,
+            "--batch",
+            "2",
+            "--block",
+            "32",
+            "--remat",
+            "block",
+            "--precision",
+            "bf16",
+        ],
+        vec![
+            "--data",
+            &corpus,
+            "--batch",
+            "4",
+            "--accumulation",
+            "2",
+            "--remat",
+            "selective",
+            "--passes",
+            "cse,dce",
+        ],
+        vec!["--vocab", "40", "--batch", "2", "--optimizer", "sgd"],
+    ];
+    for args in &cases {
+        let (planned, predicted, measured) = plan_and_train(args);
+        assert_eq!(planned, predicted, "{args:?}: plan and train planned apart");
+        assert_eq!(planned, measured, "{args:?}: the measured peak differs");
+    }
+}
+
+#[test]
+fn plan_with_no_arguments_plans_the_model_train_trains() {
+    let plan = snug(&["plan", "--json"]);
+    assert!(plan.status.success(), "{}", stderr(&plan));
+    let v: serde_json::Value = serde_json::from_slice(&plan.stdout).expect("plan's JSON");
+    // The built-in addition language has 13 symbols: digits, `+`, `=` and newline.
+    assert_eq!(v["model"]["vocab_size"].as_u64(), Some(13), "{v}");
+}
+
+#[test]
+fn a_remat_mode_never_raises_the_planned_peak() {
+    // Selective recomputation on this shape lands a recomputed value at the peak.
+    let base = [
+        "plan", "--json", "--preset", "char-small", "--batch", "8", "--block", "256",
+    ];
+    let peak = |extra: &[&str]| -> serde_json::Value {
+        let o = snug(&[&base[..], extra].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_slice(&o.stdout).expect("plan's JSON")
+    };
+    let none = peak(&[])["peak_bytes"].as_u64().expect("a peak");
+    for mode in ["selective", "block", "block:2", "block:3"] {
+        let v = peak(&["--remat", mode]);
+        let p = v["peak_bytes"].as_u64().expect("a peak");
+        assert!(p <= none, "--remat {mode}: {p} > {none}");
+        if let Some(d) = v["remat_dropped"].as_object() {
+            assert!(d["peak_with_bytes"].as_u64() >= Some(none), "{v}");
+            assert_eq!(p, none);
+        }
+    }
+}
