@@ -14,7 +14,7 @@ use snug_runtime::process::resident_set;
 use snug_runtime::Allocator;
 use snug_train::calibration::{SpeedTracker, StepSpeed};
 use snug_train::checkpoint;
-use snug_train::{Event, TokenDataset, TrainConfig, Trainer};
+use snug_train::{Claim, Event, RunDir, TokenDataset, TrainConfig, Trainer};
 
 use crate::ModelArgs;
 
@@ -51,9 +51,16 @@ pub struct TrainArgs {
     #[arg(long)]
     loss_scale: Option<f32>,
     /// Run directory: checkpoints (ckpt-<step>.safetensors) and metrics.jsonl. The final
-    /// state is saved there, also on Ctrl-C.
+    /// state is saved there, also on Ctrl-C and when the run stops on an error. Default: a new
+    /// directory runs/<model>-<N> under the current directory.
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
+    /// Save nothing: no run directory, no checkpoint, no metrics file.
+    #[arg(long, conflicts_with_all = ["out", "resume"])]
+    no_save: bool,
+    /// Also print the whole resolved configuration.
+    #[arg(long, short)]
+    verbose: bool,
     /// Save a checkpoint every this many steps (0: only at the end and on Ctrl-C).
     #[arg(long)]
     checkpoint_every: Option<u64>,
@@ -68,7 +75,8 @@ pub struct TrainArgs {
     /// or the Hugging Face hub) instead of a random initialisation.
     #[arg(long, value_name = "FILE")]
     init_from: Option<PathBuf>,
-    /// Print a line every this many steps.
+    /// Print a line every this many steps (default: every step on a terminal, every 10th when
+    /// the output goes to a file or pipe).
     #[arg(long)]
     log_every: Option<u64>,
     /// Cap on the memory snug holds, e.g. 1.5GiB or 800MB (relaxed: exceeded only when
@@ -137,12 +145,62 @@ struct Summary {
     metrics: Option<PathBuf>,
 }
 
+/// Standard output that may close under a run (`snug train | head`): a failed write stops the
+/// run as Ctrl-C does, so its state is saved, instead of ending the process mid-step.
+struct Stdout {
+    broken: Option<std::io::Error>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Stdout {
+    fn line(&mut self, args: std::fmt::Arguments<'_>) {
+        use std::io::Write;
+        if self.broken.is_some() {
+            return;
+        }
+        let mut out = std::io::stdout().lock();
+        let written = out
+            .write_fmt(args)
+            .and_then(|()| out.write_all(b"\n"))
+            .and_then(|()| out.flush());
+        if let Err(e) = written {
+            self.broken = Some(e);
+            self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    fn json<T: Serialize>(&mut self, kind: &str, value: &T) -> serde_json::Result<()> {
+        let line = json_line(kind, value)?;
+        self.line(format_args!("{line}"));
+        Ok(())
+    }
+}
+
+macro_rules! say {
+    ($out:expr, $($arg:tt)*) => { $out.line(format_args!($($arg)*)) };
+}
+
+/// `runs/<model>-<N>` for the smallest N not taken, under the current directory.
+fn default_run_dir(cfg: &TrainConfig) -> PathBuf {
+    let name = match (&cfg.model.hf_config, &cfg.model.preset) {
+        (Some(_), _) => "hf".to_string(),
+        (None, Some(p)) => p.clone(),
+        (None, None) => "run".to_string(),
+    };
+    let runs = PathBuf::from("runs");
+    (1u64..)
+        .map(|n| runs.join(format!("{name}-{n}")))
+        .find(|d| !d.exists())
+        .unwrap_or_else(|| runs.join(name))
+}
+
 /// With `--memory`: runs fit and applies its choice, with the budget as a strict limit.
 /// Returns the machine profile fit used.
 fn fit_to_memory(
     args: &TrainArgs,
     cfg: &mut TrainConfig,
     model: snug_nn::ModelConfig,
+    out: &mut Stdout,
 ) -> Result<Option<snug_fit::MachineProfile>> {
     let Some(memory) = &args.memory else {
         return Ok(None);
@@ -157,9 +215,10 @@ fn fit_to_memory(
         return Err(report.nothing_fits().into());
     };
     if args.json {
-        print_json("fit", &report)?;
+        out.json("fit", &report)?;
     } else {
-        println!(
+        say!(
+            out,
             "fit: {} for a budget of {} (planned peak {}, predicted {:.3} s per step; {} candidates in {:.2} s)",
             chosen.config,
             human_bytes(budget),
@@ -180,10 +239,13 @@ fn parse_lower_at(text: &str) -> Result<(u64, usize)> {
     let (step, size) = text
         .split_once(':')
         .with_context(|| format!("--lower-memory-at `{text}`: expected STEP:SIZE, e.g. 5:400MB"))?;
-    let step = step
+    let step: u64 = step
         .trim()
         .parse()
         .with_context(|| format!("--lower-memory-at `{text}`: step `{step}` is not a number"))?;
+    if step == 0 {
+        anyhow::bail!("--lower-memory-at `{text}`: steps count from 1 (1 lowers the limit before the first step)");
+    }
     let size =
         snug_runtime::parse_bytes(size).with_context(|| format!("--lower-memory-at `{text}`"))?;
     Ok((step, size))
@@ -224,10 +286,23 @@ pub fn run(args: TrainArgs) -> Result<()> {
         train.strict_memory_limit = Some(true);
     }
     let json = args.json;
+    #[cfg(unix)]
+    // SAFETY: changing one signal's disposition before any thread starts. A closed stdout
+    // then fails the write (see `Stdout`) instead of killing the process mid-step.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+    }
+    let stop = stop_flag()?;
+    let mut out = Stdout {
+        broken: None,
+        stop: Arc::clone(&stop),
+    };
     let allocator = Allocator::cpu();
     let config_file = args.model.config.as_deref();
     let machine;
-    let (cfg, data, mut trainer) = match &args.resume {
+    // The run directory is claimed (locked, checked to hold no other run) before the setup's
+    // work, so a refusal comes at once.
+    let (cfg, data, mut trainer, run_dir) = match &args.resume {
         Some(from) => {
             let (path, ckpt) = checkpoint::load(from)?;
             if train.out.is_none() {
@@ -236,39 +311,69 @@ pub fn run(args: TrainArgs) -> Result<()> {
                     from.clone()
                 } else {
                     from.parent()
+                        .filter(|p| !p.as_os_str().is_empty())
                         .map_or_else(|| PathBuf::from("."), |p| p.to_path_buf())
                 });
             }
             let mut cfg =
                 TrainConfig::resolve_resumed(ckpt.config.clone(), config_file, &model, &train)?;
+            let claim = Claim::Resume {
+                from: from.clone(),
+                step: ckpt.step,
+            };
+            let run_dir = cfg
+                .out
+                .as_deref()
+                .map(|dir| RunDir::claim(dir, &claim))
+                .transpose()?;
             let (data, model) = cfg.load_data_and_model()?;
-            machine = fit_to_memory(&args, &mut cfg, model)?;
+            machine = fit_to_memory(&args, &mut cfg, model, &mut out)?;
             let summary = data_line(&data);
             let trainer = Trainer::resume(cfg.clone(), data, allocator.clone(), &ckpt)
                 .with_context(|| format!("resuming from {}", path.display()))?;
             tracing::info!("resumed from {} at step {}", path.display(), ckpt.step);
-            (cfg, summary, trainer)
+            (cfg, summary, trainer, run_dir)
         }
         None => {
             let mut cfg = TrainConfig::resolve(config_file, &model, &train)?;
+            if cfg.out.is_none() && !args.no_save {
+                cfg.out = Some(default_run_dir(&cfg));
+            }
+            let run_dir = cfg
+                .out
+                .as_deref()
+                .map(|dir| RunDir::claim(dir, &Claim::Fresh))
+                .transpose()?;
             let (data, model) = cfg.load_data_and_model()?;
-            machine = fit_to_memory(&args, &mut cfg, model)?;
+            machine = fit_to_memory(&args, &mut cfg, model, &mut out)?;
             let summary = data_line(&data);
             let trainer = Trainer::with_allocator(cfg.clone(), data, allocator.clone())
                 .context("setting up training")?;
-            (cfg, summary, trainer)
+            (cfg, summary, trainer, run_dir)
         }
     };
+    // 0 (the default) picks a cadence: every step where a person watches, every 10th in a log.
+    let log_every = match cfg.log_every {
+        0 if std::io::IsTerminal::is_terminal(&std::io::stderr()) => 1,
+        0 => 10,
+        n => n,
+    };
     if !json {
-        println!("config: {}", serde_json::to_string(&cfg)?);
-        println!("{data}");
+        if args.verbose {
+            say!(out, "config: {}", serde_json::to_string(&cfg)?);
+        }
+        say!(out, "{data}");
+        if let Some(dir) = &cfg.out {
+            say!(out, "run directory: {}", dir.display());
+        }
     }
     let plan = trainer.plan().clone();
     let params = trainer.step_graph().parameter_count();
     let tokens_per_step = cfg.batch * cfg.block;
     let flops_per_step = trainer.model().flops_per_token(cfg.block) as f64 * tokens_per_step as f64;
     if !json {
-        println!(
+        say!(
+            out,
             "model: {} parameters; step of {} tokens ({} micro-batch(es) of {}); predicted peak {} (persistent {}, arena {}, lower bound {})",
             params,
             tokens_per_step,
@@ -289,12 +394,23 @@ pub fn run(args: TrainArgs) -> Result<()> {
         if let Some((at, bytes)) = lower_at {
             if step + 1 == at {
                 allocator.set_memory_limit(bytes, false);
-                tracing::warn!("memory limit lowered to {bytes} bytes (strict) before step {at}");
+                tracing::warn!(
+                    "memory limit lowered to {} (strict) before step {at}",
+                    human_bytes(bytes)
+                );
             }
         }
     };
+    if let Some((at, _)) = lower_at {
+        if at <= trainer.steps_done() || at > cfg.steps {
+            anyhow::bail!(
+                "--lower-memory-at {at}: this run trains steps {} to {}",
+                trainer.steps_done() + 1,
+                cfg.steps
+            );
+        }
+    }
     lower(trainer.steps_done());
-    let stop = stop_flag()?;
     let bar = if json {
         ProgressBar::hidden()
     } else {
@@ -326,17 +442,19 @@ pub fn run(args: TrainArgs) -> Result<()> {
     };
     let mut tracked: Vec<StepSpeed> = Vec::new();
     let mut out_err: Option<serde_json::Error> = None;
-    let result = snug_train::run(&mut trainer, &stop, |event| match event {
+    let mut saved: Option<(u64, PathBuf)> = None;
+    let result = snug_train::run(&mut trainer, run_dir, &stop, |event| match event {
         Event::Recovered(r) => {
             // The prediction was for the configuration the run started with.
             tracker = None;
             if json {
-                if let Err(e) = print_json("recovery", r) {
+                if let Err(e) = out.json("recovery", r) {
                     out_err.get_or_insert(e);
                 }
             } else {
                 bar.suspend(|| {
-                    println!(
+                    say!(
+                        out,
                         "recovered at step {} (micro-batch {}): out of memory under a limit of {}; now {} (planned peak {}, was {} with {})",
                         r.step,
                         r.micro,
@@ -354,13 +472,13 @@ pub fn run(args: TrainArgs) -> Result<()> {
                 match t.after_step(s.step, s.ms) {
                     Ok(sp) => {
                         if json {
-                            if let Err(e) = print_json("speed", &sp) {
+                            if let Err(e) = out.json("speed", &sp) {
                                 out_err.get_or_insert(e);
                             }
-                        } else if s.step % cfg.log_every == 0 || s.step == 1 || s.step == cfg.steps
-                        {
+                        } else if s.step % log_every == 0 || s.step == 1 || s.step == cfg.steps {
                             bar.suspend(|| {
-                                println!(
+                                say!(
+                                    out,
                                     "step {:>5}: predicted {:.1} ms at {:.2}x the calibration's speed, measured {:.1} ms ({:+.0} %)",
                                     sp.step,
                                     sp.predicted_step_ms,
@@ -389,12 +507,13 @@ pub fn run(args: TrainArgs) -> Result<()> {
                 human_bytes(s.active_bytes)
             ));
             if json {
-                if let Err(e) = print_json("step", s) {
+                if let Err(e) = out.json("step", s) {
                     out_err.get_or_insert(e);
                 }
-            } else if s.step % cfg.log_every == 0 || s.step == 1 || s.step == cfg.steps {
+            } else if s.step % log_every == 0 || s.step == 1 || s.step == cfg.steps {
                 bar.suspend(|| {
-                    println!(
+                    say!(
+                        out,
                         "step {:>5}/{} | loss {:.4} | lr {:.2e} | norm {} | {:>8.0} tok/s | {:>7.1} ms | mem {} / peak {} / cache {}{}",
                         s.step,
                         cfg.steps,
@@ -419,19 +538,24 @@ pub fn run(args: TrainArgs) -> Result<()> {
         }
         Event::Eval(e) => {
             if json {
-                if let Err(err) = print_json("eval", e) {
+                if let Err(err) = out.json("eval", e) {
                     out_err.get_or_insert(err);
                 }
             } else {
                 bar.suspend(|| {
-                    println!(
+                    say!(
+                        out,
                         "eval  {:>5} | train loss {:.4} | val loss {:.4} | {:.0} ms",
-                        e.step, e.train_loss, e.val_loss, e.ms
+                        e.step,
+                        e.train_loss,
+                        e.val_loss,
+                        e.ms
                     )
                 });
             }
         }
         Event::Checkpoint { step, path } => {
+            saved = Some((step, path.to_path_buf()));
             bar.suspend(|| tracing::info!("saved checkpoint {} (step {step})", path.display()));
         }
         Event::Stopping { step } => {
@@ -439,7 +563,29 @@ pub fn run(args: TrainArgs) -> Result<()> {
         }
     });
     bar.finish_and_clear();
-    let run = result?;
+    let resume_hint = |step: u64| match &cfg.out {
+        Some(dir) => format!(
+            "the state after step {step} is saved in {}: continue with `snug train --resume {}`",
+            dir.display(),
+            dir.display()
+        ),
+        None => format!("stopped after step {step}; nothing saved (no run directory)"),
+    };
+    let run = match result {
+        Ok(run) => run,
+        Err(e) => {
+            return Err(match saved {
+                Some((step, _)) => anyhow::Error::new(e).context(resume_hint(step)),
+                None => e.into(),
+            })
+        }
+    };
+    if let Some(e) = out.broken.take() {
+        anyhow::bail!(
+            "standard output closed ({e}); {}",
+            resume_hint(run.end_step)
+        );
+    }
     if let Some(e) = out_err {
         return Err(e.into());
     }
@@ -503,11 +649,12 @@ pub fn run(args: TrainArgs) -> Result<()> {
         metrics: run.metrics.clone(),
     };
     if json {
-        print_json("summary", &summary)?;
+        out.json("summary", &summary)?;
         return Ok(());
     }
     let fmt_loss = |l: Option<f32>| l.map_or("-".into(), |l| format!("{l:.4}"));
-    println!(
+    say!(
+        out,
         "done: steps {}..{}; loss {} -> {}; median step {:.1} ms (min {:.1}, max {:.1}), {:.0} tok/s, {:.1} model GFLOP/s",
         summary.start_step,
         summary.steps,
@@ -520,54 +667,61 @@ pub fn run(args: TrainArgs) -> Result<()> {
         summary.model_flops_per_s / 1e9
     );
     if let Some(p) = summary.predicted_step_ms {
-        println!("predicted step {p:.1} ms by fit's cost model (calibrated on this machine)");
+        say!(
+            out,
+            "predicted step {p:.1} ms by fit's cost model (calibrated on this machine)"
+        );
     }
     if let Some(p) = summary.tracked_predicted_step_ms {
-        println!(
+        say!(
+        out,
             "predicted at the speed around each step: median {p:.1} ms against {median:.1} ms measured ({:+.0} %)",
             (median - p) / p * 100.0
         );
     }
     if let Some(e) = run.last_eval {
-        println!(
+        say!(
+            out,
             "eval at step {}: train loss {:.4}, val loss {:.4}",
-            e.step, e.train_loss, e.val_loss
+            e.step,
+            e.train_loss,
+            e.val_loss
         );
     }
-    println!(
-        "memory: predicted peak {} B, measured peak {} B ({}), peak RSS {}",
-        summary.predicted_peak_bytes,
-        summary.measured_peak_bytes,
+    say!(
+        out,
+        "memory: predicted peak {}, measured peak {} ({}), peak RSS {}",
+        human_bytes(summary.predicted_peak_bytes),
+        human_bytes(summary.measured_peak_bytes),
         if summary.predicted_peak_bytes == summary.measured_peak_bytes {
             "exact"
         } else {
-            "MISMATCH"
+            "MISMATCH: please report it"
         },
         summary.peak_rss_bytes.map_or("n/a".into(), human_bytes)
     );
     if summary.limit_overruns > 0 {
-        println!(
-            "warning: {} allocation(s) exceeded the relaxed memory limit of {} B",
+        say!(
+            out,
+            "warning: {} allocation(s) exceeded the relaxed memory limit of {}",
             summary.limit_overruns,
-            cfg.memory_limit.unwrap_or(usize::MAX)
+            cfg.memory_limit.map_or("-".into(), human_bytes)
         );
     }
     if let Some(path) = &summary.checkpoint {
-        println!("checkpoint: {}", path.display());
+        say!(out, "checkpoint: {}", path.display());
     }
     if run.interrupted {
-        if let Some(out) = &cfg.out {
-            println!(
-                "interrupted at step {}: continue with `snug train --resume {}`",
-                summary.steps,
-                out.display()
-            );
-        } else {
-            println!(
-                "interrupted at step {} (no --out directory, nothing saved)",
-                summary.steps
-            );
-        }
+        say!(out, "interrupted: {}", resume_hint(summary.steps));
+    } else if let Some(dir) = &cfg.out {
+        say!(
+            out,
+            "sample from it with `snug sample --checkpoint {} --prompt TEXT`",
+            dir.display()
+        );
+    }
+    if let Some(e) = out.broken.take() {
+        anyhow::bail!("standard output closed ({e}) after the run finished");
     }
     Ok(())
 }
@@ -583,14 +737,18 @@ fn data_line(data: &TokenDataset) -> String {
     )
 }
 
-/// One JSON object tagged with its kind, on its own line.
 /// One JSON line: `value`'s fields plus `"kind": kind`.
-pub(crate) fn print_json<T: Serialize>(kind: &str, value: &T) -> serde_json::Result<()> {
+pub(crate) fn json_line<T: Serialize>(kind: &str, value: &T) -> serde_json::Result<String> {
     let mut v = serde_json::to_value(value)?;
     if let serde_json::Value::Object(map) = &mut v {
         map.insert("kind".into(), kind.into());
     }
-    println!("{}", serde_json::to_string(&v)?);
+    serde_json::to_string(&v)
+}
+
+/// Prints [`json_line`].
+pub(crate) fn print_json<T: Serialize>(kind: &str, value: &T) -> serde_json::Result<()> {
+    println!("{}", json_line(kind, value)?);
     Ok(())
 }
 

@@ -8,9 +8,12 @@ fn snug(args: &[&str]) -> Output {
 }
 
 fn snug_with(args: &[&str], env: &[(&str, &std::path::Path)]) -> Output {
+    // Runs without --out save under ./runs: keep them out of the source tree.
+    let cwd = tempfile::tempdir().expect("a scratch directory");
     Command::new(env!("CARGO_BIN_EXE_snug"))
         .args(args)
         .envs(env.iter().copied())
+        .current_dir(cwd.path())
         .output()
         .expect("the snug binary runs")
 }
@@ -820,8 +823,6 @@ fn snug_cached(args: &[&str], cache: &tempfile::TempDir) -> Output {
 #[test]
 fn fit_chooses_what_fits_and_train_holds_to_it() {
     let cache = calibrated_cache(1);
-    // The built-in data's vocabulary, so `fit` (preset vocabulary without --data) and `train`
-    // (the data's) plan the same model.
     let base = [
         "--batch",
         "16",
@@ -905,7 +906,7 @@ fn fit_chooses_what_fits_and_train_holds_to_it() {
     let o = snug_cached(&[&["fit", "--memory", "1MB"][..], &base].concat(), &cache);
     assert_eq!(o.status.code(), Some(1));
     assert!(
-        stderr(&o).contains("nothing fits in 1000000 bytes"),
+        stderr(&o).contains("nothing fits in 976.56 KiB (1000000 bytes)"),
         "{}",
         stderr(&o)
     );

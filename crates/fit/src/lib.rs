@@ -7,14 +7,18 @@
 //! - [`compile`]: model + step configuration → step graph (passes, autodiff, remat).
 //! - [`cost_model`]: predicted seconds per node and per step from a [`MachineProfile`].
 //! - [`search`]: [`suggest_config`], [`suggest_recovery_config`] and the [`FitReport`] table.
+//! - [`advice`]: when nothing fits, [`what_would_fit`]: the changes to the run that would.
 
+pub mod advice;
 pub mod compile;
 pub mod cost_model;
 mod error;
 pub mod search;
 
+pub use advice::{what_would_fit, Suggestion};
 pub use compile::{
-    compile_exactly, compile_step, CompiledStep, OptimizerKind, Pass, Remat, RematDropped, StepConfig,
+    compile_exactly, compile_step, CompiledStep, OptimizerKind, Pass, Remat, RematDropped,
+    StepConfig,
 };
 pub use cost_model::{node_work, MachineProfile, NodeWork, Sample, PROFILE_VERSION};
 pub use error::FitError;

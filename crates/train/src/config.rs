@@ -45,6 +45,8 @@ pub struct TrainSection {
     pub weight_decay: Option<f32>,
     pub seed: Option<u64>,
     pub threads: Option<usize>,
+    /// Print a line every this many steps; 0 (the default): every step on a terminal, every
+    /// 10th otherwise.
     pub log_every: Option<u64>,
     /// Cap on the bytes snug holds (`"1.5GiB"`, `"800MB"`); relaxed unless `strict_memory_limit`.
     pub memory_limit: Option<String>,
@@ -173,7 +175,7 @@ impl Default for TrainConfig {
             weight_decay: 0.1,
             seed: 1337,
             threads: snug_runtime::physical_cores(),
-            log_every: 1,
+            log_every: 0,
             memory_limit: None,
             strict_memory_limit: false,
             precision: DType::F32,
@@ -224,6 +226,7 @@ impl TrainConfig {
         train: &TrainSection,
     ) -> Result<TrainConfig, TrainError> {
         let mut block_set = block_fixed || train.block.is_some();
+        let mut threads_set = train.threads.is_some();
         if let Some(path) = file {
             let text = std::fs::read_to_string(path).map_err(|source| TrainError::Io {
                 path: path.to_path_buf(),
@@ -234,9 +237,14 @@ impl TrainConfig {
                 message: e.to_string(),
             })?;
             block_set |= parsed.train.block.is_some();
+            threads_set |= parsed.train.threads.is_some();
             cfg.apply(&parsed.model, &parsed.train)?;
         }
         cfg.apply(model, train)?;
+        if block_fixed && !threads_set {
+            // A resumed run keeps its configuration, but not another machine's core count.
+            cfg.threads = cfg.threads.min(snug_runtime::physical_cores());
+        }
         if !block_set {
             // Without an explicit block, train on the model's full context.
             cfg.block = cfg.base_model()?.max_seq();
@@ -393,9 +401,6 @@ impl TrainConfig {
         if self.threads == 0 {
             return err("threads", "must be at least 1".into());
         }
-        if self.log_every == 0 {
-            return err("log_every", "must be at least 1".into());
-        }
         if self.accumulation == 0 || !self.batch.is_multiple_of(self.accumulation) {
             return err(
                 "accumulation",
@@ -452,7 +457,35 @@ impl TrainConfig {
                 format!("must be non-negative, got {}", self.weight_decay),
             );
         }
+        for (field, path) in [
+            ("out", self.out.as_deref()),
+            ("init_from", self.init_from.as_deref()),
+        ] {
+            if path.is_some_and(|p| p.as_os_str().is_empty()) {
+                return err(field, "is an empty path".into());
+            }
+        }
+        if matches!(&self.data, DataSourceConfig::File(p) if p.as_os_str().is_empty()) {
+            return err("data", "is an empty path".into());
+        }
         self.base_model()?;
+        Ok(())
+    }
+
+    /// Refuses a thread count this machine cannot run: each thread is a real OS thread, and
+    /// more of them than CPUs only take turns. (Planning for another machine may name more.)
+    pub fn check_threads_here(&self) -> Result<(), TrainError> {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if self.threads > cpus {
+            return Err(TrainError::Config {
+                field: "threads",
+                detail: format!(
+                    "{} is more than this machine's {cpus} CPUs (use at most {cpus}; the default is its {} physical cores)",
+                    self.threads,
+                    snug_runtime::physical_cores()
+                ),
+            });
+        }
         Ok(())
     }
 
@@ -516,20 +549,26 @@ impl TrainConfig {
         Ok((data, model))
     }
 
-    /// The model for data with `data_vocab` symbols: the data's vocabulary unless `vocab_size`
-    /// was set, in which case it must be large enough.
+    /// The model for data with `data_vocab` symbols. Data with a tokenizer of its own (a text
+    /// file's characters, prepared token files) sets the vocabulary unless `vocab_size` was
+    /// set; the built-in data keeps the model's own (so `snug plan --preset llama-70b` plans
+    /// the real model). Either way it must cover the data's symbols.
     pub fn model_for_vocab(&self, data_vocab: usize) -> Result<ModelConfig, TrainError> {
         let mut cfg = self.base_model()?;
-        match self.model.vocab_size {
-            Some(v) if v < data_vocab => {
-                return Err(TrainError::Config {
-                    field: "vocab_size",
-                    detail: format!("{v} is smaller than the data's {data_vocab} distinct symbols"),
-                })
-            }
-            Some(_) => {}
-            None => cfg.set_vocab_size(data_vocab),
+        let (vocab, field) = match (self.model.vocab_size, &self.data) {
+            (Some(v), _) => (v, "vocab_size"),
+            (None, DataSourceConfig::Addition) => (cfg.vocab_size(), "model"),
+            (None, DataSourceConfig::File(_)) => (data_vocab, "vocab_size"),
+        };
+        if vocab < data_vocab {
+            return Err(TrainError::Config {
+                field,
+                detail: format!(
+                    "a vocabulary of {vocab} is smaller than the data's {data_vocab} distinct symbols"
+                ),
+            });
         }
+        cfg.set_vocab_size(vocab);
         if self.block > cfg.max_seq() {
             return Err(TrainError::Config {
                 field: "block",

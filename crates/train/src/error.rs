@@ -2,6 +2,7 @@ use std::path::PathBuf;
 
 use snug_graph::GraphError;
 use snug_nn::NnError;
+use snug_plan::memory_plan::human_bytes;
 use snug_plan::PlanError;
 use snug_runtime::RuntimeError;
 
@@ -24,6 +25,10 @@ pub enum TrainError {
     },
     #[error("checkpoint {path}: {detail}")]
     Checkpoint { path: PathBuf, detail: String },
+    #[error("run directory {dir} is in use by another snug process (it holds the directory's lock); wait for it to finish or give another `--out`")]
+    RunDirBusy { dir: PathBuf },
+    #[error("run directory {dir}: {detail}")]
+    RunDirTaken { dir: PathBuf, detail: String },
     #[error("no loadable checkpoint in {dir}: {detail}")]
     NoCheckpoint { dir: PathBuf, detail: String },
     #[error("character {ch:?} is not in the tokenizer's vocabulary of {vocab} symbols")]
@@ -42,8 +47,19 @@ pub enum TrainError {
     ConfigFile { path: PathBuf, message: String },
     #[error("config: `{field}` {detail}")]
     Config { field: &'static str, detail: String },
-    #[error("the training step needs {needed} bytes (planned peak) but the memory limit is {limit} bytes: lower the batch or block size")]
-    DoesNotFit { needed: usize, limit: usize },
+    #[error(
+        "the training step needs {} ({needed} bytes, its planned peak) but {}: lower the batch or block size, or let `snug fit --memory SIZE` find a configuration that fits",
+        human_bytes(*needed),
+        match limit {
+            Some(l) => format!("the memory limit is {} ({l} bytes)", human_bytes(*l)),
+            None => "the system could not provide it (no memory limit was set)".into(),
+        }
+    )]
+    DoesNotFit {
+        needed: usize,
+        /// The limit that refused it; `None` when the system itself did.
+        limit: Option<usize>,
+    },
     #[error(
         "out of memory at step {step} ({failure}) and no smaller configuration fits: {detail}"
     )]

@@ -10,8 +10,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use serde::Serialize;
 
 use crate::checkpoint::CheckpointDir;
+use crate::run_dir::{Claim, RunDir};
 use crate::trainer::{EvalStats, Recovery, StepStats, Trainer};
-use crate::TrainError;
+use crate::{TrainConfig, TrainError};
 
 /// Something the loop did, for progress display.
 #[derive(Debug)]
@@ -53,23 +54,39 @@ pub struct RunSummary {
 pub const METRICS_FILE: &str = "metrics.jsonl";
 
 /// Trains until the configured step count or until `stop` is set, evaluating, logging and
-/// checkpointing as the configuration says. With a run directory (`out`), the final state is
-/// always saved, interrupted or not.
+/// checkpointing as the configuration says. With a run directory (`out`; claimed here unless
+/// the caller claimed it first, see [`RunDir::claim`]), the final state is always saved:
+/// at the end, when interrupted, and when the run stops on an error after a completed step
+/// (unless that error left the weights half-updated, see [`Trainer::state_is_consistent`]).
 pub fn run(
     trainer: &mut Trainer,
+    run_dir: Option<RunDir>,
     stop: &AtomicBool,
     mut on_event: impl FnMut(Event<'_>),
 ) -> Result<RunSummary, TrainError> {
     let cfg = trainer.config().clone();
-    let (ckpt_dir, mut metrics) = match &cfg.out {
-        Some(dir) => {
-            let ckpt = CheckpointDir::create(dir)?;
-            let metrics = MetricsFile::open(&dir.join(METRICS_FILE), trainer.steps_done())?;
-            (Some(ckpt), Some(metrics))
+    let run_dir = match (run_dir, &cfg.out) {
+        (Some(d), _) => Some(d),
+        (None, Some(dir)) => {
+            let claim = match trainer.resumed_at() {
+                Some(step) => Claim::Resume {
+                    from: dir.clone(),
+                    step,
+                },
+                None => Claim::Fresh,
+            };
+            Some(RunDir::claim(dir, &claim)?)
         }
-        None => (None, None),
+        (None, None) => None,
     };
-    let mut summary = RunSummary {
+    let mut metrics = match &run_dir {
+        Some(d) => Some(MetricsFile::open(
+            &d.path().join(METRICS_FILE),
+            trainer.steps_done(),
+        )?),
+        None => None,
+    };
+    let summary = RunSummary {
         start_step: trainer.steps_done(),
         end_step: trainer.steps_done(),
         first_loss: None,
@@ -81,7 +98,71 @@ pub fn run(
         interrupted: false,
         recoveries: Vec::new(),
     };
-    let mut saved_at = None;
+    let ckpt_dir = run_dir.as_ref().map(RunDir::checkpoints);
+    let mut state = LoopState {
+        cfg: &cfg,
+        ckpt_dir,
+        metrics: metrics.take(),
+        summary,
+        saved_at: None,
+    };
+    let result = train_loop(trainer, &mut state, stop, &mut on_event);
+    let LoopState {
+        mut summary,
+        saved_at,
+        ..
+    } = state;
+    let Some(dir) = ckpt_dir else {
+        return result.map(|()| summary);
+    };
+    // After an error, save only a state some step of this run reached.
+    let worth_saving = match &result {
+        Ok(()) => true,
+        Err(_) => trainer.steps_done() > summary.start_step && trainer.state_is_consistent(),
+    };
+    if worth_saving && saved_at != Some(trainer.steps_done()) {
+        match trainer
+            .checkpoint_ref()
+            .and_then(|c| dir.save_ref(&c, cfg.keep_checkpoints))
+        {
+            Ok(path) => {
+                on_event(Event::Checkpoint {
+                    step: trainer.steps_done(),
+                    path: &path,
+                });
+                summary.checkpoint = Some(path);
+            }
+            // The run's own error says more than a failed save after it (a full disk, say).
+            Err(e) if result.is_err() => {
+                tracing::warn!(
+                    "could not save the state after step {}: {e}",
+                    trainer.steps_done()
+                )
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    result.map(|()| summary)
+}
+
+/// What the loop keeps between steps, and leaves for the final save.
+struct LoopState<'a> {
+    cfg: &'a TrainConfig,
+    ckpt_dir: Option<&'a CheckpointDir>,
+    metrics: Option<MetricsFile>,
+    summary: RunSummary,
+    /// The step of the last checkpoint written.
+    saved_at: Option<u64>,
+}
+
+fn train_loop(
+    trainer: &mut Trainer,
+    st: &mut LoopState<'_>,
+    stop: &AtomicBool,
+    on_event: &mut impl FnMut(Event<'_>),
+) -> Result<(), TrainError> {
+    let (cfg, ckpt_dir) = (st.cfg, st.ckpt_dir);
+    let (metrics, summary) = (&mut st.metrics, &mut st.summary);
     while trainer.steps_done() < cfg.steps {
         if stop.load(Ordering::Relaxed) {
             summary.interrupted = true;
@@ -92,7 +173,7 @@ pub fn run(
         }
         let s = trainer.train_step()?;
         for r in trainer.take_recoveries() {
-            if let Some(m) = &mut metrics {
+            if let Some(m) = metrics.as_mut() {
                 m.write("recovery", &r)?;
             }
             on_event(Event::Recovered(&r));
@@ -102,41 +183,31 @@ pub fn run(
         summary.final_loss = Some(s.loss);
         summary.step_ms.push(s.ms);
         summary.end_step = s.step;
-        if let Some(m) = &mut metrics {
+        if let Some(m) = metrics.as_mut() {
             m.write("step", &s)?;
         }
         on_event(Event::Step(&s));
         if cfg.eval_every > 0 && (s.step % cfg.eval_every == 0 || s.step == cfg.steps) {
             let e = trainer.evaluate()?;
-            if let Some(m) = &mut metrics {
+            if let Some(m) = metrics.as_mut() {
                 m.write("eval", &e)?;
             }
             on_event(Event::Eval(&e));
             summary.last_eval = Some(e);
         }
-        if let Some(dir) = &ckpt_dir {
+        if let Some(dir) = ckpt_dir {
             if cfg.checkpoint_every > 0 && s.step % cfg.checkpoint_every == 0 {
                 let path = dir.save_ref(&trainer.checkpoint_ref()?, cfg.keep_checkpoints)?;
                 on_event(Event::Checkpoint {
                     step: s.step,
                     path: &path,
                 });
-                saved_at = Some(s.step);
+                st.saved_at = Some(s.step);
                 summary.checkpoint = Some(path);
             }
         }
     }
-    if let Some(dir) = &ckpt_dir {
-        if saved_at != Some(trainer.steps_done()) {
-            let path = dir.save_ref(&trainer.checkpoint_ref()?, cfg.keep_checkpoints)?;
-            on_event(Event::Checkpoint {
-                step: trainer.steps_done(),
-                path: &path,
-            });
-            summary.checkpoint = Some(path);
-        }
-    }
-    Ok(summary)
+    Ok(())
 }
 
 /// `metrics.jsonl`: one JSON object per step and per evaluation, each written with a single

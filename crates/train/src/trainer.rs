@@ -100,6 +100,12 @@ pub struct Trainer {
     recoveries: Vec<Recovery>,
     /// Dynamic loss scaling, when the step scales its loss (f16).
     scaler: Option<LossScaler>,
+    /// The step of the checkpoint this trainer was restored from.
+    resumed_at: Option<u64>,
+    /// A failed step may have updated the weights (its update ran, then the loss was not
+    /// finite, or a kernel failed in the last micro-batch): the state is no longer the one
+    /// after `step` steps, and must not be saved as such.
+    state_dirty: bool,
 }
 
 /// A change of configuration made to carry on after running out of memory mid-step.
@@ -130,6 +136,7 @@ impl Trainer {
         allocator: Allocator,
     ) -> Result<Trainer, TrainError> {
         data.check_block(config.block)?;
+        config.check_threads_here()?;
         let model = config.model_for_vocab(data.tokenizer.vocab_size())?;
         let CompiledStep {
             step: step_graph,
@@ -167,7 +174,7 @@ impl Trainer {
             Err(snug_runtime::RuntimeError::OutOfMemory(oom)) => {
                 return Err(TrainError::DoesNotFit {
                     needed,
-                    limit: oom.limit,
+                    limit: (oom.limit != usize::MAX).then_some(oom.limit),
                 });
             }
             other => other?,
@@ -220,6 +227,9 @@ impl Trainer {
             .map(|_| LossScaler::new(config.loss_scale, config.loss_scale_interval));
         let data = Arc::new(data);
         let prefetch = Prefetcher::new(data.clone(), config.seed, config.batch, config.block, 1);
+        // Every micro-batch takes the arena from the allocator, the first one too: a memory
+        // limit lowered before step 1 then bites at step 1.
+        session.release_arena();
         snug_runtime::process::return_free_heap();
         Ok(Trainer {
             config,
@@ -238,6 +248,8 @@ impl Trainer {
             machine: None,
             recoveries: Vec::new(),
             scaler,
+            resumed_at: None,
+            state_dirty: false,
         })
     }
 
@@ -470,6 +482,8 @@ impl Trainer {
             )));
         }
         self.step = ckpt.step;
+        self.resumed_at = Some(ckpt.step);
+        self.state_dirty = false;
         self.tokens_seen = ckpt.tokens_seen;
         if self.scaler.is_some() {
             self.scaler = ckpt.loss_scale.or(self.scaler);
@@ -546,7 +560,16 @@ impl Trainer {
                         self.recover(step, micro, oom)?;
                         continue 'attempt;
                     }
-                    Err(e) => return Err(e),
+                    Err(e) => {
+                        // Out of memory comes before any kernel runs; anything else in the
+                        // last micro-batch may have come after some of the update.
+                        if micro + 1 == k
+                            && !matches!(e, TrainError::Runtime(RuntimeError::OutOfMemory(_)))
+                        {
+                            self.state_dirty = true;
+                        }
+                        return Err(e);
+                    }
                 }
             }
             break (loss_sum, grad_norm, node_times);
@@ -555,6 +578,8 @@ impl Trainer {
         let secs = start.elapsed().as_secs_f64();
         let loss = (loss_sum / k as f64) as f32;
         if !loss.is_finite() {
+            // The update ran with this loss's gradients.
+            self.state_dirty = true;
             return Err(TrainError::NonFinite { step, loss });
         }
         self.step = step;
@@ -701,6 +726,18 @@ impl Trainer {
 
     pub fn steps_done(&self) -> u64 {
         self.step
+    }
+
+    /// The step of the checkpoint this trainer was restored from, if it was.
+    pub fn resumed_at(&self) -> Option<u64> {
+        self.resumed_at
+    }
+
+    /// Whether the parameters and optimizer state are those after [`Trainer::steps_done`]
+    /// steps, so saving them makes a true checkpoint. False after a step failed once its
+    /// update may have run.
+    pub fn state_is_consistent(&self) -> bool {
+        !self.state_dirty
     }
 
     /// Current values of every parameter, by Hugging Face name.

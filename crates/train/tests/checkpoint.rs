@@ -155,7 +155,7 @@ fn a_stop_request_saves_and_returns() {
     cfg.eval_every = 0;
     let mut t = trainer(&cfg);
     let stop = AtomicBool::new(false);
-    let summary = snug_train::run(&mut t, &stop, |e| {
+    let summary = snug_train::run(&mut t, None, &stop, |e| {
         if let snug_train::Event::Step(s) = e {
             if s.step == 3 {
                 stop.store(true, std::sync::atomic::Ordering::Relaxed);

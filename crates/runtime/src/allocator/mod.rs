@@ -16,6 +16,7 @@
 
 mod buffer_cache;
 
+use snug_plan::memory_plan::human_bytes;
 use std::alloc::Layout;
 use std::fmt;
 use std::ptr::NonNull;
@@ -40,7 +41,15 @@ impl fmt::Display for Device {
 /// An allocation that a strict memory limit, or the system, refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "out of memory on {device}: requested {requested} bytes with {active} active and {cached} cached, limit {limit} bytes"
+    "out of memory on {device}: requested {} with {} active and {} cached, {}",
+    human_bytes(*requested),
+    human_bytes(*active),
+    human_bytes(*cached),
+    if *limit == usize::MAX {
+        "no limit set: the system refused".to_string()
+    } else {
+        format!("limit {}", human_bytes(*limit))
+    }
 )]
 pub struct OutOfMemory {
     pub requested: usize,

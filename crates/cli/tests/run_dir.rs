@@ -1,0 +1,325 @@
+//! No run loses its work: a run directory holds one run at a time (a lock, and a check of what
+//! is already there), and a run that stops on an error after a completed step saves it.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+fn snug_cmd(args: &[&str], cwd: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_snug"));
+    c.args(args).current_dir(cwd);
+    c
+}
+
+fn snug(args: &[&str], cwd: &Path) -> Output {
+    snug_cmd(args, cwd).output().expect("the snug binary runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+const QUICK: [&str; 8] = [
+    "--threads",
+    "1",
+    "--eval-every",
+    "0",
+    "--batch",
+    "4",
+    "--block",
+    "16",
+];
+
+fn train(cwd: &Path, extra: &[&str]) -> Output {
+    snug(&[&["train"], &QUICK[..], extra].concat(), cwd)
+}
+
+/// Every file in `dir` with its bytes, to show nothing was touched.
+fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut files: Vec<(PathBuf, Vec<u8>)> = std::fs::read_dir(dir)
+        .expect("the run directory")
+        .map(|e| e.expect("an entry").path())
+        .filter(|p| p.is_file())
+        .map(|p| {
+            let bytes = std::fs::read(&p).expect("a readable file");
+            (p, bytes)
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+fn checkpoint_steps(dir: &Path) -> Vec<u64> {
+    let mut steps: Vec<u64> = std::fs::read_dir(dir)
+        .expect("the run directory")
+        .filter_map(|e| {
+            let name = e.ok()?.file_name().to_string_lossy().into_owned();
+            name.strip_prefix("ckpt-")?
+                .strip_suffix(".safetensors")?
+                .parse()
+                .ok()
+        })
+        .collect();
+    steps.sort();
+    steps
+}
+
+#[test]
+fn a_fresh_run_never_takes_a_directory_holding_another_run() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let run = tmp.path().join("run");
+    let run_s = run.to_str().expect("a UTF-8 path");
+    let first = train(
+        tmp.path(),
+        &["--steps", "4", "--checkpoint-every", "2", "--out", run_s],
+    );
+    assert!(first.status.success(), "{}", stderr(&first));
+    assert_eq!(checkpoint_steps(&run), vec![2, 4]);
+    let before = snapshot(&run);
+
+    // A new, shorter run would have kept the old run's higher steps and deleted its own.
+    let second = train(tmp.path(), &["--steps", "2", "--seed", "7", "--out", run_s]);
+    assert!(!second.status.success());
+    let err = stderr(&second);
+    assert!(
+        err.contains(run_s) && err.contains("--resume") && err.contains("step 4"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(snapshot(&run), before, "the old run's files changed");
+
+    // Resuming from an older checkpoint while a newer one is there would fork the history.
+    let older = run.join("ckpt-00000002.safetensors");
+    let fork = snug(
+        &[
+            &[
+                "train",
+                "--steps",
+                "6",
+                "--resume",
+                older.to_str().expect("UTF-8"),
+            ],
+            &QUICK[..],
+        ]
+        .concat(),
+        tmp.path(),
+    );
+    assert!(!fork.status.success());
+    assert!(
+        stderr(&fork).contains("newer checkpoint (step 4)"),
+        "{}",
+        stderr(&fork)
+    );
+    assert_eq!(snapshot(&run), before, "the old run's files changed");
+
+    // Continuing the run itself is fine, and keeps its history.
+    let resumed = snug(
+        &[&["train", "--steps", "6", "--resume", run_s], &QUICK[..]].concat(),
+        tmp.path(),
+    );
+    assert!(resumed.status.success(), "{}", stderr(&resumed));
+    assert_eq!(checkpoint_steps(&run), vec![2, 4, 6]);
+}
+
+#[test]
+fn with_no_out_each_run_gets_its_own_directory_and_sample_reads_it() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    for _ in 0..2 {
+        let o = train(tmp.path(), &["--steps", "2"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(text.contains("run directory: runs/tiny-"), "{text}");
+    }
+    let runs = tmp.path().join("runs");
+    for n in [1, 2] {
+        assert_eq!(checkpoint_steps(&runs.join(format!("tiny-{n}"))), vec![2]);
+    }
+    let sample = snug(
+        &[
+            "sample",
+            "--checkpoint",
+            "runs/tiny-2",
+            "--prompt",
+            "1+1=",
+            "--tokens",
+            "4",
+        ],
+        tmp.path(),
+    );
+    assert!(sample.status.success(), "{}", stderr(&sample));
+    let o = train(tmp.path(), &["--steps", "1", "--no-save"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!runs.join("tiny-3").exists());
+}
+
+#[cfg(unix)]
+#[test]
+fn a_second_run_on_a_locked_directory_is_refused() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let run = tmp.path().join("run");
+    let run_s = run.to_str().expect("a UTF-8 path");
+    let mut first = snug_cmd(
+        &[
+            &["train", "--json", "--steps", "100000", "--out", run_s],
+            &QUICK[..],
+        ]
+        .concat(),
+        tmp.path(),
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::null())
+    .spawn()
+    .expect("the snug binary runs");
+    let mut lines = BufReader::new(first.stdout.take().expect("a pipe")).lines();
+    // Training is under way once the first step is printed.
+    while let Some(Ok(line)) = lines.next() {
+        if line.contains("\"kind\":\"step\"") {
+            break;
+        }
+    }
+    let second = train(tmp.path(), &["--steps", "2", "--out", run_s]);
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(first.id() as i32, libc::SIGKILL) };
+    let _ = first.wait();
+    assert!(!second.status.success());
+    let err = stderr(&second);
+    assert!(err.contains("in use by another snug process"), "{err}");
+    assert!(
+        checkpoint_steps(&run).is_empty(),
+        "the second run saved into the first's"
+    );
+}
+
+#[test]
+fn a_failed_recovery_saves_the_last_completed_step() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let run = tmp.path().join("run");
+    let run_s = run.to_str().expect("a UTF-8 path");
+    // 1 KiB fits no configuration: the recovery at step 3 fails.
+    let o = train(
+        tmp.path(),
+        &[
+            "--steps",
+            "10",
+            "--out",
+            run_s,
+            "--memory-limit",
+            "1GiB",
+            "--strict",
+            "--lower-memory-at",
+            "3:1KiB",
+        ],
+    );
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(
+        err.contains("the state after step 2 is saved") && err.contains("--resume"),
+        "{err}"
+    );
+    assert_eq!(checkpoint_steps(&run), vec![2]);
+    let resumed = snug(
+        &[&["train", "--steps", "3", "--resume", run_s], &QUICK[..]].concat(),
+        tmp.path(),
+    );
+    assert!(resumed.status.success(), "{}", stderr(&resumed));
+    assert_eq!(checkpoint_steps(&run), vec![2, 3]);
+}
+
+#[test]
+fn a_limit_lowered_before_step_one_bites_at_step_one() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let o = train(
+        tmp.path(),
+        &[
+            "--steps",
+            "2",
+            "--no-save",
+            "--json",
+            "--memory-limit",
+            "1GiB",
+            "--strict",
+            "--lower-memory-at",
+            "1:1KiB",
+        ],
+    );
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("step 1"), "{}", stderr(&o));
+    let zero = train(tmp.path(), &["--no-save", "--lower-memory-at", "0:1MiB"]);
+    assert!(!zero.status.success());
+    assert!(
+        stderr(&zero).contains("steps count from 1"),
+        "{}",
+        stderr(&zero)
+    );
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_failing_metrics_write_stops_the_run_with_its_state_saved() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let run = tmp.path().join("run");
+    std::fs::create_dir(&run).expect("a run directory");
+    // Every write to /dev/full fails with "no space left on device".
+    std::os::unix::fs::symlink("/dev/full", run.join("metrics.jsonl")).expect("a symlink");
+    let o = train(
+        tmp.path(),
+        &[
+            "--steps",
+            "5",
+            "--checkpoint-every",
+            "0",
+            "--out",
+            run.to_str().expect("UTF-8"),
+        ],
+    );
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(
+        err.contains("metrics.jsonl") && err.contains("step 1"),
+        "{err}"
+    );
+    assert_eq!(checkpoint_steps(&run), vec![1]);
+}
+
+#[cfg(unix)]
+#[test]
+fn a_closed_stdout_stops_the_run_with_its_state_saved() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let run = tmp.path().join("run");
+    let mut child = snug_cmd(
+        &[
+            &[
+                "train",
+                "--steps",
+                "100000",
+                "--log-every",
+                "1",
+                "--out",
+                run.to_str().expect("UTF-8"),
+            ],
+            &QUICK[..],
+        ]
+        .concat(),
+        tmp.path(),
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .expect("the snug binary runs");
+    {
+        let mut lines = BufReader::new(child.stdout.take().expect("a pipe")).lines();
+        while let Some(Ok(line)) = lines.next() {
+            if line.starts_with("step ") {
+                break;
+            }
+        }
+        // The reader goes away, as `snug train | head` does.
+    }
+    let o = child.wait_with_output().expect("the run ends");
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(err.contains("standard output closed"), "{err}");
+    let steps = checkpoint_steps(&run);
+    assert_eq!(steps.len(), 1, "{steps:?}");
+    assert!(steps[0] >= 1);
+}

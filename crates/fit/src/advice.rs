@@ -1,0 +1,139 @@
+//! What would fit when nothing in the search space does: the changes to the run itself that
+//! snug can make (a lighter optimizer, no global clipping, 16-bit activations, a shorter
+//! sequence), each planned at its smallest configuration, so the user hears which of them
+//! reaches the budget instead of only that nothing did.
+
+use serde::Serialize;
+use snug_graph::DType;
+use snug_plan::{plan, PlanOptions};
+
+use crate::compile::{compile_step, OptimizerKind, Pass, Remat, StepConfig};
+use crate::search::FitModel;
+use crate::FitError;
+
+/// One change to the run and the smallest planned peak it reaches (micro-batch 1, the
+/// cheapest remat, every memory pass).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Suggestion {
+    /// As the user would type it, e.g. `--optimizer sgd --block 128`.
+    pub change: String,
+    pub peak_bytes: usize,
+    pub fits: bool,
+}
+
+/// The smallest peak of `model` at `block` under `step`: micro-batch 1, with and without
+/// per-block remat, every pass that lowers memory.
+fn smallest_peak(
+    model: &FitModel,
+    block: usize,
+    step: &StepConfig,
+    threads: usize,
+) -> Result<usize, FitError> {
+    let mut passes = step.passes.clone();
+    for p in [Pass::FusedCrossEntropy, Pass::InPlace] {
+        if !passes.contains(&p) {
+            passes.push(p);
+        }
+    }
+    let mut best = usize::MAX;
+    for remat in [Remat::None, Remat::Blocks { blocks: 1 }] {
+        let config = StepConfig {
+            accumulation: 1,
+            remat,
+            passes: passes.clone(),
+            ..step.clone()
+        };
+        let c = compile_step(&model.model, 1, block, threads, &config)?;
+        best = best.min(plan(&c.step.graph, &PlanOptions::default())?.peak_bytes());
+    }
+    Ok(best)
+}
+
+/// Each change snug can make that lowers `model`'s peak, alone and all together, with the
+/// peak it reaches; those that fit `budget` first.
+pub fn what_would_fit(
+    model: &FitModel,
+    budget: usize,
+    threads: usize,
+) -> Result<Vec<Suggestion>, FitError> {
+    let base = StepConfig {
+        precision: match model.low_precision {
+            Some(low) if model.step.precision == DType::F32 => low,
+            _ => model.step.precision,
+        },
+        ..model.step.clone()
+    };
+    let mut changes: Vec<(String, StepConfig)> = Vec::new();
+    let mut all = base.clone();
+    let mut all_flags = Vec::new();
+    if base.optimizer == OptimizerKind::AdamW {
+        let c = StepConfig {
+            optimizer: OptimizerKind::Sgd,
+            ..base.clone()
+        };
+        changes.push(("--optimizer sgd (no moments)".into(), c));
+        all.optimizer = OptimizerKind::Sgd;
+        all_flags.push("--optimizer sgd");
+    }
+    if base.grad_clip > 0.0 {
+        let c = StepConfig {
+            grad_clip: 0.0,
+            ..base.clone()
+        };
+        changes.push((
+            "--grad-clip 0 (each gradient freed after its update)".into(),
+            c,
+        ));
+        all.grad_clip = 0.0;
+        all_flags.push("--grad-clip 0");
+    }
+    if base.precision == DType::F32 {
+        let c = StepConfig {
+            precision: DType::BF16,
+            ..base.clone()
+        };
+        changes.push(("--precision bf16".into(), c));
+        all.precision = DType::BF16;
+        all_flags.push("--precision bf16");
+    }
+    let mut out = Vec::new();
+    for (change, step) in &changes {
+        let peak = smallest_peak(model, model.block, step, threads)?;
+        out.push(Suggestion {
+            change: change.clone(),
+            peak_bytes: peak,
+            fits: peak <= budget,
+        });
+    }
+    // The longest sequence that fits, as it is and with every change above.
+    for (flags, step) in [(Vec::new(), base.clone()), (all_flags.clone(), all.clone())] {
+        let mut block = model.block / 2;
+        while block >= 8 {
+            let peak = smallest_peak(model, block, &step, threads)?;
+            if peak <= budget {
+                let mut change = flags.join(" ");
+                if !change.is_empty() {
+                    change.push(' ');
+                }
+                change.push_str(&format!("--block {block}"));
+                out.push(Suggestion {
+                    change,
+                    peak_bytes: peak,
+                    fits: true,
+                });
+                break;
+            }
+            block /= 2;
+        }
+    }
+    if all_flags.len() > 1 {
+        let peak = smallest_peak(model, model.block, &all, threads)?;
+        out.push(Suggestion {
+            change: all_flags.join(" "),
+            peak_bytes: peak,
+            fits: peak <= budget,
+        });
+    }
+    out.sort_by_key(|s| (!s.fits, s.peak_bytes));
+    Ok(out)
+}

@@ -1,0 +1,136 @@
+//! A run directory claimed by one run: an OS lock held for the run's life, and a check that the
+//! checkpoints already there belong to this run's history, so no run deletes another's work
+//! (retention keeps the newest checkpoints, whichever run wrote them).
+
+use std::fs::{self, File, OpenOptions, TryLockError};
+use std::path::{Path, PathBuf};
+
+use crate::checkpoint::{Checkpoint, CheckpointDir};
+use crate::run::METRICS_FILE;
+use crate::TrainError;
+
+/// The lock file inside a run directory; left in place (deleting a lock file races).
+pub const LOCK_FILE: &str = ".snug.lock";
+
+/// How a run means to use its directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// A new run: the directory must hold no other run's checkpoints or metrics.
+    Fresh,
+    /// A run resumed from the checkpoint of step `step` found in `from`: when `from` is this
+    /// directory, no checkpoint here may be newer (that would be another history); when it
+    /// is elsewhere, this directory must hold no run.
+    Resume { from: PathBuf, step: u64 },
+}
+
+/// A run directory this process holds the lock of.
+#[derive(Debug)]
+pub struct RunDir {
+    checkpoints: CheckpointDir,
+    /// Held open for the lock; released when the run directory is dropped or the process ends.
+    _lock: File,
+}
+
+impl RunDir {
+    /// Creates `dir` if needed, locks it and checks it may take this run.
+    pub fn claim(dir: &Path, claim: &Claim) -> Result<RunDir, TrainError> {
+        if dir.as_os_str().is_empty() {
+            return Err(TrainError::Config {
+                field: "out",
+                detail: "is empty: give a directory for the run".into(),
+            });
+        }
+        let checkpoints = CheckpointDir::create(dir)?;
+        let lock_path = dir.join(LOCK_FILE);
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|source| TrainError::Io {
+                path: lock_path.clone(),
+                source,
+            })?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(TryLockError::WouldBlock) => {
+                return Err(TrainError::RunDirBusy {
+                    dir: dir.to_path_buf(),
+                })
+            }
+            Err(TryLockError::Error(source)) => {
+                return Err(TrainError::Io {
+                    path: lock_path,
+                    source,
+                })
+            }
+        }
+        let run_dir = RunDir {
+            checkpoints,
+            _lock: lock,
+        };
+        run_dir.check(claim)?;
+        Ok(run_dir)
+    }
+
+    fn check(&self, claim: &Claim) -> Result<(), TrainError> {
+        let dir = self.checkpoints.path();
+        let saved = self.checkpoints.list()?;
+        let taken = |detail: String| TrainError::RunDirTaken {
+            dir: dir.to_path_buf(),
+            detail,
+        };
+        let same_dir = |from: &Path| match (fs::canonicalize(from), fs::canonicalize(dir)) {
+            (Ok(a), Ok(b)) => a == b || a.parent() == Some(b.as_path()),
+            _ => false,
+        };
+        match claim {
+            Claim::Resume { from, step } if same_dir(from) => {
+                for (s, path) in saved.iter().filter(|(s, _)| s > step) {
+                    // A newer file that does not load is why an older one was resumed: move
+                    // it aside (kept, never deleted) so retention cannot mistake it for ours.
+                    if Checkpoint::load(path).is_err() {
+                        let aside = path.with_extension("safetensors.damaged");
+                        fs::rename(path, &aside).map_err(|source| TrainError::Io {
+                            path: path.clone(),
+                            source,
+                        })?;
+                        tracing::warn!(
+                            "moved the damaged checkpoint of step {s} aside to {}",
+                            aside.display()
+                        );
+                    } else {
+                        return Err(taken(format!(
+                            "it holds a newer checkpoint (step {s}) than the step {step} resumed from; resume from the newest (`--resume {}`), or continue this one into a new `--out` directory",
+                            dir.display()
+                        )));
+                    }
+                }
+                Ok(())
+            }
+            _ => {
+                if let Some((s, _)) = saved.last() {
+                    return Err(taken(format!(
+                        "it holds another run (checkpoints up to step {s}): continue it with `snug train --resume {}`, or give a new `--out` directory",
+                        dir.display()
+                    )));
+                }
+                let metrics = dir.join(METRICS_FILE);
+                if fs::metadata(&metrics).is_ok_and(|m| m.len() > 0) {
+                    return Err(taken(format!(
+                        "it holds another run's {METRICS_FILE}: give a new `--out` directory, or remove that file"
+                    )));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    pub fn checkpoints(&self) -> &CheckpointDir {
+        &self.checkpoints
+    }
+
+    pub fn path(&self) -> &Path {
+        self.checkpoints.path()
+    }
+}
