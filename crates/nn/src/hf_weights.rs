@@ -8,7 +8,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use safetensors::{Dtype, SafeTensors, View};
+use safetensors::{Dtype, View};
 
 use crate::{GptConfig, NnError};
 
@@ -322,7 +322,7 @@ pub fn load_gpt2_safetensors(
         map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| file_error(path, e))?;
         &map
     };
-    let st = SafeTensors::deserialize(bytes)
+    let st = crate::safetensors_file::deserialize(bytes)
         .map_err(|e| file_error(path, format!("not a valid safetensors file: {e}")))?;
 
     let shapes = cfg.parameter_shapes();
@@ -418,6 +418,7 @@ mod tests {
     use super::*;
     use crate::ModelConfig;
     use rand::{Rng, SeedableRng};
+    use safetensors::SafeTensors;
 
     fn tiny() -> GptConfig {
         GptConfig {
@@ -745,6 +746,61 @@ mod tests {
             load_err(&missing, &cfg),
             NnError::WeightsFile { .. }
         ));
+    }
+
+    /// The file at `path` with its header JSON rewritten by `edit` (the data unchanged).
+    fn edit_header(path: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+        let bytes = std::fs::read(path).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        edit(&mut header);
+        let text = header.to_string();
+        let mut out = (text.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(text.as_bytes());
+        out.extend_from_slice(&bytes[8 + n..]);
+        std::fs::write(path, out).unwrap();
+    }
+
+    /// Headers the safetensors crate refuses with a message naming no tensor ("invalid shape,
+    /// data type, or offset") are errors naming the tensor and what is wrong with it.
+    #[test]
+    fn malformed_headers_name_the_tensor() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = tiny();
+        let path = dir.path().join("model.safetensors");
+        let p = path.display().to_string();
+        let params = random_params(&cfg, 8);
+        let cases: [(&str, fn(&mut serde_json::Value), &str); 3] = [
+            (
+                "shape",
+                |h| h["h.1.ln_2.bias"]["shape"] = serde_json::json!([9]),
+                "tensor `h.1.ln_2.bias`: shape [9] of F32 is 36 bytes, but its data_offsets",
+            ),
+            (
+                "dtype",
+                |h| h["wpe.weight"]["dtype"] = serde_json::json!("F16"),
+                "tensor `wpe.weight`: shape [16, 8] of F16 is 256 bytes",
+            ),
+            (
+                "offsets",
+                |h| {
+                    let o = h["ln_f.bias"]["data_offsets"][1].as_u64().unwrap();
+                    h["ln_f.bias"]["data_offsets"][1] = serde_json::json!(o + 4);
+                },
+                "tensor `ln_f.bias`",
+            ),
+        ];
+        for (what, edit, want) in cases {
+            save_gpt2_safetensors(&path, &cfg, &params).unwrap();
+            edit_header(&path, edit);
+            match load_err(&path, &cfg) {
+                NnError::WeightsFile { path: got, detail } => {
+                    assert_eq!(got, p);
+                    assert!(detail.contains(want), "{what}: {detail}");
+                }
+                other => panic!("{what}: {other:?}"),
+            }
+        }
     }
 
     #[test]

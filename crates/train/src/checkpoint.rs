@@ -118,9 +118,11 @@ impl Checkpoint {
             path: path.to_path_buf(),
             source,
         })?;
+        let st = snug_nn::safetensors_file::deserialize(&bytes)
+            .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+        // The header parsed above; read again for its metadata, which `SafeTensors` keeps private.
         let (_, header) = SafeTensors::read_metadata(&bytes)
             .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
-        let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("not readable: {e}")))?;
         let meta = header
             .metadata()
             .clone()

@@ -144,3 +144,28 @@ fn checksums_are_required_from_version_2_and_version_1_files_still_load() {
     let detail = checkpoint_error(&path);
     assert!(detail.contains("version 3"), "{detail}");
 }
+
+/// A header the safetensors crate refuses without naming a tensor ("invalid shape, data type,
+/// or offset") is an error naming the tensor and what is wrong with it.
+#[test]
+fn a_malformed_header_names_the_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ckpt-00000001.safetensors");
+    let mut t = trainer();
+    t.train_step().unwrap();
+    t.checkpoint().unwrap().save(&path).unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    header["h.0.ln_1.weight"]["shape"] = serde_json::json!([129]);
+    let text = header.to_string();
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(text.as_bytes());
+    out.extend_from_slice(&bytes[8 + n..]);
+    std::fs::write(&path, out).unwrap();
+    let detail = checkpoint_error(&path);
+    assert!(
+        detail.contains("tensor `h.0.ln_1.weight`: shape [129] of F32 is 516 bytes"),
+        "{detail}"
+    );
+}
