@@ -52,6 +52,14 @@ pub enum NnError {
     },
     #[error("{path}: `lm_head.weight` differs from `wte.weight`, but snug's GPT ties the LM head to the token embedding")]
     UntiedHead { path: String },
+    /// Caught at load: otherwise it surfaces steps later as a NaN loss.
+    #[error("{path}: tensor `{name}` holds {value} at index {index}: weights must be finite (a damaged file, or saved from a diverged run)")]
+    NonFiniteWeight {
+        path: String,
+        name: String,
+        index: usize,
+        value: f32,
+    },
 }
 
 /// Shape of a GPT model.

@@ -304,7 +304,8 @@ impl Tensor<'_> {
 /// `h.N.attn.bias` / `h.N.attn.masked_bias` are skipped. `lm_head.weight` is accepted only when
 /// it equals `wte.weight` (snug ties them); when the file holds `lm_head.weight` but no
 /// `wte.weight` (a tied pair saved once under the head's name), the head is the embedding.
-/// Every other mismatch is an error naming the file and the tensor.
+/// Every other mismatch, and a NaN or infinite weight, is an error naming the file and the
+/// tensor.
 pub fn load_gpt2_safetensors(
     path: &Path,
     cfg: &GptConfig,
@@ -397,7 +398,17 @@ pub fn load_gpt2_safetensors(
                 path: path_str(path),
                 name: name.clone(),
             })?;
-        params.push((name.clone(), tensor.to_vec()));
+        let values = tensor.to_vec();
+        // Decoded values, so an f64 too large for f32 is caught as the infinity it became.
+        if let Some((index, value)) = crate::safetensors_file::first_non_finite(&values) {
+            return Err(NnError::NonFiniteWeight {
+                path: path_str(path),
+                name: name.clone(),
+                index,
+                value,
+            });
+        }
+        params.push((name.clone(), values));
     }
     if let Some(head) = lm_head {
         let tied = params
@@ -745,6 +756,64 @@ mod tests {
         assert!(matches!(
             load_err(&missing, &cfg),
             NnError::WeightsFile { .. }
+        ));
+    }
+
+    #[test]
+    fn non_finite_weights_name_the_tensor_and_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = tiny();
+        let path = dir.path().join("model.safetensors");
+        for (bad, dtype) in [
+            (f32::NAN, Dtype::F32),
+            (f32::NEG_INFINITY, Dtype::F32),
+            (f32::INFINITY, Dtype::BF16),
+        ] {
+            let mut params = random_params(&cfg, 9);
+            params[7].1[5] = bad;
+            let mut tensors = raw_tensors(&cfg, &params, "");
+            if dtype == Dtype::BF16 {
+                for (_, raw) in &mut tensors {
+                    let values: Vec<f32> = raw
+                        .data
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                        .collect();
+                    raw.dtype = dtype;
+                    raw.data = values
+                        .iter()
+                        .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                        .collect();
+                }
+            }
+            write_raw(&path, tensors);
+            match load_err(&path, &cfg) {
+                NnError::NonFiniteWeight {
+                    path: p,
+                    name,
+                    index,
+                    value,
+                } => {
+                    assert_eq!(p, path.display().to_string());
+                    assert_eq!((name.as_str(), index), (params[7].0.as_str(), 5));
+                    assert_eq!(value.to_bits(), bad.to_bits(), "{dtype:?}");
+                }
+                other => panic!("{bad} as {dtype:?}: {other:?}"),
+            }
+        }
+        // An f64 weight beyond f32's range would become infinite: refused too.
+        let params = random_params(&cfg, 10);
+        let mut tensors = raw_tensors(&cfg, &params, "");
+        let (name, raw) = &mut tensors[0];
+        let mut values: Vec<f64> = params[0].1.iter().map(|&v| v as f64).collect();
+        values[3] = 1e300;
+        raw.dtype = Dtype::F64;
+        raw.data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let name = name.clone();
+        write_raw(&path, tensors);
+        assert!(matches!(
+            load_err(&path, &cfg),
+            NnError::NonFiniteWeight { name: n, index: 3, value, .. } if n == name && value == f32::INFINITY
         ));
     }
 

@@ -185,11 +185,19 @@ impl Checkpoint {
                     )));
                 }
             }
-            let data = view
+            let data: Vec<f32> = view
                 .data()
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect();
+            if let Some((index, value)) = snug_nn::safetensors_file::first_non_finite(&data) {
+                return Err(TrainError::NonFiniteCheckpoint {
+                    path: path.to_path_buf(),
+                    name,
+                    index,
+                    value,
+                });
+            }
             tensors.push(SavedTensor {
                 name,
                 shape: view.shape().to_vec(),

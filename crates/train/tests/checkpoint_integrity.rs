@@ -169,3 +169,38 @@ fn a_malformed_header_names_the_tensor() {
         "{detail}"
     );
 }
+
+/// A NaN or infinity in a checkpoint (here one whose checksums agree: saved from a diverged
+/// state) is refused at load, naming the tensor and the index, instead of surfacing steps
+/// later as a NaN loss; the directory falls back to the previous checkpoint.
+#[test]
+fn non_finite_values_are_refused_at_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt_dir = CheckpointDir::create(dir.path()).unwrap();
+    let mut t = trainer();
+    t.train_step().unwrap();
+    ckpt_dir.save(&t.checkpoint().unwrap(), 3).unwrap();
+    t.train_step().unwrap();
+    for (name, bad) in [
+        ("wpe.weight", f32::NAN),
+        ("h.1.mlp.c_fc.bias.adam_v", f32::INFINITY),
+    ] {
+        let mut ckpt = t.checkpoint().unwrap();
+        let tensor = ckpt.tensors.iter_mut().find(|t| t.name == name).unwrap();
+        tensor.data[11] = bad;
+        let path = ckpt_dir.save(&ckpt, 3).unwrap();
+        match Checkpoint::load(&path) {
+            Err(TrainError::NonFiniteCheckpoint {
+                path: p,
+                name: n,
+                index,
+                value,
+            }) => {
+                assert_eq!((p, n.as_str(), index), (path, name, 11));
+                assert_eq!(value.to_bits(), bad.to_bits());
+            }
+            other => panic!("{name}: {:?}", other.map(|c| c.step)),
+        }
+        assert_eq!(ckpt_dir.load_latest().unwrap().1.step, 1);
+    }
+}
