@@ -839,7 +839,8 @@ mod tests {
         let path = dir.path().join("model.safetensors");
         let p = path.display().to_string();
         let params = random_params(&cfg, 8);
-        let cases: [(&str, fn(&mut serde_json::Value), &str); 3] = [
+        type Edit = fn(&mut serde_json::Value);
+        let cases: [(&str, Edit, &str); 3] = [
             (
                 "shape",
                 |h| h["h.1.ln_2.bias"]["shape"] = serde_json::json!([9]),
