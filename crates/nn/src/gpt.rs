@@ -13,6 +13,8 @@ use snug_graph::ops::{
 };
 use snug_graph::{DType, Graph, GraphError, Role, TensorId};
 
+use crate::ModelConfig;
+
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum NnError {
     #[error("unknown preset `{name}` (known: {known})")]
@@ -52,6 +54,83 @@ pub enum NnError {
     },
     #[error("{path}: `lm_head.weight` differs from `wte.weight`, but snug's GPT ties the LM head to the token embedding")]
     UntiedHead { path: String },
+    /// Caught at load: otherwise it surfaces steps later as a NaN loss.
+    #[error("{path}: tensor `{name}` holds {value} at index {index}: weights must be finite (a damaged file, or saved from a diverged run)")]
+    NonFiniteWeight {
+        path: String,
+        name: String,
+        index: usize,
+        value: f32,
+    },
+}
+
+/// Most tensors a training step may have. Planning time grows with the square of the step
+/// graph (a 1000-layer `tiny`, about 93,000 tensors, takes three minutes to plan), so the cap,
+/// about 800 layers, is six times the deepest model snug is asked to plan (126 layers,
+/// 405B-shaped) and refuses what would run for many minutes or until memory runs out.
+pub const MAX_STEP_TENSORS: usize = 1 << 17;
+/// An upper estimate of a training step's tensors per layer (forward, backward, AdamW and
+/// rematerialized copies): measured 93 for GPT, 143 for Llama with block remat.
+const STEP_TENSORS_PER_LAYER: usize = 160;
+/// Most layers a model may have: [`MAX_STEP_TENSORS`] at [`STEP_TENSORS_PER_LAYER`].
+pub const MAX_LAYERS: usize = MAX_STEP_TENSORS / STEP_TENSORS_PER_LAYER;
+/// Most parameters a model may have: trained in f32 with AdamW (weight, gradient, two moments:
+/// 16 bytes each) that is 2^50 bytes, a pebibyte, far past any machine yet well inside 64-bit
+/// byte counts, so nothing downstream overflows.
+pub const MAX_PARAMETERS: u128 = 1 << 46;
+
+/// One part of a model's parameter count, with the configuration field that drives it.
+pub(crate) struct ParameterTerm {
+    pub field: &'static str,
+    pub value: usize,
+    /// Saturating: a count past `u128` is as refused as one past the cap.
+    pub count: u128,
+}
+
+/// Refuses, before anything is built, a model whose step graph or parameter count is too large
+/// to plan: `layers` is the layer-count field and its value, `terms` the parts of the parameter
+/// count. The error names the field that makes the model too large.
+pub(crate) fn check_model_size(
+    layers: (&'static str, usize),
+    terms: &[ParameterTerm],
+) -> Result<(), NnError> {
+    let (field, n) = layers;
+    if n > MAX_LAYERS {
+        return Err(NnError::Config {
+            field,
+            detail: format!(
+                "{n} layers make a training step of about {} graph tensors; snug plans at most \
+                 {MAX_STEP_TENSORS} (about {MAX_LAYERS} layers)",
+                n.saturating_mul(STEP_TENSORS_PER_LAYER)
+            ),
+        });
+    }
+    let total = terms
+        .iter()
+        .fold(0u128, |sum, t| sum.saturating_add(t.count));
+    if total > MAX_PARAMETERS {
+        // The largest part names the field to lower.
+        let worst = terms.iter().max_by_key(|t| t.count);
+        let (field, value) = worst.map_or(("-", 0), |t| (t.field, t.value));
+        let count = if total == u128::MAX {
+            "more than 2^128".to_string()
+        } else {
+            total.to_string()
+        };
+        return Err(NnError::Config {
+            field,
+            detail: format!(
+                "{value} gives the model {count} parameters; snug plans at most 2^46 = \
+                 {MAX_PARAMETERS} (a pebibyte to train in f32 with AdamW)"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// `a · b`, saturating (a count this large is refused anyway).
+pub(crate) fn mul(a: usize, b: usize) -> u128 {
+    (a as u128).saturating_mul(b as u128)
 }
 
 /// Shape of a GPT model.
@@ -226,7 +305,34 @@ impl GptConfig {
                 detail: "must fit in i32 token ids".into(),
             });
         }
-        Ok(())
+        check_model_size(("n_layer", self.n_layer), &self.parameter_terms())
+    }
+
+    /// The parts of [`GptConfig::parameter_count`], by the field that drives each.
+    fn parameter_terms(&self) -> [ParameterTerm; 3] {
+        let c = self.n_embd;
+        // Per layer: two LayerNorms (2c each), QKV (3c² + 3c), output (c² + c), MLP (8c² + 5c).
+        let per_layer = mul(c, c).saturating_mul(12).saturating_add(mul(13, c));
+        [
+            ParameterTerm {
+                field: "n_embd",
+                value: c,
+                // The final LayerNorm with the layers.
+                count: per_layer
+                    .saturating_mul(self.n_layer as u128)
+                    .saturating_add(mul(2, c)),
+            },
+            ParameterTerm {
+                field: "vocab_size",
+                value: self.vocab_size,
+                count: mul(self.vocab_size, c),
+            },
+            ParameterTerm {
+                field: "block_size",
+                value: self.block_size,
+                count: mul(self.block_size, c),
+            },
+        ]
     }
 
     /// Every parameter's Hugging Face name and shape, in checkpoint order.
@@ -258,12 +364,14 @@ impl GptConfig {
         v
     }
 
-    /// Trainable parameters (the LM head shares `wte`).
+    /// Trainable parameters (the LM head shares `wte`), counted without listing them, so an
+    /// unvalidated configuration costs nothing (saturating at `usize::MAX`).
     pub fn parameter_count(&self) -> usize {
-        self.parameter_shapes()
+        let total = self
+            .parameter_terms()
             .iter()
-            .map(|(_, s)| s.iter().product::<usize>())
-            .sum()
+            .fold(0u128, |sum, t| sum.saturating_add(t.count));
+        usize::try_from(total).unwrap_or(usize::MAX)
     }
 
     /// Bytes of weights, gradients and AdamW moments at `dtype` (master weights and moments
@@ -276,8 +384,7 @@ impl GptConfig {
     /// Model FLOPs per token of a training step, as nanoGPT and PaLM count them: `6N` for the
     /// weights plus `12·L·C·T` for attention.
     pub fn flops_per_token(&self, seq: usize) -> u64 {
-        let n = self.parameter_count() as u64;
-        6 * n + 12 * (self.n_layer * self.n_embd * seq) as u64
+        ModelConfig::Gpt(self.clone()).flops_per_token(seq)
     }
 
     /// Builds the forward graph and loss for `batch` sequences of `seq` tokens.
@@ -533,6 +640,87 @@ mod tests {
                 n,
                 "{name}"
             );
+        }
+    }
+
+    #[test]
+    fn parameter_count_is_the_shape_table_sum() {
+        for (name, cfg) in PRESETS {
+            let sum: usize = cfg
+                .parameter_shapes()
+                .iter()
+                .map(|(_, s)| s.iter().product::<usize>())
+                .sum();
+            assert_eq!(cfg.parameter_count(), sum, "{name}");
+        }
+    }
+
+    /// Sizes whose step graph or parameters could not be planned are refused before anything
+    /// is built, naming the field; the largest presets still pass.
+    #[test]
+    fn sizes_past_the_planning_bounds_name_the_field() {
+        let tiny = GptConfig::preset("tiny").unwrap();
+        let refused = |cfg: GptConfig, want: &str| match cfg.validate() {
+            Err(NnError::Config { field, detail }) => {
+                assert_eq!(field, want, "{detail}");
+                detail
+            }
+            other => panic!("{cfg:?}: {other:?}"),
+        };
+        let d = refused(
+            GptConfig {
+                n_layer: 1_000_000_000,
+                ..tiny.clone()
+            },
+            "n_layer",
+        );
+        assert!(d.contains("1000000000 layers"), "{d}");
+        refused(
+            GptConfig {
+                n_layer: MAX_LAYERS + 1,
+                ..tiny.clone()
+            },
+            "n_layer",
+        );
+        assert!(GptConfig {
+            n_layer: MAX_LAYERS,
+            ..tiny.clone()
+        }
+        .validate()
+        .is_ok());
+        let d = refused(
+            GptConfig {
+                n_embd: usize::MAX / 4 * 4,
+                ..tiny.clone()
+            },
+            "n_embd",
+        );
+        assert!(d.contains("more than 2^128"), "{d}");
+        refused(
+            GptConfig {
+                n_embd: 1 << 24,
+                ..tiny.clone()
+            },
+            "n_embd",
+        );
+        refused(
+            GptConfig {
+                block_size: 1 << 50,
+                ..tiny.clone()
+            },
+            "block_size",
+        );
+        refused(
+            GptConfig {
+                vocab_size: i32::MAX as usize,
+                n_embd: 1 << 16,
+                n_head: 1,
+                ..tiny.clone()
+            },
+            "vocab_size",
+        );
+        for (name, cfg) in PRESETS {
+            assert!(cfg.validate().is_ok(), "{name}");
         }
     }
 

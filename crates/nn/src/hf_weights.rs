@@ -8,7 +8,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use safetensors::{Dtype, SafeTensors, View};
+use safetensors::{Dtype, View};
 
 use crate::{GptConfig, NnError};
 
@@ -304,7 +304,8 @@ impl Tensor<'_> {
 /// `h.N.attn.bias` / `h.N.attn.masked_bias` are skipped. `lm_head.weight` is accepted only when
 /// it equals `wte.weight` (snug ties them); when the file holds `lm_head.weight` but no
 /// `wte.weight` (a tied pair saved once under the head's name), the head is the embedding.
-/// Every other mismatch is an error naming the file and the tensor.
+/// Every other mismatch, and a NaN or infinite weight, is an error naming the file and the
+/// tensor.
 pub fn load_gpt2_safetensors(
     path: &Path,
     cfg: &GptConfig,
@@ -322,7 +323,7 @@ pub fn load_gpt2_safetensors(
         map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| file_error(path, e))?;
         &map
     };
-    let st = SafeTensors::deserialize(bytes)
+    let st = crate::safetensors_file::deserialize(bytes)
         .map_err(|e| file_error(path, format!("not a valid safetensors file: {e}")))?;
 
     let shapes = cfg.parameter_shapes();
@@ -397,7 +398,17 @@ pub fn load_gpt2_safetensors(
                 path: path_str(path),
                 name: name.clone(),
             })?;
-        params.push((name.clone(), tensor.to_vec()));
+        let values = tensor.to_vec();
+        // Decoded values, so an f64 too large for f32 is caught as the infinity it became.
+        if let Some((index, value)) = crate::safetensors_file::first_non_finite(&values) {
+            return Err(NnError::NonFiniteWeight {
+                path: path_str(path),
+                name: name.clone(),
+                index,
+                value,
+            });
+        }
+        params.push((name.clone(), values));
     }
     if let Some(head) = lm_head {
         let tied = params
@@ -418,6 +429,7 @@ mod tests {
     use super::*;
     use crate::ModelConfig;
     use rand::{Rng, SeedableRng};
+    use safetensors::SafeTensors;
 
     fn tiny() -> GptConfig {
         GptConfig {
@@ -745,6 +757,120 @@ mod tests {
             load_err(&missing, &cfg),
             NnError::WeightsFile { .. }
         ));
+    }
+
+    #[test]
+    fn non_finite_weights_name_the_tensor_and_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = tiny();
+        let path = dir.path().join("model.safetensors");
+        for (bad, dtype) in [
+            (f32::NAN, Dtype::F32),
+            (f32::NEG_INFINITY, Dtype::F32),
+            (f32::INFINITY, Dtype::BF16),
+        ] {
+            let mut params = random_params(&cfg, 9);
+            params[7].1[5] = bad;
+            let mut tensors = raw_tensors(&cfg, &params, "");
+            if dtype == Dtype::BF16 {
+                for (_, raw) in &mut tensors {
+                    let values: Vec<f32> = raw
+                        .data
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                        .collect();
+                    raw.dtype = dtype;
+                    raw.data = values
+                        .iter()
+                        .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                        .collect();
+                }
+            }
+            write_raw(&path, tensors);
+            match load_err(&path, &cfg) {
+                NnError::NonFiniteWeight {
+                    path: p,
+                    name,
+                    index,
+                    value,
+                } => {
+                    assert_eq!(p, path.display().to_string());
+                    assert_eq!((name.as_str(), index), (params[7].0.as_str(), 5));
+                    assert_eq!(value.to_bits(), bad.to_bits(), "{dtype:?}");
+                }
+                other => panic!("{bad} as {dtype:?}: {other:?}"),
+            }
+        }
+        // An f64 weight beyond f32's range would become infinite: refused too.
+        let params = random_params(&cfg, 10);
+        let mut tensors = raw_tensors(&cfg, &params, "");
+        let (name, raw) = &mut tensors[0];
+        let mut values: Vec<f64> = params[0].1.iter().map(|&v| v as f64).collect();
+        values[3] = 1e300;
+        raw.dtype = Dtype::F64;
+        raw.data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let name = name.clone();
+        write_raw(&path, tensors);
+        assert!(matches!(
+            load_err(&path, &cfg),
+            NnError::NonFiniteWeight { name: n, index: 3, value, .. } if n == name && value == f32::INFINITY
+        ));
+    }
+
+    /// The file at `path` with its header JSON rewritten by `edit` (the data unchanged).
+    fn edit_header(path: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+        let bytes = std::fs::read(path).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        edit(&mut header);
+        let text = header.to_string();
+        let mut out = (text.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(text.as_bytes());
+        out.extend_from_slice(&bytes[8 + n..]);
+        std::fs::write(path, out).unwrap();
+    }
+
+    /// Headers the safetensors crate refuses with a message naming no tensor ("invalid shape,
+    /// data type, or offset") are errors naming the tensor and what is wrong with it.
+    #[test]
+    fn malformed_headers_name_the_tensor() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = tiny();
+        let path = dir.path().join("model.safetensors");
+        let p = path.display().to_string();
+        let params = random_params(&cfg, 8);
+        type Edit = fn(&mut serde_json::Value);
+        let cases: [(&str, Edit, &str); 3] = [
+            (
+                "shape",
+                |h| h["h.1.ln_2.bias"]["shape"] = serde_json::json!([9]),
+                "tensor `h.1.ln_2.bias`: shape [9] of F32 is 36 bytes, but its data_offsets",
+            ),
+            (
+                "dtype",
+                |h| h["wpe.weight"]["dtype"] = serde_json::json!("F16"),
+                "tensor `wpe.weight`: shape [16, 8] of F16 is 256 bytes",
+            ),
+            (
+                "offsets",
+                |h| {
+                    let o = h["ln_f.bias"]["data_offsets"][1].as_u64().unwrap();
+                    h["ln_f.bias"]["data_offsets"][1] = serde_json::json!(o + 4);
+                },
+                "tensor `ln_f.bias`",
+            ),
+        ];
+        for (what, edit, want) in cases {
+            save_gpt2_safetensors(&path, &cfg, &params).unwrap();
+            edit_header(&path, edit);
+            match load_err(&path, &cfg) {
+                NnError::WeightsFile { path: got, detail } => {
+                    assert_eq!(got, p);
+                    assert!(detail.contains(want), "{what}: {detail}");
+                }
+                other => panic!("{what}: {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -3,11 +3,13 @@
 //!
 //! - [`gpt`]: GPT-2 / nanoGPT configuration, presets, the forward graph, initialisation.
 //! - [`hf_weights`]: GPT-2 weights to and from Hugging Face safetensors, and `config.json`.
+//! - [`safetensors_file`]: safetensors parsing whose errors name the tensor at fault.
 
 pub mod gpt;
 pub mod hf_weights;
 pub mod llama;
 pub mod model;
+pub mod safetensors_file;
 
 pub use gpt::{GptConfig, InferenceGraph, ModelGraph, NnError, PRESETS};
 pub use hf_weights::{

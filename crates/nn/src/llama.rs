@@ -137,7 +137,52 @@ impl LlamaConfig {
                 detail: "must fit in i32 token ids".into(),
             });
         }
-        Ok(())
+        // Zero, negative, NaN or infinite, these turn every loss into NaN steps later.
+        for (field, v) in [
+            ("rms_norm_eps", self.rms_eps),
+            ("rope_theta", self.rope_theta),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(NnError::Config {
+                    field,
+                    detail: format!("must be a positive finite number, got {v}"),
+                });
+            }
+        }
+        crate::gpt::check_model_size(("num_hidden_layers", self.n_layer), &self.parameter_terms())
+    }
+
+    /// The parts of [`LlamaConfig::parameter_count`], by the field that drives each.
+    fn parameter_terms(&self) -> [crate::gpt::ParameterTerm; 3] {
+        use crate::gpt::{mul, ParameterTerm};
+        let (c, f) = (self.hidden, self.intermediate);
+        let kv = self.n_kv_head.saturating_mul(self.head_dim());
+        // Per layer: two RMSNorms (c each), attention (2c² + 2c·kv), MLP (3cf).
+        let attention = mul(c, c)
+            .saturating_add(mul(c, kv))
+            .saturating_mul(2)
+            .saturating_add(mul(2, c));
+        let mlp = mul(3, c).saturating_mul(f as u128);
+        let layers = self.n_layer as u128;
+        [
+            ParameterTerm {
+                field: "hidden_size",
+                value: c,
+                // The final norm with the layers.
+                count: attention.saturating_mul(layers).saturating_add(c as u128),
+            },
+            ParameterTerm {
+                field: "intermediate_size",
+                value: f,
+                count: mlp.saturating_mul(layers),
+            },
+            ParameterTerm {
+                field: "vocab_size",
+                value: self.vocab_size,
+                // The embedding and the untied head.
+                count: mul(self.vocab_size, c).saturating_mul(2),
+            },
+        ]
     }
 
     /// Every parameter's Hugging Face name and snug shape, in checkpoint order.
@@ -167,11 +212,14 @@ impl LlamaConfig {
         v
     }
 
+    /// Counted without listing the parameters, so an unvalidated configuration costs nothing
+    /// (saturating at `usize::MAX`).
     pub fn parameter_count(&self) -> usize {
-        self.parameter_shapes()
+        let total = self
+            .parameter_terms()
             .iter()
-            .map(|(_, s)| s.iter().product::<usize>())
-            .sum()
+            .fold(0u128, |sum, t| sum.saturating_add(t.count));
+        usize::try_from(total).unwrap_or(usize::MAX)
     }
 }
 
@@ -311,6 +359,104 @@ mod tests {
                 n,
                 "{name}"
             );
+        }
+    }
+
+    #[test]
+    fn parameter_count_is_the_shape_table_sum() {
+        for (name, cfg) in LLAMA_PRESETS {
+            let sum: usize = cfg
+                .parameter_shapes()
+                .iter()
+                .map(|(_, s)| s.iter().product::<usize>())
+                .sum();
+            assert_eq!(cfg.parameter_count(), sum, "{name}");
+        }
+    }
+
+    fn refused(cfg: &LlamaConfig, want: &str) -> String {
+        match cfg.validate() {
+            Err(NnError::Config { field, detail }) => {
+                assert_eq!(field, want, "{detail}");
+                detail
+            }
+            other => panic!("{cfg:?}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn nonsense_floats_name_the_field() {
+        let tiny = LlamaConfig::preset("llama-tiny").unwrap();
+        for bad in [-1e-5, 0.0, f32::NAN, f32::INFINITY] {
+            let d = refused(
+                &LlamaConfig {
+                    rms_eps: bad,
+                    ..tiny.clone()
+                },
+                "rms_norm_eps",
+            );
+            assert!(d.contains(&bad.to_string()), "{d}");
+            refused(
+                &LlamaConfig {
+                    rope_theta: bad,
+                    ..tiny.clone()
+                },
+                "rope_theta",
+            );
+        }
+    }
+
+    /// Huge sizes are refused before anything is built, naming the field; Llama 3 405B's
+    /// shape (126 layers, 16384 wide, vocab 128256) still passes.
+    #[test]
+    fn sizes_past_the_planning_bounds_name_the_field() {
+        let tiny = LlamaConfig::preset("llama-tiny").unwrap();
+        let d = refused(
+            &LlamaConfig {
+                n_layer: 100_000,
+                ..tiny.clone()
+            },
+            "num_hidden_layers",
+        );
+        assert!(d.contains("100000 layers"), "{d}");
+        refused(
+            &LlamaConfig {
+                intermediate: usize::MAX,
+                ..tiny.clone()
+            },
+            "intermediate_size",
+        );
+        refused(
+            &LlamaConfig {
+                hidden: 1 << 40,
+                n_head: 1 << 20,
+                n_kv_head: 1 << 20,
+                ..tiny.clone()
+            },
+            "hidden_size",
+        );
+        refused(
+            &LlamaConfig {
+                vocab_size: i32::MAX as usize,
+                hidden: 1 << 16,
+                ..tiny.clone()
+            },
+            "vocab_size",
+        );
+        let llama_405b = LlamaConfig {
+            n_layer: 126,
+            n_head: 128,
+            n_kv_head: 8,
+            hidden: 16384,
+            intermediate: 53248,
+            vocab_size: 128256,
+            max_seq: 131072,
+            rms_eps: 1e-5,
+            rope_theta: 500000.0,
+        };
+        assert!(llama_405b.validate().is_ok());
+        for (name, cfg) in LLAMA_PRESETS {
+            assert!(cfg.validate().is_ok(), "{name}");
         }
     }
 }

@@ -61,20 +61,46 @@ impl ModelConfig {
         let float_or = |key: &str, default: f32| -> Result<f32, (String, String)> {
             match obj.get(key) {
                 None | Some(Value::Null) => Ok(default),
-                Some(x) => x
-                    .as_f64()
-                    .map(|f| f as f32)
-                    .ok_or((key.to_string(), format!("expected a number, found {x}"))),
+                Some(x) => {
+                    let f = x
+                        .as_f64()
+                        .ok_or((key.to_string(), format!("expected a number, found {x}")))?;
+                    // f32 is what snug computes with: 1e-50 would become 0, 1e50 infinity.
+                    let g = f as f32;
+                    if (f != 0.0 && g == 0.0) || (f.is_finite() && !g.is_finite()) {
+                        return Err((
+                            key.to_string(),
+                            format!("{x} is beyond f32's range, which snug computes in"),
+                        ));
+                    }
+                    Ok(g)
+                }
+            }
+        };
+        // An ε that is zero, negative or NaN makes every loss NaN steps later.
+        let positive = |key: &str, v: f32| -> Result<f32, (String, String)> {
+            if v.is_finite() && v > 0.0 {
+                Ok(v)
+            } else {
+                Err((
+                    key.to_string(),
+                    format!("must be a positive finite number, got {v}"),
+                ))
             }
         };
         let cfg = match model_type {
-            "gpt2" => ModelConfig::Gpt(GptConfig {
-                n_layer: int("n_layer")?,
-                n_head: int("n_head")?,
-                n_embd: int("n_embd")?,
-                block_size: int_or("n_positions", int_or("n_ctx", 1024)?)?,
-                vocab_size: int("vocab_size")?,
-            }),
+            "gpt2" => {
+                // snug's LayerNorm uses 1e-5 (GPT-2's); a nonsensical value is still refused
+                // rather than quietly replaced.
+                positive("layer_norm_epsilon", float_or("layer_norm_epsilon", 1e-5)?)?;
+                ModelConfig::Gpt(GptConfig {
+                    n_layer: int("n_layer")?,
+                    n_head: int("n_head")?,
+                    n_embd: int("n_embd")?,
+                    block_size: int_or("n_positions", int_or("n_ctx", 1024)?)?,
+                    vocab_size: int("vocab_size")?,
+                })
+            }
             "llama" => {
                 let n_head = int("num_attention_heads")?;
                 if let Some(true) = obj.get("tie_word_embeddings").and_then(Value::as_bool) {
@@ -213,7 +239,13 @@ impl ModelConfig {
             ModelConfig::Gpt(c) => (c.n_layer, c.n_embd),
             ModelConfig::Llama(c) => (c.n_layer, c.hidden),
         };
-        6 * self.parameter_count() as u64 + 12 * (layers * width * seq) as u64
+        // Saturating: a count past u64 is meaningless, not worth a panic.
+        let attention = [layers, width, seq]
+            .iter()
+            .fold(12u64, |n, &x| n.saturating_mul(x as u64));
+        (self.parameter_count() as u64)
+            .saturating_mul(6)
+            .saturating_add(attention)
     }
 
     pub fn build(
@@ -314,5 +346,46 @@ mod tests {
         let llama = r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 3, "vocab_size": 10}"#;
         assert_eq!(field(llama), "num_key_value_heads");
+    }
+
+    /// Floats that make no sense (zero, negative, beyond f32) and sizes past the planning
+    /// bounds name the field and the value.
+    #[test]
+    fn nonsense_values_name_the_field_and_value() {
+        let llama = |extra: &str| {
+            format!(
+                r#"{{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 10{extra}}}"#
+            )
+        };
+        assert!(ModelConfig::from_hf_json(&llama("")).is_ok());
+        let err = |text: &str| ModelConfig::from_hf_json(text).unwrap_err();
+        for (extra, field, value) in [
+            (r#", "rms_norm_eps": -1e-5"#, "rms_norm_eps", "-0.00001"),
+            (r#", "rms_norm_eps": 0"#, "rms_norm_eps", "got 0"),
+            (r#", "rms_norm_eps": 1e-60"#, "rms_norm_eps", "1e-60"),
+            (r#", "rope_theta": -10000.0"#, "rope_theta", "-10000"),
+            (r#", "rope_theta": 1e300"#, "rope_theta", "1e+300"),
+            (
+                r#", "num_hidden_layers": 100000"#,
+                "num_hidden_layers",
+                "100000 layers",
+            ),
+        ] {
+            // A later duplicate key wins in serde_json, so `extra` overrides the base.
+            let (f, detail) = err(&llama(extra));
+            assert_eq!(f, field, "{extra}: {detail}");
+            assert!(detail.contains(value), "{extra}: {detail}");
+        }
+        let gpt2 = |eps: &str| {
+            format!(
+                r#"{{"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 8, "vocab_size": 10, "layer_norm_epsilon": {eps}}}"#
+            )
+        };
+        assert!(ModelConfig::from_hf_json(&gpt2("1e-5")).is_ok());
+        assert!(ModelConfig::from_hf_json(&gpt2("null")).is_ok());
+        for eps in ["-1e-5", "0", "\"small\""] {
+            assert_eq!(err(&gpt2(eps)).0, "layer_norm_epsilon", "{eps}");
+        }
     }
 }

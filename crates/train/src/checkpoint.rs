@@ -6,6 +6,10 @@
 //! seeded by `(seed, s)` (see [`crate::data::batch_starts`]), so the step count is the data
 //! position.
 //!
+//! Each tensor's CRC-32 is stored in the metadata (`crc32`, a JSON map from tensor name to
+//! checksum) and checked on load, so a flipped bit in the data is an error naming the tensor
+//! rather than a silently different model. Version 1 files, which have no checksums, still load.
+//!
 //! Files are written atomically (temporary file in the same directory, fsync, rename, fsync of
 //! the directory), so a crash or a full disk during a save leaves every earlier checkpoint as
 //! it was.
@@ -22,8 +26,12 @@ use crate::{LossScaler, TrainConfig, TrainError};
 
 /// The `format` metadata value of a snug checkpoint.
 pub const FORMAT: &str = "snug-checkpoint";
-/// Bumped when the layout changes incompatibly.
-pub const VERSION: u32 = 1;
+/// Bumped when the layout changes: 2 added the per-tensor checksums.
+pub const VERSION: u32 = 2;
+/// The oldest version this snug reads (version 1: no checksums).
+const OLDEST_VERSION: u32 = 1;
+/// Metadata key of the per-tensor checksums.
+const CHECKSUMS: &str = "crc32";
 
 const PREFIX: &str = "ckpt-";
 const SUFFIX: &str = ".safetensors";
@@ -110,9 +118,11 @@ impl Checkpoint {
             path: path.to_path_buf(),
             source,
         })?;
+        let st = snug_nn::safetensors_file::deserialize(&bytes)
+            .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+        // The header parsed above; read again for its metadata, which `SafeTensors` keeps private.
         let (_, header) = SafeTensors::read_metadata(&bytes)
             .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
-        let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("not readable: {e}")))?;
         let meta = header
             .metadata()
             .clone()
@@ -130,11 +140,19 @@ impl Checkpoint {
         let version: u32 = field("version")?
             .parse()
             .map_err(|_| bad("metadata `version` is not a number".into()))?;
-        if version != VERSION {
+        if !(OLDEST_VERSION..=VERSION).contains(&version) {
             return Err(bad(format!(
-                "checkpoint version {version}; this snug reads version {VERSION}"
+                "checkpoint version {version}; this snug reads versions {OLDEST_VERSION} to {VERSION}"
             )));
         }
+        let mut checksums: Option<HashMap<String, u32>> = if version >= 2 {
+            Some(
+                serde_json::from_str(field(CHECKSUMS)?)
+                    .map_err(|e| bad(format!("metadata `{CHECKSUMS}`: {e}")))?,
+            )
+        } else {
+            None
+        };
         let number = |key: &str| -> Result<u64, TrainError> {
             field(key)?
                 .parse()
@@ -144,27 +162,54 @@ impl Checkpoint {
             .map_err(|e| bad(format!("metadata `config`: {e}")))?;
         let tokenizer: TokenizerSpec = serde_json::from_str(field("tokenizer")?)
             .map_err(|e| bad(format!("metadata `tokenizer`: {e}")))?;
-        // The file's tensor order is alphabetical; callers look tensors up by name.
-        let mut tensors = Vec::with_capacity(st.len());
-        for (name, view) in st.tensors() {
+        // By name, so the first damaged tensor reported does not depend on hash order;
+        // callers look tensors up by name.
+        let mut views = st.tensors();
+        views.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut tensors = Vec::with_capacity(views.len());
+        for (name, view) in views {
             if view.dtype() != Dtype::F32 {
                 return Err(bad(format!(
                     "tensor `{name}` is {:?}; checkpoints hold F32",
                     view.dtype()
                 )));
             }
-            let data = view
+            if let Some(sums) = checksums.as_mut() {
+                let stored = sums
+                    .remove(&name)
+                    .ok_or_else(|| bad(format!("tensor `{name}` has no checksum")))?;
+                let actual = crc32fast::hash(view.data());
+                if actual != stored {
+                    return Err(bad(format!(
+                        "tensor `{name}` is damaged: its data's CRC-32 is {actual:08x}, the file recorded {stored:08x}"
+                    )));
+                }
+            }
+            let data: Vec<f32> = view
                 .data()
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect();
+            if let Some((index, value)) = snug_nn::safetensors_file::first_non_finite(&data) {
+                return Err(TrainError::NonFiniteCheckpoint {
+                    path: path.to_path_buf(),
+                    name,
+                    index,
+                    value,
+                });
+            }
             tensors.push(SavedTensor {
                 name,
                 shape: view.shape().to_vec(),
                 data,
             });
         }
-        tensors.sort_by(|a, b| a.name.cmp(&b.name));
+        // A checksum left over names a tensor the file lost.
+        if let Some(name) = checksums.and_then(|s| s.into_keys().min()) {
+            return Err(bad(format!(
+                "tensor `{name}` has a checksum but is not in the file"
+            )));
+        }
         let loss_scale = match meta.get("loss_scale") {
             Some(s) => Some(
                 serde_json::from_str(s).map_err(|e| bad(format!("metadata `loss_scale`: {e}")))?,
@@ -227,7 +272,22 @@ impl CheckpointRef<'_> {
             })?;
             views.push((name, view));
         }
-        let metadata = self.metadata()?;
+        // Checksums of the borrowed bytes: one more read of the weights, no copy. Sorted, so
+        // the same state always writes the same header.
+        let checksums: std::collections::BTreeMap<&str, u32> = self
+            .tensors
+            .iter()
+            .zip(&bytes)
+            .map(|(&(name, _, _), b)| (name, crc32fast::hash(b)))
+            .collect();
+        let mut metadata = self.metadata()?;
+        metadata.insert(
+            CHECKSUMS.to_string(),
+            serde_json::to_string(&checksums).map_err(|e| TrainError::Checkpoint {
+                path: path.to_path_buf(),
+                detail: e.to_string(),
+            })?,
+        );
         let written = safetensors::serialize_to_file(views, Some(metadata), &tmp)
             .map_err(|e| TrainError::Checkpoint {
                 path: tmp.clone(),

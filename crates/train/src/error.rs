@@ -29,6 +29,14 @@ pub enum TrainError {
     RunDirBusy { dir: PathBuf },
     #[error("run directory {dir}: {detail}")]
     RunDirTaken { dir: PathBuf, detail: String },
+    /// Caught at load: resumed, it would surface steps later as a NaN loss.
+    #[error("checkpoint {path}: tensor `{name}` holds {value} at index {index}: a checkpoint's values must be finite")]
+    NonFiniteCheckpoint {
+        path: PathBuf,
+        name: String,
+        index: usize,
+        value: f32,
+    },
     #[error("no loadable checkpoint in {dir}: {detail}")]
     NoCheckpoint { dir: PathBuf, detail: String },
     #[error("character {ch:?} is not in the tokenizer's vocabulary of {vocab} symbols")]
