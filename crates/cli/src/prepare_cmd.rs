@@ -10,6 +10,7 @@ use serde::Serialize;
 use snug_plan::memory_plan::human_bytes;
 use snug_train::data::{TRAIN_FILE, VAL_FILE};
 use snug_train::token_file::TokenDtype;
+use snug_train::user_file::{read_text, MAX_TEXT_BYTES};
 use snug_train::{CharTokenizer, TokenFile, Tokenizer, TrainError};
 
 #[derive(Args, Debug)]
@@ -61,10 +62,7 @@ pub fn run(args: PrepareArgs) -> Result<()> {
     if !(frac.is_finite() && frac > 0.0 && frac < 1.0) {
         bail!("--val-fraction: must be between 0 and 1 (exclusive), got {frac}");
     }
-    let text = std::fs::read_to_string(&args.input).map_err(|source| TrainError::Io {
-        path: args.input.clone(),
-        source,
-    })?;
+    let text = read_text(&args.input, MAX_TEXT_BYTES, "text data")?;
     if text.is_empty() {
         return Err(TrainError::EmptyData { path: args.input }.into());
     }

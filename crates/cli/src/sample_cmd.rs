@@ -4,12 +4,13 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
 use snug_plan::memory_plan::human_bytes;
 use snug_runtime::Allocator;
 use snug_train::checkpoint;
+use snug_train::sample::MAX_NEW_TOKENS;
 use snug_train::{SampleOptions, Sampler, Tokenizer};
 
 #[derive(Args, Debug)]
@@ -20,7 +21,7 @@ pub struct SampleArgs {
     /// Text to continue (empty: start from token 0).
     #[arg(long, default_value = "")]
     prompt: String,
-    /// Tokens to generate.
+    /// Tokens to generate (at most 1,000,000).
     #[arg(long, default_value_t = 200)]
     tokens: usize,
     /// Softmax temperature; 0 picks the most likely token every time.
@@ -53,6 +54,13 @@ struct SampleReport {
 }
 
 pub fn run(args: SampleArgs) -> Result<()> {
+    // Before loading anything: a request this large is a mistake, not a long run.
+    if args.tokens > MAX_NEW_TOKENS {
+        bail!(
+            "--tokens: {} is more than the {MAX_NEW_TOKENS} tokens snug sample generates in one run",
+            args.tokens
+        );
+    }
     let (path, ckpt) = checkpoint::load(&args.checkpoint)?;
     let tokenizer = Tokenizer::from_spec(&ckpt.tokenizer)?;
     let model = ckpt.model()?;

@@ -7,6 +7,54 @@ use serde_json::Value;
 
 use crate::{GptConfig, LlamaConfig, NnError};
 
+/// The most a `config.json` may hold: real ones are a few kilobytes.
+const MAX_HF_CONFIG_BYTES: u64 = 16 << 20;
+
+/// The text of the regular file `path`, at most [`MAX_HF_CONFIG_BYTES`]. The type is checked
+/// before opening: opening a FIFO waits for a writer, and `/dev/zero` never ends.
+fn read_config_text(path: &Path) -> Result<String, String> {
+    use std::io::Read;
+    let meta = std::fs::metadata(path).map_err(|e| e.to_string())?;
+    if !meta.is_file() {
+        return Err(format!("is {}, not a regular file", kind(meta.file_type())));
+    }
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_HF_CONFIG_BYTES + 1).read_to_string(&mut text))
+        .map_err(|e| e.to_string())?;
+    if text.len() as u64 > MAX_HF_CONFIG_BYTES {
+        return Err(format!(
+            "larger than {MAX_HF_CONFIG_BYTES} bytes, too large for a model configuration"
+        ));
+    }
+    Ok(text)
+}
+
+/// What a file that is not a regular file is, in words.
+fn kind(t: std::fs::FileType) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if t.is_fifo() {
+            return "a FIFO (named pipe)";
+        }
+        if t.is_char_device() {
+            return "a character device";
+        }
+        if t.is_block_device() {
+            return "a block device";
+        }
+        if t.is_socket() {
+            return "a socket";
+        }
+    }
+    if t.is_dir() {
+        "a directory"
+    } else {
+        "not a regular file"
+    }
+}
+
 /// A model snug knows how to build.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 #[serde(tag = "family", rename_all = "snake_case")]
@@ -19,10 +67,10 @@ impl ModelConfig {
     /// Reads `config.json`; an unsupported `model_type` or a missing or malformed field is an
     /// error naming the file and the field.
     pub fn from_hf_file(path: &Path) -> Result<ModelConfig, NnError> {
-        let text = std::fs::read_to_string(path).map_err(|e| NnError::HfConfig {
+        let text = read_config_text(path).map_err(|detail| NnError::HfConfig {
             path: path.display().to_string(),
             field: "-".into(),
-            detail: e.to_string(),
+            detail,
         })?;
         Self::from_hf_json(&text).map_err(|(field, detail)| NnError::HfConfig {
             path: path.display().to_string(),

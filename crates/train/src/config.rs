@@ -228,10 +228,11 @@ impl TrainConfig {
         let mut block_set = block_fixed || train.block.is_some();
         let mut threads_set = train.threads.is_some();
         if let Some(path) = file {
-            let text = std::fs::read_to_string(path).map_err(|source| TrainError::Io {
-                path: path.to_path_buf(),
-                source,
-            })?;
+            let text = crate::user_file::read_text(
+                path,
+                crate::user_file::MAX_CONFIG_BYTES,
+                "a configuration",
+            )?;
             let parsed: FileConfig = toml::from_str(&text).map_err(|e| TrainError::ConfigFile {
                 path: path.to_path_buf(),
                 message: e.to_string(),

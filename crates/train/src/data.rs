@@ -11,6 +11,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::token_file::{TokenFile, TokenFileProblem};
+use crate::user_file::MAX_TEXT_BYTES;
 use crate::{CharTokenizer, Tokenizer, TrainError};
 
 /// The training split's file in a prepared token directory.
@@ -131,12 +132,10 @@ impl TokenDataset {
         }
     }
 
-    /// A text file, character-tokenized, split 90/10.
+    /// A text file, character-tokenized, split 90/10. Only a regular file of at most
+    /// [`MAX_TEXT_BYTES`] is read.
     pub fn from_file(path: &Path) -> Result<TokenDataset, TrainError> {
-        let text = std::fs::read_to_string(path).map_err(|source| TrainError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let text = crate::user_file::read_text(path, MAX_TEXT_BYTES, "text data")?;
         if text.is_empty() {
             return Err(TrainError::EmptyData {
                 path: path.to_path_buf(),
@@ -188,13 +187,16 @@ impl TokenDataset {
 
     /// Fails unless both splits hold at least one sequence of `block` tokens plus its target.
     pub fn check_block(&self, block: usize) -> Result<(), TrainError> {
-        let needed = block + 1;
-        if self.train.len() < needed || self.val.len() < needed {
-            return Err(TrainError::DataTooSmall {
-                what: self.name.clone(),
-                tokens: self.train.len() + self.val.len(),
-                needed,
-            });
+        let needed = block.saturating_add(1);
+        for (split, tokens) in [("training", &self.train), ("validation", &self.val)] {
+            if tokens.len() < needed {
+                return Err(TrainError::DataTooSmall {
+                    what: self.name.clone(),
+                    split,
+                    tokens: tokens.len(),
+                    needed,
+                });
+            }
         }
         Ok(())
     }
@@ -525,6 +527,51 @@ mod tests {
         let mut p = Prefetcher::new(data, 0, 2, 1 << 20, 1);
         assert!(matches!(p.next(), Err(TrainError::DataTooSmall { .. })));
         assert!(matches!(p.next(), Err(TrainError::Prefetch(_))));
+    }
+
+    /// The error names the split that is short and gives that split's own count, not the sum
+    /// of both.
+    #[test]
+    fn too_few_tokens_names_the_split_and_its_own_count() {
+        let data = |train: usize, val: usize| TokenDataset {
+            tokenizer: Tokenizer::Char(CharTokenizer::from_text("ab")),
+            train: Tokens::owned(&vec![0; train]),
+            val: Tokens::owned(&vec![1; val]),
+            name: "corpus".into(),
+        };
+        let err = data(100, 5).check_block(8).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TrainError::DataTooSmall {
+                    split: "validation",
+                    tokens: 5,
+                    needed: 9,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert_eq!(
+            err.to_string(),
+            "corpus: the validation split holds 5 tokens, too few for one sequence of block + 1 = 9 tokens"
+        );
+        let err = data(4, 100).check_block(8).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TrainError::DataTooSmall {
+                    split: "training",
+                    tokens: 4,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("training split holds 4 tokens"));
+        assert!(data(9, 9).check_block(8).is_ok());
+        // A block at the top of usize is too large, not an overflow.
+        assert!(data(9, 9).check_block(usize::MAX).is_err());
     }
 
     #[test]

@@ -15,11 +15,22 @@ pub enum TrainError {
         #[source]
         source: std::io::Error,
     },
+    #[error("{path}: is {kind}, not a regular file (snug reads only regular files)")]
+    NotAFile { path: PathBuf, kind: &'static str },
+    #[error("{path}: larger than {} ({limit} bytes), the most snug reads into memory as {what}", snug_plan::memory_plan::human_bytes(usize::try_from(*.limit).unwrap_or(usize::MAX)))]
+    TooLarge {
+        path: PathBuf,
+        what: &'static str,
+        limit: u64,
+    },
     #[error("{path}: the data file is empty")]
     EmptyData { path: PathBuf },
-    #[error("{what}: {tokens} tokens is too few for a training split and a validation split of at least block + 1 = {needed} tokens each")]
+    #[error("{what}: the {split} split holds {tokens} tokens, too few for one sequence of block + 1 = {needed} tokens")]
     DataTooSmall {
         what: String,
+        /// `"training"` or `"validation"`: the split that is too small.
+        split: &'static str,
+        /// That split's own token count.
         tokens: usize,
         needed: usize,
     },

@@ -10,6 +10,7 @@
 //! - [`calibration`]: kernel timings of this machine for fit's cost model, cached.
 //! - [`checkpoint`]: atomic safetensors checkpoints and resume.
 //! - [`run`]: the loop: evaluation, checkpoints, metrics file, clean stop on Ctrl-C.
+//! - [`user_file`]: reading the files a user names: regular files only, with a size bound.
 
 pub mod calibration;
 pub mod checkpoint;
@@ -23,6 +24,7 @@ pub mod sample;
 pub mod token_file;
 pub mod tokenizer;
 pub mod trainer;
+pub mod user_file;
 
 pub use config::{ModelSection, OptimizerKind, Pass, Remat, TrainConfig, TrainSection};
 pub use data::{Batch, DataSource, Prefetcher, TokenDataset, Tokens};

@@ -57,6 +57,11 @@ impl SampleOptions {
     }
 }
 
+/// The most tokens one call to [`Sampler::generate`] makes. Each costs a forward pass over the
+/// window and four bytes of the result, so a larger request is a mistake, refused before any
+/// work rather than a run that never ends or an allocation that cannot succeed.
+pub const MAX_NEW_TOKENS: usize = 1_000_000;
+
 /// A model loaded for generation: its planned inference graph in a [`CpuSession`].
 pub struct Sampler {
     session: CpuSession,
@@ -149,8 +154,9 @@ impl Sampler {
         self.forward(context)
     }
 
-    /// Generates up to `max_new_tokens` tokens after `prompt` and returns them (without the
-    /// prompt). An empty prompt starts from token 0, as if the prompt were `[0]`.
+    /// Generates up to `max_new_tokens` (at most [`MAX_NEW_TOKENS`]) tokens after `prompt` and
+    /// returns them (without the prompt). An empty prompt starts from token 0, as if the prompt
+    /// were `[0]`.
     pub fn generate(
         &mut self,
         prompt: &[u32],
@@ -158,6 +164,14 @@ impl Sampler {
         opts: SampleOptions,
     ) -> Result<Vec<u32>, TrainError> {
         opts.validate()?;
+        if max_new_tokens > MAX_NEW_TOKENS {
+            return Err(TrainError::Config {
+                field: "tokens",
+                detail: format!(
+                    "{max_new_tokens} is more than the {MAX_NEW_TOKENS} tokens one call generates"
+                ),
+            });
+        }
         self.check_ids(prompt)?;
         let mut rng = ChaCha8Rng::seed_from_u64(opts.seed);
         let mut context = if prompt.is_empty() {
@@ -166,7 +180,7 @@ impl Sampler {
             prompt.to_vec()
         };
         let start = context.len();
-        context.reserve(max_new_tokens);
+        // No reservation for the whole request: the context grows as tokens are made.
         let mut candidates = Vec::with_capacity(self.vocab);
         for _ in 0..max_new_tokens {
             let logits = self.forward(&context)?;
@@ -470,6 +484,9 @@ mod tests {
             ..greedy()
         };
         assert_eq!(field(s.generate(&[1], 3, opts)), "top_k");
+        for n in [MAX_NEW_TOKENS + 1, 1_000_000_000_000, usize::MAX] {
+            assert_eq!(field(s.generate(&[1], n, greedy())), "tokens");
+        }
         assert_eq!(field(s.generate(&[1, 13], 3, greedy())), "prompt");
         assert_eq!(field(s.generate(&[u32::MAX], 3, greedy())), "prompt");
         assert!(matches!(

@@ -262,6 +262,8 @@ impl TokenFile {
     /// Opens `path`, checks its header, length and every token id against its tokenizer's
     /// vocabulary, and maps it read-only.
     pub fn open(path: &Path) -> Result<TokenFile, TrainError> {
+        // Before opening: opening a FIFO waits for a writer, and a device has no fixed length.
+        crate::user_file::check_regular(path)?;
         let mut file = File::open(path).map_err(io_err(path))?;
         let file_len = file.metadata().map_err(io_err(path))?.len();
         let truncated = |field, needed: usize| {

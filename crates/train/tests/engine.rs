@@ -1,6 +1,6 @@
 //! End-to-end checks of the engine through the trainer's public API: whole-model gradients
-//! against finite differences, the plan's peak against the allocator's, and learning on real
-//! text.
+//! against finite differences, the plan's peak against the allocator's, and learning on the
+//! built-in addition language (no corpus from outside the repository).
 
 use std::path::PathBuf;
 
@@ -13,15 +13,13 @@ use snug_plan::{plan, PlanOptions};
 use snug_runtime::{Allocator, CpuSession, ExecCtx};
 use snug_train::{ModelSection, TokenDataset, TrainConfig, TrainSection, Trainer};
 
-fn shakespeare() -> PathBuf {
-    let p =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/tinyshakespeare.txt");
-    assert!(
-        p.exists(),
-        "tests read the corpus at {} (see README)",
-        p.display()
-    );
-    p
+/// A text file of generated additions (the built-in language, 13 symbols) in a temporary
+/// directory, so the text-file path is exercised without any corpus beside the repository.
+fn addition_file(lines: usize) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("additions.txt");
+    std::fs::write(&path, snug_train::data::addition_text(lines, 99)).unwrap();
+    (dir, path)
 }
 
 /// Every parameter gradient of a whole GPT step (embeddings, attention, MLP, norms, tied head)
@@ -125,6 +123,11 @@ fn whole_model_gradients_match(cfg: &ModelConfig) {
     assert_eq!(checked, 4 * step.params.len());
 }
 
+/// A line of additions holds ln 10⁶ ≈ 13.8 nats of random operands in about 12.3 characters, so
+/// no model goes below about 1.1 nats per character; one that has learned the format and some
+/// of the sums sits well under ln 13 ≈ 2.56 (1.77 after 300 steps of the run below).
+const LEARNED_LOSS: f32 = 2.0;
+
 fn small_config(data: Option<PathBuf>, steps: u64) -> TrainConfig {
     let model = ModelSection {
         preset: Some("char-small".into()),
@@ -153,7 +156,8 @@ fn small_config(data: Option<PathBuf>, steps: u64) -> TrainConfig {
 /// and each micro-batch takes it back from there.
 #[test]
 fn measured_peak_equals_predicted_peak() {
-    let cfg = small_config(Some(shakespeare()), 3);
+    let (_dir, text) = addition_file(20_000);
+    let cfg = small_config(Some(text.clone()), 3);
     let data = TokenDataset::load(&(&cfg.data).into()).unwrap();
     let allocator = Allocator::default();
     let mut t = Trainer::with_allocator(cfg, data, allocator.clone()).unwrap();
@@ -172,7 +176,7 @@ fn measured_peak_equals_predicted_peak() {
     assert_eq!(allocator.active_bytes(), 0, "session leaked");
     // Its memory waits in the cache, and a second trainer of the same shape reuses all of it.
     assert_eq!(allocator.cache_bytes(), predicted);
-    let cfg = small_config(Some(shakespeare()), 1);
+    let cfg = small_config(Some(text), 1);
     let data = TokenDataset::load(&(&cfg.data).into()).unwrap();
     let misses = allocator.allocation_count();
     let t = Trainer::with_allocator(cfg, data, allocator.clone()).unwrap();
@@ -235,23 +239,27 @@ fn memory_limits_apply_to_the_whole_session() {
     assert!(fresh.stats().limit_overruns > 0);
 }
 
-/// A reduced char-small learns tinyshakespeare: from ln 65 ≈ 4.17 to well below 2.5.
+/// A reduced char-small learns the built-in addition language: from ln 13 ≈ 2.56 to below
+/// [`LEARNED_LOSS`].
 #[test]
-fn training_on_shakespeare_lowers_the_loss() {
+fn training_on_additions_lowers_the_loss() {
     let steps = 300;
-    let cfg = small_config(Some(shakespeare()), steps);
+    let cfg = small_config(None, steps);
     let data = TokenDataset::load(&(&cfg.data).into()).unwrap();
-    assert_eq!(data.tokenizer.vocab_size(), 65);
+    assert_eq!(data.tokenizer.vocab_size(), 13);
     let mut t = Trainer::new(cfg, data).unwrap();
     let first = t.train_step().unwrap().loss;
-    assert!((first - 65f32.ln()).abs() < 0.3, "initial loss {first}");
+    assert!((first - 13f32.ln()).abs() < 0.3, "initial loss {first}");
     let mut recent = Vec::new();
     for _ in 1..steps {
         recent.push(t.train_step().unwrap().loss);
     }
     let tail: f32 = recent[recent.len() - 10..].iter().sum::<f32>() / 10.0;
     println!("loss {first:.3} -> {tail:.3} (mean of the last 10 of {steps} steps)");
-    assert!(tail < 2.5, "mean loss of the last 10 steps is {tail}");
+    assert!(
+        tail < LEARNED_LOSS,
+        "mean loss of the last 10 steps is {tail}"
+    );
 }
 
 /// Same seed, same losses: runs are reproducible bit for bit.
@@ -365,7 +373,7 @@ fn memory_aware_schedule_is_valid_lower_and_exact() {
     assert_eq!(run(program), run(aware));
 }
 
-/// A tiny Llama trains on CPU: its loss falls on tinyshakespeare.
+/// A tiny Llama trains on CPU: its loss falls on the built-in addition language.
 #[test]
 fn tiny_llama_trains() {
     let model = ModelSection {
@@ -373,7 +381,7 @@ fn tiny_llama_trains() {
         ..Default::default()
     };
     let train = TrainSection {
-        data: Some(shakespeare()),
+        data: None,
         steps: Some(60),
         batch: Some(8),
         block: Some(32),
@@ -390,7 +398,8 @@ fn tiny_llama_trains() {
     for _ in 1..60 {
         last = t.train_step().unwrap().loss;
     }
-    assert!(last < first - 0.8, "loss {first} -> {last}");
+    // 2.58 -> 1.97 when written.
+    assert!(last < first - 0.4, "loss {first} -> {last}");
     assert_eq!(t.session().allocator().peak_bytes(), t.plan().peak_bytes());
 }
 

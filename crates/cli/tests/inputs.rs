@@ -1,0 +1,223 @@
+//! Inputs a user should not give, given to the `snug` binary: absurd counts, data that is a
+//! device, a FIFO or enormous. Each must end quickly with a named error (exit 1): no panic
+//! (exit 101), no abort (a signal), no hang, and little memory (the child's peak RSS, from the
+//! kernel's accounting of it).
+#![cfg(unix)]
+
+use std::io::Read;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How a bounded run of the binary ended.
+struct Ended {
+    /// Exit status, or `None` when a signal ended it.
+    code: Option<i32>,
+    signal: Option<i32>,
+    stdout: String,
+    stderr: String,
+    /// Peak resident set size, bytes.
+    max_rss: u64,
+    elapsed: Duration,
+}
+
+/// Longest any of these runs may take; the child is killed (and the test fails) after it.
+const TIMEOUT: Duration = Duration::from_secs(20);
+/// Far above what refusing an input costs (a few MB), far below what obeying it would.
+const RSS_BOUND: u64 = 100 << 20;
+
+/// Runs `snug args`, killing it after [`TIMEOUT`], and reaps it with `wait4` for its rusage.
+#[allow(clippy::zombie_processes)] // reaped by `wait4`, which `Child::wait` cannot replace
+fn run(args: &[&str]) -> Ended {
+    let start = Instant::now();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_snug"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the snug binary starts");
+    let drain = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut s = Vec::new();
+            let _ = r.read_to_end(&mut s);
+            String::from_utf8_lossy(&s).into_owned()
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().unwrap()));
+    let err = drain(Box::new(child.stderr.take().unwrap()));
+    let pid = child.id() as libc::pid_t;
+    let mut status = 0;
+    // SAFETY: plain C structs filled in by the kernel; `pid` is our unreaped child.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    let mut timed_out = false;
+    loop {
+        let r = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
+        assert!(r >= 0, "wait4: {}", std::io::Error::last_os_error());
+        if r == pid {
+            break;
+        }
+        if start.elapsed() > TIMEOUT && !timed_out {
+            timed_out = true;
+            let _ = child.kill();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let ended = Ended {
+        code: libc::WIFEXITED(status).then(|| libc::WEXITSTATUS(status)),
+        signal: libc::WIFSIGNALED(status).then(|| libc::WTERMSIG(status)),
+        stdout: out.join().unwrap(),
+        stderr: err.join().unwrap(),
+        // Kilobytes on Linux, bytes on macOS.
+        max_rss: usage.ru_maxrss as u64 * if cfg!(target_os = "macos") { 1 } else { 1024 },
+        elapsed: start.elapsed(),
+    };
+    assert!(
+        !timed_out,
+        "snug {args:?} still ran after {TIMEOUT:?}; stderr: {}",
+        ended.stderr
+    );
+    ended
+}
+
+/// `snug args` fails with exit 1, quickly and in little memory, and its error holds `needles`.
+fn refused(args: &[&str], needles: &[&str]) -> Ended {
+    let e = run(args);
+    assert_eq!(
+        (e.code, e.signal),
+        (Some(1), None),
+        "snug {args:?}: stderr: {}",
+        e.stderr
+    );
+    assert!(!e.stderr.contains("panicked"), "{args:?}: {}", e.stderr);
+    for n in needles {
+        assert!(
+            e.stderr.contains(n),
+            "{args:?}: `{n}` missing from: {}",
+            e.stderr
+        );
+    }
+    assert!(
+        e.max_rss < RSS_BOUND,
+        "snug {args:?} reached {} MB",
+        e.max_rss >> 20
+    );
+    e
+}
+
+fn mkfifo(path: &Path) {
+    let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    let r = unsafe { libc::mkfifo(c.as_ptr(), 0o600) };
+    assert_eq!(r, 0, "mkfifo: {}", std::io::Error::last_os_error());
+}
+
+/// `--tokens` beyond what one run generates is refused before any work: today's largest
+/// values overflowed a reservation (a panic) or asked for terabytes (an abort). An ordinary
+/// count from the same checkpoint still works.
+#[test]
+fn sample_refuses_absurd_token_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("run");
+    let run_s = run_dir.to_str().unwrap();
+    let trained = run(&[
+        "train",
+        "--steps",
+        "1",
+        "--batch",
+        "2",
+        "--threads",
+        "1",
+        "--eval-every",
+        "0",
+        "--out",
+        run_s,
+        "--json",
+    ]);
+    assert_eq!(trained.code, Some(0), "{}", trained.stderr);
+
+    for tokens in ["18446744073709551615", "1000000000000", "1000001"] {
+        refused(
+            &[
+                "sample",
+                "--checkpoint",
+                run_s,
+                "--tokens",
+                tokens,
+                "--threads",
+                "1",
+            ],
+            &["--tokens", tokens, "1000000"],
+        );
+    }
+    let ok = run(&[
+        "sample",
+        "--checkpoint",
+        run_s,
+        "--tokens",
+        "5",
+        "--threads",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(ok.code, Some(0), "{}", ok.stderr);
+    let report: serde_json::Value = serde_json::from_str(&ok.stdout).unwrap();
+    assert_eq!(report["tokens"], 5);
+}
+
+/// A character device and a FIFO with no writer, given as text data, as a prepared token file,
+/// to `prepare`, as a TOML configuration and as a Hugging Face `config.json`: each is refused by its type, naming it, before a byte is
+/// read (today /dev/zero is read for gigabytes and the FIFO blocks forever).
+#[test]
+fn data_that_is_not_a_regular_file_is_refused_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("corpus.fifo");
+    mkfifo(&fifo);
+    let fifo_s = fifo.to_str().unwrap();
+    for (path, kind) in [("/dev/zero", "character device"), (fifo_s, "FIFO")] {
+        refused(&["train", "--data", path, "--steps", "1"], &[path, kind]);
+        refused(&["plan", "--data", path], &[path, kind]);
+        let out = dir.path().join("prepared");
+        refused(
+            &[
+                "prepare",
+                "--input",
+                path,
+                "--tokenizer",
+                "char",
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            &[path, kind],
+        );
+        refused(&["train", "--config", path], &[path, kind]);
+        refused(&["plan", "--hf-config", path], &[path, kind]);
+    }
+
+    // A token directory whose train.bin is a FIFO.
+    let tokens = dir.path().join("tokens");
+    std::fs::create_dir(&tokens).unwrap();
+    mkfifo(&tokens.join("train.bin"));
+    mkfifo(&tokens.join("val.bin"));
+    refused(
+        &["train", "--data", tokens.to_str().unwrap(), "--steps", "1"],
+        &["train.bin", "FIFO"],
+    );
+}
+
+/// A regular text file larger than snug reads into memory is refused from its size, without
+/// reading it (a sparse file: it takes no disk).
+#[test]
+fn text_data_beyond_the_cap_is_refused_from_its_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let big = dir.path().join("big.txt");
+    let f = std::fs::File::create(&big).unwrap();
+    f.set_len(snug_train::user_file::MAX_TEXT_BYTES + 1)
+        .unwrap();
+    drop(f);
+    let e = refused(
+        &["train", "--data", big.to_str().unwrap(), "--steps", "1"],
+        &["big.txt", "4.00 GiB", "text data"],
+    );
+    assert!(e.elapsed < Duration::from_secs(10), "{:?}", e.elapsed);
+}

@@ -1,0 +1,85 @@
+//! Helpers shared by snug's tests.
+//!
+//! A test that needs something from outside the repository (the tinyshakespeare corpus, a GPU,
+//! MPI) calls [`skip_or_fail`] when it is absent and returns. On a developer's machine that is a
+//! skip with a printed reason, so `cargo test` passes on a fresh clone; CI sets
+//! `SNUG_REQUIRE_ALL_TESTS=1`, which makes the same call a failure, so nothing CI has is ever
+//! skipped silently.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+/// Set to `1` to make every skip a failure (CI does).
+pub const REQUIRE_ALL_TESTS: &str = "SNUG_REQUIRE_ALL_TESTS";
+/// Overrides where the tinyshakespeare corpus is looked for.
+pub const CORPUS_VAR: &str = "SNUG_CORPUS";
+
+/// Whether the value of [`REQUIRE_ALL_TESTS`] asks for every test to run: set and neither
+/// empty nor `0`.
+pub fn requires_all(value: Option<&str>) -> bool {
+    value.is_some_and(|v| !v.is_empty() && v != "0")
+}
+
+/// The line a skipped test prints.
+pub fn skip_line(test: &str, reason: &str) -> String {
+    format!("skipped: {test}: {reason}")
+}
+
+/// Reports that the current test cannot run, for `reason`. Panics (the test fails) when
+/// `SNUG_REQUIRE_ALL_TESTS` is set; otherwise prints `skipped: <test>: <reason>` and returns,
+/// and the caller returns too.
+///
+/// The line goes straight to the process's stderr: libtest captures only the `print!` family of
+/// macros, so a skip shows in `cargo test`'s output even when the test passes.
+pub fn skip_or_fail(reason: &str) {
+    // libtest names each test's thread after the test.
+    let thread = std::thread::current();
+    let test = thread.name().unwrap_or("<unnamed test>");
+    let required = std::env::var(REQUIRE_ALL_TESTS).ok();
+    if requires_all(required.as_deref()) {
+        panic!("{test} cannot run and {REQUIRE_ALL_TESTS} is set: {reason}");
+    }
+    // Nothing useful to do if stderr is gone.
+    let _ = writeln!(std::io::stderr().lock(), "{}", skip_line(test, reason));
+}
+
+/// The tinyshakespeare corpus (nanoGPT's `input.txt`): `$SNUG_CORPUS` if set, else
+/// `../shared/data/tinyshakespeare.txt` beside the repository. `Err` says where it was looked
+/// for, as a reason for [`skip_or_fail`].
+pub fn tinyshakespeare() -> Result<PathBuf, String> {
+    let path = match std::env::var_os(CORPUS_VAR) {
+        Some(p) => PathBuf::from(p),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/data/tinyshakespeare.txt"),
+    };
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(format!(
+            "needs the tinyshakespeare corpus, not found at {} (set {CORPUS_VAR} to its path)",
+            path.display()
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_set_non_zero_value_requires_all() {
+        assert!(!requires_all(None));
+        assert!(!requires_all(Some("")));
+        assert!(!requires_all(Some("0")));
+        assert!(requires_all(Some("1")));
+        assert!(requires_all(Some("true")));
+    }
+
+    #[test]
+    fn the_skip_line_names_the_test_and_the_reason() {
+        assert_eq!(
+            skip_line("a::b", "no GPU"),
+            "skipped: a::b: no GPU".to_string()
+        );
+    }
+}
