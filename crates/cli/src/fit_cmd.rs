@@ -1,10 +1,11 @@
 //! `snug fit`: the fastest configuration whose planned peak fits a memory budget, with the
 //! table of every candidate considered. `snug train --memory` trains with it.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Args;
 use snug_fit::{Device, FitReport, Verdict};
 use snug_plan::memory_plan::human_bytes;
+use snug_train::calibration::Calibration;
 use snug_train::TrainConfig;
 
 use crate::ModelArgs;
@@ -39,7 +40,9 @@ pub fn parse_budget(text: &str) -> Result<usize> {
     snug_runtime::parse_bytes(text).with_context(|| format!("--memory {text}"))
 }
 
-/// Runs the search for `cfg`'s model at `budget`, with the cached (or a fresh) calibration.
+/// Runs the search for `cfg`'s model at `budget`. Every candidate is planned with nominal
+/// timings first, so a budget nothing fits is refused before the machine is measured; then
+/// with the cached (or a fresh) calibration, which never holds more than the budget.
 pub fn fit_config(
     cfg: &TrainConfig,
     model: snug_nn::ModelConfig,
@@ -47,29 +50,106 @@ pub fn fit_config(
     effective_batch: usize,
     recalibrate: bool,
 ) -> Result<(FitReport, snug_fit::MachineProfile)> {
-    let (machine, fresh) = snug_train::calibration::machine_profile(cfg.threads, recalibrate)?;
-    if fresh {
-        tracing::info!(
-            "calibrated this machine's kernels ({} samples, GEMM peak {:.1} GFLOP/s, copy {:.1} GB/s); cached at {}",
+    cfg.check_threads_here()?;
+    let fit_model = cfg.fit_model(model);
+    let devices = [Device::Cpu {
+        threads: cfg.threads,
+    }];
+    let nominal = snug_fit::MachineProfile::nominal(cfg.threads);
+    let first = snug_fit::search(
+        &fit_model,
+        budget,
+        &devices,
+        effective_batch,
+        &nominal,
+        None,
+    )?;
+    if first.chosen.is_none() {
+        return Err(nothing_fits(&first, &fit_model, cfg.threads));
+    }
+    let (machine, how) =
+        snug_train::calibration::machine_profile(cfg.threads, recalibrate, Some(budget))?;
+    match how {
+        Calibration::Measured => tracing::info!(
+            "calibrated this machine's kernels ({} samples, GEMM peak {:.1} GFLOP/s, copy {:.1} GB/s)",
             machine.samples.len(),
             machine.gemm_peak_flops / 1e9,
             machine.bandwidth / 1e9,
-            snug_train::calibration::cache_path(cfg.threads)
-                .map_or_else(|| "-".into(), |p| p.display().to_string())
-        );
+        ),
+        Calibration::Nominal { needs_bytes } => tracing::warn!(
+            "predictions are nominal: measuring this machine holds up to {}, more than the budget of {}",
+            human_bytes(needs_bytes),
+            human_bytes(budget)
+        ),
+        Calibration::CachedUnscaled => tracing::info!(
+            "the cached calibration is used as it is: its drift probe holds more than the budget"
+        ),
+        Calibration::Cached => {}
     }
-    let fit_model = cfg.fit_model(model);
     let report = snug_fit::search(
         &fit_model,
         budget,
-        &[Device::Cpu {
-            threads: cfg.threads,
-        }],
+        &devices,
         effective_batch,
         &machine,
         None,
     )?;
     Ok((report, machine))
+}
+
+/// With `--batch auto`: the largest batch some configuration trains in one micro-batch (no
+/// accumulation) within `budget`. Peaks do not depend on timings: nothing is measured.
+pub fn largest_batch(
+    cfg: &TrainConfig,
+    model: &snug_nn::ModelConfig,
+    budget: usize,
+) -> Result<usize> {
+    let fit_model = cfg.fit_model(model.clone());
+    // Far beyond any memory this decade; bounds the doubling.
+    const MOST: usize = 1 << 20;
+    match snug_fit::largest_micro_batch(&fit_model, budget, MOST, cfg.threads)? {
+        Some(b) => Ok(b),
+        None => {
+            let nominal = snug_fit::MachineProfile::nominal(cfg.threads);
+            let devices = [Device::Cpu {
+                threads: cfg.threads,
+            }];
+            let report = snug_fit::search(&fit_model, budget, &devices, 1, &nominal, None)?;
+            Err(nothing_fits(&report, &fit_model, cfg.threads))
+        }
+    }
+}
+
+/// The error when nothing fits: the smallest peak reached, and which changes to the run would
+/// fit (or that none snug can make would).
+pub fn nothing_fits(
+    report: &FitReport,
+    model: &snug_fit::FitModel,
+    threads: usize,
+) -> anyhow::Error {
+    let base = anyhow::Error::new(report.nothing_fits());
+    let suggestions = match snug_fit::what_would_fit(model, report.budget, threads) {
+        Ok(s) => s,
+        Err(e) => return base.context(format!("(looking for what would fit failed: {e})")),
+    };
+    let fitting: Vec<String> = suggestions
+        .iter()
+        .filter(|s| s.fits)
+        .map(|s| format!("  {} (peak {})", s.change, human_bytes(s.peak_bytes)))
+        .collect();
+    let advice = if fitting.is_empty() {
+        let smallest = suggestions.iter().map(|s| s.peak_bytes).min();
+        format!(
+            "no change snug can make reaches it{}: a smaller model, or more memory",
+            smallest.map_or(String::new(), |p| format!(
+                " (every lever together peaks at {})",
+                human_bytes(p)
+            ))
+        )
+    } else {
+        format!("these would fit:\n{}", fitting.join("\n"))
+    };
+    anyhow::anyhow!("{base}\n{advice}")
 }
 
 pub fn print_table(report: &FitReport) {
@@ -129,9 +209,22 @@ pub fn print_table(report: &FitReport) {
 
 pub fn run(args: FitArgs) -> Result<()> {
     let (model, train) = args.model.sections();
-    let cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
+    let mut cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
     let (_, model) = cfg.load_data_and_model()?;
+    let model_for_advice = model.clone();
     let budget = parse_budget(&args.memory)?;
+    if args.model.batch_auto() {
+        cfg.batch = largest_batch(&cfg, &model, budget)?;
+        cfg.accumulation = 1;
+        if !args.json {
+            println!(
+                "--batch auto: {} sequences of {} tokens fit {} in one micro-batch",
+                cfg.batch,
+                cfg.block,
+                human_bytes(budget)
+            );
+        }
+    }
     let effective = args.effective_batch.unwrap_or(cfg.batch);
     let (report, _) = fit_config(&cfg, model, budget, effective, args.recalibrate)?;
     if args.json {
@@ -151,6 +244,10 @@ pub fn run(args: FitArgs) -> Result<()> {
             }
             Ok(())
         }
-        None => bail!(report.nothing_fits()),
+        None => Err(nothing_fits(
+            &report,
+            &cfg.fit_model(model_for_advice),
+            cfg.threads,
+        )),
     }
 }

@@ -12,7 +12,7 @@ mod train_cmd;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use snug_train::{ModelSection, TrainSection};
 
 #[derive(Parser)]
@@ -60,9 +60,10 @@ pub struct ModelArgs {
     /// generated addition data).
     #[arg(long)]
     data: Option<PathBuf>,
-    /// Sequences per step.
-    #[arg(long)]
-    batch: Option<usize>,
+    /// Sequences per step, or `auto` with --memory (fit and train): the largest batch whose
+    /// micro-batch fits the budget without accumulation.
+    #[arg(long, value_name = "N|auto")]
+    batch: Option<BatchArg>,
     /// Tokens per sequence (default: the model's block size).
     #[arg(long)]
     block: Option<usize>,
@@ -106,7 +107,33 @@ pub struct ModelArgs {
     remat: Option<String>,
 }
 
+/// `--batch N` or `--batch auto`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchArg {
+    Sequences(usize),
+    Auto,
+}
+
+impl std::str::FromStr for BatchArg {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<BatchArg, String> {
+        match s.trim() {
+            "auto" => Ok(BatchArg::Auto),
+            n => n
+                .parse()
+                .map(BatchArg::Sequences)
+                .map_err(|_| format!("`{s}` is not a number of sequences or `auto`")),
+        }
+    }
+}
+
 impl ModelArgs {
+    /// Whether `--batch auto` was given.
+    fn batch_auto(&self) -> bool {
+        self.batch == Some(BatchArg::Auto)
+    }
+
     fn sections(&self) -> (ModelSection, TrainSection) {
         (
             ModelSection {
@@ -117,7 +144,10 @@ impl ModelArgs {
             },
             TrainSection {
                 data: self.data.clone(),
-                batch: self.batch,
+                batch: match self.batch {
+                    Some(BatchArg::Sequences(n)) => Some(n),
+                    _ => None,
+                },
                 block: self.block.or(self.seq),
                 threads: self.threads,
                 precision: self.precision.clone(),
@@ -151,7 +181,22 @@ fn main() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .without_time()
         .init();
-    let cli = Cli::parse();
+    // `--steps -1` should be refused as a bad value of `--steps`, not as an unknown flag `-1`.
+    // A flag given twice takes its last value, so a suggested change can be appended to a
+    // command as it is.
+    let cmd = Cli::command().mut_subcommands(|sub| {
+        sub.args_override_self(true).mut_args(|a| {
+            if a.get_action().takes_values() {
+                a.allow_negative_numbers(true)
+            } else {
+                a
+            }
+        })
+    });
+    let cli = match Cli::from_arg_matches(&cmd.get_matches()) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     let result = match cli.command {
         Command::Train(args) => train_cmd::run(*args),
         Command::Plan(args) => plan_cmd::run(args),

@@ -75,6 +75,9 @@ struct PassSaving {
 
 pub fn run(args: PlanArgs) -> Result<()> {
     let start = Instant::now();
+    if args.model.batch_auto() {
+        anyhow::bail!("--batch auto needs a memory budget: use it with `snug fit --memory SIZE` or `snug train --memory SIZE`");
+    }
     let (model, train) = args.model.sections();
     let cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
     // The same data, hence the same vocabulary, that `snug train` would load.

@@ -34,6 +34,9 @@ struct OpRow {
 }
 
 pub fn run(args: ProfileArgs) -> Result<()> {
+    if args.model.batch_auto() {
+        anyhow::bail!("--batch auto needs a memory budget: use it with `snug fit --memory SIZE` or `snug train --memory SIZE`");
+    }
     let (model, mut train) = args.model.sections();
     train.steps = Some(args.steps.max(1) + 1);
     let cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;

@@ -203,16 +203,35 @@ fn fit_to_memory(
     out: &mut Stdout,
 ) -> Result<Option<snug_fit::MachineProfile>> {
     let Some(memory) = &args.memory else {
+        if args.model.batch_auto() {
+            anyhow::bail!("--batch auto needs a memory budget: add --memory SIZE (or auto)");
+        }
         return Ok(None);
     };
     let budget = crate::fit_cmd::parse_budget(memory)?;
+    if args.model.batch_auto() {
+        cfg.batch = crate::fit_cmd::largest_batch(cfg, &model, budget)?;
+        cfg.accumulation = 1;
+        say!(
+            out,
+            "--batch auto: {} sequences of {} tokens fit {} in one micro-batch",
+            cfg.batch,
+            cfg.block,
+            human_bytes(budget)
+        );
+    }
+    let fit_model = cfg.fit_model(model.clone());
     let (report, machine) =
         crate::fit_cmd::fit_config(cfg, model, budget, cfg.batch, args.recalibrate)?;
     let Some(chosen) = report.chosen() else {
         if !args.json {
             crate::fit_cmd::print_table(&report);
         }
-        return Err(report.nothing_fits().into());
+        return Err(crate::fit_cmd::nothing_fits(
+            &report,
+            &fit_model,
+            cfg.threads,
+        ));
     };
     if args.json {
         out.json("fit", &report)?;

@@ -4,76 +4,30 @@
 //! kernel's accounting of it).
 #![cfg(unix)]
 
-use std::io::Read;
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
-/// How a bounded run of the binary ended.
-struct Ended {
-    /// Exit status, or `None` when a signal ended it.
-    code: Option<i32>,
-    signal: Option<i32>,
-    stdout: String,
-    stderr: String,
-    /// Peak resident set size, bytes.
-    max_rss: u64,
-    elapsed: Duration,
-}
+use snug_testkit::bounded::{self, Ended, Limits};
 
 /// Longest any of these runs may take; the child is killed (and the test fails) after it.
 const TIMEOUT: Duration = Duration::from_secs(20);
 /// Far above what refusing an input costs (a few MB), far below what obeying it would.
 const RSS_BOUND: u64 = 100 << 20;
 
-/// Runs `snug args`, killing it after [`TIMEOUT`], and reaps it with `wait4` for its rusage.
-#[allow(clippy::zombie_processes)] // reaped by `wait4`, which `Child::wait` cannot replace
+/// Runs `snug args` within [`TIMEOUT`]; the test fails if it had to be killed.
 fn run(args: &[&str]) -> Ended {
-    let start = Instant::now();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_snug"))
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the snug binary starts");
-    let drain = |mut r: Box<dyn Read + Send>| {
-        std::thread::spawn(move || {
-            let mut s = Vec::new();
-            let _ = r.read_to_end(&mut s);
-            String::from_utf8_lossy(&s).into_owned()
-        })
-    };
-    let out = drain(Box::new(child.stdout.take().unwrap()));
-    let err = drain(Box::new(child.stderr.take().unwrap()));
-    let pid = child.id() as libc::pid_t;
-    let mut status = 0;
-    // SAFETY: plain C structs filled in by the kernel; `pid` is our unreaped child.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    let mut timed_out = false;
-    loop {
-        let r = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
-        assert!(r >= 0, "wait4: {}", std::io::Error::last_os_error());
-        if r == pid {
-            break;
-        }
-        if start.elapsed() > TIMEOUT && !timed_out {
-            timed_out = true;
-            let _ = child.kill();
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let ended = Ended {
-        code: libc::WIFEXITED(status).then(|| libc::WEXITSTATUS(status)),
-        signal: libc::WIFSIGNALED(status).then(|| libc::WTERMSIG(status)),
-        stdout: out.join().unwrap(),
-        stderr: err.join().unwrap(),
-        // Kilobytes on Linux, bytes on macOS.
-        max_rss: usage.ru_maxrss as u64 * if cfg!(target_os = "macos") { 1 } else { 1024 },
-        elapsed: start.elapsed(),
-    };
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_snug"));
+    cmd.args(args);
+    let ended = bounded::run(
+        cmd,
+        Limits {
+            timeout: TIMEOUT,
+            kill_above_rss: 8 << 30,
+        },
+    );
     assert!(
-        !timed_out,
+        !ended.killed,
         "snug {args:?} still ran after {TIMEOUT:?}; stderr: {}",
         ended.stderr
     );
@@ -83,25 +37,7 @@ fn run(args: &[&str]) -> Ended {
 /// `snug args` fails with exit 1, quickly and in little memory, and its error holds `needles`.
 fn refused(args: &[&str], needles: &[&str]) -> Ended {
     let e = run(args);
-    assert_eq!(
-        (e.code, e.signal),
-        (Some(1), None),
-        "snug {args:?}: stderr: {}",
-        e.stderr
-    );
-    assert!(!e.stderr.contains("panicked"), "{args:?}: {}", e.stderr);
-    for n in needles {
-        assert!(
-            e.stderr.contains(n),
-            "{args:?}: `{n}` missing from: {}",
-            e.stderr
-        );
-    }
-    assert!(
-        e.max_rss < RSS_BOUND,
-        "snug {args:?} reached {} MB",
-        e.max_rss >> 20
-    );
+    bounded::assert_refused(&e, &format!("snug {args:?}"), needles, RSS_BOUND);
     e
 }
 
@@ -219,5 +155,5 @@ fn text_data_beyond_the_cap_is_refused_from_its_size() {
         &["train", "--data", big.to_str().unwrap(), "--steps", "1"],
         &["big.txt", "4.00 GiB", "text data"],
     );
-    assert!(e.elapsed < Duration::from_secs(10), "{:?}", e.elapsed);
+    assert!(e.seconds < 10.0, "{} s", e.seconds);
 }

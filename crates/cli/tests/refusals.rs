@@ -5,96 +5,29 @@
 #![cfg(target_os = "linux")]
 
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
+
+use snug_testkit::bounded::{self, Limits};
 
 /// What a refused command must stay under.
 const MAX_RSS_BYTES: u64 = 100 << 20;
 const MAX_SECONDS: u64 = 30;
 
-struct Run {
-    code: Option<i32>,
-    stderr: String,
-    max_rss_bytes: u64,
-    seconds: f64,
-}
-
-/// Resident bytes of a running process (`VmRSS`), 0 once it is gone.
-fn rss_now(pid: i32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kb| kb * 1024)
-}
-
-/// Runs `snug args` in `dir`, reaping it with `wait4` for its peak RSS. A child that outgrows
-/// the bounds (today's runaway graph building) is killed rather than left to exhaust memory,
-/// and the run reports what it had reached.
-fn snug(dir: &Path, args: &[&str]) -> Run {
-    let stderr_path = dir.join("stderr.txt");
-    let start = Instant::now();
-    let child = Command::new(env!("CARGO_BIN_EXE_snug"))
-        .args(args)
-        .current_dir(dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&stderr_path).unwrap())
-        .spawn()
-        .expect("the snug binary runs");
-    let pid = child.id() as i32;
-    let mut status = 0;
-    // SAFETY: plain C structs and calls on our own child's pid; `wait4` reaps it once.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    let mut seen_rss = 0;
-    loop {
-        let r = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut usage) };
-        assert!(r >= 0, "wait4 failed");
-        if r == pid {
-            break;
-        }
-        seen_rss = seen_rss.max(rss_now(pid));
-        if seen_rss > 4 * MAX_RSS_BYTES || start.elapsed() > Duration::from_secs(MAX_SECONDS) {
-            unsafe {
-                libc::kill(pid, libc::SIGKILL);
-                libc::wait4(pid, &mut status, 0, &mut usage);
-            }
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    drop(child);
-    Run {
-        code: libc::WIFEXITED(status).then(|| libc::WEXITSTATUS(status)),
-        stderr: std::fs::read_to_string(&stderr_path).unwrap(),
-        // Linux reports ru_maxrss in kilobytes.
-        max_rss_bytes: (usage.ru_maxrss as u64 * 1024).max(seen_rss),
-        seconds: start.elapsed().as_secs_f64(),
-    }
-}
-
-/// `snug args` exits 1 quickly and small, and its error names each of `needles`.
+/// `snug args`, run in `dir`, exits 1 quickly and small, and its error names each of `needles`.
+/// A child that outgrows the bounds (the runaway graph building this guards against) is
+/// killed rather than left to exhaust memory.
 fn refused(dir: &Path, args: &[&str], needles: &[&str]) {
-    let run = snug(dir, args);
-    let err = &run.stderr;
-    assert_eq!(
-        run.code,
-        Some(1),
-        "{args:?}: exit {:?} after {:.1} s at {} MB RSS: {err}",
-        run.code,
-        run.seconds,
-        run.max_rss_bytes >> 20
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_snug"));
+    cmd.args(args).current_dir(dir);
+    let ended = bounded::run(
+        cmd,
+        Limits {
+            timeout: Duration::from_secs(MAX_SECONDS),
+            kill_above_rss: 4 * MAX_RSS_BYTES,
+        },
     );
-    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
-    for n in needles {
-        assert!(err.contains(n), "{args:?}: `{n}` missing from: {err}");
-    }
-    assert!(
-        run.max_rss_bytes < MAX_RSS_BYTES,
-        "{args:?}: peak RSS {} MB",
-        run.max_rss_bytes >> 20
-    );
+    bounded::assert_refused(&ended, &format!("{args:?}"), needles, MAX_RSS_BYTES);
 }
 
 fn llama_json(layers: &str, extra: &str) -> String {

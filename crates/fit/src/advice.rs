@@ -21,10 +21,11 @@ pub struct Suggestion {
     pub fits: bool,
 }
 
-/// The smallest peak of `model` at `block` under `step`: micro-batch 1, with and without
+/// The smallest peak of `model` at `micro_batch` × `block` under `step`, with and without
 /// per-block remat, every pass that lowers memory.
-fn smallest_peak(
+pub fn smallest_peak(
     model: &FitModel,
+    micro_batch: usize,
     block: usize,
     step: &StepConfig,
     threads: usize,
@@ -43,7 +44,7 @@ fn smallest_peak(
             passes: passes.clone(),
             ..step.clone()
         };
-        let c = compile_step(&model.model, 1, block, threads, &config)?;
+        let c = compile_step(&model.model, micro_batch, block, threads, &config)?;
         best = best.min(plan(&c.step.graph, &PlanOptions::default())?.peak_bytes());
     }
     Ok(best)
@@ -56,13 +57,7 @@ pub fn what_would_fit(
     budget: usize,
     threads: usize,
 ) -> Result<Vec<Suggestion>, FitError> {
-    let base = StepConfig {
-        precision: match model.low_precision {
-            Some(low) if model.step.precision == DType::F32 => low,
-            _ => model.step.precision,
-        },
-        ..model.step.clone()
-    };
+    let base = lowest_allowed(model);
     let mut changes: Vec<(String, StepConfig)> = Vec::new();
     let mut all = base.clone();
     let mut all_flags = Vec::new();
@@ -98,7 +93,7 @@ pub fn what_would_fit(
     }
     let mut out = Vec::new();
     for (change, step) in &changes {
-        let peak = smallest_peak(model, model.block, step, threads)?;
+        let peak = smallest_peak(model, 1, model.block, step, threads)?;
         out.push(Suggestion {
             change: change.clone(),
             peak_bytes: peak,
@@ -109,7 +104,7 @@ pub fn what_would_fit(
     for (flags, step) in [(Vec::new(), base.clone()), (all_flags.clone(), all.clone())] {
         let mut block = model.block / 2;
         while block >= 8 {
-            let peak = smallest_peak(model, block, &step, threads)?;
+            let peak = smallest_peak(model, 1, block, &step, threads)?;
             if peak <= budget {
                 let mut change = flags.join(" ");
                 if !change.is_empty() {
@@ -127,7 +122,7 @@ pub fn what_would_fit(
         }
     }
     if all_flags.len() > 1 {
-        let peak = smallest_peak(model, model.block, &all, threads)?;
+        let peak = smallest_peak(model, 1, model.block, &all, threads)?;
         out.push(Suggestion {
             change: all_flags.join(" "),
             peak_bytes: peak,
@@ -136,4 +131,50 @@ pub fn what_would_fit(
     }
     out.sort_by_key(|s| (!s.fits, s.peak_bytes));
     Ok(out)
+}
+
+/// The user's step settings in the lowest precision fit may choose for them.
+pub fn lowest_allowed(model: &FitModel) -> StepConfig {
+    StepConfig {
+        precision: match model.low_precision {
+            Some(low) if model.step.precision == DType::F32 => low,
+            _ => model.step.precision,
+        },
+        ..model.step.clone()
+    }
+}
+
+/// The largest micro-batch (at most `most`) whose smallest peak fits `budget`, if 1 does.
+pub fn largest_micro_batch(
+    model: &FitModel,
+    budget: usize,
+    most: usize,
+    threads: usize,
+) -> Result<Option<usize>, FitError> {
+    let step = lowest_allowed(model);
+    // A size the planner refuses (an overflow) does not fit.
+    let fits =
+        |b: usize| smallest_peak(model, b, model.block, &step, threads).is_ok_and(|p| p <= budget);
+    if !fits(1) {
+        return Ok(None);
+    }
+    let (mut good, mut bad) = (1usize, None);
+    while bad.is_none() && good < most {
+        let next = (good * 2).min(most);
+        if fits(next) {
+            good = next;
+        } else {
+            bad = Some(next);
+        }
+    }
+    let mut bad = bad.unwrap_or(most + 1);
+    while bad - good > 1 {
+        let mid = good + (bad - good) / 2;
+        if fits(mid) {
+            good = mid;
+        } else {
+            bad = mid;
+        }
+    }
+    Ok(Some(good))
 }

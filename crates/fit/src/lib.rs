@@ -15,7 +15,7 @@ pub mod cost_model;
 mod error;
 pub mod search;
 
-pub use advice::{what_would_fit, Suggestion};
+pub use advice::{largest_micro_batch, what_would_fit, Suggestion};
 pub use compile::{
     compile_exactly, compile_step, CompiledStep, OptimizerKind, Pass, Remat, RematDropped,
     StepConfig,

@@ -219,3 +219,101 @@ fn lower_precision_is_searched_only_where_allowed_and_needed() {
         other => panic!("expected NothingFits, got {other:?}"),
     }
 }
+
+/// Selective remat lands a recomputed value at char-small 8 × 256's peak: the search, which
+/// compiles candidates exactly, never chooses a remat mode that does not lower the peak of its
+/// plain twin, and `compile_step` leaves such a mode out.
+#[test]
+fn no_remat_mode_that_raises_the_peak_is_chosen_or_compiled() {
+    let fit = model();
+    let machine = MachineProfile::nominal(1);
+    let plain = peak_of(&fit, 8, &fit.step);
+    let selective = StepConfig {
+        remat: Remat::Selective,
+        ..fit.step.clone()
+    };
+    let exact = snug_fit::compile_exactly(&fit.model, 8, fit.block, 1, &selective).unwrap();
+    let raised = plan(&exact.step.graph, &PlanOptions::default())
+        .unwrap()
+        .peak_bytes();
+    assert!(raised > plain, "this shape no longer shows the problem");
+    let kept = compile_step(&fit.model, 8, fit.block, 1, &selective).unwrap();
+    let dropped = kept.remat_dropped.expect("selective left out");
+    assert_eq!(
+        (dropped.peak_without_bytes, dropped.peak_with_bytes),
+        (plain, raised)
+    );
+    assert_eq!(peak_of(&fit, 8, &selective), plain);
+    for budget in [
+        plain / 2,
+        plain * 3 / 4,
+        plain - 1,
+        plain,
+        raised,
+        raised * 2,
+    ] {
+        let report = search(&fit, budget, &CPU, 8, &machine, None).unwrap();
+        let Some(chosen) = report.chosen() else {
+            continue;
+        };
+        if chosen.config.remat != Remat::None {
+            let twin = StepConfig {
+                remat: Remat::None,
+                ..chosen.config.apply(&fit.step)
+            };
+            assert!(
+                chosen.peak_bytes < Some(peak_of(&fit, chosen.config.micro_batch, &twin)),
+                "budget {budget}: chose {} which does not lower the peak",
+                chosen.config
+            );
+        }
+    }
+}
+
+/// `--batch auto`: the largest micro-batch whose smallest configuration fits, and no larger.
+#[test]
+fn the_largest_micro_batch_fits_and_one_more_does_not() {
+    let fit = model();
+    let at = |b: usize| snug_fit::advice::smallest_peak(&fit, b, fit.block, &fit.step, 1).unwrap();
+    let budget = at(5) + (at(6) - at(5)) / 2;
+    assert_eq!(
+        snug_fit::largest_micro_batch(&fit, budget, 1 << 20, 1).unwrap(),
+        Some(5)
+    );
+    assert_eq!(
+        snug_fit::largest_micro_batch(&fit, at(1) - 1, 1 << 20, 1).unwrap(),
+        None
+    );
+    assert_eq!(
+        snug_fit::largest_micro_batch(&fit, usize::MAX, 64, 1).unwrap(),
+        Some(64)
+    );
+}
+
+/// When nothing fits, each suggested change is planned: a change marked as fitting reaches a
+/// peak under the budget, and one that does not, over it.
+#[test]
+fn what_would_fit_plans_each_change() {
+    let fit = model();
+    let sgd = StepConfig {
+        optimizer: snug_fit::OptimizerKind::Sgd,
+        ..fit.step.clone()
+    };
+    let with_sgd = snug_fit::advice::smallest_peak(&fit, 1, fit.block, &sgd, 1).unwrap();
+    let as_is = snug_fit::advice::smallest_peak(&fit, 1, fit.block, &fit.step, 1).unwrap();
+    assert!(with_sgd < as_is);
+    let budget = with_sgd + (as_is - with_sgd) / 2;
+    let advice = snug_fit::what_would_fit(&fit, budget, 1).unwrap();
+    let s = advice
+        .iter()
+        .find(|s| s.change.starts_with("--optimizer sgd ("))
+        .expect("sgd suggested");
+    assert_eq!((s.peak_bytes, s.fits), (with_sgd, true));
+    for s in &advice {
+        assert_eq!(s.fits, s.peak_bytes <= budget, "{s:?}");
+    }
+    assert!(
+        advice.first().is_some_and(|s| s.fits),
+        "fitting changes come first"
+    );
+}

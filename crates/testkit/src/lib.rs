@@ -6,6 +6,9 @@
 //! `SNUG_REQUIRE_ALL_TESTS=1`, which makes the same call a failure, so nothing CI has is ever
 //! skipped silently.
 
+#[cfg(unix)]
+pub mod bounded;
+
 use std::io::Write;
 use std::path::PathBuf;
 

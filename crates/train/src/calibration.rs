@@ -58,22 +58,74 @@ pub fn load_profile(path: &std::path::Path, threads: usize) -> Option<MachinePro
     (p.version == PROFILE_VERSION && p.threads == threads && p.cpu == cpu_name()).then_some(p)
 }
 
+/// Where a machine profile came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Calibration {
+    /// The cache, rescaled by a drift probe now.
+    Cached,
+    /// The cache as it is: the drift probe alone would hold more than the budget.
+    CachedUnscaled,
+    /// Measured now (and cached).
+    Measured,
+    /// Nominal figures: measuring would hold `needs_bytes`, more than the budget.
+    Nominal { needs_bytes: usize },
+}
+
 /// The cached profile, or a fresh measurement (saved to the cache) when there is none or
-/// `recalibrate` is set. The flag says whether it was measured now.
+/// `recalibrate` is set. With a `budget`, nothing is measured that would hold more than it:
+/// the calibration's own planned peak is checked first, and nominal figures stand in.
 pub fn machine_profile(
     threads: usize,
     recalibrate: bool,
-) -> Result<(MachineProfile, bool), TrainError> {
+    budget: Option<usize>,
+) -> Result<(MachineProfile, Calibration), TrainError> {
+    let within = |bytes: usize| budget.is_none_or(|b| bytes <= b);
     if !recalibrate {
-        if let Some(p) = cached_now(threads)? {
-            return Ok((p, false));
+        if within(drift_probe_bytes()) {
+            if let Some(p) = cached_now(threads)? {
+                return Ok((p, Calibration::Cached));
+            }
+        } else if let Some(p) = cached(threads) {
+            return Ok((p, Calibration::CachedUnscaled));
         }
     }
-    let p = calibrate(threads)?;
+    let needs_bytes = calibration_peak_bytes(threads)?;
+    if !within(needs_bytes) {
+        return Ok((
+            MachineProfile::nominal(threads),
+            Calibration::Nominal { needs_bytes },
+        ));
+    }
+    tracing::info!(
+        "calibrating this machine's kernels for {threads} thread(s): once, about a minute, holding up to {} (cached at {})",
+        snug_plan::memory_plan::human_bytes(needs_bytes),
+        cache_path(threads).map_or_else(|| "-".into(), |p| p.display().to_string())
+    );
+    let p = calibrate_with(threads, |done, total| {
+        tracing::info!("calibration: {done} of {total} probe models timed")
+    })?;
     if let Some(path) = cache_path(threads) {
         save_profile(&path, &p)?;
     }
-    Ok((p, true))
+    Ok((p, Calibration::Measured))
+}
+
+/// Bytes the drift probe's GEMM holds (its three f32 operands).
+fn drift_probe_bytes() -> usize {
+    let (m, k, n) = DRIFT_PROBE;
+    (m * k + k * n + m * n) * 4
+}
+
+/// The most memory a calibration holds at once, planned without running anything: the
+/// largest probe model's planned peak, the drift probe, or the bandwidth probe's buffers.
+pub fn calibration_peak_bytes(threads: usize) -> Result<usize, TrainError> {
+    let mut most = drift_probe_bytes().max(BANDWIDTH_BYTES * 2);
+    for probe in PROBES {
+        let (_, compiled, memory_plan) = probe_step(probe, threads)?;
+        drop(compiled);
+        most = most.max(memory_plan.peak_bytes());
+    }
+    Ok(most)
 }
 
 /// Writes `p` to `path` atomically (creating the directory).
@@ -234,12 +286,21 @@ impl SpeedTracker {
 /// of slowness during one model would otherwise stay in its kernels' times for good. The
 /// reference is what later drift probes are compared with.
 pub fn calibrate(threads: usize) -> Result<MachineProfile, TrainError> {
+    calibrate_with(threads, |_, _| {})
+}
+
+/// [`calibrate`], calling `progress(done, total)` after each probe model.
+pub fn calibrate_with(
+    threads: usize,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<MachineProfile, TrainError> {
     let mut rates = vec![gemm_rate(threads, DRIFT_PROBE, DRIFT_RUNS)?];
     let mut measured = Vec::new();
-    for probe in PROBES {
+    for (i, probe) in PROBES.iter().enumerate() {
         let samples = run_probe(probe, threads)?;
         rates.push(gemm_rate(threads, DRIFT_PROBE, DRIFT_RUNS)?);
         measured.push(samples);
+        progress(i + 1, PROBES.len());
     }
     // The peak MFU is reported against is the best rate actually seen, before normalising: a
     // fast call between two slow drift probes would otherwise come out above the hardware's.
@@ -325,7 +386,11 @@ pub fn gemm_rate(
     Ok(2.0 * (m * k * n) as f64 / best.max(1e-12))
 }
 
-fn run_probe(p: &Probe, threads: usize) -> Result<Vec<Sample>, TrainError> {
+/// A probe's model, compiled step and plan.
+fn probe_step(
+    p: &Probe,
+    threads: usize,
+) -> Result<(ModelConfig, snug_fit::CompiledStep, snug_plan::MemoryPlan), TrainError> {
     let mut model = ModelConfig::preset(p.preset)?;
     let shape = |v: usize| (v > 0).then_some(v);
     model.override_shape(
@@ -347,6 +412,11 @@ fn run_probe(p: &Probe, threads: usize) -> Result<Vec<Sample>, TrainError> {
     };
     let compiled = compile_step(&model, p.batch, p.block, threads, &step_config)?;
     let memory_plan = plan(&compiled.step.graph, &PlanOptions::default())?;
+    Ok((model, compiled, memory_plan))
+}
+
+fn run_probe(p: &Probe, threads: usize) -> Result<Vec<Sample>, TrainError> {
+    let (model, compiled, memory_plan) = probe_step(p, threads)?;
     let schedule = memory_plan.schedule.clone();
     let mut session = CpuSession::new(
         compiled.step.graph.clone(),
@@ -395,9 +465,12 @@ fn run_probe(p: &Probe, threads: usize) -> Result<Vec<Sample>, TrainError> {
     Ok(samples)
 }
 
-/// Bytes per second copying 256 MiB (read and write both counted), best of five.
+/// Bytes of each of the bandwidth probe's two buffers.
+const BANDWIDTH_BYTES: usize = 128 << 20;
+
+/// Bytes per second copying 128 MiB (read and write both counted), best of five.
 fn bandwidth() -> f64 {
-    let n = 32 << 20;
+    let n = BANDWIDTH_BYTES / std::mem::size_of::<f32>();
     let src = vec![1.0f32; n];
     let mut dst = vec![0.0f32; n];
     let mut best = f64::MAX;

@@ -10,10 +10,9 @@ use crate::autodiff::GradCtx;
 use crate::tensor::TensorMeta;
 use crate::{GraphError, Result};
 
+use super::attention::{backward_scratch, forward_scratch};
 #[cfg(feature = "cpu")]
-use super::attention::{
-    backward_scratch, forward_scratch, head_backward, head_forward, HeadGrads, Rows,
-};
+use super::attention::{head_backward, head_forward, HeadGrads, Rows};
 
 /// Inputs `[q [B, T, n_head·D], k [B, T, n_kv_head·D], v [B, T, n_kv_head·D]]`; outputs
 /// `[y [B, T, n_head·D], lse [B, n_head, T]]`. With `n_kv_head == n_head` it is ordinary

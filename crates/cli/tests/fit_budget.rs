@@ -1,0 +1,163 @@
+//! `snug fit` under budgets: nothing that does not fit is measured, a calibration never holds
+//! more than the budget, the refusal says what would fit, `--batch auto` finds the largest
+//! batch, and flags given bad numbers are named.
+#![cfg(unix)]
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use snug_testkit::bounded::{self, Ended, Limits};
+
+fn snug(args: &[&str], cache: &Path) -> Ended {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_snug"));
+    // An empty cache: fit would calibrate (a minute, over a gigabyte) if it measured at all.
+    cmd.args(args)
+        .env("SNUG_CACHE_DIR", cache)
+        .current_dir(cache);
+    bounded::run(
+        cmd,
+        Limits {
+            timeout: Duration::from_secs(30),
+            kill_above_rss: 1 << 30,
+        },
+    )
+}
+
+fn no_calibration_cached(cache: &Path) -> bool {
+    std::fs::read_dir(cache)
+        .expect("the cache directory")
+        .all(|e| {
+            !e.expect("an entry")
+                .file_name()
+                .to_string_lossy()
+                .starts_with("machine-")
+        })
+}
+
+#[test]
+fn a_budget_nothing_fits_is_refused_before_measuring_and_says_what_would() {
+    let cache = tempfile::tempdir().expect("a scratch directory");
+    let e = snug(&["fit", "--memory", "1MB"], cache.path());
+    bounded::assert_refused(
+        &e,
+        "fit --memory 1MB",
+        &[
+            "nothing fits in 976.56 KiB",
+            "no change snug can make reaches it",
+        ],
+        100 << 20,
+    );
+    assert!(e.seconds < 10.0, "{} s", e.seconds);
+    assert!(no_calibration_cached(cache.path()));
+
+    // char-small 8 × 256 at a budget only a lighter optimizer reaches: the suggestion is
+    // listed, and taking it fits.
+    let base = [
+        "--preset",
+        "char-small",
+        "--batch",
+        "8",
+        "--block",
+        "256",
+        "--threads",
+        "1",
+    ];
+    let e = snug(
+        &[&["fit", "--memory", "80MiB"][..], &base].concat(),
+        cache.path(),
+    );
+    bounded::assert_refused(&e, "fit --memory 80MiB", &["these would fit:"], 100 << 20);
+    let first = e
+        .stderr
+        .lines()
+        .skip_while(|l| !l.contains("these would fit:"))
+        .nth(1)
+        .expect("a suggestion");
+    let flags: Vec<&str> = first
+        .split('(')
+        .next()
+        .expect("flags")
+        .split_whitespace()
+        .collect();
+    let taken = snug(
+        &[&["fit", "--memory", "80MiB"][..], &base, &flags].concat(),
+        cache.path(),
+    );
+    assert_eq!(taken.code, Some(0), "{flags:?}: {}", taken.stderr);
+}
+
+#[test]
+fn a_calibration_never_holds_more_than_the_budget() {
+    let cache = tempfile::tempdir().expect("a scratch directory");
+    let budget = 200u64 << 20;
+    let e = snug(
+        &["fit", "--memory", "200MiB", "--threads", "1", "--json"],
+        cache.path(),
+    );
+    assert_eq!(e.code, Some(0), "{}", e.stderr);
+    assert!(e.stderr.contains("predictions are nominal"), "{}", e.stderr);
+    assert!(e.max_rss_bytes < budget, "{} MB", e.max_rss_bytes >> 20);
+    assert!(no_calibration_cached(cache.path()));
+    let report: serde_json::Value = serde_json::from_str(&e.stdout).expect("fit's JSON");
+    assert_eq!(report["calibrated"], false);
+}
+
+#[test]
+fn batch_auto_trains_the_largest_batch_that_fits() {
+    let cache = tempfile::tempdir().expect("a scratch directory");
+    let args = [
+        "--batch",
+        "auto",
+        "--memory",
+        "40MiB",
+        "--threads",
+        "1",
+        "--json",
+    ];
+    let fit = snug(&[&["fit"][..], &args].concat(), cache.path());
+    assert_eq!(fit.code, Some(0), "{}", fit.stderr);
+    let report: serde_json::Value = serde_json::from_str(&fit.stdout).expect("fit's JSON");
+    let batch = report["effective_batch"].as_u64().expect("a batch");
+    assert!(batch > 1, "{report}");
+    let train = snug(
+        &[
+            &["train", "--steps", "1", "--eval-every", "0", "--no-save"][..],
+            &args,
+        ]
+        .concat(),
+        cache.path(),
+    );
+    assert_eq!(train.code, Some(0), "{}", train.stderr);
+    let summary: serde_json::Value = train
+        .stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|l| l["kind"] == "summary")
+        .expect("a summary");
+    assert_eq!(summary["tokens_per_step"].as_u64(), Some(batch * 64));
+    assert!(summary["measured_peak_bytes"].as_u64() <= Some(40 << 20));
+    let plan = snug(&["plan", "--batch", "auto"], cache.path());
+    bounded::assert_refused(&plan, "plan --batch auto", &["--memory"], 100 << 20);
+}
+
+#[test]
+fn negative_numbers_are_bad_values_of_their_flag() {
+    let cache = tempfile::tempdir().expect("a scratch directory");
+    for (args, flag) in [
+        (&["train", "--steps", "-1"][..], "--steps"),
+        (&["plan", "--batch", "-3"][..], "--batch"),
+        (
+            &["fit", "--memory", "1GiB", "--threads", "-2"][..],
+            "--threads",
+        ),
+    ] {
+        let e = snug(args, cache.path());
+        assert_eq!(e.code, Some(2), "{args:?}: {}", e.stderr);
+        assert!(
+            e.stderr.contains("invalid value '-") && e.stderr.contains(flag),
+            "{args:?}: {}",
+            e.stderr
+        );
+    }
+}
