@@ -351,7 +351,9 @@ impl Trainer {
         let mut config = self.config.clone();
         config.apply_fit(&to);
         self.reconfigure(config)?;
-        tracing::warn!(
+        // Reported to the caller as a `Recovery`; logged here for debugging only, so a user
+        // reads one message per event.
+        tracing::debug!(
             "out of memory at step {step}, micro-batch {micro} ({oom}): redoing the step with {to} (planned peak {to_peak_bytes} bytes, was {from_peak_bytes} with {from})"
         );
         self.recoveries.push(Recovery {
@@ -589,7 +591,8 @@ impl Trainer {
             _ => false,
         };
         if skipped {
-            tracing::warn!(
+            // The step's stats say so (`skipped`); one message per event.
+            tracing::debug!(
                 "step {step}: the scaled gradients overflowed; update skipped, loss scale {} -> {}",
                 loss_scale.unwrap_or(0.0),
                 self.scaler.map_or(0.0, |s| s.scale)
