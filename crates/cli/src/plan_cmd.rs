@@ -20,6 +20,10 @@ pub struct PlanArgs {
     /// Also print the allocation table (offset, size, lifetime of every arena tensor).
     #[arg(long)]
     table: bool,
+    /// Plan for this CPU's GEMM instead of this machine's: avx512, avx2 or portable (it sizes
+    /// some fused ops' tiles, hence their scratch).
+    #[arg(long, value_name = "GEMM")]
+    target_cpu: Option<snug_graph::CpuGemm>,
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
@@ -37,6 +41,8 @@ struct PlanReport {
     grad_clip: f32,
     block: usize,
     threads: usize,
+    /// The CPU GEMM planned for.
+    target_cpu: snug_graph::CpuGemm,
     parameters: usize,
     nodes: usize,
     tensors: usize,
@@ -82,11 +88,15 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
     // The same data, hence the same vocabulary, that `snug train` would load.
     let (_, gpt) = cfg.load_data_and_model()?;
+    let target = snug_graph::Target {
+        threads: cfg.threads,
+        gemm: args.target_cpu.unwrap_or_else(snug_graph::CpuGemm::host),
+    };
     let compiled = snug_fit::compile_step(
         &gpt,
         cfg.micro_batch(),
         cfg.block,
-        cfg.threads,
+        target,
         &cfg.step_config(),
     )?;
     let remat_dropped = compiled.remat_dropped;
@@ -116,7 +126,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     }
     let peak_of = |c: &snug_train::TrainConfig| -> Result<usize> {
         let step =
-            snug_fit::compile_step(&gpt, c.micro_batch(), c.block, c.threads, &c.step_config())?
+            snug_fit::compile_step(&gpt, c.micro_batch(), c.block, target, &c.step_config())?
                 .step;
         Ok(plan(&step.graph, &PlanOptions::default())?.peak_bytes())
     };
@@ -149,6 +159,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         grad_clip: cfg.grad_clip,
         block: cfg.block,
         threads: cfg.threads,
+        target_cpu: target.gemm,
         parameters: step.parameter_count(),
         nodes: step.graph.nodes().len(),
         tensors: step.graph.tensors().len(),

@@ -358,12 +358,14 @@ pub fn run(args: TrainArgs) -> Result<()> {
             if cfg.out.is_none() && !args.no_save {
                 cfg.out = Some(default_run_dir(&cfg));
             }
+            // Bad data or flags are refused before a run directory is made for them.
+            let (data, model) = cfg.load_data_and_model()?;
+            cfg.check_threads_here()?;
             let run_dir = cfg
                 .out
                 .as_deref()
                 .map(|dir| RunDir::claim(dir, &Claim::Fresh))
                 .transpose()?;
-            let (data, model) = cfg.load_data_and_model()?;
             machine = fit_to_memory(&args, &mut cfg, model, &mut out)?;
             let summary = data_line(&data);
             let trainer = Trainer::with_allocator(cfg.clone(), data, allocator.clone())

@@ -17,8 +17,10 @@ const RSS_BOUND: u64 = 100 << 20;
 
 /// Runs `snug args` within [`TIMEOUT`]; the test fails if it had to be killed.
 fn run(args: &[&str]) -> Ended {
+    // A `train` without --out saves under ./runs: keep it out of the source tree.
+    let cwd = tempfile::tempdir().expect("a scratch directory");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_snug"));
-    cmd.args(args);
+    cmd.args(args).current_dir(cwd.path());
     let ended = bounded::run(
         cmd,
         Limits {

@@ -159,10 +159,11 @@ pub fn compile_step(
     model: &ModelConfig,
     micro_batch: usize,
     block: usize,
-    threads: usize,
+    target: impl Into<snug_graph::Target>,
     config: &StepConfig,
 ) -> Result<CompiledStep, FitError> {
-    let compiled = compile_exactly(model, micro_batch, block, threads, config)?;
+    let target = target.into();
+    let compiled = compile_exactly(model, micro_batch, block, target, config)?;
     if !matches!(config.remat, Remat::Blocks { .. } | Remat::Selective) {
         return Ok(compiled);
     }
@@ -174,7 +175,7 @@ pub fn compile_step(
         remat: Remat::None,
         ..config.clone()
     };
-    let mut without = compile_exactly(model, micro_batch, block, threads, &plain)?;
+    let mut without = compile_exactly(model, micro_batch, block, target, &plain)?;
     let without_peak = snug_plan::plan(&without.step.graph, &options)?.peak_bytes();
     if with < without_peak {
         return Ok(compiled);
@@ -192,12 +193,12 @@ pub fn compile_exactly(
     model: &ModelConfig,
     micro_batch: usize,
     block: usize,
-    threads: usize,
+    target: impl Into<snug_graph::Target>,
     config: &StepConfig,
 ) -> Result<CompiledStep, FitError> {
     // Parameters are f32 master weights whatever the precision: the precision pass rounds
     // activations and gradients.
-    let mut g = model.build(micro_batch, block, threads, DType::F32)?;
+    let mut g = model.build(micro_batch, block, target, DType::F32)?;
     // Forward-graph passes run before autodiff (their ops bring their own gradients).
     if config.passes.contains(&Pass::FusedCrossEntropy) {
         let (r, _) = passes::fuse_lm_head_loss(&g.graph, passes::DEFAULT_CHUNK_BYTES)?;

@@ -317,3 +317,35 @@ fn what_would_fit_plans_each_change() {
         "fitting changes come first"
     );
 }
+
+/// Planning asks the target, not the host: the GELU + linear backward's tile holds whole
+/// depth blocks of the target's GEMM, so an AVX-512 and an AVX2 target plan different scratch
+/// on any machine, and each target's plan is the same wherever it is made.
+#[test]
+fn planned_bytes_follow_the_target_not_the_host() {
+    use snug_graph::{CpuGemm, Target};
+    let fit = model();
+    let scratch = |gemm: CpuGemm| {
+        let target = Target { threads: 1, gemm };
+        let c = compile_step(&fit.model, 8, fit.block, target, &fit.step).unwrap();
+        let g = &c.step.graph;
+        assert_eq!(g.target(), target);
+        let node = g
+            .nodes()
+            .iter()
+            .find(|n| n.op.name() == "gelu_linear_backward")
+            .expect("the MLP's fused backward");
+        let ws = node.workspace.expect("a tile of workspace");
+        let peak = plan(g, &PlanOptions::default()).unwrap().peak_bytes();
+        (g.tensor(ws).size_bytes(), peak)
+    };
+    // 8 × 256 = 2048 rows of width 4 · 384 = 1536 through at most 2^20 elements (682 rows):
+    // AVX-512 sums 384 deep, so tiles of 384 rows, evened out to 6 tiles of 342; AVX2 sums
+    // 512 deep: 4 tiles of 512.
+    let (avx512, peak512) = scratch(CpuGemm::Avx512);
+    let (avx2, peak2) = scratch(CpuGemm::Avx2);
+    assert_eq!(avx512, 342 * 1536 * 4);
+    assert_eq!(avx2, 512 * 1536 * 4);
+    assert_ne!(peak512, peak2);
+    assert_eq!(scratch(CpuGemm::Avx512), (avx512, peak512), "repeatable");
+}

@@ -42,26 +42,40 @@ pub struct Graph {
     scope: String,
     /// Role given to op outputs while building (activations in forward, temporaries in backward).
     build_role: Option<Role>,
-    /// Worker threads kernels may use; sizes per-thread workspaces, so plans depend on it.
-    threads: usize,
+    /// The device the graph is planned for (threads, its GEMM): sizes kernels' workspaces, so
+    /// plans depend on it.
+    target: crate::Target,
 }
 
 impl Graph {
     pub fn new() -> Self {
         Graph {
-            threads: 1,
+            target: crate::Target::host(1),
             ..Default::default()
         }
     }
 
     /// Sets the number of worker threads kernels partition their workspaces for.
     pub fn with_threads(mut self, threads: usize) -> Self {
-        self.threads = threads.max(1);
+        self.target.threads = threads.max(1);
+        self
+    }
+
+    /// Plans for `target` (its threads and GEMM) instead of this machine.
+    pub fn with_target(mut self, target: crate::Target) -> Self {
+        self.target = crate::Target {
+            threads: target.threads.max(1),
+            ..target
+        };
         self
     }
 
     pub fn threads(&self) -> usize {
-        self.threads
+        self.target.threads
+    }
+
+    pub fn target(&self) -> crate::Target {
+        self.target
     }
 
     pub fn tensors(&self) -> &[TensorMeta] {
@@ -188,7 +202,7 @@ impl Graph {
         }
         let metas: Vec<&TensorMeta> = inputs.iter().map(|&i| self.tensor(i)).collect();
         let specs = op.infer(&metas)?;
-        let ws_elems = op.workspace_elems(&metas, self.threads);
+        let ws_elems = op.workspace_elems(&metas, &self.target);
         let node_id = NodeId(self.nodes.len() as u32);
         let role = self.build_role.unwrap_or(Role::Activation);
         let op_name = op.name();

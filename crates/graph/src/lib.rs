@@ -7,6 +7,7 @@
 //! - [`autodiff`]: [`backward`] appends the gradient nodes of a scalar loss.
 //! - [`passes`]: graph → graph rewrites that save memory.
 //! - [`step`]: [`StepGraph`] bundles a model's forward, backward and AdamW updates.
+//! - [`target`]: the device a graph is planned for, as plain data ([`Target`]).
 
 pub mod autodiff;
 mod dtype;
@@ -15,6 +16,7 @@ pub mod graph;
 pub mod ops;
 pub mod passes;
 pub mod step;
+pub mod target;
 pub mod tensor;
 
 pub use autodiff::{backward, backward_seeded, GradCtx};
@@ -22,4 +24,5 @@ pub use dtype::DType;
 pub use error::{GraphError, Result};
 pub use graph::{Graph, Node, NodeId};
 pub use step::{OptimizerSpec, ParamSlot, StepGraph, StepOptions};
+pub use target::{CpuGemm, Target};
 pub use tensor::{Role, TensorId, TensorMeta};

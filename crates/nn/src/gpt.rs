@@ -388,8 +388,13 @@ impl GptConfig {
     }
 
     /// Builds the forward graph and loss for `batch` sequences of `seq` tokens.
-    pub fn build(&self, batch: usize, seq: usize, threads: usize) -> Result<ModelGraph, NnError> {
-        self.build_with_dtype(batch, seq, threads, DType::F32)
+    pub fn build(
+        &self,
+        batch: usize,
+        seq: usize,
+        target: impl Into<snug_graph::Target>,
+    ) -> Result<ModelGraph, NnError> {
+        self.build_with_dtype(batch, seq, target, DType::F32)
     }
 
     /// [`GptConfig::build`] with parameters and activations stored as `dtype` (bf16/f16 graphs
@@ -398,12 +403,12 @@ impl GptConfig {
         &self,
         batch: usize,
         seq: usize,
-        threads: usize,
+        target: impl Into<snug_graph::Target>,
         dtype: DType,
     ) -> Result<ModelGraph, NnError> {
         self.validate()?;
         check_batch_seq(batch, seq, self.block_size, "block_size")?;
-        loss_graph(batch, seq, threads, |g, tokens| {
+        loss_graph(batch, seq, target.into(), |g, tokens| {
             self.trunk(g, tokens, dtype)
         })
     }
@@ -555,10 +560,10 @@ pub(crate) fn check_batch_seq(
 pub(crate) fn loss_graph(
     batch: usize,
     seq: usize,
-    threads: usize,
+    target: snug_graph::Target,
     trunk: impl FnOnce(&mut Graph, TensorId) -> Result<Trunk, NnError>,
 ) -> Result<ModelGraph, NnError> {
-    let mut g = Graph::new().with_threads(threads);
+    let mut g = Graph::new().with_target(target);
     let tokens = g.input("tokens", &[batch, seq], DType::I32)?;
     let targets = g.input("targets", &[batch * seq], DType::I32)?;
     let t = trunk(&mut g, tokens)?;
@@ -579,10 +584,10 @@ pub(crate) fn loss_graph(
 pub(crate) fn logits_graph(
     batch: usize,
     seq: usize,
-    threads: usize,
+    target: snug_graph::Target,
     trunk: impl FnOnce(&mut Graph, TensorId) -> Result<Trunk, NnError>,
 ) -> Result<InferenceGraph, NnError> {
-    let mut g = Graph::new().with_threads(threads);
+    let mut g = Graph::new().with_target(target);
     let tokens = g.input("tokens", &[batch, seq], DType::I32)?;
     let t = trunk(&mut g, tokens)?;
     let logits = head_logits(&mut g, &t)?;

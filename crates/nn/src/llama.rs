@@ -230,12 +230,12 @@ impl LlamaConfig {
         &self,
         batch: usize,
         seq: usize,
-        threads: usize,
+        target: impl Into<snug_graph::Target>,
         dtype: snug_graph::DType,
     ) -> Result<crate::ModelGraph, NnError> {
         self.validate()?;
         crate::gpt::check_batch_seq(batch, seq, self.max_seq, "max_position_embeddings")?;
-        crate::gpt::loss_graph(batch, seq, threads, |g, tokens| {
+        crate::gpt::loss_graph(batch, seq, target.into(), |g, tokens| {
             self.trunk(g, tokens, dtype)
         })
     }

@@ -300,12 +300,12 @@ impl ModelConfig {
         &self,
         batch: usize,
         seq: usize,
-        threads: usize,
+        target: impl Into<snug_graph::Target>,
         dtype: snug_graph::DType,
     ) -> Result<crate::ModelGraph, NnError> {
         match self {
-            ModelConfig::Gpt(c) => c.build_with_dtype(batch, seq, threads, dtype),
-            ModelConfig::Llama(c) => c.build(batch, seq, threads, dtype),
+            ModelConfig::Gpt(c) => c.build_with_dtype(batch, seq, target, dtype),
+            ModelConfig::Llama(c) => c.build(batch, seq, target, dtype),
         }
     }
 
@@ -315,18 +315,18 @@ impl ModelConfig {
         &self,
         batch: usize,
         seq: usize,
-        threads: usize,
+        target: impl Into<snug_graph::Target>,
     ) -> Result<crate::InferenceGraph, NnError> {
         self.validate()?;
         let dtype = snug_graph::DType::F32;
         match self {
             ModelConfig::Gpt(c) => {
                 crate::gpt::check_batch_seq(batch, seq, c.block_size, "block_size")?;
-                crate::gpt::logits_graph(batch, seq, threads, |g, t| c.trunk(g, t, dtype))
+                crate::gpt::logits_graph(batch, seq, target.into(), |g, t| c.trunk(g, t, dtype))
             }
             ModelConfig::Llama(c) => {
                 crate::gpt::check_batch_seq(batch, seq, c.max_seq, "max_position_embeddings")?;
-                crate::gpt::logits_graph(batch, seq, threads, |g, t| c.trunk(g, t, dtype))
+                crate::gpt::logits_graph(batch, seq, target.into(), |g, t| c.trunk(g, t, dtype))
             }
         }
     }

@@ -1856,3 +1856,47 @@ fn large_llama_ops_through_the_parallel_kernel_paths() {
     let y = c.op(Rope::new(5, 64, 10_000.0), &[x]);
     c.check(y);
 }
+
+/// A graph planned for another CPU target runs here: the GELU + linear backward takes its row
+/// tile from the workspace the plan gave it (sized for that target's GEMM), so every target's
+/// plan gives the same numbers (the weight gradient's tile sums in another order: close, not
+/// bitwise).
+#[test]
+fn gelu_linear_backward_runs_any_targets_plan() {
+    use snug_graph::{CpuGemm, Target};
+    // Enough rows that the targets tile them differently (2^20 elements per tile at most).
+    let (rows, k, n) = (2048, 1536, 24);
+    let run = |gemm: CpuGemm| -> (usize, Vec<Vec<f32>>) {
+        let mut g = Graph::new().with_target(Target { threads: 2, gemm });
+        let mut feed = Inputs::default();
+        let h = feed.f32(&mut g, &[rows, k]);
+        let (w, dy) = (feed.f32(&mut g, &[k, n]), feed.f32(&mut g, &[rows, n]));
+        let outs = g
+            .apply(GeluLinearBackward { approx: GeluApprox::Tanh }, &[h, w, dy])
+            .unwrap();
+        for &o in &outs {
+            g.mark_output(o);
+        }
+        let ws = g.nodes().last().and_then(|nd| nd.workspace).unwrap();
+        let ws_bytes = g.tensor(ws).size_bytes();
+        let memory = plan(&g, &PlanOptions::default()).unwrap();
+        let mut s = CpuSession::new(g, memory, Allocator::default(), 2).unwrap();
+        for (t, v) in &feed.f32s {
+            s.write_f32(*t, v).unwrap();
+        }
+        s.run(ExecCtx::default()).unwrap();
+        let values = outs.iter().map(|&o| s.read_f32(o).unwrap().to_vec()).collect();
+        (ws_bytes, values)
+    };
+    let (ws512, a) = run(CpuGemm::Avx512);
+    let (ws2, b) = run(CpuGemm::Avx2);
+    let (_, c) = run(CpuGemm::Portable);
+    assert_ne!(ws512, ws2, "the targets should tile differently");
+    for other in [&b, &c] {
+        for (x, y) in a.iter().zip(other.iter()) {
+            for (p, q) in x.iter().zip(y) {
+                assert!((p - q).abs() <= 1e-4 * (1.0 + p.abs()), "{p} vs {q}");
+            }
+        }
+    }
+}

@@ -64,7 +64,8 @@ impl OpRule for CausalAttention {
     }
 
     /// One head's scratch per thread.
-    fn workspace_elems(&self, inputs: &[&TensorMeta], threads: usize) -> usize {
+    fn workspace_elems(&self, inputs: &[&TensorMeta], target: &crate::Target) -> usize {
+        let threads = target.threads;
         dims(self.name(), &inputs[0].shape, self.n_head)
             .map_or(0, |(_, t, _, d)| threads * forward_scratch(t, d))
     }
@@ -144,7 +145,8 @@ impl OpRule for CausalAttentionBackward {
     }
 
     /// One head's scratch per thread.
-    fn workspace_elems(&self, inputs: &[&TensorMeta], threads: usize) -> usize {
+    fn workspace_elems(&self, inputs: &[&TensorMeta], target: &crate::Target) -> usize {
+        let threads = target.threads;
         dims(self.name(), &inputs[0].shape, self.n_head)
             .map_or(0, |(_, t, _, d)| threads * backward_scratch(t, d))
     }

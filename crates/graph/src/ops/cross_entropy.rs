@@ -44,7 +44,7 @@ impl OpRule for CrossEntropy {
     }
 
     /// One loss per row, summed in a fixed order so that runs are bit-reproducible.
-    fn workspace_elems(&self, inputs: &[&TensorMeta], _threads: usize) -> usize {
+    fn workspace_elems(&self, inputs: &[&TensorMeta], _target: &crate::Target) -> usize {
         inputs[0].shape[0]
     }
 

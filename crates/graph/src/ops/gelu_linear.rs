@@ -8,7 +8,7 @@
 //! Per MLP that is one `rows × 4·width` activation less to hold and two passes over it less.
 
 use super::{
-    expect_arity, float_dtype, gemm_depth_block, linear_dims, shape_err, tile_rows,
+    expect_arity, float_dtype, linear_dims, shape_err, tile_rows,
     tile_rows_in_blocks, GeluApprox, OpRule, OutSpec, SumTo,
 };
 use crate::autodiff::GradCtx;
@@ -23,9 +23,10 @@ const TILE_ELEMS: usize = 1 << 21;
 /// revisiting the weight gradient a few more times (char-small: eight tiles of 512 rows).
 const BACKWARD_TILE_ELEMS: usize = 1 << 20;
 
-/// Rows of the backward's tile: the weight gradient is summed over tiles.
-fn backward_tile_rows(rows: usize, k: usize) -> usize {
-    tile_rows_in_blocks(rows, k, BACKWARD_TILE_ELEMS, gemm_depth_block())
+/// Rows of the backward's tile on a target whose GEMM sums `depth_block` at a time: the
+/// weight gradient is summed over tiles.
+fn backward_tile_rows(rows: usize, k: usize, depth_block: usize) -> usize {
+    tile_rows_in_blocks(rows, k, BACKWARD_TILE_ELEMS, depth_block)
 }
 
 /// Inputs `[h, w, b]` with `h: [.., k]`, `w: [k, n]`, `b: [n]`; output `[.., n]`.
@@ -83,7 +84,7 @@ impl OpRule for GeluLinear {
         Ok(())
     }
 
-    fn workspace_elems(&self, inputs: &[&TensorMeta], _threads: usize) -> usize {
+    fn workspace_elems(&self, inputs: &[&TensorMeta], _target: &crate::Target) -> usize {
         linear_dims(self.name(), &inputs[0].shape, &inputs[1].shape)
             .map_or(0, |(rows, k, _)| tile_rows(rows, k, TILE_ELEMS) * k)
     }
@@ -137,9 +138,11 @@ impl OpRule for GeluLinearBackward {
         })
     }
 
-    fn workspace_elems(&self, inputs: &[&TensorMeta], _threads: usize) -> usize {
+    fn workspace_elems(&self, inputs: &[&TensorMeta], target: &crate::Target) -> usize {
         linear_dims(self.name(), &inputs[0].shape, &inputs[1].shape)
-            .map_or(0, |(rows, k, _)| backward_tile_rows(rows, k) * k)
+            .map_or(0, |(rows, k, _)| {
+                backward_tile_rows(rows, k, target.gemm.depth_block()) * k
+            })
     }
 
     /// `dh` may be written over `h`: the kernel reads each element of `h` before writing it.
@@ -216,7 +219,8 @@ fn backward<const TANH: bool>(kern: &super::Kernel<'_>) {
     };
     let (dh, dw, ws) = (kern.out_f32(0), kern.out_f32(1), kern.workspace());
     let threads = rayon::current_num_threads();
-    let tile = backward_tile_rows(rows, k);
+    // The tile the plan sized the workspace for (on its target, not necessarily this CPU).
+    let tile = (ws.len() / k.max(1)).clamp(1, rows.max(1));
     for r0 in (0..rows).step_by(tile) {
         let r1 = (r0 + tile).min(rows);
         let (t, dyt) = (&mut ws[..(r1 - r0) * k], &dy[r0 * n..r1 * n]);

@@ -102,7 +102,7 @@ impl OpRule for LayerNormLinear {
         Ok(())
     }
 
-    fn workspace_elems(&self, inputs: &[&TensorMeta], _threads: usize) -> usize {
+    fn workspace_elems(&self, inputs: &[&TensorMeta], _target: &crate::Target) -> usize {
         tile_elems(inputs, 3, FORWARD_TILE_ELEMS)
     }
 
@@ -174,7 +174,8 @@ impl OpRule for LayerNormLinearBackward {
     /// One tile of rows (the norm's output gradient, and where our GEMM does not run the
     /// weight gradient, the normalised rows before it), then one partial `d_ln_w` and
     /// `d_ln_b` per thread.
-    fn workspace_elems(&self, inputs: &[&TensorMeta], threads: usize) -> usize {
+    fn workspace_elems(&self, inputs: &[&TensorMeta], target: &crate::Target) -> usize {
+        let threads = target.threads;
         tile_elems(inputs, 5, TILE_ELEMS) + 2 * threads.max(1) * inputs[1].numel()
     }
 

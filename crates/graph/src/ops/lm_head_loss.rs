@@ -89,7 +89,7 @@ impl OpRule for LmHeadLoss {
 
     /// One tile of logits, each tile row's running sum and target logit, and one loss per
     /// token (summed in a fixed order: bit-reproducible).
-    fn workspace_elems(&self, inputs: &[&TensorMeta], _threads: usize) -> usize {
+    fn workspace_elems(&self, inputs: &[&TensorMeta], _target: &crate::Target) -> usize {
         let (n, v) = (inputs[0].shape[0], head_vocab(self.tb, inputs[1]));
         let (rows, cols) = tile(self.rows, self.cols, n, v);
         rows * cols + 2 * rows + n
@@ -196,7 +196,7 @@ impl OpRule for LmHeadLossBackward {
 
     /// One tile of logits; where a tile spans part of the vocabulary, also its rows' `dx`,
     /// summed over the vocabulary's blocks before it is written.
-    fn workspace_elems(&self, inputs: &[&TensorMeta], _threads: usize) -> usize {
+    fn workspace_elems(&self, inputs: &[&TensorMeta], _target: &crate::Target) -> usize {
         let (n, v) = (inputs[0].shape[0], head_vocab(self.tb, inputs[1]));
         let (rows, cols) = tile(self.rows, self.cols, n, v);
         rows * cols

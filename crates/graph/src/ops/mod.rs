@@ -116,7 +116,7 @@ pub trait OpRule {
     fn backward(&self, ctx: &mut GradCtx<'_>) -> Result<()>;
 
     /// Scratch elements (f32) the kernel needs when run with `threads` workers.
-    fn workspace_elems(&self, _inputs: &[&TensorMeta], _threads: usize) -> usize {
+    fn workspace_elems(&self, _inputs: &[&TensorMeta], _target: &crate::Target) -> usize {
         0
     }
 
@@ -221,8 +221,8 @@ impl Op {
     pub fn backward(&self, ctx: &mut GradCtx<'_>) -> Result<()> {
         self.rule().backward(ctx)
     }
-    pub fn workspace_elems(&self, inputs: &[&TensorMeta], threads: usize) -> usize {
-        self.rule().workspace_elems(inputs, threads)
+    pub fn workspace_elems(&self, inputs: &[&TensorMeta], target: &crate::Target) -> usize {
+        self.rule().workspace_elems(inputs, target)
     }
     pub fn mutates_inputs(&self) -> &'static [usize] {
         self.rule().mutates_inputs()
@@ -298,7 +298,7 @@ pub(crate) fn tile_rows(rows: usize, k: usize, max_elems: usize) -> usize {
 }
 
 /// [`tile_rows`] for an op that sums a weight gradient over its row tiles: where a tile holds
-/// at least `block` rows (our GEMM's inner-dimension block, [`gemm_depth_block`]), it holds a
+/// at least `block` rows (the target GEMM's depth block, [`crate::CpuGemm::depth_block`]), it holds a
 /// whole number of them, so each tile's product is whole passes over the gradient (char-small's
 /// MLP: eight tiles of 512 rows, 8 passes, rather than seven of 586, 14 passes).
 pub(crate) fn tile_rows_in_blocks(rows: usize, k: usize, max_elems: usize, block: usize) -> usize {
@@ -309,22 +309,6 @@ pub(crate) fn tile_rows_in_blocks(rows: usize, k: usize, max_elems: usize, block
         most
     };
     tile_rows(rows, k, most * k.max(1))
-}
-
-/// The depth our GEMM sums in one pass over its output on this CPU (its register tile's `KC`),
-/// or 0 where the gemm crate runs products.
-pub(crate) fn gemm_depth_block() -> usize {
-    #[cfg(all(feature = "cpu", target_arch = "x86_64"))]
-    {
-        use gemm_blocked::Tile;
-        if gemm_avx512::Avx512::available() {
-            return gemm_avx512::Avx512::KC;
-        }
-        if gemm_avx2::Avx2::available() {
-            return gemm_avx2::Avx2::KC;
-        }
-    }
-    0
 }
 
 pub(crate) fn shape_err(op: &'static str, detail: impl Into<String>) -> crate::GraphError {
@@ -398,5 +382,18 @@ mod tests {
         assert_eq!(tile_rows_in_blocks(4096, 1536, 1 << 20, 0), 586);
         // Fewer rows than a tile holds: one tile.
         assert_eq!(tile_rows_in_blocks(100, 1536, 1 << 20, 512), 100);
+    }
+}
+
+#[cfg(all(test, feature = "cpu", target_arch = "x86_64"))]
+mod target_tests {
+    use super::gemm_blocked::Tile;
+    use crate::CpuGemm;
+
+    /// The planner's depth blocks are the register tiles' own.
+    #[test]
+    fn depth_blocks_match_the_kernels() {
+        assert_eq!(CpuGemm::Avx512.depth_block(), super::gemm_avx512::Avx512::KC);
+        assert_eq!(CpuGemm::Avx2.depth_block(), super::gemm_avx2::Avx2::KC);
     }
 }

@@ -131,7 +131,8 @@ impl OpRule for RmsNormBackward {
     }
 
     /// One partial `dw` per thread, summed at the end.
-    fn workspace_elems(&self, inputs: &[&TensorMeta], threads: usize) -> usize {
+    fn workspace_elems(&self, inputs: &[&TensorMeta], target: &crate::Target) -> usize {
+        let threads = target.threads;
         threads.max(1) * inputs[2].numel()
     }
 

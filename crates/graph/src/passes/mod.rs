@@ -110,7 +110,7 @@ pub(crate) fn rewrite(
     skip: &[bool],
     same: Option<&[TensorId]>,
 ) -> Result<Rewritten> {
-    let mut new = Graph::new().with_threads(old.threads());
+    let mut new = Graph::new().with_target(old.target());
     let mut map: Vec<Option<TensorId>> = vec![None; old.tensors().len()];
     let copy_leaf =
         |new: &mut Graph, map: &mut Vec<Option<TensorId>>, t: TensorId| -> Result<TensorId> {
