@@ -114,10 +114,7 @@ impl Checkpoint {
             path: path.to_path_buf(),
             detail,
         };
-        let bytes = fs::read(path).map_err(|source| TrainError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let bytes = read_whole(path)?;
         let st = snug_nn::safetensors_file::deserialize(&bytes)
             .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
         // The header parsed above; read again for its metadata, which `SafeTensors` keeps private.
@@ -225,6 +222,46 @@ impl Checkpoint {
             loss_scale,
         })
     }
+}
+
+/// The bytes of the checkpoint file `path`. Only a regular file is opened (a FIFO would block
+/// `open` and a device never ends), and no more is read than its size in the metadata: a
+/// checkpoint is as large as it is, but a file that grows while read is not a checkpoint.
+fn read_whole(path: &Path) -> Result<Vec<u8>, TrainError> {
+    use std::io::Read;
+    let io = |source| TrainError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let size = crate::user_file::check_regular(path)?;
+    let file = File::open(path).map_err(io)?;
+    let mut bytes = Vec::new();
+    // An allocation that cannot succeed is an error naming the file, not an abort.
+    usize::try_from(size)
+        .ok()
+        .and_then(|n| bytes.try_reserve_exact(n).ok())
+        .ok_or_else(|| TrainError::Checkpoint {
+            path: path.to_path_buf(),
+            detail: format!("{size} bytes do not fit in memory"),
+        })?;
+    // One byte past the size tells a file that grew from one that is whole.
+    file.take(size.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(io)?;
+    if bytes.len() as u64 != size {
+        return Err(TrainError::Checkpoint {
+            path: path.to_path_buf(),
+            detail: format!(
+                "changed while it was read: {size} bytes when opened, {} read",
+                if bytes.len() as u64 > size {
+                    "more".to_string()
+                } else {
+                    bytes.len().to_string()
+                }
+            ),
+        });
+    }
+    Ok(bytes)
 }
 
 /// A checkpoint whose tensors are borrowed (from a live session), so saving copies nothing.
