@@ -1,8 +1,9 @@
-//! `snug plan`: the memory plan of one training step, from shapes alone.
+//! `snug plan`: the memory plan of one training step, or with `--inference` of sampling, from
+//! shapes alone.
 
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::Args;
 use serde::Serialize;
 use snug_graph::DType;
@@ -24,6 +25,16 @@ pub struct PlanArgs {
     /// some fused ops' tiles, hence their scratch).
     #[arg(long, value_name = "GEMM")]
     target_cpu: Option<snug_graph::CpuGemm>,
+    /// Plan sampling instead of a training step: the graph `snug sample` runs on a checkpoint
+    /// trained with these flags (batch 1 over the model's context, f32, no gradients or
+    /// optimizer state; the training flags --batch, --block, --precision, --remat, --passes
+    /// and --optimizer do not apply).
+    #[arg(long)]
+    inference: bool,
+    /// With --inference: plan one KV-cache decode step. Refused for now: snug's sampler has no
+    /// KV cache and recomputes the whole window for every token.
+    #[arg(long, requires = "inference")]
+    kv_cache: bool,
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
@@ -79,15 +90,58 @@ struct PassSaving {
     saved_bytes: i64,
 }
 
+/// `snug plan --inference --json`: the plan `snug sample` holds, in exact bytes.
+#[derive(Serialize)]
+struct InferenceReport {
+    preset: String,
+    model: ModelConfig,
+    /// Always 1: the sampler generates one sequence.
+    batch: usize,
+    /// Positions of the window every new token's forward pass runs over (the model's context).
+    window: usize,
+    threads: usize,
+    /// Always false: the sampler recomputes the window for each token.
+    kv_cache: bool,
+    parameters: usize,
+    nodes: usize,
+    tensors: usize,
+    /// One forward pass over the window, which each generated token costs.
+    flops_per_token: u64,
+    peak_bytes: usize,
+    persistent_bytes: usize,
+    arena_bytes: usize,
+    lower_bound_bytes: usize,
+    arena_over_lower_bound: f64,
+    breakdown: Breakdown,
+    schedule: ScheduleKind,
+    program_order_peak_bytes: usize,
+    strategy: Strategy,
+    strategy_arenas: Vec<(Strategy, usize)>,
+    peak: PeakInfo,
+    timeline: Vec<usize>,
+    plan_ms: f64,
+}
+
 pub fn run(args: PlanArgs) -> Result<()> {
     let start = Instant::now();
     if args.model.batch_auto() {
         anyhow::bail!("--batch auto needs a memory budget: use it with `snug fit --memory SIZE` or `snug train --memory SIZE`");
     }
+    if args.kv_cache {
+        // Refused before any work: planning the windowed graph instead would answer a
+        // different question than the one asked.
+        bail!(
+            "--kv-cache: snug's sampler has no KV cache yet; it recomputes the whole window for \
+             every token, which `snug plan --inference` (without --kv-cache) plans"
+        );
+    }
     let (model, train) = args.model.sections();
     let cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
     // The same data, hence the same vocabulary, that `snug train` would load.
     let (_, gpt) = cfg.load_data_and_model()?;
+    if args.inference {
+        return run_inference(&args, &cfg, &gpt, start);
+    }
     let target = snug_graph::Target {
         threads: cfg.threads,
         gemm: args.target_cpu.unwrap_or_else(snug_graph::CpuGemm::host),
@@ -126,8 +180,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     }
     let peak_of = |c: &snug_train::TrainConfig| -> Result<usize> {
         let step =
-            snug_fit::compile_step(&gpt, c.micro_batch(), c.block, target, &c.step_config())?
-                .step;
+            snug_fit::compile_step(&gpt, c.micro_batch(), c.block, target, &c.step_config())?.step;
         Ok(plan(&step.graph, &PlanOptions::default())?.peak_bytes())
     };
     let mut pass_savings = Vec::new();
@@ -231,6 +284,68 @@ pub fn run(args: PlanArgs) -> Result<()> {
     if let Some(ms) = report.predicted_step_ms {
         println!("predicted step time {ms:.1} ms (fit's cost model, this machine's calibration)");
     }
+    println!("planned in {plan_ms:.1} ms, no tensor allocated");
+    if args.table {
+        print!("{}", memory_plan.table());
+    }
+    Ok(())
+}
+
+/// Plans what `snug sample` would hold for the model of `cfg`: the sampler's own planning
+/// function, on the model a run trained with these flags saves.
+fn run_inference(
+    args: &PlanArgs,
+    cfg: &TrainConfig,
+    model: &ModelConfig,
+    start: Instant,
+) -> Result<()> {
+    let (g, memory_plan) = snug_train::sample::plan_inference(model, cfg.threads)?;
+    let plan_ms = start.elapsed().as_secs_f64() * 1e3;
+    let report = InferenceReport {
+        preset: cfg.model.preset.clone().unwrap_or_default(),
+        model: model.clone(),
+        batch: 1,
+        window: model.max_seq(),
+        threads: cfg.threads,
+        kv_cache: false,
+        parameters: model.parameter_count(),
+        nodes: g.graph.nodes().len(),
+        tensors: g.graph.tensors().len(),
+        flops_per_token: g.graph.flops(),
+        peak_bytes: memory_plan.peak_bytes(),
+        persistent_bytes: memory_plan.persistent_bytes,
+        arena_bytes: memory_plan.arena_bytes,
+        lower_bound_bytes: memory_plan.lower_bound_bytes,
+        arena_over_lower_bound: 1.0 + memory_plan.fragmentation(),
+        breakdown: memory_plan.breakdown.clone(),
+        schedule: memory_plan.schedule_kind,
+        program_order_peak_bytes: memory_plan.program_order_peak_bytes,
+        strategy: memory_plan.strategy,
+        strategy_arenas: memory_plan.strategy_arenas.clone(),
+        peak: memory_plan.peak.clone(),
+        timeline: memory_plan.timeline.clone(),
+        plan_ms,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!(
+        "model {} ({}): {} parameters ({} at f32)",
+        report.preset,
+        model.summary(),
+        report.parameters,
+        human_bytes(report.parameters * 4),
+    );
+    println!(
+        "inference (snug sample): batch 1 x window {} positions, f32, {} threads, no KV cache \
+         (each token runs the whole window); {} nodes, {:.3} GFLOP per token",
+        report.window,
+        report.threads,
+        report.nodes,
+        report.flops_per_token as f64 / 1e9
+    );
+    print!("{memory_plan}");
     println!("planned in {plan_ms:.1} ms, no tensor allocated");
     if args.table {
         print!("{}", memory_plan.table());

@@ -311,6 +311,8 @@ pub fn load_gpt2_safetensors(
     cfg: &GptConfig,
 ) -> Result<Vec<(String, Vec<f32>)>, NnError> {
     cfg.validate()?;
+    // Before opening: a FIFO would block `open`, and a device's length is no bound.
+    crate::model::regular_file_len(path).map_err(|e| file_error(path, e))?;
     let file = File::open(path).map_err(|e| file_error(path, e))?;
     let len = file.metadata().map_err(|e| file_error(path, e))?.len();
     // Mapping avoids holding a second copy of a multi-gigabyte file while it is converted.

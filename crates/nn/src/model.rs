@@ -14,10 +14,7 @@ const MAX_HF_CONFIG_BYTES: u64 = 16 << 20;
 /// before opening: opening a FIFO waits for a writer, and `/dev/zero` never ends.
 fn read_config_text(path: &Path) -> Result<String, String> {
     use std::io::Read;
-    let meta = std::fs::metadata(path).map_err(|e| e.to_string())?;
-    if !meta.is_file() {
-        return Err(format!("is {}, not a regular file", kind(meta.file_type())));
-    }
+    regular_file_len(path)?;
     let mut text = String::new();
     std::fs::File::open(path)
         .and_then(|f| f.take(MAX_HF_CONFIG_BYTES + 1).read_to_string(&mut text))
@@ -28,6 +25,18 @@ fn read_config_text(path: &Path) -> Result<String, String> {
         ));
     }
     Ok(text)
+}
+
+/// The size of `path` if it is a regular file (after symbolic links), else why not. Checked on
+/// the path, before opening: opening a FIFO for reading waits for a writer, and a device such
+/// as `/dev/zero` never ends. (snug-train's `user_file::check_regular` is the same check for
+/// the files it reads; this crate cannot depend on it.)
+pub(crate) fn regular_file_len(path: &Path) -> Result<u64, String> {
+    let meta = std::fs::metadata(path).map_err(|e| e.to_string())?;
+    if !meta.is_file() {
+        return Err(format!("is {}, not a regular file", kind(meta.file_type())));
+    }
+    Ok(meta.len())
 }
 
 /// What a file that is not a regular file is, in words.

@@ -1872,7 +1872,12 @@ fn gelu_linear_backward_runs_any_targets_plan() {
         let h = feed.f32(&mut g, &[rows, k]);
         let (w, dy) = (feed.f32(&mut g, &[k, n]), feed.f32(&mut g, &[rows, n]));
         let outs = g
-            .apply(GeluLinearBackward { approx: GeluApprox::Tanh }, &[h, w, dy])
+            .apply(
+                GeluLinearBackward {
+                    approx: GeluApprox::Tanh,
+                },
+                &[h, w, dy],
+            )
             .unwrap();
         for &o in &outs {
             g.mark_output(o);
@@ -1885,7 +1890,10 @@ fn gelu_linear_backward_runs_any_targets_plan() {
             s.write_f32(*t, v).unwrap();
         }
         s.run(ExecCtx::default()).unwrap();
-        let values = outs.iter().map(|&o| s.read_f32(o).unwrap().to_vec()).collect();
+        let values = outs
+            .iter()
+            .map(|&o| s.read_f32(o).unwrap().to_vec())
+            .collect();
         (ws_bytes, values)
     };
     let (ws512, a) = run(CpuGemm::Avx512);

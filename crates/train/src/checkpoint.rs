@@ -114,10 +114,7 @@ impl Checkpoint {
             path: path.to_path_buf(),
             detail,
         };
-        let bytes = fs::read(path).map_err(|source| TrainError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let bytes = read_whole(path)?;
         let st = snug_nn::safetensors_file::deserialize(&bytes)
             .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
         // The header parsed above; read again for its metadata, which `SafeTensors` keeps private.
@@ -225,6 +222,46 @@ impl Checkpoint {
             loss_scale,
         })
     }
+}
+
+/// The bytes of the checkpoint file `path`. Only a regular file is opened (a FIFO would block
+/// `open` and a device never ends), and no more is read than its size in the metadata: a
+/// checkpoint is as large as it is, but a file that grows while read is not a checkpoint.
+fn read_whole(path: &Path) -> Result<Vec<u8>, TrainError> {
+    use std::io::Read;
+    let io = |source| TrainError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let size = crate::user_file::check_regular(path)?;
+    let file = File::open(path).map_err(io)?;
+    let mut bytes = Vec::new();
+    // An allocation that cannot succeed is an error naming the file, not an abort.
+    usize::try_from(size)
+        .ok()
+        .and_then(|n| bytes.try_reserve_exact(n).ok())
+        .ok_or_else(|| TrainError::Checkpoint {
+            path: path.to_path_buf(),
+            detail: format!("{size} bytes do not fit in memory"),
+        })?;
+    // One byte past the size tells a file that grew from one that is whole.
+    file.take(size.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(io)?;
+    if bytes.len() as u64 != size {
+        return Err(TrainError::Checkpoint {
+            path: path.to_path_buf(),
+            detail: format!(
+                "changed while it was read: {size} bytes when opened, {} read",
+                if bytes.len() as u64 > size {
+                    "more".to_string()
+                } else {
+                    bytes.len().to_string()
+                }
+            ),
+        });
+    }
+    Ok(bytes)
 }
 
 /// A checkpoint whose tensors are borrowed (from a live session), so saving copies nothing.
@@ -468,14 +505,15 @@ impl CheckpointDir {
         Ok(path)
     }
 
-    /// The newest checkpoint that loads; a damaged newer file is skipped with a warning.
+    /// The newest checkpoint that loads; a newer file that does not (damaged, or not a regular
+    /// file) is skipped with a warning.
     pub fn load_latest(&self) -> Result<(PathBuf, Checkpoint), TrainError> {
         let mut errors = Vec::new();
         for (_, path) in self.list()?.into_iter().rev() {
             match Checkpoint::load(&path) {
                 Ok(c) => {
                     for e in &errors {
-                        tracing::warn!("skipped a damaged checkpoint: {e}");
+                        tracing::warn!("skipped a checkpoint that does not load: {e}");
                     }
                     return Ok((path, c));
                 }
@@ -499,5 +537,41 @@ pub fn load(path: &Path) -> Result<(PathBuf, Checkpoint), TrainError> {
         CheckpointDir::open(path)?.load_latest()
     } else {
         Ok((path.to_path_buf(), Checkpoint::load(path)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A FIFO or device is refused by its type before it is opened (opening a FIFO would wait
+    /// for a writer), and a file whose metadata understates its size is read no further than
+    /// that size.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn only_regular_files_are_read_and_no_more_than_their_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("ckpt-00000001.safetensors");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        for path in [fifo.as_path(), Path::new("/dev/zero")] {
+            let err = Checkpoint::load(path).unwrap_err();
+            assert!(
+                matches!(&err, TrainError::NotAFile { path: p, .. } if p == path),
+                "{err:?}"
+            );
+        }
+        // The directory's only checkpoint is the FIFO: nothing loads, and it says why.
+        let err = load(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("FIFO"), "{err}");
+
+        // `/proc` files say 0 bytes and hold more.
+        let maps = Path::new("/proc/self/maps");
+        let err = Checkpoint::load(maps).unwrap_err();
+        assert!(
+            matches!(&err, TrainError::Checkpoint { detail, .. } if detail.contains("changed while it was read")),
+            "{err:?}"
+        );
     }
 }

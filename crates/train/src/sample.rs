@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use snug_graph::TensorId;
-use snug_nn::ModelConfig;
+use snug_nn::{InferenceGraph, ModelConfig};
 use snug_plan::{plan, MemoryPlan, PlanOptions};
 use snug_runtime::{Allocator, CpuSession, ExecCtx};
 
@@ -62,6 +62,18 @@ impl SampleOptions {
 /// work rather than a run that never ends or an allocation that cannot succeed.
 pub const MAX_NEW_TOKENS: usize = 1_000_000;
 
+/// The graph a [`Sampler`] for `model` runs (batch 1 over the model's whole window, f32, no
+/// gradients or optimizer state) and its memory plan. `snug plan --inference` plans sampling
+/// through this same function, so its prediction is the plan the sampler then holds.
+pub fn plan_inference(
+    model: &ModelConfig,
+    threads: usize,
+) -> Result<(InferenceGraph, MemoryPlan), TrainError> {
+    let g = model.build_inference(1, model.max_seq(), threads.max(1))?;
+    let memory_plan = plan(&g.graph, &PlanOptions::default())?;
+    Ok((g, memory_plan))
+}
+
 /// A model loaded for generation: its planned inference graph in a [`CpuSession`].
 pub struct Sampler {
     session: CpuSession,
@@ -82,7 +94,8 @@ impl Sampler {
     ) -> Result<Sampler, TrainError> {
         let threads = threads.max(1);
         let window = model.max_seq();
-        let g = model.build_inference(1, window, threads)?;
+        // Planning allocates nothing, so the weights are still checked before any allocation.
+        let (g, memory_plan) = plan_inference(model, threads)?;
         // Check the weights before allocating anything for them.
         let mut values: HashMap<&str, &[f32]> = HashMap::with_capacity(params.len());
         for (name, v) in params {
@@ -109,7 +122,6 @@ impl Sampler {
                 detail: format!("`{name}` is not a parameter of this model"),
             });
         }
-        let memory_plan = plan(&g.graph, &PlanOptions::default())?;
         let mut session = CpuSession::new(g.graph, memory_plan, allocator, threads)?;
         for (id, v) in ordered {
             // A wrong length is a typed error naming the tensor.

@@ -8,8 +8,8 @@
 //! Per MLP that is one `rows × 4·width` activation less to hold and two passes over it less.
 
 use super::{
-    expect_arity, float_dtype, linear_dims, shape_err, tile_rows,
-    tile_rows_in_blocks, GeluApprox, OpRule, OutSpec, SumTo,
+    expect_arity, float_dtype, linear_dims, shape_err, tile_rows, tile_rows_in_blocks, GeluApprox,
+    OpRule, OutSpec, SumTo,
 };
 use crate::autodiff::GradCtx;
 use crate::tensor::TensorMeta;
@@ -139,10 +139,9 @@ impl OpRule for GeluLinearBackward {
     }
 
     fn workspace_elems(&self, inputs: &[&TensorMeta], target: &crate::Target) -> usize {
-        linear_dims(self.name(), &inputs[0].shape, &inputs[1].shape)
-            .map_or(0, |(rows, k, _)| {
-                backward_tile_rows(rows, k, target.gemm.depth_block()) * k
-            })
+        linear_dims(self.name(), &inputs[0].shape, &inputs[1].shape).map_or(0, |(rows, k, _)| {
+            backward_tile_rows(rows, k, target.gemm.depth_block()) * k
+        })
     }
 
     /// `dh` may be written over `h`: the kernel reads each element of `h` before writing it.

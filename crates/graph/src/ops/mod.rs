@@ -393,7 +393,10 @@ mod target_tests {
     /// The planner's depth blocks are the register tiles' own.
     #[test]
     fn depth_blocks_match_the_kernels() {
-        assert_eq!(CpuGemm::Avx512.depth_block(), super::gemm_avx512::Avx512::KC);
+        assert_eq!(
+            CpuGemm::Avx512.depth_block(),
+            super::gemm_avx512::Avx512::KC
+        );
         assert_eq!(CpuGemm::Avx2.depth_block(), super::gemm_avx2::Avx2::KC);
     }
 }
