@@ -4,11 +4,10 @@
 //! kernel's accounting of it).
 #![cfg(unix)]
 
-use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use snug_testkit::bounded::{self, Ended, Limits};
+use snug_testkit::bounded::{self, mkfifo, Ended, Limits};
 
 /// Longest any of these runs may take; the child is killed (and the test fails) after it.
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -41,13 +40,6 @@ fn refused(args: &[&str], needles: &[&str]) -> Ended {
     let e = run(args);
     bounded::assert_refused(&e, &format!("snug {args:?}"), needles, RSS_BOUND);
     e
-}
-
-fn mkfifo(path: &Path) {
-    let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
-    // SAFETY: a valid NUL-terminated path.
-    let r = unsafe { libc::mkfifo(c.as_ptr(), 0o600) };
-    assert_eq!(r, 0, "mkfifo: {}", std::io::Error::last_os_error());
 }
 
 /// `--tokens` beyond what one run generates is refused before any work: today's largest

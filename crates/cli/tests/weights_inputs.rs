@@ -3,64 +3,32 @@
 //! them by type, quickly, with the path in the error and exit 1 (no panic, no hang).
 #![cfg(unix)]
 
-use std::io::Read;
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
+
+use snug_testkit::bounded::{self, mkfifo, Ended, Limits};
 
 /// Longest any of these runs may take; the child is killed (and the test fails) after it.
 const TIMEOUT: Duration = Duration::from_secs(20);
 
-struct Ended {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-}
-
 /// Runs `snug args` in `cwd`, killing it (and failing) after [`TIMEOUT`].
 fn run(cwd: &Path, args: &[&str]) -> Ended {
-    let start = Instant::now();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_snug"))
-        .args(args)
-        .current_dir(cwd)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the snug binary starts");
-    let drain = |mut r: Box<dyn Read + Send>| {
-        std::thread::spawn(move || {
-            let mut s = Vec::new();
-            let _ = r.read_to_end(&mut s);
-            String::from_utf8_lossy(&s).into_owned()
-        })
-    };
-    let out = drain(Box::new(child.stdout.take().unwrap()));
-    let err = drain(Box::new(child.stderr.take().unwrap()));
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("waiting for snug") {
-            break status;
-        }
-        if start.elapsed() > TIMEOUT {
-            let _ = child.kill();
-            let _ = child.wait();
-            let stderr = err.join().unwrap();
-            panic!("snug {args:?} still ran after {TIMEOUT:?}; stderr: {stderr}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    Ended {
-        code: status.code(),
-        stdout: out.join().unwrap(),
-        stderr: err.join().unwrap(),
-    }
-}
-
-fn mkfifo(path: &Path) {
-    let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
-    // SAFETY: a valid NUL-terminated path.
-    let r = unsafe { libc::mkfifo(c.as_ptr(), 0o600) };
-    assert_eq!(r, 0, "mkfifo: {}", std::io::Error::last_os_error());
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_snug"));
+    cmd.args(args).current_dir(cwd);
+    let ended = bounded::run(
+        cmd,
+        Limits {
+            timeout: TIMEOUT,
+            kill_above_rss: 8 << 30,
+        },
+    );
+    assert!(
+        !ended.killed,
+        "snug {args:?} still ran after {TIMEOUT:?}; stderr: {}",
+        ended.stderr
+    );
+    ended
 }
 
 #[test]

@@ -124,3 +124,12 @@ pub fn assert_refused(ended: &Ended, what: &str, needles: &[&str], max_rss_bytes
         ended.max_rss_bytes >> 20
     );
 }
+
+/// Makes a FIFO (named pipe) at `path`: a file whose `open` blocks until a writer comes.
+pub fn mkfifo(path: &std::path::Path) {
+    let c =
+        std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).expect("a path without NUL");
+    // SAFETY: a valid NUL-terminated path.
+    let r = unsafe { libc::mkfifo(c.as_ptr(), 0o600) };
+    assert_eq!(r, 0, "mkfifo: {}", std::io::Error::last_os_error());
+}
