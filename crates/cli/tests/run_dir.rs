@@ -323,3 +323,34 @@ fn a_closed_stdout_stops_the_run_with_its_state_saved() {
     assert_eq!(steps.len(), 1, "{steps:?}");
     assert!(steps[0] >= 1);
 }
+
+#[test]
+fn flags_a_run_cannot_honour_are_named() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let o = train(tmp.path(), &["--steps", "1", "--threads", "100000"]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = stderr(&o);
+    assert!(
+        err.contains("`threads` 100000 is more than this machine's"),
+        "{err}"
+    );
+    assert!(
+        !tmp.path().join("runs").exists(),
+        "a refused run made a directory"
+    );
+    let o = train(tmp.path(), &["--steps", "1", "--out", ""]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("'--out <DIR>'"), "{}", stderr(&o));
+    let toml = tmp.path().join("run.toml");
+    std::fs::write(&toml, "[train]\nout = \"\"\n").expect("a config file");
+    let o = train(
+        tmp.path(),
+        &["--steps", "1", "--config", toml.to_str().expect("UTF-8")],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("`out` is an empty path"),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -253,3 +253,23 @@ fn large_blocks_are_huge_page_mappings_that_come_back_zeroed() {
     let reused = unsafe { std::slice::from_raw_parts(y.as_ptr(), bytes) };
     assert!(reused.iter().all(|&b| b == 0), "reused memory is zeroed");
 }
+
+/// The message says what the figures are in human units, and never prints `usize::MAX` as a
+/// limit when none was set.
+#[test]
+fn out_of_memory_reads_in_human_units() {
+    let oom = |limit| OutOfMemory {
+        requested: 3 << 20,
+        limit,
+        active: 1 << 30,
+        cached: 0,
+        device: Device::Cpu,
+    };
+    assert_eq!(
+        oom(2 << 30).to_string(),
+        "out of memory on cpu: requested 3.00 MiB with 1.00 GiB active and 0 B cached, limit 2.00 GiB"
+    );
+    let none = oom(usize::MAX).to_string();
+    assert!(none.ends_with("no limit set: the system refused"), "{none}");
+    assert!(!none.contains(&usize::MAX.to_string()), "{none}");
+}
