@@ -1,7 +1,7 @@
 //! `snug train`: compile, plan and run the training loop, reporting loss, speed and memory;
 //! evaluate, checkpoint, resume, and stop cleanly on Ctrl-C.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
@@ -743,9 +743,15 @@ pub fn run(args: TrainArgs) -> Result<()> {
     if run.interrupted {
         say!(out, "interrupted: {}", resume_hint(summary.steps));
     } else if let Some(dir) = &cfg.out {
+        // `snug sample` alone picks the newest run under ./runs, which this one now is.
+        let bare = if dir.parent() == Some(Path::new("runs")) {
+            "`snug sample` or "
+        } else {
+            ""
+        };
         say!(
             out,
-            "sample from it with `snug sample --checkpoint {} --prompt TEXT`",
+            "sample from it with {bare}`snug sample --checkpoint {} --prompt TEXT`",
             dir.display()
         );
     }
