@@ -36,7 +36,8 @@ impl Problem {
     /// Whether this pair is held out of every training text.
     pub fn is_held_out(self) -> bool {
         let (lo, hi) = (self.a.min(self.b), self.a.max(self.b));
-        mix(u64::from(lo) * u64::from(OPERAND_LIMIT) + u64::from(hi)) % HELD_OUT_ONE_IN == 0
+        mix(u64::from(lo) * u64::from(OPERAND_LIMIT) + u64::from(hi))
+            .is_multiple_of(HELD_OUT_ONE_IN)
     }
 
     /// `"48+39="`: what the model is given.
