@@ -1,7 +1,7 @@
 //! `snug sample`: generate text from a checkpoint, on the planner's inference plan (no
 //! gradients, no optimizer state).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -9,24 +9,30 @@ use clap::Args;
 use serde::Serialize;
 use snug_plan::memory_plan::human_bytes;
 use snug_runtime::Allocator;
-use snug_train::checkpoint;
+use snug_train::addition;
+use snug_train::checkpoint::{self, CheckpointDir};
+use snug_train::config::DataSourceConfig;
 use snug_train::sample::MAX_NEW_TOKENS;
 use snug_train::{SampleOptions, Sampler, Tokenizer};
 
 #[derive(Args, Debug)]
 pub struct SampleArgs {
-    /// A run directory (its newest checkpoint) or a checkpoint file.
+    /// A run directory (its newest checkpoint) or a checkpoint file. Default: the newest run
+    /// under ./runs (the one whose newest checkpoint was written last), where `snug train`
+    /// saves.
     #[arg(long, value_name = "PATH")]
-    checkpoint: PathBuf,
-    /// Text to continue (empty: start from token 0).
-    #[arg(long, default_value = "")]
-    prompt: String,
+    checkpoint: Option<PathBuf>,
+    /// Text to continue. Default: for a model of the built-in data, a held-out addition
+    /// problem (`48+39=`); otherwise empty (start from token 0).
+    #[arg(long)]
+    prompt: Option<String>,
     /// Tokens to generate (at most 1,000,000).
     #[arg(long, default_value_t = 200)]
     tokens: usize,
-    /// Softmax temperature; 0 picks the most likely token every time.
-    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
-    temperature: f32,
+    /// Softmax temperature; 0 picks the most likely token every time. Default 0.8, and 0 for
+    /// the default addition problem (its answer is exact).
+    #[arg(long, allow_negative_numbers = true)]
+    temperature: Option<f32>,
     /// Sample among the K most likely tokens only.
     #[arg(long)]
     top_k: Option<usize>,
@@ -39,6 +45,9 @@ pub struct SampleArgs {
     #[arg(long)]
     json: bool,
 }
+
+/// Where `snug train` saves runs by default, under the current directory.
+const RUNS_DIR: &str = "runs";
 
 #[derive(Serialize)]
 struct SampleReport {
@@ -61,18 +70,42 @@ pub fn run(args: SampleArgs) -> Result<()> {
             args.tokens
         );
     }
-    let (path, ckpt) = checkpoint::load(&args.checkpoint)?;
+    let from = match &args.checkpoint {
+        Some(p) => p.clone(),
+        None => {
+            let dir = newest_run(Path::new(RUNS_DIR))?;
+            eprintln!(
+                "sampling from {} (the newest run under ./{RUNS_DIR})",
+                dir.display()
+            );
+            dir
+        }
+    };
+    let (path, ckpt) = checkpoint::load(&from)?;
     let tokenizer = Tokenizer::from_spec(&ckpt.tokenizer)?;
     let model = ckpt.model()?;
+    // A model of the built-in data shows what it learned: a sum it never saw, answered greedily.
+    let problem = (args.prompt.is_none() && ckpt.config.data == DataSourceConfig::Addition)
+        .then(|| addition::held_out_problems(1, args.seed).first().copied())
+        .flatten();
+    let (prompt_text, temperature) = match (&args.prompt, problem) {
+        (Some(p), _) => (p.clone(), args.temperature.unwrap_or(0.8)),
+        // After a newline: the start of a line, as every sum in training begins.
+        (None, Some(p)) => (
+            format!("\n{}", p.question()),
+            args.temperature.unwrap_or(0.0),
+        ),
+        (None, None) => (String::new(), args.temperature.unwrap_or(0.8)),
+    };
     let prompt = tokenizer
-        .encode(&args.prompt)
+        .encode(&prompt_text)
         .context("encoding --prompt with the checkpoint's tokenizer")?;
     let allocator = Allocator::default();
     let threads = args.threads.unwrap_or_else(snug_runtime::physical_cores);
     let mut sampler = Sampler::new(&model, &ckpt.parameters(), threads, allocator.clone())
         .with_context(|| format!("loading {}", path.display()))?;
     let opts = SampleOptions {
-        temperature: args.temperature,
+        temperature,
         top_k: args.top_k,
         seed: args.seed,
     };
@@ -83,7 +116,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
     let report = SampleReport {
         checkpoint: path,
         step: ckpt.step,
-        prompt: args.prompt,
+        prompt: prompt_text,
         text,
         tokens: ids.len(),
         ms,
@@ -94,7 +127,8 @@ pub fn run(args: SampleArgs) -> Result<()> {
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        println!("{}{}", report.prompt, report.text);
+        // The default prompt's leading newline only marks a line start for the model.
+        println!("{}{}", report.prompt.trim_start_matches('\n'), report.text);
         eprintln!(
             "({} tokens in {:.0} ms, {:.1} tok/s; {} at step {}; inference plan peak {}, measured {})",
             report.tokens,
@@ -107,4 +141,32 @@ pub fn run(args: SampleArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The run directory under `runs` whose newest checkpoint was modified last.
+fn newest_run(runs: &Path) -> Result<PathBuf> {
+    let none = || {
+        anyhow::anyhow!(
+            "no run under ./{RUNS_DIR}: train one with `snug train`, or give --checkpoint"
+        )
+    };
+    let Ok(entries) = std::fs::read_dir(runs) else {
+        return Err(none());
+    };
+    let mut newest: Option<(std::time::SystemTime, PathBuf)> = None;
+    for dir in entries.filter_map(|e| e.ok()).map(|e| e.path()) {
+        let Ok(list) = CheckpointDir::open(&dir).and_then(|d| d.list()) else {
+            continue;
+        };
+        let modified = list
+            .iter()
+            .filter_map(|(_, p)| p.metadata().and_then(|m| m.modified()).ok())
+            .max();
+        if let Some(t) = modified {
+            if newest.as_ref().is_none_or(|(best, _)| t > *best) {
+                newest = Some((t, dir));
+            }
+        }
+    }
+    newest.map(|(_, dir)| dir).ok_or_else(none)
 }

@@ -1,7 +1,7 @@
 //! `snug train`: compile, plan and run the training loop, reporting loss, speed and memory;
 //! evaluate, checkpoint, resume, and stop cleanly on Ctrl-C.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
@@ -12,9 +12,11 @@ use serde::Serialize;
 use snug_plan::memory_plan::human_bytes;
 use snug_runtime::process::resident_set;
 use snug_runtime::Allocator;
+use snug_train::addition::{self, AdditionScore};
 use snug_train::calibration::{SpeedTracker, StepSpeed};
 use snug_train::checkpoint;
-use snug_train::{Claim, Event, RunDir, TokenDataset, TrainConfig, Trainer};
+use snug_train::config::DataSourceConfig;
+use snug_train::{Claim, Event, RunDir, Sampler, TokenDataset, TrainConfig, Trainer};
 
 use crate::ModelArgs;
 
@@ -143,6 +145,10 @@ struct Summary {
     parameters: usize,
     checkpoint: Option<PathBuf>,
     metrics: Option<PathBuf>,
+    /// On the built-in data: the fraction of held-out additions answered exactly (greedy).
+    addition_accuracy: Option<f64>,
+    /// The held-out additions scored, their time and a few wrong answers.
+    addition: Option<AdditionScore>,
 }
 
 /// Standard output that may close under a run (`snug train | head`): a failed write stops the
@@ -634,7 +640,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
             0.0
         }
     };
-    let summary = Summary {
+    let mut summary = Summary {
         steps: run.end_step,
         start_step: run.start_step,
         interrupted: run.interrupted,
@@ -668,7 +674,15 @@ pub fn run(args: TrainArgs) -> Result<()> {
         parameters: params,
         checkpoint: run.checkpoint.clone(),
         metrics: run.metrics.clone(),
+        addition_accuracy: None,
+        addition: None,
     };
+    // After the figures above, so the scoring's memory is in none of them.
+    if cfg.data == DataSourceConfig::Addition && !run.interrupted {
+        let score = addition_score(&trainer).context("scoring held-out additions")?;
+        summary.addition_accuracy = Some(score.accuracy());
+        summary.addition = Some(score);
+    }
     if json {
         out.json("summary", &summary)?;
         return Ok(());
@@ -729,15 +743,36 @@ pub fn run(args: TrainArgs) -> Result<()> {
             cfg.memory_limit.map_or("-".into(), human_bytes)
         );
     }
+    if let Some(a) = &summary.addition {
+        say!(
+            out,
+            "addition accuracy on {} held-out problems: {:.1} % ({} right, greedy decoding, {:.1} s){}",
+            a.problems,
+            a.accuracy() * 100.0,
+            a.correct,
+            a.ms / 1e3,
+            if a.wrong.is_empty() {
+                String::new()
+            } else {
+                format!("; e.g. {}", a.wrong.join(", "))
+            }
+        );
+    }
     if let Some(path) = &summary.checkpoint {
         say!(out, "checkpoint: {}", path.display());
     }
     if run.interrupted {
         say!(out, "interrupted: {}", resume_hint(summary.steps));
     } else if let Some(dir) = &cfg.out {
+        // `snug sample` alone picks the newest run under ./runs, which this one now is.
+        let bare = if dir.parent() == Some(Path::new("runs")) {
+            "`snug sample` or "
+        } else {
+            ""
+        };
         say!(
             out,
-            "sample from it with `snug sample --checkpoint {} --prompt TEXT`",
+            "sample from it with {bare}`snug sample --checkpoint {} --prompt TEXT`",
             dir.display()
         );
     }
@@ -745,6 +780,22 @@ pub fn run(args: TrainArgs) -> Result<()> {
         anyhow::bail!("standard output closed ({e}) after the run finished");
     }
     Ok(())
+}
+
+/// The trained weights' accuracy on held-out additions, on the inference plan with an
+/// allocator of its own (the training step's figures stay its own).
+fn addition_score(trainer: &Trainer) -> Result<AdditionScore> {
+    let mut sampler = Sampler::new(
+        trainer.model(),
+        &trainer.parameters()?,
+        trainer.config().threads,
+        Allocator::default(),
+    )?;
+    Ok(addition::held_out_accuracy(
+        &mut sampler,
+        &trainer.data().tokenizer,
+        addition::DEFAULT_PROBLEMS,
+    )?)
 }
 
 fn data_line(data: &TokenDataset) -> String {

@@ -162,8 +162,9 @@ fn plan_with_no_arguments_plans_the_model_train_trains() {
     let plan = snug(&["plan", "--json"]);
     assert!(plan.status.success(), "{}", stderr(&plan));
     let v: serde_json::Value = serde_json::from_slice(&plan.stdout).expect("plan's JSON");
-    // The demo model keeps its preset's vocabulary on the built-in data, as `train` does.
-    let tiny = snug(&["plan", "--json", "--preset", "tiny"]);
+    // The demo model (llama-tiny) keeps its preset's vocabulary on the built-in data, as
+    // `train` does.
+    let tiny = snug(&["plan", "--json", "--preset", "llama-tiny"]);
     let t: serde_json::Value = serde_json::from_slice(&tiny.stdout).expect("plan's JSON");
     assert_eq!(v["model"], t["model"], "{v}");
     let train = snug(&[

@@ -128,17 +128,20 @@ fn with_no_out_each_run_gets_its_own_directory_and_sample_reads_it() {
         let o = train(tmp.path(), &["--steps", "2"]);
         assert!(o.status.success(), "{}", stderr(&o));
         let text = String::from_utf8_lossy(&o.stdout).into_owned();
-        assert!(text.contains("run directory: runs/tiny-"), "{text}");
+        assert!(text.contains("run directory: runs/llama-tiny-"), "{text}");
     }
     let runs = tmp.path().join("runs");
     for n in [1, 2] {
-        assert_eq!(checkpoint_steps(&runs.join(format!("tiny-{n}"))), vec![2]);
+        assert_eq!(
+            checkpoint_steps(&runs.join(format!("llama-tiny-{n}"))),
+            vec![2]
+        );
     }
     let sample = snug(
         &[
             "sample",
             "--checkpoint",
-            "runs/tiny-2",
+            "runs/llama-tiny-2",
             "--prompt",
             "1+1=",
             "--tokens",
@@ -149,7 +152,7 @@ fn with_no_out_each_run_gets_its_own_directory_and_sample_reads_it() {
     assert!(sample.status.success(), "{}", stderr(&sample));
     let o = train(tmp.path(), &["--steps", "1", "--no-save"]);
     assert!(o.status.success(), "{}", stderr(&o));
-    assert!(!runs.join("tiny-3").exists());
+    assert!(!runs.join("llama-tiny-3").exists());
 }
 
 #[cfg(unix)]

@@ -22,7 +22,7 @@ pub const VAL_FILE: &str = "val.bin";
 /// Where training data comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DataSource {
-    /// Generated multi-digit additions, `"482+39=521\n"`: a language with exact rules, so a
+    /// Generated two-digit additions, `"48+39=87\n"`: a language with exact rules, so a
     /// falling loss means the model is learning arithmetic, not memorising text.
     Addition,
     /// A text file, tokenized by characters and split 90/10.
@@ -42,17 +42,7 @@ impl DataSource {
     }
 }
 
-/// Generates `lines` additions of numbers below 1000, deterministically from `seed`.
-pub fn addition_text(lines: usize, seed: u64) -> String {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut s = String::with_capacity(lines * 12);
-    for _ in 0..lines {
-        let a: u32 = rng.random_range(0..1000);
-        let b: u32 = rng.random_range(0..1000);
-        s += &format!("{a}+{b}={}\n", a + b);
-    }
-    s
-}
+pub use crate::addition::addition_text;
 
 /// A split's token ids: in memory, or memory-mapped from a token file.
 #[derive(Debug, Clone)]
@@ -358,24 +348,6 @@ impl Drop for Prefetcher {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn addition_lines_are_correct_sums() {
-        let text = addition_text(200, 7);
-        for line in text.lines() {
-            let (lhs, sum) = line.split_once('=').unwrap();
-            let (a, b) = lhs.split_once('+').unwrap();
-            assert_eq!(
-                a.parse::<u32>().unwrap() + b.parse::<u32>().unwrap(),
-                sum.parse::<u32>().unwrap()
-            );
-        }
-        assert_eq!(
-            text,
-            addition_text(200, 7),
-            "seeded generation is deterministic"
-        );
-    }
 
     /// Ids that fit in two bytes are kept in two, one that does not keeps all four; either
     /// way windows and copies give the ids back.

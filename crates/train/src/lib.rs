@@ -2,6 +2,7 @@
 //!
 //! - [`tokenizer`]: character-level and GPT-2 BPE tokenizers.
 //! - [`token_file`]: prepared token files (`snug prepare`), memory-mapped for training.
+//! - [`addition`]: the built-in addition language, its held-out problems, accuracy on them.
 //! - [`data`]: the built-in generated data set, text files, token directories, deterministic
 //!   per-step batches and a prefetching thread.
 //! - [`config`]: the training configuration (TOML file, then command-line overrides).
@@ -12,6 +13,7 @@
 //! - [`run`]: the loop: evaluation, checkpoints, metrics file, clean stop on Ctrl-C.
 //! - [`user_file`]: reading the files a user names: regular files only, with a size bound.
 
+pub mod addition;
 pub mod calibration;
 pub mod checkpoint;
 pub mod config;

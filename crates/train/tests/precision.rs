@@ -160,23 +160,31 @@ fn trainer(cfg: &TrainConfig) -> Trainer {
     .unwrap()
 }
 
-/// Mean loss of the last 10 of 80 steps.
+/// Steps to the final loss: past the steep first descent on the built-in data, where a small
+/// difference in a step's update shifts the loss most.
+const STEPS: u64 = 150;
+
+/// Mean loss of the last 10 of [`STEPS`] steps.
 fn final_loss(precision: &str) -> f32 {
-    let mut t = trainer(&config(precision, 80, None));
-    let losses: Vec<f32> = (0..80).map(|_| t.train_step().unwrap().loss).collect();
-    losses[70..].iter().sum::<f32>() / 10.0
+    let mut t = trainer(&config(precision, STEPS, None));
+    let losses: Vec<f32> = (0..STEPS).map(|_| t.train_step().unwrap().loss).collect();
+    losses[losses.len() - 10..].iter().sum::<f32>() / 10.0
 }
 
 #[test]
 fn bf16_and_f16_training_follow_f32_within_two_percent() {
     let f32_loss = final_loss("f32");
-    let first = trainer(&config("f32", 80, None)).train_step().unwrap().loss;
+    let first = trainer(&config("f32", STEPS, None))
+        .train_step()
+        .unwrap()
+        .loss;
     assert!(
         f32_loss < 0.8 * first,
         "training learns: {first} -> {f32_loss}"
     );
     for p in ["bf16", "f16"] {
         let l = final_loss(p);
+        println!("{p}: {l} vs f32 {f32_loss}");
         assert!(
             (l - f32_loss).abs() <= 0.02 * f32_loss,
             "{p}: {l} vs f32 {f32_loss}"

@@ -1,0 +1,87 @@
+//! A newcomer's first commands: `snug train` with defaults saves a run and scores the demo's
+//! task, and `snug sample` right after samples from that run without being told where it is.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn snug(cwd: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_snug"))
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .expect("the snug binary runs")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+fn train(cwd: &Path) -> serde_json::Value {
+    let o = snug(cwd, &["train", "--steps", "5", "--threads", "1", "--json"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    text(&o.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["kind"] == "summary")
+        .expect("a summary line")
+}
+
+#[test]
+fn sample_right_after_train_uses_the_newest_run() {
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let summary = train(dir.path());
+    // The demo reports its task's score, a fraction of held-out problems.
+    let accuracy = summary["addition_accuracy"]
+        .as_f64()
+        .expect("addition_accuracy on the built-in data");
+    assert!((0.0..=1.0).contains(&accuracy), "{summary}");
+    assert_eq!(summary["addition"]["problems"], 200);
+
+    let o = snug(dir.path(), &["sample", "--tokens", "4"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(
+        text(&o.stderr).contains("runs/llama-tiny-1"),
+        "names the run it used: {}",
+        text(&o.stderr)
+    );
+    // No --prompt on a model of the built-in data: a held-out problem to answer.
+    let out = text(&o.stdout);
+    let question = out.split('=').next().unwrap_or_default();
+    let (a, b) = question
+        .split_once('+')
+        .unwrap_or_else(|| panic!("{out:?}"));
+    assert!(
+        a.parse::<u32>().is_ok() && b.parse::<u32>().is_ok(),
+        "{out:?}"
+    );
+
+    // A second run is newer: sample follows it.
+    train(dir.path());
+    let o = snug(dir.path(), &["sample", "--tokens", "2", "--prompt", "1+1="]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    assert!(
+        text(&o.stderr).contains("runs/llama-tiny-2"),
+        "{}",
+        text(&o.stderr)
+    );
+    assert!(text(&o.stdout).starts_with("1+1="), "{}", text(&o.stdout));
+}
+
+#[test]
+fn sample_without_a_run_says_how_to_get_one() {
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let expect_refusal = |why: &str| {
+        let o = snug(dir.path(), &["sample", "--tokens", "4"]);
+        assert!(!o.status.success(), "{why}");
+        let err = text(&o.stderr);
+        assert!(
+            err.contains("no run under ./runs")
+                && err.contains("snug train")
+                && err.contains("--checkpoint"),
+            "{why}: {err}"
+        );
+    };
+    expect_refusal("no ./runs");
+    std::fs::create_dir_all(dir.path().join("runs/tiny-1")).expect("a run directory");
+    expect_refusal("a run directory without a checkpoint");
+}
