@@ -38,12 +38,12 @@ fn no_calibration_cached(cache: &Path) -> bool {
 #[test]
 fn a_budget_nothing_fits_is_refused_before_measuring_and_says_what_would() {
     let cache = tempfile::tempdir().expect("a scratch directory");
-    let e = snug(&["fit", "--memory", "1MB"], cache.path());
+    let e = snug(&["fit", "--memory", "100KB"], cache.path());
     bounded::assert_refused(
         &e,
-        "fit --memory 1MB",
+        "fit --memory 100KB",
         &[
-            "nothing fits in 976.56 KiB",
+            "nothing fits in 97.66 KiB",
             "no change snug can make reaches it",
         ],
         100 << 20,
@@ -135,7 +135,8 @@ fn batch_auto_trains_the_largest_batch_that_fits() {
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .find(|l| l["kind"] == "summary")
         .expect("a summary");
-    assert_eq!(summary["tokens_per_step"].as_u64(), Some(batch * 64));
+    let block = report["block"].as_u64().expect("a block");
+    assert_eq!(summary["tokens_per_step"].as_u64(), Some(batch * block));
     assert!(summary["measured_peak_bytes"].as_u64() <= Some(40 << 20));
     let plan = snug(&["plan", "--batch", "auto"], cache.path());
     bounded::assert_refused(&plan, "plan --batch auto", &["--memory"], 100 << 20);

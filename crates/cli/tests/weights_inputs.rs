@@ -48,6 +48,8 @@ fn fifos_and_devices_are_refused_as_checkpoints_and_weights() {
             vec!["train", "--resume", path, "--steps", "1", "--threads", "1"],
             vec![
                 "train",
+                "--preset",
+                "tiny",
                 "--init-from",
                 path,
                 "--steps",
