@@ -40,6 +40,43 @@ pub struct PlanArgs {
     json: bool,
 }
 
+/// A memory plan's figures, as both reports give them.
+#[derive(Serialize)]
+struct PlanFigures {
+    peak_bytes: usize,
+    persistent_bytes: usize,
+    arena_bytes: usize,
+    lower_bound_bytes: usize,
+    arena_over_lower_bound: f64,
+    breakdown: Breakdown,
+    schedule: ScheduleKind,
+    program_order_peak_bytes: usize,
+    strategy: Strategy,
+    strategy_arenas: Vec<(Strategy, usize)>,
+    peak: PeakInfo,
+    /// Bytes held while each op of the schedule runs.
+    timeline: Vec<usize>,
+}
+
+impl PlanFigures {
+    fn of(p: &snug_plan::MemoryPlan) -> PlanFigures {
+        PlanFigures {
+            peak_bytes: p.peak_bytes(),
+            persistent_bytes: p.persistent_bytes,
+            arena_bytes: p.arena_bytes,
+            lower_bound_bytes: p.lower_bound_bytes,
+            arena_over_lower_bound: 1.0 + p.fragmentation(),
+            breakdown: p.breakdown.clone(),
+            schedule: p.schedule_kind,
+            program_order_peak_bytes: p.program_order_peak_bytes,
+            strategy: p.strategy,
+            strategy_arenas: p.strategy_arenas.clone(),
+            peak: p.peak.clone(),
+            timeline: p.timeline.clone(),
+        }
+    }
+}
+
 #[derive(Serialize)]
 struct PlanReport {
     preset: String,
@@ -60,19 +97,8 @@ struct PlanReport {
     flops_per_step: u64,
     /// fit's cost model on this machine's cached calibration (`snug fit` makes one).
     predicted_step_ms: Option<f64>,
-    peak_bytes: usize,
-    persistent_bytes: usize,
-    arena_bytes: usize,
-    lower_bound_bytes: usize,
-    arena_over_lower_bound: f64,
-    breakdown: Breakdown,
-    schedule: ScheduleKind,
-    program_order_peak_bytes: usize,
-    strategy: Strategy,
-    strategy_arenas: Vec<(Strategy, usize)>,
-    peak: PeakInfo,
-    /// Bytes held while each op of the schedule runs.
-    timeline: Vec<usize>,
+    #[serde(flatten)]
+    figures: PlanFigures,
     plan_ms: f64,
     /// What each pass saved at the planned peak.
     passes: Vec<PassSaving>,
@@ -107,18 +133,8 @@ struct InferenceReport {
     tensors: usize,
     /// One forward pass over the window, which each generated token costs.
     flops_per_token: u64,
-    peak_bytes: usize,
-    persistent_bytes: usize,
-    arena_bytes: usize,
-    lower_bound_bytes: usize,
-    arena_over_lower_bound: f64,
-    breakdown: Breakdown,
-    schedule: ScheduleKind,
-    program_order_peak_bytes: usize,
-    strategy: Strategy,
-    strategy_arenas: Vec<(Strategy, usize)>,
-    peak: PeakInfo,
-    timeline: Vec<usize>,
+    #[serde(flatten)]
+    figures: PlanFigures,
     plan_ms: f64,
 }
 
@@ -219,18 +235,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         flops_per_step: step.graph.flops(),
         predicted_step_ms: snug_train::calibration::cached(cfg.threads)
             .map(|m| m.step_seconds(&step, &memory_plan.schedule) * 1e3),
-        peak_bytes: memory_plan.peak_bytes(),
-        persistent_bytes: memory_plan.persistent_bytes,
-        arena_bytes: memory_plan.arena_bytes,
-        lower_bound_bytes: memory_plan.lower_bound_bytes,
-        arena_over_lower_bound: 1.0 + memory_plan.fragmentation(),
-        breakdown: memory_plan.breakdown.clone(),
-        schedule: memory_plan.schedule_kind,
-        program_order_peak_bytes: memory_plan.program_order_peak_bytes,
-        strategy: memory_plan.strategy,
-        strategy_arenas: memory_plan.strategy_arenas.clone(),
-        peak: memory_plan.peak.clone(),
-        timeline: memory_plan.timeline.clone(),
+        figures: PlanFigures::of(&memory_plan),
         plan_ms,
         passes: pass_savings,
         remat: cfg.remat.to_string(),
@@ -312,18 +317,7 @@ fn run_inference(
         nodes: g.graph.nodes().len(),
         tensors: g.graph.tensors().len(),
         flops_per_token: g.graph.flops(),
-        peak_bytes: memory_plan.peak_bytes(),
-        persistent_bytes: memory_plan.persistent_bytes,
-        arena_bytes: memory_plan.arena_bytes,
-        lower_bound_bytes: memory_plan.lower_bound_bytes,
-        arena_over_lower_bound: 1.0 + memory_plan.fragmentation(),
-        breakdown: memory_plan.breakdown.clone(),
-        schedule: memory_plan.schedule_kind,
-        program_order_peak_bytes: memory_plan.program_order_peak_bytes,
-        strategy: memory_plan.strategy,
-        strategy_arenas: memory_plan.strategy_arenas.clone(),
-        peak: memory_plan.peak.clone(),
-        timeline: memory_plan.timeline.clone(),
+        figures: PlanFigures::of(&memory_plan),
         plan_ms,
     };
     if args.json {

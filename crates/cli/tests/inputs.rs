@@ -7,7 +7,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use snug_testkit::bounded::{self, mkfifo, Ended, Limits};
+use snug_testkit::bounded::{self, mkfifo, Ended};
 
 /// Longest any of these runs may take; the child is killed (and the test fails) after it.
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -20,19 +20,7 @@ fn run(args: &[&str]) -> Ended {
     let cwd = tempfile::tempdir().expect("a scratch directory");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_snug"));
     cmd.args(args).current_dir(cwd.path());
-    let ended = bounded::run(
-        cmd,
-        Limits {
-            timeout: TIMEOUT,
-            kill_above_rss: 8 << 30,
-        },
-    );
-    assert!(
-        !ended.killed,
-        "snug {args:?} still ran after {TIMEOUT:?}; stderr: {}",
-        ended.stderr
-    );
-    ended
+    bounded::run_to_end(cmd, TIMEOUT, &format!("snug {args:?}"))
 }
 
 /// `snug args` fails with exit 1, quickly and in little memory, and its error holds `needles`.

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use snug_testkit::bounded::{self, mkfifo, Ended, Limits};
+use snug_testkit::bounded::{self, mkfifo, Ended};
 
 /// Longest any of these runs may take; the child is killed (and the test fails) after it.
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -16,19 +16,7 @@ const TIMEOUT: Duration = Duration::from_secs(20);
 fn run(cwd: &Path, args: &[&str]) -> Ended {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_snug"));
     cmd.args(args).current_dir(cwd);
-    let ended = bounded::run(
-        cmd,
-        Limits {
-            timeout: TIMEOUT,
-            kill_above_rss: 8 << 30,
-        },
-    );
-    assert!(
-        !ended.killed,
-        "snug {args:?} still ran after {TIMEOUT:?}; stderr: {}",
-        ended.stderr
-    );
-    ended
+    bounded::run_to_end(cmd, TIMEOUT, &format!("snug {args:?}"))
 }
 
 #[test]

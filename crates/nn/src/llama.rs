@@ -362,18 +362,6 @@ mod tests {
         }
     }
 
-    #[test]
-    fn parameter_count_is_the_shape_table_sum() {
-        for (name, cfg) in LLAMA_PRESETS {
-            let sum: usize = cfg
-                .parameter_shapes()
-                .iter()
-                .map(|(_, s)| s.iter().product::<usize>())
-                .sum();
-            assert_eq!(cfg.parameter_count(), sum, "{name}");
-        }
-    }
-
     fn refused(cfg: &LlamaConfig, want: &str) -> String {
         match cfg.validate() {
             Err(NnError::Config { field, detail }) => {

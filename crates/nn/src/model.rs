@@ -361,6 +361,29 @@ impl ModelConfig {
 mod tests {
     use super::*;
 
+    /// Every preset's parameter count, computed from the shapes' formulas, is the sum over
+    /// its table of parameter shapes.
+    #[test]
+    fn parameter_count_is_the_shape_table_sum() {
+        let gpt = crate::gpt::PRESETS
+            .iter()
+            .map(|(n, c)| (*n, ModelConfig::Gpt(c.clone())));
+        let llama = crate::llama::LLAMA_PRESETS
+            .iter()
+            .map(|(n, c)| (*n, ModelConfig::Llama(c.clone())));
+        for (name, cfg) in gpt.chain(llama) {
+            let shapes = match &cfg {
+                ModelConfig::Gpt(c) => c.parameter_shapes(),
+                ModelConfig::Llama(c) => c.parameter_shapes(),
+            };
+            let sum: usize = shapes
+                .iter()
+                .map(|(_, s)| s.iter().product::<usize>())
+                .sum();
+            assert_eq!(cfg.parameter_count(), sum, "{name}");
+        }
+    }
+
     #[test]
     fn reads_gpt2_and_llama_configs() {
         let gpt2 = r#"{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": 12, "n_head": 12,

@@ -8,21 +8,9 @@ use std::path::Path;
 use std::sync::OnceLock;
 
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
 use serde_json::{json, Value};
 use snug_nn::{GptConfig, ModelConfig, NnError};
-
-fn runner() -> TestRunner {
-    let cases = std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(64);
-    TestRunner::new(Config {
-        cases,
-        failure_persistence: None,
-        ..Config::default()
-    })
-}
+use snug_testkit::fuzz::{any_json, runner, safetensors_header_len};
 
 fn tiny() -> GptConfig {
     GptConfig {
@@ -53,10 +41,6 @@ fn valid_file() -> &'static [u8] {
         snug_nn::save_gpt2_safetensors(&path, &cfg, &params).unwrap();
         std::fs::read(&path).unwrap()
     })
-}
-
-fn header_len(bytes: &[u8]) -> usize {
-    8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize
 }
 
 /// Loads `bytes` as the weights of [`tiny`]: a typed error naming the file, or parameters
@@ -98,7 +82,7 @@ fn position(len: usize, header: usize) -> impl Strategy<Value = usize> {
 #[test]
 fn safetensors_weights_with_flipped_bytes_or_truncated_never_panic() {
     let bytes = valid_file();
-    let (len, header) = (bytes.len(), header_len(bytes));
+    let (len, header) = (bytes.len(), safetensors_header_len(bytes));
     let dir = tempfile::tempdir().unwrap();
     let flips = prop::collection::vec((position(len, header), 1u8..=255), 1..8);
     runner()
@@ -116,39 +100,11 @@ fn safetensors_weights_with_flipped_bytes_or_truncated_never_panic() {
         .unwrap();
 }
 
-/// A JSON value of any kind, numbers biased to the edges (0, negative, huge, fractional).
-fn any_json() -> impl Strategy<Value = Value> {
-    let leaf = prop_oneof![
-        Just(Value::Null),
-        any::<bool>().prop_map(Value::from),
-        (0u64..70).prop_map(Value::from),
-        any::<u64>().prop_map(Value::from),
-        any::<i64>().prop_map(Value::from),
-        prop_oneof![
-            Just(-1e-5),
-            Just(0.0),
-            Just(1e-60),
-            Just(1e300),
-            Just(-1e300),
-            any::<f64>()
-        ]
-        .prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
-        "[a-z0-9_]{0,8}".prop_map(Value::from),
-    ];
-    leaf.prop_recursive(2, 8, 4, |inner| {
-        prop_oneof![
-            prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
-            prop::collection::btree_map("[a-z]{1,4}", inner, 0..3)
-                .prop_map(|m| Value::Object(m.into_iter().collect())),
-        ]
-    })
-}
-
 /// Every header entry of the valid file, with random JSON in place of some fields.
 #[test]
 fn safetensors_headers_with_random_fields_never_panic() {
     let bytes = valid_file();
-    let n = header_len(bytes);
+    let n = safetensors_header_len(bytes);
     let header: Value = serde_json::from_slice(&bytes[8..n]).unwrap();
     let names: Vec<String> = header.as_object().unwrap().keys().cloned().collect();
     let dir = tempfile::tempdir().unwrap();

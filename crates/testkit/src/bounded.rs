@@ -99,6 +99,24 @@ pub fn run(mut cmd: Command, limits: Limits) -> Ended {
     }
 }
 
+/// Runs `cmd` to its end within `timeout` (memory unbounded); the test fails if it had to be
+/// killed, naming `what`.
+pub fn run_to_end(cmd: Command, timeout: Duration, what: &str) -> Ended {
+    let ended = run(
+        cmd,
+        Limits {
+            timeout,
+            kill_above_rss: u64::MAX,
+        },
+    );
+    assert!(
+        !ended.killed,
+        "{what} still ran after {timeout:?}; stderr: {}",
+        ended.stderr
+    );
+    ended
+}
+
 /// Asserts `ended` is a refusal: exit 1 (no panic, no signal, not killed) in under
 /// `max_rss_bytes`, its stderr holding each of `needles`. `what` names the run in messages.
 pub fn assert_refused(ended: &Ended, what: &str, needles: &[&str], max_rss_bytes: u64) {

@@ -8,6 +8,7 @@
 
 #[cfg(unix)]
 pub mod bounded;
+pub mod fuzz;
 
 use std::io::Write;
 use std::path::PathBuf;

@@ -9,24 +9,12 @@ use std::path::Path;
 use std::sync::OnceLock;
 
 use proptest::prelude::*;
-use proptest::test_runner::{Config, TestRunner};
 use serde_json::Value;
+use snug_testkit::fuzz::{any_json, runner, safetensors_header_len};
 use snug_train::checkpoint::Checkpoint;
 use snug_train::{
     DataSource, ModelSection, TokenDataset, TrainConfig, TrainError, TrainSection, Trainer,
 };
-
-fn runner() -> TestRunner {
-    let cases = std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(64);
-    TestRunner::new(Config {
-        cases,
-        failure_persistence: None,
-        ..Config::default()
-    })
-}
 
 /// A valid checkpoint (a two-layer model after one step) and its file's bytes, made once.
 fn valid() -> &'static (Checkpoint, Vec<u8>) {
@@ -56,10 +44,6 @@ fn valid() -> &'static (Checkpoint, Vec<u8>) {
         let loaded = Checkpoint::load(&path).unwrap();
         (loaded, std::fs::read(&path).unwrap())
     })
-}
-
-fn header_len(bytes: &[u8]) -> usize {
-    8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize
 }
 
 /// Loads `bytes` from a checkpoint file: a typed error naming the file, or tensors bit-equal
@@ -95,7 +79,7 @@ fn check(dir: &Path, bytes: &[u8]) -> Result<(), TestCaseError> {
 #[test]
 fn checkpoints_with_flipped_bytes_or_truncated_never_panic_nor_load_damaged_data() {
     let bytes = &valid().1;
-    let (len, header) = (bytes.len(), header_len(bytes));
+    let (len, header) = (bytes.len(), safetensors_header_len(bytes));
     let dir = tempfile::tempdir().unwrap();
     let flips = prop::collection::vec(
         (prop_oneof![0..header, 0..len, header..len], 1u8..=255),
@@ -115,33 +99,12 @@ fn checkpoints_with_flipped_bytes_or_truncated_never_panic_nor_load_damaged_data
         .unwrap();
 }
 
-/// A JSON value of any kind, numbers biased to the edges.
-fn any_json() -> impl Strategy<Value = Value> {
-    let leaf = prop_oneof![
-        Just(Value::Null),
-        any::<bool>().prop_map(Value::from),
-        (0u64..70).prop_map(Value::from),
-        any::<u64>().prop_map(Value::from),
-        any::<i64>().prop_map(Value::from),
-        any::<f64>()
-            .prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
-        "[a-z0-9_.]{0,8}".prop_map(Value::from),
-    ];
-    leaf.prop_recursive(2, 8, 4, |inner| {
-        prop_oneof![
-            prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
-            prop::collection::btree_map("[a-z_]{1,6}", inner, 0..3)
-                .prop_map(|m| Value::Object(m.into_iter().collect())),
-        ]
-    })
-}
-
 /// Random JSON in place of tensor entries' fields and of the metadata's values (the metadata
 /// holds strings; some of those are JSON themselves: the config, tokenizer and checksums).
 #[test]
 fn checkpoint_headers_with_random_fields_never_panic() {
     let bytes = &valid().1;
-    let n = header_len(bytes);
+    let n = safetensors_header_len(bytes);
     let header: Value = serde_json::from_slice(&bytes[8..n]).unwrap();
     let tensors: Vec<String> = header
         .as_object()

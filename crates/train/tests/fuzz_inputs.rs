@@ -7,25 +7,12 @@
 use std::path::Path;
 
 use proptest::prelude::*;
-use proptest::test_runner::Config;
+use snug_testkit::fuzz::config;
 use snug_train::data::{Batch, TRAIN_FILE, VAL_FILE};
 use snug_train::{
     CharTokenizer, ModelSection, TokenDataset, TokenFile, Tokenizer, TrainConfig, TrainError,
     TrainSection,
 };
-
-fn config() -> Config {
-    let cases = std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(64);
-    Config {
-        cases,
-        // A failure prints its minimal input; nothing is written into the source tree.
-        failure_persistence: None,
-        ..Config::default()
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Token files
