@@ -76,11 +76,15 @@ pub fn fit_config(
             machine.gemm_peak_flops / 1e9,
             machine.bandwidth / 1e9,
         ),
-        Calibration::Nominal { needs_bytes } => tracing::warn!(
-            "predictions are nominal: measuring this machine holds up to {}, more than the budget of {}",
-            human_bytes(needs_bytes),
-            human_bytes(budget)
-        ),
+        Calibration::Nominal { needs_bytes } => {
+            tracing::warn!(
+                "predictions are nominal: measuring this machine holds up to {}, more than the budget of {}",
+                human_bytes(needs_bytes),
+                human_bytes(budget)
+            );
+            // The first search already ranked the candidates with these figures.
+            return Ok((first, machine));
+        }
         Calibration::CachedUnscaled => tracing::info!(
             "the cached calibration is used as it is: its drift probe holds more than the budget"
         ),
