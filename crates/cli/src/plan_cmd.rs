@@ -158,10 +158,10 @@ pub fn run(args: PlanArgs) -> Result<()> {
     if args.inference {
         return run_inference(&args, &cfg, &gpt, start);
     }
-    let target = snug_graph::Target {
-        threads: cfg.threads,
-        gemm: args.target_cpu.unwrap_or_else(snug_graph::CpuGemm::host),
-    };
+    let target = snug_graph::Target::cpu(
+        cfg.threads,
+        args.target_cpu.unwrap_or_else(snug_graph::CpuGemm::host),
+    );
     let compiled = snug_fit::compile_step(
         &gpt,
         cfg.micro_batch(),
@@ -228,7 +228,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         grad_clip: cfg.grad_clip,
         block: cfg.block,
         threads: cfg.threads,
-        target_cpu: target.gemm,
+        target_cpu: target.cpu_gemm().unwrap_or(snug_graph::CpuGemm::Portable),
         parameters: step.parameter_count(),
         nodes: step.graph.nodes().len(),
         tensors: step.graph.tensors().len(),

@@ -326,7 +326,7 @@ fn planned_bytes_follow_the_target_not_the_host() {
     use snug_graph::{CpuGemm, Target};
     let fit = model();
     let scratch = |gemm: CpuGemm| {
-        let target = Target { threads: 1, gemm };
+        let target = Target::cpu(1, gemm);
         let c = compile_step(&fit.model, 8, fit.block, target, &fit.step).unwrap();
         let g = &c.step.graph;
         assert_eq!(g.target(), target);

@@ -57,21 +57,18 @@ impl Graph {
 
     /// Sets the number of worker threads kernels partition their workspaces for.
     pub fn with_threads(mut self, threads: usize) -> Self {
-        self.target.threads = threads.max(1);
+        self.target = self.target.with_threads(threads);
         self
     }
 
     /// Plans for `target` (its threads and GEMM) instead of this machine.
     pub fn with_target(mut self, target: crate::Target) -> Self {
-        self.target = crate::Target {
-            threads: target.threads.max(1),
-            ..target
-        };
+        self.target = target;
         self
     }
 
     pub fn threads(&self) -> usize {
-        self.target.threads
+        self.target.threads()
     }
 
     pub fn target(&self) -> crate::Target {

@@ -24,5 +24,5 @@ pub use dtype::DType;
 pub use error::{GraphError, Result};
 pub use graph::{Graph, Node, NodeId};
 pub use step::{OptimizerSpec, ParamSlot, StepGraph, StepOptions};
-pub use target::{CpuGemm, Target};
+pub use target::{CpuGemm, DeviceKind, Fusions, MemoryLayout, Target};
 pub use tensor::{Role, TensorId, TensorMeta};

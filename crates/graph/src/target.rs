@@ -1,7 +1,7 @@
-//! The device a graph is built and planned for, as plain data: what sizes each kernel's
-//! scratch. Planning asks the target, never the host, so planning for another machine (the
-//! CPU backend's bytes for an AVX2 server, from a laptop with AVX-512) gives that machine's
-//! bytes anywhere.
+//! The device a graph is built and planned for, as plain data: which kernels run it (and so what
+//! scratch each op needs), how the device lays out memory, and which fusions its kernels offer.
+//! Planning asks the target, never the host, so planning for another machine (the CPU backend's
+//! bytes for an AVX2 server, from a laptop with AVX-512) gives that machine's bytes anywhere.
 
 use serde::{Deserialize, Serialize};
 
@@ -19,28 +19,16 @@ pub enum CpuGemm {
 }
 
 impl CpuGemm {
+    pub const ALL: [CpuGemm; 3] = [CpuGemm::Avx512, CpuGemm::Avx2, CpuGemm::Portable];
+
     /// The depth the kernel sums in one pass over its output (its `KC`), or 0 where products
-    /// are not blocked by us. Must equal the register tiles' own `KC`.
+    /// are not blocked by us. Must equal the register tiles' own `KC` (the CPU backend checks).
     pub const fn depth_block(self) -> usize {
         match self {
             CpuGemm::Avx512 => 384,
             CpuGemm::Avx2 => 512,
             CpuGemm::Portable => 0,
         }
-    }
-
-    /// The kernel this machine runs (the portable one where the CPU kernels are not built).
-    pub fn host() -> CpuGemm {
-        #[cfg(all(feature = "cpu", target_arch = "x86_64"))]
-        {
-            if is_x86_feature_detected!("avx512f") {
-                return CpuGemm::Avx512;
-            }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                return CpuGemm::Avx2;
-            }
-        }
-        CpuGemm::Portable
     }
 
     pub fn name(self) -> &'static str {
@@ -56,34 +44,146 @@ impl std::str::FromStr for CpuGemm {
     type Err = String;
 
     fn from_str(s: &str) -> Result<CpuGemm, String> {
-        [CpuGemm::Avx512, CpuGemm::Avx2, CpuGemm::Portable]
+        CpuGemm::ALL
             .into_iter()
             .find(|g| g.name() == s.trim())
             .ok_or_else(|| format!("`{s}` is not one of avx512, avx2, portable"))
     }
 }
 
-/// A CPU target: worker threads (each has its own scratch) and its GEMM.
+/// The kind of device and what its kernels depend on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceKind {
+    /// `threads` workers (each op that splits its work keeps scratch per worker) and the GEMM.
+    Cpu { threads: usize, gemm: CpuGemm },
+}
+
+/// How a device lays out memory: what the planner must respect when it places tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct MemoryLayout {
+    /// Every tensor starts at a multiple of this many bytes (a power of two).
+    pub alignment: usize,
+    /// The largest single buffer the device allocates: an arena larger than this is split into
+    /// chunks, and no tensor straddles two.
+    pub max_buffer_bytes: usize,
+    /// The largest tensor one kernel may bind.
+    pub max_binding_bytes: usize,
+}
+
+impl MemoryLayout {
+    /// Host memory: cache-line alignment (covers every SIMD load), no buffer or binding limit.
+    pub const CPU: MemoryLayout = MemoryLayout {
+        alignment: 64,
+        max_buffer_bytes: usize::MAX,
+        max_binding_bytes: usize::MAX,
+    };
+}
+
+/// The fused kernels a device offers. Models emit plain ops; the target's fusion passes
+/// rewrite the ones it has kernels for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Fusions {
+    /// LayerNorm feeding a linear layer, normalized inside the GEMM's packing.
+    pub layernorm_linear: bool,
+    /// GELU feeding a linear layer, applied inside the GEMM's packing.
+    pub gelu_linear: bool,
+}
+
+impl Fusions {
+    pub const NONE: Fusions = Fusions {
+        layernorm_linear: false,
+        gelu_linear: false,
+    };
+    pub const ALL: Fusions = Fusions {
+        layernorm_linear: true,
+        gelu_linear: true,
+    };
+}
+
+/// A device to plan for: its kind, memory layout and fusions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Target {
-    pub threads: usize,
-    pub gemm: CpuGemm,
+    pub device: DeviceKind,
+    pub memory: MemoryLayout,
+    pub fusions: Fusions,
+}
+
+impl Target {
+    /// A CPU with `threads` workers and `gemm`, and every CPU fusion.
+    pub fn cpu(threads: usize, gemm: CpuGemm) -> Target {
+        Target {
+            device: DeviceKind::Cpu {
+                threads: threads.max(1),
+                gemm,
+            },
+            memory: MemoryLayout::CPU,
+            fusions: Fusions::ALL,
+        }
+    }
+
+    /// Workers that each hold their own scratch (1 where the device is not split that way).
+    pub fn threads(&self) -> usize {
+        match self.device {
+            DeviceKind::Cpu { threads, .. } => threads,
+        }
+    }
+
+    /// The CPU GEMM, on a CPU target.
+    pub fn cpu_gemm(&self) -> Option<CpuGemm> {
+        match self.device {
+            DeviceKind::Cpu { gemm, .. } => Some(gemm),
+        }
+    }
+
+    /// The same device with `threads` workers.
+    pub fn with_threads(mut self, threads: usize) -> Target {
+        match &mut self.device {
+            DeviceKind::Cpu { threads: t, .. } => *t = threads.max(1),
+        }
+        self
+    }
+
+    pub fn with_fusions(mut self, fusions: Fusions) -> Target {
+        self.fusions = fusions;
+        self
+    }
+
+    /// The depth block of the target's GEMM (0 where it has none of ours).
+    pub fn depth_block(&self) -> usize {
+        self.cpu_gemm().map_or(0, CpuGemm::depth_block)
+    }
+}
+
+impl Default for Target {
+    /// One thread on the portable CPU GEMM: a target that does not depend on the host. Callers
+    /// that run what they plan ask the backend for its target instead.
+    fn default() -> Target {
+        Target::cpu(1, CpuGemm::Portable)
+    }
+}
+
+// Host detection belongs to the CPU backend; it stays here until the kernels move out.
+impl CpuGemm {
+    /// The kernel this machine runs (the portable one where the CPU kernels are not built).
+    pub fn host() -> CpuGemm {
+        #[cfg(all(feature = "cpu", target_arch = "x86_64"))]
+        {
+            if is_x86_feature_detected!("avx512f") {
+                return CpuGemm::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return CpuGemm::Avx2;
+            }
+        }
+        CpuGemm::Portable
+    }
 }
 
 impl Target {
     /// This machine with `threads` workers.
     pub fn host(threads: usize) -> Target {
-        Target {
-            threads: threads.max(1),
-            gemm: CpuGemm::host(),
-        }
-    }
-}
-
-impl Default for Target {
-    /// This machine, one thread.
-    fn default() -> Target {
-        Target::host(1)
+        Target::cpu(threads, CpuGemm::host())
     }
 }
 

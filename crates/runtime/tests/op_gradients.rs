@@ -1867,7 +1867,7 @@ fn gelu_linear_backward_runs_any_targets_plan() {
     // Enough rows that the targets tile them differently (2^20 elements per tile at most).
     let (rows, k, n) = (2048, 1536, 24);
     let run = |gemm: CpuGemm| -> (usize, Vec<Vec<f32>>) {
-        let mut g = Graph::new().with_target(Target { threads: 2, gemm });
+        let mut g = Graph::new().with_target(Target::cpu(2, gemm));
         let mut feed = Inputs::default();
         let h = feed.f32(&mut g, &[rows, k]);
         let (w, dy) = (feed.f32(&mut g, &[k, n]), feed.f32(&mut g, &[rows, n]));

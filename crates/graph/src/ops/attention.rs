@@ -65,7 +65,7 @@ impl OpRule for CausalAttention {
 
     /// One head's scratch per thread.
     fn workspace_elems(&self, inputs: &[&TensorMeta], target: &crate::Target) -> usize {
-        let threads = target.threads;
+        let threads = target.threads();
         dims(self.name(), &inputs[0].shape, self.n_head)
             .map_or(0, |(_, t, _, d)| threads * forward_scratch(t, d))
     }
@@ -146,7 +146,7 @@ impl OpRule for CausalAttentionBackward {
 
     /// One head's scratch per thread.
     fn workspace_elems(&self, inputs: &[&TensorMeta], target: &crate::Target) -> usize {
-        let threads = target.threads;
+        let threads = target.threads();
         dims(self.name(), &inputs[0].shape, self.n_head)
             .map_or(0, |(_, t, _, d)| threads * backward_scratch(t, d))
     }

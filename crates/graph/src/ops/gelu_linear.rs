@@ -140,7 +140,7 @@ impl OpRule for GeluLinearBackward {
 
     fn workspace_elems(&self, inputs: &[&TensorMeta], target: &crate::Target) -> usize {
         linear_dims(self.name(), &inputs[0].shape, &inputs[1].shape).map_or(0, |(rows, k, _)| {
-            backward_tile_rows(rows, k, target.gemm.depth_block()) * k
+            backward_tile_rows(rows, k, target.depth_block()) * k
         })
     }
 

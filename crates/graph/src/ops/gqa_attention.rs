@@ -129,7 +129,7 @@ impl OpRule for GqaAttention {
 
     /// One head's scratch per thread.
     fn workspace_elems(&self, inputs: &[&TensorMeta], target: &crate::Target) -> usize {
-        let threads = target.threads;
+        let threads = target.threads();
         let (q, k, v) = (&inputs[0].shape, &inputs[1].shape, &inputs[2].shape);
         dims(self.name(), self.n_head, self.n_kv_head, q, k, v)
             .map_or(0, |s| threads.max(1) * forward_scratch(s.t, s.d))
@@ -232,7 +232,7 @@ impl OpRule for GqaAttentionBackward {
 
     /// One head's scratch per thread.
     fn workspace_elems(&self, inputs: &[&TensorMeta], target: &crate::Target) -> usize {
-        let threads = target.threads;
+        let threads = target.threads();
         let (q, k, v) = (&inputs[0].shape, &inputs[1].shape, &inputs[2].shape);
         dims(self.name(), self.n_head, self.n_kv_head, q, k, v)
             .map_or(0, |s| threads.max(1) * backward_scratch(s.t, s.d))

@@ -187,7 +187,7 @@ impl OpRule for LayerNormBackward {
 
     /// One partial `dw` and `db` per thread, summed at the end.
     fn workspace_elems(&self, inputs: &[&TensorMeta], target: &crate::Target) -> usize {
-        let threads = target.threads;
+        let threads = target.threads();
         2 * threads * inputs[2].numel()
     }
 

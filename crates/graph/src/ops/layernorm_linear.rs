@@ -175,7 +175,7 @@ impl OpRule for LayerNormLinearBackward {
     /// weight gradient, the normalised rows before it), then one partial `d_ln_w` and
     /// `d_ln_b` per thread.
     fn workspace_elems(&self, inputs: &[&TensorMeta], target: &crate::Target) -> usize {
-        let threads = target.threads;
+        let threads = target.threads();
         tile_elems(inputs, 5, TILE_ELEMS) + 2 * threads.max(1) * inputs[1].numel()
     }
 

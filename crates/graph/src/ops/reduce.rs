@@ -214,7 +214,7 @@ impl OpRule for SumTo {
 
     /// One partial sum per worker when summing over rows (a bias gradient).
     fn workspace_elems(&self, inputs: &[&TensorMeta], target: &crate::Target) -> usize {
-        let threads = target.threads;
+        let threads = target.threads();
         let n: usize = self.shape.iter().product();
         let rows = inputs[0].numel() / n.max(1);
         if threads > 1 && rows >= 2 * threads && n * rows >= super::MIN_PAR_ELEMS {

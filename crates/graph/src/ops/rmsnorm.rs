@@ -132,7 +132,7 @@ impl OpRule for RmsNormBackward {
 
     /// One partial `dw` per thread, summed at the end.
     fn workspace_elems(&self, inputs: &[&TensorMeta], target: &crate::Target) -> usize {
-        let threads = target.threads;
+        let threads = target.threads();
         threads.max(1) * inputs[2].numel()
     }
 

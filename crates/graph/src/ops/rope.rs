@@ -89,7 +89,7 @@ impl OpRule for Rope {
 
     /// One position's cosines and sines (`head_dim / 2` each) per thread.
     fn workspace_elems(&self, _inputs: &[&TensorMeta], target: &crate::Target) -> usize {
-        let threads = target.threads;
+        let threads = target.threads();
         threads.max(1) * self.head_dim
     }
 
