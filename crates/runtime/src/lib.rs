@@ -10,7 +10,8 @@ mod error;
 pub mod process;
 
 pub use allocator::{
-    Allocator, Buffer, Device, Leak, MemoryReport, MemoryStats, OutOfMemory, WiredLimitError,
+    Allocator, Block, Buffer, Device, HostMemory, Leak, MemoryReport, MemorySource, MemoryStats,
+    OutOfMemory, WiredLimitError,
 };
 pub use cpu::{physical_cores, CpuSession};
 pub use error::RuntimeError;

@@ -2,14 +2,8 @@
 //! of MLX's `BufferCache`).
 
 use std::collections::BTreeMap;
-use std::ptr::NonNull;
 
-/// A block of memory returned by a dropped buffer, waiting to be handed out again.
-#[derive(Debug)]
-pub(crate) struct CachedBlock {
-    pub ptr: NonNull<u8>,
-    pub capacity: usize,
-}
+use super::Block as CachedBlock;
 
 #[derive(Debug, Default)]
 pub(crate) struct BufferCache {
@@ -20,9 +14,6 @@ pub(crate) struct BufferCache {
     bytes: usize,
     next_stamp: u64,
 }
-
-// SAFETY: the cache owns its blocks exclusively (they belong to no live Buffer).
-unsafe impl Send for BufferCache {}
 
 impl BufferCache {
     pub fn bytes(&self) -> usize {

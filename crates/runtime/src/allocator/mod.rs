@@ -13,16 +13,20 @@
 //!   (a limit of 0 disables caching).
 //! - **Wired limit** (CPU: `mlock`). New buffers are locked in RAM while the wired total stays
 //!   under the limit; a buffer is unlocked when it is freed.
+//!
+//! The policies are the same on every device; where the bytes come from is the device's
+//! [`MemorySource`] ([`HostMemory`] for the CPU; a GPU backend brings its own).
 
 mod buffer_cache;
+mod host;
 
 use snug_plan::memory_plan::human_bytes;
-use std::alloc::Layout;
 use std::fmt;
-use std::ptr::NonNull;
+use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use buffer_cache::{BufferCache, CachedBlock};
+use buffer_cache::BufferCache;
+pub use host::HostMemory;
 
 /// Where a buffer lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -94,8 +98,50 @@ impl MemoryReport {
 /// Every buffer is aligned to a cache line, which covers any SIMD load.
 pub const ALIGNMENT: usize = 64;
 
+/// A block of device memory as its source hands it out: an opaque handle (on the host, the
+/// address of its first byte) and the bytes it holds.
+#[derive(Debug)]
+pub struct Block {
+    pub handle: NonZeroUsize,
+    pub capacity: usize,
+}
+
+/// Where one device's bytes come from. The allocator above it does the counting, caching and
+/// limits; a source only allocates and releases (and, where the device can, wires).
+pub trait MemorySource: Send + Sync + fmt::Debug {
+    fn device(&self) -> Device;
+
+    /// Whether a block's handle is a host address the CPU may read and write.
+    fn is_host(&self) -> bool {
+        false
+    }
+
+    /// A zeroed block of exactly `capacity` bytes (a multiple of [`ALIGNMENT`]), or `None` if
+    /// the device refused.
+    fn allocate(&self, capacity: usize) -> Option<Block>;
+
+    /// Gives a block back to the device.
+    fn release(&self, block: Block);
+
+    /// Zeroes the first `bytes` bytes of a block being reused.
+    fn zero(&self, block: &Block, bytes: usize);
+
+    /// The most bytes the device lets this process wire (`None`: no limit).
+    fn wire_limit(&self) -> Option<usize> {
+        Some(0)
+    }
+
+    /// Keeps a block resident (never paged out); false if the device would not.
+    fn wire(&self, _block: &Block) -> bool {
+        false
+    }
+
+    fn unwire(&self, _block: &Block) {}
+}
+
 #[derive(Debug)]
 struct State {
+    source: Arc<dyn MemorySource>,
     active: usize,
     peak: usize,
     memory_limit: usize,
@@ -114,6 +160,7 @@ struct State {
 #[derive(Debug, Clone)]
 pub struct Allocator {
     device: Device,
+    host: bool,
     state: Arc<Mutex<State>>,
 }
 
@@ -138,9 +185,18 @@ pub struct MemoryStats {
 impl Allocator {
     /// A new allocator with its own counters: no limits, unbounded cache.
     pub fn new(device: Device) -> Self {
+        match device {
+            Device::Cpu => Allocator::with_source(Arc::new(HostMemory)),
+        }
+    }
+
+    /// A new allocator over `source`, with its own counters: no limits, unbounded cache.
+    pub fn with_source(source: Arc<dyn MemorySource>) -> Self {
         Allocator {
-            device,
+            device: source.device(),
+            host: source.is_host(),
             state: Arc::new(Mutex::new(State {
+                source,
                 active: 0,
                 peak: 0,
                 memory_limit: usize::MAX,
@@ -171,6 +227,11 @@ impl Allocator {
         self.device
     }
 
+    /// Whether this allocator's buffers are host memory ([`Buffer::as_ptr`] is an address).
+    pub fn is_host(&self) -> bool {
+        self.host
+    }
+
     /// Bytes held in live buffers (their full capacity, including a reused block's slack).
     pub fn active_bytes(&self) -> usize {
         self.lock().active
@@ -195,7 +256,7 @@ impl Allocator {
     pub fn clear_cache(&self) {
         let mut s = self.lock();
         while let Some(b) = s.cache.pop_oldest() {
-            release(b);
+            s.source.release(b);
         }
     }
 
@@ -244,7 +305,7 @@ impl Allocator {
     /// them out; returns the previous limit. Fails if the OS's locked-memory limit is lower and
     /// the process may not exceed it.
     pub fn set_wired_limit(&self, bytes: usize) -> Result<usize, WiredLimitError> {
-        if let Some(os_limit) = os_mlock_limit() {
+        if let Some(os_limit) = self.lock().source.wire_limit() {
             if bytes > os_limit {
                 return Err(WiredLimitError::ExceedsOsLimit {
                     requested: bytes,
@@ -286,17 +347,16 @@ impl Allocator {
             // A reused block counts with its whole capacity: under a strict limit, one too
             // large to fit goes back to the system and a fresh exact-size block is tried.
             if !s.relaxed && s.active.saturating_add(block.capacity) > s.memory_limit {
-                release(block);
+                s.source.release(block);
             } else {
                 s.cache_hits += 1;
                 if over(&s) {
                     s.limit_overruns += 1;
                 }
                 if zeroed {
-                    // SAFETY: the block holds `block.capacity ≥ bytes` bytes.
-                    unsafe { std::ptr::write_bytes(block.ptr.as_ptr(), 0, bytes) };
+                    s.source.zero(&block, bytes);
                 }
-                return Ok(self.hand_out(&mut s, block.ptr, bytes, block.capacity));
+                return Ok(self.hand_out(&mut s, block, bytes));
             }
         }
         // Keep the footprint (active + cached) under the limit: release the oldest blocks first.
@@ -307,36 +367,39 @@ impl Allocator {
             > s.memory_limit
         {
             match s.cache.pop_oldest() {
-                Some(b) => release(b),
+                Some(b) => s.source.release(b),
                 None => break,
             }
         }
         if over(&s) {
             s.limit_overruns += 1;
         }
-        let ptr = match system_alloc(capacity) {
-            Some(p) => p,
+        let block = match s.source.allocate(capacity) {
+            Some(b) => b,
             None => {
-                // The system refused: give back what the cache holds and try once more.
+                // The device refused: give back what the cache holds and try once more.
                 while let Some(b) = s.cache.pop_oldest() {
-                    release(b);
+                    s.source.release(b);
                 }
-                system_alloc(capacity).ok_or_else(|| self.oom(&s, bytes))?
+                s.source
+                    .allocate(capacity)
+                    .ok_or_else(|| self.oom(&s, bytes))?
             }
         };
         s.allocations += 1;
-        Ok(self.hand_out(&mut s, ptr, bytes, capacity))
+        Ok(self.hand_out(&mut s, block, bytes))
     }
 
-    fn hand_out(&self, s: &mut State, ptr: NonNull<u8>, bytes: usize, capacity: usize) -> Buffer {
+    fn hand_out(&self, s: &mut State, block: Block, bytes: usize) -> Buffer {
+        let capacity = block.capacity;
         s.active += capacity;
         s.peak = s.peak.max(s.active);
-        let wired = s.wired + capacity <= s.wired_limit && mlock(ptr, capacity);
+        let wired = s.wired + capacity <= s.wired_limit && s.source.wire(&block);
         if wired {
             s.wired += capacity;
         }
         Buffer {
-            ptr,
+            handle: block.handle,
             bytes,
             capacity,
             wired,
@@ -354,14 +417,15 @@ impl Allocator {
         }
     }
 
-    fn give_back(&self, ptr: NonNull<u8>, capacity: usize, wired: bool) {
+    fn give_back(&self, handle: NonZeroUsize, capacity: usize, wired: bool) {
         let mut s = self.lock();
+        let block = Block { handle, capacity };
         s.active -= capacity;
         if wired {
-            munlock(ptr, capacity);
+            s.source.unwire(&block);
             s.wired -= capacity;
         }
-        s.cache.insert(CachedBlock { ptr, capacity });
+        s.cache.insert(block);
         trim_cache(&mut s);
     }
 
@@ -397,7 +461,7 @@ impl Drop for State {
     /// back to the system.
     fn drop(&mut self) {
         while let Some(b) = self.cache.pop_oldest() {
-            release(b);
+            self.source.release(b);
         }
     }
 }
@@ -405,121 +469,20 @@ impl Drop for State {
 fn trim_cache(s: &mut State) {
     while s.cache.bytes() > s.cache_limit {
         match s.cache.pop_oldest() {
-            Some(b) => release(b),
+            Some(b) => s.source.release(b),
             None => break,
         }
     }
 }
 
-fn layout(capacity: usize) -> Option<Layout> {
-    Layout::from_size_align(capacity, ALIGNMENT).ok()
-}
-
-fn system_alloc(capacity: usize) -> Option<NonNull<u8>> {
-    #[cfg(target_os = "linux")]
-    if capacity >= HUGE_PAGE_MIN {
-        return huge_alloc(capacity);
-    }
-    let layout = layout(capacity)?;
-    // SAFETY: capacity ≥ ALIGNMENT > 0.
-    NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })
-}
-
-fn release(block: CachedBlock) {
-    #[cfg(target_os = "linux")]
-    if block.capacity >= HUGE_PAGE_MIN {
-        // SAFETY: blocks this large were mapped by `huge_alloc` with this length.
-        unsafe { libc::munmap(block.ptr.as_ptr() as *mut libc::c_void, block.capacity) };
-        return;
-    }
-    if let Some(layout) = layout(block.capacity) {
-        // SAFETY: every other block was allocated by `system_alloc` with this capacity.
-        unsafe { std::alloc::dealloc(block.ptr.as_ptr(), layout) };
-    }
-}
-
-/// Blocks at least this large are mapped directly and backed by transparent huge pages where
-/// the kernel allows: the step's large activations are read in strided panels by the GEMM's
-/// packing, and 4 KiB pages put nearly every row of a panel on its own TLB entry.
-#[cfg(target_os = "linux")]
-const HUGE_PAGE_MIN: usize = 4 << 20;
-
-/// A fresh anonymous mapping (zeroed by the kernel, page-aligned), advised as huge-page memory
-/// before any page is touched, so the first touch of each 2 MiB faults in one huge page.
-#[cfg(target_os = "linux")]
-fn huge_alloc(capacity: usize) -> Option<NonNull<u8>> {
-    // SAFETY: an anonymous private mapping with no address hint; the result is checked.
-    let ptr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            capacity,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    if ptr == libc::MAP_FAILED {
-        return None;
-    }
-    // SAFETY: the range is the mapping just made; the advice only changes how its pages are
-    // backed, and a refusal (huge pages off) leaves ordinary pages.
-    unsafe { libc::madvise(ptr, capacity, libc::MADV_HUGEPAGE) };
-    NonNull::new(ptr as *mut u8)
-}
-
-#[cfg(unix)]
-fn mlock(ptr: NonNull<u8>, len: usize) -> bool {
-    // SAFETY: the range is one live allocation.
-    unsafe { libc::mlock(ptr.as_ptr() as *const libc::c_void, len) == 0 }
-}
-
-#[cfg(unix)]
-fn munlock(ptr: NonNull<u8>, len: usize) {
-    // SAFETY: as in `mlock`; failure only means the pages were not locked.
-    unsafe { libc::munlock(ptr.as_ptr() as *const libc::c_void, len) };
-}
-
-/// The locked-memory limit that binds this process, or `None` if it may lock any amount
-/// (unlimited rlimit, or root, which holds CAP_IPC_LOCK).
-#[cfg(unix)]
-fn os_mlock_limit() -> Option<usize> {
-    // SAFETY: plain libc queries with a valid out-pointer.
-    unsafe {
-        if libc::geteuid() == 0 {
-            return None;
-        }
-        let mut r = std::mem::zeroed::<libc::rlimit>();
-        if libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) != 0 || r.rlim_cur == libc::RLIM_INFINITY {
-            return None;
-        }
-        Some(usize::try_from(r.rlim_cur).unwrap_or(usize::MAX))
-    }
-}
-
-#[cfg(not(unix))]
-fn mlock(_: NonNull<u8>, _: usize) -> bool {
-    false
-}
-#[cfg(not(unix))]
-fn munlock(_: NonNull<u8>, _: usize) {}
-#[cfg(not(unix))]
-fn os_mlock_limit() -> Option<usize> {
-    Some(0)
-}
-
 /// Memory owned through an [`Allocator`]; returned to it (its cache) when dropped.
 pub struct Buffer {
-    ptr: NonNull<u8>,
+    handle: NonZeroUsize,
     bytes: usize,
     capacity: usize,
     wired: bool,
     owner: Allocator,
 }
-
-// SAFETY: a Buffer owns its memory exclusively, like a Box<[u8]>.
-unsafe impl Send for Buffer {}
-unsafe impl Sync for Buffer {}
 
 impl Buffer {
     /// Bytes requested.
@@ -532,8 +495,16 @@ impl Buffer {
         self.capacity
     }
 
+    /// The handle its memory source gave the block (on the host, its address).
+    pub fn handle(&self) -> usize {
+        self.handle.get()
+    }
+
+    /// The address of the first byte. Host memory only: a device buffer's handle is not an
+    /// address (its backend resolves it), so asking for one is a bug in the caller.
     pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
+        assert!(self.owner.is_host(), "{self:?} is not host memory");
+        self.handle.get() as *mut u8
     }
 }
 
@@ -549,7 +520,7 @@ impl fmt::Debug for Buffer {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        self.owner.give_back(self.ptr, self.capacity, self.wired);
+        self.owner.give_back(self.handle, self.capacity, self.wired);
     }
 }
 

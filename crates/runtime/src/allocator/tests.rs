@@ -231,7 +231,7 @@ fn vm_flags_at(addr: usize) -> Option<String> {
 #[test]
 fn large_blocks_are_huge_page_mappings_that_come_back_zeroed() {
     let a = Allocator::default();
-    let bytes = HUGE_PAGE_MIN + 3 * K;
+    let bytes = host::HUGE_PAGE_MIN + 3 * K;
     let x = a.alloc(bytes).unwrap();
     let ptr = x.as_ptr();
     assert_eq!(ptr as usize % 4096, 0, "a mapping starts on a page");
@@ -272,4 +272,74 @@ fn out_of_memory_reads_in_human_units() {
     let none = oom(usize::MAX).to_string();
     assert!(none.ends_with("no limit set: the system refused"), "{none}");
     assert!(!none.contains(&usize::MAX.to_string()), "{none}");
+}
+
+/// A device whose blocks are numbered handles, not addresses, and which records what the
+/// allocator asks of it.
+#[derive(Debug, Default)]
+struct CountingDevice {
+    calls: Mutex<Vec<(&'static str, usize, usize)>>,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl MemorySource for CountingDevice {
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+    fn allocate(&self, capacity: usize) -> Option<Block> {
+        let n = 1 + self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.calls.lock().unwrap().push(("allocate", n, capacity));
+        Some(Block {
+            handle: NonZeroUsize::new(n)?,
+            capacity,
+        })
+    }
+    fn release(&self, block: Block) {
+        let call = ("release", block.handle.get(), block.capacity);
+        self.calls.lock().unwrap().push(call);
+    }
+    fn zero(&self, block: &Block, bytes: usize) {
+        self.calls
+            .lock()
+            .unwrap()
+            .push(("zero", block.handle.get(), bytes));
+    }
+}
+
+/// The counters, cache and limits are the allocator's, whatever the source: a device source
+/// sees exactly the allocations the cache could not serve and the releases the limits forced.
+#[test]
+fn policies_hold_over_a_device_memory_source() {
+    let dev = Arc::new(CountingDevice::default());
+    let a = Allocator::with_source(dev.clone());
+    assert!(!a.is_host());
+    let x = a.alloc(1000).unwrap(); // handle 1, capacity 1024
+    assert_eq!(x.handle(), 1);
+    drop(x);
+    let y = a.alloc(1000).unwrap(); // from the cache, zeroed by the device
+    assert_eq!(
+        (y.handle(), a.active_bytes(), a.cache_bytes()),
+        (1, 1024, 0)
+    );
+    a.set_memory_limit(1024 + 2 * K, false);
+    assert!(a.alloc(3 * K).is_err(), "strict limit");
+    drop(y);
+    a.clear_cache();
+    assert_eq!(
+        *dev.calls.lock().unwrap(),
+        vec![
+            ("allocate", 1, 1024),
+            ("zero", 1, 1000),
+            ("release", 1, 1024)
+        ]
+    );
+    assert_eq!(a.stats().allocations, 1);
+}
+
+#[test]
+#[should_panic(expected = "is not host memory")]
+fn a_device_buffer_has_no_host_address() {
+    let a = Allocator::with_source(Arc::new(CountingDevice::default()));
+    let b = a.alloc(8).unwrap();
+    let _ = b.as_ptr();
 }
