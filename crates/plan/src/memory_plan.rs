@@ -14,14 +14,32 @@ use crate::schedule::{schedule, ScheduleKind};
 pub enum PlanError {
     #[error("plan options: alignment {0} is not a power of two")]
     Alignment(usize),
+    #[error(
+        "tensor `{name}` is {bytes} bytes, more than the {limit} bytes one kernel may bind on \
+         this device (its largest storage binding)"
+    )]
+    LargerThanBinding {
+        name: String,
+        bytes: usize,
+        limit: usize,
+    },
+    #[error(
+        "the step's {what} needs {bytes} bytes in one buffer, more than this device's largest \
+         buffer of {limit} bytes"
+    )]
+    LargerThanBuffer {
+        what: String,
+        bytes: usize,
+        limit: usize,
+    },
     #[error("the arena for this step would need more than 2^64 bytes")]
     Overflow,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlanOptions {
-    /// Every arena offset is a multiple of this (bytes; a power of two). 64 = one cache line,
-    /// enough for any SIMD load.
+    /// Every arena offset is a multiple of this (bytes; a power of two), or of the target's
+    /// alignment where that is larger. 64 = one cache line, enough for any SIMD load.
     pub alignment: usize,
     /// `MemoryAware` also plans the program order and keeps whichever peaks lower.
     pub schedule: ScheduleKind,
@@ -290,9 +308,22 @@ fn aligned_intervals(lives: &[Lifetime], align: usize) -> Result<Vec<Interval>, 
 /// and timeline. Allocates no tensor data.
 pub fn plan<G: AsRef<Graph>>(graph: &G, options: &PlanOptions) -> Result<MemoryPlan, PlanError> {
     let graph = graph.as_ref();
-    let align = options.alignment;
+    let layout = graph.target().memory;
+    let align = options.alignment.max(layout.alignment);
     if align == 0 || !align.is_power_of_two() {
         return Err(PlanError::Alignment(align));
+    }
+    // Refused before anything is placed: no kernel of this device could bind such a tensor.
+    if let Some(t) = graph
+        .tensors()
+        .iter()
+        .find(|t| t.size_bytes() > layout.max_binding_bytes)
+    {
+        return Err(PlanError::LargerThanBinding {
+            name: t.name.clone(),
+            bytes: t.size_bytes(),
+            limit: layout.max_binding_bytes,
+        });
     }
     let program = schedule(graph, ScheduleKind::Program);
     let program_lives = lifetimes(graph, &program);
@@ -365,6 +396,15 @@ pub fn plan<G: AsRef<Graph>>(graph: &G, options: &PlanOptions) -> Result<MemoryP
         }
     }
     breakdown.fragmentation = placement.arena_bytes - placement.lower_bound_bytes;
+    // The arena is one buffer; splitting it into chunks no tensor straddles comes with the
+    // first device whose largest buffer is smaller than a step's arena.
+    if placement.arena_bytes > layout.max_buffer_bytes {
+        return Err(PlanError::LargerThanBuffer {
+            what: "arena".into(),
+            bytes: placement.arena_bytes,
+            limit: layout.max_buffer_bytes,
+        });
+    }
     persistent_bytes
         .checked_add(placement.arena_bytes)
         .ok_or(PlanError::Overflow)?;
