@@ -2,7 +2,8 @@
 //! reads are dropped after the forward pass and recomputed from kept values just before the
 //! backward needs them.
 //!
-//! Segments are transformer blocks (the tensors under `h.<i>.` or `model.layers.<i>.`).
+//! Segments are transformer blocks: the forward nodes the model builder marked with
+//! [`Graph::in_block`] (a node's [`crate::Node::block`]), with the tensors they produce.
 //! Within a segment, the policy says which tensors are kept; every other tensor the backward
 //! reads is recomputed, with the forward nodes it needs, right before the first backward node
 //! that reads a recomputed tensor of that segment. The recomputation waits (a control
@@ -74,7 +75,7 @@ pub fn remat_candidates(step: &StepGraph) -> Vec<RematCandidate> {
             let m = g.tensor(o);
             if m.view_of.is_none()
                 && read_by_backward[o.index()]
-                && block_of(&m.name).is_some()
+                && node.block.is_some()
                 && !g.outputs().contains(&o)
             {
                 out.push(RematCandidate {
@@ -100,19 +101,6 @@ pub fn rematerialize_dropping(step: &StepGraph, drop: &[TensorId]) -> Result<(Re
     }
     // A view is kept exactly when the storage it looks into is.
     remat_with(step, |t, _| keep[g.storage_root(t).index()], 1)
-}
-
-/// The block a forward tensor belongs to: the first all-digit component of its name (before
-/// the `#node` suffix).
-fn block_of(name: &str) -> Option<usize> {
-    name.split('.').find_map(|c| {
-        let c = c.split('#').next()?;
-        if !c.is_empty() && c.bytes().all(|b| b.is_ascii_digit()) {
-            c.parse().ok()
-        } else {
-            None
-        }
-    })
 }
 
 fn expensive(op: &Op) -> bool {
@@ -157,7 +145,8 @@ fn remat_with(
     let mut segment: Vec<Option<usize>> = vec![None; n_tensors];
     for node in &g.nodes()[..n_fwd] {
         for &o in node.outputs.iter().chain(&node.workspace) {
-            segment[o.index()] = block_of(&g.tensor(o).name).map(|b| b / blocks_per_segment);
+            segment[o.index()] = node.block.map(|b| b as usize / blocks_per_segment);
+            if node.workspace != Some(o) {             assert_eq!(tmp_block_of(&g.tensor(o).name), node.block.map(|b| b as usize), "TMPCHECK {}", g.tensor(o).name); }
         }
     }
     let read_by_backward = backward_reads(step);
@@ -307,7 +296,11 @@ fn remat_with(
                         .iter()
                         .map(|&t| again[t.index()].unwrap_or_else(|| lookup(t)))
                         .collect();
-                    let outs = new.apply(fnode.op.clone(), &ins)?;
+                    // The recomputation belongs to the block it recomputes.
+                    let prev = new.set_block(fnode.block);
+                    let outs = new.apply(fnode.op.clone(), &ins);
+                    new.set_block(prev);
+                    let outs = outs?;
                     let id = NodeId(new.nodes().len() as u32 - 1);
                     for &t in &waits {
                         new.add_control(id, t);
@@ -338,15 +331,13 @@ fn remat_with(
     Ok((rewritten, recomputed_nodes))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::block_of;
-
-    #[test]
-    fn blocks_come_from_the_first_numeric_component() {
-        assert_eq!(block_of("h.11.mlp.matmul#121"), Some(11));
-        assert_eq!(block_of("model.layers.3.self_attn.rope#40"), Some(3));
-        assert_eq!(block_of("wte.embedding#0"), None);
-        assert_eq!(block_of("ln_f.layernorm#200"), None);
-    }
+fn tmp_block_of(name: &str) -> Option<usize> {
+    name.split('.').find_map(|c| {
+        let c = c.split('#').next()?;
+        if !c.is_empty() && c.bytes().all(|b| b.is_ascii_digit()) {
+            c.parse().ok()
+        } else {
+            None
+        }
+    })
 }
