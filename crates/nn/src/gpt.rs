@@ -388,7 +388,8 @@ impl GptConfig {
         ModelConfig::Gpt(self.clone()).flops_per_token(seq)
     }
 
-    /// Builds the forward graph and loss for `batch` sequences of `seq` tokens.
+    /// Builds the forward graph and loss for `batch` sequences of `seq` tokens, with the
+    /// fusions `target` offers applied.
     pub fn build(
         &self,
         batch: usize,
@@ -737,6 +738,27 @@ mod tests {
             assert_eq!(&g.graph.tensor(*id).shape, want_shape);
         }
         assert!(g.graph.tensor(g.loss).shape.is_empty());
+    }
+
+    /// Every node a layer's loop emits is marked with the layer's block (what remat segments
+    /// by), in both families; the embeddings, the head and the loss are in none.
+    #[test]
+    fn layers_are_marked_as_blocks() {
+        for name in ["tiny", "llama-tiny"] {
+            let model = ModelConfig::preset(name).unwrap();
+            let g = model.build(1, 8, 1, DType::F32).unwrap().graph;
+            let mut seen = std::collections::BTreeSet::new();
+            for n in g.nodes() {
+                let out = &g.tensor(n.outputs[0]).name;
+                let layer = ["h.", "model.layers."].iter().find_map(|p| {
+                    let rest = out.strip_prefix(p)?;
+                    rest.split('.').next()?.parse::<u32>().ok()
+                });
+                assert_eq!(n.block, layer, "{name}: {out}");
+                seen.extend(n.block);
+            }
+            assert_eq!(seen.into_iter().collect::<Vec<_>>(), [0, 1], "{name}");
+        }
     }
 
     #[test]

@@ -146,7 +146,6 @@ fn remat_with(
     for node in &g.nodes()[..n_fwd] {
         for &o in node.outputs.iter().chain(&node.workspace) {
             segment[o.index()] = node.block.map(|b| b as usize / blocks_per_segment);
-            if node.workspace != Some(o) {             assert_eq!(tmp_block_of(&g.tensor(o).name), node.block.map(|b| b as usize), "TMPCHECK {}", g.tensor(o).name); }
         }
     }
     let read_by_backward = backward_reads(step);
@@ -331,13 +330,76 @@ fn remat_with(
     Ok((rewritten, recomputed_nodes))
 }
 
-fn tmp_block_of(name: &str) -> Option<usize> {
-    name.split('.').find_map(|c| {
-        let c = c.split('#').next()?;
-        if !c.is_empty() && c.bytes().all(|b| b.is_ascii_digit()) {
-            c.parse().ok()
-        } else {
-            None
-        }
-    })
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::{CrossEntropy, Gelu, MatMul};
+    use crate::{DType, OptimizerSpec};
+
+    /// Two linear layers with a GELU between, then a loss; the layers in block `block` when
+    /// given. No name holds a digit, so only the node attribute can place them.
+    fn step(block: Option<u32>) -> StepGraph {
+        let mut g = Graph::new();
+        let x = g.input("x", &[6, 4], DType::F32).unwrap();
+        let targets = g.input("targets", &[6], DType::I32).unwrap();
+        let w1 = g.parameter("w", &[4, 8]).unwrap();
+        let w2 = g.parameter("v", &[8, 5]).unwrap();
+        let layers = |g: &mut Graph| {
+            g.set_scope("layer");
+            let h = g.apply1(MatMul::default(), &[x, w1]).unwrap();
+            let a = g.apply1(Gelu::default(), &[h]).unwrap();
+            g.apply1(MatMul::default(), &[a, w2]).unwrap()
+        };
+        let logits = match block {
+            Some(b) => g.in_block(b, layers),
+            None => layers(&mut g),
+        };
+        g.set_scope("head");
+        let loss = g.apply1(CrossEntropy, &[logits, targets]).unwrap();
+        StepGraph::build(g, loss, OptimizerSpec::None).unwrap()
+    }
+
+    /// Remat recomputes what the builder put in a block, whatever the names say: the GELU
+    /// output and the first product, which only the block reads, are recomputed; outside any
+    /// block nothing is.
+    #[test]
+    fn blocks_come_from_the_node_attribute() {
+        let blocked = step(Some(7));
+        let fwd = &blocked.graph.nodes()[..blocked.forward_nodes];
+        assert_eq!(
+            fwd.iter().map(|n| n.block).collect::<Vec<_>>(),
+            [Some(7), Some(7), Some(7), None]
+        );
+        // Each node's gradient belongs to its block.
+        let bwd = &blocked.graph.nodes()[blocked.forward_nodes..];
+        assert!(bwd.iter().any(|n| n.block == Some(7)));
+        assert!(bwd.iter().any(|n| n.block.is_none()));
+
+        let uniform = RematPolicy::Uniform {
+            blocks_per_segment: 1,
+        };
+        let (r, recomputed) = rematerialize(&blocked, uniform).unwrap();
+        assert_eq!(recomputed, 2, "the first product and the GELU");
+        let again: Vec<&crate::Node> = r
+            .graph
+            .nodes()
+            .iter()
+            .filter(|n| r.graph.tensor(n.outputs[0]).name.ends_with(".remat"))
+            .collect();
+        assert_eq!(again.len(), 2);
+        assert!(
+            again.iter().all(|n| n.block == Some(7)),
+            "recomputations keep the block"
+        );
+        let candidates: Vec<TensorId> = remat_candidates(&blocked)
+            .iter()
+            .map(|c| c.tensor)
+            .collect();
+        // The logits too: the block's output, which `Uniform` keeps, a budget may drop.
+        assert_eq!(candidates.len(), 3);
+
+        let open = step(None);
+        assert_eq!(rematerialize(&open, uniform).unwrap().1, 0);
+        assert!(remat_candidates(&open).is_empty());
+    }
 }
