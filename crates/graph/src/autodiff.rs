@@ -88,6 +88,7 @@ pub fn backward_seeded(
     let prev_role = graph.set_build_role(Some(Role::Temporary));
     let prev_scope = graph.scope().to_string();
     graph.set_scope("grad");
+    let prev_block = graph.set_block(None);
     let seed = match seed {
         Some(s) if graph.try_tensor(s)?.shape == graph.tensor(loss).shape => s,
         Some(s) => {
@@ -125,6 +126,8 @@ pub fn backward_seeded(
         }
         let scope = graph.tensor(node.outputs[0]).name.clone();
         graph.set_scope(format!("grad[{scope}]"));
+        // A node's gradient belongs to its block.
+        graph.set_block(node.block);
         let mut ctx = GradCtx {
             graph,
             inputs: node.inputs.clone(),
@@ -154,6 +157,7 @@ pub fn backward_seeded(
         }
     }
     graph.set_scope(prev_scope);
+    graph.set_block(prev_block);
     graph.set_build_role(prev_role);
 
     let mut out = Vec::with_capacity(wrt.len());

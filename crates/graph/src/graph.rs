@@ -28,6 +28,11 @@ pub struct Node {
     /// `Some(i)`: output 0 is written over input `i`, whose storage it shares (set by
     /// [`crate::passes::write_in_place`]; a rewrite of the graph drops it).
     pub inplace: Option<usize>,
+    /// The model block (transformer layer) the node belongs to, as the builder said with
+    /// [`Graph::in_block`]; `None` outside blocks (embeddings, head, loss). Rewrites keep it, and
+    /// a node a pass makes in place of another takes that node's. Rematerialization segments
+    /// the forward pass by it.
+    pub block: Option<u32>,
 }
 
 /// A static dataflow graph over tensor metadata. Nodes are stored in a valid topological order
@@ -40,6 +45,8 @@ pub struct Graph {
     /// Tensors read after the graph has run (the loss): alive until the end of the schedule.
     outputs: Vec<TensorId>,
     scope: String,
+    /// Block given to nodes while building (see [`Graph::in_block`]).
+    block: Option<u32>,
     /// Role given to op outputs while building (activations in forward, temporaries in backward).
     build_role: Option<Role>,
     /// The device the graph is planned for (threads, its GEMM): sizes kernels' workspaces, so
@@ -138,6 +145,44 @@ impl Graph {
 
     pub fn scope(&self) -> &str {
         &self.scope
+    }
+
+    /// Runs `build` with every node it adds marked as belonging to model block `block`, the
+    /// segments rematerialization checkpoints (blocks do not nest: the previous one is restored
+    /// after).
+    pub fn in_block<T>(&mut self, block: u32, build: impl FnOnce(&mut Graph) -> T) -> T {
+        let prev = self.set_block(Some(block));
+        let out = build(self);
+        self.set_block(prev);
+        out
+    }
+
+    /// The block nodes added now are marked with.
+    pub fn block(&self) -> Option<u32> {
+        self.block
+    }
+
+    /// Sets the block nodes added from now on are marked with; returns the previous one.
+    pub(crate) fn set_block(&mut self, block: Option<u32>) -> Option<u32> {
+        std::mem::replace(&mut self.block, block)
+    }
+
+    /// The scope the outputs of `node` were named under by [`Graph::apply`] (`""` where there
+    /// was none), or `None` when a pass or the caller has renamed all of them.
+    pub(crate) fn built_scope(&self, node: NodeId) -> Option<&str> {
+        let n = &self.nodes[node.index()];
+        let tag = node_tag(n, node);
+        n.outputs
+            .iter()
+            .chain(&n.workspace)
+            .find_map(|&t| generated_scope(&self.tensors[t.index()].name, &tag))
+    }
+
+    /// Whether `t` still has the name [`Graph::apply`] gave it.
+    pub(crate) fn named_by_apply(&self, t: TensorId) -> bool {
+        self.producer(t).is_some_and(|p| {
+            generated_scope(&self.tensors[t.index()].name, &node_tag(self.node(p), p)).is_some()
+        })
     }
 
     pub(crate) fn set_build_role(&mut self, role: Option<Role>) -> Option<Role> {
@@ -253,6 +298,7 @@ impl Graph {
             workspace,
             control: Vec::new(),
             inplace: None,
+            block: self.block,
         });
         Ok(outputs)
     }
@@ -283,6 +329,8 @@ impl Graph {
         Ok(self.apply(op, inputs)?[0])
     }
 
+    /// `{scope}.{op}#{node}`, then `.{suffix}` or, past output 0, `.{k}` (see
+    /// [`generated_scope`], its inverse).
     fn out_name(&self, op_name: &str, suffix: Option<&'static str>, k: usize) -> String {
         let base = if self.scope.is_empty() {
             format!("{op_name}#{}", self.nodes.len())
@@ -306,6 +354,26 @@ impl Graph {
                 n.op.flops(&ins, &outs)
             })
             .sum()
+    }
+}
+
+/// `{op}#{index}`: the part of a generated name that identifies its node.
+fn node_tag(node: &Node, id: NodeId) -> String {
+    format!("{}#{}", node.op.name(), id.index())
+}
+
+/// The scope of `name` when it is a name [`Graph::out_name`] made for the node tagged `tag`.
+fn generated_scope<'n>(name: &'n str, tag: &str) -> Option<&'n str> {
+    // Suffixes (`mean`, `1`, `workspace`) never hold a `#`: the last tag is the node's.
+    let at = name.rfind(tag)?;
+    let (scope, rest) = (&name[..at], &name[at + tag.len()..]);
+    if !(rest.is_empty() || rest.starts_with('.')) {
+        return None;
+    }
+    match scope.strip_suffix('.') {
+        Some(s) if !s.is_empty() => Some(s),
+        None if scope.is_empty() => Some(""),
+        _ => None,
     }
 }
 

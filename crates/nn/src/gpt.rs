@@ -8,9 +8,10 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 use serde::{Deserialize, Serialize};
 use snug_graph::ops::{
-    Binary, CausalAttention, CrossEntropy, Embedding, GeluApprox, GeluLinear, LayerNorm,
-    LayerNormLinear, MatMul, Narrow, Reshape,
+    Binary, CausalAttention, CrossEntropy, Embedding, Gelu, GeluApprox, LayerNorm, MatMul, Narrow,
+    Reshape,
 };
+use snug_graph::passes::fuse_for_target;
 use snug_graph::{DType, Graph, GraphError, Role, TensorId};
 
 use crate::ModelConfig;
@@ -387,7 +388,8 @@ impl GptConfig {
         ModelConfig::Gpt(self.clone()).flops_per_token(seq)
     }
 
-    /// Builds the forward graph and loss for `batch` sequences of `seq` tokens.
+    /// Builds the forward graph and loss for `batch` sequences of `seq` tokens, with the
+    /// fusions `target` offers applied.
     pub fn build(
         &self,
         batch: usize,
@@ -458,29 +460,28 @@ impl GptConfig {
             let wp = p(g, "mlp.c_proj.weight", &[4 * c, c])?;
             let bp = p(g, "mlp.c_proj.bias", &[c])?;
 
-            g.set_scope(format!("h.{i}.attn"));
-            // The norms sit inside the projections that read them: their outputs are never
-            // stored, the residual stream they read is.
-            let qkv = g.apply(LayerNormLinear::default(), &[x, ln1w, ln1b, wqkv, bqkv])?[0];
-            let a = g.apply(
-                CausalAttention {
+            // The layer count is bounded by `MAX_LAYERS` (validated).
+            x = g.in_block(i as u32, |g| -> Result<TensorId, GraphError> {
+                g.set_scope(format!("h.{i}.attn"));
+                let h = g.apply(LayerNorm::default(), &[x, ln1w, ln1b])?[0];
+                let qkv = g.apply1(linear, &[h, wqkv, bqkv])?;
+                let attn = CausalAttention {
                     n_head: self.n_head,
-                },
-                &[qkv],
-            )?[0];
-            let proj = g.apply1(linear, &[a, wo, bo])?;
-            x = g.apply1(Binary::add(), &[x, proj])?;
+                };
+                let a = g.apply(attn, &[qkv])?[0];
+                let proj = g.apply1(linear, &[a, wo, bo])?;
+                let x = g.apply1(Binary::add(), &[x, proj])?;
 
-            g.set_scope(format!("h.{i}.mlp"));
-            let f = g.apply(LayerNormLinear::default(), &[x, ln2w, ln2b, wfc, bfc])?[0];
-            // GELU inside the down-projection: its output is never stored.
-            let m = g.apply1(
-                GeluLinear {
+                g.set_scope(format!("h.{i}.mlp"));
+                let h = g.apply(LayerNorm::default(), &[x, ln2w, ln2b])?[0];
+                let f = g.apply1(linear, &[h, wfc, bfc])?;
+                let gelu = Gelu {
                     approx: GeluApprox::Tanh,
-                },
-                &[f, wp, bp],
-            )?;
-            x = g.apply1(Binary::add(), &[x, m])?;
+                };
+                let f = g.apply1(gelu, &[f])?;
+                let m = g.apply1(linear, &[f, wp, bp])?;
+                g.apply1(Binary::add(), &[x, m])
+            })?;
         }
         let lnfw = param(g, "ln_f.weight".into(), &[c])?;
         let lnfb = param(g, "ln_f.bias".into(), &[c])?;
@@ -556,7 +557,8 @@ pub(crate) fn check_batch_seq(
 }
 
 /// The training graph: `tokens` and `targets` inputs, a model trunk, and the mean
-/// cross-entropy of the logits against `targets`, named `loss`.
+/// cross-entropy of the logits against `targets`, named `loss`; with the fusions `target`
+/// offers applied.
 pub(crate) fn loss_graph(
     batch: usize,
     seq: usize,
@@ -571,16 +573,19 @@ pub(crate) fn loss_graph(
     let loss = g.apply1(CrossEntropy, &[logits, targets])?;
     g.set_scope("");
     g.rename(loss, "loss");
-    Ok(ModelGraph {
+    let (fused, _) = fuse_for_target(&g, &target)?;
+    ModelGraph {
         graph: g,
         tokens,
         targets,
         loss,
         params: t.params,
-    })
+    }
+    .rewritten(fused)
 }
 
-/// The inference graph: a `tokens` input, a model trunk, and its logits as the graph output.
+/// The inference graph: a `tokens` input, a model trunk, and its logits as the graph output;
+/// with the fusions `target` offers applied.
 pub(crate) fn logits_graph(
     batch: usize,
     seq: usize,
@@ -594,11 +599,16 @@ pub(crate) fn logits_graph(
     g.set_scope("");
     g.rename(logits, "logits");
     g.mark_output(logits);
+    let (r, _) = fuse_for_target(&g, &target)?;
     Ok(InferenceGraph {
-        graph: g,
-        tokens,
-        logits,
-        params: t.params,
+        tokens: r.map(tokens)?,
+        logits: r.map(logits)?,
+        params: t
+            .params
+            .into_iter()
+            .map(|(name, id)| Ok((name, r.map(id)?)))
+            .collect::<Result<_, GraphError>>()?,
+        graph: r.graph,
     })
 }
 
@@ -728,6 +738,27 @@ mod tests {
             assert_eq!(&g.graph.tensor(*id).shape, want_shape);
         }
         assert!(g.graph.tensor(g.loss).shape.is_empty());
+    }
+
+    /// Every node a layer's loop emits is marked with the layer's block (what remat segments
+    /// by), in both families; the embeddings, the head and the loss are in none.
+    #[test]
+    fn layers_are_marked_as_blocks() {
+        for name in ["tiny", "llama-tiny"] {
+            let model = ModelConfig::preset(name).unwrap();
+            let g = model.build(1, 8, 1, DType::F32).unwrap().graph;
+            let mut seen = std::collections::BTreeSet::new();
+            for n in g.nodes() {
+                let out = &g.tensor(n.outputs[0]).name;
+                let layer = ["h.", "model.layers."].iter().find_map(|p| {
+                    let rest = out.strip_prefix(p)?;
+                    rest.split('.').next()?.parse::<u32>().ok()
+                });
+                assert_eq!(n.block, layer, "{name}: {out}");
+                seen.extend(n.block);
+            }
+            assert_eq!(seen.into_iter().collect::<Vec<_>>(), [0, 1], "{name}");
+        }
     }
 
     #[test]

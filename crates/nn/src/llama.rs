@@ -248,7 +248,7 @@ impl LlamaConfig {
         dtype: snug_graph::DType,
     ) -> Result<crate::gpt::Trunk, NnError> {
         use snug_graph::ops::{Binary, Embedding, GqaAttention, MatMul, RmsNorm, Rope, SwiGlu};
-        use snug_graph::{Graph, Role};
+        use snug_graph::{Graph, GraphError, Role, TensorId};
         let (c, f, d) = (self.hidden, self.intermediate, self.head_dim());
         let kv = self.n_kv_head * d;
         let mut params = Vec::new();
@@ -279,28 +279,31 @@ impl LlamaConfig {
             let wu = p(g, "mlp.up_proj.weight", &[c, f])?;
             let wd = p(g, "mlp.down_proj.weight", &[f, c])?;
 
-            g.set_scope(format!("model.layers.{i}.self_attn"));
-            let h = g.apply(norm, &[x, ln1])?[0];
-            let q = g.apply1(linear, &[h, wq])?;
-            let k = g.apply1(linear, &[h, wk])?;
-            let v = g.apply1(linear, &[h, wv])?;
-            let q = g.apply1(Rope::new(self.n_head, d, self.rope_theta), &[q])?;
-            let k = g.apply1(Rope::new(self.n_kv_head, d, self.rope_theta), &[k])?;
-            let attn = GqaAttention {
-                n_head: self.n_head,
-                n_kv_head: self.n_kv_head,
-            };
-            let a = g.apply(attn, &[q, k, v])?[0];
-            let o = g.apply1(linear, &[a, wo])?;
-            x = g.apply1(Binary::add(), &[x, o])?;
+            // The layer count is bounded by `MAX_LAYERS` (validated).
+            x = g.in_block(i as u32, |g| -> Result<TensorId, GraphError> {
+                g.set_scope(format!("model.layers.{i}.self_attn"));
+                let h = g.apply(norm, &[x, ln1])?[0];
+                let q = g.apply1(linear, &[h, wq])?;
+                let k = g.apply1(linear, &[h, wk])?;
+                let v = g.apply1(linear, &[h, wv])?;
+                let q = g.apply1(Rope::new(self.n_head, d, self.rope_theta), &[q])?;
+                let k = g.apply1(Rope::new(self.n_kv_head, d, self.rope_theta), &[k])?;
+                let attn = GqaAttention {
+                    n_head: self.n_head,
+                    n_kv_head: self.n_kv_head,
+                };
+                let a = g.apply(attn, &[q, k, v])?[0];
+                let o = g.apply1(linear, &[a, wo])?;
+                let x = g.apply1(Binary::add(), &[x, o])?;
 
-            g.set_scope(format!("model.layers.{i}.mlp"));
-            let h = g.apply(norm, &[x, ln2])?[0];
-            let gate = g.apply1(linear, &[h, wg])?;
-            let up = g.apply1(linear, &[h, wu])?;
-            let m = g.apply1(SwiGlu, &[gate, up])?;
-            let down = g.apply1(linear, &[m, wd])?;
-            x = g.apply1(Binary::add(), &[x, down])?;
+                g.set_scope(format!("model.layers.{i}.mlp"));
+                let h = g.apply(norm, &[x, ln2])?[0];
+                let gate = g.apply1(linear, &[h, wg])?;
+                let up = g.apply1(linear, &[h, wu])?;
+                let m = g.apply1(SwiGlu, &[gate, up])?;
+                let down = g.apply1(linear, &[m, wd])?;
+                g.apply1(Binary::add(), &[x, down])
+            })?;
         }
         let final_norm = param(g, "model.norm.weight".into(), &[c])?;
         let lm_head = param(g, "lm_head.weight".into(), &[c, self.vocab_size])?;

@@ -2,7 +2,7 @@
 
 use snug_graph::ops::AdamW;
 use snug_graph::passes::fuse_lm_head_loss;
-use snug_graph::{OptimizerSpec, StepGraph};
+use snug_graph::{Fusions, OptimizerSpec, StepGraph, Target};
 use snug_nn::{GptConfig, ModelGraph};
 use snug_plan::{plan, PlanOptions};
 use snug_runtime::{Allocator, CpuSession, ExecCtx};
@@ -85,6 +85,43 @@ fn fused_lm_head_loss_keeps_the_numbers_and_saves_the_logits() {
         "saved {} of at least {logits_bytes}",
         peak0 - peak1
     );
+}
+
+/// A target without the CPU's fused kernels runs the plain LayerNorm, GELU and linear layers
+/// the builder emits: the same loss and gradients to f32 rounding (the fused kernels normalise
+/// and activate inside the GEMM's packing, summing in another order), at a higher planned peak
+/// (the normalised rows and the GELU output are stored).
+#[test]
+fn the_step_without_fusions_gives_the_fused_numbers() {
+    let cfg = gpt(64);
+    let batch = 4;
+    let count = |g: &ModelGraph, op: &str| {
+        let nodes = g.graph.nodes().iter();
+        nodes.filter(|n| n.op.name() == op).count()
+    };
+    let run = |fusions: Fusions| {
+        let g = cfg
+            .build(batch, 16, Target::host(2).with_fusions(fusions))
+            .unwrap();
+        let ops =
+            ["layer_norm_linear", "gelu_linear", "layer_norm", "gelu"].map(|op| count(&g, op));
+        let (loss, grads, peak) = loss_and_grads(&cfg, g, batch);
+        (ops, loss, grads, peak)
+    };
+    let (fused_ops, l0, g0, fused_peak) = run(Fusions::ALL);
+    let (plain_ops, l1, g1, plain_peak) = run(Fusions::NONE);
+    // Two norms and one GELU per layer fused; the final norm has no linear layer to join.
+    assert_eq!(fused_ops, [4, 2, 1, 0]);
+    assert_eq!(plain_ops, [0, 0, 5, 2]);
+    assert!((l0 - l1).abs() <= 1e-5 * l0.abs(), "{l0} vs {l1}");
+    assert_eq!(g0.len(), g1.len());
+    for (a, b) in g0.iter().zip(&g1) {
+        let norm = |v: &[f32]| v.iter().map(|x| (x * x) as f64).sum::<f64>().sqrt();
+        let diff: Vec<f32> = a.iter().zip(b).map(|(x, y)| x - y).collect();
+        let rel = norm(&diff) / norm(a).max(f64::MIN_POSITIVE);
+        assert!(rel <= 1e-5, "relative gradient difference {rel}");
+    }
+    assert!(plain_peak > fused_peak, "{plain_peak} vs {fused_peak}");
 }
 
 /// The rewritten graph keeps every parameter and builds into a full AdamW step that plans and

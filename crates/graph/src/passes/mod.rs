@@ -2,6 +2,9 @@
 //! is measured by planning the step before and after it (`snug plan --passes ...`), not
 //! estimated here.
 //!
+//! - [`fuse_for_target`]: the fusions the target's kernels offer, each its own pass:
+//!   [`fuse_layernorm_linear`] and [`fuse_gelu_linear`] fold a LayerNorm or a GELU into the
+//!   linear layer that reads it, so its output is never stored.
 //! - [`fuse_lm_head_loss`]: the LM head and its cross-entropy as one tiled op, so the
 //!   `tokens × vocab` logits and their gradient never exist.
 //! - [`eliminate_common_subexpressions`], [`eliminate_dead_code`]: duplicate and unread nodes.
@@ -12,6 +15,9 @@
 
 mod cse;
 mod dce;
+mod fuse;
+mod fuse_gelu_linear;
+mod fuse_layernorm_linear;
 mod fuse_lm_head_loss;
 mod inplace;
 mod precision;
@@ -19,6 +25,9 @@ mod remat;
 
 pub use cse::eliminate_common_subexpressions;
 pub use dce::eliminate_dead_code;
+pub use fuse::fuse_for_target;
+pub use fuse_gelu_linear::fuse_gelu_linear;
+pub use fuse_layernorm_linear::fuse_layernorm_linear;
 pub use fuse_lm_head_loss::{fuse_lm_head_loss, DEFAULT_CHUNK_BYTES};
 pub use inplace::write_in_place;
 pub use precision::{mixed_precision, recast_saved};
@@ -63,7 +72,7 @@ impl Rewritten {
 }
 
 /// Re-applies `node` of `old` in `new` on `inputs`, waiting on `control`, keeping its outputs'
-/// names and roles.
+/// names and roles and its block.
 pub(crate) fn copy_node(
     new: &mut Graph,
     old: &Graph,
@@ -71,7 +80,10 @@ pub(crate) fn copy_node(
     inputs: &[TensorId],
     control: &[TensorId],
 ) -> Result<Vec<TensorId>> {
-    let outs = new.apply(node.op.clone(), inputs)?;
+    let prev = new.set_block(node.block);
+    let outs = new.apply(node.op.clone(), inputs);
+    new.set_block(prev);
+    let outs = outs?;
     let id = crate::NodeId(new.nodes().len() as u32 - 1);
     for &c in control {
         new.add_control(id, c);
@@ -140,7 +152,11 @@ pub(crate) fn rewrite(
         }
         let replaced = {
             let lookup = |t: TensorId| map[t.index()].expect("inputs are mapped before use");
-            replace(&mut new, i, &lookup)?
+            // What a pass emits in place of a node belongs to that node's block.
+            let prev = new.set_block(node.block);
+            let replaced = replace(&mut new, i, &lookup);
+            new.set_block(prev);
+            replaced?
         };
         if let Some(outs) = replaced {
             for (&o, n) in node.outputs.iter().zip(outs) {

@@ -2,7 +2,8 @@
 //! reads are dropped after the forward pass and recomputed from kept values just before the
 //! backward needs them.
 //!
-//! Segments are transformer blocks (the tensors under `h.<i>.` or `model.layers.<i>.`).
+//! Segments are transformer blocks: the forward nodes the model builder marked with
+//! [`Graph::in_block`] (a node's [`crate::Node::block`]), with the tensors they produce.
 //! Within a segment, the policy says which tensors are kept; every other tensor the backward
 //! reads is recomputed, with the forward nodes it needs, right before the first backward node
 //! that reads a recomputed tensor of that segment. The recomputation waits (a control
@@ -74,7 +75,7 @@ pub fn remat_candidates(step: &StepGraph) -> Vec<RematCandidate> {
             let m = g.tensor(o);
             if m.view_of.is_none()
                 && read_by_backward[o.index()]
-                && block_of(&m.name).is_some()
+                && node.block.is_some()
                 && !g.outputs().contains(&o)
             {
                 out.push(RematCandidate {
@@ -100,19 +101,6 @@ pub fn rematerialize_dropping(step: &StepGraph, drop: &[TensorId]) -> Result<(Re
     }
     // A view is kept exactly when the storage it looks into is.
     remat_with(step, |t, _| keep[g.storage_root(t).index()], 1)
-}
-
-/// The block a forward tensor belongs to: the first all-digit component of its name (before
-/// the `#node` suffix).
-fn block_of(name: &str) -> Option<usize> {
-    name.split('.').find_map(|c| {
-        let c = c.split('#').next()?;
-        if !c.is_empty() && c.bytes().all(|b| b.is_ascii_digit()) {
-            c.parse().ok()
-        } else {
-            None
-        }
-    })
 }
 
 fn expensive(op: &Op) -> bool {
@@ -157,7 +145,7 @@ fn remat_with(
     let mut segment: Vec<Option<usize>> = vec![None; n_tensors];
     for node in &g.nodes()[..n_fwd] {
         for &o in node.outputs.iter().chain(&node.workspace) {
-            segment[o.index()] = block_of(&g.tensor(o).name).map(|b| b / blocks_per_segment);
+            segment[o.index()] = node.block.map(|b| b as usize / blocks_per_segment);
         }
     }
     let read_by_backward = backward_reads(step);
@@ -307,7 +295,11 @@ fn remat_with(
                         .iter()
                         .map(|&t| again[t.index()].unwrap_or_else(|| lookup(t)))
                         .collect();
-                    let outs = new.apply(fnode.op.clone(), &ins)?;
+                    // The recomputation belongs to the block it recomputes.
+                    let prev = new.set_block(fnode.block);
+                    let outs = new.apply(fnode.op.clone(), &ins);
+                    new.set_block(prev);
+                    let outs = outs?;
                     let id = NodeId(new.nodes().len() as u32 - 1);
                     for &t in &waits {
                         new.add_control(id, t);
@@ -340,13 +332,74 @@ fn remat_with(
 
 #[cfg(test)]
 mod tests {
-    use super::block_of;
+    use super::*;
+    use crate::ops::{CrossEntropy, Gelu, MatMul};
+    use crate::{DType, OptimizerSpec};
 
+    /// Two linear layers with a GELU between, then a loss; the layers in block `block` when
+    /// given. No name holds a digit, so only the node attribute can place them.
+    fn step(block: Option<u32>) -> StepGraph {
+        let mut g = Graph::new();
+        let x = g.input("x", &[6, 4], DType::F32).unwrap();
+        let targets = g.input("targets", &[6], DType::I32).unwrap();
+        let w1 = g.parameter("w", &[4, 8]).unwrap();
+        let w2 = g.parameter("v", &[8, 5]).unwrap();
+        let layers = |g: &mut Graph| {
+            g.set_scope("layer");
+            let h = g.apply1(MatMul::default(), &[x, w1]).unwrap();
+            let a = g.apply1(Gelu::default(), &[h]).unwrap();
+            g.apply1(MatMul::default(), &[a, w2]).unwrap()
+        };
+        let logits = match block {
+            Some(b) => g.in_block(b, layers),
+            None => layers(&mut g),
+        };
+        g.set_scope("head");
+        let loss = g.apply1(CrossEntropy, &[logits, targets]).unwrap();
+        StepGraph::build(g, loss, OptimizerSpec::None).unwrap()
+    }
+
+    /// Remat recomputes what the builder put in a block, whatever the names say: the GELU
+    /// output and the first product, which only the block reads, are recomputed; outside any
+    /// block nothing is.
     #[test]
-    fn blocks_come_from_the_first_numeric_component() {
-        assert_eq!(block_of("h.11.mlp.matmul#121"), Some(11));
-        assert_eq!(block_of("model.layers.3.self_attn.rope#40"), Some(3));
-        assert_eq!(block_of("wte.embedding#0"), None);
-        assert_eq!(block_of("ln_f.layernorm#200"), None);
+    fn blocks_come_from_the_node_attribute() {
+        let blocked = step(Some(7));
+        let fwd = &blocked.graph.nodes()[..blocked.forward_nodes];
+        assert_eq!(
+            fwd.iter().map(|n| n.block).collect::<Vec<_>>(),
+            [Some(7), Some(7), Some(7), None]
+        );
+        // Each node's gradient belongs to its block.
+        let bwd = &blocked.graph.nodes()[blocked.forward_nodes..];
+        assert!(bwd.iter().any(|n| n.block == Some(7)));
+        assert!(bwd.iter().any(|n| n.block.is_none()));
+
+        let uniform = RematPolicy::Uniform {
+            blocks_per_segment: 1,
+        };
+        let (r, recomputed) = rematerialize(&blocked, uniform).unwrap();
+        assert_eq!(recomputed, 2, "the first product and the GELU");
+        let again: Vec<&crate::Node> = r
+            .graph
+            .nodes()
+            .iter()
+            .filter(|n| r.graph.tensor(n.outputs[0]).name.ends_with(".remat"))
+            .collect();
+        assert_eq!(again.len(), 2);
+        assert!(
+            again.iter().all(|n| n.block == Some(7)),
+            "recomputations keep the block"
+        );
+        let candidates: Vec<TensorId> = remat_candidates(&blocked)
+            .iter()
+            .map(|c| c.tensor)
+            .collect();
+        // The logits too: the block's output, which `Uniform` keeps, a budget may drop.
+        assert_eq!(candidates.len(), 3);
+
+        let open = step(None);
+        assert_eq!(rematerialize(&open, uniform).unwrap().1, 0);
+        assert!(remat_candidates(&open).is_empty());
     }
 }
