@@ -233,11 +233,7 @@ fn fit_to_memory(
         if !args.json {
             crate::fit_cmd::print_table(&report);
         }
-        return Err(crate::fit_cmd::nothing_fits(
-            &report,
-            &fit_model,
-            cfg.threads,
-        ));
+        return Err(crate::fit_cmd::nothing_fits(&report, &fit_model, cfg));
     };
     if args.json {
         out.json("fit", &report)?;

@@ -12,11 +12,10 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use snug_fit::{
-    compile_step, node_work, MachineProfile, Pass, Sample, StepConfig, PROFILE_VERSION,
-};
+use snug_compile::{compile_step, CompiledStep, Pass, StepConfig, StepShape};
+use snug_fit::{node_work, MachineProfile, Sample, PROFILE_VERSION};
 use snug_graph::ops::MatMul;
-use snug_graph::{DType, Graph, Role};
+use snug_graph::{DType, Graph, Role, Target};
 use snug_nn::ModelConfig;
 use snug_plan::{plan, PlanOptions};
 use snug_runtime::{Allocator, CpuSession, ExecCtx};
@@ -390,7 +389,7 @@ pub fn gemm_rate(
 fn probe_step(
     p: &Probe,
     threads: usize,
-) -> Result<(ModelConfig, snug_fit::CompiledStep, snug_plan::MemoryPlan), TrainError> {
+) -> Result<(ModelConfig, CompiledStep, snug_plan::MemoryPlan), TrainError> {
     let mut model = ModelConfig::preset(p.preset)?;
     let shape = |v: usize| (v > 0).then_some(v);
     model.override_shape(
@@ -410,7 +409,11 @@ fn probe_step(
         precision: if p.bf16 { DType::BF16 } else { DType::F32 },
         ..StepConfig::default()
     };
-    let compiled = compile_step(&model, p.batch, p.block, threads, &step_config)?;
+    let shape = StepShape {
+        micro_batch: p.batch,
+        block: p.block,
+    };
+    let compiled = compile_step(&model, shape, Target::host(threads), &step_config)?;
     let memory_plan = plan(&compiled.step.graph, &PlanOptions::default())?;
     Ok((model, compiled, memory_plan))
 }

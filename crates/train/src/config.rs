@@ -5,10 +5,11 @@
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use snug_graph::DType;
+use snug_compile::StepShape;
+use snug_graph::{DType, Target};
 use snug_nn::ModelConfig;
 
-pub use snug_fit::{OptimizerKind, Pass, Remat, StepConfig};
+pub use snug_compile::{OptimizerKind, Pass, Remat, StepConfig};
 
 use crate::{DataSource, TrainError};
 
@@ -526,6 +527,19 @@ impl TrainConfig {
     /// Sequences per forward/backward pass.
     pub fn micro_batch(&self) -> usize {
         self.batch / self.accumulation
+    }
+
+    /// One micro-batch's shape.
+    pub fn step_shape(&self) -> StepShape {
+        StepShape {
+            micro_batch: self.micro_batch(),
+            block: self.block,
+        }
+    }
+
+    /// The device this run compiles for: this machine, with the run's threads.
+    pub fn target(&self) -> Target {
+        Target::host(self.threads)
     }
 
     /// The preset (or Hugging Face config) with the `[model]` overrides applied; `vocab_size`
