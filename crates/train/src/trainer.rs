@@ -298,8 +298,9 @@ impl Trainer {
     }
 
     /// Fills the session's arena with `byte` before the next step (tests prove with it that no
-    /// kernel reads arena bytes it did not write).
-    #[doc(hidden)]
+    /// kernel reads arena bytes it did not write). Only with the `test-hooks` feature, which
+    /// snug's own tests turn on.
+    #[cfg(feature = "test-hooks")]
     pub fn poison_arena_for_test(&mut self, byte: u8) -> Result<(), TrainError> {
         Ok(self.session.fill_arena(byte)?)
     }
