@@ -179,7 +179,7 @@ const PROBES: &[Probe] = &[
 ];
 
 /// The GEMM the drift probe times (char-small's MLP up-projection), and how many runs it
-/// takes the best of: about 0.2 s, enough to ride out one descheduled run.
+/// takes the best of: a fraction of a second, enough to ride out one descheduled run.
 const DRIFT_PROBE: (usize, usize, usize) = (4096, 384, 1536);
 const DRIFT_RUNS: usize = 8;
 
@@ -192,7 +192,7 @@ pub fn speed_now(p: &MachineProfile, threads: usize) -> Result<f64, TrainError> 
     Ok(gemm_rate(threads, DRIFT_PROBE, DRIFT_RUNS)? / p.probe_flops)
 }
 
-/// The cached profile rescaled to this machine's speed now (a 0.2 s GEMM probe): what `fit`,
+/// The cached profile rescaled to this machine's speed now (the drift probe): what `fit`,
 /// `plan` and `profile` predict with. Not for the middle of an out-of-memory recovery: the
 /// probe allocates.
 pub fn cached_now(threads: usize) -> Result<Option<MachineProfile>, TrainError> {

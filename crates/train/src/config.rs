@@ -157,8 +157,8 @@ impl From<&DataSourceConfig> for DataSource {
 }
 
 impl Default for TrainConfig {
-    /// The demo: `llama-tiny` learning two-digit addition in well under a minute (the README
-    /// has the measured accuracy). Tuned, not arbitrary: rotary positions find digits by their
+    /// The demo: `llama-tiny` learning two-digit addition (the README has its measured time
+    /// and accuracy). Tuned, not arbitrary: rotary positions find digits by their
     /// relative place, and the units digit needs about 2,000 steps of 1,024 tokens to click.
     fn default() -> Self {
         TrainConfig {
