@@ -6,7 +6,7 @@ use clap::Args;
 use snug_fit::{FitReport, Search, Verdict};
 use snug_plan::memory_plan::human_bytes;
 use snug_train::calibration::Calibration;
-use snug_train::TrainConfig;
+use snug_train::{RunFlags, TrainConfig};
 
 use crate::ModelArgs;
 
@@ -193,7 +193,7 @@ pub fn print_table(report: &FitReport) {
 }
 
 pub fn run(args: FitArgs) -> Result<()> {
-    let (model, train) = args.model.sections();
+    let (model, train) = args.model.sections(RunFlags::default());
     let mut cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
     let (_, model) = cfg.load_data_and_model()?;
     let model_for_advice = model.clone();

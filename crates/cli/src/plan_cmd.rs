@@ -11,7 +11,7 @@ use snug_graph::DType;
 use snug_nn::ModelConfig;
 use snug_plan::memory_plan::human_bytes;
 use snug_plan::{plan, Breakdown, PeakInfo, PlanOptions, ScheduleKind, Strategy};
-use snug_train::TrainConfig;
+use snug_train::{RunFlags, TrainConfig};
 
 use crate::ModelArgs;
 
@@ -152,7 +152,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
              every token, which `snug plan --inference` (without --kv-cache) plans"
         );
     }
-    let (model, train) = args.model.sections();
+    let (model, train) = args.model.sections(RunFlags::default());
     let cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
     // The same data, hence the same vocabulary, that `snug train` would load.
     let (_, gpt) = cfg.load_data_and_model()?;
