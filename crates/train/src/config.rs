@@ -80,6 +80,8 @@ macro_rules! train_keys {
         [$({ [$(#[$sdoc:meta])*] [$($sarg:meta),*] $sfield:ident: $sty:ty })*]
         [$({ [$(#[$rdoc:meta])*] [$($rarg:meta),*] $rfield:ident: $rty:ty })*]) => {
         /// `[train]`: every key is optional; missing keys keep their defaults.
+        // The docs are also `--help`, which shows placeholders such as `<step>` as they are.
+        #[allow(rustdoc::invalid_html_tags)]
         #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
         #[serde(deny_unknown_fields)]
         pub struct TrainSection {
@@ -96,6 +98,7 @@ macro_rules! train_keys {
 
         /// The flags only `snug train` adds, each setting the [`TrainSection`] key of its name.
         #[cfg(feature = "clap")]
+        #[allow(rustdoc::invalid_html_tags)]
         #[derive(Debug, Clone, Default, clap::Args)]
         pub struct RunFlags {
             $($(#[$rdoc])* #[arg($($rarg),*)] pub $rfield: Option<$rty>,)*
