@@ -3,10 +3,10 @@
 
 use anyhow::{Context, Result};
 use clap::Args;
-use snug_fit::{Device, FitReport, Verdict};
+use snug_fit::{FitReport, Search, Verdict};
 use snug_plan::memory_plan::human_bytes;
 use snug_train::calibration::Calibration;
-use snug_train::TrainConfig;
+use snug_train::{RunFlags, TrainConfig};
 
 use crate::ModelArgs;
 
@@ -52,20 +52,11 @@ pub fn fit_config(
 ) -> Result<(FitReport, snug_fit::MachineProfile)> {
     cfg.check_threads_here()?;
     let fit_model = cfg.fit_model(model);
-    let devices = [Device::Cpu {
-        threads: cfg.threads,
-    }];
+    let search = Search::new(&fit_model, cfg.target(), budget).effective_batch(effective_batch);
     let nominal = snug_fit::MachineProfile::nominal(cfg.threads);
-    let first = snug_fit::search(
-        &fit_model,
-        budget,
-        &devices,
-        effective_batch,
-        &nominal,
-        None,
-    )?;
+    let first = search.run(&nominal)?;
     if first.chosen.is_none() {
-        return Err(nothing_fits(&first, &fit_model, cfg.threads));
+        return Err(nothing_fits(&first, &fit_model, cfg));
     }
     let (machine, how) =
         snug_train::calibration::machine_profile(cfg.threads, recalibrate, Some(budget))?;
@@ -90,14 +81,7 @@ pub fn fit_config(
         ),
         Calibration::Cached => {}
     }
-    let report = snug_fit::search(
-        &fit_model,
-        budget,
-        &devices,
-        effective_batch,
-        &machine,
-        None,
-    )?;
+    let report = search.run(&machine)?;
     Ok((report, machine))
 }
 
@@ -111,28 +95,25 @@ pub fn largest_batch(
     let fit_model = cfg.fit_model(model.clone());
     // Far beyond any memory this decade; bounds the doubling.
     const MOST: usize = 1 << 20;
-    match snug_fit::largest_micro_batch(&fit_model, budget, MOST, cfg.threads)? {
+    match snug_fit::largest_micro_batch(&fit_model, budget, MOST, cfg.target())? {
         Some(b) => Ok(b),
         None => {
             let nominal = snug_fit::MachineProfile::nominal(cfg.threads);
-            let devices = [Device::Cpu {
-                threads: cfg.threads,
-            }];
-            let report = snug_fit::search(&fit_model, budget, &devices, 1, &nominal, None)?;
-            Err(nothing_fits(&report, &fit_model, cfg.threads))
+            let report = Search::new(&fit_model, cfg.target(), budget).run(&nominal)?;
+            Err(nothing_fits(&report, &fit_model, cfg))
         }
     }
 }
 
-/// The error when nothing fits: the smallest peak reached, and which changes to the run would
-/// fit (or that none snug can make would).
+/// The error when nothing fits: the smallest peak reached, and which changes to the run of
+/// `cfg` would fit (or that none snug can make would).
 pub fn nothing_fits(
     report: &FitReport,
     model: &snug_fit::FitModel,
-    threads: usize,
+    cfg: &TrainConfig,
 ) -> anyhow::Error {
     let base = anyhow::Error::new(report.nothing_fits());
-    let suggestions = match snug_fit::what_would_fit(model, report.budget, threads) {
+    let suggestions = match snug_fit::what_would_fit(model, report.budget, cfg.target()) {
         Ok(s) => s,
         Err(e) => return base.context(format!("(looking for what would fit failed: {e})")),
     };
@@ -189,7 +170,7 @@ pub fn print_table(report: &FitReport) {
             c.config.micro_batch,
             c.config.accumulation,
             match c.config.remat {
-                snug_fit::Remat::Budget { .. } => "budget".to_string(),
+                snug_compile::Remat::Budget { .. } => "budget".to_string(),
                 r => r.to_string(),
             },
             if passes.is_empty() {
@@ -212,7 +193,7 @@ pub fn print_table(report: &FitReport) {
 }
 
 pub fn run(args: FitArgs) -> Result<()> {
-    let (model, train) = args.model.sections();
+    let (model, train) = args.model.sections(RunFlags::default());
     let mut cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
     let (_, model) = cfg.load_data_and_model()?;
     let model_for_advice = model.clone();
@@ -251,7 +232,7 @@ pub fn run(args: FitArgs) -> Result<()> {
         None => Err(nothing_fits(
             &report,
             &cfg.fit_model(model_for_advice),
-            cfg.threads,
+            &cfg,
         )),
     }
 }

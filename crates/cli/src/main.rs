@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
-use snug_train::{ModelSection, TrainSection};
+use snug_train::{ModelSection, RunFlags, StepFlags, TrainSection};
 
 #[derive(Parser)]
 #[command(
@@ -46,65 +46,25 @@ enum Command {
     Bench(bench_cmd::BenchArgs),
 }
 
-/// Flags shared by every command that builds a model; each has a TOML key of the same name.
+/// Flags shared by every command that builds a model. The model's and the step's are declared
+/// with their TOML keys in snug-train ([`ModelSection`], [`StepFlags`]); these are the command
+/// line's own.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// Model preset: tiny, char-small, gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-tiny,
-    /// llama-7b, llama-13b, llama-70b.
-    #[arg(long)]
-    preset: Option<String>,
+    #[command(flatten)]
+    model: ModelSection,
     /// TOML file with [model] and [train] sections (flags override it).
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Text file, or directory prepared by `snug prepare`, to train on (default: built-in
-    /// generated addition data).
-    #[arg(long)]
-    data: Option<PathBuf>,
     /// Sequences per step, or `auto` with --memory (fit and train): the largest batch whose
     /// micro-batch fits the budget without accumulation.
     #[arg(long, value_name = "N|auto")]
     batch: Option<BatchArg>,
-    /// Tokens per sequence (default: the model's block size).
-    #[arg(long)]
-    block: Option<usize>,
-    /// Override the model's vocabulary size.
-    #[arg(long)]
-    vocab: Option<usize>,
-    /// A Hugging Face config.json (GPT-2 or Llama family) instead of a preset.
-    #[arg(long, value_name = "CONFIG_JSON")]
-    hf_config: Option<PathBuf>,
-    /// Mixed precision: f32 (default), bf16 or f16. Activations and their gradients are
-    /// rounded to and stored in 16 bits; weights and optimizer state stay f32; f16 scales the
-    /// loss dynamically.
-    #[arg(long)]
-    precision: Option<String>,
-    /// Optimizer: adamw (default) or sgd.
-    #[arg(long)]
-    optimizer: Option<String>,
     /// Sequence length (same as --block).
     #[arg(long, conflicts_with = "block")]
     seq: Option<usize>,
-    /// Worker threads (default: physical cores).
-    #[arg(long)]
-    threads: Option<usize>,
-    /// Micro-batches per step (gradient accumulation); --batch is the whole step's batch.
-    #[arg(long)]
-    accumulation: Option<usize>,
-    /// Clip the global gradient norm to this value (0: off; default 1). Clipping needs every
-    /// gradient before the first update, so they are all alive at once.
-    #[arg(long, allow_negative_numbers = true)]
-    grad_clip: Option<f32>,
-    /// Graph passes, comma-separated: fused-ce (LM head + cross-entropy in tiles, no logits
-    /// tensor), cse (common subexpressions), dce (dead code), inplace (ops write over an input
-    /// that dies at them), none (no pass); remat=MODE and precision=TYPE set those options.
-    /// Default: fused-ce,inplace.
-    #[arg(long, value_name = "LIST")]
-    passes: Option<String>,
-    /// Activation checkpointing: none, block (every block), block:K (every K blocks),
-    /// selective (keep matmul and attention outputs, recompute the rest), budget:SIZE (the
-    /// least recomputation whose planned peak fits SIZE, e.g. budget:3GiB).
-    #[arg(long, value_name = "MODE")]
-    remat: Option<String>,
+    #[command(flatten)]
+    step: StepFlags,
 }
 
 /// `--batch N` or `--batch auto`.
@@ -134,31 +94,16 @@ impl ModelArgs {
         self.batch == Some(BatchArg::Auto)
     }
 
-    fn sections(&self) -> (ModelSection, TrainSection) {
-        (
-            ModelSection {
-                preset: self.preset.clone(),
-                vocab_size: self.vocab,
-                hf_config: self.hf_config.clone(),
-                ..Default::default()
-            },
-            TrainSection {
-                data: self.data.clone(),
-                batch: match self.batch {
-                    Some(BatchArg::Sequences(n)) => Some(n),
-                    _ => None,
-                },
-                block: self.block.or(self.seq),
-                threads: self.threads,
-                precision: self.precision.clone(),
-                optimizer: self.optimizer.clone(),
-                accumulation: self.accumulation,
-                grad_clip: self.grad_clip,
-                passes: self.passes.clone(),
-                remat: self.remat.clone(),
-                ..Default::default()
-            },
-        )
+    /// The `[model]` and `[train]` overrides these flags give, with `run`'s (`snug train`'s
+    /// own flags) beside them.
+    fn sections(&self, run: RunFlags) -> (ModelSection, TrainSection) {
+        let mut train = TrainSection::from_flags(self.step.clone(), run);
+        train.batch = match self.batch {
+            Some(BatchArg::Sequences(n)) => Some(n),
+            _ => None,
+        };
+        train.block = train.block.or(self.seq);
+        (self.model.clone(), train)
     }
 }
 

@@ -6,11 +6,12 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use clap::Args;
 use serde::Serialize;
+use snug_compile::compile_step;
 use snug_graph::DType;
 use snug_nn::ModelConfig;
 use snug_plan::memory_plan::human_bytes;
 use snug_plan::{plan, Breakdown, PeakInfo, PlanOptions, ScheduleKind, Strategy};
-use snug_train::TrainConfig;
+use snug_train::{RunFlags, TrainConfig};
 
 use crate::ModelArgs;
 
@@ -105,7 +106,7 @@ struct PlanReport {
     /// Activation checkpointing mode (`none`, `block`, `block:K`, `selective`, `budget:BYTES`).
     remat: String,
     /// The remat mode asked for, left out because it would not lower the peak.
-    remat_dropped: Option<snug_fit::RematDropped>,
+    remat_dropped: Option<snug_compile::RematDropped>,
 }
 
 #[derive(Serialize)]
@@ -151,7 +152,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
              every token, which `snug plan --inference` (without --kv-cache) plans"
         );
     }
-    let (model, train) = args.model.sections();
+    let (model, train) = args.model.sections(RunFlags::default());
     let cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
     // The same data, hence the same vocabulary, that `snug train` would load.
     let (_, gpt) = cfg.load_data_and_model()?;
@@ -162,13 +163,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         cfg.threads,
         args.target_cpu.unwrap_or_else(snug_graph::CpuGemm::host),
     );
-    let compiled = snug_fit::compile_step(
-        &gpt,
-        cfg.micro_batch(),
-        cfg.block,
-        target,
-        &cfg.step_config(),
-    )?;
+    let compiled = compile_step(&gpt, cfg.step_shape(), target, &cfg.step_config())?;
     let remat_dropped = compiled.remat_dropped;
     let step = compiled.step;
     let memory_plan = plan(&step.graph, &PlanOptions::default())?;
@@ -195,8 +190,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         stages.push((format!("remat={}", cfg.remat), c.clone()));
     }
     let peak_of = |c: &snug_train::TrainConfig| -> Result<usize> {
-        let step =
-            snug_fit::compile_step(&gpt, c.micro_batch(), c.block, target, &c.step_config())?.step;
+        let step = compile_step(&gpt, c.step_shape(), target, &c.step_config())?.step;
         Ok(plan(&step.graph, &PlanOptions::default())?.peak_bytes())
     };
     let mut pass_savings = Vec::new();

@@ -6,7 +6,7 @@ use anyhow::Result;
 use clap::Args;
 use serde::Serialize;
 use snug_graph::ops::Op;
-use snug_train::{DataSource, TokenDataset, TrainConfig, Trainer};
+use snug_train::{DataSource, RunFlags, TokenDataset, TrainConfig, Trainer};
 
 use crate::ModelArgs;
 
@@ -37,7 +37,7 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     if args.model.batch_auto() {
         anyhow::bail!("--batch auto needs a memory budget: use it with `snug fit --memory SIZE` or `snug train --memory SIZE`");
     }
-    let (model, mut train) = args.model.sections();
+    let (model, mut train) = args.model.sections(RunFlags::default());
     train.steps = Some(args.steps.max(1) + 1);
     let cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
     let data = TokenDataset::load(&DataSource::from(&cfg.data))?;

@@ -16,7 +16,7 @@ use snug_train::addition::{self, AdditionScore};
 use snug_train::calibration::{SpeedTracker, StepSpeed};
 use snug_train::checkpoint;
 use snug_train::config::DataSourceConfig;
-use snug_train::{Claim, Event, RunDir, Sampler, TokenDataset, TrainConfig, Trainer};
+use snug_train::{Claim, Event, RunDir, RunFlags, Sampler, TokenDataset, TrainConfig, Trainer};
 
 use crate::ModelArgs;
 
@@ -24,70 +24,18 @@ use crate::ModelArgs;
 pub struct TrainArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Optimizer steps to run (in all, counting steps before a resume).
-    #[arg(long)]
-    steps: Option<u64>,
-    /// Peak learning rate.
-    #[arg(long, allow_negative_numbers = true)]
-    lr: Option<f32>,
-    /// Learning rate at the end of the cosine decay.
-    #[arg(long, allow_negative_numbers = true)]
-    min_lr: Option<f32>,
-    /// Steps of linear warmup.
-    #[arg(long)]
-    warmup_steps: Option<u64>,
-    /// Decoupled weight decay (weights and embeddings only).
-    #[arg(long, allow_negative_numbers = true)]
-    weight_decay: Option<f32>,
-    /// Seed for initialisation and batch sampling.
-    #[arg(long)]
-    seed: Option<u64>,
-    /// Evaluate train and validation loss every this many steps and at the end (0: never).
-    #[arg(long)]
-    eval_every: Option<u64>,
-    /// Micro-batches per evaluation.
-    #[arg(long)]
-    eval_batches: Option<usize>,
-    /// Initial loss scale for --precision f16 (default 65536): halved when the scaled
-    /// gradients overflow (that step's update is skipped), doubled after 2000 good steps.
-    #[arg(long)]
-    loss_scale: Option<f32>,
-    /// Run directory: checkpoints (ckpt-<step>.safetensors) and metrics.jsonl. The final
-    /// state is saved there, also on Ctrl-C and when the run stops on an error. Default: a new
-    /// directory runs/<model>-<N> under the current directory.
-    #[arg(long, value_name = "DIR")]
-    out: Option<PathBuf>,
+    #[command(flatten)]
+    run: RunFlags,
     /// Save nothing: no run directory, no checkpoint, no metrics file.
     #[arg(long, conflicts_with_all = ["out", "resume"])]
     no_save: bool,
     /// Also print the whole resolved configuration.
     #[arg(long, short)]
     verbose: bool,
-    /// Save a checkpoint every this many steps (0: only at the end and on Ctrl-C).
-    #[arg(long)]
-    checkpoint_every: Option<u64>,
-    /// Checkpoints to keep in the run directory.
-    #[arg(long)]
-    keep_checkpoints: Option<usize>,
     /// Continue the run saved in DIR (or a checkpoint file) exactly where it stopped; flags
     /// given here override its configuration (e.g. more --steps).
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
-    /// Start from GPT-2 weights in Hugging Face's safetensors layout (e.g. from `snug export`
-    /// or the Hugging Face hub) instead of a random initialisation.
-    #[arg(long, value_name = "FILE")]
-    init_from: Option<PathBuf>,
-    /// Print a line every this many steps (default: every step on a terminal, every 10th when
-    /// the output goes to a file or pipe).
-    #[arg(long)]
-    log_every: Option<u64>,
-    /// Cap on the memory snug holds, e.g. 1.5GiB or 800MB (relaxed: exceeded only when
-    /// freeing cached buffers cannot make room, and reported).
-    #[arg(long, value_name = "SIZE")]
-    memory_limit: Option<String>,
-    /// Make --memory-limit strict: an allocation over it fails with an out-of-memory error.
-    #[arg(long, requires = "memory_limit")]
-    strict: bool,
     /// Train with the fastest configuration whose planned peak fits this budget (`snug fit`
     /// chooses micro-batch × accumulation, remat and passes; --batch stays the effective
     /// batch), and hold the run to it as a strict limit: a size (2GiB) or `auto`.
@@ -233,11 +181,7 @@ fn fit_to_memory(
         if !args.json {
             crate::fit_cmd::print_table(&report);
         }
-        return Err(crate::fit_cmd::nothing_fits(
-            &report,
-            &fit_model,
-            cfg.threads,
-        ));
+        return Err(crate::fit_cmd::nothing_fits(&report, &fit_model, cfg));
     };
     if args.json {
         out.json("fit", &report)?;
@@ -291,25 +235,7 @@ fn stop_flag() -> Result<Arc<AtomicBool>> {
 }
 
 pub fn run(args: TrainArgs) -> Result<()> {
-    let (model, mut train) = args.model.sections();
-    train.steps = args.steps;
-    train.lr = args.lr;
-    train.min_lr = args.min_lr;
-    train.warmup_steps = args.warmup_steps;
-    train.weight_decay = args.weight_decay;
-    train.seed = args.seed;
-    train.log_every = args.log_every;
-    train.eval_every = args.eval_every;
-    train.eval_batches = args.eval_batches;
-    train.loss_scale = args.loss_scale;
-    train.out = args.out.clone();
-    train.checkpoint_every = args.checkpoint_every;
-    train.keep_checkpoints = args.keep_checkpoints;
-    train.init_from = args.init_from.clone();
-    train.memory_limit = args.memory_limit.clone();
-    if args.strict {
-        train.strict_memory_limit = Some(true);
-    }
+    let (model, mut train) = args.model.sections(args.run.clone());
     let json = args.json;
     #[cfg(unix)]
     // SAFETY: changing one signal's disposition before any thread starts. A closed stdout

@@ -4,10 +4,10 @@
 //! reaches the budget instead of only that nothing did.
 
 use serde::Serialize;
-use snug_graph::DType;
+use snug_compile::{compile_step, OptimizerKind, Pass, Remat, StepConfig, StepShape};
+use snug_graph::{DType, Target};
 use snug_plan::{plan, PlanOptions};
 
-use crate::compile::{compile_step, OptimizerKind, Pass, Remat, StepConfig};
 use crate::search::FitModel;
 use crate::FitError;
 
@@ -21,14 +21,13 @@ pub struct Suggestion {
     pub fits: bool,
 }
 
-/// The smallest peak of `model` at `micro_batch` × `block` under `step`, with and without
+/// The smallest peak of `model` at `shape` on `target` under `step`, with and without
 /// per-block remat, every pass that lowers memory.
 pub fn smallest_peak(
     model: &FitModel,
-    micro_batch: usize,
-    block: usize,
+    shape: StepShape,
     step: &StepConfig,
-    threads: usize,
+    target: Target,
 ) -> Result<usize, FitError> {
     let mut passes = step.passes.clone();
     for p in [Pass::FusedCrossEntropy, Pass::InPlace] {
@@ -44,7 +43,7 @@ pub fn smallest_peak(
             passes: passes.clone(),
             ..step.clone()
         };
-        let c = compile_step(&model.model, micro_batch, block, threads, &config)?;
+        let c = compile_step(&model.model, shape, target, &config)?;
         best = best.min(plan(&c.step.graph, &PlanOptions::default())?.peak_bytes());
     }
     Ok(best)
@@ -55,8 +54,12 @@ pub fn smallest_peak(
 pub fn what_would_fit(
     model: &FitModel,
     budget: usize,
-    threads: usize,
+    target: Target,
 ) -> Result<Vec<Suggestion>, FitError> {
+    let one = |block: usize| StepShape {
+        micro_batch: 1,
+        block,
+    };
     let base = lowest_allowed(model);
     let mut changes: Vec<(String, StepConfig)> = Vec::new();
     let mut all = base.clone();
@@ -93,7 +96,7 @@ pub fn what_would_fit(
     }
     let mut out = Vec::new();
     for (change, step) in &changes {
-        let peak = smallest_peak(model, 1, model.block, step, threads)?;
+        let peak = smallest_peak(model, one(model.block), step, target)?;
         out.push(Suggestion {
             change: change.clone(),
             peak_bytes: peak,
@@ -104,7 +107,7 @@ pub fn what_would_fit(
     for (flags, step) in [(Vec::new(), base.clone()), (all_flags.clone(), all.clone())] {
         let mut block = model.block / 2;
         while block >= 8 {
-            let peak = smallest_peak(model, 1, block, &step, threads)?;
+            let peak = smallest_peak(model, one(block), &step, target)?;
             if peak <= budget {
                 let mut change = flags.join(" ");
                 if !change.is_empty() {
@@ -122,7 +125,7 @@ pub fn what_would_fit(
         }
     }
     if all_flags.len() > 1 {
-        let peak = smallest_peak(model, 1, model.block, &all, threads)?;
+        let peak = smallest_peak(model, one(model.block), &all, target)?;
         out.push(Suggestion {
             change: all_flags.join(" "),
             peak_bytes: peak,
@@ -149,12 +152,15 @@ pub fn largest_micro_batch(
     model: &FitModel,
     budget: usize,
     most: usize,
-    threads: usize,
+    target: Target,
 ) -> Result<Option<usize>, FitError> {
     let step = lowest_allowed(model);
+    let shape = |micro_batch: usize| StepShape {
+        micro_batch,
+        block: model.block,
+    };
     // A size the planner refuses (an overflow) does not fit.
-    let fits =
-        |b: usize| smallest_peak(model, b, model.block, &step, threads).is_ok_and(|p| p <= budget);
+    let fits = |b: usize| smallest_peak(model, shape(b), &step, target).is_ok_and(|p| p <= budget);
     if !fits(1) {
         return Ok(None);
     }

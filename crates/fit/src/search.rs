@@ -12,20 +12,13 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 use serde::Serialize;
-use snug_graph::DType;
+use snug_compile::{compile_exactly, CompileError, Pass, Remat, StepConfig, StepShape};
+use snug_graph::{DType, Target};
 use snug_nn::ModelConfig;
 use snug_plan::{plan, PlanOptions};
 
-use crate::compile::{compile_exactly, Pass, Remat, StepConfig};
 use crate::cost_model::MachineProfile;
 use crate::FitError;
-
-/// Where the step runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum Device {
-    Cpu { threads: usize },
-}
 
 /// The model being fitted: its architecture, sequence length and the user's step settings
 /// (optimizer, clipping, passes), which the search varies only where it must.
@@ -175,59 +168,77 @@ impl FitReport {
     }
 }
 
-/// The fastest configuration whose planned peak fits `budget` bytes, training
-/// `target_effective_batch` sequences per optimizer step; an error names the smallest peak
-/// reachable when nothing fits.
-pub fn suggest_config(
-    model: &FitModel,
+/// One search: a model, the target it runs on and a memory budget, with the effective batch
+/// and a bound on the micro-batch as options.
+#[derive(Debug, Clone)]
+pub struct Search<'a> {
+    model: &'a FitModel,
+    target: Target,
     budget: usize,
-    devices: &[Device],
-    target_effective_batch: usize,
-    machine: &MachineProfile,
-) -> Result<FitReport, FitError> {
-    let report = search(
-        model,
-        budget,
-        devices,
-        target_effective_batch,
-        machine,
-        None,
-    )?;
-    match report.chosen {
-        Some(_) => Ok(report),
-        None => Err(report.nothing_fits()),
+    effective_batch: usize,
+    max_micro_batch: Option<usize>,
+}
+
+impl<'a> Search<'a> {
+    /// Candidates for `model` on `target` whose planned peak must fit `budget` bytes, one
+    /// sequence per optimizer step until [`Search::effective_batch`] says otherwise.
+    pub fn new(model: &'a FitModel, target: Target, budget: usize) -> Search<'a> {
+        Search {
+            model,
+            target,
+            budget,
+            effective_batch: 1,
+            max_micro_batch: None,
+        }
+    }
+
+    /// Sequences per optimizer step: every divisor is a micro-batch tried, accumulation makes
+    /// up the rest.
+    pub fn effective_batch(mut self, sequences: usize) -> Search<'a> {
+        self.effective_batch = sequences;
+        self
+    }
+
+    /// Tries no micro-batch larger than `sequences`.
+    pub fn max_micro_batch(mut self, sequences: usize) -> Search<'a> {
+        self.max_micro_batch = Some(sequences);
+        self
+    }
+
+    /// The search for a configuration to carry on with from `current`: the same effective
+    /// batch, micro-batches no larger than now (recovery never grows them). With equal
+    /// predictions the search order decides: smaller micro-batch with more accumulation before
+    /// more remat, before lower precision (where the model allows it).
+    pub fn recovering_from(self, current: &FitConfig) -> Search<'a> {
+        self.effective_batch(current.micro_batch * current.accumulation)
+            .max_micro_batch(current.micro_batch)
+    }
+
+    /// The fastest configuration whose planned peak fits the budget; an error names the
+    /// smallest peak reachable when nothing fits.
+    pub fn choose(&self, machine: &MachineProfile) -> Result<FitReport, FitError> {
+        let report = self.run(machine)?;
+        match report.chosen {
+            Some(_) => Ok(report),
+            None => Err(report.nothing_fits()),
+        }
+    }
+
+    /// The whole table, whether or not anything fits.
+    pub fn run(&self, machine: &MachineProfile) -> Result<FitReport, FitError> {
+        search(self, machine)
     }
 }
 
-/// The whole table, whether or not anything fits. `max_micro_batch` bounds the micro-batches
-/// tried (recovery never grows them).
-pub fn search(
-    model: &FitModel,
-    budget: usize,
-    devices: &[Device],
-    effective_batch: usize,
-    machine: &MachineProfile,
-    max_micro_batch: Option<usize>,
-) -> Result<FitReport, FitError> {
+fn search(s: &Search<'_>, machine: &MachineProfile) -> Result<FitReport, FitError> {
+    let Search {
+        model,
+        target,
+        budget,
+        effective_batch,
+        max_micro_batch,
+    } = *s;
     let start = Instant::now();
-    let threads = match devices {
-        [Device::Cpu { threads }] => (*threads).max(1),
-        [] => {
-            return Err(FitError::Invalid {
-                field: "devices",
-                detail: "is empty: give the device to fit".into(),
-            })
-        }
-        _ => {
-            return Err(FitError::Invalid {
-                field: "devices",
-                detail: format!(
-                    "lists {} devices; sharding across devices is not implemented, fit one",
-                    devices.len()
-                ),
-            })
-        }
-    };
     if effective_batch == 0 {
         return Err(FitError::Invalid {
             field: "effective_batch",
@@ -249,7 +260,7 @@ pub fn search(
     let low = model
         .low_precision
         .filter(|l| model.step.precision == DType::F32 && *l != DType::F32);
-    let evaluate = |c: FitConfig| evaluate(model, c, threads, machine);
+    let evaluate = |c: FitConfig| evaluate(model, c, target, machine);
     // No recomputation first; remat only where that does not fit.
     let largest = micro_batches.first().copied().unwrap_or(1);
     let mut pass_sets = vec![model.step.passes.clone()];
@@ -367,26 +378,25 @@ pub fn search(
 fn evaluate(
     model: &FitModel,
     config: FitConfig,
-    threads: usize,
+    target: Target,
     machine: &MachineProfile,
 ) -> Candidate {
     let step_config = config.apply(&model.step);
+    let shape = StepShape {
+        micro_batch: config.micro_batch,
+        block: model.block,
+    };
     // Each candidate is exactly what it says: a remat mode that raises the peak loses to its
     // plain twin on both peak and time, so the search never chooses it.
-    let result = compile_exactly(
-        &model.model,
-        config.micro_batch,
-        model.block,
-        threads,
-        &step_config,
-    )
-    .and_then(|c| {
-        let p = match c.plan {
-            Some(p) => p,
-            None => plan(&c.step.graph, &PlanOptions::default())?,
-        };
-        Ok((p.peak_bytes(), machine.step_seconds(&c.step, &p.schedule)))
-    });
+    let result = compile_exactly(&model.model, shape, target, &step_config)
+        .map_err(FitError::from)
+        .and_then(|c| {
+            let p = match c.plan {
+                Some(p) => p,
+                None => plan(&c.step.graph, &PlanOptions::default())?,
+            };
+            Ok((p.peak_bytes(), machine.step_seconds(&c.step, &p.schedule)))
+        });
     match result {
         Ok((peak, seconds)) => Candidate {
             config,
@@ -395,7 +405,7 @@ fn evaluate(
             verdict: Verdict::OverBudget,
         },
         // A budget no remat reaches is a plain "does not fit", with the smallest peak.
-        Err(FitError::RematBudget { smallest, .. }) => Candidate {
+        Err(FitError::Compile(CompileError::RematBudget { smallest, .. })) => Candidate {
             config,
             peak_bytes: Some(smallest),
             predicted_seconds: None,
@@ -421,31 +431,11 @@ pub struct MemoryFailure {
     pub active: usize,
 }
 
-/// A configuration to carry on with after `failure`: the fastest predicted one, at the same
-/// effective batch and micro-batches no larger than now, whose planned peak is under the limit
-/// (or, when the system refused with no limit set, under the current plan's peak). With equal
-/// predictions the search order decides: smaller micro-batch with more accumulation before
-/// more remat, before lower precision (where `model` allows it).
-pub fn suggest_recovery_config(
-    model: &FitModel,
-    current: &FitConfig,
-    current_peak: usize,
-    failure: &MemoryFailure,
-    devices: &[Device],
-    machine: &MachineProfile,
-) -> Result<FitReport, FitError> {
-    let budget = failure.limit.min(current_peak.saturating_sub(1));
-    let batch = current.micro_batch * current.accumulation;
-    let report = search(
-        model,
-        budget,
-        devices,
-        batch,
-        machine,
-        Some(current.micro_batch),
-    )?;
-    match report.chosen {
-        Some(_) => Ok(report),
-        None => Err(report.nothing_fits()),
+impl MemoryFailure {
+    /// The budget a configuration must meet to carry on after this failure of a plan peaking
+    /// at `current_peak`: under the limit, or, when the system refused with no limit set,
+    /// under the current peak.
+    pub fn budget(&self, current_peak: usize) -> usize {
+        self.limit.min(current_peak.saturating_sub(1))
     }
 }

@@ -1,11 +1,9 @@
 //! The search over configurations: what fits is chosen by planned peak, the fastest predicted
 //! wins, and what cannot fit is a typed error naming the smallest peak.
 
-use snug_fit::{
-    compile_step, search, suggest_config, suggest_recovery_config, Device, FitError, FitModel,
-    MachineProfile, MemoryFailure, Remat, StepConfig, Verdict,
-};
-use snug_graph::DType;
+use snug_compile::{compile_step, Remat, StepConfig, StepShape};
+use snug_fit::{FitError, FitModel, MachineProfile, MemoryFailure, Search, Verdict};
+use snug_graph::{DType, Target};
 use snug_nn::ModelConfig;
 use snug_plan::{plan, PlanOptions};
 
@@ -15,10 +13,20 @@ fn model() -> FitModel {
     FitModel::new(m, 256, StepConfig::default())
 }
 
-const CPU: [Device; 1] = [Device::Cpu { threads: 1 }];
+/// This machine with one thread.
+fn cpu() -> Target {
+    Target::host(1)
+}
+
+fn shape(fit: &FitModel, micro_batch: usize) -> StepShape {
+    StepShape {
+        micro_batch,
+        block: fit.block,
+    }
+}
 
 fn peak_of(fit: &FitModel, micro: usize, step: &StepConfig) -> usize {
-    let c = compile_step(&fit.model, micro, fit.block, 1, step).unwrap();
+    let c = compile_step(&fit.model, shape(fit, micro), cpu(), step).unwrap();
     plan(&c.step.graph, &PlanOptions::default())
         .unwrap()
         .peak_bytes()
@@ -29,7 +37,10 @@ fn with_room_to_spare_the_plain_configuration_wins() {
     let fit = model();
     let machine = MachineProfile::nominal(1);
     let plain = peak_of(&fit, 16, &fit.step);
-    let report = suggest_config(&fit, plain, &CPU, 16, &machine).unwrap();
+    let report = Search::new(&fit, cpu(), plain)
+        .effective_batch(16)
+        .choose(&machine)
+        .unwrap();
     let chosen = report.chosen().unwrap();
     assert_eq!(chosen.config.micro_batch, 16);
     assert_eq!(chosen.config.remat, Remat::None);
@@ -47,7 +58,10 @@ fn under_a_tight_budget_the_fastest_fitting_candidate_is_chosen() {
     let machine = MachineProfile::nominal(1);
     let plain = peak_of(&fit, 16, &fit.step);
     let budget = plain * 6 / 10;
-    let report = suggest_config(&fit, budget, &CPU, 16, &machine).unwrap();
+    let report = Search::new(&fit, cpu(), budget)
+        .effective_batch(16)
+        .choose(&machine)
+        .unwrap();
     let chosen = report.chosen().unwrap().clone();
     let peak = chosen.peak_bytes.unwrap();
     assert!(peak <= budget);
@@ -87,7 +101,10 @@ fn under_a_tight_budget_the_fastest_fitting_candidate_is_chosen() {
 fn nothing_fits_names_the_smallest_peak() {
     let fit = model();
     let machine = MachineProfile::nominal(1);
-    let report = search(&fit, 1 << 20, &CPU, 16, &machine, None).unwrap();
+    let report = Search::new(&fit, cpu(), 1 << 20)
+        .effective_batch(16)
+        .run(&machine)
+        .unwrap();
     assert!(report.chosen.is_none());
     let smallest = report
         .candidates
@@ -95,7 +112,10 @@ fn nothing_fits_names_the_smallest_peak() {
         .filter_map(|c| c.peak_bytes)
         .min()
         .unwrap();
-    match suggest_config(&fit, 1 << 20, &CPU, 16, &machine) {
+    match Search::new(&fit, cpu(), 1 << 20)
+        .effective_batch(16)
+        .choose(&machine)
+    {
         Err(FitError::NothingFits {
             budget,
             smallest: s,
@@ -109,19 +129,13 @@ fn nothing_fits_names_the_smallest_peak() {
 }
 
 #[test]
-fn devices_and_batch_are_checked() {
+fn the_effective_batch_is_checked() {
     let fit = model();
     let machine = MachineProfile::nominal(1);
-    let two = [Device::Cpu { threads: 1 }, Device::Cpu { threads: 1 }];
     assert!(matches!(
-        suggest_config(&fit, usize::MAX, &two, 8, &machine),
-        Err(FitError::Invalid {
-            field: "devices",
-            ..
-        })
-    ));
-    assert!(matches!(
-        suggest_config(&fit, usize::MAX, &CPU, 0, &machine),
+        Search::new(&fit, cpu(), usize::MAX)
+            .effective_batch(0)
+            .choose(&machine),
         Err(FitError::Invalid {
             field: "effective_batch",
             ..
@@ -146,8 +160,10 @@ fn recovery_fits_under_the_limit_without_growing_the_micro_batch() {
         requested: 0,
         active: 0,
     };
-    let report =
-        suggest_recovery_config(&fit, &current, current_peak, &failure, &CPU, &machine).unwrap();
+    let report = Search::new(&fit, cpu(), failure.budget(current_peak))
+        .recovering_from(&current)
+        .choose(&machine)
+        .unwrap();
     let to = report.chosen().unwrap();
     assert!(to.peak_bytes.unwrap() <= failure.limit);
     assert!(to.config.micro_batch <= 8);
@@ -157,8 +173,10 @@ fn recovery_fits_under_the_limit_without_growing_the_micro_batch() {
         limit: usize::MAX,
         ..failure
     };
-    let report =
-        suggest_recovery_config(&fit, &current, current_peak, &system, &CPU, &machine).unwrap();
+    let report = Search::new(&fit, cpu(), system.budget(current_peak))
+        .recovering_from(&current)
+        .choose(&machine)
+        .unwrap();
     assert!(report.chosen().unwrap().peak_bytes.unwrap() < current_peak);
 }
 
@@ -185,14 +203,20 @@ fn lower_precision_is_searched_only_where_allowed_and_needed() {
 
     // f32 fits as it is: precision stays.
     let plain = peak_of(&fit, 16, &fit.step);
-    let report = suggest_config(&fit, plain, &CPU, 16, &machine).unwrap();
+    let report = Search::new(&fit, cpu(), plain)
+        .effective_batch(16)
+        .choose(&machine)
+        .unwrap();
     assert_eq!(bf16(&report), 0);
 
     // Just under it, the bf16 twin at full micro-batch is a candidate, with its own plan's peak.
     let budget = plain - 1;
     let twin = low(16, Remat::None);
     assert!(twin < budget);
-    let report = suggest_config(&fit, budget, &CPU, 16, &machine).unwrap();
+    let report = Search::new(&fit, cpu(), budget)
+        .effective_batch(16)
+        .choose(&machine)
+        .unwrap();
     let c = report
         .candidates
         .iter()
@@ -204,12 +228,18 @@ fn lower_precision_is_searched_only_where_allowed_and_needed() {
         Verdict::Chosen | Verdict::Slower { .. }
     ));
     // Pinned, none.
-    let report = suggest_config(&pinned, budget, &CPU, 16, &machine).unwrap();
+    let report = Search::new(&pinned, cpu(), budget)
+        .effective_batch(16)
+        .choose(&machine)
+        .unwrap();
     assert_eq!(bf16(&report), 0);
 
     // Where nothing fits, bf16 with recomputation is tried too, as the last resort, and the
     // error names the smallest peak of all.
-    let report = search(&fit, 1 << 20, &CPU, 16, &machine, None).unwrap();
+    let report = Search::new(&fit, cpu(), 1 << 20)
+        .effective_batch(16)
+        .run(&machine)
+        .unwrap();
     assert!(report.candidates.iter().any(
         |c| c.config.precision == DType::BF16 && c.config.remat == Remat::Blocks { blocks: 1 }
     ));
@@ -232,12 +262,13 @@ fn no_remat_mode_that_raises_the_peak_is_chosen_or_compiled() {
         remat: Remat::Selective,
         ..fit.step.clone()
     };
-    let exact = snug_fit::compile_exactly(&fit.model, 8, fit.block, 1, &selective).unwrap();
+    let exact =
+        snug_compile::compile_exactly(&fit.model, shape(&fit, 8), cpu(), &selective).unwrap();
     let raised = plan(&exact.step.graph, &PlanOptions::default())
         .unwrap()
         .peak_bytes();
     assert!(raised > plain, "this shape no longer shows the problem");
-    let kept = compile_step(&fit.model, 8, fit.block, 1, &selective).unwrap();
+    let kept = compile_step(&fit.model, shape(&fit, 8), cpu(), &selective).unwrap();
     let dropped = kept.remat_dropped.expect("selective left out");
     assert_eq!(
         (dropped.peak_without_bytes, dropped.peak_with_bytes),
@@ -252,7 +283,10 @@ fn no_remat_mode_that_raises_the_peak_is_chosen_or_compiled() {
         raised,
         raised * 2,
     ] {
-        let report = search(&fit, budget, &CPU, 8, &machine, None).unwrap();
+        let report = Search::new(&fit, cpu(), budget)
+            .effective_batch(8)
+            .run(&machine)
+            .unwrap();
         let Some(chosen) = report.chosen() else {
             continue;
         };
@@ -274,18 +308,19 @@ fn no_remat_mode_that_raises_the_peak_is_chosen_or_compiled() {
 #[test]
 fn the_largest_micro_batch_fits_and_one_more_does_not() {
     let fit = model();
-    let at = |b: usize| snug_fit::advice::smallest_peak(&fit, b, fit.block, &fit.step, 1).unwrap();
+    let at =
+        |b: usize| snug_fit::advice::smallest_peak(&fit, shape(&fit, b), &fit.step, cpu()).unwrap();
     let budget = at(5) + (at(6) - at(5)) / 2;
     assert_eq!(
-        snug_fit::largest_micro_batch(&fit, budget, 1 << 20, 1).unwrap(),
+        snug_fit::largest_micro_batch(&fit, budget, 1 << 20, cpu()).unwrap(),
         Some(5)
     );
     assert_eq!(
-        snug_fit::largest_micro_batch(&fit, at(1) - 1, 1 << 20, 1).unwrap(),
+        snug_fit::largest_micro_batch(&fit, at(1) - 1, 1 << 20, cpu()).unwrap(),
         None
     );
     assert_eq!(
-        snug_fit::largest_micro_batch(&fit, usize::MAX, 64, 1).unwrap(),
+        snug_fit::largest_micro_batch(&fit, usize::MAX, 64, cpu()).unwrap(),
         Some(64)
     );
 }
@@ -296,14 +331,14 @@ fn the_largest_micro_batch_fits_and_one_more_does_not() {
 fn what_would_fit_plans_each_change() {
     let fit = model();
     let sgd = StepConfig {
-        optimizer: snug_fit::OptimizerKind::Sgd,
+        optimizer: snug_compile::OptimizerKind::Sgd,
         ..fit.step.clone()
     };
-    let with_sgd = snug_fit::advice::smallest_peak(&fit, 1, fit.block, &sgd, 1).unwrap();
-    let as_is = snug_fit::advice::smallest_peak(&fit, 1, fit.block, &fit.step, 1).unwrap();
+    let with_sgd = snug_fit::advice::smallest_peak(&fit, shape(&fit, 1), &sgd, cpu()).unwrap();
+    let as_is = snug_fit::advice::smallest_peak(&fit, shape(&fit, 1), &fit.step, cpu()).unwrap();
     assert!(with_sgd < as_is);
     let budget = with_sgd + (as_is - with_sgd) / 2;
-    let advice = snug_fit::what_would_fit(&fit, budget, 1).unwrap();
+    let advice = snug_fit::what_would_fit(&fit, budget, cpu()).unwrap();
     let s = advice
         .iter()
         .find(|s| s.change.starts_with("--optimizer sgd ("))
@@ -323,11 +358,11 @@ fn what_would_fit_plans_each_change() {
 /// on any machine, and each target's plan is the same wherever it is made.
 #[test]
 fn planned_bytes_follow_the_target_not_the_host() {
-    use snug_graph::{CpuGemm, Target};
+    use snug_graph::CpuGemm;
     let fit = model();
     let scratch = |gemm: CpuGemm| {
         let target = Target::cpu(1, gemm);
-        let c = compile_step(&fit.model, 8, fit.block, target, &fit.step).unwrap();
+        let c = compile_step(&fit.model, shape(&fit, 8), target, &fit.step).unwrap();
         let g = &c.step.graph;
         assert_eq!(g.target(), target);
         let node = g

@@ -3,14 +3,12 @@
 //! - [`schedule`]: the order nodes run in.
 //! - [`lifetime`]: when each arena tensor is first written and last read.
 //! - [`placement`]: byte offsets inside one arena, with the lower bound beside them.
-//! - [`remat_budget`]: the least recomputation that fits a byte budget.
 //! - [`size`]: byte counts as people write them (`2GiB`, `512MB`).
 //! - [`memory_plan`]: [`MemoryPlan`], the table a runtime executes and a user reads.
 
 pub mod lifetime;
 pub mod memory_plan;
 pub mod placement;
-pub mod remat_budget;
 pub mod schedule;
 pub mod size;
 
@@ -19,6 +17,5 @@ pub use memory_plan::{
     plan, Allocation, Breakdown, MemoryPlan, PeakInfo, PersistentBuffer, PlanError, PlanOptions,
 };
 pub use placement::{place, place_best, place_with, Interval, Placement, Strategy};
-pub use remat_budget::{remat_for_budget, BudgetError, BudgetedRemat};
 pub use schedule::ScheduleKind;
 pub use size::{parse_bytes, SizeError};

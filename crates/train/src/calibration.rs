@@ -12,11 +12,10 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use snug_fit::{
-    compile_step, node_work, MachineProfile, Pass, Sample, StepConfig, PROFILE_VERSION,
-};
+use snug_compile::{compile_step, CompiledStep, Pass, StepConfig, StepShape};
+use snug_fit::{node_work, MachineProfile, Sample, PROFILE_VERSION};
 use snug_graph::ops::MatMul;
-use snug_graph::{DType, Graph, Role};
+use snug_graph::{DType, Graph, Role, Target};
 use snug_nn::ModelConfig;
 use snug_plan::{plan, PlanOptions};
 use snug_runtime::{Allocator, CpuSession, ExecCtx};
@@ -180,7 +179,7 @@ const PROBES: &[Probe] = &[
 ];
 
 /// The GEMM the drift probe times (char-small's MLP up-projection), and how many runs it
-/// takes the best of: about 0.2 s, enough to ride out one descheduled run.
+/// takes the best of: a fraction of a second, enough to ride out one descheduled run.
 const DRIFT_PROBE: (usize, usize, usize) = (4096, 384, 1536);
 const DRIFT_RUNS: usize = 8;
 
@@ -193,7 +192,7 @@ pub fn speed_now(p: &MachineProfile, threads: usize) -> Result<f64, TrainError> 
     Ok(gemm_rate(threads, DRIFT_PROBE, DRIFT_RUNS)? / p.probe_flops)
 }
 
-/// The cached profile rescaled to this machine's speed now (a 0.2 s GEMM probe): what `fit`,
+/// The cached profile rescaled to this machine's speed now (the drift probe): what `fit`,
 /// `plan` and `profile` predict with. Not for the middle of an out-of-memory recovery: the
 /// probe allocates.
 pub fn cached_now(threads: usize) -> Result<Option<MachineProfile>, TrainError> {
@@ -390,7 +389,7 @@ pub fn gemm_rate(
 fn probe_step(
     p: &Probe,
     threads: usize,
-) -> Result<(ModelConfig, snug_fit::CompiledStep, snug_plan::MemoryPlan), TrainError> {
+) -> Result<(ModelConfig, CompiledStep, snug_plan::MemoryPlan), TrainError> {
     let mut model = ModelConfig::preset(p.preset)?;
     let shape = |v: usize| (v > 0).then_some(v);
     model.override_shape(
@@ -410,7 +409,11 @@ fn probe_step(
         precision: if p.bf16 { DType::BF16 } else { DType::F32 },
         ..StepConfig::default()
     };
-    let compiled = compile_step(&model, p.batch, p.block, threads, &step_config)?;
+    let shape = StepShape {
+        micro_batch: p.batch,
+        block: p.block,
+    };
+    let compiled = compile_step(&model, shape, Target::host(threads), &step_config)?;
     let memory_plan = plan(&compiled.step.graph, &PlanOptions::default())?;
     Ok((model, compiled, memory_plan))
 }

@@ -5,86 +5,225 @@
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use snug_graph::DType;
+use snug_compile::StepShape;
+use snug_graph::{DType, Target};
 use snug_nn::ModelConfig;
 
-pub use snug_fit::{OptimizerKind, Pass, Remat, StepConfig};
+pub use snug_compile::{OptimizerKind, Pass, Remat, StepConfig};
 
 use crate::{DataSource, TrainError};
 
-/// `[model]`: a preset and optional overrides of its fields.
+/// `[model]`: a preset and optional overrides of its fields. With the `clap` feature, also the
+/// flags that set them (`--preset`, `--vocab`, `--hf-config`); the shape overrides are TOML
+/// keys only.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::Args))]
 #[serde(deny_unknown_fields)]
 pub struct ModelSection {
+    /// Model preset: tiny, char-small, gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-tiny,
+    /// llama-7b, llama-13b, llama-70b.
+    #[cfg_attr(feature = "clap", arg(long))]
     pub preset: Option<String>,
+    #[cfg_attr(feature = "clap", arg(skip))]
     pub n_layer: Option<usize>,
+    #[cfg_attr(feature = "clap", arg(skip))]
     pub n_head: Option<usize>,
+    #[cfg_attr(feature = "clap", arg(skip))]
     pub n_embd: Option<usize>,
+    #[cfg_attr(feature = "clap", arg(skip))]
     pub block_size: Option<usize>,
-    /// Defaults to the data's vocabulary for character-level training.
+    /// Override the model's vocabulary size.
+    #[cfg_attr(feature = "clap", arg(long = "vocab", value_name = "VOCAB"))]
     pub vocab_size: Option<usize>,
-    /// A Hugging Face `config.json` (GPT-2 or Llama family) instead of a preset.
+    /// A Hugging Face config.json (GPT-2 or Llama family) instead of a preset.
+    #[cfg_attr(feature = "clap", arg(long, value_name = "CONFIG_JSON"))]
     pub hf_config: Option<PathBuf>,
 }
 
-/// `[train]`: every key is optional; missing keys keep their defaults.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TrainSection {
-    /// A text file, or a directory of token files from `snug prepare`; absent means the
-    /// built-in generated data set.
-    pub data: Option<PathBuf>,
-    pub steps: Option<u64>,
-    pub batch: Option<usize>,
-    pub block: Option<usize>,
-    pub lr: Option<f32>,
-    pub min_lr: Option<f32>,
-    pub warmup_steps: Option<u64>,
-    pub beta1: Option<f32>,
-    pub beta2: Option<f32>,
-    pub weight_decay: Option<f32>,
-    pub seed: Option<u64>,
-    pub threads: Option<usize>,
-    /// Print a line every this many steps; 0 (the default): every step on a terminal, every
-    /// 10th otherwise.
-    pub log_every: Option<u64>,
-    /// Cap on the bytes snug holds (`"1.5GiB"`, `"800MB"`); relaxed unless `strict_memory_limit`.
-    pub memory_limit: Option<String>,
-    /// Fail an allocation over the limit instead of exceeding it.
-    pub strict_memory_limit: Option<bool>,
-    /// Activation precision: f32, bf16 or f16 (mixed precision: activations and their
-    /// gradients rounded to and stored in 16 bits, f32 master weights and optimizer state).
-    pub precision: Option<String>,
-    /// Initial loss scale for f16 (dynamic: halved on overflow, doubled after
-    /// `loss_scale_interval` good steps). Default 65536.
-    pub loss_scale: Option<f32>,
+/// Declares every `[train]` key once, in the order the TOML errors list them: its type, its
+/// documentation (which is also its flag's `--help`), and the commands that take it as a flag:
+/// `#[flag(step, ...)]` every command that compiles a step (`plan`, `fit`, `profile`, `train`),
+/// `#[flag(run, ...)]` only `train`, `#[key]` none (the `...` are the flag's clap attributes).
+/// Expands to [`TrainSection`] and, with the `clap` feature, to [`StepFlags`] and [`RunFlags`].
+macro_rules! train_keys {
+    // Sorts each key, as `{ [docs] [flag attributes] field: type }`, into the section and the
+    // flags that declare it.
+    (@sort [$($key:tt)*] [$($step:tt)*] [$($run:tt)*]
+        $(#[doc = $doc:literal])* #[flag(step $(, $arg:meta)*)] $field:ident: $ty:ty,
+        $($rest:tt)*) => {
+        train_keys!(@sort
+            [$($key)* { [$(#[doc = $doc])*] [] $field: $ty }]
+            [$($step)* { [$(#[doc = $doc])*] [$($arg),*] $field: $ty }]
+            [$($run)*]
+            $($rest)*);
+    };
+    (@sort [$($key:tt)*] [$($step:tt)*] [$($run:tt)*]
+        $(#[doc = $doc:literal])* #[flag(run $(, $arg:meta)*)] $field:ident: $ty:ty,
+        $($rest:tt)*) => {
+        train_keys!(@sort
+            [$($key)* { [$(#[doc = $doc])*] [] $field: $ty }]
+            [$($step)*]
+            [$($run)* { [$(#[doc = $doc])*] [$($arg),*] $field: $ty }]
+            $($rest)*);
+    };
+    (@sort [$($key:tt)*] [$($step:tt)*] [$($run:tt)*]
+        $(#[doc = $doc:literal])* #[key] $field:ident: $ty:ty,
+        $($rest:tt)*) => {
+        train_keys!(@sort
+            [$($key)* { [$(#[doc = $doc])*] [] $field: $ty }]
+            [$($step)*]
+            [$($run)*]
+            $($rest)*);
+    };
+    (@sort
+        [$({ [$(#[$kdoc:meta])*] [] $kfield:ident: $kty:ty })*]
+        [$({ [$(#[$sdoc:meta])*] [$($sarg:meta),*] $sfield:ident: $sty:ty })*]
+        [$({ [$(#[$rdoc:meta])*] [$($rarg:meta),*] $rfield:ident: $rty:ty })*]) => {
+        /// `[train]`: every key is optional; missing keys keep their defaults.
+        // The docs are also `--help`, which shows placeholders such as `<step>` as they are.
+        #[allow(rustdoc::invalid_html_tags)]
+        #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+        #[serde(deny_unknown_fields)]
+        pub struct TrainSection {
+            $($(#[$kdoc])* pub $kfield: Option<$kty>,)*
+        }
+
+        /// The flags of every command that compiles a training step, each setting the
+        /// [`TrainSection`] key of its name.
+        #[cfg(feature = "clap")]
+        #[derive(Debug, Clone, Default, clap::Args)]
+        pub struct StepFlags {
+            $($(#[$sdoc])* #[arg($($sarg),*)] pub $sfield: Option<$sty>,)*
+        }
+
+        /// The flags only `snug train` adds, each setting the [`TrainSection`] key of its name.
+        #[cfg(feature = "clap")]
+        #[allow(rustdoc::invalid_html_tags)]
+        #[derive(Debug, Clone, Default, clap::Args)]
+        pub struct RunFlags {
+            $($(#[$rdoc])* #[arg($($rarg),*)] pub $rfield: Option<$rty>,)*
+        }
+
+        #[cfg(feature = "clap")]
+        impl TrainSection {
+            /// The keys `step` and `run` set; the others unset.
+            pub fn from_flags(step: StepFlags, run: RunFlags) -> TrainSection {
+                TrainSection {
+                    $($sfield: step.$sfield,)*
+                    $($rfield: run.$rfield,)*
+                    ..TrainSection::default()
+                }
+            }
+        }
+    };
+    ($($keys:tt)*) => {
+        train_keys!(@sort [] [] [] $($keys)*);
+    };
+}
+
+train_keys! {
+    /// Text file, or directory prepared by `snug prepare`, to train on (default: built-in
+    /// generated addition data).
+    #[flag(step, long)]
+    data: PathBuf,
+    /// Optimizer steps to run (in all, counting steps before a resume).
+    #[flag(run, long)]
+    steps: u64,
+    /// Sequences per optimizer step. (The command line's `--batch` also takes `auto`.)
+    #[key]
+    batch: usize,
+    /// Tokens per sequence (default: the model's block size).
+    #[flag(step, long)]
+    block: usize,
+    /// Peak learning rate.
+    #[flag(run, long, allow_negative_numbers = true)]
+    lr: f32,
+    /// Learning rate at the end of the cosine decay.
+    #[flag(run, long, allow_negative_numbers = true)]
+    min_lr: f32,
+    /// Steps of linear warmup.
+    #[flag(run, long)]
+    warmup_steps: u64,
+    /// AdamW's first-moment decay.
+    #[key]
+    beta1: f32,
+    /// AdamW's second-moment decay.
+    #[key]
+    beta2: f32,
+    /// Decoupled weight decay (weights and embeddings only).
+    #[flag(run, long, allow_negative_numbers = true)]
+    weight_decay: f32,
+    /// Seed for initialisation and batch sampling.
+    #[flag(run, long)]
+    seed: u64,
+    /// Worker threads (default: physical cores).
+    #[flag(step, long)]
+    threads: usize,
+    /// Print a line every this many steps (default: every step on a terminal, every 10th when
+    /// the output goes to a file or pipe).
+    #[flag(run, long)]
+    log_every: u64,
+    /// Cap on the memory snug holds, e.g. 1.5GiB or 800MB (relaxed: exceeded only when
+    /// freeing cached buffers cannot make room, and reported).
+    #[flag(run, long, value_name = "SIZE")]
+    memory_limit: String,
+    /// Make --memory-limit strict: an allocation over it fails with an out-of-memory error.
+    #[flag(run, long = "strict", requires = "memory_limit", num_args = 0, default_missing_value = "true")]
+    strict_memory_limit: bool,
+    /// Mixed precision: f32 (default), bf16 or f16. Activations and their gradients are
+    /// rounded to and stored in 16 bits; weights and optimizer state stay f32; f16 scales the
+    /// loss dynamically.
+    #[flag(step, long)]
+    precision: String,
+    /// Initial loss scale for --precision f16 (default 65536): halved when the scaled
+    /// gradients overflow (that step's update is skipped), doubled after 2000 good steps.
+    #[flag(run, long)]
+    loss_scale: f32,
     /// Good steps in a row before the loss scale doubles. Default 2000.
-    pub loss_scale_interval: Option<u32>,
-    /// `adamw` (default) or `sgd`.
-    pub optimizer: Option<String>,
-    /// Micro-batches per optimizer step (gradient accumulation); `batch` must divide evenly.
-    pub accumulation: Option<usize>,
-    /// Clip the global gradient norm to this value (0 disables).
-    pub grad_clip: Option<f32>,
-    /// Evaluate on the validation split every this many steps, and at the end (0 disables).
-    pub eval_every: Option<u64>,
+    #[key]
+    loss_scale_interval: u32,
+    /// Optimizer: adamw (default) or sgd.
+    #[flag(step, long)]
+    optimizer: String,
+    /// Micro-batches per step (gradient accumulation); --batch is the whole step's batch.
+    #[flag(step, long)]
+    accumulation: usize,
+    /// Clip the global gradient norm to this value (0: off; default 1). Clipping needs every
+    /// gradient before the first update, so they are all alive at once.
+    #[flag(step, long, allow_negative_numbers = true)]
+    grad_clip: f32,
+    /// Evaluate train and validation loss every this many steps and at the end (0: never).
+    #[flag(run, long)]
+    eval_every: u64,
     /// Micro-batches per evaluation.
-    pub eval_batches: Option<usize>,
-    /// Run directory: checkpoints and `metrics.jsonl` go here.
-    pub out: Option<PathBuf>,
-    /// Save a checkpoint every this many steps (0: only at the end and on interrupt).
-    pub checkpoint_every: Option<u64>,
-    /// Checkpoints kept in `out` (the oldest are deleted).
-    pub keep_checkpoints: Option<usize>,
-    /// Start from these GPT-2 weights (a Hugging Face `model.safetensors`) instead of a
-    /// random initialisation.
-    pub init_from: Option<PathBuf>,
-    /// Graph passes, comma-separated (`fused-ce`, `cse`, `dce`, `inplace`; `none` for no
-    /// pass). Default: `fused-ce,inplace`.
-    pub passes: Option<String>,
-    /// Activation checkpointing: `none`, `block` (every block), `block:K` (every K blocks) or
-    /// `selective` (keep matmul and attention outputs, recompute the rest).
-    pub remat: Option<String>,
+    #[flag(run, long)]
+    eval_batches: usize,
+    /// Run directory: checkpoints (ckpt-<step>.safetensors) and metrics.jsonl. The final
+    /// state is saved there, also on Ctrl-C and when the run stops on an error. Default: a new
+    /// directory runs/<model>-<N> under the current directory.
+    #[flag(run, long, value_name = "DIR")]
+    out: PathBuf,
+    /// Save a checkpoint every this many steps (0: only at the end and on Ctrl-C).
+    #[flag(run, long)]
+    checkpoint_every: u64,
+    /// Checkpoints to keep in the run directory.
+    #[flag(run, long)]
+    keep_checkpoints: usize,
+    /// Start from GPT-2 weights in Hugging Face's safetensors layout (e.g. from `snug export`
+    /// or the Hugging Face hub) instead of a random initialisation.
+    #[flag(run, long, value_name = "FILE")]
+    init_from: PathBuf,
+    /// Graph passes, comma-separated: fused-ce (LM head + cross-entropy in tiles, no logits
+    /// tensor), cse (common subexpressions), dce (dead code), inplace (ops write over an input
+    /// that dies at them), none (no pass); remat=MODE and precision=TYPE set those options.
+    /// Default: fused-ce,inplace.
+    #[flag(step, long, value_name = "LIST")]
+    passes: String,
+    /// Activation checkpointing: none, block (every block), block:K (every K blocks),
+    /// selective (keep matmul and attention outputs, recompute the rest), budget:SIZE (the
+    /// least recomputation whose planned peak fits SIZE, e.g. budget:3GiB).
+    #[flag(step, long, value_name = "MODE")]
+    remat: String,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -156,8 +295,8 @@ impl From<&DataSourceConfig> for DataSource {
 }
 
 impl Default for TrainConfig {
-    /// The demo: `llama-tiny` learning two-digit addition in well under a minute (the README
-    /// has the measured accuracy). Tuned, not arbitrary: rotary positions find digits by their
+    /// The demo: `llama-tiny` learning two-digit addition (the README has its measured time
+    /// and accuracy). Tuned, not arbitrary: rotary positions find digits by their
     /// relative place, and the units digit needs about 2,000 steps of 1,024 tokens to click.
     fn default() -> Self {
         TrainConfig {
@@ -526,6 +665,19 @@ impl TrainConfig {
     /// Sequences per forward/backward pass.
     pub fn micro_batch(&self) -> usize {
         self.batch / self.accumulation
+    }
+
+    /// One micro-batch's shape.
+    pub fn step_shape(&self) -> StepShape {
+        StepShape {
+            micro_batch: self.micro_batch(),
+            block: self.block,
+        }
+    }
+
+    /// The device this run compiles for: this machine, with the run's threads.
+    pub fn target(&self) -> Target {
+        Target::host(self.threads)
     }
 
     /// The preset (or Hugging Face config) with the `[model]` overrides applied; `vocab_size`

@@ -92,6 +92,8 @@ pub enum TrainError {
     #[error("the model's logits at position {position} are not finite: its weights hold NaN or infinity")]
     NonFiniteLogits { position: usize },
     #[error(transparent)]
+    Compile(#[from] snug_compile::CompileError),
+    #[error(transparent)]
     Fit(#[from] snug_fit::FitError),
     #[error(transparent)]
     Model(#[from] NnError),

@@ -29,6 +29,8 @@ pub mod trainer;
 pub mod user_file;
 
 pub use config::{ModelSection, OptimizerKind, Pass, Remat, TrainConfig, TrainSection};
+#[cfg(feature = "clap")]
+pub use config::{RunFlags, StepFlags};
 pub use data::{Batch, DataSource, Prefetcher, TokenDataset, Tokens};
 pub use error::TrainError;
 pub use loss_scale::LossScaler;

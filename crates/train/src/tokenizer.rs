@@ -64,8 +64,8 @@ impl CharTokenizer {
 /// GPT-2's tokenizer: tiktoken's `r50k_base` (50,256 byte-level BPE tokens plus
 /// `<|endoftext|>` = 50256).
 ///
-/// Its ranks are built on first use and shared by the process (about 0.1 s and 13 MB): training
-/// from prepared token files only needs the vocabulary size, so it never pays for them.
+/// Its ranks are built on first use and shared by the process: training from prepared token
+/// files only needs the vocabulary size, so it never pays for them.
 #[derive(Clone, Copy, Default, PartialEq, Eq)]
 pub struct Gpt2Tokenizer {
     _private: (),

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
-use snug_fit::{compile_step, CompiledStep, Device, FitConfig, MachineProfile, MemoryFailure};
+use snug_compile::{compile_step, CompiledStep};
+use snug_fit::{FitConfig, MachineProfile, MemoryFailure, Search};
 use snug_graph::{Role, StepGraph, TensorId};
 use snug_nn::ModelConfig;
 use snug_plan::{plan, MemoryPlan, PlanOptions};
@@ -146,9 +147,8 @@ impl Trainer {
             ..
         } = compile_step(
             &model,
-            config.micro_batch(),
-            config.block,
-            config.threads,
+            config.step_shape(),
+            config.target(),
             &config.step_config(),
         )?;
         if let Some(d) = remat_dropped {
@@ -275,9 +275,8 @@ impl Trainer {
             ..
         } = compile_step(
             &self.model,
-            config.micro_batch(),
-            config.block,
-            config.threads,
+            config.step_shape(),
+            config.target(),
             &config.step_config(),
         )?;
         let memory_plan = plan(&step.graph, &PlanOptions::default())?;
@@ -299,8 +298,9 @@ impl Trainer {
     }
 
     /// Fills the session's arena with `byte` before the next step (tests prove with it that no
-    /// kernel reads arena bytes it did not write).
-    #[doc(hidden)]
+    /// kernel reads arena bytes it did not write). Only with the `test-hooks` feature, which
+    /// snug's own tests turn on.
+    #[cfg(feature = "test-hooks")]
     pub fn poison_arena_for_test(&mut self, byte: u8) -> Result<(), TrainError> {
         Ok(self.session.fill_arena(byte)?)
     }
@@ -330,14 +330,13 @@ impl Trainer {
         let from = FitConfig::of(&self.config.step_config(), self.config.batch);
         let fit_model = self.config.fit_model(self.model.clone());
         let from_peak_bytes = self.session.plan().peak_bytes();
-        let report = snug_fit::suggest_recovery_config(
+        let report = Search::new(
             &fit_model,
-            &from,
-            from_peak_bytes,
-            &failure,
-            &[Device::Cpu { threads }],
-            machine,
+            self.config.target(),
+            failure.budget(from_peak_bytes),
         )
+        .recovering_from(&from)
+        .choose(machine)
         .map_err(|e| TrainError::Unrecoverable {
             step,
             failure: oom.clone(),

@@ -7,8 +7,7 @@
 
 use snug_graph::passes::{remat_candidates, rematerialize, rematerialize_dropping, RematPolicy};
 use snug_graph::{GraphError, StepGraph, TensorId};
-
-use crate::{plan, MemoryPlan, PlanError, PlanOptions};
+use snug_plan::{plan, MemoryPlan, PlanError, PlanOptions};
 
 /// What [`remat_for_budget`] chose.
 #[derive(Debug, Clone)]

@@ -2,135 +2,13 @@
 //! forward passes, autodiff with the optimizer, the step passes, and rematerialization. Pure
 //! computation over shapes, so fit can compile many candidates without allocating a tensor.
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use snug_graph::ops::{AdamW, Sgd};
-use snug_graph::{passes, DType, OptimizerSpec, StepGraph, StepOptions, TensorId};
+use snug_graph::{passes, DType, OptimizerSpec, StepGraph, StepOptions, Target, TensorId};
 use snug_nn::ModelConfig;
 use snug_plan::{MemoryPlan, PlanOptions};
 
-use crate::FitError;
-
-/// Activation checkpointing mode.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Remat {
-    #[default]
-    None,
-    /// Keep only the residual stream between segments of `blocks` blocks.
-    Blocks { blocks: usize },
-    /// Keep matmul and attention outputs; recompute norms, activations, elementwise ops.
-    Selective,
-    /// Recompute the values cheapest per byte, just enough for the step to fit `bytes`.
-    Budget { bytes: usize },
-}
-
-impl std::str::FromStr for Remat {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Remat, String> {
-        let bad = || format!("`{s}` is not one of none, block, block:K, selective, budget:SIZE");
-        if let Some(size) = s.trim().strip_prefix("budget:") {
-            return snug_plan::parse_bytes(size)
-                .map(|bytes| Remat::Budget { bytes })
-                .map_err(|e| format!("`{s}`: {e}"));
-        }
-        match s.trim() {
-            "none" => Ok(Remat::None),
-            "block" => Ok(Remat::Blocks { blocks: 1 }),
-            "selective" => Ok(Remat::Selective),
-            other => match other.strip_prefix("block:").map(str::parse::<usize>) {
-                Some(Ok(k)) if k >= 1 => Ok(Remat::Blocks { blocks: k }),
-                _ => Err(bad()),
-            },
-        }
-    }
-}
-
-impl std::fmt::Display for Remat {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Remat::None => f.write_str("none"),
-            Remat::Blocks { blocks: 1 } => f.write_str("block"),
-            Remat::Blocks { blocks } => write!(f, "block:{blocks}"),
-            Remat::Selective => f.write_str("selective"),
-            Remat::Budget { bytes } => write!(f, "budget:{bytes}"),
-        }
-    }
-}
-
-/// A graph pass applied when the step is compiled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Pass {
-    /// LM head + cross-entropy fused and tiled: no `tokens × vocab` logits.
-    #[serde(rename = "fused-ce")]
-    FusedCrossEntropy,
-    /// Common-subexpression elimination on the step graph.
-    #[serde(rename = "cse")]
-    Cse,
-    /// Dead-code elimination on the step graph.
-    #[serde(rename = "dce")]
-    Dce,
-    /// Ops write their output over an input that dies at them; runs after every other pass.
-    #[serde(rename = "inplace")]
-    InPlace,
-}
-
-impl Pass {
-    pub const ALL: [Pass; 4] = [Pass::FusedCrossEntropy, Pass::Cse, Pass::Dce, Pass::InPlace];
-
-    /// What a step runs unless told otherwise: both leave the numbers as they are (in-place
-    /// bitwise; the fused head up to summation order) and only ever lower the peak.
-    pub const DEFAULT: [Pass; 2] = [Pass::FusedCrossEntropy, Pass::InPlace];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Pass::FusedCrossEntropy => "fused-ce",
-            Pass::Cse => "cse",
-            Pass::Dce => "dce",
-            Pass::InPlace => "inplace",
-        }
-    }
-}
-
-/// The optimizer a step ends with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum OptimizerKind {
-    AdamW,
-    Sgd,
-}
-
-/// Everything about a training step besides the model and its batch shape.
-#[derive(Debug, Clone, PartialEq)]
-pub struct StepConfig {
-    pub precision: DType,
-    pub optimizer: OptimizerKind,
-    pub beta1: f32,
-    pub beta2: f32,
-    pub weight_decay: f32,
-    /// Micro-batches per optimizer step.
-    pub accumulation: usize,
-    /// Global gradient-norm clip (0: off).
-    pub grad_clip: f32,
-    pub passes: Vec<Pass>,
-    pub remat: Remat,
-}
-
-impl Default for StepConfig {
-    fn default() -> Self {
-        StepConfig {
-            precision: DType::F32,
-            optimizer: OptimizerKind::AdamW,
-            beta1: 0.9,
-            beta2: 0.95,
-            weight_decay: 0.1,
-            accumulation: 1,
-            grad_clip: 1.0,
-            passes: Pass::DEFAULT.to_vec(),
-            remat: Remat::None,
-        }
-    }
-}
+use crate::{remat_for_budget, CompileError, OptimizerKind, Pass, Remat, StepConfig};
 
 /// A compiled training step and the inputs a trainer feeds.
 #[derive(Debug, Clone)]
@@ -154,16 +32,23 @@ pub struct RematDropped {
     pub peak_with_bytes: usize,
 }
 
-/// Compiles the training step of `model` for micro-batches of `micro_batch × block` tokens.
+/// One micro-batch: `micro_batch` sequences of `block` tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub struct StepShape {
+    pub micro_batch: usize,
+    pub block: usize,
+}
+
+/// Compiles the training step of `model` for micro-batches of `shape` on `target`. A fixed
+/// remat mode that would not lower the planned peak is left out (see
+/// [`CompiledStep::remat_dropped`]).
 pub fn compile_step(
     model: &ModelConfig,
-    micro_batch: usize,
-    block: usize,
-    target: impl Into<snug_graph::Target>,
+    shape: StepShape,
+    target: Target,
     config: &StepConfig,
-) -> Result<CompiledStep, FitError> {
-    let target = target.into();
-    let compiled = compile_exactly(model, micro_batch, block, target, config)?;
+) -> Result<CompiledStep, CompileError> {
+    let compiled = compile_exactly(model, shape, target, config)?;
     if !matches!(config.remat, Remat::Blocks { .. } | Remat::Selective) {
         return Ok(compiled);
     }
@@ -175,7 +60,7 @@ pub fn compile_step(
         remat: Remat::None,
         ..config.clone()
     };
-    let mut without = compile_exactly(model, micro_batch, block, target, &plain)?;
+    let mut without = compile_exactly(model, shape, target, &plain)?;
     let without_peak = snug_plan::plan(&without.step.graph, &options)?.peak_bytes();
     if with < without_peak {
         return Ok(compiled);
@@ -191,14 +76,13 @@ pub fn compile_step(
 /// [`compile_step`] with the remat mode applied as given, whatever it does to the peak.
 pub fn compile_exactly(
     model: &ModelConfig,
-    micro_batch: usize,
-    block: usize,
-    target: impl Into<snug_graph::Target>,
+    shape: StepShape,
+    target: Target,
     config: &StepConfig,
-) -> Result<CompiledStep, FitError> {
+) -> Result<CompiledStep, CompileError> {
     // Parameters are f32 master weights whatever the precision: the precision pass rounds
     // activations and gradients.
-    let mut g = model.build(micro_batch, block, target, DType::F32)?;
+    let mut g = model.build(shape.micro_batch, shape.block, target, DType::F32)?;
     // Forward-graph passes run before autodiff (their ops bring their own gradients).
     if config.passes.contains(&Pass::FusedCrossEntropy) {
         let (r, _) = passes::fuse_lm_head_loss(&g.graph, passes::DEFAULT_CHUNK_BYTES)?;
@@ -262,7 +146,7 @@ fn apply_remat(
     tokens: TensorId,
     targets: TensorId,
     remat: Remat,
-) -> Result<CompiledStep, FitError> {
+) -> Result<CompiledStep, CompileError> {
     let policy = match remat {
         Remat::None => {
             return Ok(CompiledStep {
@@ -278,14 +162,14 @@ fn apply_remat(
         },
         Remat::Selective => passes::RematPolicy::Selective,
         Remat::Budget { bytes } => {
-            let chosen = snug_plan::remat_for_budget(&step, bytes, &PlanOptions::default())?;
+            let chosen = remat_for_budget(&step, bytes, &PlanOptions::default())?;
             // Inputs keep their positions in `StepGraph::inputs` through a rewrite.
             let find = |old: TensorId| {
                 let i = step.inputs.iter().position(|&t| t == old)?;
                 chosen.step.inputs.get(i).copied()
             };
             let (Some(tokens), Some(targets)) = (find(tokens), find(targets)) else {
-                return Err(FitError::LostInputs);
+                return Err(CompileError::LostInputs);
             };
             return Ok(CompiledStep {
                 step: chosen.step,

@@ -1,0 +1,127 @@
+//! What a training step is made of besides the model and its batch shape: precision,
+//! optimizer, accumulation, clipping, graph passes and rematerialization.
+
+use serde::{Deserialize, Serialize};
+use snug_graph::DType;
+
+/// Activation checkpointing mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Remat {
+    #[default]
+    None,
+    /// Keep only the residual stream between segments of `blocks` blocks.
+    Blocks { blocks: usize },
+    /// Keep matmul and attention outputs; recompute norms, activations, elementwise ops.
+    Selective,
+    /// Recompute the values cheapest per byte, just enough for the step to fit `bytes`.
+    Budget { bytes: usize },
+}
+
+impl std::str::FromStr for Remat {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Remat, String> {
+        let bad = || format!("`{s}` is not one of none, block, block:K, selective, budget:SIZE");
+        if let Some(size) = s.trim().strip_prefix("budget:") {
+            return snug_plan::parse_bytes(size)
+                .map(|bytes| Remat::Budget { bytes })
+                .map_err(|e| format!("`{s}`: {e}"));
+        }
+        match s.trim() {
+            "none" => Ok(Remat::None),
+            "block" => Ok(Remat::Blocks { blocks: 1 }),
+            "selective" => Ok(Remat::Selective),
+            other => match other.strip_prefix("block:").map(str::parse::<usize>) {
+                Some(Ok(k)) if k >= 1 => Ok(Remat::Blocks { blocks: k }),
+                _ => Err(bad()),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for Remat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Remat::None => f.write_str("none"),
+            Remat::Blocks { blocks: 1 } => f.write_str("block"),
+            Remat::Blocks { blocks } => write!(f, "block:{blocks}"),
+            Remat::Selective => f.write_str("selective"),
+            Remat::Budget { bytes } => write!(f, "budget:{bytes}"),
+        }
+    }
+}
+
+/// A graph pass applied when the step is compiled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Pass {
+    /// LM head + cross-entropy fused and tiled: no `tokens × vocab` logits.
+    #[serde(rename = "fused-ce")]
+    FusedCrossEntropy,
+    /// Common-subexpression elimination on the step graph.
+    #[serde(rename = "cse")]
+    Cse,
+    /// Dead-code elimination on the step graph.
+    #[serde(rename = "dce")]
+    Dce,
+    /// Ops write their output over an input that dies at them; runs after every other pass.
+    #[serde(rename = "inplace")]
+    InPlace,
+}
+
+impl Pass {
+    pub const ALL: [Pass; 4] = [Pass::FusedCrossEntropy, Pass::Cse, Pass::Dce, Pass::InPlace];
+
+    /// What a step runs unless told otherwise: both leave the numbers as they are (in-place
+    /// bitwise; the fused head up to summation order) and only ever lower the peak.
+    pub const DEFAULT: [Pass; 2] = [Pass::FusedCrossEntropy, Pass::InPlace];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Pass::FusedCrossEntropy => "fused-ce",
+            Pass::Cse => "cse",
+            Pass::Dce => "dce",
+            Pass::InPlace => "inplace",
+        }
+    }
+}
+
+/// The optimizer a step ends with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    AdamW,
+    Sgd,
+}
+
+/// Everything about a training step besides the model and its batch shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepConfig {
+    pub precision: DType,
+    pub optimizer: OptimizerKind,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub weight_decay: f32,
+    /// Micro-batches per optimizer step.
+    pub accumulation: usize,
+    /// Global gradient-norm clip (0: off).
+    pub grad_clip: f32,
+    pub passes: Vec<Pass>,
+    pub remat: Remat,
+}
+
+impl Default for StepConfig {
+    fn default() -> Self {
+        StepConfig {
+            precision: DType::F32,
+            optimizer: OptimizerKind::AdamW,
+            beta1: 0.9,
+            beta2: 0.95,
+            weight_decay: 0.1,
+            accumulation: 1,
+            grad_clip: 1.0,
+            passes: Pass::DEFAULT.to_vec(),
+            remat: Remat::None,
+        }
+    }
+}
