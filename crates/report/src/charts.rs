@@ -206,67 +206,66 @@ pub fn timeline(plan: &PlanDocument, size: (u32, u32)) -> Result<Chart, ReportEr
     })
 }
 
-/// Each pass's planned peak before and after it, cumulatively in the order applied.
+/// Each pass's planned peak before and after it, cumulatively in the order applied: a pair
+/// of bars per pass, named above them.
 pub fn passes(passes: &[PassSaving], size: (u32, u32)) -> Result<Chart, ReportError> {
     render("passes", size, |root| {
-        let k = passes.len();
+        let k = passes.len().max(1) as f64;
         let most = passes
             .iter()
             .map(|p| p.peak_before_bytes.max(p.peak_after_bytes))
             .max()
             .unwrap_or(0) as f64;
         let (div, unit) = byte_unit(most);
-        let names: Vec<String> = passes.iter().map(|p| p.pass.clone()).collect();
+        let top = (most / div * 1.25).max(1e-9);
         let mut chart = ChartBuilder::on(root)
             .caption(
                 "Planned peak before → after each pass",
                 (FONT, 20).into_font(),
             )
             .margin(12)
-            .x_label_area_size(40)
+            .x_label_area_size(12)
             .y_label_area_size(72)
-            .build_cartesian_2d((0..k).into_segmented(), 0f64..(most / div * 1.15).max(1e-9))?;
+            .build_cartesian_2d(0f64..k, 0f64..top)?;
         chart
             .configure_mesh()
             .disable_x_mesh()
+            .x_labels(0)
             .y_desc(unit)
-            .x_labels(k.max(1))
-            .x_label_formatter(&|v| match v {
-                SegmentValue::CenterOf(i) => names.get(*i).cloned().unwrap_or_default(),
-                _ => String::new(),
-            })
             .label_style((FONT, 14))
             .draw()?;
         let before = RGBColor(150, 150, 150);
         let after = RGBColor(31, 119, 180);
+        let bar = |i: usize, left: bool, bytes: usize, color: RGBColor| {
+            let x = i as f64 + if left { 0.1 } else { 0.5 };
+            Rectangle::new([(x, 0.0), (x + 0.4, bytes as f64 / div)], color.filled())
+        };
         chart
-            .draw_series(passes.iter().enumerate().map(|(i, p)| {
-                let mut r = Rectangle::new(
-                    [
-                        (SegmentValue::Exact(i), 0.0),
-                        (SegmentValue::CenterOf(i), p.peak_before_bytes as f64 / div),
-                    ],
-                    before.filled(),
-                );
-                r.set_margin(0, 0, 12, 2);
-                r
-            }))?
+            .draw_series(
+                passes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, p)| bar(i, true, p.peak_before_bytes, before)),
+            )?
             .label("before")
             .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 14, y + 6)], before.filled()));
         chart
-            .draw_series(passes.iter().enumerate().map(|(i, p)| {
-                let mut r = Rectangle::new(
-                    [
-                        (SegmentValue::CenterOf(i), 0.0),
-                        (SegmentValue::Exact(i + 1), p.peak_after_bytes as f64 / div),
-                    ],
-                    after.filled(),
-                );
-                r.set_margin(0, 0, 2, 12);
-                r
-            }))?
+            .draw_series(
+                passes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, p)| bar(i, false, p.peak_after_bytes, after)),
+            )?
             .label("after")
             .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 14, y + 6)], after.filled()));
+        chart.draw_series(passes.iter().enumerate().map(|(i, p)| {
+            let height = p.peak_before_bytes.max(p.peak_after_bytes) as f64 / div;
+            Text::new(
+                p.pass.clone(),
+                (i as f64 + 0.5, height + top * 0.02),
+                TextStyle::from((FONT, 15).into_font()).pos(Pos::new(HPos::Center, VPos::Bottom)),
+            )
+        }))?;
         chart
             .configure_series_labels()
             .position(SeriesLabelPosition::UpperRight)

@@ -8,7 +8,7 @@ use snug_graph::{OptimizerSpec, Role, StepGraph, Target};
 use snug_nn::GptConfig;
 use snug_plan::{plan, MemoryPlan, PlanOptions};
 use snug_report::{
-    Figures, FitDocument, Phase, PlanDocument, Report, ReportError, RunMetrics, Trace,
+    Figures, FitDocument, PassSaving, Phase, PlanDocument, Report, ReportError, RunMetrics, Trace,
     PLAN_FORMAT_VERSION,
 };
 
@@ -184,7 +184,21 @@ fn embedded_figures(html: &str) -> Figures {
 
 #[test]
 fn the_page_shows_the_plans_and_the_runs_figures_and_references_nothing_outside() {
-    let (_, p, doc) = tiny_doc();
+    let (_, p, mut doc) = tiny_doc();
+    doc.passes = vec![
+        PassSaving {
+            pass: "fused-ce".into(),
+            peak_before_bytes: 9_000_000,
+            peak_after_bytes: 7_000_000,
+            saved_bytes: 2_000_000,
+        },
+        PassSaving {
+            pass: "inplace".into(),
+            peak_before_bytes: 7_000_000,
+            peak_after_bytes: p.peak_bytes(),
+            saved_bytes: 7_000_000 - p.peak_bytes() as i64,
+        },
+    ];
     let fit = FitDocument::from_json(FIT).unwrap();
     let run = RunMetrics::parse(&metrics_text(20, true), Path::new("metrics.jsonl")).unwrap();
     let report = Report {
@@ -249,12 +263,45 @@ fn the_page_shows_the_plans_and_the_runs_figures_and_references_nothing_outside(
         components
     );
     // Charts: inline SVG, drawn by plotters (its text and paths), one per section.
-    assert_eq!(html.matches("<svg").count(), 1 + 1 + 4);
+    assert_eq!(html.matches("<svg").count(), 1 + 1 + 1 + 4);
+    let passes = data_bytes(&html, "passes");
+    assert_eq!(
+        passes[..3],
+        [
+            ("before".to_string(), 9_000_000),
+            ("after".to_string(), 7_000_000),
+            ("saved".to_string(), 2_000_000)
+        ]
+    );
     let fit_rows = data_bytes(&html, "fit");
     assert_eq!(
         fit_rows.iter().map(|r| r.1).collect::<Vec<_>>(),
         vec![1_500_000, 900_000, 600_000]
     );
+}
+
+#[test]
+fn one_pass_draws_one_pair_of_bars() {
+    let (_, _, doc) = tiny_doc();
+    let chart = snug_report::charts::passes(
+        &[PassSaving {
+            pass: "inplace".into(),
+            peak_before_bytes: doc.peak_bytes + 4096,
+            peak_after_bytes: doc.peak_bytes,
+            saved_bytes: 4096,
+        }],
+        (600, 300),
+    )
+    .unwrap();
+    assert!(chart.svg.contains("\ninplace\n"), "{}", chart.svg);
+    // Two bars side by side (the legend's swatches are 14 pixels wide).
+    let bars: Vec<&str> = chart
+        .svg
+        .lines()
+        .filter(|l| l.starts_with("<rect") && (l.contains("#969696") || l.contains("#1F77B4")))
+        .filter(|l| !l.contains("width=\"14\""))
+        .collect();
+    assert_eq!(bars.len(), 2, "{bars:?}");
 }
 
 #[test]
