@@ -125,8 +125,7 @@ fn the_page_shows_the_plans_fits_and_runs_numbers_and_renders_in_a_browser() {
     let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
     let last_step = metrics
         .lines()
-        .filter(|l| l.contains("\"kind\":\"step\"") && l.ends_with('}'))
-        .last()
+        .rfind(|l| l.contains("\"kind\":\"step\"") && l.ends_with('}'))
         .map(json)
         .unwrap();
     let steps = figures["run"]["steps"].as_array().unwrap();
