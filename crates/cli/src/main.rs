@@ -6,6 +6,7 @@ mod fit_cmd;
 mod plan_cmd;
 mod prepare_cmd;
 mod profile_cmd;
+mod report_cmd;
 mod sample_cmd;
 mod train_cmd;
 
@@ -44,6 +45,9 @@ enum Command {
     Export(export_cmd::ExportArgs),
     /// Time named training-step benchmarks (step time, tokens/s, model FLOP/s, MFU, memory).
     Bench(bench_cmd::BenchArgs),
+    /// Write one offline HTML page: the step's memory timeline, pass savings, fit's
+    /// candidates, a run's curves and the device table.
+    Report(report_cmd::ReportArgs),
 }
 
 /// Flags shared by every command that builds a model. The model's and the step's are declared
@@ -151,6 +155,7 @@ fn main() -> ExitCode {
         Command::Prepare(args) => prepare_cmd::run(args),
         Command::Sample(args) => sample_cmd::run(args),
         Command::Export(args) => export_cmd::run(args),
+        Command::Report(args) => report_cmd::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -44,6 +44,8 @@ pub struct PlanArgs {
 /// A memory plan's figures, as both reports give them.
 #[derive(Serialize)]
 struct PlanFigures {
+    /// The layout of this document, which `snug report --plan-json` checks.
+    format_version: u32,
     peak_bytes: usize,
     persistent_bytes: usize,
     arena_bytes: usize,
@@ -57,11 +59,18 @@ struct PlanFigures {
     peak: PeakInfo,
     /// Bytes held while each op of the schedule runs.
     timeline: Vec<usize>,
+    /// Each position's op and phase, and the bytes each role holds there.
+    timeline_detail: snug_report::TimelineDetail,
 }
 
 impl PlanFigures {
-    fn of(p: &snug_plan::MemoryPlan) -> PlanFigures {
+    fn of(
+        p: &snug_plan::MemoryPlan,
+        graph: &snug_graph::Graph,
+        forward_nodes: usize,
+    ) -> PlanFigures {
         PlanFigures {
+            format_version: snug_report::PLAN_FORMAT_VERSION,
             peak_bytes: p.peak_bytes(),
             persistent_bytes: p.persistent_bytes,
             arena_bytes: p.arena_bytes,
@@ -74,6 +83,7 @@ impl PlanFigures {
             strategy_arenas: p.strategy_arenas.clone(),
             peak: p.peak.clone(),
             timeline: p.timeline.clone(),
+            timeline_detail: snug_report::TimelineDetail::of(p, graph, forward_nodes),
         }
     }
 }
@@ -229,7 +239,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         flops_per_step: step.graph.flops(),
         predicted_step_ms: snug_train::calibration::cached(cfg.threads)
             .map(|m| m.step_seconds(&step, &memory_plan.schedule) * 1e3),
-        figures: PlanFigures::of(&memory_plan),
+        figures: PlanFigures::of(&memory_plan, &step.graph, step.forward_nodes),
         plan_ms,
         passes: pass_savings,
         remat: cfg.remat.to_string(),
@@ -311,7 +321,7 @@ fn run_inference(
         nodes: g.graph.nodes().len(),
         tensors: g.graph.tensors().len(),
         flops_per_token: g.graph.flops(),
-        figures: PlanFigures::of(&memory_plan),
+        figures: PlanFigures::of(&memory_plan, &g.graph, g.graph.nodes().len()),
         plan_ms,
     };
     if args.json {

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 use serde::Serialize;
 use snug_graph::ops::Op;
@@ -20,6 +20,10 @@ pub struct ProfileArgs {
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
+    /// Also write the profiled steps as a Chrome trace (JSON for Perfetto or
+    /// chrome://tracing): a slice per op, and the planned bytes held as a counter track.
+    #[arg(long, value_name = "FILE")]
+    trace: Option<std::path::PathBuf>,
 }
 
 #[derive(Serialize)]
@@ -50,8 +54,12 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     let micro = trainer.config().accumulation;
     let mut rows: BTreeMap<String, (usize, f64, u64, f64)> = BTreeMap::new();
     let steps = args.steps.max(1);
+    let mut traced = Vec::new();
     for _ in 0..steps {
         let (_, times) = trainer.train_step_profiled()?;
+        if args.trace.is_some() {
+            traced.push(times.clone());
+        }
         for (&nid, t) in schedule.iter().zip(times) {
             let node = graph.node(nid);
             let ins: Vec<_> = node.inputs.iter().map(|&i| graph.tensor(i)).collect();
@@ -74,6 +82,15 @@ pub fn run(args: ProfileArgs) -> Result<()> {
                 e.3 += m.node_step_seconds(&graph, nid, micro);
             }
         }
+    }
+    if let Some(path) = &args.trace {
+        let detail = snug_report::TimelineDetail::of(
+            trainer.plan(),
+            &graph,
+            trainer.step_graph().forward_nodes,
+        );
+        let trace = snug_report::Trace::of_profile(&detail, &traced).to_json()?;
+        std::fs::write(path, trace).with_context(|| format!("writing {}", path.display()))?;
     }
     let total: f64 = rows.values().map(|r| r.1).sum();
     let mut table: Vec<OpRow> = rows

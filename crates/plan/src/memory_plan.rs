@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use snug_graph::{Graph, NodeId, Role, TensorId};
 
 use crate::lifetime::{lifetimes, Lifetime};
@@ -55,7 +55,7 @@ impl Default for PlanOptions {
 }
 
 /// What is live when the arena is fullest.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PeakInfo {
     /// Schedule position and the op running there.
     pub position: usize,
@@ -90,7 +90,7 @@ pub struct PersistentBuffer {
 }
 
 /// The predicted peak split by role; the parts add up to [`MemoryPlan::peak_bytes`].
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Breakdown {
     pub parameters: usize,
     pub gradients: usize,

@@ -1,0 +1,177 @@
+//! `snug report`: one HTML page, readable offline, of a step's memory (from `snug plan --json`,
+//! a run directory's checkpoint, or the model flags), fit's candidates (`snug fit --json`), a
+//! run's `metrics.jsonl` and the table of a device's memory.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use clap::Args;
+use snug_plan::memory_plan::human_bytes;
+use snug_plan::{plan, PlanOptions};
+use snug_report::{FitDocument, PlanDocument, Report, RunMetrics};
+use snug_train::{TrainConfig, TrainError};
+
+use crate::ModelArgs;
+
+#[derive(Args, Debug)]
+pub struct ReportArgs {
+    /// Model flags: the step is planned from them when neither --plan-json nor --run gives a
+    /// plan.
+    #[command(flatten)]
+    model: ModelArgs,
+    /// A plan written by `snug plan --json` (with its pass savings).
+    #[arg(long, value_name = "FILE")]
+    plan_json: Option<PathBuf>,
+    /// fit's candidates, written by `snug fit --json`.
+    #[arg(long, value_name = "FILE")]
+    fit_json: Option<PathBuf>,
+    /// A run directory: its metrics.jsonl, and (without --plan-json) the plan of its latest
+    /// checkpoint's configuration.
+    #[arg(long, value_name = "DIR")]
+    run: Option<PathBuf>,
+    /// The device's memory for the table (e.g. 12GiB; default: this machine's available
+    /// memory).
+    #[arg(long, value_name = "SIZE")]
+    device_memory: Option<String>,
+    /// Where to write the page.
+    #[arg(
+        short = 'o',
+        long,
+        value_name = "FILE",
+        default_value = "snug-report.html"
+    )]
+    output: PathBuf,
+    /// Print the figures drawn, as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// JSON documents larger than this are refused rather than read.
+const MAX_DOCUMENT_BYTES: u64 = 1 << 30;
+
+fn read(path: &Path, what: &'static str) -> Result<String> {
+    Ok(snug_train::user_file::read_text(
+        path,
+        MAX_DOCUMENT_BYTES,
+        what,
+    )?)
+}
+
+/// The plan of `cfg`'s step, as `snug plan` compiles it, without pass savings.
+fn plan_of(cfg: &TrainConfig, model: &snug_nn::ModelConfig) -> Result<PlanDocument> {
+    let step =
+        snug_compile::compile_step(model, cfg.step_shape(), cfg.target(), &cfg.step_config())?.step;
+    let p = plan(&step.graph, &PlanOptions::default())?;
+    let mut doc = PlanDocument::from_plan(&p, &step.graph, step.forward_nodes);
+    doc.preset = cfg.model.preset.clone().unwrap_or_default();
+    doc.parameters = Some(step.parameter_count());
+    doc.batch = Some(cfg.batch);
+    doc.block = Some(cfg.block);
+    doc.remat = Some(cfg.remat.to_string());
+    Ok(doc)
+}
+
+pub fn run(args: ReportArgs) -> Result<()> {
+    let mut notes = Vec::new();
+    let plan_doc = if let Some(path) = &args.plan_json {
+        notes.push(format!("plan: {}", path.display()));
+        Some(
+            PlanDocument::from_json(&read(path, "a plan")?)
+                .with_context(|| format!("reading the plan {}", path.display()))?,
+        )
+    } else if let Some(dir) = &args.run {
+        match snug_train::checkpoint::load(dir) {
+            Ok((path, ckpt)) => {
+                notes.push(format!(
+                    "plan: the configuration of {} (no pass savings: give --plan-json for them)",
+                    path.display()
+                ));
+                Some(plan_of(&ckpt.config, &ckpt.model()?)?)
+            }
+            Err(TrainError::NoCheckpoint { .. }) => {
+                notes.push(format!(
+                    "no plan: {} holds no checkpoint (give --plan-json)",
+                    dir.display()
+                ));
+                None
+            }
+            Err(e) => return Err(e.into()),
+        }
+    } else {
+        if args.model.batch_auto() {
+            anyhow::bail!("--batch auto needs a memory budget: plan with `snug fit --memory SIZE` and report from `snug plan --json`");
+        }
+        let (model, train) = args.model.sections(snug_train::RunFlags::default());
+        let cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
+        let (_, gpt) = cfg.load_data_and_model()?;
+        notes.push("plan: the model flags (no pass savings: give --plan-json for them)".into());
+        Some(plan_of(&cfg, &gpt)?)
+    };
+    let fit = match &args.fit_json {
+        Some(path) => Some(
+            FitDocument::from_json(&read(path, "a fit table")?)
+                .with_context(|| format!("reading the fit table {}", path.display()))?,
+        ),
+        None => None,
+    };
+    let run = match &args.run {
+        Some(dir) => {
+            let path = dir.join(snug_train::run::METRICS_FILE);
+            if path.is_file() {
+                Some(RunMetrics::read(&path)?)
+            } else {
+                notes.push(format!("no run curves: {} not found", path.display()));
+                None
+            }
+        }
+        None => None,
+    };
+    let device = match &args.device_memory {
+        Some(text) => Some((
+            format!("--device-memory {text}"),
+            snug_plan::parse_bytes(text).with_context(|| format!("--device-memory {text}"))?,
+        )),
+        None => snug_runtime::process::available_memory()
+            .map(|b| ("this machine's available memory".to_string(), b)),
+    };
+    let title = match plan_doc.as_ref().map(|p| p.preset.as_str()) {
+        Some(preset) if !preset.is_empty() => format!("snug report: {preset}"),
+        _ => "snug report".to_string(),
+    };
+    let report = Report {
+        title,
+        plan: plan_doc,
+        fit,
+        run,
+        device,
+        notes,
+    };
+    let html = report.html()?;
+    std::fs::write(&args.output, html)
+        .with_context(|| format!("writing {}", args.output.display()))?;
+    let figures = report.figures();
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&figures)?);
+        return Ok(());
+    }
+    if let Some(p) = &figures.plan {
+        println!(
+            "planned peak {} at op {} ({})",
+            human_bytes(p.peak_bytes),
+            p.peak.position,
+            p.peak.op
+        );
+    }
+    if let Some(r) = &figures.run {
+        println!(
+            "run: {} steps, {} evaluations",
+            r.steps.len(),
+            r.evals.len()
+        );
+        for s in &r.skipped {
+            println!("metrics.jsonl line {} skipped: {}", s.line, s.reason);
+        }
+    }
+    println!("wrote {}", args.output.display());
+    Ok(())
+}
