@@ -35,6 +35,9 @@ pub(crate) const PRELUDE: &str = include_str!("prelude.wgsl");
 /// Threads of the one-dimensional kernels' workgroups (WebGPU's guaranteed minimum).
 pub(crate) const WG: u32 = 256;
 
+/// Words every argument block is padded to: more than any kernel's struct but RoPE's.
+const MIN_PARAM_WORDS: usize = 32;
+
 /// The scalar arguments of a launch, as the 32-bit words of a WGSL uniform struct whose fields
 /// are all `u32` / `f32` / `i32`, in order.
 #[derive(Debug, Default, Clone)]
@@ -101,8 +104,9 @@ impl Dispatch<'_> {
         )?;
         let wgpu_device = device.wgpu_device();
         let mut words = self.params.0;
-        // Uniform structs are sized in 16-byte steps; an empty one still binds a word.
-        words.resize(words.len().max(1).next_multiple_of(4), 0);
+        // Zero-padded: an entry point that leaves trailing fields of its file's struct unset
+        // reads zeros there, and wgpu checks the binding covers the whole struct.
+        words.resize(words.len().max(MIN_PARAM_WORDS).next_multiple_of(4), 0);
         let uniform = wgpu_device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some(self.entry),
             contents: bytemuck::cast_slice(&words),
@@ -181,4 +185,26 @@ pub(crate) fn u32_of(device: &GpuDevice, kernel: &'static str, n: usize) -> Resu
             format!("{n} elements exceed 32-bit indexing"),
         )
     })
+}
+
+/// One thread per element of `n`, for the kernels whose only argument is `n`.
+pub(crate) fn per_element<'a>(
+    device: &GpuDevice,
+    encoder: &mut wgpu::CommandEncoder,
+    (source, entry, constants): (Source, &'static str, String),
+    n: usize,
+    tensors: Vec<(&'static str, u32, DeviceSlice<'a>)>,
+) -> Result<()> {
+    for (what, _, t) in &tensors {
+        need(device, what, t, n)?;
+    }
+    Dispatch {
+        source,
+        entry,
+        constants,
+        params: Params::new().u(u32_of(device, source.file, n)?),
+        tensors: tensors.into_iter().map(|(_, b, t)| (b, t)).collect(),
+        grid: grid_items(device, n),
+    }
+    .record(device, encoder)
 }
