@@ -171,3 +171,16 @@ pub(crate) fn select(
     let adapter = found.into_iter().nth(index).ok_or(GpuError::NoAdapter)?;
     Ok((adapter, info))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Selector;
+
+    #[test]
+    fn selectors_parse_from_the_device_flag() {
+        assert_eq!("gpu".parse(), Ok(Selector::FirstGpu));
+        assert_eq!("gpu:3".parse(), Ok(Selector::Index(3)));
+        assert!("gpu:x".parse::<Selector>().is_err());
+        assert!("cpu".parse::<Selector>().is_err());
+    }
+}

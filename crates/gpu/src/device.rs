@@ -217,9 +217,11 @@ impl GpuDevice {
             count: None,
         };
         let mut entries = vec![entry_of(0, wgpu::BufferBindingType::Uniform)];
-        entries.extend(key.3.iter().map(|&b| {
-            entry_of(b, wgpu::BufferBindingType::Storage { read_only: false })
-        }));
+        entries.extend(
+            key.3
+                .iter()
+                .map(|&b| entry_of(b, wgpu::BufferBindingType::Storage { read_only: false })),
+        );
         let (built, error) = self.scoped(wgpu::ErrorFilter::Validation, || {
             let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
                 label: Some(file),

@@ -23,7 +23,11 @@ pub enum GpuError {
     OutOfMemory { device: String, bytes: u64 },
     /// A buffer larger than the device allows.
     #[error("{device}: a buffer of {bytes} bytes exceeds the largest buffer, {max} bytes")]
-    BufferTooLarge { device: String, bytes: u64, max: u64 },
+    BufferTooLarge {
+        device: String,
+        bytes: u64,
+        max: u64,
+    },
     /// A tensor binding that breaks the device's rules (alignment, binding size, bounds).
     #[error("{device}: cannot bind {what}: {detail}")]
     Binding {
@@ -59,3 +63,25 @@ fn list(found: &[String]) -> String {
 }
 
 pub type Result<T, E = GpuError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::GpuError;
+
+    #[test]
+    fn a_wrong_index_lists_every_adapter_found() {
+        let err = GpuError::AdapterIndex {
+            index: 2,
+            found: vec![
+                "llvmpipe (Vulkan, CPU)".into(),
+                "RTX 3060 (Vulkan, discrete GPU)".into(),
+            ],
+        };
+        let msg = err.to_string();
+        assert!(msg.starts_with("no GPU adapter 2: 2 found"), "{msg}");
+        assert!(
+            msg.contains("gpu:0  llvmpipe") && msg.contains("gpu:1  RTX 3060"),
+            "{msg}"
+        );
+    }
+}

@@ -9,7 +9,7 @@
 //! - [`kernels`]: one WGSL kernel and its launcher per op, named as the op's file in
 //!   `snug-graph`. Launchers record into a caller's command encoder and never read back, so a
 //!   whole step is recorded and submitted once.
-//! - [`error`]: [`GpuError`].
+//! - [`error`]: what can go wrong, as [`GpuError`].
 
 pub mod adapter;
 pub mod device;

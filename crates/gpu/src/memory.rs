@@ -229,7 +229,11 @@ impl Arena {
                 limits.max_storage_buffer_binding_size
             )));
         }
-        if slot.offset.checked_add(slot.bytes).is_none_or(|end| end > chunk.bytes) {
+        if slot
+            .offset
+            .checked_add(slot.bytes)
+            .is_none_or(|end| end > chunk.bytes)
+        {
             return Err(fail(format!("the chunk holds {} bytes", chunk.bytes)));
         }
         Ok(DeviceSlice {

@@ -33,14 +33,12 @@ pub fn upload_in(
     if data.is_empty() {
         return Ok(());
     }
-    let staging = device
-        .wgpu_device()
-        .create_buffer(&wgpu::BufferDescriptor {
-            label: Some("snug staging"),
-            size: data.len() as u64,
-            usage: wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
-            mapped_at_creation: true,
-        });
+    let staging = device.wgpu_device().create_buffer(&wgpu::BufferDescriptor {
+        label: Some("snug staging"),
+        size: data.len() as u64,
+        usage: wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: true,
+    });
     staging
         .get_mapped_range_mut(..)
         .map_err(|e| GpuError::Map {
@@ -49,13 +47,7 @@ pub fn upload_in(
         })?
         .copy_from_slice(data);
     staging.unmap();
-    encoder.copy_buffer_to_buffer(
-        &staging,
-        0,
-        dst.buffer(),
-        dst.offset(),
-        data.len() as u64,
-    );
+    encoder.copy_buffer_to_buffer(&staging, 0, dst.buffer(), dst.offset(), data.len() as u64);
     Ok(())
 }
 
@@ -87,14 +79,12 @@ pub fn download(device: &GpuDevice, src: &DeviceSlice<'_>) -> Result<Vec<u8>> {
         device: device.name().to_string(),
         detail,
     };
-    let readback = device
-        .wgpu_device()
-        .create_buffer(&wgpu::BufferDescriptor {
-            label: Some("snug readback"),
-            size: len,
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
+    let readback = device.wgpu_device().create_buffer(&wgpu::BufferDescriptor {
+        label: Some("snug readback"),
+        size: len,
+        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
     let mut encoder = device.encoder("snug download");
     encoder.copy_buffer_to_buffer(src.buffer(), src.offset(), &readback, 0, len);
     device.submit(encoder)?;

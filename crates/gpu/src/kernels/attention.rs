@@ -226,7 +226,11 @@ pub fn attention_backward<'a>(
             (8, dk),
             (9, dv),
         ],
-        grid: [blocks, u32_of(device, "attention", s.batch * s.kv_heads)?, 1],
+        grid: [
+            blocks,
+            u32_of(device, "attention", s.batch * s.kv_heads)?,
+            1,
+        ],
     }
     .record(device, encoder)
 }

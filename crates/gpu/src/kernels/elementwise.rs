@@ -95,7 +95,11 @@ pub fn binary(
         .u(c_shape.len() as u32)
         .f(0.0)
         .u(0);
-    for v in [vec8(device, c_shape)?, vec8(device, &sa)?, vec8(device, &sb)?] {
+    for v in [
+        vec8(device, c_shape)?,
+        vec8(device, &sa)?,
+        vec8(device, &sb)?,
+    ] {
         params = v.into_iter().fold(params, Params::u);
     }
     Dispatch {
@@ -124,7 +128,10 @@ pub fn scale(
         source: SOURCE,
         entry: "scale",
         constants: "const OP: u32 = 0u;\nconst SAME: bool = true;".into(),
-        params: Params::new().u(u32_of(device, "elementwise", n)?).u(0).f(factor),
+        params: Params::new()
+            .u(u32_of(device, "elementwise", n)?)
+            .u(0)
+            .f(factor),
         tensors: vec![(1, x), (3, y)],
         grid: grid_items(device, n),
     }
@@ -139,7 +146,10 @@ mod tests {
     fn strides_follow_numpy_broadcasting() {
         assert_eq!(broadcast_strides(&[2, 3], &[2, 3]), Some(vec![3, 1]));
         assert_eq!(broadcast_strides(&[3], &[2, 3]), Some(vec![0, 1]));
-        assert_eq!(broadcast_strides(&[2, 1, 4], &[2, 3, 4]), Some(vec![4, 0, 1]));
+        assert_eq!(
+            broadcast_strides(&[2, 1, 4], &[2, 3, 4]),
+            Some(vec![4, 0, 1])
+        );
         assert_eq!(broadcast_strides(&[1], &[5, 7]), Some(vec![0, 0]));
         assert_eq!(broadcast_strides(&[2], &[2, 3]), None);
     }

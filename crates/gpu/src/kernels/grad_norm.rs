@@ -118,7 +118,13 @@ pub fn grad_norm<'a>(
             entry: "grad_norm_accumulate",
             constants: constants.clone(),
             params: params(group.len(), i == 0),
-            tensors: vec![(4, acc), (5, slot(0)), (6, slot(1)), (7, slot(2)), (8, slot(3))],
+            tensors: vec![
+                (4, acc),
+                (5, slot(0)),
+                (6, slot(1)),
+                (7, slot(2)),
+                (8, slot(3)),
+            ],
             grid: [1, 1, 1],
         }
         .record(device, encoder)?;
@@ -128,7 +134,12 @@ pub fn grad_norm<'a>(
         entry: "grad_norm_finish",
         constants,
         params: params(0, false),
-        tensors: vec![(4, acc), (9, loss_scale.unwrap_or(acc)), (10, coef), (11, norm)],
+        tensors: vec![
+            (4, acc),
+            (9, loss_scale.unwrap_or(acc)),
+            (10, coef),
+            (11, norm),
+        ],
         grid: [1, 1, 1],
     }
     .record(device, encoder)

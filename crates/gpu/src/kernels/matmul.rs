@@ -74,11 +74,7 @@ pub fn matmul(
             .u(u(g.m * g.n)?),
         // Without a bias, `c` fills its binding: the kernel never reads it.
         tensors: vec![(1, a), (2, b), (3, c), (4, bias.unwrap_or(c))],
-        grid: [
-            u(g.n.div_ceil(TILE))?,
-            u(g.m.div_ceil(TILE))?,
-            u(g.batch)?,
-        ],
+        grid: [u(g.n.div_ceil(TILE))?, u(g.m.div_ceil(TILE))?, u(g.batch)?],
     }
     .record(device, encoder)
 }

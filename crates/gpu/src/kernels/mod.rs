@@ -86,7 +86,10 @@ impl Dispatch<'_> {
             return Err(unsupported(
                 device,
                 self.source.file,
-                format!("a grid of {:?} workgroups (at most {max} a side)", self.grid),
+                format!(
+                    "a grid of {:?} workgroups (at most {max} a side)",
+                    self.grid
+                ),
             ));
         }
         for (_, t) in &self.tensors {

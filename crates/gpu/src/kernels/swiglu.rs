@@ -24,7 +24,11 @@ pub fn swiglu(
         encoder,
         (SOURCE, "swiglu", String::new()),
         n,
-        vec![("swiglu gate", 1, gate), ("swiglu up", 2, up), ("swiglu y", 3, y)],
+        vec![
+            ("swiglu gate", 1, gate),
+            ("swiglu up", 2, up),
+            ("swiglu y", 3, y),
+        ],
     )
 }
 

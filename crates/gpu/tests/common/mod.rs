@@ -91,10 +91,7 @@ impl Tensors {
     }
 
     /// Records with `f` into a fresh encoder, submits and waits.
-    pub fn run(
-        &self,
-        f: impl FnOnce(&mut wgpu::CommandEncoder, &Tensors) -> snug_gpu::Result<()>,
-    ) {
+    pub fn run(&self, f: impl FnOnce(&mut wgpu::CommandEncoder, &Tensors) -> snug_gpu::Result<()>) {
         let mut encoder = self.device.encoder("test");
         f(&mut encoder, self).expect("the launch records");
         self.device.submit(encoder).expect("submit");

@@ -5,6 +5,8 @@ use snug_gpu::kernels::attention::{
     attention_backward, attention_forward, AttentionLayout, AttentionShape,
 };
 
+use snug_gpu::GpuDevice;
+
 use crate::common::{assert_close, gpu, uniform, Init, Tensors};
 
 /// Reads row `i`, head `h` of a tensor laid out by `(stride, offset)`.
@@ -44,7 +46,11 @@ fn reference(
     let c = hh * d;
     let group = hh / s.kv_heads;
     let scale = 1.0 / (d as f64).sqrt();
-    let (ql, kl, vl) = ((l.q.stride, l.q.offset), (l.k.stride, l.k.offset), (l.v.stride, l.v.offset));
+    let (ql, kl, vl) = (
+        (l.q.stride, l.q.offset),
+        (l.k.stride, l.k.offset),
+        (l.v.stride, l.v.offset),
+    );
     let mut g = Grads {
         y: vec![0.0; s.batch * t * c],
         y_mag: vec![0.0; s.batch * t * c],
@@ -85,7 +91,11 @@ fn reference(
                     let vj = head(v, vl, b * t + j, kh, d);
                     let dp = dot(&dyi, &vj);
                     let ds = p[j] * (dp - di);
-                    let ds_mag = p[j] * (dot(&dyi.iter().map(|x| x.abs()).collect::<Vec<_>>(), &vj.iter().map(|x| x.abs()).collect::<Vec<_>>()) + di.abs());
+                    let ds_mag = p[j]
+                        * (dot(
+                            &dyi.iter().map(|x| x.abs()).collect::<Vec<_>>(),
+                            &vj.iter().map(|x| x.abs()).collect::<Vec<_>>(),
+                        ) + di.abs());
                     let (qb, kb, vb) = (
                         (b * t + i) * ql.0 + ql.1 + h * d,
                         (b * t + j) * kl.0 + kl.1 + kh * d,
@@ -106,8 +116,7 @@ fn reference(
     g
 }
 
-fn check(s: AttentionShape, packed: bool, seed: u64) {
-    let Some(device) = gpu() else { return };
+fn check(device: &'static GpuDevice, s: AttentionShape, packed: bool, seed: u64) {
     let l = if packed {
         AttentionLayout::packed(&s)
     } else {
@@ -166,26 +175,63 @@ fn check(s: AttentionShape, packed: bool, seed: u64) {
     // Sums over at most T·D products: relative to their terms' magnitudes, like the GEMM.
     assert_close(&format!("{what} y"), &t.read(rest), &r.y, 1e-5, &r.y_mag);
     let lse_mag: Vec<f64> = r.lse.iter().map(|x| x.abs() + 1.0).collect();
-    assert_close(&format!("{what} lse"), &t.read(rest + 1), &r.lse, 1e-5, &lse_mag);
+    assert_close(
+        &format!("{what} lse"),
+        &t.read(rest + 1),
+        &r.lse,
+        1e-5,
+        &lse_mag,
+    );
     if packed {
         // dq, dk and dv fill disjoint columns of the one dqkv.
         let sum = |a: &[f64], b: &[f64], c: &[f64]| -> Vec<f64> {
-            a.iter().zip(b).zip(c).map(|((x, y), z)| x + y + z).collect()
+            a.iter()
+                .zip(b)
+                .zip(c)
+                .map(|((x, y), z)| x + y + z)
+                .collect()
         };
         let want = sum(&r.dq, &r.dk, &r.dv);
         let mag = sum(&r.dq_mag, &r.dk_mag, &r.dv_mag);
-        assert_close(&format!("{what} dqkv"), &t.read(grads_at), &want, 1e-5, &mag);
+        assert_close(
+            &format!("{what} dqkv"),
+            &t.read(grads_at),
+            &want,
+            1e-5,
+            &mag,
+        );
     } else {
-        assert_close(&format!("{what} dq"), &t.read(grads_at), &r.dq, 1e-5, &r.dq_mag);
-        assert_close(&format!("{what} dk"), &t.read(grads_at + 1), &r.dk, 1e-5, &r.dk_mag);
-        assert_close(&format!("{what} dv"), &t.read(grads_at + 2), &r.dv, 1e-5, &r.dv_mag);
+        assert_close(
+            &format!("{what} dq"),
+            &t.read(grads_at),
+            &r.dq,
+            1e-5,
+            &r.dq_mag,
+        );
+        assert_close(
+            &format!("{what} dk"),
+            &t.read(grads_at + 1),
+            &r.dk,
+            1e-5,
+            &r.dk_mag,
+        );
+        assert_close(
+            &format!("{what} dv"),
+            &t.read(grads_at + 2),
+            &r.dv,
+            1e-5,
+            &r.dv_mag,
+        );
     }
 }
 
 #[test]
 fn packed_causal_attention_across_tile_edges() {
+    let Some(device) = gpu() else { return };
     for (i, (batch, seq, heads, head_dim)) in
-        [(1, 1, 1, 1), (2, 17, 2, 8), (1, 65, 1, 64), (1, 130, 2, 16)].into_iter().enumerate()
+        [(1, 1, 1, 1), (2, 17, 2, 8), (1, 65, 1, 64), (1, 130, 2, 16)]
+            .into_iter()
+            .enumerate()
     {
         let s = AttentionShape {
             batch,
@@ -194,12 +240,13 @@ fn packed_causal_attention_across_tile_edges() {
             kv_heads: heads,
             head_dim,
         };
-        check(s, true, 500 + 10 * i as u64);
+        check(device, s, true, 500 + 10 * i as u64);
     }
 }
 
 #[test]
 fn grouped_query_attention_sums_kv_gradients_over_the_group() {
+    let Some(device) = gpu() else { return };
     for (i, (heads, kv_heads)) in [(4, 2), (3, 1), (2, 2)].into_iter().enumerate() {
         let s = AttentionShape {
             batch: 2,
@@ -208,6 +255,6 @@ fn grouped_query_attention_sums_kv_gradients_over_the_group() {
             kv_heads,
             head_dim: 8,
         };
-        check(s, false, 600 + 10 * i as u64);
+        check(device, s, false, 600 + 10 * i as u64);
     }
 }

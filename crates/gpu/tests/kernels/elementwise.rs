@@ -39,7 +39,12 @@ fn every_kind_with_and_without_broadcasting() {
         (&[2, 1, 7], &[3, 1], &[2, 3, 7]),
     ];
     for (ci, (sa, sb, sc)) in cases.into_iter().enumerate() {
-        for kind in [BinaryKind::Add, BinaryKind::Sub, BinaryKind::Mul, BinaryKind::Div] {
+        for kind in [
+            BinaryKind::Add,
+            BinaryKind::Sub,
+            BinaryKind::Mul,
+            BinaryKind::Div,
+        ] {
             let na: usize = sa.iter().product();
             let nb: usize = sb.iter().product();
             let nc: usize = sc.iter().product();
@@ -50,7 +55,16 @@ fn every_kind_with_and_without_broadcasting() {
                 device,
                 &[Init::F32(a.clone()), Init::F32(b.clone()), Init::Out(nc)],
             );
-            t.run(|e, t| binary(device, e, kind, (t.get(0), sa), (t.get(1), sb), (t.get(2), sc)));
+            t.run(|e, t| {
+                binary(
+                    device,
+                    e,
+                    kind,
+                    (t.get(0), sa),
+                    (t.get(1), sb),
+                    (t.get(2), sc),
+                )
+            });
             let want: Vec<f64> = (0..nc)
                 .map(|i| {
                     let x = f64::from(a[source_index(i, sa, sc)]);
@@ -65,7 +79,13 @@ fn every_kind_with_and_without_broadcasting() {
                         + f64::from(b[source_index(i, sb, sc)]).abs()
                 })
                 .collect();
-            assert_close(&format!("{kind:?} {sa:?} {sb:?}"), &t.read(2), &want, 1e-6, &mag);
+            assert_close(
+                &format!("{kind:?} {sa:?} {sb:?}"),
+                &t.read(2),
+                &want,
+                1e-6,
+                &mag,
+            );
         }
     }
 }
@@ -114,5 +134,8 @@ fn shapes_that_do_not_broadcast_are_refused() {
         (t.get(2), &[2, 3]),
     )
     .unwrap_err();
-    assert!(matches!(err, snug_gpu::GpuError::Unsupported { .. }), "{err}");
+    assert!(
+        matches!(err, snug_gpu::GpuError::Unsupported { .. }),
+        "{err}"
+    );
 }

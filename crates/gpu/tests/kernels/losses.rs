@@ -8,7 +8,10 @@ use crate::common::{assert_close, gpu, ids, uniform, Init, Tensors};
 #[test]
 fn cross_entropy_loss_and_gradient() {
     let Some(device) = gpu() else { return };
-    for (k, (n, v)) in [(1, 1), (3, 17), (17, 300), (65, 65)].into_iter().enumerate() {
+    for (k, (n, v)) in [(1, 1), (3, 17), (17, 300), (65, 65)]
+        .into_iter()
+        .enumerate()
+    {
         let seed = 300 + 10 * k as u64;
         let logits = uniform(seed, n * v, -4.0, 4.0);
         let mut targets = ids(seed + 1, n, v as i32);
@@ -28,18 +31,15 @@ fn cross_entropy_loss_and_gradient() {
         );
         t.run(|e, t| {
             cross_entropy(device, e, (n, v), [t.get(0), t.get(1)], t.get(3), t.get(4))?;
-            cross_entropy_backward(
-                device,
-                e,
-                (n, v),
-                [t.get(0), t.get(1), t.get(2)],
-                t.get(5),
-            )
+            cross_entropy_backward(device, e, (n, v), [t.get(0), t.get(1), t.get(2)], t.get(5))
         });
         let (mut total, mut mag) = (0.0, 0.0);
         let mut grad = Vec::new();
         for r in 0..n {
-            let row: Vec<f64> = logits[r * v..(r + 1) * v].iter().map(|&x| f64::from(x)).collect();
+            let row: Vec<f64> = logits[r * v..(r + 1) * v]
+                .iter()
+                .map(|&x| f64::from(x))
+                .collect();
             let mx = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let sum: f64 = row.iter().map(|x| (x - mx).exp()).sum();
             let tgt = targets[r].clamp(0, v as i32 - 1) as usize;
@@ -60,14 +60,22 @@ fn cross_entropy_loss_and_gradient() {
         );
         // Each gradient element is p·g (− g at the target): relative to g.
         let g_mag = vec![f64::from(dloss) / n as f64; n * v];
-        assert_close(&format!("dlogits [{n}, {v}]"), &t.read(5), &grad, 1e-5, &g_mag);
+        assert_close(
+            &format!("dlogits [{n}, {v}]"),
+            &t.read(5),
+            &grad,
+            1e-5,
+            &g_mag,
+        );
     }
 }
 
 #[test]
 fn embedding_gathers_rows_and_scatters_gradients_deterministically() {
     let Some(device) = gpu() else { return };
-    for (k, (tokens, vocab, c)) in [(1, 1, 1), (17, 5, 17), (130, 65, 33)].into_iter().enumerate()
+    for (k, (tokens, vocab, c)) in [(1, 1, 1), (17, 5, 17), (130, 65, 33)]
+        .into_iter()
+        .enumerate()
     {
         let seed = 400 + 10 * k as u64;
         let table = uniform(seed, vocab * c, -1.0, 1.0);
@@ -89,8 +97,20 @@ fn embedding_gathers_rows_and_scatters_gradients_deterministically() {
             ],
         );
         t.run(|e, t| {
-            embedding(device, e, (tokens, vocab, c), [t.get(0), t.get(1)], t.get(3))?;
-            embedding_backward(device, e, (tokens, vocab, c), [t.get(1), t.get(2)], t.get(4))
+            embedding(
+                device,
+                e,
+                (tokens, vocab, c),
+                [t.get(0), t.get(1)],
+                t.get(3),
+            )?;
+            embedding_backward(
+                device,
+                e,
+                (tokens, vocab, c),
+                [t.get(1), t.get(2)],
+                t.get(4),
+            )
         });
         let mut y = vec![0.0; tokens * c];
         // Summed in token order in f32, as both backends do: the same bits.
@@ -105,6 +125,12 @@ fn embedding_gathers_rows_and_scatters_gradients_deterministically() {
         }
         assert_close(&format!("embedding {tokens}"), &t.read(3), &y, 0.0, &[]);
         let dt: Vec<f64> = dt.iter().map(|&v| f64::from(v)).collect();
-        assert_close(&format!("embedding grad {tokens}"), &t.read(4), &dt, 0.0, &[]);
+        assert_close(
+            &format!("embedding grad {tokens}"),
+            &t.read(4),
+            &dt,
+            0.0,
+            &[],
+        );
     }
 }

@@ -1,4 +1,5 @@
 use snug_gpu::kernels::matmul::{matmul, Gemm};
+use snug_gpu::GpuDevice;
 
 use crate::common::{assert_close, gpu, uniform, Init, Tensors};
 
@@ -30,8 +31,7 @@ fn reference(g: Gemm, a: &[f32], b: &[f32], bias: Option<&[f32]>) -> (Vec<f64>, 
     (c, mag)
 }
 
-fn check(g: Gemm, with_bias: bool, seed: u64) {
-    let Some(device) = gpu() else { return };
+fn check(device: &'static GpuDevice, g: Gemm, with_bias: bool, seed: u64) {
     let b_count = if g.shared_b { 1 } else { g.batch };
     let a = uniform(seed, g.batch * g.m * g.k, -1.0, 1.0);
     let b = uniform(seed + 1, b_count * g.k * g.n, -1.0, 1.0);
@@ -51,14 +51,27 @@ fn check(g: Gemm, with_bias: bool, seed: u64) {
     });
     let (want, mag) = reference(g, &a, &b, with_bias.then_some(&bias[..]));
     // f32 sums of k ≤ 130 products: error below k·2⁻²⁴ ≈ 8e-6 of the terms' magnitudes.
-    assert_close(&format!("{g:?} bias={with_bias}"), &t.read(3), &want, 1e-5, &mag);
+    assert_close(
+        &format!("{g:?} bias={with_bias}"),
+        &t.read(3),
+        &want,
+        1e-5,
+        &mag,
+    );
 }
 
 #[test]
 fn every_layout_and_size_across_tile_edges() {
+    let Some(device) = gpu() else { return };
     let mut seed = 0;
     for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
-        for (m, n, k) in [(1, 1, 1), (17, 17, 17), (65, 65, 65), (130, 65, 17), (17, 130, 65)] {
+        for (m, n, k) in [
+            (1, 1, 1),
+            (17, 17, 17),
+            (65, 65, 65),
+            (130, 65, 17),
+            (17, 130, 65),
+        ] {
             for bias in [false, true] {
                 seed += 3;
                 let g = Gemm {
@@ -70,7 +83,7 @@ fn every_layout_and_size_across_tile_edges() {
                     tb,
                     shared_b: false,
                 };
-                check(g, bias, seed);
+                check(device, g, bias, seed);
             }
         }
     }
@@ -78,7 +91,12 @@ fn every_layout_and_size_across_tile_edges() {
 
 #[test]
 fn batches_with_their_own_or_a_shared_right_operand() {
-    for (shared_b, ta, tb) in [(false, false, false), (false, true, true), (true, false, true)] {
+    let Some(device) = gpu() else { return };
+    for (shared_b, ta, tb) in [
+        (false, false, false),
+        (false, true, true),
+        (true, false, true),
+    ] {
         let g = Gemm {
             batch: 3,
             m: 33,
@@ -88,7 +106,7 @@ fn batches_with_their_own_or_a_shared_right_operand() {
             tb,
             shared_b,
         };
-        check(g, shared_b, 7);
+        check(device, g, shared_b, 7);
     }
 }
 
@@ -107,8 +125,5 @@ fn a_short_operand_is_a_binding_error() {
     };
     let mut e = device.encoder("short");
     let err = matmul(device, &mut e, g, t.get(0), t.get(1), None, t.get(2)).unwrap_err();
-    assert!(
-        matches!(err, snug_gpu::GpuError::Binding { .. }),
-        "{err}"
-    );
+    assert!(matches!(err, snug_gpu::GpuError::Binding { .. }), "{err}");
 }

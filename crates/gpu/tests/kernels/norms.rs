@@ -53,7 +53,8 @@ fn ln_ref(rows: usize, c: usize, x: &[f32], w: &[f32], b: &[f32], dy: &[f32]) ->
         for j in 0..c {
             r.y.push(xhat[j] * f(w[j]) + f(b[j]));
             r.dx.push(s * (g[j] - mg - xhat[j] * mgx));
-            r.dx_mag.push(s * (g[j].abs() + mag_g + xhat[j].abs() * mag_gx));
+            r.dx_mag
+                .push(s * (g[j].abs() + mag_g + xhat[j].abs() * mag_gx));
             r.dw[j] += f(dyr[j]) * xhat[j];
             r.db[j] += f(dyr[j]);
             r.dw_mag[j] += (f(dyr[j]) * xhat[j]).abs();
@@ -113,7 +114,13 @@ fn layer_norm_forward_and_backward() {
             .collect();
         assert_close(&what("y"), &t.read(4), &r.y, 1e-5, &y_mag);
         let mean_mag: Vec<f64> = (0..rows)
-            .map(|i| x[i * c..(i + 1) * c].iter().map(|v| f64::from(v.abs())).sum::<f64>() / c as f64)
+            .map(|i| {
+                x[i * c..(i + 1) * c]
+                    .iter()
+                    .map(|v| f64::from(v.abs()))
+                    .sum::<f64>()
+                    / c as f64
+            })
             .collect();
         assert_close(&what("mean"), &t.read(5), &r.mean, 1e-5, &mean_mag);
         assert_close(&what("rstd"), &t.read(6), &r.rstd, 1e-5, &[]);
@@ -211,8 +218,13 @@ fn rms_norm_forward_and_backward() {
             let ms = xr.iter().map(|&v| f(v) * f(v)).sum::<f64>() / c as f64;
             let s = 1.0 / (ms + f64::from(EPS)).sqrt();
             rstd.push(s);
-            let mgx = (0..c).map(|j| f(dyr[j]) * f(w[j]) * f(xr[j]) * s).sum::<f64>() / c as f64;
-            let mag = (0..c).map(|j| (f(dyr[j]) * f(w[j]) * f(xr[j]) * s).abs()).sum::<f64>()
+            let mgx = (0..c)
+                .map(|j| f(dyr[j]) * f(w[j]) * f(xr[j]) * s)
+                .sum::<f64>()
+                / c as f64;
+            let mag = (0..c)
+                .map(|j| (f(dyr[j]) * f(w[j]) * f(xr[j]) * s).abs())
+                .sum::<f64>()
                 / c as f64;
             for j in 0..c {
                 let xhat = f(xr[j]) * s;

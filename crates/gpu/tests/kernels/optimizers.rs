@@ -36,7 +36,14 @@ fn adamw_updates_param_and_moments_and_skips_on_overflow() {
         );
         t.run(|e, t| {
             let sc = scale.map(|_| t.get(4));
-            adamw(device, e, s, N, [t.get(0), t.get(1), t.get(2), t.get(3)], sc)
+            adamw(
+                device,
+                e,
+                s,
+                N,
+                [t.get(0), t.get(1), t.get(2), t.get(3)],
+                sc,
+            )
         });
         let f = |x: f32| f64::from(x);
         let skip = scale.is_some_and(|x| !x.is_finite());
@@ -86,7 +93,16 @@ fn sgd_updates_the_param_and_skips_on_overflow() {
             ],
         );
         let (lr, wd) = (0.05f32, 0.01f32);
-        t.run(|e, t| sgd(device, e, (lr, wd), N, [t.get(0), t.get(1)], scale.map(|_| t.get(2))));
+        t.run(|e, t| {
+            sgd(
+                device,
+                e,
+                (lr, wd),
+                N,
+                [t.get(0), t.get(1)],
+                scale.map(|_| t.get(2)),
+            )
+        });
         let skip = scale.is_some_and(|x| !x.is_finite());
         let f = |x: f32| f64::from(x);
         let want: Vec<f64> = (0..N)
@@ -98,7 +114,9 @@ fn sgd_updates_the_param_and_skips_on_overflow() {
                 }
             })
             .collect();
-        let mag: Vec<f64> = (0..N).map(|i| f(p[i]).abs() + f(lr) * f(g[i]).abs()).collect();
+        let mag: Vec<f64> = (0..N)
+            .map(|i| f(p[i]).abs() + f(lr) * f(g[i]).abs())
+            .collect();
         assert_close(&format!("sgd {scale:?}"), &t.read(0), &want, 1e-5, &mag);
     }
 }
@@ -160,7 +178,10 @@ fn grad_norm_clips_and_unscales() {
             assert_close(&what, &[got_norm], &[norm], 1e-6, &[]);
             assert_close(&what, &[coef], &[sc * clip], 1e-6, &[]);
         } else {
-            assert!(got_norm.is_infinite() && coef.is_nan(), "{what}: {got_norm} {coef}");
+            assert!(
+                got_norm.is_infinite() && coef.is_nan(),
+                "{what}: {got_norm} {coef}"
+            );
         }
     }
 }

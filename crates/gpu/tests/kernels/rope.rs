@@ -51,11 +51,21 @@ fn rotations_forward_and_inverse_at_short_and_long_positions() {
         let mag: Vec<f64> = (0..n)
             .map(|k| {
                 let i = k % head_dim;
-                let (a, bb) = if i < half { (k, k + half) } else { (k - half, k) };
+                let (a, bb) = if i < half {
+                    (k, k + half)
+                } else {
+                    (k - half, k)
+                };
                 f64::from(x[a]).abs() + f64::from(x[bb]).abs()
             })
             .collect();
-        assert_close(&format!("rope {b}×{t}×{n_head}×{head_dim}"), &t_.read(1), &want, 1e-5, &mag);
+        assert_close(
+            &format!("rope {b}×{t}×{n_head}×{head_dim}"),
+            &t_.read(1),
+            &want,
+            1e-5,
+            &mag,
+        );
     }
 }
 
