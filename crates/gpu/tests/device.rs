@@ -134,7 +134,13 @@ fn uploads_and_downloads_round_trip_at_offsets_in_two_chunks() {
 
 #[test]
 fn a_launch_error_is_reported_at_submit_not_panicked() {
-    let Some(device) = gpu() else { return };
+    if gpu().is_none() {
+        return;
+    }
+    // A device of its own: wgpu reports such errors to the device, where a test running beside
+    // this one on the shared device could take it.
+    let own = GpuDevice::open(Selector::FirstGpu).expect("a second device");
+    let device = &own;
     let source = MemorySource::new(device);
     let a = source.allocate(16).expect("a buffer");
     let b = source.allocate(16).expect("a buffer");
