@@ -1,0 +1,261 @@
+//! An opened adapter: its device and queue, the compiled pipelines, and the errors wgpu reports
+//! asynchronously (device loss, validation), turned into [`GpuError`]s at the next check.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use crate::adapter::{self, AdapterInfo, Selector};
+use crate::error::{GpuError, Result};
+
+/// A pipeline is one entry point of one WGSL file, specialised by constants prepended to it,
+/// with its storage bindings' numbers.
+type PipelineKey = (&'static str, &'static str, String, Vec<u32>);
+
+/// A compiled kernel and the layout its bind groups follow.
+pub(crate) struct Pipeline {
+    pub pipeline: wgpu::ComputePipeline,
+    pub layout: wgpu::BindGroupLayout,
+}
+
+/// What wgpu reported outside any error scope, kept until the next [`GpuDevice::check`].
+#[derive(Default)]
+struct Reported {
+    lost: Option<String>,
+    errors: Vec<String>,
+}
+
+struct Inner {
+    info: AdapterInfo,
+    limits: wgpu::Limits,
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    pipelines: Mutex<HashMap<PipelineKey, Arc<Pipeline>>>,
+    reported: Arc<Mutex<Reported>>,
+}
+
+/// An opened GPU. Cheap to clone: clones share the device, its queue and its pipelines.
+#[derive(Clone)]
+pub struct GpuDevice {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for GpuDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuDevice")
+            .field("adapter", &self.inner.info.label())
+            .finish()
+    }
+}
+
+impl GpuDevice {
+    /// Opens the adapter `selector` names, with the adapter's own limits (not WebGPU's
+    /// defaults: the arena wants the largest buffers the device allows).
+    pub fn open(selector: Selector) -> Result<GpuDevice> {
+        let instance = adapter::instance();
+        let (adapter, info) = adapter::select(adapter::enumerate(&instance), selector)?;
+        let limits = adapter.limits();
+        let desc = wgpu::DeviceDescriptor {
+            label: Some("snug"),
+            required_features: wgpu::Features::empty(),
+            required_limits: limits.clone(),
+            experimental_features: wgpu::ExperimentalFeatures::disabled(),
+            memory_hints: wgpu::MemoryHints::Performance,
+            trace: wgpu::Trace::Off,
+        };
+        let (device, queue) = pollster::block_on(adapter.request_device(&desc)).map_err(|e| {
+            GpuError::RequestDevice {
+                device: info.name.clone(),
+                reason: e.to_string(),
+            }
+        })?;
+        let reported = Arc::new(Mutex::new(Reported::default()));
+        let sink = Arc::clone(&reported);
+        device.set_device_lost_callback(move |reason, message| {
+            if let Ok(mut r) = sink.lock() {
+                r.lost = Some(format!("{reason:?}: {message}"));
+            }
+        });
+        // wgpu panics on an uncaptured error by default; a library reports it instead.
+        let sink = Arc::clone(&reported);
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            if let Ok(mut r) = sink.lock() {
+                r.errors.push(e.to_string());
+            }
+        }));
+        Ok(GpuDevice {
+            inner: Arc::new(Inner {
+                info,
+                limits,
+                device,
+                queue,
+                pipelines: Mutex::new(HashMap::new()),
+                reported,
+            }),
+        })
+    }
+
+    pub fn info(&self) -> &AdapterInfo {
+        &self.inner.info
+    }
+
+    /// The adapter's name, as errors name the device.
+    pub fn name(&self) -> &str {
+        &self.inner.info.name
+    }
+
+    pub fn limits(&self) -> &wgpu::Limits {
+        &self.inner.limits
+    }
+
+    pub fn wgpu_device(&self) -> &wgpu::Device {
+        &self.inner.device
+    }
+
+    pub fn queue(&self) -> &wgpu::Queue {
+        &self.inner.queue
+    }
+
+    /// A fresh encoder to record a step (or part of one) into.
+    pub fn encoder(&self, label: &str) -> wgpu::CommandEncoder {
+        self.inner
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(label) })
+    }
+
+    /// Submits what `encoder` recorded, without waiting for it.
+    pub fn submit(&self, encoder: wgpu::CommandEncoder) -> Result<wgpu::SubmissionIndex> {
+        self.check()?;
+        let index = self.inner.queue.submit([encoder.finish()]);
+        self.check()?;
+        Ok(index)
+    }
+
+    /// Blocks until everything submitted so far has run, then reports any error since.
+    pub fn wait(&self) -> Result<()> {
+        let polled = self.inner.device.poll(wgpu::PollType::wait_indefinitely());
+        self.check()?;
+        polled.map(|_| ()).map_err(|e| GpuError::DeviceLost {
+            device: self.name().to_string(),
+            reason: e.to_string(),
+        })
+    }
+
+    /// The device's loss, or the first error wgpu reported outside a scope since the last
+    /// check (taking it).
+    pub fn check(&self) -> Result<()> {
+        let device = self.name().to_string();
+        let Ok(mut r) = self.inner.reported.lock() else {
+            return Err(GpuError::Backend {
+                device,
+                detail: "the error sink was poisoned".into(),
+            });
+        };
+        if let Some(reason) = &r.lost {
+            return Err(GpuError::DeviceLost {
+                device,
+                reason: reason.clone(),
+            });
+        }
+        if r.errors.is_empty() {
+            return Ok(());
+        }
+        let errors = std::mem::take(&mut r.errors);
+        let detail = errors.join("; ");
+        // A device lost mid-run surfaces as errors naming it before the callback runs.
+        if detail.contains("Device is lost") || detail.contains("device lost") {
+            return Err(GpuError::DeviceLost {
+                device,
+                reason: detail,
+            });
+        }
+        Err(GpuError::Backend { device, detail })
+    }
+
+    /// Runs `f` inside an error scope for `filter` and returns wgpu's error, if any.
+    pub(crate) fn scoped<T>(
+        &self,
+        filter: wgpu::ErrorFilter,
+        f: impl FnOnce() -> T,
+    ) -> (T, Option<wgpu::Error>) {
+        let scope = self.inner.device.push_error_scope(filter);
+        let out = f();
+        (out, pollster::block_on(scope.pop()))
+    }
+
+    /// The compiled pipeline for `entry` of `source` with `constants` (WGSL `const`
+    /// declarations) prepended to the shared prelude and the file. Its layout is explicit:
+    /// binding 0 the uniform arguments, `storage` the tensors (all `read_write`), so a
+    /// specialisation that leaves a binding unused still takes the same bind group.
+    pub(crate) fn pipeline(
+        &self,
+        file: &'static str,
+        source: &'static str,
+        entry: &'static str,
+        constants: String,
+        storage: Vec<u32>,
+    ) -> Result<Arc<Pipeline>> {
+        let key = (file, entry, constants, storage);
+        let cached = self
+            .inner
+            .pipelines
+            .lock()
+            .ok()
+            .and_then(|p| p.get(&key).cloned());
+        if let Some(p) = cached {
+            return Ok(p);
+        }
+        let code = format!("{}\n{}\n{}", key.2, crate::kernels::PRELUDE, source);
+        let device = &self.inner.device;
+        let entry_of = |binding: u32, ty: wgpu::BufferBindingType| wgpu::BindGroupLayoutEntry {
+            binding,
+            visibility: wgpu::ShaderStages::COMPUTE,
+            ty: wgpu::BindingType::Buffer {
+                ty,
+                has_dynamic_offset: false,
+                min_binding_size: None,
+            },
+            count: None,
+        };
+        let mut entries = vec![entry_of(0, wgpu::BufferBindingType::Uniform)];
+        entries.extend(
+            key.3
+                .iter()
+                .map(|&b| entry_of(b, wgpu::BufferBindingType::Storage { read_only: false })),
+        );
+        let (built, error) = self.scoped(wgpu::ErrorFilter::Validation, || {
+            let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some(file),
+                source: wgpu::ShaderSource::Wgsl(code.into()),
+            });
+            let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                label: Some(entry),
+                entries: &entries,
+            });
+            let pipeline_layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                label: Some(entry),
+                bind_group_layouts: &[Some(&layout)],
+                immediate_size: 0,
+            });
+            let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(entry),
+                layout: Some(&pipeline_layout),
+                module: &module,
+                entry_point: Some(entry),
+                compilation_options: Default::default(),
+                cache: None,
+            });
+            Pipeline { pipeline, layout }
+        });
+        if let Some(e) = error {
+            return Err(GpuError::Backend {
+                device: self.name().to_string(),
+                detail: format!("compiling {file}:{entry}: {e}"),
+            });
+        }
+        let built = Arc::new(built);
+        if let Ok(mut p) = self.inner.pipelines.lock() {
+            p.insert(key, Arc::clone(&built));
+        }
+        Ok(built)
+    }
+}

@@ -1,0 +1,101 @@
+//! `snug-graph`'s `Rope`: rotary position embedding of `x [B, T, n_head · head_dim]`, forward
+//! or inverse (which is also the forward's gradient).
+
+use super::{grid_items, need, u32_of, unsupported, Dispatch, Params, Source};
+use crate::device::GpuDevice;
+use crate::error::Result;
+use crate::memory::DeviceSlice;
+
+const SOURCE: Source = Source {
+    file: "rope.wgsl",
+    code: include_str!("rope.wgsl"),
+};
+
+/// Frequencies the kernel's argument block holds: heads up to 256 wide.
+const MAX_HALF: usize = 128;
+
+/// The rotation: heads, head width (even), frequency base, direction.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeSpec {
+    pub n_head: usize,
+    pub head_dim: usize,
+    pub theta: f32,
+    pub inverse: bool,
+}
+
+/// `f_i / 2π` as a 64-bit fraction of a turn `(hi, lo)`, `f_i = θ^(−2i/D)` in f64 as the CPU
+/// backend computes it.
+fn turn_words(theta: f32, head_dim: usize, i: usize) -> (u32, u32) {
+    let inv_freq = f64::from(theta).powf(-((2 * i) as f64) / head_dim as f64);
+    let turns = inv_freq / std::f64::consts::TAU;
+    let scaled = turns * 4_294_967_296.0;
+    let hi = scaled.floor();
+    let lo = ((scaled - hi) * 4_294_967_296.0).floor();
+    (hi as u32, lo as u32)
+}
+
+/// Records `y = rope(x)` for `x [b, t, n_head · head_dim]`; `y` may be `x`'s range.
+pub fn rope<'a>(
+    device: &GpuDevice,
+    encoder: &mut wgpu::CommandEncoder,
+    spec: RopeSpec,
+    (b, t): (usize, usize),
+    x: DeviceSlice<'a>,
+    y: DeviceSlice<'a>,
+) -> Result<()> {
+    let kernel = "rope";
+    let half = spec.head_dim / 2;
+    if spec.head_dim == 0 || !spec.head_dim.is_multiple_of(2) || half > MAX_HALF {
+        return Err(unsupported(
+            device,
+            kernel,
+            format!(
+                "head_dim {} (even, at most {})",
+                spec.head_dim,
+                2 * MAX_HALF
+            ),
+        ));
+    }
+    let n = b * t * spec.n_head * spec.head_dim;
+    need(device, "rope x", &x, n)?;
+    need(device, "rope y", &y, n)?;
+    let u = |v| u32_of(device, kernel, v);
+    let mut params = Params::new()
+        .u(u(b * t)?)
+        .u(u(t)?)
+        .u(u(spec.n_head)?)
+        .u(u(half)?)
+        .f(if spec.inverse { -1.0 } else { 1.0 })
+        .u(0)
+        .u(0)
+        .u(0);
+    for i in 0..MAX_HALF {
+        let (hi, lo) = if i < half {
+            turn_words(spec.theta, spec.head_dim, i)
+        } else {
+            (0, 0)
+        };
+        params = params.u(hi).u(lo);
+    }
+    Dispatch {
+        source: SOURCE,
+        entry: kernel,
+        constants: String::new(),
+        params,
+        tensors: vec![(1, x), (2, y)],
+        grid: grid_items(device, n / 2),
+    }
+    .record(device, encoder)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::turn_words;
+
+    #[test]
+    fn the_first_frequency_is_one_radian_a_position() {
+        let (hi, lo) = turn_words(10_000.0, 64, 0);
+        let turns = (f64::from(hi) + f64::from(lo) / 4_294_967_296.0) / 4_294_967_296.0;
+        assert!((turns * std::f64::consts::TAU - 1.0).abs() < 1e-15);
+    }
+}

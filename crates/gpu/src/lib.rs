@@ -1,0 +1,24 @@
+//! snug's GPU backend on wgpu (Vulkan, Metal, DX12): everything that runs a planned step on a
+//! GPU except the runtime's backend interface itself.
+//!
+//! - [`adapter`]: the adapters wgpu finds ([`adapters`]) and what each offers ([`AdapterInfo`]).
+//! - [`device`]: an opened adapter ([`GpuDevice::open`]), its pipelines, submission and errors.
+//! - [`memory`]: device buffers from a counting [`MemorySource`], the arena as chunks
+//!   ([`Arena`]), and tensors bound as (chunk, offset, length) ([`Slot`] → [`DeviceSlice`]).
+//! - [`transfer`]: uploads through staging buffers and downloads that map and wait.
+//! - [`kernels`]: one WGSL kernel and its launcher per op, named as the op's file in
+//!   `snug-graph`. Launchers record into a caller's command encoder and never read back, so a
+//!   whole step is recorded and submitted once.
+//! - [`error`]: what can go wrong, as [`GpuError`].
+
+pub mod adapter;
+pub mod device;
+pub mod error;
+pub mod kernels;
+pub mod memory;
+pub mod transfer;
+
+pub use adapter::{adapters, AdapterInfo, Selector};
+pub use device::GpuDevice;
+pub use error::{GpuError, Result};
+pub use memory::{Arena, DeviceBuffer, DeviceSlice, MemorySource, Slot};

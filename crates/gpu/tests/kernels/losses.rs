@@ -1,0 +1,136 @@
+//! Softmax cross-entropy and the embedding, forward and backward.
+
+use snug_gpu::kernels::cross_entropy::{cross_entropy, cross_entropy_backward};
+use snug_gpu::kernels::embedding::{embedding, embedding_backward};
+
+use crate::common::{assert_close, gpu, ids, uniform, Init, Tensors};
+
+#[test]
+fn cross_entropy_loss_and_gradient() {
+    let Some(device) = gpu() else { return };
+    for (k, (n, v)) in [(1, 1), (3, 17), (17, 300), (65, 65)]
+        .into_iter()
+        .enumerate()
+    {
+        let seed = 300 + 10 * k as u64;
+        let logits = uniform(seed, n * v, -4.0, 4.0);
+        let mut targets = ids(seed + 1, n, v as i32);
+        // Out-of-range targets are clamped into the vocabulary, as on the CPU.
+        targets[0] = if k % 2 == 0 { -3 } else { v as i32 + 5 };
+        let dloss = 0.7f32;
+        let t = Tensors::new(
+            device,
+            &[
+                Init::F32(logits.clone()),
+                Init::I32(targets.clone()),
+                Init::F32(vec![dloss]),
+                Init::Out(n),
+                Init::Out(1),
+                Init::Out(n * v),
+            ],
+        );
+        t.run(|e, t| {
+            cross_entropy(device, e, (n, v), [t.get(0), t.get(1)], t.get(3), t.get(4))?;
+            cross_entropy_backward(device, e, (n, v), [t.get(0), t.get(1), t.get(2)], t.get(5))
+        });
+        let (mut total, mut mag) = (0.0, 0.0);
+        let mut grad = Vec::new();
+        for r in 0..n {
+            let row: Vec<f64> = logits[r * v..(r + 1) * v]
+                .iter()
+                .map(|&x| f64::from(x))
+                .collect();
+            let mx = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let sum: f64 = row.iter().map(|x| (x - mx).exp()).sum();
+            let tgt = targets[r].clamp(0, v as i32 - 1) as usize;
+            total += mx + sum.ln() - row[tgt];
+            mag += mx.abs() + sum.ln().abs() + row[tgt].abs();
+            let g = f64::from(dloss) / n as f64;
+            for (j, x) in row.iter().enumerate() {
+                grad.push((x - mx).exp() / sum * g - if j == tgt { g } else { 0.0 });
+            }
+        }
+        // The loss is a difference of terms of a few units: relative to their magnitudes.
+        assert_close(
+            &format!("loss [{n}, {v}]"),
+            &t.read(4),
+            &[total / n as f64],
+            1e-5,
+            &[mag / n as f64],
+        );
+        // Each gradient element is p·g (− g at the target): relative to g.
+        let g_mag = vec![f64::from(dloss) / n as f64; n * v];
+        assert_close(
+            &format!("dlogits [{n}, {v}]"),
+            &t.read(5),
+            &grad,
+            1e-5,
+            &g_mag,
+        );
+    }
+}
+
+#[test]
+fn embedding_gathers_rows_and_scatters_gradients_deterministically() {
+    let Some(device) = gpu() else { return };
+    for (k, (tokens, vocab, c)) in [(1, 1, 1), (17, 5, 17), (130, 65, 33)]
+        .into_iter()
+        .enumerate()
+    {
+        let seed = 400 + 10 * k as u64;
+        let table = uniform(seed, vocab * c, -1.0, 1.0);
+        let mut id = ids(seed + 1, tokens, vocab as i32);
+        if tokens > 2 {
+            // Stray ids read zeros and receive no gradient.
+            id[1] = -1;
+            id[2] = vocab as i32;
+        }
+        let dy = uniform(seed + 2, tokens * c, -1.0, 1.0);
+        let t = Tensors::new(
+            device,
+            &[
+                Init::F32(table.clone()),
+                Init::I32(id.clone()),
+                Init::F32(dy.clone()),
+                Init::Out(tokens * c),
+                Init::Out(vocab * c),
+            ],
+        );
+        t.run(|e, t| {
+            embedding(
+                device,
+                e,
+                (tokens, vocab, c),
+                [t.get(0), t.get(1)],
+                t.get(3),
+            )?;
+            embedding_backward(
+                device,
+                e,
+                (tokens, vocab, c),
+                [t.get(1), t.get(2)],
+                t.get(4),
+            )
+        });
+        let mut y = vec![0.0; tokens * c];
+        // Summed in token order in f32, as both backends do: the same bits.
+        let mut dt = vec![0.0f32; vocab * c];
+        for (ti, &i) in id.iter().enumerate() {
+            if let Some(i) = usize::try_from(i).ok().filter(|&i| i < vocab) {
+                for j in 0..c {
+                    y[ti * c + j] = f64::from(table[i * c + j]);
+                    dt[i * c + j] += dy[ti * c + j];
+                }
+            }
+        }
+        assert_close(&format!("embedding {tokens}"), &t.read(3), &y, 0.0, &[]);
+        let dt: Vec<f64> = dt.iter().map(|&v| f64::from(v)).collect();
+        assert_close(
+            &format!("embedding grad {tokens}"),
+            &t.read(4),
+            &dt,
+            0.0,
+            &[],
+        );
+    }
+}
