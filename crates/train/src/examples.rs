@@ -28,7 +28,10 @@ use crate::{Tokenizer, TrainError};
 #[derive(Debug, Clone, PartialEq)]
 pub enum Example {
     Text(String),
-    PromptCompletion { prompt: String, completion: String },
+    PromptCompletion {
+        prompt: String,
+        completion: String,
+    },
     /// Objects with a string `role`; the rest (`content`, `tool_calls`, …) is the template's.
     Messages(Vec<Json>),
 }
@@ -72,12 +75,7 @@ impl Example {
         let messages = match obj.remove("messages") {
             Some(Json::Array(m)) if !m.is_empty() => m,
             Some(Json::Array(_)) => return Err("`messages` is empty".into()),
-            Some(other) => {
-                return Err(format!(
-                    "`messages` is {}, not a list",
-                    json_kind(&other)
-                ))
-            }
+            Some(other) => return Err(format!("`messages` is {}, not a list", json_kind(&other))),
             None => unreachable!("the shape test found `messages`"),
         };
         for (i, m) in messages.iter().enumerate() {
@@ -226,12 +224,15 @@ fn assistant_spans(
         if m.get("role").and_then(Json::as_str) != Some("assistant") {
             continue;
         }
-        let not_prefix = |what: &str| TrainError::Tokenizer(format!(
+        let not_prefix = |what: &str| {
+            TrainError::Tokenizer(format!(
             "the chat template does not render {what} as a prefix of the whole conversation, so the tokens of assistant message {i} cannot be located"
-        ));
+        ))
+        };
         let before = if i == 0 {
             // Nothing before: a template may refuse an empty conversation.
-            hf.render_chat(&[], true).map_err(|_| not_prefix("an empty conversation"))?
+            hf.render_chat(&[], true)
+                .map_err(|_| not_prefix("an empty conversation"))?
         } else {
             hf.render_chat(&messages[..i], true)?
         };
@@ -348,9 +349,7 @@ pub fn tokenize_jsonl(
             .into_iter()
             .map(|h| {
                 h.join().unwrap_or_else(|_| {
-                    Err(TrainError::Tokenizer(
-                        "a tokenizing thread panicked".into(),
-                    ))
+                    Err(TrainError::Tokenizer("a tokenizing thread panicked".into()))
                 })
             })
             .collect()

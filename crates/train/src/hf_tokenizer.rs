@@ -292,7 +292,8 @@ impl HfTokenizer {
     /// Text of `ids`. Ids outside the vocabulary become U+FFFD (the `tokenizers` crate would
     /// drop them silently), as do bytes that are not UTF-8.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> String {
-        let known = |id: u32| (id as usize) < self.vocab_size && self.inner.id_to_token(id).is_some();
+        let known =
+            |id: u32| (id as usize) < self.vocab_size && self.inner.id_to_token(id).is_some();
         let mut out = String::new();
         for (i, run) in ids.split(|&id| !known(id)).enumerate() {
             if i > 0 {
@@ -375,12 +376,15 @@ fn chat_environment(source: String) -> Result<Environment<'static>, minijinja::E
             .build()?,
     );
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function("raise_exception", |message: String| -> Result<Value, minijinja::Error> {
-        Err(minijinja::Error::new(
-            ErrorKind::InvalidOperation,
-            format!("{RAISED}{message}"),
-        ))
-    });
+    env.add_function(
+        "raise_exception",
+        |message: String| -> Result<Value, minijinja::Error> {
+            Err(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                format!("{RAISED}{message}"),
+            ))
+        },
+    );
     env.add_filter("tojson", python_tojson);
     env.add_template_owned(TEMPLATE_NAME, source)?;
     Ok(env)
@@ -391,9 +395,8 @@ fn chat_environment(source: String) -> Result<Environment<'static>, minijinja::E
 fn python_tojson(value: &Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
     kwargs.assert_all_used()?;
-    let json = serde_json::to_value(value).map_err(|e| {
-        minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}"))
-    })?;
+    let json = serde_json::to_value(value)
+        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     let mut out = String::new();
     write_python_json(&json, indent, 0, &mut out);
     Ok(Value::from_safe_string(out))

@@ -384,7 +384,9 @@ impl TokenFile {
             0
         };
         // The tokens are whole but the mask after them is cut short.
-        if mask_bytes > 0 && (actual as u128) >= expected && (actual as u128) < expected + mask_bytes
+        if mask_bytes > 0
+            && (actual as u128) >= expected
+            && (actual as u128) < expected + mask_bytes
         {
             return Err(truncated("mask", offset + (expected + mask_bytes) as usize));
         }
@@ -501,7 +503,9 @@ impl TokenFile {
     /// a mask). Panics past the end.
     pub fn copy_mask_window(&self, start: usize, out: &mut [bool]) {
         assert!(
-            start.checked_add(out.len()).is_some_and(|end| end <= self.len),
+            start
+                .checked_add(out.len())
+                .is_some_and(|end| end <= self.len),
             "mask window {start}..{start}+{} is outside {} tokens of {}",
             out.len(),
             self.len,

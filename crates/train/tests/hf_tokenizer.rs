@@ -37,7 +37,9 @@ fn files() -> HfTokenizerFiles {
 }
 
 /// A tokenizer from the fixture's files with `config` (a JSON edit) as its config.
-fn with_config(edit: impl FnOnce(&mut serde_json::Map<String, Value>)) -> Result<HfTokenizer, TrainError> {
+fn with_config(
+    edit: impl FnOnce(&mut serde_json::Map<String, Value>),
+) -> Result<HfTokenizer, TrainError> {
     let mut f = files();
     let mut config: serde_json::Map<String, Value> =
         serde_json::from_str(f.tokenizer_config_json.as_deref().unwrap()).unwrap();
@@ -65,7 +67,10 @@ fn check_encodings(t: &HfTokenizer) {
             .collect();
         assert_eq!(tokens, want, "{text:?}");
         assert_eq!(t.decode(&ids, false), e["decoded"].as_str().unwrap());
-        assert_eq!(t.decode(&ids, true), e["decoded_skip_special"].as_str().unwrap());
+        assert_eq!(
+            t.decode(&ids, true),
+            e["decoded_skip_special"].as_str().unwrap()
+        );
     }
 }
 
@@ -83,7 +88,11 @@ fn merges_as_strings_tokenize_identically() {
     assert!(merges[0].is_array());
     for m in merges.iter_mut() {
         let pair = m.as_array().unwrap();
-        *m = Value::String(format!("{} {}", pair[0].as_str().unwrap(), pair[1].as_str().unwrap()));
+        *m = Value::String(format!(
+            "{} {}",
+            pair[0].as_str().unwrap(),
+            pair[1].as_str().unwrap()
+        ));
     }
     f.tokenizer_json = serde_json::to_string(&json).unwrap();
     check_encodings(&HfTokenizer::from_files(f, Path::new("")).unwrap());
@@ -104,7 +113,10 @@ fn special_tokens_and_vocabulary() {
     assert_eq!(pair(&s.unk), Some(("<|endoftext|>".into(), 0)));
     assert_eq!(exp["special_tokens"]["<|im_end|>"], 2);
     let tok = Tokenizer::Hf(t);
-    assert_eq!((tok.name(), tok.vocab_size(), tok.eos_id()), ("hf", 320, Some(2)));
+    assert_eq!(
+        (tok.name(), tok.vocab_size(), tok.eos_id()),
+        ("hf", 320, Some(2))
+    );
     // Ids outside the vocabulary decode to U+FFFD rather than vanishing.
     assert_eq!(tok.decode(&[42, 320, 71]), "H\u{FFFD}e");
     // The model's vocabulary may be larger (padded), never smaller.
@@ -188,7 +200,9 @@ fn bad_files_are_named_errors() {
     // Malformed tokenizer.json.
     std::fs::write(dir.path().join("tokenizer.json"), "{\"model\": 3}").unwrap();
     match HfTokenizer::from_dir(dir.path()) {
-        Err(TrainError::HfTokenizerFile { path, field: None, .. }) => {
+        Err(TrainError::HfTokenizerFile {
+            path, field: None, ..
+        }) => {
             assert_eq!(path, dir.path().join("tokenizer.json"))
         }
         other => panic!("{other:?}"),
@@ -231,12 +245,21 @@ fn the_spec_rebuilds_the_same_tokenizer_and_survives_a_token_file() {
     let tok = Tokenizer::Hf(fixture());
     let spec = tok.to_spec();
     let json = serde_json::to_string(&spec).unwrap();
-    assert!(json.starts_with(r#"{"kind":"hf","tokenizer_json":"#), "{}", &json[..40]);
+    assert!(
+        json.starts_with(r#"{"kind":"hf","tokenizer_json":"#),
+        "{}",
+        &json[..40]
+    );
     let back: TokenizerSpec = serde_json::from_str(&json).unwrap();
     let rebuilt = Tokenizer::from_spec(&back).unwrap();
     assert_eq!(rebuilt, tok);
-    let Tokenizer::Hf(hf) = &rebuilt else { panic!() };
-    assert_eq!(hf.files().tokenizer_json, std::fs::read_to_string(fixture_dir().join("tokenizer.json")).unwrap());
+    let Tokenizer::Hf(hf) = &rebuilt else {
+        panic!()
+    };
+    assert_eq!(
+        hf.files().tokenizer_json,
+        std::fs::read_to_string(fixture_dir().join("tokenizer.json")).unwrap()
+    );
     assert!(hf.has_chat_template());
     check_encodings(hf);
 
@@ -373,7 +396,10 @@ fn packing_keeps_boundaries_and_masks_predictions_across_them() {
     // 30% of 10 tokens: the boundary nearest to 7 tokens of training data is 7.
     let (train, val) = p.clone().split(0.3).unwrap();
     assert_eq!((train.ids.len(), train.starts.clone()), (7, vec![0, 3]));
-    assert_eq!((val.ids, val.mask, val.starts), (vec![5, 6, 2], vec![false, true, true], vec![0]));
+    assert_eq!(
+        (val.ids, val.mask, val.starts),
+        (vec![5, 6, 2], vec![false, true, true], vec![0])
+    );
     // At least one example on each side, and none to split with one example.
     let (train, val) = p.clone().split(0.99).unwrap();
     assert_eq!((train.starts.len(), val.starts.len()), (1, 2));
@@ -397,7 +423,10 @@ fn jsonl_of_all_three_shapes_packs_into_one_stream() {
         "\n"
     );
     let parsed = parse_jsonl(path, text).unwrap();
-    assert_eq!(parsed.iter().map(|(l, _)| *l).collect::<Vec<_>>(), [1, 3, 4]);
+    assert_eq!(
+        parsed.iter().map(|(l, _)| *l).collect::<Vec<_>>(),
+        [1, 3, 4]
+    );
     let p = tokenize_jsonl(path, text, &hf()).unwrap();
     let singles: Vec<TokenizedExample> = parsed
         .iter()
@@ -420,13 +449,20 @@ fn malformed_jsonl_lines_are_named_by_number() {
         (r#"{"prompt": "p"}"#, "`completion` is missing"),
         (r#"{"text": "t", "messages": []}"#, "mixes"),
         (r#"{"messages": []}"#, "empty"),
-        (r#"{"messages": [{"content": "x"}]}"#, "`messages[0].role` is missing"),
+        (
+            r#"{"messages": [{"content": "x"}]}"#,
+            "`messages[0].role` is missing",
+        ),
         (r#"{"messages": ["x"]}"#, "not an object"),
     ];
     for (line, want) in cases {
         let text = format!("{good}\n\n{good}\n{line}\n{good}\n");
         match parse_jsonl(path, &text) {
-            Err(TrainError::JsonlLine { path: p, line: 4, detail }) => {
+            Err(TrainError::JsonlLine {
+                path: p,
+                line: 4,
+                detail,
+            }) => {
                 assert_eq!(p, path);
                 assert!(detail.contains(want), "{line}: {detail}");
             }
@@ -434,9 +470,14 @@ fn malformed_jsonl_lines_are_named_by_number() {
         }
     }
     // A chat the template refuses: the line and the template's message.
-    let text = format!("{good}\n{}\n", r#"{"messages": [{"role": "tool", "content": "{}"}]}"#);
+    let text = format!(
+        "{good}\n{}\n",
+        r#"{"messages": [{"role": "tool", "content": "{}"}]}"#
+    );
     match tokenize_jsonl(path, &text, &hf()) {
-        Err(TrainError::JsonlExample { line: 2, problem, .. }) => match *problem {
+        Err(TrainError::JsonlExample {
+            line: 2, problem, ..
+        }) => match *problem {
             TrainError::ChatTemplate { message, .. } => assert_eq!(message, "Unknown role: tool"),
             other => panic!("{other:?}"),
         },
