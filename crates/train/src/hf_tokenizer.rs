@@ -54,22 +54,28 @@ pub struct SpecialTokens {
     pub unk: Option<SpecialToken>,
 }
 
-/// A Hugging Face tokenizer with its special tokens and chat template.
+/// A Hugging Face tokenizer with its special tokens and chat template. Cheap to clone.
 #[derive(Clone)]
-pub struct HfTokenizer {
-    files: Arc<HfTokenizerFiles>,
+pub struct HfTokenizer(Arc<Inner>);
+
+/// Byte ranges of tokens in the text they were encoded from.
+pub type Offsets = Vec<(usize, usize)>;
+
+/// Behind one pointer, so a [`crate::Tokenizer`] (held by every token file) stays small.
+struct Inner {
+    files: HfTokenizerFiles,
     /// Where the files came from, for error messages (empty when rebuilt from a spec).
     dir: PathBuf,
-    inner: Arc<tokenizers::Tokenizer>,
+    tokenizer: tokenizers::Tokenizer,
     vocab_size: usize,
     special: SpecialTokens,
     /// The compiled template and the file it came from.
-    chat: Option<(Arc<Environment<'static>>, PathBuf)>,
+    chat: Option<(Environment<'static>, PathBuf)>,
 }
 
 impl PartialEq for HfTokenizer {
     fn eq(&self, other: &Self) -> bool {
-        self.files == other.files
+        self.0.files == other.0.files
     }
 }
 
@@ -78,10 +84,10 @@ impl Eq for HfTokenizer {}
 impl std::fmt::Debug for HfTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HfTokenizer")
-            .field("dir", &self.dir)
-            .field("vocab_size", &self.vocab_size)
-            .field("special", &self.special)
-            .field("chat_template", &self.chat.is_some())
+            .field("dir", &self.0.dir)
+            .field("vocab_size", &self.0.vocab_size)
+            .field("special", &self.0.special)
+            .field("chat_template", &self.0.chat.is_some())
             .finish()
     }
 }
@@ -233,40 +239,40 @@ impl HfTokenizer {
                         format!("does not compile: {}", template_message(&e)),
                     )
                 })?;
-                Some((Arc::new(env), path))
+                Some((env, path))
             }
         };
-        Ok(HfTokenizer {
-            files: Arc::new(files),
+        Ok(HfTokenizer(Arc::new(Inner {
+            files,
             dir: dir.to_path_buf(),
-            inner: Arc::new(inner),
+            tokenizer: inner,
             vocab_size,
             special,
             chat,
-        })
+        })))
     }
 
     /// The files this tokenizer was built from, verbatim.
     pub fn files(&self) -> &HfTokenizerFiles {
-        &self.files
+        &self.0.files
     }
 
     /// One more than the largest id, added tokens included.
     pub fn vocab_size(&self) -> usize {
-        self.vocab_size
+        self.0.vocab_size
     }
 
     pub fn special_tokens(&self) -> &SpecialTokens {
-        &self.special
+        &self.0.special
     }
 
     pub fn has_chat_template(&self) -> bool {
-        self.chat.is_some()
+        self.0.chat.is_some()
     }
 
     /// The vocabulary's string for `id` (byte-level tokens spell a space `Ġ`).
     pub fn id_to_token(&self, id: u32) -> Option<String> {
-        self.inner.id_to_token(id)
+        self.0.tokenizer.id_to_token(id)
     }
 
     /// Ids of `text`. Added tokens written in the text (`"<|im_end|>"`) become their ids, as in
@@ -281,9 +287,10 @@ impl HfTokenizer {
         &self,
         text: &str,
         add_special_tokens: bool,
-    ) -> Result<(Vec<u32>, Vec<(usize, usize)>), TrainError> {
+    ) -> Result<(Vec<u32>, Offsets), TrainError> {
         let enc = self
-            .inner
+            .0
+            .tokenizer
             .encode(text, add_special_tokens)
             .map_err(|e| TrainError::Tokenizer(format!("encoding {} bytes: {e}", text.len())))?;
         Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
@@ -292,15 +299,16 @@ impl HfTokenizer {
     /// Text of `ids`. Ids outside the vocabulary become U+FFFD (the `tokenizers` crate would
     /// drop them silently), as do bytes that are not UTF-8.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> String {
-        let known =
-            |id: u32| (id as usize) < self.vocab_size && self.inner.id_to_token(id).is_some();
+        let known = |id: u32| {
+            (id as usize) < self.0.vocab_size && self.0.tokenizer.id_to_token(id).is_some()
+        };
         let mut out = String::new();
         for (i, run) in ids.split(|&id| !known(id)).enumerate() {
             if i > 0 {
                 out.push('\u{FFFD}');
             }
             if !run.is_empty() {
-                match self.inner.decode(run, skip_special_tokens) {
+                match self.0.tokenizer.decode(run, skip_special_tokens) {
                     Ok(s) => out.push_str(&s),
                     Err(_) => out.push('\u{FFFD}'),
                 }
@@ -317,9 +325,9 @@ impl HfTokenizer {
         messages: &[Json],
         add_generation_prompt: bool,
     ) -> Result<String, TrainError> {
-        let (env, path) = self.chat.as_ref().ok_or_else(|| {
+        let (env, path) = self.0.chat.as_ref().ok_or_else(|| {
             file_error(
-                &self.dir.join(CONFIG_FILE),
+                &self.0.dir.join(CONFIG_FILE),
                 Some("chat_template"),
                 "is missing: this tokenizer has no chat template",
             )
@@ -328,10 +336,10 @@ impl HfTokenizer {
         ctx.insert("messages".into(), Json::Array(messages.to_vec()));
         ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
         for (name, token) in [
-            ("bos_token", &self.special.bos),
-            ("eos_token", &self.special.eos),
-            ("pad_token", &self.special.pad),
-            ("unk_token", &self.special.unk),
+            ("bos_token", &self.0.special.bos),
+            ("eos_token", &self.0.special.eos),
+            ("pad_token", &self.0.special.pad),
+            ("unk_token", &self.0.special.unk),
         ] {
             if let Some(t) = token {
                 ctx.insert(name.into(), Json::String(t.text.clone()));

@@ -406,7 +406,7 @@ impl TokenFile {
         let mask_offset = (version == VERSION).then(|| offset + len * dtype.bytes());
         if let Some(at) = mask_offset {
             // Bits past the last token must be 0, so each mask has one encoding.
-            if len % 8 != 0 && map[map.len() - 1] >> (len % 8) != 0 {
+            if !len.is_multiple_of(8) && map[map.len() - 1] >> (len % 8) != 0 {
                 return Err(problem(
                     path,
                     TokenFileProblem::Mask {

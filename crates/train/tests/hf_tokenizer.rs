@@ -313,7 +313,7 @@ fn prompt_completion_counts_the_completion_and_its_eos() {
         },
     )
     .unwrap();
-    assert_eq!(ex.mask[0], false);
+    assert!(!ex.mask[0]);
     assert!(ex.mask[1..].iter().all(|&m| m));
 }
 
