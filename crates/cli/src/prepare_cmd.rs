@@ -1,26 +1,33 @@
-//! `snug prepare`: tokenize a text corpus once into `train.bin` and `val.bin`, which
-//! `snug train --data DIR` then memory-maps instead of tokenizing on every run.
+//! `snug prepare`: tokenize a text corpus, or JSONL examples with their loss masks, once into
+//! `train.bin` and `val.bin`, which `snug train --data DIR` then memory-maps instead of
+//! tokenizing on every run.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Result};
-use clap::Args;
+use clap::{Args, ValueEnum};
 use serde::Serialize;
 use snug_plan::memory_plan::human_bytes;
 use snug_train::data::{TRAIN_FILE, VAL_FILE};
 use snug_train::token_file::TokenDtype;
 use snug_train::user_file::{read_text, MAX_TEXT_BYTES};
-use snug_train::{CharTokenizer, TokenFile, Tokenizer, TrainError};
+use snug_train::{CharTokenizer, HfTokenizer, TokenFile, Tokenizer, TrainError};
 
 #[derive(Args, Debug)]
 pub struct PrepareArgs {
     /// UTF-8 text file to tokenize.
     #[arg(long)]
     input: PathBuf,
-    /// gpt2 (GPT-2's BPE, 50,257 tokens) or char (one token per distinct character of the text).
+    /// gpt2 (GPT-2's BPE, 50,257 tokens), char (one token per distinct character of the text),
+    /// or a Hugging Face tokenizer: its model directory or its tokenizer.json.
     #[arg(long)]
     tokenizer: String,
+    /// text: the file is one corpus. jsonl: one example a line, {"text"}, {"prompt",
+    /// "completion"} or {"messages": [...]} (the tokenizer's chat template), packed with EOS
+    /// between them; only completions and assistant turns count in the loss.
+    #[arg(long, value_enum, default_value_t = Format::Text)]
+    format: Format,
     /// Directory to write train.bin and val.bin into (created if missing).
     #[arg(long)]
     out: PathBuf,
@@ -30,6 +37,12 @@ pub struct PrepareArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Format {
+    Text,
+    Jsonl,
 }
 
 #[derive(Serialize)]
@@ -47,16 +60,36 @@ struct Report {
     val_bytes: u64,
     encode_seconds: f64,
     seconds: f64,
+    /// JSONL only: examples read, and the tokens whose prediction counts in the loss.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    examples: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    loss_tokens: Option<usize>,
+}
+
+/// `--tokenizer`'s Hugging Face tokenizer, if it names one.
+fn hf_tokenizer(arg: &str) -> Result<Option<HfTokenizer>> {
+    let path = Path::new(arg);
+    if matches!(arg, "gpt2" | "char") {
+        return Ok(None);
+    }
+    if !path.exists() {
+        bail!("--tokenizer: unknown tokenizer `{arg}` (expected gpt2, char, or a Hugging Face tokenizer directory or tokenizer.json)");
+    }
+    let t = if path.is_dir() {
+        HfTokenizer::from_dir(path)?
+    } else {
+        HfTokenizer::from_file(path)?
+    };
+    Ok(Some(t))
 }
 
 pub fn run(args: PrepareArgs) -> Result<()> {
     let start = Instant::now();
     // Check the cheap arguments before reading a corpus that may be large.
-    if !matches!(args.tokenizer.as_str(), "gpt2" | "char") {
-        bail!(
-            "--tokenizer: unknown tokenizer `{}` (expected gpt2 or char)",
-            args.tokenizer
-        );
+    let hf = hf_tokenizer(&args.tokenizer)?;
+    if args.format == Format::Jsonl && args.tokenizer == "char" {
+        bail!("--tokenizer: char has no end-of-sequence token to separate JSONL examples with; use gpt2 or a Hugging Face tokenizer");
     }
     let frac = args.val_fraction;
     if !(frac.is_finite() && frac > 0.0 && frac < 1.0) {
@@ -66,29 +99,66 @@ pub fn run(args: PrepareArgs) -> Result<()> {
     if text.is_empty() {
         return Err(TrainError::EmptyData { path: args.input }.into());
     }
-    let tokenizer = match args.tokenizer.as_str() {
-        "char" => Tokenizer::Char(CharTokenizer::from_text(&text)),
-        _ => Tokenizer::gpt2(),
+    let tokenizer = match (hf, args.tokenizer.as_str()) {
+        (Some(t), _) => Tokenizer::Hf(t),
+        (None, "char") => Tokenizer::Char(CharTokenizer::from_text(&text)),
+        (None, _) => Tokenizer::gpt2(),
     };
     let encode_start = Instant::now();
-    let mut ids = tokenizer.encode(&text)?;
+    // Token ids and, for JSONL, masks and example counts of the two splits.
+    type Split = (Vec<u32>, Option<Vec<bool>>);
+    let (train, val, examples): (Split, Split, Option<usize>) = match args.format {
+        Format::Text => {
+            let mut ids = tokenizer.encode(&text)?;
+            let tokens = ids.len();
+            let val_tokens = ((tokens as f64 * frac).round() as usize).min(tokens);
+            let train_tokens = tokens - val_tokens;
+            if val_tokens == 0 || train_tokens == 0 {
+                bail!(
+                    "{}: {tokens} tokens cannot be split into non-empty training and validation sets with --val-fraction {frac}",
+                    args.input.display()
+                );
+            }
+            let val = ids.split_off(train_tokens);
+            ((ids, None), (val, None), None)
+        }
+        Format::Jsonl => {
+            let packed = snug_train::examples::tokenize_jsonl(&args.input, &text, &tokenizer)?;
+            let count = packed.starts.len();
+            // Split between examples, so none is cut in two.
+            let Some((train, val)) = packed.split(frac) else {
+                bail!(
+                    "{}: {count} example(s) cannot be split into non-empty training and validation sets",
+                    args.input.display()
+                );
+            };
+            (
+                (train.ids, Some(train.mask)),
+                (val.ids, Some(val.mask)),
+                Some(count),
+            )
+        }
+    };
     let encode_seconds = encode_start.elapsed().as_secs_f64();
-    let tokens = ids.len();
-    let val_tokens = ((tokens as f64 * frac).round() as usize).min(tokens);
-    let train_tokens = tokens - val_tokens;
-    if val_tokens == 0 || train_tokens == 0 {
-        bail!(
-            "{}: {tokens} tokens cannot be split into non-empty training and validation sets with --val-fraction {frac}",
-            args.input.display()
-        );
-    }
-    let val = ids.split_off(train_tokens);
+    let (train_tokens, val_tokens) = (train.0.len(), val.0.len());
+    let tokens = train_tokens + val_tokens;
+    let loss_tokens = examples.map(|_| {
+        [&train.1, &val.1]
+            .iter()
+            .filter_map(|m| m.as_ref())
+            .map(|m| m.iter().filter(|&&b| b).count())
+            .sum()
+    });
     std::fs::create_dir_all(&args.out).map_err(|source| TrainError::Io {
         path: args.out.clone(),
         source,
     })?;
-    let train_bytes = TokenFile::write(&args.out.join(TRAIN_FILE), &tokenizer, &ids)?;
-    let val_bytes = TokenFile::write(&args.out.join(VAL_FILE), &tokenizer, &val)?;
+    let write = |name: &str, (ids, mask): &Split| match mask {
+        Some(m) => TokenFile::write_masked(&args.out.join(name), &tokenizer, ids, m),
+        None => TokenFile::write(&args.out.join(name), &tokenizer, ids),
+    };
+    let train_bytes = write(TRAIN_FILE, &train)?;
+    let val_bytes = write(VAL_FILE, &val)?;
     let report = Report {
         vocab_size: tokenizer.vocab_size(),
         dtype: match TokenDtype::for_vocab(tokenizer.vocab_size()) {
@@ -104,6 +174,8 @@ pub fn run(args: PrepareArgs) -> Result<()> {
         val_bytes,
         encode_seconds,
         seconds: start.elapsed().as_secs_f64(),
+        examples,
+        loss_tokens,
         input: args.input,
         out: args.out,
     };
@@ -121,6 +193,9 @@ pub fn run(args: PrepareArgs) -> Result<()> {
             report.vocab_size,
             report.dtype
         );
+        if let (Some(n), Some(l)) = (report.examples, report.loss_tokens) {
+            println!("{n} examples; {l} of the tokens count in the loss");
+        }
         println!(
             "wrote {} ({} B) and {} ({} B) in {:.2} s (encoding {:.2} s, {:.1} MB/s)",
             report.out.join(TRAIN_FILE).display(),

@@ -54,6 +54,39 @@ pub enum TrainError {
     UnknownChar { ch: char, vocab: usize },
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    /// A Hugging Face tokenizer file (`tokenizer.json`, `tokenizer_config.json`, the chat
+    /// template) that is not what it should be; `field` is the JSON field at fault, if one is.
+    #[error("{path}: {}{detail}", field.as_ref().map(|f| format!("`{f}` ")).unwrap_or_default())]
+    HfTokenizerFile {
+        path: PathBuf,
+        field: Option<String>,
+        detail: String,
+    },
+    /// The chat template of `path` failed to render; `message` is the template's own where it
+    /// raised one (`raise_exception`).
+    #[error("{path}: `chat_template` failed to render: {message}")]
+    ChatTemplate { path: PathBuf, message: String },
+    #[error("the tokenizer's ids run up to {} but the model's vocabulary (`vocab_size`) holds {model}: the tokenizer is not the model's", .tokenizer.saturating_sub(1))]
+    VocabMismatch {
+        /// One more than the tokenizer's largest id.
+        tokenizer: usize,
+        model: usize,
+    },
+    /// A line of a JSONL data file that is not an example.
+    #[error("{path}: line {line}: {detail}")]
+    JsonlLine {
+        path: PathBuf,
+        line: usize,
+        detail: String,
+    },
+    /// A well-formed JSONL example that could not be tokenized (a chat template that refused
+    /// it, a tokenizer without an end-of-sequence token).
+    #[error("{path}: line {line}: {problem}")]
+    JsonlExample {
+        path: PathBuf,
+        line: usize,
+        problem: Box<TrainError>,
+    },
     /// The problem is part of the message, not a `source`, so error chains print it once.
     #[error("{path}: {problem}")]
     TokenFile {

@@ -1,6 +1,9 @@
 //! snug's trainer: from text to a trained model.
 //!
-//! - [`tokenizer`]: character-level and GPT-2 BPE tokenizers.
+//! - [`tokenizer`]: character-level and GPT-2 BPE tokenizers, and any of them by one name.
+//! - [`hf_tokenizer`]: Hugging Face `tokenizer.json` and chat templates.
+//! - [`examples`]: JSONL examples (text, prompt/completion, chat) into ids and loss masks,
+//!   packed into one stream.
 //! - [`token_file`]: prepared token files (`snug prepare`), memory-mapped for training.
 //! - [`addition`]: the built-in addition language, its held-out problems, accuracy on them.
 //! - [`data`]: the built-in generated data set, text files, token directories, deterministic
@@ -19,6 +22,8 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 mod error;
+pub mod examples;
+pub mod hf_tokenizer;
 pub mod loss_scale;
 pub mod run;
 pub mod run_dir;
@@ -33,6 +38,8 @@ pub use config::{ModelSection, OptimizerKind, Pass, Remat, TrainConfig, TrainSec
 pub use config::{RunFlags, StepFlags};
 pub use data::{Batch, DataSource, Prefetcher, TokenDataset, Tokens};
 pub use error::TrainError;
+pub use examples::{Example, PackedExamples, TokenizedExample};
+pub use hf_tokenizer::{HfTokenizer, HfTokenizerFiles};
 pub use loss_scale::LossScaler;
 pub use run::{run, Event, RunSummary};
 pub use run_dir::{Claim, RunDir};

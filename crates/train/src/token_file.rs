@@ -6,12 +6,17 @@
 //! | bytes | field |
 //! | --- | --- |
 //! | 8 | magic `SNUGTOK\0` |
-//! | 4 | version, u32 = 1 |
+//! | 4 | version, u32: 1 (tokens) or 2 (tokens and a loss mask) |
 //! | 1 | dtype: bytes per token, 2 (u16, when the vocabulary has at most 65,536 ids) or 4 (u32) |
 //! | 8 | token count, u64 |
 //! | 4 | tokenizer spec length in bytes, u32 |
 //! | n | tokenizer spec, JSON ([`TokenizerSpec`]) |
 //! | count × dtype | tokens |
+//! | ⌈count / 8⌉ | version 2 only: the loss mask, one bit per token (token `i` is bit `i % 8` of byte `i / 8`; unused bits 0) |
+//!
+//! Bit `i` of the mask says whether token `i` counts as a target (see [`crate::examples`]).
+//! Version 1 files have no mask: every token counts. Files without a mask are still written
+//! as version 1, byte for byte as before masks existed.
 
 use std::fs::File;
 use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
@@ -23,7 +28,10 @@ use memmap2::Mmap;
 use crate::{Tokenizer, TokenizerSpec, TrainError};
 
 pub const MAGIC: [u8; 8] = *b"SNUGTOK\0";
-pub const VERSION: u32 = 1;
+/// The newest version: 2 added the loss mask.
+pub const VERSION: u32 = 2;
+/// Version of files without a mask.
+const VERSION_NO_MASK: u32 = 1;
 /// Magic, version, dtype, count and the spec's length: everything before the spec.
 const FIXED_HEADER: usize = 8 + 4 + 1 + 8 + 4;
 /// Byte offsets of the fixed fields.
@@ -37,7 +45,7 @@ const SPEC_LEN_AT: usize = 21;
 pub enum TokenFileProblem {
     #[error("magic: expected {:?}, found {:?} (not a snug token file)", String::from_utf8_lossy(&MAGIC), String::from_utf8_lossy(found))]
     BadMagic { found: Vec<u8> },
-    #[error("version: {found} is not supported (this build reads version {VERSION})")]
+    #[error("version: {found} is not supported (this build reads versions {VERSION_NO_MASK} and {VERSION})")]
     Version { found: u32 },
     #[error("dtype: unknown code {code} (expected 2 for u16 tokens or 4 for u32)")]
     Dtype { code: u8 },
@@ -55,6 +63,8 @@ pub enum TokenFileProblem {
     },
     #[error("tokenizer: {detail}")]
     Spec { detail: String },
+    #[error("mask: {detail}")]
+    Mask { detail: String },
     #[error(
         "tokens: token {token} at index {index} is outside the tokenizer's vocabulary of {vocab}"
     )]
@@ -75,6 +85,7 @@ impl TokenFileProblem {
             TokenFileProblem::Truncated { field, .. } => field,
             TokenFileProblem::Count { .. } => "count",
             TokenFileProblem::Spec { .. } => "tokenizer",
+            TokenFileProblem::Mask { .. } => "mask",
             TokenFileProblem::TokenOutOfRange { .. } => "tokens",
         }
     }
@@ -123,6 +134,8 @@ pub struct TokenFile {
     len: usize,
     dtype: TokenDtype,
     tokenizer: Tokenizer,
+    /// Byte offset of the loss mask (version 2); `None`: every token counts.
+    mask_offset: Option<usize>,
 }
 
 impl std::fmt::Debug for TokenFile {
@@ -132,6 +145,7 @@ impl std::fmt::Debug for TokenFile {
             .field("len", &self.len)
             .field("dtype", &self.dtype)
             .field("tokenizer", &self.tokenizer.name())
+            .field("mask", &self.mask_offset.is_some())
             .finish()
     }
 }
@@ -162,7 +176,36 @@ impl TokenFile {
     /// Writes `tokens` and `tokenizer`'s spec to `path` atomically: a temporary file in the same
     /// directory is written, synced and renamed over `path`, so a reader (or a crash) never sees
     /// a partial file and an open mapping of the old file stays intact. Returns the file's size.
+    /// The file is version 1: every token counts.
     pub fn write(path: &Path, tokenizer: &Tokenizer, tokens: &[u32]) -> Result<u64, TrainError> {
+        Self::write_inner(path, tokenizer, tokens, None)
+    }
+
+    /// As [`TokenFile::write`], with the loss mask `mask` (one per token; `true`: the token
+    /// counts as a target), as version 2.
+    pub fn write_masked(
+        path: &Path,
+        tokenizer: &Tokenizer,
+        tokens: &[u32],
+        mask: &[bool],
+    ) -> Result<u64, TrainError> {
+        if mask.len() != tokens.len() {
+            return Err(problem(
+                path,
+                TokenFileProblem::Mask {
+                    detail: format!("{} entries for {} tokens", mask.len(), tokens.len()),
+                },
+            ));
+        }
+        Self::write_inner(path, tokenizer, tokens, Some(mask))
+    }
+
+    fn write_inner(
+        path: &Path,
+        tokenizer: &Tokenizer,
+        tokens: &[u32],
+        mask: Option<&[bool]>,
+    ) -> Result<u64, TrainError> {
         let vocab = tokenizer.vocab_size();
         if let Some((index, token)) = first_out_of_range(tokens, vocab) {
             return Err(problem(
@@ -208,7 +251,12 @@ impl TokenFile {
             let file = File::create(&tmp)?;
             let mut w = BufWriter::with_capacity(1 << 20, file);
             w.write_all(&MAGIC)?;
-            w.write_all(&VERSION.to_le_bytes())?;
+            let version = if mask.is_some() {
+                VERSION
+            } else {
+                VERSION_NO_MASK
+            };
+            w.write_all(&version.to_le_bytes())?;
             w.write_all(&[dtype.bytes() as u8])?;
             w.write_all(&(tokens.len() as u64).to_le_bytes())?;
             w.write_all(&spec_len.to_le_bytes())?;
@@ -230,6 +278,9 @@ impl TokenFile {
                     }
                 }
                 w.write_all(&buf)?;
+            }
+            if let Some(mask) = mask {
+                w.write_all(&pack_bits(mask))?;
             }
             let file = w.into_inner().map_err(|e| e.into_error())?;
             file.sync_all()?;
@@ -294,7 +345,7 @@ impl TokenFile {
         }
         let u32_at = |at: usize| u32::from_le_bytes([h[at], h[at + 1], h[at + 2], h[at + 3]]);
         let version = u32_at(VERSION_AT);
-        if version != VERSION {
+        if version != VERSION && version != VERSION_NO_MASK {
             return Err(problem(path, TokenFileProblem::Version { found: version }));
         }
         let code = h[DTYPE_AT];
@@ -327,6 +378,19 @@ impl TokenFile {
         })?;
         let actual = file_len - offset as u64;
         let expected = count as u128 * dtype.bytes() as u128;
+        let mask_bytes = if version == VERSION {
+            (count as u128).div_ceil(8)
+        } else {
+            0
+        };
+        // The tokens are whole but the mask after them is cut short.
+        if mask_bytes > 0
+            && (actual as u128) >= expected
+            && (actual as u128) < expected + mask_bytes
+        {
+            return Err(truncated("mask", offset + (expected + mask_bytes) as usize));
+        }
+        let expected = expected + mask_bytes;
         if expected != actual as u128 {
             return Err(problem(
                 path,
@@ -339,6 +403,21 @@ impl TokenFile {
         }
         // `actual` bytes are mapped, so the count fits in usize.
         let len = count as usize;
+        let mask_offset = (version == VERSION).then(|| offset + len * dtype.bytes());
+        if let Some(at) = mask_offset {
+            // Bits past the last token must be 0, so each mask has one encoding.
+            if !len.is_multiple_of(8) && map[map.len() - 1] >> (len % 8) != 0 {
+                return Err(problem(
+                    path,
+                    TokenFileProblem::Mask {
+                        detail: format!(
+                            "bits past the last of {len} tokens are set in byte {}",
+                            map.len() - 1 - at
+                        ),
+                    },
+                ));
+            }
+        }
         // Check ids with ordinary reads rather than through the map, so validating a large
         // corpus leaves the page cache warm without adding the whole file to our resident set.
         file.seek(SeekFrom::Start(offset as u64))
@@ -362,6 +441,7 @@ impl TokenFile {
             len,
             dtype,
             tokenizer,
+            mask_offset,
         })
     }
 
@@ -414,6 +494,41 @@ impl TokenFile {
         }
     }
 
+    /// Whether the file holds a loss mask (version 2); without one every token counts.
+    pub fn has_mask(&self) -> bool {
+        self.mask_offset.is_some()
+    }
+
+    /// Copies the loss mask of tokens `start..start + out.len()` into `out` (all `true` without
+    /// a mask). Panics past the end.
+    pub fn copy_mask_window(&self, start: usize, out: &mut [bool]) {
+        assert!(
+            start
+                .checked_add(out.len())
+                .is_some_and(|end| end <= self.len),
+            "mask window {start}..{start}+{} is outside {} tokens of {}",
+            out.len(),
+            self.len,
+            self.path.display()
+        );
+        let Some(at) = self.mask_offset else {
+            out.fill(true);
+            return;
+        };
+        let bits = &self.map[at..];
+        for (i, o) in out.iter_mut().enumerate() {
+            let j = start + i;
+            *o = bits[j / 8] >> (j % 8) & 1 == 1;
+        }
+    }
+
+    /// The whole loss mask (all `true` without one).
+    pub fn mask_to_vec(&self) -> Vec<bool> {
+        let mut out = vec![true; self.len];
+        self.copy_mask_window(0, &mut out);
+        out
+    }
+
     /// Every token, decoded into memory.
     pub fn to_vec(&self) -> Vec<u32> {
         let bytes = self.bytes(0, self.len);
@@ -428,6 +543,15 @@ impl TokenFile {
                 .collect(),
         }
     }
+}
+
+/// `mask` as bits, least significant first.
+fn pack_bits(mask: &[bool]) -> Vec<u8> {
+    let mut bytes = vec![0u8; mask.len().div_ceil(8)];
+    for (i, _) in mask.iter().enumerate().filter(|(_, &m)| m) {
+        bytes[i / 8] |= 1 << (i % 8);
+    }
+    bytes
 }
 
 /// Reads `len` tokens from `r` and returns the index and value of the first not below `vocab`.
@@ -610,8 +734,82 @@ mod tests {
 
     #[test]
     fn unknown_version() {
-        let p = problem_of(&header(2, 2, 0, ABC));
-        assert!(matches!(p, TokenFileProblem::Version { found: 2 }));
+        let p = problem_of(&header(3, 2, 0, ABC));
+        assert!(matches!(p, TokenFileProblem::Version { found: 3 }));
+    }
+
+    /// 11 tokens: the mask spans two bytes, the second partly used.
+    #[test]
+    fn masked_tokens_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.bin");
+        let tok = Tokenizer::Char(CharTokenizer::from_text("abc"));
+        let ids = [0u32, 1, 2, 2, 1, 0, 0, 1, 2, 1, 0];
+        let mask = [
+            false, true, true, false, false, true, true, true, true, false, true,
+        ];
+        let size = TokenFile::write_masked(&path, &tok, &ids, &mask).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(bytes.len() as u64, size);
+        assert_eq!(bytes[VERSION_AT..VERSION_AT + 4], 2u32.to_le_bytes());
+        // Bits 1, 2, 5, 6, 7 of the first byte; 0 and 2 of the second.
+        assert_eq!(bytes[bytes.len() - 2..], [0b1110_0110, 0b0000_0101]);
+        assert_eq!(bytes.len(), FIXED_HEADER + ABC.len() + 2 * ids.len() + 2);
+        let f = TokenFile::open(&path).unwrap();
+        assert!(f.has_mask());
+        assert_eq!(f.to_vec(), ids);
+        assert_eq!(f.mask_to_vec(), mask);
+        let mut w = [false; 4];
+        f.copy_mask_window(6, &mut w);
+        assert_eq!(w, mask[6..10]);
+    }
+
+    /// A file written without a mask is version 1, as before masks, and every token counts.
+    #[test]
+    fn unmasked_files_stay_version_1_and_count_every_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v1.bin");
+        let tok = Tokenizer::Char(CharTokenizer::from_text("abc"));
+        TokenFile::write(&path, &tok, &[2, 0, 1]).unwrap();
+        let mut expected = header(1, 2, 3, ABC);
+        for t in [2u16, 0, 1] {
+            expected.extend_from_slice(&t.to_le_bytes());
+        }
+        assert_eq!(std::fs::read(&path).unwrap(), expected);
+        let f = TokenFile::open(&path).unwrap();
+        assert!(!f.has_mask());
+        assert_eq!(f.mask_to_vec(), [true; 3]);
+    }
+
+    #[test]
+    fn truncated_or_malformed_masks() {
+        let mut b = header(2, 2, 9, ABC);
+        b.extend_from_slice(&[0; 18]);
+        // Nine tokens need two mask bytes; one is there.
+        b.push(0xff);
+        let p = problem_of(&b);
+        assert!(matches!(
+            p,
+            TokenFileProblem::Truncated { field: "mask", needed, .. } if needed == b.len() as u64 + 1
+        ));
+        // A bit set past the ninth token.
+        b.push(0b10);
+        let p = problem_of(&b);
+        assert!(matches!(p, TokenFileProblem::Mask { .. }), "{p}");
+        // Token bytes cut short are still a count error.
+        let mut b = header(2, 2, 9, ABC);
+        b.extend_from_slice(&[0; 17]);
+        assert!(matches!(problem_of(&b), TokenFileProblem::Count { .. }));
+        let dir = tempfile::tempdir().unwrap();
+        let tok = Tokenizer::Char(CharTokenizer::from_text("abc"));
+        let err = TokenFile::write_masked(&dir.path().join("x.bin"), &tok, &[0, 1], &[true]);
+        assert!(matches!(
+            err,
+            Err(TrainError::TokenFile {
+                problem: TokenFileProblem::Mask { .. },
+                ..
+            })
+        ));
     }
 
     #[test]

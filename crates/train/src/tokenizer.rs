@@ -1,16 +1,19 @@
 //! Tokenizers: character level (one id per distinct character, in sorted order, as nanoGPT's
 //! shakespeare-char, which gives tinyshakespeare's 65 symbols) and GPT-2's byte-level BPE
-//! (`r50k_base`, 50,257 tokens, through `tiktoken-rs`, whose ranks ship inside the crate).
+//! (`r50k_base`, 50,257 tokens, through `tiktoken-rs`, whose ranks ship inside the crate), and
+//! Hugging Face's `tokenizer.json` ([`HfTokenizer`]).
 //!
-//! [`Tokenizer`] is either; [`TokenizerSpec`] is its serializable description, stored in token
-//! files and checkpoints so the exact tokenizer can be rebuilt.
+//! [`Tokenizer`] is any of them; [`TokenizerSpec`] is its serializable description, stored in
+//! token files and checkpoints so the exact tokenizer can be rebuilt.
 
 use std::collections::{BTreeSet, HashMap};
+use std::path::Path;
 use std::sync::OnceLock;
 
 use serde::{Deserialize, Serialize};
 use tiktoken_rs::CoreBPE;
 
+use crate::hf_tokenizer::{HfTokenizer, HfTokenizerFiles};
 use crate::TrainError;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -224,15 +227,22 @@ fn gpt2_chunks(text: &str, target: usize) -> Vec<&str> {
 pub enum Tokenizer {
     Char(CharTokenizer),
     Gpt2(Gpt2Tokenizer),
+    Hf(HfTokenizer),
 }
 
 /// What a token file or checkpoint stores to rebuild its [`Tokenizer`]: a character vocabulary
-/// in id order, or GPT-2 (whose ranks are built in).
+/// in id order, GPT-2 (whose ranks are built in), or a Hugging Face tokenizer's files.
+///
+/// The Hugging Face files are stored whole rather than as a path and a hash: a run must resume
+/// on a machine that has the token files or the checkpoint but not the model directory, and
+/// export writes the files back unchanged. They are a few MB at most (Llama 3's is the largest
+/// common one, about 9 MB), small beside the checkpoint's weights.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
 pub enum TokenizerSpec {
     Char { chars: String },
     Gpt2,
+    Hf(HfTokenizerFiles),
 }
 
 impl Tokenizer {
@@ -240,23 +250,48 @@ impl Tokenizer {
         Tokenizer::Gpt2(Gpt2Tokenizer::new())
     }
 
-    /// `"char"` or `"gpt2"`.
+    /// `"char"`, `"gpt2"` or `"hf"`.
     pub fn name(&self) -> &'static str {
         match self {
             Tokenizer::Char(_) => "char",
             Tokenizer::Gpt2(_) => "gpt2",
+            Tokenizer::Hf(_) => "hf",
         }
     }
 
+    /// One more than the largest id.
     pub fn vocab_size(&self) -> usize {
         match self {
             Tokenizer::Char(t) => t.vocab_size(),
             Tokenizer::Gpt2(_) => GPT2_VOCAB_SIZE,
+            Tokenizer::Hf(t) => t.vocab_size(),
         }
     }
 
-    /// Ids of `text`; for the character tokenizer a character outside the vocabulary is an
-    /// error naming it.
+    /// The id that ends a document or an example: GPT-2's `<|endoftext|>`, a Hugging Face
+    /// tokenizer's `eos_token`; a character vocabulary has none.
+    pub fn eos_id(&self) -> Option<u32> {
+        match self {
+            Tokenizer::Char(_) => None,
+            Tokenizer::Gpt2(_) => Some(GPT2_EOT),
+            Tokenizer::Hf(t) => t.special_tokens().eos.as_ref().map(|t| t.id),
+        }
+    }
+
+    /// Fails unless every id of this tokenizer is an id of a model with `model_vocab` entries.
+    /// A larger model vocabulary is fine (checkpoints pad it to a multiple of 64 or 128).
+    pub fn check_model_vocab(&self, model_vocab: usize) -> Result<(), TrainError> {
+        if self.vocab_size() > model_vocab {
+            return Err(TrainError::VocabMismatch {
+                tokenizer: self.vocab_size(),
+                model: model_vocab,
+            });
+        }
+        Ok(())
+    }
+
+    /// Ids of `text`, with no special tokens added; for the character tokenizer a character
+    /// outside the vocabulary is an error naming it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TrainError> {
         match self {
             Tokenizer::Char(t) => t.encode(text).map_err(|ch| TrainError::UnknownChar {
@@ -264,6 +299,7 @@ impl Tokenizer {
                 vocab: t.vocab_size(),
             }),
             Tokenizer::Gpt2(t) => t.encode(text),
+            Tokenizer::Hf(t) => t.encode(text, false),
         }
     }
 
@@ -272,6 +308,7 @@ impl Tokenizer {
         match self {
             Tokenizer::Char(t) => t.decode(ids),
             Tokenizer::Gpt2(t) => t.decode(ids),
+            Tokenizer::Hf(t) => t.decode(ids, false),
         }
     }
 
@@ -281,10 +318,12 @@ impl Tokenizer {
                 chars: t.chars().iter().collect(),
             },
             Tokenizer::Gpt2(_) => TokenizerSpec::Gpt2,
+            Tokenizer::Hf(t) => TokenizerSpec::Hf(t.files().clone()),
         }
     }
 
-    /// The tokenizer `spec` describes; an empty or repeating character list is an error.
+    /// The tokenizer `spec` describes; an empty or repeating character list, or Hugging Face
+    /// files that do not build a tokenizer, is an error.
     pub fn from_spec(spec: &TokenizerSpec) -> Result<Tokenizer, TrainError> {
         match spec {
             TokenizerSpec::Char { chars } => {
@@ -306,6 +345,10 @@ impl Tokenizer {
                 Ok(Tokenizer::Char(t))
             }
             TokenizerSpec::Gpt2 => Ok(Tokenizer::gpt2()),
+            TokenizerSpec::Hf(files) => Ok(Tokenizer::Hf(HfTokenizer::from_files(
+                files.clone(),
+                Path::new(""),
+            )?)),
         }
     }
 }

@@ -1,0 +1,113 @@
+//! `snug prepare --format jsonl` with the Hugging Face fixture tokenizer: token files with loss
+//! masks, split between examples, and bad lines named by number with nothing written.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use snug_train::token_file::TokenFile;
+
+fn tokenizer_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../nn/tests/fixtures/hf/tokenizer")
+}
+
+fn snug(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_snug"))
+        .args(args)
+        .output()
+        .expect("the snug binary runs")
+}
+
+#[test]
+fn jsonl_examples_become_masked_token_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("chat.jsonl");
+    // Three prompt/completion examples of 13 tokens each (6 prompt, 6 completion, EOS), then
+    // a chat whose only assistant turn, "4<|im_end|>\n", is 3 tokens.
+    let pc = r#"{"prompt": "Hello,", "completion": " world!"}"#;
+    let chat = r#"{"messages": [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]}"#;
+    std::fs::write(&input, format!("{pc}\n{pc}\n{pc}\n{chat}\n")).unwrap();
+    let out = dir.path().join("prepared");
+    let tok_json = tokenizer_dir().join("tokenizer.json");
+    for tokenizer in [tokenizer_dir(), tok_json] {
+        let o = snug(&[
+            "prepare",
+            "--format",
+            "jsonl",
+            "--input",
+            input.to_str().unwrap(),
+            "--tokenizer",
+            tokenizer.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--val-fraction",
+            "0.2",
+            "--json",
+        ]);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{stderr}");
+        let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(report["tokenizer"], "hf");
+        assert_eq!(report["vocab_size"], 320);
+        assert_eq!(report["examples"], 4);
+        let train = TokenFile::open(&out.join("train.bin")).unwrap();
+        let val = TokenFile::open(&out.join("val.bin")).unwrap();
+        assert!(train.has_mask() && val.has_mask());
+        // The chat (the last example) is the validation split: the boundary nearest 80%.
+        assert_eq!(train.len(), 39);
+        assert_eq!(report["train_tokens"], 39);
+        let one: Vec<bool> = (0..13).map(|i| i >= 6).collect();
+        assert_eq!(
+            train.mask_to_vec(),
+            [one.clone(), one.clone(), one].concat()
+        );
+        let val_ids = val.to_vec();
+        let val_mask = val.mask_to_vec();
+        let counted: Vec<u32> = val_ids
+            .iter()
+            .zip(&val_mask)
+            .filter(|(_, &m)| m)
+            .map(|(&i, _)| i)
+            .collect();
+        assert_eq!(val.tokenizer().decode(&counted), "4<|im_end|>\n");
+        assert_eq!(report["loss_tokens"], 3 * 7 + 3);
+        assert_eq!(val.tokenizer(), train.tokenizer());
+    }
+}
+
+#[test]
+fn a_malformed_line_is_named_and_nothing_is_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("bad.jsonl");
+    std::fs::write(&input, "{\"text\": \"a\"}\n\n{\"text\": 5}\n").unwrap();
+    let out = dir.path().join("prepared");
+    let base = [
+        "prepare",
+        "--format",
+        "jsonl",
+        "--input",
+        input.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--tokenizer",
+    ];
+    let run = |tokenizer: &str| {
+        let mut args = base.to_vec();
+        args.push(tokenizer);
+        let o = snug(&args);
+        assert_eq!(o.status.code(), Some(1));
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    let err = run(tokenizer_dir().to_str().unwrap());
+    assert!(
+        err.contains("bad.jsonl: line 3: `text` is a number"),
+        "{err}"
+    );
+    let err = run("char");
+    assert!(err.contains("--tokenizer: char"), "{err}");
+    let err = run("no-such-tokenizer");
+    assert!(
+        err.contains("--tokenizer") && err.contains("no-such-tokenizer"),
+        "{err}"
+    );
+    assert!(!out.exists());
+}

@@ -1,0 +1,494 @@
+//! The Hugging Face tokenizer and the JSONL examples against the fixtures transformers made
+//! (`crates/nn/tests/fixtures/hf/tokenizer`, written by `scripts/hf_fixtures/make_fixtures.py`).
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+use snug_train::examples::{parse_jsonl, tokenize_example, tokenize_jsonl};
+use snug_train::token_file::TokenFile;
+use snug_train::{
+    Example, HfTokenizer, HfTokenizerFiles, PackedExamples, TokenizedExample, Tokenizer,
+    TokenizerSpec, TrainError,
+};
+
+fn fixture_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../nn/tests/fixtures/hf/tokenizer")
+}
+
+fn expected() -> Value {
+    let text = std::fs::read_to_string(fixture_dir().join("expected.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn fixture() -> HfTokenizer {
+    HfTokenizer::from_dir(&fixture_dir()).unwrap()
+}
+
+fn ids_of(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn files() -> HfTokenizerFiles {
+    fixture().files().clone()
+}
+
+/// A tokenizer from the fixture's files with `config` (a JSON edit) as its config.
+fn with_config(
+    edit: impl FnOnce(&mut serde_json::Map<String, Value>),
+) -> Result<HfTokenizer, TrainError> {
+    let mut f = files();
+    let mut config: serde_json::Map<String, Value> =
+        serde_json::from_str(f.tokenizer_config_json.as_deref().unwrap()).unwrap();
+    edit(&mut config);
+    f.tokenizer_config_json = Some(serde_json::to_string(&config).unwrap());
+    HfTokenizer::from_files(f, Path::new("edited"))
+}
+
+fn check_encodings(t: &HfTokenizer) {
+    let exp = expected();
+    let encodings = exp["encodings"].as_array().unwrap();
+    assert_eq!(encodings.len(), 12);
+    for e in encodings {
+        let text = e["text"].as_str().unwrap();
+        let ids = ids_of(&e["ids"]);
+        assert_eq!(t.encode(text, false).unwrap(), ids, "{text:?}");
+        // `encode_add_special_tokens`: this tokenizer's post-processor adds nothing.
+        assert_eq!(t.encode(text, true).unwrap(), ids, "{text:?}");
+        let tokens: Vec<String> = ids.iter().map(|&i| t.id_to_token(i).unwrap()).collect();
+        let want: Vec<&str> = e["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s.as_str().unwrap())
+            .collect();
+        assert_eq!(tokens, want, "{text:?}");
+        assert_eq!(t.decode(&ids, false), e["decoded"].as_str().unwrap());
+        assert_eq!(
+            t.decode(&ids, true),
+            e["decoded_skip_special"].as_str().unwrap()
+        );
+    }
+}
+
+#[test]
+fn ids_tokens_and_decoded_text_match_transformers() {
+    check_encodings(&fixture());
+}
+
+/// Real SmolLM2 files store merges as `"a b"` strings, the fixture as pairs: both read the same.
+#[test]
+fn merges_as_strings_tokenize_identically() {
+    let mut f = files();
+    let mut json: Value = serde_json::from_str(&f.tokenizer_json).unwrap();
+    let merges = json["model"]["merges"].as_array_mut().unwrap();
+    assert!(merges[0].is_array());
+    for m in merges.iter_mut() {
+        let pair = m.as_array().unwrap();
+        *m = Value::String(format!(
+            "{} {}",
+            pair[0].as_str().unwrap(),
+            pair[1].as_str().unwrap()
+        ));
+    }
+    f.tokenizer_json = serde_json::to_string(&json).unwrap();
+    check_encodings(&HfTokenizer::from_files(f, Path::new("")).unwrap());
+}
+
+#[test]
+fn special_tokens_and_vocabulary() {
+    let t = fixture();
+    let exp = expected();
+    assert_eq!(t.vocab_size(), 320);
+    let s = t.special_tokens();
+    let pair = |tok: &Option<snug_train::hf_tokenizer::SpecialToken>| {
+        tok.as_ref().map(|t| (t.text.clone(), t.id))
+    };
+    assert_eq!(pair(&s.bos), Some(("<|im_start|>".into(), 1)));
+    assert_eq!(pair(&s.eos), Some(("<|im_end|>".into(), 2)));
+    assert_eq!(pair(&s.pad), Some(("<|im_end|>".into(), 2)));
+    assert_eq!(pair(&s.unk), Some(("<|endoftext|>".into(), 0)));
+    assert_eq!(exp["special_tokens"]["<|im_end|>"], 2);
+    let tok = Tokenizer::Hf(t);
+    assert_eq!(
+        (tok.name(), tok.vocab_size(), tok.eos_id()),
+        ("hf", 320, Some(2))
+    );
+    // Ids outside the vocabulary decode to U+FFFD rather than vanishing.
+    assert_eq!(tok.decode(&[42, 320, 71]), "H\u{FFFD}e");
+    // The model's vocabulary may be larger (padded), never smaller.
+    tok.check_model_vocab(320).unwrap();
+    tok.check_model_vocab(384).unwrap();
+    assert!(matches!(
+        tok.check_model_vocab(319),
+        Err(TrainError::VocabMismatch {
+            tokenizer: 320,
+            model: 319
+        })
+    ));
+}
+
+#[test]
+fn chat_renders_and_ids_match_transformers() {
+    let t = fixture();
+    let exp = expected();
+    let cases = exp["chat"].as_array().unwrap();
+    assert_eq!(cases.len(), 4);
+    let mut seen = std::collections::HashSet::new();
+    for c in cases {
+        let messages = c["messages"].as_array().unwrap();
+        let agp = c["add_generation_prompt"].as_bool().unwrap();
+        seen.insert((messages.len(), agp));
+        let rendered = t.render_chat(messages, agp).unwrap();
+        assert_eq!(rendered, c["rendered"].as_str().unwrap());
+        assert_eq!(t.encode(&rendered, false).unwrap(), ids_of(&c["ids"]));
+    }
+    // Both conversations, with and without the generation prompt.
+    assert_eq!(seen.len(), 4);
+}
+
+#[test]
+fn a_template_that_raises_is_an_error_with_its_message() {
+    let t = fixture();
+    let exp = expected();
+    let case = &exp["chat_error"];
+    match t.render_chat(case["messages"].as_array().unwrap(), false) {
+        Err(TrainError::ChatTemplate { path, message }) => {
+            assert_eq!(message, case["error"].as_str().unwrap());
+            assert_eq!(path, fixture_dir().join("tokenizer_config.json"));
+        }
+        other => panic!("expected a chat template error, got {other:?}"),
+    }
+}
+
+#[test]
+fn named_templates_take_default_and_chat_template_jinja_wins() {
+    let msgs = [json!({"role": "user", "content": "hi"})];
+    let want = fixture().render_chat(&msgs, true).unwrap();
+    let listed = with_config(|c| {
+        let t = c["chat_template"].clone();
+        c["chat_template"] = json!([
+            {"name": "tool_use", "template": "tools!"},
+            {"name": "default", "template": t},
+        ]);
+    })
+    .unwrap();
+    assert_eq!(listed.render_chat(&msgs, true).unwrap(), want);
+    let err = with_config(|c| c["chat_template"] = json!([{"name": "tool_use", "template": "x"}]))
+        .unwrap_err();
+    assert!(
+        matches!(&err, TrainError::HfTokenizerFile { field: Some(f), .. } if f == "chat_template"),
+        "{err}"
+    );
+    let mut f = files();
+    f.chat_template_jinja = Some("{% for m in messages %}[{{ m.content }}]{% endfor %}".into());
+    let t = HfTokenizer::from_files(f, Path::new("")).unwrap();
+    assert_eq!(t.render_chat(&msgs, false).unwrap(), "[hi]");
+}
+
+#[test]
+fn bad_files_are_named_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    // Missing tokenizer.json: an I/O error naming it.
+    match HfTokenizer::from_dir(dir.path()) {
+        Err(TrainError::Io { path, .. }) => assert_eq!(path, dir.path().join("tokenizer.json")),
+        other => panic!("{other:?}"),
+    }
+    // Malformed tokenizer.json.
+    std::fs::write(dir.path().join("tokenizer.json"), "{\"model\": 3}").unwrap();
+    match HfTokenizer::from_dir(dir.path()) {
+        Err(TrainError::HfTokenizerFile {
+            path, field: None, ..
+        }) => {
+            assert_eq!(path, dir.path().join("tokenizer.json"))
+        }
+        other => panic!("{other:?}"),
+    }
+    // Malformed tokenizer_config.json beside a good tokenizer.json.
+    std::fs::write(dir.path().join("tokenizer.json"), files().tokenizer_json).unwrap();
+    std::fs::write(dir.path().join("tokenizer_config.json"), "{not json").unwrap();
+    let err = HfTokenizer::from_dir(dir.path()).unwrap_err();
+    assert!(
+        matches!(&err, TrainError::HfTokenizerFile { path, .. } if *path == dir.path().join("tokenizer_config.json")),
+        "{err}"
+    );
+    // Without a config: no special tokens, no template.
+    std::fs::remove_file(dir.path().join("tokenizer_config.json")).unwrap();
+    let bare = HfTokenizer::from_file(&dir.path().join("tokenizer.json")).unwrap();
+    assert!(bare.special_tokens().eos.is_none() && !bare.has_chat_template());
+    assert!(matches!(
+        bare.render_chat(&[json!({"role": "user", "content": "x"})], false),
+        Err(TrainError::HfTokenizerFile { field: Some(ref f), .. }) if f == "chat_template"
+    ));
+    // A special token outside the vocabulary, and a template that does not compile.
+    let err = with_config(|c| c["eos_token"] = json!("<|nope|>")).unwrap_err();
+    assert!(
+        matches!(&err, TrainError::HfTokenizerFile { field: Some(f), .. } if f == "eos_token"),
+        "{err}"
+    );
+    let err = with_config(|c| c["chat_template"] = json!("{% for m in messages %}")).unwrap_err();
+    assert!(
+        matches!(&err, TrainError::HfTokenizerFile { field: Some(f), .. } if f == "chat_template"),
+        "{err}"
+    );
+    // An AddedToken object is read for its content.
+    let t = with_config(|c| c["bos_token"] = json!({"content": "<|endoftext|>", "lstrip": false}))
+        .unwrap();
+    assert_eq!(t.special_tokens().bos.as_ref().map(|b| b.id), Some(0));
+}
+
+#[test]
+fn the_spec_rebuilds_the_same_tokenizer_and_survives_a_token_file() {
+    let tok = Tokenizer::Hf(fixture());
+    let spec = tok.to_spec();
+    let json = serde_json::to_string(&spec).unwrap();
+    assert!(
+        json.starts_with(r#"{"kind":"hf","tokenizer_json":"#),
+        "{}",
+        &json[..40]
+    );
+    let back: TokenizerSpec = serde_json::from_str(&json).unwrap();
+    let rebuilt = Tokenizer::from_spec(&back).unwrap();
+    assert_eq!(rebuilt, tok);
+    let Tokenizer::Hf(hf) = &rebuilt else {
+        panic!()
+    };
+    assert_eq!(
+        hf.files().tokenizer_json,
+        std::fs::read_to_string(fixture_dir().join("tokenizer.json")).unwrap()
+    );
+    assert!(hf.has_chat_template());
+    check_encodings(hf);
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("chat.bin");
+    let ids = tok.encode("Hello, world!").unwrap();
+    let mask: Vec<bool> = (0..ids.len()).map(|i| i % 3 == 1).collect();
+    TokenFile::write_masked(&path, &tok, &ids, &mask).unwrap();
+    let f = TokenFile::open(&path).unwrap();
+    assert_eq!(f.tokenizer(), &tok);
+    assert_eq!((f.to_vec(), f.mask_to_vec()), (ids, mask));
+}
+
+// ---- examples -------------------------------------------------------------------------------
+
+fn hf() -> Tokenizer {
+    Tokenizer::Hf(fixture())
+}
+
+/// `"Hello, world!"` (the fixture's ids) then `<|im_end|>` = 2; every target but the first.
+#[test]
+fn text_example_counts_every_target_but_its_first() {
+    let ex = tokenize_example(&hf(), &Example::Text("Hello, world!".into())).unwrap();
+    assert_eq!(ex.ids, [42, 71, 78, 78, 81, 14, 318, 81, 84, 78, 70, 3, 2]);
+    let mut mask = vec![true; 13];
+    mask[0] = false;
+    assert_eq!(ex.mask, mask);
+}
+
+/// `"Hello,"` = 42 71 78 78 81 14 and `" world!"` = 318 81 84 78 70 3 (the fixture's tokens of
+/// `"Hello, world!"`), tokenized apart: the prompt's six count for nothing.
+#[test]
+fn prompt_completion_counts_the_completion_and_its_eos() {
+    let ex = tokenize_example(
+        &hf(),
+        &Example::PromptCompletion {
+            prompt: "Hello,".into(),
+            completion: " world!".into(),
+        },
+    )
+    .unwrap();
+    assert_eq!(ex.ids, [42, 71, 78, 78, 81, 14, 318, 81, 84, 78, 70, 3, 2]);
+    let mask: Vec<bool> = (0..13).map(|i| i >= 6).collect();
+    assert_eq!(ex.mask, mask);
+    // An empty prompt: the completion's first token has nothing before it.
+    let ex = tokenize_example(
+        &hf(),
+        &Example::PromptCompletion {
+            prompt: String::new(),
+            completion: "Hi".into(),
+        },
+    )
+    .unwrap();
+    assert!(!ex.mask[0]);
+    assert!(ex.mask[1..].iter().all(|&m| m));
+}
+
+/// The fixture's second conversation: its one assistant turn, `"Paris.<|im_end|>\n"`, is ids
+/// 53..60 of transformers' 84 (50 279 75 85 16 2 201); `<|im_end|>` is appended after the final
+/// `"\n"` and does not count.
+#[test]
+fn chat_example_counts_the_assistant_turn_only() {
+    let exp = expected();
+    let case = &exp["chat"][2];
+    assert_eq!(case["add_generation_prompt"], false);
+    let messages = case["messages"].as_array().unwrap().clone();
+    let ex = tokenize_example(&hf(), &Example::Messages(messages)).unwrap();
+    let mut ids = ids_of(&case["ids"]);
+    assert_eq!(ids.len(), 84);
+    ids.push(2);
+    assert_eq!(ex.ids, ids);
+    let mask: Vec<bool> = (0..85).map(|i| (53..60).contains(&i)).collect();
+    assert_eq!(ex.mask, mask);
+    assert_eq!(&ex.ids[53..60], [50, 279, 75, 85, 16, 2, 201]);
+    let Tokenizer::Hf(t) = hf() else { panic!() };
+    assert_eq!(t.decode(&ex.ids[53..60], false), "Paris.<|im_end|>\n");
+
+    // Two assistant turns both count; the user's turn between them does not.
+    let msgs = vec![
+        json!({"role": "user", "content": "a"}),
+        json!({"role": "assistant", "content": "b"}),
+        json!({"role": "user", "content": "c"}),
+        json!({"role": "assistant", "content": "d"}),
+    ];
+    let ex = tokenize_example(&hf(), &Example::Messages(msgs)).unwrap();
+    let counted: Vec<u32> = ex
+        .ids
+        .iter()
+        .zip(&ex.mask)
+        .filter(|(_, &m)| m)
+        .map(|(&i, _)| i)
+        .collect();
+    assert_eq!(t.decode(&counted, false), "b<|im_end|>\nd<|im_end|>\n");
+}
+
+/// A template that renders earlier turns differently once later ones exist cannot be masked by
+/// prefixes: refused, not guessed.
+#[test]
+fn a_template_that_is_not_prefix_stable_is_refused() {
+    let t = with_config(|c| {
+        c["chat_template"] = json!(
+            "{% for m in messages %}{% if loop.last %}[{{ m.content }}]{% else %}({{ m.content }}){% endif %}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+        )
+    })
+    .unwrap();
+    let msgs = vec![
+        json!({"role": "user", "content": "a"}),
+        json!({"role": "assistant", "content": "b"}),
+        json!({"role": "user", "content": "c"}),
+    ];
+    let err = tokenize_example(&Tokenizer::Hf(t), &Example::Messages(msgs)).unwrap_err();
+    assert!(err.to_string().contains("prefix"), "{err}");
+}
+
+#[test]
+fn packing_keeps_boundaries_and_masks_predictions_across_them() {
+    let a = TokenizedExample {
+        ids: vec![5, 6, 2],
+        mask: vec![false, true, true],
+    };
+    let b = TokenizedExample {
+        ids: vec![7, 8, 9, 2],
+        mask: vec![true, false, true, true],
+    };
+    let p = PackedExamples::pack([a.clone(), TokenizedExample::default(), b, a]);
+    assert_eq!(p.ids, [5, 6, 2, 7, 8, 9, 2, 5, 6, 2]);
+    assert_eq!(p.starts, [0, 3, 7]);
+    // 7 would be predicted from the previous example's EOS: 0, whatever its example said.
+    assert_eq!(
+        p.mask,
+        [false, true, true, false, false, true, true, false, true, true]
+    );
+    assert_eq!(p.loss_tokens(), 6);
+    // 30% of 10 tokens: the boundary nearest to 7 tokens of training data is 7.
+    let (train, val) = p.clone().split(0.3).unwrap();
+    assert_eq!((train.ids.len(), train.starts.clone()), (7, vec![0, 3]));
+    assert_eq!(
+        (val.ids, val.mask, val.starts),
+        (vec![5, 6, 2], vec![false, true, true], vec![0])
+    );
+    // At least one example on each side, and none to split with one example.
+    let (train, val) = p.clone().split(0.99).unwrap();
+    assert_eq!((train.starts.len(), val.starts.len()), (1, 2));
+    assert!(PackedExamples::pack([TokenizedExample {
+        ids: vec![1],
+        mask: vec![true]
+    }])
+    .split(0.5)
+    .is_none());
+}
+
+#[test]
+fn jsonl_of_all_three_shapes_packs_into_one_stream() {
+    let path = Path::new("data.jsonl");
+    let text = concat!(
+        r#"{"text": "Hello, world!", "id": 7}"#,
+        "\n\n",
+        r#"{"prompt": "Hello,", "completion": " world!"}"#,
+        "\n",
+        r#"{"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]}"#,
+        "\n"
+    );
+    let parsed = parse_jsonl(path, text).unwrap();
+    assert_eq!(
+        parsed.iter().map(|(l, _)| *l).collect::<Vec<_>>(),
+        [1, 3, 4]
+    );
+    let p = tokenize_jsonl(path, text, &hf()).unwrap();
+    let singles: Vec<TokenizedExample> = parsed
+        .iter()
+        .map(|(_, e)| tokenize_example(&hf(), e).unwrap())
+        .collect();
+    assert_eq!(p.starts, [0, 13, 26]);
+    assert_eq!(p, PackedExamples::pack(singles));
+    assert!(p.ids[12] == 2 && p.ids[25] == 2 && *p.ids.last().unwrap() == 2);
+}
+
+#[test]
+fn malformed_jsonl_lines_are_named_by_number() {
+    let path = Path::new("bad.jsonl");
+    let good = r#"{"text": "ok"}"#;
+    let cases = [
+        ("{not json", "not JSON"),
+        ("[1, 2]", "not a JSON object"),
+        (r#"{"id": 1}"#, "none of"),
+        (r#"{"text": 3}"#, "`text` is a number"),
+        (r#"{"prompt": "p"}"#, "`completion` is missing"),
+        (r#"{"text": "t", "messages": []}"#, "mixes"),
+        (r#"{"messages": []}"#, "empty"),
+        (
+            r#"{"messages": [{"content": "x"}]}"#,
+            "`messages[0].role` is missing",
+        ),
+        (r#"{"messages": ["x"]}"#, "not an object"),
+    ];
+    for (line, want) in cases {
+        let text = format!("{good}\n\n{good}\n{line}\n{good}\n");
+        match parse_jsonl(path, &text) {
+            Err(TrainError::JsonlLine {
+                path: p,
+                line: 4,
+                detail,
+            }) => {
+                assert_eq!(p, path);
+                assert!(detail.contains(want), "{line}: {detail}");
+            }
+            other => panic!("{line}: {other:?}"),
+        }
+    }
+    // A chat the template refuses: the line and the template's message.
+    let text = format!(
+        "{good}\n{}\n",
+        r#"{"messages": [{"role": "tool", "content": "{}"}]}"#
+    );
+    match tokenize_jsonl(path, &text, &hf()) {
+        Err(TrainError::JsonlExample {
+            line: 2, problem, ..
+        }) => match *problem {
+            TrainError::ChatTemplate { message, .. } => assert_eq!(message, "Unknown role: tool"),
+            other => panic!("{other:?}"),
+        },
+        other => panic!("{other:?}"),
+    }
+    // Chat needs a Hugging Face tokenizer; GPT-2 handles the other shapes.
+    let chat = r#"{"messages": [{"role": "user", "content": "x"}]}"#;
+    assert!(matches!(
+        tokenize_jsonl(path, chat, &Tokenizer::gpt2()),
+        Err(TrainError::JsonlExample { line: 1, .. })
+    ));
+    let p = tokenize_jsonl(path, good, &Tokenizer::gpt2()).unwrap();
+    assert_eq!(p.ids, [482, 50256]);
+}
