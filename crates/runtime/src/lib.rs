@@ -1,18 +1,20 @@
-//! snug's runtime: where planned graphs meet real memory.
+//! snug's runtime: where planned graphs meet real memory, shared by every backend.
 //!
 //! - [`allocator`]: the caching device allocator with its counters (active, peak, cache) and
 //!   limits (memory, cache, wired); every byte snug holds goes through it.
-//! - [`cpu`]: [`CpuSession`] runs a planned step graph inside one arena.
+//! - [`exec`]: [`ExecCtx`], the per-run values (learning rate, step, micro-batch) kernels read.
+//! - [`process`]: the process's own resources (resident set, CPU time, the C heap).
+//!
+//! The backends (the CPU's is `snug-cpu`) run planned graphs with these.
 
 pub mod allocator;
-pub mod cpu;
 mod error;
+pub mod exec;
 pub mod process;
 
 pub use allocator::{
     Allocator, Buffer, Device, Leak, MemoryReport, MemoryStats, OutOfMemory, WiredLimitError,
 };
-pub use cpu::{physical_cores, CpuSession};
 pub use error::RuntimeError;
-pub use snug_graph::ops::ExecCtx;
+pub use exec::ExecCtx;
 pub use snug_plan::{parse_bytes, SizeError};

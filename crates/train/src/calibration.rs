@@ -12,6 +12,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use snug_cpu::CpuSession;
 use snug_fit::{
     compile_step, node_work, MachineProfile, Pass, Sample, StepConfig, PROFILE_VERSION,
 };
@@ -19,7 +20,7 @@ use snug_graph::ops::MatMul;
 use snug_graph::{DType, Graph, Role};
 use snug_nn::ModelConfig;
 use snug_plan::{plan, PlanOptions};
-use snug_runtime::{Allocator, CpuSession, ExecCtx};
+use snug_runtime::{Allocator, ExecCtx};
 
 use crate::TrainError;
 
