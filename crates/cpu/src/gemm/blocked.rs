@@ -150,7 +150,6 @@ fn aligned(buf: &mut Vec<f32>, floats: usize) -> *mut f32 {
 /// for the elements its strides reach, and `c` must not overlap `a` or `b`. A prologue's
 /// statistics must cover every token and its weights every feature of `a`; a bias must hold
 /// `n` values.
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn sgemm<T: Tile>(
     (m, n, k): (usize, usize, usize),
     (c, c_rs): (*mut f32, isize),
@@ -209,7 +208,6 @@ thread_local! {
 ///
 /// # Safety
 /// As [`sgemm`].
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn sgemm_threaded<T: Tile>(
     (m, n, k): (usize, usize, usize),
     (c, c_rs): (*mut f32, isize),
@@ -420,7 +418,6 @@ unsafe fn by_columns<T: Tile>(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 unsafe fn blocked<T: Tile>(
     (m, n, k): (usize, usize, usize),
     (c, c_rs): (*mut f32, isize),

@@ -35,14 +35,14 @@ pub(crate) fn linear_rows(
         bias: Some(bias),
     };
     // SAFETY: the lengths were checked just above.
-    if unsafe { gemm_fused((false, false), (m, n, k), t, w, y, par, fused) } {
+    if unsafe { gemm_fused(Layout::new((false, false), (m, n, k)), t, w, y, par, fused) } {
         return;
     }
     for row in y[..m * n].chunks_exact_mut(n) {
         row.copy_from_slice(bias);
     }
     // SAFETY: the lengths were checked just above.
-    unsafe { gemm_strided(false, false, m, n, k, t, w, y, true, par) };
+    unsafe { gemm_strided(Layout::new((false, false), (m, n, k)), t, w, y, true, par) };
 }
 
 /// Which of our register tiles ([`blocked`]) a product runs on.
@@ -90,28 +90,50 @@ pub(crate) fn input_grad_rows(
     assert!(dy.len() >= m * n && w.len() >= k * n && g.len() >= m * k);
     let par = par_for(m, k, n, rayon::current_num_threads());
     // SAFETY: the lengths were checked just above.
-    unsafe { gemm_strided(false, true, m, k, n, dy, w, g, false, par) };
+    unsafe { gemm_strided(Layout::new((false, true), (m, k, n)), dy, w, g, false, par) };
+}
+
+/// The shape of a product of row-major matrices, `op(a) [m, k] · op(b) [k, n]`, where `op`
+/// transposes the stored matrix when its flag is set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Layout {
+    pub ta: bool,
+    pub tb: bool,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+impl Layout {
+    pub(crate) fn new((ta, tb): (bool, bool), (m, n, k): (usize, usize, usize)) -> Layout {
+        Layout { ta, tb, m, n, k }
+    }
+
+    /// Row and column strides of `op(a)` and `op(b)` stored row-major: element (i, j) of op(x)
+    /// sits at i·rs + j·cs.
+    fn strides(self) -> ((isize, isize), (isize, isize)) {
+        let Layout { ta, tb, m, n, k } = self;
+        let a = if ta { (1, m as isize) } else { (k as isize, 1) };
+        let b = if tb { (1, k as isize) } else { (n as isize, 1) };
+        (a, b)
+    }
 }
 
 /// `c (+)= op(a) · op(b)` over row-major storage; `accumulate` keeps what `c` holds.
 ///
 /// # Safety
 /// `a`, `b` and `c` must hold at least `m·k`, `k·n` and `m·n` elements.
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gemm_strided(
-    ta: bool,
-    tb: bool,
-    m: usize,
-    n: usize,
-    k: usize,
+    layout: Layout,
     a: &[f32],
     b: &[f32],
     c: &mut [f32],
     accumulate: bool,
     par: ::gemm::Parallelism,
 ) {
+    let Layout { m, n, k, .. } = layout;
     debug_assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
-    let ((a_rs, a_cs), (b_rs, b_cs)) = strides((ta, tb), (m, n, k));
+    let ((a_rs, a_cs), (b_rs, b_cs)) = layout.strides();
     gemm_raw(
         (m, n, k),
         (c.as_mut_ptr(), n as isize, 1),
@@ -164,15 +186,18 @@ impl Fused<'_> {
     }
 }
 
-/// Row and column strides of `op(a)` and `op(b)` stored row-major: element (i, j) of op(x)
-/// sits at i·rs + j·cs.
-fn strides(
-    (ta, tb): (bool, bool),
-    (m, n, k): (usize, usize, usize),
-) -> ((isize, isize), (isize, isize)) {
-    let a = if ta { (1, m as isize) } else { (k as isize, 1) };
-    let b = if tb { (1, k as isize) } else { (n as isize, 1) };
-    (a, b)
+/// One product `c (+)= scale · a · b` of strided matrices, each given as (pointer, row stride,
+/// column stride): element (i, j) sits at i·rs + j·cs.
+#[derive(Debug, Clone, Copy)]
+struct Product {
+    /// `(m, n, k)`: `a` is `m × k`, `b` is `k × n`.
+    dims: (usize, usize, usize),
+    c: (*mut f32, isize, isize),
+    a: (*const f32, isize, isize),
+    b: (*const f32, isize, isize),
+    scale: f32,
+    /// Add to what `c` holds rather than overwrite it.
+    accumulate: bool,
 }
 
 /// Runs a product through our kernel on `tile`, its threads dealt the work by demand where
@@ -180,20 +205,22 @@ fn strides(
 /// use.
 ///
 /// # Safety
-/// As [`blocked::sgemm`], on a CPU [`own_kernel`] accepted.
+/// As [`blocked::sgemm`] (`c`'s column stride is 1), on a CPU [`own_kernel`] accepted.
 #[cfg(target_arch = "x86_64")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn own_gemm(
     tile: OwnTile,
-    (m, n, k): (usize, usize, usize),
-    c: (*mut f32, isize),
-    a: (*const f32, isize, isize),
-    b: (*const f32, isize, isize),
-    scale: f32,
-    accumulate: bool,
+    product: Product,
     par: ::gemm::Parallelism,
     fused: Fused<'_>,
 ) -> bool {
+    let Product {
+        dims: (m, n, k),
+        c: (c, c_rs, _),
+        a,
+        b,
+        scale,
+        accumulate,
+    } = product;
     use avx2::Avx2;
     use avx512::Avx512;
     use blocked::{sgemm, sgemm_threaded};
@@ -205,7 +232,7 @@ unsafe fn own_gemm(
         (OwnTile::Avx2, true) => sgemm_threaded::<Avx2>,
     };
     // SAFETY: as the caller vouched.
-    unsafe { run((m, n, k), c, a, b, scale, accumulate, fused) }
+    unsafe { run((m, n, k), (c, c_rs), a, b, scale, accumulate, fused) }
 }
 
 /// `c = f(op(a)) · op(b) (+ bias)` through our kernel, with `f` (made as `a` is packed)
@@ -217,37 +244,32 @@ unsafe fn own_gemm(
 /// # Safety
 /// As [`gemm_strided`]; a prologue's statistics must cover every token and its weights every
 /// feature of `op(a)`, and a bias must hold `n` values.
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gemm_fused(
-    (ta, tb): (bool, bool),
-    (m, n, k): (usize, usize, usize),
+    layout: Layout,
     a: &[f32],
     b: &[f32],
     c: &mut [f32],
     par: ::gemm::Parallelism,
     fused: Fused<'_>,
 ) -> bool {
+    let Layout { m, n, k, .. } = layout;
     debug_assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
     debug_assert!(fused.bias.is_none_or(|bias| bias.len() >= n));
     #[cfg(target_arch = "x86_64")]
     if let Some(tile) = own_kernel((m, n, k), 1) {
-        let ((a_rs, a_cs), (b_rs, b_cs)) = strides((ta, tb), (m, n, k));
-        // SAFETY: `own_kernel` checked the CPU; the caller vouches for the operands.
-        return unsafe {
-            own_gemm(
-                tile,
-                (m, n, k),
-                (c.as_mut_ptr(), n as isize),
-                (a.as_ptr(), a_rs, a_cs),
-                (b.as_ptr(), b_rs, b_cs),
-                1.0,
-                false,
-                par,
-                fused,
-            )
+        let ((a_rs, a_cs), (b_rs, b_cs)) = layout.strides();
+        let product = Product {
+            dims: (m, n, k),
+            c: (c.as_mut_ptr(), n as isize, 1),
+            a: (a.as_ptr(), a_rs, a_cs),
+            b: (b.as_ptr(), b_rs, b_cs),
+            scale: 1.0,
+            accumulate: false,
         };
+        // SAFETY: `own_kernel` checked the CPU; the caller vouches for the operands.
+        return unsafe { own_gemm(tile, product, par, fused) };
     }
-    let _ = (ta, tb, m, n, k, a, b, c, par, fused);
+    let _ = (a, b, c, par, fused);
     false
 }
 
@@ -265,19 +287,16 @@ pub(crate) unsafe fn gemm_raw(
     par: ::gemm::Parallelism,
 ) {
     let ours = own_kernel((m, n, k), c_cs);
+    let product = Product {
+        dims: (m, n, k),
+        c: (c, c_rs, c_cs),
+        a: (a, a_rs, a_cs),
+        b: (b, b_rs, b_cs),
+        scale,
+        accumulate,
+    };
     // SAFETY: as the caller vouched.
-    unsafe {
-        gemm_with(
-            (m, n, k),
-            (c, c_rs, c_cs),
-            (a, a_rs, a_cs),
-            (b, b_rs, b_cs),
-            scale,
-            accumulate,
-            par,
-            ours,
-        )
-    }
+    unsafe { gemm_with(product, par, ours) }
 }
 
 /// [`gemm_raw`] with the kernel chosen once for the whole product, so that every slab runs the
@@ -285,36 +304,22 @@ pub(crate) unsafe fn gemm_raw(
 ///
 /// # Safety
 /// As [`gemm_raw`]; `ours` only what [`own_kernel`] chose.
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_with(
-    (m, n, k): (usize, usize, usize),
-    (c, c_rs, c_cs): (*mut f32, isize, isize),
-    (a, a_rs, a_cs): (*const f32, isize, isize),
-    (b, b_rs, b_cs): (*const f32, isize, isize),
-    scale: f32,
-    accumulate: bool,
-    par: ::gemm::Parallelism,
-    ours: Option<OwnTile>,
-) {
+unsafe fn gemm_with(product: Product, par: ::gemm::Parallelism, ours: Option<OwnTile>) {
+    let Product {
+        dims: (m, n, k),
+        c: (c, c_rs, c_cs),
+        a: (a, a_rs, a_cs),
+        b: (b, b_rs, b_cs),
+        scale,
+        accumulate,
+    } = product;
     #[cfg(target_arch = "x86_64")]
     if let Some(tile) = ours {
         // Where the dealt kernel cannot run (its packing space in use), the slabs below each
         // run `sgemm`.
         // SAFETY: `own_kernel` checked the CPU and the unit column stride of `c` (a slab keeps
         // both); the caller vouches for the pointers.
-        let done = unsafe {
-            own_gemm(
-                tile,
-                (m, n, k),
-                (c, c_rs),
-                (a, a_rs, a_cs),
-                (b, b_rs, b_cs),
-                scale,
-                accumulate,
-                par,
-                Fused::NONE,
-            )
-        };
+        let done = unsafe { own_gemm(tile, product, par, Fused::NONE) };
         if done {
             return;
         }
@@ -346,16 +351,15 @@ unsafe fn gemm_with(
                 // SAFETY: each part writes its own rows or columns of `c` and reads inside
                 // `a` and `b` as the whole product would.
                 unsafe {
-                    gemm_with(
+                    let slab = Product {
                         dims,
-                        (c.get().offset(c_at), c_rs, c_cs),
-                        (a.get().offset(a_at), a_rs, a_cs),
-                        (b.get().offset(b_at), b_rs, b_cs),
+                        c: (c.get().offset(c_at), c_rs, c_cs),
+                        a: (a.get().offset(a_at), a_rs, a_cs),
+                        b: (b.get().offset(b_at), b_rs, b_cs),
                         scale,
                         accumulate,
-                        ::gemm::Parallelism::None,
-                        ours,
-                    )
+                    };
+                    gemm_with(slab, ::gemm::Parallelism::None, ours)
                 }
             });
             return;

@@ -143,7 +143,6 @@ impl Right {
 ///
 /// # Safety
 /// Every pointer must be valid for the rows its shape and stride reach.
-#[allow(clippy::too_many_arguments)]
 unsafe fn head_gemm(
     (m, n, k): (usize, usize, usize),
     c: Rows,

@@ -36,7 +36,7 @@ fn approx_of(tanh: bool) -> GeluApprox {
 }
 
 fn forward<const TANH: bool>(kern: &Kernel<'_>) {
-    use crate::gemm::{gemm_fused, linear_rows, par_for, Fused, Prologue};
+    use crate::gemm::{gemm_fused, linear_rows, par_for, Fused, Layout, Prologue};
     let (h, w, bias) = (kern.in_f32(0), kern.in_f32(1), kern.in_f32(2));
     let Ok((rows, k, n)) = linear_dims("gelu_linear", kern.in_shape(0), kern.in_shape(1)) else {
         unreachable!("shape rule checked at build time")
@@ -49,7 +49,16 @@ fn forward<const TANH: bool>(kern: &Kernel<'_>) {
     };
     let par = par_for(rows, n, k, rayon::current_num_threads());
     // SAFETY: `h` holds rows·k, `w` k·n and `y` rows·n elements.
-    if unsafe { gemm_fused((false, false), (rows, n, k), h, w, y, par, fused) } {
+    if unsafe {
+        gemm_fused(
+            Layout::new((false, false), (rows, n, k)),
+            h,
+            w,
+            y,
+            par,
+            fused,
+        )
+    } {
         return;
     }
     let ws = kern.workspace();
@@ -65,7 +74,7 @@ fn forward<const TANH: bool>(kern: &Kernel<'_>) {
 }
 
 fn backward<const TANH: bool>(kern: &Kernel<'_>) {
-    use crate::gemm::{gemm_strided, input_grad_rows, par_for};
+    use crate::gemm::{gemm_strided, input_grad_rows, par_for, Layout};
     use rayon::prelude::*;
     // Run in place, `h` is read through `dh`: each element is read before it is written.
     let h = (kern.inplace() != Some(0)).then(|| kern.in_f32(0));
@@ -115,11 +124,7 @@ fn backward<const TANH: bool>(kern: &Kernel<'_>) {
         // SAFETY: `t` holds (r1-r0)·k, `dyt` (r1-r0)·n and `dw` k·n elements.
         unsafe {
             gemm_strided(
-                true,
-                false,
-                k,
-                n,
-                r1 - r0,
+                Layout::new((true, false), (k, n, r1 - r0)),
                 t,
                 dyt,
                 dw,

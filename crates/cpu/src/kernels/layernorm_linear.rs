@@ -112,7 +112,7 @@ fn row_stats_all(x: &[f32], k: usize, eps: f32, mean: &mut [f32], rstd: &mut [f3
 }
 
 fn forward(eps: f32, kern: &Kernel<'_>) {
-    use crate::gemm::{gemm_fused, linear_rows, par_for, Fused};
+    use crate::gemm::{gemm_fused, linear_rows, par_for, Fused, Layout};
     let (x, ln_w, ln_b) = (kern.in_f32(0), kern.in_f32(1), kern.in_f32(2));
     let (w, bias) = (kern.in_f32(3), kern.in_f32(4));
     let Ok((rows, k, n)) = linear_dims("layer_norm_linear", kern.in_shape(0), kern.in_shape(3))
@@ -130,7 +130,16 @@ fn forward(eps: f32, kern: &Kernel<'_>) {
     let par = par_for(rows, n, k, rayon::current_num_threads());
     // SAFETY: `x` holds rows·k, `w` k·n and `y` rows·n elements; the statistics cover every
     // row and the norm's weights every feature.
-    if unsafe { gemm_fused((false, false), (rows, n, k), x, w, y, par, fused) } {
+    if unsafe {
+        gemm_fused(
+            Layout::new((false, false), (rows, n, k)),
+            x,
+            w,
+            y,
+            par,
+            fused,
+        )
+    } {
         return;
     }
     let ws = kern.workspace();
@@ -145,7 +154,7 @@ fn forward(eps: f32, kern: &Kernel<'_>) {
 }
 
 fn backward(kern: &Kernel<'_>) {
-    use crate::gemm::{gemm_fused, gemm_strided, input_grad_rows, par_for, Fused};
+    use crate::gemm::{gemm_fused, gemm_strided, input_grad_rows, par_for, Fused, Layout};
     use rayon::prelude::*;
     // Run in place, `x` is read through `dx`: every read of a row comes before its write.
     let x_in = (kern.inplace() != Some(0)).then(|| kern.in_f32(0));
@@ -182,8 +191,7 @@ fn backward(kern: &Kernel<'_>) {
     // row and the norm's weights every feature.
     let dw_done = unsafe {
         gemm_fused(
-            (true, false),
-            (k, n, rows),
+            Layout::new((true, false), (k, n, rows)),
             x_in.unwrap_or(&*dx),
             dy,
             dw,
@@ -215,11 +223,7 @@ fn backward(kern: &Kernel<'_>) {
             // SAFETY: `t` holds k·(r1-r0), `dyt` (r1-r0)·n and `dw` k·n elements.
             unsafe {
                 gemm_strided(
-                    false,
-                    false,
-                    k,
-                    n,
-                    r1 - r0,
+                    Layout::new((false, false), (k, n, r1 - r0)),
                     t,
                     dyt,
                     dw,

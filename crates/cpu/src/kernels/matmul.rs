@@ -3,7 +3,7 @@
 
 use snug_graph::ops::MatMul;
 
-use crate::gemm::{gemm_fused, gemm_strided, par_for, Fused, Prologue};
+use crate::gemm::{gemm_fused, gemm_strided, par_for, Fused, Layout, Prologue};
 use crate::{CpuKernel, Kernel};
 
 impl CpuKernel for MatMul {
@@ -21,7 +21,7 @@ impl CpuKernel for MatMul {
             let par = par_for(d.m, d.n, d.k, threads);
             // SAFETY: the shape rule sized `a`, `b`, `c` and the bias for these dimensions.
             let dims = (d.m, d.n, d.k);
-            if unsafe { gemm_fused((self.ta, self.tb), dims, a, b, c, par, fused) } {
+            if unsafe { gemm_fused(Layout::new((self.ta, self.tb), dims), a, b, c, par, fused) } {
                 return;
             }
         }
@@ -36,10 +36,11 @@ impl CpuKernel for MatMul {
         let a_stride = d.m * d.k;
         let b_stride = if d.shared_b { 0 } else { d.k * d.n };
         let c_stride = d.m * d.n;
+        let layout = Layout::new((self.ta, self.tb), (d.m, d.n, d.k));
         let run = |i: usize, c: &mut [f32], par: gemm::Parallelism| {
             let (a, b) = (&a[i * a_stride..], &b[i * b_stride..]);
             // SAFETY: the slices hold `m·k`, `k·n` and `m·n` elements at the strides below.
-            unsafe { gemm_strided(self.ta, self.tb, d.m, d.n, d.k, a, b, c, self.bias, par) }
+            unsafe { gemm_strided(layout, a, b, c, self.bias, par) }
         };
         if d.batch >= threads && threads > 1 {
             use rayon::prelude::*;
