@@ -10,7 +10,7 @@
 use std::arch::x86_64::*;
 
 use super::blocked::{apply_prologue, pack_a_any, pack_b_any, tile_entry_points, Tile};
-use super::Prologue;
+use super::fused::Prologue;
 
 /// Rows of the register tile.
 const MR: usize = 6;

@@ -16,7 +16,7 @@ use std::sync::{Mutex, TryLockError};
 
 use snug_graph::ops::GeluApprox;
 
-use super::{Fused, Prologue};
+use super::fused::{Fused, Prologue};
 use crate::math::gelu;
 use crate::par::SendPtr;
 
@@ -493,34 +493,6 @@ unsafe fn tiles<T: Tile>(
                 )
             };
         }
-    }
-}
-
-/// Attention's unpacked per-head product (`small_gemm` in `avx512` and `avx2`):
-/// `(m, n, k)`, `(c, c_rs)`, `(a, a_rs, a_cs)`, `(b, b_rs, b_strip)`, `scale`, `accumulate`.
-pub(crate) type SmallGemm = unsafe fn(
-    (usize, usize, usize),
-    (*mut f32, usize),
-    (*const f32, usize, usize),
-    (*const f32, usize, usize),
-    f32,
-    bool,
-);
-
-/// A register transpose (`transpose` in `avx512` and `avx2`): `(x, x_rs)`,
-/// `(rows, cols)`, `(out, out_rs)`.
-pub(crate) type Transpose = unsafe fn((*const f32, usize), (usize, usize), (*mut f32, usize));
-
-/// Attention's head kernels for this CPU: AVX-512F's, else AVX2 + FMA's, else none (the
-/// caller then uses the gemm crate and scalar loops).
-pub(crate) fn head_kernels() -> Option<(SmallGemm, Transpose)> {
-    use super::{avx2, avx512};
-    if avx512::Avx512::available() {
-        Some((avx512::small_gemm, avx512::transpose))
-    } else if avx2::Avx2::available() {
-        Some((avx2::small_gemm, avx2::transpose))
-    } else {
-        None
     }
 }
 

@@ -1,7 +1,7 @@
 //! The GEMM entry points every kernel calls: `c (+)= f(op(a)) · op(b) (+ bias)` on our blocked
 //! kernel ([`blocked`], with the AVX-512 and AVX2 register tiles in [`avx512`] and [`avx2`])
 //! where the CPU and the product suit it, else on the gemm crate. [`Fused`] says what a product
-//! takes in as it packs (a LayerNorm or GELU [`Prologue`], a bias).
+//! takes in as it packs (a LayerNorm or GELU [`Prologue`], a bias; [`fused`]).
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
@@ -9,6 +9,9 @@ pub(crate) mod avx2;
 pub(crate) mod avx512;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod blocked;
+mod fused;
+
+pub(crate) use fused::{Fused, Prologue};
 
 /// Threads for one GEMM: small products run single-threaded (rayon overhead dominates).
 pub(crate) fn par_for(m: usize, n: usize, k: usize, threads: usize) -> ::gemm::Parallelism {
@@ -79,6 +82,37 @@ fn own_kernel((m, n, k): (usize, usize, usize), c_cs: isize) -> Option<OwnTile> 
     }
 }
 
+/// Attention's unpacked per-head product (`small_gemm` in `avx512` and `avx2`):
+/// `(m, n, k)`, `(c, c_rs)`, `(a, a_rs, a_cs)`, `(b, b_rs, b_strip)`, `scale`, `accumulate`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) type SmallGemm = unsafe fn(
+    (usize, usize, usize),
+    (*mut f32, usize),
+    (*const f32, usize, usize),
+    (*const f32, usize, usize),
+    f32,
+    bool,
+);
+
+/// A register transpose (`transpose` in `avx512` and `avx2`): `(x, x_rs)`,
+/// `(rows, cols)`, `(out, out_rs)`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) type Transpose = unsafe fn((*const f32, usize), (usize, usize), (*mut f32, usize));
+
+/// Attention's head kernels for this CPU: AVX-512F's, else AVX2 + FMA's, else none (the
+/// caller then uses the gemm crate and scalar loops).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn head_kernels() -> Option<(SmallGemm, Transpose)> {
+    use blocked::Tile;
+    if avx512::Avx512::available() {
+        Some((avx512::small_gemm, avx512::transpose))
+    } else if avx2::Avx2::available() {
+        Some((avx2::small_gemm, avx2::transpose))
+    } else {
+        None
+    }
+}
+
 /// `g = dy · wᵀ` for `m` rows: `dy [m, n]`, `w [k, n]`, `g [m, k]`. The row step of the fused
 /// backwards that turn a linear layer's output gradient into its input's a tile at a time.
 pub(crate) fn input_grad_rows(
@@ -143,47 +177,6 @@ pub(crate) unsafe fn gemm_strided(
         accumulate,
         par,
     );
-}
-
-/// A transform of `a`'s elements made as they are packed, so that the elementwise op feeding a
-/// GEMM never writes its output to memory: each element is transformed once per product (every
-/// blocking packs each element of `a` once), by the thread that packs it.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Prologue<'a> {
-    None,
-    /// LayerNorm from saved statistics, `(v - mean[t]) · rstd[t] · w[f] + b[f]` in the order
-    /// the LayerNorm kernels round it, so the values are bitwise theirs. Element `(i, p)` of `a`
-    /// is token `i`, feature `p` when `tokens_down`, else token `p`, feature `i` (`a` is the
-    /// transposed activation of a weight gradient).
-    LayerNorm {
-        mean: &'a [f32],
-        rstd: &'a [f32],
-        w: &'a [f32],
-        b: &'a [f32],
-        tokens_down: bool,
-    },
-    /// GELU of every element, the scalar function vectorised, so bitwise its values.
-    Gelu(snug_graph::ops::GeluApprox),
-}
-
-/// What a product fuses: a [`Prologue`] on `a`, and a bias (one per column of `c`) added where
-/// the first block of the inner dimension is stored, instead of `c` being filled with it first.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Fused<'a> {
-    pub prologue: Prologue<'a>,
-    pub bias: Option<&'a [f32]>,
-}
-
-impl Fused<'_> {
-    pub(crate) const NONE: Fused<'static> = Fused {
-        prologue: Prologue::None,
-        bias: None,
-    };
-
-    /// The bias from column `j` on, or null.
-    pub(crate) fn bias_at(&self, j: usize) -> *const f32 {
-        self.bias.map_or(std::ptr::null(), |b| b[j..].as_ptr())
-    }
 }
 
 /// One product `c (+)= scale · a · b` of strided matrices, each given as (pointer, row stride,

@@ -3,7 +3,7 @@
 
 use snug_graph::ops::AccumulateGrad;
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for AccumulateGrad {
     fn run(&self, k: &Kernel<'_>) {

@@ -2,7 +2,7 @@
 
 use snug_graph::ops::AdamW;
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for AdamW {
     fn run(&self, k: &Kernel<'_>) {

@@ -8,7 +8,7 @@ use snug_graph::ops::{
     CausalAttention, CausalAttentionBackward, OpRule,
 };
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for CausalAttention {
     fn run(&self, k: &Kernel<'_>) {
@@ -154,7 +154,7 @@ unsafe fn head_gemm(
 ) {
     let (a_rs, a_cs) = if ta { (1, a.stride) } else { (a.stride, 1) };
     #[cfg(target_arch = "x86_64")]
-    if let Some((small_gemm, _)) = crate::gemm::blocked::head_kernels() {
+    if let Some((small_gemm, _)) = crate::gemm::head_kernels() {
         // SAFETY: the CPU was checked; the caller vouches for the operands.
         unsafe {
             small_gemm(
@@ -196,7 +196,7 @@ unsafe fn rows_across(x: Rows, (t, d): (usize, usize), out: &mut [f32]) -> Right
         // SAFETY: rows `r0..r0 + rows` of `x`, as the caller vouched.
         let x = unsafe { x.down(r0) };
         #[cfg(target_arch = "x86_64")]
-        if let Some((_, transpose)) = crate::gemm::blocked::head_kernels() {
+        if let Some((_, transpose)) = crate::gemm::head_kernels() {
             // SAFETY: the CPU was checked; `o` holds d rows of 64.
             unsafe { transpose((x.ptr, x.stride), (rows, d), (o.as_mut_ptr(), 64)) };
             continue;

@@ -4,7 +4,7 @@
 use snug_graph::ops::Cast;
 use snug_graph::DType;
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for Cast {
     fn run(&self, k: &Kernel<'_>) {

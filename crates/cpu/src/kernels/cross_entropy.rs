@@ -2,7 +2,7 @@
 
 use snug_graph::ops::{CrossEntropy, CrossEntropyBackward};
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for CrossEntropy {
     fn run(&self, k: &Kernel<'_>) {

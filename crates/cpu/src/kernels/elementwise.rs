@@ -2,7 +2,7 @@
 
 use snug_graph::ops::{Binary, BinaryKind, Scale};
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for Binary {
     fn run(&self, k: &Kernel<'_>) {

@@ -2,7 +2,7 @@
 
 use snug_graph::ops::{Embedding, EmbeddingBackward};
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for Embedding {
     fn run(&self, k: &Kernel<'_>) {

@@ -2,7 +2,7 @@
 
 use snug_graph::ops::Fill;
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for Fill {
     fn run(&self, k: &Kernel<'_>) {

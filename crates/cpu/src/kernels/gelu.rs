@@ -2,7 +2,8 @@
 
 use snug_graph::ops::{Gelu, GeluApprox, GeluBackward};
 
-use crate::{math, par, CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
+use crate::{math, par};
 
 impl CpuKernel for Gelu {
     fn run(&self, k: &Kernel<'_>) {

@@ -6,7 +6,7 @@ use snug_graph::ops::{
     gelu_linear::TILE_ELEMS, linear_dims, tile_rows, GeluApprox, GeluLinear, GeluLinearBackward,
 };
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for GeluLinear {
     fn run(&self, kern: &Kernel<'_>) {

@@ -7,7 +7,7 @@ use snug_graph::ops::{
     GqaAttention, GqaAttentionBackward, OpRule,
 };
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 use super::attention::{head_backward, head_forward, HeadGrads, Rows};
 

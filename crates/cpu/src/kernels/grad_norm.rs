@@ -3,7 +3,7 @@
 
 use snug_graph::ops::{GradNorm, SumSquares};
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for SumSquares {
     fn run(&self, k: &Kernel<'_>) {

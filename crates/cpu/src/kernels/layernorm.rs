@@ -4,7 +4,7 @@
 
 use snug_graph::ops::{LayerNorm, LayerNormBackward};
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 fn rows_and_width(shape: &[usize]) -> (usize, usize) {
     let c = *shape.last().unwrap_or(&1);

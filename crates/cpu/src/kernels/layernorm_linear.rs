@@ -7,7 +7,7 @@ use snug_graph::ops::{
     linear_dims, tile_rows, LayerNormLinear, LayerNormLinearBackward,
 };
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 use super::layernorm::{backward_sums, dx_value, normalize_row, row_stats};
 

@@ -6,7 +6,7 @@ use snug_graph::ops::{
     LmHeadLoss, LmHeadLossBackward,
 };
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for LmHeadLoss {
     fn run(&self, k: &Kernel<'_>) {

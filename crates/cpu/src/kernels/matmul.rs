@@ -4,7 +4,7 @@
 use snug_graph::ops::MatMul;
 
 use crate::gemm::{gemm_fused, gemm_strided, par_for, Fused, Layout, Prologue};
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for MatMul {
     fn run(&self, k: &Kernel<'_>) {

@@ -29,7 +29,7 @@ mod view;
 
 use snug_graph::ops::Op;
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 /// `pub fn run(op, k)`: one arm per op of the list, each calling that op's [`CpuKernel`].
 macro_rules! dispatch {

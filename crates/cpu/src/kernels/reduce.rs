@@ -3,7 +3,7 @@
 
 use snug_graph::ops::{reduce::split_axis, BroadcastTo, MaxBackward, Reduce, ReduceKind, SumTo};
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for Reduce {
     fn run(&self, k: &Kernel<'_>) {

@@ -2,7 +2,7 @@
 
 use snug_graph::ops::{RmsNorm, RmsNormBackward};
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 fn rows_and_width(shape: &[usize]) -> (usize, usize) {
     let c = *shape.last().unwrap_or(&1);

@@ -3,7 +3,7 @@
 
 use snug_graph::ops::{rope::dims, Rope};
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for Rope {
     fn run(&self, k: &Kernel<'_>) {

@@ -2,7 +2,7 @@
 
 use snug_graph::ops::Sgd;
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for Sgd {
     fn run(&self, k: &Kernel<'_>) {

@@ -2,7 +2,7 @@
 
 use snug_graph::ops::{Silu, SiluBackward};
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 /// σ(x) = 1 / (1 + e^{−x}), with the vectorisable exp (saturates cleanly at both ends).
 #[inline(always)]

@@ -2,7 +2,7 @@
 
 use snug_graph::ops::{LogSoftmax, LogSoftmaxBackward, Softmax, SoftmaxBackward};
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for Softmax {
     fn run(&self, k: &Kernel<'_>) {

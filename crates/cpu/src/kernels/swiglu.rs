@@ -2,7 +2,7 @@
 
 use snug_graph::ops::{SwiGlu, SwiGluBackward};
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for SwiGlu {
     fn run(&self, k: &Kernel<'_>) {

@@ -3,7 +3,7 @@
 
 use snug_graph::ops::{Narrow, Pad, Reshape, Transpose};
 
-use crate::{CpuKernel, Kernel};
+use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for Reshape {
     fn run(&self, _k: &Kernel<'_>) {}

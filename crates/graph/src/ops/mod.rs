@@ -112,8 +112,8 @@ pub trait OpRule {
 
     /// Inputs output 0 may be written over, in order of preference, when one has the output's
     /// shape and dtype and dies at this op: its kernel then reads that input through the
-    /// output (the node records which, in [`crate::Node::inplace`]). Only for kernels that read each element of that input
-    /// before they write the same element of the output.
+    /// output (the node records which, in [`crate::Node::inplace`]). Only for kernels that
+    /// read each element of that input before they write the same element of the output.
     fn inplace_inputs(&self) -> &'static [usize] {
         &[]
     }
