@@ -299,10 +299,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
         return Ok(());
     }
-    let threads = args
-        .threads
-        .unwrap_or_else(snug_runtime::physical_cores)
-        .max(1);
+    let threads = args.threads.unwrap_or_else(snug_cpu::physical_cores).max(1);
     let probe = gemm_probe(threads)?;
     if args.json {
         print_json("probe", &probe)?;

@@ -101,7 +101,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
         .encode(&prompt_text)
         .context("encoding --prompt with the checkpoint's tokenizer")?;
     let allocator = Allocator::default();
-    let threads = args.threads.unwrap_or_else(snug_runtime::physical_cores);
+    let threads = args.threads.unwrap_or_else(snug_cpu::physical_cores);
     let mut sampler = Sampler::new(&model, &ckpt.parameters(), threads, allocator.clone())
         .with_context(|| format!("loading {}", path.display()))?;
     let opts = SampleOptions {

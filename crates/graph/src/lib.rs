@@ -3,7 +3,8 @@
 //!
 //! - [`tensor`]: shapes, dtypes and roles — all the planner needs to know about a tensor.
 //! - [`graph`]: nodes in topological order, and the builder API ([`Graph::apply`]).
-//! - [`ops`]: each op's shape rule, gradient rule and CPU kernel, one file per op family.
+//! - [`ops`]: each op's shape rule, gradient rule, scratch and cost, one file per op family
+//!   (kernels live in the backends, in files named as these).
 //! - [`autodiff`]: [`backward`] appends the gradient nodes of a scalar loss.
 //! - [`passes`]: graph → graph rewrites that save memory.
 //! - [`step`]: [`StepGraph`] bundles a model's forward, backward and AdamW updates.

@@ -163,11 +163,11 @@ impl Default for Target {
     }
 }
 
-// Host detection belongs to the CPU backend; it stays here until the kernels move out.
+// Host detection belongs to the CPU backend; it stays here for now (plain std, no kernel).
 impl CpuGemm {
-    /// The kernel this machine runs (the portable one where the CPU kernels are not built).
+    /// The kernel this machine runs (the CPU backend checks its dispatch agrees).
     pub fn host() -> CpuGemm {
-        #[cfg(all(feature = "cpu", target_arch = "x86_64"))]
+        #[cfg(target_arch = "x86_64")]
         {
             if is_x86_feature_detected!("avx512f") {
                 return CpuGemm::Avx512;

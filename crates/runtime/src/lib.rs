@@ -1,13 +1,16 @@
-//! snug's runtime: where planned graphs meet real memory.
+//! snug's runtime: where planned graphs meet real memory, shared by every backend.
 //!
 //! - [`allocator`]: the caching device allocator with its counters (active, peak, cache) and
 //!   limits (memory, cache, wired); every byte snug holds goes through it.
-//! - [`cpu`]: [`CpuSession`] runs a planned step graph inside one arena.
+//! - [`exec`]: [`ExecCtx`], the per-run values (learning rate, step, micro-batch) kernels read.
+//! - [`process`]: the process's own resources (resident set, CPU time, the C heap).
+//!
+//! The backends (the CPU's is `snug-cpu`) run planned graphs with these.
 
 pub mod allocator;
 pub mod backend;
-pub mod cpu;
 mod error;
+pub mod exec;
 pub mod process;
 mod session;
 
@@ -16,8 +19,7 @@ pub use allocator::{
     OutOfMemory, WiredLimitError,
 };
 pub use backend::{Backend, Binding, NodeArgs, Slice};
-pub use cpu::{physical_cores, CpuSession};
 pub use error::RuntimeError;
+pub use exec::ExecCtx;
 pub use session::Session;
-pub use snug_graph::ops::ExecCtx;
 pub use snug_plan::{parse_bytes, SizeError};

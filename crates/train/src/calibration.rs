@@ -13,12 +13,13 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use snug_compile::{compile_step, CompiledStep, Pass, StepConfig, StepShape};
+use snug_cpu::CpuSession;
 use snug_fit::{node_work, MachineProfile, Sample, PROFILE_VERSION};
 use snug_graph::ops::MatMul;
 use snug_graph::{DType, Graph, Role, Target};
 use snug_nn::ModelConfig;
 use snug_plan::{plan, PlanOptions};
-use snug_runtime::{Allocator, CpuSession, ExecCtx};
+use snug_runtime::{Allocator, ExecCtx};
 
 use crate::TrainError;
 

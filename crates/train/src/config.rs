@@ -316,7 +316,7 @@ impl Default for TrainConfig {
             beta2: 0.95,
             weight_decay: 0.1,
             seed: 1337,
-            threads: snug_runtime::physical_cores(),
+            threads: snug_cpu::physical_cores(),
             log_every: 0,
             memory_limit: None,
             strict_memory_limit: false,
@@ -386,7 +386,7 @@ impl TrainConfig {
         cfg.apply(model, train)?;
         if block_fixed && !threads_set {
             // A resumed run keeps its configuration, but not another machine's core count.
-            cfg.threads = cfg.threads.min(snug_runtime::physical_cores());
+            cfg.threads = cfg.threads.min(snug_cpu::physical_cores());
         }
         if !block_set {
             // Without an explicit block, train on the model's full context.
@@ -625,7 +625,7 @@ impl TrainConfig {
                 detail: format!(
                     "{} is more than this machine's {cpus} CPUs (use at most {cpus}; the default is its {} physical cores)",
                     self.threads,
-                    snug_runtime::physical_cores()
+                    snug_cpu::physical_cores()
                 ),
             });
         }

@@ -11,10 +11,11 @@ use std::collections::HashMap;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use snug_cpu::CpuSession;
 use snug_graph::TensorId;
 use snug_nn::{InferenceGraph, ModelConfig};
 use snug_plan::{plan, MemoryPlan, PlanOptions};
-use snug_runtime::{Allocator, CpuSession, ExecCtx};
+use snug_runtime::{Allocator, ExecCtx};
 
 use crate::TrainError;
 

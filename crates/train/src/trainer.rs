@@ -8,11 +8,12 @@ use std::time::Instant;
 
 use serde::Serialize;
 use snug_compile::{compile_step, CompiledStep};
+use snug_cpu::CpuSession;
 use snug_fit::{FitConfig, MachineProfile, MemoryFailure, Search};
 use snug_graph::{Role, StepGraph, TensorId};
 use snug_nn::ModelConfig;
 use snug_plan::{plan, MemoryPlan, PlanOptions};
-use snug_runtime::{Allocator, CpuSession, ExecCtx, OutOfMemory, RuntimeError};
+use snug_runtime::{Allocator, ExecCtx, OutOfMemory, RuntimeError};
 
 use crate::checkpoint::{Checkpoint, CheckpointRef, SavedTensor};
 use crate::data::{batch_starts, fill_batch, Prefetcher, Tokens};

@@ -7,10 +7,11 @@ use std::path::PathBuf;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
+use snug_cpu::CpuSession;
 use snug_graph::{OptimizerSpec, StepGraph};
 use snug_nn::{GptConfig, LlamaConfig, ModelConfig};
 use snug_plan::{plan, PlanOptions};
-use snug_runtime::{Allocator, CpuSession, ExecCtx};
+use snug_runtime::{Allocator, ExecCtx};
 use snug_train::{ModelSection, TokenDataset, TrainConfig, TrainSection, Trainer};
 
 /// A text file of generated additions (the built-in language, 13 symbols) in a temporary

@@ -1,11 +1,12 @@
 //! Graph passes keep the numbers and save the memory they claim, measured by planning.
 
+use snug_cpu::CpuSession;
 use snug_graph::ops::AdamW;
 use snug_graph::passes::fuse_lm_head_loss;
 use snug_graph::{Fusions, OptimizerSpec, StepGraph, Target};
 use snug_nn::{GptConfig, ModelGraph};
 use snug_plan::{plan, PlanOptions};
-use snug_runtime::{Allocator, CpuSession, ExecCtx};
+use snug_runtime::{Allocator, ExecCtx};
 
 fn gpt(vocab: usize) -> GptConfig {
     GptConfig {

@@ -2,12 +2,13 @@
 //! lower planned peak, bf16 training follows f32 training, and f16 training survives an
 //! overflow by skipping the step and lowering the loss scale.
 
+use snug_cpu::CpuSession;
 use snug_graph::ops::Cast;
 use snug_graph::passes::{mixed_precision, recast_saved};
 use snug_graph::{DType, Graph, OptimizerSpec, Role, StepGraph};
 use snug_nn::GptConfig;
 use snug_plan::{plan, PlanOptions};
-use snug_runtime::{Allocator, CpuSession, ExecCtx};
+use snug_runtime::{Allocator, ExecCtx};
 use snug_train::checkpoint::Checkpoint;
 use snug_train::{DataSource, ModelSection, TokenDataset, TrainConfig, TrainSection, Trainer};
 

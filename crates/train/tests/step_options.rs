@@ -1,11 +1,12 @@
 //! Gradient accumulation, clipping and the gradient norm, checked against a plain step's
 //! gradients computed by hand.
 
+use snug_cpu::CpuSession;
 use snug_graph::ops::{AdamW, Sgd};
 use snug_graph::{OptimizerSpec, StepGraph, StepOptions, TensorId};
 use snug_nn::GptConfig;
 use snug_plan::{plan, PlanOptions};
-use snug_runtime::{Allocator, CpuSession, ExecCtx};
+use snug_runtime::{Allocator, ExecCtx};
 
 const LR: f32 = 0.1;
 const WD: f32 = 0.5;

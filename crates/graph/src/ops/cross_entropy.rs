@@ -51,24 +51,6 @@ impl OpRule for CrossEntropy {
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         3 * inputs[0].numel() as u64
     }
-
-    #[cfg(feature = "cpu")]
-    fn cpu(&self, k: &super::Kernel<'_>) {
-        let (logits, targets, loss) = (k.in_f32(0), k.in_i32(1), k.out_f32(0));
-        let v = k.in_shape(0)[1];
-        let rows = k.workspace();
-        super::par::rows_mut(rows, 1, |r0, out| {
-            for (r, o) in out.iter_mut().enumerate() {
-                let row = &logits[(r0 + r) * v..(r0 + r + 1) * v];
-                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let sum: f32 = row.iter().map(|&x| super::math::exp(x - max)).sum();
-                let t = targets[r0 + r].clamp(0, v as i32 - 1) as usize;
-                *o = max + sum.ln() - row[t];
-            }
-        });
-        let total: f64 = rows.iter().map(|&x| x as f64).sum();
-        loss[0] = (total / rows.len() as f64) as f32;
-    }
 }
 
 /// Inputs `[logits, targets, dloss]`; output `dlogits = (softmax − onehot) · dloss / N`.
@@ -98,27 +80,5 @@ impl OpRule for CrossEntropyBackward {
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         4 * inputs[0].numel() as u64
-    }
-
-    #[cfg(feature = "cpu")]
-    fn cpu(&self, k: &super::Kernel<'_>) {
-        let (logits, targets, dloss, dl) = (k.in_f32(0), k.in_i32(1), k.in_f32(2), k.out_f32(0));
-        let (n, v) = (k.in_shape(0)[0], k.in_shape(0)[1]);
-        let g = dloss[0] / n as f32;
-        super::par::rows_mut(dl, v, |r0, rows| {
-            for (r, out) in rows.chunks_exact_mut(v).enumerate() {
-                let row = &logits[(r0 + r) * v..(r0 + r + 1) * v];
-                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0.0;
-                for (o, &x) in out.iter_mut().zip(row) {
-                    *o = super::math::exp(x - max);
-                    sum += *o;
-                }
-                let inv = g / sum;
-                out.iter_mut().for_each(|o| *o *= inv);
-                let t = targets[r0 + r].clamp(0, v as i32 - 1) as usize;
-                out[t] -= g;
-            }
-        });
     }
 }

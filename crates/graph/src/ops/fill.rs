@@ -25,8 +25,4 @@ impl OpRule for Fill {
     fn flops(&self, _inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         0
     }
-    #[cfg(feature = "cpu")]
-    fn cpu(&self, k: &super::Kernel<'_>) {
-        k.out_f32(0).fill(self.value);
-    }
 }

@@ -17,7 +17,7 @@ use crate::{GraphError, Result};
 
 /// Elements of GELU output the forward makes at once where our GEMM cannot take GELU as it
 /// packs: 8 MiB, so the tile stays in the last-level cache between its GELU and its GEMM.
-const TILE_ELEMS: usize = 1 << 21;
+pub const TILE_ELEMS: usize = 1 << 21;
 /// The backward's tile (at most 4 MiB): it is live beside nearly every saved activation of the
 /// step (the last block's MLP runs its backward first), so it is smaller, at the cost of
 /// revisiting the weight gradient a few more times (char-small: eight tiles of 512 rows).
@@ -93,14 +93,6 @@ impl OpRule for GeluLinear {
         linear_dims(self.name(), &inputs[0].shape, &inputs[1].shape)
             .map_or(0, |(rows, k, n)| (2 * rows * k * n + 8 * rows * k) as u64)
     }
-
-    #[cfg(feature = "cpu")]
-    fn cpu(&self, kern: &super::Kernel<'_>) {
-        match self.approx {
-            GeluApprox::Tanh => forward::<true>(kern),
-            GeluApprox::Exact => forward::<false>(kern),
-        }
-    }
 }
 
 /// Inputs `[h, w, dy]`; outputs `[dh, dw]` of `y = gelu(h) · w + b`.
@@ -153,121 +145,7 @@ impl OpRule for GeluLinearBackward {
         linear_dims(self.name(), &inputs[0].shape, &inputs[1].shape)
             .map_or(0, |(rows, k, n)| (4 * rows * k * n + 20 * rows * k) as u64)
     }
-
-    #[cfg(feature = "cpu")]
-    fn cpu(&self, kern: &super::Kernel<'_>) {
-        match self.approx {
-            GeluApprox::Tanh => backward::<true>(kern),
-            GeluApprox::Exact => backward::<false>(kern),
-        }
-    }
 }
 
 // Called inside the kernels' loops with the const parameter, so that each loop is compiled for
 // one variant and vectorises (a captured runtime value would leave a branch in the loop).
-#[cfg(feature = "cpu")]
-#[inline(always)]
-fn approx_of(tanh: bool) -> GeluApprox {
-    if tanh {
-        GeluApprox::Tanh
-    } else {
-        GeluApprox::Exact
-    }
-}
-
-#[cfg(feature = "cpu")]
-fn forward<const TANH: bool>(kern: &super::Kernel<'_>) {
-    use super::matmul::{gemm_fused, linear_rows, par_for, Fused, Prologue};
-    let (h, w, bias) = (kern.in_f32(0), kern.in_f32(1), kern.in_f32(2));
-    let Ok((rows, k, n)) = linear_dims("gelu_linear", kern.in_shape(0), kern.in_shape(1)) else {
-        unreachable!("shape rule checked at build time")
-    };
-    let y = kern.out_f32(0);
-    // Where our GEMM kernel runs the product, it takes GELU of `h` as it packs it.
-    let fused = Fused {
-        prologue: Prologue::Gelu(approx_of(TANH)),
-        bias: Some(bias),
-    };
-    let par = par_for(rows, n, k, rayon::current_num_threads());
-    // SAFETY: `h` holds rows·k, `w` k·n and `y` rows·n elements.
-    if unsafe { gemm_fused((false, false), (rows, n, k), h, w, y, par, fused) } {
-        return;
-    }
-    let ws = kern.workspace();
-    let tile = tile_rows(rows, k, TILE_ELEMS);
-    for r0 in (0..rows).step_by(tile) {
-        let r1 = (r0 + tile).min(rows);
-        let g = &mut ws[..(r1 - r0) * k];
-        super::par::map(&h[r0 * k..r1 * k], g, |v| {
-            super::gelu::gelu(approx_of(TANH), v)
-        });
-        linear_rows(g, w, bias, &mut y[r0 * n..r1 * n], (r1 - r0, k, n));
-    }
-}
-
-#[cfg(feature = "cpu")]
-fn backward<const TANH: bool>(kern: &super::Kernel<'_>) {
-    use super::matmul::{gemm_strided, input_grad_rows, par_for};
-    use rayon::prelude::*;
-    // Run in place, `h` is read through `dh`: each element is read before it is written.
-    let h = (kern.inplace() != Some(0)).then(|| kern.in_f32(0));
-    let (w, dy) = (kern.in_f32(1), kern.in_f32(2));
-    let Ok((rows, k, n)) = linear_dims("gelu_linear_backward", kern.in_shape(0), kern.in_shape(1))
-    else {
-        unreachable!("shape rule checked at build time")
-    };
-    let (dh, dw, ws) = (kern.out_f32(0), kern.out_f32(1), kern.workspace());
-    let threads = rayon::current_num_threads();
-    // The tile the plan sized the workspace for (on its target, not necessarily this CPU).
-    let tile = (ws.len() / k.max(1)).clamp(1, rows.max(1));
-    for r0 in (0..rows).step_by(tile) {
-        let r1 = (r0 + tile).min(rows);
-        let (t, dyt) = (&mut ws[..(r1 - r0) * k], &dy[r0 * n..r1 * n]);
-        // dg = dy · wᵀ for this tile's rows.
-        input_grad_rows(dyt, w, t, (r1 - r0, k, n));
-        // One pass: dh = dg ⊙ gelu'(h), and the tile's dg is replaced by g = gelu(h).
-        let dht = &mut dh[r0 * k..r1 * k];
-        let chunk = super::par::MIN_PAR_ELEMS;
-        let step = |t: &mut f32, d: &mut f32, v: f32| {
-            let (value, slope) = super::gelu::gelu_and_grad(approx_of(TANH), v);
-            *d = *t * slope;
-            *t = value;
-        };
-        match h {
-            Some(h) => t
-                .par_chunks_mut(chunk)
-                .zip(dht.par_chunks_mut(chunk))
-                .zip(h[r0 * k..r1 * k].par_chunks(chunk))
-                .for_each(|((t, d), x)| {
-                    for ((t, d), &v) in t.iter_mut().zip(d.iter_mut()).zip(x) {
-                        step(t, d, v);
-                    }
-                }),
-            None => t
-                .par_chunks_mut(chunk)
-                .zip(dht.par_chunks_mut(chunk))
-                .for_each(|(t, d)| {
-                    for (t, d) in t.iter_mut().zip(d.iter_mut()) {
-                        let v = *d;
-                        step(t, d, v);
-                    }
-                }),
-        }
-        // dw (+)= gᵀ · dy over this tile's rows.
-        // SAFETY: `t` holds (r1-r0)·k, `dyt` (r1-r0)·n and `dw` k·n elements.
-        unsafe {
-            gemm_strided(
-                true,
-                false,
-                k,
-                n,
-                r1 - r0,
-                t,
-                dyt,
-                dw,
-                r0 > 0,
-                par_for(k, n, r1 - r0, threads),
-            )
-        };
-    }
-}

@@ -8,8 +8,6 @@
 //! each tile's normalised rows from the saved statistics, bit for bit those of the forward, for
 //! the weight gradient, then runs the LayerNorm backward on the same tile while it is in cache.
 
-#[cfg(feature = "cpu")]
-use super::layernorm::{backward_sums, dx_value, normalize_row, row_stats};
 use super::{expect_arity, float_dtype, linear_dims, shape_err, tile_rows, OpRule, OutSpec, SumTo};
 use crate::autodiff::GradCtx;
 use crate::tensor::TensorMeta;
@@ -17,11 +15,11 @@ use crate::{GraphError, Result};
 
 /// Elements of normalised rows made at once (2 MiB): the backward's tile is live beside nearly
 /// every saved activation of the step (its last block's norms run first), so it is kept small.
-const TILE_ELEMS: usize = 1 << 19;
+pub const TILE_ELEMS: usize = 1 << 19;
 /// The forward's tile (8 MiB): it sits beside only the activations saved so far, and each tile
 /// costs every thread a packing of the whole weight, which at 2^19 elements took a tenth of
 /// the forward's time.
-const FORWARD_TILE_ELEMS: usize = 1 << 21;
+pub const FORWARD_TILE_ELEMS: usize = 1 << 21;
 
 /// One tile of at most `max` elements of normalised rows (`inputs` start with `x`; `w` is
 /// input `w_at`).
@@ -110,11 +108,6 @@ impl OpRule for LayerNormLinear {
         linear_dims(self.name(), &inputs[0].shape, &inputs[3].shape)
             .map_or(0, |(rows, k, n)| (2 * rows * k * n + 8 * rows * k) as u64)
     }
-
-    #[cfg(feature = "cpu")]
-    fn cpu(&self, kern: &super::Kernel<'_>) {
-        forward(self.eps, kern);
-    }
 }
 
 /// Inputs `[x, ln_w, ln_b, mean, rstd, w, dy]`; outputs `[dx, d_ln_w, d_ln_b, dw]` of
@@ -188,263 +181,5 @@ impl OpRule for LayerNormLinearBackward {
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         linear_dims(self.name(), &inputs[0].shape, &inputs[5].shape)
             .map_or(0, |(rows, k, n)| (4 * rows * k * n + 20 * rows * k) as u64)
-    }
-
-    #[cfg(feature = "cpu")]
-    fn cpu(&self, kern: &super::Kernel<'_>) {
-        backward(kern);
-    }
-}
-
-/// Normalises rows `r0..r0 + tile.len() / k` of `x` into `tile`, in parallel over rows, storing
-/// each row's mean and rstd.
-#[cfg(feature = "cpu")]
-fn normalize_tile(
-    x: &[f32],
-    (ln_w, ln_b, eps): (&[f32], &[f32], f32),
-    r0: usize,
-    tile: &mut [f32],
-    (mean, rstd): (&mut [f32], &mut [f32]),
-) {
-    use rayon::prelude::*;
-    let k = ln_w.len();
-    let rows_per = (super::MIN_PAR_ELEMS / k).max(1);
-    tile.par_chunks_mut(rows_per * k)
-        .zip(mean.par_chunks_mut(rows_per))
-        .zip(rstd.par_chunks_mut(rows_per))
-        .enumerate()
-        .for_each(|(c, ((t, mean), rstd))| {
-            for (r, yr) in t.chunks_exact_mut(k).enumerate() {
-                let row = r0 + c * rows_per + r;
-                let xr = &x[row * k..(row + 1) * k];
-                (mean[r], rstd[r]) = normalize_row(xr, ln_w, ln_b, eps, yr);
-            }
-        });
-}
-
-/// Rows `r0..r0 + m` of `layer_norm(x)` from the saved statistics, written transposed into
-/// `out` (`[k, m]`): bit for bit the forward's values. Parallel over blocks of columns; rows
-/// go 16 at a time, so each output row is written in runs and `x` is read in short strips.
-#[cfg(feature = "cpu")]
-fn normalize_tile_transposed(
-    x: &[f32],
-    ln_w: &[f32],
-    ln_b: &[f32],
-    (mean, rstd): (&[f32], &[f32]),
-    r0: usize,
-    m: usize,
-    out: &mut [f32],
-) {
-    use rayon::prelude::*;
-    const COLS: usize = 32;
-    const ROWS: usize = 16;
-    let k = ln_w.len();
-    out[..k * m]
-        .par_chunks_mut(COLS * m)
-        .enumerate()
-        .for_each(|(c, block)| {
-            let j0 = c * COLS;
-            for ra in (0..m).step_by(ROWS) {
-                let rb = (ra + ROWS).min(m);
-                for (jj, out_row) in block.chunks_exact_mut(m).enumerate() {
-                    let j = j0 + jj;
-                    let (wj, bj) = (ln_w[j], ln_b[j]);
-                    for (o, r) in out_row[ra..rb].iter_mut().zip(r0 + ra..r0 + rb) {
-                        *o = (x[r * k + j] - mean[r]) * rstd[r] * wj + bj;
-                    }
-                }
-            }
-        });
-}
-
-/// The GEMM prologue that normalises `x` (or, not `tokens_down`, `xᵀ`) from saved statistics.
-#[cfg(feature = "cpu")]
-fn norm_prologue<'a>(
-    (mean, rstd): (&'a [f32], &'a [f32]),
-    (w, b): (&'a [f32], &'a [f32]),
-    tokens_down: bool,
-) -> super::matmul::Prologue<'a> {
-    super::matmul::Prologue::LayerNorm {
-        mean,
-        rstd,
-        w,
-        b,
-        tokens_down,
-    }
-}
-
-/// Each row's mean and rstd, in parallel over rows.
-#[cfg(feature = "cpu")]
-fn row_stats_all(x: &[f32], k: usize, eps: f32, mean: &mut [f32], rstd: &mut [f32]) {
-    use rayon::prelude::*;
-    let rows_per = (super::MIN_PAR_ELEMS / k).max(1);
-    x.par_chunks(rows_per * k)
-        .zip(mean.par_chunks_mut(rows_per))
-        .zip(rstd.par_chunks_mut(rows_per))
-        .for_each(|((x, mean), rstd)| {
-            for ((xr, m), s) in x.chunks_exact(k).zip(mean).zip(rstd) {
-                (*m, *s) = row_stats(xr, eps);
-            }
-        });
-}
-
-#[cfg(feature = "cpu")]
-fn forward(eps: f32, kern: &super::Kernel<'_>) {
-    use super::matmul::{gemm_fused, linear_rows, par_for, Fused};
-    let (x, ln_w, ln_b) = (kern.in_f32(0), kern.in_f32(1), kern.in_f32(2));
-    let (w, bias) = (kern.in_f32(3), kern.in_f32(4));
-    let Ok((rows, k, n)) = linear_dims("layer_norm_linear", kern.in_shape(0), kern.in_shape(3))
-    else {
-        unreachable!("shape rule checked at build time")
-    };
-    let (y, mean, rstd) = (kern.out_f32(0), kern.out_f32(1), kern.out_f32(2));
-    // Where our GEMM kernel runs the product, it normalises rows as it packs them: only the
-    // statistics are made beforehand, and no normalised row is stored.
-    row_stats_all(x, k, eps, mean, rstd);
-    let fused = Fused {
-        prologue: norm_prologue((mean, rstd), (ln_w, ln_b), true),
-        bias: Some(bias),
-    };
-    let par = par_for(rows, n, k, rayon::current_num_threads());
-    // SAFETY: `x` holds rows·k, `w` k·n and `y` rows·n elements; the statistics cover every
-    // row and the norm's weights every feature.
-    if unsafe { gemm_fused((false, false), (rows, n, k), x, w, y, par, fused) } {
-        return;
-    }
-    let ws = kern.workspace();
-    let tile = tile_rows(rows, k, FORWARD_TILE_ELEMS);
-    for r0 in (0..rows).step_by(tile) {
-        let r1 = (r0 + tile).min(rows);
-        let t = &mut ws[..(r1 - r0) * k];
-        let stats = (&mut mean[r0..r1], &mut rstd[r0..r1]);
-        normalize_tile(x, (ln_w, ln_b, eps), r0, t, stats);
-        linear_rows(t, w, bias, &mut y[r0 * n..r1 * n], (r1 - r0, k, n));
-    }
-}
-
-#[cfg(feature = "cpu")]
-fn backward(kern: &super::Kernel<'_>) {
-    use super::matmul::{gemm_fused, gemm_strided, input_grad_rows, par_for, Fused};
-    use rayon::prelude::*;
-    // Run in place, `x` is read through `dx`: every read of a row comes before its write.
-    let x_in = (kern.inplace() != Some(0)).then(|| kern.in_f32(0));
-    let (ln_w, ln_b) = (kern.in_f32(1), kern.in_f32(2));
-    let (mean, rstd, w, dy) = (
-        kern.in_f32(3),
-        kern.in_f32(4),
-        kern.in_f32(5),
-        kern.in_f32(6),
-    );
-    let Ok((rows, k, n)) = linear_dims(
-        "layer_norm_linear_backward",
-        kern.in_shape(0),
-        kern.in_shape(5),
-    ) else {
-        unreachable!("shape rule checked at build time")
-    };
-    let (dx, d_ln_w, d_ln_b, dw) = (
-        kern.out_f32(0),
-        kern.out_f32(1),
-        kern.out_f32(2),
-        kern.out_f32(3),
-    );
-    let threads = rayon::current_num_threads();
-    // dw = layer_norm(x)ᵀ · dy in one product over all rows where our GEMM kernel runs it,
-    // normalising `x` as it packs it; otherwise a tile at a time below. Either way every row
-    // of `x` is read for it before the row's `dx` is written.
-    let fused = Fused {
-        prologue: norm_prologue((mean, rstd), (ln_w, ln_b), false),
-        bias: None,
-    };
-    let par = par_for(k, n, rows, threads);
-    // SAFETY: `x` holds rows·k, `dy` rows·n and `dw` k·n elements; the statistics cover every
-    // row and the norm's weights every feature.
-    let dw_done = unsafe {
-        gemm_fused(
-            (true, false),
-            (k, n, rows),
-            x_in.unwrap_or(&*dx),
-            dy,
-            dw,
-            par,
-            fused,
-        )
-    };
-    let tile = tile_rows(rows, k, TILE_ELEMS);
-    let (ws, partials) = kern.workspace().split_at_mut(tile * k);
-    partials.fill(0.0);
-    let parts = partials.len() / (2 * k);
-    for r0 in (0..rows).step_by(tile) {
-        let r1 = (r0 + tile).min(rows);
-        let (t, dyt) = (&mut ws[..(r1 - r0) * k], &dy[r0 * n..r1 * n]);
-        if !dw_done {
-            // The normalised rows, remade transposed (`[k, rows]`): the weight gradient's GEMM
-            // then reads its left operand plainly, which the gemm crate ran 5-14 % faster at
-            // char-small's shapes.
-            normalize_tile_transposed(
-                x_in.unwrap_or(&*dx),
-                ln_w,
-                ln_b,
-                (mean, rstd),
-                r0,
-                r1 - r0,
-                t,
-            );
-            // dw (+)= layer_norm(x)ᵀ · dy over this tile's rows.
-            // SAFETY: `t` holds k·(r1-r0), `dyt` (r1-r0)·n and `dw` k·n elements.
-            unsafe {
-                gemm_strided(
-                    false,
-                    false,
-                    k,
-                    n,
-                    r1 - r0,
-                    t,
-                    dyt,
-                    dw,
-                    r0 > 0,
-                    par_for(k, n, r1 - r0, threads),
-                )
-            };
-        }
-        // The LayerNorm's output gradient for the tile's rows, dy · wᵀ.
-        input_grad_rows(dyt, w, t, (r1 - r0, k, n));
-        // The LayerNorm backward into dx's rows. Part `p` always takes the same rows of a
-        // tile, so the partial sums (and the result) do not depend on thread timing.
-        let rows_per = (r1 - r0).div_ceil(parts);
-        dx[r0 * k..r1 * k]
-            .par_chunks_mut(rows_per * k)
-            .zip(t.par_chunks(rows_per * k))
-            .zip(partials.par_chunks_mut(2 * k))
-            .enumerate()
-            .for_each(|(p, ((dxp, tp), part))| {
-                let (pdw, pdb) = part.split_at_mut(k);
-                for (r, (dxr, gr)) in dxp.chunks_exact_mut(k).zip(tp.chunks_exact(k)).enumerate() {
-                    let row = r0 + p * rows_per + r;
-                    let ms = (mean[row], rstd[row]);
-                    match x_in {
-                        Some(x) => {
-                            let xr = &x[row * k..(row + 1) * k];
-                            let sums = backward_sums(gr, xr, ln_w, ms, pdw, pdb);
-                            for (((o, &g), &v), &wj) in dxr.iter_mut().zip(gr).zip(xr).zip(ln_w) {
-                                *o = dx_value(g, v, wj, ms, sums);
-                            }
-                        }
-                        None => {
-                            let sums = backward_sums(gr, dxr, ln_w, ms, pdw, pdb);
-                            for ((o, &g), &wj) in dxr.iter_mut().zip(gr).zip(ln_w) {
-                                *o = dx_value(g, *o, wj, ms, sums);
-                            }
-                        }
-                    }
-                }
-            });
-    }
-    d_ln_w.fill(0.0);
-    d_ln_b.fill(0.0);
-    for part in partials.chunks_exact(2 * k) {
-        let (pdw, pdb) = part.split_at(k);
-        d_ln_w.iter_mut().zip(pdw).for_each(|(a, b)| *a += b);
-        d_ln_b.iter_mut().zip(pdb).for_each(|(a, b)| *a += b);
     }
 }

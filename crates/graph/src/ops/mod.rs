@@ -1,9 +1,10 @@
-//! Every op in one place: its shape rule (`infer`), its gradient rule (`backward`) and its CPU
-//! kernel (`cpu`, behind the `cpu` feature) sit side by side in the op's file.
+//! Every op in one place: its shape rule (`infer`), its gradient rule (`backward`), its scratch
+//! and its cost sit side by side in the op's file. How a device runs an op lives in that
+//! device's backend, in a file of the same name (the CPU's: `snug-cpu`'s `kernels/`).
 
 mod accumulate;
 mod adamw;
-mod attention;
+pub mod attention;
 mod broadcast;
 mod cast;
 mod cross_entropy;
@@ -11,34 +12,21 @@ mod elementwise;
 mod embedding;
 mod fill;
 mod gelu;
-mod gelu_linear;
-#[cfg(all(feature = "cpu", target_arch = "x86_64"))]
-mod gemm_avx2;
-#[cfg(all(feature = "cpu", target_arch = "x86_64"))]
-mod gemm_avx512;
-#[cfg(all(feature = "cpu", target_arch = "x86_64"))]
-mod gemm_blocked;
-mod gqa_attention;
+pub mod gelu_linear;
+pub mod gqa_attention;
 mod grad_norm;
 mod layernorm;
-mod layernorm_linear;
-mod lm_head_loss;
+pub mod layernorm_linear;
+pub mod lm_head_loss;
 mod matmul;
-mod reduce;
+pub mod reduce;
 mod rmsnorm;
-mod rope;
+pub mod rope;
 mod sgd;
 mod silu;
 mod softmax;
 mod swiglu;
 mod view;
-
-#[cfg(feature = "cpu")]
-mod kernel;
-#[cfg(feature = "cpu")]
-pub mod math;
-#[cfg(feature = "cpu")]
-pub mod par;
 
 pub use accumulate::AccumulateGrad;
 pub use adamw::AdamW;
@@ -65,9 +53,6 @@ pub use silu::{Silu, SiluBackward};
 pub use softmax::{LogSoftmax, LogSoftmaxBackward, Softmax, SoftmaxBackward};
 pub use swiglu::{SwiGlu, SwiGluBackward};
 pub use view::{Narrow, Pad, Reshape, Transpose};
-
-#[cfg(feature = "cpu")]
-pub use kernel::{ExecCtx, Kernel, TensorArg};
 
 use crate::autodiff::GradCtx;
 use crate::tensor::TensorMeta;
@@ -127,8 +112,8 @@ pub trait OpRule {
 
     /// Inputs output 0 may be written over, in order of preference, when one has the output's
     /// shape and dtype and dies at this op: its kernel then reads that input through the
-    /// output (see [`Kernel::inplace`]). Only for kernels that read each element of that input
-    /// before they write the same element of the output.
+    /// output (the node records which, in [`crate::Node::inplace`]). Only for kernels that
+    /// read each element of that input before they write the same element of the output.
     fn inplace_inputs(&self) -> &'static [usize] {
         &[]
     }
@@ -137,10 +122,6 @@ pub trait OpRule {
     fn flops(&self, _inputs: &[&TensorMeta], outputs: &[&TensorMeta]) -> u64 {
         outputs.iter().map(|t| t.numel() as u64).sum()
     }
-
-    /// CPU kernel. Inputs and outputs never overlap unless the plan says so.
-    #[cfg(feature = "cpu")]
-    fn cpu(&self, k: &Kernel<'_>);
 }
 
 macro_rules! ops {
@@ -157,6 +138,14 @@ macro_rules! ops {
             fn rule(&self) -> &dyn OpRule {
                 match self { $(Op::$variant(op) => op),* }
             }
+        }
+
+        /// Calls the macro `$m` with every variant of [`Op`](crate::ops::Op), so that a
+        /// backend generates its dispatch from the op list: one arm per op, and an op the
+        /// backend has no kernel for is a compile error there.
+        #[macro_export]
+        macro_rules! for_each_op {
+            ($m:ident) => { $m!($($variant),*); };
         }
     };
 }
@@ -233,10 +222,6 @@ impl Op {
     pub fn flops(&self, inputs: &[&TensorMeta], outputs: &[&TensorMeta]) -> u64 {
         self.rule().flops(inputs, outputs)
     }
-    #[cfg(feature = "cpu")]
-    pub fn cpu(&self, k: &Kernel<'_>) {
-        self.rule().cpu(k)
-    }
 }
 
 /// Shared checks for shape rules.
@@ -269,17 +254,13 @@ pub(crate) fn expect_dtype(
     Ok(())
 }
 
-/// Below this many elements an elementwise kernel runs on one thread (shape rules size their
-/// per-thread workspaces by it too, so it exists without the `cpu` feature).
+/// Below this many elements an elementwise kernel runs on one thread. Shape rules size their
+/// per-thread workspaces by it too, so it lives here and the CPU kernels import it.
 pub const MIN_PAR_ELEMS: usize = 1 << 15;
 
 /// `(rows, k, n)` of `x: [.., k]` times `w: [k, n]` (a fused op's linear layer), or the shape
 /// error naming `op`.
-pub(crate) fn linear_dims(
-    op: &'static str,
-    x: &[usize],
-    w: &[usize],
-) -> Result<(usize, usize, usize)> {
+pub fn linear_dims(op: &'static str, x: &[usize], w: &[usize]) -> Result<(usize, usize, usize)> {
     if x.is_empty() || w.len() != 2 || x[x.len() - 1] != w[0] {
         return Err(shape_err(
             op,
@@ -292,7 +273,7 @@ pub(crate) fn linear_dims(
 
 /// Rows per tile when an op streams `rows` rows of width `k` through a workspace of at most
 /// `max_elems` elements: tiles of equal size (the last one no smaller than the others need be).
-pub(crate) fn tile_rows(rows: usize, k: usize, max_elems: usize) -> usize {
+pub fn tile_rows(rows: usize, k: usize, max_elems: usize) -> usize {
     let most = (max_elems / k.max(1)).clamp(1, rows.max(1));
     rows.div_ceil(rows.div_ceil(most).max(1)).max(1)
 }
@@ -331,12 +312,6 @@ pub(crate) fn check_grad_scale(
         )),
         _ => Ok(()),
     }
-}
-
-/// The value of an optimizer's optional gradient-scale input.
-#[cfg(feature = "cpu")]
-pub(crate) fn grad_scale(k: &Kernel<'_>, index: usize) -> Option<f32> {
-    (k.in_count() > index).then(|| k.in_f32(index)[0])
 }
 
 /// Shape rule of a unary elementwise op: one float input, an output like it.
@@ -382,21 +357,5 @@ mod tests {
         assert_eq!(tile_rows_in_blocks(4096, 1536, 1 << 20, 0), 586);
         // Fewer rows than a tile holds: one tile.
         assert_eq!(tile_rows_in_blocks(100, 1536, 1 << 20, 512), 100);
-    }
-}
-
-#[cfg(all(test, feature = "cpu", target_arch = "x86_64"))]
-mod target_tests {
-    use super::gemm_blocked::Tile;
-    use crate::CpuGemm;
-
-    /// The planner's depth blocks are the register tiles' own.
-    #[test]
-    fn depth_blocks_match_the_kernels() {
-        assert_eq!(
-            CpuGemm::Avx512.depth_block(),
-            super::gemm_avx512::Avx512::KC
-        );
-        assert_eq!(CpuGemm::Avx2.depth_block(), super::gemm_avx2::Avx2::KC);
     }
 }

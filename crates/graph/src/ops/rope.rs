@@ -34,7 +34,7 @@ impl Rope {
 }
 
 /// Batch, sequence and width of `x`, after checking it against the op's head layout.
-fn dims(op: &Rope, x: &[usize]) -> Result<(usize, usize, usize)> {
+pub fn dims(op: &Rope, x: &[usize]) -> Result<(usize, usize, usize)> {
     let name = op.name();
     if op.head_dim == 0 || !op.head_dim.is_multiple_of(2) {
         return Err(shape_err(
@@ -95,41 +95,5 @@ impl OpRule for Rope {
 
     fn flops(&self, _inputs: &[&TensorMeta], outputs: &[&TensorMeta]) -> u64 {
         3 * outputs[0].numel() as u64
-    }
-
-    #[cfg(feature = "cpu")]
-    fn cpu(&self, k: &super::Kernel<'_>) {
-        let Ok((b, t, c)) = dims(self, k.in_shape(0)) else {
-            unreachable!("shape rule checked at build time")
-        };
-        let x = k.in_f32(0);
-        let y = super::par::SendPtr(k.out_f32(0).as_mut_ptr());
-        let (hd, half) = (self.head_dim, self.head_dim / 2);
-        let theta = self.theta as f64;
-        let sign = if self.inverse { -1.0 } else { 1.0 };
-        // One position per item: its angles are computed once and used for every batch row.
-        super::par::for_each_item(k.workspace(), hd, t, |pos, scratch| {
-            let (cos, sin) = scratch.split_at_mut(half);
-            for i in 0..half {
-                let inv_freq = theta.powf(-((2 * i) as f64) / hd as f64);
-                let (s, co) = (pos as f64 * inv_freq).sin_cos();
-                cos[i] = co as f32;
-                sin[i] = (sign * s) as f32;
-            }
-            for bi in 0..b {
-                let off = (bi * t + pos) * c;
-                let xr = &x[off..off + c];
-                // SAFETY: row (bi, pos) of y is written by this item only, and lies inside y.
-                let yr = unsafe { std::slice::from_raw_parts_mut(y.get().add(off), c) };
-                for (xh, yh) in xr.chunks_exact(hd).zip(yr.chunks_exact_mut(hd)) {
-                    let (x1, x2) = xh.split_at(half);
-                    let (y1, y2) = yh.split_at_mut(half);
-                    for i in 0..half {
-                        y1[i] = x1[i] * cos[i] - x2[i] * sin[i];
-                        y2[i] = x2[i] * cos[i] + x1[i] * sin[i];
-                    }
-                }
-            }
-        });
     }
 }

@@ -57,24 +57,4 @@ impl OpRule for Sgd {
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         3 * inputs[0].numel() as u64
     }
-
-    #[cfg(feature = "cpu")]
-    fn cpu(&self, k: &super::Kernel<'_>) {
-        if !k.ctx.is_last_micro() {
-            return;
-        }
-        let scale = super::grad_scale(k, 2).unwrap_or(1.0);
-        if !scale.is_finite() {
-            return; // an overflow under loss scaling: the step is skipped
-        }
-        let (p, g) = (k.in_mut_f32(0), k.in_f32(1));
-        let decay = 1.0 - k.ctx.lr * self.weight_decay;
-        let lr = k.ctx.lr * scale;
-        super::par::elems_mut(p, |start, out| {
-            let n = out.len();
-            for (w, &gi) in out.iter_mut().zip(&g[start..start + n]) {
-                *w = *w * decay - lr * gi;
-            }
-        });
-    }
 }

@@ -5,28 +5,6 @@ use crate::autodiff::GradCtx;
 use crate::tensor::TensorMeta;
 use crate::{GraphError, Result};
 
-/// σ(x) = 1 / (1 + e^{−x}), with the vectorisable exp (saturates cleanly at both ends).
-#[cfg(feature = "cpu")]
-#[inline(always)]
-pub(super) fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + super::math::exp(-x))
-}
-
-/// `silu(x) = x · σ(x)`.
-#[cfg(feature = "cpu")]
-#[inline(always)]
-pub(super) fn silu(x: f32) -> f32 {
-    x * sigmoid(x)
-}
-
-/// `silu'(x) = σ(x) · (1 + x · (1 − σ(x)))`.
-#[cfg(feature = "cpu")]
-#[inline(always)]
-pub(super) fn silu_grad(x: f32) -> f32 {
-    let s = sigmoid(x);
-    s * (1.0 + x * (1.0 - s))
-}
-
 /// `y = x · σ(x)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Silu;
@@ -51,11 +29,6 @@ impl OpRule for Silu {
     }
     fn inplace_inputs(&self) -> &'static [usize] {
         &[0]
-    }
-
-    #[cfg(feature = "cpu")]
-    fn cpu(&self, k: &super::Kernel<'_>) {
-        super::par::unary(k, silu);
     }
 }
 
@@ -87,10 +60,5 @@ impl OpRule for SiluBackward {
     }
     fn inplace_inputs(&self) -> &'static [usize] {
         &[1, 0]
-    }
-
-    #[cfg(feature = "cpu")]
-    fn cpu(&self, k: &super::Kernel<'_>) {
-        super::par::binary(k, |v, g| g * silu_grad(v));
     }
 }

@@ -54,24 +54,6 @@ impl OpRule for Softmax {
     fn flops(&self, _inputs: &[&TensorMeta], outputs: &[&TensorMeta]) -> u64 {
         5 * outputs[0].numel() as u64
     }
-    #[cfg(feature = "cpu")]
-    fn cpu(&self, k: &super::Kernel<'_>) {
-        let (x, y) = (k.in_f32(0), k.out_f32(0));
-        let n = *k.in_shape(0).last().unwrap_or(&1);
-        super::par::rows_mut(y, n, |r0, rows| {
-            for (r, out) in rows.chunks_exact_mut(n).enumerate() {
-                let src = &x[(r0 + r) * n..(r0 + r + 1) * n];
-                let max = src.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0.0;
-                for (o, &v) in out.iter_mut().zip(src) {
-                    *o = super::math::exp(v - max);
-                    sum += *o;
-                }
-                let inv = 1.0 / sum;
-                out.iter_mut().for_each(|o| *o *= inv);
-            }
-        });
-    }
 }
 
 /// `dx = y ⊙ (dy − Σ dy ⊙ y)` row by row.
@@ -87,21 +69,6 @@ impl OpRule for SoftmaxBackward {
     }
     fn backward(&self, _ctx: &mut GradCtx<'_>) -> Result<()> {
         no_second_order(self.name())
-    }
-    #[cfg(feature = "cpu")]
-    fn cpu(&self, k: &super::Kernel<'_>) {
-        let (y, dy, dx) = (k.in_f32(0), k.in_f32(1), k.out_f32(0));
-        let n = *k.in_shape(0).last().unwrap_or(&1);
-        super::par::rows_mut(dx, n, |r0, rows| {
-            for (r, out) in rows.chunks_exact_mut(n).enumerate() {
-                let range = (r0 + r) * n..(r0 + r + 1) * n;
-                let (y, dy) = (&y[range.clone()], &dy[range]);
-                let dot: f32 = y.iter().zip(dy).map(|(a, b)| a * b).sum();
-                for ((o, &yv), &g) in out.iter_mut().zip(y).zip(dy) {
-                    *o = yv * (g - dot);
-                }
-            }
-        });
     }
 }
 
@@ -127,22 +94,6 @@ impl OpRule for LogSoftmax {
     fn flops(&self, _inputs: &[&TensorMeta], outputs: &[&TensorMeta]) -> u64 {
         5 * outputs[0].numel() as u64
     }
-    #[cfg(feature = "cpu")]
-    fn cpu(&self, k: &super::Kernel<'_>) {
-        let (x, y) = (k.in_f32(0), k.out_f32(0));
-        let n = *k.in_shape(0).last().unwrap_or(&1);
-        super::par::rows_mut(y, n, |r0, rows| {
-            for (r, out) in rows.chunks_exact_mut(n).enumerate() {
-                let src = &x[(r0 + r) * n..(r0 + r + 1) * n];
-                let max = src.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let sum: f32 = src.iter().map(|&v| super::math::exp(v - max)).sum();
-                let lse = max + sum.ln();
-                for (o, &v) in out.iter_mut().zip(src) {
-                    *o = v - lse;
-                }
-            }
-        });
-    }
 }
 
 /// `dx = dy − exp(y) · Σ dy` row by row.
@@ -158,20 +109,5 @@ impl OpRule for LogSoftmaxBackward {
     }
     fn backward(&self, _ctx: &mut GradCtx<'_>) -> Result<()> {
         no_second_order(self.name())
-    }
-    #[cfg(feature = "cpu")]
-    fn cpu(&self, k: &super::Kernel<'_>) {
-        let (y, dy, dx) = (k.in_f32(0), k.in_f32(1), k.out_f32(0));
-        let n = *k.in_shape(0).last().unwrap_or(&1);
-        super::par::rows_mut(dx, n, |r0, rows| {
-            for (r, out) in rows.chunks_exact_mut(n).enumerate() {
-                let range = (r0 + r) * n..(r0 + r + 1) * n;
-                let (y, dy) = (&y[range.clone()], &dy[range]);
-                let sum: f32 = dy.iter().sum();
-                for ((o, &yv), &g) in out.iter_mut().zip(y).zip(dy) {
-                    *o = g - super::math::exp(yv) * sum;
-                }
-            }
-        });
     }
 }

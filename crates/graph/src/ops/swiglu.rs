@@ -48,11 +48,6 @@ impl OpRule for SwiGlu {
     fn inplace_inputs(&self) -> &'static [usize] {
         &[0, 1]
     }
-
-    #[cfg(feature = "cpu")]
-    fn cpu(&self, k: &super::Kernel<'_>) {
-        super::par::binary(k, |g, u| super::silu::silu(g) * u);
-    }
 }
 
 /// Inputs `[gate, up, dy]`; outputs `[dgate, dup]`:
@@ -83,24 +78,5 @@ impl OpRule for SwiGluBackward {
     }
     fn flops(&self, _inputs: &[&TensorMeta], outputs: &[&TensorMeta]) -> u64 {
         6 * outputs.iter().map(|t| t.numel() as u64).sum::<u64>()
-    }
-    #[cfg(feature = "cpu")]
-    fn cpu(&self, k: &super::Kernel<'_>) {
-        let (gate, up, dy) = (k.in_f32(0), k.in_f32(1), k.in_f32(2));
-        let (dgate, dup) = (k.out_f32(0), k.out_f32(1));
-        super::par::rows_mut2(dgate, 1, dup, 1, |start, dg, du| {
-            let n = dg.len();
-            let (g, u, d) = (
-                &gate[start..start + n],
-                &up[start..start + n],
-                &dy[start..start + n],
-            );
-            for i in 0..n {
-                let s = super::silu::sigmoid(g[i]);
-                let silu = g[i] * s;
-                dg[i] = d[i] * u[i] * s * (1.0 + g[i] * (1.0 - s));
-                du[i] = d[i] * silu;
-            }
-        });
     }
 }

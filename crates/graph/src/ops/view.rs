@@ -43,8 +43,6 @@ impl OpRule for Reshape {
     fn flops(&self, _inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         0
     }
-    #[cfg(feature = "cpu")]
-    fn cpu(&self, _k: &super::Kernel<'_>) {}
 }
 
 /// Rows `start .. start + len` of the first axis (a view).
@@ -101,8 +99,6 @@ impl OpRule for Narrow {
     fn flops(&self, _inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         0
     }
-    #[cfg(feature = "cpu")]
-    fn cpu(&self, _k: &super::Kernel<'_>) {}
 }
 
 /// Places the input at rows `start..` of a zero tensor with `total` rows.
@@ -146,13 +142,6 @@ impl OpRule for Pad {
         }
         Ok(())
     }
-    #[cfg(feature = "cpu")]
-    fn cpu(&self, k: &super::Kernel<'_>) {
-        let (x, y) = (k.in_f32(0), k.out_f32(0));
-        let row: usize = k.in_shape(0)[1..].iter().product();
-        y.fill(0.0);
-        y[self.start * row..self.start * row + x.len()].copy_from_slice(x);
-    }
 }
 
 /// Swaps two axes, copying into the new layout.
@@ -192,30 +181,5 @@ impl OpRule for Transpose {
     }
     fn flops(&self, _inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         0
-    }
-    #[cfg(feature = "cpu")]
-    fn cpu(&self, k: &super::Kernel<'_>) {
-        let (x, y) = (k.in_f32(0), k.out_f32(0));
-        let in_shape = k.in_shape(0);
-        let out_shape = k.out_shape(0);
-        let rank = in_shape.len();
-        let mut in_strides = vec![1; rank];
-        for i in (0..rank.saturating_sub(1)).rev() {
-            in_strides[i] = in_strides[i + 1] * in_shape[i + 1];
-        }
-        // Output axis d reads input axis perm[d].
-        let mut perm: Vec<usize> = (0..rank).collect();
-        perm.swap(self.dim0, self.dim1);
-        super::par::elems_mut(y, |start, out| {
-            for (j, o) in out.iter_mut().enumerate() {
-                let mut rem = start + j;
-                let mut src = 0;
-                for d in (0..rank).rev() {
-                    src += (rem % out_shape[d]) * in_strides[perm[d]];
-                    rem /= out_shape[d];
-                }
-                *o = x[src];
-            }
-        });
     }
 }

@@ -1,4 +1,4 @@
-//! The AVX-512F register tile for our GEMM (`gemm_blocked`): 8 × 48 (24 zmm accumulators;
+//! The AVX-512F register tile for our GEMM ([`blocked`](super::blocked)): 8 × 48 (24 zmm accumulators;
 //! `b` is the vector operand, `a` the broadcast one), its packing, and the unpacked
 //! [`small_gemm`] and [`transpose`] attention uses on these CPUs.
 //!
@@ -8,8 +8,8 @@
 
 use std::arch::x86_64::*;
 
-use super::gemm_blocked::{apply_prologue, pack_a_any, pack_b_any, tile_entry_points, Tile};
-use super::matmul::Prologue;
+use super::blocked::{apply_prologue, pack_a_any, pack_b_any, tile_entry_points, Tile};
+use super::fused::Prologue;
 
 /// Rows of the register tile.
 const MR: usize = 8;

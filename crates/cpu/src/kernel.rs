@@ -1,41 +1,11 @@
+//! A kernel's arguments: where each tensor of a node lives ([`TensorArg`]) and the checked
+//! view a kernel reads and writes them through ([`Kernel`]).
+
 use std::cell::Cell;
 use std::marker::PhantomData;
 
-use crate::DType;
-
-/// Per-run values kernels read: the learning rate, the optimizer's step count, and which
-/// micro-batch of the step this run is.
-#[derive(Debug, Clone, Copy)]
-pub struct ExecCtx {
-    pub lr: f32,
-    /// 1-based optimizer step, for Adam's bias correction.
-    pub step: u64,
-    /// 0-based micro-batch within the step; the optimizer runs on the last one only.
-    pub micro: u32,
-    pub micro_steps: u32,
-}
-
-impl ExecCtx {
-    /// A run that is a whole step (no gradient accumulation).
-    pub fn step(lr: f32, step: u64) -> Self {
-        ExecCtx {
-            lr,
-            step,
-            micro: 0,
-            micro_steps: 1,
-        }
-    }
-
-    pub fn is_last_micro(&self) -> bool {
-        self.micro + 1 >= self.micro_steps
-    }
-}
-
-impl Default for ExecCtx {
-    fn default() -> Self {
-        ExecCtx::step(1e-3, 1)
-    }
-}
+use snug_graph::DType;
+use snug_runtime::ExecCtx;
 
 /// Where one tensor lives while a node runs. Built once per session: buffers never move.
 #[derive(Debug, Clone)]
@@ -202,4 +172,10 @@ impl<'a> Kernel<'a> {
             None => &mut [],
         }
     }
+}
+
+/// An op's CPU kernel. Inputs and outputs never overlap unless the plan says so (an in-place
+/// node's output is the input [`Kernel::inplace`] names).
+pub trait CpuKernel {
+    fn run(&self, k: &Kernel<'_>);
 }

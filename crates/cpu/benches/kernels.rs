@@ -1,9 +1,10 @@
 //! Criterion benches of the hot kernels at char-small's shapes (batch 16 × block 256 = 4,096
-//! tokens, width 384, 6 heads, MLP 1,536): `cargo bench -p snug-runtime --bench kernels`.
+//! tokens, width 384, 6 heads, MLP 1,536): `cargo bench -p snug-cpu --bench kernels`.
 //! Each builds a one-op graph, plans it and times `CpuSession::run` on physical-core threads;
 //! criterion's "elements" throughput is the op's FLOPs.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use snug_cpu::{physical_cores, CpuSession};
 use snug_graph::ops::{
     AdamW, Cast, CausalAttention, CausalAttentionBackward, Gelu, GeluBackward, GeluLinear,
     GeluLinearBackward, LayerNorm, LayerNormBackward, LayerNormLinear, LayerNormLinearBackward,
@@ -11,7 +12,7 @@ use snug_graph::ops::{
 };
 use snug_graph::{DType, Graph, Role, TensorId};
 use snug_plan::{plan, PlanOptions};
-use snug_runtime::{physical_cores, Allocator, CpuSession, ExecCtx};
+use snug_runtime::{Allocator, ExecCtx};
 
 const TOKENS: usize = 16 * 256;
 const C: usize = 384;

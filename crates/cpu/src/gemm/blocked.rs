@@ -1,9 +1,9 @@
 //! Our f32 GEMM, `c (+)= scale · f(a) · b (+ bias)` with `c` row-major and `a`, `b` at any
 //! strides, on one thread ([`sgemm`]) or on the rayon pool with work dealt by demand
 //! ([`sgemm_threaded`]); `f` (a LayerNorm or GELU made as `a` is packed) and the bias are what
-//! `matmul::Fused` asks for. The blocking here is the same on every CPU; the register tile and
-//! the packing that feeds it are a [`Tile`] per instruction set (`gemm_avx512`, `gemm_avx2`).
-//! `matmul::gemm_raw` keeps the gemm crate for other CPUs and for narrow outputs.
+//! [`Fused`] asks for. The blocking here is the same on every CPU; the register tile and
+//! the packing that feeds it are a [`Tile`] per instruction set ([`avx512`](super::avx512), [`avx2`](super::avx2)).
+//! [`gemm_raw`](super::gemm_raw) keeps the gemm crate for other CPUs and for narrow outputs.
 //!
 //! Blocking, in the BLIS manner, named for row-major `c`: an `MR × NR` register tile (`b` is the
 //! vector operand, `a` the broadcast one). For each block of `KC` of the inner dimension, `MC`
@@ -14,9 +14,11 @@
 use std::cell::RefCell;
 use std::sync::{Mutex, TryLockError};
 
-use super::gelu::{gelu, GeluApprox};
-use super::matmul::{Fused, Prologue};
-use super::par::SendPtr;
+use snug_graph::ops::GeluApprox;
+
+use super::fused::{Fused, Prologue};
+use crate::math::gelu;
+use crate::par::SendPtr;
 
 /// A register tile and the packing that feeds it, for one instruction set, with the block
 /// sizes that suit the caches of the CPUs that have it.
@@ -148,7 +150,6 @@ fn aligned(buf: &mut Vec<f32>, floats: usize) -> *mut f32 {
 /// for the elements its strides reach, and `c` must not overlap `a` or `b`. A prologue's
 /// statistics must cover every token and its weights every feature of `a`; a bias must hold
 /// `n` values.
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn sgemm<T: Tile>(
     (m, n, k): (usize, usize, usize),
     (c, c_rs): (*mut f32, isize),
@@ -207,7 +208,6 @@ thread_local! {
 ///
 /// # Safety
 /// As [`sgemm`].
-#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn sgemm_threaded<T: Tile>(
     (m, n, k): (usize, usize, usize),
     (c, c_rs): (*mut f32, isize),
@@ -418,7 +418,6 @@ unsafe fn by_columns<T: Tile>(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 unsafe fn blocked<T: Tile>(
     (m, n, k): (usize, usize, usize),
     (c, c_rs): (*mut f32, isize),
@@ -494,34 +493,6 @@ unsafe fn tiles<T: Tile>(
                 )
             };
         }
-    }
-}
-
-/// Attention's unpacked per-head product (`small_gemm` in `gemm_avx512` and `gemm_avx2`):
-/// `(m, n, k)`, `(c, c_rs)`, `(a, a_rs, a_cs)`, `(b, b_rs, b_strip)`, `scale`, `accumulate`.
-pub(crate) type SmallGemm = unsafe fn(
-    (usize, usize, usize),
-    (*mut f32, usize),
-    (*const f32, usize, usize),
-    (*const f32, usize, usize),
-    f32,
-    bool,
-);
-
-/// A register transpose (`transpose` in `gemm_avx512` and `gemm_avx2`): `(x, x_rs)`,
-/// `(rows, cols)`, `(out, out_rs)`.
-pub(crate) type Transpose = unsafe fn((*const f32, usize), (usize, usize), (*mut f32, usize));
-
-/// Attention's head kernels for this CPU: AVX-512F's, else AVX2 + FMA's, else none (the
-/// caller then uses the gemm crate and scalar loops).
-pub(crate) fn head_kernels() -> Option<(SmallGemm, Transpose)> {
-    use super::{gemm_avx2 as avx2, gemm_avx512 as avx512};
-    if avx512::Avx512::available() {
-        Some((avx512::small_gemm, avx512::transpose))
-    } else if avx2::Avx2::available() {
-        Some((avx2::small_gemm, avx2::transpose))
-    } else {
-        None
     }
 }
 
@@ -640,7 +611,7 @@ pub(super) mod tests {
 
     /// Asserts `c[i·n + j] = base + scale · Σ_p a(i, p) · b(p, j)`, summed in f64, to within
     /// `tol`; the base is `start`'s element when accumulating, else zero.
-    pub(in crate::ops) fn assert_product(
+    pub(in crate::gemm) fn assert_product(
         (m, n, k): (usize, usize, usize),
         (a, b): (impl Fn(usize, usize) -> f32, impl Fn(usize, usize) -> f32),
         (scale, accumulate): (f32, bool),
@@ -669,7 +640,7 @@ pub(super) mod tests {
     }
 
     /// Deterministic values in [-0.5, 0.5) with no pattern a blocking bug could hide behind.
-    pub(in crate::ops) fn values(len: usize, seed: u64) -> Vec<f32> {
+    pub(in crate::gemm) fn values(len: usize, seed: u64) -> Vec<f32> {
         let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         (0..len)
             .map(|_| {
@@ -686,7 +657,7 @@ pub(super) mod tests {
         ($check:ident) => {{
             #[cfg(target_arch = "x86_64")]
             {
-                use super::super::{gemm_avx2::Avx2, gemm_avx512::Avx512};
+                use super::super::{avx2::Avx2, avx512::Avx512};
                 if Avx512::available() {
                     $check::<Avx512>("avx512");
                 } else {

@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-pub use super::MIN_PAR_ELEMS;
+pub use snug_graph::ops::MIN_PAR_ELEMS;
 
 /// Runs `f(start_index, chunk)` over `out` in parallel chunks of whole rows of `row` elements.
 pub fn rows_mut<F>(out: &mut [f32], row: usize, f: F)
@@ -106,7 +106,7 @@ pub fn map(x: &[f32], y: &mut [f32], f: impl Fn(f32) -> f32 + Sync + Send) {
 }
 
 /// A one-input elementwise kernel `y = f(x)`, run over `x`'s bytes when the node is in place.
-pub fn unary(k: &super::Kernel<'_>, f: impl Fn(f32) -> f32 + Sync + Send) {
+pub fn unary(k: &crate::kernel::Kernel<'_>, f: impl Fn(f32) -> f32 + Sync + Send) {
     if k.inplace().is_some() {
         elems_mut(k.out_f32(0), |_, out| {
             for o in out {
@@ -120,7 +120,7 @@ pub fn unary(k: &super::Kernel<'_>, f: impl Fn(f32) -> f32 + Sync + Send) {
 
 /// A two-input elementwise kernel `y = f(a, b)` over same-shape inputs, run over the bytes of
 /// whichever input the node writes in place.
-pub fn binary(k: &super::Kernel<'_>, f: impl Fn(f32, f32) -> f32 + Sync + Send) {
+pub fn binary(k: &crate::kernel::Kernel<'_>, f: impl Fn(f32, f32) -> f32 + Sync + Send) {
     match k.inplace() {
         Some(0) => update(k.in_f32(1), k.out_f32(0), |b, a| f(a, b)),
         Some(_) => update(k.in_f32(0), k.out_f32(0), f),

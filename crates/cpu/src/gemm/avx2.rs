@@ -1,4 +1,4 @@
-//! The AVX2 + FMA register tile for our GEMM (`gemm_blocked`), for x86-64 CPUs without
+//! The AVX2 + FMA register tile for our GEMM ([`blocked`](super::blocked)), for x86-64 CPUs without
 //! AVX-512 (AMD Zen 1–3, Intel before Skylake-SP and its client parts): 6 × 16, twelve ymm
 //! accumulators, two for a row of `b` and one for the broadcast element of `a`, fifteen of the
 //! sixteen registers; and its packing.
@@ -9,8 +9,8 @@
 
 use std::arch::x86_64::*;
 
-use super::gemm_blocked::{apply_prologue, pack_a_any, pack_b_any, tile_entry_points, Tile};
-use super::matmul::Prologue;
+use super::blocked::{apply_prologue, pack_a_any, pack_b_any, tile_entry_points, Tile};
+use super::fused::Prologue;
 
 /// Rows of the register tile.
 const MR: usize = 6;
@@ -362,7 +362,7 @@ fn transpose_8x8(r: [__m256; 8]) -> [__m256; 8] {
 
 #[cfg(test)]
 mod tests {
-    use super::super::gemm_blocked::tests::{assert_product, values};
+    use super::super::blocked::tests::{assert_product, values};
     use super::*;
 
     /// Attention's unpacked products, against a triple loop in f64: `a` plain and transposed,

@@ -7,11 +7,11 @@
 //! micro-batch, as a typed out-of-memory error before any kernel runs, and lets a session be
 //! re-planned ([`CpuSession::replan`]) keeping its parameters and optimizer state in place.
 
-use snug_graph::ops::{ExecCtx, Kernel, TensorArg};
 use snug_graph::{DType, Graph, Role, TensorId};
 use snug_plan::MemoryPlan;
+use snug_runtime::{Allocator, Buffer, ExecCtx, RuntimeError};
 
-use crate::{Allocator, Buffer, RuntimeError};
+use crate::kernel::{Kernel, TensorArg};
 
 /// Physical cores of this machine (hyper-threads share FPUs, so GEMM gains nothing from them).
 pub fn physical_cores() -> usize {
@@ -317,7 +317,7 @@ impl CpuSession {
                         ctx,
                     )
                 };
-                node.op.cpu(&kernel);
+                crate::kernels::run(&node.op, &kernel);
                 if let (Some(times), Some(start)) = (times.as_deref_mut(), start) {
                     times.push(start.elapsed().as_secs_f64());
                 }

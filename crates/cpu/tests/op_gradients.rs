@@ -9,6 +9,7 @@
 use rand::seq::{index, SliceRandom};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use snug_cpu::CpuSession;
 use snug_graph::ops::{
     Binary, BinaryKind, BroadcastTo, CausalAttention, CrossEntropy, Embedding, Gelu, GeluApprox,
     GeluLinear, GeluLinearBackward, GqaAttention, LayerNorm, LayerNormBackward, LayerNormLinear,
@@ -17,7 +18,7 @@ use snug_graph::ops::{
 };
 use snug_graph::{DType, Graph, OptimizerSpec, StepGraph, TensorId};
 use snug_plan::{plan, PlanOptions};
-use snug_runtime::{Allocator, CpuSession, ExecCtx};
+use snug_runtime::{Allocator, ExecCtx};
 
 /// Step of the central difference, relative to the element: `h = REL_STEP · max(1, |x|)`.
 const REL_STEP: f32 = 1e-2;

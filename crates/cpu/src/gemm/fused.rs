@@ -1,0 +1,43 @@
+//! What a product takes in as our kernel packs and stores it: a transform of `a` (a LayerNorm
+//! or GELU) and a bias, so the op feeding a GEMM never writes its output to memory.
+
+/// A transform of `a`'s elements made as they are packed, so that the elementwise op feeding a
+/// GEMM never writes its output to memory: each element is transformed once per product (every
+/// blocking packs each element of `a` once), by the thread that packs it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Prologue<'a> {
+    None,
+    /// LayerNorm from saved statistics, `(v - mean[t]) · rstd[t] · w[f] + b[f]` in the order
+    /// the LayerNorm kernels round it, so the values are bitwise theirs. Element `(i, p)` of `a`
+    /// is token `i`, feature `p` when `tokens_down`, else token `p`, feature `i` (`a` is the
+    /// transposed activation of a weight gradient).
+    LayerNorm {
+        mean: &'a [f32],
+        rstd: &'a [f32],
+        w: &'a [f32],
+        b: &'a [f32],
+        tokens_down: bool,
+    },
+    /// GELU of every element, the scalar function vectorised, so bitwise its values.
+    Gelu(snug_graph::ops::GeluApprox),
+}
+
+/// What a product fuses: a [`Prologue`] on `a`, and a bias (one per column of `c`) added where
+/// the first block of the inner dimension is stored, instead of `c` being filled with it first.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Fused<'a> {
+    pub prologue: Prologue<'a>,
+    pub bias: Option<&'a [f32]>,
+}
+
+impl Fused<'_> {
+    pub(crate) const NONE: Fused<'static> = Fused {
+        prologue: Prologue::None,
+        bias: None,
+    };
+
+    /// The bias from column `j` on, or null.
+    pub(crate) fn bias_at(&self, j: usize) -> *const f32 {
+        self.bias.map_or(std::ptr::null(), |b| b[j..].as_ptr())
+    }
+}

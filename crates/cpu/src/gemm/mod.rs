@@ -1,0 +1,417 @@
+//! The GEMM entry points every kernel calls: `c (+)= f(op(a)) · op(b) (+ bias)` on our blocked
+//! kernel ([`blocked`], with the AVX-512 and AVX2 register tiles in [`avx512`] and [`avx2`])
+//! where the CPU and the product suit it, else on the gemm crate. [`Fused`] says what a product
+//! takes in as it packs (a LayerNorm or GELU [`Prologue`], a bias; [`fused`]).
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod blocked;
+mod fused;
+
+pub(crate) use fused::{Fused, Prologue};
+
+/// Threads for one GEMM: small products run single-threaded (rayon overhead dominates).
+pub(crate) fn par_for(m: usize, n: usize, k: usize, threads: usize) -> ::gemm::Parallelism {
+    if threads <= 1 || m * n * k < 64 * 64 * 64 {
+        ::gemm::Parallelism::None
+    } else {
+        ::gemm::Parallelism::Rayon(threads)
+    }
+}
+
+/// `y = t · w + bias` for `m` rows: `t [m, k]`, `w [k, n]`, `y [m, n]`. The row step of the
+/// fused ops that make a linear layer's input a tile at a time.
+pub(crate) fn linear_rows(
+    t: &[f32],
+    w: &[f32],
+    bias: &[f32],
+    y: &mut [f32],
+    (m, k, n): (usize, usize, usize),
+) {
+    assert!(t.len() >= m * k && w.len() >= k * n && y.len() >= m * n && bias.len() >= n);
+    let par = par_for(m, n, k, rayon::current_num_threads());
+    let fused = Fused {
+        prologue: Prologue::None,
+        bias: Some(bias),
+    };
+    // SAFETY: the lengths were checked just above.
+    if unsafe { gemm_fused(Layout::new((false, false), (m, n, k)), t, w, y, par, fused) } {
+        return;
+    }
+    for row in y[..m * n].chunks_exact_mut(n) {
+        row.copy_from_slice(bias);
+    }
+    // SAFETY: the lengths were checked just above.
+    unsafe { gemm_strided(Layout::new((false, false), (m, n, k)), t, w, y, true, par) };
+}
+
+/// Which of our register tiles ([`blocked`]) a product runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OwnTile {
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+}
+
+/// Our tile for a product, if `gemm_raw` runs one: on a CPU with AVX-512F or AVX2 + FMA, for
+/// row-major outputs at least 16 columns wide, and products big enough that packing both
+/// operands pays. (Attention's blocks, at most 64 × 256 × 64, run an unpacked
+/// `small_gemm` instead: through the packed one they measured 15 % slower.)
+fn own_kernel((m, n, k): (usize, usize, usize), c_cs: isize) -> Option<OwnTile> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use blocked::Tile;
+        if c_cs != 1 || n < 16 || m * n * k < 1 << 22 {
+            None
+        } else if avx512::Avx512::available() {
+            Some(OwnTile::Avx512)
+        } else if avx2::Avx2::available() {
+            Some(OwnTile::Avx2)
+        } else {
+            None
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = ((m, n, k), c_cs);
+        None
+    }
+}
+
+/// Attention's unpacked per-head product (`small_gemm` in `avx512` and `avx2`):
+/// `(m, n, k)`, `(c, c_rs)`, `(a, a_rs, a_cs)`, `(b, b_rs, b_strip)`, `scale`, `accumulate`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) type SmallGemm = unsafe fn(
+    (usize, usize, usize),
+    (*mut f32, usize),
+    (*const f32, usize, usize),
+    (*const f32, usize, usize),
+    f32,
+    bool,
+);
+
+/// A register transpose (`transpose` in `avx512` and `avx2`): `(x, x_rs)`,
+/// `(rows, cols)`, `(out, out_rs)`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) type Transpose = unsafe fn((*const f32, usize), (usize, usize), (*mut f32, usize));
+
+/// Attention's head kernels for this CPU: AVX-512F's, else AVX2 + FMA's, else none (the
+/// caller then uses the gemm crate and scalar loops).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn head_kernels() -> Option<(SmallGemm, Transpose)> {
+    use blocked::Tile;
+    if avx512::Avx512::available() {
+        Some((avx512::small_gemm, avx512::transpose))
+    } else if avx2::Avx2::available() {
+        Some((avx2::small_gemm, avx2::transpose))
+    } else {
+        None
+    }
+}
+
+/// `g = dy · wᵀ` for `m` rows: `dy [m, n]`, `w [k, n]`, `g [m, k]`. The row step of the fused
+/// backwards that turn a linear layer's output gradient into its input's a tile at a time.
+pub(crate) fn input_grad_rows(
+    dy: &[f32],
+    w: &[f32],
+    g: &mut [f32],
+    (m, k, n): (usize, usize, usize),
+) {
+    assert!(dy.len() >= m * n && w.len() >= k * n && g.len() >= m * k);
+    let par = par_for(m, k, n, rayon::current_num_threads());
+    // SAFETY: the lengths were checked just above.
+    unsafe { gemm_strided(Layout::new((false, true), (m, k, n)), dy, w, g, false, par) };
+}
+
+/// The shape of a product of row-major matrices, `op(a) [m, k] · op(b) [k, n]`, where `op`
+/// transposes the stored matrix when its flag is set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Layout {
+    pub ta: bool,
+    pub tb: bool,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+impl Layout {
+    pub(crate) fn new((ta, tb): (bool, bool), (m, n, k): (usize, usize, usize)) -> Layout {
+        Layout { ta, tb, m, n, k }
+    }
+
+    /// Row and column strides of `op(a)` and `op(b)` stored row-major: element (i, j) of op(x)
+    /// sits at i·rs + j·cs.
+    fn strides(self) -> ((isize, isize), (isize, isize)) {
+        let Layout { ta, tb, m, n, k } = self;
+        let a = if ta { (1, m as isize) } else { (k as isize, 1) };
+        let b = if tb { (1, k as isize) } else { (n as isize, 1) };
+        (a, b)
+    }
+}
+
+/// `c (+)= op(a) · op(b)` over row-major storage; `accumulate` keeps what `c` holds.
+///
+/// # Safety
+/// `a`, `b` and `c` must hold at least `m·k`, `k·n` and `m·n` elements.
+pub(crate) unsafe fn gemm_strided(
+    layout: Layout,
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+    accumulate: bool,
+    par: ::gemm::Parallelism,
+) {
+    let Layout { m, n, k, .. } = layout;
+    debug_assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
+    let ((a_rs, a_cs), (b_rs, b_cs)) = layout.strides();
+    gemm_raw(
+        (m, n, k),
+        (c.as_mut_ptr(), n as isize, 1),
+        (a.as_ptr(), a_rs, a_cs),
+        (b.as_ptr(), b_rs, b_cs),
+        1.0,
+        accumulate,
+        par,
+    );
+}
+
+/// One product `c (+)= scale · a · b` of strided matrices, each given as (pointer, row stride,
+/// column stride): element (i, j) sits at i·rs + j·cs.
+#[derive(Debug, Clone, Copy)]
+struct Product {
+    /// `(m, n, k)`: `a` is `m × k`, `b` is `k × n`.
+    dims: (usize, usize, usize),
+    c: (*mut f32, isize, isize),
+    a: (*const f32, isize, isize),
+    b: (*const f32, isize, isize),
+    scale: f32,
+    /// Add to what `c` holds rather than overwrite it.
+    accumulate: bool,
+}
+
+/// Runs a product through our kernel on `tile`, its threads dealt the work by demand where
+/// `par` asks for them. Returns `false`, doing nothing, where the kernel's packing space is in
+/// use.
+///
+/// # Safety
+/// As [`blocked::sgemm`] (`c`'s column stride is 1), on a CPU [`own_kernel`] accepted.
+#[cfg(target_arch = "x86_64")]
+unsafe fn own_gemm(
+    tile: OwnTile,
+    product: Product,
+    par: ::gemm::Parallelism,
+    fused: Fused<'_>,
+) -> bool {
+    let Product {
+        dims: (m, n, k),
+        c: (c, c_rs, _),
+        a,
+        b,
+        scale,
+        accumulate,
+    } = product;
+    use avx2::Avx2;
+    use avx512::Avx512;
+    use blocked::{sgemm, sgemm_threaded};
+    let threaded = matches!(par, ::gemm::Parallelism::Rayon(_)) && m.max(n) >= 32;
+    let run = match (tile, threaded) {
+        (OwnTile::Avx512, false) => sgemm::<Avx512>,
+        (OwnTile::Avx512, true) => sgemm_threaded::<Avx512>,
+        (OwnTile::Avx2, false) => sgemm::<Avx2>,
+        (OwnTile::Avx2, true) => sgemm_threaded::<Avx2>,
+    };
+    // SAFETY: as the caller vouched.
+    unsafe { run((m, n, k), (c, c_rs), a, b, scale, accumulate, fused) }
+}
+
+/// `c = f(op(a)) · op(b) (+ bias)` through our kernel, with `f` (made as `a` is packed)
+/// and the bias (added as `c` is first stored) as `fused` says: the op feeding the product
+/// never writes its output, and `c` is never filled with the bias first. Returns `false`, doing
+/// nothing, where our kernel does not run this product (another CPU, a small product, its
+/// packing space in use); the caller then materialises `f(op(a))` and runs [`gemm_strided`].
+///
+/// # Safety
+/// As [`gemm_strided`]; a prologue's statistics must cover every token and its weights every
+/// feature of `op(a)`, and a bias must hold `n` values.
+pub(crate) unsafe fn gemm_fused(
+    layout: Layout,
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+    par: ::gemm::Parallelism,
+    fused: Fused<'_>,
+) -> bool {
+    let Layout { m, n, k, .. } = layout;
+    debug_assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
+    debug_assert!(fused.bias.is_none_or(|bias| bias.len() >= n));
+    #[cfg(target_arch = "x86_64")]
+    if let Some(tile) = own_kernel((m, n, k), 1) {
+        let ((a_rs, a_cs), (b_rs, b_cs)) = layout.strides();
+        let product = Product {
+            dims: (m, n, k),
+            c: (c.as_mut_ptr(), n as isize, 1),
+            a: (a.as_ptr(), a_rs, a_cs),
+            b: (b.as_ptr(), b_rs, b_cs),
+            scale: 1.0,
+            accumulate: false,
+        };
+        // SAFETY: `own_kernel` checked the CPU; the caller vouches for the operands.
+        return unsafe { own_gemm(tile, product, par, fused) };
+    }
+    let _ = (a, b, c, par, fused);
+    false
+}
+
+/// `c (+)= scale · a · b` for strided matrices given as (pointer, row stride, column stride).
+///
+/// # Safety
+/// Every pointer must be valid for the elements its strides reach.
+pub(crate) unsafe fn gemm_raw(
+    (m, n, k): (usize, usize, usize),
+    (c, c_rs, c_cs): (*mut f32, isize, isize),
+    (a, a_rs, a_cs): (*const f32, isize, isize),
+    (b, b_rs, b_cs): (*const f32, isize, isize),
+    scale: f32,
+    accumulate: bool,
+    par: ::gemm::Parallelism,
+) {
+    let ours = own_kernel((m, n, k), c_cs);
+    let product = Product {
+        dims: (m, n, k),
+        c: (c, c_rs, c_cs),
+        a: (a, a_rs, a_cs),
+        b: (b, b_rs, b_cs),
+        scale,
+        accumulate,
+    };
+    // SAFETY: as the caller vouched.
+    unsafe { gemm_with(product, par, ours) }
+}
+
+/// [`gemm_raw`] with the kernel chosen once for the whole product, so that every slab runs the
+/// kernel its split was chosen for.
+///
+/// # Safety
+/// As [`gemm_raw`]; `ours` only what [`own_kernel`] chose.
+unsafe fn gemm_with(product: Product, par: ::gemm::Parallelism, ours: Option<OwnTile>) {
+    let Product {
+        dims: (m, n, k),
+        c: (c, c_rs, c_cs),
+        a: (a, a_rs, a_cs),
+        b: (b, b_rs, b_cs),
+        scale,
+        accumulate,
+    } = product;
+    #[cfg(target_arch = "x86_64")]
+    if let Some(tile) = ours {
+        // Where the dealt kernel cannot run (its packing space in use), the slabs below each
+        // run `sgemm`.
+        // SAFETY: `own_kernel` checked the CPU and the unit column stride of `c` (a slab keeps
+        // both); the caller vouches for the pointers.
+        let done = unsafe { own_gemm(tile, product, par, Fused::NONE) };
+        if done {
+            return;
+        }
+    }
+    if let ::gemm::Parallelism::Rayon(threads) = par {
+        // Each worker runs its own single-threaded GEMM on a slab of the output: measured here
+        // (2 threads, 4096×384×1536 and its transposes) 10–20 % faster than the gemm crate's
+        // own threading, and the char-small step 8 % faster. Each slab packs all of the
+        // operand it shares, so our kernel splits the longer side; the gemm crate measured
+        // faster on slabs of columns, except when A is read transposed (a weight gradient).
+        let by_rows = if ours.is_some() { m >= n } else { a_cs != 1 };
+        let (len, align) = if by_rows { (m, 8) } else { (n, 16) };
+        let parts = threads.min(len / (2 * align));
+        if parts >= 2 {
+            let each = len.div_ceil(parts).next_multiple_of(align);
+            use crate::par::SendPtr;
+            let (c, a, b) = (SendPtr(c), SendPtr(a as *mut f32), SendPtr(b as *mut f32));
+            use rayon::prelude::*;
+            (0..len.div_ceil(each)).into_par_iter().for_each(|p| {
+                let (start, end) = (p * each, ((p + 1) * each).min(len));
+                let s = start as isize;
+                // A slab of rows starts `s` rows into `c` and `a`; one of columns `s` columns
+                // into `c` and `b`.
+                let (dims, c_at, a_at, b_at) = if by_rows {
+                    ((end - start, n, k), s * c_rs, s * a_rs, 0)
+                } else {
+                    ((m, end - start, k), s * c_cs, 0, s * b_cs)
+                };
+                // SAFETY: each part writes its own rows or columns of `c` and reads inside
+                // `a` and `b` as the whole product would.
+                unsafe {
+                    let slab = Product {
+                        dims,
+                        c: (c.get().offset(c_at), c_rs, c_cs),
+                        a: (a.get().offset(a_at), a_rs, a_cs),
+                        b: (b.get().offset(b_at), b_rs, b_cs),
+                        scale,
+                        accumulate,
+                    };
+                    gemm_with(slab, ::gemm::Parallelism::None, ours)
+                }
+            });
+            return;
+        }
+    }
+    // gemm computes dst = alpha·dst + beta·lhs·rhs, strides given column-first.
+    ::gemm::gemm(
+        m,
+        n,
+        k,
+        c,
+        c_cs,
+        c_rs,
+        accumulate,
+        a,
+        a_cs,
+        a_rs,
+        b,
+        b_cs,
+        b_rs,
+        if accumulate { 1.0 } else { 0.0 },
+        scale,
+        false,
+        false,
+        false,
+        par,
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use snug_graph::CpuGemm;
+
+    use super::{own_kernel, OwnTile};
+
+    /// The GEMM a large product runs on here, as the planner names it.
+    fn dispatched() -> CpuGemm {
+        match own_kernel((1024, 1024, 1024), 1) {
+            #[cfg(target_arch = "x86_64")]
+            Some(OwnTile::Avx512) => CpuGemm::Avx512,
+            #[cfg(target_arch = "x86_64")]
+            Some(OwnTile::Avx2) => CpuGemm::Avx2,
+            None => CpuGemm::Portable,
+        }
+    }
+
+    /// The target `Target::host` plans for is the kernel the products run on: the planned
+    /// scratch of a GEMM-tiled op is the one its kernel uses.
+    #[test]
+    fn host_gemm_is_the_dispatched_kernel() {
+        assert_eq!(dispatched(), CpuGemm::host());
+    }
+
+    /// The planner's depth blocks are the register tiles' own.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn depth_blocks_match_the_kernels() {
+        use super::blocked::Tile;
+        assert_eq!(CpuGemm::Avx512.depth_block(), super::avx512::Avx512::KC);
+        assert_eq!(CpuGemm::Avx2.depth_block(), super::avx2::Avx2::KC);
+    }
+}

@@ -1,0 +1,175 @@
+//! The kernels of the fused language-model head and cross-entropy: tiles of logits in the
+//! workspace, an online log-sum-exp per row, and the backward recomputing each tile's logits.
+
+use snug_graph::ops::{
+    lm_head_loss::{head_vocab_of, tile},
+    LmHeadLoss, LmHeadLossBackward,
+};
+
+use crate::kernel::{CpuKernel, Kernel};
+
+impl CpuKernel for LmHeadLoss {
+    fn run(&self, k: &Kernel<'_>) {
+        use rayon::prelude::*;
+        let (x, w, targets) = (k.in_f32(0), k.in_f32(1), k.in_i32(2));
+        let (loss, lse) = (k.out_f32(0), k.out_f32(1));
+        let (n, c) = (k.in_shape(0)[0], k.in_shape(0)[1]);
+        let v = head_vocab_of(self.tb, k.in_shape(1));
+        let (rows, cols) = tile(self.rows, self.cols, n, v);
+        let ws = k.workspace();
+        let (logits, rest) = ws.split_at_mut(rows * cols);
+        let (sums, rest) = rest.split_at_mut(rows);
+        let (picked, losses) = rest.split_at_mut(rows);
+        for r0 in (0..n).step_by(rows) {
+            let m = rows.min(n - r0);
+            // `lse` holds each row's running max until the block loop ends.
+            let (maxes, sums, picked) = (&mut lse[r0..r0 + m], &mut sums[..m], &mut picked[..m]);
+            maxes.fill(f32::NEG_INFINITY);
+            sums.fill(0.0);
+            for c0 in (0..v).step_by(cols) {
+                let vb = cols.min(v - c0);
+                let logits = &mut logits[..m * vb];
+                block_logits(self.tb, x, w, (r0, m, c, v), (c0, vb), logits);
+                logits
+                    .par_chunks(vb)
+                    .zip(maxes.par_iter_mut())
+                    .zip(sums.par_iter_mut())
+                    .zip(picked.par_iter_mut())
+                    .zip(targets[r0..r0 + m].par_iter())
+                    .for_each(|((((row, max), sum), picked), &t)| {
+                        let new_max = max.max(crate::math::max(row));
+                        let block = crate::math::sum_by(row, |l| crate::math::exp(l - new_max));
+                        *sum = *sum * crate::math::exp(*max - new_max) + block;
+                        *max = new_max;
+                        let t = t.clamp(0, v as i32 - 1) as usize;
+                        if (c0..c0 + vb).contains(&t) {
+                            *picked = row[t - c0];
+                        }
+                    });
+            }
+            for (((lse, &sum), &picked), loss) in maxes
+                .iter_mut()
+                .zip(&*sums)
+                .zip(&*picked)
+                .zip(&mut losses[r0..r0 + m])
+            {
+                *lse += sum.ln();
+                *loss = *lse - picked;
+            }
+        }
+        let total: f64 = losses.iter().map(|&l| l as f64).sum();
+        loss[0] = (total / n as f64) as f32;
+    }
+}
+
+impl CpuKernel for LmHeadLossBackward {
+    fn run(&self, k: &Kernel<'_>) {
+        use crate::gemm::{gemm_raw, par_for};
+        // Run in place, `x` is read through `dx`.
+        let x_in = (k.inplace() != Some(0)).then(|| k.in_f32(0));
+        let (w, targets, lse, dloss) = (k.in_f32(1), k.in_i32(2), k.in_f32(3), k.in_f32(4));
+        let (dx, dw) = (k.out_f32(0), k.out_f32(1));
+        let (n, c) = (k.in_shape(0)[0], k.in_shape(0)[1]);
+        let v = head_vocab_of(self.tb, k.in_shape(1));
+        let (rows, cols) = tile(self.rows, self.cols, n, v);
+        let g = dloss[0] / n as f32;
+        let (logits, dx_tile) = k.workspace().split_at_mut(rows * cols);
+        let dxp = dx.as_mut_ptr();
+        let xp = x_in.map_or(dxp as *const f32, <[f32]>::as_ptr);
+        let threads = rayon::current_num_threads();
+        for r0 in (0..n).step_by(rows) {
+            let m = rows.min(n - r0);
+            // The tile's dx goes straight to its rows when one block spans the vocabulary.
+            let dxt = if cols < v {
+                dx_tile.as_mut_ptr()
+            } else {
+                // SAFETY: rows r0..r0+m lie inside dx.
+                unsafe { dxp.add(r0 * c) }
+            };
+            for c0 in (0..v).step_by(cols) {
+                let vb = cols.min(v - c0);
+                let dlogits = &mut logits[..m * vb];
+                // SAFETY: rows r0..r0+m of x lie inside it and are not yet written over.
+                let xt = unsafe { std::slice::from_raw_parts(xp.add(r0 * c), m * c) };
+                block_logits(self.tb, xt, w, (0, m, c, v), (c0, vb), dlogits);
+                crate::par::rows_mut(dlogits, vb, |i0, chunk| {
+                    for (i, row) in chunk.chunks_exact_mut(vb).enumerate() {
+                        let r = r0 + i0 + i;
+                        let s = lse[r];
+                        row.iter_mut()
+                            .for_each(|l| *l = crate::math::exp(*l - s) * g);
+                        let t = targets[r].clamp(0, v as i32 - 1) as usize;
+                        if (c0..c0 + vb).contains(&t) {
+                            row[t - c0] -= g;
+                        }
+                    }
+                });
+                let (b, b_rs, b_cs) = head_block(self.tb, c, v, c0);
+                // SAFETY: every matrix below lies inside its buffer (shapes checked by `infer`;
+                // `head_block` stays inside the head); the tile's rows of x are read before
+                // its rows of dx are written.
+                unsafe {
+                    // dB[:, c0..c0+vb] (+)= x[r0..r0+m]ᵀ · dlogits, in B's layout.
+                    gemm_raw(
+                        (c, vb, m),
+                        (dw.as_mut_ptr().add(b), b_rs, b_cs),
+                        (xp.add(r0 * c), 1, c as isize),
+                        (dlogits.as_ptr(), vb as isize, 1),
+                        1.0,
+                        r0 > 0,
+                        par_for(c, vb, m, threads),
+                    );
+                    // dx[r0..r0+m] (+)= dlogits · B[:, c0..c0+vb]ᵀ
+                    gemm_raw(
+                        (m, c, vb),
+                        (dxt, c as isize, 1),
+                        (dlogits.as_ptr(), vb as isize, 1),
+                        (w.as_ptr().add(b), b_cs, b_rs),
+                        1.0,
+                        c0 > 0,
+                        par_for(m, c, vb, threads),
+                    );
+                }
+            }
+            if cols < v {
+                // SAFETY: rows r0..r0+m lie inside dx; the tile holds them.
+                unsafe { std::ptr::copy_nonoverlapping(dx_tile.as_ptr(), dxp.add(r0 * c), m * c) };
+            }
+        }
+    }
+}
+
+/// Where columns `c0..` of the head read as `[C, V]` start, and that matrix's (row, column)
+/// strides.
+fn head_block(tb: bool, c: usize, v: usize, c0: usize) -> (usize, isize, isize) {
+    if tb {
+        (c0 * c, 1, c as isize)
+    } else {
+        (c0, v as isize, 1)
+    }
+}
+
+/// `out [m, vb] = x[r0..r0+m] · B[:, c0..c0+vb]` for the head read as `[C, V]`.
+fn block_logits(
+    tb: bool,
+    x: &[f32],
+    w: &[f32],
+    (r0, m, c, v): (usize, usize, usize, usize),
+    (c0, vb): (usize, usize),
+    out: &mut [f32],
+) {
+    use crate::gemm::{gemm_raw, par_for};
+    let (b, b_rs, b_cs) = head_block(tb, c, v, c0);
+    // SAFETY: x holds rows r0..r0+m of width c, the head block lies inside w, out holds m·vb.
+    unsafe {
+        gemm_raw(
+            (m, vb, c),
+            (out.as_mut_ptr(), vb as isize, 1),
+            (x.as_ptr().add(r0 * c), c as isize, 1),
+            (w.as_ptr().add(b), b_rs, b_cs),
+            1.0,
+            false,
+            par_for(m, vb, c, rayon::current_num_threads()),
+        );
+    }
+}
