@@ -10,15 +10,16 @@
 //! - [`math`]: vectorisable `exp`, `tanh`, lane sums, and GELU's scalar function.
 //! - [`kernel`]: [`Kernel`], a kernel's checked view of one node's tensors ([`TensorArg`]),
 //!   and the [`CpuKernel`] trait every op implements.
-//! - [`session`]: [`CpuSession`] runs a planned step graph inside one arena.
+//! - [`backend`]: [`CpuBackend`], the CPU behind the runtime's `Backend` interface, and
+//!   [`CpuSession`], the runtime's session over it.
 
+pub mod backend;
 pub mod gemm;
 pub mod kernel;
 pub mod kernels;
 pub mod math;
 pub mod par;
-pub mod session;
 
+pub use backend::{physical_cores, CpuBackend, CpuNode, CpuSession};
 pub use kernel::{CpuKernel, Kernel, TensorArg};
 pub use kernels::run;
-pub use session::{physical_cores, CpuSession};

@@ -91,7 +91,7 @@ impl<B: Backend> Session<B> {
 
     /// Fills the arena with `byte` (for tests that prove no kernel reads arena bytes it did not
     /// write first: 0xFF makes every such f32 a NaN).
-    #[doc(hidden)]
+    #[cfg(feature = "test-hooks")]
     pub fn fill_arena(&mut self, byte: u8) -> Result<(), RuntimeError> {
         self.acquire_arena()?;
         self.backend.synchronize()?;

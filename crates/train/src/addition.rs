@@ -150,7 +150,7 @@ pub fn score(
         let want = format!("{}\n", p.answer());
         let mut got = String::new();
         while got.len() <= MAX_ANSWER_CHARS && want.starts_with(&got) && !got.ends_with('\n') {
-            let next = argmax(sampler.next_token_logits(&context)?);
+            let next = argmax(&sampler.next_token_logits(&context)?);
             context.push(next);
             got += &tokenizer.decode(&[next]);
         }
@@ -159,7 +159,7 @@ pub fn score(
         } else if wrong.len() < 3 {
             // For the examples shown, the whole wrong answer.
             while got.len() <= MAX_ANSWER_CHARS && !got.ends_with('\n') {
-                let next = argmax(sampler.next_token_logits(&context)?);
+                let next = argmax(&sampler.next_token_logits(&context)?);
                 context.push(next);
                 got += &tokenizer.decode(&[next]);
             }

@@ -18,6 +18,8 @@ use std::collections::HashMap;
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 
+use std::borrow::Cow;
+
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
@@ -102,7 +104,13 @@ impl Checkpoint {
             tensors: self
                 .tensors
                 .iter()
-                .map(|t| (t.name.as_str(), t.shape.as_slice(), t.data.as_slice()))
+                .map(|t| {
+                    (
+                        t.name.as_str(),
+                        t.shape.as_slice(),
+                        Cow::Borrowed(t.data.as_slice()),
+                    )
+                })
                 .collect(),
             loss_scale: self.loss_scale,
         }
@@ -264,7 +272,12 @@ fn read_whole(path: &Path) -> Result<Vec<u8>, TrainError> {
     Ok(bytes)
 }
 
-/// A checkpoint whose tensors are borrowed (from a live session), so saving copies nothing.
+/// One tensor of a [`CheckpointRef`]: name, shape, and values (borrowed from host memory, or
+/// copied back from a device).
+pub type TensorRef<'a> = (&'a str, &'a [usize], Cow<'a, [f32]>);
+
+/// A checkpoint whose tensors are borrowed (from a live session), so saving a host session
+/// copies nothing.
 #[derive(Debug, Clone)]
 pub struct CheckpointRef<'a> {
     pub step: u64,
@@ -272,7 +285,7 @@ pub struct CheckpointRef<'a> {
     pub config: &'a TrainConfig,
     pub tokenizer: TokenizerSpec,
     /// Name, shape and values of each tensor.
-    pub tensors: Vec<(&'a str, &'a [usize], &'a [f32])>,
+    pub tensors: Vec<TensorRef<'a>>,
     pub loss_scale: Option<LossScaler>,
 }
 
@@ -298,7 +311,7 @@ impl CheckpointRef<'_> {
             _ => PathBuf::from("."),
         };
         let tmp = dir.join(format!(".{}.tmp", file_name.to_string_lossy()));
-        let bytes: Vec<_> = self.tensors.iter().map(|t| le_bytes(t.2)).collect();
+        let bytes: Vec<_> = self.tensors.iter().map(|t| le_bytes(&t.2)).collect();
         let mut views = Vec::with_capacity(bytes.len());
         for (&(name, shape, _), b) in self.tensors.iter().zip(&bytes) {
             let view = TensorView::new(Dtype::F32, shape.to_vec(), b).map_err(|e| {

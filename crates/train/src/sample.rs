@@ -7,6 +7,7 @@
 //! holds its most recent `max_seq` tokens. There is no key/value cache: each token costs one
 //! forward pass over the whole window.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use rand::{Rng, SeedableRng};
@@ -156,7 +157,7 @@ impl Sampler {
     }
 
     /// Logits of the token after `context` (of its last `window` tokens when longer).
-    pub fn next_token_logits(&mut self, context: &[u32]) -> Result<&[f32], TrainError> {
+    pub fn next_token_logits(&mut self, context: &[u32]) -> Result<Cow<'_, [f32]>, TrainError> {
         if context.is_empty() {
             return Err(TrainError::Config {
                 field: "prompt",
@@ -197,7 +198,7 @@ impl Sampler {
         let mut candidates = Vec::with_capacity(self.vocab);
         for _ in 0..max_new_tokens {
             let logits = self.forward(&context)?;
-            context.push(choose(logits, &opts, &mut rng, &mut candidates));
+            context.push(choose(&logits, &opts, &mut rng, &mut candidates));
         }
         Ok(context.split_off(start))
     }
@@ -217,7 +218,7 @@ impl Sampler {
 
     /// Runs the window on the last `window` tokens of a non-empty, checked `context` and
     /// returns the logits at its last real position.
-    fn forward(&mut self, context: &[u32]) -> Result<&[f32], TrainError> {
+    fn forward(&mut self, context: &[u32]) -> Result<Cow<'_, [f32]>, TrainError> {
         let n = context.len().min(self.window);
         let recent = &context[context.len() - n..];
         self.session.fill_i32(self.tokens, self.vocab, |out| {
@@ -228,8 +229,11 @@ impl Sampler {
             out[n..].fill(0);
         })?;
         self.session.run(ExecCtx::default())?;
-        let logits = self.session.read_f32(self.logits)?;
-        let row = &logits[(n - 1) * self.vocab..n * self.vocab];
+        let last = (n - 1) * self.vocab..n * self.vocab;
+        let row = match self.session.read_f32(self.logits)? {
+            Cow::Borrowed(all) => Cow::Borrowed(&all[last]),
+            Cow::Owned(all) => Cow::Owned(all[last].to_vec()),
+        };
         if row.iter().any(|v| !v.is_finite()) {
             return Err(TrainError::NonFiniteLogits { position: n - 1 });
         }

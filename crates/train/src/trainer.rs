@@ -230,7 +230,7 @@ impl Trainer {
         let prefetch = Prefetcher::new(data.clone(), config.seed, config.batch, config.block, 1);
         // Every micro-batch takes the arena from the allocator, the first one too: a memory
         // limit lowered before step 1 then bites at step 1.
-        session.release_arena();
+        session.release_arena()?;
         snug_runtime::process::return_free_heap();
         Ok(Trainer {
             config,
@@ -660,7 +660,7 @@ impl Trainer {
             Some(t) if micro + 1 == k => Some(self.session.read_f32(t)?[0]),
             _ => None,
         };
-        self.session.release_arena();
+        self.session.release_arena()?;
         Ok((loss, grad_norm, times))
     }
 
@@ -699,7 +699,7 @@ impl Trainer {
             self.session.run_only(ExecCtx::default(), &self.forward)?;
             sum += self.session.read_f32(self.step_graph.loss)?[0] as f64;
         }
-        self.session.release_arena();
+        self.session.release_arena()?;
         Ok((sum / self.config.eval_batches as f64) as f32)
     }
 

@@ -444,7 +444,7 @@ fn sgd_step_updates_parameters_exactly() {
             0.0
         };
         let after = updated.read_f32(b.param).unwrap();
-        for ((&p0, &g), &p1) in init[k].1.iter().zip(grad).zip(after) {
+        for ((&p0, &g), &p1) in init[k].1.iter().zip(grad.iter()).zip(after.iter()) {
             let expect = p0 * (1.0 - 0.1 * wd) - 0.1 * g;
             assert!(
                 (p1 - expect).abs() <= 1e-6 * (1.0 + expect.abs()),

@@ -144,7 +144,7 @@ fn run_step(cfg: &GptConfig, step: &StepGraph, batch: usize, seq: usize) -> (Vec
     let (s, peak) = run_once(cfg, step, batch * seq);
     let mut out = vec![s.read_f32(step.loss).unwrap()[0]];
     for slot in &step.params {
-        out.extend_from_slice(s.read_f32(slot.param).unwrap());
+        out.extend_from_slice(&s.read_f32(slot.param).unwrap());
     }
     (out, peak)
 }

@@ -1,0 +1,226 @@
+//! The CPU as a [`Backend`]: host memory, a pool of worker threads, and every op's kernel
+//! from [`crate::kernels`], run in schedule order as they are launched (so a launch has
+//! finished when it returns). [`CpuSession`] is the runtime's session over it.
+
+use std::ops::{Deref, DerefMut};
+
+use snug_graph::ops::Op;
+use snug_graph::{DType, Graph, Node, Target};
+use snug_plan::MemoryPlan;
+use snug_runtime::{
+    Allocator, Backend, Binding, Device, ExecCtx, NodeArgs, RuntimeError, Session, Slice,
+};
+
+use crate::kernel::{Kernel, TensorArg};
+
+/// Physical cores of this machine (hyper-threads share FPUs, so GEMM gains nothing from them).
+pub fn physical_cores() -> usize {
+    num_cpus::get_physical().max(1)
+}
+
+/// Host memory, `threads` workers, and the GEMM this CPU runs.
+pub struct CpuBackend {
+    allocator: Allocator,
+    pool: rayon::ThreadPool,
+    target: Target,
+}
+
+impl CpuBackend {
+    /// `threads` workers drawing memory from `allocator` (host memory).
+    pub fn new(allocator: Allocator, threads: usize) -> Result<Self, RuntimeError> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads.max(1))
+            .thread_name(|i| format!("snug-cpu-{i}"))
+            .build()
+            .map_err(|e| RuntimeError::Threads {
+                threads,
+                reason: e.to_string(),
+            })?;
+        Ok(CpuBackend {
+            allocator,
+            pool,
+            target: Target::host(threads),
+        })
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+}
+
+/// One node bound to host memory.
+pub struct CpuNode {
+    op: Op,
+    inputs: Vec<TensorArg>,
+    outputs: Vec<TensorArg>,
+    workspace: Option<TensorArg>,
+    inplace: Option<usize>,
+}
+
+fn arg(b: &Binding<'_>) -> TensorArg {
+    // SAFETY: the session keeps the buffer alive and unmoved for as long as this binding
+    // (its contract), and the slice lies inside it, aligned by the plan.
+    unsafe {
+        TensorArg::new(
+            b.slice.buffer.as_ptr().add(b.slice.offset),
+            b.meta.numel(),
+            b.meta.shape.clone(),
+            b.meta.dtype,
+        )
+    }
+}
+
+impl Backend for CpuBackend {
+    type Bound = CpuNode;
+
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    fn target(&self) -> Target {
+        self.target
+    }
+
+    fn allocator(&self) -> &Allocator {
+        &self.allocator
+    }
+
+    fn check(&self, graph: &Graph) -> Result<(), RuntimeError> {
+        check_dtypes(graph)
+    }
+
+    fn bind(
+        &self,
+        _graph: &Graph,
+        node: &Node,
+        args: NodeArgs<'_>,
+    ) -> Result<CpuNode, RuntimeError> {
+        Ok(CpuNode {
+            op: node.op.clone(),
+            inputs: args.inputs.iter().map(arg).collect(),
+            outputs: args.outputs.iter().map(arg).collect(),
+            workspace: args.workspace.as_ref().map(arg),
+            inplace: node.inplace,
+        })
+    }
+
+    fn launch(
+        &self,
+        nodes: &[CpuNode],
+        selected: Option<&[bool]>,
+        ctx: ExecCtx,
+        mut times: Option<&mut Vec<f64>>,
+    ) -> Result<(), RuntimeError> {
+        self.pool.install(|| {
+            for (i, n) in nodes.iter().enumerate() {
+                if selected.is_some_and(|m| !m.get(i).copied().unwrap_or(false)) {
+                    continue;
+                }
+                let start = times.is_some().then(std::time::Instant::now);
+                // SAFETY: the plan gives coexisting tensors disjoint bytes; views (whose output
+                // aliases the input) have kernels that touch nothing; an in-place node's output
+                // is its input's storage, which the kernel reads only through the output.
+                let kernel = unsafe {
+                    Kernel::new(
+                        &n.inputs,
+                        &n.outputs,
+                        n.workspace.as_ref(),
+                        n.op.mutates_inputs(),
+                        n.inplace,
+                        ctx,
+                    )
+                };
+                crate::kernels::run(&n.op, &kernel);
+                if let (Some(times), Some(start)) = (times.as_deref_mut(), start) {
+                    times.push(start.elapsed().as_secs_f64());
+                }
+            }
+        });
+        Ok(())
+    }
+
+    /// Kernels have finished when `launch` returns.
+    fn synchronize(&self) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+
+    fn upload(&self, dst: Slice<'_>, bytes: &[u8]) -> Result<(), RuntimeError> {
+        let n = dst.len.min(bytes.len());
+        // SAFETY: the slice lies inside a live host buffer and nothing runs (launch returned).
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst.buffer.as_ptr().add(dst.offset), n)
+        };
+        Ok(())
+    }
+
+    fn download(&self, src: Slice<'_>, out: &mut [u8]) -> Result<(), RuntimeError> {
+        let n = src.len.min(out.len());
+        // SAFETY: as in `upload`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.buffer.as_ptr().add(src.offset), out.as_mut_ptr(), n)
+        };
+        Ok(())
+    }
+}
+
+/// 16-bit floats are storage only: casts convert them and views look into them; every other
+/// kernel reads and writes f32 (or i32 token ids).
+fn check_dtypes(graph: &Graph) -> Result<(), RuntimeError> {
+    for node in graph.nodes() {
+        let casts_or_views = matches!(node.op, Op::Cast(_)) || graph.is_view(node);
+        for &t in node.inputs.iter().chain(&node.outputs) {
+            let m = graph.tensor(t);
+            if !matches!(m.dtype, DType::F32 | DType::I32) && !casts_or_views {
+                return Err(RuntimeError::UnsupportedDType {
+                    name: m.name.clone(),
+                    dtype: m.dtype,
+                });
+            }
+        }
+    }
+    for t in graph.tensors() {
+        if t.role.is_persistent() && t.view_of.is_none() && t.dtype != DType::F32 {
+            return Err(RuntimeError::UnsupportedDType {
+                name: t.name.clone(),
+                dtype: t.dtype,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A planned graph loaded on this CPU: the runtime's [`Session`] over [`CpuBackend`], which
+/// it dereferences to.
+pub struct CpuSession(Session<CpuBackend>);
+
+impl CpuSession {
+    /// Allocates the arena and every persistent buffer through `allocator` and starts
+    /// `threads` workers.
+    pub fn new(
+        graph: Graph,
+        plan: MemoryPlan,
+        allocator: Allocator,
+        threads: usize,
+    ) -> Result<Self, RuntimeError> {
+        let backend = CpuBackend::new(allocator, threads)?;
+        Ok(CpuSession(Session::new(graph, plan, backend)?))
+    }
+
+    pub fn threads(&self) -> usize {
+        self.0.backend().threads()
+    }
+}
+
+impl Deref for CpuSession {
+    type Target = Session<CpuBackend>;
+
+    fn deref(&self) -> &Session<CpuBackend> {
+        &self.0
+    }
+}
+
+impl DerefMut for CpuSession {
+    fn deref_mut(&mut self) -> &mut Session<CpuBackend> {
+        &mut self.0
+    }
+}
