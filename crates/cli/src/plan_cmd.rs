@@ -163,7 +163,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         );
     }
     let (model, train) = args.model.sections(RunFlags::default());
-    let cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
+    let mut cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
     // The same data, hence the same vocabulary, that `snug train` would load.
     let (_, gpt) = cfg.load_data_and_model()?;
     if args.inference {

@@ -726,12 +726,17 @@ fn addition_score(trainer: &Trainer) -> Result<AdditionScore> {
 
 fn data_line(data: &TokenDataset) -> String {
     format!(
-        "data: {} ({} train / {} val tokens, {} tokenizer, vocab {})",
+        "data: {} ({} train / {} val tokens, {} tokenizer, vocab {}{})",
         data.name,
         data.train.len(),
         data.val.len(),
         data.tokenizer.name(),
-        data.tokenizer.vocab_size()
+        data.tokenizer.vocab_size(),
+        if data.has_loss_mask() {
+            ", loss mask: only the targets it counts are trained on"
+        } else {
+            ""
+        }
     )
 }
 

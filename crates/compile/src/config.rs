@@ -1,5 +1,5 @@
 //! What a training step is made of besides the model and its batch shape: precision,
-//! optimizer, accumulation, clipping, graph passes and rematerialization.
+//! optimizer, accumulation, clipping, graph passes, rematerialization and the loss mask.
 
 use serde::{Deserialize, Serialize};
 use snug_graph::DType;
@@ -108,6 +108,9 @@ pub struct StepConfig {
     pub grad_clip: f32,
     pub passes: Vec<Pass>,
     pub remat: Remat,
+    /// The loss takes a loss mask and its divisor as inputs ([`snug_nn::LossMask`]): only the
+    /// targets the mask counts are averaged, over the whole optimizer step.
+    pub loss_mask: bool,
 }
 
 impl Default for StepConfig {
@@ -122,6 +125,7 @@ impl Default for StepConfig {
             grad_clip: 1.0,
             passes: Pass::DEFAULT.to_vec(),
             remat: Remat::None,
+            loss_mask: false,
         }
     }
 }

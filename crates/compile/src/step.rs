@@ -5,7 +5,7 @@
 use serde::Serialize;
 use snug_graph::ops::{AdamW, Sgd};
 use snug_graph::{passes, DType, OptimizerSpec, StepGraph, StepOptions, Target, TensorId};
-use snug_nn::ModelConfig;
+use snug_nn::{LossMask, ModelConfig};
 use snug_plan::{MemoryPlan, PlanOptions};
 
 use crate::{remat_for_budget, CompileError, OptimizerKind, Pass, Remat, StepConfig};
@@ -16,6 +16,8 @@ pub struct CompiledStep {
     pub step: StepGraph,
     pub tokens: TensorId,
     pub targets: TensorId,
+    /// The loss mask's inputs, when [`StepConfig::loss_mask`] asked for them.
+    pub loss_mask: Option<LossMask>,
     /// The step's plan, when compiling already made it (the budgeted remat plans its choice).
     pub plan: Option<MemoryPlan>,
     /// A fixed remat mode (`block`, `block:K`, `selective`) that was asked for but left out
@@ -82,7 +84,13 @@ pub fn compile_exactly(
 ) -> Result<CompiledStep, CompileError> {
     // Parameters are f32 master weights whatever the precision: the precision pass rounds
     // activations and gradients.
-    let mut g = model.build(shape.micro_batch, shape.block, target, DType::F32)?;
+    let mut g = model.build_loss(
+        shape.micro_batch,
+        shape.block,
+        target,
+        DType::F32,
+        config.loss_mask,
+    )?;
     // Forward-graph passes run before autodiff (their ops bring their own gradients).
     if config.passes.contains(&Pass::FusedCrossEntropy) {
         let (r, _) = passes::fuse_lm_head_loss(&g.graph, passes::DEFAULT_CHUNK_BYTES)?;
@@ -114,23 +122,27 @@ pub fn compile_exactly(
         loss_scale: config.precision == DType::F16,
     };
     let mut step = StepGraph::build_with(g.graph, g.loss, &options)?;
-    let (mut tokens, mut targets) = (g.tokens, g.targets);
+    let mut feeds = Feeds {
+        tokens: g.tokens,
+        targets: g.targets,
+        loss_mask: g.loss_mask,
+    };
     for pass in &config.passes {
         let (r, _) = match pass {
             Pass::FusedCrossEntropy | Pass::InPlace => continue,
             Pass::Cse => passes::eliminate_common_subexpressions(&step.graph)?,
             Pass::Dce => passes::eliminate_dead_code(&step.graph)?,
         };
-        (tokens, targets) = (r.map(tokens)?, r.map(targets)?);
+        feeds = feeds.rewritten(&r)?;
         let forward = r.surviving(step.forward_nodes);
         step = step.rewritten(r, forward)?;
     }
     if low_precision {
         let (r, _) = passes::recast_saved(&step)?;
-        (tokens, targets) = (r.map(tokens)?, r.map(targets)?);
+        feeds = feeds.rewritten(&r)?;
         step = step.rewritten(r, step.forward_nodes)?;
     }
-    let mut compiled = apply_remat(step, tokens, targets, config.remat)?;
+    let mut compiled = apply_remat(step, feeds, config.remat)?;
     if config.passes.contains(&Pass::InPlace) {
         // Marks nodes without renumbering tensors: the inputs and parameters keep their ids.
         let (graph, _) = passes::write_in_place(&compiled.step.graph)?;
@@ -140,23 +152,39 @@ pub fn compile_exactly(
     Ok(compiled)
 }
 
-/// `step` checkpointed as `remat` says, with its batch inputs' new ids.
-fn apply_remat(
-    step: StepGraph,
+/// The inputs a trainer feeds each micro-batch.
+#[derive(Debug, Clone, Copy)]
+struct Feeds {
     tokens: TensorId,
     targets: TensorId,
-    remat: Remat,
-) -> Result<CompiledStep, CompileError> {
-    let policy = match remat {
-        Remat::None => {
-            return Ok(CompiledStep {
-                step,
-                tokens,
-                targets,
-                plan: None,
-                remat_dropped: None,
-            })
+    loss_mask: Option<LossMask>,
+}
+
+impl Feeds {
+    fn rewritten(self, r: &passes::Rewritten) -> Result<Feeds, CompileError> {
+        Ok(Feeds {
+            tokens: r.map(self.tokens)?,
+            targets: r.map(self.targets)?,
+            loss_mask: self.loss_mask.map(|m| m.rewritten(r)).transpose()?,
+        })
+    }
+
+    fn compiled(self, step: StepGraph, plan: Option<MemoryPlan>) -> CompiledStep {
+        CompiledStep {
+            step,
+            tokens: self.tokens,
+            targets: self.targets,
+            loss_mask: self.loss_mask,
+            plan,
+            remat_dropped: None,
         }
+    }
+}
+
+/// `step` checkpointed as `remat` says, with its batch inputs' new ids.
+fn apply_remat(step: StepGraph, feeds: Feeds, remat: Remat) -> Result<CompiledStep, CompileError> {
+    let policy = match remat {
+        Remat::None => return Ok(feeds.compiled(step, None)),
         Remat::Blocks { blocks } => passes::RematPolicy::Uniform {
             blocks_per_segment: blocks,
         },
@@ -168,26 +196,26 @@ fn apply_remat(
                 let i = step.inputs.iter().position(|&t| t == old)?;
                 chosen.step.inputs.get(i).copied()
             };
-            let (Some(tokens), Some(targets)) = (find(tokens), find(targets)) else {
+            let (Some(tokens), Some(targets)) = (find(feeds.tokens), find(feeds.targets)) else {
                 return Err(CompileError::LostInputs);
             };
-            return Ok(CompiledStep {
-                step: chosen.step,
+            let loss_mask = match feeds.loss_mask {
+                Some(m) => match (find(m.mask), find(m.divisor)) {
+                    (Some(mask), Some(divisor)) => Some(LossMask { mask, divisor }),
+                    _ => return Err(CompileError::LostInputs),
+                },
+                None => None,
+            };
+            let feeds = Feeds {
                 tokens,
                 targets,
-                plan: Some(chosen.plan),
-                remat_dropped: None,
-            });
+                loss_mask,
+            };
+            return Ok(feeds.compiled(chosen.step, Some(chosen.plan)));
         }
     };
     let (r, _) = passes::rematerialize(&step, policy)?;
-    let (tokens, targets) = (r.map(tokens)?, r.map(targets)?);
+    let feeds = feeds.rewritten(&r)?;
     let step = step.rewritten(r, step.forward_nodes)?;
-    Ok(CompiledStep {
-        step,
-        tokens,
-        targets,
-        plan: None,
-        remat_dropped: None,
-    })
+    Ok(feeds.compiled(step, None))
 }

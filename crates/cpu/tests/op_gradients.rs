@@ -211,6 +211,25 @@ impl GradCheck {
         id
     }
 
+    /// An f32 input (it gets no gradient) holding `values`.
+    fn input_with(&mut self, shape: &[usize], values: Vec<f32>) -> TensorId {
+        let name = format!("in{}", self.feeds.len());
+        let id = self.graph.input(name, shape, DType::F32).unwrap();
+        self.feeds.push((id, Feed::F32(values)));
+        id
+    }
+
+    /// A loss mask over `n` rows dropping every third row, and a divisor (as a trainer feeds
+    /// for one of several micro-batches: not the count itself).
+    fn loss_mask(&mut self, n: usize) -> [TensorId; 2] {
+        let mask: Vec<f32> = (0..n).map(|r| if r % 3 == 1 { 0.0 } else { 1.0 }).collect();
+        let divisor = mask.iter().sum::<f32>() * 0.75;
+        [
+            self.input_with(&[n], mask),
+            self.input_with(&[], vec![divisor]),
+        ]
+    }
+
     /// Applies `op` and returns its first output.
     fn op(&mut self, op: impl Into<Op>, inputs: &[TensorId]) -> TensorId {
         self.graph.apply(op, inputs).unwrap()[0]
@@ -1297,6 +1316,43 @@ fn cross_entropy() {
         let logits = c.param_in(&[n, v], -2.0, 2.0);
         let targets = c.ids(&[n], v);
         let y = c.op(CrossEntropy, &[logits, targets]);
+        c.check(y);
+    }
+}
+
+/// Under a loss mask, masked rows included (their gradient must be zero, as their finite
+/// difference is).
+#[test]
+fn cross_entropy_masked() {
+    for (n, v) in [(5, 6), (4, 3)] {
+        let mut c = GradCheck::new(format!("cross_entropy masked [{n}, {v}]"));
+        let logits = c.param_in(&[n, v], -2.0, 2.0);
+        let targets = c.ids(&[n], v);
+        let [mask, divisor] = c.loss_mask(n);
+        let y = c.op(CrossEntropy, &[logits, targets, mask, divisor]);
+        c.check(y);
+    }
+}
+
+/// The fused LM-head loss under a loss mask, through row tiles and vocabulary blocks.
+#[test]
+fn lm_head_loss_masked() {
+    let (n, ch, v) = (7, 5, 6);
+    for (tb, rows, cols, threads) in [(false, 2, 6, 1), (true, 3, 4, 2), (true, 100, 100, 1)] {
+        let label = format!("lm_head_loss masked tb={tb} tile={rows}x{cols} threads={threads}");
+        let mut c = GradCheck::with_threads(label, threads);
+        let x = c.param_in(&[n, ch], -1.0, 1.0);
+        let w = if tb {
+            c.param(&[v, ch])
+        } else {
+            c.param(&[ch, v])
+        };
+        let targets = c.ids(&[n], v);
+        let [mask, divisor] = c.loss_mask(n);
+        let y = c.op(
+            LmHeadLoss { tb, rows, cols },
+            &[x, w, targets, mask, divisor],
+        );
         c.check(y);
     }
 }

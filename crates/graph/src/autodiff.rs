@@ -24,6 +24,10 @@ impl GradCtx<'_> {
     pub fn input(&self, i: usize) -> TensorId {
         self.inputs[i]
     }
+    /// How many inputs the forward node has (ops with optional inputs branch on it).
+    pub fn input_count(&self) -> usize {
+        self.inputs.len()
+    }
     pub fn output(&self, i: usize) -> TensorId {
         self.outputs[i]
     }

@@ -220,6 +220,30 @@ pub struct ModelGraph {
     pub targets: TensorId,
     pub loss: TensorId,
     pub params: Vec<(String, TensorId)>,
+    /// The loss mask's inputs, when the graph was built with one.
+    pub loss_mask: Option<LossMask>,
+}
+
+/// A loss graph's mask inputs: which targets count, and what their losses are averaged by.
+/// The loss is `Σ mask·ce / divisor`: a trainer feeds a 0/1 mask and the counted tokens of the
+/// whole optimizer step per micro-batch, so that accumulated micro-batches average over every
+/// counted token of the step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LossMask {
+    /// `[batch · seq]` f32: the weight of each target's loss (1 counts, 0 does not).
+    pub mask: TensorId,
+    /// `[]` f32: the loss's divisor (0: nothing counted, a loss of 0).
+    pub divisor: TensorId,
+}
+
+impl LossMask {
+    /// The same inputs after a graph pass.
+    pub fn rewritten(self, r: &snug_graph::passes::Rewritten) -> Result<LossMask, GraphError> {
+        Ok(LossMask {
+            mask: r.map(self.mask)?,
+            divisor: r.map(self.divisor)?,
+        })
+    }
 }
 
 impl ModelGraph {
@@ -229,6 +253,7 @@ impl ModelGraph {
             tokens: r.map(self.tokens)?,
             targets: r.map(self.targets)?,
             loss: r.map(self.loss)?,
+            loss_mask: self.loss_mask.map(|m| m.rewritten(&r)).transpose()?,
             params: self
                 .params
                 .into_iter()
@@ -408,9 +433,21 @@ impl GptConfig {
         target: impl Into<snug_graph::Target>,
         dtype: DType,
     ) -> Result<ModelGraph, NnError> {
+        self.build_loss(batch, seq, target, dtype, false)
+    }
+
+    /// [`GptConfig::build_with_dtype`], with the loss mask's inputs when `masked`.
+    pub fn build_loss(
+        &self,
+        batch: usize,
+        seq: usize,
+        target: impl Into<snug_graph::Target>,
+        dtype: DType,
+        masked: bool,
+    ) -> Result<ModelGraph, NnError> {
         self.validate()?;
         check_batch_seq(batch, seq, self.block_size, "block_size")?;
-        loss_graph(batch, seq, target.into(), |g, tokens| {
+        loss_graph(batch, seq, target.into(), masked, |g, tokens| {
             self.trunk(g, tokens, dtype)
         })
     }
@@ -558,11 +595,14 @@ pub(crate) fn check_batch_seq(
 
 /// The training graph: `tokens` and `targets` inputs, a model trunk, and the mean
 /// cross-entropy of the logits against `targets`, named `loss`; with the fusions `target`
-/// offers applied.
+/// offers applied. When `masked`, the loss also reads the inputs `loss_mask` and
+/// `loss_divisor` ([`LossMask`]), made after every other input, so an unmasked graph is the
+/// same graph with or without this option.
 pub(crate) fn loss_graph(
     batch: usize,
     seq: usize,
     target: snug_graph::Target,
+    masked: bool,
     trunk: impl FnOnce(&mut Graph, TensorId) -> Result<Trunk, NnError>,
 ) -> Result<ModelGraph, NnError> {
     let mut g = Graph::new().with_target(target);
@@ -570,7 +610,18 @@ pub(crate) fn loss_graph(
     let targets = g.input("targets", &[batch * seq], DType::I32)?;
     let t = trunk(&mut g, tokens)?;
     let logits = head_logits(&mut g, &t)?;
-    let loss = g.apply1(CrossEntropy, &[logits, targets])?;
+    let loss_mask = if masked {
+        Some(LossMask {
+            mask: g.input("loss_mask", &[batch * seq], DType::F32)?,
+            divisor: g.input("loss_divisor", &[], DType::F32)?,
+        })
+    } else {
+        None
+    };
+    let loss = match loss_mask {
+        Some(m) => g.apply1(CrossEntropy, &[logits, targets, m.mask, m.divisor])?,
+        None => g.apply1(CrossEntropy, &[logits, targets])?,
+    };
     g.set_scope("");
     g.rename(loss, "loss");
     let (fused, _) = fuse_for_target(&g, &target)?;
@@ -580,6 +631,7 @@ pub(crate) fn loss_graph(
         targets,
         loss,
         params: t.params,
+        loss_mask,
     }
     .rewritten(fused)
 }

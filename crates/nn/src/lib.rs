@@ -11,7 +11,7 @@ pub mod llama;
 pub mod model;
 pub mod safetensors_file;
 
-pub use gpt::{GptConfig, InferenceGraph, ModelGraph, NnError, PRESETS};
+pub use gpt::{GptConfig, InferenceGraph, LossMask, ModelGraph, NnError, PRESETS};
 pub use hf_weights::{
     hf_config_json, load_gpt2_safetensors, save_gpt2_safetensors, write_hf_config_json,
 };

@@ -233,9 +233,21 @@ impl LlamaConfig {
         target: impl Into<snug_graph::Target>,
         dtype: snug_graph::DType,
     ) -> Result<crate::ModelGraph, NnError> {
+        self.build_loss(batch, seq, target, dtype, false)
+    }
+
+    /// [`LlamaConfig::build`], with the loss mask's inputs when `masked`.
+    pub fn build_loss(
+        &self,
+        batch: usize,
+        seq: usize,
+        target: impl Into<snug_graph::Target>,
+        dtype: snug_graph::DType,
+        masked: bool,
+    ) -> Result<crate::ModelGraph, NnError> {
         self.validate()?;
         crate::gpt::check_batch_seq(batch, seq, self.max_seq, "max_position_embeddings")?;
-        crate::gpt::loss_graph(batch, seq, target.into(), |g, tokens| {
+        crate::gpt::loss_graph(batch, seq, target.into(), masked, |g, tokens| {
             self.trunk(g, tokens, dtype)
         })
     }

@@ -312,9 +312,22 @@ impl ModelConfig {
         target: impl Into<snug_graph::Target>,
         dtype: snug_graph::DType,
     ) -> Result<crate::ModelGraph, NnError> {
+        self.build_loss(batch, seq, target, dtype, false)
+    }
+
+    /// [`ModelConfig::build`], with the loss mask's inputs ([`crate::LossMask`]) when `masked`:
+    /// the graph a trainer builds for data whose targets do not all count.
+    pub fn build_loss(
+        &self,
+        batch: usize,
+        seq: usize,
+        target: impl Into<snug_graph::Target>,
+        dtype: snug_graph::DType,
+        masked: bool,
+    ) -> Result<crate::ModelGraph, NnError> {
         match self {
-            ModelConfig::Gpt(c) => c.build_with_dtype(batch, seq, target, dtype),
-            ModelConfig::Llama(c) => c.build(batch, seq, target, dtype),
+            ModelConfig::Gpt(c) => c.build_loss(batch, seq, target, dtype, masked),
+            ModelConfig::Llama(c) => c.build_loss(batch, seq, target, dtype, masked),
         }
     }
 

@@ -274,6 +274,12 @@ pub struct TrainConfig {
     pub init_from: Option<PathBuf>,
     pub passes: Vec<Pass>,
     pub remat: Remat,
+    /// The step takes a loss mask ([`StepConfig::loss_mask`]). Not a user's setting: set from
+    /// the data (token files written with a mask, see [`TrainConfig::load_data_and_model`] and
+    /// [`crate::Trainer::new`]), or by a library caller who feeds masks of its own through
+    /// [`crate::Trainer::step_on`]. Not saved: a resumed run takes it from its data again.
+    #[serde(skip)]
+    pub loss_mask: bool,
 }
 
 /// Serializable form of [`DataSource`].
@@ -335,6 +341,7 @@ impl Default for TrainConfig {
             init_from: None,
             passes: Pass::DEFAULT.to_vec(),
             remat: Remat::None,
+            loss_mask: false,
         }
     }
 }
@@ -644,6 +651,7 @@ impl TrainConfig {
             grad_clip: self.grad_clip,
             passes: self.passes.clone(),
             remat: self.remat,
+            loss_mask: self.loss_mask,
         }
     }
 
@@ -696,11 +704,15 @@ impl TrainConfig {
         Ok(cfg)
     }
 
-    /// The data this configuration trains on and the model it trains. `plan`, `fit` and `train`
-    /// all resolve a run through here, so the step planned is the step that runs.
-    pub fn load_data_and_model(&self) -> Result<(crate::TokenDataset, ModelConfig), TrainError> {
+    /// The data this configuration trains on and the model it trains; data with a loss mask
+    /// sets [`TrainConfig::loss_mask`]. `plan`, `fit` and `train` all resolve a run through
+    /// here, so the step planned is the step that runs.
+    pub fn load_data_and_model(
+        &mut self,
+    ) -> Result<(crate::TokenDataset, ModelConfig), TrainError> {
         let data = crate::TokenDataset::load(&DataSource::from(&self.data))?;
         data.check_block(self.block)?;
+        self.loss_mask |= data.has_loss_mask();
         let model = self.model_for_vocab(data.tokenizer.vocab_size())?;
         Ok((data, model))
     }

@@ -84,6 +84,24 @@ impl Tokens {
         }
     }
 
+    /// Whether the tokens carry a loss mask (a token file written with one); without one
+    /// every target counts.
+    pub fn has_mask(&self) -> bool {
+        matches!(self, Tokens::Mapped(f) if f.has_mask())
+    }
+
+    /// Copies the loss mask of tokens `start..start + out.len()` into `out` (all `true`
+    /// without a mask). Panics past the end.
+    pub fn mask_window(&self, start: usize, out: &mut [bool]) {
+        match self {
+            Tokens::Mapped(f) => f.copy_mask_window(start, out),
+            _ => {
+                assert!(start + out.len() <= self.len(), "mask window past the end");
+                out.fill(true);
+            }
+        }
+    }
+
     /// Every token, in memory.
     pub fn to_vec(&self) -> Vec<u32> {
         match self {
@@ -175,6 +193,12 @@ impl TokenDataset {
         })
     }
 
+    /// Whether either split carries a loss mask: a trainer on this data then counts only the
+    /// targets the mask keeps.
+    pub fn has_loss_mask(&self) -> bool {
+        self.train.has_mask() || self.val.has_mask()
+    }
+
     /// Fails unless both splits hold at least one sequence of `block` tokens plus its target.
     pub fn check_block(&self, block: usize) -> Result<(), TrainError> {
         let needed = block.saturating_add(1);
@@ -234,31 +258,77 @@ pub fn fill_batch(tokens: &Tokens, starts: &[usize], block: usize, x: &mut [i32]
     }
 }
 
-/// One step's batch: `starts.len()` sequences of `block` inputs (`x`) and targets (`y`),
-/// row-major.
+/// Fills `mask` with the loss mask of the targets [`fill_batch`] writes for the same starts:
+/// `tokens`' mask of `s + 1..s + block + 1` for each start `s` (the mask belongs to targets).
+pub fn fill_mask(tokens: &Tokens, starts: &[usize], block: usize, mask: &mut [bool]) {
+    debug_assert_eq!(mask.len(), starts.len() * block);
+    for (m, &s) in mask.chunks_exact_mut(block).zip(starts) {
+        tokens.mask_window(s + 1, m);
+    }
+}
+
+/// One step's batch: `batch × block` inputs (`x`) and targets (`y`), row-major, and which
+/// targets count in the loss (`mask`; `None`: all of them).
+///
+/// The trainer draws its own batches ([`Batch::compute`]), which record the step and the
+/// window starts they were drawn for; a batch a caller gives [`crate::Trainer::step_on`]
+/// ([`Batch::new`]) needs neither.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Batch {
     pub step: u64,
     pub starts: Vec<usize>,
     pub x: Vec<i32>,
     pub y: Vec<i32>,
+    pub mask: Option<Vec<bool>>,
 }
 
 impl Batch {
-    /// Step `step`'s batch of the training split, computed here and now.
+    /// A batch of token ids `x`, their next-token targets `y` and optionally the targets that
+    /// count, for [`crate::Trainer::step_on`], which checks them against its step.
+    pub fn new(x: Vec<i32>, y: Vec<i32>, mask: Option<Vec<bool>>) -> Batch {
+        Batch {
+            step: 0,
+            starts: Vec::new(),
+            x,
+            y,
+            mask,
+        }
+    }
+
+    /// Step `step`'s batch of the training split, computed here and now; with the split's loss
+    /// mask when it has one.
     pub fn compute(data: &TokenDataset, seed: u64, step: u64, count: usize, block: usize) -> Batch {
         let mut starts = Vec::with_capacity(count);
         batch_starts(seed, step, data.train.len(), count, block, &mut starts);
         let (mut x, mut y) = (vec![0; count * block], vec![0; count * block]);
         fill_batch(&data.train, &starts, block, &mut x, &mut y);
-        Batch { step, starts, x, y }
+        let mask = data.train.has_mask().then(|| {
+            let mut m = vec![true; count * block];
+            fill_mask(&data.train, &starts, block, &mut m);
+            m
+        });
+        Batch {
+            step,
+            starts,
+            x,
+            y,
+            mask,
+        }
+    }
+
+    /// The targets that count: those the mask keeps, or all of them.
+    pub fn counted(&self) -> usize {
+        self.mask
+            .as_ref()
+            .map_or(self.y.len(), |m| m.iter().filter(|&&c| c).count())
     }
 }
 
 /// Prepares the training split's batches for steps `first_step, first_step + 1, …` on a
 /// background thread, at most two ahead, so a step never waits for data (a memory-mapped
 /// corpus may fault pages in). The batches live outside the allocator: at most four (two
-/// queued, one being built, one being consumed) of `count × block × 8` bytes each.
+/// queued, one being built, one being consumed) of `count × block × 8` bytes each (9 with a
+/// loss mask).
 ///
 /// Dropping it stops the thread: the queue closes, the thread's next send fails, and it exits.
 pub struct Prefetcher {

@@ -120,6 +120,27 @@ pub enum TrainError {
         failure: snug_runtime::OutOfMemory,
         detail: String,
     },
+    /// A batch given to [`crate::Trainer::step_on`] whose `field` (`tokens`, `targets` or
+    /// `mask`) does not hold one entry per position of the trainer's batch.
+    #[error("batch: `{field}` holds {found} entries, the step takes batch × block = {batch} × {block} = {expected}")]
+    BatchLength {
+        field: &'static str,
+        expected: usize,
+        found: usize,
+        batch: usize,
+        block: usize,
+    },
+    /// A token id or target of a given batch outside the model's vocabulary.
+    #[error("batch: `{field}`[{index}] is {value}, outside the model's vocabulary of {vocab}")]
+    BatchToken {
+        field: &'static str,
+        index: usize,
+        value: i32,
+        vocab: usize,
+    },
+    /// A given batch carries a loss mask, but the trainer's step was compiled without one.
+    #[error("batch: it has a loss mask but the trainer's step takes none (set `loss_mask` in the configuration, or train on data with a mask)")]
+    BatchMask,
     #[error("loss is {loss} at step {step}: training diverged (lower the learning rate)")]
     NonFinite { step: u64, loss: f32 },
     #[error("the model's logits at position {position} are not finite: its weights hold NaN or infinity")]

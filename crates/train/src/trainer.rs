@@ -11,12 +11,12 @@ use snug_compile::{compile_step, CompiledStep};
 use snug_cpu::CpuSession;
 use snug_fit::{FitConfig, MachineProfile, MemoryFailure, Search};
 use snug_graph::{Role, StepGraph, TensorId};
-use snug_nn::ModelConfig;
+use snug_nn::{LossMask, ModelConfig};
 use snug_plan::{plan, MemoryPlan, PlanOptions};
 use snug_runtime::{Allocator, ExecCtx, OutOfMemory, RuntimeError};
 
 use crate::checkpoint::{Checkpoint, CheckpointRef, SavedTensor};
-use crate::data::{batch_starts, fill_batch, Prefetcher, Tokens};
+use crate::data::{batch_starts, fill_batch, fill_mask, Batch, Prefetcher, Tokens};
 use crate::{LossScaler, TokenDataset, TrainConfig, TrainError};
 
 /// Linear warmup to `lr`, then cosine decay to `min_lr` at the last step.
@@ -45,8 +45,10 @@ impl LrSchedule {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct StepStats {
     pub step: u64,
-    /// Mean loss over the step's micro-batches.
+    /// Mean loss over the step's counted targets (every target, without a loss mask).
     pub loss: f32,
+    /// Targets the step's loss counted: those its loss mask keeps, or every target.
+    pub loss_tokens: u64,
     pub lr: f32,
     /// Global norm of the averaged gradient, before clipping.
     pub grad_norm: Option<f32>,
@@ -65,12 +67,15 @@ pub struct StepStats {
 }
 
 /// Mean losses over fixed batches of each split (the same batches at every evaluation, so
-/// evaluations compare).
+/// evaluations compare), over the targets the split's loss mask counts.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct EvalStats {
     pub step: u64,
     pub train_loss: f32,
     pub val_loss: f32,
+    /// Targets each loss counted.
+    pub train_loss_tokens: u64,
+    pub val_loss_tokens: u64,
     pub ms: f64,
 }
 
@@ -86,6 +91,10 @@ pub struct Trainer {
     data: Arc<TokenDataset>,
     tokens: TensorId,
     targets: TensorId,
+    /// The loss mask's inputs, when the step has them ([`TrainConfig::loss_mask`]).
+    loss_mask: Option<LossMask>,
+    /// The mask of one micro-batch as the step reads it (0 or 1 per target), reused.
+    mask_buf: Vec<f32>,
     schedule: LrSchedule,
     step: u64,
     tokens_seen: u64,
@@ -94,7 +103,7 @@ pub struct Trainer {
     /// Batches of the coming steps, drawn on a background thread.
     prefetch: Prefetcher,
     /// The batch of a step that failed, kept for the retry.
-    pending: Option<crate::data::Batch>,
+    pending: Option<Batch>,
     /// Kernel timings for the recovery search; loaded from the calibration cache when first
     /// needed, else nominal.
     machine: Option<MachineProfile>,
@@ -132,18 +141,22 @@ impl Trainer {
         Self::with_allocator(config, data, Allocator::default())
     }
 
+    /// A trainer on `data`, whose step takes a loss mask when `config.loss_mask` asks for one
+    /// or the data carries one.
     pub fn with_allocator(
-        config: TrainConfig,
+        mut config: TrainConfig,
         data: TokenDataset,
         allocator: Allocator,
     ) -> Result<Trainer, TrainError> {
         data.check_block(config.block)?;
+        config.loss_mask |= data.has_loss_mask();
         config.check_threads_here()?;
         let model = config.model_for_vocab(data.tokenizer.vocab_size())?;
         let CompiledStep {
             step: step_graph,
             tokens,
             targets,
+            loss_mask,
             remat_dropped,
             ..
         } = compile_step(
@@ -240,6 +253,8 @@ impl Trainer {
             data,
             tokens,
             targets,
+            loss_mask,
+            mask_buf: Vec::new(),
             schedule,
             step: 0,
             tokens_seen: 0,
@@ -256,9 +271,10 @@ impl Trainer {
 
     /// Switches to another configuration of the same model and batch (micro-batch and
     /// accumulation, remat, passes): the step is recompiled and re-planned, and the session
-    /// keeps its parameters and optimizer state in place. On an allocation failure nothing
-    /// changes.
-    pub fn reconfigure(&mut self, config: TrainConfig) -> Result<(), TrainError> {
+    /// keeps its parameters and optimizer state in place, and its loss mask. On an allocation
+    /// failure nothing changes.
+    pub fn reconfigure(&mut self, mut config: TrainConfig) -> Result<(), TrainError> {
+        config.loss_mask = self.config.loss_mask;
         if config.batch != self.config.batch || config.block != self.config.block {
             return Err(TrainError::Config {
                 field: "batch",
@@ -273,6 +289,7 @@ impl Trainer {
             step,
             tokens,
             targets,
+            loss_mask,
             ..
         } = compile_step(
             &self.model,
@@ -294,6 +311,7 @@ impl Trainer {
         self.step_graph = step;
         self.tokens = tokens;
         self.targets = targets;
+        self.loss_mask = loss_mask;
         self.config = config;
         Ok(())
     }
@@ -515,11 +533,10 @@ impl Trainer {
     fn step_inner(&mut self, profile: bool) -> Result<(StepStats, Vec<f64>), TrainError> {
         let step = self.step + 1;
         let batch = match self.pending.take() {
-            Some(b) => b,
-            None => self.prefetch.next()?,
+            Some(b) if b.step == step => b,
+            _ => self.drawn_batch(step)?,
         };
-        debug_assert_eq!(batch.step, step, "the prefetcher follows the trainer");
-        let result = self.step_on(&batch, profile);
+        let result = self.run_batch(&batch, step, profile);
         if result.is_err() {
             // The step did not happen: its batch is the next one tried.
             self.pending = Some(batch);
@@ -527,13 +544,88 @@ impl Trainer {
         result
     }
 
-    fn step_on(
+    /// Step `step`'s batch from the prefetcher, restarted there when steps run on batches a
+    /// caller gave ([`Trainer::step_on`]) moved the trainer past the batches it drew.
+    fn drawn_batch(&mut self, step: u64) -> Result<Batch, TrainError> {
+        let batch = self.prefetch.next()?;
+        if batch.step == step {
+            return Ok(batch);
+        }
+        self.prefetch = Prefetcher::new(
+            self.data.clone(),
+            self.config.seed,
+            self.config.batch,
+            self.config.block,
+            step,
+        );
+        self.prefetch.next()
+    }
+
+    /// Runs one optimizer step on `batch`, given by the caller instead of drawn from the
+    /// trainer's data: `batch × block` token ids and targets, each below the model's
+    /// vocabulary, and optionally a loss mask of as many entries, which the step must have
+    /// been compiled for ([`TrainConfig::loss_mask`], set by data with a mask). Without a
+    /// mask, a masked step counts every target. The loss averages over the counted targets.
+    ///
+    /// Errors: [`TrainError::BatchLength`], [`TrainError::BatchToken`],
+    /// [`TrainError::BatchMask`], checked before anything runs; then as
+    /// [`Trainer::train_step`].
+    pub fn step_on(&mut self, batch: &Batch) -> Result<StepStats, TrainError> {
+        self.check_batch(batch)?;
+        Ok(self.run_batch(batch, self.step + 1, false)?.0)
+    }
+
+    /// Whether `batch` fits this trainer's step.
+    fn check_batch(&self, batch: &Batch) -> Result<(), TrainError> {
+        let expected = self.config.batch * self.config.block;
+        let mask_len = batch.mask.as_ref().map(Vec::len);
+        for (field, found) in [
+            ("tokens", Some(batch.x.len())),
+            ("targets", Some(batch.y.len())),
+            ("mask", mask_len),
+        ] {
+            match found {
+                Some(found) if found != expected => {
+                    return Err(TrainError::BatchLength {
+                        field,
+                        expected,
+                        found,
+                        batch: self.config.batch,
+                        block: self.config.block,
+                    })
+                }
+                _ => {}
+            }
+        }
+        let vocab = self.model.vocab_size();
+        for (field, ids) in [("tokens", &batch.x), ("targets", &batch.y)] {
+            if let Some(index) = ids.iter().position(|&t| t < 0 || t as usize >= vocab) {
+                return Err(TrainError::BatchToken {
+                    field,
+                    index,
+                    value: ids[index],
+                    vocab,
+                });
+            }
+        }
+        if batch.mask.is_some() && self.loss_mask.is_none() {
+            return Err(TrainError::BatchMask);
+        }
+        Ok(())
+    }
+
+    fn run_batch(
         &mut self,
-        batch: &crate::data::Batch,
+        batch: &Batch,
+        step: u64,
         profile: bool,
     ) -> Result<(StepStats, Vec<f64>), TrainError> {
-        let step = batch.step;
         let lr = self.schedule.at(step);
+        // Every micro-batch's loss is divided by the step's counted targets over its
+        // micro-batches, so their mean, and that of their gradients, is the mean over every
+        // counted target of the step, however the counts fall between micro-batches.
+        let loss_tokens = batch.counted();
+        let divisor = (loss_tokens as f64 / self.config.accumulation as f64) as f32;
         let start = Instant::now();
         let mut recoveries = 0;
         // An out-of-memory error comes before any kernel of its micro-batch runs, and the
@@ -545,7 +637,7 @@ impl Trainer {
             let mut loss_sum = 0.0f64;
             let mut grad_norm = None;
             for micro in 0..k {
-                match self.micro_step(&batch.x, &batch.y, step, lr, micro, profile) {
+                match self.micro_step(batch, divisor, step, lr, micro, profile) {
                     Ok((loss, norm, times)) => {
                         loss_sum += loss as f64;
                         grad_norm = grad_norm.or(norm);
@@ -604,6 +696,7 @@ impl Trainer {
         let stats = StepStats {
             step,
             loss,
+            loss_tokens: loss_tokens as u64,
             lr,
             grad_norm,
             loss_scale,
@@ -619,12 +712,13 @@ impl Trainer {
         Ok((stats, node_times))
     }
 
-    /// One micro-batch of `step`: inputs in, forward and backward (and on the last micro-batch
-    /// the update), loss and gradient norm out, arena given back.
+    /// One micro-batch of `step`: inputs in (the loss mask with `divisor`, when the step has
+    /// one), forward and backward (and on the last micro-batch the update), loss and gradient
+    /// norm out, arena given back.
     fn micro_step(
         &mut self,
-        x: &[i32],
-        y: &[i32],
+        batch: &Batch,
+        divisor: f32,
         step: u64,
         lr: f32,
         micro: usize,
@@ -634,11 +728,13 @@ impl Trainer {
         let chunk = self.config.micro_batch() * self.config.block;
         let vocab = self.model.vocab_size();
         let range = micro * chunk..(micro + 1) * chunk;
-        let (x, y) = (&x[range.clone()], &y[range]);
+        let (x, y) = (&batch.x[range.clone()], &batch.y[range.clone()]);
         self.session
             .fill_i32(self.tokens, vocab, |out| out.copy_from_slice(x))?;
         self.session
             .fill_i32(self.targets, vocab, |out| out.copy_from_slice(y))?;
+        let mask = batch.mask.as_ref().map(|m| &m[range]);
+        self.write_loss_mask(mask, chunk, divisor)?;
         if let (Some(t), Some(s)) = (self.step_graph.loss_scale, self.scaler) {
             self.session.write_f32(t, &[s.scale])?;
         }
@@ -664,22 +760,52 @@ impl Trainer {
         Ok((loss, grad_norm, times))
     }
 
+    /// Writes the loss mask's inputs, when the step has them: `mask` as 0/1 weights (all ones
+    /// without one) for `len` targets, and `divisor`.
+    fn write_loss_mask(
+        &mut self,
+        mask: Option<&[bool]>,
+        len: usize,
+        divisor: f32,
+    ) -> Result<(), TrainError> {
+        let Some(m) = self.loss_mask else {
+            return Ok(());
+        };
+        self.mask_buf.clear();
+        match mask {
+            Some(mask) => self
+                .mask_buf
+                .extend(mask.iter().map(|&c| if c { 1.0 } else { 0.0 })),
+            None => self.mask_buf.resize(len, 1.0),
+        }
+        self.session.write_f32(m.mask, &self.mask_buf)?;
+        self.session.write_f32(m.divisor, &[divisor])?;
+        Ok(())
+    }
+
     /// Mean loss over `eval_batches` fixed micro-batches of the training and the validation
     /// split, running the forward pass alone: parameters and optimizer state are untouched.
+    /// Under a loss mask, the mean over the targets it counts in all of them.
     pub fn evaluate(&mut self) -> Result<EvalStats, TrainError> {
         let start = Instant::now();
         let data = self.data.clone();
-        let train_loss = self.mean_loss(&data.train)?;
-        let val_loss = self.mean_loss(&data.val)?;
+        let (train_loss, train_loss_tokens) = self.mean_loss(&data.train)?;
+        let (val_loss, val_loss_tokens) = self.mean_loss(&data.val)?;
         Ok(EvalStats {
             step: self.step,
             train_loss,
             val_loss,
+            train_loss_tokens,
+            val_loss_tokens,
             ms: start.elapsed().as_secs_f64() * 1e3,
         })
     }
 
-    fn mean_loss(&mut self, split: &Tokens) -> Result<f32, TrainError> {
+    /// The mean loss over a split's evaluation batches, and the targets it counted.
+    fn mean_loss(&mut self, split: &Tokens) -> Result<(f32, u64), TrainError> {
+        if self.loss_mask.is_some() {
+            return self.masked_mean_loss(split);
+        }
         let (mb, block) = (self.config.micro_batch(), self.config.block);
         let vocab = self.model.vocab_size();
         let (mut starts, mut x, mut y) = (Vec::new(), vec![0; mb * block], vec![0; mb * block]);
@@ -700,7 +826,47 @@ impl Trainer {
             sum += self.session.read_f32(self.step_graph.loss)?[0] as f64;
         }
         self.session.release_arena()?;
-        Ok((sum / self.config.eval_batches as f64) as f32)
+        let counted = (self.config.eval_batches * mb * block) as u64;
+        Ok(((sum / self.config.eval_batches as f64) as f32, counted))
+    }
+
+    /// [`Trainer::mean_loss`] under a loss mask: each batch averages over its own counted
+    /// targets, and the batches are weighed by them, so the result is the mean over every
+    /// counted target (0 when none is).
+    fn masked_mean_loss(&mut self, split: &Tokens) -> Result<(f32, u64), TrainError> {
+        let (mb, block) = (self.config.micro_batch(), self.config.block);
+        let vocab = self.model.vocab_size();
+        let n = mb * block;
+        let (mut starts, mut x, mut y) = (Vec::new(), vec![0; n], vec![0; n]);
+        let mut mask = vec![true; n];
+        let (mut sum, mut counted) = (0.0f64, 0u64);
+        for i in 0..self.config.eval_batches {
+            batch_starts(
+                self.config.seed ^ EVAL_STREAM,
+                i as u64,
+                split.len(),
+                mb,
+                block,
+                &mut starts,
+            );
+            fill_batch(split, &starts, block, &mut x, &mut y);
+            fill_mask(split, &starts, block, &mut mask);
+            let count = mask.iter().filter(|&&c| c).count();
+            self.session.write_i32(self.tokens, &x, vocab)?;
+            self.session.write_i32(self.targets, &y, vocab)?;
+            self.write_loss_mask(Some(&mask), n, count as f32)?;
+            self.session.run_only(ExecCtx::default(), &self.forward)?;
+            let loss = self.session.read_f32(self.step_graph.loss)?[0] as f64;
+            sum += loss * count as f64;
+            counted += count as u64;
+        }
+        self.session.release_arena()?;
+        let mean = if counted == 0 {
+            0.0
+        } else {
+            (sum / counted as f64) as f32
+        };
+        Ok((mean, counted))
     }
 
     pub fn config(&self) -> &TrainConfig {
@@ -721,6 +887,11 @@ impl Trainer {
 
     pub fn step_graph(&self) -> &StepGraph {
         &self.step_graph
+    }
+
+    /// The loss mask's inputs, when the step takes one.
+    pub fn loss_mask(&self) -> Option<LossMask> {
+        self.loss_mask
     }
 
     pub fn data(&self) -> &TokenDataset {

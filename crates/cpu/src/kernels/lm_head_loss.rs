@@ -1,11 +1,13 @@
 //! The kernels of the fused language-model head and cross-entropy: tiles of logits in the
-//! workspace, an online log-sum-exp per row, and the backward recomputing each tile's logits.
+//! workspace, an online log-sum-exp per row, and the backward recomputing each tile's logits;
+//! under a loss mask, the rows it drops get zero gradients.
 
 use snug_graph::ops::{
     lm_head_loss::{head_vocab_of, tile},
     LmHeadLoss, LmHeadLossBackward,
 };
 
+use super::cross_entropy::{grad_scale, loss_mask, reduce_loss, row_scale};
 use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for LmHeadLoss {
@@ -57,8 +59,7 @@ impl CpuKernel for LmHeadLoss {
                 *loss = *lse - picked;
             }
         }
-        let total: f64 = losses.iter().map(|&l| l as f64).sum();
-        loss[0] = (total / n as f64) as f32;
+        loss[0] = reduce_loss(losses, loss_mask(k, 3));
     }
 }
 
@@ -72,7 +73,8 @@ impl CpuKernel for LmHeadLossBackward {
         let (n, c) = (k.in_shape(0)[0], k.in_shape(0)[1]);
         let v = head_vocab_of(self.tb, k.in_shape(1));
         let (rows, cols) = tile(self.rows, self.cols, n, v);
-        let g = dloss[0] / n as f32;
+        let mask = loss_mask(k, 5);
+        let g = grad_scale(dloss[0], n, mask);
         let (logits, dx_tile) = k.workspace().split_at_mut(rows * cols);
         let dxp = dx.as_mut_ptr();
         let xp = x_in.map_or(dxp as *const f32, <[f32]>::as_ptr);
@@ -95,6 +97,10 @@ impl CpuKernel for LmHeadLossBackward {
                 crate::par::rows_mut(dlogits, vb, |i0, chunk| {
                     for (i, row) in chunk.chunks_exact_mut(vb).enumerate() {
                         let r = r0 + i0 + i;
+                        let Some(g) = row_scale(g, mask, r) else {
+                            row.fill(0.0);
+                            continue;
+                        };
                         let s = lse[r];
                         row.iter_mut()
                             .for_each(|l| *l = crate::math::exp(*l - s) * g);

@@ -9,14 +9,16 @@
 //! head's gradient is written once per block. The backward recomputes each tile's logits (one
 //! extra head GEMM) from the saved per-row log-sum-exp.
 
-use super::{expect_arity, expect_dtype, shape_err, OpRule, OutSpec};
+use super::cross_entropy::check_mask;
+use super::{expect_dtype, shape_err, OpRule, OutSpec};
 use crate::autodiff::GradCtx;
 use crate::tensor::TensorMeta;
 use crate::{DType, GraphError, Result};
 
 /// Inputs `[x [N, C], head, targets [N] (i32)]`, where `head` is `[V, C]` when `tb` (tied to
-/// the embedding) and `[C, V]` otherwise. Outputs the mean loss `[]` and each row's
-/// log-sum-exp `[N]` (kept for the backward).
+/// the embedding) and `[C, V]` otherwise; masked, also `mask [N] (f32), divisor [] (f32)`, as
+/// [`super::CrossEntropy`] takes them. Outputs the loss `[]` (the mean, or `Σ mask·ce /
+/// divisor`) and each row's log-sum-exp `[N]` (kept for the backward).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LmHeadLoss {
     pub tb: bool,
@@ -33,6 +35,14 @@ pub fn tile(rows: usize, cols: usize, n: usize, v: usize) -> (usize, usize) {
 
 /// `(N, C, V)` of valid inputs.
 fn dims(op: &'static str, tb: bool, inputs: &[&TensorMeta]) -> Result<(usize, usize, usize)> {
+    if inputs.len() < 3 {
+        return Err(GraphError::Arity {
+            op,
+            expected: 3,
+            got: inputs.len(),
+        });
+    }
+    expect_dtype(op, inputs, 2, DType::I32)?;
     let (x, w, t) = (&inputs[0].shape, &inputs[1].shape, &inputs[2].shape);
     if x.len() != 2 || w.len() != 2 || t.len() != 1 || t[0] != x[0] {
         return Err(shape_err(
@@ -56,9 +66,8 @@ impl OpRule for LmHeadLoss {
     }
 
     fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
-        expect_arity(self.name(), inputs, 3)?;
-        expect_dtype(self.name(), inputs, 2, DType::I32)?;
         let (n, _, _) = dims(self.name(), self.tb, inputs)?;
+        check_mask(self.name(), inputs, 3, n)?;
         Ok(vec![
             OutSpec::f32(vec![]),
             OutSpec::f32(vec![n]).named("lse"),
@@ -72,7 +81,10 @@ impl OpRule for LmHeadLoss {
         if !(ctx.wants(0) || ctx.wants(1)) {
             return Ok(());
         }
-        let ins = [ctx.input(0), ctx.input(1), ctx.input(2), ctx.output(1), dl];
+        let mut ins = vec![ctx.input(0), ctx.input(1), ctx.input(2), ctx.output(1), dl];
+        if ctx.input_count() == 5 {
+            ins.extend([ctx.input(3), ctx.input(4)]);
+        }
         let back = LmHeadLossBackward {
             tb: self.tb,
             rows: self.rows,
@@ -102,7 +114,8 @@ impl OpRule for LmHeadLoss {
     }
 }
 
-/// Inputs `[x, head, targets, lse, dloss]`; outputs `dx` and `dhead`.
+/// Inputs `[x, head, targets, lse, dloss]`, and masked also `[mask, divisor]`; outputs `dx`
+/// and `dhead`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LmHeadLossBackward {
     pub tb: bool,
@@ -116,9 +129,15 @@ impl OpRule for LmHeadLossBackward {
     }
 
     fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
-        expect_arity(self.name(), inputs, 5)?;
-        expect_dtype(self.name(), inputs, 2, DType::I32)?;
+        if inputs.len() < 5 {
+            return Err(GraphError::Arity {
+                op: self.name(),
+                expected: 5,
+                got: inputs.len(),
+            });
+        }
         let (n, _, _) = dims(self.name(), self.tb, inputs)?;
+        check_mask(self.name(), inputs, 5, n)?;
         if inputs[3].shape != [n] || inputs[4].numel() != 1 {
             return Err(shape_err(
                 self.name(),

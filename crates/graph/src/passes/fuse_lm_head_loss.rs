@@ -1,4 +1,4 @@
-//! Finds `cross_entropy(matmul(x, head), targets)` where the logits feed nothing else, and
+//! Finds `cross_entropy(matmul(x, head), targets[, mask, divisor])` where the logits feed nothing else, and
 //! replaces the pair by one [`LmHeadLoss`] that materialises logits a tile at a time.
 //! Run it on the forward graph, before autodiff: the fused op brings its own gradient.
 
@@ -68,7 +68,12 @@ pub fn fuse_lm_head_loss(g: &Graph, chunk_bytes: usize) -> Result<(Rewritten, us
                 return Ok(None);
             };
             let ce = g.node(crate::NodeId(i as u32));
-            let ins = [lookup(x), lookup(w), lookup(ce.inputs[1])];
+            // The loss mask and its divisor, when the loss has them, follow the targets.
+            let ins: Vec<TensorId> = [x, w]
+                .into_iter()
+                .chain(ce.inputs[1..].iter().copied())
+                .map(lookup)
+                .collect();
             let outs = new.apply(LmHeadLoss { tb, rows, cols }, &ins)?;
             let old_loss = g.tensor(ce.outputs[0]);
             new.rename(outs[0], old_loss.name.clone());
