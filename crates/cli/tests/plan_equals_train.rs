@@ -67,6 +67,20 @@ fn text_corpus() -> String {
         .collect()
 }
 
+/// Prompt/completion examples for `snug prepare --format jsonl`: only completions count.
+fn jsonl_examples() -> String {
+    (0..120)
+        .map(|i| {
+            format!(
+                "{{\"prompt\": \"Hello, {} and {}?\", \"completion\": \" world {}!\"}}\n",
+                i * 7 % 50,
+                i % 9,
+                i * 13 % 100
+            )
+        })
+        .collect()
+}
+
 fn write(path: &Path, text: &str) {
     std::fs::write(path, text).expect("writing a test fixture");
 }
@@ -85,6 +99,20 @@ fn plan_predicts_what_train_measures_for_every_way_of_giving_a_run() {
         "gpt2",
         "--out",
         &s("tokens"),
+    ]);
+    assert!(prep.status.success(), "{}", stderr(&prep));
+    write(&p("chat.jsonl"), &jsonl_examples());
+    let tokenizer = Path::new(env!("CARGO_MANIFEST_DIR")).join("../nn/tests/fixtures/hf/tokenizer");
+    let prep = snug(&[
+        "prepare",
+        "--format",
+        "jsonl",
+        "--input",
+        &s("chat.jsonl"),
+        "--tokenizer",
+        &tokenizer.to_string_lossy(),
+        "--out",
+        &s("masked"),
     ]);
     assert!(prep.status.success(), "{}", stderr(&prep));
     write(
@@ -107,6 +135,7 @@ fn plan_predicts_what_train_measures_for_every_way_of_giving_a_run() {
     );
     let corpus = s("corpus.txt");
     let tokens = s("tokens");
+    let masked = s("masked");
     let config = s("run.toml");
     let gpt2 = s("gpt2.json");
     let llama = s("llama.json");
@@ -149,11 +178,79 @@ fn plan_predicts_what_train_measures_for_every_way_of_giving_a_run() {
             "cse,dce",
         ],
         vec!["--vocab", "40", "--batch", "2", "--optimizer", "sgd"],
+        // Token files with a loss mask: the step takes the mask and its divisor as inputs.
+        vec![
+            "--preset", "tiny", "--data", &masked, "--batch", "2", "--block", "16",
+        ],
+        vec![
+            "--preset",
+            "llama-tiny",
+            "--data",
+            &masked,
+            "--batch",
+            "4",
+            "--block",
+            "16",
+            "--accumulation",
+            "2",
+            "--passes",
+            "none",
+            "--remat",
+            "block",
+        ],
     ];
     for args in &cases {
         let (planned, predicted, measured) = plan_and_train(args);
         assert_eq!(planned, predicted, "{args:?}: plan and train planned apart");
         assert_eq!(planned, measured, "{args:?}: the measured peak differs");
+    }
+    // The masked directory does make a masked step: it plans the mask's inputs, and a step
+    // counts only the completions' targets.
+    let masked_args = [
+        "--preset", "tiny", "--data", &masked, "--batch", "2", "--block", "16",
+    ];
+    let json = |args: &[&str]| -> serde_json::Value {
+        let o = snug(&[&["plan", "--json"], args].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_slice(&o.stdout).expect("plan's JSON")
+    };
+    let with_mask = json(&masked_args);
+    // The same model and vocabulary on data without a mask (the fixture tokenizer's 320).
+    let plain = json(&[
+        "--preset", "tiny", "--vocab", "320", "--batch", "2", "--block", "16",
+    ]);
+    assert_eq!(with_mask["nodes"], plain["nodes"]);
+    assert_eq!(
+        with_mask["tensors"].as_u64(),
+        plain["tensors"].as_u64().map(|t| t + 2),
+        "the mask and its divisor are the masked step's extra tensors"
+    );
+    let train = snug(
+        &[
+            &[
+                "train",
+                "--json",
+                "--steps",
+                "2",
+                "--eval-every",
+                "0",
+                "--no-save",
+            ],
+            &masked_args[..],
+        ]
+        .concat(),
+    );
+    assert!(train.status.success(), "{}", stderr(&train));
+    let text = String::from_utf8_lossy(&train.stdout);
+    let steps: Vec<serde_json::Value> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["kind"] == "step")
+        .collect();
+    assert_eq!(steps.len(), 2, "{text}");
+    for step in &steps {
+        let counted = step["loss_tokens"].as_u64().expect("loss_tokens");
+        assert!(counted > 0 && counted < 2 * 16, "{step}");
     }
 }
 
