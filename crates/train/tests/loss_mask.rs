@@ -24,7 +24,11 @@ fn examples(count: usize, seed: u64) -> (String, Vec<bool>) {
             text.push(char::from_digit(*d, 10).unwrap_or('0'));
         }
         text.push('=');
-        text.push(if digits[4] % 2 == 0 { 'e' } else { 'o' });
+        text.push(if digits[4].is_multiple_of(2) {
+            'e'
+        } else {
+            'o'
+        });
         text.push('\n');
         mask.extend([false; 6].into_iter().chain([true; 2]));
     }
@@ -327,4 +331,43 @@ fn a_prompt_completion_run_trains_and_reports_only_the_completions() {
     assert_eq!(eval.val_loss_tokens, eval_targets / 4);
     assert_eq!(eval.train_loss_tokens, eval_targets / 4);
     assert!(eval.val_loss < 0.2 * prompt_floor, "{eval:?}");
+}
+
+/// A mask that counts every target trains exactly as no mask: the same losses, gradients
+/// and evaluation, bit for bit, through accumulation and the fused LM-head loss.
+#[test]
+fn a_mask_counting_everything_trains_as_no_mask_bit_for_bit() {
+    let (plain_dir, ones_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let tokenizer = Tokenizer::Char(CharTokenizer::from_text(SYMBOLS));
+    for (file, count, seed) in [(TRAIN_FILE, 400, 1), (VAL_FILE, 100, 2)] {
+        let ids = tokenizer.encode(&examples(count, seed).0).unwrap();
+        TokenFile::write(&plain_dir.path().join(file), &tokenizer, &ids).unwrap();
+        let all = vec![true; ids.len()];
+        TokenFile::write_masked(&ones_dir.path().join(file), &tokenizer, &ids, &all).unwrap();
+    }
+    let run = |dir: &std::path::Path| {
+        let mut cfg = config(dir, 4, 2, false);
+        let (data, _) = cfg.load_data_and_model().unwrap();
+        let mut t = Trainer::new(cfg, data).unwrap();
+        let losses: Vec<(u32, Option<u32>)> = (0..3)
+            .map(|_| {
+                let s = t.train_step().unwrap();
+                (s.loss.to_bits(), s.grad_norm.map(f32::to_bits))
+            })
+            .collect();
+        let eval = t.evaluate().unwrap();
+        let bits: Vec<u32> = flat_parameters(&t).iter().map(|v| v.to_bits()).collect();
+        (
+            t.loss_mask().is_some(),
+            losses,
+            eval.val_loss.to_bits(),
+            bits,
+        )
+    };
+    let (plain_masked, plain_losses, plain_eval, plain_params) = run(plain_dir.path());
+    let (ones_masked, ones_losses, ones_eval, ones_params) = run(ones_dir.path());
+    assert!(!plain_masked && ones_masked);
+    assert_eq!(plain_losses, ones_losses);
+    assert_eq!(plain_eval, ones_eval);
+    assert!(plain_params == ones_params, "the parameters differ");
 }

@@ -34,7 +34,7 @@ pub(crate) fn reduce_loss(rows: &[f32], mask: Option<(&[f32], f32)>) -> f32 {
 pub(crate) fn grad_scale(dloss: f32, n: usize, mask: Option<(&[f32], f32)>) -> f32 {
     match mask {
         None => dloss / n as f32,
-        Some((_, divisor)) if divisor == 0.0 => 0.0,
+        Some((_, 0.0)) => 0.0,
         Some((_, divisor)) => dloss / divisor,
     }
 }
