@@ -188,7 +188,7 @@ pub fn session<H: Harness>(harness: &H, graph: Graph, threads: usize) -> Option<
 /// Makes one `#[test]` per check of the suite, each running it against `$harness` (an
 /// expression evaluated in every test):
 ///
-/// ```ignore
+/// ```text
 /// snug_conformance::conformance_tests!(snug_conformance::CpuHarness);
 /// ```
 #[macro_export]
@@ -257,4 +257,64 @@ macro_rules! __conformance_tests {
             }
         )*
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use snug_graph::ops::{GeluLinear, Scale, Silu};
+    use snug_graph::{DType, Fusions};
+
+    use super::*;
+
+    /// The CPU posing as a backend without SiLU and without fusions.
+    struct NoSilu;
+
+    impl Harness for NoSilu {
+        type B = CpuBackend;
+
+        fn name(&self) -> &str {
+            "no-silu"
+        }
+
+        fn target(&self, threads: usize) -> Target {
+            Target::host(threads).with_fusions(Fusions::NONE)
+        }
+
+        fn backend(&self, threads: usize) -> CpuBackend {
+            CpuHarness.backend(threads)
+        }
+
+        fn lacks(&self, op: &Op) -> bool {
+            matches!(op, Op::Silu(_))
+        }
+    }
+
+    fn graph_of(op: impl Into<Op>, shapes: &[&[usize]]) -> Graph {
+        let mut g = Graph::new().with_target(NoSilu.target(1));
+        let ins: Vec<_> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| g.input(format!("x{i}"), s, DType::F32).unwrap())
+            .collect();
+        g.apply(op, &ins).unwrap();
+        g
+    }
+
+    #[test]
+    fn a_missing_kernel_is_a_skip_and_a_missing_fusion_does_not_apply() {
+        let silu = graph_of(Silu, &[&[4]]);
+        let fused = graph_of(GeluLinear::default(), &[&[2, 3], &[3, 4], &[4]]);
+        let plain = graph_of(Scale { factor: 2.0 }, &[&[4]]);
+        assert!(runnable(&NoSilu, &plain));
+        // A target without the fusion: nothing to run, and nothing missing either.
+        assert!(!runnable(&NoSilu, &fused));
+        // A kernel the backend lacks: skipped, which CI (SNUG_REQUIRE_ALL_TESTS) makes a failure.
+        let ci = std::env::var(snug_testkit::REQUIRE_ALL_TESTS).ok();
+        let lacking = std::panic::catch_unwind(|| runnable(&NoSilu, &silu));
+        if snug_testkit::requires_all(ci.as_deref()) {
+            assert!(lacking.is_err(), "a missing kernel passed in CI");
+        } else {
+            assert_eq!(lacking.ok(), Some(false));
+        }
+    }
 }
