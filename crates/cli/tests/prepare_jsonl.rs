@@ -72,6 +72,30 @@ fn jsonl_examples_become_masked_token_files() {
         assert_eq!(report["loss_tokens"], 3 * 7 + 3);
         assert_eq!(val.tokenizer(), train.tokenizer());
     }
+    // Training applies the mask: a step counts only the completions' targets.
+    let o = snug(&[
+        "train",
+        "--data",
+        out.to_str().unwrap(),
+        "--block",
+        "8",
+        "--batch",
+        "4",
+        "--steps",
+        "1",
+        "--no-save",
+        "--json",
+    ]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let step = stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["kind"] == "step")
+        .expect("a step line");
+    let counted = step["loss_tokens"].as_u64().expect("loss_tokens");
+    assert!(counted > 0 && counted < 4 * 8, "{step}");
 }
 
 #[test]
