@@ -40,7 +40,7 @@ pub use fill::Fill;
 pub use gelu::{Gelu, GeluApprox, GeluBackward};
 pub use gelu_linear::{GeluLinear, GeluLinearBackward};
 pub use gqa_attention::{GqaAttention, GqaAttentionBackward};
-pub use grad_norm::{GradNorm, SumSquares};
+pub use grad_norm::{gpu_partial_sums, GradNorm, SumSquares};
 pub use layernorm::{LayerNorm, LayerNormBackward};
 pub use layernorm_linear::{LayerNormLinear, LayerNormLinearBackward};
 pub use lm_head_loss::{LmHeadLoss, LmHeadLossBackward};

@@ -89,6 +89,10 @@ impl OpRule for Rope {
 
     /// One position's cosines and sines (`head_dim / 2` each) per thread.
     fn workspace_elems(&self, _inputs: &[&TensorMeta], target: &crate::Target) -> usize {
+        // The GPU kernel computes each angle where it uses it.
+        if target.is_gpu() {
+            return 0;
+        }
         let threads = target.threads();
         threads.max(1) * self.head_dim
     }
