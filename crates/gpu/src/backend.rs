@@ -177,13 +177,14 @@ impl GpuBackend {
 
     fn arg(&self, b: &Binding<'_>) -> Result<Arg, RuntimeError> {
         let name = &b.meta.name;
-        let buffer = self.memory.buffer(b.slice.buffer.handle()).ok_or_else(|| {
-            RuntimeError::Device {
-                device: self.device.name().to_string(),
-                lost: false,
-                detail: format!("tensor `{name}` is not in this device's memory"),
-            }
-        })?;
+        let buffer =
+            self.memory
+                .buffer(b.slice.buffer.handle())
+                .ok_or_else(|| RuntimeError::Device {
+                    device: self.device.name().to_string(),
+                    lost: false,
+                    detail: format!("tensor `{name}` is not in this device's memory"),
+                })?;
         let (offset, bytes) = (b.slice.offset as u64, b.slice.len as u64);
         let limits = self.device.limits();
         let align = u64::from(limits.min_storage_buffer_offset_alignment);
@@ -250,8 +251,7 @@ impl Backend for GpuBackend {
             launch::check(graph, node, align).map_err(|d| self.unsupported(node.op.name(), d))?;
         }
         for t in graph.tensors() {
-            if t.role.is_persistent() && t.view_of.is_none() && t.dtype != snug_graph::DType::F32
-            {
+            if t.role.is_persistent() && t.view_of.is_none() && t.dtype != snug_graph::DType::F32 {
                 return Err(self.unsupported(
                     "step",
                     format!(
@@ -264,7 +264,12 @@ impl Backend for GpuBackend {
         Ok(())
     }
 
-    fn bind(&self, graph: &Graph, node: &Node, args: NodeArgs<'_>) -> Result<GpuNode, RuntimeError> {
+    fn bind(
+        &self,
+        graph: &Graph,
+        node: &Node,
+        args: NodeArgs<'_>,
+    ) -> Result<GpuNode, RuntimeError> {
         let args_of = |bs: &[Binding<'_>]| -> Result<Vec<Arg>, RuntimeError> {
             bs.iter().map(|b| self.arg(b)).collect()
         };

@@ -2,6 +2,7 @@
 //! allocated, whether a node can run here, and [`record`] records a bound node's dispatches
 //! into a step's encoder. Both match every op by name, so a new op must be placed here.
 
+use snug_graph::ops::lm_head_loss::{head_vocab_of, tile};
 use snug_graph::ops::{GeluApprox, Op};
 use snug_graph::{DType, Graph, Node};
 use snug_runtime::ExecCtx;
@@ -20,6 +21,7 @@ use crate::kernels::embedding::{embedding, embedding_backward};
 use crate::kernels::gelu::{gelu, gelu_backward, GeluForm};
 use crate::kernels::grad_norm::{grad_norm, sum_squares, GradNormRule};
 use crate::kernels::layernorm::{layer_norm, layer_norm_backward};
+use crate::kernels::lm_head_loss::{lm_head_loss, lm_head_loss_backward, HeadShape};
 use crate::kernels::matmul::{matmul, Gemm};
 use crate::kernels::reduce::{sum_layout, sum_to};
 use crate::kernels::rmsnorm::{rms_norm, rms_norm_backward};
@@ -116,12 +118,9 @@ pub(crate) fn check(graph: &Graph, node: &Node, align: usize) -> Result<(), Stri
         | Op::SwiGluBackward(_)
         | Op::AccumulateGrad(_)
         | Op::SumSquares(_)
-        | Op::GradNorm(_) => Ok(()),
-        Op::LmHeadLoss(_) | Op::LmHeadLossBackward(_) => Err(
-            "no fused LM head + loss kernel on the GPU yet: compile the step without the \
-             `fused-ce` pass"
-                .into(),
-        ),
+        | Op::GradNorm(_)
+        | Op::LmHeadLoss(_)
+        | Op::LmHeadLossBackward(_) => Ok(()),
         Op::LayerNormLinear(_)
         | Op::LayerNormLinearBackward(_)
         | Op::GeluLinear(_)
@@ -162,11 +161,14 @@ pub(crate) fn record(
     let input = |i: usize| n.inputs[i].slice();
     let output = |i: usize| n.outputs[i].slice();
     let workspace = || {
-        n.workspace.as_ref().map(Arg::slice).ok_or_else(|| GpuError::Unsupported {
-            device: device.name().to_string(),
-            kernel: "workspace",
-            detail: format!("`{}` was planned without its workspace", n.op.name()),
-        })
+        n.workspace
+            .as_ref()
+            .map(Arg::slice)
+            .ok_or_else(|| GpuError::Unsupported {
+                device: device.name().to_string(),
+                kernel: "workspace",
+                detail: format!("`{}` was planned without its workspace", n.op.name()),
+            })
     };
     let (x0, y0) = (&n.inputs.first(), &n.outputs.first());
     let numel = |a: &Option<&Arg>| a.map_or(0, Arg::numel);
@@ -447,9 +449,23 @@ pub(crate) fn record(
             )
         }
         Op::SumSquares(_) | Op::GradNorm(_) => Ok(()),
-        Op::LmHeadLoss(_)
-        | Op::LmHeadLossBackward(_)
-        | Op::LayerNormLinear(_)
+        Op::LmHeadLoss(op) => lm_head_loss(
+            device,
+            e,
+            head_shape(&n.inputs, (op.tb, op.rows, op.cols)),
+            [input(0), input(1), input(2)],
+            workspace()?,
+            [output(0), output(1)],
+        ),
+        Op::LmHeadLossBackward(op) => lm_head_loss_backward(
+            device,
+            e,
+            head_shape(&n.inputs, (op.tb, op.rows, op.cols)),
+            [input(0), input(1), input(2), input(3), input(4)],
+            workspace()?,
+            [output(0), output(1)],
+        ),
+        Op::LayerNormLinear(_)
         | Op::LayerNormLinearBackward(_)
         | Op::GeluLinear(_)
         | Op::GeluLinearBackward(_)
@@ -465,6 +481,21 @@ pub(crate) fn record(
             kernel: "launch",
             detail: format!("no GPU kernel for `{}`", n.op.name()),
         }),
+    }
+}
+
+/// The fused head's sizes from its inputs `[x [N, C], head, ..]` and its tile.
+fn head_shape(inputs: &[Arg], (tb, rows, cols): (bool, usize, usize)) -> HeadShape {
+    let (n, c) = (inputs[0].shape[0], inputs[0].shape[1]);
+    let v = head_vocab_of(tb, &inputs[1].shape);
+    let (rows, cols) = tile(rows, cols, n, v);
+    HeadShape {
+        n,
+        c,
+        v,
+        tb,
+        rows,
+        cols,
     }
 }
 

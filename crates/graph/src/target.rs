@@ -222,11 +222,7 @@ mod tests {
     use crate::{DType, Graph, Role};
 
     /// Workspace elements of `op`'s node on `target`, over f32 leaves of `shapes`.
-    fn workspace(
-        target: Target,
-        op: impl Into<crate::ops::Op>,
-        shapes: &[&[usize]],
-    ) -> usize {
+    fn workspace(target: Target, op: impl Into<crate::ops::Op>, shapes: &[&[usize]]) -> usize {
         let mut g = Graph::new().with_target(target);
         let inputs: Vec<_> = shapes
             .iter()

@@ -18,6 +18,7 @@ pub mod fill;
 pub mod gelu;
 pub mod grad_norm;
 pub mod layernorm;
+pub mod lm_head_loss;
 pub mod matmul;
 pub mod reduce;
 pub mod rmsnorm;
