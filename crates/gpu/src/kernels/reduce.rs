@@ -26,7 +26,7 @@ pub struct SumLayout {
 pub fn sum_layout(input: &[usize], out: &[usize]) -> Option<SumLayout> {
     let n_in: usize = input.iter().product();
     let n_out: usize = out.iter().product();
-    if n_out == 0 || n_in % n_out != 0 || out.len() > input.len() {
+    if n_out == 0 || !n_in.is_multiple_of(n_out) || out.len() > input.len() {
         return None;
     }
     let count = n_in / n_out;
