@@ -108,12 +108,29 @@ pub(crate) struct Arg {
     buffer: wgpu::Buffer,
     offset: u64,
     bytes: u64,
+    /// Where the kernel binds a view that starts off the device's binding alignment (a row
+    /// slice at an odd row): a buffer of its own, filled before the node and copied back after.
+    staged: Option<wgpu::Buffer>,
     pub shape: Vec<usize>,
 }
 
 impl Arg {
     pub fn slice(&self) -> DeviceSlice<'_> {
-        DeviceSlice::of(&self.buffer, self.offset, self.bytes)
+        match &self.staged {
+            Some(s) => DeviceSlice::of(s, 0, self.bytes),
+            None => DeviceSlice::of(&self.buffer, self.offset, self.bytes),
+        }
+    }
+
+    /// Records the copy of a staged tensor into its binding (before the node), or back (after).
+    pub fn stage(&self, encoder: &mut wgpu::CommandEncoder, back: bool) {
+        if let Some(s) = &self.staged {
+            if back {
+                encoder.copy_buffer_to_buffer(s, 0, &self.buffer, self.offset, self.bytes);
+            } else {
+                encoder.copy_buffer_to_buffer(&self.buffer, self.offset, s, 0, self.bytes);
+            }
+        }
     }
 
     pub fn numel(&self) -> usize {
@@ -185,13 +202,15 @@ impl GpuBackend {
                     lost: false,
                     detail: format!("tensor `{name}` is not in this device's memory"),
                 })?;
-        let (offset, bytes) = (b.slice.offset as u64, b.slice.len as u64);
+        // 16-bit tensors are bound as whole words: the plan's slots are aligned past them.
+        let (offset, bytes) = (
+            b.slice.offset as u64,
+            (b.slice.len as u64).next_multiple_of(4),
+        );
         let limits = self.device.limits();
         let align = u64::from(limits.min_storage_buffer_offset_alignment);
-        let fault = if !offset.is_multiple_of(align) {
-            Some(format!("at byte {offset}, not a multiple of {align}"))
-        } else if !bytes.is_multiple_of(4) {
-            Some(format!("{bytes} bytes, not whole 4-byte words"))
+        let fault = if !offset.is_multiple_of(4) {
+            Some(format!("at byte {offset}, not a whole 4-byte word"))
         } else if bytes > limits.max_storage_buffer_binding_size {
             Some(format!(
                 "{bytes} bytes, over the largest binding of {}",
@@ -207,10 +226,21 @@ impl GpuBackend {
                 detail: format!("tensor `{name}` cannot be bound: {detail}"),
             });
         }
+        let staged = (!offset.is_multiple_of(align)).then(|| {
+            self.device
+                .wgpu_device()
+                .create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("snug staged view"),
+                    size: bytes.max(4),
+                    usage: crate::memory::USAGE,
+                    mapped_at_creation: false,
+                })
+        });
         Ok(Arg {
             buffer,
             offset,
             bytes,
+            staged,
             shape: b.meta.shape.clone(),
         })
     }
@@ -246,9 +276,8 @@ impl Backend for GpuBackend {
     }
 
     fn check(&self, graph: &Graph) -> Result<(), RuntimeError> {
-        let align = self.device.limits().min_storage_buffer_offset_alignment as usize;
         for node in graph.nodes() {
-            launch::check(graph, node, align).map_err(|d| self.unsupported(node.op.name(), d))?;
+            launch::check(graph, node).map_err(|d| self.unsupported(node.op.name(), d))?;
         }
         for t in graph.tensors() {
             if t.role.is_persistent() && t.view_of.is_none() && t.dtype != snug_graph::DType::F32 {

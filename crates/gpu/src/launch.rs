@@ -3,6 +3,7 @@
 //! into a step's encoder. Both match every op by name, so a new op must be placed here.
 
 use snug_graph::ops::lm_head_loss::{head_vocab_of, tile};
+use snug_graph::ops::reduce::split_axis;
 use snug_graph::ops::{GeluApprox, Op};
 use snug_graph::{DType, Graph, Node};
 use snug_runtime::ExecCtx;
@@ -15,6 +16,7 @@ use crate::kernels::adamw::{adamw, AdamWStep};
 use crate::kernels::attention::{
     attention_backward, attention_forward, AttentionLayout, AttentionShape,
 };
+use crate::kernels::cast::{from_bf16, to_bf16};
 use crate::kernels::cross_entropy::{cross_entropy, cross_entropy_backward};
 use crate::kernels::elementwise::{binary, scale, BinaryKind};
 use crate::kernels::embedding::{embedding, embedding_backward};
@@ -23,43 +25,51 @@ use crate::kernels::grad_norm::{grad_norm, sum_squares, GradNormRule};
 use crate::kernels::layernorm::{layer_norm, layer_norm_backward};
 use crate::kernels::lm_head_loss::{lm_head_loss, lm_head_loss_backward, HeadShape};
 use crate::kernels::matmul::{matmul, Gemm};
-use crate::kernels::reduce::{sum_layout, sum_to};
+use crate::kernels::reduce::{broadcast_to, max_backward, reduce, sum_to, ReduceKind};
 use crate::kernels::rmsnorm::{rms_norm, rms_norm_backward};
 use crate::kernels::rope::{rope, RopeSpec};
 use crate::kernels::sgd::sgd;
 use crate::kernels::silu::{silu, silu_backward};
+use crate::kernels::softmax::{softmax, softmax_backward};
 use crate::kernels::swiglu::{swiglu, swiglu_backward};
 use crate::kernels::view::{pad, transpose};
 
 /// The widest attention head and RoPE head the kernels take.
 const MAX_HEAD_DIM: usize = 256;
 
-/// Why `node` cannot run on a device whose storage offsets align to `align` bytes, or `Ok`.
-pub(crate) fn check(graph: &Graph, node: &Node, align: usize) -> Result<(), String> {
+/// Why `node` cannot run on the GPU, or `Ok`.
+pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
     let shape = |i: usize| &graph.tensor(node.inputs[i]).shape;
     let view = graph.is_view(node);
+    // 16-bit floats are storage: casts convert them, views look into them (as on the CPU).
+    let casts = match &node.op {
+        Op::Cast(_) => true,
+        _ => view,
+    };
     for &t in node.inputs.iter().chain(&node.outputs) {
         let m = graph.tensor(t);
-        if !matches!(m.dtype, DType::F32 | DType::I32) {
+        let ok = match m.dtype {
+            DType::F32 | DType::I32 => true,
+            DType::BF16 => casts,
+            _ => false,
+        };
+        if !ok {
             return Err(format!(
-                "tensor `{}` is {}: the GPU kernels compute in f32 (16-bit storage is not on \
-                 the GPU yet)",
+                "tensor `{}` is {}: the GPU kernels compute in f32, with bf16 as storage \
+                 that casts convert",
                 m.name, m.dtype
+            ));
+        }
+        // Staged copies move whole words (a view at an odd 16-bit element cannot be).
+        let offset = m.view_of.map_or(0, |v| v.offset_elems) * m.dtype.size_bytes();
+        if !offset.is_multiple_of(4) {
+            return Err(format!(
+                "view `{}` starts {offset} bytes into its storage, not at a whole 4-byte word",
+                m.name
             ));
         }
     }
     if view {
-        for &o in &node.outputs {
-            let m = graph.tensor(o);
-            let offset = m.view_of.map_or(0, |v| v.offset_elems) * m.dtype.size_bytes();
-            if !offset.is_multiple_of(align.max(1)) {
-                return Err(format!(
-                    "view `{}` starts {offset} bytes into its storage, not a multiple of the \
-                     device's {align}-byte binding alignment",
-                    m.name
-                ));
-            }
-        }
         return Ok(());
     }
     let head_dim = |d: usize| {
@@ -70,14 +80,9 @@ pub(crate) fn check(graph: &Graph, node: &Node, align: usize) -> Result<(), Stri
         }
     };
     match &node.op {
-        Op::SumTo(op) => match sum_layout(shape(0), &op.shape) {
-            Some(_) => Ok(()),
-            None => Err(format!(
-                "summing {:?} to {:?}: only leading or trailing kept axes",
-                shape(0),
-                op.shape
-            )),
-        },
+        Op::SumTo(_) | Op::BroadcastTo(_) | Op::Transpose(_) if shape(0).len() > 8 => {
+            Err(format!("{} axes (at most 8)", shape(0).len()))
+        }
         Op::CausalAttention(op) => {
             head_dim(shape(0).get(2).copied().unwrap_or(0) / 3 / op.n_head.max(1))
         }
@@ -120,21 +125,28 @@ pub(crate) fn check(graph: &Graph, node: &Node, align: usize) -> Result<(), Stri
         | Op::SumSquares(_)
         | Op::GradNorm(_)
         | Op::LmHeadLoss(_)
-        | Op::LmHeadLossBackward(_) => Ok(()),
+        | Op::LmHeadLossBackward(_)
+        | Op::Reduce(_)
+        | Op::SumTo(_)
+        | Op::BroadcastTo(_)
+        | Op::MaxBackward(_)
+        | Op::Softmax(_)
+        | Op::SoftmaxBackward(_)
+        | Op::LogSoftmax(_)
+        | Op::LogSoftmaxBackward(_) => Ok(()),
         Op::LayerNormLinear(_)
         | Op::LayerNormLinearBackward(_)
         | Op::GeluLinear(_)
         | Op::GeluLinearBackward(_) => Err(
             "a CPU fusion: plan for the GPU's target, which fuses nothing (Fusions::NONE)".into(),
         ),
-        Op::Cast(_) => Err("no casts on the GPU yet (f32 steps only)".into()),
-        Op::Reduce(_)
-        | Op::BroadcastTo(_)
-        | Op::MaxBackward(_)
-        | Op::Softmax(_)
-        | Op::SoftmaxBackward(_)
-        | Op::LogSoftmax(_)
-        | Op::LogSoftmaxBackward(_) => Err("no GPU kernel yet".into()),
+        Op::Cast(op) => {
+            let from = graph.tensor(node.inputs[0]).dtype;
+            match (from, op.to) {
+                (DType::F32, DType::BF16) | (DType::BF16, DType::F32) => Ok(()),
+                (from, to) => Err(format!("no GPU cast from {from} to {to} (f32 ↔ bf16 only)")),
+            }
+        }
     }
 }
 
@@ -149,9 +161,28 @@ fn last(a: &Arg) -> usize {
     a.shape.last().copied().unwrap_or(1)
 }
 
-/// Records `n`'s dispatches. Optimizer updates and the gradient norm run on the last
-/// micro-batch only, as on every device.
+/// Records `n`'s dispatches, with the copies of any tensor staged off its binding alignment
+/// around them. Optimizer updates and the gradient norm run on the last micro-batch only, as
+/// on every device.
 pub(crate) fn record(
+    device: &GpuDevice,
+    encoder: &mut wgpu::CommandEncoder,
+    n: &GpuNode,
+    ctx: ExecCtx,
+) -> Result<()> {
+    let args = || n.inputs.iter().chain(&n.outputs);
+    args().for_each(|a| a.stage(encoder, false));
+    record_kernel(device, encoder, n, ctx)?;
+    n.outputs.iter().for_each(|a| a.stage(encoder, true));
+    for &i in n.op.mutates_inputs() {
+        if let Some(a) = n.inputs.get(i) {
+            a.stage(encoder, true);
+        }
+    }
+    Ok(())
+}
+
+fn record_kernel(
     device: &GpuDevice,
     encoder: &mut wgpu::CommandEncoder,
     n: &GpuNode,
@@ -218,6 +249,52 @@ pub(crate) fn record(
             input(0),
             output(0),
         ),
+        Op::Cast(op) if op.to == DType::BF16 => to_bf16(device, e, numel(x0), input(0), output(0)),
+        Op::Cast(_) => from_bf16(device, e, numel(x0), input(0), output(0)),
+        Op::Reduce(op) => {
+            let kind = match op.kind {
+                snug_graph::ops::ReduceKind::Sum => ReduceKind::Sum,
+                snug_graph::ops::ReduceKind::Mean => ReduceKind::Mean,
+                snug_graph::ops::ReduceKind::Max => ReduceKind::Max,
+            };
+            let dims = split_axis(&n.inputs[0].shape, op.axis);
+            reduce(device, e, kind, dims, input(0), output(0))
+        }
+        Op::MaxBackward(op) => {
+            let dims = split_axis(&n.inputs[0].shape, op.axis);
+            max_backward(device, e, dims, [input(0), input(1)], output(0))
+        }
+        Op::BroadcastTo(op) => broadcast_to(
+            device,
+            e,
+            (&n.inputs[0].shape, &op.shape),
+            input(0),
+            output(0),
+        ),
+        Op::Softmax(_) | Op::LogSoftmax(_) => {
+            let v = last(&n.inputs[0]);
+            let log = matches!(n.op, Op::LogSoftmax(_));
+            softmax(
+                device,
+                e,
+                log,
+                (numel(x0) / v.max(1), v),
+                input(0),
+                output(0),
+            )
+        }
+        Op::SoftmaxBackward(_) | Op::LogSoftmaxBackward(_) => {
+            let v = last(&n.inputs[0]);
+            let log = matches!(n.op, Op::LogSoftmaxBackward(_));
+            softmax_backward(
+                device,
+                e,
+                log,
+                (numel(x0) / v.max(1), v),
+                [input(0), input(1)],
+                output(0),
+            )
+        }
         Op::LayerNorm(op) => {
             let c = n.inputs[1].numel();
             layer_norm(
@@ -468,15 +545,7 @@ pub(crate) fn record(
         Op::LayerNormLinear(_)
         | Op::LayerNormLinearBackward(_)
         | Op::GeluLinear(_)
-        | Op::GeluLinearBackward(_)
-        | Op::Cast(_)
-        | Op::Reduce(_)
-        | Op::BroadcastTo(_)
-        | Op::MaxBackward(_)
-        | Op::Softmax(_)
-        | Op::SoftmaxBackward(_)
-        | Op::LogSoftmax(_)
-        | Op::LogSoftmaxBackward(_) => Err(GpuError::Unsupported {
+        | Op::GeluLinearBackward(_) => Err(GpuError::Unsupported {
             device: device.name().to_string(),
             kernel: "launch",
             detail: format!("no GPU kernel for `{}`", n.op.name()),

@@ -298,8 +298,8 @@ fn accumulated_micro_batches_update_as_on_the_cpu() {
     }
 }
 
-/// A graph the GPU cannot run (bf16 activations: no casts or 16-bit kernels on the GPU yet)
-/// is refused before anything is allocated, naming the device.
+/// A graph the GPU cannot run (f16 activations: no f16 casts on the GPU yet) is refused
+/// before anything is allocated, naming the device.
 #[test]
 fn a_step_the_gpu_cannot_run_is_refused_before_allocating() {
     let Some(device) = gpu() else { return };
@@ -310,20 +310,20 @@ fn a_step_the_gpu_cannot_run_is_refused_before_allocating() {
         micro_batch: 1,
         block: 16,
     };
-    let bf16 = StepConfig {
-        precision: snug_graph::DType::BF16,
+    let f16 = StepConfig {
+        precision: snug_graph::DType::F16,
         ..config()
     };
-    let (step, p) = compile(&model, shape, backend.target(), &bf16, false);
+    let (step, p) = compile(&model, shape, backend.target(), &f16, false);
     match GpuSession::new(step.step.graph, p, backend) {
         Err(RuntimeError::UnsupportedOp {
             device: d, detail, ..
         }) => {
             assert!(d.contains(device.name()), "{d}");
-            assert!(detail.contains("bf16"), "{detail}");
+            assert!(detail.contains("f16"), "{detail}");
         }
         Err(e) => panic!("expected an unsupported op, got {e}"),
-        Ok(_) => panic!("the GPU has no 16-bit kernels"),
+        Ok(_) => panic!("the GPU has no f16 casts"),
     }
     assert_eq!(allocator.peak_bytes(), 0, "nothing was allocated");
 }

@@ -11,6 +11,7 @@
 pub mod accumulate;
 pub mod adamw;
 pub mod attention;
+pub mod cast;
 pub mod cross_entropy;
 pub mod elementwise;
 pub mod embedding;
@@ -25,6 +26,7 @@ pub mod rmsnorm;
 pub mod rope;
 pub mod sgd;
 pub mod silu;
+pub mod softmax;
 pub mod swiglu;
 pub mod view;
 
