@@ -366,3 +366,47 @@ fn a_tensor_over_the_binding_limit_fails_at_plan_time() {
         other => panic!("expected LargerThanBinding, got {other:?}"),
     }
 }
+
+/// The forward alone (an evaluation: `run_only` on the loss's nodes) reads the loss and leaves
+/// the parameters as they were; a profiled run times every node of the schedule and updates
+/// them as a plain run does.
+#[test]
+fn evaluation_leaves_parameters_and_profiling_times_every_node() {
+    let Some(device) = gpu() else { return };
+    let model = ModelConfig::preset("tiny").expect("tiny");
+    let vocab = model.vocab_size();
+    let shape = StepShape {
+        micro_batch: 2,
+        block: 16,
+    };
+    let mut g = gpu_run(device, &model, shape, &StepConfig::default(), false);
+    let data = batch(5, shape.micro_batch, shape.block, vocab);
+    let before = g.values(true);
+    let loss = g.step.step.loss;
+    let mask = g.session.nodes_for(&[loss]);
+    g.session
+        .write_i32(g.step.tokens, &data.0, vocab)
+        .expect("tokens");
+    g.session
+        .write_i32(g.step.targets, &data.1, vocab)
+        .expect("targets");
+    g.session
+        .run_only(ExecCtx::step(1e-2, 1), &mask)
+        .expect("the forward runs");
+    let eval = g.session.read_f32(loss).expect("the loss")[0];
+    assert_eq!(g.values(true), before, "evaluation updated a parameter");
+
+    let times = g
+        .session
+        .run_profiled(ExecCtx::step(1e-2, 1))
+        .expect("a profiled step");
+    assert_eq!(times.len(), g.session.plan().schedule.len());
+    assert!(times.iter().all(|t| t.is_finite() && *t >= 0.0));
+    let trained = g.session.read_f32(loss).expect("the loss")[0];
+    assert_eq!(trained, eval, "the step's forward is the evaluation's");
+    assert_ne!(
+        g.values(true),
+        before,
+        "the profiled step updated the parameters"
+    );
+}
