@@ -1,6 +1,6 @@
 //! Large tensors: above `MIN_PAR_ELEMS` (32768) elements the CPU's kernels split their outputs
-//! into chunks run on several threads, and each chunk must find its own rows; a GPU's spread
-//! over many workgroups.
+//! into chunks run on several threads, and each chunk must find its own rows; other devices
+//! spread such tensors over many workgroups.
 
 use rand::seq::SliceRandom;
 use rand::Rng;
