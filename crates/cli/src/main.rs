@@ -41,7 +41,7 @@ enum Command {
     Prepare(prepare_cmd::PrepareArgs),
     /// Generate text from a checkpoint.
     Sample(sample_cmd::SampleArgs),
-    /// Write a checkpoint's GPT-2 weights as a Hugging Face model directory.
+    /// Write a checkpoint as a Hugging Face model directory (GPT-2, Llama, Mistral, Qwen2).
     Export(export_cmd::ExportArgs),
     /// Time named training-step benchmarks (step time, tokens/s, model FLOP/s, MFU, memory).
     Bench(bench_cmd::BenchArgs),

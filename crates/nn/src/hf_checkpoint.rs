@@ -694,6 +694,13 @@ pub fn save_hf_model(
     })
 }
 
+/// Writes `bytes` to `path` atomically (a temporary file beside it, synced, renamed over it):
+/// what [`save_hf_model`] does for its files, for the files written beside them (a
+/// tokenizer's).
+pub fn write_file_atomically(path: &Path, bytes: &[u8]) -> Result<(), NnError> {
+    write_atomically(path, |tmp| std::fs::write(tmp, bytes).map_err(|e| e.to_string()))
+}
+
 /// [`save_hf_model`] from parameters held in memory (a snug checkpoint's), by name; every
 /// parameter of `cfg` must be there once with its number of elements, and nothing else.
 pub fn save_hf_model_from(

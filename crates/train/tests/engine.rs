@@ -52,8 +52,25 @@ fn llama_step_gradients_match_finite_differences() {
         max_seq: 8,
         rms_eps: 1e-5,
         rope_theta: 10000.0,
+        ..LlamaConfig::preset("llama-tiny").unwrap()
     };
-    whole_model_gradients_match(&ModelConfig::Llama(cfg));
+    whole_model_gradients_match(&ModelConfig::Llama(cfg.clone()));
+    // Every projection with a bias, the head tied to the embedding, Llama 3's rope scaling
+    // (a small original context, so all three frequency bands occur).
+    let variant = LlamaConfig {
+        qkv_bias: true,
+        o_bias: true,
+        mlp_bias: true,
+        tie_word_embeddings: true,
+        rope_scaling: Some(snug_nn::RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position: 8,
+        }),
+        ..cfg
+    };
+    whole_model_gradients_match(&ModelConfig::Llama(variant));
 }
 
 fn whole_model_gradients_match(cfg: &ModelConfig) {
