@@ -72,9 +72,7 @@ pub fn run(args: ExportArgs) -> Result<()> {
         _ => None,
     };
     let written = match &source {
-        Source::Run(_, ckpt) => {
-            snug_nn::save_hf_model_from(&args.out, &model, &ckpt.parameters())?
-        }
+        Source::Run(_, ckpt) => snug_nn::save_hf_model_from(&args.out, &model, &ckpt.parameters())?,
         Source::Hf(ckpt) => {
             let read = |name: &str, out: &mut [f32]| ckpt.read_into(name, out);
             snug_nn::save_hf_model(&args.out, &model, &read)?

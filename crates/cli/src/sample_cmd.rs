@@ -90,7 +90,8 @@ pub fn run(args: SampleArgs) -> Result<()> {
         source.model()?,
     );
     // A model of the built-in data shows what it learned: a sum it never saw, answered greedily.
-    let addition_data = matches!(&source, Source::Run(_, c) if c.config.data == DataSourceConfig::Addition);
+    let addition_data =
+        matches!(&source, Source::Run(_, c) if c.config.data == DataSourceConfig::Addition);
     let problem = (args.prompt.is_none() && addition_data)
         .then(|| addition::held_out_problems(1, args.seed).first().copied())
         .flatten();
@@ -109,7 +110,9 @@ pub fn run(args: SampleArgs) -> Result<()> {
     let allocator = Allocator::default();
     let threads = args.threads.unwrap_or_else(snug_cpu::physical_cores);
     let sampler = match &source {
-        Source::Run(_, ckpt) => Sampler::new(&model, &ckpt.parameters(), threads, allocator.clone()),
+        Source::Run(_, ckpt) => {
+            Sampler::new(&model, &ckpt.parameters(), threads, allocator.clone())
+        }
         Source::Hf(ckpt) => Sampler::from_hf(&model, ckpt, threads, allocator.clone()),
     };
     let mut sampler = sampler.with_context(|| format!("loading {}", path.display()))?;

@@ -698,7 +698,9 @@ pub fn save_hf_model(
 /// what [`save_hf_model`] does for its files, for the files written beside them (a
 /// tokenizer's).
 pub fn write_file_atomically(path: &Path, bytes: &[u8]) -> Result<(), NnError> {
-    write_atomically(path, |tmp| std::fs::write(tmp, bytes).map_err(|e| e.to_string()))
+    write_atomically(path, |tmp| {
+        std::fs::write(tmp, bytes).map_err(|e| e.to_string())
+    })
 }
 
 /// [`save_hf_model`] from parameters held in memory (a snug checkpoint's), by name; every

@@ -57,23 +57,29 @@ pub struct LlamaConfig {
     pub rms_eps: f32,
     pub rope_theta: f32,
     /// The Hugging Face architecture (what export names the model).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_default")]
     pub arch: LlamaArch,
     /// The LM head is the token embedding, read transposed (SmolLM2, Llama 3.2 1B).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_default")]
     pub tie_word_embeddings: bool,
     /// Biases on the q, k and v projections (Qwen2; Llama's `attention_bias`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_default")]
     pub qkv_bias: bool,
     /// A bias on the attention's output projection (Llama's `attention_bias`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_default")]
     pub o_bias: bool,
     /// Biases on the MLP's gate, up and down projections (Llama's `mlp_bias`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_default")]
     pub mlp_bias: bool,
     /// Rescaled rotary frequencies (Llama 3.1's `rope_scaling`); `None`: `θ^(−2i/D)`.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_default")]
     pub rope_scaling: Option<RopeScaling>,
+}
+
+/// Whether `v` is its type's default: such fields are left out when a configuration is
+/// written, so a plain Llama's reads as it did before they existed.
+fn is_default<T: Default + PartialEq>(v: &T) -> bool {
+    *v == T::default()
 }
 
 /// A Llama with neither biases nor a tied head nor rope scaling; presets fill in the shape.

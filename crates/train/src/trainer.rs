@@ -194,12 +194,12 @@ impl Trainer {
         type Init<'a> = Box<dyn Iterator<Item = Result<(String, Vec<f32>), TrainError>> + 'a>;
         let init: Init = match (&config.init_from, &model, &hf) {
             (None, _, _) => Box::new(model.init_parameters_iter(config.seed).map(Ok)),
-            (Some(_), _, Some(ckpt)) => Box::new(ckpt.parameter_shapes().into_iter().map(
-                |(name, _)| {
+            (Some(_), _, Some(ckpt)) => {
+                Box::new(ckpt.parameter_shapes().into_iter().map(|(name, _)| {
                     let values = ckpt.read(&name)?;
                     Ok((name, values))
-                },
-            )),
+                }))
+            }
             (Some(path), ModelConfig::Gpt(gpt), None) => Box::new(
                 snug_nn::load_gpt2_safetensors(path, gpt)?
                     .into_iter()
