@@ -72,7 +72,19 @@ pub fn run(args: ExportArgs) -> Result<()> {
         _ => None,
     };
     let written = match &source {
-        Source::Run(_, ckpt) => snug_nn::save_hf_model_from(&args.out, &model, &ckpt.parameters())?,
+        Source::Run(_, ckpt) => {
+            // Straight from the loaded checkpoint: no second copy of its weights.
+            let read = |name: &str, out: &mut [f32]| -> Result<(), snug_nn::NnError> {
+                let t = ckpt.tensor(name).filter(|t| t.data.len() == out.len());
+                let t = t.ok_or_else(|| snug_nn::NnError::MissingTensor {
+                    path: args.checkpoint.display().to_string(),
+                    name: name.to_string(),
+                })?;
+                out.copy_from_slice(&t.data);
+                Ok(())
+            };
+            snug_nn::save_hf_model(&args.out, &model, &read)?
+        }
         Source::Hf(ckpt) => {
             let read = |name: &str, out: &mut [f32]| ckpt.read_into(name, out);
             snug_nn::save_hf_model(&args.out, &model, &read)?

@@ -578,6 +578,10 @@ impl HfCheckpoint {
     }
 }
 
+/// Fills parameter `name` (snug's layout) into the buffer: where [`save_hf_model`] reads
+/// the values it writes.
+pub type ReadParameter<'a> = dyn Fn(&str, &mut [f32]) -> Result<(), NnError> + 'a;
+
 /// What [`save_hf_model`] wrote.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HfExport {
@@ -591,7 +595,7 @@ pub struct HfExport {
 /// file's layout) only when the writer reaches it, and dropped after.
 struct LazyTensor<'a> {
     tensor: &'a HfTensor,
-    read: &'a dyn Fn(&str, &mut [f32]) -> Result<(), NnError>,
+    read: &'a ReadParameter<'a>,
 }
 
 impl LazyTensor<'_> {
@@ -613,6 +617,8 @@ impl LazyTensor<'_> {
     }
 }
 
+// The view's shape is the file's, not snug's.
+#[allow(clippy::misnamed_getters)]
 impl View for LazyTensor<'_> {
     fn dtype(&self) -> Dtype {
         Dtype::F32
@@ -645,7 +651,7 @@ impl View for LazyTensor<'_> {
 pub fn save_hf_model(
     dir: &Path,
     cfg: &ModelConfig,
-    read: &dyn Fn(&str, &mut [f32]) -> Result<(), NnError>,
+    read: &ReadParameter<'_>,
 ) -> Result<HfExport, NnError> {
     cfg.validate()?;
     if dir.join(INDEX_FILE).exists() {
