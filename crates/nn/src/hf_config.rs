@@ -268,10 +268,11 @@ fn gpt2(f: &Fields) -> Result<GptConfig> {
         |v| matches!(v.as_str(), Some("gelu_new" | "gelu_pytorch_tanh")),
         || "snug's GPT-2 MLP uses the tanh GELU (gelu_new)".into(),
     )?;
+    let inner = (n_embd as u64).saturating_mul(4);
     f.refuse_unless(
         "n_inner",
-        |v| v.as_u64() == Some(4 * n_embd as u64),
-        || format!("snug's GPT-2 MLP is 4 × n_embd = {} wide", 4 * n_embd),
+        |v| v.as_u64() == Some(inner),
+        || format!("snug's GPT-2 MLP is 4 × n_embd = {inner} wide"),
     )?;
     let bool_is = |want: bool| move |v: &Value| v.as_bool() == Some(want);
     f.refuse_unless("tie_word_embeddings", bool_is(true), || {
@@ -316,7 +317,7 @@ fn llama(f: &Fields, model_type: &str) -> Result<LlamaConfig> {
     if let Some(v) = f.get("head_dim") {
         // `hidden_size / num_attention_heads` when it divides: a different width is checked
         // by `validate`.
-        if n_head > 0 && as_int("head_dim", v)? * n_head != hidden {
+        if n_head > 0 && as_int("head_dim", v)?.checked_mul(n_head) != Some(hidden) {
             return Err(unsupported(
                 "head_dim",
                 v,

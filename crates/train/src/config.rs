@@ -395,6 +395,12 @@ impl TrainConfig {
             cfg.model.hf_config = Some(dir.to_path_buf());
             cfg.model.preset = None;
         }
+        if let (None, Some(_)) = (cfg.model.vocab_size, cfg.hf_init_dir()) {
+            // Pretrained weights fix the vocabulary, also once the run is resumed (when the
+            // weights come from its checkpoint): a tokenizer may have fewer entries than the
+            // embedding it indexes.
+            cfg.model.vocab_size = Some(cfg.base_model()?.vocab_size());
+        }
         if block_fixed && !threads_set {
             // A resumed run keeps its configuration, but not another machine's core count.
             cfg.threads = cfg.threads.min(snug_cpu::physical_cores());
@@ -747,8 +753,6 @@ impl TrainConfig {
         let mut cfg = self.base_model()?;
         let (vocab, field) = match (self.model.vocab_size, &self.data) {
             (Some(v), _) => (v, "vocab_size"),
-            // Pretrained weights fix the vocabulary.
-            (None, _) if self.hf_init_dir().is_some() => (cfg.vocab_size(), "init_from"),
             (None, DataSourceConfig::Addition) => (cfg.vocab_size(), "model"),
             (None, DataSourceConfig::File(_)) => (data_vocab, "vocab_size"),
         };
