@@ -71,6 +71,41 @@ fn plan_of(cfg: &TrainConfig, model: &snug_nn::ModelConfig) -> Result<PlanDocume
     Ok(doc)
 }
 
+/// `snug train --report`: the page of a run that just ended, from the plan it trained with (the
+/// one its last recovery chose, if any) and its `metrics.jsonl`, written as `report.html` in
+/// its directory. Returns the page's path.
+pub fn write_for_run(
+    trainer: &snug_train::Trainer,
+    cfg: &TrainConfig,
+    dir: &Path,
+) -> Result<PathBuf> {
+    let step = trainer.step_graph();
+    let mut doc = PlanDocument::from_plan(trainer.plan(), &step.graph, step.forward_nodes);
+    doc.preset = cfg.model.preset.clone().unwrap_or_default();
+    doc.parameters = Some(step.parameter_count());
+    doc.batch = Some(cfg.batch);
+    doc.block = Some(cfg.block);
+    doc.remat = Some(cfg.remat.to_string());
+    let metrics = dir.join(snug_train::run::METRICS_FILE);
+    let run = metrics
+        .is_file()
+        .then(|| RunMetrics::read(&metrics))
+        .transpose()?;
+    let device = snug_runtime::process::available_memory()
+        .map(|b| ("this machine's available memory".to_string(), b));
+    let report = Report {
+        title: format!("snug report: {}", dir.display()),
+        plan: Some(doc),
+        fit: None,
+        run,
+        device,
+        notes: vec![format!("plan: the step {} trained with", dir.display())],
+    };
+    let path = dir.join("report.html");
+    std::fs::write(&path, report.html()?).with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
+}
+
 pub fn run(args: ReportArgs) -> Result<()> {
     let mut notes = Vec::new();
     let plan_doc = if let Some(path) = &args.plan_json {

@@ -58,6 +58,10 @@ pub struct TrainArgs {
     /// One JSON object per step and evaluation, then a summary object.
     #[arg(long)]
     json: bool,
+    /// When the run ends, write `report.html` into the run directory: the plan it trained
+    /// with (its memory timeline by role), its curves, this machine's memory table.
+    #[arg(long, conflicts_with = "no_save")]
+    report: bool,
 }
 
 #[derive(Serialize)]
@@ -97,6 +101,8 @@ struct Summary {
     addition_accuracy: Option<f64>,
     /// The held-out additions scored, their time and a few wrong answers.
     addition: Option<AdditionScore>,
+    /// The page `--report` wrote.
+    report: Option<PathBuf>,
 }
 
 /// Standard output that may close under a run (`snug train | head`): a failed write stops the
@@ -602,7 +608,13 @@ pub fn run(args: TrainArgs) -> Result<()> {
         metrics: run.metrics.clone(),
         addition_accuracy: None,
         addition: None,
+        report: None,
     };
+    // After the figures above, so the page's memory is in none of them.
+    if let (true, Some(dir)) = (args.report, &cfg.out) {
+        let page = crate::report_cmd::write_for_run(&trainer, &cfg, dir)?;
+        summary.report = Some(page);
+    }
     // After the figures above, so the scoring's memory is in none of them.
     if cfg.data == DataSourceConfig::Addition && !run.interrupted {
         let score = addition_score(&trainer).context("scoring held-out additions")?;
@@ -661,6 +673,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
         },
         summary.peak_rss_bytes.map_or("n/a".into(), human_bytes)
     );
+    if let Some(page) = &summary.report {
+        say!(out, "report: {}", page.display());
+    }
     if summary.limit_overruns > 0 {
         say!(
             out,

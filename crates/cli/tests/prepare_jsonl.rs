@@ -72,6 +72,20 @@ fn jsonl_examples_become_masked_token_files() {
         assert_eq!(report["loss_tokens"], 3 * 7 + 3);
         assert_eq!(val.tokenizer(), train.tokenizer());
     }
+    // Until training applies the mask, it refuses masked data rather than count the prompts.
+    let o = snug(&[
+        "train",
+        "--data",
+        out.to_str().unwrap(),
+        "--block",
+        "8",
+        "--steps",
+        "1",
+        "--no-save",
+    ]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(stderr.contains("carries a loss mask"), "{stderr}");
 }
 
 #[test]

@@ -226,6 +226,52 @@ fn screenshot(page: &Path, dir: &Path) {
     assert!(colors.len() > 50, "{} colors", colors.len());
 }
 
+/// `train --report` writes the page of the run into its directory: the peak it shows is the
+/// peak the run planned and measured, and its curves are the run's steps.
+#[test]
+fn train_report_writes_the_runs_page_into_its_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let e = ok(snug(
+        &[
+            &[
+                "train", "--steps", "4", "--out", "run", "--report", "--json",
+            ][..],
+            &SHAPE,
+        ]
+        .concat(),
+        dir,
+    ));
+    let summary = e
+        .stdout
+        .lines()
+        .map(json)
+        .find(|v| v["kind"] == "summary" || v.get("predicted_peak_bytes").is_some())
+        .expect("a summary line");
+    let page = dir.join("run/report.html");
+    assert_eq!(
+        summary["report"],
+        page.strip_prefix(dir).unwrap().to_str().unwrap()
+    );
+    let html = std::fs::read_to_string(&page).unwrap();
+    let open = "<script type=\"application/json\" id=\"snug-figures\">";
+    let start = html.find(open).unwrap() + open.len();
+    let end = start + html[start..].find("</script>").unwrap();
+    let figures = json(&html[start..end]);
+    assert_eq!(
+        figures["plan"]["peak_bytes"],
+        summary["predicted_peak_bytes"]
+    );
+    assert_eq!(
+        summary["predicted_peak_bytes"],
+        summary["measured_peak_bytes"]
+    );
+    assert_eq!(figures["run"]["steps"].as_array().unwrap().len(), 4);
+    for outside in ["http:", "https:", "src=", "href=", "url("] {
+        assert!(!html.contains(outside), "the page contains `{outside}`");
+    }
+}
+
 #[test]
 fn a_plan_of_another_version_is_refused_by_name() {
     let tmp = tempfile::tempdir().unwrap();

@@ -187,6 +187,18 @@ impl TokenDataset {
                 },
             });
         }
+        // Training would count every token, prompts included: refuse rather than train on
+        // what the mask says not to.
+        if let Some(f) = [&train, &val].into_iter().find(|f| f.has_mask()) {
+            return Err(TrainError::Config {
+                field: "data",
+                detail: format!(
+                    "{} carries a loss mask (from `snug prepare --format jsonl`), which training \
+                     does not apply yet; prepare the examples as text without one",
+                    f.path().display()
+                ),
+            });
+        }
         Ok(TokenDataset {
             tokenizer: train.tokenizer().clone(),
             train: Tokens::Mapped(train),
