@@ -47,7 +47,7 @@ pub use lm_head_loss::{LmHeadLoss, LmHeadLossBackward};
 pub use matmul::MatMul;
 pub use reduce::{BroadcastTo, MaxBackward, Reduce, ReduceKind, SumTo};
 pub use rmsnorm::{RmsNorm, RmsNormBackward};
-pub use rope::Rope;
+pub use rope::{Rope, RopeScaling};
 pub use sgd::Sgd;
 pub use silu::{Silu, SiluBackward};
 pub use softmax::{LogSoftmax, LogSoftmaxBackward, Softmax, SoftmaxBackward};
