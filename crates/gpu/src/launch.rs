@@ -27,7 +27,7 @@ use crate::kernels::lm_head_loss::{lm_head_loss, lm_head_loss_backward, HeadShap
 use crate::kernels::matmul::{matmul, Gemm};
 use crate::kernels::reduce::{broadcast_to, max_backward, reduce, sum_to, ReduceKind};
 use crate::kernels::rmsnorm::{rms_norm, rms_norm_backward};
-use crate::kernels::rope::{rope, RopeSpec};
+use crate::kernels::rope::rope;
 use crate::kernels::sgd::sgd;
 use crate::kernels::silu::{silu, silu_backward};
 use crate::kernels::softmax::{softmax, softmax_backward};
@@ -481,13 +481,7 @@ fn record_kernel(
         }
         Op::Rope(op) => {
             let x = &n.inputs[0].shape;
-            let spec = RopeSpec {
-                n_head: op.n_head,
-                head_dim: op.head_dim,
-                theta: op.theta,
-                inverse: op.inverse,
-            };
-            rope(device, e, spec, (x[0], x[1]), input(0), output(0))
+            rope(device, e, *op, (x[0], x[1]), input(0), output(0))
         }
         Op::Silu(_) => silu(device, e, numel(y0), input(0), output(0)),
         Op::SiluBackward(_) => silu_backward(device, e, numel(y0), input(0), input(1), output(0)),
