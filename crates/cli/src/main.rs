@@ -41,7 +41,7 @@ enum Command {
     Prepare(prepare_cmd::PrepareArgs),
     /// Generate text from a checkpoint.
     Sample(sample_cmd::SampleArgs),
-    /// Write a checkpoint's GPT-2 weights as a Hugging Face model directory.
+    /// Write a checkpoint as a Hugging Face model directory (GPT-2, Llama, Mistral, Qwen2).
     Export(export_cmd::ExportArgs),
     /// Time named training-step benchmarks (step time, tokens/s, model FLOP/s, MFU, memory).
     Bench(bench_cmd::BenchArgs),
@@ -130,18 +130,7 @@ fn main() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .without_time()
         .init();
-    // `--steps -1` should be refused as a bad value of `--steps`, not as an unknown flag `-1`.
-    // A flag given twice takes its last value, so a suggested change can be appended to a
-    // command as it is.
-    let cmd = Cli::command().mut_subcommands(|sub| {
-        sub.args_override_self(true).mut_args(|a| {
-            if a.get_action().takes_values() {
-                a.allow_negative_numbers(true)
-            } else {
-                a
-            }
-        })
-    });
+    let cmd = command();
     let cli = match Cli::from_arg_matches(&cmd.get_matches()) {
         Ok(cli) => cli,
         Err(e) => e.exit(),
@@ -163,5 +152,33 @@ fn main() -> ExitCode {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The command line as parsed: `--steps -1` should be refused as a bad value of `--steps`, not
+/// as an unknown flag `-1`. A flag given twice takes its last value, so a suggested change can
+/// be appended to a command as it is.
+fn command() -> clap::Command {
+    Cli::command().mut_subcommands(|sub| {
+        sub.args_override_self(true).mut_args(|a| {
+            // A switch declared as `num_args = 0` takes no value, and clap (in debug builds)
+            // refuses negative numbers on it.
+            let takes_value = a.get_num_args().is_none_or(|n| n.max_values() > 0);
+            if a.get_action().takes_values() && takes_value {
+                a.allow_negative_numbers(true)
+            } else {
+                a
+            }
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    /// clap checks a command's consistency (with debug assertions on, as under `cargo test`)
+    /// only for the subcommand being parsed; this checks every subcommand.
+    #[test]
+    fn the_command_line_is_consistent() {
+        super::command().debug_assert();
     }
 }

@@ -17,9 +17,10 @@ use snug_train::{SampleOptions, Sampler, Tokenizer};
 
 #[derive(Args, Debug)]
 pub struct SampleArgs {
-    /// A run directory (its newest checkpoint) or a checkpoint file. Default: the newest run
-    /// under ./runs (the one whose newest checkpoint was written last), where `snug train`
-    /// saves.
+    /// A run directory (its newest checkpoint), a checkpoint file, or a Hugging Face model
+    /// directory (config.json, model.safetensors or shards, tokenizer.json). Default: the
+    /// newest run under ./runs (the one whose newest checkpoint was written last), where
+    /// `snug train` saves.
     #[arg(long, value_name = "PATH")]
     checkpoint: Option<PathBuf>,
     /// Text to continue. Default: for a model of the built-in data, a held-out addition
@@ -81,11 +82,17 @@ pub fn run(args: SampleArgs) -> Result<()> {
             dir
         }
     };
-    let (path, ckpt) = checkpoint::load(&from)?;
-    let tokenizer = Tokenizer::from_spec(&ckpt.tokenizer)?;
-    let model = ckpt.model()?;
+    let source = Source::open(&from)?;
+    let (path, step, tokenizer, model) = (
+        source.path(),
+        source.step(),
+        source.tokenizer()?,
+        source.model()?,
+    );
     // A model of the built-in data shows what it learned: a sum it never saw, answered greedily.
-    let problem = (args.prompt.is_none() && ckpt.config.data == DataSourceConfig::Addition)
+    let addition_data =
+        matches!(&source, Source::Run(_, c) if c.config.data == DataSourceConfig::Addition);
+    let problem = (args.prompt.is_none() && addition_data)
         .then(|| addition::held_out_problems(1, args.seed).first().copied())
         .flatten();
     let (prompt_text, temperature) = match (&args.prompt, problem) {
@@ -102,8 +109,13 @@ pub fn run(args: SampleArgs) -> Result<()> {
         .context("encoding --prompt with the checkpoint's tokenizer")?;
     let allocator = Allocator::default();
     let threads = args.threads.unwrap_or_else(snug_cpu::physical_cores);
-    let mut sampler = Sampler::new(&model, &ckpt.parameters(), threads, allocator.clone())
-        .with_context(|| format!("loading {}", path.display()))?;
+    let sampler = match &source {
+        Source::Run(_, ckpt) => {
+            Sampler::new(&model, &ckpt.parameters(), threads, allocator.clone())
+        }
+        Source::Hf(ckpt) => Sampler::from_hf(&model, ckpt, threads, allocator.clone()),
+    };
+    let mut sampler = sampler.with_context(|| format!("loading {}", path.display()))?;
     let opts = SampleOptions {
         temperature,
         top_k: args.top_k,
@@ -115,7 +127,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
     let text = tokenizer.decode(&ids);
     let report = SampleReport {
         checkpoint: path,
-        step: ckpt.step,
+        step,
         prompt: prompt_text,
         text,
         tokens: ids.len(),
@@ -141,6 +153,76 @@ pub fn run(args: SampleArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// What a model is sampled (or exported) from: a snug run's checkpoint, or a Hugging Face
+/// model directory.
+pub enum Source {
+    Run(PathBuf, Box<checkpoint::Checkpoint>),
+    Hf(snug_nn::HfCheckpoint),
+}
+
+impl Source {
+    /// A Hugging Face model directory (config.json inside), else a run directory or checkpoint
+    /// file.
+    pub fn open(from: &Path) -> Result<Source> {
+        if snug_nn::is_hf_dir(from) {
+            return Ok(Source::Hf(snug_nn::HfCheckpoint::open(from)?));
+        }
+        let (path, ckpt) = checkpoint::load(from)?;
+        Ok(Source::Run(path, Box::new(ckpt)))
+    }
+
+    pub fn path(&self) -> PathBuf {
+        match self {
+            Source::Run(p, _) => p.clone(),
+            Source::Hf(c) => c.dir().to_path_buf(),
+        }
+    }
+
+    /// Optimizer steps behind the weights (0 for a Hugging Face directory: none of snug's).
+    pub fn step(&self) -> u64 {
+        match self {
+            Source::Run(_, c) => c.step,
+            Source::Hf(_) => 0,
+        }
+    }
+
+    pub fn model(&self) -> Result<snug_nn::ModelConfig> {
+        Ok(match self {
+            Source::Run(_, c) => c.model()?,
+            Source::Hf(c) => c.config().clone(),
+        })
+    }
+
+    /// The run's tokenizer, or the directory's `tokenizer.json` (GPT-2's own for a GPT-2 of
+    /// its vocabulary without one), checked against the model's vocabulary.
+    pub fn tokenizer(&self) -> Result<Tokenizer> {
+        match self {
+            Source::Run(_, c) => Ok(Tokenizer::from_spec(&c.tokenizer)?),
+            Source::Hf(c) => {
+                let file = c.dir().join(snug_train::hf_tokenizer::TOKENIZER_FILE);
+                let vocab = c.config().vocab_size();
+                let tokenizer = if file.exists() {
+                    Tokenizer::Hf(snug_train::HfTokenizer::from_file(&file)?)
+                } else if matches!(c.config(), snug_nn::ModelConfig::Gpt(_))
+                    && vocab == snug_train::tokenizer::GPT2_VOCAB_SIZE
+                {
+                    Tokenizer::gpt2()
+                } else {
+                    bail!(
+                        "{}: no {} to encode text with",
+                        c.dir().display(),
+                        snug_train::hf_tokenizer::TOKENIZER_FILE
+                    );
+                };
+                tokenizer
+                    .check_model_vocab(vocab)
+                    .with_context(|| format!("{}", file.display()))?;
+                Ok(tokenizer)
+            }
+        }
+    }
 }
 
 /// The run directory under `runs` whose newest checkpoint was modified last.

@@ -32,6 +32,7 @@ pub(crate) fn tiny_llama() -> ModelConfig {
         max_seq: 8,
         rms_eps: 1e-5,
         rope_theta: 10000.0,
+        ..LlamaConfig::preset("llama-tiny").expect("a built-in preset")
     })
 }
 

@@ -21,9 +21,28 @@ pub fn gpt_step_gradients_match_finite_differences<H: Harness>(harness: &H) {
 }
 
 /// The same for a Llama (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, untied
-/// head).
+/// head), then for one with every projection biased, the head tied to the embedding and Llama
+/// 3's rope scaling (a small original context, so all three frequency bands occur).
 pub fn llama_step_gradients_match_finite_differences<H: Harness>(harness: &H) {
-    whole_model_gradients_match(harness, &tiny_llama());
+    let plain = tiny_llama();
+    whole_model_gradients_match(harness, &plain);
+    let ModelConfig::Llama(cfg) = plain else {
+        unreachable!("tiny_llama is a Llama")
+    };
+    let variant = snug_nn::LlamaConfig {
+        qkv_bias: true,
+        o_bias: true,
+        mlp_bias: true,
+        tie_word_embeddings: true,
+        rope_scaling: Some(snug_nn::RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position: 8,
+        }),
+        ..cfg
+    };
+    whole_model_gradients_match(harness, &ModelConfig::Llama(variant));
 }
 
 const BATCH: usize = 2;

@@ -4,6 +4,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use snug_graph::{MemoryLayout, Target};
+
 use crate::adapter::{self, AdapterInfo, Selector};
 use crate::error::{GpuError, Result};
 
@@ -105,6 +107,19 @@ impl GpuDevice {
 
     pub fn limits(&self) -> &wgpu::Limits {
         &self.inner.limits
+    }
+
+    /// What plans for this device assume: tensors at multiples of its storage offset
+    /// alignment, the arena within its largest buffer, each tensor within its largest storage
+    /// binding, and no fusions (its kernels take plain ops).
+    pub fn target(&self) -> Target {
+        let l = &self.inner.limits;
+        let bytes = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+        Target::gpu(MemoryLayout {
+            alignment: (l.min_storage_buffer_offset_alignment as usize).max(1),
+            max_buffer_bytes: bytes(l.max_buffer_size),
+            max_binding_bytes: bytes(l.max_storage_buffer_binding_size),
+        })
     }
 
     pub fn wgpu_device(&self) -> &wgpu::Device {

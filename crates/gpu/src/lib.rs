@@ -1,5 +1,5 @@
 //! snug's GPU backend on wgpu (Vulkan, Metal, DX12): everything that runs a planned step on a
-//! GPU except the runtime's backend interface itself.
+//! GPU.
 //!
 //! - [`adapter`]: the adapters wgpu finds ([`adapters`]) and what each offers ([`AdapterInfo`]).
 //! - [`device`]: an opened adapter ([`GpuDevice::open`]), its pipelines, submission and errors.
@@ -9,16 +9,22 @@
 //! - [`kernels`]: one WGSL kernel and its launcher per op, named as the op's file in
 //!   `snug-graph`. Launchers record into a caller's command encoder and never read back, so a
 //!   whole step is recorded and submitted once.
+//! - [`backend`]: [`GpuBackend`], the GPU behind the runtime's `Backend` interface (its
+//!   allocator over device buffers, [`GpuMemory`]), and [`GpuSession`], the runtime's session
+//!   over it. `launch` maps each op to its kernel's launcher.
 //! - [`error`]: what can go wrong, as [`GpuError`].
 
 pub mod adapter;
+pub mod backend;
 pub mod device;
 pub mod error;
 pub mod kernels;
+mod launch;
 pub mod memory;
 pub mod transfer;
 
 pub use adapter::{adapters, AdapterInfo, Selector};
+pub use backend::{GpuBackend, GpuMemory, GpuNode, GpuSession};
 pub use device::GpuDevice;
 pub use error::{GpuError, Result};
 pub use memory::{Arena, DeviceBuffer, DeviceSlice, MemorySource, Slot};

@@ -142,6 +142,15 @@ pub struct DeviceSlice<'a> {
 }
 
 impl<'a> DeviceSlice<'a> {
+    /// `bytes` of `buffer` from `offset`, as the caller checked them against the device.
+    pub(crate) fn of(buffer: &'a wgpu::Buffer, offset: u64, bytes: u64) -> DeviceSlice<'a> {
+        DeviceSlice {
+            buffer,
+            offset,
+            bytes,
+        }
+    }
+
     pub fn buffer(&self) -> &'a wgpu::Buffer {
         self.buffer
     }

@@ -57,6 +57,9 @@ impl std::str::FromStr for CpuGemm {
 pub enum DeviceKind {
     /// `threads` workers (each op that splits its work keeps scratch per worker) and the GEMM.
     Cpu { threads: usize, gemm: CpuGemm },
+    /// A GPU running snug's WGSL kernels: their scratch depends on the shapes alone (each
+    /// kernel sizes its grid from them), never on the adapter, so the kind carries no data.
+    Gpu,
 }
 
 /// How a device lays out memory: what the planner must respect when it places tensors.
@@ -122,24 +125,42 @@ impl Target {
         }
     }
 
+    /// A GPU whose memory is laid out as `memory` says (its storage offset alignment, largest
+    /// buffer and binding), with no fusions: its kernels take plain ops.
+    pub fn gpu(memory: MemoryLayout) -> Target {
+        Target {
+            device: DeviceKind::Gpu,
+            memory,
+            fusions: Fusions::NONE,
+        }
+    }
+
     /// Workers that each hold their own scratch (1 where the device is not split that way).
     pub fn threads(&self) -> usize {
         match self.device {
             DeviceKind::Cpu { threads, .. } => threads,
+            DeviceKind::Gpu => 1,
         }
+    }
+
+    pub fn is_gpu(&self) -> bool {
+        matches!(self.device, DeviceKind::Gpu)
     }
 
     /// The CPU GEMM, on a CPU target.
     pub fn cpu_gemm(&self) -> Option<CpuGemm> {
         match self.device {
             DeviceKind::Cpu { gemm, .. } => Some(gemm),
+            DeviceKind::Gpu => None,
         }
     }
 
-    /// The same device with `threads` workers.
+    /// The same device with `threads` workers (a GPU's kernels are not split into workers:
+    /// unchanged).
     pub fn with_threads(mut self, threads: usize) -> Target {
         match &mut self.device {
             DeviceKind::Cpu { threads: t, .. } => *t = threads.max(1),
+            DeviceKind::Gpu => {}
         }
         self
     }
@@ -191,5 +212,63 @@ impl From<usize> for Target {
     /// `threads` workers on this machine.
     fn from(threads: usize) -> Target {
         Target::host(threads)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{CpuGemm, MemoryLayout, Target};
+    use crate::ops::{gpu_partial_sums, GradNorm, LayerNormBackward, Rope, SumSquares};
+    use crate::{DType, Graph, Role};
+
+    /// Workspace elements of `op`'s node on `target`, over f32 leaves of `shapes`.
+    fn workspace(target: Target, op: impl Into<crate::ops::Op>, shapes: &[&[usize]]) -> usize {
+        let mut g = Graph::new().with_target(target);
+        let inputs: Vec<_> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| g.add_leaf(format!("x{i}"), s, DType::F32, Role::Activation))
+            .collect::<crate::Result<_>>()
+            .expect("leaves");
+        g.apply(op, &inputs).expect("the op applies");
+        let node = g.nodes().last().expect("a node");
+        node.workspace.map_or(0, |w| g.tensor(w).numel())
+    }
+
+    /// A GPU's kernels need only what their shapes say: partial sums for a sum of squares, a
+    /// (high, low) pair for the norm, nothing per worker; the CPU's answers stay per thread.
+    #[test]
+    fn gpu_workspaces_follow_the_shapes_and_cpu_ones_the_threads() {
+        let gpu = Target::gpu(MemoryLayout {
+            alignment: 256,
+            max_buffer_bytes: 1 << 31,
+            max_binding_bytes: 1 << 27,
+        });
+        let cpu = Target::cpu(4, CpuGemm::Avx2);
+        assert!(gpu.is_gpu() && !cpu.is_gpu());
+        assert_eq!(gpu.threads(), 1);
+        assert_eq!(gpu.with_threads(8), gpu);
+        assert_eq!(gpu.depth_block(), 0);
+
+        let n = 300_000;
+        assert_eq!(gpu_partial_sums(n), 256);
+        assert_eq!(gpu_partial_sums(5000), 5);
+        assert_eq!(gpu_partial_sums(1), 1);
+        assert_eq!(workspace(gpu, SumSquares, &[&[n]]), 256);
+        assert_eq!(workspace(cpu, SumSquares, &[&[n]]), 0);
+        let norm = GradNorm {
+            max_norm: 1.0,
+            scale: 1.0,
+            unscale: false,
+        };
+        assert_eq!(workspace(gpu, norm, &[&[1], &[1]]), 2);
+        assert_eq!(workspace(cpu, norm, &[&[1], &[1]]), 0);
+
+        let ln = [&[8, 16][..], &[8, 16], &[16], &[8], &[8]];
+        assert_eq!(workspace(gpu, LayerNormBackward, &ln), 0);
+        assert_eq!(workspace(cpu, LayerNormBackward, &ln), 2 * 4 * 16);
+        let rope = Rope::new(2, 8, 10_000.0);
+        assert_eq!(workspace(gpu, rope, &[&[1, 4, 16]]), 0);
+        assert_eq!(workspace(cpu, rope, &[&[1, 4, 16]]), 4 * 8);
     }
 }

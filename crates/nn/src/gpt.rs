@@ -22,11 +22,12 @@ pub enum NnError {
     UnknownPreset { name: String, known: String },
     #[error("model config: `{field}` {detail}")]
     Config { field: &'static str, detail: String },
-    #[error("{path}: `{field}` {detail}")]
+    /// A Hugging Face `config.json` that cannot be read, or that asks for what snug does not
+    /// build (the error names the field and its value).
+    #[error("{path}: {error}")]
     HfConfig {
         path: String,
-        field: String,
-        detail: String,
+        error: crate::hf_config::HfConfigError,
     },
     #[error(transparent)]
     Graph(#[from] GraphError),
@@ -55,6 +56,20 @@ pub enum NnError {
     },
     #[error("{path}: `lm_head.weight` differs from `wte.weight`, but snug's GPT ties the LM head to the token embedding")]
     UntiedHead { path: String },
+    /// A tied model's checkpoint holds an LM head whose values are not the embedding's.
+    #[error("{path}: `{head}` differs from `{embedding}`, but the configuration ties the LM head to the token embedding (tie_word_embeddings)")]
+    HeadNotTied {
+        path: String,
+        head: String,
+        embedding: String,
+    },
+    /// A sharded checkpoint's `model.safetensors.index.json` disagrees with its shards.
+    #[error("{path}: tensor `{name}` {detail}")]
+    IndexEntry {
+        path: String,
+        name: String,
+        detail: String,
+    },
     /// Caught at load: otherwise it surfaces steps later as a NaN loss.
     #[error("{path}: tensor `{name}` holds {value} at index {index}: weights must be finite (a damaged file, or saved from a diverged run)")]
     NonFiniteWeight {

@@ -164,7 +164,7 @@ pub fn write_hf_config_json(path: &Path, cfg: &GptConfig) -> Result<(), NnError>
 
 /// Writes through `write` to a temporary file beside `path`, syncs it, renames it over `path`
 /// and syncs the directory, so a crash leaves either the old file or the complete new one.
-fn write_atomically(
+pub(crate) fn write_atomically(
     path: &Path,
     write: impl FnOnce(&Path) -> Result<(), String>,
 ) -> Result<(), NnError> {
@@ -220,7 +220,7 @@ fn is_attention_buffer(name: &str) -> bool {
 
 /// Decodes little-endian `bytes` of `dtype` into `out` (`bytes` holds exactly `out.len()`
 /// elements; checked by the caller).
-fn decode_into(dtype: Dtype, bytes: &[u8], out: &mut [f32]) {
+pub(crate) fn decode_into(dtype: Dtype, bytes: &[u8], out: &mut [f32]) {
     match dtype {
         Dtype::F32 => {
             for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
@@ -250,7 +250,7 @@ fn decode_into(dtype: Dtype, bytes: &[u8], out: &mut [f32]) {
 }
 
 /// Bytes per element of the dtypes snug reads as f32 weights.
-fn element_bytes(dtype: Dtype) -> Option<usize> {
+pub(crate) fn element_bytes(dtype: Dtype) -> Option<usize> {
     match dtype {
         Dtype::F32 => Some(4),
         Dtype::F16 | Dtype::BF16 => Some(2),

@@ -1,11 +1,46 @@
-//! Llama-family models (Llama 2 / Llama 3 shapes): RMSNorm, rotary position embeddings,
-//! grouped-query attention, a SwiGLU MLP, and an LM head separate from the token embedding.
-//! Parameter names follow Hugging Face's `LlamaForCausalLM` (`model.layers.0.self_attn.q_proj.weight`,
-//! ...), with linear weights stored `[in, out]` (the transpose of HF's `nn.Linear` layout).
+//! Llama-family models (Llama 2 / Llama 3, Mistral, Qwen2): RMSNorm, rotary position
+//! embeddings (optionally with Llama 3's frequency scaling), grouped-query attention, a SwiGLU
+//! MLP, optional projection biases (Qwen2's q/k/v, Llama's `attention_bias` and `mlp_bias`), and
+//! an LM head separate from the token embedding or tied to it. Parameter names follow Hugging
+//! Face's `LlamaForCausalLM` (`model.layers.0.self_attn.q_proj.weight`, ...), with linear
+//! weights stored `[in, out]` (the transpose of HF's `nn.Linear` layout).
 
 use serde::{Deserialize, Serialize};
+pub use snug_graph::ops::RopeScaling;
 
 use crate::NnError;
+
+/// The Hugging Face architecture of a Llama-family model. All three build the same graph; they
+/// differ in which biases they may carry and in the names their `config.json` uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LlamaArch {
+    #[default]
+    Llama,
+    Mistral,
+    /// Always has q/k/v biases, never an output or MLP bias.
+    Qwen2,
+}
+
+impl LlamaArch {
+    /// `config.json`'s `model_type`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            LlamaArch::Llama => "llama",
+            LlamaArch::Mistral => "mistral",
+            LlamaArch::Qwen2 => "qwen2",
+        }
+    }
+
+    /// `config.json`'s `architectures` entry (the causal-LM class).
+    pub fn architecture(self) -> &'static str {
+        match self {
+            LlamaArch::Llama => "LlamaForCausalLM",
+            LlamaArch::Mistral => "MistralForCausalLM",
+            LlamaArch::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+}
 
 /// Shape of a Llama model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -21,7 +56,50 @@ pub struct LlamaConfig {
     pub max_seq: usize,
     pub rms_eps: f32,
     pub rope_theta: f32,
+    /// The Hugging Face architecture (what export names the model).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub arch: LlamaArch,
+    /// The LM head is the token embedding, read transposed (SmolLM2, Llama 3.2 1B).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub tie_word_embeddings: bool,
+    /// Biases on the q, k and v projections (Qwen2; Llama's `attention_bias`).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub qkv_bias: bool,
+    /// A bias on the attention's output projection (Llama's `attention_bias`).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub o_bias: bool,
+    /// Biases on the MLP's gate, up and down projections (Llama's `mlp_bias`).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub mlp_bias: bool,
+    /// Rescaled rotary frequencies (Llama 3.1's `rope_scaling`); `None`: `θ^(−2i/D)`.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub rope_scaling: Option<RopeScaling>,
 }
+
+/// Whether `v` is its type's default: such fields are left out when a configuration is
+/// written, so a plain Llama's reads as it did before they existed.
+fn is_default<T: Default + PartialEq>(v: &T) -> bool {
+    *v == T::default()
+}
+
+/// A Llama with neither biases nor a tied head nor rope scaling; presets fill in the shape.
+const PLAIN: LlamaConfig = LlamaConfig {
+    n_layer: 0,
+    n_head: 0,
+    n_kv_head: 0,
+    hidden: 0,
+    intermediate: 0,
+    vocab_size: 0,
+    max_seq: 0,
+    rms_eps: 1e-5,
+    rope_theta: 10000.0,
+    arch: LlamaArch::Llama,
+    tie_word_embeddings: false,
+    qkv_bias: false,
+    o_bias: false,
+    mlp_bias: false,
+    rope_scaling: None,
+};
 
 /// Llama 2's published shapes (7B and 13B with full attention, 70B with 8 key/value heads).
 pub const LLAMA_PRESETS: &[(&str, LlamaConfig)] = &[
@@ -35,8 +113,7 @@ pub const LLAMA_PRESETS: &[(&str, LlamaConfig)] = &[
             intermediate: 172,
             vocab_size: 65,
             max_seq: 128,
-            rms_eps: 1e-5,
-            rope_theta: 10000.0,
+            ..PLAIN
         },
     ),
     (
@@ -49,8 +126,7 @@ pub const LLAMA_PRESETS: &[(&str, LlamaConfig)] = &[
             intermediate: 11008,
             vocab_size: 32000,
             max_seq: 4096,
-            rms_eps: 1e-5,
-            rope_theta: 10000.0,
+            ..PLAIN
         },
     ),
     (
@@ -63,8 +139,7 @@ pub const LLAMA_PRESETS: &[(&str, LlamaConfig)] = &[
             intermediate: 13824,
             vocab_size: 32000,
             max_seq: 4096,
-            rms_eps: 1e-5,
-            rope_theta: 10000.0,
+            ..PLAIN
         },
     ),
     (
@@ -77,8 +152,7 @@ pub const LLAMA_PRESETS: &[(&str, LlamaConfig)] = &[
             intermediate: 28672,
             vocab_size: 32000,
             max_seq: 4096,
-            rms_eps: 1e-5,
-            rope_theta: 10000.0,
+            ..PLAIN
         },
     ),
 ];
@@ -149,6 +223,33 @@ impl LlamaConfig {
                 });
             }
         }
+        if let Some(why) = self.rope_scaling.as_ref().and_then(RopeScaling::check) {
+            return Err(NnError::Config {
+                field: "rope_scaling",
+                detail: why,
+            });
+        }
+        // Each architecture's own bias pattern: anything else has no Hugging Face name to
+        // export under.
+        let biases = (self.qkv_bias, self.o_bias, self.mlp_bias);
+        let allowed = match self.arch {
+            LlamaArch::Llama => self.qkv_bias == self.o_bias,
+            LlamaArch::Mistral => biases == (false, false, false),
+            LlamaArch::Qwen2 => biases == (true, false, false),
+        };
+        if !allowed {
+            return Err(NnError::Config {
+                field: "attention_bias",
+                detail: format!(
+                    "q/k/v bias {}, output bias {}, MLP bias {} is not a {} model (Llama: \
+                     q/k/v and output biases together; Mistral: none; Qwen2: q/k/v only)",
+                    self.qkv_bias,
+                    self.o_bias,
+                    self.mlp_bias,
+                    self.arch.model_type()
+                ),
+            });
+        }
         crate::gpt::check_model_size(("num_hidden_layers", self.n_layer), &self.parameter_terms())
     }
 
@@ -157,12 +258,26 @@ impl LlamaConfig {
         use crate::gpt::{mul, ParameterTerm};
         let (c, f) = (self.hidden, self.intermediate);
         let kv = self.n_kv_head.saturating_mul(self.head_dim());
-        // Per layer: two RMSNorms (c each), attention (2c² + 2c·kv), MLP (3cf).
+        // Per layer: two RMSNorms (c each), attention (2c² + 2c·kv), MLP (3cf), and biases.
+        let qkv_bias = if self.qkv_bias {
+            mul(2, kv).saturating_add(c as u128)
+        } else {
+            0
+        };
+        let o_bias = if self.o_bias { c as u128 } else { 0 };
         let attention = mul(c, c)
             .saturating_add(mul(c, kv))
             .saturating_mul(2)
-            .saturating_add(mul(2, c));
-        let mlp = mul(3, c).saturating_mul(f as u128);
+            .saturating_add(mul(2, c))
+            .saturating_add(qkv_bias)
+            .saturating_add(o_bias);
+        let mlp_bias = if self.mlp_bias {
+            mul(2, f).saturating_add(c as u128)
+        } else {
+            0
+        };
+        let mlp = mul(3, c).saturating_mul(f as u128).saturating_add(mlp_bias);
+        let heads = if self.tie_word_embeddings { 1 } else { 2 };
         let layers = self.n_layer as u128;
         [
             ParameterTerm {
@@ -180,35 +295,78 @@ impl LlamaConfig {
                 field: "vocab_size",
                 value: self.vocab_size,
                 // The embedding and the untied head.
-                count: mul(self.vocab_size, c).saturating_mul(2),
+                count: mul(self.vocab_size, c).saturating_mul(heads),
             },
         ]
     }
 
     /// Every parameter's Hugging Face name and snug shape, in checkpoint order.
     pub fn parameter_shapes(&self) -> Vec<(String, Vec<usize>)> {
-        let (c, f) = (self.hidden, self.intermediate);
-        let kv = self.n_kv_head * self.head_dim();
+        let c = self.hidden;
         let mut v = vec![(
             "model.embed_tokens.weight".to_string(),
             vec![self.vocab_size, c],
         )];
         for i in 0..self.n_layer {
-            let p = |s: &str| format!("model.layers.{i}.{s}");
-            v.extend([
-                (p("input_layernorm.weight"), vec![c]),
-                (p("self_attn.q_proj.weight"), vec![c, c]),
-                (p("self_attn.k_proj.weight"), vec![c, kv]),
-                (p("self_attn.v_proj.weight"), vec![c, kv]),
-                (p("self_attn.o_proj.weight"), vec![c, c]),
-                (p("post_attention_layernorm.weight"), vec![c]),
-                (p("mlp.gate_proj.weight"), vec![c, f]),
-                (p("mlp.up_proj.weight"), vec![c, f]),
-                (p("mlp.down_proj.weight"), vec![f, c]),
-            ]);
+            for (name, shape) in self.layer_shapes() {
+                v.push((format!("model.layers.{i}.{name}"), shape));
+            }
         }
         v.push(("model.norm.weight".to_string(), vec![c]));
-        v.push(("lm_head.weight".to_string(), vec![c, self.vocab_size]));
+        if !self.tie_word_embeddings {
+            v.push(("lm_head.weight".to_string(), vec![c, self.vocab_size]));
+        }
+        v
+    }
+
+    /// One layer's parameters (names under `model.layers.N.`) and shapes, in graph order: each
+    /// projection's bias, where it has one, right after its weight.
+    fn layer_shapes(&self) -> Vec<(&'static str, Vec<usize>)> {
+        let (c, f) = (self.hidden, self.intermediate);
+        let kv = self.n_kv_head * self.head_dim();
+        let mut v = vec![("input_layernorm.weight", vec![c])];
+        let mut linear =
+            |weight: &'static str, bias: &'static str, has_bias: bool, shape: [usize; 2]| {
+                v.push((weight, shape.to_vec()));
+                if has_bias {
+                    v.push((bias, vec![shape[1]]));
+                }
+            };
+        let (qkv, o, mlp) = (self.qkv_bias, self.o_bias, self.mlp_bias);
+        linear(
+            "self_attn.q_proj.weight",
+            "self_attn.q_proj.bias",
+            qkv,
+            [c, c],
+        );
+        linear(
+            "self_attn.k_proj.weight",
+            "self_attn.k_proj.bias",
+            qkv,
+            [c, kv],
+        );
+        linear(
+            "self_attn.v_proj.weight",
+            "self_attn.v_proj.bias",
+            qkv,
+            [c, kv],
+        );
+        linear(
+            "self_attn.o_proj.weight",
+            "self_attn.o_proj.bias",
+            o,
+            [c, c],
+        );
+        v.push(("post_attention_layernorm.weight", vec![c]));
+        let mut linear = |weight: &'static str, bias: &'static str, shape: [usize; 2]| {
+            v.push((weight, shape.to_vec()));
+            if mlp {
+                v.push((bias, vec![shape[1]]));
+            }
+        };
+        linear("mlp.gate_proj.weight", "mlp.gate_proj.bias", [c, f]);
+        linear("mlp.up_proj.weight", "mlp.up_proj.bias", [c, f]);
+        linear("mlp.down_proj.weight", "mlp.down_proj.bias", [f, c]);
         v
     }
 
@@ -261,8 +419,7 @@ impl LlamaConfig {
     ) -> Result<crate::gpt::Trunk, NnError> {
         use snug_graph::ops::{Binary, Embedding, GqaAttention, MatMul, RmsNorm, Rope, SwiGlu};
         use snug_graph::{Graph, GraphError, Role, TensorId};
-        let (c, f, d) = (self.hidden, self.intermediate, self.head_dim());
-        let kv = self.n_kv_head * d;
+        let (c, d) = (self.hidden, self.head_dim());
         let mut params = Vec::new();
         let mut param = |g: &mut Graph,
                          name: String,
@@ -275,61 +432,80 @@ impl LlamaConfig {
         let embed = param(g, "model.embed_tokens.weight".into(), &[self.vocab_size, c])?;
         g.set_scope("embed");
         let mut x = g.apply1(Embedding, &[embed, tokens])?;
-        let linear = MatMul::default();
         let norm = RmsNorm { eps: self.rms_eps };
+        let rope = |n_head| Rope {
+            scaling: self.rope_scaling,
+            ..Rope::new(n_head, d, self.rope_theta)
+        };
         for i in 0..self.n_layer {
-            let mut p = |g: &mut Graph, s: &str, shape: &[usize]| {
-                param(g, format!("model.layers.{i}.{s}"), shape)
+            // The layer's parameters by their name under `model.layers.N.`, in table order.
+            let mut w = std::collections::HashMap::new();
+            for (name, shape) in self.layer_shapes() {
+                w.insert(name, param(g, format!("model.layers.{i}.{name}"), &shape)?);
+            }
+            // `x · W (+ b)`, with the bias when the table has one.
+            let linear = |g: &mut Graph, x: TensorId, proj: &str| {
+                let weight = w[format!("{proj}.weight").as_str()];
+                match w.get(format!("{proj}.bias").as_str()) {
+                    Some(&b) => g.apply1(
+                        MatMul {
+                            bias: true,
+                            ..MatMul::default()
+                        },
+                        &[x, weight, b],
+                    ),
+                    None => g.apply1(MatMul::default(), &[x, weight]),
+                }
             };
-            let ln1 = p(g, "input_layernorm.weight", &[c])?;
-            let wq = p(g, "self_attn.q_proj.weight", &[c, c])?;
-            let wk = p(g, "self_attn.k_proj.weight", &[c, kv])?;
-            let wv = p(g, "self_attn.v_proj.weight", &[c, kv])?;
-            let wo = p(g, "self_attn.o_proj.weight", &[c, c])?;
-            let ln2 = p(g, "post_attention_layernorm.weight", &[c])?;
-            let wg = p(g, "mlp.gate_proj.weight", &[c, f])?;
-            let wu = p(g, "mlp.up_proj.weight", &[c, f])?;
-            let wd = p(g, "mlp.down_proj.weight", &[f, c])?;
 
             // The layer count is bounded by `MAX_LAYERS` (validated).
             x = g.in_block(i as u32, |g| -> Result<TensorId, GraphError> {
                 g.set_scope(format!("model.layers.{i}.self_attn"));
-                let h = g.apply(norm, &[x, ln1])?[0];
-                let q = g.apply1(linear, &[h, wq])?;
-                let k = g.apply1(linear, &[h, wk])?;
-                let v = g.apply1(linear, &[h, wv])?;
-                let q = g.apply1(Rope::new(self.n_head, d, self.rope_theta), &[q])?;
-                let k = g.apply1(Rope::new(self.n_kv_head, d, self.rope_theta), &[k])?;
+                let h = g.apply(norm, &[x, w["input_layernorm.weight"]])?[0];
+                let q = linear(g, h, "self_attn.q_proj")?;
+                let k = linear(g, h, "self_attn.k_proj")?;
+                let v = linear(g, h, "self_attn.v_proj")?;
+                let q = g.apply1(rope(self.n_head), &[q])?;
+                let k = g.apply1(rope(self.n_kv_head), &[k])?;
                 let attn = GqaAttention {
                     n_head: self.n_head,
                     n_kv_head: self.n_kv_head,
                 };
                 let a = g.apply(attn, &[q, k, v])?[0];
-                let o = g.apply1(linear, &[a, wo])?;
+                let o = linear(g, a, "self_attn.o_proj")?;
                 let x = g.apply1(Binary::add(), &[x, o])?;
 
                 g.set_scope(format!("model.layers.{i}.mlp"));
-                let h = g.apply(norm, &[x, ln2])?[0];
-                let gate = g.apply1(linear, &[h, wg])?;
-                let up = g.apply1(linear, &[h, wu])?;
+                let h = g.apply(norm, &[x, w["post_attention_layernorm.weight"]])?[0];
+                let gate = linear(g, h, "mlp.gate_proj")?;
+                let up = linear(g, h, "mlp.up_proj")?;
                 let m = g.apply1(SwiGlu, &[gate, up])?;
-                let down = g.apply1(linear, &[m, wd])?;
+                let down = linear(g, m, "mlp.down_proj")?;
                 g.apply1(Binary::add(), &[x, down])
             })?;
         }
         let final_norm = param(g, "model.norm.weight".into(), &[c])?;
-        let lm_head = param(g, "lm_head.weight".into(), &[c, self.vocab_size])?;
+        // A tied head is the embedding, stored [vocab, C] and read transposed.
+        let (head, head_transposed) = if self.tie_word_embeddings {
+            (embed, true)
+        } else {
+            (
+                param(g, "lm_head.weight".into(), &[c, self.vocab_size])?,
+                false,
+            )
+        };
         g.set_scope("head");
         let xf = g.apply(norm, &[x, final_norm])?[0];
         Ok(crate::gpt::Trunk {
             hidden: xf,
-            head: lm_head,
-            head_transposed: false,
+            head,
+            head_transposed,
             params,
         })
     }
 
-    /// Llama's initialisation: linear weights and embeddings N(0, 0.02), norm gains one.
+    /// Llama's initialisation: linear weights and embeddings N(0, 0.02), biases zero, norm
+    /// gains one.
     pub fn init_parameters(&self, seed: u64) -> Vec<(String, Vec<f32>)> {
         self.init_parameters_iter(seed).collect()
     }
@@ -348,6 +524,8 @@ impl LlamaConfig {
                 let n: usize = shape.iter().product();
                 let values = if name.ends_with("norm.weight") {
                     vec![1.0; n]
+                } else if name.ends_with(".bias") {
+                    vec![0.0; n]
                 } else {
                     (0..n).map(|_| normal.sample(&mut rng)).collect()
                 };
@@ -454,8 +632,8 @@ mod tests {
             intermediate: 53248,
             vocab_size: 128256,
             max_seq: 131072,
-            rms_eps: 1e-5,
             rope_theta: 500000.0,
+            ..PLAIN
         };
         assert!(llama_405b.validate().is_ok());
         for (name, cfg) in LLAMA_PRESETS {

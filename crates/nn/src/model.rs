@@ -3,8 +3,7 @@
 
 use std::path::Path;
 
-use serde_json::Value;
-
+use crate::hf_config::HfConfigError;
 use crate::{GptConfig, LlamaConfig, NnError};
 
 /// The most a `config.json` may hold: real ones are a few kilobytes.
@@ -73,123 +72,32 @@ pub enum ModelConfig {
 }
 
 impl ModelConfig {
-    /// Reads `config.json`; an unsupported `model_type` or a missing or malformed field is an
-    /// error naming the file and the field.
+    /// Reads a Hugging Face `config.json`, or the one in the model directory `path`. A field
+    /// whose value snug cannot honour, an unknown architecture, or a missing or malformed field
+    /// is an error naming the file, the field and the value.
     pub fn from_hf_file(path: &Path) -> Result<ModelConfig, NnError> {
-        let text = read_config_text(path).map_err(|detail| NnError::HfConfig {
-            path: path.display().to_string(),
-            field: "-".into(),
-            detail,
-        })?;
-        Self::from_hf_json(&text).map_err(|(field, detail)| NnError::HfConfig {
-            path: path.display().to_string(),
-            field,
-            detail,
-        })
+        let file = if path.is_dir() {
+            path.join(crate::hf_checkpoint::CONFIG_FILE)
+        } else {
+            path.to_path_buf()
+        };
+        let error = |error| NnError::HfConfig {
+            path: file.display().to_string(),
+            error,
+        };
+        let text = read_config_text(&file)
+            .map_err(|detail| error(HfConfigError::Unreadable { detail }))?;
+        Self::from_hf_json(&text).map_err(error)
     }
 
-    /// Parses the text of a `config.json`; errors are (field, detail).
-    pub fn from_hf_json(text: &str) -> Result<ModelConfig, (String, String)> {
-        let v: Value =
-            serde_json::from_str(text).map_err(|e| ("-".to_string(), format!("not JSON: {e}")))?;
-        let obj = v
-            .as_object()
-            .ok_or(("-".to_string(), "not a JSON object".to_string()))?;
-        let model_type = obj.get("model_type").and_then(Value::as_str).ok_or((
-            "model_type".to_string(),
-            "missing (expected \"gpt2\" or \"llama\")".to_string(),
-        ))?;
-        let int = |key: &str| -> Result<usize, (String, String)> {
-            let x = obj
-                .get(key)
-                .ok_or((key.to_string(), "missing".to_string()))?;
-            x.as_u64().and_then(|n| usize::try_from(n).ok()).ok_or((
-                key.to_string(),
-                format!("expected a non-negative integer, found {x}"),
-            ))
-        };
-        let int_or = |key: &str, default: usize| {
-            if obj.contains_key(key) {
-                int(key)
-            } else {
-                Ok(default)
-            }
-        };
-        let float_or = |key: &str, default: f32| -> Result<f32, (String, String)> {
-            match obj.get(key) {
-                None | Some(Value::Null) => Ok(default),
-                Some(x) => {
-                    let f = x
-                        .as_f64()
-                        .ok_or((key.to_string(), format!("expected a number, found {x}")))?;
-                    // f32 is what snug computes with: 1e-50 would become 0, 1e50 infinity.
-                    let g = f as f32;
-                    if (f != 0.0 && g == 0.0) || (f.is_finite() && !g.is_finite()) {
-                        return Err((
-                            key.to_string(),
-                            format!("{x} is beyond f32's range, which snug computes in"),
-                        ));
-                    }
-                    Ok(g)
-                }
-            }
-        };
-        // An ε that is zero, negative or NaN makes every loss NaN steps later.
-        let positive = |key: &str, v: f32| -> Result<f32, (String, String)> {
-            if v.is_finite() && v > 0.0 {
-                Ok(v)
-            } else {
-                Err((
-                    key.to_string(),
-                    format!("must be a positive finite number, got {v}"),
-                ))
-            }
-        };
-        let cfg = match model_type {
-            "gpt2" => {
-                // snug's LayerNorm uses 1e-5 (GPT-2's); a nonsensical value is still refused
-                // rather than quietly replaced.
-                positive("layer_norm_epsilon", float_or("layer_norm_epsilon", 1e-5)?)?;
-                ModelConfig::Gpt(GptConfig {
-                    n_layer: int("n_layer")?,
-                    n_head: int("n_head")?,
-                    n_embd: int("n_embd")?,
-                    block_size: int_or("n_positions", int_or("n_ctx", 1024)?)?,
-                    vocab_size: int("vocab_size")?,
-                })
-            }
-            "llama" => {
-                let n_head = int("num_attention_heads")?;
-                if let Some(true) = obj.get("tie_word_embeddings").and_then(Value::as_bool) {
-                    return Err((
-                        "tie_word_embeddings".into(),
-                        "tied Llama heads are not supported yet".into(),
-                    ));
-                }
-                ModelConfig::Llama(LlamaConfig {
-                    n_layer: int("num_hidden_layers")?,
-                    n_head,
-                    n_kv_head: int_or("num_key_value_heads", n_head)?,
-                    hidden: int("hidden_size")?,
-                    intermediate: int("intermediate_size")?,
-                    vocab_size: int("vocab_size")?,
-                    max_seq: int_or("max_position_embeddings", 4096)?,
-                    rms_eps: float_or("rms_norm_eps", 1e-5)?,
-                    rope_theta: float_or("rope_theta", 10000.0)?,
-                })
-            }
-            other => {
-                return Err((
-                    "model_type".into(),
-                    format!("`{other}` is not supported (supported: gpt2, llama)"),
-                ))
-            }
-        };
-        cfg.validate().map_err(|e| match e {
-            NnError::Config { field, detail } => (field.to_string(), detail),
-            other => ("-".to_string(), other.to_string()),
-        })?;
-        Ok(cfg)
+    /// Parses the text of a `config.json` (see [`crate::hf_config`]).
+    pub fn from_hf_json(text: &str) -> Result<ModelConfig, HfConfigError> {
+        crate::hf_config::parse(text)
+    }
+
+    /// The text of a Hugging Face `config.json` describing this model.
+    pub fn to_hf_json(&self) -> String {
+        crate::hf_config::to_json(self)
     }
 
     pub fn validate(&self) -> Result<(), NnError> {
@@ -203,6 +111,14 @@ impl ModelConfig {
         match self {
             ModelConfig::Gpt(c) => c.parameter_count(),
             ModelConfig::Llama(c) => c.parameter_count(),
+        }
+    }
+
+    /// Every parameter's Hugging Face name and snug shape, in graph order.
+    pub fn parameter_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        match self {
+            ModelConfig::Gpt(c) => c.parameter_shapes(),
+            ModelConfig::Llama(c) => c.parameter_shapes(),
         }
     }
 
@@ -232,8 +148,18 @@ impl ModelConfig {
                 c.n_layer, c.n_head, c.n_embd, c.vocab_size
             ),
             ModelConfig::Llama(c) => format!(
-                "Llama, {} layers, {} heads ({} key/value), {} wide, MLP {}, vocab {}",
-                c.n_layer, c.n_head, c.n_kv_head, c.hidden, c.intermediate, c.vocab_size
+                "{}, {} layers, {} heads ({} key/value), {} wide, MLP {}, vocab {}",
+                match c.arch {
+                    crate::LlamaArch::Llama => "Llama",
+                    crate::LlamaArch::Mistral => "Mistral",
+                    crate::LlamaArch::Qwen2 => "Qwen2",
+                },
+                c.n_layer,
+                c.n_head,
+                c.n_kv_head,
+                c.hidden,
+                c.intermediate,
+                c.vocab_size
             ),
         }
     }
@@ -416,7 +342,12 @@ mod tests {
 
     #[test]
     fn bad_configs_name_the_field() {
-        let field = |text: &str| ModelConfig::from_hf_json(text).unwrap_err().0;
+        let field = |text: &str| {
+            ModelConfig::from_hf_json(text)
+                .unwrap_err()
+                .field()
+                .to_string()
+        };
         assert_eq!(field(r#"{"model_type": "bert"}"#), "model_type");
         assert_eq!(field(r#"{"n_layer": 2}"#), "model_type");
         assert_eq!(
@@ -466,7 +397,8 @@ mod tests {
             ),
         ] {
             // A later duplicate key wins in serde_json, so `extra` overrides the base.
-            let (f, detail) = err(&llama(extra));
+            let e = err(&llama(extra));
+            let (f, detail) = (e.field(), e.to_string());
             assert_eq!(f, field, "{extra}: {detail}");
             assert!(detail.contains(value), "{extra}: {detail}");
         }
@@ -478,7 +410,7 @@ mod tests {
         assert!(ModelConfig::from_hf_json(&gpt2("1e-5")).is_ok());
         assert!(ModelConfig::from_hf_json(&gpt2("null")).is_ok());
         for eps in ["-1e-5", "0", "\"small\""] {
-            assert_eq!(err(&gpt2(eps)).0, "layer_norm_epsilon", "{eps}");
+            assert_eq!(err(&gpt2(eps)).field(), "layer_norm_epsilon", "{eps}");
         }
     }
 }

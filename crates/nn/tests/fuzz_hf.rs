@@ -151,8 +151,8 @@ fn check_config(text: &str) -> Result<(), TestCaseError> {
                 let _ = cfg.build(1, cfg.max_seq().min(4), 1, snug_graph::DType::F32);
             }
         }
-        Err((field, detail)) => {
-            prop_assert!(!field.is_empty() && !detail.is_empty());
+        Err(e) => {
+            prop_assert!(!e.field().is_empty() && !e.to_string().is_empty());
         }
     }
     Ok(())
@@ -162,6 +162,11 @@ fn base_config(model_type: &str) -> Value {
     match model_type {
         "gpt2" => json!({"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 8,
             "n_positions": 16, "vocab_size": 11, "layer_norm_epsilon": 1e-5}),
+        "mistral" | "qwen2" => {
+            let mut v = base_config("llama");
+            v["model_type"] = json!(model_type);
+            v
+        }
         _ => json!({"model_type": "llama", "hidden_size": 64, "intermediate_size": 172,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "vocab_size": 65, "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
@@ -187,6 +192,20 @@ const FIELDS: &[&str] = &[
     "rms_norm_eps",
     "rope_theta",
     "tie_word_embeddings",
+    "rope_scaling",
+    "rope_parameters",
+    "hidden_act",
+    "attention_bias",
+    "mlp_bias",
+    "head_dim",
+    "sliding_window",
+    "use_sliding_window",
+    "layer_types",
+    "activation_function",
+    "n_inner",
+    "scale_attn_weights",
+    "architectures",
+    "torch_dtype",
 ];
 
 #[test]
@@ -204,7 +223,7 @@ fn config_json_with_random_field_values_never_panics() {
         ),
         0..5,
     );
-    let model_type = prop::sample::select(vec!["gpt2", "llama"]);
+    let model_type = prop::sample::select(vec!["gpt2", "llama", "mistral", "qwen2"]);
     runner()
         .run(&(model_type, edits), |(model_type, edits)| {
             let mut cfg = base_config(model_type);

@@ -43,4 +43,19 @@ pub enum RuntimeError {
     },
     #[error("could not start {threads} worker threads: {reason}")]
     Threads { threads: usize, reason: String },
+    /// The device has no kernel for an op of the graph (or not for its shapes): refused
+    /// before anything is allocated.
+    #[error("{device} cannot run `{op}`: {detail}")]
+    UnsupportedOp {
+        device: String,
+        op: &'static str,
+        detail: String,
+    },
+    /// The device failed: lost (driver reset, removal), or an error its driver reported.
+    #[error("{device}: {detail}")]
+    Device {
+        device: String,
+        lost: bool,
+        detail: String,
+    },
 }

@@ -35,7 +35,8 @@ pub struct ModelSection {
     /// Override the model's vocabulary size.
     #[cfg_attr(feature = "clap", arg(long = "vocab", value_name = "VOCAB"))]
     pub vocab_size: Option<usize>,
-    /// A Hugging Face config.json (GPT-2 or Llama family) instead of a preset.
+    /// A Hugging Face config.json (GPT-2, Llama, Mistral or Qwen2), or a model directory
+    /// holding one, instead of a preset.
     #[cfg_attr(feature = "clap", arg(long, value_name = "CONFIG_JSON"))]
     pub hf_config: Option<PathBuf>,
 }
@@ -209,8 +210,10 @@ train_keys! {
     /// Checkpoints to keep in the run directory.
     #[flag(run, long)]
     keep_checkpoints: usize,
-    /// Start from GPT-2 weights in Hugging Face's safetensors layout (e.g. from `snug export`
-    /// or the Hugging Face hub) instead of a random initialisation.
+    /// Start from pretrained weights instead of a random initialisation: a Hugging Face model
+    /// directory (config.json and model.safetensors or shards; GPT-2, Llama, Mistral, Qwen2),
+    /// whose configuration is then the model's and whose tokenizer.json, if any, encodes text
+    /// data; or a GPT-2 model.safetensors file (e.g. from `snug export`).
     #[flag(run, long, value_name = "FILE")]
     init_from: PathBuf,
     /// Graph passes, comma-separated: fused-ce (LM head + cross-entropy in tiles, no logits
@@ -375,6 +378,8 @@ impl TrainConfig {
         train: &TrainSection,
     ) -> Result<TrainConfig, TrainError> {
         let mut block_set = block_fixed || train.block.is_some();
+        // A resumed run keeps its model; a fresh one may name it here or in the file.
+        let mut model_set = block_fixed || model.preset.is_some() || model.hf_config.is_some();
         let mut threads_set = train.threads.is_some();
         if let Some(path) = file {
             let text = crate::user_file::read_text(
@@ -387,10 +392,22 @@ impl TrainConfig {
                 message: e.to_string(),
             })?;
             block_set |= parsed.train.block.is_some();
+            model_set |= parsed.model.preset.is_some() || parsed.model.hf_config.is_some();
             threads_set |= parsed.train.threads.is_some();
             cfg.apply(&parsed.model, &parsed.train)?;
         }
         cfg.apply(model, train)?;
+        if let (false, Some(dir)) = (model_set, cfg.hf_init_dir()) {
+            // Pretrained weights bring their model: its config.json, not the default preset.
+            cfg.model.hf_config = Some(dir.to_path_buf());
+            cfg.model.preset = None;
+        }
+        if let (None, Some(_)) = (cfg.model.vocab_size, cfg.hf_init_dir()) {
+            // Pretrained weights fix the vocabulary, also once the run is resumed (when the
+            // weights come from its checkpoint): a tokenizer may have fewer entries than the
+            // embedding it indexes.
+            cfg.model.vocab_size = Some(cfg.base_model()?.vocab_size());
+        }
         if block_fixed && !threads_set {
             // A resumed run keeps its configuration, but not another machine's core count.
             cfg.threads = cfg.threads.min(snug_cpu::physical_cores());
@@ -688,6 +705,11 @@ impl TrainConfig {
         Target::host(self.threads)
     }
 
+    /// `init_from` when it is a Hugging Face model directory (not a lone weights file).
+    pub fn hf_init_dir(&self) -> Option<&Path> {
+        self.init_from.as_deref().filter(|p| snug_nn::is_hf_dir(p))
+    }
+
     /// The preset (or Hugging Face config) with the `[model]` overrides applied; `vocab_size`
     /// may still change to fit the data (see [`TrainConfig::model_for_vocab`]).
     pub fn base_model(&self) -> Result<ModelConfig, TrainError> {
@@ -707,13 +729,31 @@ impl TrainConfig {
     /// The data this configuration trains on and the model it trains; data with a loss mask
     /// sets [`TrainConfig::loss_mask`]. `plan`, `fit` and `train` all resolve a run through
     /// here, so the step planned is the step that runs.
+    ///
+    /// With pretrained weights from a Hugging Face directory, a text file is encoded with the
+    /// directory's `tokenizer.json` (when it has one), and the weights are checked against the
+    /// model here, before a run directory is made for them.
     pub fn load_data_and_model(
         &mut self,
     ) -> Result<(crate::TokenDataset, ModelConfig), TrainError> {
-        let data = crate::TokenDataset::load(&DataSource::from(&self.data))?;
+        let source = DataSource::from(&self.data);
+        let hf_tokenizer = self
+            .hf_init_dir()
+            .map(|d| d.join(crate::hf_tokenizer::TOKENIZER_FILE))
+            .filter(|p| p.exists());
+        let data = match (&source, hf_tokenizer) {
+            (DataSource::File(path), Some(tok)) => {
+                let tokenizer = crate::Tokenizer::Hf(crate::HfTokenizer::from_file(&tok)?);
+                crate::TokenDataset::from_file_with(path, tokenizer)?
+            }
+            _ => crate::TokenDataset::load(&source)?,
+        };
         data.check_block(self.block)?;
         self.loss_mask |= data.has_loss_mask();
         let model = self.model_for_vocab(data.tokenizer.vocab_size())?;
+        if let Some(dir) = self.hf_init_dir() {
+            snug_nn::HfCheckpoint::open(dir)?.check_model(&model)?;
+        }
         Ok((data, model))
     }
 

@@ -152,6 +152,26 @@ impl TokenDataset {
         Ok(Self::from_text(&path.display().to_string(), &text))
     }
 
+    /// A text file encoded with `tokenizer` (a pretrained model's own, so the ids mean what
+    /// its weights learned), split 90/10.
+    pub fn from_file_with(path: &Path, tokenizer: Tokenizer) -> Result<TokenDataset, TrainError> {
+        let text = crate::user_file::read_text(path, MAX_TEXT_BYTES, "text data")?;
+        if text.is_empty() {
+            return Err(TrainError::EmptyData {
+                path: path.to_path_buf(),
+            });
+        }
+        let ids = tokenizer.encode(&text)?;
+        let split = ids.len() * 9 / 10;
+        let (train, val) = ids.split_at(split);
+        Ok(TokenDataset {
+            tokenizer,
+            train: Tokens::owned(train),
+            val: Tokens::owned(val),
+            name: path.display().to_string(),
+        })
+    }
+
     /// `text` with a character tokenizer built from it, split 90/10.
     pub fn from_text(name: &str, text: &str) -> TokenDataset {
         let tokenizer = CharTokenizer::from_text(text);

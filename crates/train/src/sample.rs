@@ -138,6 +138,31 @@ impl Sampler {
         })
     }
 
+    /// [`Sampler::new`] for the weights of a Hugging Face model directory, decoded straight
+    /// from its mapped files one parameter at a time (no copy of the whole model beside the
+    /// session). `model` must have the checkpoint's parameters.
+    pub fn from_hf(
+        model: &ModelConfig,
+        ckpt: &snug_nn::HfCheckpoint,
+        threads: usize,
+        allocator: Allocator,
+    ) -> Result<Sampler, TrainError> {
+        let threads = threads.max(1);
+        let (g, memory_plan) = plan_inference(model, threads)?;
+        ckpt.check_model(model)?;
+        let mut session = CpuSession::new(g.graph, memory_plan, allocator, threads)?;
+        for (name, id) in &g.params {
+            session.write_f32(*id, &ckpt.read(name)?)?;
+        }
+        Ok(Sampler {
+            session,
+            tokens: g.tokens,
+            logits: g.logits,
+            vocab: model.vocab_size(),
+            window: model.max_seq(),
+        })
+    }
+
     /// The inference plan: its peak is what this sampler holds (weights plus the arena).
     pub fn plan(&self) -> &MemoryPlan {
         self.session.plan()
@@ -323,6 +348,7 @@ mod tests {
             max_seq: 24,
             rms_eps: 1e-5,
             rope_theta: 10000.0,
+            ..LlamaConfig::preset("llama-tiny").unwrap()
         })
     }
 

@@ -195,15 +195,38 @@ impl Trainer {
         };
         // Each tensor is written as it is made, so the arena (touched whole when the session
         // is made) never sits beside a second copy of every parameter.
-        let init: Box<dyn Iterator<Item = (String, Vec<f32>)>> = match (&config.init_from, &model) {
-            (None, _) => model.init_parameters_iter(config.seed),
-            (Some(path), ModelConfig::Gpt(gpt)) => {
-                Box::new(snug_nn::load_gpt2_safetensors(path, gpt)?.into_iter())
+        // A Hugging Face directory is decoded one parameter at a time from its mapped files.
+        let hf = match config.hf_init_dir() {
+            Some(dir) => {
+                let ckpt = snug_nn::HfCheckpoint::open(dir)?;
+                ckpt.check_model(&model)?;
+                Some(ckpt)
             }
-            (Some(_), ModelConfig::Llama(_)) => {
+            None => None,
+        };
+        type Init<'a> = Box<dyn Iterator<Item = Result<(String, Vec<f32>), TrainError>> + 'a>;
+        let init: Init = match (&config.init_from, &model, &hf) {
+            (None, _, _) => Box::new(model.init_parameters_iter(config.seed).map(Ok)),
+            (Some(_), _, Some(ckpt)) => {
+                Box::new(ckpt.parameter_shapes().into_iter().map(|(name, _)| {
+                    let values = ckpt.read(&name)?;
+                    Ok((name, values))
+                }))
+            }
+            (Some(path), ModelConfig::Gpt(gpt), None) => Box::new(
+                snug_nn::load_gpt2_safetensors(path, gpt)?
+                    .into_iter()
+                    .map(Ok),
+            ),
+            (Some(path), ModelConfig::Llama(_), None) => {
                 return Err(TrainError::Config {
                     field: "init_from",
-                    detail: "Hugging Face weights load into GPT-2 models only".into(),
+                    detail: format!(
+                        "{}: a Llama-family model starts from a Hugging Face model directory \
+                         (config.json beside model.safetensors or its shards), not a lone \
+                         weights file",
+                        path.display()
+                    ),
                 })
             }
         };
@@ -213,7 +236,8 @@ impl Trainer {
             .map(|s| (s.name.as_str(), s.param))
             .collect();
         let mut written = std::collections::HashSet::new();
-        for (name, values) in init {
+        for item in init {
+            let (name, values) = item?;
             if let Some(&t) = slot_of.get(name.as_str()) {
                 session.write_f32(t, &values)?;
                 written.insert(t);

@@ -13,14 +13,12 @@ impl CpuKernel for Rope {
         let x = k.in_f32(0);
         let y = crate::par::SendPtr(k.out_f32(0).as_mut_ptr());
         let (hd, half) = (self.head_dim, self.head_dim / 2);
-        let theta = self.theta as f64;
         let sign = if self.inverse { -1.0 } else { 1.0 };
         // One position per item: its angles are computed once and used for every batch row.
         crate::par::for_each_item(k.workspace(), hd, t, |pos, scratch| {
             let (cos, sin) = scratch.split_at_mut(half);
             for i in 0..half {
-                let inv_freq = theta.powf(-((2 * i) as f64) / hd as f64);
-                let (s, co) = (pos as f64 * inv_freq).sin_cos();
+                let (s, co) = (pos as f64 * self.inv_freq(i)).sin_cos();
                 cos[i] = co as f32;
                 sin[i] = (sign * s) as f32;
             }

@@ -24,7 +24,7 @@ pub enum BinaryKind {
 
 /// Row-major strides of `shape` read as `out` (NumPy broadcasting: right-aligned, 0 where an
 /// axis is 1 or missing), or `None` where it does not broadcast to `out`.
-fn broadcast_strides(shape: &[usize], out: &[usize]) -> Option<Vec<usize>> {
+pub(crate) fn broadcast_strides(shape: &[usize], out: &[usize]) -> Option<Vec<usize>> {
     if shape.len() > out.len() {
         return None;
     }

@@ -10,15 +10,14 @@ const SOURCE: Source = Source {
     code: include_str!("grad_norm.wgsl"),
 };
 
-/// Workgroups of the first stage: enough to fill a GPU, few enough for one to add them up.
-const MAX_GROUPS: usize = 256;
-
 /// The norm's constants, unused by the sums of squares but declared for the file to compile.
 const NO_NORM: &str = "const UNSCALE: bool = false;\nconst CLIP: bool = false;";
 
-/// Floats of workspace [`sum_squares`] needs for `n` elements (one per workgroup).
+/// Floats of workspace [`sum_squares`] needs for `n` elements (one per workgroup of the first
+/// stage): the plan's rule for a GPU target, enough workgroups to fill a GPU and few enough
+/// (at most 256) for one to add them up.
 pub fn sum_squares_workspace(n: usize) -> usize {
-    n.div_ceil(256 * 4).clamp(1, MAX_GROUPS)
+    snug_graph::ops::gpu_partial_sums(n)
 }
 
 /// Records `out[0] = Σ x²` over `n` elements; `partial` holds

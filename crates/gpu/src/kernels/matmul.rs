@@ -30,6 +30,14 @@ pub struct Gemm {
     pub shared_b: bool,
 }
 
+/// Where one operand's matrix lies in its binding: its first element, and the distance
+/// between its rows as stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Place {
+    pub offset: usize,
+    pub ld: usize,
+}
+
 /// Records `c = op(a)·op(b) (+ bias)`.
 pub fn matmul(
     device: &GpuDevice,
@@ -40,11 +48,83 @@ pub fn matmul(
     bias: Option<DeviceSlice<'_>>,
     c: DeviceSlice<'_>,
 ) -> Result<()> {
+    let dense = |ld| Place { offset: 0, ld };
+    let places = [
+        dense(if g.ta { g.m } else { g.k }),
+        dense(if g.tb { g.k } else { g.n }),
+        dense(g.n),
+    ];
+    record(device, encoder, g, [a, b, c], places, bias, false)
+}
+
+/// Records one product (`g.batch` is 1) between matrices placed inside their bindings (a tile
+/// of rows, a block of a weight's columns): `c = op(a)·op(b)`, or `c += op(a)·op(b)` with
+/// `accumulate`.
+pub fn matmul_in(
+    device: &GpuDevice,
+    encoder: &mut wgpu::CommandEncoder,
+    g: Gemm,
+    [a, b, c]: [(DeviceSlice<'_>, Place); 3],
+    accumulate: bool,
+) -> Result<()> {
+    if g.batch != 1 {
+        return Err(unsupported(
+            device,
+            "matmul",
+            format!("{} placed products (one at most)", g.batch),
+        ));
+    }
+    record(
+        device,
+        encoder,
+        g,
+        [a.0, b.0, c.0],
+        [a.1, b.1, c.1],
+        None,
+        accumulate,
+    )
+}
+
+/// Elements a matrix of `rows` stored rows of `cols` needs in its binding at `place`.
+fn extent(place: Place, (rows, cols): (usize, usize)) -> usize {
+    if rows == 0 || cols == 0 {
+        return 0;
+    }
+    place.offset + (rows - 1) * place.ld + cols
+}
+
+fn record(
+    device: &GpuDevice,
+    encoder: &mut wgpu::CommandEncoder,
+    g: Gemm,
+    [a, b, c]: [DeviceSlice<'_>; 3],
+    [pa, pb, pc]: [Place; 3],
+    bias: Option<DeviceSlice<'_>>,
+    accumulate: bool,
+) -> Result<()> {
     let kernel = "matmul";
     let b_batch = if g.shared_b { 1 } else { g.batch };
-    need(device, "matmul a", &a, g.batch * g.m * g.k)?;
-    need(device, "matmul b", &b, b_batch * g.k * g.n)?;
-    need(device, "matmul c", &c, g.batch * g.m * g.n)?;
+    let stored_a = if g.ta { (g.k, g.m) } else { (g.m, g.k) };
+    let stored_b = if g.tb { (g.n, g.k) } else { (g.k, g.n) };
+    let last = |batches: usize, per: usize, e: usize| (batches.max(1) - 1) * per + e;
+    need(
+        device,
+        "matmul a",
+        &a,
+        last(g.batch, g.m * g.k, extent(pa, stored_a)),
+    )?;
+    need(
+        device,
+        "matmul b",
+        &b,
+        last(b_batch, g.k * g.n, extent(pb, stored_b)),
+    )?;
+    need(
+        device,
+        "matmul c",
+        &c,
+        last(g.batch, g.m * g.n, extent(pc, (g.m, g.n))),
+    )?;
     if let Some(bias) = &bias {
         need(device, "matmul bias", bias, g.n)?;
     }
@@ -60,7 +140,7 @@ pub fn matmul(
         source: SOURCE,
         entry: kernel,
         constants: format!(
-            "const TA: bool = {};\nconst TB: bool = {};\nconst BIAS: bool = {};",
+            "const TA: bool = {};\nconst TB: bool = {};\nconst BIAS: bool = {};\nconst ACC: bool = {accumulate};",
             g.ta,
             g.tb,
             bias.is_some()
@@ -71,7 +151,13 @@ pub fn matmul(
             .u(u(g.k)?)
             .u(u(g.m * g.k)?)
             .u(u(b_stride)?)
-            .u(u(g.m * g.n)?),
+            .u(u(g.m * g.n)?)
+            .u(u(pa.offset)?)
+            .u(u(pb.offset)?)
+            .u(u(pc.offset)?)
+            .u(u(pa.ld)?)
+            .u(u(pb.ld)?)
+            .u(u(pc.ld)?),
         // Without a bias, `c` fills its binding: the kernel never reads it.
         tensors: vec![(1, a), (2, b), (3, c), (4, bias.unwrap_or(c))],
         grid: [u(g.n.div_ceil(TILE))?, u(g.m.div_ceil(TILE))?, u(g.batch)?],

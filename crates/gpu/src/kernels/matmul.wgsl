@@ -1,7 +1,8 @@
 // C = op(A)·op(B) (+ bias) for a batch of products, tiled through workgroup memory.
-// Specialised by TA, TB (operands stored transposed) and BIAS.
-// A is [M, K] ([K, M] with TA), B is [K, N] ([N, K] with TB), C is [M, N], all row-major;
-// batch z starts at z·stride of each (B's stride is 0 when B is shared).
+// Specialised by TA, TB (operands stored transposed), BIAS, and ACC (C += the product).
+// A is [M, K] ([K, M] with TA), B is [K, N] ([N, K] with TB), C is [M, N], each row-major
+// from its offset with rows lda, ldb, ldc apart; batch z starts at z·stride of each (B's
+// stride is 0 when B is shared).
 
 struct Params {
     m: u32,
@@ -10,6 +11,12 @@ struct Params {
     a_stride: u32,
     b_stride: u32,
     c_stride: u32,
+    a_off: u32,
+    b_off: u32,
+    c_off: u32,
+    lda: u32,
+    ldb: u32,
+    ldc: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -30,9 +37,9 @@ fn load_a(base: u32, row: u32, kk: u32) -> f32 {
         return 0.0;
     }
     if (TA) {
-        return a[base + kk * p.m + row];
+        return a[base + kk * p.lda + row];
     }
-    return a[base + row * p.k + kk];
+    return a[base + row * p.lda + kk];
 }
 
 fn load_b(base: u32, kk: u32, col: u32) -> f32 {
@@ -40,9 +47,9 @@ fn load_b(base: u32, kk: u32, col: u32) -> f32 {
         return 0.0;
     }
     if (TB) {
-        return b[base + col * p.k + kk];
+        return b[base + col * p.ldb + kk];
     }
-    return b[base + kk * p.n + col];
+    return b[base + kk * p.ldb + col];
 }
 
 @compute @workgroup_size(16, 16, 1)
@@ -53,8 +60,8 @@ fn matmul(
 ) {
     let row0 = wid.y * TILE;
     let col0 = wid.x * TILE;
-    let a_base = wid.z * p.a_stride;
-    let b_base = wid.z * p.b_stride;
+    let a_base = p.a_off + wid.z * p.a_stride;
+    let b_base = p.b_off + wid.z * p.b_stride;
     var acc: array<f32, 16>;
     for (var k0 = 0u; k0 < p.k; k0 += DEPTH) {
         // 256 threads load 1024 elements of each tile, 4 each.
@@ -98,7 +105,7 @@ fn matmul(
         }
         workgroupBarrier();
     }
-    let c_base = wid.z * p.c_stride;
+    let c_base = p.c_off + wid.z * p.c_stride;
     for (var i = 0u; i < 4u; i++) {
         let row = row0 + lid.y + i * SIDE;
         for (var j = 0u; j < 4u; j++) {
@@ -108,7 +115,11 @@ fn matmul(
                 if (BIAS) {
                     v += bias[col];
                 }
-                c[c_base + row * p.n + col] = v;
+                let at = c_base + row * p.ldc + col;
+                if (ACC) {
+                    v += c[at];
+                }
+                c[at] = v;
             }
         }
     }

@@ -8,20 +8,27 @@
 //! read-only and writable in a dispatch. Scalar arguments travel in a small uniform buffer per
 //! launch. Kernels are plain: no subgroup operations, no assumed subgroup size.
 
+pub mod accumulate;
 pub mod adamw;
 pub mod attention;
+pub mod cast;
 pub mod cross_entropy;
 pub mod elementwise;
 pub mod embedding;
+pub mod fill;
 pub mod gelu;
 pub mod grad_norm;
 pub mod layernorm;
+pub mod lm_head_loss;
 pub mod matmul;
+pub mod reduce;
 pub mod rmsnorm;
 pub mod rope;
 pub mod sgd;
 pub mod silu;
+pub mod softmax;
 pub mod swiglu;
+pub mod view;
 
 use wgpu::util::DeviceExt;
 

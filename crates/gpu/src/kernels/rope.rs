@@ -14,19 +14,13 @@ const SOURCE: Source = Source {
 /// Frequencies the kernel's argument block holds: heads up to 256 wide.
 const MAX_HALF: usize = 128;
 
-/// The rotation: heads, head width (even), frequency base, direction.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RopeSpec {
-    pub n_head: usize,
-    pub head_dim: usize,
-    pub theta: f32,
-    pub inverse: bool,
-}
+/// The rotation is the graph's op itself (heads, head width, frequencies, direction): its
+/// `inv_freq` is the one every backend takes its frequencies from.
+pub use snug_graph::ops::Rope as RopeSpec;
 
-/// `f_i / 2π` as a 64-bit fraction of a turn `(hi, lo)`, `f_i = θ^(−2i/D)` in f64 as the CPU
-/// backend computes it.
-fn turn_words(theta: f32, head_dim: usize, i: usize) -> (u32, u32) {
-    let inv_freq = f64::from(theta).powf(-((2 * i) as f64) / head_dim as f64);
+/// A frequency (radians a position, f64 as [`RopeSpec::inv_freq`] gives it) as a 64-bit
+/// fraction of a turn `(hi, lo)`, so the kernel's angle stays exact at long positions.
+fn turn_words(inv_freq: f64) -> (u32, u32) {
     let turns = inv_freq / std::f64::consts::TAU;
     let scaled = turns * 4_294_967_296.0;
     let hi = scaled.floor();
@@ -71,7 +65,7 @@ pub fn rope<'a>(
         .u(0);
     for i in 0..MAX_HALF {
         let (hi, lo) = if i < half {
-            turn_words(spec.theta, spec.head_dim, i)
+            turn_words(spec.inv_freq(i))
         } else {
             (0, 0)
         };
@@ -94,7 +88,7 @@ mod tests {
 
     #[test]
     fn the_first_frequency_is_one_radian_a_position() {
-        let (hi, lo) = turn_words(10_000.0, 64, 0);
+        let (hi, lo) = turn_words(super::RopeSpec::new(1, 64, 10_000.0).inv_freq(0));
         let turns = (f64::from(hi) + f64::from(lo) / 4_294_967_296.0) / 4_294_967_296.0;
         assert!((turns * std::f64::consts::TAU - 1.0).abs() < 1e-15);
     }

@@ -134,3 +134,122 @@ fn embedding_gathers_rows_and_scatters_gradients_deterministically() {
         );
     }
 }
+
+/// The fused LM head + loss against f64 loops, tied and untied, with tiles that split both the
+/// tokens and the vocabulary (and one tile of everything), `dx` written over `x` or apart.
+#[test]
+fn fused_lm_head_loss_and_gradients() {
+    use snug_gpu::kernels::lm_head_loss::{lm_head_loss, lm_head_loss_backward, HeadShape};
+    let Some(device) = gpu() else { return };
+    let (n, c, v) = (70, 40, 150);
+    for (k, (tb, rows, cols, inplace)) in [
+        (true, 32, 64, false),
+        (false, 32, 64, true),
+        (false, 70, 150, false),
+        (true, 70, 150, true),
+        (true, 70, 64, true),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let s = HeadShape {
+            n,
+            c,
+            v,
+            tb,
+            rows,
+            cols,
+        };
+        let seed = 900 + 10 * k as u64;
+        let x = uniform(seed, n * c, -1.0, 1.0);
+        let head = uniform(seed + 1, v * c, -0.5, 0.5);
+        let targets = ids(seed + 2, n, v as i32);
+        let dloss = 0.8f32;
+        let t = Tensors::new(
+            device,
+            &[
+                Init::F32(x.clone()),
+                Init::F32(head.clone()),
+                Init::I32(targets.clone()),
+                Init::F32(vec![dloss]),
+                Init::Out(s.forward_workspace().max(s.backward_workspace())),
+                Init::Out(1),
+                Init::Out(n),
+                Init::Out(n * c),
+                Init::Out(v * c),
+            ],
+        );
+        t.run(|e, t| {
+            let ws = t.get(4);
+            lm_head_loss(
+                device,
+                e,
+                s,
+                [t.get(0), t.get(1), t.get(2)],
+                ws,
+                [t.get(5), t.get(6)],
+            )?;
+            let dx = if inplace { t.get(0) } else { t.get(7) };
+            lm_head_loss_backward(
+                device,
+                e,
+                s,
+                [t.get(0), t.get(1), t.get(2), t.get(6), t.get(3)],
+                ws,
+                [dx, t.get(8)],
+            )
+        });
+        let w = |vi: usize, ci: usize| {
+            f64::from(if tb {
+                head[vi * c + ci]
+            } else {
+                head[ci * v + vi]
+            })
+        };
+        let (mut total, mut mag) = (0.0, 0.0);
+        let (mut lse, mut dx, mut dhead) = (vec![], vec![0.0; n * c], vec![0.0; v * c]);
+        let (mut dx_mag, mut dhead_mag) = (vec![0.0; n * c], vec![0.0; v * c]);
+        let g = f64::from(dloss) / n as f64;
+        for r in 0..n {
+            let logits: Vec<f64> = (0..v)
+                .map(|vi| (0..c).map(|ci| f64::from(x[r * c + ci]) * w(vi, ci)).sum())
+                .collect();
+            let mx = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let l = mx + logits.iter().map(|z| (z - mx).exp()).sum::<f64>().ln();
+            let tgt = targets[r] as usize;
+            lse.push(l);
+            total += l - logits[tgt];
+            mag += l.abs() + logits[tgt].abs();
+            for (vi, z) in logits.iter().enumerate() {
+                let d = ((z - l).exp() - if vi == tgt { 1.0 } else { 0.0 }) * g;
+                for ci in 0..c {
+                    let (xi, wi) = (f64::from(x[r * c + ci]), w(vi, ci));
+                    dx[r * c + ci] += d * wi;
+                    dx_mag[r * c + ci] += (d * wi).abs();
+                    let at = if tb { vi * c + ci } else { ci * v + vi };
+                    dhead[at] += d * xi;
+                    dhead_mag[at] += (d * xi).abs();
+                }
+            }
+        }
+        let what = format!("lm head tb={tb} tile {rows}x{cols}");
+        assert_close(
+            &what,
+            &t.read(5),
+            &[total / n as f64],
+            1e-5,
+            &[mag / n as f64],
+        );
+        let lse_mag: Vec<f64> = lse.iter().map(|l| l.abs() + 1.0).collect();
+        assert_close(&what, &t.read(6), &lse, 1e-5, &lse_mag);
+        let got_dx = t.read(if inplace { 0 } else { 7 });
+        assert_close(&format!("{what} dx"), &got_dx, &dx, 1e-4, &dx_mag);
+        assert_close(
+            &format!("{what} dhead"),
+            &t.read(8),
+            &dhead,
+            1e-4,
+            &dhead_mag,
+        );
+    }
+}

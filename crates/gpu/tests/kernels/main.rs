@@ -12,4 +12,5 @@ mod losses;
 mod matmul;
 mod norms;
 mod optimizers;
+mod reshaping;
 mod rope;

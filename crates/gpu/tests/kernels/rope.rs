@@ -1,4 +1,5 @@
 use snug_gpu::kernels::rope::{rope, RopeSpec};
+use snug_graph::ops::RopeScaling;
 
 use crate::common::{assert_close, gpu, uniform, Init, Tensors};
 
@@ -12,7 +13,7 @@ fn reference(spec: RopeSpec, (b, t): (usize, usize), x: &[f32]) -> Vec<f64> {
             for h in 0..spec.n_head {
                 let base = (bi * t + pos) * c + h * hd;
                 for i in 0..half {
-                    let inv_freq = f64::from(spec.theta).powf(-((2 * i) as f64) / hd as f64);
+                    let inv_freq = spec.inv_freq(i);
                     let (s, co) = (pos as f64 * inv_freq).sin_cos();
                     let s = sign * s;
                     let (x1, x2) = (f64::from(x[base + i]), f64::from(x[base + i + half]));
@@ -29,17 +30,25 @@ fn reference(spec: RopeSpec, (b, t): (usize, usize), x: &[f32]) -> Vec<f64> {
 fn rotations_forward_and_inverse_at_short_and_long_positions() {
     let Some(device) = gpu() else { return };
     // The last case reaches position 5000, where a float angle would be off by ~1e-4 rad.
-    for (b, t, n_head, head_dim, inverse) in [
-        (1, 1, 1, 2, false),
-        (2, 17, 3, 8, false),
-        (1, 65, 2, 64, true),
-        (1, 5000, 1, 4, false),
+    // Llama 3's scaling with a small original context puts frequencies in all three bands.
+    let llama3 = Some(RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position: 16,
+    });
+    for (b, t, n_head, head_dim, inverse, scaling) in [
+        (1, 1, 1, 2, false, None),
+        (2, 17, 3, 8, false, None),
+        (1, 65, 2, 64, true, None),
+        (1, 5000, 1, 4, false, None),
+        (2, 40, 2, 32, false, llama3),
+        (1, 40, 2, 32, true, llama3),
     ] {
         let spec = RopeSpec {
-            n_head,
-            head_dim,
-            theta: 10_000.0,
             inverse,
+            scaling,
+            ..RopeSpec::new(n_head, head_dim, 10_000.0)
         };
         let n = b * t * n_head * head_dim;
         let x = uniform(n as u64, n, -1.0, 1.0);
@@ -76,12 +85,7 @@ fn the_inverse_undoes_the_forward_in_place() {
     let n = b * t * n_head * head_dim;
     let x = uniform(77, n, -1.0, 1.0);
     let tt = Tensors::new(device, &[Init::F32(x.clone())]);
-    let spec = RopeSpec {
-        n_head,
-        head_dim,
-        theta: 500_000.0,
-        inverse: false,
-    };
+    let spec = RopeSpec::new(n_head, head_dim, 500_000.0);
     tt.run(|e, tt| {
         rope(device, e, spec, (b, t), tt.get(0), tt.get(0))?;
         let back = RopeSpec {

@@ -69,6 +69,10 @@ impl OpRule for CausalAttention {
 
     /// One head's scratch per thread.
     fn workspace_elems(&self, inputs: &[&TensorMeta], target: &crate::Target) -> usize {
+        // The GPU kernel keeps its tiles in workgroup memory.
+        if target.is_gpu() {
+            return 0;
+        }
         let threads = target.threads();
         dims(self.name(), &inputs[0].shape, self.n_head)
             .map_or(0, |(_, t, _, d)| threads * forward_scratch(t, d))
@@ -117,6 +121,9 @@ impl OpRule for CausalAttentionBackward {
 
     /// One head's scratch per thread.
     fn workspace_elems(&self, inputs: &[&TensorMeta], target: &crate::Target) -> usize {
+        if target.is_gpu() {
+            return 0;
+        }
         let threads = target.threads();
         dims(self.name(), &inputs[0].shape, self.n_head)
             .map_or(0, |(_, t, _, d)| threads * backward_scratch(t, d))

@@ -126,6 +126,10 @@ impl OpRule for GqaAttention {
 
     /// One head's scratch per thread.
     fn workspace_elems(&self, inputs: &[&TensorMeta], target: &crate::Target) -> usize {
+        // The GPU kernel keeps its tiles in workgroup memory.
+        if target.is_gpu() {
+            return 0;
+        }
         let threads = target.threads();
         let (q, k, v) = (&inputs[0].shape, &inputs[1].shape, &inputs[2].shape);
         dims(self.name(), self.n_head, self.n_kv_head, q, k, v)
@@ -184,6 +188,10 @@ impl OpRule for GqaAttentionBackward {
 
     /// One head's scratch per thread.
     fn workspace_elems(&self, inputs: &[&TensorMeta], target: &crate::Target) -> usize {
+        // The GPU kernel keeps its tiles in workgroup memory.
+        if target.is_gpu() {
+            return 0;
+        }
         let threads = target.threads();
         let (q, k, v) = (&inputs[0].shape, &inputs[1].shape, &inputs[2].shape);
         dims(self.name(), self.n_head, self.n_kv_head, q, k, v)

@@ -27,9 +27,24 @@ impl OpRule for SumSquares {
         Err(no_gradient("sum_squares"))
     }
 
+    /// The GPU sums in two stages, through one partial sum per workgroup.
+    fn workspace_elems(&self, inputs: &[&TensorMeta], target: &crate::Target) -> usize {
+        if target.is_gpu() {
+            gpu_partial_sums(inputs[0].numel())
+        } else {
+            0
+        }
+    }
+
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         2 * inputs[0].numel() as u64
     }
+}
+
+/// Partial sums a GPU's [`SumSquares`] of `n` elements writes before adding them: one per
+/// 1,024 elements, at most 256 (what one workgroup of 256 threads adds in its second stage).
+pub fn gpu_partial_sums(n: usize) -> usize {
+    n.div_ceil(1024).clamp(1, 256)
 }
 
 /// Inputs: every gradient's [`SumSquares`]. Outputs `[coef]` and `[norm]`, where `norm` is
@@ -67,6 +82,15 @@ impl OpRule for GradNorm {
 
     fn backward(&self, _ctx: &mut GradCtx<'_>) -> Result<()> {
         Err(no_gradient("grad_norm"))
+    }
+
+    /// The GPU adds the sums as a (high, low) pair of floats, kept between its dispatches.
+    fn workspace_elems(&self, _inputs: &[&TensorMeta], target: &crate::Target) -> usize {
+        if target.is_gpu() {
+            2
+        } else {
+            0
+        }
     }
 }
 

@@ -32,12 +32,15 @@ pub use host::HostMemory;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub enum Device {
     Cpu,
+    /// The adapter `gpu:N` (in the order the GPU backend lists them).
+    Gpu(u32),
 }
 
 impl fmt::Display for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Device::Cpu => f.write_str("cpu"),
+            Device::Gpu(i) => write!(f, "gpu:{i}"),
         }
     }
 }
@@ -139,6 +142,24 @@ pub trait MemorySource: Send + Sync + fmt::Debug {
     fn unwire(&self, _block: &Block) {}
 }
 
+/// A device no backend has opened: it has no memory to give.
+#[derive(Debug)]
+struct Unopened(Device);
+
+impl MemorySource for Unopened {
+    fn device(&self) -> Device {
+        self.0
+    }
+
+    fn allocate(&self, _capacity: usize) -> Option<Block> {
+        None
+    }
+
+    fn release(&self, _block: Block) {}
+
+    fn zero(&self, _block: &Block, _bytes: usize) {}
+}
+
 #[derive(Debug)]
 struct State {
     source: Arc<dyn MemorySource>,
@@ -183,10 +204,14 @@ pub struct MemoryStats {
 }
 
 impl Allocator {
-    /// A new allocator with its own counters: no limits, unbounded cache.
+    /// A new allocator with its own counters: no limits, unbounded cache. A GPU's memory
+    /// comes from an opened device, which its backend's allocator holds
+    /// ([`Allocator::with_source`]): for [`Device::Gpu`] this one refuses every allocation
+    /// (a typed out-of-memory naming the device).
     pub fn new(device: Device) -> Self {
         match device {
             Device::Cpu => Allocator::with_source(Arc::new(HostMemory)),
+            Device::Gpu(_) => Allocator::with_source(Arc::new(Unopened(device))),
         }
     }
 

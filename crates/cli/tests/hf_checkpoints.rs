@@ -1,0 +1,366 @@
+//! Hugging Face model directories wherever the CLI takes a checkpoint: `train --init-from`,
+//! `sample --checkpoint`, `export --checkpoint`, `plan --hf-config`; and the directories it
+//! refuses, with nothing written.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use safetensors::SafeTensors;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../nn/tests/fixtures/hf")
+        .join(name)
+}
+
+fn snug(cwd: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_snug"))
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .expect("the snug binary runs")
+}
+
+fn ok(cwd: &Path, args: &[&str]) -> Output {
+    let o = snug(cwd, args);
+    assert!(
+        o.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
+}
+
+fn fails_with(cwd: &Path, args: &[&str], needles: &[&str]) {
+    let o = snug(cwd, args);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+    assert!(!err.contains("panicked"), "{args:?}: {err}");
+    for n in needles {
+        assert!(err.contains(n), "{args:?}: `{n}` missing from: {err}");
+    }
+}
+
+fn json(o: &Output) -> serde_json::Value {
+    // One document, or one object per line (train) ending in the summary.
+    let text = String::from_utf8_lossy(&o.stdout);
+    serde_json::from_str(&text)
+        .unwrap_or_else(|_| serde_json::from_str(text.lines().last().expect("a line")).unwrap())
+}
+
+/// A small English text whose words the fixture tokenizer knows.
+fn write_text(path: &Path) {
+    let words = [
+        "the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "hello",
+    ];
+    let text: Vec<&str> = (0..2000)
+        .map(|i| words[(i * 7 + i / 3) % words.len()])
+        .collect();
+    std::fs::write(path, text.join(" ")).unwrap();
+}
+
+/// Every tensor of a safetensors file as f32 values, by name.
+fn tensors(path: &Path) -> Vec<(String, Vec<f32>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, Vec<f32>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            assert_eq!(v.dtype(), safetensors::Dtype::F32, "{n}");
+            let values = v
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            (n, values)
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// `train --init-from DIR` starts from the directory's weights (a run at a negligible
+/// learning rate exports them back), encodes the text with its tokenizer, and the run and the
+/// directory both sample; export writes the tokenizer's files beside the weights.
+#[test]
+fn train_sample_and_export_from_a_hugging_face_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    write_text(&cwd.join("text.txt"));
+    let dir = fixture("llama_tied");
+    let dir_s = dir.to_str().unwrap();
+    let o = ok(
+        cwd,
+        &[
+            "train",
+            "--init-from",
+            dir_s,
+            "--data",
+            "text.txt",
+            "--steps",
+            "3",
+            "--batch",
+            "2",
+            "--block",
+            "32",
+            "--threads",
+            "1",
+            "--eval-every",
+            "0",
+            "--lr",
+            "1e-9",
+            "--min-lr",
+            "0",
+            "--weight-decay",
+            "0",
+            "--warmup-steps",
+            "0",
+            "--out",
+            "run",
+            "--json",
+        ],
+    );
+    let summary = json(&o);
+    assert_eq!(summary["parameters"], 28832);
+    assert_eq!(
+        summary["predicted_peak_bytes"],
+        summary["measured_peak_bytes"]
+    );
+
+    let o = ok(
+        cwd,
+        &[
+            "export",
+            "--checkpoint",
+            "run",
+            "--out",
+            "exported",
+            "--json",
+        ],
+    );
+    let report = json(&o);
+    assert_eq!(report["tokenizer_files"].as_array().unwrap().len(), 2);
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        assert_eq!(
+            std::fs::read(cwd.join("exported").join(file)).unwrap(),
+            std::fs::read(dir.join(file)).unwrap(),
+            "{file} written back as it was"
+        );
+    }
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(cwd.join("exported/config.json")).unwrap()).unwrap();
+    assert_eq!(config["architectures"][0], "LlamaForCausalLM");
+    assert_eq!(config["tie_word_embeddings"], true);
+    // Three AdamW steps at lr 1e-9 move no weight by more than about 3e-9.
+    let got = tensors(&cwd.join("exported/model.safetensors"));
+    let want = tensors(&dir.join("model.safetensors"));
+    assert_eq!(
+        got.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+        want.iter().map(|(n, _)| n).collect::<Vec<_>>()
+    );
+    for ((name, a), (_, b)) in got.iter().zip(&want) {
+        let worst = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst < 1e-6,
+            "{name}: moved {worst} from the pretrained weights"
+        );
+    }
+
+    for from in [dir_s, "run", "exported"] {
+        let o = ok(
+            cwd,
+            &[
+                "sample",
+                "--checkpoint",
+                from,
+                "--prompt",
+                "the cat",
+                "--tokens",
+                "6",
+                "--temperature",
+                "0",
+                "--threads",
+                "1",
+                "--json",
+            ],
+        );
+        let r = json(&o);
+        assert_eq!(r["tokens"], 6, "{from}");
+        assert_eq!(r["planned_peak_bytes"], r["measured_peak_bytes"], "{from}");
+    }
+    // The directory and its export are the same model: the same greedy text.
+    let greedy = |from: &str| {
+        let o = ok(
+            cwd,
+            &[
+                "sample",
+                "--checkpoint",
+                from,
+                "--prompt",
+                "hello",
+                "--tokens",
+                "8",
+                "--temperature",
+                "0",
+                "--threads",
+                "1",
+                "--json",
+            ],
+        );
+        json(&o)["text"].clone()
+    };
+    ok(cwd, &["export", "--checkpoint", dir_s, "--out", "direct"]);
+    assert_eq!(greedy(dir_s), greedy("direct"));
+
+    // A sharded directory exports as one file, and a directory with no tokenizer cannot
+    // encode a prompt.
+    let sharded = fixture("llama_sharded");
+    ok(
+        cwd,
+        &[
+            "export",
+            "--checkpoint",
+            sharded.to_str().unwrap(),
+            "--out",
+            "joined",
+        ],
+    );
+    assert_eq!(
+        tensors(&cwd.join("joined/model.safetensors")),
+        tensors(&fixture("llama").join("model.safetensors"))
+    );
+    fails_with(
+        cwd,
+        &["sample", "--checkpoint", "joined", "--prompt", "hi"],
+        &["joined", "tokenizer.json"],
+    );
+}
+
+/// `plan --hf-config` takes the directory as well as its config.json.
+#[test]
+fn plan_takes_a_model_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["qwen2", "llama3_rope_scaling"] {
+        let dir = fixture(name);
+        let plan = |path: &Path| {
+            let o = ok(
+                tmp.path(),
+                &[
+                    "plan",
+                    "--hf-config",
+                    path.to_str().unwrap(),
+                    "--batch",
+                    "2",
+                    "--block",
+                    "16",
+                    "--json",
+                ],
+            );
+            json(&o)
+        };
+        let a = plan(&dir);
+        let b = plan(&dir.join("config.json"));
+        for key in ["model", "peak_bytes", "parameters", "breakdown"] {
+            assert_eq!(a[key], b[key], "{name}: {key}");
+        }
+        assert!(a["peak_bytes"].as_u64().unwrap() > 0);
+    }
+}
+
+fn copy_fixture(name: &str, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(fixture(name)).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, to.join(p.file_name().unwrap())).unwrap();
+    }
+}
+
+/// A refused configuration field, a truncated shard and a missing index entry each stop
+/// `train`, `sample`, `export` and `plan` with an error naming the file and what is wrong,
+/// before any run directory or export is written.
+#[test]
+fn bad_directories_are_refused_before_anything_is_written() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    write_text(&cwd.join("text.txt"));
+
+    let gelu = cwd.join("gelu");
+    copy_fixture("llama", &gelu);
+    let config = gelu.join("config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, text.replace("\"silu\"", "\"gelu\"")).unwrap();
+
+    let truncated = cwd.join("truncated");
+    copy_fixture("llama_sharded", &truncated);
+    let shard = truncated.join("model-00003-of-00003.safetensors");
+    let bytes = std::fs::read(&shard).unwrap();
+    std::fs::write(&shard, &bytes[..bytes.len() / 2]).unwrap();
+
+    let unlisted = cwd.join("unlisted");
+    copy_fixture("llama_sharded", &unlisted);
+    let index = unlisted.join("model.safetensors.index.json");
+    let text = std::fs::read_to_string(&index).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["weight_map"]
+        .as_object_mut()
+        .unwrap()
+        .remove("model.layers.1.mlp.up_proj.weight");
+    std::fs::write(&index, v.to_string()).unwrap();
+
+    let cases: [(&Path, &[&str]); 3] = [
+        (
+            &gelu,
+            &["config.json", "hidden_act", "\"gelu\"", "not supported"],
+        ),
+        (
+            &truncated,
+            &["model-00003-of-00003.safetensors", "truncated"],
+        ),
+        (
+            &unlisted,
+            &[
+                "model.safetensors.index.json",
+                "model.layers.1.mlp.up_proj.weight",
+                "no entry",
+            ],
+        ),
+    ];
+    for (dir, needles) in cases {
+        let d = dir.to_str().unwrap();
+        fails_with(
+            cwd,
+            &[
+                "train",
+                "--init-from",
+                d,
+                "--data",
+                "text.txt",
+                "--steps",
+                "1",
+                "--threads",
+                "1",
+                "--out",
+                "run",
+            ],
+            needles,
+        );
+        assert!(!cwd.join("run").exists(), "{d}: a run directory was made");
+        fails_with(
+            cwd,
+            &["sample", "--checkpoint", d, "--tokens", "2"],
+            needles,
+        );
+        fails_with(cwd, &["export", "--checkpoint", d, "--out", "out"], needles);
+        assert!(!cwd.join("out").exists(), "{d}: export wrote");
+    }
+    fails_with(
+        cwd,
+        &["plan", "--hf-config", gelu.to_str().unwrap()],
+        &["hidden_act", "\"gelu\""],
+    );
+}

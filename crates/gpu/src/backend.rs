@@ -1,0 +1,423 @@
+//! The GPU as the runtime's [`Backend`]: device buffers through the runtime's allocator
+//! ([`GpuMemory`]), each scheduled node bound to (buffer, offset, length) ranges once, and a
+//! step recorded node after node into one command encoder and submitted once: no round trip
+//! to the host between ops. [`GpuSession`] is the runtime's session over it.
+
+use std::collections::HashMap;
+use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use snug_graph::ops::Op;
+use snug_graph::{Graph, Node, Target};
+use snug_runtime::{
+    Allocator, Backend, Binding, Block, Device, ExecCtx, NodeArgs, RuntimeError, Session, Slice,
+};
+
+use crate::adapter::Selector;
+use crate::device::GpuDevice;
+use crate::error::GpuError;
+use crate::memory::{DeviceBuffer, DeviceSlice, MemorySource};
+use crate::{launch, transfer};
+
+/// The runtime's session over the GPU backend.
+pub type GpuSession = Session<GpuBackend>;
+
+/// The device's memory as the runtime's allocator draws on it: each block is one device
+/// buffer from the counting [`MemorySource`], found again by its handle (a number, not an
+/// address).
+#[derive(Debug)]
+pub struct GpuMemory {
+    source: MemorySource,
+    device: Device,
+    next: AtomicUsize,
+    blocks: Mutex<HashMap<usize, DeviceBuffer>>,
+}
+
+impl GpuMemory {
+    fn new(device: &GpuDevice) -> GpuMemory {
+        GpuMemory {
+            source: MemorySource::new(device),
+            device: Device::Gpu(u32::try_from(device.info().index).unwrap_or(u32::MAX)),
+            next: AtomicUsize::new(1),
+            blocks: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn blocks(&self) -> MutexGuard<'_, HashMap<usize, DeviceBuffer>> {
+        // Every update is a single map operation: a panic cannot leave it half done.
+        self.blocks.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The device buffer behind a block's handle.
+    fn buffer(&self, handle: usize) -> Option<wgpu::Buffer> {
+        self.blocks().get(&handle).map(|b| b.buffer().clone())
+    }
+
+    /// Bytes of device buffers allocated and not released (the allocator's cache included).
+    pub fn device_active_bytes(&self) -> u64 {
+        self.source.active_bytes()
+    }
+
+    /// The most bytes of device buffers out at once.
+    pub fn device_peak_bytes(&self) -> u64 {
+        self.source.peak_bytes()
+    }
+}
+
+impl snug_runtime::MemorySource for GpuMemory {
+    fn device(&self) -> Device {
+        self.device
+    }
+
+    /// wgpu zeroes new buffers; a device that refuses (out of memory, larger than its largest
+    /// buffer, lost) gives `None`, which the allocator reports as out of memory on this device.
+    fn allocate(&self, capacity: usize) -> Option<Block> {
+        let buffer = self.source.allocate(capacity as u64).ok()?;
+        let handle = self.next.fetch_add(1, Ordering::Relaxed);
+        self.blocks().insert(handle, buffer);
+        Some(Block {
+            handle: NonZeroUsize::new(handle)?,
+            capacity,
+        })
+    }
+
+    fn release(&self, block: Block) {
+        if let Some(buffer) = self.blocks().remove(&block.handle.get()) {
+            self.source.release(buffer);
+        }
+    }
+
+    fn zero(&self, block: &Block, bytes: usize) {
+        let Some(buffer) = self.buffer(block.handle.get()) else {
+            return;
+        };
+        let device = self.source.device();
+        let len = (bytes as u64)
+            .next_multiple_of(wgpu::COPY_BUFFER_ALIGNMENT)
+            .min(buffer.size());
+        let mut encoder = device.encoder("snug zero");
+        encoder.clear_buffer(&buffer, 0, Some(len));
+        // A failure here is the device's loss, reported at the next synchronisation.
+        let _ = device.submit(encoder);
+    }
+}
+
+/// One tensor as a node binds it: a range of a device buffer, and its shape.
+pub(crate) struct Arg {
+    buffer: wgpu::Buffer,
+    offset: u64,
+    bytes: u64,
+    /// Where the kernel binds a view that starts off the device's binding alignment (a row
+    /// slice at an odd row): a buffer of its own, filled before the node and copied back after.
+    staged: Option<wgpu::Buffer>,
+    pub shape: Vec<usize>,
+}
+
+impl Arg {
+    pub fn slice(&self) -> DeviceSlice<'_> {
+        match &self.staged {
+            Some(s) => DeviceSlice::of(s, 0, self.bytes),
+            None => DeviceSlice::of(&self.buffer, self.offset, self.bytes),
+        }
+    }
+
+    /// Records the copy of a staged tensor into its binding (before the node), or back (after).
+    pub fn stage(&self, encoder: &mut wgpu::CommandEncoder, back: bool) {
+        if let Some(s) = &self.staged {
+            if back {
+                encoder.copy_buffer_to_buffer(s, 0, &self.buffer, self.offset, self.bytes);
+            } else {
+                encoder.copy_buffer_to_buffer(&self.buffer, self.offset, s, 0, self.bytes);
+            }
+        }
+    }
+
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// One node bound to device memory.
+pub struct GpuNode {
+    pub(crate) op: Op,
+    pub(crate) inputs: Vec<Arg>,
+    pub(crate) outputs: Vec<Arg>,
+    pub(crate) workspace: Option<Arg>,
+    /// Views (reshape, row slices) run nothing.
+    pub(crate) view: bool,
+}
+
+/// An opened GPU behind the runtime's [`Backend`] interface.
+pub struct GpuBackend {
+    device: GpuDevice,
+    memory: Arc<GpuMemory>,
+    allocator: Allocator,
+    target: Target,
+}
+
+impl GpuBackend {
+    /// The backend of an opened device, with an allocator of its own over the device's memory.
+    pub fn new(device: GpuDevice) -> GpuBackend {
+        let memory = Arc::new(GpuMemory::new(&device));
+        let allocator = Allocator::with_source(Arc::clone(&memory) as _);
+        let target = device.target();
+        GpuBackend {
+            device,
+            memory,
+            allocator,
+            target,
+        }
+    }
+
+    /// Opens the adapter `selector` names.
+    pub fn open(selector: Selector) -> Result<GpuBackend, GpuError> {
+        GpuDevice::open(selector).map(GpuBackend::new)
+    }
+
+    pub fn gpu(&self) -> &GpuDevice {
+        &self.device
+    }
+
+    /// The device buffers behind the allocator, counted as the device sees them.
+    pub fn memory(&self) -> &GpuMemory {
+        &self.memory
+    }
+
+    fn unsupported(&self, op: &'static str, detail: String) -> RuntimeError {
+        RuntimeError::UnsupportedOp {
+            device: self.device.info().label(),
+            op,
+            detail,
+        }
+    }
+
+    fn arg(&self, b: &Binding<'_>) -> Result<Arg, RuntimeError> {
+        let name = &b.meta.name;
+        let buffer =
+            self.memory
+                .buffer(b.slice.buffer.handle())
+                .ok_or_else(|| RuntimeError::Device {
+                    device: self.device.name().to_string(),
+                    lost: false,
+                    detail: format!("tensor `{name}` is not in this device's memory"),
+                })?;
+        // 16-bit tensors are bound as whole words: the plan's slots are aligned past them.
+        let (offset, bytes) = (
+            b.slice.offset as u64,
+            (b.slice.len as u64).next_multiple_of(4),
+        );
+        let limits = self.device.limits();
+        let align = u64::from(limits.min_storage_buffer_offset_alignment);
+        let fault = if !offset.is_multiple_of(4) {
+            Some(format!("at byte {offset}, not a whole 4-byte word"))
+        } else if bytes > limits.max_storage_buffer_binding_size {
+            Some(format!(
+                "{bytes} bytes, over the largest binding of {}",
+                limits.max_storage_buffer_binding_size
+            ))
+        } else {
+            None
+        };
+        if let Some(detail) = fault {
+            return Err(RuntimeError::Device {
+                device: self.device.name().to_string(),
+                lost: false,
+                detail: format!("tensor `{name}` cannot be bound: {detail}"),
+            });
+        }
+        let staged = (!offset.is_multiple_of(align)).then(|| {
+            self.device
+                .wgpu_device()
+                .create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("snug staged view"),
+                    size: bytes.max(4),
+                    usage: crate::memory::USAGE,
+                    mapped_at_creation: false,
+                })
+        });
+        Ok(Arg {
+            buffer,
+            offset,
+            bytes,
+            staged,
+            shape: b.meta.shape.clone(),
+        })
+    }
+
+    fn slice<'a>(&self, s: &Slice<'_>, buffer: &'a wgpu::Buffer) -> DeviceSlice<'a> {
+        DeviceSlice::of(buffer, s.offset as u64, s.len as u64)
+    }
+
+    fn buffer_of(&self, s: &Slice<'_>) -> Result<wgpu::Buffer, RuntimeError> {
+        self.memory
+            .buffer(s.buffer.handle())
+            .ok_or_else(|| RuntimeError::Device {
+                device: self.device.name().to_string(),
+                lost: false,
+                detail: "a copy names a buffer that is not in this device's memory".into(),
+            })
+    }
+}
+
+impl Backend for GpuBackend {
+    type Bound = GpuNode;
+
+    fn device(&self) -> Device {
+        self.memory.device
+    }
+
+    fn target(&self) -> Target {
+        self.target
+    }
+
+    fn allocator(&self) -> &Allocator {
+        &self.allocator
+    }
+
+    fn check(&self, graph: &Graph) -> Result<(), RuntimeError> {
+        for node in graph.nodes() {
+            launch::check(graph, node).map_err(|d| self.unsupported(node.op.name(), d))?;
+        }
+        for t in graph.tensors() {
+            if t.role.is_persistent() && t.view_of.is_none() && t.dtype != snug_graph::DType::F32 {
+                return Err(self.unsupported(
+                    "step",
+                    format!(
+                        "persistent tensor `{}` is {}; parameters and optimizer state are f32",
+                        t.name, t.dtype
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn bind(
+        &self,
+        graph: &Graph,
+        node: &Node,
+        args: NodeArgs<'_>,
+    ) -> Result<GpuNode, RuntimeError> {
+        let args_of = |bs: &[Binding<'_>]| -> Result<Vec<Arg>, RuntimeError> {
+            bs.iter().map(|b| self.arg(b)).collect()
+        };
+        Ok(GpuNode {
+            op: node.op.clone(),
+            inputs: args_of(&args.inputs)?,
+            outputs: args_of(&args.outputs)?,
+            workspace: args.workspace.as_ref().map(|b| self.arg(b)).transpose()?,
+            view: graph.is_view(node),
+        })
+    }
+
+    fn launch(
+        &self,
+        nodes: &[GpuNode],
+        selected: Option<&[bool]>,
+        ctx: ExecCtx,
+        times: Option<&mut Vec<f64>>,
+    ) -> Result<(), RuntimeError> {
+        let runs = |i: usize| selected.is_none_or(|m| m.get(i).copied().unwrap_or(false));
+        let device = &self.device;
+        match times {
+            None => {
+                let mut encoder = device.encoder("snug step");
+                for (i, n) in nodes.iter().enumerate() {
+                    if runs(i) && !n.view {
+                        launch::record(device, &mut encoder, n, ctx)?;
+                    }
+                }
+                device.submit(encoder)?;
+            }
+            // Timed: each node submitted and waited for alone.
+            Some(times) => {
+                for (i, n) in nodes.iter().enumerate() {
+                    if !runs(i) {
+                        continue;
+                    }
+                    let start = std::time::Instant::now();
+                    if !n.view {
+                        let mut encoder = device.encoder("snug node");
+                        launch::record(device, &mut encoder, n, ctx)?;
+                        device.submit(encoder)?;
+                        device.wait()?;
+                    }
+                    times.push(start.elapsed().as_secs_f64());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<(), RuntimeError> {
+        Ok(self.device.wait()?)
+    }
+
+    fn upload(&self, dst: Slice<'_>, bytes: &[u8]) -> Result<(), RuntimeError> {
+        let buffer = self.buffer_of(&dst)?;
+        let n = dst.len.min(bytes.len());
+        transfer::upload(&self.device, &self.slice(&dst, &buffer), &bytes[..n])?;
+        Ok(())
+    }
+
+    fn download(&self, src: Slice<'_>, out: &mut [u8]) -> Result<(), RuntimeError> {
+        let buffer = self.buffer_of(&src)?;
+        let bytes = transfer::download(&self.device, &self.slice(&src, &buffer))?;
+        let n = out.len().min(bytes.len());
+        out[..n].copy_from_slice(&bytes[..n]);
+        Ok(())
+    }
+}
+
+impl From<GpuError> for RuntimeError {
+    fn from(e: GpuError) -> RuntimeError {
+        let device = |d: String, detail: String| RuntimeError::Device {
+            device: d,
+            lost: false,
+            detail,
+        };
+        match e {
+            GpuError::DeviceLost { device, reason } => RuntimeError::Device {
+                device,
+                lost: true,
+                detail: format!("device lost: {reason}"),
+            },
+            GpuError::Unsupported {
+                device,
+                kernel,
+                detail,
+            } => RuntimeError::UnsupportedOp {
+                device,
+                op: kernel,
+                detail,
+            },
+            GpuError::NoAdapter | GpuError::AdapterIndex { .. } => {
+                device("gpu".into(), e.to_string())
+            }
+            GpuError::RequestDevice { device: d, reason } => {
+                device(d, format!("could not open a device: {reason}"))
+            }
+            GpuError::OutOfMemory { device: d, bytes } => {
+                device(d, format!("out of device memory allocating {bytes} bytes"))
+            }
+            GpuError::BufferTooLarge {
+                device: d,
+                bytes,
+                max,
+            } => device(
+                d,
+                format!("a buffer of {bytes} bytes exceeds the largest buffer, {max} bytes"),
+            ),
+            GpuError::Binding {
+                device: d,
+                what,
+                detail,
+            } => device(d, format!("cannot bind {what}: {detail}")),
+            GpuError::Backend { device: d, detail } => device(d, detail),
+            GpuError::Map { device: d, detail } => {
+                device(d, format!("reading back from the device failed: {detail}"))
+            }
+        }
+    }
+}
