@@ -1,6 +1,7 @@
 //! `snug`: plan a training step's memory before anything runs, and train.
 
 mod bench_cmd;
+mod dashboard;
 mod export_cmd;
 mod fit_cmd;
 mod plan_cmd;

@@ -18,6 +18,7 @@ use snug_train::checkpoint;
 use snug_train::config::DataSourceConfig;
 use snug_train::{Claim, Event, RunDir, RunFlags, Sampler, TokenDataset, TrainConfig, Trainer};
 
+use crate::dashboard::{Dashboard, DashboardState};
 use crate::ModelArgs;
 
 #[derive(Args, Debug)]
@@ -62,6 +63,10 @@ pub struct TrainArgs {
     /// with (its memory timeline by role), its curves, this machine's memory table.
     #[arg(long, conflicts_with = "no_save")]
     report: bool,
+    /// Show the run in a full-screen terminal view (loss and memory over steps, the planned
+    /// peak, events) instead of progress lines; the summary prints when it ends.
+    #[arg(long, conflicts_with = "json")]
+    dashboard: bool,
 }
 
 #[derive(Serialize)]
@@ -370,7 +375,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
         }
     }
     lower(trainer.steps_done());
-    let bar = if json {
+    let bar = if json || args.dashboard {
         ProgressBar::hidden()
     } else {
         // Hidden automatically when stderr is not a terminal.
@@ -382,6 +387,31 @@ pub fn run(args: TrainArgs) -> Result<()> {
         bar.set_position(trainer.steps_done());
         bar
     };
+    let mut dash = if args.dashboard {
+        let state = DashboardState {
+            title: format!(
+                "snug train: {params} parameters, {tokens_per_step} tokens a step{} (Ctrl-C stops after the step, saving)",
+                cfg.out
+                    .as_deref()
+                    .map_or(String::new(), |d| format!(", run directory {}", d.display()))
+            ),
+            total_steps: cfg.steps,
+            start_step: trainer.steps_done(),
+            planned_peak_bytes: plan.peak_bytes(),
+            ..DashboardState::default()
+        };
+        let view = Dashboard::open(state).context("opening the --dashboard view")?;
+        if view.is_none() {
+            tracing::warn!(
+                "--dashboard needs a terminal on standard error; printing progress lines instead"
+            );
+        }
+        view
+    } else {
+        None
+    };
+    // Lines printed during the run would scribble over the view.
+    let quiet = dash.is_some();
     let mut tracker = if args.track_speed {
         match snug_train::calibration::cached(cfg.threads) {
             Some(profile) => {
@@ -402,7 +432,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let mut tracked: Vec<StepSpeed> = Vec::new();
     let mut out_err: Option<serde_json::Error> = None;
     let mut saved: Option<(u64, PathBuf)> = None;
-    let result = snug_train::run(&mut trainer, run_dir, &stop, |event| match event {
+    let mut print_event = |event: Event<'_>| match event {
         Event::Recovered(r) => {
             // The prediction was for the configuration the run started with.
             tracker = None;
@@ -410,7 +440,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
                 if let Err(e) = out.json("recovery", r) {
                     out_err.get_or_insert(e);
                 }
-            } else {
+            } else if !quiet {
                 bar.suspend(|| {
                     say!(
                         out,
@@ -434,7 +464,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
                             if let Err(e) = out.json("speed", &sp) {
                                 out_err.get_or_insert(e);
                             }
-                        } else if s.step % log_every == 0 || s.step == 1 || s.step == cfg.steps {
+                        } else if !quiet
+                            && (s.step % log_every == 0 || s.step == 1 || s.step == cfg.steps)
+                        {
                             bar.suspend(|| {
                                 say!(
                                     out,
@@ -469,7 +501,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
                 if let Err(e) = out.json("step", s) {
                     out_err.get_or_insert(e);
                 }
-            } else if s.step % log_every == 0 || s.step == 1 || s.step == cfg.steps {
+            } else if !quiet && (s.step % log_every == 0 || s.step == 1 || s.step == cfg.steps) {
                 bar.suspend(|| {
                     say!(
                         out,
@@ -500,7 +532,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
                 if let Err(err) = out.json("eval", e) {
                     out_err.get_or_insert(err);
                 }
-            } else {
+            } else if !quiet {
                 bar.suspend(|| {
                     say!(
                         out,
@@ -515,12 +547,43 @@ pub fn run(args: TrainArgs) -> Result<()> {
         }
         Event::Checkpoint { step, path } => {
             saved = Some((step, path.to_path_buf()));
-            bar.suspend(|| tracing::info!("saved checkpoint {} (step {step})", path.display()));
+            if !quiet {
+                bar.suspend(|| tracing::info!("saved checkpoint {} (step {step})", path.display()));
+            }
         }
-        Event::Stopping { step } => {
+        Event::Stopping { step } if !quiet => {
             bar.suspend(|| tracing::warn!("interrupted: stopping after step {step}"));
         }
+        Event::Stopping { .. } => {}
+    };
+    let result = snug_train::run(&mut trainer, run_dir, &stop, |event| {
+        if let Some(view) = dash.as_mut() {
+            match &event {
+                Event::Step(s) => view.state.step(s),
+                Event::Eval(e) => view.state.eval(e),
+                Event::Recovered(r) => view.state.say(format!(
+                    "step {}: out of memory under {}; now {} (planned peak {})",
+                    r.step,
+                    human_bytes(r.failure.limit),
+                    r.to,
+                    human_bytes(r.to_peak_bytes)
+                )),
+                Event::Checkpoint { step, path } => view
+                    .state
+                    .say(format!("step {step}: saved {}", path.display())),
+                Event::Stopping { step } => view
+                    .state
+                    .say(format!("interrupted: stopping after step {step}")),
+            }
+            if let Err(e) = view.redraw(false) {
+                tracing::warn!("--dashboard stopped: {e}");
+                dash = None;
+            }
+        }
+        print_event(event)
     });
+    // The terminal comes back before the summary prints.
+    drop(dash);
     bar.finish_and_clear();
     let resume_hint = |step: u64| match &cfg.out {
         Some(dir) => format!(

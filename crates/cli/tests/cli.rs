@@ -1077,3 +1077,65 @@ fn bench_reports_step_times_mfu_and_memory() {
     fails_with(&["bench", "--cases", "resnet"], &["resnet", "char-small"]);
     fails_with(&["bench", "--steps", "0"], &["--steps"]);
 }
+
+/// Without a terminal, `--dashboard` says so and trains with progress lines; with `--json` it is
+/// refused (the two cannot share the terminal).
+#[test]
+fn dashboard_falls_back_without_a_terminal_and_refuses_json() {
+    let o = snug(&["train", "--dashboard", "--steps", "3", "--no-save"]);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("--dashboard needs a terminal"), "{err}");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("done: steps 0..3"), "{out}");
+
+    let o = snug(&[
+        "train",
+        "--dashboard",
+        "--json",
+        "--steps",
+        "3",
+        "--no-save",
+    ]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--json") && !err.contains("panicked"), "{err}");
+}
+
+/// On a terminal (a pseudo-terminal from util-linux's `script`), the view takes the alternate
+/// screen, draws the run's figures, and gives the terminal back before the summary prints.
+#[test]
+fn dashboard_draws_on_a_terminal_and_gives_it_back() {
+    if Command::new("script").arg("--version").output().is_err() {
+        snug_testkit::skip_or_fail("util-linux's `script` (a pseudo-terminal) is not installed");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("typescript");
+    let cmd = format!(
+        "stty cols 120 rows 36; '{}' train --dashboard --steps 4 --eval-every 2 --no-save",
+        env!("CARGO_BIN_EXE_snug")
+    );
+    let o = Command::new("script")
+        .args(["-q", "-e", "-c", &cmd])
+        .arg(&log)
+        .current_dir(dir.path())
+        .output()
+        .expect("script runs");
+    let screen = String::from_utf8_lossy(&std::fs::read(&log).unwrap()).into_owned();
+    assert!(o.status.success(), "{}\n{screen}", stderr(&o));
+    let enter = screen
+        .find("\x1b[?1049h")
+        .expect("the alternate screen is entered");
+    let leave = screen
+        .find("\x1b[?1049l")
+        .expect("the terminal is given back");
+    let done = screen.find("done: steps 0..4").expect("the summary prints");
+    assert!(enter < leave && leave < done, "{screen}");
+    // ratatui writes only the cells that change, so look for figures that appear whole.
+    let view = &screen[enter..leave];
+    for want in ["snug", "loss", "memory", "events", "0/4", "eval", "MiB"] {
+        assert!(view.contains(want), "`{want}` not drawn:\n{view}");
+    }
+    assert!(!screen.contains("--dashboard needs a terminal"), "{screen}");
+}
