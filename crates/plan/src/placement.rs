@@ -130,26 +130,27 @@ pub fn place_with(strategy: Strategy, intervals: &[Interval]) -> Placement {
         key.then(a.cmp(&b))
     });
     let mut offsets = vec![0usize; intervals.len()];
-    let mut placed: Vec<usize> = Vec::with_capacity(intervals.len());
+    // Placed blocks as (start, end, first, last), kept sorted by (start, end): the blocks an
+    // interval coexists with are then met in offset order by one scan, with no sort per
+    // interval (which made planning quadratic-log in the tensors a step holds).
+    let mut placed: Vec<(usize, usize, usize, usize)> = Vec::with_capacity(intervals.len());
     let mut arena = 0usize;
-    let mut neighbours: Vec<(usize, usize)> = Vec::new();
     for &i in &order {
         let iv = intervals[i];
-        neighbours.clear();
-        neighbours.extend(
-            placed
-                .iter()
-                .filter(|&&j| intervals[j].overlaps_in_time(&iv))
-                .map(|&j| (offsets[j], offsets[j] + intervals[j].size)),
-        );
-        neighbours.sort_unstable();
         let mut best: Option<(usize, usize)> = None; // (gap size, offset)
         let mut cursor = 0usize;
-        for &(start, end) in &neighbours {
+        for &(start, end, first, last) in &placed {
+            if first > iv.last || iv.first > last {
+                continue;
+            }
             if start > cursor {
                 let gap = start - cursor;
                 if gap >= iv.size && best.is_none_or(|(g, _)| gap < g) {
                     best = Some((gap, cursor));
+                    if gap == iv.size {
+                        // No later gap can be smaller than an exact fit.
+                        break;
+                    }
                 }
             }
             cursor = cursor.max(end);
@@ -157,7 +158,9 @@ pub fn place_with(strategy: Strategy, intervals: &[Interval]) -> Placement {
         let offset = best.map_or(cursor, |(_, off)| off);
         offsets[i] = offset;
         arena = arena.max(offset + iv.size);
-        placed.push(i);
+        let block = (offset, offset + iv.size, iv.first, iv.last);
+        let at = placed.partition_point(|p| (p.0, p.1) <= (block.0, block.1));
+        placed.insert(at, block);
     }
     let (lower_bound_bytes, peak_position) = max_live(intervals);
     Placement {

@@ -4,7 +4,7 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use snug_plan::placement::{find_overlap, max_live};
-use snug_plan::{place, Interval, Placement};
+use snug_plan::{place, place_with, Interval, Placement, Strategy};
 
 fn iv(size: usize, first: usize, last: usize) -> Interval {
     Interval { size, first, last }
@@ -236,4 +236,75 @@ fn find_overlap_reports_a_bad_placement() {
         peak_position: 0,
     };
     assert_eq!(find_overlap(&later, &shared), None);
+}
+
+/// The placement as first written: for each interval in the strategy's order, collect the
+/// placed blocks it coexists with, sort them by offset, and take the smallest gap that fits.
+/// `place_with` keeps its blocks sorted instead; it must choose the very same offsets.
+fn reference_place(strategy: Strategy, intervals: &[Interval]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..intervals.len()).collect();
+    let area = |iv: &Interval| iv.size as u128 * (iv.last - iv.first + 1) as u128;
+    order.sort_by(|&a, &b| {
+        let (x, y) = (&intervals[a], &intervals[b]);
+        let key = match strategy {
+            Strategy::GreedyBySize => y.size.cmp(&x.size).then(x.first.cmp(&y.first)),
+            Strategy::BestFitByFirstUse => x.first.cmp(&y.first).then(y.size.cmp(&x.size)),
+            Strategy::GreedyByArea => area(y).cmp(&area(x)).then(y.size.cmp(&x.size)),
+        };
+        key.then(a.cmp(&b))
+    });
+    let mut offsets = vec![0usize; intervals.len()];
+    let mut placed: Vec<usize> = Vec::new();
+    for &i in &order {
+        let iv = intervals[i];
+        let mut neighbours: Vec<(usize, usize)> = placed
+            .iter()
+            .filter(|&&j| intervals[j].overlaps_in_time(&iv))
+            .map(|&j| (offsets[j], offsets[j] + intervals[j].size))
+            .collect();
+        neighbours.sort_unstable();
+        let mut best: Option<(usize, usize)> = None;
+        let mut cursor = 0usize;
+        for (start, end) in neighbours {
+            if start > cursor {
+                let gap = start - cursor;
+                if gap >= iv.size && best.is_none_or(|(g, _)| gap < g) {
+                    best = Some((gap, cursor));
+                }
+            }
+            cursor = cursor.max(end);
+        }
+        offsets[i] = best.map_or(cursor, |(_, off)| off);
+        placed.push(i);
+    }
+    offsets
+}
+
+#[test]
+fn placement_chooses_the_reference_offsets() {
+    let mut rng = ChaCha8Rng::seed_from_u64(31);
+    for case in 0..300 {
+        let n = rng.random_range(1..120);
+        let horizon = rng.random_range(1..60);
+        // Few distinct sizes, so ties between equal blocks are common.
+        let intervals: Vec<Interval> = (0..n)
+            .map(|_| {
+                let first = rng.random_range(0..horizon);
+                Interval {
+                    size: 64 * rng.random_range(1..6),
+                    first,
+                    last: rng.random_range(first..horizon),
+                }
+            })
+            .collect();
+        for strategy in Strategy::ALL {
+            let p = place_with(strategy, &intervals);
+            assert_eq!(
+                p.offsets,
+                reference_place(strategy, &intervals),
+                "case {case}, {strategy:?}"
+            );
+            assert_eq!(find_overlap(&intervals, &p), None, "case {case}");
+        }
+    }
 }
