@@ -139,6 +139,56 @@ pub struct KvStats {
     pub slides: usize,
 }
 
+/// A conversation rendered by a chat template for the model to answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatPrompt {
+    /// The template's text, generation prompt included.
+    pub text: String,
+    pub ids: Vec<u32>,
+    /// Tokens that end the model's turn: the tokenizer's `eos_token` and whichever of the
+    /// common end-of-turn tokens ([`END_OF_TURN`]) its vocabulary has as one token.
+    pub stop: Vec<u32>,
+}
+
+/// End-of-turn tokens of common chat templates (ChatML's, Llama 3's, Phi's, Gemma's), which a
+/// model may end its turn with when its `eos_token` is another.
+pub const END_OF_TURN: [&str; 4] = ["<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"];
+
+/// Renders `messages` (objects with a `role` and a `content`) through the tokenizer's chat
+/// template with the generation prompt, as transformers' `apply_chat_template(...,
+/// add_generation_prompt=True)` does, and encodes it without adding special tokens.
+pub fn chat_prompt(
+    tokenizer: &crate::Tokenizer,
+    messages: &[serde_json::Value],
+) -> Result<ChatPrompt, TrainError> {
+    let t = match tokenizer {
+        crate::Tokenizer::Hf(t) if t.has_chat_template() => t,
+        crate::Tokenizer::Hf(_) => {
+            return Err(TrainError::NoChatTemplate {
+                tokenizer: "this Hugging Face tokenizer (tokenizer_config.json has no \
+                            `chat_template`)"
+                    .into(),
+            })
+        }
+        other => {
+            return Err(TrainError::NoChatTemplate {
+                tokenizer: format!("the {} tokenizer", other.name()),
+            })
+        }
+    };
+    let text = t.render_chat(messages, true)?;
+    let ids = t.encode(&text, false)?;
+    let mut stop: Vec<u32> = tokenizer.eos_id().into_iter().collect();
+    for token in END_OF_TURN {
+        if let [id] = t.encode(token, false)?[..] {
+            if t.id_to_token(id).as_deref() == Some(token) && !stop.contains(&id) {
+                stop.push(id);
+            }
+        }
+    }
+    Ok(ChatPrompt { text, ids, stop })
+}
+
 /// A model loaded for generation: its planned inference graph(s) in a [`CpuSession`].
 pub struct Sampler {
     session: CpuSession,
@@ -358,6 +408,18 @@ impl Sampler {
         max_new_tokens: usize,
         opts: SampleOptions,
     ) -> Result<Vec<u32>, TrainError> {
+        self.generate_until(prompt, max_new_tokens, opts, &[])
+    }
+
+    /// [`Sampler::generate`], stopping after the first token of `stop` it makes (which ends
+    /// the result): a chat model's end of turn.
+    pub fn generate_until(
+        &mut self,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        opts: SampleOptions,
+        stop: &[u32],
+    ) -> Result<Vec<u32>, TrainError> {
         opts.validate()?;
         if max_new_tokens > MAX_NEW_TOKENS {
             return Err(TrainError::Config {
@@ -379,7 +441,11 @@ impl Sampler {
         let mut candidates = Vec::with_capacity(self.vocab);
         for _ in 0..max_new_tokens {
             let logits = self.forward(&context)?;
-            context.push(choose(&logits, &opts, &mut rng, &mut candidates));
+            let next = choose(&logits, &opts, &mut rng, &mut candidates);
+            context.push(next);
+            if stop.contains(&next) {
+                break;
+            }
         }
         Ok(context.split_off(start))
     }
@@ -1092,6 +1158,27 @@ mod tests {
             assert_eq!(b.kv_cache, 2 * layers * w * kv_width * 4);
             assert_eq!(b.gradients + b.optimizer_state, 0);
             assert_eq!(s.plan().persistent_bytes, b.parameters + b.kv_cache);
+        }
+    }
+
+    /// Generation stops right after the first stop token it makes, in both modes.
+    #[test]
+    fn generation_stops_after_a_stop_token() {
+        for mode in MODES {
+            let model = llama();
+            let mut s = sampler_in(&model, 15, mode);
+            let prompt = [2u32, 7];
+            let free = s.generate(&prompt, 30, greedy()).unwrap();
+            let stop = free[6];
+            let first = free.iter().position(|&t| t == stop).unwrap();
+            let until = s.generate_until(&prompt, 30, greedy(), &[stop]).unwrap();
+            assert_eq!(until, free[..=first]);
+            // A stop token never made changes nothing.
+            let absent: Vec<u32> = (0..17).filter(|t| !free.contains(t)).collect();
+            assert_eq!(
+                s.generate_until(&prompt, 30, greedy(), &absent).unwrap(),
+                free
+            );
         }
     }
 }
