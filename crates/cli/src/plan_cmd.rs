@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use clap::Args;
 use serde::Serialize;
 use snug_compile::compile_step;
