@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use clap::Args;
 use serde::Serialize;
 use snug_compile::compile_step;
@@ -32,8 +32,10 @@ pub struct PlanArgs {
     /// and --optimizer do not apply).
     #[arg(long)]
     inference: bool,
-    /// With --inference: plan one KV-cache decode step. Refused for now: snug's sampler has no
-    /// KV cache and recomputes the whole window for every token.
+    /// With --inference: plan what `snug sample` holds with its key/value cache (its default):
+    /// one decode step against caches of the whole window, with the prefill of a whole window
+    /// (the largest prompt) beside it. Without it: the whole-window graph of
+    /// `snug sample --full-window`.
     #[arg(long, requires = "inference")]
     kv_cache: bool,
     /// Machine-readable output.
@@ -134,11 +136,16 @@ struct InferenceReport {
     model: ModelConfig,
     /// Always 1: the sampler generates one sequence.
     batch: usize,
-    /// Positions of the window every new token's forward pass runs over (the model's context).
+    /// The model's context: positions each token's forward pass runs over, or with the key/value
+    /// cache the rows of each cache.
     window: usize,
     threads: usize,
-    /// Always false: the sampler recomputes the window for each token.
+    /// The plan is of a decode step with key/value caches (else of the whole window).
     kv_cache: bool,
+    /// With the key/value cache: the peak of a prefill of the whole window, the largest the
+    /// sampler holds (the figures below are the decode step's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prefill_window_peak_bytes: Option<usize>,
     parameters: usize,
     nodes: usize,
     tensors: usize,
@@ -153,14 +160,6 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let start = Instant::now();
     if args.model.batch_auto() {
         anyhow::bail!("--batch auto needs a memory budget: use it with `snug fit --memory SIZE` or `snug train --memory SIZE`");
-    }
-    if args.kv_cache {
-        // Refused before any work: planning the windowed graph instead would answer a
-        // different question than the one asked.
-        bail!(
-            "--kv-cache: snug's sampler has no KV cache yet; it recomputes the whole window for \
-             every token, which `snug plan --inference` (without --kv-cache) plans"
-        );
     }
     let (model, train) = args.model.sections(RunFlags::default());
     let mut cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
@@ -308,7 +307,14 @@ fn run_inference(
     model: &ModelConfig,
     start: Instant,
 ) -> Result<()> {
-    let (g, memory_plan) = snug_train::sample::plan_inference(model, cfg.threads)?;
+    let (graph, memory_plan, prefill) = if args.kv_cache {
+        let (g, p) = snug_train::sample::plan_kv(model, 1, cfg.threads)?;
+        let (_, prefill) = snug_train::sample::plan_kv(model, model.max_seq(), cfg.threads)?;
+        (g.graph, p, Some(prefill.peak_bytes()))
+    } else {
+        let (g, p) = snug_train::sample::plan_inference(model, cfg.threads)?;
+        (g.graph, p, None)
+    };
     let plan_ms = start.elapsed().as_secs_f64() * 1e3;
     let report = InferenceReport {
         preset: cfg.model.preset.clone().unwrap_or_default(),
@@ -316,12 +322,13 @@ fn run_inference(
         batch: 1,
         window: model.max_seq(),
         threads: cfg.threads,
-        kv_cache: false,
+        kv_cache: args.kv_cache,
+        prefill_window_peak_bytes: prefill,
         parameters: model.parameter_count(),
-        nodes: g.graph.nodes().len(),
-        tensors: g.graph.tensors().len(),
-        flops_per_token: g.graph.flops(),
-        figures: PlanFigures::of(&memory_plan, &g.graph, g.graph.nodes().len()),
+        nodes: graph.nodes().len(),
+        tensors: graph.tensors().len(),
+        flops_per_token: graph.flops(),
+        figures: PlanFigures::of(&memory_plan, &graph, graph.nodes().len()),
         plan_ms,
     };
     if args.json {
@@ -335,14 +342,27 @@ fn run_inference(
         report.parameters,
         human_bytes(report.parameters * 4),
     );
-    println!(
-        "inference (snug sample): batch 1 x window {} positions, f32, {} threads, no KV cache \
-         (each token runs the whole window); {} nodes, {:.3} GFLOP per token",
-        report.window,
-        report.threads,
-        report.nodes,
-        report.flops_per_token as f64 / 1e9
-    );
+    match report.prefill_window_peak_bytes {
+        Some(prefill) => println!(
+            "inference (snug sample): one decode step against key/value caches of {} positions, \
+             f32, {} threads; {} nodes, at most {:.3} GFLOP per token; a prefill of the whole \
+             window peaks at {}",
+            report.window,
+            report.threads,
+            report.nodes,
+            report.flops_per_token as f64 / 1e9,
+            human_bytes(prefill)
+        ),
+        None => println!(
+            "inference (snug sample --full-window): batch 1 x window {} positions, f32, {} \
+             threads, no KV cache (each token runs the whole window); {} nodes, {:.3} GFLOP per \
+             token",
+            report.window,
+            report.threads,
+            report.nodes,
+            report.flops_per_token as f64 / 1e9
+        ),
+    }
     print!("{memory_plan}");
     println!("planned in {plan_ms:.1} ms, no tensor allocated");
     if args.table {

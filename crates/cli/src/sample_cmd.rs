@@ -13,7 +13,7 @@ use snug_train::addition;
 use snug_train::checkpoint::{self, CheckpointDir};
 use snug_train::config::DataSourceConfig;
 use snug_train::sample::MAX_NEW_TOKENS;
-use snug_train::{SampleOptions, Sampler, Tokenizer};
+use snug_train::{KvStats, SampleMode, SampleOptions, Sampler, Tokenizer};
 
 #[derive(Args, Debug)]
 pub struct SampleArgs {
@@ -23,10 +23,30 @@ pub struct SampleArgs {
     /// `snug train` saves.
     #[arg(long, value_name = "PATH")]
     checkpoint: Option<PathBuf>,
-    /// Text to continue. Default: for a model of the built-in data, a held-out addition
-    /// problem (`48+39=`); otherwise empty (start from token 0).
+    /// Text to continue (with --chat: the user's message). Default: for a model of the
+    /// built-in data, a held-out addition problem (`48+39=`); otherwise empty (start from
+    /// token 0).
     #[arg(long)]
     prompt: Option<String>,
+    /// Answer as a chat model: the conversation (--prompt as one user message, or
+    /// --messages) is rendered through the tokenizer's chat template with the generation
+    /// prompt, and generation stops at the end of the model's turn (the tokenizer's eos token
+    /// or the template's end-of-turn token).
+    #[arg(long)]
+    chat: bool,
+    /// With --chat: a JSON file holding the conversation, a list of {"role", "content"}
+    /// objects (or an object with such a list under "messages").
+    #[arg(
+        long,
+        value_name = "FILE.json",
+        requires = "chat",
+        conflicts_with = "prompt"
+    )]
+    messages: Option<PathBuf>,
+    /// Run the whole window for every token instead of prefilling once and decoding with a
+    /// key/value cache (the reference the cache is tested against).
+    #[arg(long)]
+    full_window: bool,
     /// Tokens to generate (at most 1,000,000).
     #[arg(long, default_value_t = 200)]
     tokens: usize,
@@ -47,6 +67,41 @@ pub struct SampleArgs {
     json: bool,
 }
 
+/// The conversation in `file`: a JSON list of messages, or an object holding one under
+/// "messages"; each message an object with a string "role".
+fn read_messages(file: &Path) -> Result<Vec<serde_json::Value>> {
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("--messages: reading {}", file.display()))?;
+    let value: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("--messages: {} is not JSON", file.display()))?;
+    let list = match value {
+        serde_json::Value::Array(list) => list,
+        serde_json::Value::Object(mut o) => match o.remove("messages") {
+            Some(serde_json::Value::Array(list)) => list,
+            _ => bail!(
+                "--messages: {} holds an object without a \"messages\" list",
+                file.display()
+            ),
+        },
+        _ => bail!(
+            "--messages: {} holds neither a list nor an object",
+            file.display()
+        ),
+    };
+    if list.is_empty() {
+        bail!("--messages: {} holds no message", file.display());
+    }
+    for (i, m) in list.iter().enumerate() {
+        if !m.get("role").is_some_and(serde_json::Value::is_string) {
+            bail!(
+                "--messages: {} message {i} is not an object with a string \"role\"",
+                file.display()
+            );
+        }
+    }
+    Ok(list)
+}
+
 /// Where `snug train` saves runs by default, under the current directory.
 const RUNS_DIR: &str = "runs";
 
@@ -54,13 +109,25 @@ const RUNS_DIR: &str = "runs";
 struct SampleReport {
     checkpoint: PathBuf,
     step: u64,
+    /// The prompt's text (with --chat, as the template rendered it).
     prompt: String,
+    prompt_ids: Vec<u32>,
     text: String,
+    /// The generated ids, the end-of-turn token included when one stopped a chat answer.
+    ids: Vec<u32>,
     tokens: usize,
+    /// With --chat: whether the model ended its turn (rather than running out of --tokens).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    end_of_turn: Option<bool>,
+    mode: SampleMode,
     ms: f64,
     tokens_per_s: f64,
+    /// The largest plan the sampler held (with the cache: the larger of its phases).
     planned_peak_bytes: usize,
     measured_peak_bytes: usize,
+    /// With the cache: each phase's runs, plan and measured peak.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kv_cache: Option<KvStats>,
 }
 
 pub fn run(args: SampleArgs) -> Result<()> {
@@ -98,22 +165,38 @@ pub fn run(args: SampleArgs) -> Result<()> {
     let (prompt_text, temperature) = match (&args.prompt, problem) {
         (Some(p), _) => (p.clone(), args.temperature.unwrap_or(0.8)),
         // After a newline: the start of a line, as every sum in training begins.
-        (None, Some(p)) => (
+        (None, Some(p)) if !args.chat => (
             format!("\n{}", p.question()),
             args.temperature.unwrap_or(0.0),
         ),
-        (None, None) => (String::new(), args.temperature.unwrap_or(0.8)),
+        _ => (String::new(), args.temperature.unwrap_or(0.8)),
     };
-    let prompt = tokenizer
-        .encode(&prompt_text)
-        .context("encoding --prompt with the checkpoint's tokenizer")?;
+    let (prompt_text, prompt, stop) = if args.chat {
+        let messages = match &args.messages {
+            Some(file) => read_messages(file)?,
+            None => vec![serde_json::json!({"role": "user", "content": prompt_text})],
+        };
+        let chat = snug_train::chat_prompt(&tokenizer, &messages)
+            .with_context(|| format!("--chat with {}", path.display()))?;
+        (chat.text, chat.ids, chat.stop)
+    } else {
+        let ids = tokenizer
+            .encode(&prompt_text)
+            .context("encoding --prompt with the checkpoint's tokenizer")?;
+        (prompt_text, ids, Vec::new())
+    };
     let allocator = Allocator::default();
     let threads = args.threads.unwrap_or_else(snug_cpu::physical_cores);
+    let mode = if args.full_window {
+        SampleMode::FullWindow
+    } else {
+        SampleMode::KvCache
+    };
     let sampler = match &source {
         Source::Run(_, ckpt) => {
-            Sampler::new(&model, &ckpt.parameters(), threads, allocator.clone())
+            Sampler::with_mode(&model, &ckpt.parameters(), mode, threads, allocator.clone())
         }
-        Source::Hf(ckpt) => Sampler::from_hf(&model, ckpt, threads, allocator.clone()),
+        Source::Hf(ckpt) => Sampler::from_hf(&model, ckpt, mode, threads, allocator.clone()),
     };
     let mut sampler = sampler.with_context(|| format!("loading {}", path.display()))?;
     let opts = SampleOptions {
@@ -122,30 +205,64 @@ pub fn run(args: SampleArgs) -> Result<()> {
         seed: args.seed,
     };
     let start = Instant::now();
-    let ids = sampler.generate(&prompt, args.tokens, opts)?;
+    let ids = sampler.generate_until(&prompt, args.tokens, opts, &stop)?;
     let ms = start.elapsed().as_secs_f64() * 1e3;
-    let text = tokenizer.decode(&ids);
+    let end_of_turn = args
+        .chat
+        .then(|| ids.last().is_some_and(|t| stop.contains(t)));
+    // The answer's text leaves out the token that ended the turn.
+    let shown = match end_of_turn {
+        Some(true) => &ids[..ids.len() - 1],
+        _ => &ids[..],
+    };
+    let text = tokenizer.decode(shown);
+    let kv_cache = sampler.kv_stats();
+    let (planned, measured) = match kv_cache {
+        Some(k) => (
+            k.prefill
+                .planned_peak_bytes
+                .max(k.decode.planned_peak_bytes),
+            k.prefill
+                .measured_peak_bytes
+                .max(k.decode.measured_peak_bytes),
+        ),
+        None => (sampler.plan().peak_bytes(), allocator.peak_bytes()),
+    };
     let report = SampleReport {
         checkpoint: path,
         step,
         prompt: prompt_text,
+        prompt_ids: prompt,
         text,
         tokens: ids.len(),
-        ms,
         tokens_per_s: ids.len() as f64 / (ms / 1e3).max(1e-9),
-        planned_peak_bytes: sampler.plan().peak_bytes(),
-        measured_peak_bytes: allocator.peak_bytes(),
+        ids,
+        end_of_turn,
+        mode,
+        ms,
+        planned_peak_bytes: planned,
+        measured_peak_bytes: measured,
+        kv_cache,
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        // The default prompt's leading newline only marks a line start for the model.
-        println!("{}{}", report.prompt.trim_start_matches('\n'), report.text);
+        if args.chat {
+            // The answer alone: the rendered template is the model's business.
+            println!("{}", report.text);
+        } else {
+            // The default prompt's leading newline only marks a line start for the model.
+            println!("{}{}", report.prompt.trim_start_matches('\n'), report.text);
+        }
         eprintln!(
-            "({} tokens in {:.0} ms, {:.1} tok/s; {} at step {}; inference plan peak {}, measured {})",
+            "({} tokens in {:.0} ms, {:.1} tok/s{}; {} at step {}; inference plan peak {}, measured {})",
             report.tokens,
             report.ms,
             report.tokens_per_s,
+            match report.mode {
+                SampleMode::KvCache => ", key/value cache",
+                SampleMode::FullWindow => ", whole window per token",
+            },
             report.checkpoint.display(),
             report.step,
             human_bytes(report.planned_peak_bytes),

@@ -70,6 +70,7 @@ fn plan_inference_equals_what_sample_plans_and_measures() {
                 "5",
                 "--threads",
                 "1",
+                "--full-window",
                 "--json",
             ],
         ));
@@ -155,21 +156,62 @@ fn plan_inference_text_is_in_human_units() {
     assert!(text.contains("KiB") || text.contains("MiB"), "{text}");
 }
 
-/// There is no KV cache to plan: the flag is refused with a reason, not answered with the
-/// windowed plan.
+/// With `--kv-cache`, `snug plan --inference` plans the decode step `snug sample` runs by
+/// default, and the prefill of a whole window beside it: sampling measures the decode plan
+/// exactly, and its prefills (of shorter prompts) stay under the whole window's.
 #[test]
-fn kv_cache_is_refused_until_the_sampler_has_one() {
+fn plan_kv_cache_equals_what_sample_plans_and_measures() {
     let dir = tempfile::tempdir().unwrap();
-    let o = snug(dir.path(), &["plan", "--inference", "--kv-cache", "--json"]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(o.stdout.is_empty());
-    assert!(
-        err.contains("--kv-cache") && err.contains("no KV cache"),
-        "{err}"
-    );
-    assert!(err.contains("recomputes the whole window"), "{err}");
+    let cwd = dir.path();
+    for flags in [
+        &["--batch", "2"][..],
+        &["--preset", "llama-tiny", "--batch", "2"],
+    ] {
+        let run = format!("run-{}", flags.len());
+        let common = [&["--threads", "1"][..], flags].concat();
+        let mut train = vec!["train", "--steps", "1", "--eval-every", "0", "--json"];
+        train.extend(["--out", &run]);
+        train.extend(&common);
+        ok(cwd, &train);
+        let mut plan = vec!["plan", "--inference", "--kv-cache", "--json"];
+        plan.extend(&common);
+        let planned = json(&ok(cwd, &plan));
+        assert_eq!(planned["kv_cache"], true);
+        let sample = [
+            "sample",
+            "--checkpoint",
+            &run,
+            "--tokens",
+            "40",
+            "--threads",
+            "1",
+            "--json",
+        ];
+        let sampled = json(&ok(cwd, &sample));
+        assert_eq!(sampled["mode"], "kv_cache");
+        let decode = &sampled["kv_cache"]["decode"];
+        assert_eq!(
+            decode["planned_peak_bytes"], planned["peak_bytes"],
+            "{flags:?}"
+        );
+        assert_eq!(
+            decode["measured_peak_bytes"], planned["peak_bytes"],
+            "{flags:?}"
+        );
+        let prefill = &sampled["kv_cache"]["prefill"];
+        assert_eq!(
+            prefill["planned_peak_bytes"],
+            prefill["measured_peak_bytes"]
+        );
+        let window_prefill = planned["prefill_window_peak_bytes"].as_u64().unwrap();
+        assert!(prefill["planned_peak_bytes"].as_u64().unwrap() <= window_prefill);
+        // The caches are their own part of the plan; the whole-window plan has none.
+        assert!(planned["breakdown"]["kv_cache"].as_u64().unwrap() > 0);
+        let mut full = vec!["plan", "--inference", "--json"];
+        full.extend(&common);
+        assert!(json(&ok(cwd, &full))["breakdown"].get("kv_cache").is_none());
+    }
     // Without --inference it is a usage error.
-    let o = snug(dir.path(), &["plan", "--kv-cache"]);
+    let o = snug(cwd, &["plan", "--kv-cache"]);
     assert_eq!(o.status.code(), Some(2));
 }

@@ -139,6 +139,10 @@ pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
         | Op::SoftmaxBackward(_)
         | Op::LogSoftmax(_)
         | Op::LogSoftmaxBackward(_) => Ok(()),
+        Op::KvAttention(_) | Op::RopeAt(_) => Err(format!(
+            "`{}` (sampling with a key/value cache): no GPU kernel yet",
+            node.op.name()
+        )),
         Op::LayerNormLinear(_)
         | Op::LayerNormLinearBackward(_)
         | Op::GeluLinear(_)
@@ -544,7 +548,9 @@ fn record_kernel(
         Op::LayerNormLinear(_)
         | Op::LayerNormLinearBackward(_)
         | Op::GeluLinear(_)
-        | Op::GeluLinearBackward(_) => Err(GpuError::Unsupported {
+        | Op::GeluLinearBackward(_)
+        | Op::KvAttention(_)
+        | Op::RopeAt(_) => Err(GpuError::Unsupported {
             device: device.name().to_string(),
             kernel: "launch",
             detail: format!("no GPU kernel for `{}`", n.op.name()),

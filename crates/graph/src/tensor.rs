@@ -30,10 +30,13 @@ pub enum Role {
     Temporary,
     /// Data fed into the step (token ids, targets).
     Input,
+    /// Keys and values an inference graph keeps between runs (sampling with a KV cache):
+    /// persistent, written by the graph itself, never trained.
+    KvCache,
 }
 
 impl Role {
-    pub const ALL: [Role; 7] = [
+    pub const ALL: [Role; 8] = [
         Role::Parameter,
         Role::Gradient,
         Role::OptimizerState,
@@ -41,13 +44,14 @@ impl Role {
         Role::Activation,
         Role::Temporary,
         Role::Input,
+        Role::KvCache,
     ];
 
     /// Persistent tensors live in their own buffers across steps; the rest live in the arena.
     pub fn is_persistent(self) -> bool {
         matches!(
             self,
-            Role::Parameter | Role::OptimizerState | Role::GradAccumulator
+            Role::Parameter | Role::OptimizerState | Role::GradAccumulator | Role::KvCache
         )
     }
 
@@ -60,6 +64,7 @@ impl Role {
             Role::Activation => "activations",
             Role::Temporary => "temporaries",
             Role::Input => "inputs",
+            Role::KvCache => "key/value caches",
         }
     }
 }

@@ -463,7 +463,7 @@ impl GptConfig {
         self.validate()?;
         check_batch_seq(batch, seq, self.block_size, "block_size")?;
         loss_graph(batch, seq, target.into(), masked, |g, tokens| {
-            self.trunk(g, tokens, dtype)
+            self.trunk(g, tokens, dtype, None)
         })
     }
 
@@ -473,8 +473,10 @@ impl GptConfig {
         g: &mut Graph,
         tokens: TensorId,
         dtype: DType,
+        kv: Option<&KvInputs>,
     ) -> Result<Trunk, NnError> {
         let seq = g.tensor(tokens).shape.last().copied().unwrap_or(1);
+        let batch = g.tensor(tokens).shape.first().copied().unwrap_or(1);
         let c = self.n_embd;
         let mut params = Vec::new();
         let mut param =
@@ -488,7 +490,10 @@ impl GptConfig {
 
         g.set_scope("embed");
         let tok = g.apply1(Embedding, &[wte, tokens])?;
-        let pos = g.apply1(Narrow { start: 0, len: seq }, &[wpe])?;
+        let pos = match kv {
+            None => g.apply1(Narrow { start: 0, len: seq }, &[wpe])?,
+            Some(kv) => g.apply1(Embedding, &[wpe, kv.positions.unwrap_or(tokens)])?,
+        };
         let mut x = g.apply1(Binary::add(), &[tok, pos])?;
 
         let linear = MatMul {
@@ -517,10 +522,23 @@ impl GptConfig {
                 g.set_scope(format!("h.{i}.attn"));
                 let h = g.apply(LayerNorm::default(), &[x, ln1w, ln1b])?[0];
                 let qkv = g.apply1(linear, &[h, wqkv, bqkv])?;
-                let attn = CausalAttention {
-                    n_head: self.n_head,
+                let a = match kv {
+                    None => {
+                        let attn = CausalAttention {
+                            n_head: self.n_head,
+                        };
+                        g.apply(attn, &[qkv])?[0]
+                    }
+                    Some(kv) => {
+                        let [kc, vc] = kv.caches(g, &format!("h.{i}.attn"), batch, c, dtype)?;
+                        let attn = snug_graph::ops::KvAttention {
+                            n_head: self.n_head,
+                            n_kv_head: self.n_head,
+                            packed: true,
+                        };
+                        g.apply1(attn, &[qkv, kc, vc, kv.pos])?
+                    }
                 };
-                let a = g.apply(attn, &[qkv])?[0];
                 let proj = g.apply1(linear, &[a, wo, bo])?;
                 let x = g.apply1(Binary::add(), &[x, proj])?;
 
@@ -649,6 +667,120 @@ pub(crate) fn loss_graph(
         loss_mask,
     }
     .rewritten(fused)
+}
+
+/// What a trunk built for sampling with a key/value cache reads besides its tokens.
+pub(crate) struct KvInputs {
+    /// i32 `[1]`: the position of the first token fed.
+    pub pos: TensorId,
+    /// i32 `[B, T]`: each token's position (`pos + t`), for GPT's learned position embedding.
+    pub positions: Option<TensorId>,
+    /// Rows of each cache: the model's window.
+    pub window: usize,
+}
+
+impl KvInputs {
+    /// A layer's key and value caches `[batch, window, width]`, named under `scope`.
+    pub fn caches(
+        &self,
+        g: &mut Graph,
+        scope: &str,
+        batch: usize,
+        width: usize,
+        dtype: DType,
+    ) -> Result<[TensorId; 2], GraphError> {
+        let shape = [batch, self.window, width];
+        Ok([
+            g.add_leaf(format!("{scope}.k_cache"), &shape, dtype, Role::KvCache)?,
+            g.add_leaf(format!("{scope}.v_cache"), &shape, dtype, Role::KvCache)?,
+        ])
+    }
+}
+
+/// A graph for sampling with a key/value cache: `T` new tokens at positions `pos .. pos + T`
+/// go in, their keys and values join the caches, and the logits of the last of them come out.
+/// A prefill is this graph with `T` the prompt's length (fed at `pos` 0); a decode step, with
+/// `T` 1. Both have the same parameters and caches (by name and size), so one session switches
+/// between them keeping the weights and the cached keys and values in place.
+#[derive(Debug, Clone)]
+pub struct KvGraph {
+    pub graph: Graph,
+    /// i32 `[1, T]` token ids.
+    pub tokens: TensorId,
+    /// i32 `[1]`: the position of the first token; `pos + T` must not pass the window.
+    pub pos: TensorId,
+    /// i32 `[1, T]`: `pos, pos + 1, ..`, for a model with learned positions (GPT).
+    pub positions: Option<TensorId>,
+    /// `[1, vocab]`: scores of the token after the last one fed. A graph output.
+    pub logits: TensorId,
+    pub params: Vec<(String, TensorId)>,
+    /// Every layer's key and value caches `[1, window, kv width]`, in layer order.
+    pub caches: Vec<TensorId>,
+}
+
+/// [`KvGraph`] of `new_tokens` tokens for a model whose trunk `trunk` builds.
+pub(crate) fn kv_logits_graph(
+    new_tokens: usize,
+    window: usize,
+    learned_positions: bool,
+    target: snug_graph::Target,
+    trunk: impl FnOnce(&mut Graph, TensorId, &KvInputs) -> Result<Trunk, NnError>,
+) -> Result<KvGraph, NnError> {
+    let mut g = Graph::new().with_target(target);
+    let tokens = g.input("tokens", &[1, new_tokens], DType::I32)?;
+    let pos = g.input("pos", &[1], DType::I32)?;
+    let positions = if learned_positions {
+        Some(g.input("positions", &[1, new_tokens], DType::I32)?)
+    } else {
+        None
+    };
+    let kv = KvInputs {
+        pos,
+        positions,
+        window,
+    };
+    let mut t = trunk(&mut g, tokens, &kv)?;
+    // Only the last position's logits are wanted: the rest of a prefill's rows stop at the
+    // final norm instead of costing a row of the head each.
+    let c = g.tensor(t.hidden).shape.last().copied().unwrap_or(1);
+    let rows = g.apply1(
+        Reshape {
+            shape: vec![new_tokens, c],
+        },
+        &[t.hidden],
+    )?;
+    t.hidden = g.apply1(
+        Narrow {
+            start: new_tokens - 1,
+            len: 1,
+        },
+        &[rows],
+    )?;
+    let logits = head_logits(&mut g, &t)?;
+    g.set_scope("");
+    g.rename(logits, "logits");
+    g.mark_output(logits);
+    let caches: Vec<TensorId> = (0..g.tensors().len() as u32)
+        .map(TensorId)
+        .filter(|&id| g.tensor(id).role == Role::KvCache)
+        .collect();
+    let (r, _) = fuse_for_target(&g, &target)?;
+    Ok(KvGraph {
+        tokens: r.map(tokens)?,
+        pos: r.map(pos)?,
+        positions: positions.map(|p| r.map(p)).transpose()?,
+        logits: r.map(logits)?,
+        params: t
+            .params
+            .into_iter()
+            .map(|(name, id)| Ok((name, r.map(id)?)))
+            .collect::<Result<_, GraphError>>()?,
+        caches: caches
+            .into_iter()
+            .map(|id| r.map(id))
+            .collect::<Result<_, GraphError>>()?,
+        graph: r.graph,
+    })
 }
 
 /// The inference graph: a `tokens` input, a model trunk, and its logits as the graph output;

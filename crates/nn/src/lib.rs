@@ -18,7 +18,7 @@ pub mod llama;
 pub mod model;
 pub mod safetensors_file;
 
-pub use gpt::{GptConfig, InferenceGraph, LossMask, ModelGraph, NnError, PRESETS};
+pub use gpt::{GptConfig, InferenceGraph, KvGraph, LossMask, ModelGraph, NnError, PRESETS};
 pub use hf_checkpoint::{is_hf_dir, save_hf_model, save_hf_model_from, HfCheckpoint, HfExport};
 pub use hf_config::HfConfigError;
 pub use hf_weights::{

@@ -406,7 +406,7 @@ impl LlamaConfig {
         self.validate()?;
         crate::gpt::check_batch_seq(batch, seq, self.max_seq, "max_position_embeddings")?;
         crate::gpt::loss_graph(batch, seq, target.into(), masked, |g, tokens| {
-            self.trunk(g, tokens, dtype)
+            self.trunk(g, tokens, dtype, None)
         })
     }
 
@@ -416,8 +416,12 @@ impl LlamaConfig {
         g: &mut snug_graph::Graph,
         tokens: snug_graph::TensorId,
         dtype: snug_graph::DType,
+        kv: Option<&crate::gpt::KvInputs>,
     ) -> Result<crate::gpt::Trunk, NnError> {
-        use snug_graph::ops::{Binary, Embedding, GqaAttention, MatMul, RmsNorm, Rope, SwiGlu};
+        use snug_graph::ops::{
+            Binary, Embedding, GqaAttention, KvAttention, MatMul, RmsNorm, Rope, RopeAt, SwiGlu,
+        };
+        let batch = g.tensor(tokens).shape.first().copied().unwrap_or(1);
         use snug_graph::{Graph, GraphError, Role, TensorId};
         let (c, d) = (self.hidden, self.head_dim());
         let mut params = Vec::new();
@@ -465,13 +469,31 @@ impl LlamaConfig {
                 let q = linear(g, h, "self_attn.q_proj")?;
                 let k = linear(g, h, "self_attn.k_proj")?;
                 let v = linear(g, h, "self_attn.v_proj")?;
-                let q = g.apply1(rope(self.n_head), &[q])?;
-                let k = g.apply1(rope(self.n_kv_head), &[k])?;
-                let attn = GqaAttention {
-                    n_head: self.n_head,
-                    n_kv_head: self.n_kv_head,
+                let a = match kv {
+                    None => {
+                        let q = g.apply1(rope(self.n_head), &[q])?;
+                        let k = g.apply1(rope(self.n_kv_head), &[k])?;
+                        let attn = GqaAttention {
+                            n_head: self.n_head,
+                            n_kv_head: self.n_kv_head,
+                        };
+                        g.apply(attn, &[q, k, v])?[0]
+                    }
+                    Some(kv) => {
+                        let rope_at = |n_head| RopeAt { rope: rope(n_head) };
+                        let q = g.apply1(rope_at(self.n_head), &[q, kv.pos])?;
+                        let k = g.apply1(rope_at(self.n_kv_head), &[k, kv.pos])?;
+                        let scope = format!("model.layers.{i}.self_attn");
+                        let width = self.n_kv_head * d;
+                        let [kc, vc] = kv.caches(g, &scope, batch, width, dtype)?;
+                        let attn = KvAttention {
+                            n_head: self.n_head,
+                            n_kv_head: self.n_kv_head,
+                            packed: false,
+                        };
+                        g.apply1(attn, &[q, k, v, kc, vc, kv.pos])?
+                    }
                 };
-                let a = g.apply(attn, &[q, k, v])?[0];
                 let o = linear(g, a, "self_attn.o_proj")?;
                 let x = g.apply1(Binary::add(), &[x, o])?;
 

@@ -270,11 +270,43 @@ impl ModelConfig {
         match self {
             ModelConfig::Gpt(c) => {
                 crate::gpt::check_batch_seq(batch, seq, c.block_size, "block_size")?;
-                crate::gpt::logits_graph(batch, seq, target.into(), |g, t| c.trunk(g, t, dtype))
+                crate::gpt::logits_graph(batch, seq, target.into(), |g, t| {
+                    c.trunk(g, t, dtype, None)
+                })
             }
             ModelConfig::Llama(c) => {
                 crate::gpt::check_batch_seq(batch, seq, c.max_seq, "max_position_embeddings")?;
-                crate::gpt::logits_graph(batch, seq, target.into(), |g, t| c.trunk(g, t, dtype))
+                crate::gpt::logits_graph(batch, seq, target.into(), |g, t| {
+                    c.trunk(g, t, dtype, None)
+                })
+            }
+        }
+    }
+
+    /// The graph for sampling with a key/value cache that feeds `new_tokens` tokens at once
+    /// (f32, batch 1; the caches hold the model's whole window): a prefill with the prompt's
+    /// length, or a decode step with 1. See [`crate::KvGraph`].
+    pub fn build_kv(
+        &self,
+        new_tokens: usize,
+        target: impl Into<snug_graph::Target>,
+    ) -> Result<crate::KvGraph, NnError> {
+        self.validate()?;
+        let dtype = snug_graph::DType::F32;
+        let window = self.max_seq();
+        let target = target.into();
+        match self {
+            ModelConfig::Gpt(c) => {
+                crate::gpt::check_batch_seq(1, new_tokens, window, "block_size")?;
+                crate::gpt::kv_logits_graph(new_tokens, window, true, target, |g, t, kv| {
+                    c.trunk(g, t, dtype, Some(kv))
+                })
+            }
+            ModelConfig::Llama(c) => {
+                crate::gpt::check_batch_seq(1, new_tokens, window, "max_position_embeddings")?;
+                crate::gpt::kv_logits_graph(new_tokens, window, false, target, |g, t, kv| {
+                    c.trunk(g, t, dtype, Some(kv))
+                })
             }
         }
     }

@@ -99,6 +99,10 @@ pub struct Breakdown {
     pub activations: usize,
     pub temporaries: usize,
     pub inputs: usize,
+    /// An inference graph's key/value caches (persistent); absent from the JSON of a plan
+    /// that has none, as before caches existed.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub kv_cache: usize,
     /// Arena bytes above the lower bound: the price of fixed offsets.
     pub fragmentation: usize,
 }
@@ -113,6 +117,7 @@ impl Breakdown {
             Role::Activation => &mut self.activations,
             Role::Temporary => &mut self.temporaries,
             Role::Input => &mut self.inputs,
+            Role::KvCache => &mut self.kv_cache,
         };
         *slot += bytes;
     }
@@ -125,11 +130,13 @@ impl Breakdown {
             + self.activations
             + self.temporaries
             + self.inputs
+            + self.kv_cache
             + self.fragmentation
     }
 
-    pub fn rows(&self) -> [(&'static str, usize); 8] {
-        [
+    /// Each part by name; the key/value caches only where the plan has them.
+    pub fn rows(&self) -> Vec<(&'static str, usize)> {
+        let mut rows = vec![
             ("parameters", self.parameters),
             ("gradients", self.gradients),
             ("optimizer state", self.optimizer_state),
@@ -137,8 +144,12 @@ impl Breakdown {
             ("activations", self.activations),
             ("temporaries", self.temporaries),
             ("inputs", self.inputs),
-            ("fragmentation", self.fragmentation),
-        ]
+        ];
+        if self.kv_cache > 0 {
+            rows.push(("key/value caches", self.kv_cache));
+        }
+        rows.push(("fragmentation", self.fragmentation));
+        rows
     }
 }
 
@@ -264,6 +275,10 @@ impl fmt::Display for MemoryPlan {
         }
         Ok(())
     }
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// `1234567` → `1.18 MiB`.

@@ -49,6 +49,7 @@ pub fn role_color(role: Role) -> RGBColor {
         Role::Activation => RGBColor(214, 39, 40),
         Role::Temporary => RGBColor(140, 86, 75),
         Role::Input => RGBColor(227, 119, 194),
+        Role::KvCache => RGBColor(188, 189, 34),
     }
 }
 

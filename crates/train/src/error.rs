@@ -66,6 +66,9 @@ pub enum TrainError {
     /// raised one (`raise_exception`).
     #[error("{path}: `chat_template` failed to render: {message}")]
     ChatTemplate { path: PathBuf, message: String },
+    /// Chat sampling asked of a model whose tokenizer has no chat template.
+    #[error("{tokenizer} has no chat template to render a conversation with")]
+    NoChatTemplate { tokenizer: String },
     #[error("the tokenizer's ids run up to {} but the model's vocabulary (`vocab_size`) holds {model}: the tokenizer is not the model's", .tokenizer.saturating_sub(1))]
     VocabMismatch {
         /// One more than the tokenizer's largest id.

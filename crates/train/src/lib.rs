@@ -43,7 +43,9 @@ pub use hf_tokenizer::{HfTokenizer, HfTokenizerFiles};
 pub use loss_scale::LossScaler;
 pub use run::{run, Event, RunSummary};
 pub use run_dir::{Claim, RunDir};
-pub use sample::{SampleOptions, Sampler};
+pub use sample::{
+    chat_prompt, ChatPrompt, KvStats, PhaseMemory, SampleMode, SampleOptions, Sampler,
+};
 pub use token_file::{TokenFile, TokenFileProblem};
 pub use tokenizer::{CharTokenizer, Gpt2Tokenizer, Tokenizer, TokenizerSpec};
 pub use trainer::{EvalStats, LrSchedule, Recovery, StepStats, Trainer};

@@ -1,20 +1,33 @@
-//! Text generation: the model's forward-only graph (logits, no loss), planned like a training
-//! step but holding no gradients or optimizer state, run once per new token.
+//! Text generation on planned forward-only graphs (logits, no loss), holding no gradients or
+//! optimizer state.
 //!
-//! The graph has a fixed window of `max_seq` positions. The context sits left-aligned in it,
-//! padded with token 0: attention is causal, so positions after the last real token cannot
-//! change its logits, which are read there. Once the context outgrows the window, the window
-//! holds its most recent `max_seq` tokens. There is no key/value cache: each token costs one
-//! forward pass over the whole window.
+//! By default ([`SampleMode::KvCache`]) a prompt is run once through a *prefill* graph of its
+//! length, which leaves every layer's keys and values in persistent caches of the model's
+//! window, and each new token then costs one *decode* step: a graph of one token that attends
+//! to the caches and appends its own keys and values. The session switches between the two
+//! graphs ([`snug_runtime::Session::replan`]), keeping weights and caches in place and holding
+//! one arena at a time: the running graph's plan is exactly what it holds.
+//!
+//! When the cache is full (the context reaches the window), the sampler slides: it re-prefills
+//! the most recent half window (rounded up) and decodes on from there, so past the window each
+//! token sees between half a window and a whole window of context, and a prefill is paid once
+//! per half window of new tokens.
+//!
+//! [`SampleMode::FullWindow`] runs the whole window for every token instead (no cache): the
+//! context sits left-aligned in a graph of `max_seq` positions, padded with token 0 (attention
+//! is causal, so later positions cannot change the logits read at the last real one), and
+//! past the window it holds the most recent `max_seq` tokens. It is the reference the cached
+//! path is tested against, and what `snug plan --inference` plans without `--kv-cache`.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
 use snug_cpu::CpuSession;
 use snug_graph::TensorId;
-use snug_nn::{InferenceGraph, ModelConfig};
+use snug_nn::{InferenceGraph, KvGraph, ModelConfig};
 use snug_plan::{plan, MemoryPlan, PlanOptions};
 use snug_runtime::{Allocator, ExecCtx};
 
@@ -76,28 +89,153 @@ pub fn plan_inference(
     Ok((g, memory_plan))
 }
 
-/// A model loaded for generation: its planned inference graph in a [`CpuSession`].
+/// The key/value-cache graph of `new_tokens` tokens (a prefill of that length, or with 1 a
+/// decode step) for `model` and its memory plan. `snug plan --inference --kv-cache` plans
+/// through this same function.
+pub fn plan_kv(
+    model: &ModelConfig,
+    new_tokens: usize,
+    threads: usize,
+) -> Result<(KvGraph, MemoryPlan), TrainError> {
+    let g = model.build_kv(new_tokens, threads.max(1))?;
+    let memory_plan = plan(&g.graph, &PlanOptions::default())?;
+    Ok((g, memory_plan))
+}
+
+/// How a [`Sampler`] runs the model for each new token (see the module's documentation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SampleMode {
+    /// Prefill once, then one decode step per token against the key/value caches.
+    #[default]
+    KvCache,
+    /// The whole window for every token.
+    FullWindow,
+}
+
+/// One kind of run's largest plan and the allocator's largest peak while it ran: equal when
+/// the sampler holds exactly its plan.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PhaseMemory {
+    pub runs: usize,
+    pub planned_peak_bytes: usize,
+    pub measured_peak_bytes: usize,
+}
+
+impl PhaseMemory {
+    fn record(&mut self, planned: usize, measured: usize) {
+        self.runs += 1;
+        self.planned_peak_bytes = self.planned_peak_bytes.max(planned);
+        self.measured_peak_bytes = self.measured_peak_bytes.max(measured);
+    }
+}
+
+/// What a key/value-cache sampler ran, and its memory by phase.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct KvStats {
+    pub prefill: PhaseMemory,
+    pub decode: PhaseMemory,
+    /// Prefills that slid a full cache (re-prefilling its most recent half).
+    pub slides: usize,
+}
+
+/// A conversation rendered by a chat template for the model to answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatPrompt {
+    /// The template's text, generation prompt included.
+    pub text: String,
+    pub ids: Vec<u32>,
+    /// Tokens that end the model's turn: the tokenizer's `eos_token` and whichever of the
+    /// common end-of-turn tokens ([`END_OF_TURN`]) its vocabulary has as one token.
+    pub stop: Vec<u32>,
+}
+
+/// End-of-turn tokens of common chat templates (ChatML's, Llama 3's, Phi's, Gemma's), which a
+/// model may end its turn with when its `eos_token` is another.
+pub const END_OF_TURN: [&str; 4] = ["<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"];
+
+/// Renders `messages` (objects with a `role` and a `content`) through the tokenizer's chat
+/// template with the generation prompt, as transformers' `apply_chat_template(...,
+/// add_generation_prompt=True)` does, and encodes it without adding special tokens.
+pub fn chat_prompt(
+    tokenizer: &crate::Tokenizer,
+    messages: &[serde_json::Value],
+) -> Result<ChatPrompt, TrainError> {
+    let t = match tokenizer {
+        crate::Tokenizer::Hf(t) if t.has_chat_template() => t,
+        crate::Tokenizer::Hf(_) => {
+            return Err(TrainError::NoChatTemplate {
+                tokenizer: "this Hugging Face tokenizer (tokenizer_config.json has no \
+                            `chat_template`)"
+                    .into(),
+            })
+        }
+        other => {
+            return Err(TrainError::NoChatTemplate {
+                tokenizer: format!("the {} tokenizer", other.name()),
+            })
+        }
+    };
+    let text = t.render_chat(messages, true)?;
+    let ids = t.encode(&text, false)?;
+    let mut stop: Vec<u32> = tokenizer.eos_id().into_iter().collect();
+    for token in END_OF_TURN {
+        if let [id] = t.encode(token, false)?[..] {
+            if t.id_to_token(id).as_deref() == Some(token) && !stop.contains(&id) {
+                stop.push(id);
+            }
+        }
+    }
+    Ok(ChatPrompt { text, ids, stop })
+}
+
+/// A model loaded for generation: its planned inference graph(s) in a [`CpuSession`].
 pub struct Sampler {
     session: CpuSession,
-    tokens: TensorId,
-    logits: TensorId,
     vocab: usize,
     window: usize,
+    engine: Engine,
+}
+
+enum Engine {
+    Full { tokens: TensorId, logits: TensorId },
+    Kv(Box<KvEngine>),
+}
+
+/// The key/value-cache path's graphs and what its caches hold.
+struct KvEngine {
+    model: ModelConfig,
+    threads: usize,
+    decode: (KvGraph, MemoryPlan),
+    /// The last prefill built (rebuilt when the prompt's length changes).
+    prefill: Option<(KvGraph, MemoryPlan)>,
+    /// Which graph the session holds: `None` the decode step's, `Some(n)` a prefill of `n`.
+    holds: Option<usize>,
+    /// The tokens whose keys and values fill the caches' first rows, position 0 onwards.
+    cached: Vec<u32>,
+    stats: KvStats,
 }
 
 impl Sampler {
-    /// Builds `model`'s inference graph (batch 1, `max_seq` positions), plans it, allocates it
-    /// through `allocator` and writes `params` (every parameter by Hugging Face name, once).
+    /// Loads `model` for sampling with a key/value cache ([`SampleMode::KvCache`]), writing
+    /// `params` (every parameter by Hugging Face name, once).
     pub fn new(
         model: &ModelConfig,
         params: &[(String, Vec<f32>)],
         threads: usize,
         allocator: Allocator,
     ) -> Result<Sampler, TrainError> {
-        let threads = threads.max(1);
-        let window = model.max_seq();
-        // Planning allocates nothing, so the weights are still checked before any allocation.
-        let (g, memory_plan) = plan_inference(model, threads)?;
+        Self::with_mode(model, params, SampleMode::KvCache, threads, allocator)
+    }
+
+    /// [`Sampler::new`] in either mode.
+    pub fn with_mode(
+        model: &ModelConfig,
+        params: &[(String, Vec<f32>)],
+        mode: SampleMode,
+        threads: usize,
+        allocator: Allocator,
+    ) -> Result<Sampler, TrainError> {
         // Check the weights before allocating anything for them.
         let mut values: HashMap<&str, &[f32]> = HashMap::with_capacity(params.len());
         for (name, v) in params {
@@ -108,64 +246,128 @@ impl Sampler {
                 });
             }
         }
-        let mut ordered = Vec::with_capacity(g.params.len());
-        for (name, id) in &g.params {
-            let v = values
-                .remove(name.as_str())
-                .ok_or_else(|| TrainError::Config {
+        let (sampler, _) = Self::load(model, mode, threads, allocator, |graph_params| {
+            let mut ordered = Vec::with_capacity(graph_params.len());
+            for (name, id) in graph_params {
+                let v = values
+                    .remove(name.as_str())
+                    .ok_or_else(|| TrainError::Config {
+                        field: "parameters",
+                        detail: format!("no value for the model's parameter `{name}`"),
+                    })?;
+                ordered.push((*id, v));
+            }
+            if let Some((name, _)) = params.iter().find(|(n, _)| values.contains_key(n.as_str())) {
+                return Err(TrainError::Config {
                     field: "parameters",
-                    detail: format!("no value for the model's parameter `{name}`"),
-                })?;
-            ordered.push((*id, v));
+                    detail: format!("`{name}` is not a parameter of this model"),
+                });
+            }
+            Ok(ordered)
+        })?;
+        Ok(sampler)
+    }
+
+    /// [`Sampler::with_mode`] for the weights of a Hugging Face model directory, decoded
+    /// straight from its mapped files one parameter at a time (no copy of the whole model
+    /// beside the session). `model` must have the checkpoint's parameters.
+    pub fn from_hf(
+        model: &ModelConfig,
+        ckpt: &snug_nn::HfCheckpoint,
+        mode: SampleMode,
+        threads: usize,
+        allocator: Allocator,
+    ) -> Result<Sampler, TrainError> {
+        ckpt.check_model(model)?;
+        let (mut sampler, params) =
+            Self::load(model, mode, threads, allocator, |_| Ok(Vec::new()))?;
+        for (name, id) in params {
+            sampler.session.write_f32(id, &ckpt.read(&name)?)?;
         }
-        if let Some((name, _)) = params.iter().find(|(n, _)| values.contains_key(n.as_str())) {
-            return Err(TrainError::Config {
-                field: "parameters",
-                detail: format!("`{name}` is not a parameter of this model"),
-            });
-        }
-        let mut session = CpuSession::new(g.graph, memory_plan, allocator, threads)?;
+        Ok(sampler)
+    }
+
+    /// Plans `model` for `mode`, has `order` check the weights against the graph's parameters
+    /// (returning them in its order) before allocating, then makes the session and writes
+    /// them. Returns the sampler and the parameters' ids in the graph it holds.
+    fn load<'v>(
+        model: &ModelConfig,
+        mode: SampleMode,
+        threads: usize,
+        allocator: Allocator,
+        order: impl FnOnce(&[(String, TensorId)]) -> Result<Vec<(TensorId, &'v [f32])>, TrainError>,
+    ) -> Result<(Sampler, Vec<(String, TensorId)>), TrainError> {
+        let threads = threads.max(1);
+        // Planning allocates nothing, so the weights are still checked before any allocation.
+        let (graph, memory_plan, params, engine) = match mode {
+            SampleMode::FullWindow => {
+                let (g, p) = plan_inference(model, threads)?;
+                let engine = Engine::Full {
+                    tokens: g.tokens,
+                    logits: g.logits,
+                };
+                (g.graph, p, g.params, engine)
+            }
+            SampleMode::KvCache => {
+                // The session starts on the decode step's graph: the smaller arena.
+                let (g, p) = plan_kv(model, 1, threads)?;
+                let (graph, params) = (g.graph.clone(), g.params.clone());
+                let engine = Engine::Kv(Box::new(KvEngine {
+                    model: model.clone(),
+                    threads,
+                    decode: (g, p.clone()),
+                    prefill: None,
+                    holds: None,
+                    cached: Vec::new(),
+                    stats: KvStats::default(),
+                }));
+                (graph, p, params, engine)
+            }
+        };
+        let ordered = order(&params)?;
+        let mut session = CpuSession::new(graph, memory_plan, allocator, threads)?;
         for (id, v) in ordered {
             // A wrong length is a typed error naming the tensor.
             session.write_f32(id, v)?;
         }
-        Ok(Sampler {
+        let sampler = Sampler {
             session,
-            tokens: g.tokens,
-            logits: g.logits,
-            vocab: model.vocab_size(),
-            window,
-        })
-    }
-
-    /// [`Sampler::new`] for the weights of a Hugging Face model directory, decoded straight
-    /// from its mapped files one parameter at a time (no copy of the whole model beside the
-    /// session). `model` must have the checkpoint's parameters.
-    pub fn from_hf(
-        model: &ModelConfig,
-        ckpt: &snug_nn::HfCheckpoint,
-        threads: usize,
-        allocator: Allocator,
-    ) -> Result<Sampler, TrainError> {
-        let threads = threads.max(1);
-        let (g, memory_plan) = plan_inference(model, threads)?;
-        ckpt.check_model(model)?;
-        let mut session = CpuSession::new(g.graph, memory_plan, allocator, threads)?;
-        for (name, id) in &g.params {
-            session.write_f32(*id, &ckpt.read(name)?)?;
-        }
-        Ok(Sampler {
-            session,
-            tokens: g.tokens,
-            logits: g.logits,
             vocab: model.vocab_size(),
             window: model.max_seq(),
-        })
+            engine,
+        };
+        Ok((sampler, params))
     }
 
-    /// The inference plan: its peak is what this sampler holds (weights plus the arena).
+    /// The plan of the graph the session holds now: its peak is what this sampler holds
+    /// (weights, caches and that graph's arena).
     pub fn plan(&self) -> &MemoryPlan {
         self.session.plan()
+    }
+
+    pub fn mode(&self) -> SampleMode {
+        match self.engine {
+            Engine::Full { .. } => SampleMode::FullWindow,
+            Engine::Kv(_) => SampleMode::KvCache,
+        }
+    }
+
+    /// The key/value-cache path's runs and memory by phase (`None` in full-window mode).
+    pub fn kv_stats(&self) -> Option<KvStats> {
+        match &self.engine {
+            Engine::Full { .. } => None,
+            Engine::Kv(kv) => Some(kv.stats),
+        }
+    }
+
+    /// How many of the context's most recent tokens the next token is computed from, when the
+    /// sampler has just produced the logits after `context` (the caches' length in key/value
+    /// mode; the window, or less, in full-window mode).
+    pub fn context_used(&self, context_len: usize) -> usize {
+        match &self.engine {
+            Engine::Full { .. } => context_len.min(self.window),
+            Engine::Kv(kv) => kv.cached.len(),
+        }
     }
 
     pub fn session(&self) -> &CpuSession {
@@ -181,7 +383,11 @@ impl Sampler {
         self.vocab
     }
 
-    /// Logits of the token after `context` (of its last `window` tokens when longer).
+    /// Logits of the token after `context`: of its last `window` tokens when longer in
+    /// full-window mode; in key/value-cache mode of the whole context while it fits the window,
+    /// and past it of the most recent tokens the sliding cache holds (half a window to a
+    /// window). A context that extends the previous call's by one token costs one decode step;
+    /// any other, a prefill.
     pub fn next_token_logits(&mut self, context: &[u32]) -> Result<Cow<'_, [f32]>, TrainError> {
         if context.is_empty() {
             return Err(TrainError::Config {
@@ -201,6 +407,18 @@ impl Sampler {
         prompt: &[u32],
         max_new_tokens: usize,
         opts: SampleOptions,
+    ) -> Result<Vec<u32>, TrainError> {
+        self.generate_until(prompt, max_new_tokens, opts, &[])
+    }
+
+    /// [`Sampler::generate`], stopping after the first token of `stop` it makes (which ends
+    /// the result): a chat model's end of turn.
+    pub fn generate_until(
+        &mut self,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        opts: SampleOptions,
+        stop: &[u32],
     ) -> Result<Vec<u32>, TrainError> {
         opts.validate()?;
         if max_new_tokens > MAX_NEW_TOKENS {
@@ -223,7 +441,11 @@ impl Sampler {
         let mut candidates = Vec::with_capacity(self.vocab);
         for _ in 0..max_new_tokens {
             let logits = self.forward(&context)?;
-            context.push(choose(&logits, &opts, &mut rng, &mut candidates));
+            let next = choose(&logits, &opts, &mut rng, &mut candidates);
+            context.push(next);
+            if stop.contains(&next) {
+                break;
+            }
         }
         Ok(context.split_off(start))
     }
@@ -241,29 +463,170 @@ impl Sampler {
         }
     }
 
-    /// Runs the window on the last `window` tokens of a non-empty, checked `context` and
-    /// returns the logits at its last real position.
+    /// The logits after a non-empty, checked `context`, by the sampler's mode.
     fn forward(&mut self, context: &[u32]) -> Result<Cow<'_, [f32]>, TrainError> {
-        let n = context.len().min(self.window);
-        let recent = &context[context.len() - n..];
-        self.session.fill_i32(self.tokens, self.vocab, |out| {
-            for (o, &t) in out.iter_mut().zip(recent) {
-                // Below the vocabulary size, which fits in i32 (checked by the model config).
-                *o = t as i32;
+        let (logits, position) = match &mut self.engine {
+            Engine::Full { tokens, logits } => {
+                let (tokens, logits) = (*tokens, *logits);
+                let n = context.len().min(self.window);
+                full_window(
+                    &mut self.session,
+                    tokens,
+                    self.vocab,
+                    &context[context.len() - n..],
+                )?;
+                let last = (n - 1) * self.vocab..n * self.vocab;
+                let row = match self.session.read_f32(logits)? {
+                    Cow::Borrowed(all) => Cow::Borrowed(&all[last]),
+                    Cow::Owned(all) => Cow::Owned(all[last].to_vec()),
+                };
+                (row, n - 1)
             }
-            out[n..].fill(0);
-        })?;
-        self.session.run(ExecCtx::default())?;
-        let last = (n - 1) * self.vocab..n * self.vocab;
-        let row = match self.session.read_f32(self.logits)? {
-            Cow::Borrowed(all) => Cow::Borrowed(&all[last]),
-            Cow::Owned(all) => Cow::Owned(all[last].to_vec()),
+            Engine::Kv(kv) => {
+                let logits = kv.next(&mut self.session, self.vocab, self.window, context)?;
+                let position = kv.cached.len() - 1;
+                (self.session.read_f32(logits)?, position)
+            }
         };
-        if row.iter().any(|v| !v.is_finite()) {
-            return Err(TrainError::NonFiniteLogits { position: n - 1 });
+        if logits.iter().any(|v| !v.is_finite()) {
+            return Err(TrainError::NonFiniteLogits { position });
         }
-        Ok(row)
+        Ok(logits)
     }
+}
+
+/// Runs the full-window graph on `recent` (at most the window), padded with token 0.
+fn full_window(
+    session: &mut CpuSession,
+    tokens: TensorId,
+    vocab: usize,
+    recent: &[u32],
+) -> Result<(), TrainError> {
+    let n = recent.len();
+    session.fill_i32(tokens, vocab, |out| {
+        for (o, &t) in out.iter_mut().zip(recent) {
+            // Below the vocabulary size, which fits in i32 (checked by the model config).
+            *o = t as i32;
+        }
+        out[n..].fill(0);
+    })?;
+    session.run(ExecCtx::default())?;
+    Ok(())
+}
+
+impl KvEngine {
+    /// Runs whichever graph gives the logits after `context` (a decode step when `context`
+    /// extends the cached tokens by one and the cache has room, a prefill otherwise) and
+    /// returns the logits' tensor.
+    fn next(
+        &mut self,
+        session: &mut CpuSession,
+        vocab: usize,
+        window: usize,
+        context: &[u32],
+    ) -> Result<TensorId, TrainError> {
+        let n = context.len();
+        let m = self.cached.len();
+        let continues = m > 0 && m < n && context[n - 1 - m..n - 1] == self.cached[..];
+        if continues && m < window {
+            let new = context[n - 1];
+            self.hold(session, None)?;
+            let g = &self.decode.0;
+            let (tokens, pos, positions, logits) = (g.tokens, g.pos, g.positions, g.logits);
+            write_step(session, (tokens, pos, positions), vocab, window, m, &[new])?;
+            self.cached.push(new);
+            self.run(session, false)?;
+            return Ok(logits);
+        }
+        // A full cache slides to its most recent half; anything else starts over from the
+        // context's last window.
+        let keep = if continues {
+            self.stats.slides += 1;
+            window.div_ceil(2)
+        } else {
+            n.min(window)
+        };
+        let recent = &context[n - keep..];
+        // Forgotten first: should the prefill fail, nothing claims the caches hold a context.
+        self.cached.clear();
+        self.hold(session, Some(keep))?;
+        let Some((g, _)) = &self.prefill else {
+            unreachable!("`hold` built the prefill")
+        };
+        let (tokens, pos, positions, logits) = (g.tokens, g.pos, g.positions, g.logits);
+        write_step(session, (tokens, pos, positions), vocab, window, 0, recent)?;
+        self.cached.extend_from_slice(recent);
+        self.run(session, true)?;
+        Ok(logits)
+    }
+
+    /// Switches the session to the decode graph (`None`) or a prefill of `n` tokens, giving
+    /// the other graph's arena back to the system so the session holds exactly this plan.
+    fn hold(&mut self, session: &mut CpuSession, prefill: Option<usize>) -> Result<(), TrainError> {
+        if self.holds == prefill {
+            return Ok(());
+        }
+        let (graph, memory_plan) = match prefill {
+            None => (self.decode.0.graph.clone(), self.decode.1.clone()),
+            Some(n) => {
+                let built = self
+                    .prefill
+                    .as_ref()
+                    .map(|(g, _)| g.graph.tensor(g.tokens).shape[1]);
+                if built != Some(n) {
+                    self.prefill = Some(plan_kv(&self.model, n, self.threads)?);
+                }
+                let Some((g, p)) = &self.prefill else {
+                    unreachable!("built above")
+                };
+                (g.graph.clone(), p.clone())
+            }
+        };
+        // On failure the session keeps the graph it held.
+        session.replan(graph, memory_plan)?;
+        session.allocator().clear_cache();
+        self.holds = prefill;
+        Ok(())
+    }
+
+    /// Runs the held graph, recording its plan and the allocator's peak.
+    fn run(&mut self, session: &mut CpuSession, prefill: bool) -> Result<(), TrainError> {
+        session.allocator().reset_peak();
+        session.run(ExecCtx::default())?;
+        let (planned, measured) = (
+            session.plan().peak_bytes(),
+            session.allocator().peak_bytes(),
+        );
+        let phase = if prefill {
+            &mut self.stats.prefill
+        } else {
+            &mut self.stats.decode
+        };
+        phase.record(planned, measured);
+        Ok(())
+    }
+}
+
+/// Writes a key/value-cache graph's inputs: `new` tokens at positions `pos ..`.
+fn write_step(
+    session: &mut CpuSession,
+    (tokens, pos_id, positions): (TensorId, TensorId, Option<TensorId>),
+    vocab: usize,
+    window: usize,
+    pos: usize,
+    new: &[u32],
+) -> Result<(), TrainError> {
+    // Token ids are below the vocabulary size and positions below the window, both of which
+    // fit in i32 (checked by the model config).
+    let ids: Vec<i32> = new.iter().map(|&t| t as i32).collect();
+    session.write_i32(tokens, &ids, vocab)?;
+    // The runtime checks the new rows fit the caches: `pos + T ≤ window`.
+    session.write_i32(pos_id, &[pos as i32], window - new.len() + 1)?;
+    if let Some(p) = positions {
+        let at: Vec<i32> = (pos..pos + new.len()).map(|p| p as i32).collect();
+        session.write_i32(p, &at, window)?;
+    }
+    Ok(())
 }
 
 /// Index of the largest logit (the first on ties).
@@ -367,8 +730,15 @@ mod tests {
     }
 
     fn sampler(model: &ModelConfig, seed: u64) -> Sampler {
-        Sampler::new(model, &random_params(model, seed), 1, Allocator::default()).unwrap()
+        sampler_in(model, seed, SampleMode::FullWindow)
     }
+
+    fn sampler_in(model: &ModelConfig, seed: u64, mode: SampleMode) -> Sampler {
+        let params = random_params(model, seed);
+        Sampler::with_mode(model, &params, mode, 1, Allocator::default()).unwrap()
+    }
+
+    const MODES: [SampleMode; 2] = [SampleMode::KvCache, SampleMode::FullWindow];
 
     fn greedy() -> SampleOptions {
         SampleOptions {
@@ -380,11 +750,18 @@ mod tests {
 
     /// All logits `[window, vocab]` of one run on `tokens` (exactly `window` ids).
     fn window_logits(s: &mut Sampler, tokens: &[i32]) -> Vec<f32> {
+        let Engine::Full {
+            tokens: ids,
+            logits,
+        } = s.engine
+        else {
+            panic!("a full-window sampler")
+        };
         s.session
-            .fill_i32(s.tokens, s.vocab, |out| out.copy_from_slice(tokens))
+            .fill_i32(ids, s.vocab, |out| out.copy_from_slice(tokens))
             .unwrap();
         s.session.run(ExecCtx::default()).unwrap();
-        s.session.read_f32(s.logits).unwrap().to_vec()
+        s.session.read_f32(logits).unwrap().to_vec()
     }
 
     fn random_ids(rng: &mut ChaCha8Rng, n: usize, vocab: usize) -> Vec<i32> {
@@ -421,7 +798,8 @@ mod tests {
     fn greedy_generation_is_the_argmax_of_an_independent_forward() {
         for model in [gpt(), llama()] {
             let params = random_params(&model, 3);
-            let mut s = Sampler::new(&model, &params, 1, Allocator::default()).unwrap();
+            let mode = SampleMode::FullWindow;
+            let mut s = Sampler::with_mode(&model, &params, mode, 1, Allocator::default()).unwrap();
             let (w, v) = (s.window(), s.vocab_size());
             let prompt = [3u32, 1, 4];
             let new = s.generate(&prompt, 2 * w, greedy()).unwrap();
@@ -462,8 +840,14 @@ mod tests {
 
     #[test]
     fn seeds_decide_samples_and_top_k_limits_them() {
+        for mode in MODES {
+            seeds_decide_samples_in(mode);
+        }
+    }
+
+    fn seeds_decide_samples_in(mode: SampleMode) {
         let model = gpt();
-        let mut s = sampler(&model, 5);
+        let mut s = sampler_in(&model, 5, mode);
         let prompt = [1u32, 2, 3];
         let opts = |seed, top_k| SampleOptions {
             temperature: 1.0,
@@ -509,8 +893,14 @@ mod tests {
 
     #[test]
     fn bad_arguments_are_typed_errors() {
+        for mode in MODES {
+            bad_arguments_in(mode);
+        }
+    }
+
+    fn bad_arguments_in(mode: SampleMode) {
         let model = gpt();
-        let mut s = sampler(&model, 6);
+        let mut s = sampler_in(&model, 6, mode);
         let field = |r: Result<Vec<u32>, TrainError>| match r {
             Err(TrainError::Config { field, .. }) => field,
             other => panic!("expected a config error, got {other:?}"),
@@ -541,7 +931,8 @@ mod tests {
         ));
 
         let params = random_params(&model, 6);
-        let new = |p: &[(String, Vec<f32>)]| Sampler::new(&model, p, 1, Allocator::default());
+        let new =
+            |p: &[(String, Vec<f32>)]| Sampler::with_mode(&model, p, mode, 1, Allocator::default());
         let mut missing = params.clone();
         missing.remove(3);
         assert!(matches!(
@@ -580,7 +971,7 @@ mod tests {
         let mut bad_model = model.clone();
         bad_model.override_shape(None, Some(3), None, None);
         assert!(matches!(
-            Sampler::new(&bad_model, &params, 1, Allocator::default()),
+            Sampler::with_mode(&bad_model, &params, mode, 1, Allocator::default()),
             Err(TrainError::Model(NnError::Config {
                 field: "n_head",
                 ..
@@ -602,7 +993,9 @@ mod tests {
     fn holds_exactly_the_inference_plan() {
         let model = gpt();
         let allocator = Allocator::default();
-        let mut s = Sampler::new(&model, &random_params(&model, 8), 1, allocator.clone()).unwrap();
+        let params = random_params(&model, 8);
+        let mode = SampleMode::FullWindow;
+        let mut s = Sampler::with_mode(&model, &params, mode, 1, allocator.clone()).unwrap();
         let before = allocator.allocation_count();
         s.generate(&[1, 2, 3], 20, SampleOptions::default())
             .unwrap();
@@ -625,5 +1018,167 @@ mod tests {
             p.peak_bytes(),
             training.peak_bytes()
         );
+    }
+
+    /// The Llama variants a key/value cache must get right: grouped-query heads, full
+    /// multi-head, a tied head, and Llama 3's rescaled rotary frequencies.
+    fn llama_variants() -> Vec<ModelConfig> {
+        let ModelConfig::Llama(base) = llama() else {
+            unreachable!()
+        };
+        vec![
+            llama(),
+            ModelConfig::Llama(LlamaConfig {
+                n_kv_head: 4,
+                ..base.clone()
+            }),
+            ModelConfig::Llama(LlamaConfig {
+                n_kv_head: 1,
+                tie_word_embeddings: true,
+                ..base.clone()
+            }),
+            ModelConfig::Llama(LlamaConfig {
+                rope_scaling: Some(snug_nn::RopeScaling::Llama3 {
+                    factor: 8.0,
+                    low_freq_factor: 1.0,
+                    high_freq_factor: 4.0,
+                    original_max_position: 8,
+                }),
+                rope_theta: 500.0,
+                ..base
+            }),
+        ]
+    }
+
+    /// How many of the context's most recent tokens the cached path computes the token after
+    /// a context of `n` from, `m` being that count for the previous, one shorter context (0
+    /// before the first): the documented sliding rule, written out independently.
+    fn kv_context(m: usize, n: usize, w: usize) -> usize {
+        match m {
+            0 => n.min(w),
+            m if m < w => m + 1,
+            _ => w.div_ceil(2),
+        }
+    }
+
+    /// Greedy tokens with the cache equal the full window's token for token while the context
+    /// fits, and past it equal the full window run on the suffix the documented slide keeps.
+    #[test]
+    fn kv_cache_sampling_equals_full_window_token_for_token() {
+        for model in std::iter::once(gpt()).chain(llama_variants()) {
+            let params = random_params(&model, 11);
+            let load = |mode| Sampler::with_mode(&model, &params, mode, 1, Allocator::default());
+            let mut kv = load(SampleMode::KvCache).unwrap();
+            let mut full = load(SampleMode::FullWindow).unwrap();
+            let w = kv.window();
+            let prompt = [3u32, 1, 4, 1, 5];
+            let inside = w - prompt.len();
+            let a = kv.generate(&prompt, inside, greedy()).unwrap();
+            let b = full.generate(&prompt, inside, greedy()).unwrap();
+            assert_eq!(a, b, "{}", model.summary());
+            let stats = kv.kv_stats().unwrap();
+            assert_eq!((stats.prefill.runs, stats.decode.runs), (1, inside - 1));
+
+            // Past the window: three slides.
+            let new = kv.generate(&prompt, 2 * w + 3, greedy()).unwrap();
+            let all: Vec<u32> = prompt.iter().chain(&new).copied().collect();
+            let mut m = 0;
+            for (j, &token) in new.iter().enumerate() {
+                let n = prompt.len() + j;
+                m = kv_context(m, n, w);
+                let logits = full.next_token_logits(&all[n - m..n]).unwrap();
+                assert_eq!(
+                    argmax(&logits) as u32,
+                    token,
+                    "{} token {j}",
+                    model.summary()
+                );
+            }
+            assert!(kv.kv_stats().unwrap().slides >= 3);
+        }
+    }
+
+    /// Small weights keep logits near 1, so 1e-5 is a tight bound on every position's
+    /// difference from the full window, through the prefill and each decode step.
+    #[test]
+    fn decode_logits_match_the_full_forward() {
+        for model in std::iter::once(gpt()).chain(llama_variants()) {
+            let params: Vec<_> = random_params(&model, 12)
+                .into_iter()
+                .map(|(n, v)| (n, v.iter().map(|x| x * 0.4).collect::<Vec<f32>>()))
+                .collect();
+            let load = |mode| Sampler::with_mode(&model, &params, mode, 1, Allocator::default());
+            let mut kv = load(SampleMode::KvCache).unwrap();
+            let mut full = load(SampleMode::FullWindow).unwrap();
+            let (w, v) = (kv.window(), kv.vocab_size());
+            let mut rng = ChaCha8Rng::seed_from_u64(13);
+            let context: Vec<u32> = (0..w).map(|_| rng.random_range(0..v as u32)).collect();
+            for n in 4..=w {
+                let a = kv.next_token_logits(&context[..n]).unwrap().to_vec();
+                let b = full.next_token_logits(&context[..n]).unwrap();
+                let diff = a
+                    .iter()
+                    .zip(b.iter())
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0.0, f32::max);
+                assert!(diff <= 1e-5, "{} at {n}: {diff}", model.summary());
+            }
+            // One prefill (of 4), then decode steps only.
+            let stats = kv.kv_stats().unwrap();
+            assert_eq!((stats.prefill.runs, stats.decode.runs), (1, w - 4));
+        }
+    }
+
+    /// Each phase holds exactly its plan: weights and caches persist, one arena at a time, and
+    /// the caches are their own part of the breakdown.
+    #[test]
+    fn kv_cache_phases_hold_exactly_their_plans() {
+        for model in [gpt(), llama()] {
+            let allocator = Allocator::default();
+            let params = random_params(&model, 14);
+            let mode = SampleMode::KvCache;
+            let mut s = Sampler::with_mode(&model, &params, mode, 1, allocator.clone()).unwrap();
+            let w = s.window();
+            s.generate(&[1, 2, 3], 2 * w, SampleOptions::default())
+                .unwrap();
+            let stats = s.kv_stats().unwrap();
+            assert!(stats.prefill.runs >= 3 && stats.decode.runs > w);
+            for phase in [stats.prefill, stats.decode] {
+                assert_eq!(phase.planned_peak_bytes, phase.measured_peak_bytes);
+            }
+            assert!(stats.decode.planned_peak_bytes < stats.prefill.planned_peak_bytes);
+            // The decode step holds its plan now, and nothing else.
+            assert_eq!(allocator.active_bytes(), s.plan().peak_bytes());
+            assert_eq!(allocator.cache_bytes(), 0);
+            let b = s.plan().breakdown();
+            let (layers, kv_width) = match &model {
+                ModelConfig::Gpt(c) => (c.n_layer, c.n_embd),
+                ModelConfig::Llama(c) => (c.n_layer, c.n_kv_head * c.head_dim()),
+            };
+            assert_eq!(b.kv_cache, 2 * layers * w * kv_width * 4);
+            assert_eq!(b.gradients + b.optimizer_state, 0);
+            assert_eq!(s.plan().persistent_bytes, b.parameters + b.kv_cache);
+        }
+    }
+
+    /// Generation stops right after the first stop token it makes, in both modes.
+    #[test]
+    fn generation_stops_after_a_stop_token() {
+        for mode in MODES {
+            let model = llama();
+            let mut s = sampler_in(&model, 15, mode);
+            let prompt = [2u32, 7];
+            let free = s.generate(&prompt, 30, greedy()).unwrap();
+            let stop = free[6];
+            let first = free.iter().position(|&t| t == stop).unwrap();
+            let until = s.generate_until(&prompt, 30, greedy(), &[stop]).unwrap();
+            assert_eq!(until, free[..=first]);
+            // A stop token never made changes nothing.
+            let absent: Vec<u32> = (0..17).filter(|t| !free.contains(t)).collect();
+            assert_eq!(
+                s.generate_until(&prompt, 30, greedy(), &absent).unwrap(),
+                free
+            );
+        }
     }
 }

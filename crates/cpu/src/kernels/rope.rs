@@ -7,35 +7,43 @@ use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for Rope {
     fn run(&self, k: &Kernel<'_>) {
-        let Ok((b, t, c)) = dims(self, k.in_shape(0)) else {
-            unreachable!("shape rule checked at build time")
-        };
-        let x = k.in_f32(0);
-        let y = crate::par::SendPtr(k.out_f32(0).as_mut_ptr());
-        let (hd, half) = (self.head_dim, self.head_dim / 2);
-        let sign = if self.inverse { -1.0 } else { 1.0 };
-        // One position per item: its angles are computed once and used for every batch row.
-        crate::par::for_each_item(k.workspace(), hd, t, |pos, scratch| {
-            let (cos, sin) = scratch.split_at_mut(half);
-            for i in 0..half {
-                let (s, co) = (pos as f64 * self.inv_freq(i)).sin_cos();
-                cos[i] = co as f32;
-                sin[i] = (sign * s) as f32;
-            }
-            for bi in 0..b {
-                let off = (bi * t + pos) * c;
-                let xr = &x[off..off + c];
-                // SAFETY: row (bi, pos) of y is written by this item only, and lies inside y.
-                let yr = unsafe { std::slice::from_raw_parts_mut(y.get().add(off), c) };
-                for (xh, yh) in xr.chunks_exact(hd).zip(yr.chunks_exact_mut(hd)) {
-                    let (x1, x2) = xh.split_at(half);
-                    let (y1, y2) = yh.split_at_mut(half);
-                    for i in 0..half {
-                        y1[i] = x1[i] * cos[i] - x2[i] * sin[i];
-                        y2[i] = x2[i] * cos[i] + x1[i] * sin[i];
-                    }
+        rotate(self, k, 0);
+    }
+}
+
+/// Rotates input 0 into output 0, row `t` as position `first + t`. A position's angles do not
+/// depend on the row it sits in, so one token rotated at its position (a decode step) matches
+/// the same position of a whole window bit for bit.
+pub(super) fn rotate(op: &Rope, k: &Kernel<'_>, first: usize) {
+    let Ok((b, t, c)) = dims(op, k.in_shape(0)) else {
+        unreachable!("shape rule checked at build time")
+    };
+    let x = k.in_f32(0);
+    let y = crate::par::SendPtr(k.out_f32(0).as_mut_ptr());
+    let (hd, half) = (op.head_dim, op.head_dim / 2);
+    let sign = if op.inverse { -1.0 } else { 1.0 };
+    // One position per item: its angles are computed once and used for every batch row.
+    crate::par::for_each_item(k.workspace(), hd, t, |pos, scratch| {
+        let (cos, sin) = scratch.split_at_mut(half);
+        let at = (first + pos) as f64;
+        for i in 0..half {
+            let (s, co) = (at * op.inv_freq(i)).sin_cos();
+            cos[i] = co as f32;
+            sin[i] = (sign * s) as f32;
+        }
+        for bi in 0..b {
+            let off = (bi * t + pos) * c;
+            let xr = &x[off..off + c];
+            // SAFETY: row (bi, pos) of y is written by this item only, and lies inside y.
+            let yr = unsafe { std::slice::from_raw_parts_mut(y.get().add(off), c) };
+            for (xh, yh) in xr.chunks_exact(hd).zip(yr.chunks_exact_mut(hd)) {
+                let (x1, x2) = xh.split_at(half);
+                let (y1, y2) = yh.split_at_mut(half);
+                for i in 0..half {
+                    y1[i] = x1[i] * cos[i] - x2[i] * sin[i];
+                    y2[i] = x2[i] * cos[i] + x1[i] * sin[i];
                 }
             }
-        });
-    }
+        }
+    });
 }

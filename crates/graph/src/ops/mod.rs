@@ -15,6 +15,7 @@ mod gelu;
 pub mod gelu_linear;
 pub mod gqa_attention;
 mod grad_norm;
+pub mod kv_attention;
 mod layernorm;
 pub mod layernorm_linear;
 pub mod lm_head_loss;
@@ -22,6 +23,7 @@ mod matmul;
 pub mod reduce;
 mod rmsnorm;
 pub mod rope;
+mod rope_at;
 mod sgd;
 mod silu;
 mod softmax;
@@ -41,6 +43,7 @@ pub use gelu::{Gelu, GeluApprox, GeluBackward};
 pub use gelu_linear::{GeluLinear, GeluLinearBackward};
 pub use gqa_attention::{GqaAttention, GqaAttentionBackward};
 pub use grad_norm::{gpu_partial_sums, GradNorm, SumSquares};
+pub use kv_attention::KvAttention;
 pub use layernorm::{LayerNorm, LayerNormBackward};
 pub use layernorm_linear::{LayerNormLinear, LayerNormLinearBackward};
 pub use lm_head_loss::{LmHeadLoss, LmHeadLossBackward};
@@ -48,6 +51,7 @@ pub use matmul::MatMul;
 pub use reduce::{BroadcastTo, MaxBackward, Reduce, ReduceKind, SumTo};
 pub use rmsnorm::{RmsNorm, RmsNormBackward};
 pub use rope::{Rope, RopeScaling};
+pub use rope_at::RopeAt;
 pub use sgd::Sgd;
 pub use silu::{Silu, SiluBackward};
 pub use softmax::{LogSoftmax, LogSoftmaxBackward, Softmax, SoftmaxBackward};
@@ -198,6 +202,8 @@ ops!(
     LmHeadLoss,
     LmHeadLossBackward,
     Cast,
+    KvAttention,
+    RopeAt,
 );
 
 impl Op {
