@@ -7,6 +7,7 @@ mod adamw;
 pub mod attention;
 mod broadcast;
 mod cast;
+pub mod collective;
 mod cross_entropy;
 mod elementwise;
 mod embedding;
@@ -33,6 +34,7 @@ pub use adamw::AdamW;
 pub use attention::{CausalAttention, CausalAttentionBackward};
 pub use broadcast::{broadcast_shape, broadcasts_to};
 pub use cast::Cast;
+pub use collective::{shard_len, AllGather, AllReduce, ReduceScatter, ShardedAdamW};
 pub use cross_entropy::{CrossEntropy, CrossEntropyBackward};
 pub use elementwise::{Binary, BinaryKind, Scale};
 pub use embedding::{Embedding, EmbeddingBackward};
@@ -198,6 +200,10 @@ ops!(
     LmHeadLoss,
     LmHeadLossBackward,
     Cast,
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+    ShardedAdamW,
 );
 
 impl Op {
