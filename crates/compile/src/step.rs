@@ -53,11 +53,11 @@ impl StepShape {
         devices: usize,
         accumulation: usize,
     ) -> Result<StepShape, CompileError> {
-        if devices == 0 || batch % devices != 0 {
+        if devices == 0 || !batch.is_multiple_of(devices) {
             return Err(CompileError::BatchNotDivisible { batch, devices });
         }
         let per_rank = batch / devices;
-        if accumulation == 0 || per_rank % accumulation != 0 || per_rank == 0 {
+        if accumulation == 0 || !per_rank.is_multiple_of(accumulation) || per_rank == 0 {
             return Err(CompileError::AccumulationNotDivisible {
                 per_rank,
                 devices,

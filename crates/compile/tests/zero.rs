@@ -166,7 +166,6 @@ fn sgd_refuses_sharding_optimizer_state() {
         &config,
         &Sharding::new(2, 1).unwrap(),
     )
-    .err()
-    .expect("stage 1 with SGD is refused");
+    .expect_err("stage 1 with SGD is refused");
     assert!(err.to_string().contains("SGD keeps none"), "{err}");
 }
