@@ -6,7 +6,6 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::Args;
 use serde::Serialize;
-use snug_compile::compile_step;
 use snug_graph::DType;
 use snug_nn::ModelConfig;
 use snug_plan::memory_plan::human_bytes;
@@ -38,9 +37,37 @@ pub struct PlanArgs {
     /// `snug sample --full-window`.
     #[arg(long, requires = "inference")]
     kv_cache: bool,
+    /// Plan one rank of a data-parallel run over this many devices: each rank's batch is
+    /// --batch / N (N must divide it), and the report adds the bytes each rank sends and
+    /// receives per step.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    devices: u64,
+    /// ZeRO stage: 0 replicates everything, 1 shards optimizer state, 2 also gradients, 3 also
+    /// parameters (gathered per weight before its forward and its backward).
+    #[arg(long, value_name = "STAGE", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
+    shard: u8,
+    /// Link bandwidth per rank in GB/s (each way): predicts the step's communication time.
+    #[arg(long, value_name = "GB/s")]
+    link: Option<f64>,
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
+}
+
+/// What one rank of a data-parallel run holds and exchanges.
+#[derive(Serialize)]
+struct DistributedReport {
+    devices: usize,
+    /// ZeRO stage (0 to 3).
+    shard: u8,
+    /// Sequences each rank draws per step (--batch / devices).
+    per_rank_batch: usize,
+    /// Every rank's planned peak (all ranks plan alike: shards are padded to equal sizes).
+    per_rank_peak_bytes: usize,
+    comm: snug_graph::CommVolume,
+    link_gb_per_s: Option<f64>,
+    /// Communication time per step over the link, nothing overlapped.
+    predicted_comm_ms: Option<f64>,
 }
 
 /// A memory plan's figures, as both reports give them.
@@ -119,6 +146,9 @@ struct PlanReport {
     remat: String,
     /// The remat mode asked for, left out because it would not lower the peak.
     remat_dropped: Option<snug_compile::RematDropped>,
+    /// With --devices or --shard: the rank's share of the run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    distributed: Option<DistributedReport>,
 }
 
 #[derive(Serialize)]
@@ -172,7 +202,22 @@ pub fn run(args: PlanArgs) -> Result<()> {
         cfg.threads,
         args.target_cpu.unwrap_or_else(snug_graph::CpuGemm::host),
     );
-    let compiled = compile_step(&gpt, cfg.step_shape(), target, &cfg.step_config())?;
+    if let Some(l) = args.link {
+        if !(l.is_finite() && l > 0.0) {
+            anyhow::bail!("--link {l}: a bandwidth in GB/s must be a positive number");
+        }
+    }
+    let devices = usize::try_from(args.devices)?;
+    let sharding = snug_graph::Sharding::new(devices, args.shard)?;
+    let shape = if sharding.is_distributed() {
+        snug_compile::StepShape::per_rank(cfg.batch, cfg.block, devices, cfg.accumulation)?
+    } else {
+        cfg.step_shape()
+    };
+    let compile = |c: &snug_train::TrainConfig| {
+        snug_compile::compile_sharded(&gpt, shape, target, &c.step_config(), &sharding)
+    };
+    let compiled = compile(&cfg)?;
     let remat_dropped = compiled.remat_dropped;
     let step = compiled.step;
     let memory_plan = plan(&step.graph, &PlanOptions::default())?;
@@ -199,7 +244,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         stages.push((format!("remat={}", cfg.remat), c.clone()));
     }
     let peak_of = |c: &snug_train::TrainConfig| -> Result<usize> {
-        let step = compile_step(&gpt, c.step_shape(), target, &c.step_config())?.step;
+        let step = compile(c)?.step;
         Ok(plan(&step.graph, &PlanOptions::default())?.peak_bytes())
     };
     let mut pass_savings = Vec::new();
@@ -243,6 +288,18 @@ pub fn run(args: PlanArgs) -> Result<()> {
         passes: pass_savings,
         remat: cfg.remat.to_string(),
         remat_dropped,
+        distributed: sharding.is_distributed().then(|| {
+            let comm = snug_graph::zero::comm_per_rank(&step.graph, cfg.accumulation);
+            DistributedReport {
+                devices,
+                shard: args.shard,
+                per_rank_batch: cfg.batch / devices,
+                per_rank_peak_bytes: memory_plan.peak_bytes(),
+                comm,
+                link_gb_per_s: args.link,
+                predicted_comm_ms: args.link.map(|l| comm.seconds(l) * 1e3),
+            }
+        }),
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -267,7 +324,25 @@ pub fn run(args: PlanArgs) -> Result<()> {
         report.nodes,
         report.flops_per_step as f64 / 1e9
     );
+    if let Some(d) = &report.distributed {
+        println!(
+            "one rank of {} (ZeRO stage {}): {} sequences per rank per step, planned below",
+            d.devices, d.shard, d.per_rank_batch
+        );
+    }
     print!("{memory_plan}");
+    if let Some(d) = &report.distributed {
+        println!(
+            "communication per rank per step: sent {}, received {} in {} collectives{}",
+            human_bytes(d.comm.sent_bytes as usize),
+            human_bytes(d.comm.received_bytes as usize),
+            d.comm.collectives,
+            match (d.link_gb_per_s, d.predicted_comm_ms) {
+                (Some(l), Some(ms)) => format!("; {ms:.1} ms over a {l} GB/s link"),
+                _ => String::new(),
+            }
+        );
+    }
     for s in &report.passes {
         println!(
             "pass {:<20} peak {} -> {} (saved {})",

@@ -11,6 +11,14 @@ pub enum CompileError {
     RematBudget { budget: usize, smallest: usize },
     #[error("the budgeted rewrite lost the step's inputs")]
     LostInputs,
+    #[error("--batch {batch} does not split over {devices} devices: each rank draws batch / devices sequences, so the batch must be a multiple of {devices}")]
+    BatchNotDivisible { batch: usize, devices: usize },
+    #[error("each of the {devices} ranks draws {per_rank} sequences, which does not split into {accumulation} micro-batches (accumulation must divide batch / devices)")]
+    AccumulationNotDivisible {
+        per_rank: usize,
+        devices: usize,
+        accumulation: usize,
+    },
     #[error(transparent)]
     Model(#[from] NnError),
     #[error(transparent)]

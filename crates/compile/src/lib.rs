@@ -16,4 +16,7 @@ pub mod step;
 pub use config::{OptimizerKind, Pass, Remat, StepConfig};
 pub use error::CompileError;
 pub use remat_budget::{remat_for_budget, BudgetError, BudgetedRemat};
-pub use step::{compile_exactly, compile_step, CompiledStep, RematDropped, StepShape};
+pub use step::{
+    compile_exactly, compile_exactly_sharded, compile_sharded, compile_step, CompiledStep,
+    RematDropped, StepShape,
+};

@@ -3,7 +3,9 @@
 //! computation over shapes, so fit can compile many candidates without allocating a tensor.
 
 use serde::Serialize;
+use snug_graph::ops::Op;
 use snug_graph::ops::{AdamW, Sgd};
+use snug_graph::zero::{gather_parameters, Sharding};
 use snug_graph::{passes, DType, OptimizerSpec, StepGraph, StepOptions, Target, TensorId};
 use snug_nn::{LossMask, ModelConfig};
 use snug_plan::{MemoryPlan, PlanOptions};
@@ -41,6 +43,34 @@ pub struct StepShape {
     pub block: usize,
 }
 
+impl StepShape {
+    /// One rank's micro-batch when `devices` ranks share a step of `batch` sequences in
+    /// `accumulation` micro-batches each: `batch / devices / accumulation`, or the named error
+    /// when it does not divide.
+    pub fn per_rank(
+        batch: usize,
+        block: usize,
+        devices: usize,
+        accumulation: usize,
+    ) -> Result<StepShape, CompileError> {
+        if devices == 0 || !batch.is_multiple_of(devices) {
+            return Err(CompileError::BatchNotDivisible { batch, devices });
+        }
+        let per_rank = batch / devices;
+        if accumulation == 0 || !per_rank.is_multiple_of(accumulation) || per_rank == 0 {
+            return Err(CompileError::AccumulationNotDivisible {
+                per_rank,
+                devices,
+                accumulation,
+            });
+        }
+        Ok(StepShape {
+            micro_batch: per_rank / accumulation,
+            block,
+        })
+    }
+}
+
 /// Compiles the training step of `model` for micro-batches of `shape` on `target`. A fixed
 /// remat mode that would not lower the planned peak is left out (see
 /// [`CompiledStep::remat_dropped`]).
@@ -50,7 +80,18 @@ pub fn compile_step(
     target: Target,
     config: &StepConfig,
 ) -> Result<CompiledStep, CompileError> {
-    let compiled = compile_exactly(model, shape, target, config)?;
+    compile_sharded(model, shape, target, config, &Sharding::SINGLE)
+}
+
+/// [`compile_step`] for one rank of `sharding`: `shape` is that rank's micro-batch.
+pub fn compile_sharded(
+    model: &ModelConfig,
+    shape: StepShape,
+    target: Target,
+    config: &StepConfig,
+    sharding: &Sharding,
+) -> Result<CompiledStep, CompileError> {
+    let compiled = compile_exactly_sharded(model, shape, target, config, sharding)?;
     if !matches!(config.remat, Remat::Blocks { .. } | Remat::Selective) {
         return Ok(compiled);
     }
@@ -62,7 +103,7 @@ pub fn compile_step(
         remat: Remat::None,
         ..config.clone()
     };
-    let mut without = compile_exactly(model, shape, target, &plain)?;
+    let mut without = compile_exactly_sharded(model, shape, target, &plain, sharding)?;
     let without_peak = snug_plan::plan(&without.step.graph, &options)?.peak_bytes();
     if with < without_peak {
         return Ok(compiled);
@@ -81,6 +122,17 @@ pub fn compile_exactly(
     shape: StepShape,
     target: Target,
     config: &StepConfig,
+) -> Result<CompiledStep, CompileError> {
+    compile_exactly_sharded(model, shape, target, config, &Sharding::SINGLE)
+}
+
+/// [`compile_exactly`] for one rank of `sharding`.
+pub fn compile_exactly_sharded(
+    model: &ModelConfig,
+    shape: StepShape,
+    target: Target,
+    config: &StepConfig,
+    sharding: &Sharding,
 ) -> Result<CompiledStep, CompileError> {
     // Parameters are f32 master weights whatever the precision: the precision pass rounds
     // activations and gradients.
@@ -121,12 +173,29 @@ pub fn compile_exactly(
         // bf16 keeps f32's exponent range; f16 gradients underflow without scaling.
         loss_scale: config.precision == DType::F16,
     };
-    let mut step = StepGraph::build_with(g.graph, g.loss, &options)?;
+    let stage3 = sharding.is_distributed() && sharding.stage == 3;
+    if stage3 {
+        let r = gather_parameters(&g.graph, sharding.ranks)?;
+        g = g.rewritten(r)?;
+    }
+    let mut step = StepGraph::build_sharded(g.graph, g.loss, &options, sharding)?;
     let mut feeds = Feeds {
         tokens: g.tokens,
         targets: g.targets,
         loss_mask: g.loss_mask,
     };
+    if stage3 {
+        // The forward's gathered weights are dropped after their last forward read and
+        // gathered again for the backward (FSDP), as rematerialization recomputes a value.
+        let gathered: Vec<TensorId> = step.graph.nodes()[..step.forward_nodes]
+            .iter()
+            .filter(|n| matches!(n.op, Op::AllGather(_)))
+            .flat_map(|n| n.outputs.iter().copied())
+            .collect();
+        let (r, _) = passes::rematerialize_dropping(&step, &gathered)?;
+        feeds = feeds.rewritten(&r)?;
+        step = step.rewritten(r, step.forward_nodes)?;
+    }
     for pass in &config.passes {
         let (r, _) = match pass {
             Pass::FusedCrossEntropy | Pass::InPlace => continue,

@@ -11,6 +11,14 @@ pub enum FitError {
         smallest: usize,
         config: String,
     },
+    #[error("nothing fits {} per device on {devices} devices ({budget} bytes): the smallest configuration tried (micro-batch 1) peaks at {} per device ({smallest} bytes)", human_bytes(*budget), human_bytes(*smallest))]
+    NothingFitsDevices {
+        devices: usize,
+        budget: usize,
+        smallest: usize,
+    },
+    #[error("no Llama-shaped model of {parameters} parameters")]
+    NoLlamaShape { parameters: usize },
     #[error("`{field}` {detail}")]
     Invalid { field: &'static str, detail: String },
     #[error(transparent)]

@@ -7,14 +7,18 @@
 //! - [`cost_model`]: predicted seconds per node and per step from a [`MachineProfile`].
 //! - [`search`]: [`Search`]: the fastest configuration that fits, or the one to carry on with
 //!   after an out-of-memory, and the [`FitReport`] table.
+//! - [`distributed`]: [`suggest_config`]: the ZeRO stage and step one rank of a
+//!   data-parallel run needs to fit each device, for a model or a parameter count.
 //! - [`advice`]: when nothing fits, [`what_would_fit`]: the changes to the run that would.
 
 pub mod advice;
 pub mod cost_model;
+pub mod distributed;
 mod error;
 pub mod search;
 
 pub use advice::{largest_micro_batch, what_would_fit, Suggestion};
 pub use cost_model::{node_work, MachineProfile, NodeWork, Sample, PROFILE_VERSION};
+pub use distributed::{llama_of_size, suggest_config, DeviceConfig};
 pub use error::FitError;
 pub use search::{Candidate, FitConfig, FitModel, FitReport, MemoryFailure, Search, Verdict};

@@ -144,6 +144,12 @@ pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
         | Op::GeluLinearBackward(_) => Err(
             "a CPU fusion: plan for the GPU's target, which fuses nothing (Fusions::NONE)".into(),
         ),
+        Op::AllReduce(_) | Op::ReduceScatter(_) | Op::AllGather(_) | Op::ShardedAdamW(_) => {
+            Err(format!(
+                "`{}`: collectives across ranks run on the CPU over MPI (no GPU transport yet)",
+                node.op.name()
+            ))
+        }
         Op::Cast(op) => {
             let from = graph.tensor(node.inputs[0]).dtype;
             match (from, op.to) {
@@ -551,7 +557,11 @@ fn record_kernel(
         | Op::GeluLinear(_)
         | Op::GeluLinearBackward(_)
         | Op::KvAttention(_)
-        | Op::RopeAt(_) => Err(GpuError::Unsupported {
+        | Op::RopeAt(_)
+        | Op::AllReduce(_)
+        | Op::ReduceScatter(_)
+        | Op::AllGather(_)
+        | Op::ShardedAdamW(_) => Err(GpuError::Unsupported {
             device: device.name().to_string(),
             kernel: "launch",
             detail: format!("no GPU kernel for `{}`", n.op.name()),

@@ -9,6 +9,8 @@
 //! - [`passes`]: graph → graph rewrites that save memory.
 //! - [`step`]: [`StepGraph`] bundles a model's forward, backward and AdamW updates.
 //! - [`target`]: the device a graph is planned for, as plain data ([`Target`]).
+//! - [`zero`]: data parallelism and ZeRO sharding as graph rewrites, and the bytes a rank
+//!   sends per step.
 
 pub mod autodiff;
 mod dtype;
@@ -19,6 +21,7 @@ pub mod passes;
 pub mod step;
 pub mod target;
 pub mod tensor;
+pub mod zero;
 
 pub use autodiff::{backward, backward_seeded, GradCtx};
 pub use dtype::DType;
@@ -27,3 +30,4 @@ pub use graph::{Graph, Node, NodeId};
 pub use step::{OptimizerSpec, ParamSlot, StepGraph, StepOptions};
 pub use target::{CpuGemm, DeviceKind, Fusions, MemoryLayout, Target};
 pub use tensor::{Role, TensorId, TensorMeta};
+pub use zero::{CommVolume, Sharding};

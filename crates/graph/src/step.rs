@@ -4,7 +4,11 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::ops::{AccumulateGrad, AdamW, GradNorm, Sgd, SumSquares};
+use crate::ops::{
+    AccumulateGrad, AdamW, AllGather, AllReduce, GradNorm, ReduceScatter, Sgd, ShardedAdamW,
+    SumSquares,
+};
+use crate::zero::{unsharded_shape, Sharding};
 use crate::{backward_seeded, DType, Graph, GraphError, Result, Role, TensorId};
 
 /// Optimizer applied at the end of the step.
@@ -85,8 +89,33 @@ impl StepGraph {
     }
 
     /// As [`StepGraph::build`], with accumulation, clipping and the gradient norm as asked.
-    pub fn build_with(mut graph: Graph, loss: TensorId, opts: &StepOptions) -> Result<StepGraph> {
+    pub fn build_with(graph: Graph, loss: TensorId, opts: &StepOptions) -> Result<StepGraph> {
+        Self::build_sharded(graph, loss, opts, &Sharding::SINGLE)
+    }
+
+    /// As [`StepGraph::build_with`], for one rank of `sharding`: gradients averaged over the
+    /// ranks by bucketed collectives, and under ZeRO stages 1 and 2 the optimizer state (and
+    /// with 2 the accumulators) held as this rank's shards. Under stage 3 `graph` must already
+    /// read its parameters through gathers ([`crate::zero::gather_parameters`]).
+    pub fn build_sharded(
+        mut graph: Graph,
+        loss: TensorId,
+        opts: &StepOptions,
+        sharding: &Sharding,
+    ) -> Result<StepGraph> {
+        sharding.check()?;
         let optimizer = opts.optimizer;
+        let dist = sharding.is_distributed();
+        let stage = if dist { sharding.stage } else { 0 };
+        if matches!(optimizer, OptimizerSpec::Sgd(_)) && matches!(stage, 1 | 2) {
+            return Err(GraphError::Invalid {
+                op: "step",
+                detail: format!(
+                    "ZeRO stage {stage} shards optimizer state, and SGD keeps none: use stage 0 \
+                     or 3"
+                ),
+            });
+        }
         if opts.micro_steps == 0 {
             return Err(GraphError::Invalid {
                 op: "step",
@@ -127,6 +156,16 @@ impl StepGraph {
         };
         let raw_grads = backward_seeded(&mut graph, loss, &params, loss_scale)?;
         graph.set_scope("optimizer");
+        // Stage 2 scatters each gradient as the backward completes it, every micro-batch.
+        let raw_grads = if stage == 2 {
+            let op = ReduceScatter {
+                ranks: sharding.ranks,
+                once_per_step: false,
+            };
+            bucketed(&mut graph, &raw_grads, sharding.bucket_bytes, op.into())?
+        } else {
+            raw_grads
+        };
         let accumulate = opts.micro_steps > 1;
         let mut grads = Vec::with_capacity(params.len());
         let mut accumulators = Vec::with_capacity(params.len());
@@ -135,7 +174,7 @@ impl StepGraph {
                 let meta = graph.tensor(p).clone();
                 let acc = graph.add_leaf(
                     format!("{}.grad_acc", meta.name),
-                    &meta.shape,
+                    &graph.tensor(g).shape.clone(),
                     graph.tensor(g).dtype,
                     Role::GradAccumulator,
                 )?;
@@ -146,12 +185,41 @@ impl StepGraph {
                 accumulators.push(None);
             }
         }
+        // The summed gradients averaged over the ranks: whole under stage 0, scattered into
+        // shards under stage 1 (stages 2 and 3 scattered them during the backward).
+        let grads = match stage {
+            0 if dist => {
+                let op = AllReduce {
+                    ranks: sharding.ranks,
+                    mean: true,
+                    once_per_step: true,
+                };
+                bucketed(&mut graph, &grads, sharding.bucket_bytes, op.into())?
+            }
+            1 => {
+                let op = ReduceScatter {
+                    ranks: sharding.ranks,
+                    once_per_step: true,
+                };
+                bucketed(&mut graph, &grads, sharding.bucket_bytes, op.into())?
+            }
+            _ => grads,
+        };
         let scale_needed = accumulate || opts.clip_grad_norm.is_some() || opts.loss_scale;
         let (coef, grad_norm) = if scale_needed || opts.grad_norm {
             let mut squares = grads
                 .iter()
                 .map(|&g| graph.apply1(SumSquares, &[g]))
                 .collect::<Result<Vec<_>>>()?;
+            if stage > 0 {
+                // Each rank squared its shards only: the norm needs every rank's sum.
+                let op = AllReduce {
+                    ranks: sharding.ranks,
+                    mean: false,
+                    once_per_step: true,
+                };
+                squares = graph.apply(op, &squares)?;
+            }
             squares.extend(loss_scale);
             let norm_op = GradNorm {
                 max_norm: opts.clip_grad_norm.unwrap_or(f32::INFINITY),
@@ -168,40 +236,51 @@ impl StepGraph {
         let mut slots = Vec::with_capacity(params.len());
         for ((&p, &g), accumulator) in params.iter().zip(&grads).zip(accumulators) {
             let meta = graph.tensor(p).clone();
+            // Weight decay follows the weight's own rank, not its shard's.
+            let rank = unsharded_shape(&graph, p).len();
             let moments = match optimizer {
                 OptimizerSpec::AdamW(adamw) => {
+                    // Moments are shaped as the gradient: whole, or this rank's shard.
+                    let shape = graph.tensor(g).shape.clone();
                     let m = graph.add_leaf(
                         format!("{}.adam_m", meta.name),
-                        &meta.shape,
+                        &shape,
                         DType::F32,
                         Role::OptimizerState,
                     )?;
                     let v = graph.add_leaf(
                         format!("{}.adam_v", meta.name),
-                        &meta.shape,
+                        &shape,
                         DType::F32,
                         Role::OptimizerState,
                     )?;
                     let adamw = AdamW {
-                        weight_decay: if meta.rank() >= 2 {
-                            adamw.weight_decay
-                        } else {
-                            0.0
-                        },
+                        weight_decay: if rank >= 2 { adamw.weight_decay } else { 0.0 },
                         ..adamw
                     };
                     let mut inputs = vec![p, g, m, v];
                     inputs.extend(coef);
-                    graph.apply(adamw, &inputs)?;
+                    if matches!(stage, 1 | 2) {
+                        let op = ShardedAdamW {
+                            adamw,
+                            ranks: sharding.ranks,
+                        };
+                        let shard = graph.apply1(op, &inputs)?;
+                        let gather = AllGather {
+                            ranks: sharding.ranks,
+                            shape: meta.shape.clone(),
+                            into: true,
+                            once_per_step: true,
+                        };
+                        graph.apply(gather, &[shard, p])?;
+                    } else {
+                        graph.apply(adamw, &inputs)?;
+                    }
                     Some((m, v))
                 }
                 OptimizerSpec::Sgd(sgd) => {
                     let sgd = Sgd {
-                        weight_decay: if meta.rank() >= 2 {
-                            sgd.weight_decay
-                        } else {
-                            0.0
-                        },
+                        weight_decay: if rank >= 2 { sgd.weight_decay } else { 0.0 },
                     };
                     let mut inputs = vec![p, g];
                     inputs.extend(coef);
@@ -288,6 +367,43 @@ impl StepGraph {
             .map(|p| self.graph.tensor(p.param).numel())
             .sum()
     }
+}
+
+/// `op` (a bucketable collective) over `tensors`, in buckets of about `bucket_bytes` taken
+/// from the last tensor back, the order the backward completes gradients in; returns the
+/// outputs in the order of `tensors`.
+fn bucketed(
+    graph: &mut Graph,
+    tensors: &[TensorId],
+    bucket_bytes: usize,
+    op: crate::ops::Op,
+) -> Result<Vec<TensorId>> {
+    let mut out = vec![None; tensors.len()];
+    let mut bucket: Vec<usize> = Vec::new();
+    let mut bytes = 0;
+    for i in (0..tensors.len()).rev() {
+        bucket.push(i);
+        bytes += graph.tensor(tensors[i]).size_bytes();
+        if bytes >= bucket_bytes || i == 0 {
+            let inputs: Vec<TensorId> = bucket.iter().map(|&k| tensors[k]).collect();
+            let outs = graph.apply(op.clone(), &inputs)?;
+            for (&k, o) in bucket.iter().zip(outs) {
+                graph.set_role(o, Role::Gradient);
+                out[k] = Some(o);
+            }
+            bucket.clear();
+            bytes = 0;
+        }
+    }
+    out.into_iter()
+        .enumerate()
+        .map(|(i, o)| {
+            o.ok_or_else(|| GraphError::Invalid {
+                op: "step",
+                detail: format!("gradient {i} was left out of every bucket"),
+            })
+        })
+        .collect()
 }
 
 impl AsRef<Graph> for StepGraph {

@@ -6,6 +6,7 @@ mod adamw;
 mod attention;
 mod broadcast;
 mod cast;
+pub mod collective;
 mod cross_entropy;
 mod elementwise;
 mod embedding;

@@ -7,6 +7,7 @@ mod adamw;
 pub mod attention;
 mod broadcast;
 mod cast;
+pub mod collective;
 mod cross_entropy;
 mod elementwise;
 mod embedding;
@@ -35,6 +36,7 @@ pub use adamw::AdamW;
 pub use attention::{CausalAttention, CausalAttentionBackward};
 pub use broadcast::{broadcast_shape, broadcasts_to};
 pub use cast::Cast;
+pub use collective::{shard_len, AllGather, AllReduce, ReduceScatter, ShardedAdamW};
 pub use cross_entropy::{CrossEntropy, CrossEntropyBackward};
 pub use elementwise::{Binary, BinaryKind, Scale};
 pub use embedding::{Embedding, EmbeddingBackward};
@@ -204,6 +206,10 @@ ops!(
     Cast,
     KvAttention,
     RopeAt,
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+    ShardedAdamW,
 );
 
 impl Op {

@@ -41,9 +41,9 @@ use crate::{Graph, GraphError, Result, Role, TensorId};
 #[derive(Debug, Clone)]
 pub struct Rewritten {
     pub graph: Graph,
-    map: Vec<Option<TensorId>>,
+    pub(crate) map: Vec<Option<TensorId>>,
     /// Which old nodes were copied (not skipped).
-    kept: Vec<bool>,
+    pub(crate) kept: Vec<bool>,
 }
 
 impl Rewritten {

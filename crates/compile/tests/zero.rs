@@ -1,0 +1,171 @@
+//! One rank's planned step under data parallelism and ZeRO stages 0–3: the persistent bytes
+//! each stage holds per rank against DeepSpeed's formulas (parameters + gradients + optimizer
+//! state, each divided by the rank count once its stage shards it), padding included.
+
+use snug_compile::{compile_sharded, CompileError, StepConfig, StepShape};
+use snug_graph::ops::{shard_len, Op};
+use snug_graph::zero::{comm_per_rank, Sharding};
+use snug_graph::{Role, Target};
+use snug_nn::ModelConfig;
+use snug_plan::{plan, PlanOptions};
+
+const RANKS: usize = 3;
+
+fn model() -> ModelConfig {
+    ModelConfig::preset("tiny").expect("tiny is a preset")
+}
+
+/// Bytes of the step's tensors of `role` that own their storage.
+fn bytes_of(step: &snug_graph::StepGraph, role: Role) -> usize {
+    step.graph
+        .tensors()
+        .iter()
+        .filter(|t| t.role == role && t.view_of.is_none())
+        .map(|t| t.size_bytes())
+        .sum()
+}
+
+fn cpu() -> Target {
+    Target::cpu(1, snug_graph::CpuGemm::Portable)
+}
+
+#[test]
+fn each_stage_divides_what_deepspeed_says() {
+    let m = model();
+    let shapes = m.parameter_shapes();
+    // Whole and padded-shard element counts of every parameter.
+    let whole: usize = shapes
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>())
+        .sum();
+    let shard: usize = shapes
+        .iter()
+        .map(|(_, s)| shard_len(s.iter().product(), RANKS))
+        .sum();
+    assert!(shard * RANKS > whole, "tiny over 3 ranks must need padding");
+    let config = StepConfig {
+        accumulation: 2,
+        ..StepConfig::default()
+    };
+    let shape = StepShape::per_rank(12, 16, RANKS, 2).expect("12 splits over 3 ranks × 2");
+    assert_eq!(shape.micro_batch, 2);
+    // (parameters, gradient accumulators, optimizer state) in elements: f32 weights, f32
+    // gradients, two f32 moments (snug keeps f32 master weights: 4 + 4 + 8 bytes a parameter
+    // where DeepSpeed's mixed precision counts 2 + 2 + 12).
+    let expected = [
+        (whole, whole, 2 * whole),
+        (whole, whole, 2 * shard),
+        (whole, shard, 2 * shard),
+        (shard, shard, 2 * shard),
+    ];
+    let mut peaks = Vec::new();
+    for (stage, &(p, g, o)) in expected.iter().enumerate() {
+        let sharding = Sharding::new(RANKS, stage as u8).unwrap();
+        let c = compile_sharded(&m, shape, cpu(), &config, &sharding)
+            .unwrap_or_else(|e| panic!("stage {stage}: {e}"));
+        let step = &c.step;
+        assert_eq!(
+            bytes_of(step, Role::Parameter),
+            4 * p,
+            "stage {stage} parameters"
+        );
+        assert_eq!(
+            bytes_of(step, Role::GradAccumulator),
+            4 * g,
+            "stage {stage} accumulators"
+        );
+        assert_eq!(
+            bytes_of(step, Role::OptimizerState),
+            4 * o,
+            "stage {stage} optimizer state"
+        );
+        let planned = plan(&step.graph, &PlanOptions::default()).unwrap();
+        // Each persistent buffer is its own allocation, rounded up to the 64-byte alignment.
+        let aligned: usize = step
+            .graph
+            .tensors()
+            .iter()
+            .filter(|t| t.role.is_persistent() && t.view_of.is_none())
+            .map(|t| t.size_bytes().div_ceil(64) * 64)
+            .sum();
+        assert_eq!(planned.persistent_bytes, aligned, "stage {stage}");
+        assert!(aligned >= 4 * (p + g + o) && aligned < 4 * (p + g + o) + 64 * 4 * shapes.len());
+        peaks.push(planned.peak_bytes());
+        // Ring collectives: every gradient element crosses twice per step under stages 0
+        // and 1 (all-reduce, or reduce-scatter then all-gather of the update); stage 2
+        // scatters every micro-batch; stage 3 also gathers each weight for the forward and
+        // the backward of every micro-batch.
+        let comm = comm_per_rank(&step.graph, 2);
+        assert_eq!(comm.sent_bytes, comm.received_bytes);
+        let r = (RANKS - 1) as u64;
+        let n = RANKS as u64;
+        // Ring all-reduce of `b` bytes: 2(N-1)/N of them; a reduce-scatter or an all-gather
+        // of shards: N-1 shards.
+        let all_reduce = |b: u64| (2 * r * b).div_ceil(n);
+        let shards = r * 4 * shard as u64;
+        // Under sharding each rank squares its shards; the norm sums one scalar per weight.
+        let norm = all_reduce(4 * shapes.len() as u64);
+        match stage {
+            // One bucket (tiny's gradients are under 25 MiB), once per step.
+            0 => assert_eq!(comm.sent_bytes, all_reduce(4 * whole as u64)),
+            // Scatter the summed gradients, gather the updated weights: once each.
+            1 => assert_eq!(comm.sent_bytes, shards + shards + norm),
+            // Scatter every micro-batch's gradients (2), gather the updated weights once.
+            2 => assert_eq!(comm.sent_bytes, 2 * shards + shards + norm),
+            _ => {
+                let gathers = step
+                    .graph
+                    .nodes()
+                    .iter()
+                    .filter(|n| matches!(n.op, Op::AllGather(_)))
+                    .count();
+                assert!(
+                    gathers > shapes.len(),
+                    "the backward gathers block weights again"
+                );
+                // Scatter every micro-batch's gradients, gather every weight for each
+                // micro-batch's forward, and block weights again for its backward.
+                assert!(comm.sent_bytes > 2 * shards + 2 * shards + norm);
+            }
+        }
+    }
+    for w in peaks.windows(2) {
+        assert!(
+            w[1] < w[0],
+            "each stage lowers the per-rank peak: {peaks:?}"
+        );
+    }
+}
+
+#[test]
+fn a_batch_that_does_not_split_is_named() {
+    assert!(matches!(
+        StepShape::per_rank(10, 16, 3, 1),
+        Err(CompileError::BatchNotDivisible {
+            batch: 10,
+            devices: 3
+        })
+    ));
+    assert!(matches!(
+        StepShape::per_rank(12, 16, 3, 3),
+        Err(CompileError::AccumulationNotDivisible { per_rank: 4, .. })
+    ));
+}
+
+#[test]
+fn sgd_refuses_sharding_optimizer_state() {
+    let config = StepConfig {
+        optimizer: snug_compile::OptimizerKind::Sgd,
+        ..StepConfig::default()
+    };
+    let shape = StepShape::per_rank(4, 16, 2, 1).unwrap();
+    let err = compile_sharded(
+        &model(),
+        shape,
+        cpu(),
+        &config,
+        &Sharding::new(2, 1).unwrap(),
+    )
+    .expect_err("stage 1 with SGD is refused");
+    assert!(err.to_string().contains("SGD keeps none"), "{err}");
+}

@@ -1,0 +1,197 @@
+//! The kernels of the collectives: packing buckets and padded shards, around the transport
+//! that moves them between ranks ([`Transport`], MPI in `snug-mpi`). Without a transport the
+//! world is this one process, rank 0 of 1, and every collective is a copy.
+
+use std::sync::OnceLock;
+
+use snug_graph::ops::{shard_len, AllGather, AllReduce, ReduceScatter, ShardedAdamW};
+
+use crate::kernel::{CpuKernel, Kernel};
+
+/// Moves f32 buffers between the ranks of a run. Every rank calls the same collectives in the
+/// same order (they are nodes of one step graph, run in one schedule).
+pub trait Transport: Send + Sync {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    /// Every rank's `buf` summed, in place.
+    fn all_reduce_sum(&self, buf: &mut [f32]);
+    /// `send` holds `size` equal blocks; `recv` gets the sum of every rank's block `rank`.
+    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]);
+    /// `recv` gets every rank's `send`, in rank order.
+    fn all_gather(&self, send: &[f32], recv: &mut [f32]);
+}
+
+static TRANSPORT: OnceLock<Box<dyn Transport>> = OnceLock::new();
+
+/// Installs the transport every collective kernel of this process runs over; the first one
+/// installed stays (a process belongs to one run). Returns whether `t` was installed.
+pub fn set_transport(t: Box<dyn Transport>) -> bool {
+    TRANSPORT.set(t).is_ok()
+}
+
+/// This process's rank and the number of ranks: `(0, 1)` without a transport.
+pub fn world() -> (usize, usize) {
+    TRANSPORT.get().map_or((0, 1), |t| (t.rank(), t.size()))
+}
+
+/// The transport for a collective compiled for `ranks` ranks. A step compiled for another
+/// world than the one running it is a bug of the caller, which checks the sizes before a run.
+fn transport(ranks: usize) -> Option<&'static dyn Transport> {
+    let (_, size) = world();
+    assert_eq!(
+        size, ranks,
+        "a step compiled for {ranks} ranks runs in a world of {size}"
+    );
+    TRANSPORT.get().map(|t| t.as_ref())
+}
+
+impl CpuKernel for AllReduce {
+    fn run(&self, k: &Kernel<'_>) {
+        if self.once_per_step && !k.ctx.is_last_micro() {
+            return;
+        }
+        let t = transport(self.ranks);
+        let n = k.in_count();
+        let scale = if self.mean {
+            1.0 / self.ranks as f32
+        } else {
+            1.0
+        };
+        let finish = |buf: &mut [f32]| {
+            if let Some(t) = t {
+                t.all_reduce_sum(buf);
+            }
+            if scale != 1.0 {
+                buf.iter_mut().for_each(|x| *x *= scale);
+            }
+        };
+        if n == 1 {
+            let out = k.out_f32(0);
+            out.copy_from_slice(k.in_f32(0));
+            finish(out);
+            return;
+        }
+        let ws = k.workspace();
+        let mut at = 0;
+        for i in 0..n {
+            let x = k.in_f32(i);
+            ws[at..at + x.len()].copy_from_slice(x);
+            at += x.len();
+        }
+        finish(&mut ws[..at]);
+        at = 0;
+        for i in 0..n {
+            let out = k.out_f32(i);
+            out.copy_from_slice(&ws[at..at + out.len()]);
+            at += out.len();
+        }
+    }
+}
+
+impl CpuKernel for ReduceScatter {
+    fn run(&self, k: &Kernel<'_>) {
+        if self.once_per_step && !k.ctx.is_last_micro() {
+            return;
+        }
+        let t = transport(self.ranks);
+        let (rank, ranks) = (t.map_or(0, |t| t.rank()), self.ranks);
+        let n = k.in_count();
+        let shards: Vec<usize> = (0..n).map(|i| k.out_shape(i).iter().product()).collect();
+        let total: usize = shards.iter().sum();
+        let scale = 1.0 / ranks as f32;
+        // One tensor that splits evenly is sent as it is, into its output.
+        if n == 1 && k.in_f32(0).len() == total * ranks {
+            let out = k.out_f32(0);
+            match t {
+                Some(t) => t.reduce_scatter_sum(k.in_f32(0), out),
+                None => out.copy_from_slice(&k.in_f32(0)[rank * total..(rank + 1) * total]),
+            }
+            out.iter_mut().for_each(|x| *x *= scale);
+            return;
+        }
+        // Rank-major blocks: block r holds every tensor's shard r, zero-padded.
+        let ws = k.workspace();
+        let (send, recv) = ws.split_at_mut(total * ranks);
+        let mut at = 0;
+        for r in 0..ranks {
+            for (i, &s) in shards.iter().enumerate() {
+                let x = k.in_f32(i);
+                let (lo, hi) = ((r * s).min(x.len()), ((r + 1) * s).min(x.len()));
+                send[at..at + hi - lo].copy_from_slice(&x[lo..hi]);
+                send[at + hi - lo..at + s].fill(0.0);
+                at += s;
+            }
+        }
+        let recv: &mut [f32] = if n == 1 {
+            k.out_f32(0)
+        } else {
+            &mut recv[..total]
+        };
+        match t {
+            Some(t) => t.reduce_scatter_sum(send, recv),
+            None => recv.copy_from_slice(&send[rank * total..(rank + 1) * total]),
+        }
+        recv.iter_mut().for_each(|x| *x *= scale);
+        if n > 1 {
+            let mut at = 0;
+            for (i, &s) in shards.iter().enumerate() {
+                k.out_f32(i).copy_from_slice(&recv[at..at + s]);
+                at += s;
+            }
+        }
+    }
+}
+
+impl CpuKernel for AllGather {
+    fn run(&self, k: &Kernel<'_>) {
+        if self.once_per_step && !k.ctx.is_last_micro() {
+            return;
+        }
+        let t = transport(self.ranks);
+        let rank = t.map_or(0, |t| t.rank());
+        let shard = k.in_f32(0);
+        let dest = if self.into {
+            k.in_mut_f32(1)
+        } else {
+            k.out_f32(0)
+        };
+        let padded = shard.len() * self.ranks;
+        let gather = |recv: &mut [f32]| match t {
+            Some(t) => t.all_gather(shard, recv),
+            None => recv[rank * shard.len()..(rank + 1) * shard.len()].copy_from_slice(shard),
+        };
+        if dest.len() == padded {
+            gather(dest);
+        } else {
+            let ws = &mut k.workspace()[..padded];
+            gather(ws);
+            dest.copy_from_slice(&ws[..dest.len()]);
+        }
+    }
+}
+
+impl CpuKernel for ShardedAdamW {
+    fn run(&self, k: &Kernel<'_>) {
+        if !k.ctx.is_last_micro() {
+            return;
+        }
+        let rank = transport(self.ranks).map_or(0, |t| t.rank());
+        let scale = super::grad_scale(k, 4);
+        let (p, g, m, v, out) = (
+            k.in_f32(0),
+            k.in_f32(1),
+            k.in_mut_f32(2),
+            k.in_mut_f32(3),
+            k.out_f32(0),
+        );
+        let s = shard_len(p.len(), self.ranks);
+        let (lo, hi) = ((rank * s).min(p.len()), ((rank + 1) * s).min(p.len()));
+        out[..hi - lo].copy_from_slice(&p[lo..hi]);
+        // Padding stays zero: its gradient is zero and zero decays to zero.
+        out[hi - lo..].fill(0.0);
+        if scale.is_some_and(|s| !s.is_finite()) {
+            return; // an overflow under loss scaling: the shard goes back unchanged
+        }
+        super::adamw::update(&self.adamw, &k.ctx, scale, out, g, m, v);
+    }
+}
