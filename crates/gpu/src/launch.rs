@@ -79,12 +79,7 @@ pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
             Ok(())
         }
     };
-    let masked = || Err("a loss mask (no masked-loss GPU kernel yet)".to_string());
     match &node.op {
-        Op::CrossEntropy(_) if node.inputs.len() > 2 => masked(),
-        Op::CrossEntropyBackward(_) if node.inputs.len() > 3 => masked(),
-        Op::LmHeadLoss(_) if node.inputs.len() > 3 => masked(),
-        Op::LmHeadLossBackward(_) if node.inputs.len() > 5 => masked(),
         Op::SumTo(_) | Op::BroadcastTo(_) | Op::Transpose(_) if shape(0).len() > 8 => {
             Err(format!("{} axes (at most 8)", shape(0).len()))
         }
@@ -209,6 +204,8 @@ fn record_kernel(
     let (x0, y0) = (&n.inputs.first(), &n.outputs.first());
     let numel = |a: &Option<&Arg>| a.map_or(0, Arg::numel);
     let last_micro = ctx.is_last_micro();
+    // A masked loss's `[mask, divisor]`, at inputs `at` and `at + 1` (the graph checked them).
+    let loss_mask = |at: usize| (n.inputs.len() == at + 2).then(|| [input(at), input(at + 1)]);
     match &n.op {
         Op::MatMul(op) => {
             let d = op
@@ -425,6 +422,7 @@ fn record_kernel(
                 e,
                 (numel(x0) / v.max(1), v),
                 [input(0), input(1)],
+                loss_mask(2),
                 workspace()?,
                 output(0),
             )
@@ -436,6 +434,7 @@ fn record_kernel(
                 e,
                 (numel(x0) / v.max(1), v),
                 [input(0), input(1), input(2)],
+                loss_mask(3),
                 output(0),
             )
         }
@@ -530,6 +529,7 @@ fn record_kernel(
             e,
             head_shape(&n.inputs, (op.tb, op.rows, op.cols)),
             [input(0), input(1), input(2)],
+            loss_mask(3),
             workspace()?,
             [output(0), output(1)],
         ),
@@ -538,6 +538,7 @@ fn record_kernel(
             e,
             head_shape(&n.inputs, (op.tb, op.rows, op.cols)),
             [input(0), input(1), input(2), input(3), input(4)],
+            loss_mask(5),
             workspace()?,
             [output(0), output(1)],
         ),

@@ -5,6 +5,7 @@
 //! products run on the matmul kernel, placed inside their bindings; the backward recomputes
 //! each tile's logits from the saved log-sum-exp.
 
+use super::cross_entropy::{check_mask, masked_constant, LossMask};
 use super::matmul::{matmul_in, Gemm, Place};
 use super::{grid_1d, grid_items, need, u32_of, Dispatch, Params, Source};
 use crate::device::GpuDevice;
@@ -146,13 +147,15 @@ fn check_inputs(
     need(device, "lm_head_loss targets", targets, s.n)
 }
 
-/// Records `loss[0]` (the mean cross-entropy of `x · head` against `targets`) and each row's
-/// log-sum-exp `lse`.
+/// Records `loss[0]` (the mean cross-entropy of `x · head` against `targets`, or under a
+/// loss mask `Σ mask·ce / divisor`) and each row's log-sum-exp `lse`.
+#[allow(clippy::too_many_arguments)]
 pub fn lm_head_loss<'a>(
     device: &GpuDevice,
     encoder: &mut wgpu::CommandEncoder,
     s: HeadShape,
     [x, head, targets]: [DeviceSlice<'a>; 3],
+    mask: Option<LossMask<'a>>,
     ws: DeviceSlice<'a>,
     [loss, lse]: [DeviceSlice<'a>; 2],
 ) -> Result<()> {
@@ -160,11 +163,14 @@ pub fn lm_head_loss<'a>(
     need(device, "lm_head_loss workspace", &ws, s.forward_workspace())?;
     need(device, "lm_head_loss loss", &loss, 1)?;
     need(device, "lm_head_loss lse", &lse, s.n)?;
+    check_mask(device, "lm_head_loss", mask.as_ref(), s.n)?;
+    // Unmasked, `loss` fills the mask's bindings: the kernel never reads them.
+    let [weights, divisor] = mask.unwrap_or([loss, loss]);
     let dispatch = |entry, a: Args, grid, tensors| -> Result<Dispatch<'a>> {
         Ok(Dispatch {
             source: SOURCE,
             entry,
-            constants: String::new(),
+            constants: masked_constant(mask.as_ref()),
             params: params(device, &s, a)?,
             tensors,
             grid,
@@ -202,19 +208,21 @@ pub fn lm_head_loss<'a>(
         "loss_mean",
         args(0, 0, 0, 0, false),
         [1, 1, 1],
-        vec![(1, ws), (4, loss)],
+        vec![(1, ws), (4, loss), (7, weights), (8, divisor)],
     )?
     .record(device, encoder)
 }
 
 /// Records the gradients `dx` (which may be `x`'s range: a tile's rows of `x` are read before
 /// its rows of `dx` are written) and `dhead` (written whole) from the forward's `lse` and
-/// `dloss`.
+/// `dloss`, under the forward's loss mask if it had one.
+#[allow(clippy::too_many_arguments)]
 pub fn lm_head_loss_backward<'a>(
     device: &GpuDevice,
     encoder: &mut wgpu::CommandEncoder,
     s: HeadShape,
     [x, head, targets, lse, dloss]: [DeviceSlice<'a>; 5],
+    mask: Option<LossMask<'a>>,
     ws: DeviceSlice<'a>,
     [dx, dhead]: [DeviceSlice<'a>; 2],
 ) -> Result<()> {
@@ -229,6 +237,8 @@ pub fn lm_head_loss_backward<'a>(
     )?;
     need(device, "lm_head_loss_backward dx", &dx, s.n * s.c)?;
     need(device, "lm_head_loss_backward dhead", &dhead, s.v * s.c)?;
+    check_mask(device, "lm_head_loss_backward", mask.as_ref(), s.n)?;
+    let [weights, divisor] = mask.unwrap_or([dloss, dloss]);
     let split = s.cols < s.v;
     let dx_tile = s.rows * s.cols;
     for (r0, m, c0, vb) in s.tiles() {
@@ -245,9 +255,16 @@ pub fn lm_head_loss_backward<'a>(
         Dispatch {
             source: SOURCE,
             entry: "softmax_grad",
-            constants: String::new(),
+            constants: masked_constant(mask.as_ref()),
             params: params(device, &s, args)?,
-            tensors: vec![(1, ws), (2, targets), (3, lse), (5, dloss)],
+            tensors: vec![
+                (1, ws),
+                (2, targets),
+                (3, lse),
+                (5, dloss),
+                (7, weights),
+                (8, divisor),
+            ],
             grid: grid_items(device, m * vb),
         }
         .record(device, encoder)?;
@@ -359,7 +376,7 @@ pub fn lm_head_loss_backward<'a>(
             Dispatch {
                 source: SOURCE,
                 entry: "copy_rows",
-                constants: String::new(),
+                constants: masked_constant(mask.as_ref()),
                 params: params(device, &s, args)?,
                 tensors: vec![(1, ws), (6, dx)],
                 grid: grid_items(device, m * s.c),

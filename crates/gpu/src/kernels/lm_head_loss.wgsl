@@ -6,7 +6,10 @@
 // tile) and sum (ws[sums + i]), and picks the target's logit (ws[picked + i]); lse_finish
 // turns them into the row's log-sum-exp and loss (ws[losses + row]); loss_mean averages the
 // losses in a fixed order. Backward: softmax_grad turns a tile of logits into its gradient
-// in place, and copy_rows moves a tile of dx from the workspace to its rows.
+// in place, and copy_rows moves a tile of dx from the workspace to its rows. With MASKED
+// (loss_mean and softmax_grad), the loss is Σ mask·ce / divisor and each row's gradient is
+// weighted by mask/divisor, as the CPU backend computes them: rows weighted 0 stay out, and
+// a divisor of 0 counts nothing.
 
 struct Params {
     r0: u32,
@@ -31,6 +34,8 @@ struct Params {
 @group(0) @binding(4) var<storage, read_write> loss: array<f32>;
 @group(0) @binding(5) var<storage, read_write> dloss: array<f32>;
 @group(0) @binding(6) var<storage, read_write> dx: array<f32>;
+@group(0) @binding(7) var<storage, read_write> mask: array<f32>;
+@group(0) @binding(8) var<storage, read_write> divisor: array<f32>;
 
 // Below any logit: exp of it minus a real max is 0.
 const LOWEST: f32 = -3.402823e38;
@@ -96,16 +101,29 @@ fn lse_finish(
     ws[p.losses + row] = l - ws[p.picked + i];
 }
 
-// The mean of the rows' losses, by one workgroup in a fixed order.
+// The mean of the rows' losses (or their masked sum over the divisor), by one workgroup in
+// a fixed order.
 @compute @workgroup_size(256)
 fn loss_mean(@builtin(local_invocation_index) li: u32) {
     var s = 0.0;
     for (var r = li; r < p.n; r += 256u) {
-        s += ws[p.losses + r];
+        if (MASKED) {
+            let w = mask[r];
+            if (w != 0.0) {
+                s += w * ws[p.losses + r];
+            }
+        } else {
+            s += ws[p.losses + r];
+        }
     }
     s = reduce_sum(s, li);
     if (li == 0u) {
-        loss[0] = s / f32(p.n);
+        if (MASKED) {
+            let d = divisor[0];
+            loss[0] = select(s / d, 0.0, d == 0.0);
+        } else {
+            loss[0] = s / f32(p.n);
+        }
     }
 }
 
@@ -123,6 +141,24 @@ fn softmax_grad(
     let i = e / p.vb;
     let row = p.r0 + i;
     let col = p.c0 + e % p.vb;
+    if (MASKED) {
+        let d = divisor[0];
+        var w = 0.0;
+        if (d != 0.0) {
+            w = dloss[0] / d * mask[row];
+        }
+        // A row the mask drops is zero whatever its logits.
+        if (w == 0.0) {
+            ws[e] = 0.0;
+            return;
+        }
+        var g = exp(ws[e] - lse[row]) * w;
+        if (col == target_of(row)) {
+            g -= w;
+        }
+        ws[e] = g;
+        return;
+    }
     var g = exp(ws[e] - lse[row]);
     if (col == target_of(row)) {
         g -= 1.0;

@@ -30,8 +30,23 @@ fn cross_entropy_loss_and_gradient() {
             ],
         );
         t.run(|e, t| {
-            cross_entropy(device, e, (n, v), [t.get(0), t.get(1)], t.get(3), t.get(4))?;
-            cross_entropy_backward(device, e, (n, v), [t.get(0), t.get(1), t.get(2)], t.get(5))
+            cross_entropy(
+                device,
+                e,
+                (n, v),
+                [t.get(0), t.get(1)],
+                None,
+                t.get(3),
+                t.get(4),
+            )?;
+            cross_entropy_backward(
+                device,
+                e,
+                (n, v),
+                [t.get(0), t.get(1), t.get(2)],
+                None,
+                t.get(5),
+            )
         });
         let (mut total, mut mag) = (0.0, 0.0);
         let mut grad = Vec::new();
@@ -186,6 +201,7 @@ fn fused_lm_head_loss_and_gradients() {
                 e,
                 s,
                 [t.get(0), t.get(1), t.get(2)],
+                None,
                 ws,
                 [t.get(5), t.get(6)],
             )?;
@@ -195,6 +211,7 @@ fn fused_lm_head_loss_and_gradients() {
                 e,
                 s,
                 [t.get(0), t.get(1), t.get(2), t.get(6), t.get(3)],
+                None,
                 ws,
                 [dx, t.get(8)],
             )
