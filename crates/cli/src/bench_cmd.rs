@@ -10,7 +10,9 @@ use serde::{Deserialize, Serialize};
 use snug_plan::memory_plan::human_bytes;
 use snug_runtime::process::CpuTicks;
 use snug_runtime::Allocator;
-use snug_train::{DataSource, ModelSection, TokenDataset, TrainConfig, TrainSection, Trainer};
+use snug_train::{
+    DataSource, DeviceSpec, ModelSection, TokenDataset, TrainConfig, TrainSection, Trainer,
+};
 
 use crate::train_cmd::{print_json, stats};
 
@@ -30,6 +32,10 @@ pub struct BenchArgs {
     /// Worker threads (default: physical cores).
     #[arg(long)]
     threads: Option<usize>,
+    /// Device to time the step on: cpu (default), gpu or gpu:N. On a GPU there is no GEMM
+    /// probe, hence no MFU.
+    #[arg(long, value_name = "DEVICE", default_value = "cpu")]
+    device: DeviceSpec,
     /// Text file or `snug prepare` directory to draw batches from (default: built-in data;
     /// token values do not change the time).
     #[arg(long)]
@@ -114,6 +120,9 @@ struct Probe {
 #[derive(Debug, Serialize, Deserialize)]
 struct CaseResult {
     case: String,
+    /// Where the steps ran: `cpu`, or the GPU adapter's label.
+    #[serde(default)]
+    device: String,
     preset: String,
     batch: usize,
     block: usize,
@@ -130,8 +139,8 @@ struct CaseResult {
     model_flops_per_s: f64,
     /// The probe's GEMM rate run again in this case's process right after its timed steps
     /// (after its peak RSS was read), in GFLOP/s: on a shared host the machine's speed drifts
-    /// between the first probe and a case.
-    probe_after_gflop_per_s: f64,
+    /// between the first probe and a case. None on a GPU (no probe).
+    probe_after_gflop_per_s: Option<f64>,
     /// Model FLOP/s over the faster of the two probes' GEMM rates.
     mfu: Option<f64>,
     predicted_peak_bytes: usize,
@@ -187,6 +196,7 @@ fn run_case(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
         batch: Some(case.batch),
         block: Some(case.block),
         threads: args.threads,
+        device: Some(args.device.to_string()),
         precision: Some(case.precision.into()),
         steps: Some(args.warmup + args.steps),
         eval_every: Some(0),
@@ -195,8 +205,7 @@ fn run_case(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
     };
     let cfg = TrainConfig::resolve(None, &model, &train)?;
     let data = TokenDataset::load(&DataSource::from(&cfg.data))?;
-    let allocator = Allocator::cpu();
-    let mut trainer = Trainer::with_allocator(cfg.clone(), data, allocator.clone())?;
+    let mut trainer = Trainer::with_allocator(cfg.clone(), data, Allocator::cpu())?;
     let mut times = Vec::new();
     let mut loss = f32::NAN;
     let mut timed_from = None;
@@ -213,16 +222,23 @@ fn run_case(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
     let steal = steal_since(timed_from);
     let peak_rss_bytes = snug_runtime::process::resident_set().map(|(_, peak)| peak);
     let predicted_peak_bytes = trainer.plan().peak_bytes();
-    let measured_peak_bytes = allocator.peak_bytes();
+    // The device's allocator: the trainer's own on a GPU.
+    let measured_peak_bytes = trainer.session().allocator().peak_bytes();
+    let device = trainer.session().device_name();
     let tokens = (case.batch * case.block) as f64;
     let flops = trainer.model().flops_per_token(case.block) as f64 * tokens;
     let vocab = trainer.model().vocab_size();
     // The trainer's arena goes back before the probe allocates its own.
     drop(trainer);
-    let probe_after = snug_train::calibration::gemm_rate(cfg.threads, PROBE, 10)? / 1e9;
+    let probe_after = if args.device.is_gpu() {
+        None
+    } else {
+        Some(snug_train::calibration::gemm_rate(cfg.threads, PROBE, 10)? / 1e9)
+    };
     let (median, min, max) = stats(&times);
     Ok(CaseResult {
         case: case.name.into(),
+        device,
         preset: case.preset.into(),
         batch: case.batch,
         block: case.block,
@@ -257,6 +273,7 @@ fn run_child(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
     if let Some(t) = args.threads {
         cmd.args(["--threads", &t.to_string()]);
     }
+    cmd.args(["--device", &args.device.to_string()]);
     if let Some(d) = &args.data {
         cmd.arg("--data").arg(d);
     }
@@ -300,10 +317,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
         return Ok(());
     }
     let threads = args.threads.unwrap_or_else(snug_cpu::physical_cores).max(1);
-    let probe = gemm_probe(threads)?;
-    if args.json {
-        print_json("probe", &probe)?;
+    // The probe times the CPU's GEMM: a GPU's step has nothing to compare with it.
+    let probe = if args.device.is_gpu() {
+        None
     } else {
+        Some(gemm_probe(threads)?)
+    };
+    if let (Some(probe), true) = (&probe, args.json) {
+        print_json("probe", probe)?;
+    } else if let Some(probe) = &probe {
         println!(
             "peak: {:.1} GFLOP/s ({}, {} threads){}",
             probe.gflop_per_s,
@@ -326,16 +348,37 @@ pub fn run(args: BenchArgs) -> Result<()> {
             "peak RSS",
             "steal"
         );
+    } else if !args.json {
+        println!(
+            "device: {} (no GEMM probe on a GPU, so no MFU)",
+            args.device
+        );
+        println!(
+            "{:<16} {:>28} {:>8} {:>8} {:>6} {:>13} {:>13} {:>11} {:>6}",
+            "case",
+            "step ms: median (min-max)",
+            "tok/s",
+            "GFLOP/s",
+            "MFU",
+            "planned peak",
+            "measured",
+            "peak RSS",
+            "steal"
+        );
     }
     for case in cases {
         let mut r = run_child(case, &args)?;
-        let peak = probe.gflop_per_s.max(r.probe_after_gflop_per_s);
-        r.mfu = Some(r.model_flops_per_s / (peak * 1e9));
+        if let Some(probe) = &probe {
+            let peak = probe
+                .gflop_per_s
+                .max(r.probe_after_gflop_per_s.unwrap_or(0.0));
+            r.mfu = Some(r.model_flops_per_s / (peak * 1e9));
+        }
         if args.json {
             print_json("case", &r)?;
         } else {
             println!(
-                "{:<16} {:>28} {:>8.0} {:>8.1} {:>5.0}% {:>13} {:>13} {:>11} {:>6}",
+                "{:<16} {:>28} {:>8.0} {:>8.1} {:>6} {:>13} {:>13} {:>11} {:>6}",
                 r.case,
                 format!(
                     "{:.1} ({:.1}-{:.1})",
@@ -343,7 +386,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 ),
                 r.tokens_per_s,
                 r.model_flops_per_s / 1e9,
-                r.mfu.unwrap_or(0.0) * 100.0,
+                r.mfu.map_or("-".into(), |m| format!("{:.0}%", m * 100.0)),
                 human_bytes(r.predicted_peak_bytes),
                 human_bytes(r.measured_peak_bytes),
                 r.peak_rss_bytes.map_or("-".into(), human_bytes),

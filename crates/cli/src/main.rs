@@ -2,6 +2,7 @@
 
 mod bench_cmd;
 mod dashboard;
+mod devices_cmd;
 mod export_cmd;
 mod fit_cmd;
 mod plan_cmd;
@@ -46,6 +47,8 @@ enum Command {
     Export(export_cmd::ExportArgs),
     /// Time named training-step benchmarks (step time, tokens/s, model FLOP/s, MFU, memory).
     Bench(bench_cmd::BenchArgs),
+    /// List the devices `--device` can name: the CPU and every GPU adapter, with its limits.
+    Devices(devices_cmd::DevicesArgs),
     /// Write one offline HTML page: the step's memory timeline, pass savings, fit's
     /// candidates, a run's curves and the device table.
     Report(report_cmd::ReportArgs),
@@ -146,6 +149,7 @@ fn main() -> ExitCode {
         Command::Sample(args) => sample_cmd::run(args),
         Command::Export(args) => export_cmd::run(args),
         Command::Report(args) => report_cmd::run(args),
+        Command::Devices(args) => devices_cmd::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

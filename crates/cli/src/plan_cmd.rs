@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::Args;
 use serde::Serialize;
 use snug_graph::DType;
@@ -22,7 +22,7 @@ pub struct PlanArgs {
     #[arg(long)]
     table: bool,
     /// Plan for this CPU's GEMM instead of this machine's: avx512, avx2 or portable (it sizes
-    /// some fused ops' tiles, hence their scratch).
+    /// some fused ops' tiles, hence their scratch). CPU only.
     #[arg(long, value_name = "GEMM")]
     target_cpu: Option<snug_graph::CpuGemm>,
     /// Plan sampling instead of a training step: the graph `snug sample` runs on a checkpoint
@@ -129,8 +129,14 @@ struct PlanReport {
     grad_clip: f32,
     block: usize,
     threads: usize,
-    /// The CPU GEMM planned for.
+    /// The CPU GEMM planned for (`portable` on a GPU, where no CPU GEMM runs).
     target_cpu: snug_graph::CpuGemm,
+    /// The GPU planned for (`--device gpu`): the device flag, and the adapter's memory layout
+    /// (its own limits, or snug-gpu's documented default where this machine has none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    device: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    memory_layout: Option<snug_graph::MemoryLayout>,
     parameters: usize,
     nodes: usize,
     tensors: usize,
@@ -195,16 +201,33 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let mut cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
     // The same data, hence the same vocabulary, that `snug train` would load.
     let (_, gpt) = cfg.load_data_and_model()?;
+    let gpu = cfg.device.is_gpu();
+    if gpu && args.inference {
+        bail!(
+            "--inference with --device {}: `snug sample` runs on the CPU only",
+            cfg.device
+        );
+    }
+    if gpu && args.target_cpu.is_some() {
+        bail!(
+            "--target-cpu plans for a CPU; --device {} plans for a GPU",
+            cfg.device
+        );
+    }
     if args.inference {
         return run_inference(&args, &cfg, &gpt, start);
     }
-    let target = snug_graph::Target::cpu(
-        cfg.threads,
-        args.target_cpu.unwrap_or_else(snug_graph::CpuGemm::host),
-    );
+    let target = if gpu {
+        cfg.target()
+    } else {
+        snug_graph::Target::cpu(
+            cfg.threads,
+            args.target_cpu.unwrap_or_else(snug_graph::CpuGemm::host),
+        )
+    };
     if let Some(l) = args.link {
         if !(l.is_finite() && l > 0.0) {
-            anyhow::bail!("--link {l}: a bandwidth in GB/s must be a positive number");
+            bail!("--link {l}: a bandwidth in GB/s must be a positive number");
         }
     }
     let devices = usize::try_from(args.devices)?;
@@ -277,11 +300,15 @@ pub fn run(args: PlanArgs) -> Result<()> {
         block: cfg.block,
         threads: cfg.threads,
         target_cpu: target.cpu_gemm().unwrap_or(snug_graph::CpuGemm::Portable),
+        device: gpu.then(|| cfg.device.to_string()),
+        memory_layout: gpu.then_some(target.memory),
         parameters: step.parameter_count(),
         nodes: step.graph.nodes().len(),
         tensors: step.graph.tensors().len(),
         flops_per_step: step.graph.flops(),
+        // The calibration times this machine's CPU kernels.
         predicted_step_ms: snug_train::calibration::cached(cfg.threads)
+            .filter(|_| !gpu)
             .map(|m| m.step_seconds(&step, &memory_plan.schedule) * 1e3),
         figures: PlanFigures::of(&memory_plan, &step.graph, step.forward_nodes),
         plan_ms,
@@ -328,6 +355,15 @@ pub fn run(args: PlanArgs) -> Result<()> {
         println!(
             "one rank of {} (ZeRO stage {}): {} sequences per rank per step, planned below",
             d.devices, d.shard, d.per_rank_batch
+        );
+    }
+    if let Some(layout) = report.memory_layout {
+        println!(
+            "device {}: tensors aligned to {} bytes, arena within one buffer of {}, each tensor within a binding of {}",
+            cfg.device,
+            layout.alignment,
+            human_bytes(layout.max_buffer_bytes),
+            human_bytes(layout.max_binding_bytes)
         );
     }
     print!("{memory_plan}");

@@ -49,8 +49,13 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     trainer.train_step()?;
     let graph = trainer.session().graph().clone();
     let schedule = trainer.plan().schedule.clone();
-    // Rescaled to the machine's speed now, as fit predicts.
-    let machine = snug_train::calibration::cached_now(trainer.config().threads)?;
+    // Rescaled to the machine's speed now, as fit predicts; the calibration times this
+    // machine's CPU kernels, so a GPU's ops get no prediction.
+    let machine = if trainer.config().device.is_gpu() {
+        None
+    } else {
+        snug_train::calibration::cached_now(trainer.config().threads)?
+    };
     let micro = trainer.config().accumulation;
     let mut rows: BTreeMap<String, (usize, f64, u64, f64)> = BTreeMap::new();
     let steps = args.steps.max(1);

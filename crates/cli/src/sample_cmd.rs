@@ -62,6 +62,9 @@ pub struct SampleArgs {
     /// Worker threads (default: physical cores).
     #[arg(long)]
     threads: Option<usize>,
+    /// Device: cpu (default). Sampling runs on the CPU only; gpu and gpu:N are refused.
+    #[arg(long, value_name = "DEVICE", default_value = "cpu")]
+    device: snug_train::DeviceSpec,
     /// One JSON object with the text and figures.
     #[arg(long)]
     json: bool,
@@ -131,6 +134,14 @@ struct SampleReport {
 }
 
 pub fn run(args: SampleArgs) -> Result<()> {
+    if args.device.is_gpu() {
+        bail!(
+            "--device {}: snug sample runs on the CPU only (train on a GPU with `snug train \
+             --device {}`, then sample its checkpoint here without --device)",
+            args.device,
+            args.device
+        );
+    }
     // Before loading anything: a request this large is a mistake, not a long run.
     if args.tokens > MAX_NEW_TOKENS {
         bail!(

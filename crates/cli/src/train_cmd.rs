@@ -71,6 +71,8 @@ pub struct TrainArgs {
 
 #[derive(Serialize)]
 struct Summary {
+    /// Where the steps ran: `cpu`, or the GPU adapter's label.
+    device: String,
     steps: u64,
     start_step: u64,
     interrupted: bool,
@@ -316,6 +318,8 @@ pub fn run(args: TrainArgs) -> Result<()> {
             (cfg, summary, trainer, run_dir)
         }
     };
+    // The device's allocator: on a GPU the trainer's own, over device memory.
+    let allocator = trainer.session().allocator().clone();
     // 0 (the default) picks a cadence: every step where a person watches, every 10th in a log.
     let log_every = match cfg.log_every {
         0 if std::io::IsTerminal::is_terminal(&std::io::stderr()) => 1,
@@ -335,6 +339,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let params = trainer.step_graph().parameter_count();
     let tokens_per_step = cfg.batch * cfg.block;
     let flops_per_step = trainer.model().flops_per_token(cfg.block) as f64 * tokens_per_step as f64;
+    if !json && cfg.device.is_gpu() {
+        say!(out, "device: {}", trainer.session().device_name());
+    }
     if !json {
         say!(
             out,
@@ -636,6 +643,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
         }
     };
     let mut summary = Summary {
+        device: trainer.session().device_name(),
         steps: run.end_step,
         start_step: run.start_step,
         interrupted: run.interrupted,
@@ -644,12 +652,14 @@ pub fn run(args: TrainArgs) -> Result<()> {
         train_loss: run.last_eval.map(|e| e.train_loss),
         val_loss: run.last_eval.map(|e| e.val_loss),
         median_step_ms: median,
+        // The calibration times this machine's CPU kernels.
         predicted_step_ms: machine
             .or_else(|| {
                 snug_train::calibration::cached_now(cfg.threads)
                     .ok()
                     .flatten()
             })
+            .filter(|_| !cfg.device.is_gpu())
             .map(|m| m.step_seconds(trainer.step_graph(), &trainer.plan().schedule) * 1e3),
         tracked_predicted_step_ms,
         min_step_ms: min,

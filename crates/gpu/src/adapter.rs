@@ -1,6 +1,20 @@
 //! The adapters wgpu finds, and what each offers that a planner or a kernel cares about.
 
+use std::sync::OnceLock;
+
+use snug_graph::{MemoryLayout, Target};
+
 use crate::error::{GpuError, Result};
+
+/// The layout a plan for a GPU assumes where this machine has no adapter to ask: the largest
+/// storage offset alignment WebGPU lets an adapter require (256 bytes), buffers up to 4 GiB
+/// and bindings up to 2 GiB. A plan made with it is valid on any adapter at least that
+/// generous; planned where the adapter is present, the adapter's own limits are used.
+pub const DEFAULT_LAYOUT: MemoryLayout = MemoryLayout {
+    alignment: 256,
+    max_buffer_bytes: 1 << 32,
+    max_binding_bytes: 1 << 31,
+};
 
 /// One adapter: its identity and the limits and features that matter for training.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -80,6 +94,16 @@ impl AdapterInfo {
         }
     }
 
+    /// What plans for this adapter assume (as [`crate::GpuDevice::target`] once it is open).
+    pub fn layout(&self) -> MemoryLayout {
+        let bytes = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+        MemoryLayout {
+            alignment: (self.min_storage_buffer_offset_alignment as usize).max(1),
+            max_buffer_bytes: bytes(self.max_buffer_size),
+            max_binding_bytes: bytes(self.max_storage_buffer_binding_size),
+        }
+    }
+
     /// `name (backend, type)`, as error messages list adapters.
     pub fn label(&self) -> String {
         format!("{} ({}, {})", self.name, self.backend, self.device_type)
@@ -141,6 +165,40 @@ pub fn adapters() -> Vec<AdapterInfo> {
         .enumerate()
         .map(|(i, a)| AdapterInfo::from_adapter(i, a))
         .collect()
+}
+
+/// [`adapters`], enumerated once per process: planning asks for the target repeatedly, and
+/// enumeration starts every driver.
+pub fn adapters_once() -> &'static [AdapterInfo] {
+    static FOUND: OnceLock<Vec<AdapterInfo>> = OnceLock::new();
+    FOUND.get_or_init(adapters)
+}
+
+/// The adapter `selector` names on this machine: `Ok(None)` where it has none, an
+/// [`GpuError::AdapterIndex`] listing them where `gpu:N` is past the last.
+pub fn find(selector: Selector) -> Result<Option<AdapterInfo>> {
+    let found = adapters_once();
+    if found.is_empty() {
+        return Ok(None);
+    }
+    let index = match selector {
+        Selector::FirstGpu => found.iter().min_by_key(|a| a.rank()).map_or(0, |a| a.index),
+        Selector::Index(i) if i < found.len() => i,
+        Selector::Index(index) => {
+            return Err(GpuError::AdapterIndex {
+                index,
+                found: found.iter().map(AdapterInfo::label).collect(),
+            })
+        }
+    };
+    Ok(found.get(index).cloned())
+}
+
+/// The target to plan a step for the adapter `selector` names: its own limits where this
+/// machine has it, [`DEFAULT_LAYOUT`] where it has no adapter at all.
+pub fn planning_target(selector: Selector) -> Result<Target> {
+    let layout = find(selector)?.map_or(DEFAULT_LAYOUT, |a| a.layout());
+    Ok(Target::gpu(layout))
 }
 
 /// The adapter `selector` names among `found`.

@@ -23,7 +23,9 @@ mod launch;
 pub mod memory;
 pub mod transfer;
 
-pub use adapter::{adapters, AdapterInfo, Selector};
+pub use adapter::{
+    adapters, adapters_once, planning_target, AdapterInfo, Selector, DEFAULT_LAYOUT,
+};
 pub use backend::{GpuBackend, GpuMemory, GpuNode, GpuSession};
 pub use device::GpuDevice;
 pub use error::{GpuError, Result};

@@ -11,6 +11,7 @@ use snug_nn::ModelConfig;
 
 pub use snug_compile::{OptimizerKind, Pass, Remat, StepConfig};
 
+pub use crate::device::DeviceSpec;
 use crate::{DataSource, TrainError};
 
 /// `[model]`: a preset and optional overrides of its fields. With the `clap` feature, also the
@@ -160,6 +161,10 @@ train_keys! {
     /// Worker threads (default: physical cores).
     #[flag(step, long)]
     threads: usize,
+    /// Device to train on: cpu (default), gpu (the first GPU), or gpu:N (the adapter
+    /// `snug devices` lists at N).
+    #[flag(step, long, value_name = "DEVICE")]
+    device: String,
     /// Print a line every this many steps (default: every step on a terminal, every 10th when
     /// the output goes to a file or pipe).
     #[flag(run, long)]
@@ -256,6 +261,8 @@ pub struct TrainConfig {
     pub weight_decay: f32,
     pub seed: u64,
     pub threads: usize,
+    /// Where the step runs (planned for that device's memory layout).
+    pub device: DeviceSpec,
     pub log_every: u64,
     pub memory_limit: Option<usize>,
     pub strict_memory_limit: bool,
@@ -326,6 +333,7 @@ impl Default for TrainConfig {
             weight_decay: 0.1,
             seed: 1337,
             threads: snug_cpu::physical_cores(),
+            device: DeviceSpec::Cpu,
             log_every: 0,
             memory_limit: None,
             strict_memory_limit: false,
@@ -465,6 +473,12 @@ impl TrainConfig {
             checkpoint_every,
             keep_checkpoints
         );
+        if let Some(d) = &t.device {
+            self.device = d.parse().map_err(|detail| TrainError::Config {
+                field: "device",
+                detail,
+            })?;
+        }
         if let Some(o) = &t.out {
             self.out = Some(o.clone());
         }
@@ -636,6 +650,7 @@ impl TrainConfig {
             return err("data", "is an empty path".into());
         }
         self.base_model()?;
+        self.device.target(self.threads)?;
         Ok(())
     }
 
@@ -700,9 +715,14 @@ impl TrainConfig {
         }
     }
 
-    /// The device this run compiles for: this machine, with the run's threads.
+    /// The device this run compiles for: this machine's CPU with the run's threads, or the
+    /// GPU `device` names (its limits; [`snug_gpu::DEFAULT_LAYOUT`] where this machine has no
+    /// adapter).
     pub fn target(&self) -> Target {
-        Target::host(self.threads)
+        // `validate` refused a device whose target cannot be known.
+        self.device
+            .target(self.threads)
+            .unwrap_or(Target::gpu(snug_gpu::DEFAULT_LAYOUT))
     }
 
     /// `init_from` when it is a Hugging Face model directory (not a lone weights file).

@@ -160,4 +160,7 @@ pub enum TrainError {
     Plan(#[from] PlanError),
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
+    /// The GPU could not be opened (no adapter, a `gpu:N` past the last one, no device).
+    #[error(transparent)]
+    Gpu(#[from] snug_gpu::GpuError),
 }

@@ -9,6 +9,7 @@
 //! - [`data`]: the built-in generated data set, text files, token directories, deterministic
 //!   per-step batches and a prefetching thread.
 //! - [`config`]: the training configuration (TOML file, then command-line overrides).
+//! - [`device`]: where the step runs (the CPU or a GPU), and the session over either.
 //! - [`trainer`]: compiles the step, plans it, and runs it step by step.
 //! - [`sample`]: text generation from a model's weights, on the planned inference graph.
 //! - [`calibration`]: kernel timings of this machine for fit's cost model, cached.
@@ -21,6 +22,7 @@ pub mod calibration;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod device;
 mod error;
 pub mod examples;
 pub mod hf_tokenizer;
@@ -37,6 +39,7 @@ pub use config::{ModelSection, OptimizerKind, Pass, Remat, TrainConfig, TrainSec
 #[cfg(feature = "clap")]
 pub use config::{RunFlags, StepFlags};
 pub use data::{Batch, DataSource, Prefetcher, TokenDataset, Tokens};
+pub use device::{DeviceSpec, StepSession};
 pub use error::TrainError;
 pub use examples::{Example, PackedExamples, TokenizedExample};
 pub use hf_tokenizer::{HfTokenizer, HfTokenizerFiles};

@@ -1,6 +1,7 @@
-//! One training run's state: compile the step graph once, plan it, load it into a CPU session,
-//! then per step take the prefetched batch, run each micro-batch, and report. Evaluation,
-//! checkpoint and restore work on the same session.
+//! One training run's state: compile the step graph once, plan it for the configured device,
+//! load it into a session there (the CPU's, or a GPU's), then per step take the prefetched
+//! batch, run each micro-batch, and report. Evaluation, checkpoint and restore work on the
+//! same session.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -8,7 +9,6 @@ use std::time::Instant;
 
 use serde::Serialize;
 use snug_compile::{compile_step, CompiledStep};
-use snug_cpu::CpuSession;
 use snug_fit::{FitConfig, MachineProfile, MemoryFailure, Search};
 use snug_graph::{Role, StepGraph, TensorId};
 use snug_nn::{LossMask, ModelConfig};
@@ -17,6 +17,7 @@ use snug_runtime::{Allocator, ExecCtx, OutOfMemory, RuntimeError};
 
 use crate::checkpoint::{Checkpoint, CheckpointRef, SavedTensor};
 use crate::data::{batch_starts, fill_batch, fill_mask, Batch, Prefetcher, Tokens};
+use crate::device::StepSession;
 use crate::{LossScaler, TokenDataset, TrainConfig, TrainError};
 
 /// Linear warmup to `lr`, then cosine decay to `min_lr` at the last step.
@@ -87,7 +88,7 @@ pub struct Trainer {
     config: TrainConfig,
     model: ModelConfig,
     step_graph: StepGraph,
-    session: CpuSession,
+    session: StepSession,
     data: Arc<TokenDataset>,
     tokens: TensorId,
     targets: TensorId,
@@ -142,7 +143,8 @@ impl Trainer {
     }
 
     /// A trainer on `data`, whose step takes a loss mask when `config.loss_mask` asks for one
-    /// or the data carries one.
+    /// or the data carries one. On the CPU every byte comes from `allocator`; on a GPU
+    /// (`config.device`) the device's own allocator takes `allocator`'s memory limit.
     pub fn with_allocator(
         mut config: TrainConfig,
         data: TokenDataset,
@@ -178,14 +180,15 @@ impl Trainer {
             allocator.set_memory_limit(limit, !config.strict_memory_limit);
         }
         let needed = memory_plan.peak_bytes();
-        let session = CpuSession::new(
+        let session = StepSession::new(
+            config.device,
             step_graph.graph.clone(),
             memory_plan,
             allocator,
             config.threads,
         );
         let mut session = match session {
-            Err(snug_runtime::RuntimeError::OutOfMemory(oom)) => {
+            Err(TrainError::Runtime(RuntimeError::OutOfMemory(oom))) => {
                 return Err(TrainError::DoesNotFit {
                     needed,
                     limit: (oom.limit != usize::MAX).then_some(oom.limit),
@@ -905,7 +908,7 @@ impl Trainer {
         self.session.plan()
     }
 
-    pub fn session(&self) -> &CpuSession {
+    pub fn session(&self) -> &StepSession {
         &self.session
     }
 

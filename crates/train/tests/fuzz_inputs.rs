@@ -368,6 +368,7 @@ const TRAIN_KEYS: &[&str] = &[
     "weight_decay",
     "seed",
     "threads",
+    "device",
     "log_every",
     "memory_limit",
     "strict_memory_limit",
@@ -452,6 +453,8 @@ fn typed_value(key: &str) -> BoxedStrategy<toml::Value> {
             text(&["/dev/zero", "/nonexistent/file", ".", ""]).boxed()
         }
         "strict_memory_limit" => any::<bool>().prop_map(V::Boolean).boxed(),
+        // No plain `gpu`: a case would open the machine's adapter and train on it.
+        "device" => text(&["cpu", "gpu:99", "tpu", "CPU", ""]).boxed(),
         "lr" | "min_lr" | "beta1" | "beta2" | "weight_decay" | "loss_scale" | "grad_clip" => {
             float().boxed()
         }

@@ -1,0 +1,135 @@
+//! `snug devices`: the devices a run can use (`--device cpu|gpu|gpu:N`): this machine's CPU
+//! and every GPU adapter wgpu finds, with the limits plans for it assume.
+
+use anyhow::Result;
+use clap::Args;
+use serde::Serialize;
+use snug_plan::memory_plan::human_bytes;
+
+#[derive(Args, Debug)]
+pub struct DevicesArgs {
+    /// Machine-readable output: one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct CpuDevice {
+    /// `--device cpu`.
+    device: &'static str,
+    physical_cores: usize,
+    logical_cpus: usize,
+}
+
+#[derive(Serialize)]
+struct GpuDevice {
+    /// `--device gpu:N`.
+    device: String,
+    /// Whether `--device gpu` picks it (discrete before integrated before virtual GPUs
+    /// before CPU drivers).
+    default: bool,
+    name: String,
+    backend: String,
+    device_type: String,
+    driver: String,
+    max_buffer_bytes: u64,
+    max_binding_bytes: u64,
+    offset_alignment: u32,
+    max_storage_buffers_per_stage: u32,
+    max_workgroup_size: [u32; 3],
+    max_invocations_per_workgroup: u32,
+    max_workgroup_memory_bytes: u32,
+    max_workgroups_per_dimension: u32,
+    subgroup_sizes: [u32; 2],
+    shader_f16: bool,
+    subgroup: bool,
+    /// Device memory where known; wgpu does not report it, so `null` today.
+    memory_bytes: Option<u64>,
+}
+
+#[derive(Serialize)]
+struct Devices {
+    cpu: CpuDevice,
+    gpus: Vec<GpuDevice>,
+}
+
+pub fn run(args: DevicesArgs) -> Result<()> {
+    let default = snug_gpu::adapter::find(snug_gpu::Selector::FirstGpu)
+        .ok()
+        .flatten()
+        .map(|a| a.index);
+    let devices = Devices {
+        cpu: CpuDevice {
+            device: "cpu",
+            physical_cores: snug_cpu::physical_cores(),
+            logical_cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        },
+        gpus: snug_gpu::adapters_once()
+            .iter()
+            .map(|a| GpuDevice {
+                device: format!("gpu:{}", a.index),
+                default: default == Some(a.index),
+                name: a.name.clone(),
+                backend: a.backend.clone(),
+                device_type: a.device_type.clone(),
+                driver: a.driver.clone(),
+                max_buffer_bytes: a.max_buffer_size,
+                max_binding_bytes: a.max_storage_buffer_binding_size,
+                offset_alignment: a.min_storage_buffer_offset_alignment,
+                max_storage_buffers_per_stage: a.max_storage_buffers_per_shader_stage,
+                max_workgroup_size: a.max_compute_workgroup_size,
+                max_invocations_per_workgroup: a.max_compute_invocations_per_workgroup,
+                max_workgroup_memory_bytes: a.max_compute_workgroup_storage_size,
+                max_workgroups_per_dimension: a.max_compute_workgroups_per_dimension,
+                subgroup_sizes: a.subgroup_sizes,
+                shader_f16: a.shader_f16,
+                subgroup: a.subgroup,
+                memory_bytes: a.memory_bytes,
+            })
+            .collect(),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&devices)?);
+        return Ok(());
+    }
+    let c = &devices.cpu;
+    println!(
+        "cpu     this machine's CPU: {} physical cores, {} logical CPUs",
+        c.physical_cores, c.logical_cpus
+    );
+    if devices.gpus.is_empty() {
+        println!(
+            "no GPU adapter found: install a Vulkan, Metal or DX12 driver (the vendor's, or \
+             `apt install mesa-vulkan-drivers libvulkan1` for Mesa's)"
+        );
+    }
+    let bytes = |b: u64| human_bytes(usize::try_from(b).unwrap_or(usize::MAX));
+    for g in &devices.gpus {
+        println!(
+            "{:<7} {} ({}, {}{}){}",
+            g.device,
+            g.name,
+            g.backend,
+            g.device_type,
+            if g.driver.is_empty() {
+                String::new()
+            } else {
+                format!(", {}", g.driver)
+            },
+            if g.default { "  [--device gpu]" } else { "" }
+        );
+        println!(
+            "        buffer {}, binding {}, offset alignment {} B, workgroup memory {}, \
+             subgroups {}-{}{}{}",
+            bytes(g.max_buffer_bytes),
+            bytes(g.max_binding_bytes),
+            g.offset_alignment,
+            bytes(u64::from(g.max_workgroup_memory_bytes)),
+            g.subgroup_sizes[0],
+            g.subgroup_sizes[1],
+            if g.shader_f16 { ", f16" } else { "" },
+            if g.subgroup { ", subgroup ops" } else { "" }
+        );
+    }
+    Ok(())
+}

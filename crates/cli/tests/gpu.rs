@@ -1,0 +1,219 @@
+//! `snug` on a GPU (the first adapter; lavapipe in CI): `devices`, `train --device gpu`
+//! against the CPU, resume on the GPU, a wrong `gpu:N`, `plan` and `bench` for a GPU, and
+//! `sample` refusing one. Tests that need an adapter print a skip without one (a failure
+//! under `SNUG_REQUIRE_ALL_TESTS`).
+
+use std::process::{Command, Output};
+
+fn snug(args: &[&str]) -> Output {
+    let cwd = tempfile::tempdir().expect("a scratch directory");
+    Command::new(env!("CARGO_BIN_EXE_snug"))
+        .args(args)
+        .current_dir(cwd.path())
+        .output()
+        .expect("the snug binary runs")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn devices() -> serde_json::Value {
+    let o = snug(&["devices", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    serde_json::from_slice(&o.stdout).expect("devices --json is one JSON object")
+}
+
+fn have_gpu() -> bool {
+    if devices()["gpus"].as_array().is_none_or(Vec::is_empty) {
+        snug_testkit::skip_or_fail("no GPU adapter");
+        return false;
+    }
+    true
+}
+
+fn json_lines(o: &Output) -> Vec<serde_json::Value> {
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn step_losses(o: &Output) -> Vec<(u64, f64)> {
+    json_lines(o)
+        .iter()
+        .filter(|l| l["kind"] == "step")
+        .map(|l| (l["step"].as_u64().unwrap(), l["loss"].as_f64().unwrap()))
+        .collect()
+}
+
+const TINY: [&str; 14] = [
+    "--preset",
+    "tiny",
+    "--batch",
+    "8",
+    "--block",
+    "32",
+    "--threads",
+    "1",
+    "--eval-every",
+    "0",
+    "--seed",
+    "5",
+    "--json",
+    "--no-save",
+];
+
+#[test]
+fn devices_lists_the_cpu_and_every_adapter() {
+    let v = devices();
+    assert_eq!(v["cpu"]["device"], "cpu");
+    assert!(v["cpu"]["physical_cores"].as_u64() >= Some(1));
+    let gpus = v["gpus"].as_array().expect("a list of adapters");
+    for (i, g) in gpus.iter().enumerate() {
+        assert_eq!(g["device"], format!("gpu:{i}"));
+        assert!(!g["name"].as_str().unwrap_or("").is_empty(), "{g}");
+        assert!(g["max_binding_bytes"].as_u64() > Some(0), "{g}");
+        assert!(g["offset_alignment"].as_u64() > Some(0), "{g}");
+    }
+    // Exactly one adapter is `--device gpu`'s where there is any.
+    let defaults = gpus.iter().filter(|g| g["default"] == true).count();
+    assert_eq!(defaults, usize::from(!gpus.is_empty()));
+    let text = snug(&["devices"]);
+    assert!(text.status.success());
+    assert!(String::from_utf8_lossy(&text.stdout).starts_with("cpu "));
+}
+
+/// 12 steps of `tiny` on the GPU and the CPU: the first losses within 1e-5 relative, every
+/// later one within 1 %, the loss falling, the GPU's measured peak equal to its plan.
+#[test]
+fn train_on_the_gpu_matches_the_cpu() {
+    if !have_gpu() {
+        return;
+    }
+    let run = |device: &str| {
+        let mut args = vec!["train", "--steps", "12", "--device", device];
+        args.extend(TINY);
+        let o = snug(&args);
+        assert!(o.status.success(), "{device}: {}", stderr(&o));
+        o
+    };
+    let (cpu, gpu) = (run("cpu"), run("gpu"));
+    let (lc, lg) = (step_losses(&cpu), step_losses(&gpu));
+    assert_eq!(lc.len(), 12);
+    assert_eq!(lg.len(), 12);
+    let rel = |a: f64, b: f64| (a - b).abs() / a.abs();
+    assert!(rel(lc[0].1, lg[0].1) < 1e-5, "{lc:?} vs {lg:?}");
+    for (c, g) in lc.iter().zip(&lg) {
+        assert!(
+            rel(c.1, g.1) < 0.01,
+            "step {}: cpu {} gpu {}",
+            c.0,
+            c.1,
+            g.1
+        );
+    }
+    assert!(lg[11].1 < lg[0].1 - 0.2, "{lg:?}");
+    let summary = json_lines(&gpu).pop().unwrap();
+    assert_eq!(summary["kind"], "summary");
+    assert_eq!(
+        summary["predicted_peak_bytes"],
+        summary["measured_peak_bytes"]
+    );
+    assert_ne!(summary["device"], "cpu");
+}
+
+/// A GPU run saved at step 4 and resumed (the device comes back from the checkpoint's
+/// configuration) repeats an uninterrupted GPU run's steps 5..8 exactly.
+#[test]
+fn resume_on_the_gpu_continues_exactly() {
+    if !have_gpu() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let out_s = out.to_str().unwrap();
+    let common = &TINY[..TINY.len() - 1];
+    let mut straight = vec!["train", "--steps", "8", "--device", "gpu"];
+    straight.extend(TINY);
+    let straight = snug(&straight);
+    assert!(straight.status.success(), "{}", stderr(&straight));
+    let mut first = vec!["train", "--steps", "4", "--device", "gpu", "--out", out_s];
+    first.extend(common);
+    let first = snug(&first);
+    assert!(first.status.success(), "{}", stderr(&first));
+    let mut resume = vec!["train", "--resume", out_s, "--steps", "8"];
+    resume.extend(common);
+    let resumed = snug(&resume);
+    assert!(resumed.status.success(), "{}", stderr(&resumed));
+    let tail = step_losses(&resumed);
+    assert_eq!(tail.first().map(|s| s.0), Some(5));
+    assert_eq!(&step_losses(&straight)[4..], &tail[..]);
+    assert_ne!(json_lines(&resumed).pop().unwrap()["device"], "cpu");
+}
+
+/// `--device gpu:N` past the last adapter names every adapter found, for train and plan;
+/// `sample` refuses a GPU by name; `plan --device gpu` plans at the adapter's alignment.
+#[test]
+fn device_flags_are_checked_and_planned_for() {
+    if !have_gpu() {
+        return;
+    }
+    let v = devices();
+    let gpus = v["gpus"].as_array().unwrap();
+    let missing = format!("gpu:{}", gpus.len());
+    let train = snug(&[
+        "train",
+        "--preset",
+        "tiny",
+        "--device",
+        &missing,
+        "--no-save",
+    ]);
+    let plan = snug(&["plan", "--preset", "tiny", "--device", &missing]);
+    for (cmd, o) in [("train", train), ("plan", plan)] {
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{cmd}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+        for g in gpus {
+            assert!(err.contains(g["name"].as_str().unwrap()), "{cmd}: {err}");
+        }
+    }
+    let o = snug(&["sample", "--device", "gpu"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("CPU only"), "{}", stderr(&o));
+    let o = snug(&["plan", "--preset", "tiny", "--device", "gpu", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let default = gpus.iter().find(|g| g["default"] == true).unwrap();
+    assert_eq!(
+        plan["memory_layout"]["alignment"],
+        default["offset_alignment"]
+    );
+    assert_eq!(plan["device"], "gpu");
+    let cpu = snug(&["plan", "--preset", "tiny", "--json"]);
+    let cpu: serde_json::Value = serde_json::from_slice(&cpu.stdout).unwrap();
+    assert!(cpu.get("device").is_none() && cpu.get("memory_layout").is_none());
+}
+
+/// `bench --device gpu --json`: the step timed on the GPU, its measured peak equal to the
+/// plan, no MFU (no GEMM probe on a GPU).
+#[test]
+fn bench_times_the_step_on_the_gpu() {
+    if !have_gpu() {
+        return;
+    }
+    let o = snug(&[
+        "bench", "--device", "gpu", "--cases", "tiny", "--steps", "2", "--warmup", "1", "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let lines = json_lines(&o);
+    assert_eq!(lines.len(), 1, "one case line and no probe: {lines:?}");
+    let case = &lines[0];
+    assert_eq!(case["kind"], "case");
+    assert_ne!(case["device"], "cpu");
+    assert!(case["median_step_ms"].as_f64() > Some(0.0));
+    assert!(case["tokens_per_s"].as_f64() > Some(0.0));
+    assert_eq!(case["predicted_peak_bytes"], case["measured_peak_bytes"]);
+    assert!(case["mfu"].is_null());
+}

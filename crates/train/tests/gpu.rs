@@ -1,0 +1,222 @@
+//! The trainer on a GPU (the first adapter; lavapipe in CI): its losses against the CPU's,
+//! planned == measured on the device, resume through a checkpoint file bit-exact against an
+//! uninterrupted GPU run, the memory limit (strict refusal, out-of-memory recovery), and the
+//! `device` key. Without an adapter the tests that need one print a skip (a failure under
+//! `SNUG_REQUIRE_ALL_TESTS`).
+
+use snug_gpu::Selector;
+use snug_runtime::Allocator;
+use snug_train::checkpoint::Checkpoint;
+use snug_train::{
+    DataSource, DeviceSpec, ModelSection, TokenDataset, TrainConfig, TrainError, TrainSection,
+    Trainer,
+};
+
+fn have_gpu() -> bool {
+    if snug_gpu::adapters_once().is_empty() {
+        snug_testkit::skip_or_fail("no GPU adapter");
+        return false;
+    }
+    true
+}
+
+/// `tiny` on the built-in addition data, small enough for lavapipe.
+fn config(device: &str, steps: u64) -> TrainConfig {
+    let model = ModelSection {
+        preset: Some("tiny".into()),
+        vocab_size: Some(13),
+        ..Default::default()
+    };
+    let train = TrainSection {
+        steps: Some(steps),
+        batch: Some(8),
+        block: Some(32),
+        threads: Some(1),
+        warmup_steps: Some(2),
+        lr: Some(3e-3),
+        eval_every: Some(0),
+        device: Some(device.into()),
+        ..Default::default()
+    };
+    TrainConfig::resolve(None, &model, &train).unwrap()
+}
+
+fn trainer(cfg: &TrainConfig) -> Trainer {
+    let data = TokenDataset::load(&DataSource::Addition).unwrap();
+    Trainer::with_allocator(cfg.clone(), data, Allocator::default()).unwrap()
+}
+
+fn bits(t: &Trainer) -> Vec<(String, Vec<u32>)> {
+    t.parameters()
+        .unwrap()
+        .into_iter()
+        .map(|(n, v)| (n, v.iter().map(|x| x.to_bits()).collect()))
+        .collect()
+}
+
+/// The same 20 steps on the CPU and the GPU from the same initial weights and batches: the
+/// first loss (before any update) within 1e-5 relative, every later one within 1 % (the GPU
+/// reduces in another order, and the two runs' rounding compounds through AdamW), the loss
+/// falling on both; on the GPU the allocator's peak and the device's own count both equal
+/// the plan's peak, byte for byte.
+#[test]
+fn gpu_training_matches_the_cpu_and_its_plan() {
+    if !have_gpu() {
+        return;
+    }
+    let steps = 20;
+    let mut cpu = trainer(&config("cpu", steps));
+    let mut gpu = trainer(&config("gpu", steps));
+    assert!(gpu.plan().peak_bytes() > 0);
+    let (mut lc, mut lg) = (Vec::new(), Vec::new());
+    for _ in 0..steps {
+        lc.push(cpu.train_step().unwrap().loss);
+        let s = gpu.train_step().unwrap();
+        assert_eq!(s.peak_bytes, gpu.plan().peak_bytes(), "step {}", s.step);
+        lg.push(s.loss);
+    }
+    let rel = |a: f32, b: f32| (a - b).abs() / a.abs().max(1e-6);
+    assert!(
+        rel(lc[0], lg[0]) < 1e-5,
+        "first loss {} vs {}",
+        lc[0],
+        lg[0]
+    );
+    for (i, (c, g)) in lc.iter().zip(&lg).enumerate() {
+        assert!(rel(*c, *g) < 0.01, "step {}: cpu {c} gpu {g}", i + 1);
+    }
+    for l in [&lc, &lg] {
+        assert!(l[steps as usize - 1] < l[0] - 0.3, "loss {l:?}");
+    }
+    let session = gpu.session();
+    assert_eq!(session.allocator().peak_bytes(), gpu.plan().peak_bytes());
+    assert_eq!(session.device_peak_bytes(), gpu.plan().peak_bytes());
+    assert_eq!(session.target(), gpu.config().target());
+    assert!(session.target().is_gpu());
+}
+
+/// Saved after 3 steps to a checkpoint file and resumed on the GPU, steps 4..6 repeat the
+/// uninterrupted GPU run's losses and weights bit for bit.
+#[test]
+fn resume_on_the_gpu_continues_exactly() {
+    if !have_gpu() {
+        return;
+    }
+    let cfg = config("gpu", 6);
+    let mut straight = trainer(&cfg);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ckpt.safetensors");
+    let mut losses = Vec::new();
+    for step in 1..=6 {
+        losses.push(straight.train_step().unwrap().loss.to_bits());
+        if step == 3 {
+            straight.checkpoint().unwrap().save(&path).unwrap();
+        }
+    }
+    let ckpt = Checkpoint::load(&path).unwrap();
+    assert_eq!(ckpt.config.device, DeviceSpec::Gpu(Selector::FirstGpu));
+    let data = TokenDataset::load(&DataSource::Addition).unwrap();
+    let mut resumed = Trainer::resume(ckpt.config.clone(), data, Allocator::default(), &ckpt)
+        .expect("resume on the GPU");
+    assert!(resumed.session().target().is_gpu());
+    let tail: Vec<u32> = (4..=6)
+        .map(|_| resumed.train_step().unwrap().loss.to_bits())
+        .collect();
+    assert_eq!(tail, losses[3..]);
+    assert!(bits(&resumed) == bits(&straight), "weights differ");
+}
+
+/// A strict limit one byte under the plan refuses the GPU run before training, naming both
+/// figures; exactly the plan trains. Lowered mid-run, the next step runs out of device memory
+/// and is redone with a configuration that fits, no step lost.
+#[test]
+fn memory_limits_hold_on_the_gpu() {
+    if !have_gpu() {
+        return;
+    }
+    let mut cfg = config("gpu", 6);
+    let needed = trainer(&cfg).plan().peak_bytes();
+    cfg.memory_limit = Some(needed - 1);
+    cfg.strict_memory_limit = true;
+    let data = TokenDataset::load(&DataSource::Addition).unwrap();
+    match Trainer::with_allocator(cfg.clone(), data.clone(), Allocator::default()) {
+        Err(TrainError::DoesNotFit { needed: n, limit }) => {
+            assert_eq!((n, limit), (needed, Some(needed - 1)))
+        }
+        Err(e) => panic!("unexpected error {e}"),
+        Ok(_) => panic!("{needed} bytes ran under a strict limit of {}", needed - 1),
+    }
+    cfg.memory_limit = Some(needed);
+    let mut t = Trainer::with_allocator(cfg, data, Allocator::default()).unwrap();
+    t.set_machine_profile(snug_fit::MachineProfile::nominal(1));
+    for _ in 0..2 {
+        t.train_step().unwrap();
+    }
+    let allocator = t.session().allocator().clone();
+    assert_eq!(allocator.stats().limit_overruns, 0);
+    let limit = needed * 95 / 100;
+    allocator.set_memory_limit(limit, false);
+    allocator.reset_peak();
+    let steps: Vec<u64> = (3..=6).map(|_| t.train_step().unwrap().step).collect();
+    assert_eq!(steps, vec![3, 4, 5, 6]);
+    let recoveries = t.take_recoveries();
+    assert_eq!(recoveries.len(), 1, "{recoveries:?}");
+    assert_eq!((recoveries[0].step, recoveries[0].micro), (3, 0));
+    assert!(recoveries[0].to_peak_bytes <= limit);
+    assert_eq!(t.plan().peak_bytes(), recoveries[0].to_peak_bytes);
+    assert!(allocator.peak_bytes() <= limit);
+}
+
+/// `gpu:N` past the machine's adapters is refused when the configuration resolves, naming
+/// every adapter found.
+#[test]
+fn a_missing_adapter_is_named() {
+    if !have_gpu() {
+        return;
+    }
+    let found = snug_gpu::adapters_once();
+    let n = found.len().to_string();
+    let train = TrainSection {
+        device: Some(format!("gpu:{n}")),
+        ..Default::default()
+    };
+    let err = TrainConfig::resolve(None, &ModelSection::default(), &train).unwrap_err();
+    let TrainError::Config { field, detail } = &err else {
+        panic!("unexpected error {err}");
+    };
+    assert_eq!(*field, "device");
+    for a in found {
+        assert!(detail.contains(&a.name), "{detail}");
+    }
+}
+
+/// The `device` key in a TOML file, and a bad one refused by name. Needs no adapter: a
+/// target for a GPU this machine lacks takes snug-gpu's documented default layout.
+#[test]
+fn the_device_key_parses_from_toml() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("run.toml");
+    std::fs::write(&file, "[train]\ndevice = \"gpu\"\n").unwrap();
+    let cfg =
+        TrainConfig::resolve(Some(&file), &ModelSection::default(), &Default::default()).unwrap();
+    assert_eq!(cfg.device, DeviceSpec::Gpu(Selector::FirstGpu));
+    let target = cfg.target();
+    assert!(target.is_gpu());
+    let expected = match snug_gpu::adapter::find(Selector::FirstGpu).unwrap() {
+        Some(a) => a.layout(),
+        None => snug_gpu::DEFAULT_LAYOUT,
+    };
+    assert_eq!(target.memory, expected);
+    std::fs::write(&file, "[train]\ndevice = \"tpu\"\n").unwrap();
+    match TrainConfig::resolve(Some(&file), &ModelSection::default(), &Default::default()) {
+        Err(TrainError::Config { field, detail }) => {
+            assert_eq!(field, "device");
+            assert!(detail.contains("cpu, gpu, gpu:N"), "{detail}");
+        }
+        other => panic!("expected a config error, got {other:?}"),
+    }
+    let default =
+        TrainConfig::resolve(None, &ModelSection::default(), &Default::default()).unwrap();
+    assert_eq!(default.device, DeviceSpec::Cpu);
+    assert!(!default.target().is_gpu());
+}
