@@ -61,6 +61,14 @@ pub struct ParamSlot {
     pub accumulator: Option<TensorId>,
 }
 
+/// A parameter the step reads but does not train (a LoRA base weight): it has no gradient,
+/// no optimizer state and no accumulator.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FrozenParam {
+    pub name: String,
+    pub param: TensorId,
+}
+
 /// A compiled-but-not-planned training step.
 #[derive(Debug, Clone)]
 pub struct StepGraph {
@@ -68,6 +76,8 @@ pub struct StepGraph {
     pub loss: TensorId,
     pub inputs: Vec<TensorId>,
     pub params: Vec<ParamSlot>,
+    /// Parameters read but not trained.
+    pub frozen: Vec<FrozenParam>,
     pub micro_steps: usize,
     /// The global gradient norm (of the averaged gradient, before clipping), when computed;
     /// not finite when an update was skipped for an overflow under loss scaling.
@@ -85,7 +95,19 @@ impl StepGraph {
     }
 
     /// As [`StepGraph::build`], with accumulation, clipping and the gradient norm as asked.
-    pub fn build_with(mut graph: Graph, loss: TensorId, opts: &StepOptions) -> Result<StepGraph> {
+    pub fn build_with(graph: Graph, loss: TensorId, opts: &StepOptions) -> Result<StepGraph> {
+        Self::build_frozen(graph, loss, opts, &|_| false)
+    }
+
+    /// As [`StepGraph::build_with`], training only the parameters whose names `frozen` does
+    /// not accept: autodiff never reaches the others, so they get no gradient, optimizer state
+    /// or accumulator, and the plan holds none.
+    pub fn build_frozen(
+        mut graph: Graph,
+        loss: TensorId,
+        opts: &StepOptions,
+        frozen: &dyn Fn(&str) -> bool,
+    ) -> Result<StepGraph> {
         let optimizer = opts.optimizer;
         if opts.micro_steps == 0 {
             return Err(GraphError::Invalid {
@@ -101,10 +123,18 @@ impl StepGraph {
                 });
             }
         }
-        let params: Vec<TensorId> = (0..graph.tensors().len() as u32)
+        let (frozen_ids, params): (Vec<TensorId>, Vec<TensorId>) = (0..graph.tensors().len()
+            as u32)
             .map(TensorId)
             .filter(|&t| {
                 graph.tensor(t).role == Role::Parameter && graph.tensor(t).view_of.is_none()
+            })
+            .partition(|&t| frozen(&graph.tensor(t).name));
+        let frozen_params: Vec<FrozenParam> = frozen_ids
+            .iter()
+            .map(|&t| FrozenParam {
+                name: graph.tensor(t).name.clone(),
+                param: t,
             })
             .collect();
         if params.is_empty() {
@@ -227,6 +257,7 @@ impl StepGraph {
             loss,
             inputs,
             params: slots,
+            frozen: frozen_params,
             micro_steps: opts.micro_steps,
             grad_norm,
             loss_scale,
@@ -264,6 +295,16 @@ impl StepGraph {
                 .map(|&t| r.map(t))
                 .collect::<Result<_>>()?,
             params,
+            frozen: self
+                .frozen
+                .iter()
+                .map(|f| {
+                    Ok(FrozenParam {
+                        name: f.name.clone(),
+                        param: r.map(f.param)?,
+                    })
+                })
+                .collect::<Result<_>>()?,
             micro_steps: self.micro_steps,
             grad_norm: self.grad_norm.map(|t| r.map(t)).transpose()?,
             loss_scale: self.loss_scale.map(|t| r.map(t)).transpose()?,
@@ -282,6 +323,7 @@ impl StepGraph {
             .sum()
     }
 
+    /// Elements of the trained parameters (frozen ones not counted).
     pub fn parameter_count(&self) -> usize {
         self.params
             .iter()
