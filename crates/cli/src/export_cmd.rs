@@ -109,7 +109,10 @@ pub fn run(args: ExportArgs) -> Result<()> {
                         .into_iter()
                         .map(|(name, _)| Ok((name.clone(), c.read(&name)?)))
                         .collect::<Result<Vec<_>, snug_nn::NnError>>()?;
-                    (params, Some(snug_nn::lora::load_peft_adapter(c.dir(), &model)?))
+                    (
+                        params,
+                        Some(snug_nn::lora::load_peft_adapter(c.dir(), &model)?),
+                    )
                 }
             };
             if let Some(a) = adapters {

@@ -52,10 +52,8 @@ impl std::str::FromStr for LoraTargets {
         }
         let mut names = Vec::new();
         for part in s.split(',').map(str::trim) {
-            let ok = !part.is_empty()
-                && part
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'_');
+            let ok =
+                !part.is_empty() && part.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
             if !ok {
                 return Err(format!(
                     "`{s}` is not all-linear or a comma-separated list of module names \
@@ -422,7 +420,10 @@ pub fn read_adapter_config(
         })
         .map_err(|e| adapter_error(&path, e))?;
     if text.len() as u64 > MAX_ADAPTER_CONFIG_BYTES {
-        return Err(adapter_error(&path, "too large for an adapter configuration"));
+        return Err(adapter_error(
+            &path,
+            "too large for an adapter configuration",
+        ));
     }
     let c: PeftConfig = serde_json::from_str(&text).map_err(|e| adapter_error(&path, e))?;
     if c.peft_type != "LORA" {
@@ -569,9 +570,15 @@ pub fn merge_adapters(
         name: name.to_string(),
     };
     for l in &layers {
-        let a = by_name.remove(&l.lora_a).ok_or_else(|| missing(&l.lora_a))?;
-        let b = by_name.remove(&l.lora_b).ok_or_else(|| missing(&l.lora_b))?;
-        let w = by_name.get_mut(&l.weight).ok_or_else(|| missing(&l.weight))?;
+        let a = by_name
+            .remove(&l.lora_a)
+            .ok_or_else(|| missing(&l.lora_a))?;
+        let b = by_name
+            .remove(&l.lora_b)
+            .ok_or_else(|| missing(&l.lora_b))?;
+        let w = by_name
+            .get_mut(&l.weight)
+            .ok_or_else(|| missing(&l.weight))?;
         let (n_in, n_out) = (l.in_features, l.out_features);
         if a.len() != r * n_in || b.len() != n_out * r || w.len() != n_in * n_out {
             return Err(NnError::Lora {
@@ -635,14 +642,19 @@ mod tests {
         // B nonzero, so the merge changes something.
         for (name, v) in adapters.iter_mut() {
             if name.contains("lora_B") {
-                v.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32 * 1e-3);
+                v.iter_mut()
+                    .enumerate()
+                    .for_each(|(i, x)| *x = i as f32 * 1e-3);
             }
         }
         params.extend(adapters.iter().cloned());
         merge_adapters(&model, &lora, &mut params).unwrap();
         let names: Vec<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
         let want: Vec<(String, Vec<usize>)> = model.parameter_shapes();
-        assert_eq!(names, want.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>());
+        assert_eq!(
+            names,
+            want.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>()
+        );
         let by: HashMap<&str, &Vec<f32>> = adapters.iter().map(|(n, v)| (n.as_str(), v)).collect();
         for ((name, merged), (_, orig)) in params.iter().zip(&base) {
             let Some(l) = layers.iter().find(|l| &l.weight == name) else {
@@ -650,7 +662,14 @@ mod tests {
                 continue;
             };
             let mut expect = orig.clone();
-            merge_layer(&mut expect, by[l.lora_a.as_str()], by[l.lora_b.as_str()], l.in_features, 2, 2.0);
+            merge_layer(
+                &mut expect,
+                by[l.lora_a.as_str()],
+                by[l.lora_b.as_str()],
+                l.in_features,
+                2,
+                2.0,
+            );
             assert_eq!(merged, &expect);
             assert_ne!(merged, orig);
         }
@@ -666,8 +685,21 @@ mod tests {
         assert!(q.selects(&llama, "model.layers.3.self_attn.v_proj.weight"));
         assert!(!q.selects(&llama, "model.layers.3.self_attn.k_proj.weight"));
         let all = LoraConfig::new(&gpt, 4, None, Some("all-linear".parse().unwrap()));
-        let names: Vec<String> = all.layers(&gpt).unwrap().into_iter().map(|l| l.weight).collect();
-        assert_eq!(&names[..4], ["h.0.attn.c_attn.weight", "h.0.attn.c_proj.weight", "h.0.mlp.c_fc.weight", "h.0.mlp.c_proj.weight"]);
+        let names: Vec<String> = all
+            .layers(&gpt)
+            .unwrap()
+            .into_iter()
+            .map(|l| l.weight)
+            .collect();
+        assert_eq!(
+            &names[..4],
+            [
+                "h.0.attn.c_attn.weight",
+                "h.0.attn.c_proj.weight",
+                "h.0.mlp.c_fc.weight",
+                "h.0.mlp.c_proj.weight"
+            ]
+        );
         assert!(!all.selects(&gpt, "wte.weight"));
         assert!("q_proj, v_proj".parse::<LoraTargets>().is_ok());
         assert!("q_proj;v".parse::<LoraTargets>().is_err());

@@ -810,13 +810,25 @@ impl TrainConfig {
             ))
         };
         if self.lora != 0 && self.lora != lora.rank {
-            return Err(mismatch("rank", self.lora.to_string(), lora.rank.to_string()));
+            return Err(mismatch(
+                "rank",
+                self.lora.to_string(),
+                lora.rank.to_string(),
+            ));
         }
         if let Some(a) = self.lora_alpha.filter(|&a| a != lora.alpha) {
-            return Err(mismatch("lora_alpha", a.to_string(), lora.alpha.to_string()));
+            return Err(mismatch(
+                "lora_alpha",
+                a.to_string(),
+                lora.alpha.to_string(),
+            ));
         }
         if let Some(t) = self.lora_targets.as_ref().filter(|&t| {
-            lora.layers(&model).ok() != snug_nn::LoraConfig { targets: t.clone(), ..lora.clone() }
+            lora.layers(&model).ok()
+                != snug_nn::LoraConfig {
+                    targets: t.clone(),
+                    ..lora.clone()
+                }
                 .layers(&model)
                 .ok()
         }) {

@@ -203,7 +203,10 @@ mod tests {
         for rank in [0, 7] {
             let err = add_lora(&g, &LoraSpec { rank, alpha: 1.0 }, &|_| true).unwrap_err();
             let text = err.to_string();
-            assert!(text.contains("layer.q_proj.weight") && text.contains("at most 6"), "{text}");
+            assert!(
+                text.contains("layer.q_proj.weight") && text.contains("at most 6"),
+                "{text}"
+            );
         }
     }
 }
