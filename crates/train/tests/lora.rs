@@ -315,7 +315,10 @@ fn lora_run_trains_the_adapters_only_and_exports_a_peft_adapter_bit_exact() {
     let back = load_peft_adapter(&out, &model).unwrap();
     // all-linear is written as the module names it resolves to, PEFT's way.
     assert_eq!((back.lora.rank, back.lora.alpha), (lora.rank, lora.alpha));
-    assert_eq!(back.lora.layers(&model).unwrap(), lora.layers(&model).unwrap());
+    assert_eq!(
+        back.lora.layers(&model).unwrap(),
+        lora.layers(&model).unwrap()
+    );
     assert_eq!(back.tensors.len(), adapters);
     for (name, v) in &back.tensors {
         assert_eq!(bits(v), bits(&by_name[name]), "{name}");
