@@ -220,7 +220,7 @@ fn module_of(weight: &str) -> Option<&str> {
 pub fn init_adapters(layers: &[LoraLayer], rank: usize, seed: u64) -> Vec<(String, Vec<f32>)> {
     use rand::{Rng, SeedableRng};
     // Its own stream, so the base's initialisation is the same with and without adapters.
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ 0x10_4A_0000_0000_0000);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ 0x104A_0000_0000_0000);
     let mut out = Vec::with_capacity(2 * layers.len());
     for l in layers {
         let bound = 1.0 / (l.in_features as f32).sqrt();

@@ -194,7 +194,7 @@ fn lora_plan_equals_measured_and_is_below_full_fine_tuning() {
                 k += 1;
             }
         }
-        let ids: Vec<i32> = (0..16).map(|i| (i * 3 % 40) as i32).collect();
+        let ids: Vec<i32> = (0..16).map(|i| i * 3 % 40).collect();
         s.write_i32(c.tokens, &ids, 40).unwrap();
         s.write_i32(c.targets, &ids, 40).unwrap();
         for micro in 0..accumulation as u32 {
@@ -306,8 +306,7 @@ fn lora_run_trains_the_adapters_only_and_exports_a_peft_adapter_bit_exact() {
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     assert!(st
         .names()
-        .iter()
-        .any(|k| *k == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"));
+        .contains(&"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"));
     assert_eq!(
         peft_key(&model, "model.layers.1.mlp.down_proj.lora_B.weight"),
         "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
