@@ -2,11 +2,13 @@
 //! `model.safetensors` in Hugging Face's names and layouts, and the tokenizer's files when the
 //! run has a Hugging Face tokenizer), which transformers' `AutoModelForCausalLM.from_pretrained`
 //! loads. GPT-2 and the Llama family (Llama, Mistral, Qwen2); the checkpoint may be a snug run or
-//! itself a Hugging Face directory (converted to one f32 file).
+//! itself a Hugging Face directory (converted to one f32 file). A LoRA run exports its base
+//! model and, beside it, its adapter as PEFT writes one (`adapter_model.safetensors`,
+//! `adapter_config.json`), or with `--merge` the model with every adapter folded in.
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
 use snug_train::hf_tokenizer::{CHAT_TEMPLATE_FILE, CONFIG_FILE, TOKENIZER_FILE};
@@ -23,6 +25,10 @@ pub struct ExportArgs {
     /// Directory to write config.json, model.safetensors and the tokenizer's files into.
     #[arg(long, value_name = "DIR")]
     out: PathBuf,
+    /// Fold a LoRA run's adapters into the base weights (W + alpha/r · B·A) and write the
+    /// merged model alone, instead of the base model and a PEFT adapter beside it.
+    #[arg(long)]
+    merge: bool,
     #[arg(long)]
     json: bool,
 }
@@ -37,6 +43,12 @@ struct ExportReport {
     tokenizer_files: Vec<PathBuf>,
     parameters: usize,
     bytes: u64,
+    /// The PEFT adapter written beside the base model (a LoRA run exported without --merge).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    adapter: Option<snug_nn::lora::AdapterExport>,
+    /// The adapters were folded into the weights.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    merged: bool,
 }
 
 /// The tokenizer's files to write beside the weights, by name.
@@ -71,8 +83,63 @@ pub fn run(args: ExportArgs) -> Result<()> {
         Some(Tokenizer::Hf(t)) => Some(t.files().clone()),
         _ => None,
     };
-    let written = match &source {
-        Source::Run(_, ckpt) => {
+    let lora = match &source {
+        Source::Run(_, ckpt) => ckpt.config.lora_config(),
+        Source::Hf(c) if snug_nn::lora::is_adapter_dir(c.dir()) => {
+            Some(snug_nn::lora::read_adapter_config(c.dir(), &model)?.0)
+        }
+        Source::Hf(_) => None,
+    };
+    if args.merge && lora.is_none() {
+        bail!(
+            "--merge: {} holds no LoRA adapter to merge (a run trained with --lora, or a model \
+             directory with adapter_config.json beside it)",
+            args.checkpoint.display()
+        );
+    }
+    let mut adapter = None;
+    let written = match (&source, &lora) {
+        (source, Some(lora)) if args.merge => {
+            let (mut params, adapters) = match source {
+                // Merged as it is read.
+                Source::Run(_, ckpt) => (ckpt.parameters(), None),
+                Source::Hf(c) => {
+                    let params = c
+                        .parameter_shapes()
+                        .into_iter()
+                        .map(|(name, _)| Ok((name.clone(), c.read(&name)?)))
+                        .collect::<Result<Vec<_>, snug_nn::NnError>>()?;
+                    (
+                        params,
+                        Some(snug_nn::lora::load_peft_adapter(c.dir(), &model)?),
+                    )
+                }
+            };
+            if let Some(a) = adapters {
+                params.extend(a.tensors);
+                snug_nn::lora::merge_adapters(&model, lora, &mut params)?;
+            }
+            snug_nn::save_hf_model_from(&args.out, &model, &params)?
+        }
+        (Source::Run(_, ckpt), lora) => {
+            if let Some(lora) = lora {
+                // The adapter names the directory it is written into as its base, so
+                // `train --init-from` that directory continues the run's adapters.
+                std::fs::create_dir_all(&args.out)
+                    .with_context(|| format!("creating {}", args.out.display()))?;
+                let base = std::fs::canonicalize(&args.out)
+                    .unwrap_or_else(|_| args.out.clone())
+                    .display()
+                    .to_string();
+                let read = |name: &str| ckpt.tensor(name).map(|t| t.data.clone());
+                adapter = Some(snug_nn::lora::save_peft_adapter(
+                    &args.out,
+                    &model,
+                    lora,
+                    Some(&base),
+                    &read,
+                )?);
+            }
             // Straight from the loaded checkpoint: no second copy of its weights.
             let read = |name: &str, out: &mut [f32]| -> Result<(), snug_nn::NnError> {
                 let t = ckpt.tensor(name).filter(|t| t.data.len() == out.len());
@@ -85,7 +152,7 @@ pub fn run(args: ExportArgs) -> Result<()> {
             };
             snug_nn::save_hf_model(&args.out, &model, &read)?
         }
-        Source::Hf(ckpt) => {
+        (Source::Hf(ckpt), _) => {
             let read = |name: &str, out: &mut [f32]| ckpt.read_into(name, out);
             snug_nn::save_hf_model(&args.out, &model, &read)?
         }
@@ -107,6 +174,8 @@ pub fn run(args: ExportArgs) -> Result<()> {
         tokenizer_files: tokenizer_paths,
         parameters: written.parameters,
         bytes: written.bytes,
+        adapter,
+        merged: args.merge,
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -124,6 +193,19 @@ pub fn run(args: ExportArgs) -> Result<()> {
             report.checkpoint.display(),
             report.step
         );
+        if let Some(a) = &report.adapter {
+            println!(
+                "wrote {} ({} adapter tensors, {} parameters, {} bytes) and {}",
+                a.weights.display(),
+                a.tensors,
+                a.parameters,
+                a.bytes,
+                a.config.display()
+            );
+        }
+        if report.merged {
+            println!("LoRA adapters merged into the weights");
+        }
     }
     Ok(())
 }

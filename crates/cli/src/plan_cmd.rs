@@ -137,7 +137,13 @@ struct PlanReport {
     device: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     memory_layout: Option<snug_graph::MemoryLayout>,
+    /// Parameters the step trains (with LoRA, the adapters').
     parameters: usize,
+    /// Parameters read but not trained (LoRA's frozen base).
+    #[serde(skip_serializing_if = "is_zero")]
+    frozen_parameters: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lora: Option<snug_nn::LoraConfig>,
     nodes: usize,
     tensors: usize,
     flops_per_step: u64,
@@ -253,7 +259,17 @@ pub fn run(args: PlanArgs) -> Result<()> {
     c.passes.clear();
     c.precision = snug_graph::DType::F32;
     c.remat = snug_train::Remat::None;
+    // LoRA first: what freezing the base saves against training every parameter.
+    c.lora = 0;
+    c.lora_alpha = None;
+    c.lora_targets = None;
     let base = c.clone();
+    if let Some(lora) = cfg.lora_config() {
+        c.lora = cfg.lora;
+        c.lora_alpha = cfg.lora_alpha;
+        c.lora_targets = cfg.lora_targets.clone();
+        stages.push((format!("lora r={} {}", lora.rank, lora.targets), c.clone()));
+    }
     for (k, pass) in cfg.passes.iter().enumerate() {
         c.passes = cfg.passes[..=k].to_vec();
         stages.push((pass.name().to_string(), c.clone()));
@@ -303,6 +319,12 @@ pub fn run(args: PlanArgs) -> Result<()> {
         device: gpu.then(|| cfg.device.to_string()),
         memory_layout: gpu.then_some(target.memory),
         parameters: step.parameter_count(),
+        frozen_parameters: step
+            .frozen
+            .iter()
+            .map(|f| step.graph.tensor(f.param).numel())
+            .sum(),
+        lora: cfg.lora_config(),
         nodes: step.graph.nodes().len(),
         tensors: step.graph.tensors().len(),
         flops_per_step: step.graph.flops(),
@@ -339,6 +361,12 @@ pub fn run(args: PlanArgs) -> Result<()> {
         report.parameters,
         human_bytes(report.parameters * 4),
     );
+    if let Some(lora) = &report.lora {
+        println!(
+            "LoRA rank {} alpha {} on {}: {} parameters train, {} frozen (no gradient, no optimizer state)",
+            lora.rank, lora.alpha, lora.targets, report.parameters, report.frozen_parameters
+        );
+    }
     println!(
         "training step: batch {} x block {} = {} tokens, {:?}, {}, {} threads, remat {}; {} nodes, {:.1} GFLOP",
         cfg.batch,
@@ -480,4 +508,8 @@ fn run_inference(
         print!("{}", memory_plan.table());
     }
     Ok(())
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }

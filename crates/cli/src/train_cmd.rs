@@ -801,7 +801,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
 fn addition_score(trainer: &Trainer) -> Result<AdditionScore> {
     let mut sampler = Sampler::new(
         trainer.model(),
-        &trainer.parameters()?,
+        &trainer.model_weights()?,
         trainer.config().threads,
         Allocator::default(),
     )?;

@@ -111,6 +111,9 @@ pub struct StepConfig {
     /// The loss takes a loss mask and its divisor as inputs ([`snug_nn::LossMask`]): only the
     /// targets the mask counts are averaged, over the whole optimizer step.
     pub loss_mask: bool,
+    /// LoRA adapters on the layers it names; everything else is frozen (no gradient, no
+    /// optimizer state).
+    pub lora: Option<snug_nn::LoraConfig>,
 }
 
 impl Default for StepConfig {
@@ -126,6 +129,7 @@ impl Default for StepConfig {
             passes: Pass::DEFAULT.to_vec(),
             remat: Remat::None,
             loss_mask: false,
+            lora: None,
         }
     }
 }

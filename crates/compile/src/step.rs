@@ -136,13 +136,20 @@ pub fn compile_exactly_sharded(
 ) -> Result<CompiledStep, CompileError> {
     // Parameters are f32 master weights whatever the precision: the precision pass rounds
     // activations and gradients.
-    let mut g = model.build_loss(
+    let mut g = model.build_loss_lora(
         shape.micro_batch,
         shape.block,
         target,
         DType::F32,
         config.loss_mask,
+        config.lora.as_ref(),
     )?;
+    // With adapters, they alone train.
+    let adapters: std::collections::HashSet<String> = g
+        .lora
+        .iter()
+        .flat_map(|l| [l.lora_a.clone(), l.lora_b.clone()])
+        .collect();
     // Forward-graph passes run before autodiff (their ops bring their own gradients).
     if config.passes.contains(&Pass::FusedCrossEntropy) {
         let (r, _) = passes::fuse_lm_head_loss(&g.graph, passes::DEFAULT_CHUNK_BYTES)?;
@@ -178,7 +185,8 @@ pub fn compile_exactly_sharded(
         let r = gather_parameters(&g.graph, sharding.ranks)?;
         g = g.rewritten(r)?;
     }
-    let mut step = StepGraph::build_sharded(g.graph, g.loss, &options, sharding)?;
+    let frozen = |name: &str| !adapters.is_empty() && !adapters.contains(name);
+    let mut step = StepGraph::build_sharded(g.graph, g.loss, &options, sharding, &frozen)?;
     let mut feeds = Feeds {
         tokens: g.tokens,
         targets: g.targets,

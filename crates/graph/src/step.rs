@@ -65,6 +65,14 @@ pub struct ParamSlot {
     pub accumulator: Option<TensorId>,
 }
 
+/// A parameter the step reads but does not train (a LoRA base weight): it has no gradient,
+/// no optimizer state and no accumulator.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FrozenParam {
+    pub name: String,
+    pub param: TensorId,
+}
+
 /// A compiled-but-not-planned training step.
 #[derive(Debug, Clone)]
 pub struct StepGraph {
@@ -72,6 +80,8 @@ pub struct StepGraph {
     pub loss: TensorId,
     pub inputs: Vec<TensorId>,
     pub params: Vec<ParamSlot>,
+    /// Parameters read but not trained.
+    pub frozen: Vec<FrozenParam>,
     pub micro_steps: usize,
     /// The global gradient norm (of the averaged gradient, before clipping), when computed;
     /// not finite when an update was skipped for an overflow under loss scaling.
@@ -90,10 +100,22 @@ impl StepGraph {
 
     /// As [`StepGraph::build`], with accumulation, clipping and the gradient norm as asked.
     pub fn build_with(graph: Graph, loss: TensorId, opts: &StepOptions) -> Result<StepGraph> {
-        Self::build_sharded(graph, loss, opts, &Sharding::SINGLE)
+        Self::build_sharded(graph, loss, opts, &Sharding::SINGLE, &|_| false)
     }
 
-    /// As [`StepGraph::build_with`], for one rank of `sharding`: gradients averaged over the
+    /// As [`StepGraph::build_with`], training only the parameters whose names `frozen` does
+    /// not accept: autodiff never reaches the others, so they get no gradient, optimizer state
+    /// or accumulator, and the plan holds none.
+    pub fn build_frozen(
+        graph: Graph,
+        loss: TensorId,
+        opts: &StepOptions,
+        frozen: &dyn Fn(&str) -> bool,
+    ) -> Result<StepGraph> {
+        Self::build_sharded(graph, loss, opts, &Sharding::SINGLE, frozen)
+    }
+
+    /// As [`StepGraph::build_frozen`], for one rank of `sharding`: gradients averaged over the
     /// ranks by bucketed collectives, and under ZeRO stages 1 and 2 the optimizer state (and
     /// with 2 the accumulators) held as this rank's shards. Under stage 3 `graph` must already
     /// read its parameters through gathers ([`crate::zero::gather_parameters`]).
@@ -102,6 +124,7 @@ impl StepGraph {
         loss: TensorId,
         opts: &StepOptions,
         sharding: &Sharding,
+        frozen: &dyn Fn(&str) -> bool,
     ) -> Result<StepGraph> {
         sharding.check()?;
         let optimizer = opts.optimizer;
@@ -130,10 +153,18 @@ impl StepGraph {
                 });
             }
         }
-        let params: Vec<TensorId> = (0..graph.tensors().len() as u32)
+        let (frozen_ids, params): (Vec<TensorId>, Vec<TensorId>) = (0..graph.tensors().len()
+            as u32)
             .map(TensorId)
             .filter(|&t| {
                 graph.tensor(t).role == Role::Parameter && graph.tensor(t).view_of.is_none()
+            })
+            .partition(|&t| frozen(&graph.tensor(t).name));
+        let frozen_params: Vec<FrozenParam> = frozen_ids
+            .iter()
+            .map(|&t| FrozenParam {
+                name: graph.tensor(t).name.clone(),
+                param: t,
             })
             .collect();
         if params.is_empty() {
@@ -306,6 +337,7 @@ impl StepGraph {
             loss,
             inputs,
             params: slots,
+            frozen: frozen_params,
             micro_steps: opts.micro_steps,
             grad_norm,
             loss_scale,
@@ -343,6 +375,16 @@ impl StepGraph {
                 .map(|&t| r.map(t))
                 .collect::<Result<_>>()?,
             params,
+            frozen: self
+                .frozen
+                .iter()
+                .map(|f| {
+                    Ok(FrozenParam {
+                        name: f.name.clone(),
+                        param: r.map(f.param)?,
+                    })
+                })
+                .collect::<Result<_>>()?,
             micro_steps: self.micro_steps,
             grad_norm: self.grad_norm.map(|t| r.map(t)).transpose()?,
             loss_scale: self.loss_scale.map(|t| r.map(t)).transpose()?,
@@ -361,6 +403,7 @@ impl StepGraph {
             .sum()
     }
 
+    /// Elements of the trained parameters (frozen ones not counted).
     pub fn parameter_count(&self) -> usize {
         self.params
             .iter()

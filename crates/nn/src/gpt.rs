@@ -18,6 +18,12 @@ use crate::ModelConfig;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum NnError {
+    /// A LoRA configuration this model cannot take (the detail names the field and value).
+    #[error("LoRA: {detail}")]
+    Lora { detail: String },
+    /// A PEFT adapter directory that cannot be read or does not fit the model.
+    #[error("{path}: {detail}")]
+    Adapter { path: String, detail: String },
     #[error("unknown preset `{name}` (known: {known})")]
     UnknownPreset { name: String, known: String },
     #[error("model config: `{field}` {detail}")]
@@ -237,6 +243,9 @@ pub struct ModelGraph {
     pub params: Vec<(String, TensorId)>,
     /// The loss mask's inputs, when the graph was built with one.
     pub loss_mask: Option<LossMask>,
+    /// The LoRA adapters the graph carries (none without LoRA); adapters and base weights are
+    /// all among `params`.
+    pub lora: Vec<snug_graph::passes::LoraLayer>,
 }
 
 /// A loss graph's mask inputs: which targets count, and what their losses are averaged by.
@@ -274,6 +283,7 @@ impl ModelGraph {
                 .into_iter()
                 .map(|(name, id)| Ok((name, r.map(id)?)))
                 .collect::<Result<_, NnError>>()?,
+            lora: self.lora,
             graph: r.graph,
         })
     }
@@ -459,10 +469,23 @@ impl GptConfig {
         target: impl Into<snug_graph::Target>,
         dtype: DType,
         masked: bool,
+    ) -> Result<crate::ModelGraph, NnError> {
+        self.build_loss_lora(batch, seq, target, dtype, masked, None)
+    }
+
+    /// [`Self::build_loss`] with LoRA adapters (see [`crate::ModelConfig::build_loss_lora`]).
+    pub(crate) fn build_loss_lora(
+        &self,
+        batch: usize,
+        seq: usize,
+        target: impl Into<snug_graph::Target>,
+        dtype: DType,
+        masked: bool,
+        lora: Option<(&crate::LoraConfig, &crate::ModelConfig)>,
     ) -> Result<ModelGraph, NnError> {
         self.validate()?;
         check_batch_seq(batch, seq, self.block_size, "block_size")?;
-        loss_graph(batch, seq, target.into(), masked, |g, tokens| {
+        loss_graph(batch, seq, target.into(), masked, lora, |g, tokens| {
             self.trunk(g, tokens, dtype, None)
         })
     }
@@ -636,6 +659,7 @@ pub(crate) fn loss_graph(
     seq: usize,
     target: snug_graph::Target,
     masked: bool,
+    lora: Option<(&crate::LoraConfig, &crate::ModelConfig)>,
     trunk: impl FnOnce(&mut Graph, TensorId) -> Result<Trunk, NnError>,
 ) -> Result<ModelGraph, NnError> {
     let mut g = Graph::new().with_target(target);
@@ -657,16 +681,53 @@ pub(crate) fn loss_graph(
     };
     g.set_scope("");
     g.rename(loss, "loss");
-    let (fused, _) = fuse_for_target(&g, &target)?;
-    ModelGraph {
+    let mut model = ModelGraph {
         graph: g,
         tokens,
         targets,
         loss,
         params: t.params,
         loss_mask,
+        lora: Vec::new(),
+    };
+    if let Some((config, family)) = lora {
+        // Before the fusions: a norm whose output the adapter also reads stays unfused.
+        let layers = config.layers(family)?;
+        let (r, made) = snug_graph::passes::add_lora(&model.graph, &config.spec(), &|name| {
+            config.selects(family, name)
+        })?;
+        let names = |v: &[snug_graph::passes::LoraLayer]| {
+            let mut n: Vec<String> = v.iter().map(|l| l.weight.clone()).collect();
+            n.sort();
+            n
+        };
+        if names(&made) != names(&layers) {
+            return Err(NnError::Lora {
+                detail: format!(
+                    "{} layer(s) selected, {} adapted in the graph",
+                    layers.len(),
+                    made.len()
+                ),
+            });
+        }
+        model = model.rewritten(r)?;
+        for l in &made {
+            for name in [&l.lora_a, &l.lora_b] {
+                let id = model
+                    .graph
+                    .tensors()
+                    .iter()
+                    .position(|t| &t.name == name)
+                    .map(|i| TensorId(i as u32));
+                if let Some(id) = id {
+                    model.params.push((name.clone(), id));
+                }
+            }
+        }
+        model.lora = made;
     }
-    .rewritten(fused)
+    let (fused, _) = fuse_for_target(&model.graph, &target)?;
+    model.rewritten(fused)
 }
 
 /// What a trunk built for sampling with a key/value cache reads besides its tokens.

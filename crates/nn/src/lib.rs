@@ -8,6 +8,7 @@
 //!   changes the function) and written.
 //! - [`hf_checkpoint`]: Hugging Face model directories (one file or shards) in and out.
 //! - [`hf_weights`]: GPT-2 weights to and from a single safetensors file, and `config.json`.
+//! - [`lora`]: LoRA adapters: the layers a pattern names, PEFT's format in and out, merging.
 //! - [`safetensors_file`]: safetensors parsing whose errors name the tensor at fault.
 
 pub mod gpt;
@@ -15,6 +16,7 @@ pub mod hf_checkpoint;
 pub mod hf_config;
 pub mod hf_weights;
 pub mod llama;
+pub mod lora;
 pub mod model;
 pub mod safetensors_file;
 
@@ -25,4 +27,5 @@ pub use hf_weights::{
     hf_config_json, load_gpt2_safetensors, save_gpt2_safetensors, write_hf_config_json,
 };
 pub use llama::{LlamaArch, LlamaConfig, RopeScaling, LLAMA_PRESETS};
+pub use lora::{LoraConfig, LoraTargets};
 pub use model::ModelConfig;

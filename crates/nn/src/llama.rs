@@ -403,9 +403,22 @@ impl LlamaConfig {
         dtype: snug_graph::DType,
         masked: bool,
     ) -> Result<crate::ModelGraph, NnError> {
+        self.build_loss_lora(batch, seq, target, dtype, masked, None)
+    }
+
+    /// [`Self::build_loss`] with LoRA adapters (see [`crate::ModelConfig::build_loss_lora`]).
+    pub(crate) fn build_loss_lora(
+        &self,
+        batch: usize,
+        seq: usize,
+        target: impl Into<snug_graph::Target>,
+        dtype: snug_graph::DType,
+        masked: bool,
+        lora: Option<(&crate::LoraConfig, &crate::ModelConfig)>,
+    ) -> Result<crate::ModelGraph, NnError> {
         self.validate()?;
         crate::gpt::check_batch_seq(batch, seq, self.max_seq, "max_position_embeddings")?;
-        crate::gpt::loss_graph(batch, seq, target.into(), masked, |g, tokens| {
+        crate::gpt::loss_graph(batch, seq, target.into(), masked, lora, |g, tokens| {
             self.trunk(g, tokens, dtype, None)
         })
     }

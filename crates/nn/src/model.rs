@@ -251,9 +251,24 @@ impl ModelConfig {
         dtype: snug_graph::DType,
         masked: bool,
     ) -> Result<crate::ModelGraph, NnError> {
+        self.build_loss_lora(batch, seq, target, dtype, masked, None)
+    }
+
+    /// [`ModelConfig::build_loss`] with LoRA adapters beside the layers `lora` names
+    /// ([`crate::ModelGraph::lora`]); the caller freezes the rest.
+    pub fn build_loss_lora(
+        &self,
+        batch: usize,
+        seq: usize,
+        target: impl Into<snug_graph::Target>,
+        dtype: snug_graph::DType,
+        masked: bool,
+        lora: Option<&crate::LoraConfig>,
+    ) -> Result<crate::ModelGraph, NnError> {
+        let lora = lora.map(|l| (l, self));
         match self {
-            ModelConfig::Gpt(c) => c.build_loss(batch, seq, target, dtype, masked),
-            ModelConfig::Llama(c) => c.build_loss(batch, seq, target, dtype, masked),
+            ModelConfig::Gpt(c) => c.build_loss_lora(batch, seq, target, dtype, masked, lora),
+            ModelConfig::Llama(c) => c.build_loss_lora(batch, seq, target, dtype, masked, lora),
         }
     }
 

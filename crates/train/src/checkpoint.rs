@@ -68,13 +68,25 @@ impl Checkpoint {
         self.tensors.iter().find(|t| t.name == name)
     }
 
-    /// The model's weights alone (no optimizer state), by Hugging Face name.
+    /// The model's weights alone (no optimizer state), by Hugging Face name; a LoRA run's
+    /// with its adapters folded into the base weights, as inference and a merged export read
+    /// them. (Adapters that do not fold, in a damaged checkpoint, are left as they are, for
+    /// the reader to refuse by name.)
     pub fn parameters(&self) -> Vec<(String, Vec<f32>)> {
-        self.tensors
+        let params: Vec<(String, Vec<f32>)> = self
+            .tensors
             .iter()
             .filter(|t| !OPTIMIZER_SUFFIXES.iter().any(|s| t.name.ends_with(s)))
             .map(|t| (t.name.clone(), t.data.clone()))
-            .collect()
+            .collect();
+        let (Some(lora), Ok(model)) = (self.config.lora_config(), self.model()) else {
+            return params;
+        };
+        let mut merged = params.clone();
+        match snug_nn::lora::merge_adapters(&model, &lora, &mut merged) {
+            Ok(()) => merged,
+            Err(_) => params,
+        }
     }
 
     /// The trained model's configuration (its vocabulary is the tokenizer's unless the

@@ -232,6 +232,19 @@ train_keys! {
     /// least recomputation whose planned peak fits SIZE, e.g. budget:3GiB).
     #[flag(step, long, value_name = "MODE")]
     remat: String,
+    /// LoRA: train adapters of this rank beside the layers --lora-targets names, the rest of
+    /// the model frozen (no gradient, no optimizer state). 0: off (default).
+    #[flag(step, long, value_name = "RANK")]
+    lora: usize,
+    /// LoRA's scale numerator: the adapters' output is scaled by alpha / rank (default: twice
+    /// the rank).
+    #[flag(step, long, value_name = "ALPHA")]
+    lora_alpha: f32,
+    /// The layers LoRA adapts: all-linear, or module names, comma-separated (Llama: q_proj,
+    /// k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; GPT-2: c_attn, c_proj, c_fc).
+    /// Default: q_proj,v_proj (GPT-2: c_attn).
+    #[flag(step, long, value_name = "PATTERN")]
+    lora_targets: String,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -290,6 +303,11 @@ pub struct TrainConfig {
     /// [`crate::Trainer::step_on`]. Not saved: a resumed run takes it from its data again.
     #[serde(skip)]
     pub loss_mask: bool,
+    /// LoRA's rank (0: no LoRA), alpha (default twice the rank) and targets (set to the
+    /// family's default when the configuration is resolved).
+    pub lora: usize,
+    pub lora_alpha: Option<f32>,
+    pub lora_targets: Option<snug_nn::LoraTargets>,
 }
 
 /// Serializable form of [`DataSource`].
@@ -353,6 +371,9 @@ impl Default for TrainConfig {
             passes: Pass::DEFAULT.to_vec(),
             remat: Remat::None,
             loss_mask: false,
+            lora: 0,
+            lora_alpha: None,
+            lora_targets: None,
         }
     }
 }
@@ -415,6 +436,13 @@ impl TrainConfig {
             // weights come from its checkpoint): a tokenizer may have fewer entries than the
             // embedding it indexes.
             cfg.model.vocab_size = Some(cfg.base_model()?.vocab_size());
+        }
+        if let Some(dir) = cfg.adapter_init_dir() {
+            cfg.take_adapter_settings(&dir)?;
+        }
+        if cfg.lora > 0 && cfg.lora_targets.is_none() {
+            let model = cfg.base_model()?;
+            cfg.lora_targets = Some(snug_nn::LoraConfig::new(&model, cfg.lora, None, None).targets);
         }
         if block_fixed && !threads_set {
             // A resumed run keeps its configuration, but not another machine's core count.
@@ -481,6 +509,26 @@ impl TrainConfig {
         }
         if let Some(o) = &t.out {
             self.out = Some(o.clone());
+        }
+        if let Some(r) = t.lora {
+            if r == 0 {
+                return Err(TrainError::Config {
+                    field: "lora",
+                    detail: "the rank must be at least 1 (leave lora out to train every \
+                             parameter)"
+                        .into(),
+                });
+            }
+            self.lora = r;
+        }
+        if let Some(a) = t.lora_alpha {
+            self.lora_alpha = Some(a);
+        }
+        if let Some(p) = &t.lora_targets {
+            self.lora_targets = Some(p.parse().map_err(|detail| TrainError::Config {
+                field: "lora_targets",
+                detail,
+            })?);
         }
         if let Some(p) = &t.init_from {
             self.init_from = Some(p.clone());
@@ -649,9 +697,32 @@ impl TrainConfig {
         if matches!(&self.data, DataSourceConfig::File(p) if p.as_os_str().is_empty()) {
             return err("data", "is an empty path".into());
         }
-        self.base_model()?;
+        let model = self.base_model()?;
+        if let Some(lora) = self.lora_config() {
+            lora.layers(&model).map_err(|e| TrainError::Config {
+                field: "lora",
+                detail: e.to_string(),
+            })?;
+        } else if self.lora_alpha.is_some() || self.lora_targets.is_some() {
+            return err(
+                "lora",
+                "lora_alpha and lora_targets need a LoRA rank (--lora RANK)".into(),
+            );
+        }
         self.device.target(self.threads)?;
         Ok(())
+    }
+
+    /// The LoRA adapters this run trains, if any.
+    pub fn lora_config(&self) -> Option<snug_nn::LoraConfig> {
+        (self.lora > 0).then(|| snug_nn::LoraConfig {
+            rank: self.lora,
+            alpha: self.lora_alpha.unwrap_or(2.0 * self.lora as f32),
+            targets: self
+                .lora_targets
+                .clone()
+                .unwrap_or(snug_nn::LoraTargets::AllLinear),
+        })
     }
 
     /// Refuses a thread count this machine cannot run: each thread is a real OS thread, and
@@ -684,6 +755,7 @@ impl TrainConfig {
             passes: self.passes.clone(),
             remat: self.remat,
             loss_mask: self.loss_mask,
+            lora: self.lora_config(),
         }
     }
 
@@ -723,6 +795,73 @@ impl TrainConfig {
         self.device
             .target(self.threads)
             .unwrap_or(Target::gpu(snug_gpu::DEFAULT_LAYOUT))
+    }
+
+    /// `init_from` when it is a PEFT adapter directory: the run continues its adapters, on the
+    /// base model stored beside them (as `snug export` writes a LoRA run).
+    pub fn adapter_init_dir(&self) -> Option<PathBuf> {
+        self.init_from
+            .as_deref()
+            .filter(|p| snug_nn::lora::is_adapter_dir(p))
+            .map(Path::to_path_buf)
+    }
+
+    /// LoRA settings from the adapter in `dir`: taken where the run leaves them unset, and
+    /// refused where it sets them otherwise.
+    fn take_adapter_settings(&mut self, dir: &Path) -> Result<(), TrainError> {
+        let bad = |detail: String| TrainError::Config {
+            field: "init_from",
+            detail,
+        };
+        if !snug_nn::is_hf_dir(dir) {
+            return Err(bad(format!(
+                "{}: a LoRA adapter continues on its base model, and this directory holds no \
+                 config.json and model weights beside the adapter (`snug export` of a LoRA \
+                 run writes both; or copy the base model's files there)",
+                dir.display()
+            )));
+        }
+        let model = self.base_model()?;
+        let (lora, _) = snug_nn::lora::read_adapter_config(dir, &model)?;
+        let mismatch = |field: &str, run: String, adapter: String| {
+            bad(format!(
+                "{}: the adapter's {field} is {adapter}, the run asks for {run}",
+                dir.display()
+            ))
+        };
+        if self.lora != 0 && self.lora != lora.rank {
+            return Err(mismatch(
+                "rank",
+                self.lora.to_string(),
+                lora.rank.to_string(),
+            ));
+        }
+        if let Some(a) = self.lora_alpha.filter(|&a| a != lora.alpha) {
+            return Err(mismatch(
+                "lora_alpha",
+                a.to_string(),
+                lora.alpha.to_string(),
+            ));
+        }
+        if let Some(t) = self.lora_targets.as_ref().filter(|&t| {
+            lora.layers(&model).ok()
+                != snug_nn::LoraConfig {
+                    targets: t.clone(),
+                    ..lora.clone()
+                }
+                .layers(&model)
+                .ok()
+        }) {
+            return Err(mismatch(
+                "target_modules",
+                t.to_string(),
+                lora.targets.to_string(),
+            ));
+        }
+        self.lora = lora.rank;
+        self.lora_alpha = Some(lora.alpha);
+        self.lora_targets = Some(lora.targets);
+        Ok(())
     }
 
     /// `init_from` when it is a Hugging Face model directory (not a lone weights file).

@@ -233,10 +233,27 @@ impl Trainer {
                 })
             }
         };
+        // LoRA adapters start from the adapter continued, or as PEFT initialises them.
+        let adapters: Init = match (config.lora_config(), config.adapter_init_dir()) {
+            (None, _) => Box::new(std::iter::empty()),
+            (Some(_), Some(dir)) => Box::new(
+                snug_nn::lora::load_peft_adapter(&dir, &model)?
+                    .tensors
+                    .into_iter()
+                    .map(Ok),
+            ),
+            (Some(lora), None) => Box::new(
+                snug_nn::lora::init_adapters(&lora.layers(&model)?, lora.rank, config.seed)
+                    .into_iter()
+                    .map(Ok),
+            ),
+        };
+        let init: Init = Box::new(init.chain(adapters));
         let slot_of: std::collections::HashMap<&str, TensorId> = step_graph
             .params
             .iter()
             .map(|s| (s.name.as_str(), s.param))
+            .chain(step_graph.frozen.iter().map(|f| (f.name.as_str(), f.param)))
             .collect();
         let mut written = std::collections::HashSet::new();
         for item in init {
@@ -246,14 +263,10 @@ impl Trainer {
                 written.insert(t);
             }
         }
-        if let Some(slot) = step_graph
-            .params
-            .iter()
-            .find(|s| !written.contains(&s.param))
-        {
+        if let Some((name, _)) = slot_of.iter().find(|(_, t)| !written.contains(*t)) {
             return Err(TrainError::Config {
                 field: "model",
-                detail: format!("no initial value for parameter `{}`", slot.name),
+                detail: format!("no initial value for parameter `{name}`"),
             });
         }
         let schedule = LrSchedule {
@@ -941,12 +954,24 @@ impl Trainer {
         !self.state_dirty
     }
 
-    /// Current values of every parameter, by Hugging Face name.
+    /// The model's weights as inference reads them: with LoRA, the adapters folded into their
+    /// base weights ([`snug_nn::lora::merge_adapters`]); otherwise [`Trainer::parameters`].
+    pub fn model_weights(&self) -> Result<Vec<(String, Vec<f32>)>, TrainError> {
+        let mut params = self.parameters()?;
+        if let Some(lora) = self.config.lora_config() {
+            snug_nn::lora::merge_adapters(&self.model, &lora, &mut params)?;
+        }
+        Ok(params)
+    }
+
+    /// Current values of every parameter (trained and frozen), by Hugging Face name.
     pub fn parameters(&self) -> Result<Vec<(String, Vec<f32>)>, TrainError> {
         self.step_graph
             .params
             .iter()
-            .map(|p| Ok((p.name.clone(), self.session.read_f32(p.param)?.to_vec())))
+            .map(|p| (&p.name, p.param))
+            .chain(self.step_graph.frozen.iter().map(|f| (&f.name, f.param)))
+            .map(|(name, t)| Ok((name.clone(), self.session.read_f32(t)?.to_vec())))
             .collect()
     }
 }

@@ -12,6 +12,7 @@
 //! - [`mixed_precision`], [`recast_saved`]: activations and their gradients rounded to and
 //!   stored in bf16 or f16, with f32 master weights.
 //! - [`write_in_place`]: ops write over an input that dies at them (runs last).
+//! - [`add_lora`]: low-rank adapters beside chosen linear layers, whose weights then freeze.
 
 mod cse;
 mod dce;
@@ -20,6 +21,7 @@ mod fuse_gelu_linear;
 mod fuse_layernorm_linear;
 mod fuse_lm_head_loss;
 mod inplace;
+mod lora;
 mod precision;
 mod remat;
 
@@ -30,6 +32,7 @@ pub use fuse_gelu_linear::fuse_gelu_linear;
 pub use fuse_layernorm_linear::fuse_layernorm_linear;
 pub use fuse_lm_head_loss::{fuse_lm_head_loss, DEFAULT_CHUNK_BYTES};
 pub use inplace::write_in_place;
+pub use lora::{add_lora, lora_names, LoraLayer, LoraSpec};
 pub use precision::{mixed_precision, recast_saved};
 pub use remat::{
     remat_candidates, rematerialize, rematerialize_dropping, RematCandidate, RematPolicy,

@@ -1,0 +1,234 @@
+//! LoRA through the binary: `plan` shows what freezing the base saves, `train --lora` trains
+//! with its planned peak, `export` writes the base and a PEFT adapter (or, with `--merge`, the
+//! merged model), and `train --init-from` the exported directory continues the adapters.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn snug(cwd: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_snug"))
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .expect("the snug binary runs")
+}
+
+fn ok(cwd: &Path, args: &[&str]) -> Output {
+    let o = snug(cwd, args);
+    assert!(
+        o.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
+}
+
+fn fails_with(cwd: &Path, args: &[&str], needles: &[&str]) {
+    let o = snug(cwd, args);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+    assert!(!err.contains("panicked"), "{args:?}: {err}");
+    for n in needles {
+        assert!(err.contains(n), "{args:?}: `{n}` missing from: {err}");
+    }
+}
+
+fn lines(o: &Output) -> Vec<serde_json::Value> {
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+const LORA: [&str; 12] = [
+    "--lora",
+    "4",
+    "--lora-targets",
+    "all-linear",
+    "--threads",
+    "1",
+    "--eval-every",
+    "0",
+    "--batch",
+    "8",
+    "--lr",
+    "0.01",
+];
+
+#[test]
+fn plan_shows_the_frozen_base_and_what_it_saves() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = ok(
+        dir.path(),
+        &["plan", "--preset", "llama-tiny", "--lora", "8", "--json"],
+    );
+    let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    // q_proj and v_proj of two layers: A [8, 64] and B [out, 8] each.
+    let adapters = 2 * (8 * 64 + 64 * 8 + 8 * 64 + 32 * 8);
+    assert_eq!(plan["parameters"], adapters);
+    assert_eq!(plan["lora"]["rank"], 8);
+    assert_eq!(plan["lora"]["alpha"], 16.0);
+    let lora = &plan["passes"][0];
+    assert_eq!(lora["pass"], "lora r=8 q_proj,v_proj");
+    assert!(lora["saved_bytes"].as_i64().unwrap() > 0, "{lora}");
+    let full = ok(dir.path(), &["plan", "--preset", "llama-tiny", "--json"]);
+    let full: serde_json::Value = serde_json::from_slice(&full.stdout).unwrap();
+    assert_eq!(
+        plan["frozen_parameters"].as_u64().unwrap(),
+        full["parameters"].as_u64().unwrap()
+    );
+    assert!(full.get("lora").is_none() && full.get("frozen_parameters").is_none());
+
+    fails_with(
+        dir.path(),
+        &[
+            "plan",
+            "--preset",
+            "tiny",
+            "--lora",
+            "4",
+            "--lora-targets",
+            "q_proj",
+        ],
+        &["`q_proj` names no linear layer", "c_attn"],
+    );
+    fails_with(
+        dir.path(),
+        &["plan", "--preset", "llama-tiny", "--lora", "0"],
+        &["lora", "at least 1"],
+    );
+    fails_with(
+        dir.path(),
+        &["plan", "--preset", "llama-tiny", "--lora", "65"],
+        &["rank 65", "at most"],
+    );
+}
+
+#[test]
+fn train_export_merge_and_continue_from_the_adapter() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let mut args = vec![
+        "train",
+        "--steps",
+        "30",
+        "--json",
+        "--out",
+        run.to_str().unwrap(),
+    ];
+    args.extend(LORA);
+    let trained = lines(&ok(dir.path(), &args));
+    let summary = trained.last().unwrap();
+    assert_eq!(
+        summary["predicted_peak_bytes"],
+        summary["measured_peak_bytes"]
+    );
+    let (first, last) = (
+        summary["first_loss"].as_f64().unwrap(),
+        summary["final_loss"].as_f64().unwrap(),
+    );
+    assert!(last < first - 0.1, "loss {first} -> {last}");
+
+    // Base and adapter side by side.
+    let out = dir.path().join("export");
+    let o = ok(
+        dir.path(),
+        &[
+            "export",
+            "--checkpoint",
+            run.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--json",
+        ],
+    );
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(report["adapter"]["tensors"], 2 * 2 * 7);
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "adapter_model.safetensors",
+        "adapter_config.json",
+    ] {
+        assert!(out.join(f).exists(), "{f}");
+    }
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(config["peft_type"], "LORA");
+    assert_eq!(config["r"], 4);
+    assert_eq!(config["lora_alpha"], 8.0);
+    assert_eq!(config["target_modules"].as_array().unwrap().len(), 7);
+
+    // Merged: the base weights change where adapters sat, and no adapter is left.
+    let merged = dir.path().join("merged");
+    ok(
+        dir.path(),
+        &[
+            "export",
+            "--checkpoint",
+            run.to_str().unwrap(),
+            "--out",
+            merged.to_str().unwrap(),
+            "--merge",
+        ],
+    );
+    assert!(!merged.join("adapter_model.safetensors").exists());
+    let read = |p: &Path| std::fs::read(p.join("model.safetensors")).unwrap();
+    let (base_bytes, merged_bytes) = (read(&out), read(&merged));
+    let base = safetensors::SafeTensors::deserialize(&base_bytes).unwrap();
+    let m = safetensors::SafeTensors::deserialize(&merged_bytes).unwrap();
+    let q = "model.layers.0.self_attn.q_proj.weight";
+    assert_ne!(base.tensor(q).unwrap().data(), m.tensor(q).unwrap().data());
+    let norm = "model.norm.weight";
+    assert_eq!(
+        base.tensor(norm).unwrap().data(),
+        m.tensor(norm).unwrap().data()
+    );
+
+    // Continuing from the exported adapter starts where the run ended.
+    let mut args = vec![
+        "train",
+        "--steps",
+        "1",
+        "--json",
+        "--out",
+        dir.path().join("run2").to_str().unwrap().to_string().leak(),
+        "--init-from",
+        out.to_str().unwrap(),
+    ];
+    args.extend(LORA);
+    let cont = lines(&ok(dir.path(), &args));
+    let loss = cont[0]["loss"].as_f64().unwrap();
+    assert!(
+        (loss - last).abs() < (first - last) / 2.0,
+        "continues from the adapter: {loss} (trained {first} -> {last})"
+    );
+    let mut args = vec![
+        "train",
+        "--steps",
+        "1",
+        "--init-from",
+        out.to_str().unwrap(),
+        "--lora",
+        "8",
+        "--threads",
+        "1",
+    ];
+    args.extend([
+        "--out",
+        dir.path().join("run3").to_str().unwrap().to_string().leak(),
+    ]);
+    fails_with(dir.path(), &args, &["rank is 4", "asks for 8"]);
+    fails_with(
+        dir.path(),
+        &[
+            "export",
+            "--checkpoint",
+            merged.to_str().unwrap(),
+            "--out",
+            dir.path().join("x").to_str().unwrap(),
+            "--merge",
+        ],
+        &["--merge", "no LoRA adapter"],
+    );
+}

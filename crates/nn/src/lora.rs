@@ -1,0 +1,708 @@
+//! LoRA adapters for snug's models: which linear layers a pattern names, the adapters'
+//! initialisation (as PEFT's), the PEFT adapter format in and out (`adapter_model.safetensors`
+//! with PEFT's key names, and `adapter_config.json`), and merging an adapter into its base.
+//! The graph rewrite itself is [`snug_graph::passes::add_lora`].
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use snug_graph::passes::{lora_names, LoraLayer, LoraSpec};
+
+use crate::{ModelConfig, NnError};
+
+/// The adapter's weights, as PEFT names the file.
+pub const ADAPTER_WEIGHTS_FILE: &str = "adapter_model.safetensors";
+/// The adapter's configuration, as PEFT names the file.
+pub const ADAPTER_CONFIG_FILE: &str = "adapter_config.json";
+/// The most an `adapter_config.json` may hold: real ones are a kilobyte.
+const MAX_ADAPTER_CONFIG_BYTES: u64 = 1 << 20;
+
+/// The linear layers of the Llama family, by module name.
+pub const LLAMA_LINEAR: [&str; 7] = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+];
+/// GPT-2's linear layers (`Conv1D`), by module name; `c_proj` is both the attention's output
+/// projection and the MLP's.
+pub const GPT_LINEAR: [&str; 3] = ["c_attn", "c_proj", "c_fc"];
+
+/// Which linear layers get adapters.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LoraTargets {
+    /// Every linear layer of every block (not the LM head), as PEFT's `all-linear`.
+    AllLinear,
+    /// Layers by module name (`q_proj`, `c_attn`, ...).
+    Modules(Vec<String>),
+}
+
+impl std::str::FromStr for LoraTargets {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<LoraTargets, String> {
+        let s = s.trim();
+        if s == "all-linear" {
+            return Ok(LoraTargets::AllLinear);
+        }
+        let mut names = Vec::new();
+        for part in s.split(',').map(str::trim) {
+            let ok =
+                !part.is_empty() && part.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+            if !ok {
+                return Err(format!(
+                    "`{s}` is not all-linear or a comma-separated list of module names \
+                     (such as q_proj,v_proj)"
+                ));
+            }
+            if !names.iter().any(|n| n == part) {
+                names.push(part.to_string());
+            }
+        }
+        Ok(LoraTargets::Modules(names))
+    }
+}
+
+impl std::fmt::Display for LoraTargets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LoraTargets::AllLinear => f.write_str("all-linear"),
+            LoraTargets::Modules(m) => f.write_str(&m.join(",")),
+        }
+    }
+}
+
+/// A LoRA run's adapters: rank, scale numerator and the layers they sit beside.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoraConfig {
+    pub rank: usize,
+    /// The branch is scaled by `alpha / rank`.
+    pub alpha: f32,
+    pub targets: LoraTargets,
+}
+
+impl LoraConfig {
+    /// Rank `rank` with the defaults for what is not given: alpha twice the rank (torchtune's
+    /// recipes), and PEFT's default targets for the family (`q_proj,v_proj`; GPT-2's
+    /// `c_attn`).
+    pub fn new(
+        model: &ModelConfig,
+        rank: usize,
+        alpha: Option<f32>,
+        targets: Option<LoraTargets>,
+    ) -> LoraConfig {
+        let targets = targets.unwrap_or_else(|| {
+            let default: &[&str] = match model {
+                ModelConfig::Gpt(_) => &["c_attn"],
+                ModelConfig::Llama(_) => &["q_proj", "v_proj"],
+            };
+            LoraTargets::Modules(default.iter().map(|s| s.to_string()).collect())
+        });
+        LoraConfig {
+            rank,
+            alpha: alpha.unwrap_or(2.0 * rank as f32),
+            targets,
+        }
+    }
+
+    pub fn spec(&self) -> LoraSpec {
+        LoraSpec {
+            rank: self.rank,
+            alpha: self.alpha,
+        }
+    }
+
+    pub fn scale(&self) -> f32 {
+        self.spec().scale()
+    }
+
+    /// Whether the weight `name` of `model` gets an adapter.
+    pub fn selects(&self, model: &ModelConfig, name: &str) -> bool {
+        let Some(module) = module_of(name) else {
+            return false;
+        };
+        match &self.targets {
+            LoraTargets::AllLinear => linear_modules(model).contains(&module),
+            LoraTargets::Modules(m) => {
+                linear_modules(model).contains(&module) && m.iter().any(|t| t == module)
+            }
+        }
+    }
+
+    /// The layers of `model` this configuration adapts, in parameter order; an error names
+    /// what is wrong (a module the model does not have, a rank of zero or wider than a layer,
+    /// a non-positive alpha) before anything is built.
+    pub fn layers(&self, model: &ModelConfig) -> Result<Vec<LoraLayer>, NnError> {
+        let bad = |detail: String| NnError::Lora { detail };
+        if !(self.alpha.is_finite() && self.alpha > 0.0) {
+            return Err(bad(format!(
+                "lora_alpha must be a positive number, got {}",
+                self.alpha
+            )));
+        }
+        let known = linear_modules(model);
+        if let LoraTargets::Modules(m) = &self.targets {
+            if let Some(missing) = m.iter().find(|t| !known.contains(&t.as_str())) {
+                return Err(bad(format!(
+                    "lora_targets: `{missing}` names no linear layer of this model (its \
+                     linear layers: {}; or all-linear)",
+                    known.join(", ")
+                )));
+            }
+            if m.is_empty() {
+                return Err(bad("lora_targets names no layer".into()));
+            }
+        }
+        let mut layers = Vec::new();
+        for (name, shape) in model.parameter_shapes() {
+            if shape.len() != 2 || !self.selects(model, &name) {
+                continue;
+            }
+            let (n_in, n_out) = (shape[0], shape[1]);
+            if self.rank == 0 || self.rank > n_in.min(n_out) {
+                return Err(bad(format!(
+                    "rank {} for `{name}` ({n_in} in, {n_out} out): the rank must be at least \
+                     1 and at most {}",
+                    self.rank,
+                    n_in.min(n_out)
+                )));
+            }
+            let (lora_a, lora_b) = lora_names(&name);
+            layers.push(LoraLayer {
+                weight: name,
+                lora_a,
+                lora_b,
+                in_features: n_in,
+                out_features: n_out,
+            });
+        }
+        if layers.is_empty() {
+            return Err(bad(format!(
+                "lora_targets `{}` matches no layer of this model",
+                self.targets
+            )));
+        }
+        Ok(layers)
+    }
+
+    /// The module names adapted, in the order PEFT's `target_modules` lists them.
+    fn module_names(&self, model: &ModelConfig) -> Vec<String> {
+        linear_modules(model)
+            .iter()
+            .filter(|m| match &self.targets {
+                LoraTargets::AllLinear => true,
+                LoraTargets::Modules(t) => t.iter().any(|t| t == *m),
+            })
+            .map(|m| m.to_string())
+            .collect()
+    }
+}
+
+fn linear_modules(model: &ModelConfig) -> &'static [&'static str] {
+    match model {
+        ModelConfig::Gpt(_) => &GPT_LINEAR,
+        ModelConfig::Llama(_) => &LLAMA_LINEAR,
+    }
+}
+
+/// `h.0.attn.c_attn.weight` → `c_attn`.
+fn module_of(weight: &str) -> Option<&str> {
+    weight.strip_suffix(".weight")?.rsplit('.').next()
+}
+
+/// Adapter initialisation as PEFT's: A Kaiming-uniform with `a = √5` (uniform within
+/// `±1/√in`), B zero, so the adapted model starts as its base.
+pub fn init_adapters(layers: &[LoraLayer], rank: usize, seed: u64) -> Vec<(String, Vec<f32>)> {
+    use rand::{Rng, SeedableRng};
+    // Its own stream, so the base's initialisation is the same with and without adapters.
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ 0x104A_0000_0000_0000);
+    let mut out = Vec::with_capacity(2 * layers.len());
+    for l in layers {
+        let bound = 1.0 / (l.in_features as f32).sqrt();
+        let a = (0..rank * l.in_features)
+            .map(|_| rng.random_range(-bound..bound))
+            .collect();
+        out.push((l.lora_a.clone(), a));
+        out.push((l.lora_b.clone(), vec![0.0; l.out_features * rank]));
+    }
+    out
+}
+
+/// The key PEFT gives snug's tensor `name` in `adapter_model.safetensors`: under
+/// `base_model.model.`, with GPT-2's `transformer.` prefix.
+pub fn peft_key(model: &ModelConfig, name: &str) -> String {
+    match model {
+        ModelConfig::Gpt(_) => format!("base_model.model.transformer.{name}"),
+        ModelConfig::Llama(_) => format!("base_model.model.{name}"),
+    }
+}
+
+/// `adapter_config.json` as PEFT writes it (the fields its `LoraConfig` reads).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct PeftConfig {
+    peft_type: String,
+    #[serde(default)]
+    task_type: Option<String>,
+    r: usize,
+    lora_alpha: f32,
+    target_modules: serde_json::Value,
+    #[serde(default)]
+    lora_dropout: f32,
+    #[serde(default = "none_bias")]
+    bias: String,
+    #[serde(default)]
+    fan_in_fan_out: bool,
+    #[serde(default)]
+    base_model_name_or_path: Option<String>,
+    #[serde(default)]
+    inference_mode: bool,
+    #[serde(default)]
+    use_rslora: bool,
+    #[serde(default)]
+    use_dora: bool,
+    #[serde(default)]
+    modules_to_save: Option<serde_json::Value>,
+}
+
+fn none_bias() -> String {
+    "none".into()
+}
+
+/// What [`save_peft_adapter`] wrote.
+#[derive(Debug, Clone, Serialize)]
+pub struct AdapterExport {
+    pub weights: PathBuf,
+    pub config: PathBuf,
+    pub tensors: usize,
+    pub parameters: usize,
+    pub bytes: u64,
+}
+
+/// Writes the adapters of `lora` on `model` into `dir` as PEFT stores them:
+/// `adapter_model.safetensors` (f32, PEFT's key names) and `adapter_config.json` naming
+/// `base` as the base model. `read` gives each adapter's values by snug name.
+pub fn save_peft_adapter(
+    dir: &Path,
+    model: &ModelConfig,
+    lora: &LoraConfig,
+    base: Option<&str>,
+    read: &dyn Fn(&str) -> Option<Vec<f32>>,
+) -> Result<AdapterExport, NnError> {
+    let layers = lora.layers(model)?;
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(2 * layers.len());
+    let mut parameters = 0;
+    for l in &layers {
+        for (name, shape) in [
+            (&l.lora_a, vec![lora.rank, l.in_features]),
+            (&l.lora_b, vec![l.out_features, lora.rank]),
+        ] {
+            let values = read(name).ok_or_else(|| NnError::MissingTensor {
+                path: dir.display().to_string(),
+                name: name.clone(),
+            })?;
+            let numel: usize = shape.iter().product();
+            if values.len() != numel {
+                return Err(NnError::TensorShape {
+                    path: dir.display().to_string(),
+                    name: name.clone(),
+                    expected: shape,
+                    found: vec![values.len()],
+                });
+            }
+            if let Some((index, value)) = crate::safetensors_file::first_non_finite(&values) {
+                return Err(NnError::NonFiniteWeight {
+                    path: dir.display().to_string(),
+                    name: name.clone(),
+                    index,
+                    value,
+                });
+            }
+            parameters += numel;
+            let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            tensors.push((peft_key(model, name), shape, bytes));
+        }
+    }
+    let views = tensors
+        .iter()
+        .map(|(key, shape, bytes)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                .map(|v| (key.as_str(), v))
+                .map_err(|e| NnError::WeightsFile {
+                    path: dir.display().to_string(),
+                    detail: format!("{key}: {e}"),
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let config = PeftConfig {
+        peft_type: "LORA".into(),
+        task_type: Some("CAUSAL_LM".into()),
+        r: lora.rank,
+        lora_alpha: lora.alpha,
+        target_modules: serde_json::json!(lora.module_names(model)),
+        lora_dropout: 0.0,
+        bias: none_bias(),
+        // GPT-2's Conv1D stores its weight [in, out]: PEFT's merge transposes for it.
+        fan_in_fan_out: matches!(model, ModelConfig::Gpt(_)),
+        base_model_name_or_path: base.map(str::to_string),
+        inference_mode: true,
+        use_rslora: false,
+        use_dora: false,
+        modules_to_save: None,
+    };
+    let text = serde_json::to_string_pretty(&config).map_err(|e| NnError::WeightsFile {
+        path: dir.display().to_string(),
+        detail: e.to_string(),
+    })?;
+    std::fs::create_dir_all(dir).map_err(|e| NnError::WeightsFile {
+        path: dir.display().to_string(),
+        detail: e.to_string(),
+    })?;
+    let weights = dir.join(ADAPTER_WEIGHTS_FILE);
+    let config_path = dir.join(ADAPTER_CONFIG_FILE);
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    crate::hf_weights::write_atomically(&weights, |tmp| {
+        safetensors::serialize_to_file(views, Some(metadata), tmp).map_err(|e| e.to_string())
+    })?;
+    crate::hf_weights::write_atomically(&config_path, |tmp| {
+        std::fs::write(tmp, text.as_bytes()).map_err(|e| e.to_string())
+    })?;
+    let bytes = std::fs::metadata(&weights).map_or(0, |m| m.len());
+    Ok(AdapterExport {
+        weights,
+        config: config_path,
+        tensors: tensors.len(),
+        parameters,
+        bytes,
+    })
+}
+
+/// Whether `path` is a PEFT adapter directory (it holds `adapter_config.json`).
+pub fn is_adapter_dir(path: &Path) -> bool {
+    path.is_dir() && path.join(ADAPTER_CONFIG_FILE).exists()
+}
+
+/// A PEFT adapter read from its directory.
+#[derive(Debug, Clone)]
+pub struct PeftAdapter {
+    pub lora: LoraConfig,
+    /// `base_model_name_or_path`, when the file names one.
+    pub base: Option<String>,
+    /// By snug name, PEFT's layout (`lora_A [r, in]`, `lora_B [out, r]`).
+    pub tensors: Vec<(String, Vec<f32>)>,
+}
+
+fn adapter_error(path: &Path, detail: impl std::fmt::Display) -> NnError {
+    NnError::Adapter {
+        path: path.display().to_string(),
+        detail: detail.to_string(),
+    }
+}
+
+/// Reads only the configuration of the adapter in `dir`: its LoRA settings (as they apply
+/// to `model`) and the base it names.
+pub fn read_adapter_config(
+    dir: &Path,
+    model: &ModelConfig,
+) -> Result<(LoraConfig, Option<String>), NnError> {
+    use std::io::Read;
+    let path = dir.join(ADAPTER_CONFIG_FILE);
+    crate::model::regular_file_len(&path).map_err(|e| adapter_error(&path, e))?;
+    let mut text = String::new();
+    std::fs::File::open(&path)
+        .and_then(|f| {
+            f.take(MAX_ADAPTER_CONFIG_BYTES + 1)
+                .read_to_string(&mut text)
+        })
+        .map_err(|e| adapter_error(&path, e))?;
+    if text.len() as u64 > MAX_ADAPTER_CONFIG_BYTES {
+        return Err(adapter_error(
+            &path,
+            "too large for an adapter configuration",
+        ));
+    }
+    let c: PeftConfig = serde_json::from_str(&text).map_err(|e| adapter_error(&path, e))?;
+    if c.peft_type != "LORA" {
+        return Err(adapter_error(
+            &path,
+            format!("`peft_type` is `{}`; snug reads LORA adapters", c.peft_type),
+        ));
+    }
+    let refuse = |field: &str, what: &str| {
+        adapter_error(
+            &path,
+            format!("`{field}` is {what}, which snug does not train"),
+        )
+    };
+    if c.use_dora {
+        return Err(refuse("use_dora", "true (DoRA)"));
+    }
+    if c.use_rslora {
+        return Err(refuse("use_rslora", "true (rank-stabilised scale)"));
+    }
+    if c.bias != "none" {
+        return Err(refuse("bias", &format!("`{}`", c.bias)));
+    }
+    if c.modules_to_save.as_ref().is_some_and(|m| !m.is_null()) {
+        return Err(refuse("modules_to_save", "set"));
+    }
+    let targets = match &c.target_modules {
+        serde_json::Value::String(s) if s == "all-linear" => LoraTargets::AllLinear,
+        serde_json::Value::Array(items) => {
+            let names = items
+                .iter()
+                .map(|v| v.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| adapter_error(&path, "`target_modules` holds a non-string"))?;
+            LoraTargets::Modules(names)
+        }
+        other => {
+            return Err(adapter_error(
+                &path,
+                format!("`target_modules` is {other}; snug reads a list of module names"),
+            ))
+        }
+    };
+    let lora = LoraConfig {
+        rank: c.r,
+        alpha: c.lora_alpha,
+        targets,
+    };
+    lora.layers(model).map_err(|e| adapter_error(&path, e))?;
+    Ok((lora, c.base_model_name_or_path))
+}
+
+/// Reads the PEFT adapter in `dir` for `model`: every adapter its configuration implies must
+/// be there with its shape, and nothing else.
+pub fn load_peft_adapter(dir: &Path, model: &ModelConfig) -> Result<PeftAdapter, NnError> {
+    let (lora, base) = read_adapter_config(dir, model)?;
+    let layers = lora.layers(model)?;
+    let path = dir.join(ADAPTER_WEIGHTS_FILE);
+    let len = crate::model::regular_file_len(&path).map_err(|e| adapter_error(&path, e))?;
+    let bytes = std::fs::read(&path).map_err(|e| adapter_error(&path, e))?;
+    if bytes.len() as u64 != len {
+        return Err(adapter_error(&path, "changed while being read"));
+    }
+    let st = crate::safetensors_file::deserialize(&bytes).map_err(|e| adapter_error(&path, e))?;
+    let mut expected: HashMap<String, (String, Vec<usize>)> = HashMap::new();
+    for l in &layers {
+        expected.insert(
+            peft_key(model, &l.lora_a),
+            (l.lora_a.clone(), vec![lora.rank, l.in_features]),
+        );
+        expected.insert(
+            peft_key(model, &l.lora_b),
+            (l.lora_b.clone(), vec![l.out_features, lora.rank]),
+        );
+    }
+    let mut seen = BTreeSet::new();
+    let mut tensors = Vec::with_capacity(expected.len());
+    for (key, view) in st.tensors() {
+        let Some((name, shape)) = expected.get(&key) else {
+            return Err(NnError::UnexpectedTensor {
+                path: path.display().to_string(),
+                name: key,
+            });
+        };
+        if view.shape() != shape.as_slice() {
+            return Err(NnError::TensorShape {
+                path: path.display().to_string(),
+                name: key,
+                expected: shape.clone(),
+                found: view.shape().to_vec(),
+            });
+        }
+        let Some(width) = crate::hf_weights::element_bytes(view.dtype()) else {
+            return Err(NnError::TensorDType {
+                path: path.display().to_string(),
+                name: key,
+                dtype: format!("{:?}", view.dtype()),
+            });
+        };
+        let numel: usize = shape.iter().product();
+        if view.data().len() != numel * width {
+            return Err(adapter_error(&path, format!("tensor `{key}` is truncated")));
+        }
+        let mut values = vec![0f32; numel];
+        crate::hf_weights::decode_into(view.dtype(), view.data(), &mut values);
+        seen.insert(key);
+        tensors.push((name.clone(), values));
+    }
+    if let Some(missing) = expected.keys().find(|k| !seen.contains(*k)) {
+        return Err(NnError::MissingTensor {
+            path: path.display().to_string(),
+            name: missing.clone(),
+        });
+    }
+    // Parameter order, whatever the file's.
+    let order: HashMap<&str, usize> = layers
+        .iter()
+        .flat_map(|l| [l.lora_a.as_str(), l.lora_b.as_str()])
+        .enumerate()
+        .map(|(i, n)| (n, i))
+        .collect();
+    tensors.sort_by_key(|(n, _)| order.get(n.as_str()).copied().unwrap_or(usize::MAX));
+    Ok(PeftAdapter {
+        lora,
+        base,
+        tensors,
+    })
+}
+
+/// Folds each adapter into its base weight, `W += scale · (B·A)ᵀ` (snug stores `W` as
+/// `[in, out]`), and removes the adapters from `params`: the merged model computes what the
+/// adapted one did, with no branch.
+pub fn merge_adapters(
+    model: &ModelConfig,
+    lora: &LoraConfig,
+    params: &mut Vec<(String, Vec<f32>)>,
+) -> Result<(), NnError> {
+    let layers = lora.layers(model)?;
+    let scale = lora.scale();
+    let r = lora.rank;
+    let mut by_name: HashMap<String, Vec<f32>> = params.drain(..).collect();
+    let missing = |name: &str| NnError::MissingTensor {
+        path: "<checkpoint>".into(),
+        name: name.to_string(),
+    };
+    for l in &layers {
+        let a = by_name
+            .remove(&l.lora_a)
+            .ok_or_else(|| missing(&l.lora_a))?;
+        let b = by_name
+            .remove(&l.lora_b)
+            .ok_or_else(|| missing(&l.lora_b))?;
+        let w = by_name
+            .get_mut(&l.weight)
+            .ok_or_else(|| missing(&l.weight))?;
+        let (n_in, n_out) = (l.in_features, l.out_features);
+        if a.len() != r * n_in || b.len() != n_out * r || w.len() != n_in * n_out {
+            return Err(NnError::Lora {
+                detail: format!("`{}`'s adapters do not match its shape", l.weight),
+            });
+        }
+        merge_layer(w, &a, &b, n_in, r, scale);
+    }
+    // Back in the model's parameter order.
+    for (name, _) in model.parameter_shapes() {
+        if let Some(v) = by_name.remove(&name) {
+            params.push((name, v));
+        }
+    }
+    if let Some(name) = by_name.keys().next() {
+        return Err(NnError::UnexpectedTensor {
+            path: "<checkpoint>".into(),
+            name: name.clone(),
+        });
+    }
+    Ok(())
+}
+
+/// `w [in, out] += scale · (b [out, r] · a [r, in])ᵀ`.
+fn merge_layer(w: &mut [f32], a: &[f32], b: &[f32], n_in: usize, r: usize, scale: f32) {
+    let n_out = w.len() / n_in.max(1);
+    for i in 0..n_in {
+        for o in 0..n_out {
+            let mut s = 0f32;
+            for k in 0..r {
+                s += b[o * r + k] * a[k * n_in + i];
+            }
+            w[i * n_out + o] += scale * s;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merge_adds_the_scaled_product_transposed() {
+        // in 2, out 3, rank 2: B·A = [[1·1+2·3, 1·2+2·4], [0, 0], [-1·1+1·3, -1·2+1·4]]
+        //                           = [[7, 10], [0, 0], [2, 2]]   ([out, in]).
+        let a = [1.0, 2.0, 3.0, 4.0]; // [r, in]
+        let b = [1.0, 2.0, 0.0, 0.0, -1.0, 1.0]; // [out, r]
+        let mut w = [0.5, 0.5, 0.5, -1.0, -1.0, -1.0]; // [in, out]
+        merge_layer(&mut w, &a, &b, 2, 2, 0.5);
+        assert_eq!(w, [0.5 + 3.5, 0.5, 0.5 + 1.0, -1.0 + 5.0, -1.0, -1.0 + 1.0]);
+    }
+
+    #[test]
+    fn merging_a_whole_model_folds_every_adapter_and_keeps_the_rest() {
+        let model = ModelConfig::preset("llama-tiny").unwrap();
+        let lora = LoraConfig::new(&model, 2, Some(4.0), Some("q_proj".parse().unwrap()));
+        let layers = lora.layers(&model).unwrap();
+        let mut params = model.init_parameters(1);
+        let base = params.clone();
+        let mut adapters = init_adapters(&layers, 2, 3);
+        // B nonzero, so the merge changes something.
+        for (name, v) in adapters.iter_mut() {
+            if name.contains("lora_B") {
+                v.iter_mut()
+                    .enumerate()
+                    .for_each(|(i, x)| *x = i as f32 * 1e-3);
+            }
+        }
+        params.extend(adapters.iter().cloned());
+        merge_adapters(&model, &lora, &mut params).unwrap();
+        let names: Vec<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
+        let want: Vec<(String, Vec<usize>)> = model.parameter_shapes();
+        assert_eq!(
+            names,
+            want.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>()
+        );
+        let by: HashMap<&str, &Vec<f32>> = adapters.iter().map(|(n, v)| (n.as_str(), v)).collect();
+        for ((name, merged), (_, orig)) in params.iter().zip(&base) {
+            let Some(l) = layers.iter().find(|l| &l.weight == name) else {
+                assert_eq!(merged, orig, "{name} untouched");
+                continue;
+            };
+            let mut expect = orig.clone();
+            merge_layer(
+                &mut expect,
+                by[l.lora_a.as_str()],
+                by[l.lora_b.as_str()],
+                l.in_features,
+                2,
+                2.0,
+            );
+            assert_eq!(merged, &expect);
+            assert_ne!(merged, orig);
+        }
+    }
+
+    #[test]
+    fn targets_parse_and_name_their_layers() {
+        let llama = ModelConfig::preset("llama-tiny").unwrap();
+        let gpt = ModelConfig::preset("tiny").unwrap();
+        let q = LoraConfig::new(&llama, 4, None, None);
+        assert_eq!(q.alpha, 8.0);
+        assert_eq!(q.targets.to_string(), "q_proj,v_proj");
+        assert!(q.selects(&llama, "model.layers.3.self_attn.v_proj.weight"));
+        assert!(!q.selects(&llama, "model.layers.3.self_attn.k_proj.weight"));
+        let all = LoraConfig::new(&gpt, 4, None, Some("all-linear".parse().unwrap()));
+        let names: Vec<String> = all
+            .layers(&gpt)
+            .unwrap()
+            .into_iter()
+            .map(|l| l.weight)
+            .collect();
+        assert_eq!(
+            &names[..4],
+            [
+                "h.0.attn.c_attn.weight",
+                "h.0.attn.c_proj.weight",
+                "h.0.mlp.c_fc.weight",
+                "h.0.mlp.c_proj.weight"
+            ]
+        );
+        assert!(!all.selects(&gpt, "wte.weight"));
+        assert!("q_proj, v_proj".parse::<LoraTargets>().is_ok());
+        assert!("q_proj;v".parse::<LoraTargets>().is_err());
+        assert!("".parse::<LoraTargets>().is_err());
+    }
+}
