@@ -29,8 +29,16 @@ pub struct FitArgs {
     json: bool,
 }
 
-/// Bytes for a `--memory` value.
-pub fn parse_budget(text: &str) -> Result<usize> {
+/// Bytes for a `--memory` value on the run's device. `auto` reads the host's available memory,
+/// which says nothing about a GPU's (wgpu does not report device memory), so there it is
+/// refused rather than guessed.
+pub fn parse_budget(text: &str, device: &snug_train::DeviceSpec) -> Result<usize> {
+    if text.trim() == "auto" && device.is_gpu() {
+        anyhow::bail!(
+            "--memory auto: the memory of --device {device} cannot be read through wgpu; give it \
+             as a size (e.g. --memory 12GiB)"
+        );
+    }
     if text.trim() == "auto" {
         let available = snug_runtime::process::available_memory()
             .context("--memory auto: the OS does not report available memory here (give a size)")?;
@@ -197,7 +205,7 @@ pub fn run(args: FitArgs) -> Result<()> {
     let mut cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
     let (_, model) = cfg.load_data_and_model()?;
     let model_for_advice = model.clone();
-    let budget = parse_budget(&args.memory)?;
+    let budget = parse_budget(&args.memory, &cfg.device)?;
     if args.model.batch_auto() {
         cfg.batch = largest_batch(&cfg, &model, budget)?;
         cfg.accumulation = 1;

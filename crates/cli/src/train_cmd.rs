@@ -175,7 +175,7 @@ fn fit_to_memory(
         }
         return Ok(None);
     };
-    let budget = crate::fit_cmd::parse_budget(memory)?;
+    let budget = crate::fit_cmd::parse_budget(memory, &cfg.device)?;
     if args.model.batch_auto() {
         cfg.batch = crate::fit_cmd::largest_batch(cfg, &model, budget)?;
         cfg.accumulation = 1;

@@ -217,3 +217,27 @@ fn bench_times_the_step_on_the_gpu() {
     assert_eq!(case["predicted_peak_bytes"], case["measured_peak_bytes"]);
     assert!(case["mfu"].is_null());
 }
+
+/// `--memory auto` reads the host's available memory, which says nothing of a GPU's: on a GPU
+/// it is refused, naming the device and asking for a size, by `fit` and by `train` alike.
+#[test]
+fn memory_auto_is_refused_on_a_gpu() {
+    if !have_gpu() {
+        return;
+    }
+    for cmd in ["fit", "train"] {
+        let mut args = vec![cmd, "--device", "gpu", "--memory", "auto"];
+        args.extend(["--preset", "tiny", "--threads", "1"]);
+        if cmd == "train" {
+            args.extend(["--steps", "1", "--no-save"]);
+        }
+        let o = snug(&args);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains("--memory auto") && err.contains("give it as a size"),
+            "{args:?}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
