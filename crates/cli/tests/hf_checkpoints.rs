@@ -2,44 +2,13 @@
 //! `sample --checkpoint`, `export --checkpoint`, `plan --hf-config`; and the directories it
 //! refuses, with nothing written.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
+use std::path::Path;
+use std::process::Output;
+
+use common::{fails_with, fixture, ok};
 use safetensors::SafeTensors;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../nn/tests/fixtures/hf")
-        .join(name)
-}
-
-fn snug(cwd: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_snug"))
-        .args(args)
-        .current_dir(cwd)
-        .output()
-        .expect("the snug binary runs")
-}
-
-fn ok(cwd: &Path, args: &[&str]) -> Output {
-    let o = snug(cwd, args);
-    assert!(
-        o.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    o
-}
-
-fn fails_with(cwd: &Path, args: &[&str], needles: &[&str]) {
-    let o = snug(cwd, args);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
-    assert!(!err.contains("panicked"), "{args:?}: {err}");
-    for n in needles {
-        assert!(err.contains(n), "{args:?}: `{n}` missing from: {err}");
-    }
-}
 
 fn json(o: &Output) -> serde_json::Value {
     // One document, or one object per line (train) ending in the summary.

@@ -2,36 +2,11 @@
 //! with its planned peak, `export` writes the base and a PEFT adapter (or, with `--merge`, the
 //! merged model), and `train --init-from` the exported directory continues the adapters.
 
+mod common;
+
+use common::{fails_with, ok};
 use std::path::Path;
-use std::process::{Command, Output};
-
-fn snug(cwd: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_snug"))
-        .args(args)
-        .current_dir(cwd)
-        .output()
-        .expect("the snug binary runs")
-}
-
-fn ok(cwd: &Path, args: &[&str]) -> Output {
-    let o = snug(cwd, args);
-    assert!(
-        o.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    o
-}
-
-fn fails_with(cwd: &Path, args: &[&str], needles: &[&str]) {
-    let o = snug(cwd, args);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
-    assert!(!err.contains("panicked"), "{args:?}: {err}");
-    for n in needles {
-        assert!(err.contains(n), "{args:?}: `{n}` missing from: {err}");
-    }
-}
+use std::process::Output;
 
 fn lines(o: &Output) -> Vec<serde_json::Value> {
     String::from_utf8_lossy(&o.stdout)

@@ -1,29 +1,13 @@
 //! `snug plan --inference` predicts sampling: its peak is the plan `snug sample` then holds and
 //! the allocator's measured peak, for a checkpoint trained with the same flags.
 
+mod common;
+
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
+use common::{ok, snug};
 use serde_json::Value;
-
-/// Runs `snug args` in `cwd` (`snug train` without `--out` saves under ./runs).
-fn snug(cwd: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_snug"))
-        .args(args)
-        .current_dir(cwd)
-        .output()
-        .expect("the snug binary runs")
-}
-
-fn ok(cwd: &Path, args: &[&str]) -> Output {
-    let o = snug(cwd, args);
-    assert!(
-        o.status.success(),
-        "snug {args:?}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    o
-}
 
 fn json(o: &Output) -> Value {
     serde_json::from_slice(&o.stdout).expect("one JSON object on stdout")

@@ -2,22 +2,10 @@
 //! generation prompt, generation that stops at the end of the model's turn, the prompt's and
 //! the answer's ids in `--json`, and named errors for models that cannot chat.
 
+mod common;
+
+use common::{fixture, snug};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../nn/tests/fixtures/hf")
-        .join(name)
-}
-
-fn snug(cwd: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_snug"))
-        .args(args)
-        .current_dir(cwd)
-        .output()
-        .expect("the snug binary runs")
-}
 
 fn ok(cwd: &Path, args: &[&str]) -> serde_json::Value {
     let o = snug(cwd, args);
