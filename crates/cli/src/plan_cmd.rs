@@ -237,6 +237,9 @@ pub fn run(args: PlanArgs) -> Result<()> {
         }
     }
     let devices = usize::try_from(args.devices)?;
+    if devices == 1 && (args.shard > 0 || args.link.is_some()) {
+        bail!("--shard and --link describe a run over several devices: add --devices N (N > 1)");
+    }
     let sharding = snug_graph::Sharding::new(devices, args.shard)?;
     let shape = if sharding.is_distributed() {
         snug_compile::StepShape::per_rank(cfg.batch, cfg.block, devices, cfg.accumulation)?
@@ -354,12 +357,28 @@ pub fn run(args: PlanArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
+    // Under ZeRO-3 the step holds this rank's shards of the parameters, not the model's count.
+    let sharded = report.distributed.as_ref().is_some_and(|d| d.shard == 3);
+    let shown = if sharded {
+        gpt.parameter_count()
+    } else {
+        report.parameters
+    };
     println!(
-        "model {} ({}): {} parameters ({} at f32)",
+        "model {} ({}): {} parameters ({} at f32){}",
         report.preset,
         gpt.summary(),
-        report.parameters,
-        human_bytes(report.parameters * 4),
+        shown,
+        human_bytes(shown * 4),
+        if sharded {
+            format!(
+                "; this rank holds {} of them in shards ({} at f32)",
+                report.parameters,
+                human_bytes(report.parameters * 4)
+            )
+        } else {
+            String::new()
+        }
     );
     if let Some(lora) = &report.lora {
         println!(

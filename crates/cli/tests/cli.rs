@@ -1139,3 +1139,85 @@ fn dashboard_draws_on_a_terminal_and_gives_it_back() {
     }
     assert!(!screen.contains("--dashboard needs a terminal"), "{screen}");
 }
+
+fn plan_json(args: &[&str]) -> serde_json::Value {
+    let o = snug(args);
+    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+    serde_json::from_slice(&o.stdout).expect("plan --json is one JSON object")
+}
+
+/// `plan --devices N --shard S` plans one rank: its batch is the step's over N, its peak is the
+/// plan's, ZeRO-3 holds less than replication, it sends what it receives, and the text names
+/// the model's whole parameter count beside the rank's shards.
+#[test]
+fn plan_for_one_rank_of_several_devices() {
+    let base = ["plan", "--preset", "tiny", "--batch", "8", "--json"];
+    let single = plan_json(&base);
+    assert!(single.get("distributed").is_none(), "{single}");
+    let mut peaks = Vec::new();
+    for stage in ["0", "1", "2", "3"] {
+        let mut args = base.to_vec();
+        args.extend(["--devices", "4", "--shard", stage, "--link", "10"]);
+        let p = plan_json(&args);
+        let d = &p["distributed"];
+        assert_eq!(d["devices"], 4, "{d}");
+        assert_eq!(d["per_rank_batch"], 2, "{d}");
+        assert_eq!(d["per_rank_peak_bytes"], p["peak_bytes"], "{d}");
+        let sent = d["comm"]["sent_bytes"].as_f64().unwrap();
+        assert!(
+            sent > 0.0 && d["comm"]["received_bytes"].as_f64() == Some(sent),
+            "{d}"
+        );
+        // 10 GB/s each way: the time is the bytes over the link.
+        let ms = d["predicted_comm_ms"].as_f64().unwrap();
+        assert!((ms - sent / 10e9 * 1e3).abs() < 1e-9, "{d}");
+        peaks.push(p["peak_bytes"].as_u64().unwrap());
+    }
+    assert!(
+        peaks[3] < peaks[0],
+        "ZeRO-3 {} vs replicated {}",
+        peaks[3],
+        peaks[0]
+    );
+
+    let o = snug(&[
+        "plan",
+        "--preset",
+        "tiny",
+        "--batch",
+        "8",
+        "--devices",
+        "4",
+        "--shard",
+        "3",
+    ]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    let total = single["parameters"].as_u64().unwrap();
+    assert!(
+        text.contains(&format!("{total} parameters")) && text.contains("this rank holds"),
+        "{text}"
+    );
+
+    fails_with(
+        &["plan", "--preset", "tiny", "--batch", "8", "--devices", "3"],
+        &["does not split over 3 devices"],
+    );
+    fails_with(
+        &["plan", "--preset", "tiny", "--shard", "2"],
+        &["--shard", "--devices N"],
+    );
+    fails_with(
+        &[
+            "plan",
+            "--preset",
+            "tiny",
+            "--batch",
+            "8",
+            "--devices",
+            "2",
+            "--link",
+            "0",
+        ],
+        &["--link 0"],
+    );
+}
