@@ -86,7 +86,8 @@ impl Backend for CpuBackend {
     }
 
     fn check(&self, graph: &Graph) -> Result<(), RuntimeError> {
-        check_dtypes(graph)
+        check_dtypes(graph)?;
+        check_world(graph)
     }
 
     fn bind(
@@ -165,6 +166,31 @@ impl Backend for CpuBackend {
 
 /// 16-bit floats are storage only: casts convert them and views look into them; every other
 /// kernel reads and writes f32 (or i32 token ids).
+/// A step's collectives were compiled for a number of ranks; this process's world must be that
+/// size, or the step is refused at load rather than failing inside a kernel.
+fn check_world(graph: &Graph) -> Result<(), RuntimeError> {
+    let (_, size) = crate::kernels::collective::world();
+    for node in graph.nodes() {
+        let ranks = match &node.op {
+            Op::AllReduce(op) => op.ranks,
+            Op::ReduceScatter(op) => op.ranks,
+            Op::AllGather(op) => op.ranks,
+            Op::ShardedAdamW(op) => op.ranks,
+            _ => continue,
+        };
+        if ranks != size {
+            return Err(RuntimeError::UnsupportedOp {
+                device: "cpu".into(),
+                op: node.op.name(),
+                detail: format!(
+                    "the step was compiled for {ranks} ranks and this process's world has {size}"
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 fn check_dtypes(graph: &Graph) -> Result<(), RuntimeError> {
     for node in graph.nodes() {
         let casts_or_views = matches!(node.op, Op::Cast(_)) || graph.is_view(node);

@@ -90,3 +90,37 @@ fn every_stage_trains_the_plain_steps_weights_in_its_planned_peak() {
     let init: HashMap<String, Vec<f32>> = model().init_parameters(3).into_iter().collect();
     assert!(plain.iter().any(|(n, v)| &init[n] != v));
 }
+
+/// A step compiled for more ranks than this process's world (one, without a transport) is
+/// refused when the session loads, naming the collective and both sizes, before anything runs.
+#[test]
+fn a_step_for_another_world_size_is_refused_at_load() {
+    let m = model();
+    let sharding = Sharding::new(2, 1).unwrap();
+    let shape = StepShape::per_rank(4, 8, 2, 1).unwrap();
+    let target = Target::cpu(1, CpuGemm::Portable);
+    let c = compile_sharded(&m, shape, target, &StepConfig::default(), &sharding).unwrap();
+    let p = plan(&c.step.graph, &PlanOptions::default()).unwrap();
+    let err = CpuSession::new(c.step.graph, p, Allocator::default(), 1)
+        .err()
+        .expect("a 2-rank step in a world of 1 is refused");
+    match err {
+        snug_runtime::RuntimeError::UnsupportedOp { op, detail, .. } => {
+            assert!(
+                [
+                    "all_reduce",
+                    "reduce_scatter",
+                    "all_gather",
+                    "sharded_adamw"
+                ]
+                .contains(&op),
+                "{op}"
+            );
+            assert!(
+                detail.contains("2 ranks") && detail.contains("has 1"),
+                "{detail}"
+            );
+        }
+        other => panic!("expected UnsupportedOp, got {other}"),
+    }
+}

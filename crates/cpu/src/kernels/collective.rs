@@ -35,7 +35,8 @@ pub fn world() -> (usize, usize) {
 }
 
 /// The transport for a collective compiled for `ranks` ranks. A step compiled for another
-/// world than the one running it is a bug of the caller, which checks the sizes before a run.
+/// world than the one running it is refused when its session loads (`CpuBackend::check`), so
+/// a mismatch here is a bug.
 fn transport(ranks: usize) -> Option<&'static dyn Transport> {
     let (_, size) = world();
     assert_eq!(
