@@ -386,7 +386,9 @@ unsafe fn gemm_with(product: Product, par: ::gemm::Parallelism, ours: Option<Own
 mod tests {
     use snug_graph::CpuGemm;
 
-    use super::{own_kernel, OwnTile};
+    use super::own_kernel;
+    #[cfg(target_arch = "x86_64")]
+    use super::OwnTile;
 
     /// The GEMM a large product runs on here, as the planner names it.
     fn dispatched() -> CpuGemm {
