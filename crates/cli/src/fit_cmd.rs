@@ -24,6 +24,10 @@ pub struct FitArgs {
     /// Measure this machine's kernels again instead of using the cached calibration.
     #[arg(long)]
     recalibrate: bool,
+    /// Levers that change what is trained, which fit may use where nothing fits without them:
+    /// lora (rank-16 adapters on every linear layer, the base frozen), all, or none (default).
+    #[arg(long, value_name = "LEVERS")]
+    allow: Option<String>,
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
@@ -46,6 +50,14 @@ pub fn parse_budget(text: &str, device: &snug_train::DeviceSpec) -> Result<usize
         return Ok(available.saturating_sub(reserve));
     }
     snug_runtime::parse_bytes(text).with_context(|| format!("--memory {text}"))
+}
+
+/// Sets `cfg.allow` from `--allow` where given (over the TOML key).
+pub fn set_allowed(cfg: &mut TrainConfig, allow: Option<&str>) -> Result<()> {
+    if let Some(text) = allow {
+        cfg.allow = text.parse().with_context(|| format!("--allow {text}"))?;
+    }
+    Ok(())
 }
 
 /// Runs the search for `cfg`'s model at `budget`. Every candidate is planned with nominal
@@ -162,8 +174,8 @@ pub fn print_table(report: &FitReport) {
         }
     );
     println!(
-        "{:>6} {:>4}  {:<14} {:<16} {:<5} {:>12} {:>11}  verdict",
-        "micro", "acc", "remat", "passes", "prec", "peak", "predicted"
+        "{:>6} {:>4}  {:<14} {:<16} {:<5} {:<8} {:>12} {:>11}  verdict",
+        "micro", "acc", "remat", "passes", "prec", "levers", "peak", "predicted"
     );
     for c in &report.candidates {
         let passes: Vec<&str> = c.config.passes.iter().map(|p| p.name()).collect();
@@ -174,7 +186,7 @@ pub fn print_table(report: &FitReport) {
             Verdict::Failed { reason } => format!("failed: {reason}"),
         };
         println!(
-            "{:>6} {:>4}  {:<14} {:<16} {:<5} {:>12} {:>11}  {}",
+            "{:>6} {:>4}  {:<14} {:<16} {:<5} {:<8} {:>12} {:>11}  {}",
             c.config.micro_batch,
             c.config.accumulation,
             match c.config.remat {
@@ -187,6 +199,11 @@ pub fn print_table(report: &FitReport) {
                 passes.join(",")
             },
             c.config.precision.to_string(),
+            if c.config.levers.is_empty() {
+                "-".to_string()
+            } else {
+                c.config.levers.to_string()
+            },
             c.peak_bytes.map_or("-".into(), human_bytes),
             c.predicted_seconds
                 .map_or("-".into(), |s| format!("{:.3} s", s)),
@@ -203,6 +220,7 @@ pub fn print_table(report: &FitReport) {
 pub fn run(args: FitArgs) -> Result<()> {
     let (model, train) = args.model.sections(RunFlags::default());
     let mut cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
+    set_allowed(&mut cfg, args.allow.as_deref())?;
     let (_, model) = cfg.load_data_and_model()?;
     let model_for_advice = model.clone();
     let budget = parse_budget(&args.memory, &cfg.device)?;
@@ -234,6 +252,12 @@ pub fn run(args: FitArgs) -> Result<()> {
                     c.peak_bytes.map_or("-".into(), human_bytes),
                     c.predicted_seconds.unwrap_or(0.0)
                 );
+                for cost in c.config.levers.costs() {
+                    println!(
+                        "  lever {}: quality: {}; recompute: {}; speed: {}",
+                        cost.lever, cost.quality, cost.recompute, cost.speed
+                    );
+                }
             }
             Ok(())
         }

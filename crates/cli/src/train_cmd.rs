@@ -46,6 +46,15 @@ pub struct TrainArgs {
     /// calibration.
     #[arg(long, requires = "memory")]
     recalibrate: bool,
+    /// With --memory: levers that change what is trained, which fit may use where nothing
+    /// fits without them: lora, all, or none (default). Not on a resumed run.
+    #[arg(
+        long,
+        value_name = "LEVERS",
+        requires = "memory",
+        conflicts_with = "resume"
+    )]
+    allow: Option<String>,
     /// Simulate memory pressure: lower the strict memory limit to SIZE before step STEP (the
     /// run recovers with a smaller configuration, redoing that step).
     #[arg(long, value_name = "STEP:SIZE")]
@@ -281,6 +290,8 @@ pub fn run(args: TrainArgs) -> Result<()> {
             }
             let mut cfg =
                 TrainConfig::resolve_resumed(ckpt.config.clone(), config_file, &model, &train)?;
+            // A resumed run trains what it trained: recovery may change how, never what.
+            cfg.allow = snug_fit::Levers::none();
             let claim = Claim::Resume {
                 from: from.clone(),
                 step: ckpt.step,
@@ -300,6 +311,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
         }
         None => {
             let mut cfg = TrainConfig::resolve(config_file, &model, &train)?;
+            crate::fit_cmd::set_allowed(&mut cfg, args.allow.as_deref())?;
             if cfg.out.is_none() && !args.no_save {
                 cfg.out = Some(default_run_dir(&cfg));
             }

@@ -162,3 +162,95 @@ fn negative_numbers_are_bad_values_of_their_flag() {
         );
     }
 }
+
+/// `--allow lora`: where nothing with the user's math fits, fit chooses LoRA and says so, and
+/// `train --memory --allow` trains it within the budget, planned == measured. Without the
+/// flag the lever is only suggested.
+#[test]
+fn an_allowed_lever_is_chosen_only_where_needed_and_trained() {
+    let cache = tempfile::tempdir().expect("a scratch directory");
+    let base = [
+        "--preset",
+        "char-small",
+        "--batch",
+        "8",
+        "--block",
+        "256",
+        "--threads",
+        "1",
+        "--memory",
+        "80MiB",
+    ];
+    let refused = snug(&[&["fit"][..], &base].concat(), cache.path());
+    bounded::assert_refused(&refused, "fit --memory 80MiB", &["--allow lora"], 100 << 20);
+
+    let fit = snug(
+        &[&["fit", "--allow", "lora", "--json"][..], &base].concat(),
+        cache.path(),
+    );
+    assert_eq!(fit.code, Some(0), "{}", fit.stderr);
+    let report: serde_json::Value = serde_json::from_str(&fit.stdout).expect("fit's JSON");
+    let chosen = &report["candidates"][report["chosen"].as_u64().expect("a choice") as usize];
+    assert_eq!(chosen["config"]["levers"], serde_json::json!(["lora"]));
+    for c in report["candidates"].as_array().expect("candidates") {
+        if c["config"]["levers"]
+            .as_array()
+            .is_some_and(|l| l.is_empty())
+        {
+            assert_ne!(c["verdict"], "chosen", "{c}");
+        }
+    }
+
+    let train = snug(
+        &[
+            &[
+                "train",
+                "--allow",
+                "lora",
+                "--steps",
+                "2",
+                "--eval-every",
+                "0",
+                "--no-save",
+                "--json",
+            ][..],
+            &base,
+        ]
+        .concat(),
+        cache.path(),
+    );
+    assert_eq!(train.code, Some(0), "{}", train.stderr);
+    let lines: Vec<serde_json::Value> = train
+        .stdout
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let fit_line = lines
+        .iter()
+        .find(|l| l["kind"] == "fit")
+        .expect("fit's choice");
+    let chosen = &fit_line["candidates"][fit_line["chosen"].as_u64().expect("a choice") as usize];
+    assert_eq!(chosen["config"]["levers"], serde_json::json!(["lora"]));
+    let summary = lines
+        .iter()
+        .find(|l| l["kind"] == "summary")
+        .expect("a summary");
+    assert_eq!(
+        summary["predicted_peak_bytes"],
+        summary["measured_peak_bytes"]
+    );
+    assert_eq!(summary["predicted_peak_bytes"], chosen["peak_bytes"]);
+    assert!(summary["measured_peak_bytes"].as_u64() <= Some(80 << 20));
+
+    // An unknown lever is named.
+    let bad = snug(
+        &[&["fit", "--allow", "lora,galore"][..], &base].concat(),
+        cache.path(),
+    );
+    bounded::assert_refused(
+        &bad,
+        "fit --allow lora,galore",
+        &["galore", "lora"],
+        100 << 20,
+    );
+}

@@ -185,7 +185,11 @@ pub fn compile_exactly_sharded(
         let r = gather_parameters(&g.graph, sharding.ranks)?;
         g = g.rewritten(r)?;
     }
-    let frozen = |name: &str| !adapters.is_empty() && !adapters.contains(name);
+    // Under stage 3 a parameter is its shard, `NAME.shard`.
+    let frozen = |name: &str| {
+        let name = name.strip_suffix(".shard").unwrap_or(name);
+        !adapters.is_empty() && !adapters.contains(name)
+    };
     let mut step = StepGraph::build_sharded(g.graph, g.loss, &options, sharding, &frozen)?;
     let mut feeds = Feeds {
         tokens: g.tokens,

@@ -1,6 +1,6 @@
 //! What would fit when nothing in the search space does: the changes to the run itself that
 //! snug can make (a lighter optimizer, no global clipping, 16-bit activations, a shorter
-//! sequence), each planned at its smallest configuration, so the user hears which of them
+//! sequence, a lever the user did not allow), each planned at its smallest configuration, so the user hears which of them
 //! reaches the budget instead of only that nothing did.
 
 use serde::Serialize;
@@ -8,6 +8,7 @@ use snug_compile::{compile_step, OptimizerKind, Pass, Remat, StepConfig, StepSha
 use snug_graph::{DType, Target};
 use snug_plan::{plan, PlanOptions};
 
+use crate::levers::{ladder, Levers};
 use crate::search::FitModel;
 use crate::FitError;
 
@@ -123,6 +124,20 @@ pub fn what_would_fit(
             }
             block /= 2;
         }
+    }
+    // Levers change what is trained, so they are only named, with what they would reach.
+    for rung in ladder(&Levers::all()) {
+        let step = rung.apply(&base);
+        // Allowed already (and tried), or what the user set anyway.
+        if rung.iter().all(|l| model.levers.contains(l)) || step == base {
+            continue;
+        }
+        let peak = smallest_peak(model, one(model.block), &step, target)?;
+        out.push(Suggestion {
+            change: format!("--allow {rung}"),
+            peak_bytes: peak,
+            fits: peak <= budget,
+        });
     }
     if all_flags.len() > 1 {
         let peak = smallest_peak(model, one(model.block), &all, target)?;

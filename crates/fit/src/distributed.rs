@@ -8,6 +8,7 @@ use snug_graph::{CommVolume, DType, Sharding, Target};
 use snug_nn::{LlamaConfig, ModelConfig};
 use snug_plan::{plan, PlanOptions};
 
+use crate::levers::{ladder, LeverCost, Levers};
 use crate::FitError;
 
 /// The configuration [`suggest_config`] chose for each rank.
@@ -26,6 +27,9 @@ pub struct DeviceConfig {
     pub per_device_peak_bytes: usize,
     /// What one rank sends and receives per step.
     pub comm: CommVolume,
+    /// The levers it needs (none unless nothing fits without them), and what each costs.
+    pub levers: Levers,
+    pub lever_costs: Vec<LeverCost>,
 }
 
 fn display<S: serde::Serializer, T: std::fmt::Display>(v: &T, s: S) -> Result<S::Ok, S::Error> {
@@ -38,14 +42,43 @@ const MAX_MICRO_BATCH: usize = 64;
 /// The first configuration, in order of least communication and least change to the math,
 /// whose planned per-rank peak fits `memory_per_device`: ZeRO stage 0 to 3 (each stage adds
 /// communication), then within a stage f32 before bf16 and no remat before per-block remat;
-/// its micro-batch is then the largest power of two (up to 64) that still fits. Sequences are
-/// the model's context or 1,024 tokens, whichever is shorter; AdamW as [`StepConfig`]'s
-/// default.
+/// its micro-batch is then the largest power of two (up to 64) that still fits. Where nothing
+/// does, the same again with each rung of the levers `allowed` permits, cheapest first
+/// ([`crate::levers::ladder`]). Sequences are the model's context or 1,024 tokens, whichever
+/// is shorter; AdamW as [`StepConfig`]'s default.
 pub fn suggest_config(
     model: &ModelConfig,
     devices: usize,
     memory_per_device: usize,
+    allowed: &Levers,
 ) -> Result<DeviceConfig, FitError> {
+    let mut smallest = usize::MAX;
+    for levers in std::iter::once(Levers::none()).chain(ladder(allowed)) {
+        let step = levers.apply(&StepConfig::default());
+        if let Some(c) = first_fitting(model, devices, memory_per_device, &step, &mut smallest)? {
+            return Ok(DeviceConfig {
+                lever_costs: levers.costs(),
+                levers,
+                ..c
+            });
+        }
+    }
+    Err(FitError::NothingFitsDevices {
+        devices,
+        budget: memory_per_device,
+        smallest,
+    })
+}
+
+/// [`suggest_config`]'s search for one step configuration; `smallest` keeps the lowest peak
+/// seen.
+fn first_fitting(
+    model: &ModelConfig,
+    devices: usize,
+    memory_per_device: usize,
+    base: &StepConfig,
+    smallest: &mut usize,
+) -> Result<Option<DeviceConfig>, FitError> {
     let block = model.max_seq().min(1024);
     let target = Target::cpu(1, snug_graph::CpuGemm::Portable);
     let peak = |stage: u8, micro_batch: usize, remat: Remat, precision: DType| {
@@ -53,7 +86,7 @@ pub fn suggest_config(
         let step = StepConfig {
             remat,
             precision,
-            ..StepConfig::default()
+            ..base.clone()
         };
         let shape = StepShape { micro_batch, block };
         let c = compile_sharded(model, shape, target, &step, &sharding)?;
@@ -64,12 +97,11 @@ pub fn suggest_config(
             snug_graph::zero::comm_per_rank(&c.step.graph, 1),
         ))
     };
-    let mut smallest = usize::MAX;
     for stage in 0..=3u8 {
         for remat in [Remat::None, Remat::Blocks { blocks: 1 }] {
             for precision in [DType::F32, DType::BF16] {
                 let (mut bytes, mut comm) = peak(stage, 1, remat, precision)?;
-                smallest = smallest.min(bytes);
+                *smallest = (*smallest).min(bytes);
                 if bytes > memory_per_device {
                     continue;
                 }
@@ -81,7 +113,7 @@ pub fn suggest_config(
                     }
                     (micro_batch, bytes, comm) = (micro_batch * 2, b, c);
                 }
-                return Ok(DeviceConfig {
+                return Ok(Some(DeviceConfig {
                     devices,
                     shard: stage,
                     micro_batch,
@@ -90,15 +122,13 @@ pub fn suggest_config(
                     precision,
                     per_device_peak_bytes: bytes,
                     comm,
-                });
+                    levers: Levers::none(),
+                    lever_costs: Vec::new(),
+                }));
             }
         }
     }
-    Err(FitError::NothingFitsDevices {
-        devices,
-        budget: memory_per_device,
-        smallest,
-    })
+    Ok(None)
 }
 
 /// A Llama-shaped model of about `parameters` parameters: Llama-2's proportions (heads of 128,

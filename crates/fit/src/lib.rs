@@ -9,16 +9,20 @@
 //!   after an out-of-memory, and the [`FitReport`] table.
 //! - [`distributed`]: [`suggest_config`]: the ZeRO stage and step one rank of a
 //!   data-parallel run needs to fit each device, for a model or a parameter count.
+//! - [`levers`]: [`Levers`]: changes to what is trained (LoRA) that the search uses only when
+//!   allowed and nothing else fits, and what each costs.
 //! - [`advice`]: when nothing fits, [`what_would_fit`]: the changes to the run that would.
 
 pub mod advice;
 pub mod cost_model;
 pub mod distributed;
 mod error;
+pub mod levers;
 pub mod search;
 
 pub use advice::{largest_micro_batch, what_would_fit, Suggestion};
 pub use cost_model::{node_work, MachineProfile, NodeWork, Sample, PROFILE_VERSION};
 pub use distributed::{llama_of_size, suggest_config, DeviceConfig};
 pub use error::FitError;
+pub use levers::{Lever, LeverCost, Levers, UnknownLever};
 pub use search::{Candidate, FitConfig, FitModel, FitReport, MemoryFailure, Search, Verdict};

@@ -7,6 +7,11 @@
 //! cross-entropy pass (on, or as the user set it) × precision: where the model allows a 16-bit
 //! type ([`FitModel::low_precision`]), every f32 candidate over budget gets a mixed-precision
 //! twin, which then competes on predicted time like any other.
+//!
+//! Levers that change what is trained ([`crate::levers`]) come last, only where the user
+//! allowed them and nothing with the user's own math fits: each rung of the ladder is the
+//! whole space again with its levers applied, and the first rung where anything fits ends the
+//! search.
 
 use std::time::Instant;
 
@@ -18,6 +23,7 @@ use snug_nn::ModelConfig;
 use snug_plan::{plan, PlanOptions};
 
 use crate::cost_model::MachineProfile;
+use crate::levers::{ladder, Levers};
 use crate::FitError;
 
 /// The model being fitted: its architecture, sequence length and the user's step settings
@@ -30,6 +36,8 @@ pub struct FitModel {
     /// A 16-bit type the search may train activations in (mixed precision, f32 master
     /// weights) where the user's f32 does not fit as it is; `None` keeps `step.precision`.
     pub low_precision: Option<DType>,
+    /// The levers the search may add where nothing fits without them.
+    pub levers: Levers,
 }
 
 impl FitModel {
@@ -40,12 +48,19 @@ impl FitModel {
             block,
             step,
             low_precision: None,
+            levers: Levers::none(),
         }
     }
 
     /// Lets the search lower the precision to `low` (ignored unless the step runs in f32).
     pub fn allowing(mut self, low: Option<DType>) -> FitModel {
         self.low_precision = low;
+        self
+    }
+
+    /// Lets the search add these levers where nothing fits without them.
+    pub fn allowing_levers(mut self, levers: Levers) -> FitModel {
+        self.levers = levers;
         self
     }
 }
@@ -59,6 +74,8 @@ pub struct FitConfig {
     pub remat: Remat,
     pub passes: Vec<Pass>,
     pub precision: DType,
+    /// The levers this candidate adds to the user's settings.
+    pub levers: Levers,
 }
 
 fn display<S: serde::Serializer, T: std::fmt::Display>(v: &T, s: S) -> Result<S::Ok, S::Error> {
@@ -66,14 +83,14 @@ fn display<S: serde::Serializer, T: std::fmt::Display>(v: &T, s: S) -> Result<S:
 }
 
 impl FitConfig {
-    /// The user's step settings with this candidate's knobs applied.
+    /// The user's step settings with this candidate's levers and knobs applied.
     pub fn apply(&self, base: &StepConfig) -> StepConfig {
         StepConfig {
             accumulation: self.accumulation,
             remat: self.remat,
             passes: self.passes.clone(),
             precision: self.precision,
-            ..base.clone()
+            ..self.levers.apply(base)
         }
     }
 
@@ -85,6 +102,7 @@ impl FitConfig {
             remat: step.remat,
             passes: step.passes.clone(),
             precision: step.precision,
+            levers: Levers::none(),
         }
     }
 }
@@ -100,7 +118,11 @@ impl std::fmt::Display for FitConfig {
         if !passes.is_empty() {
             write!(f, ", passes {}", passes.join(","))?;
         }
-        write!(f, ", {}", self.precision)
+        write!(f, ", {}", self.precision)?;
+        if !self.levers.is_empty() {
+            write!(f, ", levers {}", self.levers)?;
+        }
+        Ok(())
     }
 }
 
@@ -256,6 +278,7 @@ fn search(s: &Search<'_>, machine: &MachineProfile) -> Result<FitReport, FitErro
         remat,
         passes: passes.clone(),
         precision: model.step.precision,
+        levers: Levers::none(),
     };
     let low = model
         .low_precision
@@ -340,6 +363,24 @@ fn search(s: &Search<'_>, machine: &MachineProfile) -> Result<FitReport, FitErro
             .flat_map(fixed_remat)
             .collect();
         candidates.extend(last.into_par_iter().map(evaluate).collect::<Vec<_>>());
+    }
+    if !candidates.iter().any(fits) {
+        for levers in ladder(&model.levers) {
+            let with = FitModel {
+                step: levers.apply(&model.step),
+                levers: Levers::none(),
+                ..model.clone()
+            };
+            let rung = search(&Search { model: &with, ..*s }, machine)?;
+            let any_fits = rung.chosen.is_some();
+            candidates.extend(rung.candidates.into_iter().map(|mut c| {
+                c.config.levers = levers.clone();
+                c
+            }));
+            if any_fits {
+                break;
+            }
+        }
     }
 
     let fastest = candidates

@@ -384,3 +384,63 @@ fn planned_bytes_follow_the_target_not_the_host() {
     assert_ne!(peak512, peak2);
     assert_eq!(scratch(CpuGemm::Avx512), (avx512, peak512), "repeatable");
 }
+
+/// Levers change what is trained: the search uses one only where the user allowed it and
+/// nothing with the user's own math fits, and then the chosen candidate's peak is the plan of
+/// exactly the step it names.
+#[test]
+fn levers_are_used_only_when_allowed_and_only_where_nothing_fits_without_them() {
+    use snug_fit::{Lever, Levers};
+    let fit = model();
+    let machine = MachineProfile::nominal(1);
+    let lora = Levers::of(&[Lever::Lora]);
+    let with_lora = lora.apply(&fit.step);
+    let budget = peak_of(&fit, 1, &with_lora);
+    let full_smallest =
+        snug_fit::advice::smallest_peak(&fit, shape(&fit, 1), &fit.step, cpu()).unwrap();
+    assert!(budget < full_smallest, "{budget} vs {full_smallest}");
+
+    // Not allowed: nothing fits, no candidate uses a lever, and the advice names it.
+    let report = Search::new(&fit, cpu(), budget).run(&machine).unwrap();
+    assert!(report.chosen.is_none());
+    assert!(report.candidates.iter().all(|c| c.config.levers.is_empty()));
+    assert!(matches!(
+        Search::new(&fit, cpu(), budget).choose(&machine),
+        Err(FitError::NothingFits { .. })
+    ));
+    let advice = snug_fit::what_would_fit(&fit, budget, cpu()).unwrap();
+    let s = advice
+        .iter()
+        .find(|s| s.change == "--allow lora")
+        .expect("the lever is suggested");
+    assert!(s.fits && s.peak_bytes <= budget, "{s:?}");
+
+    // Allowed: the lever is chosen, and its candidate is exactly the LoRA step's plan.
+    let allowed = fit.clone().allowing_levers(lora.clone());
+    let report = Search::new(&allowed, cpu(), budget)
+        .choose(&machine)
+        .unwrap();
+    let chosen = report.chosen().unwrap();
+    assert_eq!(chosen.config.levers, lora);
+    let step = chosen.config.apply(&allowed.step);
+    assert_eq!(step.lora.as_ref().map(|l| l.rank), Some(16));
+    assert_eq!(
+        chosen.peak_bytes,
+        Some(peak_of(&fit, chosen.config.micro_batch, &step))
+    );
+    assert!(chosen.peak_bytes.unwrap() <= budget);
+    // Every candidate without the lever was tried first and is over the budget.
+    for c in report
+        .candidates
+        .iter()
+        .filter(|c| c.config.levers.is_empty())
+    {
+        assert!(c.peak_bytes.is_none_or(|p| p > budget), "{c:?}");
+    }
+
+    // Where the user's own math fits, an allowed lever is not even tried.
+    let roomy = Search::new(&allowed, cpu(), full_smallest * 4)
+        .choose(&machine)
+        .unwrap();
+    assert!(roomy.candidates.iter().all(|c| c.config.levers.is_empty()));
+}

@@ -245,6 +245,10 @@ train_keys! {
     /// Default: q_proj,v_proj (GPT-2: c_attn).
     #[flag(step, long, value_name = "PATTERN")]
     lora_targets: String,
+    /// Levers fit may use where nothing fits without them, as `fit --allow` and `train
+    /// --memory ... --allow` take them: lora, or all, or none (default).
+    #[key]
+    allow: String,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -308,6 +312,10 @@ pub struct TrainConfig {
     pub lora: usize,
     pub lora_alpha: Option<f32>,
     pub lora_targets: Option<snug_nn::LoraTargets>,
+    /// Levers fit may add when choosing this run's configuration. Not saved: a resumed run
+    /// keeps what was chosen (e.g. its LoRA rank), and recovery never adds a lever.
+    #[serde(skip)]
+    pub allow: snug_fit::Levers,
 }
 
 /// Serializable form of [`DataSource`].
@@ -374,6 +382,7 @@ impl Default for TrainConfig {
             lora: 0,
             lora_alpha: None,
             lora_targets: None,
+            allow: snug_fit::Levers::none(),
         }
     }
 }
@@ -529,6 +538,14 @@ impl TrainConfig {
                 field: "lora_targets",
                 detail,
             })?);
+        }
+        if let Some(a) = &t.allow {
+            self.allow = a
+                .parse()
+                .map_err(|e: snug_fit::UnknownLever| TrainError::Config {
+                    field: "allow",
+                    detail: e.to_string(),
+                })?;
         }
         if let Some(p) = &t.init_from {
             self.init_from = Some(p.clone());
@@ -760,18 +777,26 @@ impl TrainConfig {
     }
 
     /// What fit searches for this run: `model` at this block and step settings, allowed to
-    /// lower the precision to bf16 unless the user set it.
+    /// lower the precision to bf16 unless the user set it, and to add the levers in `allow`.
     pub fn fit_model(&self, model: ModelConfig) -> snug_fit::FitModel {
         snug_fit::FitModel::new(model, self.block, self.step_config())
             .allowing((!self.precision_pinned).then_some(DType::BF16))
+            .allowing_levers(self.allow.clone())
     }
 
-    /// Sets the knobs fit chose (the batch stays: `micro_batch × accumulation` is it).
+    /// Sets the knobs and levers fit chose (the batch stays: `micro_batch × accumulation` is
+    /// it).
     pub fn apply_fit(&mut self, fit: &snug_fit::FitConfig) {
-        self.accumulation = fit.accumulation;
-        self.remat = fit.remat;
-        self.passes = fit.passes.clone();
-        self.precision = fit.precision;
+        let step = fit.apply(&self.step_config());
+        self.accumulation = step.accumulation;
+        self.remat = step.remat;
+        self.passes = step.passes;
+        self.precision = step.precision;
+        if let Some(lora) = step.lora {
+            self.lora = lora.rank;
+            self.lora_alpha = Some(lora.alpha);
+            self.lora_targets = Some(lora.targets);
+        }
     }
 
     /// Sequences per forward/backward pass.

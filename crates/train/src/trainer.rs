@@ -387,7 +387,11 @@ impl Trainer {
             crate::calibration::cached(threads).unwrap_or_else(|| MachineProfile::nominal(threads))
         });
         let from = FitConfig::of(&self.config.step_config(), self.config.batch);
-        let fit_model = self.config.fit_model(self.model.clone());
+        // A lever mid-run would change what is being trained: recovery adds none.
+        let fit_model = self
+            .config
+            .fit_model(self.model.clone())
+            .allowing_levers(snug_fit::Levers::none());
         let from_peak_bytes = self.session.plan().peak_bytes();
         let report = Search::new(
             &fit_model,

@@ -1,5 +1,6 @@
 //! ZeRO stages 0–3 run in a world of one rank (the collectives' kernels are copies there):
-//! every stage trains the same weights, bit for bit, as the plain step, and the allocator's
+//! every stage trains the same weights, bit for bit, as the plain step, with or without LoRA
+//! adapters (the frozen base is sharded and gathered like any weight), and the allocator's
 //! measured peak is each stage's planned peak.
 
 use std::collections::HashMap;
@@ -28,12 +29,20 @@ fn ids(n: usize, salt: usize) -> Vec<i32> {
         .collect()
 }
 
-/// Weights by name after 3 steps of 2 micro-batches, the losses, and the measured and
-/// planned peaks.
+/// Trained weights by name after 3 steps of 2 micro-batches, the losses, and the measured
+/// and planned peaks.
 fn train(sharding: &Sharding) -> (HashMap<String, Vec<f32>>, Vec<f32>, usize, usize) {
+    train_with(sharding, None)
+}
+
+fn train_with(
+    sharding: &Sharding,
+    lora: Option<snug_nn::LoraConfig>,
+) -> (HashMap<String, Vec<f32>>, Vec<f32>, usize, usize) {
     let m = model();
     let config = StepConfig {
         accumulation: 2,
+        lora,
         ..StepConfig::default()
     };
     let shape = StepShape::per_rank(4, 8, sharding.ranks, 2).unwrap();
@@ -45,8 +54,25 @@ fn train(sharding: &Sharding) -> (HashMap<String, Vec<f32>>, Vec<f32>, usize, us
     let mut s = CpuSession::new(c.step.graph.clone(), p, allocator.clone(), 1).unwrap();
     let init: HashMap<String, Vec<f32>> = m.init_parameters(3).into_iter().collect();
     let name = |n: &str| n.trim_end_matches(".shard").to_string();
-    for slot in &c.step.params {
-        s.write_f32(slot.param, &init[&name(&slot.name)]).unwrap();
+    // Adapters get small values of their own, B not zero, so both A and B move.
+    let value = |n: &str, len: usize| {
+        init.get(n).cloned().unwrap_or_else(|| {
+            (0..len)
+                .map(|i| ((i * 37 + n.len() * 11) % 17) as f32 * 0.01 - 0.08)
+                .collect()
+        })
+    };
+    let slots = c.step.params.iter().map(|p| (p.param, p.name.as_str()));
+    let frozen = c.step.frozen.iter().map(|f| (f.param, f.name.as_str()));
+    for (t, n) in slots.chain(frozen) {
+        let len = s.read_f32(t).unwrap().len();
+        let full = value(
+            &name(n),
+            snug_graph::zero::unsharded_shape(&c.step.graph, t)
+                .iter()
+                .product(),
+        );
+        s.write_f32(t, &full[..len]).unwrap();
     }
     let mut losses = Vec::new();
     for step in 1..=3u64 {
@@ -89,6 +115,30 @@ fn every_stage_trains_the_plain_steps_weights_in_its_planned_peak() {
     // The weights moved: the comparison is not of untouched initial values.
     let init: HashMap<String, Vec<f32>> = model().init_parameters(3).into_iter().collect();
     assert!(plain.iter().any(|(n, v)| &init[n] != v));
+}
+
+#[test]
+fn with_lora_every_stage_trains_the_same_adapters_in_its_planned_peak() {
+    let lora = snug_nn::LoraConfig {
+        rank: 2,
+        alpha: 4.0,
+        targets: snug_nn::LoraTargets::AllLinear,
+    };
+    let (plain, plain_losses, measured, planned) =
+        train_with(&Sharding::SINGLE, Some(lora.clone()));
+    assert_eq!(measured, planned);
+    assert!(
+        !plain.is_empty() && plain.keys().all(|n| n.contains("lora")),
+        "{:?}",
+        plain.keys()
+    );
+    for stage in 1..=3u8 {
+        let (w, losses, measured, planned) =
+            train_with(&Sharding::new(1, stage).unwrap(), Some(lora.clone()));
+        assert_eq!(measured, planned, "stage {stage}: measured peak == planned");
+        assert_eq!(losses, plain_losses, "stage {stage} losses");
+        assert_eq!(w, plain, "stage {stage}: the adapters");
+    }
 }
 
 /// A step compiled for more ranks than this process's world (one, without a transport) is

@@ -1,0 +1,234 @@
+//! Levers: changes to what is trained, not only to how (LoRA adapters instead of the whole
+//! model, and, as they land, quantized bases, 8-bit optimizer state, updates fused into the
+//! backward). The search never uses one the user did not allow ([`Levers`], `--allow`), and
+//! tries them only when nothing with the user's own math fits: cheapest first, in the order of
+//! [`ladder`].
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Serialize, Serializer};
+use snug_compile::StepConfig;
+use snug_nn::{LoraConfig, LoraTargets};
+
+/// The rank of the adapters the LoRA lever adds (QLoRA's and torchtune's common choice); alpha
+/// is twice the rank, on every linear layer.
+pub const LORA_LEVER_RANK: usize = 16;
+
+/// One change to the training math fit may make when allowed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Lever {
+    /// Train rank-[`LORA_LEVER_RANK`] adapters on every linear layer; the base is frozen.
+    Lora,
+}
+
+impl Lever {
+    pub const ALL: [Lever; 1] = [Lever::Lora];
+
+    /// As `--allow` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Lever::Lora => "lora",
+        }
+    }
+
+    /// What choosing it costs, beyond memory (which the search measures).
+    pub fn cost(self) -> LeverCost {
+        match self {
+            Lever::Lora => LeverCost {
+                lever: self,
+                quality: "trains a low-rank update of the linear layers only; the base, \
+                          embeddings and norms stay frozen (fine-tuning, not pre-training)",
+                recompute: "none",
+                speed: "faster: the frozen base has no weight gradients, about half the \
+                        backward's matrix products",
+            },
+        }
+    }
+
+    /// `step` with this lever applied; a setting the user made (their own `--lora`) stays.
+    fn apply(self, step: &mut StepConfig) {
+        match self {
+            Lever::Lora => {
+                if step.lora.is_none() {
+                    step.lora = Some(LoraConfig {
+                        rank: LORA_LEVER_RANK,
+                        alpha: 2.0 * LORA_LEVER_RANK as f32,
+                        targets: LoraTargets::AllLinear,
+                    });
+                }
+            }
+        }
+    }
+}
+
+impl fmt::Display for Lever {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl Serialize for Lever {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+/// What a lever costs, in words a user weighs: the risk to quality, the recomputation and the
+/// speed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct LeverCost {
+    pub lever: Lever,
+    pub quality: &'static str,
+    pub recompute: &'static str,
+    pub speed: &'static str,
+}
+
+/// A set of levers: those the user allows, or those a candidate uses.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize)]
+pub struct Levers(BTreeSet<Lever>);
+
+impl Levers {
+    pub fn none() -> Levers {
+        Levers::default()
+    }
+
+    pub fn all() -> Levers {
+        Levers(Lever::ALL.into_iter().collect())
+    }
+
+    pub fn of(levers: &[Lever]) -> Levers {
+        Levers(levers.iter().copied().collect())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn contains(&self, lever: Lever) -> bool {
+        self.0.contains(&lever)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = Lever> + '_ {
+        self.0.iter().copied()
+    }
+
+    fn is_subset(&self, other: &Levers) -> bool {
+        self.0.is_subset(&other.0)
+    }
+
+    /// `step` with every lever applied.
+    pub fn apply(&self, step: &StepConfig) -> StepConfig {
+        let mut step = step.clone();
+        for lever in self.iter() {
+            lever.apply(&mut step);
+        }
+        step
+    }
+
+    /// What each lever costs.
+    pub fn costs(&self) -> Vec<LeverCost> {
+        self.iter().map(Lever::cost).collect()
+    }
+}
+
+impl fmt::Display for Levers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.is_empty() {
+            return f.write_str("none");
+        }
+        let names: Vec<&str> = self.iter().map(Lever::name).collect();
+        f.write_str(&names.join(","))
+    }
+}
+
+/// A lever name `--allow` does not know.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown lever `{name}`: the levers are {}, or `all` or `none`", Lever::ALL.map(Lever::name).join(", "))]
+pub struct UnknownLever {
+    pub name: String,
+}
+
+impl FromStr for Levers {
+    type Err = UnknownLever;
+
+    /// `lora,...`, `all` or `none` (also the empty string).
+    fn from_str(s: &str) -> Result<Levers, UnknownLever> {
+        let mut set = BTreeSet::new();
+        for name in s.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            match name.to_ascii_lowercase().as_str() {
+                "all" => set.extend(Lever::ALL),
+                "none" => {}
+                other => {
+                    let lever = Lever::ALL
+                        .into_iter()
+                        .find(|l| l.name() == other)
+                        .ok_or_else(|| UnknownLever { name: name.into() })?;
+                    set.insert(lever);
+                }
+            }
+        }
+        Ok(Levers(set))
+    }
+}
+
+/// The lever sets the search tries, in order of cost (least change to the math first), those
+/// `allowed` permits. The first whose candidates fit is used.
+pub fn ladder(allowed: &Levers) -> Vec<Levers> {
+    let rungs = [Levers::of(&[Lever::Lora])];
+    rungs
+        .into_iter()
+        .filter(|r| !r.is_empty() && r.is_subset(allowed))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allow_lists_parse_and_unknown_names_are_refused_by_name() {
+        assert_eq!(
+            "lora".parse::<Levers>().unwrap(),
+            Levers::of(&[Lever::Lora])
+        );
+        assert_eq!(
+            " LoRA , ".parse::<Levers>().unwrap(),
+            Levers::of(&[Lever::Lora])
+        );
+        assert_eq!("all".parse::<Levers>().unwrap(), Levers::all());
+        assert_eq!("none".parse::<Levers>().unwrap(), Levers::none());
+        assert_eq!("".parse::<Levers>().unwrap(), Levers::none());
+        let e = "lora,galore".parse::<Levers>().unwrap_err();
+        assert_eq!(e.name, "galore");
+        assert!(e.to_string().contains("lora"), "{e}");
+    }
+
+    #[test]
+    fn the_ladder_holds_only_allowed_levers() {
+        assert!(ladder(&Levers::none()).is_empty());
+        assert_eq!(
+            ladder(&Levers::of(&[Lever::Lora])),
+            vec![Levers::of(&[Lever::Lora])]
+        );
+        for rung in ladder(&Levers::all()) {
+            assert!(rung.is_subset(&Levers::all()));
+        }
+    }
+
+    #[test]
+    fn the_lora_lever_keeps_a_users_own_adapters() {
+        let mut step = StepConfig::default();
+        let applied = Levers::of(&[Lever::Lora]).apply(&step);
+        let lora = applied.lora.expect("the lever adds adapters");
+        assert_eq!(lora.rank, LORA_LEVER_RANK);
+        assert_eq!(lora.targets, LoraTargets::AllLinear);
+        step.lora = Some(LoraConfig {
+            rank: 4,
+            alpha: 8.0,
+            targets: LoraTargets::Modules(vec!["c_attn".into()]),
+        });
+        assert_eq!(Levers::of(&[Lever::Lora]).apply(&step).lora, step.lora);
+    }
+}
