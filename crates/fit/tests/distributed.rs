@@ -48,7 +48,6 @@ fn the_least_sharding_that_fits_is_chosen() {
     assert!(tight.comm.sent_bytes > 0);
     assert!(roomy.levers.is_empty() && tight.levers.is_empty());
     // Nothing fits a kilobyte.
-    eprintln!("{:?}", suggest_config(&model, 4, 1024, &Levers::all()));
     assert!(matches!(
         suggest_config(&model, 4, 1024, &Levers::all()),
         Err(FitError::NothingFitsDevices {
