@@ -28,6 +28,14 @@ pub struct FitArgs {
     /// lora (rank-16 adapters on every linear layer, the base frozen), all, or none (default).
     #[arg(long, value_name = "LEVERS")]
     allow: Option<String>,
+    /// Search one rank of a data-parallel run over this many devices (the budget is per
+    /// device; --batch is the whole step's): every ZeRO stage 0-3 competes.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    devices: usize,
+    /// With --devices: add each candidate's communication time over a link of this many GB/s
+    /// each way to its prediction.
+    #[arg(long, value_name = "GB/s", requires = "devices")]
+    link: Option<f64>,
     /// Machine-readable output.
     #[arg(long)]
     json: bool,
@@ -52,6 +60,20 @@ pub fn parse_budget(text: &str, device: &snug_train::DeviceSpec) -> Result<usize
     snug_runtime::parse_bytes(text).with_context(|| format!("--memory {text}"))
 }
 
+/// The devices a run is spread over, and the link between them.
+#[derive(Debug, Clone, Copy)]
+pub struct Spread {
+    pub devices: usize,
+    pub link: Option<f64>,
+}
+
+impl Spread {
+    pub const ONE: Spread = Spread {
+        devices: 1,
+        link: None,
+    };
+}
+
 /// Sets `cfg.allow` from `--allow` where given (over the TOML key).
 pub fn set_allowed(cfg: &mut TrainConfig, allow: Option<&str>) -> Result<()> {
     if let Some(text) = allow {
@@ -69,14 +91,24 @@ pub fn fit_config(
     budget: usize,
     effective_batch: usize,
     recalibrate: bool,
+    spread: Spread,
 ) -> Result<(FitReport, snug_fit::MachineProfile)> {
     cfg.check_threads_here()?;
     let fit_model = cfg.fit_model(model);
-    let search = Search::new(&fit_model, cfg.target(), budget).effective_batch(effective_batch);
+    let mut search = Search::new(&fit_model, cfg.target(), budget)
+        .effective_batch(effective_batch)
+        .devices(spread.devices);
+    if let Some(l) = spread.link {
+        search = search.link(l);
+    }
     let nominal = snug_fit::MachineProfile::nominal(cfg.threads);
     let first = search.run(&nominal)?;
     if first.chosen.is_none() {
-        return Err(nothing_fits(&first, &fit_model, cfg));
+        return Err(if spread.devices > 1 {
+            first.nothing_fits().into()
+        } else {
+            nothing_fits(&first, &fit_model, cfg)
+        });
     }
     let (machine, how) =
         snug_train::calibration::machine_profile(cfg.threads, recalibrate, Some(budget))?;
@@ -173,9 +205,18 @@ pub fn print_table(report: &FitReport) {
             "nominal predictions (uncalibrated)".into()
         }
     );
+    if report.devices > 1 {
+        println!(
+            "one rank of {} devices (micro-batch and peak per rank){}",
+            report.devices,
+            report.link_gb_per_s.map_or(String::new(), |l| format!(
+                "; predictions include communication over {l} GB/s"
+            ))
+        );
+    }
     println!(
-        "{:>6} {:>4}  {:<14} {:<16} {:<5} {:<8} {:>12} {:>11}  verdict",
-        "micro", "acc", "remat", "passes", "prec", "levers", "peak", "predicted"
+        "{:>6} {:>4} {:>4}  {:<14} {:<16} {:<5} {:<8} {:>12} {:>11}  verdict",
+        "micro", "acc", "zero", "remat", "passes", "prec", "levers", "peak", "predicted"
     );
     for c in &report.candidates {
         let passes: Vec<&str> = c.config.passes.iter().map(|p| p.name()).collect();
@@ -186,9 +227,10 @@ pub fn print_table(report: &FitReport) {
             Verdict::Failed { reason } => format!("failed: {reason}"),
         };
         println!(
-            "{:>6} {:>4}  {:<14} {:<16} {:<5} {:<8} {:>12} {:>11}  {}",
+            "{:>6} {:>4} {:>4}  {:<14} {:<16} {:<5} {:<8} {:>12} {:>11}  {}",
             c.config.micro_batch,
             c.config.accumulation,
+            c.config.shard,
             match c.config.remat {
                 snug_compile::Remat::Budget { .. } => "budget".to_string(),
                 r => r.to_string(),
@@ -225,6 +267,9 @@ pub fn run(args: FitArgs) -> Result<()> {
     let model_for_advice = model.clone();
     let budget = parse_budget(&args.memory, &cfg.device)?;
     if args.model.batch_auto() {
+        if args.devices > 1 {
+            anyhow::bail!("--batch auto searches one device: give --batch with --devices");
+        }
         cfg.batch = largest_batch(&cfg, &model, budget)?;
         cfg.accumulation = 1;
         if !args.json {
@@ -237,7 +282,11 @@ pub fn run(args: FitArgs) -> Result<()> {
         }
     }
     let effective = args.effective_batch.unwrap_or(cfg.batch);
-    let (report, _) = fit_config(&cfg, model, budget, effective, args.recalibrate)?;
+    let spread = Spread {
+        devices: args.devices,
+        link: args.link,
+    };
+    let (report, _) = fit_config(&cfg, model, budget, effective, args.recalibrate, spread)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -261,6 +310,7 @@ pub fn run(args: FitArgs) -> Result<()> {
             }
             Ok(())
         }
+        None if args.devices > 1 => Err(report.nothing_fits().into()),
         None => Err(nothing_fits(
             &report,
             &cfg.fit_model(model_for_advice),

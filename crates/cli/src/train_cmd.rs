@@ -197,8 +197,14 @@ fn fit_to_memory(
         );
     }
     let fit_model = cfg.fit_model(model.clone());
-    let (report, machine) =
-        crate::fit_cmd::fit_config(cfg, model, budget, cfg.batch, args.recalibrate)?;
+    let (report, machine) = crate::fit_cmd::fit_config(
+        cfg,
+        model,
+        budget,
+        cfg.batch,
+        args.recalibrate,
+        crate::fit_cmd::Spread::ONE,
+    )?;
     let Some(chosen) = report.chosen() else {
         if !args.json {
             crate::fit_cmd::print_table(&report);

@@ -254,3 +254,36 @@ fn an_allowed_lever_is_chosen_only_where_needed_and_trained() {
         100 << 20,
     );
 }
+
+/// `fit --devices N`: one rank of N is searched at every ZeRO stage, the budget per device;
+/// devices that do not divide the batch are named.
+#[test]
+fn fit_over_devices_searches_every_stage_per_rank() {
+    let cache = tempfile::tempdir().expect("a scratch directory");
+    let base = ["fit", "--batch", "8", "--threads", "1", "--json"];
+    let fit = snug(
+        &[&base[..], &["--devices", "4", "--link", "10", "--memory", "1GiB"]].concat(),
+        cache.path(),
+    );
+    assert_eq!(fit.code, Some(0), "{}", fit.stderr);
+    let report: serde_json::Value = serde_json::from_str(&fit.stdout).expect("fit's JSON");
+    assert_eq!(report["devices"], 4);
+    assert_eq!(report["link_gb_per_s"], 10.0);
+    let candidates = report["candidates"].as_array().expect("candidates");
+    for stage in 0..=3 {
+        assert!(
+            candidates.iter().any(|c| c["config"]["shard"] == stage),
+            "stage {stage}"
+        );
+    }
+    for c in candidates {
+        let per_rank = c["config"]["micro_batch"].as_u64().unwrap()
+            * c["config"]["accumulation"].as_u64().unwrap();
+        assert_eq!(per_rank, 2, "{c}");
+    }
+    let bad = snug(
+        &[&base[..], &["--devices", "3", "--memory", "1GiB"]].concat(),
+        cache.path(),
+    );
+    bounded::assert_refused(&bad, "fit --devices 3", &["devices", "divide"], 100 << 20);
+}

@@ -8,6 +8,10 @@
 //! type ([`FitModel::low_precision`]), every f32 candidate over budget gets a mixed-precision
 //! twin, which then competes on predicted time like any other.
 //!
+//! Over several devices ([`Search::devices`]) the same space is searched for one rank of a
+//! data-parallel run at each ZeRO stage, 0 to 3, all competing on predicted time (with the
+//! communication over [`Search::link`] added where it is given); ties go to the lower stage.
+//!
 //! Levers that change what is trained ([`crate::levers`]) come last, only where the user
 //! allowed them and nothing with the user's own math fits: each rung of the ladder is the
 //! whole space again with its levers applied, and the first rung where anything fits ends the
@@ -17,8 +21,8 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 use serde::Serialize;
-use snug_compile::{compile_exactly, CompileError, Pass, Remat, StepConfig, StepShape};
-use snug_graph::{DType, Target};
+use snug_compile::{compile_exactly_sharded, CompileError, Pass, Remat, StepConfig, StepShape};
+use snug_graph::{DType, Sharding, Target};
 use snug_nn::ModelConfig;
 use snug_plan::{plan, PlanOptions};
 
@@ -76,6 +80,9 @@ pub struct FitConfig {
     pub precision: DType,
     /// The levers this candidate adds to the user's settings.
     pub levers: Levers,
+    /// Over several devices: the ZeRO stage (0 replicates everything; `micro_batch` is then
+    /// per rank).
+    pub shard: u8,
 }
 
 fn display<S: serde::Serializer, T: std::fmt::Display>(v: &T, s: S) -> Result<S::Ok, S::Error> {
@@ -103,6 +110,7 @@ impl FitConfig {
             passes: step.passes.clone(),
             precision: step.precision,
             levers: Levers::none(),
+            shard: 0,
         }
     }
 }
@@ -119,6 +127,9 @@ impl std::fmt::Display for FitConfig {
             write!(f, ", passes {}", passes.join(","))?;
         }
         write!(f, ", {}", self.precision)?;
+        if self.shard > 0 {
+            write!(f, ", ZeRO-{}", self.shard)?;
+        }
         if !self.levers.is_empty() {
             write!(f, ", levers {}", self.levers)?;
         }
@@ -158,6 +169,11 @@ pub struct Candidate {
 pub struct FitReport {
     pub budget: usize,
     pub effective_batch: usize,
+    /// Devices the effective batch is spread over (each candidate plans one rank).
+    pub devices: usize,
+    /// The link's bandwidth (GB/s each way) whose communication time the predictions
+    /// include; `None`: communication not timed.
+    pub link_gb_per_s: Option<f64>,
     pub block: usize,
     /// Whether predictions come from this machine's calibration (else nominal figures).
     pub calibrated: bool,
@@ -199,6 +215,8 @@ pub struct Search<'a> {
     budget: usize,
     effective_batch: usize,
     max_micro_batch: Option<usize>,
+    devices: usize,
+    link: Option<f64>,
 }
 
 impl<'a> Search<'a> {
@@ -211,7 +229,23 @@ impl<'a> Search<'a> {
             budget,
             effective_batch: 1,
             max_micro_batch: None,
+            devices: 1,
+            link: None,
         }
+    }
+
+    /// Spreads the effective batch over `devices` data-parallel ranks: candidates plan one
+    /// rank at each ZeRO stage, and the budget is per device.
+    pub fn devices(mut self, devices: usize) -> Search<'a> {
+        self.devices = devices;
+        self
+    }
+
+    /// Adds each candidate's communication time over a link of `gb_per_s` GB/s each way
+    /// (nothing overlapped) to its prediction.
+    pub fn link(mut self, gb_per_s: f64) -> Search<'a> {
+        self.link = Some(gb_per_s);
+        self
     }
 
     /// Sequences per optimizer step: every divisor is a micro-batch tried, accumulation makes
@@ -253,37 +287,123 @@ impl<'a> Search<'a> {
 }
 
 fn search(s: &Search<'_>, machine: &MachineProfile) -> Result<FitReport, FitError> {
-    let Search {
-        model,
-        target,
-        budget,
-        effective_batch,
-        max_micro_batch,
-    } = *s;
     let start = Instant::now();
-    if effective_batch == 0 {
+    if s.effective_batch == 0 {
         return Err(FitError::Invalid {
             field: "effective_batch",
             detail: "must be at least 1".into(),
         });
     }
-    let micro_batches: Vec<usize> = (1..=effective_batch)
+    if s.devices == 0 || !s.effective_batch.is_multiple_of(s.devices) {
+        return Err(FitError::Invalid {
+            field: "devices",
+            detail: format!(
+                "{} devices do not divide the effective batch of {} sequences",
+                s.devices, s.effective_batch
+            ),
+        });
+    }
+    if let Some(l) = s.link.filter(|l| !(l.is_finite() && *l > 0.0)) {
+        return Err(FitError::Invalid {
+            field: "link",
+            detail: format!("{l}: a bandwidth in GB/s must be a positive number"),
+        });
+    }
+    let stages: &[u8] = if s.devices > 1 { &[0, 1, 2, 3] } else { &[0] };
+    let fits = |c: &Candidate| c.peak_bytes.is_some_and(|p| p <= s.budget);
+    let mut candidates = Vec::new();
+    for &stage in stages {
+        candidates.extend(space(s, s.model, stage, machine));
+    }
+    if !candidates.iter().any(fits) {
+        for levers in ladder(&s.model.levers) {
+            let with = FitModel {
+                step: levers.apply(&s.model.step),
+                levers: Levers::none(),
+                ..s.model.clone()
+            };
+            let mut rung = Vec::new();
+            for &stage in stages {
+                rung.extend(space(s, &with, stage, machine));
+            }
+            for c in &mut rung {
+                c.config.levers = levers.clone();
+            }
+            let any_fits = rung.iter().any(fits);
+            candidates.extend(rung);
+            if any_fits {
+                break;
+            }
+        }
+    }
+    let budget = s.budget;
+    let fastest = candidates
+        .iter()
+        .enumerate()
+        .filter_map(|(i, c)| match (c.peak_bytes, c.predicted_seconds) {
+            (Some(p), Some(t)) if p <= budget => Some((i, t)),
+            _ => None,
+        })
+        // Ties (equal predictions) go to the earlier candidate: larger micro-batch, less remat,
+        // lower stage.
+        .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
+    let chosen = fastest.map(|(i, _)| i);
+    for (i, c) in candidates.iter_mut().enumerate() {
+        if matches!(c.verdict, Verdict::Failed { .. }) {
+            continue;
+        }
+        c.verdict = match (fastest, c.peak_bytes, c.predicted_seconds) {
+            (Some((f, _)), _, _) if f == i => Verdict::Chosen,
+            (_, Some(p), _) if p > budget => Verdict::OverBudget,
+            (Some((_, best)), _, Some(t)) => Verdict::Slower { ratio: t / best },
+            _ => Verdict::OverBudget,
+        };
+    }
+    Ok(FitReport {
+        budget,
+        effective_batch: s.effective_batch,
+        devices: s.devices,
+        link_gb_per_s: s.link,
+        block: s.model.block,
+        calibrated: machine.is_measured(),
+        machine_speed: machine.speed,
+        candidates,
+        chosen,
+        search_seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+/// Every candidate of `model`'s space at ZeRO stage `shard` (0 on one device), evaluated, in
+/// search order; verdicts are the caller's.
+fn space(s: &Search<'_>, model: &FitModel, shard: u8, machine: &MachineProfile) -> Vec<Candidate> {
+    let Search {
+        target,
+        budget,
+        effective_batch,
+        max_micro_batch,
+        devices,
+        link,
+        ..
+    } = *s;
+    let per_rank = effective_batch / devices;
+    let micro_batches: Vec<usize> = (1..=per_rank)
         .rev()
-        .filter(|&m| effective_batch.is_multiple_of(m))
+        .filter(|&m| per_rank.is_multiple_of(m))
         .filter(|&m| max_micro_batch.is_none_or(|max| m <= max))
         .collect();
     let config = |micro_batch: usize, passes: &Vec<Pass>, remat: Remat| FitConfig {
         micro_batch,
-        accumulation: effective_batch / micro_batch,
+        accumulation: per_rank / micro_batch,
         remat,
         passes: passes.clone(),
         precision: model.step.precision,
         levers: Levers::none(),
+        shard,
     };
     let low = model
         .low_precision
         .filter(|l| model.step.precision == DType::F32 && *l != DType::F32);
-    let evaluate = |c: FitConfig| evaluate(model, c, target, machine);
+    let evaluate = |c: FitConfig| evaluate(model, c, target, machine, devices, link);
     // No recomputation first; remat only where that does not fit.
     let largest = micro_batches.first().copied().unwrap_or(1);
     let mut pass_sets = vec![model.step.passes.clone()];
@@ -364,56 +484,7 @@ fn search(s: &Search<'_>, machine: &MachineProfile) -> Result<FitReport, FitErro
             .collect();
         candidates.extend(last.into_par_iter().map(evaluate).collect::<Vec<_>>());
     }
-    if !candidates.iter().any(fits) {
-        for levers in ladder(&model.levers) {
-            let with = FitModel {
-                step: levers.apply(&model.step),
-                levers: Levers::none(),
-                ..model.clone()
-            };
-            let rung = search(&Search { model: &with, ..*s }, machine)?;
-            let any_fits = rung.chosen.is_some();
-            candidates.extend(rung.candidates.into_iter().map(|mut c| {
-                c.config.levers = levers.clone();
-                c
-            }));
-            if any_fits {
-                break;
-            }
-        }
-    }
-
-    let fastest = candidates
-        .iter()
-        .enumerate()
-        .filter_map(|(i, c)| match (c.peak_bytes, c.predicted_seconds) {
-            (Some(p), Some(t)) if p <= budget => Some((i, t)),
-            _ => None,
-        })
-        // Ties (equal predictions) go to the earlier candidate: larger micro-batch, less remat.
-        .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
-    let chosen = fastest.map(|(i, _)| i);
-    for (i, c) in candidates.iter_mut().enumerate() {
-        if matches!(c.verdict, Verdict::Failed { .. }) {
-            continue;
-        }
-        c.verdict = match (fastest, c.peak_bytes, c.predicted_seconds) {
-            (Some((f, _)), _, _) if f == i => Verdict::Chosen,
-            (_, Some(p), _) if p > budget => Verdict::OverBudget,
-            (Some((_, best)), _, Some(t)) => Verdict::Slower { ratio: t / best },
-            _ => Verdict::OverBudget,
-        };
-    }
-    Ok(FitReport {
-        budget,
-        effective_batch,
-        block: model.block,
-        calibrated: machine.is_measured(),
-        machine_speed: machine.speed,
-        candidates,
-        chosen,
-        search_seconds: start.elapsed().as_secs_f64(),
-    })
+    candidates
 }
 
 fn evaluate(
@@ -421,6 +492,8 @@ fn evaluate(
     config: FitConfig,
     target: Target,
     machine: &MachineProfile,
+    devices: usize,
+    link: Option<f64>,
 ) -> Candidate {
     let step_config = config.apply(&model.step);
     let shape = StepShape {
@@ -429,14 +502,29 @@ fn evaluate(
     };
     // Each candidate is exactly what it says: a remat mode that raises the peak loses to its
     // plain twin on both peak and time, so the search never chooses it.
-    let result = compile_exactly(&model.model, shape, target, &step_config)
-        .map_err(FitError::from)
+    let result = Sharding::new(devices, config.shard)
+        .map_err(|e| FitError::Compile(e.into()))
+        .and_then(|sharding| {
+            Ok(compile_exactly_sharded(
+                &model.model,
+                shape,
+                target,
+                &step_config,
+                &sharding,
+            )?)
+        })
         .and_then(|c| {
             let p = match c.plan {
                 Some(p) => p,
                 None => plan(&c.step.graph, &PlanOptions::default())?,
             };
-            Ok((p.peak_bytes(), machine.step_seconds(&c.step, &p.schedule)))
+            let comm = link.map_or(0.0, |l| {
+                snug_graph::zero::comm_per_rank(&c.step.graph, c.step.micro_steps).seconds(l)
+            });
+            Ok((
+                p.peak_bytes(),
+                machine.step_seconds(&c.step, &p.schedule) + comm,
+            ))
         });
     match result {
         Ok((peak, seconds)) => Candidate {

@@ -444,3 +444,109 @@ fn levers_are_used_only_when_allowed_and_only_where_nothing_fits_without_them() 
         .unwrap();
     assert!(roomy.candidates.iter().all(|c| c.config.levers.is_empty()));
 }
+
+/// Over several devices each candidate plans one rank at its ZeRO stage: its peak is that
+/// rank's plan, every stage is searched, a link adds exactly the communication time, and
+/// devices that do not divide the batch are refused by name.
+#[test]
+fn over_devices_each_stage_plans_one_rank() {
+    use snug_compile::compile_sharded;
+    use snug_graph::Sharding;
+    let fit = model();
+    let machine = MachineProfile::nominal(1);
+    let rank_plan = |c: &snug_fit::Candidate| {
+        let sharding = Sharding::new(4, c.config.shard).unwrap();
+        let step = c.config.apply(&fit.step);
+        let compiled = compile_sharded(
+            &fit.model,
+            shape(&fit, c.config.micro_batch),
+            cpu(),
+            &step,
+            &sharding,
+        )
+        .unwrap();
+        let p = plan(&compiled.step.graph, &PlanOptions::default()).unwrap();
+        let comm = snug_graph::zero::comm_per_rank(&compiled.step.graph, compiled.step.micro_steps);
+        (p.peak_bytes(), comm)
+    };
+    let roomy = Search::new(&fit, cpu(), 1 << 40)
+        .effective_batch(8)
+        .devices(4)
+        .choose(&machine)
+        .unwrap();
+    assert_eq!(roomy.devices, 4);
+    for stage in 0..=3u8 {
+        assert!(
+            roomy.candidates.iter().any(|c| c.config.shard == stage),
+            "stage {stage}"
+        );
+    }
+    for c in roomy
+        .candidates
+        .iter()
+        .filter(|c| c.config.remat == Remat::None)
+    {
+        assert_eq!(
+            c.config.micro_batch * c.config.accumulation,
+            2,
+            "per-rank batch"
+        );
+        assert_eq!(c.peak_bytes, Some(rank_plan(c).0), "{}", c.config);
+    }
+    // Just under the smallest stage-0 peak: a higher stage (or remat) is chosen, and fits.
+    let stage0 = roomy
+        .candidates
+        .iter()
+        .filter(|c| c.config.shard == 0)
+        .filter_map(|c| c.peak_bytes)
+        .min()
+        .unwrap();
+    let tight = Search::new(&fit, cpu(), stage0 - 1)
+        .effective_batch(8)
+        .devices(4)
+        .choose(&machine)
+        .unwrap();
+    let chosen = tight.chosen().unwrap();
+    assert!(
+        chosen.config.shard > 0 || chosen.config.remat != Remat::None,
+        "{}",
+        chosen.config
+    );
+    assert!(chosen.peak_bytes.unwrap() < stage0);
+
+    // A link adds each candidate's communication time, exactly.
+    let linked = Search::new(&fit, cpu(), 1 << 40)
+        .effective_batch(8)
+        .devices(4)
+        .link(10.0)
+        .run(&machine)
+        .unwrap();
+    assert_eq!(linked.link_gb_per_s, Some(10.0));
+    for (a, b) in roomy.candidates.iter().zip(&linked.candidates) {
+        assert_eq!(a.config, b.config);
+        let comm = rank_plan(a).1.seconds(10.0);
+        assert!(comm > 0.0);
+        let (ta, tb) = (a.predicted_seconds.unwrap(), b.predicted_seconds.unwrap());
+        assert!(
+            ((tb - ta) - comm).abs() <= 1e-9 * tb,
+            "{}: {ta} + {comm} vs {tb}",
+            a.config
+        );
+    }
+
+    let err = Search::new(&fit, cpu(), 1 << 40)
+        .effective_batch(6)
+        .devices(4)
+        .run(&machine)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            FitError::Invalid {
+                field: "devices",
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
