@@ -168,6 +168,7 @@ pub fn compile_exactly_sharded(
     };
     let optimizer = match config.optimizer {
         OptimizerKind::AdamW => OptimizerSpec::AdamW(adamw),
+        OptimizerKind::AdamW8bit => OptimizerSpec::AdamW8bit(adamw),
         OptimizerKind::Sgd => OptimizerSpec::Sgd(Sgd {
             weight_decay: config.weight_decay,
         }),
@@ -176,6 +177,8 @@ pub fn compile_exactly_sharded(
         optimizer,
         micro_steps: config.accumulation,
         clip_grad_norm: (config.grad_clip > 0.0).then_some(config.grad_clip),
+        clip_mode: config.clip_mode,
+        fused_update: config.fused_update,
         grad_norm: true,
         // bf16 keeps f32's exponent range; f16 gradients underflow without scaling.
         loss_scale: config.precision == DType::F16,
