@@ -71,12 +71,14 @@ pub struct SavedBytes {
     pub data: Vec<u8>,
 }
 
-/// Optimizer state is named after its parameter with one of these suffixes.
-const OPTIMIZER_SUFFIXES: [&str; 4] = [
+/// Optimizer state is named after its parameter with one of these suffixes (or, for the
+/// previous step's gradient norm, is named by it).
+const OPTIMIZER_SUFFIXES: [&str; 5] = [
     ".adam_m",
     ".adam_v",
     ".adam8_m_absmax",
     ".adam8_v_absmax",
+    snug_graph::PREVIOUS_SUM_SQUARES,
 ];
 
 impl Checkpoint {
