@@ -281,7 +281,11 @@ pub fn run(args: PlanArgs) -> Result<()> {
     if cfg.fused_update {
         c.fused_update = false;
         c.clip_mode = snug_graph::ClipMode::Global;
-        c.grad_clip = if cfg.grad_clip > 0.0 { cfg.grad_clip } else { 1.0 };
+        c.grad_clip = if cfg.grad_clip > 0.0 {
+            cfg.grad_clip
+        } else {
+            1.0
+        };
     }
     let base = c.clone();
     if let Some(lora) = cfg.lora_config() {
@@ -360,7 +364,8 @@ pub fn run(args: PlanArgs) -> Result<()> {
             .map(|f| step.graph.tensor(f.param).numel())
             .sum(),
         lora: cfg.lora_config(),
-        optimizer: (cfg.optimizer != snug_train::OptimizerKind::AdamW).then(|| cfg.optimizer.name()),
+        optimizer: (cfg.optimizer != snug_train::OptimizerKind::AdamW)
+            .then(|| cfg.optimizer.name()),
         fused_update: cfg.fused_update.then(|| {
             if cfg.grad_clip > 0.0 {
                 cfg.clip_mode.name()

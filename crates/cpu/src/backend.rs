@@ -208,7 +208,8 @@ fn check_dtypes(graph: &Graph) -> Result<(), RuntimeError> {
         }
     }
     for t in graph.tensors() {
-        let stored = t.dtype == DType::F32 || (t.dtype == DType::U8 && t.role == Role::OptimizerState);
+        let stored =
+            t.dtype == DType::F32 || (t.dtype == DType::U8 && t.role == Role::OptimizerState);
         if t.role.is_persistent() && t.view_of.is_none() && !stored {
             return Err(RuntimeError::UnsupportedDType {
                 name: t.name.clone(),

@@ -53,8 +53,20 @@ fn one_step_equals_the_f64_reference() {
     let gt = leaf(&mut gr, "g", &[n], DType::F32, Role::Input);
     let m = leaf(&mut gr, "w.adam8_m", &[n], DType::U8, Role::OptimizerState);
     let v = leaf(&mut gr, "w.adam8_v", &[n], DType::U8, Role::OptimizerState);
-    let ma = leaf(&mut gr, "w.m_absmax", &[nb], DType::F32, Role::OptimizerState);
-    let va = leaf(&mut gr, "w.v_absmax", &[nb], DType::F32, Role::OptimizerState);
+    let ma = leaf(
+        &mut gr,
+        "w.m_absmax",
+        &[nb],
+        DType::F32,
+        Role::OptimizerState,
+    );
+    let va = leaf(
+        &mut gr,
+        "w.v_absmax",
+        &[nb],
+        DType::F32,
+        Role::OptimizerState,
+    );
     let s = leaf(&mut gr, "scale", &[1], DType::F32, Role::Input);
     gr.apply(AdamW8bit { adamw }, &[p, gt, m, v, ma, va, s])
         .unwrap();
@@ -83,13 +95,18 @@ fn one_step_equals_the_f64_reference() {
         m_new[i] = b1 * m_old + (1.0 - b1) * gi;
         v_new[i] = b2 * v_old + (1.0 - b2) * gi * gi;
         let denom = (v_new[i] / bc2).sqrt() + adamw.eps as f64;
-        p_new[i] = p0[i] as f64 * (1.0 - lr64 * adamw.weight_decay as f64)
-            - lr64 / bc1 * m_new[i] / denom;
+        p_new[i] =
+            p0[i] as f64 * (1.0 - lr64 * adamw.weight_decay as f64) - lr64 / bc1 * m_new[i] / denom;
     }
     let got_p = sess.read_f32(p).unwrap().to_vec();
     for i in 0..n {
         let err = (got_p[i] as f64 - p_new[i]).abs();
-        assert!(err <= 1e-6 * (1.0 + p_new[i].abs()), "w[{i}]: {} vs {}", got_p[i], p_new[i]);
+        assert!(
+            err <= 1e-6 * (1.0 + p_new[i].abs()),
+            "w[{i}]: {} vs {}",
+            got_p[i],
+            p_new[i]
+        );
     }
     // The new absmaxes are the blocks' largest magnitudes.
     let (got_ma, got_va) = (
@@ -98,10 +115,18 @@ fn one_step_equals_the_f64_reference() {
     );
     for b in 0..nb {
         let range = b * BLOCK..(b * BLOCK + BLOCK).min(n);
-        let want_m = m_new[range.clone()].iter().fold(0f64, |a, x| a.max(x.abs()));
+        let want_m = m_new[range.clone()]
+            .iter()
+            .fold(0f64, |a, x| a.max(x.abs()));
         let want_v = v_new[range].iter().fold(0f64, |a, x| a.max(*x));
-        assert!((got_ma[b] as f64 - want_m).abs() <= 1e-6 * want_m, "m absmax {b}");
-        assert!((got_va[b] as f64 - want_v).abs() <= 1e-6 * want_v, "v absmax {b}");
+        assert!(
+            (got_ma[b] as f64 - want_m).abs() <= 1e-6 * want_m,
+            "m absmax {b}"
+        );
+        assert!(
+            (got_va[b] as f64 - want_v).abs() <= 1e-6 * want_v,
+            "v absmax {b}"
+        );
     }
     // The codes are the nearest entries to the new moments over their absmax: each decodes
     // within half a gap of the reference (plus f32 rounding), and the code next to it in the

@@ -151,8 +151,7 @@ pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
             ))
         }
         Op::AdamW8bit(_) => Err(
-            "`adamw8bit` (8-bit AdamW): no GPU kernel yet; use --optimizer adamw on the GPU"
-                .into(),
+            "`adamw8bit` (8-bit AdamW): no GPU kernel yet; use --optimizer adamw on the GPU".into(),
         ),
         Op::StoreSumSquares(_) => Err(
             "`store_sum_squares` (clipping by the previous step's norm): no GPU kernel yet; \

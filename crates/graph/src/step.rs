@@ -5,8 +5,8 @@
 use serde::{Deserialize, Serialize};
 
 use crate::ops::{
-    adamw8bit, AccumulateGrad, AdamW, AdamW8bit, AllGather, AllReduce, GradNorm, ReduceScatter, Sgd,
-    ShardedAdamW, StoreSumSquares, SumSquares,
+    adamw8bit, AccumulateGrad, AdamW, AdamW8bit, AllGather, AllReduce, GradNorm, ReduceScatter,
+    Sgd, ShardedAdamW, StoreSumSquares, SumSquares,
 };
 use crate::zero::{unsharded_shape, Sharding};
 use crate::{backward_seeded, DType, Graph, GraphError, Result, Role, TensorId};
@@ -59,9 +59,7 @@ impl std::str::FromStr for ClipMode {
             "global" => Ok(ClipMode::Global),
             "tensor" => Ok(ClipMode::Tensor),
             "previous" => Ok(ClipMode::Previous),
-            other => Err(format!(
-                "`{other}` is not one of global, tensor, previous"
-            )),
+            other => Err(format!("`{other}` is not one of global, tensor, previous")),
         }
     }
 }

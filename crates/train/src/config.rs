@@ -518,13 +518,13 @@ impl TrainConfig {
             keep_checkpoints
         );
         if let Some(m) = &t.clip_mode {
-            self.clip_mode = m
-                .to_ascii_lowercase()
-                .parse()
-                .map_err(|detail| TrainError::Config {
-                    field: "clip_mode",
-                    detail,
-                })?;
+            self.clip_mode =
+                m.to_ascii_lowercase()
+                    .parse()
+                    .map_err(|detail| TrainError::Config {
+                        field: "clip_mode",
+                        detail,
+                    })?;
         }
         if let Some(d) = &t.device {
             self.device = d.parse().map_err(|detail| TrainError::Config {

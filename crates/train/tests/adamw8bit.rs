@@ -86,7 +86,10 @@ fn resume_continues_bit_exactly_from_the_saved_codes() {
         v
     };
     assert!(by_name(&ckpt.quantized) == by_name(&held.quantized));
-    assert!(ckpt.quantized.iter().any(|q| q.data.iter().any(|&c| c != 0)));
+    assert!(ckpt
+        .quantized
+        .iter()
+        .any(|q| q.data.iter().any(|&c| c != 0)));
     assert!(ckpt.tensor("wte.weight.adam8_m_absmax").is_some());
     // The absmaxes are optimizer state, not weights.
     assert!(ckpt
@@ -94,7 +97,8 @@ fn resume_continues_bit_exactly_from_the_saved_codes() {
         .iter()
         .all(|(name, _)| !name.contains("adam8")));
     let data = TokenDataset::load(&DataSource::Addition).unwrap();
-    let mut second = Trainer::resume(ckpt.config.clone(), data, Allocator::default(), &ckpt).unwrap();
+    let mut second =
+        Trainer::resume(ckpt.config.clone(), data, Allocator::default(), &ckpt).unwrap();
     resumed.extend((0..4).map(|_| second.train_step().unwrap().loss));
     assert_eq!(straight, resumed);
 }

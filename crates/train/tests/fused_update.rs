@@ -118,9 +118,14 @@ fn previous_norm_clipping_resumes_bit_exactly() {
     let mut first = trainer(&cfg);
     let mut resumed: Vec<f32> = (0..3).map(|_| first.train_step().unwrap().loss).collect();
     let ckpt = first.checkpoint().unwrap();
-    let saved = ckpt.tensor(PREVIOUS_SUM_SQUARES).expect("the norm is saved");
+    let saved = ckpt
+        .tensor(PREVIOUS_SUM_SQUARES)
+        .expect("the norm is saved");
     assert!(saved.data[0] > 0.0);
-    assert!(ckpt.parameters().iter().all(|(n, _)| n != PREVIOUS_SUM_SQUARES));
+    assert!(ckpt
+        .parameters()
+        .iter()
+        .all(|(n, _)| n != PREVIOUS_SUM_SQUARES));
     let data = TokenDataset::load(&DataSource::Addition).unwrap();
     let mut second = Trainer::resume(cfg.clone(), data, Allocator::default(), &ckpt).unwrap();
     resumed.extend((0..3).map(|_| second.train_step().unwrap().loss));

@@ -236,7 +236,10 @@ fn accumulators_are_planned_as_persistent_state() {
 fn per_tensor_clipping_scales_each_update_by_its_own_norm() {
     let cfg = tiny();
     let (before, grads) = full_batch_grads(&cfg);
-    let norms: Vec<f32> = grads.iter().map(|g| global_norm(&[g.clone()])).collect();
+    let norms: Vec<f32> = grads
+        .iter()
+        .map(|g| global_norm(std::slice::from_ref(g)))
+        .collect();
     let mut sorted = norms.clone();
     sorted.sort_by(f32::total_cmp);
     let max_norm = sorted[sorted.len() / 2];
@@ -250,13 +253,20 @@ fn per_tensor_clipping_scales_each_update_by_its_own_norm() {
         };
         let (after, reported) = step_with(&cfg, &opts);
         let norm = global_norm(&grads);
-        assert!((reported.unwrap() - norm).abs() < 1e-4 * norm, "the global norm is reported");
+        assert!(
+            (reported.unwrap() - norm).abs() < 1e-4 * norm,
+            "the global norm is reported"
+        );
         let step = build(&cfg, 4, &StepOptions::new(OptimizerSpec::None)).step;
         let mut clipped = 0;
         for (k, slot) in step.params.iter().enumerate() {
             let coef = (max_norm / (norms[k] + 1e-6)).min(1.0);
             clipped += usize::from(coef < 1.0);
-            let wd = if step.graph.tensor(slot.param).rank() >= 2 { WD } else { 0.0 };
+            let wd = if step.graph.tensor(slot.param).rank() >= 2 {
+                WD
+            } else {
+                0.0
+            };
             for ((&p1, &p0), &g) in after[k].iter().zip(&before[k]).zip(&grads[k]) {
                 let expect = p0 * (1.0 - LR * wd) - LR * coef * g;
                 assert!(
@@ -266,7 +276,11 @@ fn per_tensor_clipping_scales_each_update_by_its_own_norm() {
                 );
             }
         }
-        assert!(clipped > 0 && clipped < norms.len(), "{clipped} of {}", norms.len());
+        assert!(
+            clipped > 0 && clipped < norms.len(),
+            "{clipped} of {}",
+            norms.len()
+        );
     }
 }
 
@@ -304,7 +318,10 @@ fn previous_norm_clipping_reads_and_keeps_the_sum_of_squares() {
         let coef = (0.5 / (previous.sqrt() + 1e-6)).min(1.0);
         assert_sgd_update(&cfg, &after, &before, &grads, coef);
         let kept = b.session.read_f32(state).unwrap()[0];
-        assert!((kept.sqrt() - norm).abs() < 1e-4 * norm, "{kept} vs {norm}²");
+        assert!(
+            (kept.sqrt() - norm).abs() < 1e-4 * norm,
+            "{kept} vs {norm}²"
+        );
     }
 }
 

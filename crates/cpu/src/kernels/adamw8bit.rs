@@ -29,7 +29,14 @@ impl CpuKernel for AdamW8bit {
             m_absmax: k.in_mut_f32(4),
             v_absmax: k.in_mut_f32(5),
         };
-        update(&self.adamw, &k.ctx, scale, k.in_mut_f32(0), k.in_f32(1), state);
+        update(
+            &self.adamw,
+            &k.ctx,
+            scale,
+            k.in_mut_f32(0),
+            k.in_f32(1),
+            state,
+        );
     }
 }
 

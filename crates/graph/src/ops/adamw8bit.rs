@@ -34,7 +34,11 @@ pub fn blocks(numel: usize) -> usize {
 pub fn dynamic_code(signed: bool) -> [f32; 256] {
     let mut data: Vec<f64> = Vec::with_capacity(256);
     for i in 0..7i32 {
-        let k = if signed { 1usize << i } else { 1usize << (i + 1) };
+        let k = if signed {
+            1usize << i
+        } else {
+            1usize << (i + 1)
+        };
         // linspace(0.1, 1, k + 1) and the midpoints of its k intervals.
         let b = |j: usize| 0.1 + 0.9 * j as f64 / k as f64;
         let decade = 10f64.powi(i - 6);
@@ -115,11 +119,11 @@ impl OpRule for AdamW8bit {
         }
         super::check_grad_scale(self.name(), inputs, 6)?;
         let p = &inputs[0].shape;
-        for i in 1..4 {
-            if &inputs[i].shape != p {
+        for (i, t) in inputs.iter().enumerate().take(4).skip(1) {
+            if &t.shape != p {
                 return Err(shape_err(
                     self.name(),
-                    format!("input {i} has shape {:?}, parameter {p:?}", inputs[i].shape),
+                    format!("input {i} has shape {:?}, parameter {p:?}", t.shape),
                 ));
             }
         }

@@ -115,7 +115,10 @@ impl OpRule for StoreSumSquares {
         if !inputs[0].role.is_persistent() {
             return Err(GraphError::Invalid {
                 op: "store_sum_squares",
-                detail: format!("`{}` is written in place and must be persistent", inputs[0].name),
+                detail: format!(
+                    "`{}` is written in place and must be persistent",
+                    inputs[0].name
+                ),
             });
         }
         Ok(vec![])
