@@ -144,6 +144,12 @@ struct PlanReport {
     frozen_parameters: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
     lora: Option<snug_nn::LoraConfig>,
+    /// The optimizer, when not the default AdamW.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    optimizer: Option<&'static str>,
+    /// With --fused-update: the norm clipping bounds (`tensor`, `previous`, or `none`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fused_update: Option<&'static str>,
     nodes: usize,
     tensors: usize,
     flops_per_step: u64,
@@ -266,12 +272,42 @@ pub fn run(args: PlanArgs) -> Result<()> {
     c.lora = 0;
     c.lora_alpha = None;
     c.lora_targets = None;
+    // 8-bit moments next: what they save against f32 AdamW's.
+    let adam8 = cfg.optimizer == snug_train::OptimizerKind::AdamW8bit;
+    if adam8 {
+        c.optimizer = snug_train::OptimizerKind::AdamW;
+    }
+    // Fused updates against the default: global-norm clipping, every gradient held.
+    if cfg.fused_update {
+        c.fused_update = false;
+        c.clip_mode = snug_graph::ClipMode::Global;
+        c.grad_clip = if cfg.grad_clip > 0.0 {
+            cfg.grad_clip
+        } else {
+            1.0
+        };
+    }
     let base = c.clone();
     if let Some(lora) = cfg.lora_config() {
         c.lora = cfg.lora;
         c.lora_alpha = cfg.lora_alpha;
         c.lora_targets = cfg.lora_targets.clone();
         stages.push((format!("lora r={} {}", lora.rank, lora.targets), c.clone()));
+    }
+    if adam8 {
+        c.optimizer = cfg.optimizer;
+        stages.push(("adamw8bit".to_string(), c.clone()));
+    }
+    if cfg.fused_update {
+        c.fused_update = true;
+        c.clip_mode = cfg.clip_mode;
+        c.grad_clip = cfg.grad_clip;
+        let clip = if cfg.grad_clip > 0.0 {
+            cfg.clip_mode.name()
+        } else {
+            "none"
+        };
+        stages.push((format!("fused-update clip={clip}"), c.clone()));
     }
     for (k, pass) in cfg.passes.iter().enumerate() {
         c.passes = cfg.passes[..=k].to_vec();
@@ -328,6 +364,15 @@ pub fn run(args: PlanArgs) -> Result<()> {
             .map(|f| step.graph.tensor(f.param).numel())
             .sum(),
         lora: cfg.lora_config(),
+        optimizer: (cfg.optimizer != snug_train::OptimizerKind::AdamW)
+            .then(|| cfg.optimizer.name()),
+        fused_update: cfg.fused_update.then(|| {
+            if cfg.grad_clip > 0.0 {
+                cfg.clip_mode.name()
+            } else {
+                "none"
+            }
+        }),
         nodes: step.graph.nodes().len(),
         tensors: step.graph.tensors().len(),
         flops_per_step: step.graph.flops(),

@@ -92,6 +92,19 @@ impl Pass {
 pub enum OptimizerKind {
     AdamW,
     Sgd,
+    /// AdamW with block-wise 8-bit moments (`adamw8bit`).
+    AdamW8bit,
+}
+
+impl OptimizerKind {
+    /// The name the configuration and the CLI use.
+    pub fn name(self) -> &'static str {
+        match self {
+            OptimizerKind::AdamW => "adamw",
+            OptimizerKind::Sgd => "sgd",
+            OptimizerKind::AdamW8bit => "adamw8bit",
+        }
+    }
 }
 
 /// Everything about a training step besides the model and its batch shape.
@@ -104,8 +117,12 @@ pub struct StepConfig {
     pub weight_decay: f32,
     /// Micro-batches per optimizer step.
     pub accumulation: usize,
-    /// Global gradient-norm clip (0: off).
+    /// Gradient-norm clip (0: off), over the norm `clip_mode` names.
     pub grad_clip: f32,
+    pub clip_mode: snug_graph::ClipMode,
+    /// Each parameter's update runs as soon as its gradient is complete
+    /// ([`snug_graph::StepOptions::fused_update`]).
+    pub fused_update: bool,
     pub passes: Vec<Pass>,
     pub remat: Remat,
     /// The loss takes a loss mask and its divisor as inputs ([`snug_nn::LossMask`]): only the
@@ -126,6 +143,8 @@ impl Default for StepConfig {
             weight_decay: 0.1,
             accumulation: 1,
             grad_clip: 1.0,
+            clip_mode: snug_graph::ClipMode::Global,
+            fused_update: false,
             passes: Pass::DEFAULT.to_vec(),
             remat: Remat::None,
             loss_mask: false,

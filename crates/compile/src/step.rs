@@ -168,6 +168,7 @@ pub fn compile_exactly_sharded(
     };
     let optimizer = match config.optimizer {
         OptimizerKind::AdamW => OptimizerSpec::AdamW(adamw),
+        OptimizerKind::AdamW8bit => OptimizerSpec::AdamW8bit(adamw),
         OptimizerKind::Sgd => OptimizerSpec::Sgd(Sgd {
             weight_decay: config.weight_decay,
         }),
@@ -176,6 +177,8 @@ pub fn compile_exactly_sharded(
         optimizer,
         micro_steps: config.accumulation,
         clip_grad_norm: (config.grad_clip > 0.0).then_some(config.grad_clip),
+        clip_mode: config.clip_mode,
+        fused_update: config.fused_update,
         grad_norm: true,
         // bf16 keeps f32's exponent range; f16 gradients underflow without scaling.
         loss_scale: config.precision == DType::F16,
@@ -230,7 +233,54 @@ pub fn compile_exactly_sharded(
         compiled.step.graph = graph;
         compiled.plan = None;
     }
+    if config.fused_update && low_precision {
+        let forward = compiled.step.forward_nodes;
+        tie_up_casts(&mut compiled.step.graph, forward);
+        compiled.plan = None;
+    }
     Ok(compiled)
+}
+
+/// Makes each backward up-cast of a saved 16-bit activation wait for the other computed
+/// inputs of the one node reading it. Without the wait, the memory-aware schedule makes every
+/// up-cast as soon as the backward starts (each allocates less than the node it would
+/// otherwise pick), holding all saved activations in f32 at once; with fused updates that,
+/// not the gradients, would set the peak.
+fn tie_up_casts(graph: &mut snug_graph::Graph, forward_nodes: usize) {
+    use snug_graph::ops::Cast;
+    let up_cast = |g: &snug_graph::Graph, n: &snug_graph::Node| {
+        matches!(n.op, Op::Cast(Cast { to: DType::F32 }))
+            && g.tensor(n.inputs[0]).dtype != DType::F32
+    };
+    let mut readers: Vec<Vec<usize>> = vec![Vec::new(); graph.tensors().len()];
+    for (i, node) in graph.nodes().iter().enumerate() {
+        for &t in &node.inputs {
+            readers[t.index()].push(i);
+        }
+    }
+    let mut ties = Vec::new();
+    for (i, node) in graph.nodes().iter().enumerate().skip(forward_nodes) {
+        if !up_cast(graph, node) {
+            continue;
+        }
+        let out = node.outputs[0];
+        let [reader] = readers[out.index()][..] else {
+            continue;
+        };
+        for &t in &graph.nodes()[reader].inputs {
+            // Only what is computed before the cast in program order (which stays a valid
+            // order), and never another up-cast (two casts waiting on each other).
+            match graph.producer(t) {
+                Some(p) if t != out && p.index() < i && !up_cast(graph, graph.node(p)) => {
+                    ties.push((snug_graph::NodeId(i as u32), t));
+                }
+                _ => {}
+            }
+        }
+    }
+    for (node, t) in ties {
+        graph.add_control(node, t);
+    }
 }
 
 /// The inputs a trainer feeds each micro-batch.

@@ -5,7 +5,7 @@
 use std::ops::{Deref, DerefMut};
 
 use snug_graph::ops::Op;
-use snug_graph::{DType, Graph, Node, Target};
+use snug_graph::{DType, Graph, Node, Role, Target};
 use snug_plan::MemoryPlan;
 use snug_runtime::{
     Allocator, Backend, Binding, Device, ExecCtx, NodeArgs, RuntimeError, Session, Slice,
@@ -194,9 +194,12 @@ fn check_world(graph: &Graph) -> Result<(), RuntimeError> {
 fn check_dtypes(graph: &Graph) -> Result<(), RuntimeError> {
     for node in graph.nodes() {
         let casts_or_views = matches!(node.op, Op::Cast(_)) || graph.is_view(node);
+        // 8-bit AdamW reads and writes its quantized moments itself.
+        let quantized_state = matches!(node.op, Op::AdamW8bit(_));
         for &t in node.inputs.iter().chain(&node.outputs) {
             let m = graph.tensor(t);
-            if !matches!(m.dtype, DType::F32 | DType::I32) && !casts_or_views {
+            let u8_state = quantized_state && m.dtype == DType::U8;
+            if !matches!(m.dtype, DType::F32 | DType::I32) && !casts_or_views && !u8_state {
                 return Err(RuntimeError::UnsupportedDType {
                     name: m.name.clone(),
                     dtype: m.dtype,
@@ -205,7 +208,9 @@ fn check_dtypes(graph: &Graph) -> Result<(), RuntimeError> {
         }
     }
     for t in graph.tensors() {
-        if t.role.is_persistent() && t.view_of.is_none() && t.dtype != DType::F32 {
+        let stored =
+            t.dtype == DType::F32 || (t.dtype == DType::U8 && t.role == Role::OptimizerState);
+        if t.role.is_persistent() && t.view_of.is_none() && !stored {
             return Err(RuntimeError::UnsupportedDType {
                 name: t.name.clone(),
                 dtype: t.dtype,

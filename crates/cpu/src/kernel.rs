@@ -156,6 +156,16 @@ impl<'a> Kernel<'a> {
         unsafe { std::slice::from_raw_parts_mut(a.ptr as *mut u16, a.numel) }
     }
 
+    /// A u8 input the op updates in place (listed in its `mutates_inputs`).
+    pub fn in_mut_u8(&self, i: usize) -> &'a mut [u8] {
+        assert!(self.mutable_inputs.contains(&i), "input {i} is not mutable");
+        self.take(32 + i);
+        let a = &self.inputs[i];
+        assert_eq!(a.dtype, DType::U8, "input {i} is not u8");
+        // SAFETY: as `in_mut_f32`.
+        unsafe { std::slice::from_raw_parts_mut(a.ptr, a.numel) }
+    }
+
     pub fn in_dtype(&self, i: usize) -> DType {
         self.inputs[i].dtype
     }

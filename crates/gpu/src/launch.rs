@@ -150,6 +150,14 @@ pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
                 node.op.name()
             ))
         }
+        Op::AdamW8bit(_) => Err(
+            "`adamw8bit` (8-bit AdamW): no GPU kernel yet; use --optimizer adamw on the GPU".into(),
+        ),
+        Op::StoreSumSquares(_) => Err(
+            "`store_sum_squares` (clipping by the previous step's norm): no GPU kernel yet; \
+             use --clip-mode global or tensor on the GPU"
+                .into(),
+        ),
         Op::Cast(op) => {
             let from = graph.tensor(node.inputs[0]).dtype;
             match (from, op.to) {
@@ -561,7 +569,9 @@ fn record_kernel(
         | Op::AllReduce(_)
         | Op::ReduceScatter(_)
         | Op::AllGather(_)
-        | Op::ShardedAdamW(_) => Err(GpuError::Unsupported {
+        | Op::ShardedAdamW(_)
+        | Op::AdamW8bit(_)
+        | Op::StoreSumSquares(_) => Err(GpuError::Unsupported {
             device: device.name().to_string(),
             kernel: "launch",
             detail: format!("no GPU kernel for `{}`", n.op.name()),

@@ -27,7 +27,9 @@ pub use autodiff::{backward, backward_seeded, GradCtx};
 pub use dtype::DType;
 pub use error::{GraphError, Result};
 pub use graph::{Graph, Node, NodeId};
-pub use step::{FrozenParam, OptimizerSpec, ParamSlot, StepGraph, StepOptions};
+pub use step::{
+    ClipMode, FrozenParam, OptimizerSpec, ParamSlot, StepGraph, StepOptions, PREVIOUS_SUM_SQUARES,
+};
 pub use target::{CpuGemm, DeviceKind, Fusions, MemoryLayout, Target};
 pub use tensor::{Role, TensorId, TensorMeta};
 pub use zero::{CommVolume, Sharding};

@@ -5,8 +5,8 @@
 use serde::{Deserialize, Serialize};
 
 use crate::ops::{
-    AccumulateGrad, AdamW, AllGather, AllReduce, GradNorm, ReduceScatter, Sgd, ShardedAdamW,
-    SumSquares,
+    adamw8bit, AccumulateGrad, AdamW, AdamW8bit, AllGather, AllReduce, GradNorm, ReduceScatter,
+    Sgd, ShardedAdamW, StoreSumSquares, SumSquares,
 };
 use crate::zero::{unsharded_shape, Sharding};
 use crate::{backward_seeded, DType, Graph, GraphError, Result, Role, TensorId};
@@ -18,11 +18,55 @@ pub enum OptimizerSpec {
     /// biases or norm gains), as in GPT-2 and nanoGPT. Moments are f32 whatever the weights'
     /// precision.
     AdamW(AdamW),
+    /// AdamW with both moments block-wise quantized to one byte per element
+    /// ([`crate::ops::adamw8bit`]); weights stay f32 and weight decay is as for AdamW.
+    AdamW8bit(AdamW),
     /// Plain SGD (no optimizer state); weight decay as for AdamW.
     Sgd(Sgd),
     /// No update: gradients are kept alive to the end of the step so they can be read.
     None,
 }
+
+/// What clipping's norm is taken over (`clip_grad_norm` gives the bound).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClipMode {
+    /// This step's global norm (`torch.nn.utils.clip_grad_norm_`): every update waits for
+    /// every gradient.
+    #[default]
+    Global,
+    /// Each gradient by its own norm: an update waits for its own gradient alone.
+    Tensor,
+    /// The previous step's global norm, kept in a persistent scalar (its square,
+    /// [`PREVIOUS_SUM_SQUARES`]); the first step is not clipped.
+    Previous,
+}
+
+impl ClipMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            ClipMode::Global => "global",
+            ClipMode::Tensor => "tensor",
+            ClipMode::Previous => "previous",
+        }
+    }
+}
+
+impl std::str::FromStr for ClipMode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "global" => Ok(ClipMode::Global),
+            "tensor" => Ok(ClipMode::Tensor),
+            "previous" => Ok(ClipMode::Previous),
+            other => Err(format!("`{other}` is not one of global, tensor, previous")),
+        }
+    }
+}
+
+/// Name of the persistent scalar [`ClipMode::Previous`] keeps: the previous step's sum of
+/// squared gradients.
+pub const PREVIOUS_SUM_SQUARES: &str = "previous_grad_sum_squares";
 
 /// How the step turns gradients into an update.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -31,8 +75,13 @@ pub struct StepOptions {
     /// Micro-batches whose gradients one update averages (1: no accumulation). Each needs its
     /// own run of the step; accumulators (one per parameter) carry the sums between runs.
     pub micro_steps: usize,
-    /// Clip the global gradient norm to this value before the update.
+    /// Clip the gradient norm (taken as `clip_mode` says) to this value before the update.
     pub clip_grad_norm: Option<f32>,
+    pub clip_mode: ClipMode,
+    /// Promise that each parameter's update can run as soon as its gradient is complete, and
+    /// free it (LOMO-style): refused with what needs every gradient at once (global-norm
+    /// clipping, loss scaling, accumulation, collectives).
+    pub fused_update: bool,
     /// Compute the global gradient norm (an output), for logging.
     pub grad_norm: bool,
     /// Seed the backward pass with a loss scale fed at run time ([`StepGraph::loss_scale`])
@@ -47,6 +96,8 @@ impl StepOptions {
             optimizer,
             micro_steps: 1,
             clip_grad_norm: None,
+            clip_mode: ClipMode::Global,
+            fused_update: false,
             grad_norm: false,
             loss_scale: false,
         }
@@ -59,8 +110,11 @@ pub struct ParamSlot {
     pub name: String,
     pub param: TensorId,
     pub grad: TensorId,
-    /// Adam's first and second moments.
+    /// Adam's first and second moments (f32, or u8 codes under 8-bit AdamW).
     pub moments: Option<(TensorId, TensorId)>,
+    /// The per-block absmax of each quantized moment (8-bit AdamW only).
+    #[serde(default)]
+    pub moment_scales: Option<(TensorId, TensorId)>,
     /// The gradient sum carried between micro-batches.
     pub accumulator: Option<TensorId>,
 }
@@ -130,6 +184,15 @@ impl StepGraph {
         let optimizer = opts.optimizer;
         let dist = sharding.is_distributed();
         let stage = if dist { sharding.stage } else { 0 };
+        if matches!(optimizer, OptimizerSpec::AdamW8bit(_)) && matches!(stage, 1 | 2) {
+            return Err(GraphError::Invalid {
+                op: "step",
+                detail: format!(
+                    "ZeRO stage {stage} shards f32 optimizer state; 8-bit AdamW's quantized \
+                     blocks are not sharded: use stage 0 or 3, or adamw"
+                ),
+            });
+        }
         if matches!(optimizer, OptimizerSpec::Sgd(_)) && matches!(stage, 1 | 2) {
             return Err(GraphError::Invalid {
                 op: "step",
@@ -150,6 +213,48 @@ impl StepGraph {
                 return Err(GraphError::Invalid {
                     op: "step",
                     detail: format!("clip_grad_norm must be a positive number, got {c}"),
+                });
+            }
+        }
+        let local_clip = opts.clip_grad_norm.is_some() && opts.clip_mode != ClipMode::Global;
+        if local_clip && (opts.micro_steps > 1 || opts.loss_scale || dist) {
+            return Err(GraphError::Invalid {
+                op: "step",
+                detail: format!(
+                    "clipping by the {} norm is built for one micro-batch, no loss scaling and \
+                     one device",
+                    match opts.clip_mode {
+                        ClipMode::Tensor => "per-tensor",
+                        _ => "previous step's",
+                    }
+                ),
+            });
+        }
+        if opts.fused_update {
+            let why = if opts.micro_steps > 1 {
+                Some(
+                    "gradient accumulation keeps every gradient in its accumulator across \
+                     micro-batches, so fusing the update frees nothing: use one micro-batch",
+                )
+            } else if opts.clip_grad_norm.is_some() && opts.clip_mode == ClipMode::Global {
+                Some(
+                    "global-norm clipping needs every gradient before the first update: clip \
+                     per tensor or by the previous step's norm, or not at all",
+                )
+            } else if opts.loss_scale {
+                Some(
+                    "loss scaling skips the whole update when any gradient overflows, known \
+                     only once all are complete: train in bf16 or f32",
+                )
+            } else if dist {
+                Some("gradients are averaged across devices in buckets: train on one device")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(GraphError::Invalid {
+                    op: "fused_update",
+                    detail: why.into(),
                 });
             }
         }
@@ -236,12 +341,18 @@ impl StepGraph {
             }
             _ => grads,
         };
-        let scale_needed = accumulate || opts.clip_grad_norm.is_some() || opts.loss_scale;
-        let (coef, grad_norm) = if scale_needed || opts.grad_norm {
-            let mut squares = grads
+        let global_clip = opts
+            .clip_grad_norm
+            .filter(|_| opts.clip_mode == ClipMode::Global);
+        let scale_needed = accumulate || global_clip.is_some() || opts.loss_scale;
+        // Each update's own gradient scale, when clipping is not global.
+        let mut local_coef: Vec<Option<TensorId>> = vec![None; grads.len()];
+        let (coef, grad_norm) = if scale_needed || opts.grad_norm || local_clip {
+            let per_grad = grads
                 .iter()
                 .map(|&g| graph.apply1(SumSquares, &[g]))
                 .collect::<Result<Vec<_>>>()?;
+            let mut squares = per_grad.clone();
             if stage > 0 {
                 // Each rank squared its shards only: the norm needs every rank's sum.
                 let op = AllReduce {
@@ -253,23 +364,82 @@ impl StepGraph {
             }
             squares.extend(loss_scale);
             let norm_op = GradNorm {
-                max_norm: opts.clip_grad_norm.unwrap_or(f32::INFINITY),
+                max_norm: global_clip.unwrap_or(f32::INFINITY),
                 scale: 1.0 / opts.micro_steps as f32,
                 unscale: opts.loss_scale,
             };
             let outs = graph.apply(norm_op, &squares)?;
             graph.rename(outs[1], "grad_norm");
             graph.mark_output(outs[1]);
+            // A clip coefficient from one sum of squares: min(1, max / (norm + 1e-6)).
+            let clip_of = |graph: &mut Graph, max_norm: f32, sum: TensorId| {
+                let op = GradNorm {
+                    max_norm,
+                    scale: 1.0,
+                    unscale: false,
+                };
+                Ok::<_, GraphError>(graph.apply(op, &[sum])?[0])
+            };
+            match (opts.clip_grad_norm, opts.clip_mode) {
+                (Some(c), ClipMode::Tensor) => {
+                    for (slot, &sq) in local_coef.iter_mut().zip(&per_grad) {
+                        *slot = Some(clip_of(&mut graph, c, sq)?);
+                    }
+                }
+                (Some(c), ClipMode::Previous) => {
+                    let state = graph.add_leaf(
+                        PREVIOUS_SUM_SQUARES,
+                        &[1],
+                        DType::F32,
+                        Role::OptimizerState,
+                    )?;
+                    let k = clip_of(&mut graph, c, state)?;
+                    local_coef.iter_mut().for_each(|slot| *slot = Some(k));
+                    let mut inputs = vec![state];
+                    inputs.extend(&per_grad);
+                    graph.apply(StoreSumSquares, &inputs)?;
+                }
+                _ => {}
+            }
             (scale_needed.then_some(outs[0]), Some(outs[1]))
         } else {
             (None, None)
         };
         let mut slots = Vec::with_capacity(params.len());
-        for ((&p, &g), accumulator) in params.iter().zip(&grads).zip(accumulators) {
+        for (((&p, &g), accumulator), local) in
+            params.iter().zip(&grads).zip(accumulators).zip(local_coef)
+        {
+            let coef = coef.or(local);
             let meta = graph.tensor(p).clone();
             // Weight decay follows the weight's own rank, not its shard's.
             let rank = unsharded_shape(&graph, p).len();
+            let mut moment_scales = None;
             let moments = match optimizer {
+                OptimizerSpec::AdamW8bit(adamw) => {
+                    let shape = graph.tensor(g).shape.clone();
+                    let nb = adamw8bit::blocks(shape.iter().product());
+                    let mut state = |suffix: &str, shape: &[usize], dtype| {
+                        graph.add_leaf(
+                            format!("{}.{suffix}", meta.name),
+                            shape,
+                            dtype,
+                            Role::OptimizerState,
+                        )
+                    };
+                    let m = state("adam8_m", &shape, DType::U8)?;
+                    let v = state("adam8_v", &shape, DType::U8)?;
+                    let ma = state("adam8_m_absmax", &[nb], DType::F32)?;
+                    let va = state("adam8_v_absmax", &[nb], DType::F32)?;
+                    let adamw = AdamW {
+                        weight_decay: if rank >= 2 { adamw.weight_decay } else { 0.0 },
+                        ..adamw
+                    };
+                    let mut inputs = vec![p, g, m, v, ma, va];
+                    inputs.extend(coef);
+                    graph.apply(AdamW8bit { adamw }, &inputs)?;
+                    moment_scales = Some((ma, va));
+                    Some((m, v))
+                }
                 OptimizerSpec::AdamW(adamw) => {
                     // Moments are shaped as the gradient: whole, or this rank's shard.
                     let shape = graph.tensor(g).shape.clone();
@@ -328,6 +498,7 @@ impl StepGraph {
                 param: p,
                 grad: g,
                 moments,
+                moment_scales,
                 accumulator,
             });
         }
@@ -360,6 +531,10 @@ impl StepGraph {
                     param: r.map(p.param)?,
                     grad: r.map(p.grad)?,
                     moments: match p.moments {
+                        Some((m, v)) => Some((r.map(m)?, r.map(v)?)),
+                        None => None,
+                    },
+                    moment_scales: match p.moment_scales {
                         Some((m, v)) => Some((r.map(m)?, r.map(v)?)),
                         None => None,
                     },

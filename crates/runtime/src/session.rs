@@ -324,6 +324,36 @@ impl<B: Backend> Session<B> {
         self.backend.upload(slice, bytemuck::cast_slice(data))
     }
 
+    /// Writes a u8 persistent tensor (8-bit optimizer state) from a checkpoint.
+    pub fn write_u8(&mut self, id: TensorId, data: &[u8]) -> Result<(), RuntimeError> {
+        self.check(id, DType::U8, data.len())?;
+        self.writable(id)?;
+        let slice = self.binding(id)?.slice;
+        self.backend.upload(slice, data)
+    }
+
+    /// Reads a u8 persistent tensor (8-bit optimizer state), as [`Session::read_f32`].
+    pub fn read_u8(&self, id: TensorId) -> Result<Cow<'_, [u8]>, RuntimeError> {
+        let meta = self.graph.try_tensor(id)?;
+        if !meta.role.is_persistent() {
+            return Err(RuntimeError::NotReadable {
+                name: meta.name.clone(),
+            });
+        }
+        self.check(id, DType::U8, meta.numel())?;
+        let slice = self.binding(id)?.slice;
+        self.backend.synchronize()?;
+        if self.backend.allocator().is_host() {
+            // SAFETY: as `read_f32`: `numel` bytes, nothing running, borrowed with `self`.
+            return Ok(Cow::Borrowed(unsafe {
+                std::slice::from_raw_parts(slice.buffer.as_ptr().add(slice.offset), meta.numel())
+            }));
+        }
+        let mut out = vec![0u8; meta.numel()];
+        self.backend.download(slice, &mut out)?;
+        Ok(Cow::Owned(out))
+    }
+
     /// Writes token ids, checking each is below `bound` (an embedding's vocabulary).
     pub fn write_i32(
         &mut self,

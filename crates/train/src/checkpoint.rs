@@ -49,6 +49,9 @@ pub struct Checkpoint {
     /// Parameters (Hugging Face names) and optimizer state (`<param>.adam_m`, `.adam_v`), in
     /// graph order, with their shapes.
     pub tensors: Vec<SavedTensor>,
+    /// 8-bit AdamW's moment codes (`<param>.adam8_m`, `.adam8_v`), stored as u8; their
+    /// per-block absmaxes are f32 and sit in `tensors`.
+    pub quantized: Vec<SavedBytes>,
     /// The dynamic loss scale's state (f16 training).
     pub loss_scale: Option<LossScaler>,
 }
@@ -60,8 +63,23 @@ pub struct SavedTensor {
     pub data: Vec<f32>,
 }
 
-/// Optimizer state is named after its parameter with one of these suffixes.
-const OPTIMIZER_SUFFIXES: [&str; 2] = [".adam_m", ".adam_v"];
+/// A u8 tensor of a checkpoint (quantized optimizer state).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SavedBytes {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub data: Vec<u8>,
+}
+
+/// Optimizer state is named after its parameter with one of these suffixes (or, for the
+/// previous step's gradient norm, is named by it).
+const OPTIMIZER_SUFFIXES: [&str; 5] = [
+    ".adam_m",
+    ".adam_v",
+    ".adam8_m_absmax",
+    ".adam8_v_absmax",
+    snug_graph::PREVIOUS_SUM_SQUARES,
+];
 
 impl Checkpoint {
     pub fn tensor(&self, name: &str) -> Option<&SavedTensor> {
@@ -115,6 +133,17 @@ impl Checkpoint {
             tokenizer: self.tokenizer.clone(),
             tensors: self
                 .tensors
+                .iter()
+                .map(|t| {
+                    (
+                        t.name.as_str(),
+                        t.shape.as_slice(),
+                        Cow::Borrowed(t.data.as_slice()),
+                    )
+                })
+                .collect(),
+            quantized: self
+                .quantized
                 .iter()
                 .map(|t| {
                     (
@@ -184,10 +213,11 @@ impl Checkpoint {
         let mut views = st.tensors();
         views.sort_by(|a, b| a.0.cmp(&b.0));
         let mut tensors = Vec::with_capacity(views.len());
+        let mut quantized = Vec::new();
         for (name, view) in views {
-            if view.dtype() != Dtype::F32 {
+            if !matches!(view.dtype(), Dtype::F32 | Dtype::U8) {
                 return Err(bad(format!(
-                    "tensor `{name}` is {:?}; checkpoints hold F32",
+                    "tensor `{name}` is {:?}; checkpoints hold F32 (and U8 8-bit optimizer state)",
                     view.dtype()
                 )));
             }
@@ -201,6 +231,14 @@ impl Checkpoint {
                         "tensor `{name}` is damaged: its data's CRC-32 is {actual:08x}, the file recorded {stored:08x}"
                     )));
                 }
+            }
+            if view.dtype() == Dtype::U8 {
+                quantized.push(SavedBytes {
+                    name,
+                    shape: view.shape().to_vec(),
+                    data: view.data().to_vec(),
+                });
+                continue;
             }
             let data: Vec<f32> = view
                 .data()
@@ -239,6 +277,7 @@ impl Checkpoint {
             config,
             tokenizer,
             tensors,
+            quantized,
             loss_scale,
         })
     }
@@ -288,6 +327,9 @@ fn read_whole(path: &Path) -> Result<Vec<u8>, TrainError> {
 /// copied back from a device).
 pub type TensorRef<'a> = (&'a str, &'a [usize], Cow<'a, [f32]>);
 
+/// One u8 tensor of a [`CheckpointRef`] (quantized optimizer state).
+pub type BytesRef<'a> = (&'a str, &'a [usize], Cow<'a, [u8]>);
+
 /// A checkpoint whose tensors are borrowed (from a live session), so saving a host session
 /// copies nothing.
 #[derive(Debug, Clone)]
@@ -298,6 +340,8 @@ pub struct CheckpointRef<'a> {
     pub tokenizer: TokenizerSpec,
     /// Name, shape and values of each tensor.
     pub tensors: Vec<TensorRef<'a>>,
+    /// Name, shape and codes of each quantized optimizer state.
+    pub quantized: Vec<BytesRef<'a>>,
     pub loss_scale: Option<LossScaler>,
 }
 
@@ -334,6 +378,15 @@ impl CheckpointRef<'_> {
             })?;
             views.push((name, view));
         }
+        for (name, shape, b) in &self.quantized {
+            let view = TensorView::new(Dtype::U8, shape.to_vec(), b).map_err(|e| {
+                TrainError::Checkpoint {
+                    path: path.to_path_buf(),
+                    detail: format!("tensor `{name}`: {e}"),
+                }
+            })?;
+            views.push((name, view));
+        }
         // Checksums of the borrowed bytes: one more read of the weights, no copy. Sorted, so
         // the same state always writes the same header.
         let checksums: std::collections::BTreeMap<&str, u32> = self
@@ -341,6 +394,11 @@ impl CheckpointRef<'_> {
             .iter()
             .zip(&bytes)
             .map(|(&(name, _, _), b)| (name, crc32fast::hash(b)))
+            .chain(
+                self.quantized
+                    .iter()
+                    .map(|(name, _, b)| (*name, crc32fast::hash(b))),
+            )
             .collect();
         let mut metadata = self.metadata()?;
         metadata.insert(

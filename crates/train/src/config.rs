@@ -188,7 +188,8 @@ train_keys! {
     /// Good steps in a row before the loss scale doubles. Default 2000.
     #[key]
     loss_scale_interval: u32,
-    /// Optimizer: adamw (default) or sgd.
+    /// Optimizer: adamw (default), adamw8bit (moments quantized to 8 bits in blocks of 2048,
+    /// a quarter of the memory) or sgd.
     #[flag(step, long)]
     optimizer: String,
     /// Micro-batches per step (gradient accumulation); --batch is the whole step's batch.
@@ -198,6 +199,16 @@ train_keys! {
     /// gradient before the first update, so they are all alive at once.
     #[flag(step, long, allow_negative_numbers = true)]
     grad_clip: f32,
+    /// The norm --grad-clip bounds: global (default; every gradient's, so all are held until
+    /// the first update), tensor (each gradient's own) or previous (the previous step's
+    /// global norm, kept in the checkpoint; the first step is not clipped).
+    #[flag(step, long, value_name = "MODE")]
+    clip_mode: String,
+    /// Update each parameter as soon as its gradient is complete and free the gradient, so
+    /// the gradients are never all held at once. Needs --clip-mode tensor or previous (or
+    /// --grad-clip 0), one micro-batch (--accumulation 1) and no f16 loss scaling.
+    #[flag(step, long, num_args = 0, default_missing_value = "true")]
+    fused_update: bool,
     /// Evaluate train and validation loss every this many steps and at the end (0: never).
     #[flag(run, long)]
     eval_every: u64,
@@ -293,6 +304,8 @@ pub struct TrainConfig {
     pub optimizer: OptimizerKind,
     pub accumulation: usize,
     pub grad_clip: f32,
+    pub clip_mode: snug_graph::ClipMode,
+    pub fused_update: bool,
     pub eval_every: u64,
     pub eval_batches: usize,
     pub out: Option<PathBuf>,
@@ -370,6 +383,8 @@ impl Default for TrainConfig {
             optimizer: OptimizerKind::AdamW,
             accumulation: 1,
             grad_clip: 1.0,
+            clip_mode: snug_graph::ClipMode::Global,
+            fused_update: false,
             eval_every: 500,
             eval_batches: 8,
             out: None,
@@ -505,11 +520,21 @@ impl TrainConfig {
             log_every,
             accumulation,
             grad_clip,
+            fused_update,
             eval_every,
             eval_batches,
             checkpoint_every,
             keep_checkpoints
         );
+        if let Some(m) = &t.clip_mode {
+            self.clip_mode =
+                m.to_ascii_lowercase()
+                    .parse()
+                    .map_err(|detail| TrainError::Config {
+                        field: "clip_mode",
+                        detail,
+                    })?;
+        }
         if let Some(d) = &t.device {
             self.device = d.parse().map_err(|detail| TrainError::Config {
                 field: "device",
@@ -610,10 +635,11 @@ impl TrainConfig {
             self.optimizer = match o.to_ascii_lowercase().as_str() {
                 "adamw" => OptimizerKind::AdamW,
                 "sgd" => OptimizerKind::Sgd,
+                "adamw8bit" => OptimizerKind::AdamW8bit,
                 _ => {
                     return Err(TrainError::Config {
                         field: "optimizer",
-                        detail: format!("`{o}` is not one of adamw, sgd"),
+                        detail: format!("`{o}` is not one of adamw, adamw8bit, sgd"),
                     })
                 }
             };
@@ -673,6 +699,52 @@ impl TrainConfig {
                 "grad_clip",
                 format!("must be 0 (off) or positive, got {}", self.grad_clip),
             );
+        }
+        if self.clip_mode != snug_graph::ClipMode::Global && self.grad_clip > 0.0 {
+            if self.accumulation > 1 {
+                return err(
+                    "clip_mode",
+                    format!(
+                        "{} clipping takes one micro-batch (accumulation 1)",
+                        self.clip_mode.name()
+                    ),
+                );
+            }
+            if self.precision == DType::F16 {
+                return err(
+                    "clip_mode",
+                    format!(
+                        "{} clipping does not combine with f16 loss scaling: use bf16",
+                        self.clip_mode.name()
+                    ),
+                );
+            }
+        }
+        if self.fused_update {
+            if self.accumulation > 1 {
+                return err(
+                    "fused_update",
+                    "accumulation keeps every gradient in its accumulator across micro-batches, \
+                     so fusing the update frees nothing: use --accumulation 1"
+                        .into(),
+                );
+            }
+            if self.grad_clip > 0.0 && self.clip_mode == snug_graph::ClipMode::Global {
+                return err(
+                    "fused_update",
+                    "global-norm clipping needs every gradient before the first update: add \
+                     --clip-mode tensor or --clip-mode previous, or --grad-clip 0"
+                        .into(),
+                );
+            }
+            if self.precision == DType::F16 {
+                return err(
+                    "fused_update",
+                    "f16 loss scaling skips the update when any gradient overflows, known only \
+                     once all are complete: use --precision bf16"
+                        .into(),
+                );
+            }
         }
         if self.eval_batches == 0 {
             return err("eval_batches", "must be at least 1".into());
@@ -769,6 +841,8 @@ impl TrainConfig {
             weight_decay: self.weight_decay,
             accumulation: self.accumulation,
             grad_clip: self.grad_clip,
+            clip_mode: self.clip_mode,
+            fused_update: self.fused_update,
             passes: self.passes.clone(),
             remat: self.remat,
             loss_mask: self.loss_mask,

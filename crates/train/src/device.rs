@@ -215,6 +215,16 @@ impl StepSession {
         each!(self, s => s.read_f32(id))
     }
 
+    /// 8-bit optimizer state.
+    pub fn write_u8(&mut self, id: TensorId, data: &[u8]) -> Result<(), RuntimeError> {
+        each!(self, s => s.write_u8(id, data))
+    }
+
+    /// 8-bit optimizer state.
+    pub fn read_u8(&self, id: TensorId) -> Result<Cow<'_, [u8]>, RuntimeError> {
+        each!(self, s => s.read_u8(id))
+    }
+
     #[cfg(feature = "test-hooks")]
     pub fn fill_arena(&mut self, byte: u8) -> Result<(), RuntimeError> {
         each!(self, s => s.fill_arena(byte))

@@ -15,7 +15,7 @@ use snug_nn::{LossMask, ModelConfig};
 use snug_plan::{plan, MemoryPlan, PlanOptions};
 use snug_runtime::{Allocator, ExecCtx, OutOfMemory, RuntimeError};
 
-use crate::checkpoint::{Checkpoint, CheckpointRef, SavedTensor};
+use crate::checkpoint::{Checkpoint, CheckpointRef, SavedBytes, SavedTensor};
 use crate::data::{batch_starts, fill_batch, fill_mask, Batch, Prefetcher, Tokens};
 use crate::device::StepSession;
 use crate::{LossScaler, TokenDataset, TrainConfig, TrainError};
@@ -457,14 +457,17 @@ impl Trainer {
         Ok(trainer)
     }
 
-    /// Every persistent tensor a checkpoint holds: parameters and optimizer state.
-    fn saved_tensors(&self) -> impl Iterator<Item = TensorId> + '_ {
+    /// Every persistent tensor a checkpoint holds: parameters and optimizer state, f32
+    /// (`quantized` false) or u8 (true: 8-bit AdamW's moment codes).
+    fn saved_tensors(&self, quantized: bool) -> impl Iterator<Item = TensorId> + '_ {
         let g = &self.step_graph.graph;
         (0..g.tensors().len() as u32)
             .map(TensorId)
             .filter(move |&t| {
                 let m = g.tensor(t);
-                m.view_of.is_none() && matches!(m.role, Role::Parameter | Role::OptimizerState)
+                m.view_of.is_none()
+                    && matches!(m.role, Role::Parameter | Role::OptimizerState)
+                    && (m.dtype == snug_graph::DType::U8) == quantized
             })
     }
 
@@ -472,12 +475,22 @@ impl Trainer {
     pub fn checkpoint(&self) -> Result<Checkpoint, TrainError> {
         let g = &self.step_graph.graph;
         let tensors = self
-            .saved_tensors()
+            .saved_tensors(false)
             .map(|t| {
                 Ok(SavedTensor {
                     name: g.tensor(t).name.clone(),
                     shape: g.tensor(t).shape.clone(),
                     data: self.session.read_f32(t)?.to_vec(),
+                })
+            })
+            .collect::<Result<Vec<_>, TrainError>>()?;
+        let quantized = self
+            .saved_tensors(true)
+            .map(|t| {
+                Ok(SavedBytes {
+                    name: g.tensor(t).name.clone(),
+                    shape: g.tensor(t).shape.clone(),
+                    data: self.session.read_u8(t)?.to_vec(),
                 })
             })
             .collect::<Result<Vec<_>, TrainError>>()?;
@@ -487,6 +500,7 @@ impl Trainer {
             config: self.config.clone(),
             tokenizer: self.data.tokenizer.to_spec(),
             tensors,
+            quantized,
             loss_scale: self.scaler,
         })
     }
@@ -495,7 +509,7 @@ impl Trainer {
     pub fn checkpoint_ref(&self) -> Result<CheckpointRef<'_>, TrainError> {
         let g = &self.step_graph.graph;
         let tensors = self
-            .saved_tensors()
+            .saved_tensors(false)
             .map(|t| {
                 let m = g.tensor(t);
                 Ok((
@@ -505,12 +519,24 @@ impl Trainer {
                 ))
             })
             .collect::<Result<Vec<_>, TrainError>>()?;
+        let quantized = self
+            .saved_tensors(true)
+            .map(|t| {
+                let m = g.tensor(t);
+                Ok((
+                    m.name.as_str(),
+                    m.shape.as_slice(),
+                    self.session.read_u8(t)?,
+                ))
+            })
+            .collect::<Result<Vec<_>, TrainError>>()?;
         Ok(CheckpointRef {
             step: self.step,
             tokens_seen: self.tokens_seen,
             config: &self.config,
             tokenizer: self.data.tokenizer.to_spec(),
             tensors,
+            quantized,
             loss_scale: self.scaler,
         })
     }
@@ -518,11 +544,51 @@ impl Trainer {
     /// Loads `ckpt`'s parameters, optimizer state and position. Every tensor must match by
     /// name and shape, both ways.
     pub fn restore(&mut self, ckpt: &Checkpoint) -> Result<(), TrainError> {
-        let ids: Vec<TensorId> = self.saved_tensors().collect();
         let bad = |detail: String| TrainError::Checkpoint {
             path: PathBuf::from("<checkpoint>"),
             detail,
         };
+        // The moments of one optimizer mean nothing to another (8-bit codes are not f32).
+        let (saved, now) = (ckpt.config.optimizer, self.config.optimizer);
+        if saved != now {
+            return Err(TrainError::Config {
+                field: "optimizer",
+                detail: format!(
+                    "the checkpoint's optimizer state is {}'s and this run uses {}: its moments \
+                     cannot be reinterpreted; resume with --optimizer {}",
+                    saved.name(),
+                    now.name(),
+                    saved.name()
+                ),
+            });
+        }
+        let codes: Vec<TensorId> = self.saved_tensors(true).collect();
+        for &t in &codes {
+            let meta = self.step_graph.graph.tensor(t).clone();
+            let saved = ckpt
+                .quantized
+                .iter()
+                .find(|q| q.name == meta.name)
+                .ok_or_else(|| bad(format!("tensor `{}` is missing", meta.name)))?;
+            if saved.shape != meta.shape {
+                return Err(bad(format!(
+                    "tensor `{}` has shape {:?}, the model expects {:?}",
+                    meta.name, saved.shape, meta.shape
+                )));
+            }
+            self.session.write_u8(t, &saved.data)?;
+        }
+        if let Some(extra) = ckpt.quantized.iter().find(|s| {
+            !codes
+                .iter()
+                .any(|&t| self.step_graph.graph.tensor(t).name == s.name)
+        }) {
+            return Err(bad(format!(
+                "tensor `{}` has no place in this model (a different model or optimizer?)",
+                extra.name
+            )));
+        }
+        let ids: Vec<TensorId> = self.saved_tensors(false).collect();
         for &t in &ids {
             let meta = self.step_graph.graph.tensor(t).clone();
             let saved = ckpt

@@ -378,6 +378,8 @@ const TRAIN_KEYS: &[&str] = &[
     "optimizer",
     "accumulation",
     "grad_clip",
+    "clip_mode",
+    "fused_update",
     "eval_every",
     "eval_batches",
     "out",
@@ -421,7 +423,8 @@ fn typed_value(key: &str) -> BoxedStrategy<toml::Value> {
     match key {
         "preset" => text(&["tiny", "char-small", "gpt2", "llama-tiny", "gpt5", ""]).boxed(),
         "precision" => text(&["f32", "bf16", "f16", "int8", "F32"]).boxed(),
-        "optimizer" => text(&["adamw", "SGD", "lion"]).boxed(),
+        "optimizer" => text(&["adamw", "SGD", "lion", "adamw8bit"]).boxed(),
+        "clip_mode" => text(&["global", "tensor", "previous", "Tensor", "none"]).boxed(),
         "memory_limit" => text(&[
             "1.5GiB",
             "0",
@@ -452,7 +455,7 @@ fn typed_value(key: &str) -> BoxedStrategy<toml::Value> {
         "data" | "out" | "init_from" | "hf_config" => {
             text(&["/dev/zero", "/nonexistent/file", ".", ""]).boxed()
         }
-        "strict_memory_limit" => any::<bool>().prop_map(V::Boolean).boxed(),
+        "strict_memory_limit" | "fused_update" => any::<bool>().prop_map(V::Boolean).boxed(),
         // No plain `gpu`: a case would open the machine's adapter and train on it.
         "device" => text(&["cpu", "gpu:99", "tpu", "CPU", ""]).boxed(),
         "lr" | "min_lr" | "beta1" | "beta2" | "weight_decay" | "loss_scale" | "grad_clip" => {

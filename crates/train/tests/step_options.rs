@@ -3,7 +3,7 @@
 
 use snug_cpu::CpuSession;
 use snug_graph::ops::{AdamW, Sgd};
-use snug_graph::{OptimizerSpec, StepGraph, StepOptions, TensorId};
+use snug_graph::{ClipMode, OptimizerSpec, StepGraph, StepOptions, TensorId, PREVIOUS_SUM_SQUARES};
 use snug_nn::GptConfig;
 use snug_plan::{plan, PlanOptions};
 use snug_runtime::{Allocator, ExecCtx};
@@ -228,4 +228,141 @@ fn accumulators_are_planned_as_persistent_state() {
         }
     )
     .is_err());
+}
+
+/// Per-tensor clipping scales each parameter's update by its own gradient's coefficient,
+/// min(1, max / (‖g‖ + 1e-6)); with a bound between the norms, some are clipped and some not.
+#[test]
+fn per_tensor_clipping_scales_each_update_by_its_own_norm() {
+    let cfg = tiny();
+    let (before, grads) = full_batch_grads(&cfg);
+    let norms: Vec<f32> = grads
+        .iter()
+        .map(|g| global_norm(std::slice::from_ref(g)))
+        .collect();
+    let mut sorted = norms.clone();
+    sorted.sort_by(f32::total_cmp);
+    let max_norm = sorted[sorted.len() / 2];
+    let sgd = OptimizerSpec::Sgd(Sgd { weight_decay: WD });
+    for fused_update in [false, true] {
+        let opts = StepOptions {
+            clip_grad_norm: Some(max_norm),
+            clip_mode: ClipMode::Tensor,
+            fused_update,
+            ..StepOptions::new(sgd)
+        };
+        let (after, reported) = step_with(&cfg, &opts);
+        let norm = global_norm(&grads);
+        assert!(
+            (reported.unwrap() - norm).abs() < 1e-4 * norm,
+            "the global norm is reported"
+        );
+        let step = build(&cfg, 4, &StepOptions::new(OptimizerSpec::None)).step;
+        let mut clipped = 0;
+        for (k, slot) in step.params.iter().enumerate() {
+            let coef = (max_norm / (norms[k] + 1e-6)).min(1.0);
+            clipped += usize::from(coef < 1.0);
+            let wd = if step.graph.tensor(slot.param).rank() >= 2 {
+                WD
+            } else {
+                0.0
+            };
+            for ((&p1, &p0), &g) in after[k].iter().zip(&before[k]).zip(&grads[k]) {
+                let expect = p0 * (1.0 - LR * wd) - LR * coef * g;
+                assert!(
+                    (p1 - expect).abs() <= 2e-6 * (1.0 + expect.abs()),
+                    "{}: {p1} vs {expect}",
+                    slot.name
+                );
+            }
+        }
+        assert!(
+            clipped > 0 && clipped < norms.len(),
+            "{clipped} of {}",
+            norms.len()
+        );
+    }
+}
+
+/// Clipping by the previous step's norm reads the persistent sum of squares the step before
+/// left (here written by hand), and leaves this step's in it.
+#[test]
+fn previous_norm_clipping_reads_and_keeps_the_sum_of_squares() {
+    let cfg = tiny();
+    let (before, grads) = full_batch_grads(&cfg);
+    let norm = global_norm(&grads);
+    let sgd = OptimizerSpec::Sgd(Sgd { weight_decay: WD });
+    let opts = StepOptions {
+        clip_grad_norm: Some(0.5),
+        clip_mode: ClipMode::Previous,
+        fused_update: true,
+        ..StepOptions::new(sgd)
+    };
+    for previous in [0.0f32, 4.0] {
+        let mut b = build(&cfg, 4, &opts);
+        let state = (0..b.step.graph.tensors().len() as u32)
+            .map(TensorId)
+            .find(|&t| b.step.graph.tensor(t).name == PREVIOUS_SUM_SQUARES)
+            .expect("the state is in the graph");
+        b.session.write_f32(state, &[previous]).unwrap();
+        b.session.write_i32(b.tokens, &ids(32, 0), 13).unwrap();
+        b.session.write_i32(b.targets, &ids(32, 1), 13).unwrap();
+        b.session.run(ExecCtx::step(LR, 1)).unwrap();
+        let after: Vec<Vec<f32>> = b
+            .step
+            .params
+            .iter()
+            .map(|s| b.session.read_f32(s.param).unwrap().to_vec())
+            .collect();
+        // No previous step (0): no clipping. A previous norm of 2: coefficient 0.5 / 2.
+        let coef = (0.5 / (previous.sqrt() + 1e-6)).min(1.0);
+        assert_sgd_update(&cfg, &after, &before, &grads, coef);
+        let kept = b.session.read_f32(state).unwrap()[0];
+        assert!(
+            (kept.sqrt() - norm).abs() < 1e-4 * norm,
+            "{kept} vs {norm}²"
+        );
+    }
+}
+
+#[test]
+fn fused_updates_refuse_what_needs_every_gradient() {
+    let cfg = tiny();
+    let adamw = OptimizerSpec::AdamW(AdamW::default());
+    for (opts, why) in [
+        (
+            StepOptions {
+                clip_grad_norm: Some(1.0),
+                ..StepOptions::new(adamw)
+            },
+            "global-norm clipping",
+        ),
+        (
+            StepOptions {
+                micro_steps: 2,
+                ..StepOptions::new(adamw)
+            },
+            "accumulation",
+        ),
+        (
+            StepOptions {
+                loss_scale: true,
+                ..StepOptions::new(adamw)
+            },
+            "loss scaling",
+        ),
+    ] {
+        let g = cfg.build(2, 8, 1).unwrap();
+        let opts = StepOptions {
+            fused_update: true,
+            ..opts
+        };
+        match StepGraph::build_with(g.graph, g.loss, &opts) {
+            Err(snug_graph::GraphError::Invalid { op, detail }) => {
+                assert_eq!(op, "fused_update");
+                assert!(detail.contains(why), "{detail}");
+            }
+            other => panic!("{why}: {other:?}"),
+        }
+    }
 }

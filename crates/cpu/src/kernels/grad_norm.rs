@@ -1,7 +1,7 @@
 //! The kernels of the global gradient norm: each gradient's sum of squares (in f64), and their
 //! total's square root.
 
-use snug_graph::ops::{GradNorm, SumSquares};
+use snug_graph::ops::{GradNorm, StoreSumSquares, SumSquares};
 
 use crate::kernel::{CpuKernel, Kernel};
 
@@ -44,5 +44,15 @@ impl CpuKernel for GradNorm {
             scale * clip
         };
         k.out_f32(1)[0] = norm;
+    }
+}
+
+impl CpuKernel for StoreSumSquares {
+    fn run(&self, k: &Kernel<'_>) {
+        if !k.ctx.is_last_micro() {
+            return;
+        }
+        let total: f64 = (1..k.in_count()).map(|i| k.in_f32(i)[0] as f64).sum();
+        k.in_mut_f32(0)[0] = total as f32;
     }
 }

@@ -3,6 +3,7 @@
 
 mod accumulate;
 mod adamw;
+mod adamw8bit;
 mod attention;
 mod broadcast;
 mod cast;

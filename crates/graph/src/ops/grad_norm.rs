@@ -94,6 +94,45 @@ impl OpRule for GradNorm {
     }
 }
 
+/// Inputs `[state, sums…]`: writes the total of the sums of squares into the persistent
+/// scalar `state`, where the next step reads it ([`GradNorm`] over `[state]`) to clip by the
+/// previous step's global norm without waiting for this step's gradients.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct StoreSumSquares;
+
+impl OpRule for StoreSumSquares {
+    fn name(&self) -> &'static str {
+        "store_sum_squares"
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
+        if inputs.len() < 2 || inputs.iter().any(|t| t.numel() != 1) {
+            return Err(super::shape_err(
+                self.name(),
+                "expects a scalar state and one or more scalar sums of squares",
+            ));
+        }
+        if !inputs[0].role.is_persistent() {
+            return Err(GraphError::Invalid {
+                op: "store_sum_squares",
+                detail: format!(
+                    "`{}` is written in place and must be persistent",
+                    inputs[0].name
+                ),
+            });
+        }
+        Ok(vec![])
+    }
+
+    fn backward(&self, _ctx: &mut GradCtx<'_>) -> Result<()> {
+        Err(no_gradient("store_sum_squares"))
+    }
+
+    fn mutates_inputs(&self) -> &'static [usize] {
+        &[0]
+    }
+}
+
 fn no_gradient(op: &'static str) -> GraphError {
     GraphError::Invalid {
         op,

@@ -4,6 +4,7 @@
 
 mod accumulate;
 mod adamw;
+pub mod adamw8bit;
 pub mod attention;
 mod broadcast;
 mod cast;
@@ -33,6 +34,7 @@ mod view;
 
 pub use accumulate::AccumulateGrad;
 pub use adamw::AdamW;
+pub use adamw8bit::AdamW8bit;
 pub use attention::{CausalAttention, CausalAttentionBackward};
 pub use broadcast::{broadcast_shape, broadcasts_to};
 pub use cast::Cast;
@@ -44,7 +46,7 @@ pub use fill::Fill;
 pub use gelu::{Gelu, GeluApprox, GeluBackward};
 pub use gelu_linear::{GeluLinear, GeluLinearBackward};
 pub use gqa_attention::{GqaAttention, GqaAttentionBackward};
-pub use grad_norm::{gpu_partial_sums, GradNorm, SumSquares};
+pub use grad_norm::{gpu_partial_sums, GradNorm, StoreSumSquares, SumSquares};
 pub use kv_attention::KvAttention;
 pub use layernorm::{LayerNorm, LayerNormBackward};
 pub use layernorm_linear::{LayerNormLinear, LayerNormLinearBackward};
@@ -210,6 +212,8 @@ ops!(
     ReduceScatter,
     AllGather,
     ShardedAdamW,
+    AdamW8bit,
+    StoreSumSquares,
 );
 
 impl Op {
