@@ -24,8 +24,10 @@ pub struct FitArgs {
     /// Measure this machine's kernels again instead of using the cached calibration.
     #[arg(long)]
     recalibrate: bool,
-    /// Levers that change what is trained, which fit may use where nothing fits without them:
-    /// lora (rank-16 adapters on every linear layer, the base frozen), all, or none (default).
+    /// Levers that change what is trained, which fit may use where nothing fits without them,
+    /// comma-separated: fused-update (each update as its gradient completes; global clipping
+    /// by the previous step's norm), adam8bit (8-bit AdamW moments), lora (rank-16 adapters
+    /// on every linear layer, the base frozen); or all, or none (default).
     #[arg(long, value_name = "LEVERS")]
     allow: Option<String>,
     /// Search one rank of a data-parallel run over this many devices (the budget is per

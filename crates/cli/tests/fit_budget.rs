@@ -262,7 +262,11 @@ fn fit_over_devices_searches_every_stage_per_rank() {
     let cache = tempfile::tempdir().expect("a scratch directory");
     let base = ["fit", "--batch", "8", "--threads", "1", "--json"];
     let fit = snug(
-        &[&base[..], &["--devices", "4", "--link", "10", "--memory", "1GiB"]].concat(),
+        &[
+            &base[..],
+            &["--devices", "4", "--link", "10", "--memory", "1GiB"],
+        ]
+        .concat(),
         cache.path(),
     );
     assert_eq!(fit.code, Some(0), "{}", fit.stderr);

@@ -55,7 +55,18 @@ pub fn suggest_config(
     let mut smallest = usize::MAX;
     for levers in std::iter::once(Levers::none()).chain(ladder(allowed)) {
         let step = levers.apply(&StepConfig::default());
-        if let Some(c) = first_fitting(model, devices, memory_per_device, &step, &mut smallest)? {
+        let stages: Vec<u8> = (0..=3)
+            .filter(|&s| levers.runs_sharded(devices, s))
+            .collect();
+        let found = first_fitting(
+            model,
+            devices,
+            memory_per_device,
+            &step,
+            &stages,
+            &mut smallest,
+        )?;
+        if let Some(c) = found {
             return Ok(DeviceConfig {
                 lever_costs: levers.costs(),
                 levers,
@@ -77,6 +88,7 @@ fn first_fitting(
     devices: usize,
     memory_per_device: usize,
     base: &StepConfig,
+    stages: &[u8],
     smallest: &mut usize,
 ) -> Result<Option<DeviceConfig>, FitError> {
     let block = model.max_seq().min(1024);
@@ -97,7 +109,7 @@ fn first_fitting(
             snug_graph::zero::comm_per_rank(&c.step.graph, 1),
         ))
     };
-    for stage in 0..=3u8 {
+    for &stage in stages {
         for remat in [Remat::None, Remat::Blocks { blocks: 1 }] {
             for precision in [DType::F32, DType::BF16] {
                 let (mut bytes, mut comm) = peak(stage, 1, remat, precision)?;

@@ -1,6 +1,5 @@
-//! Levers: changes to what is trained, not only to how (LoRA adapters instead of the whole
-//! model, and, as they land, quantized bases, 8-bit optimizer state, updates fused into the
-//! backward). The search never uses one the user did not allow ([`Levers`], `--allow`), and
+//! Levers: changes to what is trained, not only to how (updates fused into the backward,
+//! 8-bit optimizer state, LoRA adapters instead of the whole model). The search never uses one the user did not allow ([`Levers`], `--allow`), and
 //! tries them only when nothing with the user's own math fits: cheapest first, in the order of
 //! [`ladder`].
 
@@ -9,7 +8,8 @@ use std::fmt;
 use std::str::FromStr;
 
 use serde::{Serialize, Serializer};
-use snug_compile::StepConfig;
+use snug_compile::{OptimizerKind, StepConfig};
+use snug_graph::ClipMode;
 use snug_nn::{LoraConfig, LoraTargets};
 
 /// The rank of the adapters the LoRA lever adds (QLoRA's and torchtune's common choice); alpha
@@ -19,16 +19,23 @@ pub const LORA_LEVER_RANK: usize = 16;
 /// One change to the training math fit may make when allowed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Lever {
+    /// Each parameter updated as soon as its gradient is complete, the gradient freed at once;
+    /// global-norm clipping becomes clipping by the previous step's global norm.
+    FusedUpdate,
+    /// AdamW's moments stored as block-wise 8-bit codes.
+    Adam8bit,
     /// Train rank-[`LORA_LEVER_RANK`] adapters on every linear layer; the base is frozen.
     Lora,
 }
 
 impl Lever {
-    pub const ALL: [Lever; 1] = [Lever::Lora];
+    pub const ALL: [Lever; 3] = [Lever::FusedUpdate, Lever::Adam8bit, Lever::Lora];
 
     /// As `--allow` spells it.
     pub fn name(self) -> &'static str {
         match self {
+            Lever::FusedUpdate => "fused-update",
+            Lever::Adam8bit => "adam8bit",
             Lever::Lora => "lora",
         }
     }
@@ -36,6 +43,21 @@ impl Lever {
     /// What choosing it costs, beyond memory (which the search measures).
     pub fn cost(self) -> LeverCost {
         match self {
+            Lever::FusedUpdate => LeverCost {
+                lever: self,
+                quality: "the same updates without clipping or clipping per tensor; global-norm \
+                          clipping uses the previous step's norm (the first step unclipped)",
+                recompute: "none",
+                speed: "the same work; one micro-batch per step (no accumulation)",
+            },
+            Lever::Adam8bit => LeverCost {
+                lever: self,
+                quality: "moments rounded to 8-bit dynamic codes per block of 2048: loss curves \
+                          track AdamW's closely (Dettmers et al. 2022), not bit for bit",
+                recompute: "none",
+                speed: "the update quantizes and dequantizes each moment: a little slower \
+                        optimizer step",
+            },
             Lever::Lora => LeverCost {
                 lever: self,
                 quality: "trains a low-rank update of the linear layers only; the base, \
@@ -50,6 +72,17 @@ impl Lever {
     /// `step` with this lever applied; a setting the user made (their own `--lora`) stays.
     fn apply(self, step: &mut StepConfig) {
         match self {
+            Lever::FusedUpdate => {
+                step.fused_update = true;
+                if step.grad_clip > 0.0 && step.clip_mode == ClipMode::Global {
+                    step.clip_mode = ClipMode::Previous;
+                }
+            }
+            Lever::Adam8bit => {
+                if step.optimizer == OptimizerKind::AdamW {
+                    step.optimizer = OptimizerKind::AdamW8bit;
+                }
+            }
             Lever::Lora => {
                 if step.lora.is_none() {
                     step.lora = Some(LoraConfig {
@@ -127,6 +160,15 @@ impl Levers {
         step
     }
 
+    /// Whether these levers can run as one rank of `devices` at ZeRO stage `stage`: fused
+    /// updates need every gradient on one device (no bucketed averaging), and stages 1 and 2
+    /// shard AdamW's f32 moments, which 8-bit AdamW does not.
+    pub fn runs_sharded(&self, devices: usize, stage: u8) -> bool {
+        let distributed = devices > 1 || stage > 0;
+        !(distributed && self.contains(Lever::FusedUpdate))
+            && !(self.contains(Lever::Adam8bit) && matches!(stage, 1 | 2))
+    }
+
     /// What each lever costs.
     pub fn costs(&self) -> Vec<LeverCost> {
         self.iter().map(Lever::cost).collect()
@@ -153,7 +195,7 @@ pub struct UnknownLever {
 impl FromStr for Levers {
     type Err = UnknownLever;
 
-    /// `lora,...`, `all` or `none` (also the empty string).
+    /// `lora,adam8bit,...`, `all` or `none` (also the empty string).
     fn from_str(s: &str) -> Result<Levers, UnknownLever> {
         let mut set = BTreeSet::new();
         for name in s.split(',').map(str::trim).filter(|n| !n.is_empty()) {
@@ -176,7 +218,12 @@ impl FromStr for Levers {
 /// The lever sets the search tries, in order of cost (least change to the math first), those
 /// `allowed` permits. The first whose candidates fit is used.
 pub fn ladder(allowed: &Levers) -> Vec<Levers> {
-    let rungs = [Levers::of(&[Lever::Lora])];
+    let rungs = [
+        Levers::of(&[Lever::FusedUpdate]),
+        Levers::of(&[Lever::Adam8bit]),
+        Levers::of(&[Lever::Adam8bit, Lever::FusedUpdate]),
+        Levers::of(&[Lever::Lora]),
+    ];
     rungs
         .into_iter()
         .filter(|r| !r.is_empty() && r.is_subset(allowed))
@@ -212,9 +259,45 @@ mod tests {
             ladder(&Levers::of(&[Lever::Lora])),
             vec![Levers::of(&[Lever::Lora])]
         );
+        assert_eq!(
+            ladder(&"adam8bit,fused-update".parse().unwrap()),
+            vec![
+                Levers::of(&[Lever::FusedUpdate]),
+                Levers::of(&[Lever::Adam8bit]),
+                Levers::of(&[Lever::Adam8bit, Lever::FusedUpdate]),
+            ]
+        );
         for rung in ladder(&Levers::all()) {
             assert!(rung.is_subset(&Levers::all()));
         }
+    }
+
+    #[test]
+    fn the_optimizer_levers_set_what_they_name() {
+        let step = StepConfig::default();
+        let fused = Levers::of(&[Lever::FusedUpdate]).apply(&step);
+        assert!(fused.fused_update);
+        assert_eq!(fused.clip_mode, ClipMode::Previous);
+        let unclipped = StepConfig {
+            grad_clip: 0.0,
+            ..step.clone()
+        };
+        assert_eq!(
+            Levers::of(&[Lever::FusedUpdate])
+                .apply(&unclipped)
+                .clip_mode,
+            ClipMode::Global
+        );
+        let eight = Levers::of(&[Lever::Adam8bit]).apply(&step);
+        assert_eq!(eight.optimizer, OptimizerKind::AdamW8bit);
+        let sgd = StepConfig {
+            optimizer: OptimizerKind::Sgd,
+            ..step
+        };
+        assert_eq!(
+            Levers::of(&[Lever::Adam8bit]).apply(&sgd).optimizer,
+            OptimizerKind::Sgd
+        );
     }
 
     #[test]

@@ -323,7 +323,10 @@ fn search(s: &Search<'_>, machine: &MachineProfile) -> Result<FitReport, FitErro
                 ..s.model.clone()
             };
             let mut rung = Vec::new();
-            for &stage in stages {
+            for &stage in stages
+                .iter()
+                .filter(|&&st| levers.runs_sharded(s.devices, st))
+            {
                 rung.extend(space(s, &with, stage, machine));
             }
             for c in &mut rung {
@@ -389,6 +392,8 @@ fn space(s: &Search<'_>, model: &FitModel, shard: u8, machine: &MachineProfile) 
     let micro_batches: Vec<usize> = (1..=per_rank)
         .rev()
         .filter(|&m| per_rank.is_multiple_of(m))
+        // Fused updates take the whole batch in one micro-batch: accumulation frees nothing.
+        .filter(|&m| !model.step.fused_update || m == per_rank)
         .filter(|&m| max_micro_batch.is_none_or(|max| m <= max))
         .collect();
     let config = |micro_batch: usize, passes: &Vec<Pass>, remat: Remat| FitConfig {

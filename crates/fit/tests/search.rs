@@ -550,3 +550,56 @@ fn over_devices_each_stage_plans_one_rank() {
         "{err}"
     );
 }
+
+/// With every lever allowed, the cheapest rung of the ladder that fits is taken: at any budget
+/// the plain space does not reach, every candidate of an earlier rung is over it, and the
+/// chosen one is the plan of exactly the step its levers make.
+#[test]
+fn the_cheapest_rung_that_fits_is_taken() {
+    use snug_fit::levers::ladder;
+    use snug_fit::Levers;
+    let fit = model().allowing_levers(Levers::all());
+    let machine = MachineProfile::nominal(1);
+    let rungs = ladder(&Levers::all());
+    // The least the plain space reaches: its search at a budget nothing meets.
+    let plain_smallest = Search::new(&model(), cpu(), 1)
+        .run(&machine)
+        .unwrap()
+        .candidates
+        .iter()
+        .filter_map(|c| c.peak_bytes)
+        .min()
+        .unwrap();
+    let lora_peak = peak_of(
+        &fit,
+        1,
+        &Levers::of(&[snug_fit::Lever::Lora]).apply(&fit.step),
+    );
+    let mut taken = Vec::new();
+    for k in 0..6 {
+        let budget = lora_peak + (plain_smallest - 1 - lora_peak) * k / 5;
+        let report = Search::new(&fit, cpu(), budget).choose(&machine).unwrap();
+        let chosen = report.chosen().unwrap();
+        let rung = rungs
+            .iter()
+            .position(|r| *r == chosen.config.levers)
+            .expect("a rung of the ladder");
+        for c in &report.candidates {
+            let earlier = c.config.levers.is_empty()
+                || rungs.iter().position(|r| *r == c.config.levers) < Some(rung);
+            if earlier {
+                assert!(c.peak_bytes.is_none_or(|p| p > budget), "{}", c.config);
+            }
+        }
+        let step = chosen.config.apply(&fit.step);
+        assert_eq!(
+            chosen.peak_bytes,
+            Some(peak_of(&fit, chosen.config.micro_batch, &step))
+        );
+        taken.push(rung);
+    }
+    // Tighter budgets never take a cheaper rung, and more than one rung was exercised.
+    assert!(taken.windows(2).all(|w| w[0] >= w[1]), "{taken:?}");
+    taken.dedup();
+    assert!(taken.len() > 1, "{taken:?}");
+}

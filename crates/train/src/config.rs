@@ -257,7 +257,8 @@ train_keys! {
     #[flag(step, long, value_name = "PATTERN")]
     lora_targets: String,
     /// Levers fit may use where nothing fits without them, as `fit --allow` and `train
-    /// --memory ... --allow` take them: lora, or all, or none (default).
+    /// --memory ... --allow` take them: fused-update, adam8bit, lora (comma-separated), or
+    /// all, or none (default).
     #[key]
     allow: String,
 }
@@ -866,6 +867,9 @@ impl TrainConfig {
         self.remat = step.remat;
         self.passes = step.passes;
         self.precision = step.precision;
+        self.optimizer = step.optimizer;
+        self.clip_mode = step.clip_mode;
+        self.fused_update = step.fused_update;
         if let Some(lora) = step.lora {
             self.lora = lora.rank;
             self.lora_alpha = Some(lora.alpha);
