@@ -165,8 +165,9 @@ impl Levers {
     /// shard AdamW's f32 moments, which 8-bit AdamW does not.
     pub fn runs_sharded(&self, devices: usize, stage: u8) -> bool {
         let distributed = devices > 1 || stage > 0;
-        !(distributed && self.contains(Lever::FusedUpdate))
-            && !(self.contains(Lever::Adam8bit) && matches!(stage, 1 | 2))
+        let fused_apart = distributed && self.contains(Lever::FusedUpdate);
+        let eight_bit_sharded = self.contains(Lever::Adam8bit) && matches!(stage, 1 | 2);
+        !fused_apart && !eight_bit_sharded
     }
 
     /// What each lever costs.
