@@ -144,6 +144,9 @@ struct PlanReport {
     frozen_parameters: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
     lora: Option<snug_nn::LoraConfig>,
+    /// How the frozen base is stored (bf16, int8, nf4), when not in f32.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    quantize_base: Option<snug_graph::ops::QuantizeBase>,
     nodes: usize,
     tensors: usize,
     flops_per_step: u64,
@@ -266,12 +269,17 @@ pub fn run(args: PlanArgs) -> Result<()> {
     c.lora = 0;
     c.lora_alpha = None;
     c.lora_targets = None;
+    c.quantize_base = None;
     let base = c.clone();
     if let Some(lora) = cfg.lora_config() {
         c.lora = cfg.lora;
         c.lora_alpha = cfg.lora_alpha;
         c.lora_targets = cfg.lora_targets.clone();
         stages.push((format!("lora r={} {}", lora.rank, lora.targets), c.clone()));
+    }
+    if let Some(q) = cfg.quantize_base {
+        c.quantize_base = Some(q);
+        stages.push((format!("quantize-base={q}"), c.clone()));
     }
     for (k, pass) in cfg.passes.iter().enumerate() {
         c.passes = cfg.passes[..=k].to_vec();
@@ -325,9 +333,14 @@ pub fn run(args: PlanArgs) -> Result<()> {
         frozen_parameters: step
             .frozen
             .iter()
-            .map(|f| step.graph.tensor(f.param).numel())
+            .map(|f| {
+                snug_train::quantized::value_shape(&step.graph, f.param)
+                    .iter()
+                    .product::<usize>()
+            })
             .sum(),
         lora: cfg.lora_config(),
+        quantize_base: cfg.quantize_base,
         nodes: step.graph.nodes().len(),
         tensors: step.graph.tensors().len(),
         flops_per_step: step.graph.flops(),
@@ -385,6 +398,9 @@ pub fn run(args: PlanArgs) -> Result<()> {
             "LoRA rank {} alpha {} on {}: {} parameters train, {} frozen (no gradient, no optimizer state)",
             lora.rank, lora.alpha, lora.targets, report.parameters, report.frozen_parameters
         );
+    }
+    if let Some(q) = report.quantize_base {
+        println!("frozen base weights (2-D) stored as {q}, dequantized as each op reads them");
     }
     println!(
         "training step: batch {} x block {} = {} tokens, {:?}, {}, {} threads, remat {}; {} nodes, {:.1} GFLOP",

@@ -5,7 +5,7 @@
 use std::ops::{Deref, DerefMut};
 
 use snug_graph::ops::Op;
-use snug_graph::{DType, Graph, Node, Target};
+use snug_graph::{DType, Graph, Node, Role, Target};
 use snug_plan::MemoryPlan;
 use snug_runtime::{
     Allocator, Backend, Binding, Device, ExecCtx, NodeArgs, RuntimeError, Session, Slice,
@@ -193,7 +193,9 @@ fn check_world(graph: &Graph) -> Result<(), RuntimeError> {
 
 fn check_dtypes(graph: &Graph) -> Result<(), RuntimeError> {
     for node in graph.nodes() {
-        let casts_or_views = matches!(node.op, Op::Cast(_)) || graph.is_view(node);
+        // A quantized frozen weight is read only through its dequantization.
+        let casts_or_views =
+            matches!(node.op, Op::Cast(_) | Op::Dequantize(_)) || graph.is_view(node);
         for &t in node.inputs.iter().chain(&node.outputs) {
             let m = graph.tensor(t);
             if !matches!(m.dtype, DType::F32 | DType::I32) && !casts_or_views {
@@ -205,7 +207,9 @@ fn check_dtypes(graph: &Graph) -> Result<(), RuntimeError> {
         }
     }
     for t in graph.tensors() {
-        if t.role.is_persistent() && t.view_of.is_none() && t.dtype != DType::F32 {
+        // Frozen weights may be stored in bf16 or as u8 codes; everything else persistent is f32.
+        let stored = t.role == Role::Parameter && matches!(t.dtype, DType::BF16 | DType::U8);
+        if t.role.is_persistent() && t.view_of.is_none() && t.dtype != DType::F32 && !stored {
             return Err(RuntimeError::UnsupportedDType {
                 name: t.name.clone(),
                 dtype: t.dtype,

@@ -9,6 +9,8 @@ pub enum DType {
     F16,
     /// Token ids and targets.
     I32,
+    /// Bytes: the codes of a quantized frozen weight (int8, or NF4 two to a byte).
+    U8,
 }
 
 impl DType {
@@ -16,6 +18,7 @@ impl DType {
         match self {
             DType::F32 | DType::I32 => 4,
             DType::BF16 | DType::F16 => 2,
+            DType::U8 => 1,
         }
     }
 
@@ -25,11 +28,12 @@ impl DType {
             DType::BF16 => "bf16",
             DType::F16 => "f16",
             DType::I32 => "i32",
+            DType::U8 => "u8",
         }
     }
 
     pub fn is_float(self) -> bool {
-        !matches!(self, DType::I32)
+        !matches!(self, DType::I32 | DType::U8)
     }
 }
 
@@ -47,8 +51,9 @@ impl std::str::FromStr for DType {
             "bf16" => Ok(DType::BF16),
             "f16" | "fp16" => Ok(DType::F16),
             "i32" => Ok(DType::I32),
+            "u8" => Ok(DType::U8),
             other => Err(format!(
-                "unknown dtype `{other}` (expected f32, bf16, f16 or i32)"
+                "unknown dtype `{other}` (expected f32, bf16, f16, i32 or u8)"
             )),
         }
     }

@@ -324,6 +324,36 @@ impl<B: Backend> Session<B> {
         self.backend.upload(slice, bytemuck::cast_slice(data))
     }
 
+    /// Writes a tensor of any dtype from its bytes (a frozen weight stored quantized).
+    pub fn write_bytes(&mut self, id: TensorId, data: &[u8]) -> Result<(), RuntimeError> {
+        let meta = self.graph.try_tensor(id)?;
+        if meta.size_bytes() != data.len() {
+            return Err(RuntimeError::SizeMismatch {
+                name: meta.name.clone(),
+                expected: meta.size_bytes(),
+                got: data.len(),
+            });
+        }
+        self.writable(id)?;
+        let slice = self.binding(id)?.slice;
+        self.backend.upload(slice, data)
+    }
+
+    /// A persistent tensor's bytes, whatever its dtype (after [`Session::run`]).
+    pub fn read_bytes(&self, id: TensorId) -> Result<Vec<u8>, RuntimeError> {
+        let meta = self.graph.try_tensor(id)?;
+        if !meta.role.is_persistent() {
+            return Err(RuntimeError::NotReadable {
+                name: meta.name.clone(),
+            });
+        }
+        let slice = self.binding(id)?.slice;
+        self.backend.synchronize()?;
+        let mut out = vec![0u8; meta.size_bytes()];
+        self.backend.download(slice, &mut out)?;
+        Ok(out)
+    }
+
     /// Writes token ids, checking each is below `bound` (an embedding's vocabulary).
     pub fn write_i32(
         &mut self,
