@@ -32,10 +32,20 @@ fn run(base: QuantizeBase, k: usize, n: usize, threads: usize) -> (Vec<f32>, Vec
     let (codes, absmax) = base.quantize(&w, &[k, n]);
     let mut g = Graph::new();
     let c = g
-        .add_leaf("w", &scheme.codes_shape(&[k, n]), DType::U8, Role::Parameter)
+        .add_leaf(
+            "w",
+            &scheme.codes_shape(&[k, n]),
+            DType::U8,
+            Role::Parameter,
+        )
         .unwrap();
     let a = g
-        .add_leaf("w.absmax", &scheme.absmax_shape(&[k, n]), DType::F32, Role::Parameter)
+        .add_leaf(
+            "w.absmax",
+            &scheme.absmax_shape(&[k, n]),
+            DType::F32,
+            Role::Parameter,
+        )
         .unwrap();
     let xi = g.add_leaf("x", &[2, k], DType::F32, Role::Input).unwrap();
     let op = Dequantize {
@@ -54,10 +64,7 @@ fn run(base: QuantizeBase, k: usize, n: usize, threads: usize) -> (Vec<f32>, Vec
     s.run(ExecCtx::default()).unwrap();
     let wd_values = s.read_f32(wd).unwrap().to_vec();
     assert_eq!(
-        wd_values
-            .iter()
-            .map(|v| v.to_bits())
-            .collect::<Vec<_>>(),
+        wd_values.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
         base.dequantize(&codes, &absmax, &[k, n])
             .iter()
             .map(|v| v.to_bits())
@@ -70,7 +77,9 @@ fn run(base: QuantizeBase, k: usize, n: usize, threads: usize) -> (Vec<f32>, Vec
 /// The same product with the dequantized weight written as an f32 input.
 fn f32_product(k: usize, n: usize, w: &[f32]) -> Vec<f32> {
     let mut g = Graph::new();
-    let wi = g.add_leaf("w", &[k, n], DType::F32, Role::Parameter).unwrap();
+    let wi = g
+        .add_leaf("w", &[k, n], DType::F32, Role::Parameter)
+        .unwrap();
     let xi = g.add_leaf("x", &[2, k], DType::F32, Role::Input).unwrap();
     let y = g.apply1(MatMul::default(), &[xi, wi]).unwrap();
     g.mark_output(y);

@@ -6,7 +6,40 @@ use snug_graph::ops::{Op, QuantizeBase};
 use snug_graph::passes::absmax_name;
 use snug_graph::{DType, Graph, TensorId};
 
+use snug_runtime::RuntimeError;
+
 use crate::{StepSession, TrainError};
+
+/// Where weights are written: a training step's session or a sampler's.
+pub(crate) trait WeightStore {
+    fn graph(&self) -> &Graph;
+    fn put_f32(&mut self, t: TensorId, v: &[f32]) -> Result<(), RuntimeError>;
+    fn put_bytes(&mut self, t: TensorId, v: &[u8]) -> Result<(), RuntimeError>;
+}
+
+impl WeightStore for StepSession {
+    fn graph(&self) -> &Graph {
+        StepSession::graph(self)
+    }
+    fn put_f32(&mut self, t: TensorId, v: &[f32]) -> Result<(), RuntimeError> {
+        self.write_f32(t, v)
+    }
+    fn put_bytes(&mut self, t: TensorId, v: &[u8]) -> Result<(), RuntimeError> {
+        self.write_bytes(t, v)
+    }
+}
+
+impl WeightStore for snug_cpu::CpuSession {
+    fn graph(&self) -> &Graph {
+        snug_runtime::Session::graph(self)
+    }
+    fn put_f32(&mut self, t: TensorId, v: &[f32]) -> Result<(), RuntimeError> {
+        self.write_f32(t, v)
+    }
+    fn put_bytes(&mut self, t: TensorId, v: &[u8]) -> Result<(), RuntimeError> {
+        self.write_bytes(t, v)
+    }
+}
 
 /// The absmax tensor stored beside quantized weight `t`.
 fn absmax_of(graph: &Graph, t: TensorId) -> Result<TensorId, TrainError> {
@@ -43,23 +76,24 @@ pub(crate) fn is_absmax(graph: &Graph, t: TensorId) -> bool {
         .any(|n| matches!(n.op, Op::Dequantize(_)) && n.inputs.get(1) == Some(&t))
 }
 
-/// Writes parameter `t` from its f32 `values`, quantizing them as the graph stores it.
+/// Writes parameter `t` of the session's graph from its f32 `values`, quantizing them as the
+/// graph stores it (`base`: how its quantized weights are stored).
 pub(crate) fn write_param(
-    session: &mut StepSession,
-    graph: &Graph,
+    session: &mut impl WeightStore,
     base: Option<QuantizeBase>,
     t: TensorId,
     values: &[f32],
 ) -> Result<(), TrainError> {
-    let shape = value_shape(graph, t);
+    let graph = session.graph();
     let base = match (graph.tensor(t).dtype, base) {
-        (DType::F32, _) | (_, None) => return Ok(session.write_f32(t, values)?),
+        (DType::F32, _) | (_, None) => return Ok(session.put_f32(t, values)?),
         (_, Some(base)) => base,
     };
+    let shape = value_shape(graph, t);
     let n: usize = shape.iter().product();
     if values.len() != n {
         return Err(TrainError::Config {
-            field: "model",
+            field: "parameters",
             detail: format!(
                 "`{}` has {} values, its shape {shape:?} holds {n}",
                 graph.tensor(t).name,
@@ -68,9 +102,13 @@ pub(crate) fn write_param(
         });
     }
     let (codes, absmax) = base.quantize(values, shape);
-    session.write_bytes(t, &codes)?;
-    if base.scheme().is_some() {
-        session.write_f32(absmax_of(graph, t)?, &absmax)?;
+    let scales = match base.scheme() {
+        Some(_) => Some(absmax_of(graph, t)?),
+        None => None,
+    };
+    session.put_bytes(t, &codes)?;
+    if let Some(a) = scales {
+        session.put_f32(a, &absmax)?;
     }
     Ok(())
 }

@@ -259,8 +259,7 @@ impl Trainer {
         for item in init {
             let (name, values) = item?;
             if let Some(&t) = slot_of.get(name.as_str()) {
-                let base = config.quantize_base;
-                crate::quantized::write_param(&mut session, &step_graph.graph, base, t, &values)?;
+                crate::quantized::write_param(&mut session, config.quantize_base, t, &values)?;
                 written.insert(t);
             }
         }
@@ -547,7 +546,7 @@ impl Trainer {
                 )));
             }
             let base = self.config.quantize_base;
-            crate::quantized::write_param(&mut self.session, g, base, t, &saved.data)?;
+            crate::quantized::write_param(&mut self.session, base, t, &saved.data)?;
         }
         if let Some(extra) = ckpt.tensors.iter().find(|s| {
             !ids.iter()

@@ -92,9 +92,8 @@ fn session(
     let p = plan(step, &PlanOptions::default()).unwrap();
     let mut s = CpuSession::new(step.graph.clone(), p, Allocator::default(), 1).unwrap();
     let g = &step.graph;
-    let by_name = |name: &str| {
-        TensorId(g.tensors().iter().position(|t| t.name == name).unwrap() as u32)
-    };
+    let by_name =
+        |name: &str| TensorId(g.tensors().iter().position(|t| t.name == name).unwrap() as u32);
     let slots = step
         .params
         .iter()
@@ -121,7 +120,11 @@ fn session(
         }
     }
     let v = 40;
-    let ids = |a: usize, b: usize| (0..16).map(|i| ((i * a + b) % v) as i32).collect::<Vec<_>>();
+    let ids = |a: usize, b: usize| {
+        (0..16)
+            .map(|i| ((i * a + b) % v) as i32)
+            .collect::<Vec<_>>()
+    };
     s.write_i32(step.inputs[0], &ids(13, 5), v).unwrap();
     s.write_i32(step.inputs[1], &ids(7, 2), v).unwrap();
     s
@@ -279,11 +282,8 @@ fn the_base_holds_its_quantized_values_and_checkpoints_restore_them_bit_for_bit(
         let cfg = train_config("llama-tiny", Some(base), None);
         let data = TokenDataset::load(&DataSource::Addition).unwrap();
         let mut t = Trainer::new(cfg.clone(), data).unwrap();
-        let init: HashMap<String, Vec<f32>> = t
-            .model()
-            .init_parameters(cfg.seed)
-            .into_iter()
-            .collect();
+        let init: HashMap<String, Vec<f32>> =
+            t.model().init_parameters(cfg.seed).into_iter().collect();
         let before: HashMap<String, Vec<f32>> = t.parameters().unwrap().into_iter().collect();
         let mut quantized = 0;
         for f in &t.step_graph().frozen {
@@ -347,7 +347,10 @@ fn quantizing_a_trained_base_is_a_named_error_before_anything_runs() {
     match resolve(None, "nf4") {
         TrainError::Config { field, detail } => {
             assert_eq!(field, "quantize_base");
-            assert!(detail.contains("without LoRA every weight trains"), "{detail}");
+            assert!(
+                detail.contains("without LoRA every weight trains"),
+                "{detail}"
+            );
         }
         e => panic!("{e}"),
     }
@@ -425,4 +428,82 @@ fn a_qlora_run_loss_falls_on_tinyshakespeare_as_lora_on_f32_does() {
         head - tail >= 0.6 * (f32_head - f32_tail) && (tail - f32_tail).abs() < 0.08,
         "QLoRA {head} -> {tail}, LoRA on the f32 base {f32_head} -> {f32_tail}"
     );
+}
+
+/// Sampling with quantized weights (`snug sample --quantize`) on the addition model after a
+/// short run: int8's greedy continuations are f32's and its logits within 2 % of the logits'
+/// range of f32's; NF4's logits within 15 %; every sampler holds exactly its plan, smaller
+/// than f32's.
+#[test]
+fn sampling_with_quantized_weights_follows_the_f32_model() {
+    use snug_train::{SampleMode, SampleOptions, Sampler};
+    let train = TrainSection {
+        steps: Some(300),
+        batch: Some(16),
+        block: Some(64),
+        threads: Some(1),
+        eval_every: Some(0),
+        ..Default::default()
+    };
+    let cfg = TrainConfig::resolve(None, &ModelSection::default(), &train).unwrap();
+    let data = TokenDataset::load(&(&cfg.data).into()).unwrap();
+    let mut t = Trainer::new(cfg, data).unwrap();
+    for _ in 0..300 {
+        t.train_step().unwrap();
+    }
+    let params = t.parameters().unwrap();
+    let tokenizer = t.data().tokenizer.clone();
+    let load = |q: Option<QuantizeBase>, mode| {
+        let alloc = Allocator::default();
+        let s = Sampler::quantized(t.model(), &params, mode, q, 1, alloc.clone()).unwrap();
+        (s, alloc)
+    };
+    let greedy = SampleOptions {
+        temperature: 0.0,
+        top_k: None,
+        seed: 1,
+    };
+    let prompts: Vec<Vec<u32>> = ["12+34=", "7+58=", "90+9=", "\n41+41="]
+        .iter()
+        .map(|p| tokenizer.encode(p).unwrap())
+        .collect();
+    for mode in [SampleMode::KvCache, SampleMode::FullWindow] {
+        let (mut f, f_alloc) = load(None, mode);
+        let f_persistent = f.plan().persistent_bytes;
+        for (q, bound) in [(QuantizeBase::Int8, 0.02f32), (QuantizeBase::Nf4, 0.15)] {
+            let (mut s, alloc) = load(Some(q), mode);
+            assert!(s.plan().persistent_bytes < f_persistent, "{q} {mode:?}");
+            for p in &prompts {
+                let a = f.next_token_logits(p).unwrap().to_vec();
+                let b = s.next_token_logits(p).unwrap().to_vec();
+                let range = a.iter().fold(f32::MIN, |m, &v| m.max(v))
+                    - a.iter().fold(f32::MAX, |m, &v| m.min(v));
+                let diff = a
+                    .iter()
+                    .zip(&b)
+                    .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+                assert!(
+                    diff <= bound * range,
+                    "{q} {mode:?}: logits differ by {diff} of {range}"
+                );
+                if q == QuantizeBase::Int8 {
+                    assert_eq!(
+                        f.generate(p, 8, greedy).unwrap(),
+                        s.generate(p, 8, greedy).unwrap(),
+                        "{mode:?}: the greedy continuation of {p:?}"
+                    );
+                }
+            }
+            match s.kv_stats() {
+                Some(k) => {
+                    assert_eq!(k.decode.planned_peak_bytes, k.decode.measured_peak_bytes);
+                    assert_eq!(k.prefill.planned_peak_bytes, k.prefill.measured_peak_bytes);
+                }
+                None => assert_eq!(s.plan().peak_bytes(), alloc.peak_bytes()),
+            }
+        }
+        if mode == SampleMode::FullWindow {
+            assert_eq!(f.plan().peak_bytes(), f_alloc.peak_bytes());
+        }
+    }
 }

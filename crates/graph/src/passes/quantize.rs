@@ -6,7 +6,7 @@
 
 use super::{copy_reading, rewrite, Rewritten};
 use crate::ops::{Cast, Dequantize, QuantizeBase};
-use crate::{DType, Result, Role, StepGraph, TensorId};
+use crate::{DType, Graph, Result, Role, StepGraph, TensorId};
 
 /// The name of a quantized weight's absmax scales.
 pub fn absmax_name(weight: &str) -> String {
@@ -17,23 +17,40 @@ pub fn absmax_name(weight: &str) -> String {
 /// number of forward nodes, and how many weights it stores so. Trained parameters are never
 /// touched: only [`StepGraph::frozen`] is read.
 pub fn quantize_frozen(step: &StepGraph, base: QuantizeBase) -> Result<(Rewritten, usize, usize)> {
-    let mut old = step.graph.clone();
+    let frozen: Vec<TensorId> = step.frozen.iter().map(|f| f.param).collect();
+    quantize_weights(&step.graph, &frozen, base, step.forward_nodes)
+}
+
+/// `graph` with those of `weights` that are 2-D f32 leaves stored as `base` says, each read
+/// through a dequantization made just before its reader (an inference graph's weights, or a
+/// step's frozen ones). `n_fwd`: the graph's forward nodes, returned counted anew with the
+/// rewrite and how many weights it stores so.
+pub fn quantize_weights(
+    graph: &Graph,
+    weights: &[TensorId],
+    base: QuantizeBase,
+    n_fwd: usize,
+) -> Result<(Rewritten, usize, usize)> {
+    let mut old = graph.clone();
     let n = old.tensors().len();
     // The f32 shape of each weight stored quantized.
     let mut shape_of: Vec<Option<Vec<usize>>> = vec![None; n];
     let mut count = 0;
-    for f in &step.frozen {
-        let m = old.tensor(f.param);
-        if m.rank() != 2 || m.dtype != DType::F32 || m.view_of.is_some() {
+    for &w in weights {
+        let m = old.tensor(w);
+        if m.rank() != 2
+            || m.dtype != DType::F32
+            || m.view_of.is_some()
+            || old.producer(w).is_some()
+        {
             continue;
         }
         let shape = m.shape.clone();
         let (dtype, codes, _) = base.storage(&shape);
-        old.retype_leaf(f.param, &codes, dtype)?;
-        shape_of[f.param.index()] = Some(shape);
+        old.retype_leaf(w, &codes, dtype)?;
+        shape_of[w.index()] = Some(shape);
         count += 1;
     }
-    let n_fwd = step.forward_nodes;
     let mut absmax_of: Vec<Option<TensorId>> = vec![None; n];
     let mut forward_added = 0;
     let old = &old;
