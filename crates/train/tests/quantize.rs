@@ -307,7 +307,13 @@ fn the_base_holds_its_quantized_values_and_checkpoints_restore_them_bit_for_bit(
         for _ in 0..2 {
             t.train_step().unwrap();
         }
-        let ckpt = t.checkpoint().unwrap();
+        // Saved to a file and read back through the borrowed form a run writes: it says how
+        // the base was stored.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ckpt.bin");
+        t.checkpoint_ref().unwrap().save(&path).unwrap();
+        let ckpt = snug_train::checkpoint::Checkpoint::load(&path).unwrap();
+        assert_eq!(ckpt.config.quantize_base, Some(base));
         let saved = t.parameters().unwrap();
         assert!(ckpt.tensors.iter().all(|s| !s.name.ends_with(".absmax")));
         // The frozen base is saved as its dequantized values, under its own name and shape.
