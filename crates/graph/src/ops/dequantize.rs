@@ -198,7 +198,7 @@ impl QuantScheme {
                     for (j, &v) in block.iter().enumerate() {
                         let c = nf4_code(if a > 0.0 { v / a } else { 0.0 });
                         let i = b * NF4_BLOCK + j;
-                        codes[i / 2] |= if i % 2 == 0 { c << 4 } else { c };
+                        codes[i / 2] |= if i.is_multiple_of(2) { c << 4 } else { c };
                     }
                 }
                 (codes, absmax)
@@ -228,7 +228,7 @@ impl QuantScheme {
                 for (j, o) in out.iter_mut().enumerate() {
                     let i = start + j;
                     let byte = codes[i / 2];
-                    let c = if i % 2 == 0 { byte >> 4 } else { byte & 0xf };
+                    let c = if i.is_multiple_of(2) { byte >> 4 } else { byte & 0xf };
                     *o = NF4[c as usize] * absmax[i / NF4_BLOCK];
                 }
             }
