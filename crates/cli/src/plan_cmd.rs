@@ -150,6 +150,9 @@ struct PlanReport {
     /// With --fused-update: the norm clipping bounds (`tensor`, `previous`, or `none`).
     #[serde(skip_serializing_if = "Option::is_none")]
     fused_update: Option<&'static str>,
+    /// How the frozen base is stored (bf16, int8, nf4), when not in f32.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    quantize_base: Option<snug_graph::ops::QuantizeBase>,
     nodes: usize,
     tensors: usize,
     flops_per_step: u64,
@@ -287,6 +290,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
             1.0
         };
     }
+    c.quantize_base = None;
     let base = c.clone();
     if let Some(lora) = cfg.lora_config() {
         c.lora = cfg.lora;
@@ -308,6 +312,10 @@ pub fn run(args: PlanArgs) -> Result<()> {
             "none"
         };
         stages.push((format!("fused-update clip={clip}"), c.clone()));
+    }
+    if let Some(q) = cfg.quantize_base {
+        c.quantize_base = Some(q);
+        stages.push((format!("quantize-base={q}"), c.clone()));
     }
     for (k, pass) in cfg.passes.iter().enumerate() {
         c.passes = cfg.passes[..=k].to_vec();
@@ -361,7 +369,11 @@ pub fn run(args: PlanArgs) -> Result<()> {
         frozen_parameters: step
             .frozen
             .iter()
-            .map(|f| step.graph.tensor(f.param).numel())
+            .map(|f| {
+                snug_train::quantized::value_shape(&step.graph, f.param)
+                    .iter()
+                    .product::<usize>()
+            })
             .sum(),
         lora: cfg.lora_config(),
         optimizer: (cfg.optimizer != snug_train::OptimizerKind::AdamW)
@@ -373,6 +385,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
                 "none"
             }
         }),
+        quantize_base: cfg.quantize_base,
         nodes: step.graph.nodes().len(),
         tensors: step.graph.tensors().len(),
         flops_per_step: step.graph.flops(),
@@ -430,6 +443,9 @@ pub fn run(args: PlanArgs) -> Result<()> {
             "LoRA rank {} alpha {} on {}: {} parameters train, {} frozen (no gradient, no optimizer state)",
             lora.rank, lora.alpha, lora.targets, report.parameters, report.frozen_parameters
         );
+    }
+    if let Some(q) = report.quantize_base {
+        println!("frozen base weights (2-D) stored as {q}, dequantized as each op reads them");
     }
     println!(
         "training step: batch {} x block {} = {} tokens, {:?}, {}, {} threads, remat {}; {} nodes, {:.1} GFLOP",

@@ -47,6 +47,11 @@ pub struct SampleArgs {
     /// key/value cache (the reference the cache is tested against).
     #[arg(long)]
     full_window: bool,
+    /// Store the weight matrices quantized for sampling: int8 (per output channel), nf4
+    /// (NormalFloat4, blocks of 64) or bf16; each is dequantized just before the op that
+    /// reads it. Norms and biases stay f32. Default: f32.
+    #[arg(long, value_name = "TYPE")]
+    quantize: Option<String>,
     /// Tokens to generate (at most 1,000,000).
     #[arg(long, default_value_t = 200)]
     tokens: usize,
@@ -123,6 +128,9 @@ struct SampleReport {
     #[serde(skip_serializing_if = "Option::is_none")]
     end_of_turn: Option<bool>,
     mode: SampleMode,
+    /// How the weight matrices were stored, when not in f32.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    quantize: Option<snug_graph::ops::QuantizeBase>,
     ms: f64,
     tokens_per_s: f64,
     /// The largest plan the sampler held (with the cache: the larger of its phases).
@@ -203,11 +211,24 @@ pub fn run(args: SampleArgs) -> Result<()> {
     } else {
         SampleMode::KvCache
     };
+    let quantize = args
+        .quantize
+        .as_deref()
+        .map(str::parse::<snug_graph::ops::QuantizeBase>)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("--quantize: {e}"))?;
     let sampler = match &source {
-        Source::Run(_, ckpt) => {
-            Sampler::with_mode(&model, &ckpt.parameters(), mode, threads, allocator.clone())
+        Source::Run(_, ckpt) => Sampler::quantized(
+            &model,
+            &ckpt.parameters(),
+            mode,
+            quantize,
+            threads,
+            allocator.clone(),
+        ),
+        Source::Hf(ckpt) => {
+            Sampler::from_hf_quantized(&model, ckpt, mode, quantize, threads, allocator.clone())
         }
-        Source::Hf(ckpt) => Sampler::from_hf(&model, ckpt, mode, threads, allocator.clone()),
     };
     let mut sampler = sampler.with_context(|| format!("loading {}", path.display()))?;
     let opts = SampleOptions {
@@ -250,6 +271,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
         ids,
         end_of_turn,
         mode,
+        quantize,
         ms,
         planned_peak_bytes: planned,
         measured_peak_bytes: measured,
@@ -266,7 +288,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
             println!("{}{}", report.prompt.trim_start_matches('\n'), report.text);
         }
         eprintln!(
-            "({} tokens in {:.0} ms, {:.1} tok/s{}; {} at step {}; inference plan peak {}, measured {})",
+            "({} tokens in {:.0} ms, {:.1} tok/s{}{}; {} at step {}; inference plan peak {}, measured {})",
             report.tokens,
             report.ms,
             report.tokens_per_s,
@@ -274,6 +296,9 @@ pub fn run(args: SampleArgs) -> Result<()> {
                 SampleMode::KvCache => ", key/value cache",
                 SampleMode::FullWindow => ", whole window per token",
             },
+            report
+                .quantize
+                .map_or(String::new(), |q| format!(", {q} weights")),
             report.checkpoint.display(),
             report.step,
             human_bytes(report.planned_peak_bytes),

@@ -131,6 +131,9 @@ pub struct StepConfig {
     /// LoRA adapters on the layers it names; everything else is frozen (no gradient, no
     /// optimizer state).
     pub lora: Option<snug_nn::LoraConfig>,
+    /// How the frozen weights are stored (bf16, int8 or NF4); only frozen weights can be, so
+    /// this needs LoRA. None: f32.
+    pub quantize_base: Option<snug_graph::ops::QuantizeBase>,
 }
 
 impl Default for StepConfig {
@@ -149,6 +152,7 @@ impl Default for StepConfig {
             remat: Remat::None,
             loss_mask: false,
             lora: None,
+            quantize_base: None,
         }
     }
 }

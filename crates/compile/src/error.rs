@@ -19,6 +19,11 @@ pub enum CompileError {
         devices: usize,
         accumulation: usize,
     },
+    #[error("quantize_base {base}: {detail}")]
+    QuantizeBase {
+        base: snug_graph::ops::QuantizeBase,
+        detail: String,
+    },
     #[error(transparent)]
     Model(#[from] NnError),
     #[error(transparent)]

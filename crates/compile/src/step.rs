@@ -134,6 +134,23 @@ pub fn compile_exactly_sharded(
     config: &StepConfig,
     sharding: &Sharding,
 ) -> Result<CompiledStep, CompileError> {
+    if let Some(base) = config.quantize_base {
+        let refuse = |detail: &str| CompileError::QuantizeBase {
+            base,
+            detail: detail.into(),
+        };
+        if config.lora.is_none() {
+            return Err(refuse(
+                "only frozen weights can be stored quantized, and without LoRA every weight \
+                 trains (add --lora RANK)",
+            ));
+        }
+        if sharding.is_distributed() {
+            return Err(refuse(
+                "quantized frozen weights are not sharded across ranks yet (use one device)",
+            ));
+        }
+    }
     // Parameters are f32 master weights whatever the precision: the precision pass rounds
     // activations and gradients.
     let mut g = model.build_loss_lora(
@@ -225,6 +242,11 @@ pub fn compile_exactly_sharded(
         let (r, _) = passes::recast_saved(&step)?;
         feeds = feeds.rewritten(&r)?;
         step = step.rewritten(r, step.forward_nodes)?;
+    }
+    if let Some(base) = config.quantize_base {
+        let (r, forward, _) = passes::quantize_frozen(&step, base)?;
+        feeds = feeds.rewritten(&r)?;
+        step = step.rewritten(r, forward)?;
     }
     let mut compiled = apply_remat(step, feeds, config.remat)?;
     if config.passes.contains(&Pass::InPlace) {

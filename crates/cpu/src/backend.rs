@@ -193,7 +193,9 @@ fn check_world(graph: &Graph) -> Result<(), RuntimeError> {
 
 fn check_dtypes(graph: &Graph) -> Result<(), RuntimeError> {
     for node in graph.nodes() {
-        let casts_or_views = matches!(node.op, Op::Cast(_)) || graph.is_view(node);
+        // A quantized frozen weight is read only through its dequantization.
+        let casts_or_views =
+            matches!(node.op, Op::Cast(_) | Op::Dequantize(_)) || graph.is_view(node);
         // 8-bit AdamW reads and writes its quantized moments itself.
         let quantized_state = matches!(node.op, Op::AdamW8bit(_));
         for &t in node.inputs.iter().chain(&node.outputs) {
@@ -208,8 +210,11 @@ fn check_dtypes(graph: &Graph) -> Result<(), RuntimeError> {
         }
     }
     for t in graph.tensors() {
-        let stored =
-            t.dtype == DType::F32 || (t.dtype == DType::U8 && t.role == Role::OptimizerState);
+        // Frozen weights may be stored in bf16 or as u8 codes, 8-bit AdamW's moments as u8
+        // codes; everything else persistent is f32.
+        let stored = t.dtype == DType::F32
+            || (t.role == Role::Parameter && matches!(t.dtype, DType::BF16 | DType::U8))
+            || (t.role == Role::OptimizerState && t.dtype == DType::U8);
         if t.role.is_persistent() && t.view_of.is_none() && !stored {
             return Err(RuntimeError::UnsupportedDType {
                 name: t.name.clone(),

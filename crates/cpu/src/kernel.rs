@@ -166,6 +166,15 @@ impl<'a> Kernel<'a> {
         unsafe { std::slice::from_raw_parts_mut(a.ptr, a.numel) }
     }
 
+    /// A byte input (the codes of a quantized weight).
+    pub fn in_u8(&self, i: usize) -> &'a [u8] {
+        assert_ne!(self.inplace, Some(i), "input {i} is the in-place output");
+        let a = &self.inputs[i];
+        assert_eq!(a.dtype, DType::U8, "input {i} is not u8");
+        // SAFETY: as `in_f32`.
+        unsafe { std::slice::from_raw_parts(a.ptr as *const u8, a.numel) }
+    }
+
     pub fn in_dtype(&self, i: usize) -> DType {
         self.inputs[i].dtype
     }

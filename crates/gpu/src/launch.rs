@@ -144,6 +144,11 @@ pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
         | Op::GeluLinearBackward(_) => Err(
             "a CPU fusion: plan for the GPU's target, which fuses nothing (Fusions::NONE)".into(),
         ),
+        Op::Dequantize(_) => Err(
+            "`dequantize`: int8/NF4 frozen weights are dequantized by the CPU kernels only \
+             (no GPU kernel yet)"
+                .into(),
+        ),
         Op::AllReduce(_) | Op::ReduceScatter(_) | Op::AllGather(_) | Op::ShardedAdamW(_) => {
             Err(format!(
                 "`{}`: collectives across ranks run on the CPU over MPI (no GPU transport yet)",
@@ -571,7 +576,8 @@ fn record_kernel(
         | Op::AllGather(_)
         | Op::ShardedAdamW(_)
         | Op::AdamW8bit(_)
-        | Op::StoreSumSquares(_) => Err(GpuError::Unsupported {
+        | Op::StoreSumSquares(_)
+        | Op::Dequantize(_) => Err(GpuError::Unsupported {
             device: device.name().to_string(),
             kernel: "launch",
             detail: format!("no GPU kernel for `{}`", n.op.name()),

@@ -9,7 +9,8 @@ pub enum DType {
     F16,
     /// Token ids and targets.
     I32,
-    /// One byte: the codes of block-wise quantized optimizer state (8-bit AdamW).
+    /// One byte: the codes of a quantized frozen weight (int8, or NF4 two to a byte) or of
+    /// block-wise quantized optimizer state (8-bit AdamW).
     U8,
 }
 

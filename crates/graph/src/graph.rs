@@ -197,6 +197,22 @@ impl Graph {
         self.tensors[id.index()].name = name.into();
     }
 
+    /// Gives a leaf another storage (a frozen weight stored quantized), before a pass copies
+    /// the graph.
+    pub(crate) fn retype_leaf(
+        &mut self,
+        id: TensorId,
+        shape: &[usize],
+        dtype: DType,
+    ) -> Result<()> {
+        let name = self.tensors[id.index()].name.clone();
+        checked_numel(&name, shape, dtype)?;
+        let m = &mut self.tensors[id.index()];
+        m.shape = shape.to_vec();
+        m.dtype = dtype;
+        Ok(())
+    }
+
     /// Adds a tensor with no producer: a parameter, optimizer state or input.
     pub fn add_leaf(
         &mut self,

@@ -10,7 +10,7 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 
-use snug_graph::{DType, Graph, Role, TensorId};
+use snug_graph::{DType, Graph, Role, TensorId, TensorMeta};
 use snug_plan::MemoryPlan;
 
 use crate::backend::{Backend, Binding, NodeArgs, Slice};
@@ -327,6 +327,19 @@ impl<B: Backend> Session<B> {
     /// Writes a u8 persistent tensor (8-bit optimizer state) from a checkpoint.
     pub fn write_u8(&mut self, id: TensorId, data: &[u8]) -> Result<(), RuntimeError> {
         self.check(id, DType::U8, data.len())?;
+        self.write_bytes(id, data)
+    }
+
+    /// Writes a tensor of any dtype from its bytes (a frozen weight stored quantized).
+    pub fn write_bytes(&mut self, id: TensorId, data: &[u8]) -> Result<(), RuntimeError> {
+        let meta = self.graph.try_tensor(id)?;
+        if meta.size_bytes() != data.len() {
+            return Err(RuntimeError::SizeMismatch {
+                name: meta.name.clone(),
+                expected: meta.size_bytes(),
+                got: data.len(),
+            });
+        }
         self.writable(id)?;
         let slice = self.binding(id)?.slice;
         self.backend.upload(slice, data)
@@ -334,12 +347,7 @@ impl<B: Backend> Session<B> {
 
     /// Reads a u8 persistent tensor (8-bit optimizer state), as [`Session::read_f32`].
     pub fn read_u8(&self, id: TensorId) -> Result<Cow<'_, [u8]>, RuntimeError> {
-        let meta = self.graph.try_tensor(id)?;
-        if !meta.role.is_persistent() {
-            return Err(RuntimeError::NotReadable {
-                name: meta.name.clone(),
-            });
-        }
+        let meta = self.readable(id)?;
         self.check(id, DType::U8, meta.numel())?;
         let slice = self.binding(id)?.slice;
         self.backend.synchronize()?;
@@ -352,6 +360,27 @@ impl<B: Backend> Session<B> {
         let mut out = vec![0u8; meta.numel()];
         self.backend.download(slice, &mut out)?;
         Ok(Cow::Owned(out))
+    }
+
+    /// A persistent tensor's bytes, whatever its dtype (after [`Session::run`]).
+    pub fn read_bytes(&self, id: TensorId) -> Result<Vec<u8>, RuntimeError> {
+        let meta = self.readable(id)?;
+        let slice = self.binding(id)?.slice;
+        self.backend.synchronize()?;
+        let mut out = vec![0u8; meta.size_bytes()];
+        self.backend.download(slice, &mut out)?;
+        Ok(out)
+    }
+
+    /// `id`'s metadata, where it is a persistent tensor (the only kind kept between runs).
+    fn readable(&self, id: TensorId) -> Result<&TensorMeta, RuntimeError> {
+        let meta = self.graph.try_tensor(id)?;
+        if !meta.role.is_persistent() {
+            return Err(RuntimeError::NotReadable {
+                name: meta.name.clone(),
+            });
+        }
+        Ok(meta)
     }
 
     /// Writes token ids, checking each is below `bound` (an embedding's vocabulary).

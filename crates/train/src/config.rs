@@ -256,6 +256,11 @@ train_keys! {
     /// Default: q_proj,v_proj (GPT-2: c_attn).
     #[flag(step, long, value_name = "PATTERN")]
     lora_targets: String,
+    /// How the frozen base weights are stored: bf16, int8 (per output channel) or nf4 (QLoRA's
+    /// NormalFloat4, blocks of 64); dequantized as each op reads them. Needs --lora. Default:
+    /// f32.
+    #[flag(step, long, value_name = "TYPE")]
+    quantize_base: String,
     /// Levers fit may use where nothing fits without them, as `fit --allow` and `train
     /// --memory ... --allow` take them: fused-update, adam8bit, lora (comma-separated), or
     /// all, or none (default).
@@ -330,6 +335,9 @@ pub struct TrainConfig {
     /// keeps what was chosen (e.g. its LoRA rank), and recovery never adds a lever.
     #[serde(skip)]
     pub allow: snug_fit::Levers,
+    /// How the frozen weights are stored (None: f32). Checkpoints say which; the base a run
+    /// started from is never rewritten.
+    pub quantize_base: Option<snug_graph::ops::QuantizeBase>,
 }
 
 /// Serializable form of [`DataSource`].
@@ -399,6 +407,7 @@ impl Default for TrainConfig {
             lora_alpha: None,
             lora_targets: None,
             allow: snug_fit::Levers::none(),
+            quantize_base: None,
         }
     }
 }
@@ -562,6 +571,12 @@ impl TrainConfig {
         if let Some(p) = &t.lora_targets {
             self.lora_targets = Some(p.parse().map_err(|detail| TrainError::Config {
                 field: "lora_targets",
+                detail,
+            })?);
+        }
+        if let Some(q) = &t.quantize_base {
+            self.quantize_base = Some(q.parse().map_err(|detail| TrainError::Config {
+                field: "quantize_base",
                 detail,
             })?);
         }
@@ -799,6 +814,15 @@ impl TrainConfig {
                 "lora_alpha and lora_targets need a LoRA rank (--lora RANK)".into(),
             );
         }
+        if let (Some(q), None) = (self.quantize_base, self.lora_config()) {
+            return err(
+                "quantize_base",
+                format!(
+                    "{q}: only frozen weights are stored quantized, and without LoRA every \
+                     weight trains (add --lora RANK)"
+                ),
+            );
+        }
         self.device.target(self.threads)?;
         Ok(())
     }
@@ -848,6 +872,7 @@ impl TrainConfig {
             remat: self.remat,
             loss_mask: self.loss_mask,
             lora: self.lora_config(),
+            quantize_base: self.quantize_base,
         }
     }
 

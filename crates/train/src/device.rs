@@ -225,6 +225,14 @@ impl StepSession {
         each!(self, s => s.read_u8(id))
     }
 
+    pub fn write_bytes(&mut self, id: TensorId, data: &[u8]) -> Result<(), RuntimeError> {
+        each!(self, s => s.write_bytes(id, data))
+    }
+
+    pub fn read_bytes(&self, id: TensorId) -> Result<Vec<u8>, RuntimeError> {
+        each!(self, s => s.read_bytes(id))
+    }
+
     #[cfg(feature = "test-hooks")]
     pub fn fill_arena(&mut self, byte: u8) -> Result<(), RuntimeError> {
         each!(self, s => s.fill_arena(byte))

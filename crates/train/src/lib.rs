@@ -27,6 +27,7 @@ mod error;
 pub mod examples;
 pub mod hf_tokenizer;
 pub mod loss_scale;
+pub mod quantized;
 pub mod run;
 pub mod run_dir;
 pub mod sample;

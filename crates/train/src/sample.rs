@@ -26,6 +26,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use snug_cpu::CpuSession;
+use snug_graph::ops::QuantizeBase;
 use snug_graph::TensorId;
 use snug_nn::{InferenceGraph, KvGraph, ModelConfig};
 use snug_plan::{plan, MemoryPlan, PlanOptions};
@@ -84,9 +85,44 @@ pub fn plan_inference(
     model: &ModelConfig,
     threads: usize,
 ) -> Result<(InferenceGraph, MemoryPlan), TrainError> {
-    let g = model.build_inference(1, model.max_seq(), threads.max(1))?;
+    plan_inference_quantized(model, threads, None)
+}
+
+/// [`plan_inference`] with the 2-D weights stored as `quantize` says (`snug sample
+/// --quantize`), each dequantized just before the op that reads it.
+pub fn plan_inference_quantized(
+    model: &ModelConfig,
+    threads: usize,
+    quantize: Option<QuantizeBase>,
+) -> Result<(InferenceGraph, MemoryPlan), TrainError> {
+    let mut g = model.build_inference(1, model.max_seq(), threads.max(1))?;
+    if let Some(base) = quantize {
+        let (r, params) = quantize_params(&g.graph, &g.params, base)?;
+        g = InferenceGraph {
+            tokens: r.map(g.tokens)?,
+            logits: r.map(g.logits)?,
+            params,
+            graph: r.graph,
+        };
+    }
     let memory_plan = plan(&g.graph, &PlanOptions::default())?;
     Ok((g, memory_plan))
+}
+
+/// `graph` with its 2-D weights among `params` stored as `base` says, and `params` mapped.
+fn quantize_params(
+    graph: &snug_graph::Graph,
+    params: &[(String, TensorId)],
+    base: QuantizeBase,
+) -> Result<(snug_graph::passes::Rewritten, Vec<(String, TensorId)>), TrainError> {
+    let ids: Vec<TensorId> = params.iter().map(|p| p.1).collect();
+    let all = graph.nodes().len();
+    let (r, _, _) = snug_graph::passes::quantize_weights(graph, &ids, base, all)?;
+    let params = params
+        .iter()
+        .map(|(n, t)| Ok((n.clone(), r.map(*t)?)))
+        .collect::<Result<Vec<_>, TrainError>>()?;
+    Ok((r, params))
 }
 
 /// The key/value-cache graph of `new_tokens` tokens (a prefill of that length, or with 1 a
@@ -97,7 +133,33 @@ pub fn plan_kv(
     new_tokens: usize,
     threads: usize,
 ) -> Result<(KvGraph, MemoryPlan), TrainError> {
-    let g = model.build_kv(new_tokens, threads.max(1))?;
+    plan_kv_quantized(model, new_tokens, threads, None)
+}
+
+/// [`plan_kv`] with the 2-D weights stored as `quantize` says.
+pub fn plan_kv_quantized(
+    model: &ModelConfig,
+    new_tokens: usize,
+    threads: usize,
+    quantize: Option<QuantizeBase>,
+) -> Result<(KvGraph, MemoryPlan), TrainError> {
+    let mut g = model.build_kv(new_tokens, threads.max(1))?;
+    if let Some(base) = quantize {
+        let (r, params) = quantize_params(&g.graph, &g.params, base)?;
+        g = KvGraph {
+            tokens: r.map(g.tokens)?,
+            pos: r.map(g.pos)?,
+            positions: g.positions.map(|p| r.map(p)).transpose()?,
+            logits: r.map(g.logits)?,
+            caches: g
+                .caches
+                .iter()
+                .map(|&c| r.map(c))
+                .collect::<Result<Vec<_>, _>>()?,
+            params,
+            graph: r.graph,
+        };
+    }
     let memory_plan = plan(&g.graph, &PlanOptions::default())?;
     Ok((g, memory_plan))
 }
@@ -206,6 +268,7 @@ enum Engine {
 struct KvEngine {
     model: ModelConfig,
     threads: usize,
+    quantize: Option<QuantizeBase>,
     decode: (KvGraph, MemoryPlan),
     /// The last prefill built (rebuilt when the prompt's length changes).
     prefill: Option<(KvGraph, MemoryPlan)>,
@@ -236,6 +299,19 @@ impl Sampler {
         threads: usize,
         allocator: Allocator,
     ) -> Result<Sampler, TrainError> {
+        Self::quantized(model, params, mode, None, threads, allocator)
+    }
+
+    /// [`Sampler::with_mode`] with the 2-D weights stored as `quantize` says (quantized once,
+    /// as they are written), each dequantized just before the op that reads it.
+    pub fn quantized(
+        model: &ModelConfig,
+        params: &[(String, Vec<f32>)],
+        mode: SampleMode,
+        quantize: Option<QuantizeBase>,
+        threads: usize,
+        allocator: Allocator,
+    ) -> Result<Sampler, TrainError> {
         // Check the weights before allocating anything for them.
         let mut values: HashMap<&str, &[f32]> = HashMap::with_capacity(params.len());
         for (name, v) in params {
@@ -246,7 +322,7 @@ impl Sampler {
                 });
             }
         }
-        let (sampler, _) = Self::load(model, mode, threads, allocator, |graph_params| {
+        let (sampler, _) = Self::load(model, mode, quantize, threads, allocator, |graph_params| {
             let mut ordered = Vec::with_capacity(graph_params.len());
             for (name, id) in graph_params {
                 let v = values
@@ -278,11 +354,31 @@ impl Sampler {
         threads: usize,
         allocator: Allocator,
     ) -> Result<Sampler, TrainError> {
+        Self::from_hf_quantized(model, ckpt, mode, None, threads, allocator)
+    }
+
+    /// [`Sampler::from_hf`] with the 2-D weights stored as `quantize` says.
+    pub fn from_hf_quantized(
+        model: &ModelConfig,
+        ckpt: &snug_nn::HfCheckpoint,
+        mode: SampleMode,
+        quantize: Option<QuantizeBase>,
+        threads: usize,
+        allocator: Allocator,
+    ) -> Result<Sampler, TrainError> {
         ckpt.check_model(model)?;
         let (mut sampler, params) =
-            Self::load(model, mode, threads, allocator, |_| Ok(Vec::new()))?;
+            Self::load(
+                model,
+                mode,
+                quantize,
+                threads,
+                allocator,
+                |_| Ok(Vec::new()),
+            )?;
         for (name, id) in params {
-            sampler.session.write_f32(id, &ckpt.read(&name)?)?;
+            let v = ckpt.read(&name)?;
+            crate::quantized::write_param(&mut sampler.session, quantize, id, &v)?;
         }
         Ok(sampler)
     }
@@ -293,6 +389,7 @@ impl Sampler {
     fn load<'v>(
         model: &ModelConfig,
         mode: SampleMode,
+        quantize: Option<QuantizeBase>,
         threads: usize,
         allocator: Allocator,
         order: impl FnOnce(&[(String, TensorId)]) -> Result<Vec<(TensorId, &'v [f32])>, TrainError>,
@@ -301,7 +398,7 @@ impl Sampler {
         // Planning allocates nothing, so the weights are still checked before any allocation.
         let (graph, memory_plan, params, engine) = match mode {
             SampleMode::FullWindow => {
-                let (g, p) = plan_inference(model, threads)?;
+                let (g, p) = plan_inference_quantized(model, threads, quantize)?;
                 let engine = Engine::Full {
                     tokens: g.tokens,
                     logits: g.logits,
@@ -310,11 +407,12 @@ impl Sampler {
             }
             SampleMode::KvCache => {
                 // The session starts on the decode step's graph: the smaller arena.
-                let (g, p) = plan_kv(model, 1, threads)?;
+                let (g, p) = plan_kv_quantized(model, 1, threads, quantize)?;
                 let (graph, params) = (g.graph.clone(), g.params.clone());
                 let engine = Engine::Kv(Box::new(KvEngine {
                     model: model.clone(),
                     threads,
+                    quantize,
                     decode: (g, p.clone()),
                     prefill: None,
                     holds: None,
@@ -328,7 +426,7 @@ impl Sampler {
         let mut session = CpuSession::new(graph, memory_plan, allocator, threads)?;
         for (id, v) in ordered {
             // A wrong length is a typed error naming the tensor.
-            session.write_f32(id, v)?;
+            crate::quantized::write_param(&mut session, quantize, id, v)?;
         }
         let sampler = Sampler {
             session,
@@ -574,7 +672,12 @@ impl KvEngine {
                     .as_ref()
                     .map(|(g, _)| g.graph.tensor(g.tokens).shape[1]);
                 if built != Some(n) {
-                    self.prefill = Some(plan_kv(&self.model, n, self.threads)?);
+                    self.prefill = Some(plan_kv_quantized(
+                        &self.model,
+                        n,
+                        self.threads,
+                        self.quantize,
+                    )?);
                 }
                 let Some((g, p)) = &self.prefill else {
                     unreachable!("built above")

@@ -259,7 +259,7 @@ impl Trainer {
         for item in init {
             let (name, values) = item?;
             if let Some(&t) = slot_of.get(name.as_str()) {
-                session.write_f32(t, &values)?;
+                crate::quantized::write_param(&mut session, config.quantize_base, t, &values)?;
                 written.insert(t);
             }
         }
@@ -457,8 +457,9 @@ impl Trainer {
         Ok(trainer)
     }
 
-    /// Every persistent tensor a checkpoint holds: parameters and optimizer state, f32
-    /// (`quantized` false) or u8 (true: 8-bit AdamW's moment codes).
+    /// Every persistent tensor a checkpoint holds: parameters and optimizer state, as f32
+    /// values (`quantized` false: a quantized frozen weight dequantized, its absmax scales
+    /// with it) or as u8 codes (true: 8-bit AdamW's moments).
     fn saved_tensors(&self, quantized: bool) -> impl Iterator<Item = TensorId> + '_ {
         let g = &self.step_graph.graph;
         (0..g.tensors().len() as u32)
@@ -467,8 +468,20 @@ impl Trainer {
                 let m = g.tensor(t);
                 m.view_of.is_none()
                     && matches!(m.role, Role::Parameter | Role::OptimizerState)
-                    && (m.dtype == snug_graph::DType::U8) == quantized
+                    && (m.dtype == snug_graph::DType::U8 && m.role == Role::OptimizerState)
+                        == quantized
+                    && !crate::quantized::is_absmax(g, t)
             })
+    }
+
+    /// The f32 values of persistent tensor `t` (dequantized where it is stored quantized).
+    fn read_values(&self, t: TensorId) -> Result<std::borrow::Cow<'_, [f32]>, TrainError> {
+        let g = &self.step_graph.graph;
+        if g.tensor(t).dtype == snug_graph::DType::F32 {
+            return Ok(self.session.read_f32(t)?);
+        }
+        let base = self.config.quantize_base;
+        Ok(crate::quantized::read_param(&self.session, g, base, t)?.into())
     }
 
     /// The training state after the steps run so far.
@@ -479,8 +492,8 @@ impl Trainer {
             .map(|t| {
                 Ok(SavedTensor {
                     name: g.tensor(t).name.clone(),
-                    shape: g.tensor(t).shape.clone(),
-                    data: self.session.read_f32(t)?.to_vec(),
+                    shape: crate::quantized::value_shape(g, t).to_vec(),
+                    data: self.read_values(t)?.to_vec(),
                 })
             })
             .collect::<Result<Vec<_>, TrainError>>()?;
@@ -514,8 +527,8 @@ impl Trainer {
                 let m = g.tensor(t);
                 Ok((
                     m.name.as_str(),
-                    m.shape.as_slice(),
-                    self.session.read_f32(t)?,
+                    crate::quantized::value_shape(g, t),
+                    self.read_values(t)?,
                 ))
             })
             .collect::<Result<Vec<_>, TrainError>>()?;
@@ -594,13 +607,16 @@ impl Trainer {
             let saved = ckpt
                 .tensor(&meta.name)
                 .ok_or_else(|| bad(format!("tensor `{}` is missing", meta.name)))?;
-            if saved.shape != meta.shape {
+            let g = &self.step_graph.graph;
+            let shape = crate::quantized::value_shape(g, t);
+            if saved.shape != shape {
                 return Err(bad(format!(
                     "tensor `{}` has shape {:?}, the model expects {:?}",
-                    meta.name, saved.shape, meta.shape
+                    meta.name, saved.shape, shape
                 )));
             }
-            self.session.write_f32(t, &saved.data)?;
+            let base = self.config.quantize_base;
+            crate::quantized::write_param(&mut self.session, base, t, &saved.data)?;
         }
         if let Some(extra) = ckpt.tensors.iter().find(|s| {
             !ids.iter()
@@ -1041,7 +1057,7 @@ impl Trainer {
             .iter()
             .map(|p| (&p.name, p.param))
             .chain(self.step_graph.frozen.iter().map(|f| (&f.name, f.param)))
-            .map(|(name, t)| Ok((name.clone(), self.session.read_f32(t)?.to_vec())))
+            .map(|(name, t)| Ok((name.clone(), self.read_values(t)?.into_owned())))
             .collect()
     }
 }

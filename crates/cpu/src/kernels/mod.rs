@@ -9,6 +9,7 @@ mod broadcast;
 mod cast;
 pub mod collective;
 mod cross_entropy;
+mod dequantize;
 mod elementwise;
 mod embedding;
 mod fill;

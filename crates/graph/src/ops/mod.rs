@@ -10,6 +10,7 @@ mod broadcast;
 mod cast;
 pub mod collective;
 mod cross_entropy;
+pub mod dequantize;
 mod elementwise;
 mod embedding;
 mod fill;
@@ -40,6 +41,7 @@ pub use broadcast::{broadcast_shape, broadcasts_to};
 pub use cast::Cast;
 pub use collective::{shard_len, AllGather, AllReduce, ReduceScatter, ShardedAdamW};
 pub use cross_entropy::{CrossEntropy, CrossEntropyBackward};
+pub use dequantize::{Dequantize, QuantScheme, QuantizeBase};
 pub use elementwise::{Binary, BinaryKind, Scale};
 pub use embedding::{Embedding, EmbeddingBackward};
 pub use fill::Fill;
@@ -214,6 +216,7 @@ ops!(
     ShardedAdamW,
     AdamW8bit,
     StoreSumSquares,
+    Dequantize,
 );
 
 impl Op {

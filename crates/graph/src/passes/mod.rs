@@ -13,6 +13,7 @@
 //!   stored in bf16 or f16, with f32 master weights.
 //! - [`write_in_place`]: ops write over an input that dies at them (runs last).
 //! - [`add_lora`]: low-rank adapters beside chosen linear layers, whose weights then freeze.
+//! - [`quantize_frozen`]: frozen weights stored in bf16, int8 or NF4, dequantized per reader.
 
 mod cse;
 mod dce;
@@ -23,6 +24,7 @@ mod fuse_lm_head_loss;
 mod inplace;
 mod lora;
 mod precision;
+mod quantize;
 mod remat;
 
 pub use cse::eliminate_common_subexpressions;
@@ -34,6 +36,7 @@ pub use fuse_lm_head_loss::{fuse_lm_head_loss, DEFAULT_CHUNK_BYTES};
 pub use inplace::write_in_place;
 pub use lora::{add_lora, lora_names, LoraLayer, LoraSpec};
 pub use precision::{mixed_precision, recast_saved};
+pub use quantize::{absmax_name, quantize_frozen, quantize_weights};
 pub use remat::{
     remat_candidates, rematerialize, rematerialize_dropping, RematCandidate, RematPolicy,
 };

@@ -1,0 +1,144 @@
+//! Quantized frozen weights through the binary: `plan --quantize-base` shows the storage and
+//! what it saves, `train --lora --quantize-base nf4` (QLoRA) trains at its planned peak and
+//! its checkpoint says which quantization it used, `sample --quantize int8` samples it at its
+//! planned peak, and quantizing a trained base is refused by name.
+
+mod common;
+
+use common::{fails_with, ok};
+use std::process::Output;
+
+fn lines(o: &Output) -> Vec<serde_json::Value> {
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn plan(dir: &std::path::Path, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "plan",
+        "--preset",
+        "llama-tiny",
+        "--lora",
+        "4",
+        "--lora-targets",
+        "all-linear",
+        "--json",
+    ];
+    args.extend(extra);
+    serde_json::from_slice(&ok(dir, &args).stdout).unwrap()
+}
+
+#[test]
+fn plan_shows_each_base_storage_and_its_saving() {
+    let dir = tempfile::tempdir().unwrap();
+    let f32_plan = plan(dir.path(), &[]);
+    assert!(f32_plan.get("quantize_base").is_none());
+    let mut last = f32_plan["peak_bytes"].as_u64().unwrap();
+    for q in ["bf16", "int8", "nf4"] {
+        let p = plan(dir.path(), &["--quantize-base", q]);
+        assert_eq!(p["quantize_base"], q);
+        // The frozen base counts its values, not its bytes.
+        assert_eq!(p["frozen_parameters"], f32_plan["frozen_parameters"]);
+        let pass = p["passes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["pass"] == format!("quantize-base={q}"))
+            .unwrap_or_else(|| panic!("{q}: {}", p["passes"]));
+        assert!(pass["saved_bytes"].as_i64().unwrap() > 0, "{pass}");
+        let peak = p["peak_bytes"].as_u64().unwrap();
+        assert!(peak < last, "{q}: {peak} vs {last}");
+        last = peak;
+    }
+    fails_with(
+        dir.path(),
+        &["plan", "--preset", "llama-tiny", "--quantize-base", "nf4"],
+        &["quantize_base", "without LoRA every weight trains"],
+    );
+    fails_with(
+        dir.path(),
+        &[
+            "plan",
+            "--preset",
+            "llama-tiny",
+            "--lora",
+            "4",
+            "--quantize-base",
+            "int4",
+        ],
+        &["quantize_base", "bf16, int8 or nf4"],
+    );
+}
+
+#[test]
+fn qlora_trains_at_its_planned_peak_and_samples_quantized() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let trained = lines(&ok(
+        dir.path(),
+        &[
+            "train",
+            "--steps",
+            "30",
+            "--json",
+            "--out",
+            run.to_str().unwrap(),
+            "--lora",
+            "4",
+            "--lora-targets",
+            "all-linear",
+            "--quantize-base",
+            "nf4",
+            "--threads",
+            "1",
+            "--eval-every",
+            "0",
+            "--batch",
+            "8",
+            "--lr",
+            "0.01",
+        ],
+    ));
+    let summary = trained.last().unwrap();
+    assert_eq!(
+        summary["predicted_peak_bytes"],
+        summary["measured_peak_bytes"]
+    );
+    let (first, last) = (
+        summary["first_loss"].as_f64().unwrap(),
+        summary["final_loss"].as_f64().unwrap(),
+    );
+    assert!(last < first - 0.1, "loss {first} -> {last}");
+    let sampled = ok(
+        dir.path(),
+        &[
+            "sample",
+            "--checkpoint",
+            run.to_str().unwrap(),
+            "--quantize",
+            "int8",
+            "--tokens",
+            "8",
+            "--threads",
+            "1",
+            "--json",
+        ],
+    );
+    let report: serde_json::Value = serde_json::from_slice(&sampled.stdout).unwrap();
+    assert_eq!(report["quantize"], "int8");
+    assert_eq!(report["planned_peak_bytes"], report["measured_peak_bytes"]);
+    assert_eq!(report["tokens"], 8);
+    fails_with(
+        dir.path(),
+        &[
+            "sample",
+            "--checkpoint",
+            run.to_str().unwrap(),
+            "--quantize",
+            "fp8",
+        ],
+        &["--quantize", "bf16, int8 or nf4"],
+    );
+}

@@ -1,0 +1,136 @@
+//! Frozen weights stored quantized ([`QuantizeBase`]): quantized from their f32 values as the
+//! session loads them, and read back as the f32 values the step computes with (for
+//! checkpoints, sampling and export).
+
+use snug_graph::ops::{Op, QuantizeBase};
+use snug_graph::passes::absmax_name;
+use snug_graph::{DType, Graph, TensorId};
+
+use snug_runtime::RuntimeError;
+
+use crate::{StepSession, TrainError};
+
+/// Where weights are written: a training step's session or a sampler's.
+pub(crate) trait WeightStore {
+    fn graph(&self) -> &Graph;
+    fn put_f32(&mut self, t: TensorId, v: &[f32]) -> Result<(), RuntimeError>;
+    fn put_bytes(&mut self, t: TensorId, v: &[u8]) -> Result<(), RuntimeError>;
+}
+
+impl WeightStore for StepSession {
+    fn graph(&self) -> &Graph {
+        StepSession::graph(self)
+    }
+    fn put_f32(&mut self, t: TensorId, v: &[f32]) -> Result<(), RuntimeError> {
+        self.write_f32(t, v)
+    }
+    fn put_bytes(&mut self, t: TensorId, v: &[u8]) -> Result<(), RuntimeError> {
+        self.write_bytes(t, v)
+    }
+}
+
+impl WeightStore for snug_cpu::CpuSession {
+    fn graph(&self) -> &Graph {
+        snug_runtime::Session::graph(self)
+    }
+    fn put_f32(&mut self, t: TensorId, v: &[f32]) -> Result<(), RuntimeError> {
+        self.write_f32(t, v)
+    }
+    fn put_bytes(&mut self, t: TensorId, v: &[u8]) -> Result<(), RuntimeError> {
+        self.write_bytes(t, v)
+    }
+}
+
+/// The absmax tensor stored beside quantized weight `t`.
+fn absmax_of(graph: &Graph, t: TensorId) -> Result<TensorId, TrainError> {
+    let name = absmax_name(&graph.tensor(t).name);
+    graph
+        .tensors()
+        .iter()
+        .position(|m| m.name == name)
+        .map(|i| TensorId(i as u32))
+        .ok_or_else(|| TrainError::Config {
+            field: "quantize_base",
+            detail: format!("the step holds no `{name}` beside its quantized weight"),
+        })
+}
+
+/// The shape of the f32 values parameter `t` holds (a quantized weight's codes are shaped
+/// otherwise).
+pub fn value_shape(graph: &Graph, t: TensorId) -> &[usize] {
+    graph
+        .nodes()
+        .iter()
+        .find_map(|n| match &n.op {
+            Op::Dequantize(d) if n.inputs.first() == Some(&t) => Some(d.shape.as_slice()),
+            _ => None,
+        })
+        .unwrap_or(graph.tensor(t).shape.as_slice())
+}
+
+/// The absmax tensors of the quantized weights: stored beside them, saved with them.
+pub(crate) fn is_absmax(graph: &Graph, t: TensorId) -> bool {
+    graph
+        .nodes()
+        .iter()
+        .any(|n| matches!(n.op, Op::Dequantize(_)) && n.inputs.get(1) == Some(&t))
+}
+
+/// Writes parameter `t` of the session's graph from its f32 `values`, quantizing them as the
+/// graph stores it (`base`: how its quantized weights are stored).
+pub(crate) fn write_param(
+    session: &mut impl WeightStore,
+    base: Option<QuantizeBase>,
+    t: TensorId,
+    values: &[f32],
+) -> Result<(), TrainError> {
+    let graph = session.graph();
+    let base = match (graph.tensor(t).dtype, base) {
+        (DType::F32, _) | (_, None) => return Ok(session.put_f32(t, values)?),
+        (_, Some(base)) => base,
+    };
+    let shape = value_shape(graph, t);
+    let n: usize = shape.iter().product();
+    if values.len() != n {
+        return Err(TrainError::Config {
+            field: "parameters",
+            detail: format!(
+                "`{}` has {} values, its shape {shape:?} holds {n}",
+                graph.tensor(t).name,
+                values.len()
+            ),
+        });
+    }
+    let (codes, absmax) = base.quantize(values, shape);
+    let scales = match base.scheme() {
+        Some(_) => Some(absmax_of(graph, t)?),
+        None => None,
+    };
+    session.put_bytes(t, &codes)?;
+    if let Some(a) = scales {
+        session.put_f32(a, &absmax)?;
+    }
+    Ok(())
+}
+
+/// The f32 values the step reads for parameter `t` (its dequantized values when it
+/// is stored quantized).
+pub(crate) fn read_param(
+    session: &StepSession,
+    graph: &Graph,
+    base: Option<QuantizeBase>,
+    t: TensorId,
+) -> Result<Vec<f32>, TrainError> {
+    let shape = value_shape(graph, t);
+    match (graph.tensor(t).dtype, base) {
+        (DType::F32, _) | (_, None) => Ok(session.read_f32(t)?.to_vec()),
+        (_, Some(base)) => {
+            let codes = session.read_bytes(t)?;
+            let absmax = match base.scheme() {
+                Some(_) => session.read_f32(absmax_of(graph, t)?)?.to_vec(),
+                None => Vec::new(),
+            };
+            Ok(base.dequantize(&codes, &absmax, shape))
+        }
+    }
+}
