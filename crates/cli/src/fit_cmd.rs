@@ -27,7 +27,8 @@ pub struct FitArgs {
     /// Levers that change what is trained, which fit may use where nothing fits without them,
     /// comma-separated: fused-update (each update as its gradient completes; global clipping
     /// by the previous step's norm), adam8bit (8-bit AdamW moments), lora (rank-16 adapters
-    /// on every linear layer, the base frozen); or all, or none (default).
+    /// on every linear layer, the base frozen), qlora (lora over an NF4 base); or all, or
+    /// none (default).
     #[arg(long, value_name = "LEVERS")]
     allow: Option<String>,
     /// Search one rank of a data-parallel run over this many devices (the budget is per

@@ -47,8 +47,8 @@ pub struct TrainArgs {
     #[arg(long, requires = "memory")]
     recalibrate: bool,
     /// With --memory: levers that change what is trained, which fit may use where nothing
-    /// fits without them: fused-update, adam8bit, lora (as `snug fit --allow`), all, or none
-    /// (default). Not on a resumed run.
+    /// fits without them: fused-update, adam8bit, lora, qlora (as `snug fit --allow`), all,
+    /// or none (default). Not on a resumed run.
     #[arg(
         long,
         value_name = "LEVERS",

@@ -1,5 +1,5 @@
 //! Levers: changes to what is trained, not only to how (updates fused into the backward,
-//! 8-bit optimizer state, LoRA adapters instead of the whole model). The search never uses one the user did not allow ([`Levers`], `--allow`), and
+//! 8-bit optimizer state, LoRA adapters instead of the whole model, and over a 4-bit base). The search never uses one the user did not allow ([`Levers`], `--allow`), and
 //! tries them only when nothing with the user's own math fits: cheapest first, in the order of
 //! [`ladder`].
 
@@ -9,6 +9,7 @@ use std::str::FromStr;
 
 use serde::{Serialize, Serializer};
 use snug_compile::{OptimizerKind, StepConfig};
+use snug_graph::ops::QuantizeBase;
 use snug_graph::ClipMode;
 use snug_nn::{LoraConfig, LoraTargets};
 
@@ -26,10 +27,17 @@ pub enum Lever {
     Adam8bit,
     /// Train rank-[`LORA_LEVER_RANK`] adapters on every linear layer; the base is frozen.
     Lora,
+    /// LoRA over a base stored in NF4 (QLoRA).
+    Qlora,
 }
 
 impl Lever {
-    pub const ALL: [Lever; 3] = [Lever::FusedUpdate, Lever::Adam8bit, Lever::Lora];
+    pub const ALL: [Lever; 4] = [
+        Lever::FusedUpdate,
+        Lever::Adam8bit,
+        Lever::Lora,
+        Lever::Qlora,
+    ];
 
     /// As `--allow` spells it.
     pub fn name(self) -> &'static str {
@@ -37,6 +45,7 @@ impl Lever {
             Lever::FusedUpdate => "fused-update",
             Lever::Adam8bit => "adam8bit",
             Lever::Lora => "lora",
+            Lever::Qlora => "qlora",
         }
     }
 
@@ -66,6 +75,13 @@ impl Lever {
                 speed: "faster: the frozen base has no weight gradients, about half the \
                         backward's matrix products",
             },
+            Lever::Qlora => LeverCost {
+                lever: self,
+                quality: "LoRA's, over a base rounded to 4-bit NormalFloat per block of 64: the \
+                          model trained sees quantized weights (QLoRA, Dettmers et al. 2023)",
+                recompute: "each frozen weight dequantized tile by tile as its GEMM reads it",
+                speed: "slower than LoRA: the dequantization in every frozen GEMM",
+            },
         }
     }
 
@@ -90,6 +106,12 @@ impl Lever {
                         alpha: 2.0 * LORA_LEVER_RANK as f32,
                         targets: LoraTargets::AllLinear,
                     });
+                }
+            }
+            Lever::Qlora => {
+                Lever::Lora.apply(step);
+                if step.quantize_base.is_none() {
+                    step.quantize_base = Some(QuantizeBase::Nf4);
                 }
             }
         }
@@ -161,13 +183,14 @@ impl Levers {
     }
 
     /// Whether these levers can run as one rank of `devices` at ZeRO stage `stage`: fused
-    /// updates need every gradient on one device (no bucketed averaging), and stages 1 and 2
-    /// shard AdamW's f32 moments, which 8-bit AdamW does not.
+    /// updates need every gradient on one device (no bucketed averaging), quantized bases are
+    /// not sharded, and stages 1 and 2 shard AdamW's f32 moments, which 8-bit AdamW does not.
     pub fn runs_sharded(&self, devices: usize, stage: u8) -> bool {
         let distributed = devices > 1 || stage > 0;
-        let fused_apart = distributed && self.contains(Lever::FusedUpdate);
+        let one_device = [Lever::FusedUpdate, Lever::Qlora];
+        let apart = distributed && one_device.iter().any(|&l| self.contains(l));
         let eight_bit_sharded = self.contains(Lever::Adam8bit) && matches!(stage, 1 | 2);
-        !fused_apart && !eight_bit_sharded
+        !apart && !eight_bit_sharded
     }
 
     /// What each lever costs.
@@ -224,6 +247,7 @@ pub fn ladder(allowed: &Levers) -> Vec<Levers> {
         Levers::of(&[Lever::Adam8bit]),
         Levers::of(&[Lever::Adam8bit, Lever::FusedUpdate]),
         Levers::of(&[Lever::Lora]),
+        Levers::of(&[Lever::Qlora]),
     ];
     rungs
         .into_iter()
@@ -299,6 +323,13 @@ mod tests {
             Levers::of(&[Lever::Adam8bit]).apply(&sgd).optimizer,
             OptimizerKind::Sgd
         );
+    }
+
+    #[test]
+    fn the_qlora_lever_is_lora_over_an_nf4_base() {
+        let step = Levers::of(&[Lever::Qlora]).apply(&StepConfig::default());
+        assert_eq!(step.lora.map(|l| l.rank), Some(LORA_LEVER_RANK));
+        assert_eq!(step.quantize_base, Some(QuantizeBase::Nf4));
     }
 
     #[test]

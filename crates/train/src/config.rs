@@ -262,8 +262,8 @@ train_keys! {
     #[flag(step, long, value_name = "TYPE")]
     quantize_base: String,
     /// Levers fit may use where nothing fits without them, as `fit --allow` and `train
-    /// --memory ... --allow` take them: fused-update, adam8bit, lora (comma-separated), or
-    /// all, or none (default).
+    /// --memory ... --allow` take them: fused-update, adam8bit, lora, qlora (comma-separated),
+    /// or all, or none (default).
     #[key]
     allow: String,
 }
@@ -900,6 +900,7 @@ impl TrainConfig {
             self.lora_alpha = Some(lora.alpha);
             self.lora_targets = Some(lora.targets);
         }
+        self.quantize_base = step.quantize_base;
     }
 
     /// Sequences per forward/backward pass.
