@@ -8,6 +8,7 @@ mod common;
 mod activations;
 mod attention;
 mod elementwise;
+mod kv_attention;
 mod losses;
 mod matmul;
 mod norms;
