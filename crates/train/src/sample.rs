@@ -25,12 +25,12 @@ use std::collections::HashMap;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
-use snug_cpu::CpuSession;
-use snug_graph::TensorId;
+use snug_graph::{Target, TensorId};
 use snug_nn::{InferenceGraph, KvGraph, ModelConfig};
 use snug_plan::{plan, MemoryPlan, PlanOptions};
 use snug_runtime::{Allocator, ExecCtx};
 
+use crate::device::{DeviceSpec, StepSession};
 use crate::TrainError;
 
 /// How the next token is chosen from the logits.
@@ -84,7 +84,15 @@ pub fn plan_inference(
     model: &ModelConfig,
     threads: usize,
 ) -> Result<(InferenceGraph, MemoryPlan), TrainError> {
-    let g = model.build_inference(1, model.max_seq(), threads.max(1))?;
+    plan_inference_for(model, Target::host(threads.max(1)))
+}
+
+/// [`plan_inference`] for the device `target` describes (a GPU's: see [`DeviceSpec::target`]).
+pub fn plan_inference_for(
+    model: &ModelConfig,
+    target: Target,
+) -> Result<(InferenceGraph, MemoryPlan), TrainError> {
+    let g = model.build_inference(1, model.max_seq(), target)?;
     let memory_plan = plan(&g.graph, &PlanOptions::default())?;
     Ok((g, memory_plan))
 }
@@ -97,7 +105,16 @@ pub fn plan_kv(
     new_tokens: usize,
     threads: usize,
 ) -> Result<(KvGraph, MemoryPlan), TrainError> {
-    let g = model.build_kv(new_tokens, threads.max(1))?;
+    plan_kv_for(model, new_tokens, Target::host(threads.max(1)))
+}
+
+/// [`plan_kv`] for the device `target` describes (a GPU's: see [`DeviceSpec::target`]).
+pub fn plan_kv_for(
+    model: &ModelConfig,
+    new_tokens: usize,
+    target: Target,
+) -> Result<(KvGraph, MemoryPlan), TrainError> {
+    let g = model.build_kv(new_tokens, target)?;
     let memory_plan = plan(&g.graph, &PlanOptions::default())?;
     Ok((g, memory_plan))
 }
@@ -189,9 +206,10 @@ pub fn chat_prompt(
     Ok(ChatPrompt { text, ids, stop })
 }
 
-/// A model loaded for generation: its planned inference graph(s) in a [`CpuSession`].
+/// A model loaded for generation: its planned inference graph(s) in a session on the CPU or
+/// a GPU ([`StepSession`]).
 pub struct Sampler {
-    session: CpuSession,
+    session: StepSession,
     vocab: usize,
     window: usize,
     engine: Engine,
@@ -205,7 +223,8 @@ enum Engine {
 /// The key/value-cache path's graphs and what its caches hold.
 struct KvEngine {
     model: ModelConfig,
-    threads: usize,
+    /// The device the graphs are built and planned for.
+    target: Target,
     decode: (KvGraph, MemoryPlan),
     /// The last prefill built (rebuilt when the prompt's length changes).
     prefill: Option<(KvGraph, MemoryPlan)>,
@@ -236,6 +255,20 @@ impl Sampler {
         threads: usize,
         allocator: Allocator,
     ) -> Result<Sampler, TrainError> {
+        Self::on_device(model, params, mode, DeviceSpec::Cpu, threads, allocator)
+    }
+
+    /// [`Sampler::with_mode`] on `device`: a GPU runs the same graphs (built and planned for
+    /// its target) with its own allocator over device memory, which takes `allocator`'s
+    /// memory limit; `threads` is the CPU's.
+    pub fn on_device(
+        model: &ModelConfig,
+        params: &[(String, Vec<f32>)],
+        mode: SampleMode,
+        device: DeviceSpec,
+        threads: usize,
+        allocator: Allocator,
+    ) -> Result<Sampler, TrainError> {
         // Check the weights before allocating anything for them.
         let mut values: HashMap<&str, &[f32]> = HashMap::with_capacity(params.len());
         for (name, v) in params {
@@ -246,7 +279,7 @@ impl Sampler {
                 });
             }
         }
-        let (sampler, _) = Self::load(model, mode, threads, allocator, |graph_params| {
+        let (sampler, _) = Self::load(model, (mode, device), threads, allocator, |graph_params| {
             let mut ordered = Vec::with_capacity(graph_params.len());
             for (name, id) in graph_params {
                 let v = values
@@ -278,9 +311,21 @@ impl Sampler {
         threads: usize,
         allocator: Allocator,
     ) -> Result<Sampler, TrainError> {
+        Self::from_hf_on(model, ckpt, mode, DeviceSpec::Cpu, threads, allocator)
+    }
+
+    /// [`Sampler::from_hf`] on `device` (see [`Sampler::on_device`]).
+    pub fn from_hf_on(
+        model: &ModelConfig,
+        ckpt: &snug_nn::HfCheckpoint,
+        mode: SampleMode,
+        device: DeviceSpec,
+        threads: usize,
+        allocator: Allocator,
+    ) -> Result<Sampler, TrainError> {
         ckpt.check_model(model)?;
         let (mut sampler, params) =
-            Self::load(model, mode, threads, allocator, |_| Ok(Vec::new()))?;
+            Self::load(model, (mode, device), threads, allocator, |_| Ok(Vec::new()))?;
         for (name, id) in params {
             sampler.session.write_f32(id, &ckpt.read(&name)?)?;
         }
@@ -292,16 +337,17 @@ impl Sampler {
     /// them. Returns the sampler and the parameters' ids in the graph it holds.
     fn load<'v>(
         model: &ModelConfig,
-        mode: SampleMode,
+        (mode, device): (SampleMode, DeviceSpec),
         threads: usize,
         allocator: Allocator,
         order: impl FnOnce(&[(String, TensorId)]) -> Result<Vec<(TensorId, &'v [f32])>, TrainError>,
     ) -> Result<(Sampler, Vec<(String, TensorId)>), TrainError> {
         let threads = threads.max(1);
+        let target = device.target(threads)?;
         // Planning allocates nothing, so the weights are still checked before any allocation.
         let (graph, memory_plan, params, engine) = match mode {
             SampleMode::FullWindow => {
-                let (g, p) = plan_inference(model, threads)?;
+                let (g, p) = plan_inference_for(model, target)?;
                 let engine = Engine::Full {
                     tokens: g.tokens,
                     logits: g.logits,
@@ -310,11 +356,11 @@ impl Sampler {
             }
             SampleMode::KvCache => {
                 // The session starts on the decode step's graph: the smaller arena.
-                let (g, p) = plan_kv(model, 1, threads)?;
+                let (g, p) = plan_kv_for(model, 1, target)?;
                 let (graph, params) = (g.graph.clone(), g.params.clone());
                 let engine = Engine::Kv(Box::new(KvEngine {
                     model: model.clone(),
-                    threads,
+                    target,
                     decode: (g, p.clone()),
                     prefill: None,
                     holds: None,
@@ -325,7 +371,7 @@ impl Sampler {
             }
         };
         let ordered = order(&params)?;
-        let mut session = CpuSession::new(graph, memory_plan, allocator, threads)?;
+        let mut session = StepSession::new(device, graph, memory_plan, allocator, threads)?;
         for (id, v) in ordered {
             // A wrong length is a typed error naming the tensor.
             session.write_f32(id, v)?;
@@ -370,7 +416,8 @@ impl Sampler {
         }
     }
 
-    pub fn session(&self) -> &CpuSession {
+    /// The session, on the device the sampler was loaded on.
+    pub fn session(&self) -> &StepSession {
         &self.session
     }
 
@@ -497,7 +544,7 @@ impl Sampler {
 
 /// Runs the full-window graph on `recent` (at most the window), padded with token 0.
 fn full_window(
-    session: &mut CpuSession,
+    session: &mut StepSession,
     tokens: TensorId,
     vocab: usize,
     recent: &[u32],
@@ -520,7 +567,7 @@ impl KvEngine {
     /// returns the logits' tensor.
     fn next(
         &mut self,
-        session: &mut CpuSession,
+        session: &mut StepSession,
         vocab: usize,
         window: usize,
         context: &[u32],
@@ -562,7 +609,7 @@ impl KvEngine {
 
     /// Switches the session to the decode graph (`None`) or a prefill of `n` tokens, giving
     /// the other graph's arena back to the system so the session holds exactly this plan.
-    fn hold(&mut self, session: &mut CpuSession, prefill: Option<usize>) -> Result<(), TrainError> {
+    fn hold(&mut self, session: &mut StepSession, prefill: Option<usize>) -> Result<(), TrainError> {
         if self.holds == prefill {
             return Ok(());
         }
@@ -574,7 +621,7 @@ impl KvEngine {
                     .as_ref()
                     .map(|(g, _)| g.graph.tensor(g.tokens).shape[1]);
                 if built != Some(n) {
-                    self.prefill = Some(plan_kv(&self.model, n, self.threads)?);
+                    self.prefill = Some(plan_kv_for(&self.model, n, self.target)?);
                 }
                 let Some((g, p)) = &self.prefill else {
                     unreachable!("built above")
@@ -590,7 +637,7 @@ impl KvEngine {
     }
 
     /// Runs the held graph, recording its plan and the allocator's peak.
-    fn run(&mut self, session: &mut CpuSession, prefill: bool) -> Result<(), TrainError> {
+    fn run(&mut self, session: &mut StepSession, prefill: bool) -> Result<(), TrainError> {
         session.allocator().reset_peak();
         session.run(ExecCtx::default())?;
         let (planned, measured) = (
@@ -609,7 +656,7 @@ impl KvEngine {
 
 /// Writes a key/value-cache graph's inputs: `new` tokens at positions `pos ..`.
 fn write_step(
-    session: &mut CpuSession,
+    session: &mut StepSession,
     (tokens, pos_id, positions): (TensorId, TensorId, Option<TensorId>),
     vocab: usize,
     window: usize,
@@ -808,7 +855,7 @@ mod tests {
 
             let g = model.build_inference(2, w, 1).unwrap();
             let p = plan(&g.graph, &PlanOptions::default()).unwrap();
-            let mut other = CpuSession::new(g.graph, p, Allocator::default(), 1).unwrap();
+            let mut other = snug_cpu::CpuSession::new(g.graph, p, Allocator::default(), 1).unwrap();
             for ((name, id), (pname, values)) in g.params.iter().zip(&params) {
                 assert_eq!(name, pname);
                 other.write_f32(*id, values).unwrap();
