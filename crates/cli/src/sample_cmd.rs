@@ -62,7 +62,8 @@ pub struct SampleArgs {
     /// Worker threads (default: physical cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// Device: cpu (default). Sampling runs on the CPU only; gpu and gpu:N are refused.
+    /// Device: cpu (default), gpu (the first GPU) or gpu:N (`snug devices` lists them). On a
+    /// GPU the prefill and decode graphs run in device memory, the weights uploaded once.
     #[arg(long, value_name = "DEVICE", default_value = "cpu")]
     device: snug_train::DeviceSpec,
     /// One JSON object with the text and figures.
@@ -110,6 +111,8 @@ const RUNS_DIR: &str = "runs";
 
 #[derive(Serialize)]
 struct SampleReport {
+    /// `cpu`, or the adapter's label.
+    device: String,
     checkpoint: PathBuf,
     step: u64,
     /// The prompt's text (with --chat, as the template rendered it).
@@ -134,14 +137,6 @@ struct SampleReport {
 }
 
 pub fn run(args: SampleArgs) -> Result<()> {
-    if args.device.is_gpu() {
-        bail!(
-            "--device {}: snug sample runs on the CPU only (train on a GPU with `snug train \
-             --device {}`, then sample its checkpoint here without --device)",
-            args.device,
-            args.device
-        );
-    }
     // Before loading anything: a request this large is a mistake, not a long run.
     if args.tokens > MAX_NEW_TOKENS {
         bail!(
@@ -203,11 +198,19 @@ pub fn run(args: SampleArgs) -> Result<()> {
     } else {
         SampleMode::KvCache
     };
+    let device = args.device;
     let sampler = match &source {
-        Source::Run(_, ckpt) => {
-            Sampler::with_mode(&model, &ckpt.parameters(), mode, threads, allocator.clone())
+        Source::Run(_, ckpt) => Sampler::on_device(
+            &model,
+            &ckpt.parameters(),
+            mode,
+            device,
+            threads,
+            allocator.clone(),
+        ),
+        Source::Hf(ckpt) => {
+            Sampler::from_hf_on(&model, ckpt, mode, device, threads, allocator.clone())
         }
-        Source::Hf(ckpt) => Sampler::from_hf(&model, ckpt, mode, threads, allocator.clone()),
     };
     let mut sampler = sampler.with_context(|| format!("loading {}", path.display()))?;
     let opts = SampleOptions {
@@ -237,9 +240,14 @@ pub fn run(args: SampleArgs) -> Result<()> {
                 .measured_peak_bytes
                 .max(k.decode.measured_peak_bytes),
         ),
-        None => (sampler.plan().peak_bytes(), allocator.peak_bytes()),
+        // A GPU's session has an allocator of its own over device memory.
+        None => (
+            sampler.plan().peak_bytes(),
+            sampler.session().allocator().peak_bytes(),
+        ),
     };
     let report = SampleReport {
+        device: sampler.session().device_name(),
         checkpoint: path,
         step,
         prompt: prompt_text,
@@ -266,7 +274,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
             println!("{}{}", report.prompt.trim_start_matches('\n'), report.text);
         }
         eprintln!(
-            "({} tokens in {:.0} ms, {:.1} tok/s{}; {} at step {}; inference plan peak {}, measured {})",
+            "({} tokens in {:.0} ms, {:.1} tok/s{} on {}; {} at step {}; inference plan peak {}, measured {})",
             report.tokens,
             report.ms,
             report.tokens_per_s,
@@ -274,6 +282,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
                 SampleMode::KvCache => ", key/value cache",
                 SampleMode::FullWindow => ", whole window per token",
             },
+            report.device,
             report.checkpoint.display(),
             report.step,
             human_bytes(report.planned_peak_bytes),

@@ -537,7 +537,10 @@ fn record_kernel(
             let (layout, qkv) = if op.packed {
                 (AttentionLayout::packed(&s), [input(0), input(0), input(0)])
             } else {
-                (AttentionLayout::separate(&s), [input(0), input(1), input(2)])
+                (
+                    AttentionLayout::separate(&s),
+                    [input(0), input(1), input(2)],
+                )
             };
             let [q, k, v] = qkv;
             kv_attention(

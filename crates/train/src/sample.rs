@@ -325,7 +325,13 @@ impl Sampler {
     ) -> Result<Sampler, TrainError> {
         ckpt.check_model(model)?;
         let (mut sampler, params) =
-            Self::load(model, (mode, device), threads, allocator, |_| Ok(Vec::new()))?;
+            Self::load(
+                model,
+                (mode, device),
+                threads,
+                allocator,
+                |_| Ok(Vec::new()),
+            )?;
         for (name, id) in params {
             sampler.session.write_f32(id, &ckpt.read(&name)?)?;
         }
@@ -609,7 +615,11 @@ impl KvEngine {
 
     /// Switches the session to the decode graph (`None`) or a prefill of `n` tokens, giving
     /// the other graph's arena back to the system so the session holds exactly this plan.
-    fn hold(&mut self, session: &mut StepSession, prefill: Option<usize>) -> Result<(), TrainError> {
+    fn hold(
+        &mut self,
+        session: &mut StepSession,
+        prefill: Option<usize>,
+    ) -> Result<(), TrainError> {
         if self.holds == prefill {
             return Ok(());
         }

@@ -331,7 +331,9 @@ fn full_window_sampling_on_the_gpu_agrees_with_the_cache() {
         seed: 0,
     };
     let prompt = [9u32, 8, 7];
-    let a = load(SampleMode::KvCache).generate(&prompt, 12, greedy).unwrap();
+    let a = load(SampleMode::KvCache)
+        .generate(&prompt, 12, greedy)
+        .unwrap();
     let b = load(SampleMode::FullWindow)
         .generate(&prompt, 12, greedy)
         .unwrap();
