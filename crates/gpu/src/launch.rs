@@ -16,7 +16,7 @@ use crate::kernels::adamw::{adamw, AdamWStep};
 use crate::kernels::attention::{
     attention_backward, attention_forward, AttentionLayout, AttentionShape,
 };
-use crate::kernels::cast::{from_bf16, to_bf16};
+use crate::kernels::cast::{from_half, to_half, Half};
 use crate::kernels::cross_entropy::{cross_entropy, cross_entropy_backward};
 use crate::kernels::elementwise::{binary, scale, BinaryKind};
 use crate::kernels::embedding::{embedding, embedding_backward};
@@ -43,7 +43,7 @@ const MAX_HEAD_DIM: usize = 256;
 pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
     let shape = |i: usize| &graph.tensor(node.inputs[i]).shape;
     let view = graph.is_view(node);
-    // 16-bit floats are storage: casts convert them, views look into them (as on the CPU).
+    // 16-bit floats are storage: casts convert them, views look into them.
     let casts = match &node.op {
         Op::Cast(_) => true,
         _ => view,
@@ -52,13 +52,12 @@ pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
         let m = graph.tensor(t);
         let ok = match m.dtype {
             DType::F32 | DType::I32 => true,
-            DType::BF16 => casts,
-            _ => false,
+            DType::BF16 | DType::F16 => casts,
         };
         if !ok {
             return Err(format!(
-                "tensor `{}` is {}: the GPU kernels compute in f32, with bf16 as storage \
-                 that casts convert",
+                "tensor `{}` is {}: the GPU kernels compute in f32, with bf16 and f16 as \
+                 storage that casts convert",
                 m.name, m.dtype
             ));
         }
@@ -164,8 +163,12 @@ pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
         Op::Cast(op) => {
             let from = graph.tensor(node.inputs[0]).dtype;
             match (from, op.to) {
-                (DType::F32, DType::BF16) | (DType::BF16, DType::F32) => Ok(()),
-                (from, to) => Err(format!("no GPU cast from {from} to {to} (f32 ↔ bf16 only)")),
+                (DType::F32, DType::BF16 | DType::F16) | (DType::BF16 | DType::F16, DType::F32) => {
+                    Ok(())
+                }
+                (from, to) => Err(format!(
+                    "no GPU cast from {from} to {to} (f32 ↔ bf16 and f32 ↔ f16 only)"
+                )),
             }
         }
     }
@@ -272,8 +275,21 @@ fn record_kernel(
             input(0),
             output(0),
         ),
-        Op::Cast(op) if op.to == DType::BF16 => to_bf16(device, e, numel(x0), input(0), output(0)),
-        Op::Cast(_) => from_bf16(device, e, numel(x0), input(0), output(0)),
+        Op::Cast(op) => {
+            let half = |d: DType| {
+                if d == DType::F16 {
+                    Half::F16
+                } else {
+                    Half::Bf16
+                }
+            };
+            let from = n.inputs[0].dtype;
+            if op.to == DType::F32 {
+                from_half(device, e, half(from), numel(x0), input(0), output(0))
+            } else {
+                to_half(device, e, half(op.to), numel(x0), input(0), output(0))
+            }
+        }
         Op::Reduce(op) => {
             let kind = match op.kind {
                 snug_graph::ops::ReduceKind::Sum => ReduceKind::Sum,

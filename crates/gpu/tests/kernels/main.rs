@@ -7,6 +7,7 @@ mod common;
 
 mod activations;
 mod attention;
+mod cast;
 mod elementwise;
 mod kv_attention;
 mod losses;
