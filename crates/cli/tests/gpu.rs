@@ -250,7 +250,8 @@ fn memory_auto_is_refused_on_a_gpu() {
 
 /// `sample --device gpu` on a trained run: the same greedy tokens as on the CPU, with the
 /// cache (through a slide) and over the whole window, each phase's measured peak on the
-/// device equal to its plan.
+/// device equal to its plan, and `plan --inference --kv-cache --device gpu` equal to the
+/// decode step's.
 #[test]
 fn sample_on_the_gpu_matches_the_cpu() {
     if !have_gpu() {
@@ -302,6 +303,26 @@ fn sample_on_the_gpu_matches_the_cpu() {
         );
     }
     // Past the window the whole-window path keeps the last 64 tokens, not the cache's half.
+    // `plan --inference --kv-cache --device gpu` predicts the decode step's plan exactly.
+    let plan = snug(&[
+        "plan",
+        "--preset",
+        "tiny",
+        "--batch",
+        "8",
+        "--block",
+        "32",
+        "--threads",
+        "1",
+        "--inference",
+        "--kv-cache",
+        "--device",
+        "gpu",
+        "--json",
+    ]);
+    assert!(plan.status.success(), "{}", stderr(&plan));
+    let plan: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
+    assert_eq!(plan["peak_bytes"], kv["decode"]["planned_peak_bytes"]);
     let full = sample("gpu", &["--full-window"]);
     assert_eq!(full["ids"], sample("cpu", &["--full-window"])["ids"]);
     assert_eq!(full["mode"], "full_window");
