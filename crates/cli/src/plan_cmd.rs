@@ -217,12 +217,6 @@ pub fn run(args: PlanArgs) -> Result<()> {
     // The same data, hence the same vocabulary, that `snug train` would load.
     let (_, gpt) = cfg.load_data_and_model()?;
     let gpu = cfg.device.is_gpu();
-    if gpu && args.inference {
-        bail!(
-            "--inference with --device {}: `snug sample` runs on the CPU only",
-            cfg.device
-        );
-    }
     if gpu && args.target_cpu.is_some() {
         bail!(
             "--target-cpu plans for a CPU; --device {} plans for a GPU",
@@ -526,12 +520,20 @@ fn run_inference(
     model: &ModelConfig,
     start: Instant,
 ) -> Result<()> {
+    use snug_train::sample::{plan_inference_for, plan_kv_for};
+    // `snug sample --device` plans for the same target: the CPU's with these threads, or the
+    // GPU's limits.
+    let target = if cfg.device.is_gpu() {
+        cfg.target()
+    } else {
+        snug_graph::Target::host(cfg.threads.max(1))
+    };
     let (graph, memory_plan, prefill) = if args.kv_cache {
-        let (g, p) = snug_train::sample::plan_kv(model, 1, cfg.threads)?;
-        let (_, prefill) = snug_train::sample::plan_kv(model, model.max_seq(), cfg.threads)?;
+        let (g, p) = plan_kv_for(model, 1, target)?;
+        let (_, prefill) = plan_kv_for(model, model.max_seq(), target)?;
         (g.graph, p, Some(prefill.peak_bytes()))
     } else {
-        let (g, p) = snug_train::sample::plan_inference(model, cfg.threads)?;
+        let (g, p) = plan_inference_for(model, target)?;
         (g.graph, p, None)
     };
     let plan_ms = start.elapsed().as_secs_f64() * 1e3;

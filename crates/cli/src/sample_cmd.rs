@@ -13,7 +13,7 @@ use snug_train::addition;
 use snug_train::checkpoint::{self, CheckpointDir};
 use snug_train::config::DataSourceConfig;
 use snug_train::sample::MAX_NEW_TOKENS;
-use snug_train::{KvStats, SampleMode, SampleOptions, Sampler, Tokenizer};
+use snug_train::{KvStats, Placement, SampleMode, SampleOptions, Sampler, Tokenizer};
 
 #[derive(Args, Debug)]
 pub struct SampleArgs {
@@ -67,7 +67,8 @@ pub struct SampleArgs {
     /// Worker threads (default: physical cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// Device: cpu (default). Sampling runs on the CPU only; gpu and gpu:N are refused.
+    /// Device: cpu (default), gpu (the first GPU) or gpu:N (`snug devices` lists them). On a
+    /// GPU the prefill and decode graphs run in device memory, the weights uploaded once.
     #[arg(long, value_name = "DEVICE", default_value = "cpu")]
     device: snug_train::DeviceSpec,
     /// One JSON object with the text and figures.
@@ -115,6 +116,8 @@ const RUNS_DIR: &str = "runs";
 
 #[derive(Serialize)]
 struct SampleReport {
+    /// `cpu`, or the adapter's label.
+    device: String,
     checkpoint: PathBuf,
     step: u64,
     /// The prompt's text (with --chat, as the template rendered it).
@@ -142,14 +145,6 @@ struct SampleReport {
 }
 
 pub fn run(args: SampleArgs) -> Result<()> {
-    if args.device.is_gpu() {
-        bail!(
-            "--device {}: snug sample runs on the CPU only (train on a GPU with `snug train \
-             --device {}`, then sample its checkpoint here without --device)",
-            args.device,
-            args.device
-        );
-    }
     // Before loading anything: a request this large is a mistake, not a long run.
     if args.tokens > MAX_NEW_TOKENS {
         bail!(
@@ -217,17 +212,21 @@ pub fn run(args: SampleArgs) -> Result<()> {
         .map(str::parse::<snug_graph::ops::QuantizeBase>)
         .transpose()
         .map_err(|e| anyhow::anyhow!("--quantize: {e}"))?;
+    let placement = Placement {
+        device: args.device,
+        quantize,
+    };
     let sampler = match &source {
-        Source::Run(_, ckpt) => Sampler::quantized(
+        Source::Run(_, ckpt) => Sampler::placed(
             &model,
             &ckpt.parameters(),
             mode,
-            quantize,
+            placement,
             threads,
             allocator.clone(),
         ),
         Source::Hf(ckpt) => {
-            Sampler::from_hf_quantized(&model, ckpt, mode, quantize, threads, allocator.clone())
+            Sampler::from_hf_placed(&model, ckpt, mode, placement, threads, allocator.clone())
         }
     };
     let mut sampler = sampler.with_context(|| format!("loading {}", path.display()))?;
@@ -258,9 +257,14 @@ pub fn run(args: SampleArgs) -> Result<()> {
                 .measured_peak_bytes
                 .max(k.decode.measured_peak_bytes),
         ),
-        None => (sampler.plan().peak_bytes(), allocator.peak_bytes()),
+        // A GPU's session has an allocator of its own over device memory.
+        None => (
+            sampler.plan().peak_bytes(),
+            sampler.session().allocator().peak_bytes(),
+        ),
     };
     let report = SampleReport {
+        device: sampler.session().device_name(),
         checkpoint: path,
         step,
         prompt: prompt_text,
@@ -288,7 +292,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
             println!("{}{}", report.prompt.trim_start_matches('\n'), report.text);
         }
         eprintln!(
-            "({} tokens in {:.0} ms, {:.1} tok/s{}{}; {} at step {}; inference plan peak {}, measured {})",
+            "({} tokens in {:.0} ms, {:.1} tok/s{}{} on {}; {} at step {}; inference plan peak {}, measured {})",
             report.tokens,
             report.ms,
             report.tokens_per_s,
@@ -299,6 +303,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
             report
                 .quantize
                 .map_or(String::new(), |q| format!(", {q} weights")),
+            report.device,
             report.checkpoint.display(),
             report.step,
             human_bytes(report.planned_peak_bytes),

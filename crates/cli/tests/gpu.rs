@@ -1,6 +1,6 @@
 //! `snug` on a GPU (the first adapter; lavapipe in CI): `devices`, `train --device gpu`
 //! against the CPU, resume on the GPU, a wrong `gpu:N`, `plan` and `bench` for a GPU, and
-//! `sample` refusing one. Tests that need an adapter print a skip without one (a failure
+//! `sample --device gpu` against the CPU. Tests that need an adapter print a skip without one (a failure
 //! under `SNUG_REQUIRE_ALL_TESTS`).
 
 use std::process::{Command, Output};
@@ -152,8 +152,8 @@ fn resume_on_the_gpu_continues_exactly() {
     assert_ne!(json_lines(&resumed).pop().unwrap()["device"], "cpu");
 }
 
-/// `--device gpu:N` past the last adapter names every adapter found, for train and plan;
-/// `sample` refuses a GPU by name; `plan --device gpu` plans at the adapter's alignment.
+/// `--device gpu:N` past the last adapter names every adapter found, for train, plan and
+/// sample; `plan --device gpu` plans at the adapter's alignment.
 #[test]
 fn device_flags_are_checked_and_planned_for() {
     if !have_gpu() {
@@ -171,7 +171,16 @@ fn device_flags_are_checked_and_planned_for() {
         "--no-save",
     ]);
     let plan = snug(&["plan", "--preset", "tiny", "--device", &missing]);
-    for (cmd, o) in [("train", train), ("plan", plan)] {
+    // A run to sample from, saved on the CPU.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let out_s = out.to_str().unwrap();
+    let mut saved = vec!["train", "--steps", "1", "--out", out_s];
+    saved.extend(&TINY[..TINY.len() - 1]);
+    let saved = snug(&saved);
+    assert!(saved.status.success(), "{}", stderr(&saved));
+    let sample = snug(&["sample", "--checkpoint", out_s, "--device", &missing]);
+    for (cmd, o) in [("train", train), ("plan", plan), ("sample", sample)] {
         let err = stderr(&o);
         assert_eq!(o.status.code(), Some(1), "{cmd}: {err}");
         assert!(!err.contains("panicked"), "{err}");
@@ -179,9 +188,6 @@ fn device_flags_are_checked_and_planned_for() {
             assert!(err.contains(g["name"].as_str().unwrap()), "{cmd}: {err}");
         }
     }
-    let o = snug(&["sample", "--device", "gpu"]);
-    assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("CPU only"), "{}", stderr(&o));
     let o = snug(&["plan", "--preset", "tiny", "--device", "gpu", "--json"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let plan: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
@@ -240,4 +246,85 @@ fn memory_auto_is_refused_on_a_gpu() {
         );
         assert!(!err.contains("panicked"), "{err}");
     }
+}
+
+/// `sample --device gpu` on a trained run: the same greedy tokens as on the CPU, with the
+/// cache (through a slide) and over the whole window, each phase's measured peak on the
+/// device equal to its plan, and `plan --inference --kv-cache --device gpu` equal to the
+/// decode step's.
+#[test]
+fn sample_on_the_gpu_matches_the_cpu() {
+    if !have_gpu() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let out_s = out.to_str().unwrap();
+    let mut train = vec!["train", "--steps", "30", "--out", out_s];
+    train.extend(&TINY[..TINY.len() - 1]);
+    let trained = snug(&train);
+    assert!(trained.status.success(), "{}", stderr(&trained));
+    let sample = |device: &str, extra: &[&str]| {
+        let mut args = vec![
+            "sample",
+            "--checkpoint",
+            out_s,
+            "--prompt",
+            "12+34=",
+            "--temperature",
+            "0",
+            "--tokens",
+            "70",
+            "--threads",
+            "1",
+            "--json",
+            "--device",
+            device,
+        ];
+        args.extend(extra);
+        let o = snug(&args);
+        assert!(o.status.success(), "{device} {extra:?}: {}", stderr(&o));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    let cpu = sample("cpu", &[]);
+    let gpu = sample("gpu", &[]);
+    assert_eq!(cpu["device"], "cpu");
+    assert_ne!(gpu["device"], "cpu");
+    assert_eq!(gpu["ids"], cpu["ids"]);
+    // Past the run's 64-position window: the cache slides.
+    assert_eq!(gpu["tokens"], 70);
+    let kv = &gpu["kv_cache"];
+    assert!(kv["slides"].as_u64().unwrap() >= 1, "{kv}");
+    for phase in ["prefill", "decode"] {
+        assert!(kv[phase]["runs"].as_u64().unwrap() > 0, "{kv}");
+        assert_eq!(
+            kv[phase]["planned_peak_bytes"], kv[phase]["measured_peak_bytes"],
+            "{phase}: {kv}"
+        );
+    }
+    // Past the window the whole-window path keeps the last 64 tokens, not the cache's half.
+    // `plan --inference --kv-cache --device gpu` predicts the decode step's plan exactly.
+    let plan = snug(&[
+        "plan",
+        "--preset",
+        "tiny",
+        "--batch",
+        "8",
+        "--block",
+        "32",
+        "--threads",
+        "1",
+        "--inference",
+        "--kv-cache",
+        "--device",
+        "gpu",
+        "--json",
+    ]);
+    assert!(plan.status.success(), "{}", stderr(&plan));
+    let plan: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
+    assert_eq!(plan["peak_bytes"], kv["decode"]["planned_peak_bytes"]);
+    let full = sample("gpu", &["--full-window"]);
+    assert_eq!(full["ids"], sample("cpu", &["--full-window"])["ids"]);
+    assert_eq!(full["mode"], "full_window");
+    assert_eq!(full["planned_peak_bytes"], full["measured_peak_bytes"]);
 }

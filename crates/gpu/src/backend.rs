@@ -112,6 +112,7 @@ pub(crate) struct Arg {
     /// slice at an odd row): a buffer of its own, filled before the node and copied back after.
     staged: Option<wgpu::Buffer>,
     pub shape: Vec<usize>,
+    pub dtype: snug_graph::DType,
 }
 
 impl Arg {
@@ -242,6 +243,7 @@ impl GpuBackend {
             bytes,
             staged,
             shape: b.meta.shape.clone(),
+            dtype: b.meta.dtype,
         })
     }
 

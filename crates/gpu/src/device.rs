@@ -13,6 +13,9 @@ use crate::error::{GpuError, Result};
 /// with its storage bindings' numbers.
 type PipelineKey = (&'static str, &'static str, String, Vec<u32>);
 
+/// The optional features [`GpuDevice::open`] asks for where the adapter has them.
+const FAST_PATHS: wgpu::Features = wgpu::Features::SHADER_F16.union(wgpu::Features::SUBGROUP);
+
 /// A compiled kernel and the layout its bind groups follow.
 pub(crate) struct Pipeline {
     pub pipeline: wgpu::ComputePipeline,
@@ -29,6 +32,8 @@ struct Reported {
 struct Inner {
     info: AdapterInfo,
     limits: wgpu::Limits,
+    /// The optional features the device was opened with (those the fast paths use).
+    features: wgpu::Features,
     device: wgpu::Device,
     queue: wgpu::Queue,
     pipelines: Mutex<HashMap<PipelineKey, Arc<Pipeline>>>,
@@ -51,14 +56,26 @@ impl std::fmt::Debug for GpuDevice {
 
 impl GpuDevice {
     /// Opens the adapter `selector` names, with the adapter's own limits (not WebGPU's
-    /// defaults: the arena wants the largest buffers the device allows).
+    /// defaults: the arena wants the largest buffers the device allows) and whichever of the
+    /// features the kernels' fast paths use it has (`SHADER_F16`, `SUBGROUP`).
     pub fn open(selector: Selector) -> Result<GpuDevice> {
+        Self::open_with(selector, FAST_PATHS)
+    }
+
+    /// [`GpuDevice::open`] without the optional features: every kernel takes its plain path
+    /// (what an adapter without them runs; the tests compare the two).
+    pub fn open_plain(selector: Selector) -> Result<GpuDevice> {
+        Self::open_with(selector, wgpu::Features::empty())
+    }
+
+    fn open_with(selector: Selector, wanted: wgpu::Features) -> Result<GpuDevice> {
         let instance = adapter::instance();
         let (adapter, info) = adapter::select(adapter::enumerate(&instance), selector)?;
         let limits = adapter.limits();
+        let features = adapter.features() & wanted;
         let desc = wgpu::DeviceDescriptor {
             label: Some("snug"),
-            required_features: wgpu::Features::empty(),
+            required_features: features,
             required_limits: limits.clone(),
             experimental_features: wgpu::ExperimentalFeatures::disabled(),
             memory_hints: wgpu::MemoryHints::Performance,
@@ -88,6 +105,7 @@ impl GpuDevice {
             inner: Arc::new(Inner {
                 info,
                 limits,
+                features,
                 device,
                 queue,
                 pipelines: Mutex::new(HashMap::new()),
@@ -107,6 +125,18 @@ impl GpuDevice {
 
     pub fn limits(&self) -> &wgpu::Limits {
         &self.inner.limits
+    }
+
+    /// Whether kernels may use f16 in shaders (`SHADER_F16`, requested where the adapter has
+    /// it).
+    pub fn has_f16(&self) -> bool {
+        self.inner.features.contains(wgpu::Features::SHADER_F16)
+    }
+
+    /// Whether kernels may use subgroup operations (`SUBGROUP`, requested where the adapter
+    /// has it). No subgroup size is assumed.
+    pub fn has_subgroups(&self) -> bool {
+        self.inner.features.contains(wgpu::Features::SUBGROUP)
     }
 
     /// What plans for this device assume: tensors at multiples of its storage offset

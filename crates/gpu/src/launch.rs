@@ -16,18 +16,20 @@ use crate::kernels::adamw::{adamw, AdamWStep};
 use crate::kernels::attention::{
     attention_backward, attention_forward, AttentionLayout, AttentionShape,
 };
-use crate::kernels::cast::{from_bf16, to_bf16};
+use crate::kernels::cast::{from_half, to_half, Half};
 use crate::kernels::cross_entropy::{cross_entropy, cross_entropy_backward};
 use crate::kernels::elementwise::{binary, scale, BinaryKind};
 use crate::kernels::embedding::{embedding, embedding_backward};
 use crate::kernels::gelu::{gelu, gelu_backward, GeluForm};
 use crate::kernels::grad_norm::{grad_norm, sum_squares, GradNormRule};
+use crate::kernels::kv_attention::{kv_attention, KvShape};
 use crate::kernels::layernorm::{layer_norm, layer_norm_backward};
 use crate::kernels::lm_head_loss::{lm_head_loss, lm_head_loss_backward, HeadShape};
 use crate::kernels::matmul::{matmul, Gemm};
 use crate::kernels::reduce::{broadcast_to, max_backward, reduce, sum_to, ReduceKind};
 use crate::kernels::rmsnorm::{rms_norm, rms_norm_backward};
 use crate::kernels::rope::rope;
+use crate::kernels::rope_at::rope_at;
 use crate::kernels::sgd::sgd;
 use crate::kernels::silu::{silu, silu_backward};
 use crate::kernels::softmax::{softmax, softmax_backward};
@@ -41,7 +43,7 @@ const MAX_HEAD_DIM: usize = 256;
 pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
     let shape = |i: usize| &graph.tensor(node.inputs[i]).shape;
     let view = graph.is_view(node);
-    // 16-bit floats are storage: casts convert them, views look into them (as on the CPU).
+    // 16-bit floats are storage: casts convert them, views look into them.
     let casts = match &node.op {
         Op::Cast(_) => true,
         _ => view,
@@ -50,13 +52,14 @@ pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
         let m = graph.tensor(t);
         let ok = match m.dtype {
             DType::F32 | DType::I32 => true,
-            DType::BF16 => casts,
-            _ => false,
+            DType::BF16 | DType::F16 => casts,
+            // Quantized codes (8-bit AdamW's moments, a quantized base) have no GPU kernel.
+            DType::U8 => false,
         };
         if !ok {
             return Err(format!(
-                "tensor `{}` is {}: the GPU kernels compute in f32, with bf16 as storage \
-                 that casts convert",
+                "tensor `{}` is {}: the GPU kernels compute in f32, with bf16 and f16 as \
+                 storage that casts convert",
                 m.name, m.dtype
             ));
         }
@@ -97,6 +100,19 @@ pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
             Err(format!("heads of {} (even)", op.head_dim))
         }
         Op::Rope(op) => head_dim(op.head_dim),
+        Op::RopeAt(op) if !op.rope.head_dim.is_multiple_of(2) => {
+            Err(format!("heads of {} (even)", op.rope.head_dim))
+        }
+        Op::RopeAt(op) => head_dim(op.rope.head_dim),
+        Op::KvAttention(op) => {
+            let shapes: Vec<&[usize]> = node
+                .inputs
+                .iter()
+                .map(|&t| graph.tensor(t).shape.as_slice())
+                .collect();
+            let d = op.dims(&shapes).map_err(|e| e.to_string())?;
+            head_dim(d.d)
+        }
         Op::MatMul(_)
         | Op::Binary(_)
         | Op::Scale(_)
@@ -134,10 +150,6 @@ pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
         | Op::SoftmaxBackward(_)
         | Op::LogSoftmax(_)
         | Op::LogSoftmaxBackward(_) => Ok(()),
-        Op::KvAttention(_) | Op::RopeAt(_) => Err(format!(
-            "`{}` (sampling with a key/value cache): no GPU kernel yet",
-            node.op.name()
-        )),
         Op::LayerNormLinear(_)
         | Op::LayerNormLinearBackward(_)
         | Op::GeluLinear(_)
@@ -166,8 +178,12 @@ pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
         Op::Cast(op) => {
             let from = graph.tensor(node.inputs[0]).dtype;
             match (from, op.to) {
-                (DType::F32, DType::BF16) | (DType::BF16, DType::F32) => Ok(()),
-                (from, to) => Err(format!("no GPU cast from {from} to {to} (f32 ↔ bf16 only)")),
+                (DType::F32, DType::BF16 | DType::F16) | (DType::BF16 | DType::F16, DType::F32) => {
+                    Ok(())
+                }
+                (from, to) => Err(format!(
+                    "no GPU cast from {from} to {to} (f32 ↔ bf16 and f32 ↔ f16 only)"
+                )),
             }
         }
     }
@@ -274,8 +290,21 @@ fn record_kernel(
             input(0),
             output(0),
         ),
-        Op::Cast(op) if op.to == DType::BF16 => to_bf16(device, e, numel(x0), input(0), output(0)),
-        Op::Cast(_) => from_bf16(device, e, numel(x0), input(0), output(0)),
+        Op::Cast(op) => {
+            let half = |d: DType| {
+                if d == DType::F16 {
+                    Half::F16
+                } else {
+                    Half::Bf16
+                }
+            };
+            let from = n.inputs[0].dtype;
+            if op.to == DType::F32 {
+                from_half(device, e, half(from), numel(x0), input(0), output(0))
+            } else {
+                to_half(device, e, half(op.to), numel(x0), input(0), output(0))
+            }
+        }
         Op::Reduce(op) => {
             let kind = match op.kind {
                 snug_graph::ops::ReduceKind::Sum => ReduceKind::Sum,
@@ -510,6 +539,49 @@ fn record_kernel(
             let x = &n.inputs[0].shape;
             rope(device, e, *op, (x[0], x[1]), input(0), output(0))
         }
+        Op::RopeAt(op) => {
+            let x = &n.inputs[0].shape;
+            rope_at(
+                device,
+                e,
+                op.rope,
+                (x[0], x[1]),
+                [input(0), input(1)],
+                output(0),
+            )
+        }
+        Op::KvAttention(op) => {
+            let shapes: Vec<&[usize]> = n.inputs.iter().map(|a| a.shape.as_slice()).collect();
+            let d: KvShape = op.dims(&shapes).map_err(|err| GpuError::Unsupported {
+                device: device.name().to_string(),
+                kernel: "kv_attention",
+                detail: err.to_string(),
+            })?;
+            let s = AttentionShape {
+                batch: d.b,
+                seq: d.t,
+                heads: d.h,
+                kv_heads: d.kh,
+                head_dim: d.d,
+            };
+            let c = op.cache_input();
+            let (layout, qkv) = if op.packed {
+                (AttentionLayout::packed(&s), [input(0), input(0), input(0)])
+            } else {
+                (
+                    AttentionLayout::separate(&s),
+                    [input(0), input(1), input(2)],
+                )
+            };
+            let [q, k, v] = qkv;
+            kv_attention(
+                device,
+                e,
+                (d, layout),
+                [q, k, v, input(c), input(c + 1), input(c + 2)],
+                output(0),
+            )
+        }
         Op::Silu(_) => silu(device, e, numel(y0), input(0), output(0)),
         Op::SiluBackward(_) => silu_backward(device, e, numel(y0), input(0), input(1), output(0)),
         Op::SwiGlu(_) => swiglu(device, e, numel(y0), input(0), input(1), output(0)),
@@ -569,8 +641,6 @@ fn record_kernel(
         | Op::LayerNormLinearBackward(_)
         | Op::GeluLinear(_)
         | Op::GeluLinearBackward(_)
-        | Op::KvAttention(_)
-        | Op::RopeAt(_)
         | Op::AllReduce(_)
         | Op::ReduceScatter(_)
         | Op::AllGather(_)

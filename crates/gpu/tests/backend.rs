@@ -298,8 +298,8 @@ fn accumulated_micro_batches_update_as_on_the_cpu() {
     }
 }
 
-/// A graph the GPU cannot run (f16 activations: no f16 casts on the GPU yet) is refused
-/// before anything is allocated, naming the device.
+/// A graph the GPU cannot run (compiled for the CPU, whose fused LayerNorm + GEMM no GPU
+/// kernel takes) is refused before anything is allocated, naming the device and the op.
 #[test]
 fn a_step_the_gpu_cannot_run_is_refused_before_allocating() {
     let Some(device) = gpu() else { return };
@@ -310,20 +310,17 @@ fn a_step_the_gpu_cannot_run_is_refused_before_allocating() {
         micro_batch: 1,
         block: 16,
     };
-    let f16 = StepConfig {
-        precision: snug_graph::DType::F16,
-        ..config()
-    };
-    let (step, p) = compile(&model, shape, backend.target(), &f16, false);
+    let cpu = Target::cpu(1, snug_graph::CpuGemm::Portable);
+    let (step, p) = compile(&model, shape, cpu, &config(), false);
     match GpuSession::new(step.step.graph, p, backend) {
         Err(RuntimeError::UnsupportedOp {
             device: d, detail, ..
         }) => {
             assert!(d.contains(device.name()), "{d}");
-            assert!(detail.contains("f16"), "{detail}");
+            assert!(detail.contains("CPU fusion"), "{detail}");
         }
         Err(e) => panic!("expected an unsupported op, got {e}"),
-        Ok(_) => panic!("the GPU has no f16 casts"),
+        Ok(_) => panic!("the GPU runs no CPU fusion"),
     }
     assert_eq!(allocator.peak_bytes(), 0, "nothing was allocated");
 }

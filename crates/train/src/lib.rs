@@ -48,7 +48,7 @@ pub use loss_scale::LossScaler;
 pub use run::{run, Event, RunSummary};
 pub use run_dir::{Claim, RunDir};
 pub use sample::{
-    chat_prompt, ChatPrompt, KvStats, PhaseMemory, SampleMode, SampleOptions, Sampler,
+    chat_prompt, ChatPrompt, KvStats, PhaseMemory, Placement, SampleMode, SampleOptions, Sampler,
 };
 pub use token_file::{TokenFile, TokenFileProblem};
 pub use tokenizer::{CharTokenizer, Gpt2Tokenizer, Tokenizer, TokenizerSpec};

@@ -25,13 +25,13 @@ use std::collections::HashMap;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
-use snug_cpu::CpuSession;
 use snug_graph::ops::QuantizeBase;
-use snug_graph::TensorId;
+use snug_graph::{Target, TensorId};
 use snug_nn::{InferenceGraph, KvGraph, ModelConfig};
 use snug_plan::{plan, MemoryPlan, PlanOptions};
 use snug_runtime::{Allocator, ExecCtx};
 
+use crate::device::{DeviceSpec, StepSession};
 use crate::TrainError;
 
 /// How the next token is chosen from the logits.
@@ -85,7 +85,15 @@ pub fn plan_inference(
     model: &ModelConfig,
     threads: usize,
 ) -> Result<(InferenceGraph, MemoryPlan), TrainError> {
-    plan_inference_quantized(model, threads, None)
+    plan_inference_for(model, Target::host(threads.max(1)))
+}
+
+/// [`plan_inference`] for the device `target` describes (a GPU's: see [`DeviceSpec::target`]).
+pub fn plan_inference_for(
+    model: &ModelConfig,
+    target: Target,
+) -> Result<(InferenceGraph, MemoryPlan), TrainError> {
+    plan_inference_on(model, target, None)
 }
 
 /// [`plan_inference`] with the 2-D weights stored as `quantize` says (`snug sample
@@ -95,7 +103,16 @@ pub fn plan_inference_quantized(
     threads: usize,
     quantize: Option<QuantizeBase>,
 ) -> Result<(InferenceGraph, MemoryPlan), TrainError> {
-    let mut g = model.build_inference(1, model.max_seq(), threads.max(1))?;
+    plan_inference_on(model, Target::host(threads.max(1)), quantize)
+}
+
+/// [`plan_inference`] for `target`, with the 2-D weights stored as `quantize` says.
+pub fn plan_inference_on(
+    model: &ModelConfig,
+    target: Target,
+    quantize: Option<QuantizeBase>,
+) -> Result<(InferenceGraph, MemoryPlan), TrainError> {
+    let mut g = model.build_inference(1, model.max_seq(), target)?;
     if let Some(base) = quantize {
         let (r, params) = quantize_params(&g.graph, &g.params, base)?;
         g = InferenceGraph {
@@ -133,7 +150,16 @@ pub fn plan_kv(
     new_tokens: usize,
     threads: usize,
 ) -> Result<(KvGraph, MemoryPlan), TrainError> {
-    plan_kv_quantized(model, new_tokens, threads, None)
+    plan_kv_for(model, new_tokens, Target::host(threads.max(1)))
+}
+
+/// [`plan_kv`] for the device `target` describes (a GPU's: see [`DeviceSpec::target`]).
+pub fn plan_kv_for(
+    model: &ModelConfig,
+    new_tokens: usize,
+    target: Target,
+) -> Result<(KvGraph, MemoryPlan), TrainError> {
+    plan_kv_on(model, new_tokens, target, None)
 }
 
 /// [`plan_kv`] with the 2-D weights stored as `quantize` says.
@@ -143,7 +169,17 @@ pub fn plan_kv_quantized(
     threads: usize,
     quantize: Option<QuantizeBase>,
 ) -> Result<(KvGraph, MemoryPlan), TrainError> {
-    let mut g = model.build_kv(new_tokens, threads.max(1))?;
+    plan_kv_on(model, new_tokens, Target::host(threads.max(1)), quantize)
+}
+
+/// [`plan_kv`] for `target`, with the 2-D weights stored as `quantize` says.
+pub fn plan_kv_on(
+    model: &ModelConfig,
+    new_tokens: usize,
+    target: Target,
+    quantize: Option<QuantizeBase>,
+) -> Result<(KvGraph, MemoryPlan), TrainError> {
+    let mut g = model.build_kv(new_tokens, target)?;
     if let Some(base) = quantize {
         let (r, params) = quantize_params(&g.graph, &g.params, base)?;
         g = KvGraph {
@@ -251,9 +287,19 @@ pub fn chat_prompt(
     Ok(ChatPrompt { text, ids, stop })
 }
 
-/// A model loaded for generation: its planned inference graph(s) in a [`CpuSession`].
+/// Where a [`Sampler`] runs and how its weights are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement {
+    pub device: DeviceSpec,
+    /// The 2-D weights quantized once as they are written, each dequantized just before the
+    /// op that reads it (None: f32).
+    pub quantize: Option<QuantizeBase>,
+}
+
+/// A model loaded for generation: its planned inference graph(s) in a session on the CPU or
+/// a GPU ([`StepSession`]).
 pub struct Sampler {
-    session: CpuSession,
+    session: StepSession,
     vocab: usize,
     window: usize,
     engine: Engine,
@@ -267,7 +313,9 @@ enum Engine {
 /// The key/value-cache path's graphs and what its caches hold.
 struct KvEngine {
     model: ModelConfig,
-    threads: usize,
+    /// The device the graphs are built and planned for.
+    target: Target,
+    /// How the 2-D weights are stored (None: f32).
     quantize: Option<QuantizeBase>,
     decode: (KvGraph, MemoryPlan),
     /// The last prefill built (rebuilt when the prompt's length changes).
@@ -299,7 +347,25 @@ impl Sampler {
         threads: usize,
         allocator: Allocator,
     ) -> Result<Sampler, TrainError> {
-        Self::quantized(model, params, mode, None, threads, allocator)
+        Self::on_device(model, params, mode, DeviceSpec::Cpu, threads, allocator)
+    }
+
+    /// [`Sampler::with_mode`] on `device`: a GPU runs the same graphs (built and planned for
+    /// its target) with its own allocator over device memory, which takes `allocator`'s
+    /// memory limit; `threads` is the CPU's.
+    pub fn on_device(
+        model: &ModelConfig,
+        params: &[(String, Vec<f32>)],
+        mode: SampleMode,
+        device: DeviceSpec,
+        threads: usize,
+        allocator: Allocator,
+    ) -> Result<Sampler, TrainError> {
+        let placement = Placement {
+            device,
+            quantize: None,
+        };
+        Self::placed(model, params, mode, placement, threads, allocator)
     }
 
     /// [`Sampler::with_mode`] with the 2-D weights stored as `quantize` says (quantized once,
@@ -309,6 +375,22 @@ impl Sampler {
         params: &[(String, Vec<f32>)],
         mode: SampleMode,
         quantize: Option<QuantizeBase>,
+        threads: usize,
+        allocator: Allocator,
+    ) -> Result<Sampler, TrainError> {
+        let placement = Placement {
+            device: DeviceSpec::Cpu,
+            quantize,
+        };
+        Self::placed(model, params, mode, placement, threads, allocator)
+    }
+
+    /// [`Sampler::with_mode`] on the device and with the weights' storage `placement` names.
+    pub fn placed(
+        model: &ModelConfig,
+        params: &[(String, Vec<f32>)],
+        mode: SampleMode,
+        placement: Placement,
         threads: usize,
         allocator: Allocator,
     ) -> Result<Sampler, TrainError> {
@@ -322,25 +404,33 @@ impl Sampler {
                 });
             }
         }
-        let (sampler, _) = Self::load(model, mode, quantize, threads, allocator, |graph_params| {
-            let mut ordered = Vec::with_capacity(graph_params.len());
-            for (name, id) in graph_params {
-                let v = values
-                    .remove(name.as_str())
-                    .ok_or_else(|| TrainError::Config {
+        let (sampler, _) = Self::load(
+            model,
+            (mode, placement),
+            threads,
+            allocator,
+            |graph_params| {
+                let mut ordered = Vec::with_capacity(graph_params.len());
+                for (name, id) in graph_params {
+                    let v = values
+                        .remove(name.as_str())
+                        .ok_or_else(|| TrainError::Config {
+                            field: "parameters",
+                            detail: format!("no value for the model's parameter `{name}`"),
+                        })?;
+                    ordered.push((*id, v));
+                }
+                if let Some((name, _)) =
+                    params.iter().find(|(n, _)| values.contains_key(n.as_str()))
+                {
+                    return Err(TrainError::Config {
                         field: "parameters",
-                        detail: format!("no value for the model's parameter `{name}`"),
-                    })?;
-                ordered.push((*id, v));
-            }
-            if let Some((name, _)) = params.iter().find(|(n, _)| values.contains_key(n.as_str())) {
-                return Err(TrainError::Config {
-                    field: "parameters",
-                    detail: format!("`{name}` is not a parameter of this model"),
-                });
-            }
-            Ok(ordered)
-        })?;
+                        detail: format!("`{name}` is not a parameter of this model"),
+                    });
+                }
+                Ok(ordered)
+            },
+        )?;
         Ok(sampler)
     }
 
@@ -354,7 +444,23 @@ impl Sampler {
         threads: usize,
         allocator: Allocator,
     ) -> Result<Sampler, TrainError> {
-        Self::from_hf_quantized(model, ckpt, mode, None, threads, allocator)
+        Self::from_hf_on(model, ckpt, mode, DeviceSpec::Cpu, threads, allocator)
+    }
+
+    /// [`Sampler::from_hf`] on `device` (see [`Sampler::on_device`]).
+    pub fn from_hf_on(
+        model: &ModelConfig,
+        ckpt: &snug_nn::HfCheckpoint,
+        mode: SampleMode,
+        device: DeviceSpec,
+        threads: usize,
+        allocator: Allocator,
+    ) -> Result<Sampler, TrainError> {
+        let placement = Placement {
+            device,
+            quantize: None,
+        };
+        Self::from_hf_placed(model, ckpt, mode, placement, threads, allocator)
     }
 
     /// [`Sampler::from_hf`] with the 2-D weights stored as `quantize` says.
@@ -366,16 +472,28 @@ impl Sampler {
         threads: usize,
         allocator: Allocator,
     ) -> Result<Sampler, TrainError> {
+        let placement = Placement {
+            device: DeviceSpec::Cpu,
+            quantize,
+        };
+        Self::from_hf_placed(model, ckpt, mode, placement, threads, allocator)
+    }
+
+    /// [`Sampler::from_hf`] on the device and with the weights' storage `placement` names.
+    pub fn from_hf_placed(
+        model: &ModelConfig,
+        ckpt: &snug_nn::HfCheckpoint,
+        mode: SampleMode,
+        placement: Placement,
+        threads: usize,
+        allocator: Allocator,
+    ) -> Result<Sampler, TrainError> {
         ckpt.check_model(model)?;
+        let quantize = placement.quantize;
         let (mut sampler, params) =
-            Self::load(
-                model,
-                mode,
-                quantize,
-                threads,
-                allocator,
-                |_| Ok(Vec::new()),
-            )?;
+            Self::load(model, (mode, placement), threads, allocator, |_| {
+                Ok(Vec::new())
+            })?;
         for (name, id) in params {
             let v = ckpt.read(&name)?;
             crate::quantized::write_param(&mut sampler.session, quantize, id, &v)?;
@@ -388,17 +506,18 @@ impl Sampler {
     /// them. Returns the sampler and the parameters' ids in the graph it holds.
     fn load<'v>(
         model: &ModelConfig,
-        mode: SampleMode,
-        quantize: Option<QuantizeBase>,
+        (mode, placement): (SampleMode, Placement),
         threads: usize,
         allocator: Allocator,
         order: impl FnOnce(&[(String, TensorId)]) -> Result<Vec<(TensorId, &'v [f32])>, TrainError>,
     ) -> Result<(Sampler, Vec<(String, TensorId)>), TrainError> {
         let threads = threads.max(1);
+        let Placement { device, quantize } = placement;
+        let target = device.target(threads)?;
         // Planning allocates nothing, so the weights are still checked before any allocation.
         let (graph, memory_plan, params, engine) = match mode {
             SampleMode::FullWindow => {
-                let (g, p) = plan_inference_quantized(model, threads, quantize)?;
+                let (g, p) = plan_inference_on(model, target, quantize)?;
                 let engine = Engine::Full {
                     tokens: g.tokens,
                     logits: g.logits,
@@ -407,11 +526,11 @@ impl Sampler {
             }
             SampleMode::KvCache => {
                 // The session starts on the decode step's graph: the smaller arena.
-                let (g, p) = plan_kv_quantized(model, 1, threads, quantize)?;
+                let (g, p) = plan_kv_on(model, 1, target, quantize)?;
                 let (graph, params) = (g.graph.clone(), g.params.clone());
                 let engine = Engine::Kv(Box::new(KvEngine {
                     model: model.clone(),
-                    threads,
+                    target,
                     quantize,
                     decode: (g, p.clone()),
                     prefill: None,
@@ -423,7 +542,7 @@ impl Sampler {
             }
         };
         let ordered = order(&params)?;
-        let mut session = CpuSession::new(graph, memory_plan, allocator, threads)?;
+        let mut session = StepSession::new(device, graph, memory_plan, allocator, threads)?;
         for (id, v) in ordered {
             // A wrong length is a typed error naming the tensor.
             crate::quantized::write_param(&mut session, quantize, id, v)?;
@@ -468,7 +587,8 @@ impl Sampler {
         }
     }
 
-    pub fn session(&self) -> &CpuSession {
+    /// The session, on the device the sampler was loaded on.
+    pub fn session(&self) -> &StepSession {
         &self.session
     }
 
@@ -595,7 +715,7 @@ impl Sampler {
 
 /// Runs the full-window graph on `recent` (at most the window), padded with token 0.
 fn full_window(
-    session: &mut CpuSession,
+    session: &mut StepSession,
     tokens: TensorId,
     vocab: usize,
     recent: &[u32],
@@ -618,7 +738,7 @@ impl KvEngine {
     /// returns the logits' tensor.
     fn next(
         &mut self,
-        session: &mut CpuSession,
+        session: &mut StepSession,
         vocab: usize,
         window: usize,
         context: &[u32],
@@ -660,7 +780,11 @@ impl KvEngine {
 
     /// Switches the session to the decode graph (`None`) or a prefill of `n` tokens, giving
     /// the other graph's arena back to the system so the session holds exactly this plan.
-    fn hold(&mut self, session: &mut CpuSession, prefill: Option<usize>) -> Result<(), TrainError> {
+    fn hold(
+        &mut self,
+        session: &mut StepSession,
+        prefill: Option<usize>,
+    ) -> Result<(), TrainError> {
         if self.holds == prefill {
             return Ok(());
         }
@@ -672,12 +796,7 @@ impl KvEngine {
                     .as_ref()
                     .map(|(g, _)| g.graph.tensor(g.tokens).shape[1]);
                 if built != Some(n) {
-                    self.prefill = Some(plan_kv_quantized(
-                        &self.model,
-                        n,
-                        self.threads,
-                        self.quantize,
-                    )?);
+                    self.prefill = Some(plan_kv_on(&self.model, n, self.target, self.quantize)?);
                 }
                 let Some((g, p)) = &self.prefill else {
                     unreachable!("built above")
@@ -693,7 +812,7 @@ impl KvEngine {
     }
 
     /// Runs the held graph, recording its plan and the allocator's peak.
-    fn run(&mut self, session: &mut CpuSession, prefill: bool) -> Result<(), TrainError> {
+    fn run(&mut self, session: &mut StepSession, prefill: bool) -> Result<(), TrainError> {
         session.allocator().reset_peak();
         session.run(ExecCtx::default())?;
         let (planned, measured) = (
@@ -712,7 +831,7 @@ impl KvEngine {
 
 /// Writes a key/value-cache graph's inputs: `new` tokens at positions `pos ..`.
 fn write_step(
-    session: &mut CpuSession,
+    session: &mut StepSession,
     (tokens, pos_id, positions): (TensorId, TensorId, Option<TensorId>),
     vocab: usize,
     window: usize,
@@ -911,7 +1030,7 @@ mod tests {
 
             let g = model.build_inference(2, w, 1).unwrap();
             let p = plan(&g.graph, &PlanOptions::default()).unwrap();
-            let mut other = CpuSession::new(g.graph, p, Allocator::default(), 1).unwrap();
+            let mut other = snug_cpu::CpuSession::new(g.graph, p, Allocator::default(), 1).unwrap();
             for ((name, id), (pname, values)) in g.params.iter().zip(&params) {
                 assert_eq!(name, pname);
                 other.write_f32(*id, values).unwrap();

@@ -220,3 +220,161 @@ fn the_device_key_parses_from_toml() {
     assert_eq!(default.device, DeviceSpec::Cpu);
     assert!(!default.target().is_gpu());
 }
+
+fn hf_fixture(name: &str) -> snug_nn::HfCheckpoint {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../nn/tests/fixtures/hf")
+        .join(name);
+    snug_nn::HfCheckpoint::open(&dir).unwrap()
+}
+
+/// Sampling with the key/value cache on the GPU, for a GPT-2 (packed attention, learned
+/// positions), a Llama (grouped-query attention, RoPE at the run-time position) and a Qwen2
+/// (q/k/v biases): every step's logits within 1e-4 of the CPU's largest logit, the same
+/// greedy tokens past the window (so the cache slides and re-prefills), each phase holding
+/// exactly its plan, and the device's own count of buffers never above the largest plan.
+#[test]
+fn sampling_on_the_gpu_matches_the_cpu() {
+    use snug_train::{SampleMode, SampleOptions, Sampler};
+    if !have_gpu() {
+        return;
+    }
+    let gpu = DeviceSpec::Gpu(Selector::FirstGpu);
+    for name in ["gpt2", "llama", "qwen2"] {
+        let ckpt = hf_fixture(name);
+        let model = ckpt.config().clone();
+        let load = |device| {
+            Sampler::from_hf_on(
+                &model,
+                &ckpt,
+                SampleMode::KvCache,
+                device,
+                1,
+                Allocator::default(),
+            )
+            .unwrap()
+        };
+        let (mut cpu, mut dev) = (load(DeviceSpec::Cpu), load(gpu));
+        assert!(dev.session().target().is_gpu(), "{name}");
+        // A prefill, then decode steps, each compared logit by logit.
+        let mut context = vec![17u32, 42, 99, 5, 230, 7];
+        for step in 0..6 {
+            let want = cpu.next_token_logits(&context).unwrap().to_vec();
+            let got = dev.next_token_logits(&context).unwrap().to_vec();
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (g - w).abs() <= 1e-4 * scale,
+                    "{name} step {step} logit {i}: gpu {g}, cpu {w}"
+                );
+            }
+            let next = (want.iter().enumerate())
+                .fold(0, |best, (i, v)| if *v > want[best] { i } else { best });
+            context.push(next as u32);
+        }
+        let greedy = SampleOptions {
+            temperature: 0.0,
+            top_k: None,
+            seed: 0,
+        };
+        let prompt = [3u32, 1, 4, 1, 5];
+        let n = dev.window() + 8 - prompt.len();
+        let (a, b) = (
+            cpu.generate(&prompt, n, greedy).unwrap(),
+            dev.generate(&prompt, n, greedy).unwrap(),
+        );
+        assert_eq!(a, b, "{name}: greedy tokens");
+        let stats = dev.kv_stats().unwrap();
+        assert!(stats.slides >= 1, "{name}: the cache slid");
+        for phase in [stats.prefill, stats.decode] {
+            assert!(phase.runs > 0, "{name}");
+            assert_eq!(
+                phase.planned_peak_bytes, phase.measured_peak_bytes,
+                "{name}: planned == measured"
+            );
+        }
+        let largest = stats
+            .prefill
+            .planned_peak_bytes
+            .max(stats.decode.planned_peak_bytes);
+        assert!(
+            dev.session().device_peak_bytes() <= largest,
+            "{name}: device peak {} over the largest plan {largest}",
+            dev.session().device_peak_bytes()
+        );
+    }
+}
+
+/// The whole-window path runs on the GPU too, and gives the cached path's greedy tokens.
+#[test]
+fn full_window_sampling_on_the_gpu_agrees_with_the_cache() {
+    use snug_train::{SampleMode, SampleOptions, Sampler};
+    if !have_gpu() {
+        return;
+    }
+    let ckpt = hf_fixture("llama");
+    let model = ckpt.config().clone();
+    let load = |mode| {
+        Sampler::from_hf_on(
+            &model,
+            &ckpt,
+            mode,
+            DeviceSpec::Gpu(Selector::FirstGpu),
+            1,
+            Allocator::default(),
+        )
+        .unwrap()
+    };
+    let greedy = SampleOptions {
+        temperature: 0.0,
+        top_k: None,
+        seed: 0,
+    };
+    let prompt = [9u32, 8, 7];
+    let a = load(SampleMode::KvCache)
+        .generate(&prompt, 12, greedy)
+        .unwrap();
+    let b = load(SampleMode::FullWindow)
+        .generate(&prompt, 12, greedy)
+        .unwrap();
+    assert_eq!(a, b);
+}
+
+/// `--precision f16` on the GPU: activations stored as f16 (written with the CPU's rounding,
+/// read natively where the device has `SHADER_F16`), the loss scaled dynamically. The first
+/// loss within 1e-4 relative of the CPU's f16 run, every later one within 1 %, the loss
+/// falling, and the device holding exactly the plan on every step.
+#[test]
+fn f16_training_on_the_gpu_matches_the_cpu() {
+    if !have_gpu() {
+        return;
+    }
+    let steps = 12;
+    let f16 = |device: &str| {
+        let mut cfg = config(device, steps);
+        cfg.precision = snug_graph::DType::F16;
+        cfg.precision_pinned = true;
+        cfg
+    };
+    let mut cpu = trainer(&f16("cpu"));
+    let mut gpu = trainer(&f16("gpu"));
+    let (mut lc, mut lg) = (Vec::new(), Vec::new());
+    for _ in 0..steps {
+        lc.push(cpu.train_step().unwrap().loss);
+        let s = gpu.train_step().unwrap();
+        assert_eq!(s.peak_bytes, gpu.plan().peak_bytes(), "step {}", s.step);
+        lg.push(s.loss);
+    }
+    let rel = |a: f32, b: f32| (a - b).abs() / a.abs().max(1e-6);
+    assert!(
+        rel(lc[0], lg[0]) < 1e-4,
+        "first loss {} vs {}",
+        lc[0],
+        lg[0]
+    );
+    for (i, (c, g)) in lc.iter().zip(&lg).enumerate() {
+        assert!(rel(*c, *g) < 0.01, "step {}: cpu {c} gpu {g}", i + 1);
+    }
+    assert!(lg[steps as usize - 1] < lg[0] - 0.3, "loss {lg:?}");
+    assert_eq!(gpu.session().device_peak_bytes(), gpu.plan().peak_bytes());
+}

@@ -37,6 +37,47 @@ pub fn rope<'a>(
     x: DeviceSlice<'a>,
     y: DeviceSlice<'a>,
 ) -> Result<()> {
+    let (params, n) = rotation(device, spec, (b, t))?;
+    need(device, "rope x", &x, n)?;
+    need(device, "rope y", &y, n)?;
+    Dispatch {
+        source: SOURCE,
+        entry: "rope",
+        constants: String::new(),
+        params,
+        tensors: vec![(1, x), (2, y)],
+        grid: grid_items(device, n / 2),
+    }
+    .record(device, encoder)
+}
+
+/// [`rope`] with row `t` rotated as position `pos + t`, `pos` read on the device (`snug-graph`'s
+/// `RopeAt`).
+pub(crate) fn rope_from<'a>(
+    device: &GpuDevice,
+    encoder: &mut wgpu::CommandEncoder,
+    spec: RopeSpec,
+    (b, t): (usize, usize),
+    [x, pos]: [DeviceSlice<'a>; 2],
+    y: DeviceSlice<'a>,
+) -> Result<()> {
+    let (params, n) = rotation(device, spec, (b, t))?;
+    need(device, "rope_at x", &x, n)?;
+    need(device, "rope_at pos", &pos, 1)?;
+    need(device, "rope_at y", &y, n)?;
+    Dispatch {
+        source: SOURCE,
+        entry: "rope_at",
+        constants: String::new(),
+        params,
+        tensors: vec![(1, x), (2, y), (3, pos)],
+        grid: grid_items(device, n / 2),
+    }
+    .record(device, encoder)
+}
+
+/// The kernel's arguments for `spec` over `b × t` rows, and the elements it rotates.
+fn rotation(device: &GpuDevice, spec: RopeSpec, (b, t): (usize, usize)) -> Result<(Params, usize)> {
     let kernel = "rope";
     let half = spec.head_dim / 2;
     if spec.head_dim == 0 || !spec.head_dim.is_multiple_of(2) || half > MAX_HALF {
@@ -51,9 +92,8 @@ pub fn rope<'a>(
         ));
     }
     let n = b * t * spec.n_head * spec.head_dim;
-    need(device, "rope x", &x, n)?;
-    need(device, "rope y", &y, n)?;
     let u = |v| u32_of(device, kernel, v);
+    u(n)?;
     let mut params = Params::new()
         .u(u(b * t)?)
         .u(u(t)?)
@@ -71,15 +111,7 @@ pub fn rope<'a>(
         };
         params = params.u(hi).u(lo);
     }
-    Dispatch {
-        source: SOURCE,
-        entry: kernel,
-        constants: String::new(),
-        params,
-        tensors: vec![(1, x), (2, y)],
-        grid: grid_items(device, n / 2),
-    }
-    .record(device, encoder)
+    Ok((params, n))
 }
 
 #[cfg(test)]

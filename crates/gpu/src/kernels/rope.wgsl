@@ -21,6 +21,8 @@ struct Params {
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read_write> x: array<f32>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
+// `rope_at`'s first position (sampling's run-time position).
+@group(0) @binding(3) var<storage, read_write> first: array<i32>;
 
 // (low, high) words of a·b.
 fn mul_wide(a: u32, b: u32) -> vec2<u32> {
@@ -69,25 +71,39 @@ fn angle(pos: u32, i: u32) -> vec2<f32> {
     }
 }
 
-// One thread per rotated pair; it reads both elements before writing them, so y may be x.
-@compute @workgroup_size(256)
-fn rope(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) li: u32,
-) {
-    let k = group_index(wid, nwg) * 256u + li;
+// Rotates pair k (row, head, i), the row at position `first + row % t`. It reads both
+// elements before writing them, so y may be x.
+fn rotate(k: u32, first: u32) {
     if (k >= p.rows * p.heads * p.half) {
         return;
     }
     let i = k % p.half;
     let head = (k / p.half) % p.heads;
     let row = k / (p.half * p.heads);
-    let sc = angle(row % p.t, i);
+    let sc = angle(first + row % p.t, i);
     let sn = sc.x * p.sign;
     let base = (row * p.heads + head) * 2u * p.half + i;
     let x1 = x[base];
     let x2 = x[base + p.half];
     y[base] = x1 * sc.y - x2 * sn;
     y[base + p.half] = x2 * sc.y + x1 * sn;
+}
+
+// One thread per rotated pair.
+@compute @workgroup_size(256)
+fn rope(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+) {
+    rotate(group_index(wid, nwg) * 256u + li, 0u);
+}
+
+@compute @workgroup_size(256)
+fn rope_at(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+) {
+    rotate(group_index(wid, nwg) * 256u + li, u32(max(first[0], 0)));
 }

@@ -25,6 +25,16 @@ pub fn gpu() -> Option<&'static GpuDevice> {
     device.as_ref()
 }
 
+/// The first adapter opened without its optional features (`SHADER_F16`, `SUBGROUP`), so
+/// every kernel takes its plain path; `None` as [`gpu`].
+pub fn gpu_plain() -> Option<&'static GpuDevice> {
+    static DEVICE: OnceLock<Option<GpuDevice>> = OnceLock::new();
+    gpu()?;
+    DEVICE
+        .get_or_init(|| Some(GpuDevice::open_plain(Selector::FirstGpu).expect("it opens")))
+        .as_ref()
+}
+
 /// A tensor's initial contents.
 pub enum Init {
     F32(Vec<f32>),

@@ -7,7 +7,9 @@ mod common;
 
 mod activations;
 mod attention;
+mod cast;
 mod elementwise;
+mod kv_attention;
 mod losses;
 mod matmul;
 mod norms;
