@@ -28,7 +28,6 @@ struct Reported {
 
 struct Inner {
     info: AdapterInfo,
-    limits: wgpu::Limits,
     device: wgpu::Device,
     queue: wgpu::Queue,
     pipelines: Mutex<HashMap<PipelineKey, Arc<Pipeline>>>,
@@ -39,6 +38,8 @@ struct Inner {
 #[derive(Clone)]
 pub struct GpuDevice {
     inner: Arc<Inner>,
+    /// The adapter's limits, or tighter ones ([`GpuDevice::with_max_buffer_size`]).
+    limits: wgpu::Limits,
 }
 
 impl std::fmt::Debug for GpuDevice {
@@ -87,13 +88,29 @@ impl GpuDevice {
         Ok(GpuDevice {
             inner: Arc::new(Inner {
                 info,
-                limits,
                 device,
                 queue,
                 pipelines: Mutex::new(HashMap::new()),
                 reported,
             }),
+            limits,
         })
+    }
+
+    /// This device with buffers (and so the plan's arena chunks) no larger than `bytes`, where
+    /// that is below the adapter's own limit: for drivers whose large allocations fail, and to
+    /// exercise an arena over several chunks on any device. Bindings stay within the new
+    /// largest buffer. Shares the device, queue and pipelines with `self`.
+    pub fn with_max_buffer_size(&self, bytes: u64) -> GpuDevice {
+        let mut limits = self.limits.clone();
+        limits.max_buffer_size = limits.max_buffer_size.min(bytes);
+        limits.max_storage_buffer_binding_size = limits
+            .max_storage_buffer_binding_size
+            .min(limits.max_buffer_size);
+        GpuDevice {
+            inner: Arc::clone(&self.inner),
+            limits,
+        }
     }
 
     pub fn info(&self) -> &AdapterInfo {
@@ -106,14 +123,14 @@ impl GpuDevice {
     }
 
     pub fn limits(&self) -> &wgpu::Limits {
-        &self.inner.limits
+        &self.limits
     }
 
     /// What plans for this device assume: tensors at multiples of its storage offset
     /// alignment, the arena within its largest buffer, each tensor within its largest storage
     /// binding, and no fusions (its kernels take plain ops).
     pub fn target(&self) -> Target {
-        let l = &self.inner.limits;
+        let l = &self.limits;
         let bytes = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
         Target::gpu(MemoryLayout {
             alignment: (l.min_storage_buffer_offset_alignment as usize).max(1),
