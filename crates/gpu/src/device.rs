@@ -2,6 +2,7 @@
 //! asynchronously (device loss, validation), turned into [`GpuError`]s at the next check.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use snug_graph::{MemoryLayout, Target};
@@ -32,6 +33,8 @@ struct Inner {
     queue: wgpu::Queue,
     pipelines: Mutex<HashMap<PipelineKey, Arc<Pipeline>>>,
     reported: Arc<Mutex<Reported>>,
+    /// Command buffers submitted so far.
+    submits: AtomicU64,
 }
 
 /// An opened GPU. Cheap to clone: clones share the device, its queue and its pipelines.
@@ -92,6 +95,7 @@ impl GpuDevice {
                 queue,
                 pipelines: Mutex::new(HashMap::new()),
                 reported,
+                submits: AtomicU64::new(0),
             }),
             limits,
         })
@@ -158,8 +162,14 @@ impl GpuDevice {
     pub fn submit(&self, encoder: wgpu::CommandEncoder) -> Result<wgpu::SubmissionIndex> {
         self.check()?;
         let index = self.inner.queue.submit([encoder.finish()]);
+        self.inner.submits.fetch_add(1, Ordering::Relaxed);
         self.check()?;
         Ok(index)
+    }
+
+    /// Command buffers submitted to this device so far (a step is one).
+    pub fn submissions(&self) -> u64 {
+        self.inner.submits.load(Ordering::Relaxed)
     }
 
     /// Blocks until everything submitted so far has run, then reports any error since.

@@ -505,3 +505,64 @@ fn a_tensor_over_the_largest_buffer_fails_at_plan_time() {
         other => panic!("expected a named planning error, got {other:?}"),
     }
 }
+
+/// A step's inputs go through a ring of staging buffers made once: every step writes its
+/// tokens and targets with no wait and no new buffer, and the step (copies included) is one
+/// submit. Losses stay the CPU's. The ring is host-visible memory, `RING_DEPTH` × the
+/// inputs' bytes, outside the device peak, which stays the plan's.
+#[test]
+fn inputs_go_through_a_reused_staging_ring_in_the_steps_one_submit() {
+    let Some(device) = gpu() else { return };
+    let model = ModelConfig::preset("tiny").expect("tiny");
+    let vocab = model.vocab_size();
+    let shape = StepShape {
+        micro_batch: 2,
+        block: 16,
+    };
+    let config = config();
+    let mut g = gpu_run(device, &model, shape, &config, false);
+    let mut c = cpu_run(&model, shape, &config, false);
+    let backend = g.session.backend();
+    assert_eq!(
+        backend.staging_buffers_created(),
+        snug_gpu::transfer::RING_DEPTH as u64
+    );
+    // Tokens and targets, 4 bytes each: the only inputs of this step.
+    let inputs = 2 * shape.micro_batch * shape.block * 4;
+    assert_eq!(
+        backend.staging_bytes(),
+        (snug_gpu::transfer::RING_DEPTH * inputs) as u64
+    );
+    for step in 1..=5 {
+        let data = batch(step, shape.micro_batch, shape.block, vocab);
+        let ctx = ExecCtx::step(1e-3, step);
+        let before = device.submissions();
+        g.session
+            .write_i32(g.step.tokens, &data.0, vocab)
+            .expect("tokens");
+        g.session
+            .write_i32(g.step.targets, &data.1, vocab)
+            .expect("targets");
+        assert_eq!(
+            device.submissions(),
+            before,
+            "step {step}: inputs wait for the step"
+        );
+        g.session.run(ctx).expect("the step runs");
+        assert_eq!(device.submissions(), before + 1, "step {step}: one submit");
+        let gl = g.session.read_f32(g.step.step.loss).expect("loss")[0];
+        let cl = c.step(&data, vocab, ctx);
+        assert!(
+            (f64::from(gl) - f64::from(cl)).abs() <= 1e-4 * f64::from(cl).abs(),
+            "step {step}: loss {gl} on the GPU, {cl} on the CPU"
+        );
+    }
+    let backend = g.session.backend();
+    assert_eq!(
+        backend.staging_buffers_created(),
+        snug_gpu::transfer::RING_DEPTH as u64,
+        "no staging buffer made per step"
+    );
+    let planned = g.session.plan().peak_bytes() as u64;
+    assert_eq!(backend.memory().device_peak_bytes(), planned);
+}

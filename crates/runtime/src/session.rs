@@ -311,26 +311,39 @@ impl<B: Backend> Session<B> {
     }
 
     /// Checks `id` may be written, taking the arena if it lives there, and waits for the
-    /// device: a launched node may still read the bytes about to change.
-    fn writable(&mut self, id: TensorId) -> Result<(), RuntimeError> {
+    /// device (a launched node may still read the bytes about to change) unless `id` is an
+    /// input the backend stages for the next launch. Returns whether it is staged.
+    fn writable(&mut self, id: TensorId) -> Result<bool, RuntimeError> {
         let meta = self.graph.tensor(id);
         if !(meta.role == Role::Input || meta.role.is_persistent()) {
             return Err(RuntimeError::NotWritable {
                 name: meta.name.clone(),
             });
         }
+        let staged = meta.role == Role::Input && self.backend.stages_inputs();
         if self.persistent[self.graph.storage_root(id).index()].is_none() {
             self.acquire_arena()?;
         }
-        self.backend.synchronize()
+        if !staged {
+            self.backend.synchronize()?;
+        }
+        Ok(staged)
+    }
+
+    fn upload(&self, id: TensorId, staged: bool, bytes: &[u8]) -> Result<(), RuntimeError> {
+        let slice = self.binding(id)?.slice;
+        if staged {
+            self.backend.upload_input(slice, bytes)
+        } else {
+            self.backend.upload(slice, bytes)
+        }
     }
 
     /// Writes a parameter, optimizer state or input (before [`Session::run`]).
     pub fn write_f32(&mut self, id: TensorId, data: &[f32]) -> Result<(), RuntimeError> {
         self.check(id, DType::F32, data.len())?;
-        self.writable(id)?;
-        let slice = self.binding(id)?.slice;
-        self.backend.upload(slice, bytemuck::cast_slice(data))
+        let staged = self.writable(id)?;
+        self.upload(id, staged, bytemuck::cast_slice(data))
     }
 
     /// Writes token ids, checking each is below `bound` (an embedding's vocabulary).
@@ -342,9 +355,8 @@ impl<B: Backend> Session<B> {
     ) -> Result<(), RuntimeError> {
         self.check(id, DType::I32, data.len())?;
         self.check_range(id, data, bound)?;
-        self.writable(id)?;
-        let slice = self.binding(id)?.slice;
-        self.backend.upload(slice, bytemuck::cast_slice(data))
+        let staged = self.writable(id)?;
+        self.upload(id, staged, bytemuck::cast_slice(data))
     }
 
     /// Fills an i32 input with `fill`, then checks every value is below `bound`. On host
@@ -357,9 +369,9 @@ impl<B: Backend> Session<B> {
     ) -> Result<(), RuntimeError> {
         let n = self.graph.try_tensor(id)?.numel();
         self.check(id, DType::I32, n)?;
-        self.writable(id)?;
+        let staged = self.writable(id)?;
         let slice = self.binding(id)?.slice;
-        if self.backend.allocator().is_host() {
+        if self.backend.allocator().is_host() && !staged {
             // SAFETY: host memory the session owns holds the tensor's `n` i32s at this offset,
             // aligned (the plan aligns every tensor), and the device is idle (synchronized).
             let slot = unsafe {
@@ -371,10 +383,10 @@ impl<B: Backend> Session<B> {
             fill(slot);
             return self.check_range(id, slot, bound);
         }
-        let mut staged = vec![0i32; n];
-        fill(&mut staged);
-        self.check_range(id, &staged, bound)?;
-        self.backend.upload(slice, bytemuck::cast_slice(&staged))
+        let mut values = vec![0i32; n];
+        fill(&mut values);
+        self.check_range(id, &values, bound)?;
+        self.upload(id, staged, bytemuck::cast_slice(&values))
     }
 
     /// Token ids must index an embedding of `bound` rows.
