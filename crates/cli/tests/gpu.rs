@@ -197,7 +197,8 @@ fn device_flags_are_checked_and_planned_for() {
 }
 
 /// `bench --device gpu --json`: the step timed on the GPU, its measured peak equal to the
-/// plan, no MFU (no GEMM probe on a GPU).
+/// plan and covered by the device allocator's own report, MFU against the device's probed
+/// GEMM rate, and the input staging ring's host bytes (two buffers of the step's inputs).
 #[test]
 fn bench_times_the_step_on_the_gpu() {
     if !have_gpu() {
@@ -215,7 +216,28 @@ fn bench_times_the_step_on_the_gpu() {
     assert!(case["median_step_ms"].as_f64() > Some(0.0));
     assert!(case["tokens_per_s"].as_f64() > Some(0.0));
     assert_eq!(case["predicted_peak_bytes"], case["measured_peak_bytes"]);
-    assert!(case["mfu"].is_null());
+    let probe = case["probe_after_gflop_per_s"]
+        .as_f64()
+        .expect("a GEMM probe");
+    let mfu = case["mfu"].as_f64().expect("an MFU");
+    let flops = case["model_flops_per_s"].as_f64().expect("model FLOP/s");
+    assert!(probe > 0.0, "{case}");
+    assert!(
+        (mfu - flops / (probe * 1e9)).abs() <= 1e-9 * mfu.max(1.0),
+        "{case}"
+    );
+    // tiny's case is 16 × 64 tokens: i32 tokens and targets.
+    assert_eq!(case["staging_ring_bytes"], 2 * 2 * 16 * 64 * 4, "{case}");
+    match case["device_allocator_report_bytes"].as_u64() {
+        Some(bytes) => assert!(
+            bytes >= case["predicted_peak_bytes"].as_u64().unwrap_or(u64::MAX),
+            "{case}"
+        ),
+        None => println!(
+            "skipped the allocator cross-check: {} gives no report",
+            case["device"]
+        ),
+    }
 }
 
 /// `--memory auto` reads the host's available memory, which says nothing of a GPU's: on a GPU

@@ -504,3 +504,55 @@ impl From<GpuError> for RuntimeError {
         }
     }
 }
+
+/// The device's f32 GEMM rate in FLOP/s: `[m, k]·[k, n]` through snug's matmul kernel, the
+/// best of `runs` timed submits (each waited for) after one untimed run that compiles the
+/// kernel. The operands are the device's zeroed buffers: a GPU's GEMM time does not depend on
+/// the values. A shared `(device, shape)` is measured once per process.
+pub fn gemm_rate(
+    device: &GpuDevice,
+    (m, k, n): (usize, usize, usize),
+    runs: usize,
+) -> Result<f64, GpuError> {
+    type Key = (usize, String, (usize, usize, usize));
+    static CACHE: std::sync::OnceLock<Mutex<HashMap<Key, f64>>> = std::sync::OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    let key = (device.info().index, device.name().to_string(), (m, k, n));
+    if let Some(&rate) = cache
+        .lock()
+        .ok()
+        .and_then(|c| c.get(&key).copied())
+        .as_ref()
+    {
+        return Ok(rate);
+    }
+    let source = MemorySource::new(device);
+    let bytes = |r: usize, c: usize| (r * c * 4) as u64;
+    let arena = crate::memory::Arena::allocate(&source, &[bytes(m, k), bytes(k, n), bytes(m, n)])?;
+    let g = crate::kernels::matmul::Gemm {
+        batch: 1,
+        m,
+        n,
+        k,
+        ta: false,
+        tb: false,
+        shared_b: false,
+    };
+    let once = || -> Result<f64, GpuError> {
+        let [a, b, c] = [0, 1, 2].map(|i| arena.chunks()[i].whole());
+        let start = std::time::Instant::now();
+        let mut encoder = device.encoder("snug GEMM probe");
+        crate::kernels::matmul::matmul(device, &mut encoder, g, a, b, None, c)?;
+        device.submit(encoder)?;
+        device.wait()?;
+        Ok(start.elapsed().as_secs_f64())
+    };
+    let timed = once()
+        .and_then(|_| (0..runs.max(1)).try_fold(f64::INFINITY, |best, _| Ok(best.min(once()?))));
+    arena.release(&source);
+    let rate = 2.0 * (m * n * k) as f64 / timed?.max(f64::MIN_POSITIVE);
+    if let Ok(mut c) = cache.lock() {
+        c.insert(key, rate);
+    }
+    Ok(rate)
+}

@@ -566,3 +566,50 @@ fn inputs_go_through_a_reused_staging_ring_in_the_steps_one_submit() {
     let planned = g.session.plan().peak_bytes() as u64;
     assert_eq!(backend.memory().device_peak_bytes(), planned);
 }
+
+/// The device's own allocator agrees with the plan: after a step, the bytes it reports for
+/// snug's buffers cover the planned peak (the driver rounds allocations up, never down), one
+/// allocation per buffer the memory source has out.
+#[test]
+fn the_devices_allocator_report_covers_the_planned_peak() {
+    if gpu().is_none() {
+        return;
+    }
+    // A device of its own: the tests beside it allocate on the shared one meanwhile.
+    let device = &snug_gpu::GpuDevice::open(snug_gpu::Selector::FirstGpu).expect("a device");
+    let model = ModelConfig::preset("tiny").expect("tiny");
+    let vocab = model.vocab_size();
+    let shape = StepShape {
+        micro_batch: 2,
+        block: 16,
+    };
+    let mut g = gpu_run(device, &model, shape, &config(), false);
+    let data = batch(5, shape.micro_batch, shape.block, vocab);
+    g.step(&data, vocab, ExecCtx::step(1e-3, 1));
+    let Some(report) = snug_gpu::allocator_report(device) else {
+        println!(
+            "skipped: the {} backend of {} gives no allocator report",
+            device.info().backend,
+            device.name()
+        );
+        return;
+    };
+    let p = g.session.plan();
+    let memory = g.session.backend().memory();
+    assert_eq!(memory.device_active_bytes(), p.peak_bytes() as u64);
+    assert!(
+        report.snug_bytes >= p.peak_bytes() as u64,
+        "{report:?} below the plan's {} bytes",
+        p.peak_bytes()
+    );
+    assert_eq!(
+        report.snug_buffers,
+        p.persistent.len() + p.chunks().len(),
+        "{report:?}"
+    );
+    assert!(report.allocated_bytes >= report.snug_bytes, "{report:?}");
+    assert!(
+        report.reserved_bytes >= report.allocated_bytes,
+        "{report:?}"
+    );
+}
