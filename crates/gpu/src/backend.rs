@@ -556,3 +556,36 @@ pub fn gemm_rate(
     }
     Ok(rate)
 }
+
+/// The device's copy rate in bytes per second (read + write counted): `bytes` copied from one
+/// device buffer to another, the best of `runs` timed submits after an untimed one. Measured
+/// once per process for a `(device, bytes)`.
+pub fn copy_rate(device: &GpuDevice, bytes: u64, runs: usize) -> Result<f64, GpuError> {
+    type Key = (usize, String, u64);
+    static CACHE: std::sync::OnceLock<Mutex<HashMap<Key, f64>>> = std::sync::OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    let key = (device.info().index, device.name().to_string(), bytes);
+    if let Some(rate) = cache.lock().ok().and_then(|c| c.get(&key).copied()) {
+        return Ok(rate);
+    }
+    let bytes = bytes.max(4).next_multiple_of(wgpu::COPY_BUFFER_ALIGNMENT);
+    let source = MemorySource::new(device);
+    let arena = crate::memory::Arena::allocate(&source, &[bytes, bytes])?;
+    let once = || -> Result<f64, GpuError> {
+        let [a, b] = [0, 1].map(|i| arena.chunks()[i].buffer());
+        let start = std::time::Instant::now();
+        let mut encoder = device.encoder("snug copy probe");
+        encoder.copy_buffer_to_buffer(a, 0, b, 0, bytes);
+        device.submit(encoder)?;
+        device.wait()?;
+        Ok(start.elapsed().as_secs_f64())
+    };
+    let timed = once()
+        .and_then(|_| (0..runs.max(1)).try_fold(f64::INFINITY, |best, _| Ok(best.min(once()?))));
+    arena.release(&source);
+    let rate = 2.0 * bytes as f64 / timed?.max(f64::MIN_POSITIVE);
+    if let Ok(mut c) = cache.lock() {
+        c.insert(key, rate);
+    }
+    Ok(rate)
+}

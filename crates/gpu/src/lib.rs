@@ -26,7 +26,7 @@ pub mod transfer;
 pub use adapter::{
     adapters, adapters_once, planning_target, AdapterInfo, Selector, DEFAULT_LAYOUT,
 };
-pub use backend::{gemm_rate, GpuBackend, GpuMemory, GpuNode, GpuSession};
+pub use backend::{copy_rate, gemm_rate, GpuBackend, GpuMemory, GpuNode, GpuSession};
 pub use device::GpuDevice;
 pub use error::{GpuError, Result};
 pub use memory::{
