@@ -42,7 +42,7 @@ struct Inner {
 pub struct GpuDevice {
     inner: Arc<Inner>,
     /// The adapter's limits, or tighter ones ([`GpuDevice::with_max_buffer_size`]).
-    limits: wgpu::Limits,
+    limits: Arc<wgpu::Limits>,
 }
 
 impl std::fmt::Debug for GpuDevice {
@@ -97,7 +97,7 @@ impl GpuDevice {
                 reported,
                 submits: AtomicU64::new(0),
             }),
-            limits,
+            limits: Arc::new(limits),
         })
     }
 
@@ -106,14 +106,14 @@ impl GpuDevice {
     /// exercise an arena over several chunks on any device. Bindings stay within the new
     /// largest buffer. Shares the device, queue and pipelines with `self`.
     pub fn with_max_buffer_size(&self, bytes: u64) -> GpuDevice {
-        let mut limits = self.limits.clone();
+        let mut limits = wgpu::Limits::clone(&self.limits);
         limits.max_buffer_size = limits.max_buffer_size.min(bytes);
         limits.max_storage_buffer_binding_size = limits
             .max_storage_buffer_binding_size
             .min(limits.max_buffer_size);
         GpuDevice {
             inner: Arc::clone(&self.inner),
-            limits,
+            limits: Arc::new(limits),
         }
     }
 

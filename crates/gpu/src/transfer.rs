@@ -134,6 +134,7 @@ struct RingSlot {
 ///
 /// The ring's buffers are host-visible staging memory, counted apart from the device's
 /// arena and persistent buffers: [`StagingRing::bytes`].
+#[derive(Default)]
 pub struct StagingRing {
     slots: Vec<RingSlot>,
     next: usize,
@@ -150,16 +151,6 @@ impl std::fmt::Debug for StagingRing {
     }
 }
 
-impl Default for StagingRing {
-    fn default() -> Self {
-        StagingRing {
-            slots: Vec::new(),
-            next: 0,
-            slot_bytes: 0,
-            created: 0,
-        }
-    }
-}
 
 impl StagingRing {
     /// Makes the ring's buffers hold `bytes` of inputs each (rounded up to whole words), where
