@@ -151,7 +151,6 @@ impl std::fmt::Debug for StagingRing {
     }
 }
 
-
 impl StagingRing {
     /// Makes the ring's buffers hold `bytes` of inputs each (rounded up to whole words), where
     /// they hold less: buffers are made only when a step's inputs outgrow them.
