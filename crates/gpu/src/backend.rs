@@ -186,7 +186,7 @@ impl GpuBackend {
     }
 
     /// Host-visible bytes of the input staging ring: [`transfer::RING_DEPTH`] × the step's
-    /// input bytes (each input rounded up to a 4-byte word). Not device memory: the plan's
+    /// input bytes (each input rounded up to [`wgpu::MAP_ALIGNMENT`], 8 bytes). Not device memory: the plan's
     /// device peak leaves them out.
     pub fn staging_bytes(&self) -> u64 {
         self.ring().bytes()
@@ -326,7 +326,7 @@ impl Backend for GpuBackend {
             .tensors()
             .iter()
             .filter(|t| t.role == snug_graph::Role::Input && t.view_of.is_none())
-            .map(|t| (t.size_bytes() as u64).next_multiple_of(wgpu::COPY_BUFFER_ALIGNMENT))
+            .map(|t| (t.size_bytes() as u64).next_multiple_of(wgpu::MAP_ALIGNMENT))
             .sum();
         self.ring().reserve(&self.device, inputs);
         for t in graph.tensors() {

@@ -152,10 +152,11 @@ impl std::fmt::Debug for StagingRing {
 }
 
 impl StagingRing {
-    /// Makes the ring's buffers hold `bytes` of inputs each (rounded up to whole words), where
-    /// they hold less: buffers are made only when a step's inputs outgrow them.
+    /// Makes the ring's buffers hold `bytes` of inputs each (the caller rounds each input up
+    /// to [`wgpu::MAP_ALIGNMENT`], where mapped ranges start), where they hold less: buffers
+    /// are made only when a step's inputs outgrow them.
     pub fn reserve(&mut self, device: &GpuDevice, bytes: u64) {
-        let bytes = bytes.next_multiple_of(wgpu::COPY_BUFFER_ALIGNMENT);
+        let bytes = bytes.next_multiple_of(wgpu::MAP_ALIGNMENT);
         if bytes == 0 || (bytes <= self.slot_bytes && !self.slots.is_empty()) {
             return;
         }
@@ -212,7 +213,9 @@ impl StagingRing {
         if len == 0 {
             return Ok(true);
         }
-        if slot.used + len > self.slot_bytes {
+        // A mapped range starts at a multiple of MAP_ALIGNMENT.
+        let at = slot.used.next_multiple_of(wgpu::MAP_ALIGNMENT);
+        if at + len > self.slot_bytes {
             return Ok(false);
         }
         if !slot.mapped.load(std::sync::atomic::Ordering::Acquire) {
@@ -226,15 +229,15 @@ impl StagingRing {
             }
         }
         slot.buffer
-            .get_mapped_range_mut(slot.used..slot.used + len)
+            .get_mapped_range_mut(at..at + len)
             .map_err(|e| GpuError::Map {
                 device: device.name().to_string(),
                 detail: e.to_string(),
             })?
             .copy_from_slice(data);
         slot.copies
-            .push((slot.used, dst.buffer().clone(), dst.offset(), len));
-        slot.used += len;
+            .push((at, dst.buffer().clone(), dst.offset(), len));
+        slot.used = at + len;
         Ok(true)
     }
 
