@@ -32,8 +32,8 @@ pub struct BenchArgs {
     /// Worker threads (default: physical cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// Device to time the step on: cpu (default), gpu or gpu:N. On a GPU there is no GEMM
-    /// probe, hence no MFU.
+    /// Device to time the step on: cpu (default), gpu or gpu:N. On a GPU, MFU is against the
+    /// device's own f32 GEMM rate, probed in each case's process after its timed steps.
     #[arg(long, value_name = "DEVICE", default_value = "cpu")]
     device: DeviceSpec,
     /// Text file or `snug prepare` directory to draw batches from (default: built-in data;
@@ -139,13 +139,24 @@ struct CaseResult {
     model_flops_per_s: f64,
     /// The probe's GEMM rate run again in this case's process right after its timed steps
     /// (after its peak RSS was read), in GFLOP/s: on a shared host the machine's speed drifts
-    /// between the first probe and a case. None on a GPU (no probe).
+    /// between the first probe and a case. On a GPU, the device's own f32 GEMM rate (snug's
+    /// matmul kernel on the probe's shape, best of 3), the only probe there.
     probe_after_gflop_per_s: Option<f64>,
     /// Model FLOP/s over the faster of the two probes' GEMM rates.
     mfu: Option<f64>,
     predicted_peak_bytes: usize,
     measured_peak_bytes: usize,
     peak_rss_bytes: Option<usize>,
+    /// On a GPU whose backend reports its allocations (wgpu's `generate_allocator_report`:
+    /// Vulkan, DX12), the bytes the device's allocator holds for snug's buffers after the
+    /// last step (persistent buffers and the cached arena chunks, rounded up by the driver):
+    /// at least `predicted_peak_bytes`. None on the CPU or without a report.
+    #[serde(default)]
+    device_allocator_report_bytes: Option<u64>,
+    /// Host-visible bytes of the GPU's input staging ring (outside the device peak); None
+    /// on the CPU.
+    #[serde(default)]
+    staging_ring_bytes: Option<u64>,
     final_loss: f32,
     /// Share of the machine's CPU time that a hypervisor gave to other guests during the timed
     /// steps (Linux's steal time): on a shared host, figures taken while it is high are slow
@@ -225,15 +236,17 @@ fn run_case(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
     // The device's allocator: the trainer's own on a GPU.
     let measured_peak_bytes = trainer.session().allocator().peak_bytes();
     let device = trainer.session().device_name();
+    let device_allocator_report_bytes = trainer.session().allocator_report().map(|r| r.snug_bytes);
+    let staging_ring_bytes = trainer.session().staging_bytes();
+    let gpu = trainer.session().gpu().cloned();
     let tokens = (case.batch * case.block) as f64;
     let flops = trainer.model().flops_per_token(case.block) as f64 * tokens;
     let vocab = trainer.model().vocab_size();
     // The trainer's arena goes back before the probe allocates its own.
     drop(trainer);
-    let probe_after = if args.device.is_gpu() {
-        None
-    } else {
-        Some(snug_train::calibration::gemm_rate(cfg.threads, PROBE, 10)? / 1e9)
+    let probe_after = match &gpu {
+        Some(gpu) => Some(snug_gpu::gemm_rate(gpu, PROBE, 3)? / 1e9),
+        None => Some(snug_train::calibration::gemm_rate(cfg.threads, PROBE, 10)? / 1e9),
     };
     let (median, min, max) = stats(&times);
     Ok(CaseResult {
@@ -258,6 +271,8 @@ fn run_case(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
         predicted_peak_bytes,
         measured_peak_bytes,
         peak_rss_bytes,
+        device_allocator_report_bytes,
+        staging_ring_bytes,
         final_loss: loss,
         steal,
     })
@@ -317,7 +332,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         return Ok(());
     }
     let threads = args.threads.unwrap_or_else(snug_cpu::physical_cores).max(1);
-    // The probe times the CPU's GEMM: a GPU's step has nothing to compare with it.
+    // The probe times the CPU's GEMM; a GPU's is probed in each case's process.
     let probe = if args.device.is_gpu() {
         None
     } else {
@@ -350,8 +365,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
         );
     } else if !args.json {
         println!(
-            "device: {} (no GEMM probe on a GPU, so no MFU)",
-            args.device
+            "device: {} (MFU against its own f32 GEMM rate on [{}, {}] x [{}, {}], probed after each case's steps)",
+            args.device, PROBE.0, PROBE.1, PROBE.1, PROBE.2
         );
         println!(
             "{:<16} {:>28} {:>8} {:>8} {:>6} {:>13} {:>13} {:>11} {:>6}",
@@ -368,10 +383,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     for case in cases {
         let mut r = run_child(case, &args)?;
-        if let Some(probe) = &probe {
-            let peak = probe
-                .gflop_per_s
-                .max(r.probe_after_gflop_per_s.unwrap_or(0.0));
+        let peak = probe
+            .as_ref()
+            .map_or(0.0, |p| p.gflop_per_s)
+            .max(r.probe_after_gflop_per_s.unwrap_or(0.0));
+        if peak > 0.0 {
             r.mfu = Some(r.model_flops_per_s / (peak * 1e9));
         }
         if args.json {

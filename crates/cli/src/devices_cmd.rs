@@ -1,7 +1,7 @@
 //! `snug devices`: the devices a run can use (`--device cpu|gpu|gpu:N`): this machine's CPU
 //! and every GPU adapter wgpu finds, with the limits plans for it assume.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 use serde::Serialize;
 use snug_plan::memory_plan::human_bytes;
@@ -11,6 +11,10 @@ pub struct DevicesArgs {
     /// Machine-readable output: one JSON object.
     #[arg(long)]
     json: bool,
+    /// Memory to show for adapters whose memory cannot be read (e.g. 12GiB), as `fit` and
+    /// `train --memory auto` take it.
+    #[arg(long, value_name = "SIZE")]
+    device_memory: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -43,8 +47,12 @@ struct GpuDevice {
     subgroup_sizes: [u32; 2],
     shader_f16: bool,
     subgroup: bool,
-    /// Device memory where known; wgpu does not report it, so `null` today.
+    /// Device memory where known (a CPU driver's: the system's), else --device-memory's,
+    /// else `null`: wgpu reports no other device's memory.
     memory_bytes: Option<u64>,
+    /// Where `memory_bytes` comes from: `system memory (a CPU driver)`, `--device-memory`,
+    /// or `null`.
+    memory_from: Option<&'static str>,
 }
 
 #[derive(Serialize)]
@@ -54,6 +62,15 @@ struct Devices {
 }
 
 pub fn run(args: DevicesArgs) -> Result<()> {
+    let given = args
+        .device_memory
+        .as_deref()
+        .map(|t| {
+            snug_runtime::parse_bytes(t)
+                .map(|b| b as u64)
+                .with_context(|| format!("--device-memory {t}"))
+        })
+        .transpose()?;
     let default = snug_gpu::adapter::find(snug_gpu::Selector::FirstGpu)
         .ok()
         .flatten()
@@ -84,7 +101,8 @@ pub fn run(args: DevicesArgs) -> Result<()> {
                 subgroup_sizes: a.subgroup_sizes,
                 shader_f16: a.shader_f16,
                 subgroup: a.subgroup,
-                memory_bytes: a.memory_bytes,
+                memory_bytes: a.memory_bytes.or(given),
+                memory_from: a.memory_source().or(given.map(|_| "--device-memory")),
             })
             .collect(),
     };
@@ -119,8 +137,12 @@ pub fn run(args: DevicesArgs) -> Result<()> {
             if g.default { "  [--device gpu]" } else { "" }
         );
         println!(
-            "        buffer {}, binding {}, offset alignment {} B, workgroup memory {}, \
+            "        memory {}, buffer {}, binding {}, offset alignment {} B, workgroup memory {}, \
              subgroups {}-{}{}{}",
+            match (g.memory_bytes, g.memory_from) {
+                (Some(m), Some(from)) => format!("{} ({from})", bytes(m)),
+                _ => "unknown (give --device-memory SIZE to fit and train)".into(),
+            },
             bytes(g.max_buffer_bytes),
             bytes(g.max_binding_bytes),
             g.offset_alignment,

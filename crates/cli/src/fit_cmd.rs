@@ -15,9 +15,13 @@ pub struct FitArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// Memory budget: a size (2GiB, 800MB) or `auto` (available RAM minus a reserve of 10%,
-    /// at least 512 MiB).
+    /// at least 512 MiB; on a GPU, its memory minus 10%: see --device-memory).
     #[arg(long, value_name = "SIZE|auto")]
     memory: String,
+    /// The GPU's memory (e.g. 12GiB), for `--memory auto` where it cannot be read from the
+    /// device (`snug devices` shows where it can). TOML key `device_memory`.
+    #[arg(long, value_name = "SIZE")]
+    device_memory: Option<String>,
     /// Sequences per optimizer step to keep (default: --batch).
     #[arg(long)]
     effective_batch: Option<usize>,
@@ -44,15 +48,36 @@ pub struct FitArgs {
     json: bool,
 }
 
-/// Bytes for a `--memory` value on the run's device. `auto` reads the host's available memory,
-/// which says nothing about a GPU's (wgpu does not report device memory), so there it is
-/// refused rather than guessed.
-pub fn parse_budget(text: &str, device: &snug_train::DeviceSpec) -> Result<usize> {
-    if text.trim() == "auto" && device.is_gpu() {
-        anyhow::bail!(
-            "--memory auto: the memory of --device {device} cannot be read through wgpu; give it \
-             as a size (e.g. --memory 12GiB)"
+/// `--device-memory SIZE` over the configuration's `device_memory`.
+pub fn apply_device_memory(cfg: &mut TrainConfig, flag: Option<&str>) -> Result<()> {
+    if let Some(text) = flag {
+        cfg.device_memory = Some(
+            snug_runtime::parse_bytes(text).with_context(|| format!("--device-memory {text}"))?,
         );
+    }
+    Ok(())
+}
+
+/// Bytes for a `--memory` value on the run's device. `auto` on the CPU reads the host's
+/// available memory. On a GPU it takes the device's memory less 10% (its driver's own
+/// allocations, the input staging ring): `--device-memory` (or `device_memory`) where given;
+/// else a CPU driver's (lavapipe allocates from the host: the host's available memory, as on
+/// the CPU); else it is refused, since wgpu reports no other device's memory.
+pub fn parse_budget(text: &str, cfg: &TrainConfig) -> Result<usize> {
+    let device = &cfg.device;
+    if let (true, snug_train::DeviceSpec::Gpu(selector)) = (text.trim() == "auto", device) {
+        if let Some(memory) = cfg.device_memory {
+            return Ok(memory - memory / 10);
+        }
+        let adapter = snug_gpu::adapter::find(*selector)?;
+        if adapter.as_ref().and_then(|a| a.memory_bytes).is_none() {
+            anyhow::bail!(
+                "--memory auto: the memory of --device {device}{} cannot be read through wgpu; \
+                 give it with --device-memory SIZE (or the TOML key device_memory), or give the \
+                 budget as a size (e.g. --memory 12GiB)",
+                adapter.map_or(String::new(), |a| format!(" ({})", a.label()))
+            );
+        }
     }
     if text.trim() == "auto" {
         let available = snug_runtime::process::available_memory()
@@ -113,6 +138,11 @@ pub fn fit_config(
             nothing_fits(&first, &fit_model, cfg)
         });
     }
+    if let snug_train::DeviceSpec::Gpu(selector) = cfg.device {
+        let machine = gpu_profile(selector)?;
+        let report = search.run(&machine)?;
+        return Ok((report, machine));
+    }
     let (machine, how) =
         snug_train::calibration::machine_profile(cfg.threads, recalibrate, Some(budget))?;
     match how {
@@ -138,6 +168,33 @@ pub fn fit_config(
     }
     let report = search.run(&machine)?;
     Ok((report, machine))
+}
+
+/// The GEMM shape of the GPU's probe: the CPU bench's, so the two rates compare.
+const GPU_PROBE: (usize, usize, usize) = (4096, 384, 1536);
+
+/// A timing model of the GPU `selector` names: its f32 GEMM rate and copy bandwidth, probed
+/// now (a few submits; once per process), and no per-kernel samples. The CPU's calibration
+/// says nothing about a GPU.
+pub fn gpu_profile(selector: snug_gpu::Selector) -> Result<snug_fit::MachineProfile> {
+    let device = snug_gpu::GpuDevice::open(selector)?;
+    let gemm = snug_gpu::gemm_rate(&device, GPU_PROBE, 3)?;
+    let copy = snug_gpu::copy_rate(&device, 64 << 20, 3)?;
+    tracing::info!(
+        "timing model of {}: f32 GEMM {:.1} GFLOP/s, copy {:.1} GB/s (probed now)",
+        device.info().label(),
+        gemm / 1e9,
+        copy / 1e9
+    );
+    // A launch costs a few microseconds on any current GPU.
+    Ok(snug_fit::MachineProfile::new(
+        1,
+        format!("{} (probed)", device.info().label()),
+        gemm,
+        copy,
+        5e-6,
+        Vec::new(),
+    ))
 }
 
 /// With `--batch auto`: the largest batch some configuration trains in one micro-batch (no
@@ -266,9 +323,10 @@ pub fn run(args: FitArgs) -> Result<()> {
     let (model, train) = args.model.sections(RunFlags::default());
     let mut cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
     set_allowed(&mut cfg, args.allow.as_deref())?;
+    apply_device_memory(&mut cfg, args.device_memory.as_deref())?;
     let (_, model) = cfg.load_data_and_model()?;
     let model_for_advice = model.clone();
-    let budget = parse_budget(&args.memory, &cfg.device)?;
+    let budget = parse_budget(&args.memory, &cfg)?;
     if args.model.batch_auto() {
         if args.devices > 1 {
             anyhow::bail!("--batch auto searches one device: give --batch with --devices");

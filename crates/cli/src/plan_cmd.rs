@@ -85,6 +85,10 @@ struct PlanFigures {
     program_order_peak_bytes: usize,
     strategy: Strategy,
     strategy_arenas: Vec<(Strategy, usize)>,
+    /// The arena's chunks in bytes, one device buffer each, where it needs more than one
+    /// (a GPU whose largest buffer is smaller than the arena); absent otherwise.
+    #[serde(skip_serializing_if = "one_chunk")]
+    arena_chunks: Vec<usize>,
     peak: PeakInfo,
     /// Bytes held while each op of the schedule runs.
     timeline: Vec<usize>,
@@ -110,11 +114,16 @@ impl PlanFigures {
             program_order_peak_bytes: p.program_order_peak_bytes,
             strategy: p.strategy,
             strategy_arenas: p.strategy_arenas.clone(),
+            arena_chunks: p.chunks().to_vec(),
             peak: p.peak.clone(),
             timeline: p.timeline.clone(),
             timeline_detail: snug_report::TimelineDetail::of(p, graph, forward_nodes),
         }
     }
+}
+
+fn one_chunk(chunks: &[usize]) -> bool {
+    chunks.len() <= 1
 }
 
 #[derive(Serialize)]
@@ -461,7 +470,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     }
     if let Some(layout) = report.memory_layout {
         println!(
-            "device {}: tensors aligned to {} bytes, arena within one buffer of {}, each tensor within a binding of {}",
+            "device {}: tensors aligned to {} bytes, arena in buffers of at most {}, each tensor within a binding of {}",
             cfg.device,
             layout.alignment,
             human_bytes(layout.max_buffer_bytes),
@@ -469,6 +478,18 @@ pub fn run(args: PlanArgs) -> Result<()> {
         );
     }
     print!("{memory_plan}");
+    if memory_plan.chunks().len() > 1 {
+        println!(
+            "arena held as {} device buffers (chunks, no tensor across two): {}",
+            memory_plan.chunks().len(),
+            memory_plan
+                .chunks()
+                .iter()
+                .map(|&c| human_bytes(c))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     if let Some(d) = &report.distributed {
         println!(
             "communication per rank per step: sent {}, received {} in {} collectives{}",

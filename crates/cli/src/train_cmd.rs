@@ -56,6 +56,10 @@ pub struct TrainArgs {
         conflicts_with = "resume"
     )]
     allow: Option<String>,
+    /// The GPU's memory (e.g. 12GiB), for `--memory auto` where it cannot be read from the
+    /// device. TOML key `device_memory`.
+    #[arg(long, value_name = "SIZE")]
+    device_memory: Option<String>,
     /// Simulate memory pressure: lower the strict memory limit to SIZE before step STEP (the
     /// run recovers with a smaller configuration, redoing that step).
     #[arg(long, value_name = "STEP:SIZE")]
@@ -179,13 +183,14 @@ fn fit_to_memory(
     model: snug_nn::ModelConfig,
     out: &mut Stdout,
 ) -> Result<Option<snug_fit::MachineProfile>> {
+    crate::fit_cmd::apply_device_memory(cfg, args.device_memory.as_deref())?;
     let Some(memory) = &args.memory else {
         if args.model.batch_auto() {
             anyhow::bail!("--batch auto needs a memory budget: add --memory SIZE (or auto)");
         }
         return Ok(None);
     };
-    let budget = crate::fit_cmd::parse_budget(memory, &cfg.device)?;
+    let budget = crate::fit_cmd::parse_budget(memory, cfg)?;
     if args.model.batch_auto() {
         cfg.batch = crate::fit_cmd::largest_batch(cfg, &model, budget)?;
         cfg.accumulation = 1;

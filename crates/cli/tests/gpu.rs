@@ -203,7 +203,8 @@ fn device_flags_are_checked_and_planned_for() {
 }
 
 /// `bench --device gpu --json`: the step timed on the GPU, its measured peak equal to the
-/// plan, no MFU (no GEMM probe on a GPU).
+/// plan and covered by the device allocator's own report, MFU against the device's probed
+/// GEMM rate, and the input staging ring's host bytes (two buffers of the step's inputs).
 #[test]
 fn bench_times_the_step_on_the_gpu() {
     if !have_gpu() {
@@ -221,31 +222,108 @@ fn bench_times_the_step_on_the_gpu() {
     assert!(case["median_step_ms"].as_f64() > Some(0.0));
     assert!(case["tokens_per_s"].as_f64() > Some(0.0));
     assert_eq!(case["predicted_peak_bytes"], case["measured_peak_bytes"]);
-    assert!(case["mfu"].is_null());
+    let probe = case["probe_after_gflop_per_s"]
+        .as_f64()
+        .expect("a GEMM probe");
+    let mfu = case["mfu"].as_f64().expect("an MFU");
+    let flops = case["model_flops_per_s"].as_f64().expect("model FLOP/s");
+    assert!(probe > 0.0, "{case}");
+    assert!(
+        (mfu - flops / (probe * 1e9)).abs() <= 1e-9 * mfu.max(1.0),
+        "{case}"
+    );
+    // tiny's case is 16 × 64 tokens: i32 tokens and targets.
+    assert_eq!(case["staging_ring_bytes"], 2 * 2 * 16 * 64 * 4, "{case}");
+    match case["device_allocator_report_bytes"].as_u64() {
+        Some(bytes) => assert!(
+            bytes >= case["predicted_peak_bytes"].as_u64().unwrap_or(u64::MAX),
+            "{case}"
+        ),
+        None => println!(
+            "skipped the allocator cross-check: {} gives no report",
+            case["device"]
+        ),
+    }
 }
 
-/// `--memory auto` reads the host's available memory, which says nothing of a GPU's: on a GPU
-/// it is refused, naming the device and asking for a size, by `fit` and by `train` alike.
+/// `--memory auto` on a GPU takes the device's memory less 10%: `--device-memory` where
+/// given (fit and train alike), else what the adapter reports (a CPU driver: system memory),
+/// and `snug devices` says which. `fit --device gpu` ranks by the GPU's probed timings.
 #[test]
-fn memory_auto_is_refused_on_a_gpu() {
+fn memory_auto_on_a_gpu_takes_the_devices_memory() {
     if !have_gpu() {
         return;
     }
-    for cmd in ["fit", "train"] {
-        let mut args = vec![cmd, "--device", "gpu", "--memory", "auto"];
-        args.extend(["--preset", "tiny", "--threads", "1"]);
-        if cmd == "train" {
-            args.extend(["--steps", "1", "--no-save"]);
+    let given: u64 = 256 << 20;
+    let budget = given - given / 10;
+    let common = [
+        "--device",
+        "gpu",
+        "--memory",
+        "auto",
+        "--device-memory",
+        "256MiB",
+    ];
+    let tiny = [
+        "--preset",
+        "tiny",
+        "--threads",
+        "1",
+        "--batch",
+        "4",
+        "--block",
+        "32",
+    ];
+    let o = snug(&[&["fit"][..], &common[..], &tiny[..], &["--json"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let fit: serde_json::Value = serde_json::from_slice(&o.stdout).expect("fit --json");
+    assert_eq!(fit["budget"], budget, "{fit}");
+    assert!(fit["candidates"].as_array().is_some_and(|c| !c.is_empty()));
+
+    let mut train = vec!["train"];
+    train.extend(common);
+    train.extend(tiny);
+    train.extend(["--steps", "1", "--no-save", "--json"]);
+    let o = snug(&train);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let lines = json_lines(&o);
+    let summary = lines.last().expect("a summary");
+    let limit = summary["memory_limit_bytes"]
+        .as_u64()
+        .expect("a strict limit");
+    assert_eq!(limit, budget, "{summary}");
+
+    let v = devices();
+    for g in v["gpus"].as_array().into_iter().flatten() {
+        match g["memory_from"].as_str() {
+            Some(_) => assert!(g["memory_bytes"].as_u64() > Some(0), "{g}"),
+            None => assert!(g["memory_bytes"].is_null(), "{g}"),
         }
-        let o = snug(&args);
-        let err = stderr(&o);
-        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
-        assert!(
-            err.contains("--memory auto") && err.contains("give it as a size"),
-            "{args:?}: {err}"
-        );
-        assert!(!err.contains("panicked"), "{err}");
+        if g["device_type"] == "CPU" {
+            assert_eq!(g["memory_from"], "system memory (a CPU driver)", "{g}");
+        }
     }
+    let o = snug(&["devices", "--json", "--device-memory", "12GiB"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("devices --json");
+    for g in v["gpus"].as_array().into_iter().flatten() {
+        assert!(g["memory_bytes"].as_u64() > Some(0), "{g}");
+    }
+    let o = snug(&[
+        "fit",
+        "--device",
+        "gpu",
+        "--memory",
+        "auto",
+        "--device-memory",
+        "lots",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("--device-memory lots"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 /// `sample --device gpu` on a trained run: the same greedy tokens as on the CPU, with the

@@ -46,8 +46,10 @@ pub struct AdapterInfo {
     pub shader_f16: bool,
     /// `SUBGROUP`: subgroup operations in compute shaders.
     pub subgroup: bool,
-    /// Device memory in bytes, where it can be known. wgpu does not report it, so this is
-    /// `None` today; callers take the user's `--device-memory` instead.
+    /// Device memory in bytes, where it can be known: a CPU driver (lavapipe) allocates from
+    /// the system's memory, so there it is the machine's (`MemTotal`). wgpu reports no heap
+    /// sizes, so for every other adapter this is `None` and callers take the user's
+    /// `--device-memory`.
     pub memory_bytes: Option<u64>,
 }
 
@@ -90,8 +92,16 @@ impl AdapterInfo {
             subgroup_sizes: [info.subgroup_min_size, info.subgroup_max_size],
             shader_f16: features.contains(wgpu::Features::SHADER_F16),
             subgroup: features.contains(wgpu::Features::SUBGROUP),
-            memory_bytes: None,
+            memory_bytes: match info.device_type {
+                wgpu::DeviceType::Cpu => snug_runtime::process::total_memory().map(|b| b as u64),
+                _ => None,
+            },
         }
+    }
+
+    /// Where [`AdapterInfo::memory_bytes`] comes from, where it is known.
+    pub fn memory_source(&self) -> Option<&'static str> {
+        self.memory_bytes.map(|_| "system memory (a CPU driver)")
     }
 
     /// What plans for this adapter assume (as [`crate::GpuDevice::target`] once it is open).

@@ -18,6 +18,7 @@ use crate::adapter::Selector;
 use crate::device::GpuDevice;
 use crate::error::GpuError;
 use crate::memory::{DeviceBuffer, DeviceSlice, MemorySource};
+use crate::transfer::StagingRing;
 use crate::{launch, transfer};
 
 /// The runtime's session over the GPU backend.
@@ -155,6 +156,8 @@ pub struct GpuBackend {
     memory: Arc<GpuMemory>,
     allocator: Allocator,
     target: Target,
+    /// A step's inputs on their way to the device (see [`StagingRing`]).
+    ring: Mutex<StagingRing>,
 }
 
 impl GpuBackend {
@@ -168,7 +171,46 @@ impl GpuBackend {
             memory,
             allocator,
             target,
+            ring: Mutex::new(StagingRing::default()),
         }
+    }
+
+    fn ring(&self) -> MutexGuard<'_, StagingRing> {
+        // Every ring update leaves it consistent between calls: a panic cannot half-do one.
+        self.ring.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Staging buffers made for inputs so far: [`transfer::RING_DEPTH`] once a step has been
+    /// checked, and no more while its inputs do not grow.
+    pub fn staging_buffers_created(&self) -> u64 {
+        self.ring().buffers_created()
+    }
+
+    /// Host-visible bytes of the input staging ring: [`transfer::RING_DEPTH`] × the step's
+    /// input bytes (each input rounded up to [`wgpu::MAP_ALIGNMENT`], 8 bytes). Not device memory: the plan's
+    /// device peak leaves them out.
+    pub fn staging_bytes(&self) -> u64 {
+        self.ring().bytes()
+    }
+
+    /// Records the staged inputs' copies into `encoder` (its first commands), submits it, and
+    /// maps the staging buffer again behind it.
+    fn submit_after_inputs(
+        &self,
+        ring: &mut StagingRing,
+        mut encoder: wgpu::CommandEncoder,
+        record: impl FnOnce(&mut wgpu::CommandEncoder) -> Result<(), RuntimeError>,
+    ) -> Result<(), RuntimeError> {
+        let slot = ring.record(&mut encoder);
+        let recorded = record(&mut encoder);
+        // The copies are recorded: submit them even when recording the rest failed.
+        let submitted = self.device.submit(encoder);
+        if let Some(slot) = slot {
+            ring.submitted(slot);
+        }
+        recorded?;
+        submitted?;
+        Ok(())
     }
 
     /// Opens the adapter `selector` names.
@@ -281,6 +323,14 @@ impl Backend for GpuBackend {
         for node in graph.nodes() {
             launch::check(graph, node).map_err(|d| self.unsupported(node.op.name(), d))?;
         }
+        // Every input of one step fits one staging buffer of the ring.
+        let inputs: u64 = graph
+            .tensors()
+            .iter()
+            .filter(|t| t.role == snug_graph::Role::Input && t.view_of.is_none())
+            .map(|t| (t.size_bytes() as u64).next_multiple_of(wgpu::MAP_ALIGNMENT))
+            .sum();
+        self.ring().reserve(&self.device, inputs);
         for t in graph.tensors() {
             if t.role.is_persistent() && t.view_of.is_none() && t.dtype != snug_graph::DType::F32 {
                 return Err(self.unsupported(
@@ -322,18 +372,25 @@ impl Backend for GpuBackend {
     ) -> Result<(), RuntimeError> {
         let runs = |i: usize| selected.is_none_or(|m| m.get(i).copied().unwrap_or(false));
         let device = &self.device;
+        let mut ring = self.ring();
         match times {
             None => {
-                let mut encoder = device.encoder("snug step");
-                for (i, n) in nodes.iter().enumerate() {
-                    if runs(i) && !n.view {
-                        launch::record(device, &mut encoder, n, ctx)?;
+                let encoder = device.encoder("snug step");
+                self.submit_after_inputs(&mut ring, encoder, |encoder| {
+                    for (i, n) in nodes.iter().enumerate() {
+                        if runs(i) && !n.view {
+                            launch::record(device, encoder, n, ctx)?;
+                        }
                     }
-                }
-                device.submit(encoder)?;
+                    Ok(())
+                })?;
             }
-            // Timed: each node submitted and waited for alone.
+            // Timed: the inputs first, then each node submitted and waited for alone.
             Some(times) => {
+                if ring.pending() {
+                    let encoder = device.encoder("snug inputs");
+                    self.submit_after_inputs(&mut ring, encoder, |_| Ok(()))?;
+                }
                 for (i, n) in nodes.iter().enumerate() {
                     if !runs(i) {
                         continue;
@@ -356,11 +413,37 @@ impl Backend for GpuBackend {
         Ok(self.device.wait()?)
     }
 
+    /// Copies now, after any staged input (which was written first).
     fn upload(&self, dst: Slice<'_>, bytes: &[u8]) -> Result<(), RuntimeError> {
         let buffer = self.buffer_of(&dst)?;
         let n = dst.len.min(bytes.len());
-        transfer::upload(&self.device, &self.slice(&dst, &buffer), &bytes[..n])?;
-        Ok(())
+        let slice = self.slice(&dst, &buffer);
+        let encoder = self.device.encoder("snug upload");
+        self.submit_after_inputs(&mut self.ring(), encoder, |encoder| {
+            Ok(transfer::upload_in(
+                &self.device,
+                encoder,
+                &slice,
+                &bytes[..n],
+            )?)
+        })
+    }
+
+    fn stages_inputs(&self) -> bool {
+        true
+    }
+
+    /// Through the staging ring where the input fits what is left of its buffer; copied now
+    /// (behind what is staged) where it does not.
+    fn upload_input(&self, dst: Slice<'_>, bytes: &[u8]) -> Result<(), RuntimeError> {
+        let buffer = self.buffer_of(&dst)?;
+        let n = dst.len.min(bytes.len());
+        let slice = self.slice(&dst, &buffer);
+        if self.ring().stage(&self.device, &slice, &bytes[..n])? {
+            return Ok(());
+        }
+        // Copied now: queued behind the step launched last, which still reads the old input.
+        self.upload(dst, bytes)
     }
 
     fn download(&self, src: Slice<'_>, out: &mut [u8]) -> Result<(), RuntimeError> {
@@ -422,4 +505,89 @@ impl From<GpuError> for RuntimeError {
             }
         }
     }
+}
+
+/// The device's f32 GEMM rate in FLOP/s: `[m, k]·[k, n]` through snug's matmul kernel, the
+/// best of `runs` timed submits (each waited for) after one untimed run that compiles the
+/// kernel. The operands are the device's zeroed buffers: a GPU's GEMM time does not depend on
+/// the values. A shared `(device, shape)` is measured once per process.
+pub fn gemm_rate(
+    device: &GpuDevice,
+    (m, k, n): (usize, usize, usize),
+    runs: usize,
+) -> Result<f64, GpuError> {
+    type Key = (usize, String, (usize, usize, usize));
+    static CACHE: std::sync::OnceLock<Mutex<HashMap<Key, f64>>> = std::sync::OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    let key = (device.info().index, device.name().to_string(), (m, k, n));
+    if let Some(&rate) = cache
+        .lock()
+        .ok()
+        .and_then(|c| c.get(&key).copied())
+        .as_ref()
+    {
+        return Ok(rate);
+    }
+    let source = MemorySource::new(device);
+    let bytes = |r: usize, c: usize| (r * c * 4) as u64;
+    let arena = crate::memory::Arena::allocate(&source, &[bytes(m, k), bytes(k, n), bytes(m, n)])?;
+    let g = crate::kernels::matmul::Gemm {
+        batch: 1,
+        m,
+        n,
+        k,
+        ta: false,
+        tb: false,
+        shared_b: false,
+    };
+    let once = || -> Result<f64, GpuError> {
+        let [a, b, c] = [0, 1, 2].map(|i| arena.chunks()[i].whole());
+        let start = std::time::Instant::now();
+        let mut encoder = device.encoder("snug GEMM probe");
+        crate::kernels::matmul::matmul(device, &mut encoder, g, a, b, None, c)?;
+        device.submit(encoder)?;
+        device.wait()?;
+        Ok(start.elapsed().as_secs_f64())
+    };
+    let timed = once()
+        .and_then(|_| (0..runs.max(1)).try_fold(f64::INFINITY, |best, _| Ok(best.min(once()?))));
+    arena.release(&source);
+    let rate = 2.0 * (m * n * k) as f64 / timed?.max(f64::MIN_POSITIVE);
+    if let Ok(mut c) = cache.lock() {
+        c.insert(key, rate);
+    }
+    Ok(rate)
+}
+
+/// The device's copy rate in bytes per second (read + write counted): `bytes` copied from one
+/// device buffer to another, the best of `runs` timed submits after an untimed one. Measured
+/// once per process for a `(device, bytes)`.
+pub fn copy_rate(device: &GpuDevice, bytes: u64, runs: usize) -> Result<f64, GpuError> {
+    type Key = (usize, String, u64);
+    static CACHE: std::sync::OnceLock<Mutex<HashMap<Key, f64>>> = std::sync::OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    let key = (device.info().index, device.name().to_string(), bytes);
+    if let Some(rate) = cache.lock().ok().and_then(|c| c.get(&key).copied()) {
+        return Ok(rate);
+    }
+    let bytes = bytes.max(4).next_multiple_of(wgpu::COPY_BUFFER_ALIGNMENT);
+    let source = MemorySource::new(device);
+    let arena = crate::memory::Arena::allocate(&source, &[bytes, bytes])?;
+    let once = || -> Result<f64, GpuError> {
+        let [a, b] = [0, 1].map(|i| arena.chunks()[i].buffer());
+        let start = std::time::Instant::now();
+        let mut encoder = device.encoder("snug copy probe");
+        encoder.copy_buffer_to_buffer(a, 0, b, 0, bytes);
+        device.submit(encoder)?;
+        device.wait()?;
+        Ok(start.elapsed().as_secs_f64())
+    };
+    let timed = once()
+        .and_then(|_| (0..runs.max(1)).try_fold(f64::INFINITY, |best, _| Ok(best.min(once()?))));
+    arena.release(&source);
+    let rate = 2.0 * bytes as f64 / timed?.max(f64::MIN_POSITIVE);
+    if let Ok(mut c) = cache.lock() {
+        c.insert(key, rate);
+    }
+    Ok(rate)
 }

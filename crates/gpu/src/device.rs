@@ -2,6 +2,7 @@
 //! asynchronously (device loss, validation), turned into [`GpuError`]s at the next check.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use snug_graph::{MemoryLayout, Target};
@@ -31,19 +32,22 @@ struct Reported {
 
 struct Inner {
     info: AdapterInfo,
-    limits: wgpu::Limits,
     /// The optional features the device was opened with (those the fast paths use).
     features: wgpu::Features,
     device: wgpu::Device,
     queue: wgpu::Queue,
     pipelines: Mutex<HashMap<PipelineKey, Arc<Pipeline>>>,
     reported: Arc<Mutex<Reported>>,
+    /// Command buffers submitted so far.
+    submits: AtomicU64,
 }
 
 /// An opened GPU. Cheap to clone: clones share the device, its queue and its pipelines.
 #[derive(Clone)]
 pub struct GpuDevice {
     inner: Arc<Inner>,
+    /// The adapter's limits, or tighter ones ([`GpuDevice::with_max_buffer_size`]).
+    limits: Arc<wgpu::Limits>,
 }
 
 impl std::fmt::Debug for GpuDevice {
@@ -104,14 +108,31 @@ impl GpuDevice {
         Ok(GpuDevice {
             inner: Arc::new(Inner {
                 info,
-                limits,
                 features,
                 device,
                 queue,
                 pipelines: Mutex::new(HashMap::new()),
                 reported,
+                submits: AtomicU64::new(0),
             }),
+            limits: Arc::new(limits),
         })
+    }
+
+    /// This device with buffers (and so the plan's arena chunks) no larger than `bytes`, where
+    /// that is below the adapter's own limit: for drivers whose large allocations fail, and to
+    /// exercise an arena over several chunks on any device. Bindings stay within the new
+    /// largest buffer. Shares the device, queue and pipelines with `self`.
+    pub fn with_max_buffer_size(&self, bytes: u64) -> GpuDevice {
+        let mut limits = wgpu::Limits::clone(&self.limits);
+        limits.max_buffer_size = limits.max_buffer_size.min(bytes);
+        limits.max_storage_buffer_binding_size = limits
+            .max_storage_buffer_binding_size
+            .min(limits.max_buffer_size);
+        GpuDevice {
+            inner: Arc::clone(&self.inner),
+            limits: Arc::new(limits),
+        }
     }
 
     pub fn info(&self) -> &AdapterInfo {
@@ -124,7 +145,7 @@ impl GpuDevice {
     }
 
     pub fn limits(&self) -> &wgpu::Limits {
-        &self.inner.limits
+        &self.limits
     }
 
     /// Whether kernels may use f16 in shaders (`SHADER_F16`, requested where the adapter has
@@ -143,7 +164,7 @@ impl GpuDevice {
     /// alignment, the arena within its largest buffer, each tensor within its largest storage
     /// binding, and no fusions (its kernels take plain ops).
     pub fn target(&self) -> Target {
-        let l = &self.inner.limits;
+        let l = &self.limits;
         let bytes = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
         Target::gpu(MemoryLayout {
             alignment: (l.min_storage_buffer_offset_alignment as usize).max(1),
@@ -171,8 +192,14 @@ impl GpuDevice {
     pub fn submit(&self, encoder: wgpu::CommandEncoder) -> Result<wgpu::SubmissionIndex> {
         self.check()?;
         let index = self.inner.queue.submit([encoder.finish()]);
+        self.inner.submits.fetch_add(1, Ordering::Relaxed);
         self.check()?;
         Ok(index)
+    }
+
+    /// Command buffers submitted to this device so far (a step is one).
+    pub fn submissions(&self) -> u64 {
+        self.inner.submits.load(Ordering::Relaxed)
     }
 
     /// Blocks until everything submitted so far has run, then reports any error since.

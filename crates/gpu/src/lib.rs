@@ -26,7 +26,10 @@ pub mod transfer;
 pub use adapter::{
     adapters, adapters_once, planning_target, AdapterInfo, Selector, DEFAULT_LAYOUT,
 };
-pub use backend::{GpuBackend, GpuMemory, GpuNode, GpuSession};
+pub use backend::{copy_rate, gemm_rate, GpuBackend, GpuMemory, GpuNode, GpuSession};
 pub use device::GpuDevice;
 pub use error::{GpuError, Result};
-pub use memory::{Arena, DeviceBuffer, DeviceSlice, MemorySource, Slot};
+pub use memory::{
+    allocator_report, AllocatorReport, Arena, DeviceBuffer, DeviceSlice, MemorySource, Slot,
+    BUFFER_LABEL,
+};

@@ -13,6 +13,37 @@ pub const USAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE
     .union(wgpu::BufferUsages::COPY_SRC)
     .union(wgpu::BufferUsages::COPY_DST);
 
+/// The label of every buffer a [`MemorySource`] makes: how the device's own allocator report
+/// ([`allocator_report`]) tells snug's buffers from the rest.
+pub const BUFFER_LABEL: &str = "snug device buffer";
+
+/// What the device's own allocator (wgpu's `Device::generate_allocator_report`, which Vulkan
+/// and DX12 give through gpu-allocator) holds: a cross-check of [`MemorySource`]'s counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AllocatorReport {
+    /// Bytes of the live allocations labelled [`BUFFER_LABEL`] (rounded up to the driver's
+    /// own granularity), and how many there are.
+    pub snug_bytes: u64,
+    pub snug_buffers: usize,
+    /// Bytes of every live allocation (staging and uniform buffers included).
+    pub allocated_bytes: u64,
+    /// Bytes of the memory blocks the allocations are carved from.
+    pub reserved_bytes: u64,
+}
+
+/// The device's own allocator report, where its backend gives one (`None`: Metal, GL, or a
+/// backend not sub-allocating).
+pub fn allocator_report(device: &GpuDevice) -> Option<AllocatorReport> {
+    let r = device.wgpu_device().generate_allocator_report()?;
+    let ours = r.allocations.iter().filter(|a| a.name == BUFFER_LABEL);
+    Some(AllocatorReport {
+        snug_bytes: ours.clone().map(|a| a.size).sum(),
+        snug_buffers: ours.count(),
+        allocated_bytes: r.total_allocated_bytes,
+        reserved_bytes: r.total_reserved_bytes,
+    })
+}
+
 /// One device buffer and its size in bytes.
 #[derive(Debug)]
 pub struct DeviceBuffer {
@@ -77,7 +108,7 @@ impl MemorySource {
         let wgpu_device = self.device.wgpu_device();
         let (buffer, error) = self.device.scoped(wgpu::ErrorFilter::OutOfMemory, || {
             wgpu_device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("snug arena"),
+                label: Some(BUFFER_LABEL),
                 size: rounded,
                 usage: USAGE,
                 mapped_at_creation: false,

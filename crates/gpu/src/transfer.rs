@@ -110,3 +110,165 @@ pub fn download(device: &GpuDevice, src: &DeviceSlice<'_>) -> Result<Vec<u8>> {
 pub fn download_f32(device: &GpuDevice, src: &DeviceSlice<'_>) -> Result<Vec<f32>> {
     Ok(bytemuck::pod_collect_to_vec(&download(device, src)?))
 }
+
+/// How many staging buffers the ring holds: the host fills one while the step recorded from
+/// the other may still run.
+pub const RING_DEPTH: usize = 2;
+
+/// One staging buffer of the ring and the copies recorded out of it for the next launch.
+struct RingSlot {
+    buffer: wgpu::Buffer,
+    /// Set by the map callback: the buffer is mapped and the GPU is done reading it.
+    mapped: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Bytes written since it was last submitted.
+    used: u64,
+    /// (offset in the slot, destination buffer, destination offset, bytes).
+    copies: Vec<(u64, wgpu::Buffer, u64, u64)>,
+}
+
+/// A step's inputs, staged through a ring of [`RING_DEPTH`] mapped staging buffers made once:
+/// writing an input copies it into the current buffer while the GPU may still be running the
+/// step before, and records its copy to the device for the next launch, which takes it into
+/// its own command buffer (one submit per step, no wait per input). After that submit the
+/// buffer is mapped again, ready when the GPU has read it, and the ring moves on.
+///
+/// The ring's buffers are host-visible staging memory, counted apart from the device's
+/// arena and persistent buffers: [`StagingRing::bytes`].
+#[derive(Default)]
+pub struct StagingRing {
+    slots: Vec<RingSlot>,
+    next: usize,
+    slot_bytes: u64,
+    created: u64,
+}
+
+impl std::fmt::Debug for StagingRing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StagingRing")
+            .field("slot_bytes", &self.slot_bytes)
+            .field("created", &self.created)
+            .finish()
+    }
+}
+
+impl StagingRing {
+    /// Makes the ring's buffers hold `bytes` of inputs each (the caller rounds each input up
+    /// to [`wgpu::MAP_ALIGNMENT`], where mapped ranges start), where they hold less: buffers
+    /// are made only when a step's inputs outgrow them.
+    pub fn reserve(&mut self, device: &GpuDevice, bytes: u64) {
+        let bytes = bytes.next_multiple_of(wgpu::MAP_ALIGNMENT);
+        if bytes == 0 || (bytes <= self.slot_bytes && !self.slots.is_empty()) {
+            return;
+        }
+        self.slots = (0..RING_DEPTH)
+            .map(|_| RingSlot {
+                buffer: device.wgpu_device().create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("snug staging ring"),
+                    size: bytes,
+                    usage: wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
+                    mapped_at_creation: true,
+                }),
+                mapped: std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true)),
+                used: 0,
+                copies: Vec::new(),
+            })
+            .collect();
+        self.created += RING_DEPTH as u64;
+        self.slot_bytes = bytes;
+        self.next = 0;
+    }
+
+    /// Staging buffers made so far (a step reuses them: this stays at [`RING_DEPTH`] while
+    /// the inputs' size does not grow).
+    pub fn buffers_created(&self) -> u64 {
+        self.created
+    }
+
+    /// Host-visible bytes the ring holds now.
+    pub fn bytes(&self) -> u64 {
+        self.slot_bytes * self.slots.len() as u64
+    }
+
+    /// Whether copies wait for the next launch.
+    pub fn pending(&self) -> bool {
+        self.slots
+            .get(self.next)
+            .is_some_and(|s| !s.copies.is_empty())
+    }
+
+    /// Writes `data` into the current staging buffer and records its copy into `dst` for the
+    /// next launch. `Ok(false)` where it does not fit what is left of the buffer (the caller
+    /// uploads it another way, after [`StagingRing::record`]ing what is pending).
+    pub fn stage(
+        &mut self,
+        device: &GpuDevice,
+        dst: &DeviceSlice<'_>,
+        data: &[u8],
+    ) -> Result<bool> {
+        check_fits(device, dst, data.len())?;
+        let len = data.len() as u64;
+        let Some(slot) = self.slots.get_mut(self.next) else {
+            return Ok(false);
+        };
+        if len == 0 {
+            return Ok(true);
+        }
+        // A mapped range starts at a multiple of MAP_ALIGNMENT.
+        let at = slot.used.next_multiple_of(wgpu::MAP_ALIGNMENT);
+        if at + len > self.slot_bytes {
+            return Ok(false);
+        }
+        if !slot.mapped.load(std::sync::atomic::Ordering::Acquire) {
+            // The step that last read this buffer, RING_DEPTH launches ago, is still running.
+            device.wait()?;
+            if !slot.mapped.load(std::sync::atomic::Ordering::Acquire) {
+                return Err(GpuError::Map {
+                    device: device.name().to_string(),
+                    detail: "a staging buffer did not map again after its step".into(),
+                });
+            }
+        }
+        slot.buffer
+            .get_mapped_range_mut(at..at + len)
+            .map_err(|e| GpuError::Map {
+                device: device.name().to_string(),
+                detail: e.to_string(),
+            })?
+            .copy_from_slice(data);
+        slot.copies
+            .push((at, dst.buffer().clone(), dst.offset(), len));
+        slot.used = at + len;
+        Ok(true)
+    }
+
+    /// Records the pending copies at the start of `encoder`. Returns the staging buffer to
+    /// hand to [`StagingRing::submitted`] once `encoder` is submitted (`None`: nothing was
+    /// pending).
+    pub fn record(&mut self, encoder: &mut wgpu::CommandEncoder) -> Option<usize> {
+        let slot = self.slots.get_mut(self.next)?;
+        if slot.copies.is_empty() {
+            return None;
+        }
+        slot.buffer.unmap();
+        slot.mapped
+            .store(false, std::sync::atomic::Ordering::Release);
+        for (src, dst, at, len) in slot.copies.drain(..) {
+            encoder.copy_buffer_to_buffer(&slot.buffer, src, &dst, at, len);
+        }
+        slot.used = 0;
+        let used = self.next;
+        self.next = (self.next + 1) % self.slots.len();
+        Some(used)
+    }
+
+    /// Maps staging buffer `slot` again after the submit that reads it: the map completes
+    /// once the GPU has run that submit.
+    pub fn submitted(&mut self, slot: usize) {
+        if let Some(s) = self.slots.get(slot) {
+            let mapped = std::sync::Arc::clone(&s.mapped);
+            s.buffer.map_async(wgpu::MapMode::Write, .., move |r| {
+                mapped.store(r.is_ok(), std::sync::atomic::Ordering::Release);
+            });
+        }
+    }
+}

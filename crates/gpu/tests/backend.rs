@@ -407,3 +407,210 @@ fn evaluation_leaves_parameters_and_profiling_times_every_node() {
         "the profiled step updated the parameters"
     );
 }
+
+/// An arena over several device buffers: the same GPT step on a device whose largest buffer
+/// is cut to about a quarter of the arena plans it in at least three chunks, none straddled,
+/// and trains exactly as over one buffer (two steps, bit for bit: loss, every gradient, every
+/// parameter), with the device's measured peak the plan's.
+#[test]
+fn an_arena_over_several_chunks_trains_as_over_one() {
+    let Some(device) = gpu() else { return };
+    let model = ModelConfig::preset("tiny").expect("tiny");
+    let vocab = model.vocab_size();
+    let shape = StepShape {
+        micro_batch: 2,
+        block: 16,
+    };
+    let config = config();
+    let mut one = gpu_run(device, &model, shape, &config, true);
+    let whole = one.session.plan().clone();
+    assert_eq!(whole.chunks().len(), 1);
+    let largest = whole
+        .allocations
+        .iter()
+        .map(|a| a.size)
+        .chain(whole.persistent.iter().map(|p| p.size))
+        .max()
+        .expect("tensors");
+    let chunk = largest
+        .max(whole.arena_bytes / 4)
+        .next_multiple_of(whole.alignment);
+    let small = device.with_max_buffer_size(chunk as u64);
+    assert_eq!(small.target().memory.max_buffer_bytes, chunk);
+    let mut split = gpu_run(&small, &model, shape, &config, true);
+    let p = split.session.plan().clone();
+    assert!(p.chunks().len() >= 3, "chunks {:?}", p.chunks());
+    assert!(p.chunks().iter().all(|&c| c <= chunk), "{:?}", p.chunks());
+    assert_eq!(p.chunks().iter().sum::<usize>(), p.arena_bytes);
+    for a in &p.allocations {
+        let (c, off) = p.arena_slot(a.tensor).expect("an arena tensor");
+        assert!(
+            off + a.size <= p.chunks()[c],
+            "{} straddles chunk {c}",
+            a.name
+        );
+    }
+    for step in 1..=2 {
+        let data = batch(step, shape.micro_batch, shape.block, vocab);
+        let ctx = ExecCtx::step(1e-3, step);
+        let (a, b) = (one.step(&data, vocab, ctx), split.step(&data, vocab, ctx));
+        assert_eq!(a.to_bits(), b.to_bits(), "step {step}: loss {a} vs {b}");
+        assert_eq!(
+            one.values(false),
+            split.values(false),
+            "step {step}: gradients"
+        );
+        assert_eq!(
+            one.values(true),
+            split.values(true),
+            "step {step}: parameters"
+        );
+    }
+    let planned = p.peak_bytes();
+    assert_eq!(split.session.allocator().peak_bytes(), planned);
+    assert_eq!(
+        split.session.backend().memory().device_peak_bytes(),
+        planned as u64
+    );
+    // The arena goes back to the allocator's cache and comes again, chunk by chunk.
+    split.session.release_arena().expect("release");
+    assert_eq!(split.session.allocator().cache_bytes(), p.arena_bytes);
+    let data = batch(3, shape.micro_batch, shape.block, vocab);
+    let ctx = ExecCtx::step(1e-3, 3);
+    let (a, b) = (one.step(&data, vocab, ctx), split.step(&data, vocab, ctx));
+    assert_eq!(a.to_bits(), b.to_bits(), "after release: loss {a} vs {b}");
+    assert_eq!(split.session.allocator().peak_bytes(), planned);
+}
+
+/// A tensor larger than the device's largest buffer cannot go in any chunk: a named planning
+/// error.
+#[test]
+fn a_tensor_over_the_largest_buffer_fails_at_plan_time() {
+    let Some(device) = gpu() else { return };
+    let model = ModelConfig::preset("tiny").expect("tiny");
+    let shape = StepShape {
+        micro_batch: 2,
+        block: 16,
+    };
+    let small = device.with_max_buffer_size(4096);
+    let c = compile_step(&model, shape, small.target(), &config()).expect("the step compiles");
+    match plan(&c.step.graph, &PlanOptions::default()) {
+        Err(e @ PlanError::LargerThanBinding { .. }) => {
+            // Bindings are cut with the buffers: the binding check names the tensor first.
+            assert!(e.to_string().contains("4096 bytes"), "{e}");
+        }
+        other => panic!("expected a named planning error, got {other:?}"),
+    }
+}
+
+/// A step's inputs go through a ring of staging buffers made once: every step writes its
+/// tokens and targets with no wait and no new buffer, and the step (copies included) is one
+/// submit. Losses stay the CPU's. The ring is host-visible memory, `RING_DEPTH` × the
+/// inputs' bytes, outside the device peak, which stays the plan's.
+#[test]
+fn inputs_go_through_a_reused_staging_ring_in_the_steps_one_submit() {
+    if gpu().is_none() {
+        return;
+    }
+    // A device of its own: submits are counted per device, and tests beside it submit too.
+    let device = &snug_gpu::GpuDevice::open(snug_gpu::Selector::FirstGpu).expect("a device");
+    let model = ModelConfig::preset("tiny").expect("tiny");
+    let vocab = model.vocab_size();
+    let shape = StepShape {
+        micro_batch: 2,
+        block: 16,
+    };
+    let config = config();
+    let mut g = gpu_run(device, &model, shape, &config, false);
+    let mut c = cpu_run(&model, shape, &config, false);
+    let backend = g.session.backend();
+    assert_eq!(
+        backend.staging_buffers_created(),
+        snug_gpu::transfer::RING_DEPTH as u64
+    );
+    // Tokens and targets, 4 bytes each: the only inputs of this step.
+    let inputs = 2 * shape.micro_batch * shape.block * 4;
+    assert_eq!(
+        backend.staging_bytes(),
+        (snug_gpu::transfer::RING_DEPTH * inputs) as u64
+    );
+    for step in 1..=5 {
+        let data = batch(step, shape.micro_batch, shape.block, vocab);
+        let ctx = ExecCtx::step(1e-3, step);
+        let before = device.submissions();
+        g.session
+            .write_i32(g.step.tokens, &data.0, vocab)
+            .expect("tokens");
+        g.session
+            .write_i32(g.step.targets, &data.1, vocab)
+            .expect("targets");
+        assert_eq!(
+            device.submissions(),
+            before,
+            "step {step}: inputs wait for the step"
+        );
+        g.session.run(ctx).expect("the step runs");
+        assert_eq!(device.submissions(), before + 1, "step {step}: one submit");
+        let gl = g.session.read_f32(g.step.step.loss).expect("loss")[0];
+        let cl = c.step(&data, vocab, ctx);
+        assert!(
+            (f64::from(gl) - f64::from(cl)).abs() <= 1e-4 * f64::from(cl).abs(),
+            "step {step}: loss {gl} on the GPU, {cl} on the CPU"
+        );
+    }
+    let backend = g.session.backend();
+    assert_eq!(
+        backend.staging_buffers_created(),
+        snug_gpu::transfer::RING_DEPTH as u64,
+        "no staging buffer made per step"
+    );
+    let planned = g.session.plan().peak_bytes() as u64;
+    assert_eq!(backend.memory().device_peak_bytes(), planned);
+}
+
+/// The device's own allocator agrees with the plan: after a step, the bytes it reports for
+/// snug's buffers cover the planned peak (the driver rounds allocations up, never down), one
+/// allocation per buffer the memory source has out.
+#[test]
+fn the_devices_allocator_report_covers_the_planned_peak() {
+    if gpu().is_none() {
+        return;
+    }
+    // A device of its own: the tests beside it allocate on the shared one meanwhile.
+    let device = &snug_gpu::GpuDevice::open(snug_gpu::Selector::FirstGpu).expect("a device");
+    let model = ModelConfig::preset("tiny").expect("tiny");
+    let vocab = model.vocab_size();
+    let shape = StepShape {
+        micro_batch: 2,
+        block: 16,
+    };
+    let mut g = gpu_run(device, &model, shape, &config(), false);
+    let data = batch(5, shape.micro_batch, shape.block, vocab);
+    g.step(&data, vocab, ExecCtx::step(1e-3, 1));
+    let Some(report) = snug_gpu::allocator_report(device) else {
+        println!(
+            "skipped: the {} backend of {} gives no allocator report",
+            device.info().backend,
+            device.name()
+        );
+        return;
+    };
+    let p = g.session.plan();
+    let memory = g.session.backend().memory();
+    assert_eq!(memory.device_active_bytes(), p.peak_bytes() as u64);
+    assert!(
+        report.snug_bytes >= p.peak_bytes() as u64,
+        "{report:?} below the plan's {} bytes",
+        p.peak_bytes()
+    );
+    assert_eq!(
+        report.snug_buffers,
+        p.persistent.len() + p.chunks().len(),
+        "{report:?}"
+    );
+    assert!(report.allocated_bytes >= report.snug_bytes, "{report:?}");
+    assert!(
+        report.reserved_bytes >= report.allocated_bytes,
+        "{report:?}"
+    );
+}

@@ -2,7 +2,8 @@
 //!
 //! - [`schedule`]: the order nodes run in.
 //! - [`lifetime`]: when each arena tensor is first written and last read.
-//! - [`placement`]: byte offsets inside one arena, with the lower bound beside them.
+//! - [`placement`]: byte offsets inside one arena (cut into chunks where a device's buffers
+//!   are smaller than it), with the lower bound beside them.
 //! - [`size`]: byte counts as people write them (`2GiB`, `512MB`).
 //! - [`memory_plan`]: [`MemoryPlan`], the table a runtime executes and a user reads.
 
@@ -16,6 +17,9 @@ pub use lifetime::{lifetimes, Lifetime};
 pub use memory_plan::{
     plan, Allocation, Breakdown, MemoryPlan, PeakInfo, PersistentBuffer, PlanError, PlanOptions,
 };
-pub use placement::{place, place_best, place_with, Interval, Placement, Strategy};
+pub use placement::{
+    place, place_best, place_best_in_chunks, place_in_chunks, place_with, Interval, Placement,
+    Strategy,
+};
 pub use schedule::ScheduleKind;
 pub use size::{parse_bytes, SizeError};

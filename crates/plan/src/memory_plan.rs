@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use snug_graph::{Graph, NodeId, Role, TensorId};
 
 use crate::lifetime::{lifetimes, Lifetime};
-use crate::placement::{align_up, max_live, place_best, Interval, Strategy};
+use crate::placement::{align_up, max_live, place_best_in_chunks, Interval, Strategy};
 use crate::schedule::{schedule, ScheduleKind};
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -174,8 +174,16 @@ pub struct MemoryPlan {
     /// Bytes held (persistent + live arena tensors) while each op of the schedule runs.
     pub timeline: Vec<usize>,
     pub peak: PeakInfo,
+    /// The arena's chunks in bytes, in order: one buffer each, every one but the last
+    /// `chunk_bytes` long, together `arena_bytes`. One chunk wherever the arena fits the
+    /// device's largest buffer (always on the CPU), and then absent from the JSON.
+    #[serde(skip_serializing_if = "one_chunk")]
+    pub arena_chunks: Vec<usize>,
     #[serde(skip)]
     offsets: Vec<Option<usize>>,
+    /// The stride of the chunks: chunk `i` holds arena bytes `i·chunk_bytes..`.
+    #[serde(skip)]
+    chunk_bytes: usize,
 }
 
 impl MemoryPlan {
@@ -209,6 +217,19 @@ impl MemoryPlan {
     /// Arena offset of a storage root, or `None` for persistent tensors.
     pub fn arena_offset(&self, root: TensorId) -> Option<usize> {
         self.offsets.get(root.index()).copied().flatten()
+    }
+
+    /// Where a storage root lives in the arena's chunks: (chunk, byte offset inside it), or
+    /// `None` for persistent tensors. No tensor straddles two chunks.
+    pub fn arena_slot(&self, root: TensorId) -> Option<(usize, usize)> {
+        let offset = self.arena_offset(root)?;
+        let chunk = offset / self.chunk_bytes.max(1);
+        Some((chunk, offset - chunk * self.chunk_bytes))
+    }
+
+    /// The arena's chunk sizes (see [`MemoryPlan::arena_chunks`]).
+    pub fn chunks(&self) -> &[usize] {
+        &self.arena_chunks
     }
 
     /// The allocation table, one line per arena tensor, in offset order.
@@ -279,6 +300,10 @@ impl fmt::Display for MemoryPlan {
 
 fn is_zero(n: &usize) -> bool {
     *n == 0
+}
+
+fn one_chunk(chunks: &[usize]) -> bool {
+    chunks.len() <= 1
 }
 
 /// `1234567` → `1.18 MiB`.
@@ -367,7 +392,21 @@ pub fn plan<G: AsRef<Graph>>(graph: &G, options: &PlanOptions) -> Result<MemoryP
             }
         }
     };
-    let (placement, strategy, strategy_arenas) = place_best(&intervals);
+    // The arena is cut into chunks no larger than the device's largest buffer, each a whole
+    // number of alignments so every chunk-relative offset stays aligned.
+    let chunk_bytes = layout.max_buffer_bytes / align * align;
+    if let Some((l, iv)) = lives
+        .iter()
+        .zip(&intervals)
+        .find(|(_, iv)| iv.size > chunk_bytes)
+    {
+        return Err(PlanError::LargerThanBuffer {
+            what: format!("tensor `{}`", graph.tensor(l.tensor).name),
+            bytes: iv.size,
+            limit: layout.max_buffer_bytes,
+        });
+    }
+    let (placement, strategy, strategy_arenas) = place_best_in_chunks(&intervals, chunk_bytes);
 
     let mut offsets = vec![None; graph.tensors().len()];
     let mut allocations = Vec::with_capacity(lives.len());
@@ -398,6 +437,13 @@ pub fn plan<G: AsRef<Graph>>(graph: &G, options: &PlanOptions) -> Result<MemoryP
     for (i, t) in graph.tensors().iter().enumerate() {
         if t.role.is_persistent() && t.view_of.is_none() {
             let size = align_up(t.size_bytes(), align);
+            if size > layout.max_buffer_bytes {
+                return Err(PlanError::LargerThanBuffer {
+                    what: format!("tensor `{}`", t.name),
+                    bytes: size,
+                    limit: layout.max_buffer_bytes,
+                });
+            }
             persistent_bytes = persistent_bytes
                 .checked_add(size)
                 .ok_or(PlanError::Overflow)?;
@@ -411,14 +457,15 @@ pub fn plan<G: AsRef<Graph>>(graph: &G, options: &PlanOptions) -> Result<MemoryP
         }
     }
     breakdown.fragmentation = placement.arena_bytes - placement.lower_bound_bytes;
-    // The arena is one buffer; splitting it into chunks no tensor straddles comes with the
-    // first device whose largest buffer is smaller than a step's arena.
-    if placement.arena_bytes > layout.max_buffer_bytes {
-        return Err(PlanError::LargerThanBuffer {
-            what: "arena".into(),
-            bytes: placement.arena_bytes,
-            limit: layout.max_buffer_bytes,
-        });
+    let mut arena_chunks = Vec::new();
+    let mut left = placement.arena_bytes;
+    loop {
+        let c = left.min(chunk_bytes);
+        arena_chunks.push(c);
+        left -= c;
+        if left == 0 {
+            break;
+        }
     }
     persistent_bytes
         .checked_add(placement.arena_bytes)
@@ -474,6 +521,8 @@ pub fn plan<G: AsRef<Graph>>(graph: &G, options: &PlanOptions) -> Result<MemoryP
         strategy_arenas,
         timeline,
         peak,
+        arena_chunks,
         offsets,
+        chunk_bytes,
     })
 }

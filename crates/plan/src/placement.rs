@@ -89,10 +89,18 @@ impl Strategy {
 /// Runs every strategy (in parallel) and keeps the smallest arena; ties go to the earlier
 /// strategy in [`Strategy::ALL`]. Also returns each strategy's arena size.
 pub fn place_best(intervals: &[Interval]) -> (Placement, Strategy, Vec<(Strategy, usize)>) {
+    place_best_in_chunks(intervals, usize::MAX)
+}
+
+/// [`place_best`] in an arena cut into chunks of `chunk` bytes (see [`place_in_chunks`]).
+pub fn place_best_in_chunks(
+    intervals: &[Interval],
+    chunk: usize,
+) -> (Placement, Strategy, Vec<(Strategy, usize)>) {
     let results: Vec<(Strategy, Placement)> = std::thread::scope(|s| {
         let handles: Vec<_> = Strategy::ALL
             .iter()
-            .map(|&st| s.spawn(move || (st, place_with(st, intervals))))
+            .map(|&st| s.spawn(move || (st, place_in_chunks(st, intervals, chunk))))
             .collect();
         handles
             .into_iter()
@@ -105,7 +113,7 @@ pub fn place_best(intervals: &[Interval]) -> (Placement, Strategy, Vec<(Strategy
         .min_by_key(|(s, p)| (p.arena_bytes, Strategy::ALL.iter().position(|x| x == s)))
         .unwrap_or((
             Strategy::GreedyBySize,
-            place_with(Strategy::GreedyBySize, intervals),
+            place_in_chunks(Strategy::GreedyBySize, intervals, chunk),
         ));
     (placement, strategy, sizes)
 }
@@ -118,6 +126,25 @@ pub fn place(intervals: &[Interval]) -> Placement {
 /// Places every interval (sizes already aligned by the caller) so that no two that are live at
 /// the same time overlap in bytes, in the order `strategy` gives.
 pub fn place_with(strategy: Strategy, intervals: &[Interval]) -> Placement {
+    place_in_chunks(strategy, intervals, usize::MAX)
+}
+
+/// The first offset at or after `at` where `size` bytes lie inside one chunk of `chunk` bytes
+/// (chunk `i` is bytes `i·chunk..(i+1)·chunk`): `at` itself, or the next chunk's start.
+fn fit_in_chunk(at: usize, size: usize, chunk: usize) -> usize {
+    if size == 0 || at / chunk == (at + size - 1) / chunk {
+        at
+    } else {
+        (at / chunk + 1) * chunk
+    }
+}
+
+/// [`place_with`] in an arena a device holds as buffers of at most `chunk` bytes: no interval
+/// straddles a multiple of `chunk` (the caller checks none is larger). With `usize::MAX` (no
+/// limit), or wherever the plain placement already avoids every boundary, the offsets are the
+/// plain placement's.
+pub fn place_in_chunks(strategy: Strategy, intervals: &[Interval], chunk: usize) -> Placement {
+    let chunk = chunk.max(1);
     let mut order: Vec<usize> = (0..intervals.len()).collect();
     let area = |iv: &Interval| iv.size as u128 * (iv.last - iv.first + 1) as u128;
     order.sort_by(|&a, &b| {
@@ -145,8 +172,9 @@ pub fn place_with(strategy: Strategy, intervals: &[Interval]) -> Placement {
             }
             if start > cursor {
                 let gap = start - cursor;
-                if gap >= iv.size && best.is_none_or(|(g, _)| gap < g) {
-                    best = Some((gap, cursor));
+                let at = fit_in_chunk(cursor, iv.size, chunk);
+                if at.saturating_add(iv.size) <= start && best.is_none_or(|(g, _)| gap < g) {
+                    best = Some((gap, at));
                     if gap == iv.size {
                         // No later gap can be smaller than an exact fit.
                         break;
@@ -155,7 +183,7 @@ pub fn place_with(strategy: Strategy, intervals: &[Interval]) -> Placement {
             }
             cursor = cursor.max(end);
         }
-        let offset = best.map_or(cursor, |(_, off)| off);
+        let offset = best.map_or_else(|| fit_in_chunk(cursor, iv.size, chunk), |(_, off)| off);
         offsets[i] = offset;
         arena = arena.max(offset + iv.size);
         let block = (offset, offset + iv.size, iv.first, iv.last);

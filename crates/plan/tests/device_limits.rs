@@ -58,8 +58,10 @@ fn a_tensor_over_the_binding_limit_is_a_named_planning_error() {
     assert!(err.to_string().contains("`x` is 1028 bytes"), "{err}");
 }
 
+/// An arena over the largest buffer is cut into chunks no tensor straddles; a single tensor
+/// over the largest buffer is a named planning error.
 #[test]
-fn an_arena_over_the_largest_buffer_is_refused() {
+fn an_arena_over_the_largest_buffer_is_split_into_chunks() {
     // x, y and z are all live when z is made: 3 × 4n bytes.
     let layout = MemoryLayout {
         max_buffer_bytes: 12288,
@@ -67,16 +69,48 @@ fn an_arena_over_the_largest_buffer_is_refused() {
     };
     let fits = plan(&chain(device(layout), 1024), &PlanOptions::default()).unwrap();
     assert_eq!(fits.arena_bytes, 12288);
-    let err = plan(&chain(device(layout), 2048), &PlanOptions::default()).unwrap_err();
+    assert_eq!(fits.chunks(), &[12288]);
+    let host = plan(
+        &chain(device(MemoryLayout::CPU), 1024),
+        &PlanOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(fits.allocations, host.allocations);
+
+    // 8 KiB each: two never share a 12 KiB chunk, so each takes one.
+    let g = chain(device(layout), 2048);
+    let split = plan(&g, &PlanOptions::default()).unwrap();
+    assert_eq!(split.chunks(), &[12288, 12288, 8192]);
+    assert_eq!(split.arena_bytes, 32768);
+    assert_eq!(split.peak_bytes(), 32768);
+    let mut slots: Vec<(usize, usize)> = split
+        .allocations
+        .iter()
+        .map(|a| split.arena_slot(a.tensor).unwrap())
+        .collect();
+    slots.sort_unstable();
+    assert_eq!(slots, vec![(0, 0), (1, 0), (2, 0)]);
+    let json = serde_json::to_value(&split).unwrap();
+    assert_eq!(
+        json["arena_chunks"],
+        serde_json::json!([12288, 12288, 8192])
+    );
+    assert!(serde_json::to_value(&fits)
+        .unwrap()
+        .get("arena_chunks")
+        .is_none());
+
+    let err = plan(&chain(device(layout), 4096), &PlanOptions::default()).unwrap_err();
+    assert_eq!(
+        err,
+        PlanError::LargerThanBuffer {
+            what: "tensor `x`".into(),
+            bytes: 16384,
+            limit: 12288
+        }
+    );
     assert!(
-        matches!(
-            err,
-            PlanError::LargerThanBuffer {
-                limit: 12288,
-                bytes: 24576,
-                ..
-            }
-        ),
+        err.to_string().contains("tensor `x` needs 16384 bytes"),
         "{err}"
     );
 }

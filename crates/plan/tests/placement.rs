@@ -4,7 +4,10 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use snug_plan::placement::{find_overlap, max_live};
-use snug_plan::{place, place_with, Interval, Placement, Strategy};
+use snug_plan::{
+    place, place_best, place_best_in_chunks, place_in_chunks, place_with, Interval, Placement,
+    Strategy,
+};
 
 fn iv(size: usize, first: usize, last: usize) -> Interval {
     Interval { size, first, last }
@@ -307,4 +310,54 @@ fn placement_chooses_the_reference_offsets() {
             assert_eq!(find_overlap(&intervals, &p), None, "case {case}");
         }
     }
+}
+
+/// An arena cut into chunks: every placement stays valid, no interval straddles a multiple of
+/// the chunk size, and where the plain placement already fits one chunk the offsets are its.
+#[test]
+fn chunked_placements_never_straddle_a_chunk_boundary() {
+    let mut rng = ChaCha8Rng::seed_from_u64(0x5eed_0c4c);
+    let mut split = 0;
+    for case in 0..200 {
+        let intervals = random_intervals(&mut rng);
+        let largest = intervals.iter().map(|iv| iv.size).max().unwrap_or(1);
+        let chunk = largest + rng.random_range(0..=largest);
+        for strategy in Strategy::ALL {
+            let plain = place_with(strategy, &intervals);
+            let p = place_in_chunks(strategy, &intervals, chunk);
+            let case = format!("case {case}, {strategy:?}, chunks of {chunk}");
+            assert_valid(&intervals, &p, &case);
+            for (iv, &o) in intervals.iter().zip(&p.offsets) {
+                assert_eq!(
+                    o / chunk,
+                    (o + iv.size - 1) / chunk,
+                    "{case}: {iv:?} at {o}"
+                );
+            }
+            if plain.arena_bytes <= chunk {
+                assert_eq!(p, plain, "{case}: one chunk places as without chunks");
+            } else {
+                split += 1;
+            }
+            assert_eq!(place_in_chunks(strategy, &intervals, usize::MAX), plain);
+        }
+        let (best, ..) = place_best_in_chunks(&intervals, usize::MAX);
+        assert_eq!(best, place_best(&intervals).0);
+    }
+    assert!(split > 100, "only {split} cases needed more than one chunk");
+}
+
+/// Three tensors of 60 bytes live together in chunks of 100: one per chunk, each at its
+/// chunk's start; the last chunk ends at the last tensor.
+#[test]
+fn chunks_hand_computed() {
+    let intervals = [iv(60, 0, 2), iv(60, 1, 2), iv(60, 2, 2)];
+    let p = place_in_chunks(Strategy::GreedyBySize, &intervals, 100);
+    assert_eq!(p.offsets, vec![0, 100, 200]);
+    assert_eq!((p.arena_bytes, p.lower_bound_bytes), (260, 180));
+    // 40-byte tensors fill the gaps a chunk leaves before its boundary.
+    let with_small = [iv(60, 0, 2), iv(60, 1, 2), iv(40, 1, 2)];
+    let p = place_in_chunks(Strategy::GreedyBySize, &with_small, 100);
+    assert_eq!(p.offsets, vec![0, 100, 60]);
+    assert_eq!(p.arena_bytes, 160);
 }

@@ -11,7 +11,9 @@
 //! - [`Backend::launch`] runs bound nodes in schedule order and may return before the device
 //!   has finished (a GPU records a whole step into command buffers and submits once).
 //! - [`Backend::synchronize`] is called before any result is read back, before the host
-//!   writes to memory a launched node may still use, and before the arena is released.
+//!   writes to memory a launched node may still use, and before the arena is released —
+//!   except for a step's inputs on a backend that stages them ([`Backend::stages_inputs`]):
+//!   those go through [`Backend::upload_input`] with no wait, and land before the next launch.
 
 use snug_graph::{Graph, Node, Target, TensorMeta};
 
@@ -82,6 +84,19 @@ pub trait Backend: Send {
 
     /// Copies host bytes into device memory.
     fn upload(&self, dst: Slice<'_>, bytes: &[u8]) -> Result<(), RuntimeError>;
+
+    /// Whether [`Backend::upload_input`] queues its copy behind what was launched, so a
+    /// step's inputs may be written while the step before still runs (no synchronize first).
+    fn stages_inputs(&self) -> bool {
+        false
+    }
+
+    /// Writes one of a step's inputs for the next launch. A backend that stages inputs takes
+    /// the bytes now and copies them to `dst` at the start of the next launch (the copy is
+    /// ordered after every node launched before, so they still read the previous input).
+    fn upload_input(&self, dst: Slice<'_>, bytes: &[u8]) -> Result<(), RuntimeError> {
+        self.upload(dst, bytes)
+    }
 
     /// Copies device memory into host bytes (`out.len() == src.len`).
     fn download(&self, src: Slice<'_>, out: &mut [u8]) -> Result<(), RuntimeError>;

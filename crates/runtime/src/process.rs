@@ -37,6 +37,11 @@ pub fn available_memory() -> Option<usize> {
     )
 }
 
+/// The machine's memory (`MemTotal`), in bytes.
+pub fn total_memory() -> Option<usize> {
+    kib_field(&std::fs::read_to_string("/proc/meminfo").ok()?, "MemTotal:")
+}
+
 /// Whole-machine CPU time from `/proc/stat`'s aggregate line, in clock ticks: all of it, and
 /// the part a hypervisor gave to other guests while this one was ready to run (`steal`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

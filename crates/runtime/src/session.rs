@@ -1,4 +1,5 @@
-//! The executor, written once for every device: one arena per plan, one buffer per persistent
+//! The executor, written once for every device: one arena per plan (one buffer per chunk of
+//! it, one chunk where the device's buffers are large enough), one buffer per persistent
 //! tensor, and each scheduled node bound once to its bytes, so a step allocates nothing.
 //!
 //! The arena holds nothing between steps, so a trainer gives it back to the allocator's cache
@@ -20,10 +21,10 @@ use crate::{Buffer, ExecCtx, RuntimeError};
 pub struct Session<B: Backend> {
     // Bindings point into the buffers below, so they are declared (and dropped) first.
     bound: Vec<B::Bound>,
-    /// The arena buffer `bound` was made for (its handle), 0 when unbound.
-    bound_to: usize,
-    /// `None` between steps once released.
-    arena: Option<Buffer>,
+    /// The arena chunks `bound` was made for (their handles), empty when unbound.
+    bound_to: Vec<usize>,
+    /// One buffer per chunk of the plan's arena; `None` between steps once released.
+    arena: Option<Vec<Buffer>>,
     /// Indexed by tensor id; `Some` for persistent storage roots.
     persistent: Vec<Option<Buffer>>,
     graph: Graph,
@@ -41,10 +42,14 @@ impl<B: Backend> Session<B> {
         for p in &plan.persistent {
             persistent[p.tensor.index()] = Some(allocator.alloc(p.size)?);
         }
-        let arena = allocator.alloc(plan.arena_bytes)?;
+        let arena = plan
+            .chunks()
+            .iter()
+            .map(|&c| allocator.alloc(c))
+            .collect::<Result<Vec<_>, _>>()?;
         let mut session = Session {
             bound: Vec::new(),
-            bound_to: 0,
+            bound_to: Vec::new(),
             arena: Some(arena),
             persistent,
             graph,
@@ -60,17 +65,21 @@ impl<B: Backend> Session<B> {
     pub fn acquire_arena(&mut self) -> Result<(), RuntimeError> {
         if self.arena.is_none() {
             // The schedule writes every arena tensor before reading it, so old bytes are fine.
+            // Chunks taken before a refusal drop back to the allocator's cache.
+            let allocator = self.backend.allocator();
             self.arena = Some(
-                self.backend
-                    .allocator()
-                    .alloc_uninit(self.plan.arena_bytes)?,
+                self.plan
+                    .chunks()
+                    .iter()
+                    .map(|&c| allocator.alloc_uninit(c))
+                    .collect::<Result<Vec<_>, _>>()?,
             );
         }
-        let handle = self.arena.as_ref().map_or(0, Buffer::handle);
-        if handle != self.bound_to {
+        let handles: Vec<usize> = self.arena.iter().flatten().map(Buffer::handle).collect();
+        if handles != self.bound_to {
             self.bound.clear();
             self.bound = self.bind_all()?;
-            self.bound_to = handle;
+            self.bound_to = handles;
         }
         Ok(())
     }
@@ -95,7 +104,7 @@ impl<B: Backend> Session<B> {
     pub fn fill_arena(&mut self, byte: u8) -> Result<(), RuntimeError> {
         self.acquire_arena()?;
         self.backend.synchronize()?;
-        if let Some(a) = &self.arena {
+        for a in self.arena.iter().flatten() {
             let slice = Slice {
                 buffer: a,
                 offset: 0,
@@ -115,7 +124,7 @@ impl<B: Backend> Session<B> {
         self.backend.check(&graph)?;
         self.backend.synchronize()?;
         self.bound.clear();
-        self.bound_to = 0;
+        self.bound_to.clear();
         self.arena = None;
         let mut old: HashMap<String, (usize, Buffer)> = HashMap::new();
         for (i, slot) in self.persistent.iter_mut().enumerate() {
@@ -176,9 +185,9 @@ impl<B: Backend> Session<B> {
         }
         let meta = self.graph.tensor(id);
         let view = elem_offset * meta.dtype.size_bytes();
-        let (buffer, base) = match (&self.persistent[t.index()], self.plan.arena_offset(t)) {
+        let (buffer, base) = match (&self.persistent[t.index()], self.plan.arena_slot(t)) {
             (Some(buf), _) => (buf, 0),
-            (None, Some(off)) => (self.arena.as_ref()?, off),
+            (None, Some((chunk, off))) => (self.arena.as_ref()?.get(chunk)?, off),
             // Every storage the schedule uses is planned (`MemoryPlan` checks it).
             (None, None) => return None,
         };
@@ -302,26 +311,39 @@ impl<B: Backend> Session<B> {
     }
 
     /// Checks `id` may be written, taking the arena if it lives there, and waits for the
-    /// device: a launched node may still read the bytes about to change.
-    fn writable(&mut self, id: TensorId) -> Result<(), RuntimeError> {
+    /// device (a launched node may still read the bytes about to change) unless `id` is an
+    /// input the backend stages for the next launch. Returns whether it is staged.
+    fn writable(&mut self, id: TensorId) -> Result<bool, RuntimeError> {
         let meta = self.graph.tensor(id);
         if !(meta.role == Role::Input || meta.role.is_persistent()) {
             return Err(RuntimeError::NotWritable {
                 name: meta.name.clone(),
             });
         }
+        let staged = meta.role == Role::Input && self.backend.stages_inputs();
         if self.persistent[self.graph.storage_root(id).index()].is_none() {
             self.acquire_arena()?;
         }
-        self.backend.synchronize()
+        if !staged {
+            self.backend.synchronize()?;
+        }
+        Ok(staged)
+    }
+
+    fn upload(&self, id: TensorId, staged: bool, bytes: &[u8]) -> Result<(), RuntimeError> {
+        let slice = self.binding(id)?.slice;
+        if staged {
+            self.backend.upload_input(slice, bytes)
+        } else {
+            self.backend.upload(slice, bytes)
+        }
     }
 
     /// Writes a parameter, optimizer state or input (before [`Session::run`]).
     pub fn write_f32(&mut self, id: TensorId, data: &[f32]) -> Result<(), RuntimeError> {
         self.check(id, DType::F32, data.len())?;
-        self.writable(id)?;
-        let slice = self.binding(id)?.slice;
-        self.backend.upload(slice, bytemuck::cast_slice(data))
+        let staged = self.writable(id)?;
+        self.upload(id, staged, bytemuck::cast_slice(data))
     }
 
     /// Writes a u8 persistent tensor (8-bit optimizer state) from a checkpoint.
@@ -392,9 +414,8 @@ impl<B: Backend> Session<B> {
     ) -> Result<(), RuntimeError> {
         self.check(id, DType::I32, data.len())?;
         self.check_range(id, data, bound)?;
-        self.writable(id)?;
-        let slice = self.binding(id)?.slice;
-        self.backend.upload(slice, bytemuck::cast_slice(data))
+        let staged = self.writable(id)?;
+        self.upload(id, staged, bytemuck::cast_slice(data))
     }
 
     /// Fills an i32 input with `fill`, then checks every value is below `bound`. On host
@@ -407,9 +428,9 @@ impl<B: Backend> Session<B> {
     ) -> Result<(), RuntimeError> {
         let n = self.graph.try_tensor(id)?.numel();
         self.check(id, DType::I32, n)?;
-        self.writable(id)?;
+        let staged = self.writable(id)?;
         let slice = self.binding(id)?.slice;
-        if self.backend.allocator().is_host() {
+        if self.backend.allocator().is_host() && !staged {
             // SAFETY: host memory the session owns holds the tensor's `n` i32s at this offset,
             // aligned (the plan aligns every tensor), and the device is idle (synchronized).
             let slot = unsafe {
@@ -421,10 +442,10 @@ impl<B: Backend> Session<B> {
             fill(slot);
             return self.check_range(id, slot, bound);
         }
-        let mut staged = vec![0i32; n];
-        fill(&mut staged);
-        self.check_range(id, &staged, bound)?;
-        self.backend.upload(slice, bytemuck::cast_slice(&staged))
+        let mut values = vec![0i32; n];
+        fill(&mut values);
+        self.check_range(id, &values, bound)?;
+        self.upload(id, staged, bytemuck::cast_slice(&values))
     }
 
     /// Token ids must index an embedding of `bound` rows.

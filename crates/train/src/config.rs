@@ -165,6 +165,11 @@ train_keys! {
     /// `snug devices` lists at N).
     #[flag(step, long, value_name = "DEVICE")]
     device: String,
+    /// Memory of the GPU `device` names (e.g. 12GiB), for `fit` and `train --memory auto` to
+    /// plan against where it cannot be read from the device (`snug devices` says where it
+    /// can); `fit` and `train` also take it as --device-memory.
+    #[key]
+    device_memory: String,
     /// Print a line every this many steps (default: every step on a terminal, every 10th when
     /// the output goes to a file or pipe).
     #[flag(run, long)]
@@ -297,6 +302,9 @@ pub struct TrainConfig {
     pub threads: usize,
     /// Where the step runs (planned for that device's memory layout).
     pub device: DeviceSpec,
+    /// The GPU's memory as the user gave it (`device_memory`), for budgets on a device
+    /// whose memory cannot be read.
+    pub device_memory: Option<usize>,
     pub log_every: u64,
     pub memory_limit: Option<usize>,
     pub strict_memory_limit: bool,
@@ -382,6 +390,7 @@ impl Default for TrainConfig {
             seed: 1337,
             threads: snug_cpu::physical_cores(),
             device: DeviceSpec::Cpu,
+            device_memory: None,
             log_every: 0,
             memory_limit: None,
             strict_memory_limit: false,
@@ -630,6 +639,13 @@ impl TrainConfig {
                 }
             }
             self.passes = passes;
+        }
+        if let Some(size) = &t.device_memory {
+            let bytes = snug_runtime::parse_bytes(size).map_err(|e| TrainError::Config {
+                field: "device_memory",
+                detail: e.to_string(),
+            })?;
+            self.device_memory = Some(bytes);
         }
         if let Some(limit) = &t.memory_limit {
             let bytes = snug_runtime::parse_bytes(limit).map_err(|e| TrainError::Config {

@@ -157,6 +157,29 @@ impl StepSession {
         each!(self, s => s.allocator())
     }
 
+    /// The opened GPU, where the session runs on one.
+    pub fn gpu(&self) -> Option<&snug_gpu::GpuDevice> {
+        match self {
+            StepSession::Cpu(_) => None,
+            StepSession::Gpu(s) => Some(s.backend().gpu()),
+        }
+    }
+
+    /// What the GPU's own allocator reports (wgpu's `generate_allocator_report`): `None` on
+    /// the CPU and where the GPU's backend gives no report.
+    pub fn allocator_report(&self) -> Option<snug_gpu::AllocatorReport> {
+        self.gpu().and_then(snug_gpu::allocator_report)
+    }
+
+    /// Host-visible bytes of the GPU's input staging ring (`None` on the CPU, which writes
+    /// inputs in place): outside the device peak the plan predicts.
+    pub fn staging_bytes(&self) -> Option<u64> {
+        match self {
+            StepSession::Cpu(_) => None,
+            StepSession::Gpu(s) => Some(s.backend().staging_bytes()),
+        }
+    }
+
     pub fn graph(&self) -> &Graph {
         each!(self, s => s.graph())
     }
