@@ -457,13 +457,14 @@ impl Trainer {
     /// frozen weight is saved as its f32 values, its absmax scales with it.
     fn saved_tensors(&self) -> impl Iterator<Item = TensorId> + '_ {
         let g = &self.step_graph.graph;
+        let absmax = crate::quantized::absmax_tensors(g);
         (0..g.tensors().len() as u32)
             .map(TensorId)
             .filter(move |&t| {
                 let m = g.tensor(t);
                 m.view_of.is_none()
                     && matches!(m.role, Role::Parameter | Role::OptimizerState)
-                    && !crate::quantized::is_absmax(g, t)
+                    && !absmax.contains(&t)
             })
     }
 

@@ -228,7 +228,11 @@ impl QuantScheme {
                 for (j, o) in out.iter_mut().enumerate() {
                     let i = start + j;
                     let byte = codes[i / 2];
-                    let c = if i.is_multiple_of(2) { byte >> 4 } else { byte & 0xf };
+                    let c = if i.is_multiple_of(2) {
+                        byte >> 4
+                    } else {
+                        byte & 0xf
+                    };
                     *o = NF4[c as usize] * absmax[i / NF4_BLOCK];
                 }
             }
