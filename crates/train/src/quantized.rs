@@ -69,11 +69,13 @@ pub fn value_shape(graph: &Graph, t: TensorId) -> &[usize] {
 }
 
 /// The absmax tensors of the quantized weights: stored beside them, saved with them.
-pub(crate) fn is_absmax(graph: &Graph, t: TensorId) -> bool {
+pub(crate) fn absmax_tensors(graph: &Graph) -> std::collections::HashSet<TensorId> {
     graph
         .nodes()
         .iter()
-        .any(|n| matches!(n.op, Op::Dequantize(_)) && n.inputs.get(1) == Some(&t))
+        .filter(|n| matches!(n.op, Op::Dequantize(_)))
+        .filter_map(|n| n.inputs.get(1).copied())
+        .collect()
 }
 
 /// Writes parameter `t` of the session's graph from its f32 `values`, quantizing them as the

@@ -462,6 +462,7 @@ impl Trainer {
     /// with it) or as u8 codes (true: 8-bit AdamW's moments).
     fn saved_tensors(&self, quantized: bool) -> impl Iterator<Item = TensorId> + '_ {
         let g = &self.step_graph.graph;
+        let absmax = crate::quantized::absmax_tensors(g);
         (0..g.tensors().len() as u32)
             .map(TensorId)
             .filter(move |&t| {
@@ -470,7 +471,7 @@ impl Trainer {
                     && matches!(m.role, Role::Parameter | Role::OptimizerState)
                     && (m.dtype == snug_graph::DType::U8 && m.role == Role::OptimizerState)
                         == quantized
-                    && !crate::quantized::is_absmax(g, t)
+                    && !absmax.contains(&t)
             })
     }
 
