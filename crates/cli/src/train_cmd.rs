@@ -250,6 +250,17 @@ fn stop_flag() -> Result<Arc<AtomicBool>> {
 pub fn run(args: TrainArgs) -> Result<()> {
     let (model, mut train) = args.model.sections(args.run.clone());
     let json = args.json;
+    // Under mpirun the run spans the ranks it started; `--devices`, given, must say as many.
+    let (rank, ranks) = snug_cpu::kernels::collective::world();
+    train.devices.get_or_insert(ranks);
+    if ranks > 1 && train.shard.is_some_and(|s| s > 0) && !args.no_save {
+        anyhow::bail!(
+            "--shard {} spreads the optimizer state over the ranks, and sharded checkpoints are \
+             not written yet: add --no-save (or train with --shard 0, whose checkpoints rank 0 \
+             writes)",
+            train.shard.unwrap_or(0)
+        );
+    }
     #[cfg(unix)]
     // SAFETY: changing one signal's disposition before any thread starts. A closed stdout
     // then fails the write (see `Stdout`) instead of killing the process mid-step.
@@ -281,6 +292,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
             }
             let mut cfg =
                 TrainConfig::resolve_resumed(ckpt.config.clone(), config_file, &model, &train)?;
+            if rank != 0 {
+                cfg.out = None; // rank 0 alone saves
+            }
             let claim = Claim::Resume {
                 from: from.clone(),
                 step: ckpt.step,
@@ -300,7 +314,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
         }
         None => {
             let mut cfg = TrainConfig::resolve(config_file, &model, &train)?;
-            if cfg.out.is_none() && !args.no_save {
+            if rank != 0 {
+                cfg.out = None; // rank 0 alone saves
+            } else if cfg.out.is_none() && !args.no_save {
                 cfg.out = Some(default_run_dir(&cfg));
             }
             // Bad data or flags are refused before a run directory is made for them.

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use snug_compile::StepShape;
-use snug_graph::{DType, Target};
+use snug_graph::{DType, Sharding, Target};
 use snug_nn::ModelConfig;
 
 pub use snug_compile::{OptimizerKind, Pass, Remat, StepConfig};
@@ -245,6 +245,14 @@ train_keys! {
     /// Default: q_proj,v_proj (GPT-2: c_attn).
     #[flag(step, long, value_name = "PATTERN")]
     lora_targets: String,
+    /// Ranks the run spans: those `mpirun -np N` (or `srun`) started; given, it must be their
+    /// number. --batch is the whole step's batch, split evenly over the ranks.
+    #[flag(run, long, value_name = "N")]
+    devices: usize,
+    /// ZeRO stage over the ranks: 0 (every rank holds everything), 1 (optimizer state
+    /// sharded), 2 (also gradients), 3 (also parameters). Needs a run under mpirun.
+    #[flag(run, long, value_name = "STAGE")]
+    shard: u8,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -308,6 +316,9 @@ pub struct TrainConfig {
     pub lora: usize,
     pub lora_alpha: Option<f32>,
     pub lora_targets: Option<snug_nn::LoraTargets>,
+    /// Ranks the step's batch is split over (the MPI world's size), and the ZeRO stage.
+    pub devices: usize,
+    pub shard: u8,
 }
 
 /// Serializable form of [`DataSource`].
@@ -374,6 +385,8 @@ impl Default for TrainConfig {
             lora: 0,
             lora_alpha: None,
             lora_targets: None,
+            devices: 1,
+            shard: 0,
         }
     }
 }
@@ -499,7 +512,9 @@ impl TrainConfig {
             eval_every,
             eval_batches,
             checkpoint_every,
-            keep_checkpoints
+            keep_checkpoints,
+            devices,
+            shard
         );
         if let Some(d) = &t.device {
             self.device = d.parse().map_err(|detail| TrainError::Config {
@@ -630,12 +645,32 @@ impl TrainConfig {
         if self.threads == 0 {
             return err("threads", "must be at least 1".into());
         }
-        if self.accumulation == 0 || !self.batch.is_multiple_of(self.accumulation) {
+        if self.devices == 0 {
+            return err("devices", "must be at least 1".into());
+        }
+        if self.shard > 3 {
+            return err(
+                "shard",
+                format!("ZeRO stage {} does not exist: 0, 1, 2 or 3", self.shard),
+            );
+        }
+        if !self.batch.is_multiple_of(self.devices) {
+            return err(
+                "batch",
+                format!(
+                    "{} does not split over {} ranks: each rank trains batch / devices \
+                     sequences, so the batch must be a multiple of {}",
+                    self.batch, self.devices, self.devices
+                ),
+            );
+        }
+        let per_rank = self.batch / self.devices;
+        if self.accumulation == 0 || !per_rank.is_multiple_of(self.accumulation) {
             return err(
                 "accumulation",
                 format!(
-                    "must be at least 1 and divide batch ({}), got {}",
-                    self.batch, self.accumulation
+                    "must be at least 1 and divide the batch of each rank ({per_rank}), got {}",
+                    self.accumulation
                 ),
             );
         }
@@ -774,9 +809,20 @@ impl TrainConfig {
         self.precision = fit.precision;
     }
 
-    /// Sequences per forward/backward pass.
+    /// Sequences per forward/backward pass (of one rank).
     pub fn micro_batch(&self) -> usize {
-        self.batch / self.accumulation
+        self.batch / self.devices / self.accumulation
+    }
+
+    /// How the step spreads over the ranks: [`Sharding::SINGLE`] for one process.
+    pub fn sharding(&self) -> Result<Sharding, TrainError> {
+        if self.devices == 1 && self.shard == 0 {
+            return Ok(Sharding::SINGLE);
+        }
+        Sharding::new(self.devices, self.shard).map_err(|e| TrainError::Config {
+            field: "shard",
+            detail: e.to_string(),
+        })
     }
 
     /// One micro-batch's shape.
