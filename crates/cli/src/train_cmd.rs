@@ -372,6 +372,15 @@ pub fn run(args: TrainArgs) -> Result<()> {
             human_bytes(plan.lower_bound_bytes)
         );
     }
+    if !json && cfg.devices > 1 {
+        say!(
+            out,
+            "ranks: {} (ZeRO stage {}), each training {} sequences of the batch; the peak is each rank's",
+            cfg.devices,
+            cfg.shard,
+            cfg.batch / cfg.devices
+        );
+    }
     let lower_at = args
         .lower_memory_at
         .as_deref()
