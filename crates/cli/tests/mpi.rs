@@ -198,3 +198,127 @@ fn sharding_needs_ranks_and_saves_no_checkpoint_yet() {
     assert!(err.contains("--no-save"), "{err}");
     assert!(lines(&o, "step").is_empty());
 }
+
+/// Runs `snug args` as two ranks in `cwd`; they must succeed.
+fn two_ranks(cwd: &Path, args: &[&str]) -> Output {
+    let mut cmd = mpirun().expect("checked by the caller");
+    let o = cmd
+        .args(["-np", "2", env!("CARGO_BIN_EXE_snug")])
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .expect("mpirun runs");
+    assert!(o.status.success(), "{args:?}: {}", text(&o.stderr));
+    o
+}
+
+#[test]
+fn two_ranks_resume_bit_exact() {
+    if let Err(reason) = mpirun() {
+        return snug_testkit::skip_or_fail(&reason);
+    }
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let (straight, resumed) = (dir.path().join("straight"), dir.path().join("resumed"));
+    let s = straight.to_str().unwrap();
+    // Five steps straight, saving after the third too.
+    let all = two_ranks(
+        dir.path(),
+        &[&RUN[..], &["--out", s, "--checkpoint-every", "3"]].concat(),
+    );
+    // The third step's checkpoint alone in a run directory, resumed to the end.
+    std::fs::create_dir(&resumed).unwrap();
+    let name = "ckpt-00000003.safetensors";
+    std::fs::copy(straight.join(name), resumed.join(name)).expect("the step-3 checkpoint");
+    let rest = two_ranks(
+        dir.path(),
+        &["train", "--resume", resumed.to_str().unwrap(), "--json"],
+    );
+    let losses = |o: &Output| -> Vec<serde_json::Value> {
+        lines(o, "step").iter().map(|l| l["loss"].clone()).collect()
+    };
+    assert_eq!(losses(&all)[3..], losses(&rest)[..], "steps 4 and 5");
+    assert_eq!(weights(&straight), weights(&resumed));
+}
+
+/// The process ids of `mpirun`'s children (the ranks), with their rank.
+#[cfg(target_os = "linux")]
+fn ranks_of(mpirun: u32) -> Vec<(u32, usize)> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            // The parent's id is the second field after the parenthesised command name.
+            let after = &stat[stat.rfind(')')? + 2..];
+            let ppid: u32 = after.split(' ').nth(1)?.parse().ok()?;
+            if ppid != mpirun {
+                return None;
+            }
+            let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+            let rank = env
+                .split(|&b| b == 0)
+                .find_map(|kv| kv.strip_prefix(b"OMPI_COMM_WORLD_RANK="))?;
+            Some((pid, std::str::from_utf8(rank).ok()?.parse().ok()?))
+        })
+        .collect()
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_killed_rank_ends_the_job_within_seconds() {
+    let mut cmd = match mpirun() {
+        Ok(c) => c,
+        Err(reason) => return snug_testkit::skip_or_fail(&reason),
+    };
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let mut child = cmd
+        .args(["-np", "2", env!("CARGO_BIN_EXE_snug")])
+        .args(RUN)
+        .args(["--steps", "100000", "--no-save"])
+        .current_dir(dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("mpirun starts");
+    // Wait for both ranks, then kill rank 1 as an out-of-memory killer would.
+    let start = Instant::now();
+    let victim = loop {
+        let ranks = ranks_of(child.id());
+        if ranks.len() == 2 {
+            break ranks.into_iter().find(|&(_, r)| r == 1).map(|(pid, _)| pid);
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "the ranks start");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let victim = victim.expect("rank 1's process");
+    std::thread::sleep(Duration::from_secs(2));
+    // SAFETY: signalling a process this test started (a child of its mpirun).
+    unsafe {
+        libc::kill(victim as i32, libc::SIGKILL);
+    }
+    let killed = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("mpirun's status") {
+            break s;
+        }
+        if killed.elapsed() > Duration::from_secs(30) {
+            // Never leave a hung job behind.
+            let _ = child.kill();
+            panic!("the job still runs 30 s after rank 1 was killed");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let out = child.wait_with_output().expect("mpirun's output");
+    let err = text(&out.stderr);
+    assert!(!status.success());
+    assert!(
+        err.contains("rank 1") && err.contains("signal 9"),
+        "the dead rank named: {err}"
+    );
+    assert!(
+        killed.elapsed() < Duration::from_secs(10),
+        "ended within seconds"
+    );
+}

@@ -19,6 +19,9 @@ const OUT_VAR: &str = "SNUG_MPI_TEST_OUT";
 fn config(devices: usize, shard: u8, accumulation: usize) -> TrainConfig {
     let model = ModelSection {
         preset: Some("tiny".into()),
+        // Six blocks: 76 parameters, so a collective over every one (the squared norms under
+        // stages 1-3) has more outputs than a kernel's bitmask of 64 buffers.
+        n_layer: Some(6),
         ..Default::default()
     };
     let train = TrainSection {
@@ -143,12 +146,17 @@ fn two_ranks_train_what_one_process_does() {
                 r["measured_peak"], r["planned_peak"],
                 "stage {stage}, rank {rank}: measured peak == planned"
             );
-            // The step's loss is the mean of the four micro-batch losses, summed in one
-            // process's order: bitwise.
-            assert_eq!(
-                r["losses"], single["losses"],
-                "stage {stage}, rank {rank}: losses"
-            );
+            // The step's loss is the mean of the micro-batch losses, summed in one process's
+            // order; the weights they ran on differ in their last bits (below), so within
+            // 1e-6 relative.
+            let losses: Vec<f32> = serde_json::from_value(r["losses"].clone()).unwrap();
+            let single_losses: Vec<f32> = serde_json::from_value(single["losses"].clone()).unwrap();
+            for (a, b) in losses.iter().zip(&single_losses) {
+                assert!(
+                    (a - b).abs() <= 1e-6 * b.abs(),
+                    "stage {stage}, rank {rank}: losses {losses:?} against {single_losses:?}"
+                );
+            }
             let w = weights(&r);
 
             assert_eq!(
