@@ -125,8 +125,11 @@ fn main() -> ExitCode {
     }
     // Diagnostics (checkpoints saved, runs resumed, warnings) go to stderr through `tracing`;
     // `SNUG_LOG=debug` (or any filter) changes the level.
-    let filter = tracing_subscriber::EnvFilter::try_from_env("SNUG_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Of the ranks of a run over MPI, rank 0 alone reports; the others say only errors.
+    let quiet_rank = snug_mpi::launched_rank().is_some_and(|r| r != 0);
+    let filter = tracing_subscriber::EnvFilter::try_from_env("SNUG_LOG").unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new(if quiet_rank { "error" } else { "info" })
+    });
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -140,7 +143,7 @@ fn main() -> ExitCode {
         Err(e) => e.exit(),
     };
     let result = match cli.command {
-        Command::Train(args) => train_cmd::run(*args),
+        Command::Train(args) => return train_over_ranks(*args),
         Command::Plan(args) => plan_cmd::run(args),
         Command::Fit(args) => fit_cmd::run(args),
         Command::Profile(args) => profile_cmd::run(args),
@@ -156,6 +159,45 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// `snug train`, as one rank of a run `mpirun` (or `srun`) started, or alone. An error on one
+/// rank ends every rank (`MPI_Abort`), so none waits in a collective for a rank that left.
+fn train_over_ranks(args: train_cmd::TrainArgs) -> ExitCode {
+    let mpi = match snug_mpi::init() {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let (rank, ranks) = snug_cpu::kernels::collective::world();
+    if rank != 0 {
+        silence_stdout();
+    }
+    match train_cmd::run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if ranks > 1 => {
+            eprintln!("error: rank {rank} of {ranks}: {e:#}");
+            mpi.abort(1)
+        }
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Sends standard output to /dev/null: ranks other than 0 print nothing.
+fn silence_stdout() {
+    #[cfg(unix)]
+    if let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") {
+        use std::os::fd::AsRawFd;
+        // SAFETY: duplicating an open descriptor over stdout's, before any thread writes it.
+        unsafe {
+            libc::dup2(null.as_raw_fd(), libc::STDOUT_FILENO);
         }
     }
 }

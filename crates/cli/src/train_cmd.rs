@@ -271,6 +271,17 @@ fn stop_flag() -> Result<Arc<AtomicBool>> {
 pub fn run(args: TrainArgs) -> Result<()> {
     let (model, mut train) = args.model.sections(args.run.clone());
     let json = args.json;
+    // Under mpirun the run spans the ranks it started; `--devices`, given, must say as many.
+    let (rank, ranks) = snug_cpu::kernels::collective::world();
+    train.devices.get_or_insert(ranks);
+    if ranks > 1 && train.shard.is_some_and(|s| s > 0) && !args.no_save {
+        anyhow::bail!(
+            "--shard {} spreads the optimizer state over the ranks, and sharded checkpoints are \
+             not written yet: add --no-save (or train with --shard 0, whose checkpoints rank 0 \
+             writes)",
+            train.shard.unwrap_or(0)
+        );
+    }
     #[cfg(unix)]
     // SAFETY: changing one signal's disposition before any thread starts. A closed stdout
     // then fails the write (see `Stdout`) instead of killing the process mid-step.
@@ -304,6 +315,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
                 TrainConfig::resolve_resumed(ckpt.config.clone(), config_file, &model, &train)?;
             // A resumed run trains what it trained: recovery may change how, never what.
             cfg.allow = snug_fit::Levers::none();
+            if rank != 0 {
+                cfg.out = None; // rank 0 alone saves
+            }
             let claim = Claim::Resume {
                 from: from.clone(),
                 step: ckpt.step,
@@ -324,7 +338,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
         None => {
             let mut cfg = TrainConfig::resolve(config_file, &model, &train)?;
             crate::fit_cmd::set_allowed(&mut cfg, args.allow.as_deref())?;
-            if cfg.out.is_none() && !args.no_save {
+            if rank != 0 {
+                cfg.out = None; // rank 0 alone saves
+            } else if cfg.out.is_none() && !args.no_save {
                 cfg.out = Some(default_run_dir(&cfg));
             }
             // Bad data or flags are refused before a run directory is made for them.
@@ -378,6 +394,15 @@ pub fn run(args: TrainArgs) -> Result<()> {
             human_bytes(plan.persistent_bytes),
             human_bytes(plan.arena_bytes),
             human_bytes(plan.lower_bound_bytes)
+        );
+    }
+    if !json && cfg.devices > 1 {
+        say!(
+            out,
+            "ranks: {} (ZeRO stage {}), each training {} sequences of the batch; the peak is each rank's",
+            cfg.devices,
+            cfg.shard,
+            cfg.batch / cfg.devices
         );
     }
     let lower_at = args

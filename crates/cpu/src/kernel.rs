@@ -1,7 +1,7 @@
 //! A kernel's arguments: where each tensor of a node lives ([`TensorArg`]) and the checked
 //! view a kernel reads and writes them through ([`Kernel`]).
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::marker::PhantomData;
 
 use snug_graph::DType;
@@ -39,6 +39,14 @@ impl TensorArg {
     }
 }
 
+/// A buffer a kernel writes: output `i`, mutable input `i`, or its workspace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Buffer {
+    Output(usize),
+    Input(usize),
+    Workspace,
+}
+
 /// A kernel's view of one node's tensors.
 ///
 /// Output slices are handed out at most once each (checked), so a kernel can hold all its
@@ -51,6 +59,9 @@ pub struct Kernel<'a> {
     inplace: Option<usize>,
     pub ctx: ExecCtx,
     taken: Cell<u64>,
+    /// Buffers taken beyond the bits of `taken` (a collective over more than 32 tensors):
+    /// empty, and never allocated, for every other node.
+    taken_more: RefCell<Vec<Buffer>>,
     _p: PhantomData<&'a mut [u8]>,
 }
 
@@ -76,15 +87,36 @@ impl<'a> Kernel<'a> {
             inplace,
             ctx,
             taken: Cell::new(0),
+            taken_more: RefCell::new(Vec::new()),
             _p: PhantomData,
         }
     }
 
-    fn take(&self, bit: usize) {
-        let mask = 1u64 << bit;
-        let t = self.taken.get();
-        assert!(t & mask == 0, "kernel took the same mutable buffer twice");
-        self.taken.set(t | mask);
+    /// Marks `b` handed out, at most once: outputs 0..32 and mutable inputs 0..31 are bits of
+    /// `taken` (and the workspace bit 63), any others are listed in `taken_more`.
+    fn take(&self, b: Buffer) {
+        let bit = match b {
+            Buffer::Output(i) if i < 32 => Some(i),
+            Buffer::Input(i) if i < 31 => Some(32 + i),
+            Buffer::Workspace => Some(63),
+            _ => None,
+        };
+        match bit {
+            Some(bit) => {
+                let mask = 1u64 << bit;
+                let t = self.taken.get();
+                assert!(t & mask == 0, "kernel took the same mutable buffer twice");
+                self.taken.set(t | mask);
+            }
+            None => {
+                let mut more = self.taken_more.borrow_mut();
+                assert!(
+                    !more.contains(&b),
+                    "kernel took the same mutable buffer twice"
+                );
+                more.push(b);
+            }
+        }
     }
 
     pub fn in_count(&self) -> usize {
@@ -124,14 +156,14 @@ impl<'a> Kernel<'a> {
     /// An input the op updates in place (listed in its `mutates_inputs`).
     pub fn in_mut_f32(&self, i: usize) -> &'a mut [f32] {
         assert!(self.mutable_inputs.contains(&i), "input {i} is not mutable");
-        self.take(32 + i);
+        self.take(Buffer::Input(i));
         let a = &self.inputs[i];
         // SAFETY: taken once (checked above); disjointness is `Kernel::new`'s contract.
         unsafe { std::slice::from_raw_parts_mut(a.ptr as *mut f32, a.numel) }
     }
 
     pub fn out_f32(&self, i: usize) -> &'a mut [f32] {
-        self.take(i);
+        self.take(Buffer::Output(i));
         let a = &self.outputs[i];
         assert_eq!(a.dtype, DType::F32, "output {i} is not f32");
         // SAFETY: taken once (checked above); disjointness is `Kernel::new`'s contract.
@@ -149,7 +181,7 @@ impl<'a> Kernel<'a> {
 
     /// A 16-bit float output (bf16 or f16, by its dtype) as raw bits.
     pub fn out_u16(&self, i: usize) -> &'a mut [u16] {
-        self.take(i);
+        self.take(Buffer::Output(i));
         let a = &self.outputs[i];
         assert_eq!(a.dtype.size_bytes(), 2, "output {i} is not a 16-bit float");
         // SAFETY: as `out_f32`.
@@ -159,7 +191,7 @@ impl<'a> Kernel<'a> {
     /// A u8 input the op updates in place (listed in its `mutates_inputs`).
     pub fn in_mut_u8(&self, i: usize) -> &'a mut [u8] {
         assert!(self.mutable_inputs.contains(&i), "input {i} is not mutable");
-        self.take(32 + i);
+        self.take(Buffer::Input(i));
         let a = &self.inputs[i];
         assert_eq!(a.dtype, DType::U8, "input {i} is not u8");
         // SAFETY: as `in_mut_f32`.
@@ -184,7 +216,7 @@ impl<'a> Kernel<'a> {
     }
 
     pub fn workspace(&self) -> &'a mut [f32] {
-        self.take(63);
+        self.take(Buffer::Workspace);
         match self.workspace {
             // SAFETY: taken once (checked above); the workspace is private to this node.
             Some(a) => unsafe { std::slice::from_raw_parts_mut(a.ptr as *mut f32, a.numel) },
@@ -197,4 +229,47 @@ impl<'a> Kernel<'a> {
 /// node's output is the input [`Kernel::inplace`] names).
 pub trait CpuKernel {
     fn run(&self, k: &Kernel<'_>);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(bufs: &mut [Vec<f32>]) -> Vec<TensorArg> {
+        bufs.iter_mut()
+            // SAFETY: each vector outlives the kernel that reads it.
+            .map(|b| unsafe {
+                TensorArg::new(
+                    b.as_mut_ptr() as *mut u8,
+                    b.len(),
+                    vec![b.len()],
+                    DType::F32,
+                )
+            })
+            .collect()
+    }
+
+    /// A collective over many tensors (a gradient bucket, every parameter's squared norm) hands
+    /// out more than 32 outputs: each once, and a second taking of any of them is refused.
+    #[test]
+    fn more_outputs_than_bits_are_each_taken_once() {
+        let mut bufs: Vec<Vec<f32>> = (0..70).map(|i| vec![0.0; 1 + i % 3]).collect();
+        let outputs = args(&mut bufs);
+        // SAFETY: the outputs are distinct vectors, and no input aliases them.
+        let k = unsafe { Kernel::new(&[], &outputs, None, &[], None, ExecCtx::default()) };
+        for i in 0..70 {
+            k.out_f32(i).fill(i as f32);
+        }
+        assert!(bufs
+            .iter()
+            .enumerate()
+            .all(|(i, b)| b.iter().all(|&x| x == i as f32)));
+        let twice = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // SAFETY: as above.
+            let k = unsafe { Kernel::new(&[], &outputs, None, &[], None, ExecCtx::default()) };
+            k.out_f32(40);
+            k.out_f32(40);
+        }));
+        assert!(twice.is_err());
+    }
 }

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use snug_compile::StepShape;
-use snug_graph::{DType, Target};
+use snug_graph::{DType, Sharding, Target};
 use snug_nn::ModelConfig;
 
 pub use snug_compile::{OptimizerKind, Pass, Remat, StepConfig};
@@ -271,6 +271,14 @@ train_keys! {
     /// or all, or none (default).
     #[key]
     allow: String,
+    /// Ranks the run spans: those `mpirun -np N` (or `srun`) started; given, it must be their
+    /// number. --batch is the whole step's batch, split evenly over the ranks.
+    #[flag(run, long, value_name = "N")]
+    devices: usize,
+    /// ZeRO stage over the ranks: 0 (every rank holds everything), 1 (optimizer state
+    /// sharded), 2 (also gradients), 3 (also parameters). Needs a run under mpirun.
+    #[flag(run, long, value_name = "STAGE")]
+    shard: u8,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -346,6 +354,9 @@ pub struct TrainConfig {
     /// How the frozen weights are stored (None: f32). Checkpoints say which; the base a run
     /// started from is never rewritten.
     pub quantize_base: Option<snug_graph::ops::QuantizeBase>,
+    /// Ranks the step's batch is split over (the MPI world's size), and the ZeRO stage.
+    pub devices: usize,
+    pub shard: u8,
 }
 
 /// Serializable form of [`DataSource`].
@@ -417,6 +428,8 @@ impl Default for TrainConfig {
             lora_targets: None,
             allow: snug_fit::Levers::none(),
             quantize_base: None,
+            devices: 1,
+            shard: 0,
         }
     }
 }
@@ -543,7 +556,9 @@ impl TrainConfig {
             eval_every,
             eval_batches,
             checkpoint_every,
-            keep_checkpoints
+            keep_checkpoints,
+            devices,
+            shard
         );
         if let Some(m) = &t.clip_mode {
             self.clip_mode =
@@ -705,12 +720,32 @@ impl TrainConfig {
         if self.threads == 0 {
             return err("threads", "must be at least 1".into());
         }
-        if self.accumulation == 0 || !self.batch.is_multiple_of(self.accumulation) {
+        if self.devices == 0 {
+            return err("devices", "must be at least 1".into());
+        }
+        if self.shard > 3 {
+            return err(
+                "shard",
+                format!("ZeRO stage {} does not exist: 0, 1, 2 or 3", self.shard),
+            );
+        }
+        if !self.batch.is_multiple_of(self.devices) {
+            return err(
+                "batch",
+                format!(
+                    "{} does not split over {} ranks: each rank trains batch / devices \
+                     sequences, so the batch must be a multiple of {}",
+                    self.batch, self.devices, self.devices
+                ),
+            );
+        }
+        let per_rank = self.batch / self.devices;
+        if self.accumulation == 0 || !per_rank.is_multiple_of(self.accumulation) {
             return err(
                 "accumulation",
                 format!(
-                    "must be at least 1 and divide batch ({}), got {}",
-                    self.batch, self.accumulation
+                    "must be at least 1 and divide the batch of each rank ({per_rank}), got {}",
+                    self.accumulation
                 ),
             );
         }
@@ -919,9 +954,20 @@ impl TrainConfig {
         self.quantize_base = step.quantize_base;
     }
 
-    /// Sequences per forward/backward pass.
+    /// Sequences per forward/backward pass (of one rank).
     pub fn micro_batch(&self) -> usize {
-        self.batch / self.accumulation
+        self.batch / self.devices / self.accumulation
+    }
+
+    /// How the step spreads over the ranks: [`Sharding::SINGLE`] for one process.
+    pub fn sharding(&self) -> Result<Sharding, TrainError> {
+        if self.devices == 1 && self.shard == 0 {
+            return Ok(Sharding::SINGLE);
+        }
+        Sharding::new(self.devices, self.shard).map_err(|e| TrainError::Config {
+            field: "shard",
+            detail: e.to_string(),
+        })
     }
 
     /// One micro-batch's shape.

@@ -102,6 +102,8 @@ pub enum TrainError {
     ConfigFile { path: PathBuf, message: String },
     #[error("config: `{field}` {detail}")]
     Config { field: &'static str, detail: String },
+    #[error("the ranks of this run were started with different settings: {detail} (start every rank with the same flags, configuration and data)")]
+    RanksDisagree { detail: String },
     #[error(
         "the training step needs {} ({needed} bytes, its planned peak) but {}: lower the batch or block size, or let `snug fit --memory SIZE` find a configuration that fits",
         human_bytes(*needed),

@@ -14,6 +14,7 @@
 //! - [`sample`]: text generation from a model's weights, on the planned inference graph.
 //! - [`calibration`]: kernel timings of this machine for fit's cost model, cached.
 //! - [`checkpoint`]: atomic safetensors checkpoints and resume.
+//! - [`ranks`]: the ranks of a run over MPI agreeing on their settings at start-up.
 //! - [`run`]: the loop: evaluation, checkpoints, metrics file, clean stop on Ctrl-C.
 //! - [`user_file`]: reading the files a user names: regular files only, with a size bound.
 
@@ -28,6 +29,7 @@ pub mod examples;
 pub mod hf_tokenizer;
 pub mod loss_scale;
 pub mod quantized;
+pub mod ranks;
 pub mod run;
 pub mod run_dir;
 pub mod sample;

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde::Serialize;
-use snug_compile::{compile_step, CompiledStep};
+use snug_compile::{compile_sharded, CompiledStep};
+use snug_cpu::kernels::collective::{installed as transport, world};
 use snug_fit::{FitConfig, MachineProfile, MemoryFailure, Search};
 use snug_graph::{Role, StepGraph, TensorId};
 use snug_nn::{LossMask, ModelConfig};
@@ -153,6 +154,7 @@ impl Trainer {
         data.check_block(config.block)?;
         config.loss_mask |= data.has_loss_mask();
         config.check_threads_here()?;
+        check_world(&config)?;
         let model = config.model_for_vocab(data.tokenizer.vocab_size())?;
         let CompiledStep {
             step: step_graph,
@@ -161,11 +163,12 @@ impl Trainer {
             loss_mask,
             remat_dropped,
             ..
-        } = compile_step(
+        } = compile_sharded(
             &model,
             config.step_shape(),
             config.target(),
             &config.step_config(),
+            &config.sharding()?,
         )?;
         if let Some(d) = remat_dropped {
             tracing::warn!(
@@ -176,6 +179,7 @@ impl Trainer {
             );
         }
         let memory_plan = plan(&step_graph.graph, &PlanOptions::default())?;
+        crate::ranks::check_agreement(&config, &memory_plan, &data)?;
         if let Some(limit) = config.memory_limit {
             allocator.set_memory_limit(limit, !config.strict_memory_limit);
         }
@@ -249,21 +253,31 @@ impl Trainer {
             ),
         };
         let init: Init = Box::new(init.chain(adapters));
-        let slot_of: std::collections::HashMap<&str, TensorId> = step_graph
+        // Under ZeRO stage 3 a parameter is its `NAME.shard`: this rank's equal block of it,
+        // zero-padded.
+        let slot_of: std::collections::HashMap<&str, (TensorId, bool)> = step_graph
             .params
             .iter()
             .map(|s| (s.name.as_str(), s.param))
             .chain(step_graph.frozen.iter().map(|f| (f.name.as_str(), f.param)))
+            .map(|(name, t)| match name.strip_suffix(SHARD_SUFFIX) {
+                Some(base) => (base, (t, true)),
+                None => (name, (t, false)),
+            })
             .collect();
         let mut written = std::collections::HashSet::new();
         for item in init {
             let (name, values) = item?;
-            if let Some(&t) = slot_of.get(name.as_str()) {
-                crate::quantized::write_param(&mut session, config.quantize_base, t, &values)?;
+            if let Some(&(t, sharded)) = slot_of.get(name.as_str()) {
+                if sharded {
+                    session.write_f32(t, &rank_shard(&values, config.devices))?;
+                } else {
+                    crate::quantized::write_param(&mut session, config.quantize_base, t, &values)?;
+                }
                 written.insert(t);
             }
         }
-        if let Some((name, _)) = slot_of.iter().find(|(_, t)| !written.contains(*t)) {
+        if let Some((name, _)) = slot_of.iter().find(|(_, (t, _))| !written.contains(t)) {
             return Err(TrainError::Config {
                 field: "model",
                 detail: format!("no initial value for parameter `{name}`"),
@@ -331,11 +345,12 @@ impl Trainer {
             targets,
             loss_mask,
             ..
-        } = compile_step(
+        } = compile_sharded(
             &self.model,
             config.step_shape(),
             config.target(),
             &config.step_config(),
+            &config.sharding()?,
         )?;
         let memory_plan = plan(&step.graph, &PlanOptions::default())?;
         self.session.replan(step.graph.clone(), memory_plan)?;
@@ -377,6 +392,11 @@ impl Trainer {
     /// After `oom` at micro-batch `micro` of `step`: the fastest configuration whose plan fits
     /// under the limit, switched to. The step is then redone from its first micro-batch.
     fn recover(&mut self, step: u64, micro: usize, oom: OutOfMemory) -> Result<(), TrainError> {
+        if self.config.devices > 1 {
+            // Every rank would have to agree on the new configuration and redo the step
+            // together; until they do, the run stops with the error.
+            return Err(TrainError::Runtime(RuntimeError::OutOfMemory(oom)));
+        }
         let failure = MemoryFailure {
             limit: oom.limit,
             requested: oom.requested,
@@ -457,6 +477,23 @@ impl Trainer {
         Ok(trainer)
     }
 
+    /// A checkpoint holds whole tensors: under ZeRO stage 1 or more, each rank holds a shard
+    /// of the optimizer state (and under 3 of the parameters), which a checkpoint does not
+    /// consolidate yet.
+    fn check_state_is_whole(&self) -> Result<(), TrainError> {
+        if self.config.devices > 1 && self.config.shard > 0 {
+            return Err(TrainError::Config {
+                field: "shard",
+                detail: format!(
+                    "ZeRO stage {} spreads the optimizer state over the ranks, and sharded \
+                     checkpoints are not written yet: train with --no-save, or with --shard 0",
+                    self.config.shard
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Every persistent tensor a checkpoint holds: parameters and optimizer state, as f32
     /// values (`quantized` false: a quantized frozen weight dequantized, its absmax scales
     /// with it) or as u8 codes (true: 8-bit AdamW's moments).
@@ -487,6 +524,7 @@ impl Trainer {
 
     /// The training state after the steps run so far.
     pub fn checkpoint(&self) -> Result<Checkpoint, TrainError> {
+        self.check_state_is_whole()?;
         let g = &self.step_graph.graph;
         let tensors = self
             .saved_tensors(false)
@@ -521,6 +559,7 @@ impl Trainer {
 
     /// The training state borrowed from the session (nothing copied), for saving.
     pub fn checkpoint_ref(&self) -> Result<CheckpointRef<'_>, TrainError> {
+        self.check_state_is_whole()?;
         let g = &self.step_graph.graph;
         let tensors = self
             .saved_tensors(false)
@@ -558,6 +597,7 @@ impl Trainer {
     /// Loads `ckpt`'s parameters, optimizer state and position. Every tensor must match by
     /// name and shape, both ways.
     pub fn restore(&mut self, ckpt: &Checkpoint) -> Result<(), TrainError> {
+        self.check_state_is_whole()?;
         let bad = |detail: String| TrainError::Checkpoint {
             path: PathBuf::from("<checkpoint>"),
             detail,
@@ -752,21 +792,22 @@ impl Trainer {
         // micro-batches, so their mean, and that of their gradients, is the mean over every
         // counted target of the step, however the counts fall between micro-batches.
         let loss_tokens = batch.counted();
-        let divisor = (loss_tokens as f64 / self.config.accumulation as f64) as f32;
+        let micro_batches = self.config.accumulation * self.config.devices;
+        let divisor = (loss_tokens as f64 / micro_batches as f64) as f32;
         let start = Instant::now();
         let mut recoveries = 0;
         // An out-of-memory error comes before any kernel of its micro-batch runs, and the
         // update runs on the last micro-batch only: redoing the step from the first micro-batch
         // with a smaller plan loses nothing (the first micro-batch overwrites the gradient sums).
-        let (loss_sum, grad_norm, node_times) = 'attempt: loop {
+        let (losses, grad_norm, node_times) = 'attempt: loop {
             let k = self.config.accumulation;
             let mut node_times: Vec<f64> = Vec::new();
-            let mut loss_sum = 0.0f64;
+            let mut losses = Vec::with_capacity(k);
             let mut grad_norm = None;
             for micro in 0..k {
                 match self.micro_step(batch, divisor, step, lr, micro, profile) {
                     Ok((loss, norm, times)) => {
-                        loss_sum += loss as f64;
+                        losses.push(loss);
                         grad_norm = grad_norm.or(norm);
                         if node_times.is_empty() {
                             node_times = times;
@@ -793,11 +834,13 @@ impl Trainer {
                     }
                 }
             }
-            break (loss_sum, grad_norm, node_times);
+            break (losses, grad_norm, node_times);
         };
-        let k = self.config.accumulation;
         let secs = start.elapsed().as_secs_f64();
-        let loss = (loss_sum / k as f64) as f32;
+        // The mean over every micro-batch of every rank, summed in the order one process
+        // running them all as accumulation steps would.
+        let losses = all_ranks(&losses);
+        let loss = (losses.iter().map(|&l| l as f64).sum::<f64>() / micro_batches as f64) as f32;
         if !loss.is_finite() {
             // The update ran with this loss's gradients.
             self.state_dirty = true;
@@ -854,7 +897,10 @@ impl Trainer {
         let k = self.config.accumulation;
         let chunk = self.config.micro_batch() * self.config.block;
         let vocab = self.model.vocab_size();
-        let range = micro * chunk..(micro + 1) * chunk;
+        // This rank's slice of the step's batch: micro-batches `rank·k ..` of the batch one
+        // process would split into `devices·k`.
+        let first = world().0 * k + micro;
+        let range = first * chunk..(first + 1) * chunk;
         let (x, y) = (&batch.x[range.clone()], &batch.y[range.clone()]);
         self.session
             .fill_i32(self.tokens, vocab, |out| out.copy_from_slice(x))?;
@@ -1058,9 +1104,74 @@ impl Trainer {
             .iter()
             .map(|p| (&p.name, p.param))
             .chain(self.step_graph.frozen.iter().map(|f| (&f.name, f.param)))
-            .map(|(name, t)| Ok((name.clone(), self.read_values(t)?.into_owned())))
+            .map(|(name, t)| match name.strip_suffix(SHARD_SUFFIX) {
+                Some(base) => {
+                    let numel = snug_graph::zero::unsharded_shape(&self.step_graph.graph, t)
+                        .iter()
+                        .product::<usize>();
+                    let mut full = all_ranks(&self.session.read_f32(t)?);
+                    full.truncate(numel);
+                    Ok((base.to_string(), full))
+                }
+                None => Ok((name.clone(), self.read_values(t)?.into_owned())),
+            })
             .collect()
     }
+}
+
+/// The name ending of a parameter held as this rank's shard (ZeRO stage 3).
+const SHARD_SUFFIX: &str = ".shard";
+
+/// This rank's equal block of `values` over `ranks`, zero-padded to the block's length.
+fn rank_shard(values: &[f32], ranks: usize) -> Vec<f32> {
+    let s = snug_graph::ops::shard_len(values.len(), ranks);
+    let rank = world().0;
+    let (lo, hi) = (
+        (rank * s).min(values.len()),
+        ((rank + 1) * s).min(values.len()),
+    );
+    let mut out = vec![0.0; s];
+    out[..hi - lo].copy_from_slice(&values[lo..hi]);
+    out
+}
+
+/// Every rank's `values` (of one length on every rank), in rank order: `values` itself in a
+/// world of one. Every rank must call it at the same point.
+fn all_ranks(values: &[f32]) -> Vec<f32> {
+    match transport() {
+        Some(t) => {
+            let mut out = vec![0.0; values.len() * t.size()];
+            t.all_gather(values, &mut out);
+            out
+        }
+        None => values.to_vec(),
+    }
+}
+
+/// The configured ranks are the world this process runs in.
+fn check_world(config: &TrainConfig) -> Result<(), TrainError> {
+    let (rank, size) = world();
+    if config.devices != size {
+        return Err(TrainError::Config {
+            field: "devices",
+            detail: format!(
+                "the run is set for {} ranks, but this process is rank {rank} of {size}: \
+                 launch it with `mpirun -np {} snug train …` (on a build with the `mpi` feature)",
+                config.devices, config.devices
+            ),
+        });
+    }
+    if config.shard > 0 && size == 1 {
+        return Err(TrainError::Config {
+            field: "shard",
+            detail: format!(
+                "ZeRO stage {} shards over several ranks, and this process runs alone: launch \
+                 it with `mpirun -np N snug train …` (on a build with the `mpi` feature)",
+                config.shard
+            ),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

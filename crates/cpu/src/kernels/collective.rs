@@ -34,6 +34,12 @@ pub fn world() -> (usize, usize) {
     TRANSPORT.get().map_or((0, 1), |t| (t.rank(), t.size()))
 }
 
+/// The installed transport, for collectives outside the step graph (the step's loss over every
+/// rank, start-up checks); `None` in a world of one.
+pub fn installed() -> Option<&'static dyn Transport> {
+    TRANSPORT.get().map(|t| t.as_ref())
+}
+
 /// The transport for a collective compiled for `ranks` ranks. A step compiled for another
 /// world than the one running it is refused when its session loads (`CpuBackend::check`), so
 /// a mismatch here is a bug.

@@ -1,0 +1,324 @@
+//! `snug train` over MPI: `mpirun -np 2 snug train` trains what one process does with
+//! accumulation 2, rank 0 alone prints and saves, ranks started differently stop with the
+//! keys named; and without mpirun, `--shard` and `--devices` are refused by name.
+//!
+//! The mpirun tests are skipped, with the reason printed, when snug was built without the
+//! `mpi` feature or `mpirun` is missing (a failure under `SNUG_REQUIRE_ALL_TESTS=1`, as in CI).
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use common::fails_with;
+use snug_train::checkpoint;
+
+/// The tiny model on the built-in data, 5 steps of a batch of 4, one thread.
+const RUN: [&str; 16] = [
+    "train",
+    "--preset",
+    "tiny",
+    "--steps",
+    "5",
+    "--batch",
+    "4",
+    "--block",
+    "16",
+    "--threads",
+    "1",
+    "--eval-every",
+    "0",
+    "--warmup-steps",
+    "2",
+    "--json",
+];
+
+/// `mpirun` for `np` ranks of `snug`, or the reason this test cannot run.
+fn mpirun() -> Result<Command, String> {
+    if !cfg!(feature = "mpi") {
+        return Err(
+            "snug was built without the `mpi` feature (cargo test -p snug-cli --features mpi)"
+                .into(),
+        );
+    }
+    let found = Command::new("mpirun").arg("--version").output();
+    if !found.is_ok_and(|o| o.status.success()) {
+        return Err(
+            "`mpirun` is not on PATH (Debian: apt-get install openmpi-bin libopenmpi-dev)".into(),
+        );
+    }
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["--bind-to", "none", "--oversubscribe"])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    Ok(cmd)
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// The `kind` lines of a `--json` run's output.
+fn lines(o: &Output, kind: &str) -> Vec<serde_json::Value> {
+    text(&o.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["kind"] == kind)
+        .collect()
+}
+
+fn weights(dir: &Path) -> Vec<(String, Vec<f32>)> {
+    let (_, ckpt) = checkpoint::load(dir).expect("the run's checkpoint");
+    ckpt.parameters()
+}
+
+#[test]
+fn two_ranks_train_what_one_process_does_and_rank_0_alone_reports() {
+    let mut cmd = match mpirun() {
+        Ok(c) => c,
+        Err(reason) => return snug_testkit::skip_or_fail(&reason),
+    };
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let (one, two) = (dir.path().join("one"), dir.path().join("two"));
+    let single = common::ok(
+        dir.path(),
+        &[
+            &RUN[..],
+            &["--accumulation", "2", "--out", one.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    let exe = env!("CARGO_BIN_EXE_snug");
+    let ranks = cmd
+        .args(["-np", "2", exe])
+        .args(RUN)
+        .args(["--out", two.to_str().unwrap()])
+        .current_dir(dir.path())
+        .output()
+        .expect("mpirun runs");
+    assert!(ranks.status.success(), "mpirun: {}", text(&ranks.stderr));
+    let (a, b) = (lines(&single, "step"), lines(&ranks, "step"));
+    // Rank 0 alone prints: one line per step, one summary.
+    assert_eq!(b.len(), 5, "{}", text(&ranks.stdout));
+    assert_eq!(lines(&ranks, "summary").len(), 1);
+    for (a, b) in a.iter().zip(&b) {
+        // The loss over the whole batch, its four micro-batches summed in one order: bitwise.
+        assert_eq!(a["loss"], b["loss"], "step {}", a["step"]);
+        assert_eq!(a["tokens_seen"], b["tokens_seen"]);
+    }
+    // Each rank runs a micro-batch of 2 as one process does: the same plan, measured.
+    let summary = &lines(&ranks, "summary")[0];
+    assert_eq!(
+        summary["measured_peak_bytes"],
+        summary["predicted_peak_bytes"]
+    );
+    // Rank 0 saved the run; the weights agree with one process's within 1e-6 of each
+    // tensor's largest value (its backward sums the two micro-batches' gradients inside
+    // matrix products, two ranks add whole ones: the roundings differ).
+    let (wa, wb) = (weights(&one), weights(&two));
+    assert_eq!(wa.len(), wb.len());
+    for ((name, x), (name_b, y)) in wa.iter().zip(&wb) {
+        assert_eq!(name, name_b);
+        let scale = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let worst = x.iter().zip(y).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+        assert!(
+            worst <= 1e-6 * scale,
+            "`{name}` differs by {worst} ({scale})"
+        );
+    }
+    // Nothing but the one run directory: rank 1 made none under ./runs.
+    assert!(!dir.path().join("runs").exists());
+}
+
+#[test]
+fn ranks_started_with_different_settings_stop_naming_the_keys() {
+    let mut cmd = match mpirun() {
+        Ok(c) => c,
+        Err(reason) => return snug_testkit::skip_or_fail(&reason),
+    };
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let exe = env!("CARGO_BIN_EXE_snug");
+    let start = Instant::now();
+    // One rank each, with another learning rate and seed on rank 1.
+    let o = cmd
+        .args(["-np", "1", exe])
+        .args(RUN)
+        .args(["--no-save", "--lr", "0.01", ":", "-np", "1", exe])
+        .args(RUN)
+        .args(["--no-save", "--lr", "0.02", "--seed", "7"])
+        .current_dir(dir.path())
+        .output()
+        .expect("mpirun runs");
+    let err = text(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("rank 1 differs from rank 0 in lr, seed"),
+        "the keys named: {err}"
+    );
+    assert!(lines(&o, "step").is_empty(), "no step ran");
+    assert!(start.elapsed() < Duration::from_secs(60), "no rank hung");
+}
+
+#[test]
+fn sharding_needs_ranks_and_saves_no_checkpoint_yet() {
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    // Alone (no mpirun): a stage or a world of several is refused by name, in any build.
+    fails_with(
+        dir.path(),
+        &[&RUN[..], &["--shard", "1", "--no-save"]].concat(),
+        &["`shard`", "mpirun -np N"],
+    );
+    fails_with(
+        dir.path(),
+        &[&RUN[..], &["--devices", "2", "--no-save"]].concat(),
+        &["`devices`", "rank 0 of 1", "mpirun -np 2"],
+    );
+    fails_with(
+        dir.path(),
+        &[&RUN[..], &["--shard", "4", "--no-save"]].concat(),
+        &["`shard`", "ZeRO stage 4 does not exist"],
+    );
+    assert!(!dir.path().join("runs").exists());
+    let mut cmd = match mpirun() {
+        Ok(c) => c,
+        Err(reason) => return snug_testkit::skip_or_fail(&reason),
+    };
+    // Under mpirun, a sharded run that would save is refused before it trains.
+    let o = cmd
+        .args(["-np", "2", env!("CARGO_BIN_EXE_snug")])
+        .args(RUN)
+        .args(["--shard", "2"])
+        .current_dir(dir.path())
+        .output()
+        .expect("mpirun runs");
+    let err = text(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("--no-save"), "{err}");
+    assert!(lines(&o, "step").is_empty());
+}
+
+/// Runs `snug args` as two ranks in `cwd`; they must succeed.
+fn two_ranks(cwd: &Path, args: &[&str]) -> Output {
+    let mut cmd = mpirun().expect("checked by the caller");
+    let o = cmd
+        .args(["-np", "2", env!("CARGO_BIN_EXE_snug")])
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .expect("mpirun runs");
+    assert!(o.status.success(), "{args:?}: {}", text(&o.stderr));
+    o
+}
+
+#[test]
+fn two_ranks_resume_bit_exact() {
+    if let Err(reason) = mpirun() {
+        return snug_testkit::skip_or_fail(&reason);
+    }
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let (straight, resumed) = (dir.path().join("straight"), dir.path().join("resumed"));
+    let s = straight.to_str().unwrap();
+    // Five steps straight, saving after the third too.
+    let all = two_ranks(
+        dir.path(),
+        &[&RUN[..], &["--out", s, "--checkpoint-every", "3"]].concat(),
+    );
+    // The third step's checkpoint alone in a run directory, resumed to the end.
+    std::fs::create_dir(&resumed).unwrap();
+    let name = "ckpt-00000003.safetensors";
+    std::fs::copy(straight.join(name), resumed.join(name)).expect("the step-3 checkpoint");
+    let rest = two_ranks(
+        dir.path(),
+        &["train", "--resume", resumed.to_str().unwrap(), "--json"],
+    );
+    let losses = |o: &Output| -> Vec<serde_json::Value> {
+        lines(o, "step").iter().map(|l| l["loss"].clone()).collect()
+    };
+    assert_eq!(losses(&all)[3..], losses(&rest)[..], "steps 4 and 5");
+    assert_eq!(weights(&straight), weights(&resumed));
+}
+
+/// The process ids of `mpirun`'s children (the ranks), with their rank.
+#[cfg(target_os = "linux")]
+fn ranks_of(mpirun: u32) -> Vec<(u32, usize)> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            // The parent's id is the second field after the parenthesised command name.
+            let after = &stat[stat.rfind(')')? + 2..];
+            let ppid: u32 = after.split(' ').nth(1)?.parse().ok()?;
+            if ppid != mpirun {
+                return None;
+            }
+            let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+            let rank = env
+                .split(|&b| b == 0)
+                .find_map(|kv| kv.strip_prefix(b"OMPI_COMM_WORLD_RANK="))?;
+            Some((pid, std::str::from_utf8(rank).ok()?.parse().ok()?))
+        })
+        .collect()
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_killed_rank_ends_the_job_within_seconds() {
+    let mut cmd = match mpirun() {
+        Ok(c) => c,
+        Err(reason) => return snug_testkit::skip_or_fail(&reason),
+    };
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let mut child = cmd
+        .args(["-np", "2", env!("CARGO_BIN_EXE_snug")])
+        .args(RUN)
+        .args(["--steps", "100000", "--no-save"])
+        .current_dir(dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("mpirun starts");
+    // Wait for both ranks, then kill rank 1 as an out-of-memory killer would.
+    let start = Instant::now();
+    let victim = loop {
+        let ranks = ranks_of(child.id());
+        if ranks.len() == 2 {
+            break ranks.into_iter().find(|&(_, r)| r == 1).map(|(pid, _)| pid);
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "the ranks start");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let victim = victim.expect("rank 1's process");
+    std::thread::sleep(Duration::from_secs(2));
+    // SAFETY: signalling a process this test started (a child of its mpirun).
+    unsafe {
+        libc::kill(victim as i32, libc::SIGKILL);
+    }
+    let killed = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("mpirun's status") {
+            break s;
+        }
+        if killed.elapsed() > Duration::from_secs(30) {
+            // Never leave a hung job behind.
+            let _ = child.kill();
+            panic!("the job still runs 30 s after rank 1 was killed");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let out = child.wait_with_output().expect("mpirun's output");
+    let err = text(&out.stderr);
+    assert!(!status.success());
+    assert!(
+        err.contains("rank 1") && err.contains("signal 9"),
+        "the dead rank named: {err}"
+    );
+    assert!(
+        killed.elapsed() < Duration::from_secs(10),
+        "ended within seconds"
+    );
+}
