@@ -153,7 +153,7 @@ struct PlanReport {
     frozen_parameters: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
     lora: Option<snug_nn::LoraConfig>,
-    /// The optimizer, when not the default AdamW.
+    /// The optimizer, when it is 8-bit AdamW.
     #[serde(skip_serializing_if = "Option::is_none")]
     optimizer: Option<&'static str>,
     /// With --fused-update: the norm clipping bounds (`tensor`, `previous`, or `none`).
@@ -379,8 +379,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
             })
             .sum(),
         lora: cfg.lora_config(),
-        optimizer: (cfg.optimizer != snug_train::OptimizerKind::AdamW)
-            .then(|| cfg.optimizer.name()),
+        optimizer: adam8.then(|| cfg.optimizer.name()),
         fused_update: cfg.fused_update.then(|| {
             if cfg.grad_clip > 0.0 {
                 cfg.clip_mode.name()

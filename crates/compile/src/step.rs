@@ -270,9 +270,12 @@ pub fn compile_exactly_sharded(
 /// not the gradients, would set the peak.
 fn tie_up_casts(graph: &mut snug_graph::Graph, forward_nodes: usize) {
     use snug_graph::ops::Cast;
-    let up_cast = |g: &snug_graph::Graph, n: &snug_graph::Node| {
+    // An up-cast of a value the forward saved in 16 bits (not of a backward gradient).
+    let saved_up_cast = |g: &snug_graph::Graph, n: &snug_graph::Node| {
         matches!(n.op, Op::Cast(Cast { to: DType::F32 }))
             && g.tensor(n.inputs[0]).dtype != DType::F32
+            && g.producer(n.inputs[0])
+                .is_none_or(|p| p.index() < forward_nodes)
     };
     let mut readers: Vec<Vec<usize>> = vec![Vec::new(); graph.tensors().len()];
     for (i, node) in graph.nodes().iter().enumerate() {
@@ -282,21 +285,38 @@ fn tie_up_casts(graph: &mut snug_graph::Graph, forward_nodes: usize) {
     }
     let mut ties = Vec::new();
     for (i, node) in graph.nodes().iter().enumerate().skip(forward_nodes) {
-        if !up_cast(graph, node) {
+        if !saved_up_cast(graph, node) {
             continue;
         }
-        let out = node.outputs[0];
-        let [reader] = readers[out.index()][..] else {
+        // The reader, through views (a transpose before a weight-gradient product).
+        let mut out = node.outputs[0];
+        let reader = loop {
+            let [r] = readers[out.index()][..] else {
+                break None;
+            };
+            let n = &graph.nodes()[r];
+            if graph.is_view(n) && n.outputs.len() == 1 {
+                out = n.outputs[0];
+            } else {
+                break Some(r);
+            }
+        };
+        let Some(reader) = reader else {
             continue;
         };
         for &t in &graph.nodes()[reader].inputs {
-            // Only what is computed before the cast in program order (which stays a valid
-            // order), and never another up-cast (two casts waiting on each other).
-            match graph.producer(t) {
-                Some(p) if t != out && p.index() < i && !up_cast(graph, graph.node(p)) => {
-                    ties.push((snug_graph::NodeId(i as u32), t));
-                }
-                _ => {}
+            // What the backward computed before the cast in program order (which stays a
+            // valid order), other than another saved value's up-cast (casts waiting on each
+            // other).
+            let Some(p) = graph.producer(graph.storage_root(t)) else {
+                continue;
+            };
+            if t != out
+                && (forward_nodes..i).contains(&p.index())
+                && graph.producer(t).is_some_and(|q| q.index() < i)
+                && !saved_up_cast(graph, graph.node(p))
+            {
+                ties.push((snug_graph::NodeId(i as u32), t));
             }
         }
     }
