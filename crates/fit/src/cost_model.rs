@@ -247,11 +247,15 @@ impl MachineProfile {
     }
 
     /// Predicted seconds one node costs per optimizer step of `micro_steps` micro-batches:
-    /// once per micro-batch, except the optimizer update, which runs on the last one only.
+    /// once per micro-batch, except the optimizer updates and the collectives that read summed
+    /// gradients, which run on the last one only.
     pub fn node_step_seconds(&self, graph: &Graph, node: NodeId, micro_steps: usize) -> f64 {
         let t = self.node_seconds(graph, node);
-        match graph.node(node).op {
-            Op::AdamW(_) | Op::Sgd(_) => t,
+        match &graph.node(node).op {
+            Op::AdamW(_) | Op::AdamW8bit(_) | Op::Sgd(_) | Op::ShardedAdamW(_) => t,
+            Op::AllReduce(c) if c.once_per_step => t,
+            Op::ReduceScatter(c) if c.once_per_step => t,
+            Op::AllGather(c) if c.once_per_step => t,
             _ => t * micro_steps.max(1) as f64,
         }
     }

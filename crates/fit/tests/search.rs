@@ -603,3 +603,38 @@ fn the_cheapest_rung_that_fits_is_taken() {
     taken.dedup();
     assert!(taken.len() > 1, "{taken:?}");
 }
+
+/// The optimizer update runs once per optimizer step, whichever optimizer: with accumulation
+/// its predicted time is not multiplied by the micro-batches, while a forward node's is.
+#[test]
+fn updates_are_timed_once_per_step() {
+    use snug_graph::ops::Op;
+    let fit = model();
+    let machine = MachineProfile::nominal(1);
+    for optimizer in [
+        snug_compile::OptimizerKind::AdamW,
+        snug_compile::OptimizerKind::AdamW8bit,
+        snug_compile::OptimizerKind::Sgd,
+    ] {
+        let step = StepConfig {
+            optimizer,
+            accumulation: 3,
+            ..fit.step.clone()
+        };
+        let c = compile_step(&fit.model, shape(&fit, 1), cpu(), &step).unwrap();
+        let g = &c.step.graph;
+        let mut updates = 0;
+        for (i, node) in g.nodes().iter().enumerate() {
+            let id = snug_graph::NodeId(i as u32);
+            let once = machine.node_seconds(g, id);
+            let per_step = machine.node_step_seconds(g, id, 3);
+            if matches!(node.op, Op::AdamW(_) | Op::AdamW8bit(_) | Op::Sgd(_)) {
+                updates += 1;
+                assert_eq!(per_step, once, "{optimizer:?}");
+            } else if matches!(node.op, Op::MatMul(_)) {
+                assert_eq!(per_step, 3.0 * once);
+            }
+        }
+        assert!(updates > 0, "{optimizer:?}");
+    }
+}
