@@ -296,6 +296,14 @@ pub struct Placement {
     pub quantize: Option<QuantizeBase>,
 }
 
+impl Placement {
+    /// The CPU, weights in f32.
+    pub const CPU: Placement = Placement {
+        device: DeviceSpec::Cpu,
+        quantize: None,
+    };
+}
+
 /// A model loaded for generation: its planned inference graph(s) in a session on the CPU or
 /// a GPU ([`StepSession`]).
 pub struct Sampler {
@@ -347,45 +355,12 @@ impl Sampler {
         threads: usize,
         allocator: Allocator,
     ) -> Result<Sampler, TrainError> {
-        Self::on_device(model, params, mode, DeviceSpec::Cpu, threads, allocator)
+        Self::placed(model, params, mode, Placement::CPU, threads, allocator)
     }
 
-    /// [`Sampler::with_mode`] on `device`: a GPU runs the same graphs (built and planned for
-    /// its target) with its own allocator over device memory, which takes `allocator`'s
-    /// memory limit; `threads` is the CPU's.
-    pub fn on_device(
-        model: &ModelConfig,
-        params: &[(String, Vec<f32>)],
-        mode: SampleMode,
-        device: DeviceSpec,
-        threads: usize,
-        allocator: Allocator,
-    ) -> Result<Sampler, TrainError> {
-        let placement = Placement {
-            device,
-            quantize: None,
-        };
-        Self::placed(model, params, mode, placement, threads, allocator)
-    }
-
-    /// [`Sampler::with_mode`] with the 2-D weights stored as `quantize` says (quantized once,
-    /// as they are written), each dequantized just before the op that reads it.
-    pub fn quantized(
-        model: &ModelConfig,
-        params: &[(String, Vec<f32>)],
-        mode: SampleMode,
-        quantize: Option<QuantizeBase>,
-        threads: usize,
-        allocator: Allocator,
-    ) -> Result<Sampler, TrainError> {
-        let placement = Placement {
-            device: DeviceSpec::Cpu,
-            quantize,
-        };
-        Self::placed(model, params, mode, placement, threads, allocator)
-    }
-
-    /// [`Sampler::with_mode`] on the device and with the weights' storage `placement` names.
+    /// [`Sampler::with_mode`] on the device and with the weights' storage `placement` names:
+    /// a GPU runs the same graphs (built and planned for its target) with its own allocator
+    /// over device memory, which takes `allocator`'s memory limit; `threads` is the CPU's.
     pub fn placed(
         model: &ModelConfig,
         params: &[(String, Vec<f32>)],
@@ -444,39 +419,7 @@ impl Sampler {
         threads: usize,
         allocator: Allocator,
     ) -> Result<Sampler, TrainError> {
-        Self::from_hf_on(model, ckpt, mode, DeviceSpec::Cpu, threads, allocator)
-    }
-
-    /// [`Sampler::from_hf`] on `device` (see [`Sampler::on_device`]).
-    pub fn from_hf_on(
-        model: &ModelConfig,
-        ckpt: &snug_nn::HfCheckpoint,
-        mode: SampleMode,
-        device: DeviceSpec,
-        threads: usize,
-        allocator: Allocator,
-    ) -> Result<Sampler, TrainError> {
-        let placement = Placement {
-            device,
-            quantize: None,
-        };
-        Self::from_hf_placed(model, ckpt, mode, placement, threads, allocator)
-    }
-
-    /// [`Sampler::from_hf`] with the 2-D weights stored as `quantize` says.
-    pub fn from_hf_quantized(
-        model: &ModelConfig,
-        ckpt: &snug_nn::HfCheckpoint,
-        mode: SampleMode,
-        quantize: Option<QuantizeBase>,
-        threads: usize,
-        allocator: Allocator,
-    ) -> Result<Sampler, TrainError> {
-        let placement = Placement {
-            device: DeviceSpec::Cpu,
-            quantize,
-        };
-        Self::from_hf_placed(model, ckpt, mode, placement, threads, allocator)
+        Self::from_hf_placed(model, ckpt, mode, Placement::CPU, threads, allocator)
     }
 
     /// [`Sampler::from_hf`] on the device and with the weights' storage `placement` names.

@@ -235,7 +235,7 @@ fn hf_fixture(name: &str) -> snug_nn::HfCheckpoint {
 /// exactly its plan, and the device's own count of buffers never above the largest plan.
 #[test]
 fn sampling_on_the_gpu_matches_the_cpu() {
-    use snug_train::{SampleMode, SampleOptions, Sampler};
+    use snug_train::{Placement, SampleMode, SampleOptions, Sampler};
     if !have_gpu() {
         return;
     }
@@ -244,11 +244,14 @@ fn sampling_on_the_gpu_matches_the_cpu() {
         let ckpt = hf_fixture(name);
         let model = ckpt.config().clone();
         let load = |device| {
-            Sampler::from_hf_on(
+            Sampler::from_hf_placed(
                 &model,
                 &ckpt,
                 SampleMode::KvCache,
-                device,
+                Placement {
+                    device,
+                    quantize: None,
+                },
                 1,
                 Allocator::default(),
             )
@@ -308,18 +311,21 @@ fn sampling_on_the_gpu_matches_the_cpu() {
 /// The whole-window path runs on the GPU too, and gives the cached path's greedy tokens.
 #[test]
 fn full_window_sampling_on_the_gpu_agrees_with_the_cache() {
-    use snug_train::{SampleMode, SampleOptions, Sampler};
+    use snug_train::{Placement, SampleMode, SampleOptions, Sampler};
     if !have_gpu() {
         return;
     }
     let ckpt = hf_fixture("llama");
     let model = ckpt.config().clone();
     let load = |mode| {
-        Sampler::from_hf_on(
+        Sampler::from_hf_placed(
             &model,
             &ckpt,
             mode,
-            DeviceSpec::Gpu(Selector::FirstGpu),
+            Placement {
+                device: DeviceSpec::Gpu(Selector::FirstGpu),
+                quantize: None,
+            },
             1,
             Allocator::default(),
         )

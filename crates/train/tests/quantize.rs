@@ -461,7 +461,11 @@ fn sampling_with_quantized_weights_follows_the_f32_model() {
     let tokenizer = t.data().tokenizer.clone();
     let load = |q: Option<QuantizeBase>, mode| {
         let alloc = Allocator::default();
-        let s = Sampler::quantized(t.model(), &params, mode, q, 1, alloc.clone()).unwrap();
+        let placement = snug_train::Placement {
+            device: snug_train::DeviceSpec::Cpu,
+            quantize: q,
+        };
+        let s = Sampler::placed(t.model(), &params, mode, placement, 1, alloc.clone()).unwrap();
         (s, alloc)
     };
     let greedy = SampleOptions {

@@ -48,17 +48,7 @@ impl OpRule for AdamW {
                 ));
             }
         }
-        for i in [0, 2, 3] {
-            if !inputs[i].role.is_persistent() {
-                return Err(GraphError::Invalid {
-                    op: "adamw",
-                    detail: format!(
-                        "`{}` is updated in place and must be persistent",
-                        inputs[i].name
-                    ),
-                });
-            }
-        }
+        super::check_persistent("adamw", inputs, [0, 2, 3])?;
         Ok(vec![])
     }
 

@@ -148,17 +148,7 @@ impl OpRule for AdamW8bit {
                 ));
             }
         }
-        for &i in self.mutates_inputs() {
-            if !inputs[i].role.is_persistent() {
-                return Err(GraphError::Invalid {
-                    op: "adamw8bit",
-                    detail: format!(
-                        "`{}` is updated in place and must be persistent",
-                        inputs[i].name
-                    ),
-                });
-            }
-        }
+        super::check_persistent("adamw8bit", inputs, self.mutates_inputs().iter().copied())?;
         Ok(vec![])
     }
 

@@ -130,17 +130,7 @@ impl OpRule for KvAttention {
             });
         }
         super::expect_dtype(self.name(), inputs, c + 2, DType::I32)?;
-        for i in [c, c + 1] {
-            if !inputs[i].role.is_persistent() {
-                return Err(GraphError::Invalid {
-                    op: self.name(),
-                    detail: format!(
-                        "`{}` is updated in place and must be persistent",
-                        inputs[i].name
-                    ),
-                });
-            }
-        }
+        super::check_persistent(self.name(), inputs, [c, c + 1])?;
         Ok(vec![OutSpec::f32(vec![s.b, s.t, s.h * s.d])])
     }
 

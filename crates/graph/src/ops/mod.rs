@@ -318,6 +318,27 @@ pub(crate) fn shape_err(op: &'static str, detail: impl Into<String>) -> crate::G
     }
 }
 
+/// Inputs an op updates in place (`indices`) must be persistent: an arena tensor's bytes are
+/// another tensor's once it dies.
+pub(crate) fn check_persistent(
+    op: &'static str,
+    inputs: &[&TensorMeta],
+    indices: impl IntoIterator<Item = usize>,
+) -> crate::Result<()> {
+    for i in indices {
+        if !inputs[i].role.is_persistent() {
+            return Err(crate::GraphError::Invalid {
+                op,
+                detail: format!(
+                    "`{}` is updated in place and must be persistent",
+                    inputs[i].name
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// An optimizer's optional gradient-scale input at `index` must be a scalar.
 pub(crate) fn check_grad_scale(
     op: &'static str,

@@ -31,15 +31,7 @@ impl OpRule for Sgd {
                 ),
             ));
         }
-        if !inputs[0].role.is_persistent() {
-            return Err(GraphError::Invalid {
-                op: "sgd",
-                detail: format!(
-                    "`{}` is updated in place and must be persistent",
-                    inputs[0].name
-                ),
-            });
-        }
+        super::check_persistent("sgd", inputs, [0])?;
         Ok(vec![])
     }
 
