@@ -53,8 +53,13 @@ pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
         let ok = match m.dtype {
             DType::F32 | DType::I32 => true,
             DType::BF16 | DType::F16 => casts,
-            // Quantized codes (8-bit AdamW's moments, a quantized base) have no GPU kernel.
-            DType::U8 => false,
+            DType::U8 => {
+                return Err(format!(
+                    "tensor `{}` holds u8 codes (8-bit AdamW's moments or a quantized base), \
+                     which no GPU kernel reads yet: use adamw and an unquantized base on the GPU",
+                    m.name
+                ))
+            }
         };
         if !ok {
             return Err(format!(

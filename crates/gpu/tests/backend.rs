@@ -325,6 +325,36 @@ fn a_step_the_gpu_cannot_run_is_refused_before_allocating() {
     assert_eq!(allocator.peak_bytes(), 0, "nothing was allocated");
 }
 
+/// 8-bit AdamW's u8 moment codes have no GPU kernel: its step is refused before anything is
+/// allocated, naming a code tensor and what to use instead.
+#[test]
+fn an_8bit_optimizer_step_is_refused_by_name() {
+    let Some(device) = gpu() else { return };
+    let model = ModelConfig::preset("tiny").expect("tiny");
+    let backend = GpuBackend::new(device.clone());
+    let allocator = backend.allocator().clone();
+    let shape = StepShape {
+        micro_batch: 1,
+        block: 16,
+    };
+    let eight = StepConfig {
+        optimizer: OptimizerKind::AdamW8bit,
+        ..config()
+    };
+    let (step, p) = compile(&model, shape, device.target(), &eight, false);
+    match GpuSession::new(step.step.graph, p, backend) {
+        Err(RuntimeError::UnsupportedOp { detail, .. }) => {
+            assert!(
+                detail.contains("u8 codes") && detail.contains("adamw"),
+                "{detail}"
+            );
+        }
+        Err(e) => panic!("expected an unsupported op, got {e}"),
+        Ok(_) => panic!("the GPU has no 8-bit AdamW kernel"),
+    }
+    assert_eq!(allocator.peak_bytes(), 0, "nothing was allocated");
+}
+
 /// Planning for the adapter: a tensor larger than its largest storage binding is a named
 /// planning error (the activations of a batch too large for one binding).
 #[test]
