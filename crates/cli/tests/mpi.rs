@@ -273,13 +273,16 @@ fn a_killed_rank_ends_the_job_within_seconds() {
         Err(reason) => return snug_testkit::skip_or_fail(&reason),
     };
     let dir = tempfile::tempdir().expect("a scratch directory");
+    // Output goes to files, never to pipes nobody reads until the end: a full pipe would
+    // stall mpirun itself, and the test would time a blocked write instead of the abort.
+    let log = dir.path().join("stderr.txt");
     let mut child = cmd
         .args(["-np", "2", env!("CARGO_BIN_EXE_snug")])
         .args(RUN)
         .args(["--steps", "100000", "--no-save"])
         .current_dir(dir.path())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("a log file"))
         .spawn()
         .expect("mpirun starts");
     // Wait for both ranks, then kill rank 1 as an out-of-memory killer would.
@@ -310,8 +313,7 @@ fn a_killed_rank_ends_the_job_within_seconds() {
         }
         std::thread::sleep(Duration::from_millis(100));
     };
-    let out = child.wait_with_output().expect("mpirun's output");
-    let err = text(&out.stderr);
+    let err = std::fs::read_to_string(&log).expect("mpirun's standard error");
     assert!(!status.success());
     assert!(
         err.contains("rank 1") && err.contains("signal 9"),
