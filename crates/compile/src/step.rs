@@ -205,10 +205,9 @@ pub fn compile_exactly_sharded(
         let r = gather_parameters(&g.graph, sharding.ranks)?;
         g = g.rewritten(r)?;
     }
-    // Under stage 3 a parameter is its shard, `NAME.shard`.
+    // Under stage 3 a parameter is its shard, named after it.
     let frozen = |name: &str| {
-        let name = name.strip_suffix(".shard").unwrap_or(name);
-        !adapters.is_empty() && !adapters.contains(name)
+        !adapters.is_empty() && !adapters.contains(snug_graph::zero::unsharded_name(name))
     };
     let mut step = StepGraph::build_sharded(g.graph, g.loss, &options, sharding, &frozen)?;
     let mut feeds = Feeds {

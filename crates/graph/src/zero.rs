@@ -76,6 +76,14 @@ impl Sharding {
     }
 }
 
+/// What a parameter's name becomes under stage 3, where it is this rank's shard.
+pub const SHARD_SUFFIX: &str = ".shard";
+
+/// A parameter's name without [`SHARD_SUFFIX`]: the model's name for it, sharded or not.
+pub fn unsharded_name(name: &str) -> &str {
+    name.strip_suffix(SHARD_SUFFIX).unwrap_or(name)
+}
+
 /// The forward graph with every parameter replaced by its shard (a persistent leaf of
 /// [`crate::ops::shard_len`] elements named `NAME.shard`) and an [`AllGather`] of it just
 /// before the first node that reads the parameter, in that node's block. The gradient rule of
@@ -91,7 +99,12 @@ pub fn gather_parameters(old: &Graph, ranks: usize) -> Result<Rewritten> {
     let shard_leaf = |new: &mut Graph, t: TensorId| -> Result<TensorId> {
         let m = old.tensor(t);
         let s = crate::ops::shard_len(m.numel(), ranks);
-        new.add_leaf(format!("{}.shard", m.name), &[s], m.dtype, Role::Parameter)
+        new.add_leaf(
+            format!("{}{SHARD_SUFFIX}", m.name),
+            &[s],
+            m.dtype,
+            Role::Parameter,
+        )
     };
     for node in old.nodes() {
         let mut inputs = Vec::with_capacity(node.inputs.len());

@@ -260,10 +260,12 @@ impl Trainer {
             .iter()
             .map(|s| (s.name.as_str(), s.param))
             .chain(step_graph.frozen.iter().map(|f| (f.name.as_str(), f.param)))
-            .map(|(name, t)| match name.strip_suffix(SHARD_SUFFIX) {
-                Some(base) => (base, (t, true)),
-                None => (name, (t, false)),
-            })
+            .map(
+                |(name, t)| match name.strip_suffix(snug_graph::zero::SHARD_SUFFIX) {
+                    Some(base) => (base, (t, true)),
+                    None => (name, (t, false)),
+                },
+            )
             .collect();
         let mut written = std::collections::HashSet::new();
         for item in init {
@@ -1104,23 +1106,22 @@ impl Trainer {
             .iter()
             .map(|p| (&p.name, p.param))
             .chain(self.step_graph.frozen.iter().map(|f| (&f.name, f.param)))
-            .map(|(name, t)| match name.strip_suffix(SHARD_SUFFIX) {
-                Some(base) => {
-                    let numel = snug_graph::zero::unsharded_shape(&self.step_graph.graph, t)
-                        .iter()
-                        .product::<usize>();
-                    let mut full = all_ranks(&self.session.read_f32(t)?);
-                    full.truncate(numel);
-                    Ok((base.to_string(), full))
-                }
-                None => Ok((name.clone(), self.read_values(t)?.into_owned())),
-            })
+            .map(
+                |(name, t)| match name.strip_suffix(snug_graph::zero::SHARD_SUFFIX) {
+                    Some(base) => {
+                        let numel = snug_graph::zero::unsharded_shape(&self.step_graph.graph, t)
+                            .iter()
+                            .product::<usize>();
+                        let mut full = all_ranks(&self.session.read_f32(t)?);
+                        full.truncate(numel);
+                        Ok((base.to_string(), full))
+                    }
+                    None => Ok((name.clone(), self.read_values(t)?.into_owned())),
+                },
+            )
             .collect()
     }
 }
-
-/// The name ending of a parameter held as this rank's shard (ZeRO stage 3).
-const SHARD_SUFFIX: &str = ".shard";
 
 /// This rank's equal block of `values` over `ranks`, zero-padded to the block's length.
 fn rank_shard(values: &[f32], ranks: usize) -> Vec<f32> {

@@ -52,28 +52,6 @@ fn need_bytes(device: &GpuDevice, what: &str, slice: &DeviceSlice<'_>, bytes: us
     Ok(())
 }
 
-/// Records `y = bf16(x)` over `n` elements (`y` holds two to a word).
-pub fn to_bf16(
-    device: &GpuDevice,
-    encoder: &mut wgpu::CommandEncoder,
-    n: usize,
-    x: DeviceSlice<'_>,
-    y: DeviceSlice<'_>,
-) -> Result<()> {
-    to_half(device, encoder, Half::Bf16, n, x, y)
-}
-
-/// Records `y = f32(x)` over `n` bf16 elements.
-pub fn from_bf16(
-    device: &GpuDevice,
-    encoder: &mut wgpu::CommandEncoder,
-    n: usize,
-    x: DeviceSlice<'_>,
-    y: DeviceSlice<'_>,
-) -> Result<()> {
-    from_half(device, encoder, Half::Bf16, n, x, y)
-}
-
 /// Records `y = half(x)` over `n` elements (`y` holds two to a word).
 pub fn to_half(
     device: &GpuDevice,

@@ -1,7 +1,7 @@
 //! AdamW (decoupled weight decay, as `torch.optim.AdamW`), updating a parameter and its two
 //! moments in place.
 
-use super::{expect_arity, shape_err, OpRule, OutSpec};
+use super::{OpRule, OutSpec};
 use crate::autodiff::GradCtx;
 use crate::tensor::TensorMeta;
 use crate::{GraphError, Result};
@@ -35,19 +35,7 @@ impl OpRule for AdamW {
     }
 
     fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
-        if inputs.len() != 5 {
-            expect_arity(self.name(), inputs, 4)?;
-        }
-        super::check_grad_scale(self.name(), inputs, 4)?;
-        let p = &inputs[0].shape;
-        for (i, t) in inputs.iter().enumerate().take(4).skip(1) {
-            if &t.shape != p {
-                return Err(shape_err(
-                    self.name(),
-                    format!("input {i} has shape {:?}, parameter {p:?}", t.shape),
-                ));
-            }
-        }
+        super::check_update_inputs(self.name(), inputs, 4)?;
         super::check_persistent("adamw", inputs, [0, 2, 3])?;
         Ok(vec![])
     }

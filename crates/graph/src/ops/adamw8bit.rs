@@ -15,7 +15,7 @@
 //! in f32, updates the weights with the new f32 moments, and requantizes them with the new
 //! block absmax.
 
-use super::{expect_arity, expect_dtype, shape_err, AdamW, OpRule, OutSpec};
+use super::{expect_dtype, shape_err, AdamW, OpRule, OutSpec};
 use crate::autodiff::GradCtx;
 use crate::tensor::TensorMeta;
 use crate::{DType, GraphError, Result};
@@ -114,19 +114,7 @@ impl OpRule for AdamW8bit {
     }
 
     fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
-        if inputs.len() != 7 {
-            expect_arity(self.name(), inputs, 6)?;
-        }
-        super::check_grad_scale(self.name(), inputs, 6)?;
-        let p = &inputs[0].shape;
-        for (i, t) in inputs.iter().enumerate().take(4).skip(1) {
-            if &t.shape != p {
-                return Err(shape_err(
-                    self.name(),
-                    format!("input {i} has shape {:?}, parameter {p:?}", t.shape),
-                ));
-            }
-        }
+        super::check_update_inputs(self.name(), inputs, 6)?;
         for (i, dtype) in [
             (0, DType::F32),
             (2, DType::U8),

@@ -318,6 +318,30 @@ pub(crate) fn shape_err(op: &'static str, detail: impl Into<String>) -> crate::G
     }
 }
 
+/// An update's inputs: `[param, grad, state1, state2, …]`, `arity` of them and optionally a
+/// scalar gradient scale after them, with the gradient and the first two states shaped as
+/// the parameter.
+pub(crate) fn check_update_inputs(
+    op: &'static str,
+    inputs: &[&TensorMeta],
+    arity: usize,
+) -> crate::Result<()> {
+    if inputs.len() != arity + 1 {
+        expect_arity(op, inputs, arity)?;
+    }
+    check_grad_scale(op, inputs, arity)?;
+    let p = &inputs[0].shape;
+    for (i, t) in inputs.iter().enumerate().take(4).skip(1) {
+        if &t.shape != p {
+            return Err(shape_err(
+                op,
+                format!("input {i} has shape {:?}, parameter {p:?}", t.shape),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Inputs an op updates in place (`indices`) must be persistent: an arena tensor's bytes are
 /// another tensor's once it dies.
 pub(crate) fn check_persistent(
