@@ -116,13 +116,47 @@ pub fn memory_aware_order(graph: &Graph) -> Vec<NodeId> {
         d
     };
 
-    let mut ready: BTreeSet<usize> = (0..nodes.len()).filter(|&i| waiting[i] == 0).collect();
+    // Ready nodes keyed by (delta, index). A node's delta changes only when a use of one of
+    // its unpinned inputs runs, so only those readers are re-keyed: picking the best ready
+    // node no longer scans every ready node, which made scheduling quadratic.
+    let mut key: Vec<i64> = vec![0; nodes.len()];
+    let max_inputs = nodes.iter().map(|n| n.inputs.len()).max().unwrap_or(0);
+    let mut is_ready = vec![false; nodes.len()];
+    let mut ready: BTreeSet<(i64, usize)> = BTreeSet::new();
+    for i in (0..nodes.len()).filter(|&i| waiting[i] == 0) {
+        key[i] = delta(i, &uses);
+        is_ready[i] = true;
+        ready.insert((key[i], i));
+    }
     let mut order = Vec::with_capacity(nodes.len());
-    while let Some(best) = ready.iter().copied().min_by_key(|&i| (delta(i, &uses), i)) {
-        ready.remove(&best);
+    let mut touched: Vec<TensorId> = Vec::new();
+    while let Some((_, best)) = ready.pop_first() {
+        is_ready[best] = false;
         order.push(NodeId(best as u32));
+        touched.clear();
         for &t in &nodes[best].inputs {
-            uses[root[t.index()].index()] -= 1;
+            let r = root[t.index()];
+            uses[r.index()] -= 1;
+            if !pinned[r.index()] && !touched.contains(&r) {
+                touched.push(r);
+            }
+        }
+        for r in &touched {
+            // A reader's delta counts `r` only once the reader holds every use left; with more
+            // uses left than any node has inputs, no reader's delta changed.
+            if uses[r.index()] > max_inputs {
+                continue;
+            }
+            for &c in &readers[r.index()] {
+                if is_ready[c] {
+                    let d = delta(c, &uses);
+                    if d != key[c] {
+                        ready.remove(&(key[c], c));
+                        key[c] = d;
+                        ready.insert((d, c));
+                    }
+                }
+            }
         }
         let unblocked = nodes[best]
             .outputs
@@ -132,7 +166,9 @@ pub fn memory_aware_order(graph: &Graph) -> Vec<NodeId> {
         for &c in unblocked {
             waiting[c] -= 1;
             if waiting[c] == 0 {
-                ready.insert(c);
+                key[c] = delta(c, &uses);
+                is_ready[c] = true;
+                ready.insert((key[c], c));
             }
         }
     }

@@ -242,9 +242,17 @@ fn find_overlap_reports_a_bad_placement() {
 }
 
 /// The placement as first written: for each interval in the strategy's order, collect the
-/// placed blocks it coexists with, sort them by offset, and take the smallest gap that fits.
-/// `place_with` keeps its blocks sorted instead; it must choose the very same offsets.
-fn reference_place(strategy: Strategy, intervals: &[Interval]) -> Vec<usize> {
+/// placed blocks it coexists with, sort them by offset, and take the smallest gap that fits
+/// (inside one chunk of `chunk` bytes). `place_in_chunks` finds the coexisting blocks through
+/// a tree of merged byte ranges instead; it must choose the very same offsets.
+fn reference_place(strategy: Strategy, intervals: &[Interval], chunk: usize) -> Vec<usize> {
+    let fit = |at: usize, size: usize| {
+        if size == 0 || at / chunk == (at + size - 1) / chunk {
+            at
+        } else {
+            (at / chunk + 1) * chunk
+        }
+    };
     let mut order: Vec<usize> = (0..intervals.len()).collect();
     let area = |iv: &Interval| iv.size as u128 * (iv.last - iv.first + 1) as u128;
     order.sort_by(|&a, &b| {
@@ -271,13 +279,14 @@ fn reference_place(strategy: Strategy, intervals: &[Interval]) -> Vec<usize> {
         for (start, end) in neighbours {
             if start > cursor {
                 let gap = start - cursor;
-                if gap >= iv.size && best.is_none_or(|(g, _)| gap < g) {
-                    best = Some((gap, cursor));
+                let at = fit(cursor, iv.size);
+                if at + iv.size <= start && best.is_none_or(|(g, _)| gap < g) {
+                    best = Some((gap, at));
                 }
             }
             cursor = cursor.max(end);
         }
-        offsets[i] = best.map_or(cursor, |(_, off)| off);
+        offsets[i] = best.map_or_else(|| fit(cursor, iv.size), |(_, off)| off);
         placed.push(i);
     }
     offsets
@@ -289,12 +298,13 @@ fn placement_chooses_the_reference_offsets() {
     for case in 0..300 {
         let n = rng.random_range(1..120);
         let horizon = rng.random_range(1..60);
-        // Few distinct sizes, so ties between equal blocks are common.
+        // Few distinct sizes, so ties between equal blocks are common; some empty, which
+        // split the gap they are placed in.
         let intervals: Vec<Interval> = (0..n)
             .map(|_| {
                 let first = rng.random_range(0..horizon);
                 Interval {
-                    size: 64 * rng.random_range(1..6),
+                    size: 64 * rng.random_range(0..6),
                     first,
                     last: rng.random_range(first..horizon),
                 }
@@ -304,10 +314,17 @@ fn placement_chooses_the_reference_offsets() {
             let p = place_with(strategy, &intervals);
             assert_eq!(
                 p.offsets,
-                reference_place(strategy, &intervals),
+                reference_place(strategy, &intervals, usize::MAX),
                 "case {case}, {strategy:?}"
             );
             assert_eq!(find_overlap(&intervals, &p), None, "case {case}");
+            let chunk = 64 * rng.random_range(5..12);
+            let p = place_in_chunks(strategy, &intervals, chunk);
+            assert_eq!(
+                p.offsets,
+                reference_place(strategy, &intervals, chunk),
+                "case {case}, {strategy:?}, chunk {chunk}"
+            );
         }
     }
 }
