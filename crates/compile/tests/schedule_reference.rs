@@ -156,7 +156,7 @@ fn the_schedule_is_the_reference_order_on_real_steps() {
         };
         let sharding = Sharding::new(ranks, stage).expect("a valid sharding");
         let shape = StepShape::per_rank(4 * ranks, 16, ranks, accumulation).expect("divides");
-        let c = compile_sharded(&model, shape, target.clone(), &config, &sharding)
+        let c = compile_sharded(&model, shape, target, &config, &sharding)
             .unwrap_or_else(|e| panic!("{preset}: {e}"));
         let graph = &c.step.graph;
         assert_eq!(
