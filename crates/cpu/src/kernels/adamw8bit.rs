@@ -3,15 +3,19 @@
 
 use std::sync::OnceLock;
 
-use snug_graph::ops::adamw8bit::{dynamic_code, nearest_code, BLOCK};
+use snug_graph::ops::adamw8bit::{dynamic_code, CodeIndex, BLOCK};
 use snug_graph::ops::{AdamW, AdamW8bit};
 
 use crate::kernel::{CpuKernel, Kernel};
 
-/// The signed (first moment) and unsigned (second moment) code books.
-fn codes() -> &'static [[f32; 256]; 2] {
-    static CODES: OnceLock<[[f32; 256]; 2]> = OnceLock::new();
-    CODES.get_or_init(|| [dynamic_code(true), dynamic_code(false)])
+/// The signed (first moment) and unsigned (second moment) code books, and their indexes.
+fn codes() -> &'static ([[f32; 256]; 2], [CodeIndex; 2]) {
+    static CODES: OnceLock<([[f32; 256]; 2], [CodeIndex; 2])> = OnceLock::new();
+    CODES.get_or_init(|| {
+        let books = [dynamic_code(true), dynamic_code(false)];
+        let index = [CodeIndex::new(&books[0]), CodeIndex::new(&books[1])];
+        (books, index)
+    })
 }
 
 impl CpuKernel for AdamW8bit {
@@ -69,7 +73,7 @@ pub(crate) fn update(
     let step_size = lr / (1.0 - beta1.powi(t));
     let bc2_sqrt = (1.0 - beta2.powi(t)).sqrt();
     let decay = 1.0 - lr * weight_decay;
-    let [signed, unsigned] = codes();
+    let ([signed, unsigned], [signed_index, unsigned_index]) = codes();
     // Whole blocks per task, enough of them to amortise the task.
     let per_task = (crate::par::MIN_PAR_ELEMS / BLOCK).max(1);
     let chunk = per_task * BLOCK;
@@ -108,8 +112,8 @@ pub(crate) fn update(
                 let inv_m = if m_max > 0.0 { 1.0 / m_max } else { 0.0 };
                 let inv_v = if v_max > 0.0 { 1.0 / v_max } else { 0.0 };
                 for i in 0..n {
-                    mq[i] = nearest_code(signed, m[i] * inv_m);
-                    vq[i] = nearest_code(unsigned, v[i] * inv_v);
+                    mq[i] = signed_index.nearest(m[i] * inv_m);
+                    vq[i] = unsigned_index.nearest(v[i] * inv_v);
                 }
             }
         });
