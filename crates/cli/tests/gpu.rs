@@ -6,9 +6,15 @@
 use std::process::{Command, Output};
 
 fn snug(args: &[&str]) -> Output {
+    snug_env(args, &[])
+}
+
+/// `snug` with environment variables set (its own, the test's otherwise).
+fn snug_env(args: &[&str], vars: &[(&str, &str)]) -> Output {
     let cwd = tempfile::tempdir().expect("a scratch directory");
     Command::new(env!("CARGO_BIN_EXE_snug"))
         .args(args)
+        .envs(vars.iter().copied())
         .current_dir(cwd.path())
         .output()
         .expect("the snug binary runs")
@@ -82,6 +88,49 @@ fn devices_lists_the_cpu_and_every_adapter() {
     let text = snug(&["devices"]);
     assert!(text.status.success());
     assert!(String::from_utf8_lossy(&text.stdout).starts_with("cpu "));
+}
+
+/// `SNUG_GPU_SUBGROUPS=0` turns the subgroup reductions off: `devices` says so, and training
+/// gives the same losses bit for bit (both paths fold in one order).
+#[test]
+fn the_subgroup_switch_is_reported_and_keeps_the_losses() {
+    if !have_gpu() {
+        return;
+    }
+    let off = [("SNUG_GPU_SUBGROUPS", "0")];
+    let on = [("SNUG_GPU_SUBGROUPS", "1")];
+    let listed = |vars: &[(&str, &str)]| -> serde_json::Value {
+        let o = snug_env(&["devices", "--json"], vars);
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_slice(&o.stdout).expect("devices --json")
+    };
+    let (v_on, v_off) = (listed(&on), listed(&off));
+    let gpus_on = v_on["gpus"].as_array().expect("adapters");
+    let gpus_off = v_off["gpus"].as_array().expect("adapters");
+    for (a, b) in gpus_on.iter().zip(gpus_off) {
+        assert_eq!(a["subgroups_used"], a["subgroup"], "{a}");
+        assert_eq!(b["subgroups_used"], false, "{b}");
+        let [min, max] = [0, 1].map(|i| a["subgroup_sizes"][i].as_u64().unwrap_or(0));
+        if a["subgroup"] == true {
+            assert!(min >= 1 && min <= max && max <= 128, "{a}");
+        }
+    }
+    let text = snug_env(&["devices"], &off);
+    let has = gpus_on.iter().any(|g| g["subgroup"] == true);
+    assert_eq!(
+        String::from_utf8_lossy(&text.stdout).contains("off: SNUG_GPU_SUBGROUPS=0"),
+        has
+    );
+    let run = |vars: &[(&str, &str)]| {
+        let mut args = vec!["train", "--steps", "3", "--device", "gpu"];
+        args.extend(TINY);
+        let o = snug_env(&args, vars);
+        assert!(o.status.success(), "{}", stderr(&o));
+        step_losses(&o)
+    };
+    let (l_on, l_off) = (run(&on), run(&off));
+    assert_eq!(l_on.len(), 3);
+    assert_eq!(l_on, l_off);
 }
 
 /// 12 steps of `tiny` on the GPU and the CPU: the first losses within 1e-5 relative, every
@@ -232,6 +281,11 @@ fn bench_times_the_step_on_the_gpu() {
         (mfu - flops / (probe * 1e9)).abs() <= 1e-9 * mfu.max(1.0),
         "{case}"
     );
+    let default = devices()["gpus"]
+        .as_array()
+        .and_then(|g| g.iter().find(|g| g["default"] == true).cloned())
+        .expect("the default adapter");
+    assert_eq!(case["gpu_subgroups"], default["subgroups_used"], "{case}");
     // tiny's case is 16 × 64 tokens: i32 tokens and targets.
     assert_eq!(case["staging_ring_bytes"], 2 * 2 * 16 * 64 * 4, "{case}");
     match case["device_allocator_report_bytes"].as_u64() {
