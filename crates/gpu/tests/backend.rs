@@ -161,7 +161,9 @@ fn one_step_matches_the_cpu(preset: &str, shape: StepShape, passes: Vec<Pass>) {
     let ctx = ExecCtx::step(1e-3, 1);
     let cl = c.step(&data, vocab, ctx);
     let cg = c.values(false);
-    let mut first: Option<(f32, HashMap<String, Vec<f32>>, HashMap<String, Vec<f32>>)> = None;
+    // The first path's loss, gradients and updated parameters.
+    type Values = HashMap<String, Vec<f32>>;
+    let mut first: Option<(f32, Values, Values)> = None;
     for device in both_paths() {
         let mut g = gpu_run(device, &model, shape, &config, true);
         let gl = g.step(&data, vocab, ctx);

@@ -170,13 +170,17 @@ fn a_refused_allocation_is_out_of_memory_on_the_device() {
     use snug_runtime::{Backend, Device};
     let Some(device) = gpu() else { return };
     let backend = snug_gpu::GpuBackend::new(device.with_max_buffer_size(1 << 16));
-    let small = backend.allocator().alloc(4096).expect("within the device's buffers");
+    let small = backend
+        .allocator()
+        .alloc(4096)
+        .expect("within the device's buffers");
     let err = backend.allocator().alloc(1 << 20).unwrap_err();
     let index = u32::try_from(device.info().index).unwrap();
     assert_eq!(err.device, Device::Gpu(index), "{err}");
     assert_eq!(err.limit, usize::MAX, "{err}");
     assert!(
-        err.to_string().starts_with(&format!("out of memory on gpu:{index}"))
+        err.to_string()
+            .starts_with(&format!("out of memory on gpu:{index}"))
             && err.to_string().contains("the system refused"),
         "{err}"
     );
