@@ -131,10 +131,10 @@ impl AdapterInfo {
     }
 }
 
-/// Whether [`crate::GpuDevice::open`] may use subgroup operations where the adapter has them: yes
-/// unless the environment sets `SNUG_GPU_SUBGROUPS` to `0`, `false` or `off`, which forces
-/// the plain reductions (a workaround for a driver whose subgroups misbehave, and a way to
-/// compare the two paths).
+/// Whether [`crate::GpuDevice::open`] may use subgroup operations where the adapter has
+/// them: yes unless the environment sets `SNUG_GPU_SUBGROUPS` to `0`, `false` or `off`, which
+/// forces the plain reductions (a workaround for a driver whose subgroups misbehave, and a way
+/// to compare the two paths).
 pub fn subgroups_allowed() -> bool {
     std::env::var("SNUG_GPU_SUBGROUPS").map_or(true, |v| {
         !matches!(

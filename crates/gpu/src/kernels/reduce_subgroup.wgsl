@@ -4,7 +4,9 @@
 // (lane bit j standing for the tree's level j of the round, the lower index first on both
 // sides of a pair), so only the operands' grouping and order matter, and those are the tree's.
 // No size is assumed: it is read at run time, and a workgroup that is not whole subgroups of
-// a power of two from 4 to 128 takes the plain tree.
+// a power of two from 4 to 128 takes the plain tree. Lanes that share `subgroup_id` must be one
+// subgroup: native on Vulkan and Metal; on DX12 naga derives the id as
+// local_invocation_index / size, which holds where waves are laid out in index order.
 
 struct Lanes {
     @builtin(local_invocation_index) li: u32,
