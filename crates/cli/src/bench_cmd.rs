@@ -157,6 +157,10 @@ struct CaseResult {
     /// on the CPU.
     #[serde(default)]
     staging_ring_bytes: Option<u64>,
+    /// On a GPU, whether its workgroup reductions used subgroup operations (the adapter has
+    /// them and `SNUG_GPU_SUBGROUPS=0` did not turn them off); None on the CPU.
+    #[serde(default)]
+    gpu_subgroups: Option<bool>,
     final_loss: f32,
     /// Share of the machine's CPU time that a hypervisor gave to other guests during the timed
     /// steps (Linux's steal time): on a shared host, figures taken while it is high are slow
@@ -273,6 +277,7 @@ fn run_case(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
         peak_rss_bytes,
         device_allocator_report_bytes,
         staging_ring_bytes,
+        gpu_subgroups: gpu.as_ref().map(snug_gpu::GpuDevice::has_subgroups),
         final_loss: loss,
         steal,
     })

@@ -46,7 +46,11 @@ struct GpuDevice {
     max_workgroups_per_dimension: u32,
     subgroup_sizes: [u32; 2],
     shader_f16: bool,
+    /// The adapter offers subgroup operations (`SUBGROUP`).
     subgroup: bool,
+    /// The kernels' reductions use them: `subgroup`, unless `SNUG_GPU_SUBGROUPS=0` turns them
+    /// off.
+    subgroups_used: bool,
     /// Device memory where known (a CPU driver's: the system's), else --device-memory's,
     /// else `null`: wgpu reports no other device's memory.
     memory_bytes: Option<u64>,
@@ -101,6 +105,7 @@ pub fn run(args: DevicesArgs) -> Result<()> {
                 subgroup_sizes: a.subgroup_sizes,
                 shader_f16: a.shader_f16,
                 subgroup: a.subgroup,
+                subgroups_used: a.subgroup && snug_gpu::subgroups_allowed(),
                 memory_bytes: a.memory_bytes.or(given),
                 memory_from: a.memory_source().or(given.map(|_| "--device-memory")),
             })
@@ -150,7 +155,11 @@ pub fn run(args: DevicesArgs) -> Result<()> {
             g.subgroup_sizes[0],
             g.subgroup_sizes[1],
             if g.shader_f16 { ", f16" } else { "" },
-            if g.subgroup { ", subgroup ops" } else { "" }
+            match (g.subgroup, g.subgroups_used) {
+                (true, true) => ", subgroup ops",
+                (true, false) => ", subgroup ops (off: SNUG_GPU_SUBGROUPS=0)",
+                _ => "",
+            }
         );
     }
     Ok(())

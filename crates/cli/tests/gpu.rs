@@ -6,9 +6,15 @@
 use std::process::{Command, Output};
 
 fn snug(args: &[&str]) -> Output {
+    snug_env(args, &[])
+}
+
+/// `snug` with environment variables set (its own, the test's otherwise).
+fn snug_env(args: &[&str], vars: &[(&str, &str)]) -> Output {
     let cwd = tempfile::tempdir().expect("a scratch directory");
     Command::new(env!("CARGO_BIN_EXE_snug"))
         .args(args)
+        .envs(vars.iter().copied())
         .current_dir(cwd.path())
         .output()
         .expect("the snug binary runs")
@@ -82,6 +88,49 @@ fn devices_lists_the_cpu_and_every_adapter() {
     let text = snug(&["devices"]);
     assert!(text.status.success());
     assert!(String::from_utf8_lossy(&text.stdout).starts_with("cpu "));
+}
+
+/// `SNUG_GPU_SUBGROUPS=0` turns the subgroup reductions off: `devices` says so, and training
+/// gives the same losses bit for bit (both paths fold in one order).
+#[test]
+fn the_subgroup_switch_is_reported_and_keeps_the_losses() {
+    if !have_gpu() {
+        return;
+    }
+    let off = [("SNUG_GPU_SUBGROUPS", "0")];
+    let on = [("SNUG_GPU_SUBGROUPS", "1")];
+    let listed = |vars: &[(&str, &str)]| -> serde_json::Value {
+        let o = snug_env(&["devices", "--json"], vars);
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_slice(&o.stdout).expect("devices --json")
+    };
+    let (v_on, v_off) = (listed(&on), listed(&off));
+    let gpus_on = v_on["gpus"].as_array().expect("adapters");
+    let gpus_off = v_off["gpus"].as_array().expect("adapters");
+    for (a, b) in gpus_on.iter().zip(gpus_off) {
+        assert_eq!(a["subgroups_used"], a["subgroup"], "{a}");
+        assert_eq!(b["subgroups_used"], false, "{b}");
+        let [min, max] = [0, 1].map(|i| a["subgroup_sizes"][i].as_u64().unwrap_or(0));
+        if a["subgroup"] == true {
+            assert!(min >= 1 && min <= max && max <= 128, "{a}");
+        }
+    }
+    let text = snug_env(&["devices"], &off);
+    let has = gpus_on.iter().any(|g| g["subgroup"] == true);
+    assert_eq!(
+        String::from_utf8_lossy(&text.stdout).contains("off: SNUG_GPU_SUBGROUPS=0"),
+        has
+    );
+    let run = |vars: &[(&str, &str)]| {
+        let mut args = vec!["train", "--steps", "3", "--device", "gpu"];
+        args.extend(TINY);
+        let o = snug_env(&args, vars);
+        assert!(o.status.success(), "{}", stderr(&o));
+        step_losses(&o)
+    };
+    let (l_on, l_off) = (run(&on), run(&off));
+    assert_eq!(l_on.len(), 3);
+    assert_eq!(l_on, l_off);
 }
 
 /// 12 steps of `tiny` on the GPU and the CPU: the first losses within 1e-5 relative, every
@@ -202,6 +251,132 @@ fn device_flags_are_checked_and_planned_for() {
     assert!(cpu.get("device").is_none() && cpu.get("memory_layout").is_none());
 }
 
+/// With no adapter at all (wgpu told to try no backend), every command that opens a GPU stops
+/// with exit code 1 saying none was found and how to install a driver; `devices` says the same
+/// and lists none. Needs no adapter.
+#[test]
+fn no_adapter_says_how_to_install_a_driver() {
+    let none = [("WGPU_BACKEND", "none")];
+    for args in [
+        &[
+            "train",
+            "--preset",
+            "tiny",
+            "--device",
+            "gpu",
+            "--steps",
+            "1",
+            "--no-save",
+        ][..],
+        &[
+            "train",
+            "--preset",
+            "tiny",
+            "--device",
+            "gpu:1",
+            "--steps",
+            "1",
+            "--no-save",
+        ],
+        &["profile", "--preset", "tiny", "--device", "gpu"],
+        &[
+            "fit", "--preset", "tiny", "--device", "gpu", "--memory", "1GiB",
+        ],
+        &[
+            "bench", "--device", "gpu", "--cases", "tiny", "--steps", "1", "--warmup", "0",
+        ],
+    ] {
+        let o = snug_env(args, &none);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert!(
+            err.contains("no GPU adapter found") && err.contains("apt install mesa-vulkan-drivers"),
+            "{args:?}: {err}"
+        );
+    }
+    let text = snug_env(&["devices"], &none);
+    assert!(text.status.success(), "{}", stderr(&text));
+    assert!(String::from_utf8_lossy(&text.stdout).contains("no GPU adapter found: install"));
+    let json = snug_env(&["devices", "--json"], &none);
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).expect("devices --json");
+    assert_eq!(v["gpus"], serde_json::json!([]));
+}
+
+/// Out of device memory mid-run (the limit lowered to 1 KiB before step 3, so nothing fits):
+/// a typed error naming the device, the checkpoint of step 2 intact, and `--resume` on the
+/// GPU carries on with the uninterrupted run's losses.
+#[test]
+fn out_of_memory_mid_run_keeps_the_checkpoint_and_resumes() {
+    if !have_gpu() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let out_s = out.to_str().unwrap();
+    let tiny = &TINY[..TINY.len() - 1];
+    let mut args = vec!["train", "--steps", "4", "--device", "gpu", "--out", out_s];
+    args.extend(tiny);
+    args.extend([
+        "--memory-limit",
+        "1GiB",
+        "--strict",
+        "--lower-memory-at",
+        "3:1KiB",
+    ]);
+    let o = snug(&args);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("out of memory on gpu:") && err.contains("the state after step 2 is saved"),
+        "{err}"
+    );
+    let saved: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with("ckpt-"))
+        .collect();
+    assert_eq!(saved, vec!["ckpt-00000002.safetensors".to_string()]);
+    let resumed = snug(&["train", "--steps", "3", "--resume", out_s, "--json"]);
+    assert!(resumed.status.success(), "{}", stderr(&resumed));
+    let mut straight = vec!["train", "--steps", "3", "--device", "gpu"];
+    straight.extend(TINY);
+    let straight = snug(&straight);
+    assert!(straight.status.success(), "{}", stderr(&straight));
+    let tail = step_losses(&resumed);
+    assert_eq!(tail, step_losses(&straight)[2..].to_vec());
+    assert_ne!(json_lines(&resumed).pop().unwrap()["device"], "cpu");
+}
+
+/// A tensor over the adapter's largest storage binding stops `plan --device gpu` by name.
+#[test]
+fn a_tensor_over_the_binding_limit_is_a_named_planning_error() {
+    if !have_gpu() {
+        return;
+    }
+    let gpus = devices()["gpus"].as_array().cloned().unwrap_or_default();
+    let default = gpus
+        .iter()
+        .find(|g| g["default"] == true)
+        .expect("a default");
+    let limit = default["max_binding_bytes"]
+        .as_u64()
+        .expect("a binding limit");
+    // tiny's fused QKV activations are batch × 64 × 384 floats.
+    let batch = (limit / (64 * 384 * 4) + 1).to_string();
+    let o = snug(&[
+        "plan", "--preset", "tiny", "--block", "64", "--batch", &batch, "--device", "gpu",
+    ]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("tensor `")
+            && err.contains(&format!("more than the {limit} bytes one kernel may bind")),
+        "{err}"
+    );
+}
+
 /// `bench --device gpu --json`: the step timed on the GPU, its measured peak equal to the
 /// plan and covered by the device allocator's own report, MFU against the device's probed
 /// GEMM rate, and the input staging ring's host bytes (two buffers of the step's inputs).
@@ -232,6 +407,11 @@ fn bench_times_the_step_on_the_gpu() {
         (mfu - flops / (probe * 1e9)).abs() <= 1e-9 * mfu.max(1.0),
         "{case}"
     );
+    let default = devices()["gpus"]
+        .as_array()
+        .and_then(|g| g.iter().find(|g| g["default"] == true).cloned())
+        .expect("the default adapter");
+    assert_eq!(case["gpu_subgroups"], default["subgroups_used"], "{case}");
     // tiny's case is 16 × 64 tokens: i32 tokens and targets.
     assert_eq!(case["staging_ring_bytes"], 2 * 2 * 16 * 64 * 4, "{case}");
     match case["device_allocator_report_bytes"].as_u64() {

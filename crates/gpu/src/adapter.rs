@@ -131,6 +131,19 @@ impl AdapterInfo {
     }
 }
 
+/// Whether [`crate::GpuDevice::open`] may use subgroup operations where the adapter has
+/// them: yes unless the environment sets `SNUG_GPU_SUBGROUPS` to `0`, `false` or `off`, which
+/// forces the plain reductions (a workaround for a driver whose subgroups misbehave, and a way
+/// to compare the two paths).
+pub fn subgroups_allowed() -> bool {
+    std::env::var("SNUG_GPU_SUBGROUPS").map_or(true, |v| {
+        !matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "0" | "false" | "off"
+        )
+    })
+}
+
 /// Which adapter to open.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Selector {

@@ -62,8 +62,20 @@ impl GpuDevice {
     /// Opens the adapter `selector` names, with the adapter's own limits (not WebGPU's
     /// defaults: the arena wants the largest buffers the device allows) and whichever of the
     /// features the kernels' fast paths use it has (`SHADER_F16`, `SUBGROUP`).
+    /// `SNUG_GPU_SUBGROUPS=0` leaves `SUBGROUP` out (see [`adapter::subgroups_allowed`]).
     pub fn open(selector: Selector) -> Result<GpuDevice> {
-        Self::open_with(selector, FAST_PATHS)
+        let wanted = if adapter::subgroups_allowed() {
+            FAST_PATHS
+        } else {
+            FAST_PATHS.difference(wgpu::Features::SUBGROUP)
+        };
+        Self::open_with(selector, wanted)
+    }
+
+    /// [`GpuDevice::open`] without `SUBGROUP`: the reductions take the workgroup-memory tree
+    /// (the tests compare it with the subgroup path).
+    pub fn open_without_subgroups(selector: Selector) -> Result<GpuDevice> {
+        Self::open_with(selector, FAST_PATHS.difference(wgpu::Features::SUBGROUP))
     }
 
     /// [`GpuDevice::open`] without the optional features: every kernel takes its plain path
@@ -276,7 +288,8 @@ impl GpuDevice {
         if let Some(p) = cached {
             return Ok(p);
         }
-        let code = format!("{}\n{}\n{}", key.2, crate::kernels::PRELUDE, source);
+        let prelude = crate::kernels::prelude(self.has_subgroups());
+        let code = format!("{}\n{}\n{}", key.2, prelude, source);
         let device = &self.inner.device;
         let entry_of = |binding: u32, ty: wgpu::BufferBindingType| wgpu::BindGroupLayoutEntry {
             binding,

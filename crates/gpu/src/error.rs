@@ -10,7 +10,12 @@ pub enum GpuError {
     )]
     NoAdapter,
     /// `gpu:N` with `N` past the adapters found.
-    #[error("no GPU adapter {index}: {} found{}", found.len(), list(found))]
+    #[error(
+        "no GPU adapter {index}: {} found{}\n(a GPU missing from this list needs its Vulkan, \
+         Metal or DX12 driver installed)",
+        found.len(),
+        list(found)
+    )]
     AdapterIndex { index: usize, found: Vec<String> },
     /// The adapter refused a device with its own limits.
     #[error("{device}: could not open a device: {reason}")]
@@ -83,5 +88,6 @@ mod tests {
             msg.contains("gpu:0  llvmpipe") && msg.contains("gpu:1  RTX 3060"),
             "{msg}"
         );
+        assert!(msg.contains("driver installed"), "{msg}");
     }
 }

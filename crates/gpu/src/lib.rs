@@ -24,7 +24,8 @@ pub mod memory;
 pub mod transfer;
 
 pub use adapter::{
-    adapters, adapters_once, planning_target, AdapterInfo, Selector, DEFAULT_LAYOUT,
+    adapters, adapters_once, planning_target, subgroups_allowed, AdapterInfo, Selector,
+    DEFAULT_LAYOUT,
 };
 pub use backend::{copy_rate, gemm_rate, GpuBackend, GpuMemory, GpuNode, GpuSession};
 pub use device::GpuDevice;

@@ -15,7 +15,7 @@ use snug_nn::ModelConfig;
 use snug_plan::{plan, MemoryPlan, PlanError, PlanOptions};
 use snug_runtime::{Allocator, Backend, Device, ExecCtx, RuntimeError, Session};
 
-use common::{gpu, ids};
+use common::{both_paths, gpu, ids};
 
 /// Tokens of `batch` sequences of `seq`, and their next-token targets, in `0..vocab`.
 fn batch(seed: u64, batch: usize, seq: usize, vocab: usize) -> (Vec<i32>, Vec<i32>) {
@@ -148,33 +148,66 @@ fn max_rel_error(got: &[f32], want: &[f32]) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// One step on the GPU against the CPU: the loss and every gradient within 1e-4. Run on both
+/// reduction paths (subgroup operations where the adapter has them, and without), which must
+/// agree bit for bit in the loss, every gradient and every updated parameter.
 fn one_step_matches_the_cpu(preset: &str, shape: StepShape, passes: Vec<Pass>) {
-    let Some(device) = gpu() else { return };
     let model = ModelConfig::preset(preset).expect("a preset");
     let vocab = model.vocab_size();
     // Gradients are read after the step, so none may be written over (no in-place pass).
     let config = StepConfig { passes, ..config() };
-    let mut g = gpu_run(device, &model, shape, &config, true);
     let mut c = cpu_run(&model, shape, &config, true);
     let data = batch(3, shape.micro_batch, shape.block, vocab);
     let ctx = ExecCtx::step(1e-3, 1);
-    let (gl, cl) = (g.step(&data, vocab, ctx), c.step(&data, vocab, ctx));
-    assert!(
-        (f64::from(gl) - f64::from(cl)).abs() <= 1e-4 * f64::from(cl).abs(),
-        "{preset}: loss {gl} on the GPU, {cl} on the CPU"
-    );
-    let (gg, cg) = (g.values(false), c.values(false));
-    assert_eq!(gg.len(), cg.len());
-    for (name, want) in &cg {
-        let err = max_rel_error(&gg[name], want);
+    let cl = c.step(&data, vocab, ctx);
+    let cg = c.values(false);
+    // The first path's loss, gradients and updated parameters.
+    type Values = HashMap<String, Vec<f32>>;
+    let mut first: Option<(f32, Values, Values)> = None;
+    for device in both_paths() {
+        let mut g = gpu_run(device, &model, shape, &config, true);
+        let gl = g.step(&data, vocab, ctx);
         assert!(
-            err <= 1e-4,
-            "{preset}: gradient of {name} differs by {err:e} of its largest element"
+            (f64::from(gl) - f64::from(cl)).abs() <= 1e-4 * f64::from(cl).abs(),
+            "{preset}: loss {gl} on the GPU, {cl} on the CPU"
         );
-        assert!(
-            want.iter().any(|&v| v != 0.0),
-            "{preset}: {name} has a gradient"
-        );
+        let gg = g.values(false);
+        assert_eq!(gg.len(), cg.len());
+        for (name, want) in &cg {
+            let err = max_rel_error(&gg[name], want);
+            assert!(
+                err <= 1e-4,
+                "{preset}: gradient of {name} differs by {err:e} of its largest element"
+            );
+            assert!(
+                want.iter().any(|&v| v != 0.0),
+                "{preset}: {name} has a gradient"
+            );
+        }
+        let params = g.values(true);
+        let bits = |m: &HashMap<String, Vec<f32>>, name: &str| -> Vec<u32> {
+            m[name].iter().map(|v| v.to_bits()).collect()
+        };
+        match &first {
+            None => first = Some((gl, gg, params)),
+            Some((l0, g0, p0)) => {
+                assert_eq!(
+                    gl.to_bits(),
+                    l0.to_bits(),
+                    "{preset}: loss across the paths"
+                );
+                for name in cg.keys() {
+                    assert!(
+                        bits(&gg, name) == bits(g0, name),
+                        "{preset}: gradient of {name} across the paths"
+                    );
+                    assert!(
+                        bits(&params, name) == bits(p0, name),
+                        "{preset}: {name} after the update across the paths"
+                    );
+                }
+            }
+        }
     }
 }
 

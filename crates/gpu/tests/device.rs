@@ -161,3 +161,30 @@ fn a_launch_error_is_reported_at_submit_not_panicked() {
     source.release(a);
     source.release(b);
 }
+
+/// A device that refuses an allocation mid-run (here: past a lowered largest buffer) is the
+/// runtime's typed out-of-memory error on that device, with no limit set ("the system
+/// refused"), and nothing is left allocated.
+#[test]
+fn a_refused_allocation_is_out_of_memory_on_the_device() {
+    use snug_runtime::{Backend, Device};
+    let Some(device) = gpu() else { return };
+    let backend = snug_gpu::GpuBackend::new(device.with_max_buffer_size(1 << 16));
+    let small = backend
+        .allocator()
+        .alloc(4096)
+        .expect("within the device's buffers");
+    let err = backend.allocator().alloc(1 << 20).unwrap_err();
+    let index = u32::try_from(device.info().index).unwrap();
+    assert_eq!(err.device, Device::Gpu(index), "{err}");
+    assert_eq!(err.limit, usize::MAX, "{err}");
+    assert!(
+        err.to_string()
+            .starts_with(&format!("out of memory on gpu:{index}"))
+            && err.to_string().contains("the system refused"),
+        "{err}"
+    );
+    drop(small);
+    backend.allocator().clear_cache();
+    assert_eq!(backend.memory().device_active_bytes(), 0);
+}

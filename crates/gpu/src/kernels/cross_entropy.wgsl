@@ -40,8 +40,9 @@ fn target_of(row: u32) -> u32 {
 fn cross_entropy_rows(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) li: u32,
+    lanes: Lanes,
 ) {
+    let li = lanes.li;
     let row = group_index(wid, nwg);
     if (row >= p.n) {
         return;
@@ -51,12 +52,12 @@ fn cross_entropy_rows(
     for (var j = li; j < p.v; j += 256u) {
         mx = max(mx, logits[base + j]);
     }
-    mx = reduce_max(mx, li);
+    mx = reduce_max(mx, lanes);
     var s = 0.0;
     for (var j = li; j < p.v; j += 256u) {
         s += exp(logits[base + j] - mx);
     }
-    s = reduce_sum(s, li);
+    s = reduce_sum(s, lanes);
     if (li == 0u) {
         row_loss[row] = mx + log(s) - logits[base + target_of(row)];
     }
@@ -65,7 +66,8 @@ fn cross_entropy_rows(
 // The mean of the rows' losses (or their masked sum over the divisor), by one workgroup in
 // a fixed order.
 @compute @workgroup_size(256)
-fn cross_entropy_mean(@builtin(local_invocation_index) li: u32) {
+fn cross_entropy_mean(lanes: Lanes) {
+    let li = lanes.li;
     var s = 0.0;
     for (var r = li; r < p.n; r += 256u) {
         if (MASKED) {
@@ -77,7 +79,7 @@ fn cross_entropy_mean(@builtin(local_invocation_index) li: u32) {
             s += row_loss[r];
         }
     }
-    s = reduce_sum(s, li);
+    s = reduce_sum(s, lanes);
     if (li == 0u) {
         if (MASKED) {
             let d = divisor[0];
@@ -93,8 +95,9 @@ fn cross_entropy_mean(@builtin(local_invocation_index) li: u32) {
 fn cross_entropy_backward(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) li: u32,
+    lanes: Lanes,
 ) {
+    let li = lanes.li;
     let row = group_index(wid, nwg);
     if (row >= p.n) {
         return;
@@ -108,12 +111,12 @@ fn cross_entropy_backward(
     for (var j = li; j < p.v; j += 256u) {
         mx = max(mx, logits[base + j]);
     }
-    mx = reduce_max(mx, li);
+    mx = reduce_max(mx, lanes);
     var s = 0.0;
     for (var j = li; j < p.v; j += 256u) {
         s += exp(logits[base + j] - mx);
     }
-    s = reduce_sum(s, li);
+    s = reduce_sum(s, lanes);
     let scale = g / s;
     let t = target_of(row);
     // A row the mask drops is zero whatever its logits (the reductions above ran anyway:

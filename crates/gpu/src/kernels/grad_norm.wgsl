@@ -30,8 +30,9 @@ struct Params {
 @compute @workgroup_size(256)
 fn sum_squares_partial(
     @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(local_invocation_index) li: u32,
+    lanes: Lanes,
 ) {
+    let li = lanes.li;
     var s = 0.0;
     var carry = 0.0;
     for (var i = wid.x * 256u + li; i < p.n; i += p.groups * 256u) {
@@ -41,7 +42,7 @@ fn sum_squares_partial(
         carry = (t - s) - y;
         s = t;
     }
-    s = reduce_sum(s, li);
+    s = reduce_sum(s, lanes);
     if (li == 0u) {
         partial[wid.x] = s;
     }
@@ -49,12 +50,13 @@ fn sum_squares_partial(
 
 // Stage 2: one workgroup adds the partial sums.
 @compute @workgroup_size(256)
-fn sum_squares_final(@builtin(local_invocation_index) li: u32) {
+fn sum_squares_final(lanes: Lanes) {
+    let li = lanes.li;
     var s = 0.0;
     if (li < p.groups) {
         s = partial[li];
     }
-    s = reduce_sum(s, li);
+    s = reduce_sum(s, lanes);
     if (li == 0u) {
         out[0] = s;
     }

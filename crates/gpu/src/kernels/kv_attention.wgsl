@@ -63,8 +63,9 @@ var<workgroup> first: u32;
 fn kv_attention(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) li: u32,
+    lanes: Lanes,
 ) {
+    let li = lanes.li;
     let item = group_index(wid, nwg);
     if (item >= p.batch * p.heads * p.t) {
         return;
@@ -98,12 +99,12 @@ fn kv_attention(
             }
             sc = dot * p.scale;
         }
-        let m_new = max(m, reduce_max(sc, li));
+        let m_new = max(m, reduce_max(sc, lanes));
         let e = select(0.0, exp(sc - m_new), j < seen);
         let alpha = exp(m - m_new);
         probs[li] = e;
         // Its barriers also publish `probs`.
-        l = l * alpha + reduce_sum(e, li);
+        l = l * alpha + reduce_sum(e, lanes);
         if (li < p.d) {
             var a = acc * alpha;
             let n = min(WG, seen - j0);

@@ -24,8 +24,9 @@ struct Params {
 fn layer_norm(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) li: u32,
+    lanes: Lanes,
 ) {
+    let li = lanes.li;
     let row = group_index(wid, nwg);
     if (row >= p.rows) {
         return;
@@ -36,13 +37,13 @@ fn layer_norm(
     for (var j = li; j < p.c; j += 256u) {
         s += x[base + j];
     }
-    let m = reduce_sum(s, li) / c;
+    let m = reduce_sum(s, lanes) / c;
     var v = 0.0;
     for (var j = li; j < p.c; j += 256u) {
         let d = x[base + j] - m;
         v += d * d;
     }
-    let r = 1.0 / sqrt(reduce_sum(v, li) / c + p.eps);
+    let r = 1.0 / sqrt(reduce_sum(v, lanes) / c + p.eps);
     for (var j = li; j < p.c; j += 256u) {
         y[base + j] = (x[base + j] - m) * r * w[j] + b[j];
     }
@@ -58,8 +59,9 @@ fn layer_norm(
 fn layer_norm_backward_dx(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) li: u32,
+    lanes: Lanes,
 ) {
+    let li = lanes.li;
     let row = group_index(wid, nwg);
     if (row >= p.rows) {
         return;
@@ -75,8 +77,8 @@ fn layer_norm_backward_dx(
         sg += g;
         sgx += g * (x[base + j] - m) * r;
     }
-    let mg = reduce_sum(sg, li) / c;
-    let mgx = reduce_sum(sgx, li) / c;
+    let mg = reduce_sum(sg, lanes) / c;
+    let mgx = reduce_sum(sgx, lanes) / c;
     for (var j = li; j < p.c; j += 256u) {
         let xhat = (x[base + j] - m) * r;
         dx[base + j] = r * (dy[base + j] * w[j] - mg - xhat * mgx);

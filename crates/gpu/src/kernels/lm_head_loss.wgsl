@@ -49,8 +49,9 @@ fn target_of(row: u32) -> u32 {
 fn lse_block(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) li: u32,
+    lanes: Lanes,
 ) {
+    let li = lanes.li;
     let i = group_index(wid, nwg);
     if (i >= p.m) {
         return;
@@ -61,7 +62,7 @@ fn lse_block(
     for (var j = li; j < p.vb; j += 256u) {
         mx = max(mx, ws[base + j]);
     }
-    mx = reduce_max(mx, li);
+    mx = reduce_max(mx, lanes);
     var old_max = LOWEST;
     var old_sum = 0.0;
     if (p.first == 0u) {
@@ -73,7 +74,7 @@ fn lse_block(
     for (var j = li; j < p.vb; j += 256u) {
         s += exp(ws[base + j] - new_max);
     }
-    s = reduce_sum(s, li);
+    s = reduce_sum(s, lanes);
     if (li == 0u) {
         ws[p.sums + i] = old_sum * exp(old_max - new_max) + s;
         lse[row] = new_max;
@@ -104,7 +105,8 @@ fn lse_finish(
 // The mean of the rows' losses (or their masked sum over the divisor), by one workgroup in
 // a fixed order.
 @compute @workgroup_size(256)
-fn loss_mean(@builtin(local_invocation_index) li: u32) {
+fn loss_mean(lanes: Lanes) {
+    let li = lanes.li;
     var s = 0.0;
     for (var r = li; r < p.n; r += 256u) {
         if (MASKED) {
@@ -116,7 +118,7 @@ fn loss_mean(@builtin(local_invocation_index) li: u32) {
             s += ws[p.losses + r];
         }
     }
-    s = reduce_sum(s, li);
+    s = reduce_sum(s, lanes);
     if (li == 0u) {
         if (MASKED) {
             let d = divisor[0];

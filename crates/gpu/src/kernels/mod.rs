@@ -6,7 +6,10 @@
 //! [`DeviceSlice`]s (a chunk's range); every storage binding is declared `read_write`, because
 //! tensors of one arena chunk are bound together and wgpu forbids binding one buffer both
 //! read-only and writable in a dispatch. Scalar arguments travel in a small uniform buffer per
-//! launch. Kernels are plain: no subgroup operations, no assumed subgroup size.
+//! launch. The workgroup reductions (`reduce_sum`, `reduce_max`: the norms, the losses, the
+//! gradient norm, cached attention) use subgroup shuffles where the device has `SUBGROUP`, a
+//! tree in workgroup memory elsewhere, with the same bits either way; no subgroup size is
+//! assumed.
 
 pub mod accumulate;
 pub mod adamw;
@@ -29,6 +32,7 @@ pub mod rope_at;
 pub mod sgd;
 pub mod silu;
 pub mod softmax;
+pub mod subgroup;
 pub mod swiglu;
 pub mod view;
 
@@ -38,8 +42,27 @@ use crate::device::GpuDevice;
 use crate::error::{GpuError, Result};
 use crate::memory::DeviceSlice;
 
-/// Helpers every kernel file may use, prepended to each.
-pub(crate) const PRELUDE: &str = include_str!("prelude.wgsl");
+/// Helpers every kernel file may use, prepended to each: the shared ones, then the
+/// reductions of the device's path.
+const PRELUDE_PLAIN: &str = concat!(
+    include_str!("prelude.wgsl"),
+    "\n",
+    include_str!("reduce_plain.wgsl")
+);
+const PRELUDE_SUBGROUP: &str = concat!(
+    include_str!("prelude.wgsl"),
+    "\n",
+    include_str!("reduce_subgroup.wgsl")
+);
+
+/// The prelude for a device that uses subgroup operations (`subgroups`) or not.
+pub(crate) fn prelude(subgroups: bool) -> &'static str {
+    if subgroups {
+        PRELUDE_SUBGROUP
+    } else {
+        PRELUDE_PLAIN
+    }
+}
 
 /// Threads of the one-dimensional kernels' workgroups (WebGPU's guaranteed minimum).
 pub(crate) const WG: u32 = 256;

@@ -14,30 +14,24 @@ fn sigmoid(x: f32) -> f32 {
     return 1.0 / (1.0 + exp(-x));
 }
 
-// One value per thread of a 256-thread workgroup, reduced in a fixed tree order (the same
-// bits every run). Call from uniform control flow; every thread gets the result.
+// One value per thread of a 256-thread workgroup, folded in a fixed tree order: at stride s
+// (128 down to 1) element i takes element i + s, the lower index first. Both reduction paths
+// (`reduce_plain.wgsl`, `reduce_subgroup.wgsl`) give exactly this tree's bits, every run.
 var<workgroup> scratch: array<f32, 256>;
 
-fn reduce_sum(v: f32, li: u32) -> f32 {
-    scratch[li] = v;
-    workgroupBarrier();
-    for (var s = 128u; s > 0u; s >>= 1u) {
-        if (li < s) {
-            scratch[li] += scratch[li + s];
-        }
-        workgroupBarrier();
+fn combine(a: f32, b: f32, is_max: bool) -> f32 {
+    if (is_max) {
+        return max(a, b);
     }
-    let r = scratch[0];
-    workgroupBarrier();
-    return r;
+    return a + b;
 }
 
-fn reduce_max(v: f32, li: u32) -> f32 {
-    scratch[li] = v;
-    workgroupBarrier();
+// The tree over `scratch`, which every thread has written and passed a barrier since. Call
+// from uniform control flow; every thread gets the result.
+fn fold_scratch(li: u32, is_max: bool) -> f32 {
     for (var s = 128u; s > 0u; s >>= 1u) {
         if (li < s) {
-            scratch[li] = max(scratch[li], scratch[li + s]);
+            scratch[li] = combine(scratch[li], scratch[li + s], is_max);
         }
         workgroupBarrier();
     }

@@ -21,8 +21,9 @@ struct Params {
 fn rms_norm(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) li: u32,
+    lanes: Lanes,
 ) {
+    let li = lanes.li;
     let row = group_index(wid, nwg);
     if (row >= p.rows) {
         return;
@@ -33,7 +34,7 @@ fn rms_norm(
         let v = x[base + j];
         s += v * v;
     }
-    let r = 1.0 / sqrt(reduce_sum(s, li) / f32(p.c) + p.eps);
+    let r = 1.0 / sqrt(reduce_sum(s, lanes) / f32(p.c) + p.eps);
     for (var j = li; j < p.c; j += 256u) {
         y[base + j] = x[base + j] * r * w[j];
     }
@@ -47,8 +48,9 @@ fn rms_norm(
 fn rms_norm_backward_dx(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) li: u32,
+    lanes: Lanes,
 ) {
+    let li = lanes.li;
     let row = group_index(wid, nwg);
     if (row >= p.rows) {
         return;
@@ -59,7 +61,7 @@ fn rms_norm_backward_dx(
     for (var j = li; j < p.c; j += 256u) {
         sgx += dy[base + j] * w[j] * x[base + j] * r;
     }
-    let mgx = reduce_sum(sgx, li) / f32(p.c);
+    let mgx = reduce_sum(sgx, lanes) / f32(p.c);
     for (var j = li; j < p.c; j += 256u) {
         let xhat = x[base + j] * r;
         dx[base + j] = r * (dy[base + j] * w[j] - xhat * mgx);

@@ -3,6 +3,7 @@
 //! data, and comparisons against f64 references.
 #![allow(dead_code)]
 
+use std::collections::HashMap;
 use std::sync::OnceLock;
 
 use rand::{Rng, SeedableRng};
@@ -33,6 +34,24 @@ pub fn gpu_plain() -> Option<&'static GpuDevice> {
     DEVICE
         .get_or_init(|| Some(GpuDevice::open_plain(Selector::FirstGpu).expect("it opens")))
         .as_ref()
+}
+
+/// The first adapter opened without `SUBGROUP` (its reductions take the workgroup-memory
+/// tree); `None` as [`gpu`].
+pub fn gpu_no_subgroups() -> Option<&'static GpuDevice> {
+    static DEVICE: OnceLock<Option<GpuDevice>> = OnceLock::new();
+    gpu()?;
+    DEVICE
+        .get_or_init(|| {
+            Some(GpuDevice::open_without_subgroups(Selector::FirstGpu).expect("it opens"))
+        })
+        .as_ref()
+}
+
+/// Both reduction paths: [`gpu`] (with subgroup operations where the adapter has them) and
+/// [`gpu_no_subgroups`]; empty as [`gpu`] is `None`.
+pub fn both_paths() -> Vec<&'static GpuDevice> {
+    gpu().into_iter().chain(gpu_no_subgroups()).collect()
 }
 
 /// A tensor's initial contents.
@@ -146,5 +165,38 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f64], rtol: f64, scale: &[f
             err <= tol,
             "{what}[{i}]: got {g}, want {w} (error {err:e} > {tol:e})"
         );
+    }
+}
+
+/// [`assert_close`] across the reduction paths of [`both_paths`]: each output is checked
+/// against its reference, and every path after the first must give the first's bits (the
+/// subgroup reductions fold in the plain tree's order).
+#[derive(Default)]
+pub struct SameBits(HashMap<String, Vec<u32>>);
+
+impl SameBits {
+    pub fn assert_close(
+        &mut self,
+        what: &str,
+        got: &[f32],
+        want: &[f64],
+        rtol: f64,
+        scale: &[f64],
+    ) {
+        assert_close(what, got, want, rtol, scale);
+        let bits: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+        match self.0.get(what) {
+            None => {
+                self.0.insert(what.to_string(), bits);
+            }
+            Some(first) => {
+                let differ = first.iter().zip(&bits).filter(|(a, b)| a != b).count();
+                assert!(
+                    differ == 0 && first.len() == bits.len(),
+                    "{what}: {differ} of {} elements differ in their bits between the subgroup and plain reductions",
+                    bits.len()
+                );
+            }
+        }
     }
 }

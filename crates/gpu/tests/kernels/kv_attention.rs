@@ -7,7 +7,7 @@ use snug_gpu::kernels::kv_attention::{kv_attention, KvShape};
 use snug_gpu::kernels::rope::{rope, RopeSpec};
 use snug_gpu::kernels::rope_at::rope_at;
 
-use crate::common::{assert_close, gpu, uniform, Init, Tensors};
+use crate::common::{assert_close, both_paths, gpu, uniform, Init, SameBits, Tensors};
 
 /// The caches after the new rows are written, and `y`, with each output's magnitude (the sum
 /// of its terms' absolute values).
@@ -72,72 +72,74 @@ fn reference(
 }
 
 fn check(s: KvShape, packed: bool, pos: usize) {
-    let Some(device) = gpu() else { return };
-    let a = AttentionShape {
-        batch: s.b,
-        seq: s.t,
-        heads: s.h,
-        kv_heads: s.kh,
-        head_dim: s.d,
-    };
-    let l = if packed {
-        AttentionLayout::packed(&a)
-    } else {
-        AttentionLayout::separate(&a)
-    };
-    let (rows, kv, hd) = (s.b * s.t, s.kh * s.d, s.h * s.d);
-    let seed = (s.s * 31 + s.t * 7 + s.d + pos) as u64;
-    let cache_len = s.b * s.s * kv;
-    let k_cache = uniform(seed + 3, cache_len, -1.0, 1.0);
-    let v_cache = uniform(seed + 4, cache_len, -1.0, 1.0);
-    let what = format!("kv_attention {s:?} packed {packed} pos {pos}");
-    let (inits, q, k, v) = if packed {
-        let qkv = uniform(seed, rows * 3 * hd, -1.0, 1.0);
-        let inits = vec![
-            Init::F32(qkv.clone()),
-            Init::F32(k_cache.clone()),
-            Init::F32(v_cache.clone()),
-            Init::I32(vec![pos as i32]),
-            Init::Out(rows * hd),
-        ];
-        (inits, qkv.clone(), qkv.clone(), qkv)
-    } else {
-        let q = uniform(seed, rows * hd, -1.0, 1.0);
-        let k = uniform(seed + 1, rows * kv, -1.0, 1.0);
-        let v = uniform(seed + 2, rows * kv, -1.0, 1.0);
-        let inits = vec![
-            Init::F32(q.clone()),
-            Init::F32(k.clone()),
-            Init::F32(v.clone()),
-            Init::F32(k_cache.clone()),
-            Init::F32(v_cache.clone()),
-            Init::I32(vec![pos as i32]),
-            Init::Out(rows * hd),
-        ];
-        (inits, q, k, v)
-    };
-    let tt = Tensors::new(device, &inits);
-    let c = if packed { 1 } else { 3 };
-    tt.run(|e, tt| {
-        let (q, k, v) = if packed {
-            (tt.get(0), tt.get(0), tt.get(0))
-        } else {
-            (tt.get(0), tt.get(1), tt.get(2))
+    let mut same = SameBits::default();
+    for device in both_paths() {
+        let a = AttentionShape {
+            batch: s.b,
+            seq: s.t,
+            heads: s.h,
+            kv_heads: s.kh,
+            head_dim: s.d,
         };
-        kv_attention(
-            device,
-            e,
-            (s, l),
-            [q, k, v, tt.get(c), tt.get(c + 1), tt.get(c + 2)],
-            tt.get(c + 3),
-        )
-    });
-    let (kc, vc, y, mag) = reference(s, l, (&q, &k, &v), (&k_cache, &v_cache), pos);
-    // The caches are copies: exact.
-    assert_eq!(tt.read(c), kc, "{what}: k_cache");
-    assert_eq!(tt.read(c + 1), vc, "{what}: v_cache");
-    // f32 sums of up to a few hundred terms, relative to their magnitudes.
-    assert_close(&format!("{what}: y"), &tt.read(c + 3), &y, 1e-5, &mag);
+        let l = if packed {
+            AttentionLayout::packed(&a)
+        } else {
+            AttentionLayout::separate(&a)
+        };
+        let (rows, kv, hd) = (s.b * s.t, s.kh * s.d, s.h * s.d);
+        let seed = (s.s * 31 + s.t * 7 + s.d + pos) as u64;
+        let cache_len = s.b * s.s * kv;
+        let k_cache = uniform(seed + 3, cache_len, -1.0, 1.0);
+        let v_cache = uniform(seed + 4, cache_len, -1.0, 1.0);
+        let what = format!("kv_attention {s:?} packed {packed} pos {pos}");
+        let (inits, q, k, v) = if packed {
+            let qkv = uniform(seed, rows * 3 * hd, -1.0, 1.0);
+            let inits = vec![
+                Init::F32(qkv.clone()),
+                Init::F32(k_cache.clone()),
+                Init::F32(v_cache.clone()),
+                Init::I32(vec![pos as i32]),
+                Init::Out(rows * hd),
+            ];
+            (inits, qkv.clone(), qkv.clone(), qkv)
+        } else {
+            let q = uniform(seed, rows * hd, -1.0, 1.0);
+            let k = uniform(seed + 1, rows * kv, -1.0, 1.0);
+            let v = uniform(seed + 2, rows * kv, -1.0, 1.0);
+            let inits = vec![
+                Init::F32(q.clone()),
+                Init::F32(k.clone()),
+                Init::F32(v.clone()),
+                Init::F32(k_cache.clone()),
+                Init::F32(v_cache.clone()),
+                Init::I32(vec![pos as i32]),
+                Init::Out(rows * hd),
+            ];
+            (inits, q, k, v)
+        };
+        let tt = Tensors::new(device, &inits);
+        let c = if packed { 1 } else { 3 };
+        tt.run(|e, tt| {
+            let (q, k, v) = if packed {
+                (tt.get(0), tt.get(0), tt.get(0))
+            } else {
+                (tt.get(0), tt.get(1), tt.get(2))
+            };
+            kv_attention(
+                device,
+                e,
+                (s, l),
+                [q, k, v, tt.get(c), tt.get(c + 1), tt.get(c + 2)],
+                tt.get(c + 3),
+            )
+        });
+        let (kc, vc, y, mag) = reference(s, l, (&q, &k, &v), (&k_cache, &v_cache), pos);
+        // The caches are copies: exact.
+        assert_eq!(tt.read(c), kc, "{what}: k_cache");
+        assert_eq!(tt.read(c + 1), vc, "{what}: v_cache");
+        // f32 sums of up to a few hundred terms, relative to their magnitudes.
+        same.assert_close(&format!("{what}: y"), &tt.read(c + 3), &y, 1e-5, &mag);
+    }
 }
 
 fn dims(b: usize, t: usize, s: usize, h: usize, kh: usize, d: usize) -> KvShape {

@@ -16,3 +16,4 @@ mod norms;
 mod optimizers;
 mod reshaping;
 mod rope;
+mod subgroups;

@@ -4,7 +4,7 @@ use snug_gpu::kernels::adamw::{adamw, AdamWStep};
 use snug_gpu::kernels::grad_norm::{grad_norm, sum_squares, sum_squares_workspace, GradNormRule};
 use snug_gpu::kernels::sgd::sgd;
 
-use crate::common::{assert_close, gpu, uniform, Init, Tensors};
+use crate::common::{assert_close, both_paths, gpu, uniform, Init, SameBits, Tensors};
 
 const N: usize = 1000;
 
@@ -123,15 +123,17 @@ fn sgd_updates_the_param_and_skips_on_overflow() {
 
 #[test]
 fn sums_of_squares_across_workgroups() {
-    let Some(device) = gpu() else { return };
-    for n in [1, 17, 1000, 300_000] {
-        let x = uniform(n as u64, n, -1.0, 1.0);
-        let ws = sum_squares_workspace(n);
-        let t = Tensors::new(device, &[Init::F32(x.clone()), Init::Out(ws), Init::Out(1)]);
-        t.run(|e, t| sum_squares(device, e, n, t.get(0), t.get(1), t.get(2)));
-        let want: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
-        // Positive terms, compensated per thread, then a tree of ≤ 16 levels: ≤ 1e-5 relative.
-        assert_close(&format!("Σx² of {n}"), &t.read(2), &[want], 1e-5, &[]);
+    let mut same = SameBits::default();
+    for device in both_paths() {
+        for n in [1, 17, 1000, 300_000] {
+            let x = uniform(n as u64, n, -1.0, 1.0);
+            let ws = sum_squares_workspace(n);
+            let t = Tensors::new(device, &[Init::F32(x.clone()), Init::Out(ws), Init::Out(1)]);
+            t.run(|e, t| sum_squares(device, e, n, t.get(0), t.get(1), t.get(2)));
+            let want: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+            // Positive terms, compensated per thread, then a tree of ≤ 16 levels: ≤ 1e-5 relative.
+            same.assert_close(&format!("Σx² of {n}"), &t.read(2), &[want], 1e-5, &[]);
+        }
     }
 }
 
