@@ -89,27 +89,26 @@ pub fn quantize_weights(
                 absmax_of[t.index()] = Some(a);
                 Ok(Some(a))
             };
-            if let Some(read) = fuse.then(|| fused_read(old, node, &shape_of, &readers, base)) {
-                if let Some(op) = read {
-                    let w = node.inputs[op.weight];
-                    let mut inputs: Vec<TensorId> = Vec::with_capacity(node.inputs.len() + 1);
-                    for (k, &t) in node.inputs.iter().enumerate() {
-                        inputs.push(lookup(t));
-                        if k == op.weight {
-                            inputs.extend(absmax(new, w, &op.shape)?);
-                        }
+            let read = fuse.then(|| fused_read(old, node, &shape_of, &readers, base));
+            if let Some(op) = read.flatten() {
+                let w = node.inputs[op.weight];
+                let mut inputs: Vec<TensorId> = Vec::with_capacity(node.inputs.len() + 1);
+                for (k, &t) in node.inputs.iter().enumerate() {
+                    inputs.push(lookup(t));
+                    if k == op.weight {
+                        inputs.extend(absmax(new, w, &op.shape)?);
                     }
-                    let fused = crate::Node {
-                        op: Op::QuantizedRead(op),
-                        ..node.clone()
-                    };
-                    let outs = copy_reading(new, old, &fused, &inputs, lookup)?;
-                    // An output the fused op does not make (the frozen head's gradient) is
-                    // read by nothing.
-                    let mut mapped: Vec<Option<TensorId>> = outs.into_iter().map(Some).collect();
-                    mapped.resize(node.outputs.len(), None);
-                    return Ok(Some(mapped));
                 }
+                let fused = crate::Node {
+                    op: Op::QuantizedRead(op),
+                    ..node.clone()
+                };
+                let outs = copy_reading(new, old, &fused, &inputs, lookup)?;
+                // An output the fused op does not make (the frozen head's gradient) is
+                // read by nothing.
+                let mut mapped: Vec<Option<TensorId>> = outs.into_iter().map(Some).collect();
+                mapped.resize(node.outputs.len(), None);
+                return Ok(Some(mapped));
             }
             let mut inputs = Vec::with_capacity(node.inputs.len());
             for &t in &node.inputs {
