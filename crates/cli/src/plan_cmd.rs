@@ -258,9 +258,17 @@ pub fn run(args: PlanArgs) -> Result<()> {
     } else {
         cfg.step_shape()
     };
-    let compile = |c: &snug_train::TrainConfig| {
+    // The pass table plans the quantized base with every reader given a whole f32 copy, then
+    // with the target's reads from the codes, so each shows its saving.
+    let copying = {
+        let mut t = target;
+        t.fusions.quantized_reads = false;
+        t
+    };
+    let compile_for = |c: &snug_train::TrainConfig, target: snug_graph::Target| {
         snug_compile::compile_sharded(&gpt, shape, target, &c.step_config(), &sharding)
     };
+    let compile = |c: &snug_train::TrainConfig| compile_for(c, target);
     let compiled = compile(&cfg)?;
     let remat_dropped = compiled.remat_dropped;
     let step = compiled.step;
@@ -269,7 +277,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     // Each pass's saving, measured by planning the step without it and with it, cumulatively:
     // the passes in the order given, then the precision, then rematerialization (last, since
     // its budget mode adapts to the rest).
-    let mut stages: Vec<(String, snug_train::TrainConfig)> = Vec::new();
+    let mut stages: Vec<(String, snug_train::TrainConfig, snug_graph::Target)> = Vec::new();
     let mut c = cfg.clone();
     c.passes.clear();
     c.precision = snug_graph::DType::F32;
@@ -299,11 +307,12 @@ pub fn run(args: PlanArgs) -> Result<()> {
         c.lora = cfg.lora;
         c.lora_alpha = cfg.lora_alpha;
         c.lora_targets = cfg.lora_targets.clone();
-        stages.push((format!("lora r={} {}", lora.rank, lora.targets), c.clone()));
+        let name = format!("lora r={} {}", lora.rank, lora.targets);
+        stages.push((name, c.clone(), copying));
     }
     if adam8 {
         c.optimizer = cfg.optimizer;
-        stages.push(("adamw8bit".to_string(), c.clone()));
+        stages.push(("adamw8bit".to_string(), c.clone(), copying));
     }
     if cfg.fused_update {
         c.fused_update = true;
@@ -314,38 +323,41 @@ pub fn run(args: PlanArgs) -> Result<()> {
         } else {
             "none"
         };
-        stages.push((format!("fused-update clip={clip}"), c.clone()));
+        stages.push((format!("fused-update clip={clip}"), c.clone(), copying));
     }
     if let Some(q) = cfg.quantize_base {
         c.quantize_base = Some(q);
-        stages.push((format!("quantize-base={q}"), c.clone()));
+        stages.push((format!("quantize-base={q}"), c.clone(), copying));
+        if target.fusions.quantized_reads {
+            stages.push(("quantized-reads".to_string(), c.clone(), target));
+        }
     }
     for (k, pass) in cfg.passes.iter().enumerate() {
         c.passes = cfg.passes[..=k].to_vec();
-        stages.push((pass.name().to_string(), c.clone()));
+        stages.push((pass.name().to_string(), c.clone(), target));
     }
     if cfg.precision != snug_graph::DType::F32 {
         c.precision = cfg.precision;
-        stages.push((format!("precision={}", cfg.precision), c.clone()));
+        stages.push((format!("precision={}", cfg.precision), c.clone(), target));
     }
     if cfg.remat != snug_train::Remat::None {
         c.remat = cfg.remat;
-        stages.push((format!("remat={}", cfg.remat), c.clone()));
+        stages.push((format!("remat={}", cfg.remat), c.clone(), target));
     }
-    let peak_of = |c: &snug_train::TrainConfig| -> Result<usize> {
-        let step = compile(c)?.step;
+    let peak_of = |c: &snug_train::TrainConfig, target| -> Result<usize> {
+        let step = compile_for(c, target)?.step;
         Ok(plan(&step.graph, &PlanOptions::default())?.peak_bytes())
     };
     let mut pass_savings = Vec::new();
     if !stages.is_empty() {
-        let mut before = peak_of(&base)?;
+        let mut before = peak_of(&base, target)?;
         let last = stages.len() - 1;
-        for (i, (name, c)) in stages.iter().enumerate() {
+        for (i, (name, c, target)) in stages.iter().enumerate() {
             // The last stage is the whole configuration, planned above.
             let after = if i == last {
                 memory_plan.peak_bytes()
             } else {
-                peak_of(c)?
+                peak_of(c, *target)?
             };
             pass_savings.push(PassSaving {
                 pass: name.clone(),
@@ -447,7 +459,12 @@ pub fn run(args: PlanArgs) -> Result<()> {
         );
     }
     if let Some(q) = report.quantize_base {
-        println!("frozen base weights (2-D) stored as {q}, dequantized as each op reads them");
+        let how = if target.fusions.quantized_reads {
+            "decoded tile by tile as each op reads them"
+        } else {
+            "dequantized as each op reads them"
+        };
+        println!("frozen base weights (2-D) stored as {q}, {how}");
     }
     println!(
         "training step: batch {} x block {} = {} tokens, {:?}, {}, {} threads, remat {}; {} nodes, {:.1} GFLOP",

@@ -52,6 +52,40 @@ fn plan_shows_each_base_storage_and_its_saving() {
         assert!(peak < last, "{q}: {peak} vs {last}");
         last = peak;
     }
+    // Double quantization stores NF4's block scales in 8 bits: fewer persistent bytes, and
+    // the pass table shows what reading the base from its codes saves.
+    let nf4 = plan(dir.path(), &["--quantize-base", "nf4"]);
+    let dq = plan(dir.path(), &["--quantize-base", "nf4", "--double-quant"]);
+    assert_eq!(dq["quantize_base"], "nf4-dq");
+    assert!(
+        dq["persistent_bytes"].as_u64() < nf4["persistent_bytes"].as_u64(),
+        "{} vs {}",
+        dq["persistent_bytes"],
+        nf4["persistent_bytes"]
+    );
+    for p in [&nf4, &dq] {
+        let passes = p["passes"].as_array().unwrap();
+        let names: Vec<&str> = passes.iter().filter_map(|s| s["pass"].as_str()).collect();
+        let at = names.iter().position(|&n| n == "quantized-reads");
+        assert!(
+            at.is_some_and(|i| i > 0 && names[i - 1].starts_with("quantize-base=")),
+            "{names:?}"
+        );
+    }
+    fails_with(
+        dir.path(),
+        &[
+            "plan",
+            "--preset",
+            "llama-tiny",
+            "--lora",
+            "4",
+            "--quantize-base",
+            "int8",
+            "--double-quant",
+        ],
+        &["double_quant", "needs --quantize-base nf4", "int8"],
+    );
     fails_with(
         dir.path(),
         &["plan", "--preset", "llama-tiny", "--quantize-base", "nf4"],

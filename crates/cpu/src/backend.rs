@@ -194,8 +194,10 @@ fn check_world(graph: &Graph) -> Result<(), RuntimeError> {
 fn check_dtypes(graph: &Graph) -> Result<(), RuntimeError> {
     for node in graph.nodes() {
         // A quantized frozen weight is read only through its dequantization.
-        let casts_or_views =
-            matches!(node.op, Op::Cast(_) | Op::Dequantize(_)) || graph.is_view(node);
+        let casts_or_views = matches!(
+            node.op,
+            Op::Cast(_) | Op::Dequantize(_) | Op::QuantizedRead(_)
+        ) || graph.is_view(node);
         // 8-bit AdamW reads and writes its quantized moments itself.
         let quantized_state = matches!(node.op, Op::AdamW8bit(_));
         for &t in node.inputs.iter().chain(&node.outputs) {

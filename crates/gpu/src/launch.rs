@@ -158,7 +158,8 @@ pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
         Op::LayerNormLinear(_)
         | Op::LayerNormLinearBackward(_)
         | Op::GeluLinear(_)
-        | Op::GeluLinearBackward(_) => Err(
+        | Op::GeluLinearBackward(_)
+        | Op::QuantizedRead(_) => Err(
             "a CPU fusion: plan for the GPU's target, which fuses nothing (Fusions::NONE)".into(),
         ),
         Op::Dequantize(_) => Err(
@@ -646,6 +647,7 @@ fn record_kernel(
         | Op::LayerNormLinearBackward(_)
         | Op::GeluLinear(_)
         | Op::GeluLinearBackward(_)
+        | Op::QuantizedRead(_)
         | Op::AllReduce(_)
         | Op::ReduceScatter(_)
         | Op::AllGather(_)

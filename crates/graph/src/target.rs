@@ -91,16 +91,22 @@ pub struct Fusions {
     pub layernorm_linear: bool,
     /// GELU feeding a linear layer, applied inside the GEMM's packing.
     pub gelu_linear: bool,
+    /// Frozen weights stored quantized read from their codes (decoded as the GEMM packs them,
+    /// the embedding's rows as it gathers them) rather than through a whole f32 copy.
+    #[serde(default)]
+    pub quantized_reads: bool,
 }
 
 impl Fusions {
     pub const NONE: Fusions = Fusions {
         layernorm_linear: false,
         gelu_linear: false,
+        quantized_reads: false,
     };
     pub const ALL: Fusions = Fusions {
         layernorm_linear: true,
         gelu_linear: true,
+        quantized_reads: true,
     };
 }
 

@@ -10,6 +10,7 @@ use snug_graph::{DType, Sharding, Target};
 use snug_nn::ModelConfig;
 
 pub use snug_compile::{OptimizerKind, Pass, Remat, StepConfig};
+use snug_graph::ops::QuantizeBase;
 
 pub use crate::device::DeviceSpec;
 use crate::{DataSource, TrainError};
@@ -262,10 +263,14 @@ train_keys! {
     #[flag(step, long, value_name = "PATTERN")]
     lora_targets: String,
     /// How the frozen base weights are stored: bf16, int8 (per output channel) or nf4 (QLoRA's
-    /// NormalFloat4, blocks of 64); dequantized as each op reads them. Needs --lora. Default:
+    /// NormalFloat4, blocks of 64); decoded as each op reads them. Needs --lora. Default:
     /// f32.
     #[flag(step, long, value_name = "TYPE")]
     quantize_base: String,
+    /// Also quantize the NF4 base's block scales (QLoRA's double quantization): 8-bit codes
+    /// around their mean, in blocks of 256 with one f32 scale each. Needs --quantize-base nf4.
+    #[flag(step, long, num_args = 0, default_missing_value = "true")]
+    double_quant: bool,
     /// Levers fit may use where nothing fits without them, as `fit --allow` and `train
     /// --memory ... --allow` take them: fused-update, adam8bit, lora, qlora (comma-separated),
     /// or all, or none (default).
@@ -599,10 +604,30 @@ impl TrainConfig {
             })?);
         }
         if let Some(q) = &t.quantize_base {
-            self.quantize_base = Some(q.parse().map_err(|detail| TrainError::Config {
+            let q: QuantizeBase = q.parse().map_err(|detail| TrainError::Config {
                 field: "quantize_base",
                 detail,
-            })?);
+            })?;
+            // NF4 named again keeps the double quantization an earlier layer asked for.
+            let kept = q == QuantizeBase::Nf4 && self.quantize_base == Some(QuantizeBase::Nf4Dq);
+            self.quantize_base = Some(if kept { QuantizeBase::Nf4Dq } else { q });
+        }
+        if let Some(dq) = t.double_quant {
+            self.quantize_base = match (self.quantize_base, dq) {
+                (Some(QuantizeBase::Nf4 | QuantizeBase::Nf4Dq), true) => Some(QuantizeBase::Nf4Dq),
+                (Some(QuantizeBase::Nf4Dq), false) => Some(QuantizeBase::Nf4),
+                (other, false) => other,
+                (other, true) => {
+                    return Err(TrainError::Config {
+                        field: "double_quant",
+                        detail: format!(
+                            "double quantization compresses NF4's block scales, so it needs \
+                             --quantize-base nf4 (the base is {})",
+                            other.map_or("f32", QuantizeBase::name)
+                        ),
+                    })
+                }
+            };
         }
         if let Some(a) = &t.allow {
             self.allow = a

@@ -15,6 +15,8 @@ pub(crate) trait WeightStore {
     fn graph(&self) -> &Graph;
     fn put_f32(&mut self, t: TensorId, v: &[f32]) -> Result<(), RuntimeError>;
     fn put_bytes(&mut self, t: TensorId, v: &[u8]) -> Result<(), RuntimeError>;
+    fn get_f32(&self, t: TensorId) -> Result<Vec<f32>, RuntimeError>;
+    fn get_bytes(&self, t: TensorId) -> Result<Vec<u8>, RuntimeError>;
 }
 
 impl WeightStore for StepSession {
@@ -27,6 +29,12 @@ impl WeightStore for StepSession {
     fn put_bytes(&mut self, t: TensorId, v: &[u8]) -> Result<(), RuntimeError> {
         self.write_bytes(t, v)
     }
+    fn get_f32(&self, t: TensorId) -> Result<Vec<f32>, RuntimeError> {
+        Ok(self.read_f32(t)?.into_owned())
+    }
+    fn get_bytes(&self, t: TensorId) -> Result<Vec<u8>, RuntimeError> {
+        self.read_bytes(t)
+    }
 }
 
 impl WeightStore for snug_cpu::CpuSession {
@@ -38,6 +46,12 @@ impl WeightStore for snug_cpu::CpuSession {
     }
     fn put_bytes(&mut self, t: TensorId, v: &[u8]) -> Result<(), RuntimeError> {
         self.write_bytes(t, v)
+    }
+    fn get_f32(&self, t: TensorId) -> Result<Vec<f32>, RuntimeError> {
+        Ok(self.read_f32(t)?.into_owned())
+    }
+    fn get_bytes(&self, t: TensorId) -> Result<Vec<u8>, RuntimeError> {
+        self.read_bytes(t)
     }
 }
 
@@ -63,6 +77,7 @@ pub fn value_shape(graph: &Graph, t: TensorId) -> &[usize] {
         .iter()
         .find_map(|n| match &n.op {
             Op::Dequantize(d) if n.inputs.first() == Some(&t) => Some(d.shape.as_slice()),
+            Op::QuantizedRead(q) if n.inputs.get(q.weight) == Some(&t) => Some(q.shape.as_slice()),
             _ => None,
         })
         .unwrap_or(graph.tensor(t).shape.as_slice())
@@ -73,8 +88,13 @@ pub(crate) fn absmax_tensors(graph: &Graph) -> std::collections::HashSet<TensorI
     graph
         .nodes()
         .iter()
-        .filter(|n| matches!(n.op, Op::Dequantize(_)))
-        .filter_map(|n| n.inputs.get(1).copied())
+        .filter_map(|n| match &n.op {
+            Op::Dequantize(_) => n.inputs.get(1).copied(),
+            Op::QuantizedRead(q) if q.base.scheme().is_some() => {
+                n.inputs.get(q.weight + 1).copied()
+            }
+            _ => None,
+        })
         .collect()
 }
 
@@ -103,11 +123,32 @@ pub(crate) fn write_param(
             ),
         });
     }
-    let (codes, absmax) = base.quantize(values, shape);
     let scales = match base.scheme() {
         Some(_) => Some(absmax_of(graph, t)?),
         None => None,
     };
+    if base == QuantizeBase::Nf4Dq {
+        // Quantizing a double-quantized base's values again rounds its block scales a second
+        // time (their mean offset moves), so where the stored codes already give exactly these
+        // values (a checkpoint restored over the base it was trained on) they are kept: the
+        // restore is then bit for bit.
+        if let Some(a) = scales {
+            let shape = shape.to_vec();
+            let (codes, stats) = (session.get_bytes(t)?, session.get_f32(a)?);
+            let held = base.dequantize(&codes, &stats, &shape);
+            if held.len() == values.len()
+                && held
+                    .iter()
+                    .zip(values)
+                    .all(|(x, y)| x.to_bits() == y.to_bits())
+            {
+                return Ok(());
+            }
+        }
+    }
+    let graph = session.graph();
+    let shape = value_shape(graph, t);
+    let (codes, absmax) = base.quantize(values, shape);
     session.put_bytes(t, &codes)?;
     if let Some(a) = scales {
         session.put_f32(a, &absmax)?;

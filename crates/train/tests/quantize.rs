@@ -18,7 +18,12 @@ use snug_train::{
     DataSource, ModelSection, TokenDataset, TrainConfig, TrainError, TrainSection, Trainer,
 };
 
-const BASES: [QuantizeBase; 3] = [QuantizeBase::Bf16, QuantizeBase::Int8, QuantizeBase::Nf4];
+const BASES: [QuantizeBase; 4] = [
+    QuantizeBase::Bf16,
+    QuantizeBase::Int8,
+    QuantizeBase::Nf4,
+    QuantizeBase::Nf4Dq,
+];
 
 /// One Llama block whose weights (16 × 24 and 24 × 16, 40-token vocabulary) fill a partial
 /// NF4 block and give int8 channels of several widths.
@@ -51,13 +56,19 @@ fn bits(v: &[f32]) -> Vec<u32> {
 /// The loss step (no optimizer) of `model` with LoRA on every linear layer, its base stored
 /// as `base` says when given.
 fn loss_step(model: &ModelConfig, base: Option<QuantizeBase>) -> StepGraph {
+    loss_step_for(model, base, Target::default())
+}
+
+/// [`loss_step`] planned for `target` (whose fusions say whether quantized weights are read
+/// from their codes).
+fn loss_step_for(model: &ModelConfig, base: Option<QuantizeBase>, target: Target) -> StepGraph {
     let lora = LoraConfig {
         rank: 2,
         alpha: 3.0,
         targets: LoraTargets::AllLinear,
     };
     let g = model
-        .build_loss_lora(2, 8, Target::default(), DType::F32, false, Some(&lora))
+        .build_loss_lora(2, 8, target, DType::F32, false, Some(&lora))
         .unwrap();
     let adapters: Vec<String> = g
         .lora
@@ -107,7 +118,7 @@ fn session(
                 let shape = g.tensor(t).shape.clone();
                 // The codes' shape is the weight's for bf16 and int8; NF4 codes are flat.
                 let shape = match base {
-                    QuantizeBase::Nf4 => vec![v.len()],
+                    QuantizeBase::Nf4 | QuantizeBase::Nf4Dq => vec![v.len()],
                     _ => shape,
                 };
                 let (codes, absmax) = base.quantize(v, &shape);
@@ -227,7 +238,11 @@ fn train_config(preset: &str, base: Option<QuantizeBase>, remat: Option<&str>) -
         lr: Some(1e-2),
         lora: Some(4),
         lora_targets: Some("all-linear".into()),
-        quantize_base: base.map(|b| b.to_string()),
+        quantize_base: base.map(|b| match b {
+            QuantizeBase::Nf4Dq => "nf4".to_string(),
+            b => b.to_string(),
+        }),
+        double_quant: (base == Some(QuantizeBase::Nf4Dq)).then_some(true),
         remat: remat.map(str::to_string),
         ..Default::default()
     };
@@ -238,10 +253,7 @@ fn train_config(preset: &str, base: Option<QuantizeBase>, remat: Option<&str>) -
 fn planned_equals_measured_for_every_base_through_the_trainer() {
     for preset in ["llama-tiny", "tiny"] {
         let mut peaks = Vec::new();
-        for base in [None, Some(QuantizeBase::Bf16), Some(QuantizeBase::Int8)]
-            .into_iter()
-            .chain([Some(QuantizeBase::Nf4)])
-        {
+        for base in [None].into_iter().chain(BASES.map(Some)) {
             for remat in [None, Some("block")] {
                 let cfg = train_config(preset, base, remat);
                 let data = TokenDataset::load(&DataSource::Addition).unwrap();
@@ -269,7 +281,8 @@ fn planned_equals_measured_for_every_base_through_the_trainer() {
                 }
             }
         }
-        // Each narrower base holds fewer persistent bytes: f32 > bf16 > int8 > nf4.
+        // Each narrower base holds fewer persistent bytes: f32 > bf16 > int8 > nf4 > nf4
+        // with its scales double-quantized.
         for w in peaks.windows(2) {
             assert!(w[0].1 > w[1].1, "{preset}: {:?} vs {:?}", w[0], w[1]);
         }
@@ -516,4 +529,163 @@ fn sampling_with_quantized_weights_follows_the_f32_model() {
             assert_eq!(f.plan().peak_bytes(), f_alloc.peak_bytes());
         }
     }
+}
+
+/// One GPT block (32 wide, 4·32 MLP, 40-token vocabulary, tied head): the embedding and the
+/// head read one quantized weight.
+fn gpt() -> ModelConfig {
+    ModelConfig::Gpt(snug_nn::GptConfig {
+        n_layer: 1,
+        n_head: 2,
+        n_embd: 32,
+        block_size: 8,
+        vocab_size: 40,
+    })
+}
+
+/// A whole LoRA step (AdamW, the default passes; `remat`) of `model` over `base`, for a CPU
+/// that reads the base from its codes or not.
+fn compiled(
+    model: &ModelConfig,
+    base: QuantizeBase,
+    remat: snug_compile::Remat,
+    reads: bool,
+) -> snug_compile::CompiledStep {
+    let mut target = Target::cpu(1, snug_graph::CpuGemm::host());
+    target.fusions.quantized_reads = reads;
+    let config = snug_compile::StepConfig {
+        lora: Some(LoraConfig {
+            rank: 2,
+            alpha: 3.0,
+            targets: LoraTargets::AllLinear,
+        }),
+        quantize_base: Some(base),
+        remat,
+        ..Default::default()
+    };
+    let shape = snug_compile::StepShape {
+        micro_batch: 2,
+        block: 8,
+    };
+    snug_compile::compile_exactly(model, shape, target, &config).unwrap()
+}
+
+/// Reading the base from its codes (the CPU's `quantized_reads`: products decode it as they
+/// pack it, the embedding its rows) against a whole f32 copy for each reader, today's
+/// schedule: a full step of GPT and Llama over every base, with and without per-block remat.
+/// No copy is left in the step; the adapters after the update are bitwise the copying
+/// step's (these products are small enough that both run on one panel); each holds exactly
+/// its plan; and the peak is lower by at least the smallest copy, less the decode panels.
+#[test]
+fn reading_the_base_from_its_codes_is_bitwise_the_copying_step_with_a_lower_peak() {
+    use snug_graph::ops::Op;
+    for model in [gpt(), llama()] {
+        for base in BASES {
+            for remat in [
+                snug_compile::Remat::None,
+                snug_compile::Remat::Blocks { blocks: 1 },
+            ] {
+                let label = format!("{} {base} remat {remat}", model.summary());
+                let [copy, fused] = [false, true].map(|r| compiled(&model, base, remat, r));
+                let feeds = [(copy.tokens, copy.targets), (fused.tokens, fused.targets)];
+                let (copy, fused) = (copy.step, fused.step);
+                let count = |s: &StepGraph, f: &dyn Fn(&Op) -> bool| {
+                    s.graph.nodes().iter().filter(|n| f(&n.op)).count()
+                };
+                let copies = |s: &StepGraph| {
+                    s.graph
+                        .nodes()
+                        .iter()
+                        .filter(|n| {
+                            let out = n.outputs.first().map(|&o| s.graph.tensor(o));
+                            matches!(n.op, Op::Dequantize(_))
+                                || out.is_some_and(|o| o.name.ends_with(".dequant"))
+                        })
+                        .map(|n| s.graph.tensor(n.outputs[0]).size_bytes())
+                        .collect::<Vec<_>>()
+                };
+                assert!(!copies(&copy).is_empty(), "{label}");
+                assert_eq!(
+                    copies(&fused),
+                    Vec::<usize>::new(),
+                    "{label}: a copy is left"
+                );
+                assert!(count(&fused, &|op| matches!(op, Op::QuantizedRead(_))) > 0);
+                let w = weights(&model, &copy);
+                let mut peaks = Vec::new();
+                let mut after = Vec::new();
+                for (step, feeds) in [&copy, &fused].into_iter().zip(feeds) {
+                    let p = plan(step, &PlanOptions::default()).unwrap();
+                    let peak = p.peak_bytes();
+                    let alloc = Allocator::default();
+                    let mut s = CpuSession::new(step.graph.clone(), p, alloc.clone(), 1).unwrap();
+                    write_all(&mut s, (step, feeds), base, &w);
+                    s.run(ExecCtx::step(1e-2, 1)).unwrap();
+                    assert_eq!(alloc.peak_bytes(), peak, "{label}: planned == measured");
+                    peaks.push(peak);
+                    let loss = s.read_f32(step.loss).unwrap()[0];
+                    let mut v = vec![loss.to_bits()];
+                    for p in &step.params {
+                        v.extend(bits(&s.read_f32(p.param).unwrap()));
+                    }
+                    after.push(v);
+                }
+                assert_eq!(after[0], after[1], "{label}: loss and updated adapters");
+                let smallest = copies(&copy).into_iter().min().unwrap_or(0);
+                let panels: usize = fused
+                    .graph
+                    .nodes()
+                    .iter()
+                    .filter(|n| matches!(n.op, Op::QuantizedRead(_)))
+                    .filter_map(|n| n.workspace)
+                    .map(|t| fused.graph.tensor(t).size_bytes())
+                    .max()
+                    .unwrap_or(0);
+                assert!(
+                    peaks[1] + smallest <= peaks[0] + panels,
+                    "{label}: peak {} reading codes, {} copying (smallest copy {smallest}, \
+                     largest panel {panels})",
+                    peaks[1],
+                    peaks[0]
+                );
+            }
+        }
+    }
+}
+
+/// Writes every parameter of `step` from `weights` (quantizing the frozen ones as `base`
+/// stores them) and a fixed batch.
+fn write_all(
+    s: &mut CpuSession,
+    (step, (tokens, targets)): (&StepGraph, (TensorId, TensorId)),
+    base: QuantizeBase,
+    weights: &HashMap<String, Vec<f32>>,
+) {
+    let g = &step.graph;
+    let by_name =
+        |name: &str| TensorId(g.tensors().iter().position(|t| t.name == name).unwrap() as u32);
+    for p in &step.params {
+        s.write_f32(p.param, &weights[&p.name]).unwrap();
+    }
+    for f in &step.frozen {
+        let v = &weights[&f.name];
+        if g.tensor(f.param).dtype == DType::F32 {
+            s.write_f32(f.param, v).unwrap();
+            continue;
+        }
+        let shape = snug_train::quantized::value_shape(g, f.param).to_vec();
+        let (codes, absmax) = base.quantize(v, &shape);
+        s.write_bytes(f.param, &codes).unwrap();
+        if base.scheme().is_some() {
+            s.write_f32(by_name(&absmax_name(&f.name)), &absmax)
+                .unwrap();
+        }
+    }
+    let ids = |a: usize, b: usize| {
+        (0..16)
+            .map(|i| ((i * a + b) % 40) as i32)
+            .collect::<Vec<_>>()
+    };
+    s.write_i32(tokens, &ids(13, 5), 40).unwrap();
+    s.write_i32(targets, &ids(7, 2), 40).unwrap();
 }

@@ -345,13 +345,8 @@ unsafe fn by_rows<T: Tile>(
                 let j = p * 2 * T::NR;
                 let (rs, cs) = o.b_s;
                 let src = o.b.get().offset(pc as isize * rs + (jg + j) as isize * cs);
-                T::pack_b(
-                    kc,
-                    (2 * T::NR).min(gw - j),
-                    src,
-                    o.b_s,
-                    sp.get().add(j * kc),
-                );
+                let (nc, out) = ((2 * T::NR).min(gw - j), sp.get().add(j * kc));
+                pack_b::<T>(&o.fused, (kc, nc), (src, o.b_s), out, (pc, jg + j));
             });
             deal_ranges(m, T::MR, (8 * T::MR, most), |i0, i1| {
                 with_pack::<T>(|ap, _| unsafe {
@@ -401,7 +396,7 @@ unsafe fn by_columns<T: Tile>(
                     let nc = j1 - j0;
                     let (rs, cs) = o.b_s;
                     let src = o.b.get().offset(pc as isize * rs + j0 as isize * cs);
-                    T::pack_b(kc, nc, src, o.b_s, bp);
+                    pack_b::<T>(&o.fused, (kc, nc), (src, o.b_s), bp, (pc, j0));
                     let at = ig as isize * o.c_rs + j0 as isize;
                     let panels = (sp.get() as *const f32, bp as *const f32);
                     tiles::<T>(
@@ -452,7 +447,8 @@ unsafe fn blocked<T: Tile>(
             }
             for jc in (0..n).step_by(T::NC) {
                 let nc = T::NC.min(n - jc);
-                unsafe { T::pack_b(kc, nc, b.offset(bt(pc, jc)), (b_rs, b_cs), bp) };
+                let src = (b.offset(bt(pc, jc)), (b_rs, b_cs));
+                unsafe { pack_b::<T>(&fused, (kc, nc), src, bp, (pc, jc)) };
                 unsafe {
                     let cp = c.offset(ic as isize * c_rs + jc as isize);
                     let bias = fused.bias_at(jc);
@@ -492,6 +488,28 @@ unsafe fn tiles<T: Tile>(
                     accumulate,
                 )
             };
+        }
+    }
+}
+
+/// [`Tile::pack_b`], or where `fused` holds a quantized `b`, the same panels decoded from its
+/// codes; `(p0, j0)`: the block's first element in the whole `b`.
+///
+/// # Safety
+/// As [`Tile::pack_b`] (a quantized `b`'s pointer is not read; its codes cover the product).
+#[inline(always)]
+unsafe fn pack_b<T: Tile>(
+    fused: &Fused<'_>,
+    (kc, nc): (usize, usize),
+    (b, strides): (*const f32, (isize, isize)),
+    out: *mut f32,
+    at: (usize, usize),
+) {
+    // SAFETY: as the caller vouched.
+    unsafe {
+        match &fused.quant_b {
+            None => T::pack_b(kc, nc, b, strides, out),
+            Some(q) => q.pack_b(T::NR, (kc, nc), at, out),
         }
     }
 }
@@ -811,6 +829,7 @@ pub(super) mod tests {
                         let fused = Fused {
                             prologue,
                             bias: Some(&bias),
+                            quant_b: None,
                         };
                         let a_op = (a.as_ptr(), a_rs, a_cs);
                         let (mut one, mut dealt) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);

@@ -26,17 +26,21 @@ pub(crate) enum Prologue<'a> {
 }
 
 /// What a product fuses: a [`Prologue`] on `a`, and a bias (one per column of `c`) added where
-/// the first block of the inner dimension is stored, instead of `c` being filled with it first.
+/// the first block of the inner dimension is stored, instead of `c` being filled with it first;
+/// and where `b` is a frozen weight stored quantized, its codes, decoded as `b` is packed (the
+/// product's `b` pointer is then not read).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Fused<'a> {
     pub prologue: Prologue<'a>,
     pub bias: Option<&'a [f32]>,
+    pub quant_b: Option<super::quantized::QuantB<'a>>,
 }
 
 impl Fused<'_> {
     pub(crate) const NONE: Fused<'static> = Fused {
         prologue: Prologue::None,
         bias: None,
+        quant_b: None,
     };
 
     /// The bias from column `j` on, or null.

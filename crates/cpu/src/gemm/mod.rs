@@ -10,8 +10,10 @@ pub(crate) mod avx512;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod blocked;
 mod fused;
+mod quantized;
 
 pub(crate) use fused::{Fused, Prologue};
+pub(crate) use quantized::{gemm_quantized, QuantB};
 
 /// Threads for one GEMM: small products run single-threaded (rayon overhead dominates).
 pub(crate) fn par_for(m: usize, n: usize, k: usize, threads: usize) -> ::gemm::Parallelism {
@@ -36,6 +38,7 @@ pub(crate) fn linear_rows(
     let fused = Fused {
         prologue: Prologue::None,
         bias: Some(bias),
+        quant_b: None,
     };
     // SAFETY: the lengths were checked just above.
     if unsafe { gemm_fused(Layout::new((false, false), (m, n, k)), t, w, y, par, fused) } {
@@ -406,6 +409,27 @@ mod tests {
     #[test]
     fn host_gemm_is_the_dispatched_kernel() {
         assert_eq!(dispatched(), CpuGemm::host());
+    }
+
+    /// The planner sizes a quantized product's decode panel by whether our kernel runs it:
+    /// its rule is the dispatch's.
+    #[test]
+    fn the_planners_rule_for_our_kernel_is_the_dispatch() {
+        use snug_graph::ops::quantized_read::own_gemm_runs;
+        for dims in [
+            (1024, 1024, 1024),
+            (64, 64, 1023),
+            (64, 64, 1024),
+            (300, 15, 4096),
+        ] {
+            for (m, n, k) in [dims, (dims.2, dims.0, dims.1), (dims.1, dims.2, dims.0)] {
+                assert_eq!(
+                    own_kernel((m, n, k), 1).is_some(),
+                    own_gemm_runs(CpuGemm::host(), (m, n, k)),
+                    "{m}×{k}×{n}"
+                );
+            }
+        }
     }
 
     /// The planner's depth blocks are the register tiles' own.

@@ -46,6 +46,7 @@ fn forward<const TANH: bool>(kern: &Kernel<'_>) {
     let fused = Fused {
         prologue: Prologue::Gelu(approx_of(TANH)),
         bias: Some(bias),
+        quant_b: None,
     };
     let par = par_for(rows, n, k, rayon::current_num_threads());
     // SAFETY: `h` holds rows·k, `w` k·n and `y` rows·n elements.

@@ -8,17 +8,66 @@ use snug_graph::ops::{
 };
 
 use super::cross_entropy::{grad_scale, loss_mask, reduce_loss, row_scale};
+use crate::gemm::QuantB;
 use crate::kernel::{CpuKernel, Kernel};
+
+/// The head a kernel reads: its f32 values, or a frozen head's codes
+/// ([`snug_graph::ops::QuantizedRead`]) with the panel its products decode into where our
+/// blocked kernel does not run them.
+pub(super) enum Head<'a> {
+    F32(&'a [f32]),
+    Quantized(QuantB<'a>, &'a mut [f32]),
+}
+
+/// Where the kernels find their inputs: the head's shape, and how far the inputs after it
+/// moved (a quantized head is its codes and scales).
+pub(super) struct HeadInputs<'a> {
+    pub shape: &'a [usize],
+    pub shift: usize,
+}
 
 impl CpuKernel for LmHeadLoss {
     fn run(&self, k: &Kernel<'_>) {
+        let head = HeadInputs {
+            shape: k.in_shape(1),
+            shift: 0,
+        };
+        let ws = k.workspace();
+        lm_head_loss(self, k, (Head::F32(k.in_f32(1)), head), ws);
+    }
+}
+
+impl CpuKernel for LmHeadLossBackward {
+    fn run(&self, k: &Kernel<'_>) {
+        let head = HeadInputs {
+            shape: k.in_shape(1),
+            shift: 0,
+        };
+        let ws = k.workspace();
+        lm_head_loss_backward(
+            self,
+            k,
+            (Head::F32(k.in_f32(1)), head),
+            ws,
+            Some(k.out_f32(1)),
+        );
+    }
+}
+
+/// The forward over `head`, with `ws` at least the op's own workspace.
+pub(super) fn lm_head_loss(
+    op: &LmHeadLoss,
+    k: &Kernel<'_>,
+    (mut w, at): (Head<'_>, HeadInputs<'_>),
+    ws: &mut [f32],
+) {
+    {
         use rayon::prelude::*;
-        let (x, w, targets) = (k.in_f32(0), k.in_f32(1), k.in_i32(2));
+        let (x, targets) = (k.in_f32(0), k.in_i32(2 + at.shift));
         let (loss, lse) = (k.out_f32(0), k.out_f32(1));
         let (n, c) = (k.in_shape(0)[0], k.in_shape(0)[1]);
-        let v = head_vocab_of(self.tb, k.in_shape(1));
-        let (rows, cols) = tile(self.rows, self.cols, n, v);
-        let ws = k.workspace();
+        let v = head_vocab_of(op.tb, at.shape);
+        let (rows, cols) = tile(op.rows, op.cols, n, v);
         let (logits, rest) = ws.split_at_mut(rows * cols);
         let (sums, rest) = rest.split_at_mut(rows);
         let (picked, losses) = rest.split_at_mut(rows);
@@ -31,7 +80,7 @@ impl CpuKernel for LmHeadLoss {
             for c0 in (0..v).step_by(cols) {
                 let vb = cols.min(v - c0);
                 let logits = &mut logits[..m * vb];
-                block_logits(self.tb, x, w, (r0, m, c, v), (c0, vb), logits);
+                block_logits(op.tb, x, &mut w, (r0, m, c, v), (c0, vb), logits);
                 logits
                     .par_chunks(vb)
                     .zip(maxes.par_iter_mut())
@@ -59,23 +108,33 @@ impl CpuKernel for LmHeadLoss {
                 *loss = *lse - picked;
             }
         }
-        loss[0] = reduce_loss(losses, loss_mask(k, 3));
+        loss[0] = reduce_loss(&losses[..n], loss_mask(k, 3 + at.shift));
     }
 }
 
-impl CpuKernel for LmHeadLossBackward {
-    fn run(&self, k: &Kernel<'_>) {
+/// The backward over `head`, with `ws` at least the op's own workspace; the head's gradient
+/// into `dw` where it is wanted (a frozen head has none).
+pub(super) fn lm_head_loss_backward(
+    op: &LmHeadLossBackward,
+    k: &Kernel<'_>,
+    (mut w, at): (Head<'_>, HeadInputs<'_>),
+    ws: &mut [f32],
+    mut dw: Option<&mut [f32]>,
+) {
+    {
         use crate::gemm::{gemm_raw, par_for};
         // Run in place, `x` is read through `dx`.
         let x_in = (k.inplace() != Some(0)).then(|| k.in_f32(0));
-        let (w, targets, lse, dloss) = (k.in_f32(1), k.in_i32(2), k.in_f32(3), k.in_f32(4));
-        let (dx, dw) = (k.out_f32(0), k.out_f32(1));
+        let s = at.shift;
+        let (targets, lse, dloss) = (k.in_i32(2 + s), k.in_f32(3 + s), k.in_f32(4 + s));
+        let dx = k.out_f32(0);
         let (n, c) = (k.in_shape(0)[0], k.in_shape(0)[1]);
-        let v = head_vocab_of(self.tb, k.in_shape(1));
-        let (rows, cols) = tile(self.rows, self.cols, n, v);
-        let mask = loss_mask(k, 5);
+        let v = head_vocab_of(op.tb, at.shape);
+        let (rows, cols) = tile(op.rows, op.cols, n, v);
+        let mask = loss_mask(k, 5 + s);
         let g = grad_scale(dloss[0], n, mask);
-        let (logits, dx_tile) = k.workspace().split_at_mut(rows * cols);
+        let own = rows * cols + if cols < v { rows * c } else { 0 };
+        let (logits, dx_tile) = ws[..own].split_at_mut(rows * cols);
         let dxp = dx.as_mut_ptr();
         let xp = x_in.map_or(dxp as *const f32, <[f32]>::as_ptr);
         let threads = rayon::current_num_threads();
@@ -93,7 +152,7 @@ impl CpuKernel for LmHeadLossBackward {
                 let dlogits = &mut logits[..m * vb];
                 // SAFETY: rows r0..r0+m of x lie inside it and are not yet written over.
                 let xt = unsafe { std::slice::from_raw_parts(xp.add(r0 * c), m * c) };
-                block_logits(self.tb, xt, w, (0, m, c, v), (c0, vb), dlogits);
+                block_logits(op.tb, xt, &mut w, (0, m, c, v), (c0, vb), dlogits);
                 crate::par::rows_mut(dlogits, vb, |i0, chunk| {
                     for (i, row) in chunk.chunks_exact_mut(vb).enumerate() {
                         let r = r0 + i0 + i;
@@ -110,31 +169,41 @@ impl CpuKernel for LmHeadLossBackward {
                         }
                     }
                 });
-                let (b, b_rs, b_cs) = head_block(self.tb, c, v, c0);
+                let (b, b_rs, b_cs) = head_block(op.tb, c, v, c0);
                 // SAFETY: every matrix below lies inside its buffer (shapes checked by `infer`;
                 // `head_block` stays inside the head); the tile's rows of x are read before
                 // its rows of dx are written.
                 unsafe {
-                    // dB[:, c0..c0+vb] (+)= x[r0..r0+m]ᵀ · dlogits, in B's layout.
-                    gemm_raw(
-                        (c, vb, m),
-                        (dw.as_mut_ptr().add(b), b_rs, b_cs),
-                        (xp.add(r0 * c), 1, c as isize),
-                        (dlogits.as_ptr(), vb as isize, 1),
-                        1.0,
-                        r0 > 0,
-                        par_for(c, vb, m, threads),
-                    );
+                    if let Some(dw) = dw.as_deref_mut() {
+                        // dB[:, c0..c0+vb] (+)= x[r0..r0+m]ᵀ · dlogits, in B's layout.
+                        gemm_raw(
+                            (c, vb, m),
+                            (dw.as_mut_ptr().add(b), b_rs, b_cs),
+                            (xp.add(r0 * c), 1, c as isize),
+                            (dlogits.as_ptr(), vb as isize, 1),
+                            1.0,
+                            r0 > 0,
+                            par_for(c, vb, m, threads),
+                        );
+                    }
                     // dx[r0..r0+m] (+)= dlogits · B[:, c0..c0+vb]ᵀ
-                    gemm_raw(
-                        (m, c, vb),
-                        (dxt, c as isize, 1),
-                        (dlogits.as_ptr(), vb as isize, 1),
-                        (w.as_ptr().add(b), b_cs, b_rs),
-                        1.0,
-                        c0 > 0,
-                        par_for(m, c, vb, threads),
-                    );
+                    let (dims, par) = ((m, c, vb), par_for(m, c, vb, threads));
+                    let (cp, ap) = ((dxt, c as isize), (dlogits.as_ptr(), vb as isize, 1));
+                    match &mut w {
+                        Head::F32(w) => gemm_raw(
+                            dims,
+                            (cp.0, cp.1, 1),
+                            ap,
+                            (w.as_ptr().add(b), b_cs, b_rs),
+                            1.0,
+                            c0 > 0,
+                            par,
+                        ),
+                        Head::Quantized(q, panel) => {
+                            let q = q.at((0, c0), true);
+                            crate::gemm::gemm_quantized(dims, cp, ap, q, None, c0 > 0, par, panel)
+                        }
+                    }
                 }
             }
             if cols < v {
@@ -159,23 +228,31 @@ fn head_block(tb: bool, c: usize, v: usize, c0: usize) -> (usize, isize, isize) 
 fn block_logits(
     tb: bool,
     x: &[f32],
-    w: &[f32],
+    w: &mut Head<'_>,
     (r0, m, c, v): (usize, usize, usize, usize),
     (c0, vb): (usize, usize),
     out: &mut [f32],
 ) {
     use crate::gemm::{gemm_raw, par_for};
     let (b, b_rs, b_cs) = head_block(tb, c, v, c0);
+    let par = par_for(m, vb, c, rayon::current_num_threads());
+    let a = (x[r0 * c..].as_ptr(), c as isize, 1);
     // SAFETY: x holds rows r0..r0+m of width c, the head block lies inside w, out holds m·vb.
     unsafe {
-        gemm_raw(
-            (m, vb, c),
-            (out.as_mut_ptr(), vb as isize, 1),
-            (x.as_ptr().add(r0 * c), c as isize, 1),
-            (w.as_ptr().add(b), b_rs, b_cs),
-            1.0,
-            false,
-            par_for(m, vb, c, rayon::current_num_threads()),
-        );
+        match w {
+            Head::F32(w) => gemm_raw(
+                (m, vb, c),
+                (out.as_mut_ptr(), vb as isize, 1),
+                a,
+                (w.as_ptr().add(b), b_rs, b_cs),
+                1.0,
+                false,
+                par,
+            ),
+            Head::Quantized(q, panel) => {
+                let (q, c_out) = (q.at((0, c0), false), (out.as_mut_ptr(), vb as isize));
+                crate::gemm::gemm_quantized((m, vb, c), c_out, a, q, None, false, par, panel)
+            }
+        }
     }
 }

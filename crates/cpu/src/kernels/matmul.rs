@@ -17,6 +17,7 @@ impl CpuKernel for MatMul {
             let fused = Fused {
                 prologue: Prologue::None,
                 bias: Some(k.in_f32(2)),
+                quant_b: None,
             };
             let par = par_for(d.m, d.n, d.k, threads);
             // SAFETY: the shape rule sized `a`, `b`, `c` and the bias for these dimensions.

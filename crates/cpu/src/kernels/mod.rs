@@ -22,6 +22,7 @@ mod layernorm;
 mod layernorm_linear;
 mod lm_head_loss;
 mod matmul;
+mod quantized_read;
 mod reduce;
 mod rmsnorm;
 mod rope;

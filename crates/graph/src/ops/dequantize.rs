@@ -8,6 +8,12 @@
 //! - NF4: blocks of [`NF4_BLOCK`] consecutive values (row-major), each `NF4[code] · absmax` of
 //!   its block, the code the nearest of the 16 NormalFloat4 values; two codes a byte, the
 //!   first in the high nibble (as bitsandbytes packs them).
+//! - NF4 with double quantization (QLoRA's, bitsandbytes' `compress_statistics`): the blocks'
+//!   absmax constants are themselves stored in 8 bits. Their mean (the offset) is taken out,
+//!   and what is left is quantized in blocks of [`DQ_BLOCK`] with the signed dynamic code book
+//!   of 8-bit AdamW ([`super::adamw8bit::dynamic_code`]), one f32 scale a block: a block's
+//!   absmax is `DQ[code] · scale + offset`. The absmax codes follow the NF4 codes in the same
+//!   u8 tensor; the f32 "absmax" tensor holds the scales, then the offset.
 
 use super::{expect_arity, expect_dtype, shape_err, OpRule, OutSpec};
 use crate::autodiff::GradCtx;
@@ -16,6 +22,15 @@ use crate::{DType, Result};
 
 /// Values per NF4 block (one absmax each).
 pub const NF4_BLOCK: usize = 64;
+
+/// NF4 absmax constants per block of double quantization (one f32 scale each; QLoRA's 256).
+pub const DQ_BLOCK: usize = 256;
+
+/// The code book of double-quantized absmax constants: the signed dynamic map, ascending.
+pub fn dq_code() -> &'static [f32; 256] {
+    static CODE: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+    CODE.get_or_init(|| super::adamw8bit::dynamic_code(true))
+}
 
 /// The NormalFloat4 code book of QLoRA (Dettmers et al. 2023, appendix E; bitsandbytes'
 /// `create_normal_map(0.9677083)`): the quantiles of N(0, 1) normalised to [−1, 1], eight on
@@ -46,6 +61,9 @@ pub enum QuantizeBase {
     Bf16,
     Int8,
     Nf4,
+    /// NF4 with its absmax constants double-quantized (`--quantize-base nf4 --double-quant`).
+    #[serde(rename = "nf4-dq")]
+    Nf4Dq,
 }
 
 impl QuantizeBase {
@@ -54,6 +72,7 @@ impl QuantizeBase {
             QuantizeBase::Bf16 => "bf16",
             QuantizeBase::Int8 => "int8",
             QuantizeBase::Nf4 => "nf4",
+            QuantizeBase::Nf4Dq => "nf4-dq",
         }
     }
 
@@ -63,6 +82,7 @@ impl QuantizeBase {
             QuantizeBase::Bf16 => None,
             QuantizeBase::Int8 => Some(QuantScheme::Int8),
             QuantizeBase::Nf4 => Some(QuantScheme::Nf4),
+            QuantizeBase::Nf4Dq => Some(QuantScheme::Nf4Dq),
         }
     }
 
@@ -147,20 +167,27 @@ pub fn bf16_bits(x: f32) -> u16 {
 pub enum QuantScheme {
     Int8,
     Nf4,
+    Nf4Dq,
 }
 
 impl QuantScheme {
     pub fn codes_shape(self, shape: &[usize]) -> Vec<usize> {
+        let numel: usize = shape.iter().product();
         match self {
             QuantScheme::Int8 => shape.to_vec(),
-            QuantScheme::Nf4 => vec![shape.iter().product::<usize>().div_ceil(2)],
+            QuantScheme::Nf4 => vec![numel.div_ceil(2)],
+            // The absmax codes follow the values' codes.
+            QuantScheme::Nf4Dq => vec![numel.div_ceil(2) + numel.div_ceil(NF4_BLOCK)],
         }
     }
 
     pub fn absmax_shape(self, shape: &[usize]) -> Vec<usize> {
+        let numel: usize = shape.iter().product();
         match self {
             QuantScheme::Int8 => vec![shape.last().copied().unwrap_or(1)],
-            QuantScheme::Nf4 => vec![shape.iter().product::<usize>().div_ceil(NF4_BLOCK)],
+            QuantScheme::Nf4 => vec![numel.div_ceil(NF4_BLOCK)],
+            // One scale per block of absmax codes, then the offset.
+            QuantScheme::Nf4Dq => vec![numel.div_ceil(NF4_BLOCK).div_ceil(DQ_BLOCK) + 1],
         }
     }
 
@@ -188,6 +215,12 @@ impl QuantScheme {
                     })
                     .collect();
                 (codes, absmax)
+            }
+            QuantScheme::Nf4Dq => {
+                let (mut codes, absmax) = QuantScheme::Nf4.quantize(values, shape);
+                let (absmax_codes, stats) = double_quantize(&absmax);
+                codes.extend(absmax_codes);
+                (codes, stats)
             }
             QuantScheme::Nf4 => {
                 let mut codes = vec![0u8; values.len().div_ceil(2)];
@@ -236,8 +269,90 @@ impl QuantScheme {
                     *o = NF4[c as usize] * absmax[i / NF4_BLOCK];
                 }
             }
+            QuantScheme::Nf4Dq => {
+                let dq = DoubleQuant::of(codes, absmax, dq_values_len(codes.len()));
+                for (j, o) in out.iter_mut().enumerate() {
+                    let i = start + j;
+                    let byte = codes[i / 2];
+                    let c = if i.is_multiple_of(2) {
+                        byte >> 4
+                    } else {
+                        byte & 0xf
+                    };
+                    *o = NF4[c as usize] * dq.absmax(i / NF4_BLOCK);
+                }
+            }
         }
     }
+}
+
+/// How many of a double-quantized weight's `len` bytes of codes are its values' (the rest
+/// are its absmax codes, one per 32 of those bytes): `len = h + ceil(h / 32)`, which grows
+/// with `h`, so `len` alone gives `h`.
+pub fn dq_values_len(len: usize) -> usize {
+    // h + h/32 ≤ len, so h ≤ 32·len/33: count down from there.
+    let mut h = len / 33 * 32 + (len % 33) * 32 / 33;
+    while h > 0 && h + h.div_ceil(32) > len {
+        h -= 1;
+    }
+    h
+}
+
+/// A double-quantized weight's absmax constants: their codes (after the values' `half`
+/// bytes of codes) and the f32 scales, then the offset.
+#[derive(Debug, Clone, Copy)]
+pub struct DoubleQuant<'a> {
+    pub codes: &'a [u8],
+    pub scales: &'a [f32],
+    pub offset: f32,
+}
+
+impl<'a> DoubleQuant<'a> {
+    /// The absmax codes of `codes` past its first `half` bytes, and `stats` split into the
+    /// scales and the offset.
+    pub fn of(codes: &'a [u8], stats: &'a [f32], half: usize) -> DoubleQuant<'a> {
+        let (scales, offset) = stats.split_at(stats.len().saturating_sub(1));
+        DoubleQuant {
+            codes: &codes[half..],
+            scales,
+            offset: offset.first().copied().unwrap_or(0.0),
+        }
+    }
+
+    /// The absmax of NF4 block `b`.
+    #[inline(always)]
+    pub fn absmax(&self, b: usize) -> f32 {
+        dq_code()[self.codes[b] as usize] * self.scales[b / DQ_BLOCK] + self.offset
+    }
+}
+
+/// QLoRA's double quantization of NF4's absmax constants: their codes, and the
+/// scales of their blocks of [`DQ_BLOCK`] followed by the offset (their mean, summed in f64
+/// and rounded to f32). A code is the nearest entry of [`dq_code`] to `(absmax - offset) /
+/// scale` (computed as a product with the scale's reciprocal, as 8-bit AdamW computes it); a
+/// block of constants all equal to the offset has scale 0 and codes of that book's zero.
+pub fn double_quantize(absmax: &[f32]) -> (Vec<u8>, Vec<f32>) {
+    let code = dq_code();
+    let offset = if absmax.is_empty() {
+        0.0
+    } else {
+        (absmax.iter().map(|&a| a as f64).sum::<f64>() / absmax.len() as f64) as f32
+    };
+    let mut codes = Vec::with_capacity(absmax.len());
+    let mut stats = Vec::with_capacity(absmax.len().div_ceil(DQ_BLOCK) + 1);
+    for block in absmax.chunks(DQ_BLOCK) {
+        let centered: Vec<f32> = block.iter().map(|&a| a - offset).collect();
+        let scale = centered.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        codes.extend(
+            centered
+                .iter()
+                .map(|&v| super::adamw8bit::nearest_code(code, v * inv)),
+        );
+        stats.push(scale);
+    }
+    stats.push(offset);
+    (codes, stats)
 }
 
 /// The value of an int8 code in a channel of absmax `a`.
@@ -402,6 +517,82 @@ mod tests {
         assert_eq!(back[66], 0.0);
         // Quantizing the dequantized values again gives the same codes.
         assert_eq!(QuantizeBase::Nf4.quantize(&back, &[67]), (codes, absmax));
+    }
+
+    #[test]
+    fn double_quantized_nf4_round_trip_against_hand_computed_values() {
+        // Three NF4 blocks with absmax 3, 2 and 1: offset 2 (their mean), centered 1, 0, -1,
+        // one block of constants with scale 1; codes the book's 1 (255), 0 (127) and its
+        // most negative entry (0), -(1 + b) / 2 with b = 0.1 + 0.9 · 63/64.
+        let mut w = vec![0.0f32; 192];
+        w[0] = 3.0; // code 15
+        w[64] = -2.0; // code 0
+        w[128] = 1.0; // code 15
+        w[129] = 0.5; // 0.5 of absmax 1: code 12
+        let dq = QuantizeBase::Nf4Dq;
+        let (c4, a4) = QuantizeBase::Nf4.quantize(&w, &[192]);
+        assert_eq!(a4, vec![3.0, 2.0, 1.0]);
+        let (absmax_codes, stats) = double_quantize(&a4);
+        let mut codes = c4.clone();
+        codes.extend(absmax_codes);
+        assert_eq!(codes.len(), 96 + 3);
+        assert_eq!(QuantScheme::Nf4Dq.codes_shape(&[192]), vec![99]);
+        assert_eq!(QuantScheme::Nf4Dq.absmax_shape(&[192]), vec![2]);
+        assert_eq!((codes[0], codes[32], codes[64]), (0xf7, 0x07, 0xfc));
+        assert_eq!(&codes[96..], &[255, 127, 0]);
+        assert_eq!(stats, vec![1.0, 2.0]);
+        let book = dq_code();
+        assert_eq!((book[255], book[127]), (1.0, 0.0));
+        assert!((book[0] as f64 + (1.0 + 0.1 + 0.9 * 63.0 / 64.0) / 2.0).abs() < 1e-7);
+        let back = dq.dequantize(&codes, &stats, &[192]);
+        let a2 = book[0] * 1.0 + 2.0;
+        assert_eq!(back[0], 3.0);
+        assert_eq!(back[64], -2.0);
+        assert_eq!(back[128], a2);
+        assert_eq!(back[129], NF4[12] * a2);
+        assert!(back
+            .iter()
+            .enumerate()
+            .all(|(i, &v)| [0, 64, 128, 129].contains(&i) || v == 0.0));
+        // Quantized whole, the same codes and statistics.
+        assert_eq!(dq.quantize(&w, &[192]), (codes.clone(), stats.clone()));
+    }
+
+    #[test]
+    fn double_quantization_blocks_of_256_scales_and_the_split_of_the_codes() {
+        // 300 blocks of constants: two blocks of scales, the second partial.
+        let absmax: Vec<f32> = (0..300).map(|i| 0.5 + (i % 17) as f32 * 0.25).collect();
+        let (codes, stats) = double_quantize(&absmax);
+        let offset = (absmax.iter().map(|&a| a as f64).sum::<f64>() / 300.0) as f32;
+        assert_eq!(stats.len(), 3);
+        assert_eq!(stats[2], offset);
+        for (b, block) in absmax.chunks(DQ_BLOCK).enumerate() {
+            let scale = block.iter().fold(0f32, |m, &a| m.max((a - offset).abs()));
+            assert_eq!(stats[b], scale);
+        }
+        // Each constant comes back within half the book's widest gap (1/64 near ±1) times
+        // its block's scale.
+        let dq = DoubleQuant {
+            codes: &codes,
+            scales: &stats[..2],
+            offset,
+        };
+        for (i, &a) in absmax.iter().enumerate() {
+            let tol = stats[i / DQ_BLOCK] * (0.9 / 128.0) + 1e-6;
+            assert!(
+                (dq.absmax(i) - a).abs() <= tol,
+                "{i}: {} vs {a}",
+                dq.absmax(i)
+            );
+        }
+        for numel in (1..5000usize).chain([1 << 20, (1 << 20) + 63]) {
+            let half = numel.div_ceil(2);
+            assert_eq!(
+                dq_values_len(half + numel.div_ceil(NF4_BLOCK)),
+                half,
+                "{numel}"
+            );
+        }
     }
 
     #[test]

@@ -23,6 +23,7 @@ mod layernorm;
 pub mod layernorm_linear;
 pub mod lm_head_loss;
 mod matmul;
+pub mod quantized_read;
 pub mod reduce;
 mod rmsnorm;
 pub mod rope;
@@ -54,6 +55,7 @@ pub use layernorm::{LayerNorm, LayerNormBackward};
 pub use layernorm_linear::{LayerNormLinear, LayerNormLinearBackward};
 pub use lm_head_loss::{LmHeadLoss, LmHeadLossBackward};
 pub use matmul::MatMul;
+pub use quantized_read::QuantizedRead;
 pub use reduce::{BroadcastTo, MaxBackward, Reduce, ReduceKind, SumTo};
 pub use rmsnorm::{RmsNorm, RmsNormBackward};
 pub use rope::{Rope, RopeScaling};
@@ -217,6 +219,7 @@ ops!(
     AdamW8bit,
     StoreSumSquares,
     Dequantize,
+    QuantizedRead,
 );
 
 impl Op {

@@ -289,6 +289,7 @@ mod tests {
         let gelu_only = Fusions {
             layernorm_linear: false,
             gelu_linear: true,
+            quantized_reads: false,
         };
         let target = Target::default().with_fusions(gelu_only);
         let (r, n) = fuse_for_target(&g, &target).unwrap();

@@ -3,9 +3,14 @@
 //! and every node that reads it, forward or backward, reads an f32 copy made just before it.
 //! Runs after autodiff, so the backward's reads get copies of their own rather than holding
 //! the forward's, and before rematerialization, which then recomputes them with their block.
+//!
+//! Where the target reads quantized weights from their codes ([`crate::Fusions::quantized_reads`],
+//! the CPU), a reader that can ([`QuantizedRead::reads`]: products reading the weight as `b`,
+//! the fused LM head and its backward, the embedding) becomes a [`QuantizedRead`] instead, and
+//! no f32 copy of the weight is made for it.
 
 use super::{copy_reading, rewrite, Rewritten};
-use crate::ops::{Cast, Dequantize, QuantizeBase};
+use crate::ops::{Cast, Dequantize, Op, QuantizeBase, QuantizedRead};
 use crate::{DType, Graph, Result, Role, StepGraph, TensorId};
 
 /// The name of a quantized weight's absmax scales.
@@ -54,12 +59,56 @@ pub fn quantize_weights(
     let mut absmax_of: Vec<Option<TensorId>> = vec![None; n];
     let mut forward_added = 0;
     let old = &old;
+    let fuse = old.target().fusions.quantized_reads;
+    let mut readers = vec![0usize; n];
+    for node in old.nodes() {
+        for &t in node.inputs.iter().chain(&node.control) {
+            readers[t.index()] += 1;
+        }
+    }
     let r = rewrite(
         old,
         |new, i, lookup| {
             let node = &old.nodes()[i];
             if !node.inputs.iter().any(|t| shape_of[t.index()].is_some()) {
                 return Ok(None);
+            }
+            let mut absmax = |new: &mut crate::Graph, t: TensorId, shape: &[usize]| {
+                let Some(scheme) = base.scheme() else {
+                    return Ok::<_, crate::GraphError>(None);
+                };
+                if let Some(a) = absmax_of[t.index()] {
+                    return Ok(Some(a));
+                }
+                let a = new.add_leaf(
+                    absmax_name(&old.tensor(t).name),
+                    &scheme.absmax_shape(shape),
+                    DType::F32,
+                    Role::Parameter,
+                )?;
+                absmax_of[t.index()] = Some(a);
+                Ok(Some(a))
+            };
+            let read = fuse.then(|| fused_read(old, node, &shape_of, &readers, base));
+            if let Some(op) = read.flatten() {
+                let w = node.inputs[op.weight];
+                let mut inputs: Vec<TensorId> = Vec::with_capacity(node.inputs.len() + 1);
+                for (k, &t) in node.inputs.iter().enumerate() {
+                    inputs.push(lookup(t));
+                    if k == op.weight {
+                        inputs.extend(absmax(new, w, &op.shape)?);
+                    }
+                }
+                let fused = crate::Node {
+                    op: Op::QuantizedRead(op),
+                    ..node.clone()
+                };
+                let outs = copy_reading(new, old, &fused, &inputs, lookup)?;
+                // An output the fused op does not make (the frozen head's gradient) is
+                // read by nothing.
+                let mut mapped: Vec<Option<TensorId>> = outs.into_iter().map(Some).collect();
+                mapped.resize(node.outputs.len(), None);
+                return Ok(Some(mapped));
             }
             let mut inputs = Vec::with_capacity(node.inputs.len());
             for &t in &node.inputs {
@@ -69,28 +118,15 @@ pub fn quantize_weights(
                 };
                 let name = &old.tensor(t).name;
                 let stored = lookup(t);
-                let w = match base.scheme() {
-                    None => new.apply1(Cast { to: DType::F32 }, &[stored])?,
-                    Some(scheme) => {
-                        let a = match absmax_of[t.index()] {
-                            Some(a) => a,
-                            None => {
-                                let a = new.add_leaf(
-                                    absmax_name(name),
-                                    &scheme.absmax_shape(shape),
-                                    DType::F32,
-                                    Role::Parameter,
-                                )?;
-                                absmax_of[t.index()] = Some(a);
-                                a
-                            }
-                        };
+                let w = match (base.scheme(), absmax(new, t, shape)?) {
+                    (Some(scheme), Some(a)) => {
                         let op = Dequantize {
                             scheme,
                             shape: shape.clone(),
                         };
                         new.apply1(op, &[stored, a])?
                     }
+                    _ => new.apply1(Cast { to: DType::F32 }, &[stored])?,
                 };
                 new.rename(w, format!("{name}.dequant"));
                 new.set_role(w, Role::Activation);
@@ -106,4 +142,38 @@ pub fn quantize_weights(
         None,
     )?;
     Ok((r, n_fwd + forward_added, count))
+}
+
+/// The [`QuantizedRead`] `node` becomes, if it reads exactly one quantized weight and in a
+/// way that can read it from its codes; outputs the fused op does not make must be unread.
+fn fused_read(
+    old: &Graph,
+    node: &crate::Node,
+    shape_of: &[Option<Vec<usize>>],
+    readers: &[usize],
+    base: QuantizeBase,
+) -> Option<QuantizedRead> {
+    let mut quantized = node
+        .inputs
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| shape_of[t.index()].is_some());
+    let (weight, &w) = quantized.next()?;
+    if quantized.next().is_some() || !QuantizedRead::reads(&node.op, weight) {
+        return None;
+    }
+    let op = QuantizedRead {
+        base,
+        shape: shape_of[w.index()].clone()?,
+        weight,
+        reader: Box::new(node.op.clone()),
+    };
+    let made = match &node.op {
+        Op::LmHeadLossBackward(_) => 1,
+        _ => node.outputs.len(),
+    };
+    let unread = node.outputs[made..]
+        .iter()
+        .all(|o| readers[o.index()] == 0 && !old.outputs().contains(o));
+    unread.then_some(op)
 }
