@@ -14,5 +14,6 @@ mod losses;
 mod matmul;
 mod norms;
 mod optimizers;
+mod quantized;
 mod reshaping;
 mod rope;
