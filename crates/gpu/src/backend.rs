@@ -169,6 +169,8 @@ pub struct GpuBackend {
     target: Target,
     /// A step's inputs on their way to the device (see [`StagingRing`]).
     ring: Mutex<StagingRing>,
+    /// Inputs staged while a launch was submitted and not yet waited for.
+    staged_while_running: AtomicUsize,
 }
 
 impl GpuBackend {
@@ -183,6 +185,7 @@ impl GpuBackend {
             allocator,
             target,
             ring: Mutex::new(StagingRing::default()),
+            staged_while_running: AtomicUsize::new(0),
         }
     }
 
@@ -195,6 +198,12 @@ impl GpuBackend {
     /// checked, and no more while its inputs do not grow.
     pub fn staging_buffers_created(&self) -> u64 {
         self.ring().buffers_created()
+    }
+
+    /// Inputs written into the staging ring while the launch before was still submitted and
+    /// not waited for (its results not yet read): uploads that overlapped a running step.
+    pub fn inputs_staged_while_running(&self) -> usize {
+        self.staged_while_running.load(Ordering::Relaxed)
     }
 
     /// Host-visible bytes of the input staging ring: [`transfer::RING_DEPTH`] × the step's
@@ -457,11 +466,19 @@ impl Backend for GpuBackend {
         let buffer = self.buffer_of(&dst)?;
         let n = dst.len.min(bytes.len());
         let slice = self.slice(&dst, &buffer);
+        let running = self.device.has_unwaited_work();
         if self.ring().stage(&self.device, &slice, &bytes[..n])? {
+            if running {
+                self.staged_while_running.fetch_add(1, Ordering::Relaxed);
+            }
             return Ok(());
         }
         // Copied now: queued behind the step launched last, which still reads the old input.
         self.upload(dst, bytes)
+    }
+
+    fn discard_staged_inputs(&self) {
+        self.ring().discard();
     }
 
     fn download(&self, src: Slice<'_>, out: &mut [u8]) -> Result<(), RuntimeError> {

@@ -619,3 +619,71 @@ fn quantized_sampling_on_the_gpu_matches_the_cpu() {
         }
     }
 }
+
+/// The cross-step prefetch: while a micro-batch runs on the GPU, the next one's inputs (the
+/// next micro-batch of the step, or the first of the next step's batch) are written into the
+/// staging ring, before the running one's loss is read. The device counts inputs staged while
+/// a launch was submitted and not yet waited for; the trainer counts micro-batches that ran on
+/// them. The same run without the prefetch trains on the same batches: every loss and weight
+/// bit for bit the same, an evaluation and a caller's own batch in between included.
+#[test]
+fn inputs_are_prefetched_while_the_step_runs_and_train_the_same_batches() {
+    use snug_train::Batch;
+    if !have_gpu() {
+        return;
+    }
+    for accumulation in [1usize, 2] {
+        let steps = 5u64;
+        let cfg = config_with("tiny", "gpu", steps, |t| {
+            t.accumulation = Some(accumulation);
+        });
+        let run = |prefetch: bool| {
+            let mut t = trainer(&cfg);
+            t.set_input_prefetch(prefetch);
+            let mut losses = Vec::new();
+            for step in 1..=steps {
+                if step == 3 {
+                    // Evaluation writes its own inputs over the staged ones.
+                    t.evaluate().unwrap();
+                }
+                if step == 4 {
+                    // A caller's batch (step 4's, drawn by hand) in place of the staged one.
+                    let data = TokenDataset::load(&DataSource::Addition).unwrap();
+                    let b = Batch::compute(&data, cfg.seed + 1, 4, cfg.batch, cfg.block);
+                    losses.push(t.step_on(&b).unwrap().loss.to_bits());
+                    continue;
+                }
+                losses.push(t.train_step().unwrap().loss.to_bits());
+            }
+            let staged = t.session().inputs_staged_while_running().unwrap();
+            (losses, bits(&t), t.prefetched_micro_batches(), staged)
+        };
+        let (with, with_weights, prefetched, staged) = run(true);
+        let (without, without_weights, none, unstaged) = run(false);
+        assert_eq!(with, without, "accumulation {accumulation}: losses");
+        assert!(
+            with_weights == without_weights,
+            "accumulation {accumulation}: weights"
+        );
+        assert_eq!(
+            (none, unstaged),
+            (0, 0),
+            "no prefetch, nothing staged early"
+        );
+        // Every micro-batch but the first of the run, of the step after the evaluation, of the
+        // caller's batch, and of the step after it (a caller's batch stages only its own).
+        let k = accumulation as u64;
+        assert_eq!(prefetched, steps * k - 4, "accumulation {accumulation}");
+        // Tokens and targets of each of them at least, all written before the loss was read.
+        assert!(
+            staged as u64 >= 2 * prefetched,
+            "{staged} inputs staged early"
+        );
+    }
+    // The CPU runs a step to its end before returning: nothing to overlap, nothing staged.
+    let mut cpu = trainer(&config_with("tiny", "cpu", 2, |_| {}));
+    cpu.train_step().unwrap();
+    cpu.train_step().unwrap();
+    assert_eq!(cpu.prefetched_micro_batches(), 0);
+    assert_eq!(cpu.session().inputs_staged_while_running(), None);
+}
