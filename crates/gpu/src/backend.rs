@@ -112,6 +112,9 @@ pub(crate) struct Arg {
     /// Where the kernel binds a view that starts off the device's binding alignment (a row
     /// slice at an odd row): a buffer of its own, filled before the node and copied back after.
     staged: Option<wgpu::Buffer>,
+    /// Bytes from the binding's start to the tensor's first byte: u8 codes are bound from
+    /// the aligned offset at or below their own, and their kernels read from there.
+    byte_offset: u64,
     pub shape: Vec<usize>,
     pub dtype: snug_graph::DType,
 }
@@ -138,6 +141,14 @@ impl Arg {
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
+
+    /// The binding of a u8 tensor and where its bytes start in it.
+    pub fn bytes_slice(&self) -> crate::kernels::ByteSlice<'_> {
+        crate::kernels::ByteSlice {
+            words: self.slice(),
+            offset: self.byte_offset,
+        }
+    }
 }
 
 /// One node bound to device memory.
@@ -158,6 +169,8 @@ pub struct GpuBackend {
     target: Target,
     /// A step's inputs on their way to the device (see [`StagingRing`]).
     ring: Mutex<StagingRing>,
+    /// Inputs staged while a launch was submitted and not yet waited for.
+    staged_while_running: AtomicUsize,
 }
 
 impl GpuBackend {
@@ -172,6 +185,7 @@ impl GpuBackend {
             allocator,
             target,
             ring: Mutex::new(StagingRing::default()),
+            staged_while_running: AtomicUsize::new(0),
         }
     }
 
@@ -184,6 +198,12 @@ impl GpuBackend {
     /// checked, and no more while its inputs do not grow.
     pub fn staging_buffers_created(&self) -> u64 {
         self.ring().buffers_created()
+    }
+
+    /// Inputs written into the staging ring while the launch before was still submitted and
+    /// not waited for (its results not yet read): uploads that overlapped a running step.
+    pub fn inputs_staged_while_running(&self) -> usize {
+        self.staged_while_running.load(Ordering::Relaxed)
     }
 
     /// Host-visible bytes of the input staging ring: [`transfer::RING_DEPTH`] × the step's
@@ -245,13 +265,20 @@ impl GpuBackend {
                     lost: false,
                     detail: format!("tensor `{name}` is not in this device's memory"),
                 })?;
-        // 16-bit tensors are bound as whole words: the plan's slots are aligned past them.
-        let (offset, bytes) = (
-            b.slice.offset as u64,
-            (b.slice.len as u64).next_multiple_of(4),
-        );
         let limits = self.device.limits();
         let align = u64::from(limits.min_storage_buffer_offset_alignment);
+        let offset = b.slice.offset as u64;
+        // u8 codes are bound from the aligned offset at or below theirs, whatever byte they
+        // start at; 16-bit tensors as whole words (the plan's slots are aligned past both).
+        let byte_offset = if b.meta.dtype == snug_graph::DType::U8 {
+            offset % align
+        } else {
+            0
+        };
+        let (offset, bytes) = (
+            offset - byte_offset,
+            (byte_offset + b.slice.len as u64).next_multiple_of(4),
+        );
         let fault = if !offset.is_multiple_of(4) {
             Some(format!("at byte {offset}, not a whole 4-byte word"))
         } else if bytes > limits.max_storage_buffer_binding_size {
@@ -284,13 +311,21 @@ impl GpuBackend {
             offset,
             bytes,
             staged,
+            byte_offset,
             shape: b.meta.shape.clone(),
             dtype: b.meta.dtype,
         })
     }
 
+    /// A tensor's range for a copy, in whole words: a u8 or 16-bit tensor's last word runs
+    /// into its slot's padding (slots are aligned, and persistent tensors start them).
     fn slice<'a>(&self, s: &Slice<'_>, buffer: &'a wgpu::Buffer) -> DeviceSlice<'a> {
-        DeviceSlice::of(buffer, s.offset as u64, s.len as u64)
+        let len = (s.len as u64).next_multiple_of(wgpu::COPY_BUFFER_ALIGNMENT);
+        DeviceSlice::of(
+            buffer,
+            s.offset as u64,
+            len.min(buffer.size() - s.offset as u64),
+        )
     }
 
     fn buffer_of(&self, s: &Slice<'_>) -> Result<wgpu::Buffer, RuntimeError> {
@@ -331,17 +366,6 @@ impl Backend for GpuBackend {
             .map(|t| (t.size_bytes() as u64).next_multiple_of(wgpu::MAP_ALIGNMENT))
             .sum();
         self.ring().reserve(&self.device, inputs);
-        for t in graph.tensors() {
-            if t.role.is_persistent() && t.view_of.is_none() && t.dtype != snug_graph::DType::F32 {
-                return Err(self.unsupported(
-                    "step",
-                    format!(
-                        "persistent tensor `{}` is {}; parameters and optimizer state are f32",
-                        t.name, t.dtype
-                    ),
-                ));
-            }
-        }
         Ok(())
     }
 
@@ -418,14 +442,17 @@ impl Backend for GpuBackend {
         let buffer = self.buffer_of(&dst)?;
         let n = dst.len.min(bytes.len());
         let slice = self.slice(&dst, &buffer);
+        // Copies move whole words: a ragged tail is padded with zeros.
+        let mut padded;
+        let mut data = &bytes[..n];
+        if !n.is_multiple_of(4) {
+            padded = data.to_vec();
+            padded.resize(n.next_multiple_of(4), 0);
+            data = &padded;
+        }
         let encoder = self.device.encoder("snug upload");
         self.submit_after_inputs(&mut self.ring(), encoder, |encoder| {
-            Ok(transfer::upload_in(
-                &self.device,
-                encoder,
-                &slice,
-                &bytes[..n],
-            )?)
+            Ok(transfer::upload_in(&self.device, encoder, &slice, data)?)
         })
     }
 
@@ -439,11 +466,19 @@ impl Backend for GpuBackend {
         let buffer = self.buffer_of(&dst)?;
         let n = dst.len.min(bytes.len());
         let slice = self.slice(&dst, &buffer);
+        let running = self.device.has_unwaited_work();
         if self.ring().stage(&self.device, &slice, &bytes[..n])? {
+            if running {
+                self.staged_while_running.fetch_add(1, Ordering::Relaxed);
+            }
             return Ok(());
         }
         // Copied now: queued behind the step launched last, which still reads the old input.
         self.upload(dst, bytes)
+    }
+
+    fn discard_staged_inputs(&self) {
+        self.ring().discard();
     }
 
     fn download(&self, src: Slice<'_>, out: &mut [u8]) -> Result<(), RuntimeError> {

@@ -40,6 +40,8 @@ struct Inner {
     reported: Arc<Mutex<Reported>>,
     /// Command buffers submitted so far.
     submits: AtomicU64,
+    /// Something was submitted after the last [`GpuDevice::wait`].
+    unwaited: std::sync::atomic::AtomicBool,
 }
 
 /// An opened GPU. Cheap to clone: clones share the device, its queue and its pipelines.
@@ -126,6 +128,7 @@ impl GpuDevice {
                 pipelines: Mutex::new(HashMap::new()),
                 reported,
                 submits: AtomicU64::new(0),
+                unwaited: std::sync::atomic::AtomicBool::new(false),
             }),
             limits: Arc::new(limits),
         })
@@ -205,6 +208,7 @@ impl GpuDevice {
         self.check()?;
         let index = self.inner.queue.submit([encoder.finish()]);
         self.inner.submits.fetch_add(1, Ordering::Relaxed);
+        self.inner.unwaited.store(true, Ordering::Relaxed);
         self.check()?;
         Ok(index)
     }
@@ -214,9 +218,16 @@ impl GpuDevice {
         self.inner.submits.load(Ordering::Relaxed)
     }
 
+    /// Whether work was submitted since the last [`GpuDevice::wait`]: the host has not yet
+    /// waited for (or read anything back from) the last launch.
+    pub fn has_unwaited_work(&self) -> bool {
+        self.inner.unwaited.load(Ordering::Relaxed)
+    }
+
     /// Blocks until everything submitted so far has run, then reports any error since.
     pub fn wait(&self) -> Result<()> {
         let polled = self.inner.device.poll(wgpu::PollType::wait_indefinitely());
+        self.inner.unwaited.store(false, Ordering::Relaxed);
         self.check()?;
         polled.map(|_| ()).map_err(|e| GpuError::DeviceLost {
             device: self.name().to_string(),

@@ -13,11 +13,13 @@ use crate::device::GpuDevice;
 use crate::error::{GpuError, Result};
 use crate::kernels::accumulate::{accumulate, Accumulate};
 use crate::kernels::adamw::{adamw, AdamWStep};
+use crate::kernels::adamw8bit::{adamw8bit, Moments8bit};
 use crate::kernels::attention::{
     attention_backward, attention_forward, AttentionLayout, AttentionShape,
 };
 use crate::kernels::cast::{from_half, to_half, Half};
 use crate::kernels::cross_entropy::{cross_entropy, cross_entropy_backward};
+use crate::kernels::dequantize::dequantize;
 use crate::kernels::elementwise::{binary, scale, BinaryKind};
 use crate::kernels::embedding::{embedding, embedding_backward};
 use crate::kernels::gelu::{gelu, gelu_backward, GeluForm};
@@ -43,20 +45,22 @@ const MAX_HEAD_DIM: usize = 256;
 pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
     let shape = |i: usize| &graph.tensor(node.inputs[i]).shape;
     let view = graph.is_view(node);
-    // 16-bit floats are storage: casts convert them, views look into them.
+    // 16-bit floats are storage: casts convert them, views look into them. u8 codes are
+    // read by the ops made for them.
     let casts = match &node.op {
         Op::Cast(_) => true,
         _ => view,
     };
+    let codes = view || matches!(node.op, Op::Dequantize(_) | Op::AdamW8bit(_));
     for &t in node.inputs.iter().chain(&node.outputs) {
         let m = graph.tensor(t);
         let ok = match m.dtype {
             DType::F32 | DType::I32 => true,
             DType::BF16 | DType::F16 => casts,
+            DType::U8 if codes => continue,
             DType::U8 => {
                 return Err(format!(
-                    "tensor `{}` holds u8 codes (8-bit AdamW's moments or a quantized base), \
-                     which no GPU kernel reads yet: use adamw and an unquantized base on the GPU",
+                    "tensor `{}` holds u8 codes, which only dequantize and adamw8bit read",
                     m.name
                 ))
             }
@@ -154,7 +158,9 @@ pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
         | Op::Softmax(_)
         | Op::SoftmaxBackward(_)
         | Op::LogSoftmax(_)
-        | Op::LogSoftmaxBackward(_) => Ok(()),
+        | Op::LogSoftmaxBackward(_)
+        | Op::Dequantize(_)
+        | Op::AdamW8bit(_) => Ok(()),
         Op::LayerNormLinear(_)
         | Op::LayerNormLinearBackward(_)
         | Op::GeluLinear(_)
@@ -162,20 +168,12 @@ pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
         | Op::QuantizedRead(_) => Err(
             "a CPU fusion: plan for the GPU's target, which fuses nothing (Fusions::NONE)".into(),
         ),
-        Op::Dequantize(_) => Err(
-            "`dequantize`: int8/NF4 frozen weights are dequantized by the CPU kernels only \
-             (no GPU kernel yet)"
-                .into(),
-        ),
         Op::AllReduce(_) | Op::ReduceScatter(_) | Op::AllGather(_) | Op::ShardedAdamW(_) => {
             Err(format!(
                 "`{}`: collectives across ranks run on the CPU over MPI (no GPU transport yet)",
                 node.op.name()
             ))
         }
-        Op::AdamW8bit(_) => Err(
-            "`adamw8bit` (8-bit AdamW): no GPU kernel yet; use --optimizer adamw on the GPU".into(),
-        ),
         Op::StoreSumSquares(_) => Err(
             "`store_sum_squares` (clipping by the previous step's norm): no GPU kernel yet; \
              use --clip-mode global or tensor on the GPU"
@@ -520,7 +518,37 @@ fn record_kernel(
             [input(0), input(1)],
             (n.inputs.len() > 2).then(|| input(2)),
         ),
-        Op::AdamW(_) | Op::Sgd(_) => Ok(()),
+        Op::AdamW8bit(op) if last_micro => adamw8bit(
+            device,
+            e,
+            AdamWStep {
+                beta1: op.adamw.beta1,
+                beta2: op.adamw.beta2,
+                eps: op.adamw.eps,
+                weight_decay: op.adamw.weight_decay,
+                lr: ctx.lr,
+                step: ctx.step,
+            },
+            numel(x0),
+            [input(0), input(1)],
+            Moments8bit {
+                m: n.inputs[2].bytes_slice(),
+                v: n.inputs[3].bytes_slice(),
+                m_absmax: input(4),
+                v_absmax: input(5),
+            },
+            (n.inputs.len() > 6).then(|| input(6)),
+        ),
+        Op::AdamW(_) | Op::Sgd(_) | Op::AdamW8bit(_) => Ok(()),
+        Op::Dequantize(op) => dequantize(
+            device,
+            e,
+            op.scheme,
+            (numel(y0), op.shape.last().copied().unwrap_or(1)),
+            n.inputs[0].bytes_slice(),
+            input(1),
+            output(0),
+        ),
         Op::RmsNorm(op) => {
             let c = n.inputs[1].numel();
             rms_norm(
@@ -652,9 +680,7 @@ fn record_kernel(
         | Op::ReduceScatter(_)
         | Op::AllGather(_)
         | Op::ShardedAdamW(_)
-        | Op::AdamW8bit(_)
-        | Op::StoreSumSquares(_)
-        | Op::Dequantize(_) => Err(GpuError::Unsupported {
+        | Op::StoreSumSquares(_) => Err(GpuError::Unsupported {
             device: device.name().to_string(),
             kernel: "launch",
             detail: format!("no GPU kernel for `{}`", n.op.name()),

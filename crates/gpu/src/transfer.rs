@@ -241,6 +241,14 @@ impl StagingRing {
         Ok(true)
     }
 
+    /// Drops the copies staged for the next launch; the space they took is reused.
+    pub fn discard(&mut self) {
+        if let Some(slot) = self.slots.get_mut(self.next) {
+            slot.copies.clear();
+            slot.used = 0;
+        }
+    }
+
     /// Records the pending copies at the start of `encoder`. Returns the staging buffer to
     /// hand to [`StagingRing::submitted`] once `encoder` is submitted (`None`: nothing was
     /// pending).

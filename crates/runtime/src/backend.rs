@@ -98,6 +98,10 @@ pub trait Backend: Send {
         self.upload(dst, bytes)
     }
 
+    /// Drops the inputs staged for the next launch and not yet copied (a backend that stages
+    /// inputs): their destination no longer holds the step's inputs.
+    fn discard_staged_inputs(&self) {}
+
     /// Copies device memory into host bytes (`out.len() == src.len`).
     fn download(&self, src: Slice<'_>, out: &mut [u8]) -> Result<(), RuntimeError>;
 }

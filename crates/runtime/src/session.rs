@@ -98,6 +98,19 @@ impl<B: Backend> Session<B> {
         self.arena.is_some()
     }
 
+    /// The handles of the arena chunks the nodes were last bound to (kept after
+    /// [`Session::release_arena`]): an input staged for the next launch lands where that
+    /// launch reads it only while these are unchanged.
+    pub fn bound_arena(&self) -> &[usize] {
+        &self.bound_to
+    }
+
+    /// Drops the inputs staged for the next launch and not yet copied (see
+    /// [`Backend::discard_staged_inputs`]).
+    pub fn discard_staged_inputs(&self) {
+        self.backend.discard_staged_inputs()
+    }
+
     /// Fills the arena with `byte` (for tests that prove no kernel reads arena bytes it did not
     /// write first: 0xFF makes every such f32 a NaN).
     #[cfg(feature = "test-hooks")]

@@ -200,6 +200,36 @@ impl StepSession {
         each!(self, s => s.release_arena())
     }
 
+    /// Takes the arena (if released) and binds the nodes to it, as a run would first.
+    pub fn acquire_arena(&mut self) -> Result<(), RuntimeError> {
+        each!(self, s => s.acquire_arena())
+    }
+
+    /// The arena chunks the nodes were last bound to (see `Session::bound_arena`).
+    pub fn bound_arena(&self) -> Vec<usize> {
+        each!(self, s => s.bound_arena().to_vec())
+    }
+
+    /// Whether inputs written now are staged for the next launch while the last one may still
+    /// run (a GPU): the trainer then writes the next micro-batch before reading this one's loss.
+    pub fn stages_inputs(&self) -> bool {
+        matches!(self, StepSession::Gpu(_))
+    }
+
+    /// Drops inputs staged for the next launch and not yet copied to the device.
+    pub fn discard_staged_inputs(&self) {
+        each!(self, s => s.discard_staged_inputs())
+    }
+
+    /// Inputs the GPU staged while the launch before had not been waited for: uploads that
+    /// overlapped a running step (`None` on the CPU).
+    pub fn inputs_staged_while_running(&self) -> Option<usize> {
+        match self {
+            StepSession::Cpu(_) => None,
+            StepSession::Gpu(s) => Some(s.backend().inputs_staged_while_running()),
+        }
+    }
+
     pub fn run(&mut self, ctx: ExecCtx) -> Result<(), RuntimeError> {
         each!(self, s => s.run(ctx))
     }

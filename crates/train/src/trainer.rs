@@ -104,8 +104,16 @@ pub struct Trainer {
     forward: Vec<bool>,
     /// Batches of the coming steps, drawn on a background thread.
     prefetch: Prefetcher,
-    /// The batch of a step that failed, kept for the retry.
+    /// The batch of a step that failed, kept for the retry, or of the next step, drawn while
+    /// the step before ran.
     pending: Option<Batch>,
+    /// Inputs of the micro-batch written while the one before ran (a GPU): which one, and
+    /// the arena chunks they were staged into.
+    staged: Option<StagedInputs>,
+    /// Whether the next micro-batch's inputs are written while the current one runs.
+    input_prefetch: bool,
+    /// Micro-batches that ran on inputs written while the one before ran.
+    prefetched: u64,
     /// Kernel timings for the recovery search; loaded from the calibration cache when first
     /// needed, else nominal.
     machine: Option<MachineProfile>,
@@ -119,6 +127,14 @@ pub struct Trainer {
     /// finite, or a kernel failed in the last micro-batch): the state is no longer the one
     /// after `step` steps, and must not be saved as such.
     state_dirty: bool,
+}
+
+/// A micro-batch's inputs, staged for the next launch while the micro-batch before ran.
+#[derive(Debug, Clone, PartialEq)]
+struct StagedInputs {
+    step: u64,
+    micro: usize,
+    arena: Vec<usize>,
 }
 
 /// A change of configuration made to carry on after running out of memory mid-step.
@@ -317,6 +333,9 @@ impl Trainer {
             forward,
             prefetch,
             pending: None,
+            staged: None,
+            input_prefetch: true,
+            prefetched: 0,
             machine: None,
             recoveries: Vec::new(),
             scaler,
@@ -330,6 +349,7 @@ impl Trainer {
     /// keeps its parameters and optimizer state in place, and its loss mask. On an allocation
     /// failure nothing changes.
     pub fn reconfigure(&mut self, mut config: TrainConfig) -> Result<(), TrainError> {
+        self.drop_staged();
         config.loss_mask = self.config.loss_mask;
         if config.batch != self.config.batch || config.block != self.config.block {
             return Err(TrainError::Config {
@@ -394,6 +414,7 @@ impl Trainer {
     /// After `oom` at micro-batch `micro` of `step`: the fastest configuration whose plan fits
     /// under the limit, switched to. The step is then redone from its first micro-batch.
     fn recover(&mut self, step: u64, micro: usize, oom: OutOfMemory) -> Result<(), TrainError> {
+        self.drop_staged();
         if self.config.devices > 1 {
             // Every rank would have to agree on the new configuration and redo the step
             // together; until they do, the run stops with the error.
@@ -600,6 +621,7 @@ impl Trainer {
     /// name and shape, both ways.
     pub fn restore(&mut self, ckpt: &Checkpoint) -> Result<(), TrainError> {
         self.check_state_is_whole()?;
+        self.drop_staged();
         let bad = |detail: String| TrainError::Checkpoint {
             path: PathBuf::from("<checkpoint>"),
             detail,
@@ -705,7 +727,7 @@ impl Trainer {
             Some(b) if b.step == step => b,
             _ => self.drawn_batch(step)?,
         };
-        let result = self.run_batch(&batch, step, profile);
+        let result = self.run_batch(&batch, step, profile, true);
         if result.is_err() {
             // The step did not happen: its batch is the next one tried.
             self.pending = Some(batch);
@@ -741,7 +763,93 @@ impl Trainer {
     /// [`Trainer::train_step`].
     pub fn step_on(&mut self, batch: &Batch) -> Result<StepStats, TrainError> {
         self.check_batch(batch)?;
-        Ok(self.run_batch(batch, self.step + 1, false)?.0)
+        // The staged inputs are the drawn batch's, not this one's.
+        self.drop_staged();
+        Ok(self.run_batch(batch, self.step + 1, false, false)?.0)
+    }
+
+    /// Whether the trainer writes the next micro-batch's inputs while the current one runs,
+    /// where the device stages inputs (a GPU; on by default). Which batches train, and so every
+    /// loss, is the same either way.
+    pub fn set_input_prefetch(&mut self, on: bool) {
+        self.input_prefetch = on;
+        if !on {
+            self.drop_staged();
+        }
+    }
+
+    /// Micro-batches so far that ran on inputs written while the micro-batch before ran.
+    pub fn prefetched_micro_batches(&self) -> u64 {
+        self.prefetched
+    }
+
+    /// Forgets inputs staged for the next micro-batch, and drops their copies.
+    fn drop_staged(&mut self) {
+        if self.staged.take().is_some() {
+            self.session.discard_staged_inputs();
+        }
+    }
+
+    /// Each micro-batch's loss divisor for `batch`: its counted targets over the step's
+    /// micro-batches, so the mean of their losses, and of their gradients, is the mean over
+    /// every counted target of the step, however the counts fall between micro-batches.
+    fn divisor(&self, batch: &Batch) -> f32 {
+        let micro_batches = self.config.accumulation * self.config.devices;
+        (batch.counted() as f64 / micro_batches as f64) as f32
+    }
+
+    /// Writes micro-batch `micro` of `batch` into the step's inputs (the loss scale apart).
+    fn write_inputs(
+        &mut self,
+        batch: &Batch,
+        divisor: f32,
+        micro: usize,
+    ) -> Result<(), TrainError> {
+        let k = self.config.accumulation;
+        let chunk = self.config.micro_batch() * self.config.block;
+        let vocab = self.model.vocab_size();
+        // This rank's slice of the step's batch: micro-batches `rank·k ..` of the batch one
+        // process would split into `devices·k`.
+        let first = world().0 * k + micro;
+        let range = first * chunk..(first + 1) * chunk;
+        let (x, y) = (&batch.x[range.clone()], &batch.y[range.clone()]);
+        self.session
+            .fill_i32(self.tokens, vocab, |out| out.copy_from_slice(x))?;
+        self.session
+            .fill_i32(self.targets, vocab, |out| out.copy_from_slice(y))?;
+        let mask = batch.mask.as_ref().map(|m| &m[range]);
+        self.write_loss_mask(mask, chunk, divisor)
+    }
+
+    /// While micro-batch `micro` of `step` runs: stages the inputs of the one after (the next
+    /// micro-batch of `batch`, or the first of the next step's batch, drawn now and kept as
+    /// pending). The data position is the step number, so a staged batch never used changes
+    /// nothing. A failure here only leaves the next micro-batch to write its inputs itself.
+    fn stage_next(&mut self, batch: &Batch, divisor: f32, step: u64, micro: usize) {
+        let staged = if micro + 1 < self.config.accumulation {
+            self.write_inputs(batch, divisor, micro + 1)
+                .map(|()| (step, micro + 1))
+        } else {
+            let next = match self.pending.take() {
+                Some(b) if b.step == step + 1 => Ok(b),
+                _ => self.drawn_batch(step + 1),
+            };
+            next.and_then(|next| {
+                let written = self.write_inputs(&next, self.divisor(&next), 0);
+                self.pending = Some(next);
+                written.map(|()| (step + 1, 0))
+            })
+        };
+        match staged {
+            Ok((step, micro)) => {
+                self.staged = Some(StagedInputs {
+                    step,
+                    micro,
+                    arena: self.session.bound_arena(),
+                })
+            }
+            Err(_) => self.session.discard_staged_inputs(),
+        }
     }
 
     /// Whether `batch` fits this trainer's step.
@@ -783,19 +891,19 @@ impl Trainer {
         Ok(())
     }
 
+    /// With `drawn`, `batch` is the data's own for `step`, and the next step's may be staged
+    /// while its last micro-batch runs.
     fn run_batch(
         &mut self,
         batch: &Batch,
         step: u64,
         profile: bool,
+        drawn: bool,
     ) -> Result<(StepStats, Vec<f64>), TrainError> {
         let lr = self.schedule.at(step);
-        // Every micro-batch's loss is divided by the step's counted targets over its
-        // micro-batches, so their mean, and that of their gradients, is the mean over every
-        // counted target of the step, however the counts fall between micro-batches.
         let loss_tokens = batch.counted();
         let micro_batches = self.config.accumulation * self.config.devices;
-        let divisor = (loss_tokens as f64 / micro_batches as f64) as f32;
+        let divisor = self.divisor(batch);
         let start = Instant::now();
         let mut recoveries = 0;
         // An out-of-memory error comes before any kernel of its micro-batch runs, and the
@@ -807,7 +915,8 @@ impl Trainer {
             let mut losses = Vec::with_capacity(k);
             let mut grad_norm = None;
             for micro in 0..k {
-                match self.micro_step(batch, divisor, step, lr, micro, profile) {
+                let stage_next = drawn || micro + 1 < k;
+                match self.micro_step(batch, divisor, (step, micro), lr, profile, stage_next) {
                     Ok((loss, norm, times)) => {
                         losses.push(loss);
                         grad_norm = grad_norm.or(norm);
@@ -891,25 +1000,31 @@ impl Trainer {
         &mut self,
         batch: &Batch,
         divisor: f32,
-        step: u64,
+        (step, micro): (u64, usize),
         lr: f32,
-        micro: usize,
         profile: bool,
+        stage_next: bool,
     ) -> Result<(f32, Option<f32>, Vec<f64>), TrainError> {
         let k = self.config.accumulation;
-        let chunk = self.config.micro_batch() * self.config.block;
-        let vocab = self.model.vocab_size();
-        // This rank's slice of the step's batch: micro-batches `rank·k ..` of the batch one
-        // process would split into `devices·k`.
-        let first = world().0 * k + micro;
-        let range = first * chunk..(first + 1) * chunk;
-        let (x, y) = (&batch.x[range.clone()], &batch.y[range.clone()]);
-        self.session
-            .fill_i32(self.tokens, vocab, |out| out.copy_from_slice(x))?;
-        self.session
-            .fill_i32(self.targets, vocab, |out| out.copy_from_slice(y))?;
-        let mask = batch.mask.as_ref().map(|m| &m[range]);
-        self.write_loss_mask(mask, chunk, divisor)?;
+        // Inputs staged while the micro-batch before ran land where this run reads them only
+        // if it holds the arena they were staged into.
+        let staged = match self.staged.take() {
+            Some(s) if (s.step, s.micro) == (step, micro) => {
+                if let Err(e) = self.session.acquire_arena() {
+                    self.session.discard_staged_inputs();
+                    return Err(e.into());
+                }
+                s.arena == self.session.bound_arena()
+            }
+            Some(_) => false,
+            None => false,
+        };
+        if staged {
+            self.prefetched += 1;
+        } else {
+            self.session.discard_staged_inputs();
+            self.write_inputs(batch, divisor, micro)?;
+        }
         if let (Some(t), Some(s)) = (self.step_graph.loss_scale, self.scaler) {
             self.session.write_f32(t, &[s.scale])?;
         }
@@ -926,6 +1041,11 @@ impl Trainer {
             self.session.run(ctx)?;
             Vec::new()
         };
+        // The step is submitted and runs on its own (a GPU): the next micro-batch's inputs go
+        // into the staging ring now, before the loss read waits for the step.
+        if stage_next && !profile && self.input_prefetch && self.session.stages_inputs() {
+            self.stage_next(batch, divisor, step, micro);
+        }
         let loss = self.session.read_f32(self.step_graph.loss)?[0];
         let grad_norm = match self.step_graph.grad_norm {
             Some(t) if micro + 1 == k => Some(self.session.read_f32(t)?[0]),
@@ -962,6 +1082,8 @@ impl Trainer {
     /// split, running the forward pass alone: parameters and optimizer state are untouched.
     /// Under a loss mask, the mean over the targets it counts in all of them.
     pub fn evaluate(&mut self) -> Result<EvalStats, TrainError> {
+        // Evaluation writes its own inputs over the staged ones.
+        self.drop_staged();
         let start = Instant::now();
         let data = self.data.clone();
         let (train_loss, train_loss_tokens) = self.mean_loss(&data.train)?;

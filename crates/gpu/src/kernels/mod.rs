@@ -13,9 +13,11 @@
 
 pub mod accumulate;
 pub mod adamw;
+pub mod adamw8bit;
 pub mod attention;
 pub mod cast;
 pub mod cross_entropy;
+pub mod dequantize;
 pub mod elementwise;
 pub mod embedding;
 pub mod fill;
@@ -62,6 +64,70 @@ pub(crate) fn prelude(subgroups: bool) -> &'static str {
     } else {
         PRELUDE_PLAIN
     }
+}
+
+/// A u8 tensor as kernels bind it: the words of `words`, its first byte `offset` bytes into
+/// them (four codes to a little-endian word; a view may start at any byte).
+#[derive(Debug, Clone, Copy)]
+pub struct ByteSlice<'a> {
+    pub words: DeviceSlice<'a>,
+    pub offset: u64,
+}
+
+impl<'a> ByteSlice<'a> {
+    /// A tensor that starts at the binding's first byte.
+    pub fn at_start(words: DeviceSlice<'a>) -> ByteSlice<'a> {
+        ByteSlice { words, offset: 0 }
+    }
+
+    /// Checks that `n` bytes from `offset` lie in the binding, naming the tensor `what`.
+    pub(crate) fn need(&self, device: &GpuDevice, what: &str, n: usize) -> Result<()> {
+        let want = self.offset + n as u64;
+        if self.words.bytes() < want {
+            return Err(GpuError::Binding {
+                device: device.name().to_string(),
+                what: what.to_string(),
+                detail: format!(
+                    "{} bytes bound, {want} needed ({n} codes from byte {})",
+                    self.words.bytes(),
+                    self.offset
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// `x` as a WGSL f32 literal of exactly its bits (a hexadecimal float; finite `x`).
+pub(crate) fn wgsl_f32(x: f32) -> String {
+    if x == 0.0 {
+        return if x.is_sign_negative() {
+            "-0.0f"
+        } else {
+            "0.0f"
+        }
+        .into();
+    }
+    let bits = x.to_bits();
+    let sign = if bits >> 31 == 1 { "-" } else { "" };
+    let exp = ((bits >> 23) & 0xff) as i32;
+    let mant = bits & 0x7f_ffff;
+    if exp == 0 {
+        // Subnormal: 0.m × 2^-126.
+        format!("{sign}0x0.{:06x}p-126f", mant << 1)
+    } else {
+        format!("{sign}0x1.{:06x}p{}f", mant << 1, exp - 127)
+    }
+}
+
+/// `name` as a WGSL `const` array of `values`, each exactly its bits.
+pub(crate) fn wgsl_table(name: &str, values: &[f32]) -> String {
+    let items: Vec<String> = values.iter().map(|&v| wgsl_f32(v)).collect();
+    format!(
+        "const {name} = array<f32, {}>({});",
+        values.len(),
+        items.join(", ")
+    )
 }
 
 /// Threads of the one-dimensional kernels' workgroups (WebGPU's guaranteed minimum).

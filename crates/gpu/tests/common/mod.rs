@@ -60,6 +60,8 @@ pub enum Init {
     I32(Vec<i32>),
     /// `n` floats the kernel is expected to write: filled with NaN so a missed element shows.
     Out(usize),
+    /// Bytes (u8 codes, or anything a test lays out by hand), zero-padded to a whole word.
+    U8(Vec<u8>),
 }
 
 impl Init {
@@ -68,6 +70,11 @@ impl Init {
             Init::F32(v) => bytemuck::cast_slice(v).to_vec(),
             Init::I32(v) => bytemuck::cast_slice(v).to_vec(),
             Init::Out(n) => bytemuck::cast_slice(&vec![f32::NAN; *n]).to_vec(),
+            Init::U8(v) => {
+                let mut v = v.clone();
+                v.resize(v.len().next_multiple_of(4), 0);
+                v
+            }
         }
     }
 }
@@ -117,6 +124,11 @@ impl Tensors {
 
     pub fn read(&self, i: usize) -> Vec<f32> {
         transfer::download_f32(self.device, &self.get(i)).expect("download")
+    }
+
+    /// Tensor `i`'s bytes (its whole words).
+    pub fn read_bytes(&self, i: usize) -> Vec<u8> {
+        transfer::download(self.device, &self.get(i)).expect("download")
     }
 
     /// Records with `f` into a fresh encoder, submits and waits.

@@ -14,6 +14,7 @@ mod losses;
 mod matmul;
 mod norms;
 mod optimizers;
+mod quantized;
 mod reshaping;
 mod rope;
 mod subgroups;
