@@ -166,12 +166,15 @@ pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
              (no GPU kernel yet)"
                 .into(),
         ),
-        Op::AllReduce(_) | Op::ReduceScatter(_) | Op::AllGather(_) | Op::ShardedAdamW(_) => {
-            Err(format!(
-                "`{}`: collectives across ranks run on the CPU over MPI (no GPU transport yet)",
-                node.op.name()
-            ))
-        }
+        Op::AllReduce(_)
+        | Op::ReduceScatter(_)
+        | Op::AllGather(_)
+        | Op::ShardedAdamW(_)
+        | Op::CollectiveStart(_)
+        | Op::CollectiveWait(_) => Err(format!(
+            "`{}`: collectives across ranks run on the CPU over MPI (no GPU transport yet)",
+            node.op.name()
+        )),
         Op::AdamW8bit(_) => Err(
             "`adamw8bit` (8-bit AdamW): no GPU kernel yet; use --optimizer adamw on the GPU".into(),
         ),
@@ -650,6 +653,8 @@ fn record_kernel(
         | Op::ReduceScatter(_)
         | Op::AllGather(_)
         | Op::ShardedAdamW(_)
+        | Op::CollectiveStart(_)
+        | Op::CollectiveWait(_)
         | Op::AdamW8bit(_)
         | Op::StoreSumSquares(_)
         | Op::Dequantize(_) => Err(GpuError::Unsupported {

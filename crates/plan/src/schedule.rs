@@ -2,9 +2,15 @@
 //! runs as soon as it is complete dies at once, instead of waiting with every other gradient
 //! for an update phase at the end.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, VecDeque};
 
+use snug_graph::ops::Op;
 use snug_graph::{Graph, NodeId, Role, TensorId};
+
+/// Buckets whose collective may be in flight at once before the oldest is waited for: each
+/// holds its in-flight buffer, so the bound keeps ZeRO-2 from holding every whole gradient
+/// until the backward ends.
+pub const MAX_IN_FLIGHT: usize = 2;
 
 /// How to order the nodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -13,7 +19,8 @@ pub enum ScheduleKind {
     /// The order the graph was built in (forward, backward, then every optimizer update).
     Program,
     /// A list schedule that runs, among the nodes whose inputs are ready, the one that frees
-    /// the most bytes (or allocates the fewest), ties broken by program order.
+    /// the most bytes (or allocates the fewest), ties broken by program order; a split
+    /// collective's start as soon as it is ready, its wait as late as allowed.
     MemoryAware,
 }
 
@@ -118,8 +125,43 @@ pub fn memory_aware_order(graph: &Graph) -> Vec<NodeId> {
 
     let mut ready: BTreeSet<usize> = (0..nodes.len()).filter(|&i| waiting[i] == 0).collect();
     let mut order = Vec::with_capacity(nodes.len());
-    while let Some(best) = ready.iter().copied().min_by_key(|&i| (delta(i, &uses), i)) {
+    // Split collectives: a start runs as soon as it can, its wait as late as its readers and
+    // the bound on buckets in flight allow (oldest first), so the backward overlaps them.
+    let is_wait = |i: usize| matches!(nodes[i].op, Op::CollectiveWait(_));
+    let mut in_flight: VecDeque<usize> = VecDeque::new();
+    let next = |ready: &BTreeSet<usize>, in_flight: &VecDeque<usize>, uses: &[usize]| {
+        if let Some(&s) = ready
+            .iter()
+            .find(|&&i| matches!(nodes[i].op, Op::CollectiveStart(_)))
+        {
+            return Some(s);
+        }
+        let oldest = in_flight.front().copied().filter(|w| ready.contains(w));
+        if in_flight.len() > MAX_IN_FLIGHT {
+            if let Some(w) = oldest {
+                return Some(w);
+            }
+        }
+        ready
+            .iter()
+            .copied()
+            .filter(|&i| !is_wait(i))
+            .min_by_key(|&i| (delta(i, uses), i))
+            .or(oldest)
+            .or_else(|| ready.iter().copied().next())
+    };
+    while let Some(best) = next(&ready, &in_flight, &uses) {
         ready.remove(&best);
+        if matches!(nodes[best].op, Op::CollectiveStart(_)) {
+            in_flight.extend(
+                nodes[best]
+                    .outputs
+                    .iter()
+                    .flat_map(|o| consumers[o.index()].iter().copied())
+                    .filter(|&c| is_wait(c)),
+            );
+        }
+        in_flight.retain(|&w| w != best);
         order.push(NodeId(best as u32));
         for &t in &nodes[best].inputs {
             uses[root[t.index()].index()] -= 1;
@@ -138,6 +180,126 @@ pub fn memory_aware_order(graph: &Graph) -> Vec<NodeId> {
     }
     debug_assert_eq!(order.len(), nodes.len(), "the builder's graphs are acyclic");
     order
+}
+
+/// Whether `graph` has collectives split into a start and a wait, which only the memory-aware
+/// order overlaps with the backward.
+pub fn has_split_collectives(graph: &Graph) -> bool {
+    graph
+        .nodes()
+        .iter()
+        .any(|n| matches!(n.op, Op::CollectiveStart(_)))
+}
+
+/// How the split collectives of a step overlap its backward pass in `schedule`: where each
+/// starts and is waited for, and where the backward ends. `forward_nodes` is the step's count
+/// of forward nodes (they come first in program order).
+pub fn overlap(graph: &Graph, schedule: &[NodeId], forward_nodes: usize) -> Overlap {
+    let mut position = vec![0usize; graph.nodes().len()];
+    for (p, n) in schedule.iter().enumerate() {
+        position[n.index()] = p;
+    }
+    // The backward: what the collectives' inputs are computed from, past the forward.
+    let mut backward = vec![false; graph.nodes().len()];
+    let mut stack: Vec<TensorId> = graph
+        .nodes()
+        .iter()
+        .filter(|n| matches!(n.op, Op::CollectiveStart(_)))
+        .flat_map(|n| n.inputs.iter().copied())
+        .collect();
+    let mut seen = vec![false; graph.tensors().len()];
+    while let Some(t) = stack.pop() {
+        if std::mem::replace(&mut seen[t.index()], true) {
+            continue;
+        }
+        let Some(p) = graph.producer(t) else {
+            continue;
+        };
+        let node = graph.node(p);
+        let collective = matches!(node.op, Op::CollectiveStart(_) | Op::CollectiveWait(_));
+        if p.index() >= forward_nodes && !collective {
+            backward[p.index()] = true;
+        }
+        stack.extend(node.inputs.iter().copied());
+    }
+    let backward_end = schedule.iter().rposition(|n| backward[n.index()]);
+    let mut collectives = Vec::new();
+    for &n in schedule {
+        let node = graph.node(n);
+        let Op::CollectiveStart(start) = &node.op else {
+            continue;
+        };
+        let wait = node
+            .outputs
+            .first()
+            .and_then(|&o| {
+                graph
+                    .nodes()
+                    .iter()
+                    .position(|m| matches!(m.op, Op::CollectiveWait(_)) && m.inputs == [o])
+            })
+            .map(|w| position[w]);
+        let ready_at = node
+            .inputs
+            .iter()
+            .filter_map(|&t| graph.producer(t))
+            .map(|p| position[p.index()])
+            .max();
+        collectives.push(CollectiveSpan {
+            op: node.op.name(),
+            tensors: node.inputs.len(),
+            bytes: node
+                .inputs
+                .iter()
+                .map(|&t| graph.tensor(t).size_bytes())
+                .sum(),
+            once_per_step: start.op.once_per_step(),
+            ready_at,
+            start: position[n.index()],
+            wait,
+        });
+    }
+    Overlap {
+        backward_end,
+        collectives,
+    }
+}
+
+/// See [`overlap`]; positions are in the schedule.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Overlap {
+    /// The backward's last node (`None` without split collectives).
+    pub backward_end: Option<usize>,
+    /// In the order they start.
+    pub collectives: Vec<CollectiveSpan>,
+}
+
+impl Overlap {
+    /// Collectives that start before the backward's last node: their bytes travel while
+    /// the backward runs.
+    pub fn overlapped(&self) -> usize {
+        self.collectives
+            .iter()
+            .filter(|c| self.backward_end.is_some_and(|end| c.start < end))
+            .count()
+    }
+}
+
+/// One split collective in a schedule.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct CollectiveSpan {
+    /// `all_reduce_start` or `reduce_scatter_start`.
+    pub op: &'static str,
+    /// Gradients in its bucket, and their bytes.
+    pub tensors: usize,
+    pub bytes: usize,
+    /// Runs on the last micro-batch only (it reads summed gradients).
+    pub once_per_step: bool,
+    /// Where the last of its gradients is made.
+    pub ready_at: Option<usize>,
+    /// Where it starts and where it is waited for.
+    pub start: usize,
+    pub wait: Option<usize>,
 }
 
 /// The order for `kind`.

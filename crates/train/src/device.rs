@@ -200,6 +200,11 @@ impl StepSession {
         each!(self, s => s.release_arena())
     }
 
+    /// Takes the arena for the next run, if it was released.
+    pub fn acquire_arena(&mut self) -> Result<(), RuntimeError> {
+        each!(self, s => s.acquire_arena())
+    }
+
     pub fn run(&mut self, ctx: ExecCtx) -> Result<(), RuntimeError> {
         each!(self, s => s.run(ctx))
     }

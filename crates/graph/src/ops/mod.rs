@@ -39,7 +39,10 @@ pub use adamw8bit::AdamW8bit;
 pub use attention::{CausalAttention, CausalAttentionBackward};
 pub use broadcast::{broadcast_shape, broadcasts_to};
 pub use cast::Cast;
-pub use collective::{shard_len, AllGather, AllReduce, ReduceScatter, ShardedAdamW};
+pub use collective::{
+    shard_len, AllGather, AllReduce, Bucketed, CollectiveStart, CollectiveWait, ReduceScatter,
+    ShardedAdamW,
+};
 pub use cross_entropy::{CrossEntropy, CrossEntropyBackward};
 pub use dequantize::{Dequantize, QuantScheme, QuantizeBase};
 pub use elementwise::{Binary, BinaryKind, Scale};
@@ -217,6 +220,8 @@ ops!(
     AdamW8bit,
     StoreSumSquares,
     Dequantize,
+    CollectiveStart,
+    CollectiveWait,
 );
 
 impl Op {
