@@ -7,10 +7,11 @@ use std::collections::{BTreeSet, VecDeque};
 use snug_graph::ops::Op;
 use snug_graph::{Graph, NodeId, Role, TensorId};
 
-/// Buckets whose collective may be in flight at once before the oldest is waited for: each
-/// holds its in-flight buffer, so the bound keeps ZeRO-2 from holding every whole gradient
-/// until the backward ends.
-pub const MAX_IN_FLIGHT: usize = 2;
+/// Bytes of in-flight buffers that collectives may hold at once before the oldest is waited
+/// for (one more may always start): two all-reduces of 25 MiB buckets, each holding what it
+/// sends and what it receives. The bound keeps ZeRO-2 from holding every whole gradient until
+/// the backward ends.
+pub const MAX_IN_FLIGHT_BYTES: usize = 100 << 20;
 
 /// How to order the nodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -128,19 +129,24 @@ pub fn memory_aware_order(graph: &Graph) -> Vec<NodeId> {
     // Split collectives: a start runs as soon as it can, its wait as late as its readers and
     // the bound on buckets in flight allow (oldest first), so the backward overlaps them.
     let is_wait = |i: usize| matches!(nodes[i].op, Op::CollectiveWait(_));
-    let mut in_flight: VecDeque<usize> = VecDeque::new();
-    let next = |ready: &BTreeSet<usize>, in_flight: &VecDeque<usize>, uses: &[usize]| {
+    // Waits of started collectives, oldest first, with their buffers' bytes.
+    let mut in_flight: VecDeque<(usize, usize)> = VecDeque::new();
+    let next = |ready: &BTreeSet<usize>, in_flight: &VecDeque<(usize, usize)>, uses: &[usize]| {
+        let oldest = in_flight
+            .front()
+            .map(|&(w, _)| w)
+            .filter(|w| ready.contains(w));
+        let bytes: usize = in_flight.iter().map(|&(_, b)| b).sum();
+        if in_flight.len() > 1 && bytes > MAX_IN_FLIGHT_BYTES {
+            if let Some(w) = oldest {
+                return Some(w);
+            }
+        }
         if let Some(&s) = ready
             .iter()
             .find(|&&i| matches!(nodes[i].op, Op::CollectiveStart(_)))
         {
             return Some(s);
-        }
-        let oldest = in_flight.front().copied().filter(|w| ready.contains(w));
-        if in_flight.len() > MAX_IN_FLIGHT {
-            if let Some(w) = oldest {
-                return Some(w);
-            }
         }
         ready
             .iter()
@@ -153,15 +159,17 @@ pub fn memory_aware_order(graph: &Graph) -> Vec<NodeId> {
     while let Some(best) = next(&ready, &in_flight, &uses) {
         ready.remove(&best);
         if matches!(nodes[best].op, Op::CollectiveStart(_)) {
-            in_flight.extend(
-                nodes[best]
-                    .outputs
-                    .iter()
-                    .flat_map(|o| consumers[o.index()].iter().copied())
-                    .filter(|&c| is_wait(c)),
-            );
+            for &o in &nodes[best].outputs {
+                let bytes = graph.tensor(o).size_bytes();
+                in_flight.extend(
+                    consumers[o.index()]
+                        .iter()
+                        .filter(|&&c| is_wait(c))
+                        .map(|&c| (c, bytes)),
+                );
+            }
         }
-        in_flight.retain(|&w| w != best);
+        in_flight.retain(|&(w, _)| w != best);
         order.push(NodeId(best as u32));
         for &t in &nodes[best].inputs {
             uses[root[t.index()].index()] -= 1;
@@ -254,6 +262,11 @@ pub fn overlap(graph: &Graph, schedule: &[NodeId], forward_nodes: usize) -> Over
                 .map(|&t| graph.tensor(t).size_bytes())
                 .sum(),
             once_per_step: start.op.once_per_step(),
+            in_flight_bytes: node
+                .outputs
+                .iter()
+                .map(|&t| graph.tensor(t).size_bytes())
+                .sum(),
             ready_at,
             start: position[n.index()],
             wait,
@@ -295,6 +308,9 @@ pub struct CollectiveSpan {
     pub bytes: usize,
     /// Runs on the last micro-batch only (it reads summed gradients).
     pub once_per_step: bool,
+    /// Bytes of its in-flight buffer (what it sends and what it receives), held from start to
+    /// wait.
+    pub in_flight_bytes: usize,
     /// Where the last of its gradients is made.
     pub ready_at: Option<usize>,
     /// Where it starts and where it is waited for.

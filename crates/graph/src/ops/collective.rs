@@ -200,17 +200,23 @@ impl OpRule for AllGather {
     }
 
     /// The gradient of a gathered weight is every rank's gradient averaged, scattered back
-    /// into shards: the loss is the mean of the ranks' losses.
+    /// into shards: the loss is the mean of the ranks' losses. The scatter is split into a
+    /// start and a wait, so the backward runs on while it travels.
     fn backward(&self, ctx: &mut GradCtx<'_>) -> Result<()> {
         if self.into {
             return Err(no_gradient(self.name()));
         }
         if let (Some(g), true) = (ctx.grad_out(0), ctx.wants(0)) {
-            let op = ReduceScatter {
+            let op = Bucketed::ReduceScatter(ReduceScatter {
                 ranks: self.ranks,
                 once_per_step: false,
+            });
+            let in_flight = ctx.apply1(CollectiveStart { op }, &[g])?;
+            let wait = CollectiveWait {
+                op,
+                shapes: vec![self.shape.clone()],
             };
-            let shard = ctx.apply1(op, &[g])?;
+            let shard = ctx.apply1(wait, &[in_flight])?;
             ctx.set_grad(0, shard);
         }
         Ok(())
