@@ -68,6 +68,9 @@ struct DistributedReport {
     link_gb_per_s: Option<f64>,
     /// Communication time per step over the link, nothing overlapped.
     predicted_comm_ms: Option<f64>,
+    /// Where each bucketed gradient collective starts and is waited for in the schedule, and
+    /// where the backward ends: the bytes of those starting before it travel while it runs.
+    overlap: snug_plan::Overlap,
 }
 
 /// A memory plan's figures, as both reports give them.
@@ -422,6 +425,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
                 comm,
                 link_gb_per_s: args.link,
                 predicted_comm_ms: args.link.map(|l| comm.seconds(l) * 1e3),
+                overlap: snug_plan::overlap(&step.graph, &memory_plan.schedule, step.forward_nodes),
             }
         }),
     };
@@ -517,6 +521,15 @@ pub fn run(args: PlanArgs) -> Result<()> {
                 _ => String::new(),
             }
         );
+        let o = &d.overlap;
+        if !o.collectives.is_empty() {
+            println!(
+                "gradient buckets: {} collectives, {} started before the backward ends (at op {})",
+                o.collectives.len(),
+                o.overlapped(),
+                o.backward_end.map_or(0, |e| e + 1)
+            );
+        }
     }
     for s in &report.passes {
         println!(

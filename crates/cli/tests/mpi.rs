@@ -324,3 +324,130 @@ fn a_killed_rank_ends_the_job_within_seconds() {
         "ended within seconds"
     );
 }
+
+/// The losses of a `--json` run's steps, by step.
+fn step_losses(o: &Output) -> Vec<(u64, serde_json::Value)> {
+    lines(o, "step")
+        .iter()
+        .map(|l| {
+            (
+                l["step"].as_u64().expect("a step number"),
+                l["loss"].clone(),
+            )
+        })
+        .collect()
+}
+
+/// The tiny model with activations enough that a smaller micro-batch or remat lowers the
+/// peak at ZeRO stage 0 (at RUN's shape the persistent state sets it).
+const OOM_RUN: [&str; 16] = [
+    "train",
+    "--preset",
+    "tiny",
+    "--steps",
+    "5",
+    "--batch",
+    "16",
+    "--block",
+    "64",
+    "--threads",
+    "1",
+    "--eval-every",
+    "0",
+    "--warmup-steps",
+    "2",
+    "--json",
+];
+
+#[test]
+fn an_out_of_memory_on_one_rank_is_recovered_by_all_with_no_step_lost() {
+    if let Err(reason) = mpirun() {
+        return snug_testkit::skip_or_fail(&reason);
+    }
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let (hit, straight, direct) = (
+        dir.path().join("hit"),
+        dir.path().join("straight"),
+        dir.path().join("direct"),
+    );
+    // Rank 1 alone runs out of memory taking step 3's memory (under a limit one byte below
+    // its planned peak); rank 0's memory is fine.
+    let mut cmd = mpirun().expect("checked above");
+    let o = cmd
+        .args([
+            "-x",
+            "SNUG_INJECT_OOM",
+            "-np",
+            "2",
+            env!("CARGO_BIN_EXE_snug"),
+        ])
+        .args(OOM_RUN)
+        .args(["--out", hit.to_str().unwrap()])
+        .env("SNUG_INJECT_OOM", "1:3")
+        .current_dir(dir.path())
+        .output()
+        .expect("mpirun runs");
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    // No step lost: five steps, each once, and one recovery, at step 3, from rank 1's failure.
+    let losses = step_losses(&o);
+    assert_eq!(
+        losses.iter().map(|l| l.0).collect::<Vec<_>>(),
+        [1, 2, 3, 4, 5]
+    );
+    let recoveries = lines(&o, "recovery");
+    assert_eq!(recoveries.len(), 1, "{}", text(&o.stdout));
+    let r = &recoveries[0];
+    assert_eq!((r["step"].as_u64(), r["rank"].as_u64()), (Some(3), Some(1)));
+    assert!(r["to_peak_bytes"].as_u64() < r["from_peak_bytes"].as_u64());
+    // Recovery changes how the step runs (micro-batch and remat here), never what it trains.
+    for key in ["passes", "precision", "shard", "levers"] {
+        assert_eq!(r["to"][key], r["from"][key], "{key}");
+    }
+    let metrics = std::fs::read_to_string(hit.join("metrics.jsonl")).expect("rank 0's metrics");
+    assert_eq!(
+        metrics.matches("\"kind\":\"recovery\"").count(),
+        1,
+        "{metrics}"
+    );
+    // The same run without the failure, saved after step 2.
+    let s = two_ranks(
+        dir.path(),
+        &[
+            &OOM_RUN[..],
+            &[
+                "--out",
+                straight.to_str().unwrap(),
+                "--checkpoint-every",
+                "2",
+            ],
+        ]
+        .concat(),
+    );
+    assert_eq!(step_losses(&s)[..2], losses[..2]);
+    // From that checkpoint, started directly in the configuration the ranks recovered to:
+    // steps 3 to 5 and the final weights are bitwise those of the recovered run.
+    std::fs::create_dir(&direct).unwrap();
+    let name = "ckpt-00000002.safetensors";
+    std::fs::copy(straight.join(name), direct.join(name)).expect("the step-2 checkpoint");
+    let accumulation = r["to"]["accumulation"].to_string();
+    let remat = r["to"]["remat"]
+        .as_str()
+        .expect("remat as text")
+        .to_string();
+    let d = two_ranks(
+        dir.path(),
+        &[
+            "train",
+            "--resume",
+            direct.to_str().unwrap(),
+            "--json",
+            "--accumulation",
+            &accumulation,
+            "--remat",
+            &remat,
+        ],
+    );
+    assert!(lines(&d, "recovery").is_empty());
+    assert_eq!(step_losses(&d)[..], losses[2..]);
+    assert_eq!(weights(&direct), weights(&hit));
+}

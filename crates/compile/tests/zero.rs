@@ -169,3 +169,88 @@ fn sgd_refuses_sharding_optimizer_state() {
     .expect_err("stage 1 with SGD is refused");
     assert!(err.to_string().contains("SGD keeps none"), "{err}");
 }
+
+/// Gradient collectives (bucketed under stages 0–2, one per weight under stage 3) are split
+/// into a start and a wait, and the schedule overlaps them with the backward: each starts as
+/// soon as its last gradient exists (only other collectives between them), every one but the one
+/// holding the backward's last gradients starts before the backward ends, its wait comes
+/// after more of the backward has run, and what is in flight stays within
+/// `MAX_IN_FLIGHT_BYTES`.
+#[test]
+fn bucketed_collectives_start_early_and_wait_late() {
+    let m = model();
+    for (stage, accumulation) in [
+        (0u8, 1usize),
+        (0, 2),
+        (1, 1),
+        (2, 1),
+        (2, 2),
+        (3, 1),
+        (3, 2),
+    ] {
+        let config = StepConfig {
+            accumulation,
+            ..StepConfig::default()
+        };
+        let shape = StepShape::per_rank(4 * accumulation, 16, 2, accumulation).unwrap();
+        // Small buckets, so that the tiny model's gradients fill several.
+        let sharding = Sharding {
+            bucket_bytes: 16 << 10,
+            ..Sharding::new(2, stage).unwrap()
+        };
+        let c = compile_sharded(&m, shape, cpu(), &config, &sharding).unwrap();
+        let graph = &c.step.graph;
+        let planned = plan(graph, &PlanOptions::default()).unwrap();
+        let o = snug_plan::overlap(graph, &planned.schedule, c.step.forward_nodes);
+        let what = format!("stage {stage}, accumulation {accumulation}");
+        assert!(
+            o.collectives.len() >= 3,
+            "{what}: {} buckets",
+            o.collectives.len()
+        );
+        let end = o.backward_end.expect("a backward");
+        let op = |p: usize| &graph.node(planned.schedule[p]).op;
+        for (i, c) in o.collectives.iter().enumerate() {
+            let ready = c.ready_at.expect("gradients computed in the step");
+            assert!(
+                (ready + 1..c.start)
+                    .all(|p| matches!(op(p), Op::CollectiveStart(_) | Op::CollectiveWait(_))),
+                "{what}: bucket {i} made at {ready}, started at {}",
+                c.start
+            );
+            let wait = c.wait.expect("every start has its wait");
+            assert!(wait > c.start);
+            if i + 1 < o.collectives.len() {
+                assert!(
+                    c.start < end,
+                    "{what}: bucket {i} starts at {} ≥ {end}",
+                    c.start
+                );
+                assert!(
+                    (c.start + 1..wait)
+                        .any(|p| !matches!(op(p), Op::CollectiveStart(_) | Op::CollectiveWait(_))),
+                    "{what}: bucket {i} waited for at once"
+                );
+            }
+            // What was in flight when it started: within the bound, or a single collective.
+            let before: Vec<usize> = o
+                .collectives
+                .iter()
+                .filter(|d| d.start < c.start && d.wait.is_some_and(|w| w > c.start))
+                .map(|d| d.in_flight_bytes)
+                .collect();
+            assert!(
+                before.len() <= 1
+                    || before.iter().sum::<usize>() <= snug_plan::schedule::MAX_IN_FLIGHT_BYTES,
+                "{what}: {before:?} in flight at bucket {i}"
+            );
+        }
+        assert_eq!(o.overlapped(), o.collectives.len() - 1, "{what}");
+        // No gradient collective is left blocking (the all-reduce left sums one scalar per
+        // weight for the norm).
+        assert!(!graph
+            .nodes()
+            .iter()
+            .any(|n| matches!(n.op, Op::ReduceScatter(_))));
+    }
+}

@@ -132,6 +132,7 @@ impl Backend for CpuBackend {
                     )
                 };
                 crate::kernels::run(&n.op, &kernel);
+                crate::kernels::collective::progress();
                 if let (Some(times), Some(start)) = (times.as_deref_mut(), start) {
                     times.push(start.elapsed().as_secs_f64());
                 }
@@ -176,6 +177,8 @@ fn check_world(graph: &Graph) -> Result<(), RuntimeError> {
             Op::ReduceScatter(op) => op.ranks,
             Op::AllGather(op) => op.ranks,
             Op::ShardedAdamW(op) => op.ranks,
+            Op::CollectiveStart(op) => op.op.ranks(),
+            Op::CollectiveWait(op) => op.op.ranks(),
             _ => continue,
         };
         if ranks != size {

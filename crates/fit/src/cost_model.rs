@@ -256,6 +256,8 @@ impl MachineProfile {
             Op::AllReduce(c) if c.once_per_step => t,
             Op::ReduceScatter(c) if c.once_per_step => t,
             Op::AllGather(c) if c.once_per_step => t,
+            Op::CollectiveStart(c) if c.op.once_per_step() => t,
+            Op::CollectiveWait(c) if c.op.once_per_step() => t,
             _ => t * micro_steps.max(1) as f64,
         }
     }

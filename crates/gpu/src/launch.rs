@@ -168,12 +168,15 @@ pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
         | Op::QuantizedRead(_) => Err(
             "a CPU fusion: plan for the GPU's target, which fuses nothing (Fusions::NONE)".into(),
         ),
-        Op::AllReduce(_) | Op::ReduceScatter(_) | Op::AllGather(_) | Op::ShardedAdamW(_) => {
-            Err(format!(
-                "`{}`: collectives across ranks run on the CPU over MPI (no GPU transport yet)",
-                node.op.name()
-            ))
-        }
+        Op::AllReduce(_)
+        | Op::ReduceScatter(_)
+        | Op::AllGather(_)
+        | Op::ShardedAdamW(_)
+        | Op::CollectiveStart(_)
+        | Op::CollectiveWait(_) => Err(format!(
+            "`{}`: collectives across ranks run on the CPU over MPI (no GPU transport yet)",
+            node.op.name()
+        )),
         Op::StoreSumSquares(_) => Err(
             "`store_sum_squares` (clipping by the previous step's norm): no GPU kernel yet; \
              use --clip-mode global or tensor on the GPU"
@@ -680,6 +683,8 @@ fn record_kernel(
         | Op::ReduceScatter(_)
         | Op::AllGather(_)
         | Op::ShardedAdamW(_)
+        | Op::CollectiveStart(_)
+        | Op::CollectiveWait(_)
         | Op::StoreSumSquares(_) => Err(GpuError::Unsupported {
             device: device.name().to_string(),
             kernel: "launch",

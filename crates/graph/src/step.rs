@@ -5,8 +5,8 @@
 use serde::{Deserialize, Serialize};
 
 use crate::ops::{
-    adamw8bit, AccumulateGrad, AdamW, AdamW8bit, AllGather, AllReduce, GradNorm, ReduceScatter,
-    Sgd, ShardedAdamW, StoreSumSquares, SumSquares,
+    adamw8bit, AccumulateGrad, AdamW, AdamW8bit, AllGather, AllReduce, Bucketed, CollectiveStart,
+    CollectiveWait, GradNorm, ReduceScatter, Sgd, ShardedAdamW, StoreSumSquares, SumSquares,
 };
 use crate::zero::{unsharded_shape, Sharding};
 use crate::{backward_seeded, DType, Graph, GraphError, Result, Role, TensorId};
@@ -589,12 +589,14 @@ impl StepGraph {
 
 /// `op` (a bucketable collective) over `tensors`, in buckets of about `bucket_bytes` taken
 /// from the last tensor back, the order the backward completes gradients in; returns the
-/// outputs in the order of `tensors`.
+/// outputs in the order of `tensors`. Each bucket is a [`CollectiveStart`] and a
+/// [`CollectiveWait`]: the schedule starts it as soon as its last gradient exists and waits
+/// for it as late as its readers allow, so the backward runs while the bucket travels.
 fn bucketed(
     graph: &mut Graph,
     tensors: &[TensorId],
     bucket_bytes: usize,
-    op: crate::ops::Op,
+    op: Bucketed,
 ) -> Result<Vec<TensorId>> {
     let mut out = vec![None; tensors.len()];
     let mut bucket: Vec<usize> = Vec::new();
@@ -604,7 +606,13 @@ fn bucketed(
         bytes += graph.tensor(tensors[i]).size_bytes();
         if bytes >= bucket_bytes || i == 0 {
             let inputs: Vec<TensorId> = bucket.iter().map(|&k| tensors[k]).collect();
-            let outs = graph.apply(op.clone(), &inputs)?;
+            let in_flight = graph.apply1(CollectiveStart { op }, &inputs)?;
+            graph.set_role(in_flight, Role::Gradient);
+            let shapes = inputs
+                .iter()
+                .map(|&t| graph.tensor(t).shape.clone())
+                .collect();
+            let outs = graph.apply(CollectiveWait { op, shapes }, &[in_flight])?;
             for (&k, o) in bucket.iter().zip(outs) {
                 graph.set_role(o, Role::Gradient);
                 out[k] = Some(o);

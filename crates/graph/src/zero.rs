@@ -13,7 +13,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::ops::{AllGather, AllReduce, Op, ReduceScatter};
+use crate::ops::{shard_len, AllGather, AllReduce, Bucketed, CollectiveStart, Op, ReduceScatter};
 use crate::passes::{copy_node, Rewritten};
 use crate::{Graph, GraphError, Result, Role, TensorId};
 
@@ -240,6 +240,28 @@ pub fn comm_per_rank(graph: &Graph, micro_steps: usize) -> CommVolume {
             Op::AllGather(g) => {
                 let shard = bytes(&node.inputs[0]);
                 (g.ranks, g.once_per_step, (g.ranks as u64 - 1) * shard)
+            }
+            // A split collective moves its bytes once, counted at its start.
+            Op::CollectiveStart(CollectiveStart { op }) => {
+                let r = op.ranks() as u64;
+                let per_run = match op {
+                    Bucketed::AllReduce(_) => {
+                        let b: u64 = node.inputs.iter().map(bytes).sum();
+                        (2 * (r - 1) * b).div_ceil(r.max(1))
+                    }
+                    Bucketed::ReduceScatter(_) => {
+                        let shards: u64 = node
+                            .inputs
+                            .iter()
+                            .map(|t| {
+                                let m = graph.tensor(*t);
+                                (shard_len(m.numel(), op.ranks()) * m.dtype.size_bytes()) as u64
+                            })
+                            .sum();
+                        (r - 1) * shards
+                    }
+                };
+                (op.ranks(), op.once_per_step(), per_run)
             }
             _ => continue,
         };

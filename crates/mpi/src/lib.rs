@@ -116,6 +116,15 @@ pub struct MpiTransport {
     size: usize,
     /// The all-reduce's send copy (MPI's in-place flag is not portable through the bindings).
     scratch: Mutex<Vec<f32>>,
+    /// Collectives started and not yet waited for, by the address of their receive buffer.
+    in_flight: Mutex<Vec<InFlight>>,
+}
+
+/// A started collective: its requests (one per MPI-sized chunk).
+#[cfg(feature = "mpi")]
+struct InFlight {
+    recv: usize,
+    requests: Vec<mpi::ffi::MPI_Request>,
 }
 
 // SAFETY: the communicator is a handle MPI lets any thread use under
@@ -136,7 +145,12 @@ impl MpiTransport {
             rank,
             size,
             scratch: Mutex::new(Vec::new()),
+            in_flight: Mutex::new(Vec::new()),
         }
+    }
+
+    fn in_flight(&self) -> std::sync::MutexGuard<'_, Vec<InFlight>> {
+        self.in_flight.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -189,5 +203,87 @@ impl Transport for MpiTransport {
         check_count("an all-gather block", send.len());
         let _serial = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         self.world.all_gather_into(send, recv);
+    }
+
+    // The `mpi` crate ties a request to a scope the buffers outlive; here the buffers are
+    // planned tensors the step keeps until the wait, so the requests are held raw.
+    unsafe fn start_all_reduce_sum(&self, send: &[f32], recv: &mut [f32]) {
+        use mpi::ffi;
+        use mpi::raw::AsRaw;
+        assert_eq!(send.len(), recv.len(), "equal buffers");
+        let key = recv.as_ptr() as usize;
+        let mut requests = Vec::new();
+        for (s, r) in send.chunks(MAX_COUNT).zip(recv.chunks_mut(MAX_COUNT)) {
+            let mut request = ffi::RSMPI_REQUEST_NULL;
+            // The default error handler aborts the job on failure, so the code is always
+            // success.
+            ffi::MPI_Iallreduce(
+                s.as_ptr().cast(),
+                r.as_mut_ptr().cast(),
+                s.len() as i32,
+                ffi::RSMPI_FLOAT,
+                ffi::RSMPI_SUM,
+                self.world.as_raw(),
+                &mut request,
+            );
+            requests.push(request);
+        }
+        self.in_flight().push(InFlight {
+            recv: key,
+            requests,
+        });
+    }
+
+    unsafe fn start_reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) {
+        use mpi::ffi;
+        use mpi::raw::AsRaw;
+        assert_eq!(send.len(), recv.len() * self.size, "equal blocks");
+        check_count("a reduce-scatter block", recv.len());
+        let mut request = ffi::RSMPI_REQUEST_NULL;
+        ffi::MPI_Ireduce_scatter_block(
+            send.as_ptr().cast(),
+            recv.as_mut_ptr().cast(),
+            recv.len() as i32,
+            ffi::RSMPI_FLOAT,
+            ffi::RSMPI_SUM,
+            self.world.as_raw(),
+            &mut request,
+        );
+        self.in_flight().push(InFlight {
+            recv: recv.as_ptr() as usize,
+            requests: vec![request],
+        });
+    }
+
+    fn wait(&self, recv: usize) {
+        let started = {
+            let mut in_flight = self.in_flight();
+            let at = in_flight.iter().position(|f| f.recv == recv);
+            // Start and wait are nodes of one schedule, run in order on every rank.
+            at.map(|i| in_flight.remove(i))
+        };
+        let Some(mut started) = started else {
+            panic!("a collective was waited for that was never started");
+        };
+        for request in &mut started.requests {
+            // SAFETY: a request this transport started (or already completed, then null).
+            unsafe { mpi::ffi::MPI_Wait(request, mpi::ffi::RSMPI_STATUS_IGNORE) };
+        }
+    }
+
+    fn progress(&self) {
+        let mut in_flight = self.in_flight();
+        // SAFETY: reads a constant handle.
+        let null = unsafe { mpi::ffi::RSMPI_REQUEST_NULL };
+        // One test drives MPI's progress engine for every request in flight.
+        let pending = in_flight
+            .iter_mut()
+            .flat_map(|f| f.requests.iter_mut())
+            .find(|r| **r != null);
+        if let Some(request) = pending {
+            let mut done = 0;
+            // SAFETY: as in `wait`; a completed request becomes null, which `wait` accepts.
+            unsafe { mpi::ffi::MPI_Test(request, &mut done, mpi::ffi::RSMPI_STATUS_IGNORE) };
+        }
     }
 }

@@ -21,5 +21,5 @@ pub use placement::{
     place, place_best, place_best_in_chunks, place_in_chunks, place_with, Interval, Placement,
     Strategy,
 };
-pub use schedule::{schedule, ScheduleKind};
+pub use schedule::{overlap, schedule, CollectiveSpan, Overlap, ScheduleKind};
 pub use size::{parse_bytes, SizeError};

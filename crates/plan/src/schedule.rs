@@ -2,9 +2,16 @@
 //! runs as soon as it is complete dies at once, instead of waiting with every other gradient
 //! for an update phase at the end.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, VecDeque};
 
+use snug_graph::ops::Op;
 use snug_graph::{Graph, NodeId, Role, TensorId};
+
+/// Bytes of in-flight buffers that collectives may hold at once before the oldest is waited
+/// for (one more may always start): two all-reduces of 25 MiB buckets, each holding what it
+/// sends and what it receives. The bound keeps ZeRO-2 from holding every whole gradient until
+/// the backward ends.
+pub const MAX_IN_FLIGHT_BYTES: usize = 100 << 20;
 
 /// How to order the nodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -13,7 +20,8 @@ pub enum ScheduleKind {
     /// The order the graph was built in (forward, backward, then every optimizer update).
     Program,
     /// A list schedule that runs, among the nodes whose inputs are ready, the one that frees
-    /// the most bytes (or allocates the fewest), ties broken by program order.
+    /// the most bytes (or allocates the fewest), ties broken by program order; a split
+    /// collective's start as soon as it is ready, its wait as late as allowed.
     MemoryAware,
 }
 
@@ -116,22 +124,69 @@ pub fn memory_aware_order(graph: &Graph) -> Vec<NodeId> {
         d
     };
 
-    // Ready nodes keyed by (delta, index). A node's delta changes only when a use of one of
-    // its unpinned inputs runs, so only those readers are re-keyed: picking the best ready
-    // node no longer scans every ready node, which made scheduling quadratic.
-    let mut key: Vec<i64> = vec![0; nodes.len()];
+    // Split collectives: a start runs as soon as it can, its wait as late as its readers and
+    // the bound on buckets in flight allow (oldest first), so the backward overlaps them.
+    let is_wait = |i: usize| matches!(nodes[i].op, Op::CollectiveWait(_));
+    let is_start = |i: usize| matches!(nodes[i].op, Op::CollectiveStart(_));
+    // Other ready nodes are keyed by (delta, index). A node's delta changes only when a use of
+    // one of its unpinned inputs runs, so only those readers are re-keyed: picking the best
+    // ready node no longer scans every ready node, which made scheduling quadratic.
     let max_inputs = nodes.iter().map(|n| n.inputs.len()).max().unwrap_or(0);
+    let mut key: Vec<i64> = vec![0; nodes.len()];
     let mut is_ready = vec![false; nodes.len()];
-    let mut ready: BTreeSet<(i64, usize)> = BTreeSet::new();
-    for i in (0..nodes.len()).filter(|&i| waiting[i] == 0) {
-        key[i] = delta(i, &uses);
-        is_ready[i] = true;
-        ready.insert((key[i], i));
-    }
+    let mut keyed: BTreeSet<(i64, usize)> = BTreeSet::new();
+    let mut starts: BTreeSet<usize> = BTreeSet::new();
+    let mut waits: BTreeSet<usize> = BTreeSet::new();
+    let mut ready_now: Vec<usize> = (0..nodes.len()).filter(|&i| waiting[i] == 0).collect();
+    // Waits of started collectives, oldest first, with their buffers' bytes.
+    let mut in_flight: VecDeque<(usize, usize)> = VecDeque::new();
+    let mut in_flight_bytes = 0usize;
     let mut order = Vec::with_capacity(nodes.len());
     let mut touched: Vec<TensorId> = Vec::new();
-    while let Some((_, best)) = ready.pop_first() {
+    loop {
+        for c in ready_now.drain(..) {
+            is_ready[c] = true;
+            if is_start(c) {
+                starts.insert(c);
+            } else if is_wait(c) {
+                waits.insert(c);
+            } else {
+                key[c] = delta(c, &uses);
+                keyed.insert((key[c], c));
+            }
+        }
+        let oldest = in_flight.front().map(|&(w, _)| w).filter(|&w| is_ready[w]);
+        let best =
+            if in_flight.len() > 1 && in_flight_bytes > MAX_IN_FLIGHT_BYTES && oldest.is_some() {
+                oldest
+            } else {
+                starts
+                    .first()
+                    .copied()
+                    .or_else(|| keyed.first().map(|&(_, i)| i))
+                    .or(oldest)
+                    .or_else(|| waits.first().copied())
+            };
+        let Some(best) = best else { break };
         is_ready[best] = false;
+        if !(starts.remove(&best) || waits.remove(&best)) {
+            keyed.remove(&(key[best], best));
+        }
+        if is_start(best) {
+            for &o in &nodes[best].outputs {
+                let bytes = graph.tensor(o).size_bytes();
+                for &c in consumers[o.index()].iter().filter(|&&c| is_wait(c)) {
+                    in_flight.push_back((c, bytes));
+                    in_flight_bytes += bytes;
+                }
+            }
+        }
+        in_flight.retain(|&(w, b)| {
+            if w == best {
+                in_flight_bytes -= b;
+            }
+            w != best
+        });
         order.push(NodeId(best as u32));
         touched.clear();
         for &t in &nodes[best].inputs {
@@ -148,12 +203,12 @@ pub fn memory_aware_order(graph: &Graph) -> Vec<NodeId> {
                 continue;
             }
             for &c in &readers[r.index()] {
-                if is_ready[c] {
+                if is_ready[c] && !is_start(c) && !is_wait(c) {
                     let d = delta(c, &uses);
                     if d != key[c] {
-                        ready.remove(&(key[c], c));
+                        keyed.remove(&(key[c], c));
                         key[c] = d;
-                        ready.insert((d, c));
+                        keyed.insert((d, c));
                     }
                 }
             }
@@ -166,14 +221,140 @@ pub fn memory_aware_order(graph: &Graph) -> Vec<NodeId> {
         for &c in unblocked {
             waiting[c] -= 1;
             if waiting[c] == 0 {
-                key[c] = delta(c, &uses);
-                is_ready[c] = true;
-                ready.insert((key[c], c));
+                ready_now.push(c);
             }
         }
     }
     debug_assert_eq!(order.len(), nodes.len(), "the builder's graphs are acyclic");
     order
+}
+
+/// Whether `graph` has collectives split into a start and a wait, which only the memory-aware
+/// order overlaps with the backward.
+pub fn has_split_collectives(graph: &Graph) -> bool {
+    graph
+        .nodes()
+        .iter()
+        .any(|n| matches!(n.op, Op::CollectiveStart(_)))
+}
+
+/// How the split collectives of a step overlap its backward pass in `schedule`: where each
+/// starts and is waited for, and where the backward ends. `forward_nodes` is the step's count
+/// of forward nodes (they come first in program order).
+pub fn overlap(graph: &Graph, schedule: &[NodeId], forward_nodes: usize) -> Overlap {
+    let mut position = vec![0usize; graph.nodes().len()];
+    for (p, n) in schedule.iter().enumerate() {
+        position[n.index()] = p;
+    }
+    // The backward: what the collectives' inputs are computed from, past the forward.
+    let mut backward = vec![false; graph.nodes().len()];
+    let mut stack: Vec<TensorId> = graph
+        .nodes()
+        .iter()
+        .filter(|n| matches!(n.op, Op::CollectiveStart(_)))
+        .flat_map(|n| n.inputs.iter().copied())
+        .collect();
+    let mut seen = vec![false; graph.tensors().len()];
+    while let Some(t) = stack.pop() {
+        if std::mem::replace(&mut seen[t.index()], true) {
+            continue;
+        }
+        let Some(p) = graph.producer(t) else {
+            continue;
+        };
+        let node = graph.node(p);
+        let collective = matches!(node.op, Op::CollectiveStart(_) | Op::CollectiveWait(_));
+        if p.index() >= forward_nodes && !collective {
+            backward[p.index()] = true;
+        }
+        stack.extend(node.inputs.iter().copied());
+    }
+    let backward_end = schedule.iter().rposition(|n| backward[n.index()]);
+    let mut collectives = Vec::new();
+    for &n in schedule {
+        let node = graph.node(n);
+        let Op::CollectiveStart(start) = &node.op else {
+            continue;
+        };
+        let wait = node
+            .outputs
+            .first()
+            .and_then(|&o| {
+                graph
+                    .nodes()
+                    .iter()
+                    .position(|m| matches!(m.op, Op::CollectiveWait(_)) && m.inputs == [o])
+            })
+            .map(|w| position[w]);
+        let ready_at = node
+            .inputs
+            .iter()
+            .filter_map(|&t| graph.producer(t))
+            .map(|p| position[p.index()])
+            .max();
+        collectives.push(CollectiveSpan {
+            op: node.op.name(),
+            tensors: node.inputs.len(),
+            bytes: node
+                .inputs
+                .iter()
+                .map(|&t| graph.tensor(t).size_bytes())
+                .sum(),
+            once_per_step: start.op.once_per_step(),
+            in_flight_bytes: node
+                .outputs
+                .iter()
+                .map(|&t| graph.tensor(t).size_bytes())
+                .sum(),
+            ready_at,
+            start: position[n.index()],
+            wait,
+        });
+    }
+    Overlap {
+        backward_end,
+        collectives,
+    }
+}
+
+/// See [`overlap`]; positions are in the schedule.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Overlap {
+    /// The backward's last node (`None` without split collectives).
+    pub backward_end: Option<usize>,
+    /// In the order they start.
+    pub collectives: Vec<CollectiveSpan>,
+}
+
+impl Overlap {
+    /// Collectives that start before the backward's last node: their bytes travel while
+    /// the backward runs.
+    pub fn overlapped(&self) -> usize {
+        self.collectives
+            .iter()
+            .filter(|c| self.backward_end.is_some_and(|end| c.start < end))
+            .count()
+    }
+}
+
+/// One split collective in a schedule.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct CollectiveSpan {
+    /// `all_reduce_start` or `reduce_scatter_start`.
+    pub op: &'static str,
+    /// Gradients in its bucket, and their bytes.
+    pub tensors: usize,
+    pub bytes: usize,
+    /// Runs on the last micro-batch only (it reads summed gradients).
+    pub once_per_step: bool,
+    /// Bytes of its in-flight buffer (what it sends and what it receives), held from start to
+    /// wait.
+    pub in_flight_bytes: usize,
+    /// Where the last of its gradients is made.
+    pub ready_at: Option<usize>,
+    /// Where it starts and where it is waited for.
+    pub start: usize,
+    pub wait: Option<usize>,
 }
 
 /// The order for `kind`.

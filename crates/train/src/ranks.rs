@@ -5,6 +5,7 @@
 
 use snug_cpu::kernels::collective::installed;
 use snug_plan::MemoryPlan;
+use snug_runtime::{Device, OutOfMemory};
 
 use crate::{TokenDataset, TrainConfig, TrainError};
 
@@ -110,4 +111,67 @@ pub(crate) fn check_agreement(
             .collect::<Vec<_>>()
             .join("; "),
     })
+}
+
+/// 16-bit words of a byte count, each exact in f32 (the transport moves f32).
+fn words(n: usize) -> [f32; 4] {
+    let n = n as u64;
+    [0, 1, 2, 3].map(|i| ((n >> (16 * i)) & 0xffff) as f32)
+}
+
+fn from_words(w: &[f32]) -> usize {
+    let n = w
+        .iter()
+        .enumerate()
+        .fold(0u64, |n, (i, &x)| n | ((x as u64) << (16 * i)));
+    usize::try_from(n).unwrap_or(usize::MAX)
+}
+
+/// Whether any rank ran out of memory taking its arena for a micro-batch (`mine`: this rank's
+/// failure): the failure of the lowest such rank, and that rank, so that every rank recovers
+/// from the same failure to the same configuration. Every rank calls it at the same point of
+/// each micro-batch, before the step's first collective; in a world of one it is `mine`.
+pub(crate) fn first_out_of_memory(mine: Option<&OutOfMemory>) -> Option<(usize, OutOfMemory)> {
+    let Some(t) = installed() else {
+        return mine.map(|oom| (0, oom.clone()));
+    };
+    let mut status = vec![0.0f32; 17];
+    if let Some(oom) = mine {
+        status[0] = 1.0;
+        for (i, n) in [oom.requested, oom.limit, oom.active, oom.cached]
+            .into_iter()
+            .enumerate()
+        {
+            status[1 + 4 * i..5 + 4 * i].copy_from_slice(&words(n));
+        }
+    }
+    let mut all = vec![0.0; status.len() * t.size()];
+    t.all_gather(&status, &mut all);
+    let (rank, s) = all
+        .chunks_exact(status.len())
+        .enumerate()
+        .find(|(_, s)| s[0] == 1.0)?;
+    let field = |i: usize| from_words(&s[1 + 4 * i..5 + 4 * i]);
+    Some((
+        rank,
+        OutOfMemory {
+            requested: field(0),
+            limit: field(1),
+            active: field(2),
+            cached: field(3),
+            device: mine.map_or(Device::Cpu, |oom| oom.device),
+        },
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_counts_cross_as_16_bit_words_exactly() {
+        for n in [0, 1, 65_535, 65_536, 328_174_080, usize::MAX] {
+            assert_eq!(from_words(&words(n)), n);
+        }
+    }
 }

@@ -127,6 +127,11 @@ pub struct Trainer {
     /// finite, or a kernel failed in the last micro-batch): the state is no longer the one
     /// after `step` steps, and must not be saved as such.
     state_dirty: bool,
+    /// The rank whose memory ran out in the failure being recovered from.
+    oom_rank: usize,
+    /// Whether `SNUG_INJECT_OOM` has fired (once a run).
+    #[cfg(feature = "test-hooks")]
+    oom_injected: bool,
 }
 
 /// A micro-batch's inputs, staged for the next launch while the micro-batch before ran.
@@ -143,6 +148,8 @@ pub struct Recovery {
     /// The step that was redone, and the micro-batch where the allocation failed.
     pub step: u64,
     pub micro: usize,
+    /// The rank whose memory ran out (0 in one process); every rank recovered with it.
+    pub rank: usize,
     pub failure: MemoryFailure,
     pub from: FitConfig,
     pub to: FitConfig,
@@ -341,6 +348,9 @@ impl Trainer {
             scaler,
             resumed_at: None,
             state_dirty: false,
+            oom_rank: 0,
+            #[cfg(feature = "test-hooks")]
+            oom_injected: false,
         })
     }
 
@@ -413,49 +423,88 @@ impl Trainer {
 
     /// After `oom` at micro-batch `micro` of `step`: the fastest configuration whose plan fits
     /// under the limit, switched to. The step is then redone from its first micro-batch.
+    ///
+    /// Over several ranks every rank calls this with the same failure (that of the lowest rank
+    /// whose memory ran out, [`crate::ranks::first_out_of_memory`]) and chooses the same
+    /// configuration from what they share: the configuration, the plan, and nominal kernel
+    /// timings rather than each machine's calibration. The ZeRO stage stays.
     fn recover(&mut self, step: u64, micro: usize, oom: OutOfMemory) -> Result<(), TrainError> {
         self.drop_staged();
-        if self.config.devices > 1 {
-            // Every rank would have to agree on the new configuration and redo the step
-            // together; until they do, the run stops with the error.
-            return Err(TrainError::Runtime(RuntimeError::OutOfMemory(oom)));
-        }
         let failure = MemoryFailure {
             limit: oom.limit,
             requested: oom.requested,
             active: oom.active,
         };
         let threads = self.config.threads;
-        let machine = self.machine.get_or_insert_with(|| {
-            crate::calibration::cached(threads).unwrap_or_else(|| MachineProfile::nominal(threads))
-        });
-        let from = FitConfig::of(&self.config.step_config(), self.config.batch);
+        let devices = self.config.devices;
+        let nominal;
+        let machine = if devices > 1 {
+            nominal = MachineProfile::nominal(1);
+            &nominal
+        } else {
+            self.machine.get_or_insert_with(|| {
+                crate::calibration::cached(threads)
+                    .unwrap_or_else(|| MachineProfile::nominal(threads))
+            })
+        };
+        let from = FitConfig {
+            micro_batch: self.config.micro_batch(),
+            shard: self.config.shard,
+            ..FitConfig::of(&self.config.step_config(), self.config.batch)
+        };
         // A lever mid-run would change what is being trained: recovery adds none.
         let fit_model = self
             .config
             .fit_model(self.model.clone())
             .allowing_levers(snug_fit::Levers::none());
         let from_peak_bytes = self.session.plan().peak_bytes();
-        let report = Search::new(
-            &fit_model,
-            self.config.target(),
-            failure.budget(from_peak_bytes),
-        )
-        .recovering_from(&from)
-        .choose(machine)
-        .map_err(|e| TrainError::Unrecoverable {
+        let unrecoverable = |e: snug_fit::FitError| TrainError::Unrecoverable {
             step,
             failure: oom.clone(),
             detail: e.to_string(),
-        })?;
-        let Some(chosen) = report.chosen() else {
-            return Err(report.nothing_fits().into());
+        };
+        let search = Search::new(
+            &fit_model,
+            self.config.target(),
+            failure.budget(from_peak_bytes),
+        );
+        let chosen = if devices > 1 {
+            // One rank's step at this stage: the whole batch stays, spread as before.
+            let report = search
+                .devices(devices)
+                .effective_batch(self.config.batch)
+                .max_micro_batch(from.micro_batch)
+                .run(machine)
+                .map_err(unrecoverable)?;
+            let fastest = report
+                .candidates
+                .iter()
+                .filter(|c| c.config.shard == from.shard)
+                .filter(|c| c.peak_bytes.is_some_and(|p| p <= report.budget))
+                .filter_map(|c| Some((c, c.predicted_seconds?)))
+                .min_by(|a, b| a.1.total_cmp(&b.1))
+                .map(|(c, _)| c.clone());
+            match fastest {
+                Some(c) => c,
+                None => return Err(report.nothing_fits().into()),
+            }
+        } else {
+            let report = search
+                .recovering_from(&from)
+                .choose(machine)
+                .map_err(unrecoverable)?;
+            match report.chosen() {
+                Some(c) => c.clone(),
+                None => return Err(report.nothing_fits().into()),
+            }
         };
         let to = chosen.config.clone();
         let to_peak_bytes = chosen.peak_bytes.unwrap_or(0);
         let mut config = self.config.clone();
         config.apply_fit(&to);
         self.reconfigure(config)?;
+        // Ranks that chose differently would wait for each other's collectives for ever.
+        crate::ranks::check_agreement(&self.config, self.session.plan(), &self.data)?;
         // Reported to the caller as a `Recovery`; logged here for debugging only, so a user
         // reads one message per event.
         tracing::debug!(
@@ -464,6 +513,7 @@ impl Trainer {
         self.recoveries.push(Recovery {
             step,
             micro,
+            rank: self.oom_rank,
             failure,
             from,
             to,
@@ -902,14 +952,15 @@ impl Trainer {
     ) -> Result<(StepStats, Vec<f64>), TrainError> {
         let lr = self.schedule.at(step);
         let loss_tokens = batch.counted();
-        let micro_batches = self.config.accumulation * self.config.devices;
-        let divisor = self.divisor(batch);
         let start = Instant::now();
         let mut recoveries = 0;
         // An out-of-memory error comes before any kernel of its micro-batch runs, and the
         // update runs on the last micro-batch only: redoing the step from the first micro-batch
         // with a smaller plan loses nothing (the first micro-batch overwrites the gradient sums).
-        let (losses, grad_norm, node_times) = 'attempt: loop {
+        let (losses, grad_norm, node_times, micro_batches) = 'attempt: loop {
+            // Counted again on each attempt: a recovery may have changed the accumulation.
+            let micro_batches = self.config.accumulation * self.config.devices;
+            let divisor = self.divisor(batch);
             let k = self.config.accumulation;
             let mut node_times: Vec<f64> = Vec::new();
             let mut losses = Vec::with_capacity(k);
@@ -945,7 +996,7 @@ impl Trainer {
                     }
                 }
             }
-            break (losses, grad_norm, node_times);
+            break (losses, grad_norm, node_times, micro_batches);
         };
         let secs = start.elapsed().as_secs_f64();
         // The mean over every micro-batch of every rank, summed in the order one process
@@ -1006,19 +1057,17 @@ impl Trainer {
         stage_next: bool,
     ) -> Result<(f32, Option<f32>, Vec<f64>), TrainError> {
         let k = self.config.accumulation;
-        // Inputs staged while the micro-batch before ran land where this run reads them only
-        // if it holds the arena they were staged into.
-        let staged = match self.staged.take() {
-            Some(s) if (s.step, s.micro) == (step, micro) => {
-                if let Err(e) = self.session.acquire_arena() {
-                    self.session.discard_staged_inputs();
-                    return Err(e.into());
-                }
-                s.arena == self.session.bound_arena()
-            }
-            Some(_) => false,
-            None => false,
-        };
+        // Every rank takes its memory (and learns whether any rank ran out) exactly once per
+        // micro-batch. Inputs staged while the micro-batch before ran land where this run
+        // reads them only if it holds the arena they were staged into.
+        let staged = self.staged.take();
+        if let Err(e) = self.take_memory(step) {
+            self.session.discard_staged_inputs();
+            return Err(e);
+        }
+        let staged = staged.is_some_and(|s| {
+            (s.step, s.micro) == (step, micro) && s.arena == self.session.bound_arena()
+        });
         if staged {
             self.prefetched += 1;
         } else {
@@ -1053,6 +1102,58 @@ impl Trainer {
         };
         self.session.release_arena()?;
         Ok((loss, grad_norm, times))
+    }
+
+    /// Takes the memory of a micro-batch of `step`. Over several ranks, every rank then learns
+    /// whether any rank's memory ran out, before the step's first collective (where the others
+    /// would wait for the failed rank for ever): then each gives its memory back and fails
+    /// with that rank's out-of-memory, and all recover together.
+    fn take_memory(&mut self, step: u64) -> Result<(), TrainError> {
+        let taken = self.session.acquire_arena();
+        #[cfg(feature = "test-hooks")]
+        let taken = self.inject_oom(step, taken);
+        #[cfg(not(feature = "test-hooks"))]
+        let _ = step;
+        let mine = match taken {
+            Ok(()) => None,
+            Err(RuntimeError::OutOfMemory(oom)) => Some(oom),
+            Err(e) => return Err(e.into()),
+        };
+        match crate::ranks::first_out_of_memory(mine.as_ref()) {
+            None => Ok(()),
+            Some((rank, oom)) => {
+                self.session.release_arena()?;
+                self.oom_rank = rank;
+                Err(TrainError::Runtime(RuntimeError::OutOfMemory(oom)))
+            }
+        }
+    }
+
+    /// `SNUG_INJECT_OOM=RANK:STEP` (tests only): the first try of step `STEP` on rank `RANK`
+    /// runs out of memory under a limit one byte below the planned peak, once a run.
+    #[cfg(feature = "test-hooks")]
+    fn inject_oom(
+        &mut self,
+        step: u64,
+        taken: Result<(), RuntimeError>,
+    ) -> Result<(), RuntimeError> {
+        let spec = std::env::var("SNUG_INJECT_OOM").unwrap_or_default();
+        let at = spec
+            .split_once(':')
+            .and_then(|(r, s)| Some((r.parse::<usize>().ok()?, s.parse::<u64>().ok()?)));
+        if self.oom_injected || at != Some((world().0, step)) {
+            return taken;
+        }
+        self.oom_injected = true;
+        self.session.release_arena()?;
+        let plan = self.session.plan();
+        Err(RuntimeError::OutOfMemory(OutOfMemory {
+            requested: plan.arena_bytes,
+            limit: plan.peak_bytes().saturating_sub(1),
+            active: plan.persistent_bytes,
+            cached: 0,
+            device: snug_runtime::Device::Cpu,
+        }))
     }
 
     /// Writes the loss mask's inputs, when the step has them: `mask` as 0/1 weights (all ones

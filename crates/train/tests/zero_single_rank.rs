@@ -161,7 +161,9 @@ fn a_step_for_another_world_size_is_refused_at_load() {
                     "all_reduce",
                     "reduce_scatter",
                     "all_gather",
-                    "sharded_adamw"
+                    "sharded_adamw",
+                    "all_reduce_start",
+                    "reduce_scatter_start",
                 ]
                 .contains(&op),
                 "{op}"

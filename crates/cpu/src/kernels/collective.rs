@@ -4,7 +4,10 @@
 
 use std::sync::OnceLock;
 
-use snug_graph::ops::{shard_len, AllGather, AllReduce, ReduceScatter, ShardedAdamW};
+use snug_graph::ops::{
+    shard_len, AllGather, AllReduce, Bucketed, CollectiveStart, CollectiveWait, ReduceScatter,
+    ShardedAdamW,
+};
 
 use crate::kernel::{CpuKernel, Kernel};
 
@@ -19,6 +22,38 @@ pub trait Transport: Send + Sync {
     fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]);
     /// `recv` gets every rank's `send`, in rank order.
     fn all_gather(&self, send: &[f32], recv: &mut [f32]);
+
+    /// Starts summing every rank's `send` into `recv` and returns without waiting;
+    /// [`Transport::wait`] with `recv`'s address completes it. Blocking unless overridden.
+    ///
+    /// # Safety
+    /// Neither buffer may be freed, read or written until that wait returns.
+    unsafe fn start_all_reduce_sum(&self, send: &[f32], recv: &mut [f32]) {
+        recv.copy_from_slice(send);
+        self.all_reduce_sum(recv);
+    }
+
+    /// [`Transport::reduce_scatter_sum`], started as [`Transport::start_all_reduce_sum`] is.
+    ///
+    /// # Safety
+    /// As for [`Transport::start_all_reduce_sum`].
+    unsafe fn start_reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) {
+        self.reduce_scatter_sum(send, recv);
+    }
+
+    /// Completes the collective started with its receive buffer at address `recv`.
+    fn wait(&self, _recv: usize) {}
+
+    /// Lets started collectives advance: MPI moves their bytes only inside its own calls,
+    /// so the step calls this between nodes.
+    fn progress(&self) {}
+}
+
+/// Advances the collectives in flight, if any (between two nodes of a step).
+pub fn progress() {
+    if let Some(t) = TRANSPORT.get() {
+        t.progress();
+    }
 }
 
 static TRANSPORT: OnceLock<Box<dyn Transport>> = OnceLock::new();
@@ -200,5 +235,91 @@ impl CpuKernel for ShardedAdamW {
             return; // an overflow under loss scaling: the shard goes back unchanged
         }
         super::adamw::update(&self.adamw, &k.ctx, scale, out, g, m, v);
+    }
+}
+
+impl CpuKernel for CollectiveStart {
+    fn run(&self, k: &Kernel<'_>) {
+        if self.op.once_per_step() && !k.ctx.is_last_micro() {
+            return;
+        }
+        let t = transport(self.op.ranks());
+        let buf = k.out_f32(0);
+        let n = k.in_count();
+        match self.op {
+            Bucketed::AllReduce(_) => {
+                let (send, recv) = buf.split_at_mut(buf.len() / 2);
+                let mut at = 0;
+                for i in 0..n {
+                    let x = k.in_f32(i);
+                    send[at..at + x.len()].copy_from_slice(x);
+                    at += x.len();
+                }
+                match t {
+                    // SAFETY: the in-flight buffer is planned live until the wait, and no
+                    // other node touches it in between.
+                    Some(t) => unsafe { t.start_all_reduce_sum(send, recv) },
+                    None => recv.copy_from_slice(send),
+                }
+            }
+            Bucketed::ReduceScatter(c) => {
+                let (rank, ranks) = (t.map_or(0, |t| t.rank()), c.ranks);
+                let shards: Vec<usize> = (0..n)
+                    .map(|i| shard_len(k.in_f32(i).len(), ranks))
+                    .collect();
+                let total: usize = shards.iter().sum();
+                let (send, recv) = buf.split_at_mut(total * ranks);
+                // Rank-major blocks: block r holds every tensor's shard r, zero-padded.
+                let mut at = 0;
+                for r in 0..ranks {
+                    for (i, &s) in shards.iter().enumerate() {
+                        let x = k.in_f32(i);
+                        let (lo, hi) = ((r * s).min(x.len()), ((r + 1) * s).min(x.len()));
+                        send[at..at + hi - lo].copy_from_slice(&x[lo..hi]);
+                        send[at + hi - lo..at + s].fill(0.0);
+                        at += s;
+                    }
+                }
+                match t {
+                    // SAFETY: as for the all-reduce.
+                    Some(t) => unsafe { t.start_reduce_scatter_sum(send, recv) },
+                    None => recv.copy_from_slice(&send[rank * total..(rank + 1) * total]),
+                }
+            }
+        }
+    }
+}
+
+impl CpuKernel for CollectiveWait {
+    fn run(&self, k: &Kernel<'_>) {
+        if self.op.once_per_step() && !k.ctx.is_last_micro() {
+            return;
+        }
+        let t = transport(self.op.ranks());
+        let (sent, scale) = match self.op {
+            Bucketed::AllReduce(c) => {
+                let total: usize = self.numels().iter().sum();
+                (total, if c.mean { 1.0 / c.ranks as f32 } else { 1.0 })
+            }
+            Bucketed::ReduceScatter(c) => {
+                let total: usize = self.numels().iter().map(|&n| shard_len(n, c.ranks)).sum();
+                (total * c.ranks, 1.0 / c.ranks as f32)
+            }
+        };
+        if let Some(t) = t {
+            t.wait(k.in_f32(0)[sent..].as_ptr() as usize);
+        }
+        let recv = &k.in_f32(0)[sent..];
+        let mut at = 0;
+        for i in 0..self.shapes.len() {
+            let out = k.out_f32(i);
+            let src = &recv[at..at + out.len()];
+            if scale == 1.0 {
+                out.copy_from_slice(src);
+            } else {
+                out.iter_mut().zip(src).for_each(|(o, &x)| *o = x * scale);
+            }
+            at += out.len();
+        }
     }
 }

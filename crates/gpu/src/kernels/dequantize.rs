@@ -30,6 +30,15 @@ pub fn dequantize<'a>(
     let (entry, code_bytes, scales) = match scheme {
         QuantScheme::Int8 => ("int8", n, cols),
         QuantScheme::Nf4 => ("nf4", n.div_ceil(2), n.div_ceil(NF4_BLOCK)),
+        QuantScheme::Nf4Dq => {
+            return Err(super::unsupported(
+                device,
+                "dequantize",
+                "NF4 with double-quantized constants (--double-quant) has no GPU kernel yet: \
+                 use --quantize-base nf4 without --double-quant on the GPU"
+                    .into(),
+            ))
+        }
     };
     codes.need(device, "dequantize codes", code_bytes)?;
     need(device, "dequantize absmax", &absmax, scales)?;

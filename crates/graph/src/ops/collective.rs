@@ -200,17 +200,23 @@ impl OpRule for AllGather {
     }
 
     /// The gradient of a gathered weight is every rank's gradient averaged, scattered back
-    /// into shards: the loss is the mean of the ranks' losses.
+    /// into shards: the loss is the mean of the ranks' losses. The scatter is split into a
+    /// start and a wait, so the backward runs on while it travels.
     fn backward(&self, ctx: &mut GradCtx<'_>) -> Result<()> {
         if self.into {
             return Err(no_gradient(self.name()));
         }
         if let (Some(g), true) = (ctx.grad_out(0), ctx.wants(0)) {
-            let op = ReduceScatter {
+            let op = Bucketed::ReduceScatter(ReduceScatter {
                 ranks: self.ranks,
                 once_per_step: false,
+            });
+            let in_flight = ctx.apply1(CollectiveStart { op }, &[g])?;
+            let wait = CollectiveWait {
+                op,
+                shapes: vec![self.shape.clone()],
             };
-            let shard = ctx.apply1(op, &[g])?;
+            let shard = ctx.apply1(wait, &[in_flight])?;
             ctx.set_grad(0, shard);
         }
         Ok(())
@@ -298,5 +304,163 @@ fn no_gradient(op: &'static str) -> GraphError {
     GraphError::Invalid {
         op,
         detail: "a collective on gradients or updates has no gradient".into(),
+    }
+}
+
+/// A gradient collective that is split into a start and a wait, so the backward runs on while
+/// its bytes travel.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Bucketed {
+    AllReduce(AllReduce),
+    ReduceScatter(ReduceScatter),
+}
+
+impl Bucketed {
+    pub fn ranks(&self) -> usize {
+        match self {
+            Bucketed::AllReduce(c) => c.ranks,
+            Bucketed::ReduceScatter(c) => c.ranks,
+        }
+    }
+
+    pub fn once_per_step(&self) -> bool {
+        match self {
+            Bucketed::AllReduce(c) => c.once_per_step,
+            Bucketed::ReduceScatter(c) => c.once_per_step,
+        }
+    }
+
+    /// Elements of the in-flight buffer of a bucket of `numels`: for an all-reduce the packed
+    /// bucket and the sum it receives; for a reduce-scatter every rank's padded block, then
+    /// this rank's received shards. MPI's in-place flag is not reachable through the `mpi`
+    /// crate's bindings, so what is sent and what is received are separate bytes.
+    pub fn in_flight_len(&self, numels: &[usize]) -> usize {
+        match self {
+            Bucketed::AllReduce(_) => 2 * numels.iter().sum::<usize>(),
+            Bucketed::ReduceScatter(c) => {
+                let shards: usize = numels.iter().map(|&n| shard_len(n, c.ranks)).sum();
+                shards * (c.ranks + 1)
+            }
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Bucketed::AllReduce(_) => "all_reduce",
+            Bucketed::ReduceScatter(_) => "reduce_scatter",
+        }
+    }
+}
+
+impl From<AllReduce> for Bucketed {
+    fn from(c: AllReduce) -> Bucketed {
+        Bucketed::AllReduce(c)
+    }
+}
+
+impl From<ReduceScatter> for Bucketed {
+    fn from(c: ReduceScatter) -> Bucketed {
+        Bucketed::ReduceScatter(c)
+    }
+}
+
+/// Packs a bucket into its in-flight buffer (the one output, see [`Bucketed::in_flight_len`])
+/// and starts the collective on it without waiting (`MPI_Iallreduce`,
+/// `MPI_Ireduce_scatter_block`). The schedule runs it as soon as the backward has made the
+/// bucket's last gradient; its [`CollectiveWait`] completes it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CollectiveStart {
+    pub op: Bucketed,
+}
+
+impl OpRule for CollectiveStart {
+    fn name(&self) -> &'static str {
+        match self.op {
+            Bucketed::AllReduce(_) => "all_reduce_start",
+            Bucketed::ReduceScatter(_) => "reduce_scatter_start",
+        }
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
+        check_ranks(self.name(), self.op.ranks())?;
+        one_dtype(self.name(), inputs)?;
+        let numels: Vec<usize> = inputs.iter().map(|t| t.numel()).collect();
+        Ok(vec![OutSpec::f32(vec![self.op.in_flight_len(&numels)])
+            .with_dtype(inputs[0].dtype)
+            .named("in_flight")])
+    }
+
+    fn backward(&self, _ctx: &mut GradCtx<'_>) -> Result<()> {
+        Err(no_gradient(self.name()))
+    }
+
+    fn flops(&self, _inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
+        0
+    }
+}
+
+/// Completes the collective its [`CollectiveStart`] began on the in-flight buffer (its one
+/// input), averages, and unpacks one output per tensor of the bucket (`numels` elements
+/// each, in the start's input order): shaped as `shapes` for an all-reduce, this rank's
+/// [`shard_len`] for a reduce-scatter. Placed by the schedule as late as its readers allow.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CollectiveWait {
+    pub op: Bucketed,
+    /// The shapes of the bucket's tensors.
+    pub shapes: Vec<Vec<usize>>,
+}
+
+impl CollectiveWait {
+    pub fn numels(&self) -> Vec<usize> {
+        self.shapes.iter().map(|s| s.iter().product()).collect()
+    }
+}
+
+impl OpRule for CollectiveWait {
+    fn name(&self) -> &'static str {
+        match self.op {
+            Bucketed::AllReduce(_) => "all_reduce_wait",
+            Bucketed::ReduceScatter(_) => "reduce_scatter_wait",
+        }
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
+        check_ranks(self.name(), self.op.ranks())?;
+        expect_arity(self.name(), inputs, 1)?;
+        one_dtype(self.name(), inputs)?;
+        let len = self.op.in_flight_len(&self.numels());
+        if inputs[0].shape != [len] || self.shapes.is_empty() {
+            return Err(shape_err(
+                self.name(),
+                format!(
+                    "in-flight buffer {:?}: a {} of {:?} over {} ranks has one of [{len}]",
+                    inputs[0].shape,
+                    self.op.name(),
+                    self.shapes,
+                    self.op.ranks()
+                ),
+            ));
+        }
+        let dtype = inputs[0].dtype;
+        Ok(match self.op {
+            Bucketed::AllReduce(_) => self
+                .shapes
+                .iter()
+                .map(|s| OutSpec::f32(s.clone()).with_dtype(dtype))
+                .collect(),
+            Bucketed::ReduceScatter(c) => self
+                .numels()
+                .iter()
+                .map(|&n| OutSpec::f32(vec![shard_len(n, c.ranks)]).with_dtype(dtype))
+                .collect(),
+        })
+    }
+
+    fn backward(&self, _ctx: &mut GradCtx<'_>) -> Result<()> {
+        Err(no_gradient(self.name()))
+    }
+
+    fn flops(&self, _inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
+        0
     }
 }

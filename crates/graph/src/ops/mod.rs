@@ -40,7 +40,10 @@ pub use adamw8bit::AdamW8bit;
 pub use attention::{CausalAttention, CausalAttentionBackward};
 pub use broadcast::{broadcast_shape, broadcasts_to};
 pub use cast::Cast;
-pub use collective::{shard_len, AllGather, AllReduce, ReduceScatter, ShardedAdamW};
+pub use collective::{
+    shard_len, AllGather, AllReduce, Bucketed, CollectiveStart, CollectiveWait, ReduceScatter,
+    ShardedAdamW,
+};
 pub use cross_entropy::{CrossEntropy, CrossEntropyBackward};
 pub use dequantize::{Dequantize, QuantScheme, QuantizeBase};
 pub use elementwise::{Binary, BinaryKind, Scale};
@@ -220,6 +223,8 @@ ops!(
     StoreSumSquares,
     Dequantize,
     QuantizedRead,
+    CollectiveStart,
+    CollectiveWait,
 );
 
 impl Op {
