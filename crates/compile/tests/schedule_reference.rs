@@ -1,13 +1,16 @@
 //! The memory-aware schedule keeps its ready nodes in an ordered set, re-keying only the nodes
 //! whose freed bytes changed; it must choose exactly the order of the first version, which
-//! rescanned every ready node at each pick (kept here as the reference).
+//! rescanned every ready node at each pick (kept here as the reference), collectives' starts
+//! and waits included.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, VecDeque};
 
 use snug_compile::{compile_sharded, Remat, StepConfig, StepShape};
+use snug_graph::ops::Op;
 use snug_graph::zero::Sharding;
 use snug_graph::{DType, Graph, NodeId, Role, Target, TensorId};
 use snug_nn::ModelConfig;
+use snug_plan::schedule::MAX_IN_FLIGHT_BYTES;
 use snug_plan::{schedule, ScheduleKind};
 
 /// Storage that is never freed inside the step: persistent tensors, inputs, graph outputs.
@@ -106,8 +109,50 @@ fn reference_order(graph: &Graph) -> Vec<NodeId> {
 
     let mut ready: BTreeSet<usize> = (0..nodes.len()).filter(|&i| waiting[i] == 0).collect();
     let mut order = Vec::with_capacity(nodes.len());
-    while let Some(best) = ready.iter().copied().min_by_key(|&i| (delta(i, &uses), i)) {
+    // Split collectives: a start runs as soon as it can, its wait as late as its readers and
+    // the bound on buckets in flight allow (oldest first), so the backward overlaps them.
+    let is_wait = |i: usize| matches!(nodes[i].op, Op::CollectiveWait(_));
+    // Waits of started collectives, oldest first, with their buffers' bytes.
+    let mut in_flight: VecDeque<(usize, usize)> = VecDeque::new();
+    let next = |ready: &BTreeSet<usize>, in_flight: &VecDeque<(usize, usize)>, uses: &[usize]| {
+        let oldest = in_flight
+            .front()
+            .map(|&(w, _)| w)
+            .filter(|w| ready.contains(w));
+        let bytes: usize = in_flight.iter().map(|&(_, b)| b).sum();
+        if in_flight.len() > 1 && bytes > MAX_IN_FLIGHT_BYTES {
+            if let Some(w) = oldest {
+                return Some(w);
+            }
+        }
+        if let Some(&s) = ready
+            .iter()
+            .find(|&&i| matches!(nodes[i].op, Op::CollectiveStart(_)))
+        {
+            return Some(s);
+        }
+        ready
+            .iter()
+            .copied()
+            .filter(|&i| !is_wait(i))
+            .min_by_key(|&i| (delta(i, uses), i))
+            .or(oldest)
+            .or_else(|| ready.iter().copied().next())
+    };
+    while let Some(best) = next(&ready, &in_flight, &uses) {
         ready.remove(&best);
+        if matches!(nodes[best].op, Op::CollectiveStart(_)) {
+            for &o in &nodes[best].outputs {
+                let bytes = graph.tensor(o).size_bytes();
+                in_flight.extend(
+                    consumers[o.index()]
+                        .iter()
+                        .filter(|&&c| is_wait(c))
+                        .map(|&c| (c, bytes)),
+                );
+            }
+        }
+        in_flight.retain(|&(w, _)| w != best);
         order.push(NodeId(best as u32));
         for &t in &nodes[best].inputs {
             uses[root[t.index()].index()] -= 1;
