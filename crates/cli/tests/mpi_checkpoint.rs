@@ -249,14 +249,17 @@ fn one_process_continues_a_sharded_run_and_exports_it_as_stage_0() {
     assert!(one.join("ckpt-00000003.safetensors").is_file());
     assert!(!manifest_of(&one, 3).exists());
     assert_eq!(state(&one), state(&manifest_of(&two, 3)));
-    // Steps 4 and 5 in one process with the ranks' micro-batch: the same data, the gradients
-    // summed in another order.
+    // Steps 4 and 5 in one process with the ranks' micro-batch (the step count, set to 3 by
+    // the save above, back to 5: the same learning-rate schedule): the same data, the
+    // gradients summed in another order.
     let rest = common::ok(
         dir.path(),
         &[
             "train",
             "--resume",
             one.to_str().unwrap(),
+            "--steps",
+            "5",
             "--accumulation",
             "2",
             "--json",
@@ -350,7 +353,14 @@ fn two_ranks_continue_a_single_process_run_sharded() {
     // Steps 4 and 5 on the two ranks (stage 3, kept from the checkpoint).
     let rest = two_ranks(
         dir.path(),
-        &["train", "--resume", two.to_str().unwrap(), "--json"],
+        &[
+            "train",
+            "--resume",
+            two.to_str().unwrap(),
+            "--steps",
+            "5",
+            "--json",
+        ],
     );
     close(&losses(&single)[3..], &losses(&rest), 1e-6);
     assert_eq!(manifest(&two, 5)["stage"], 3);
@@ -426,7 +436,7 @@ fn a_damaged_or_missing_shard_is_named_and_the_previous_checkpoint_loads() {
         "{err:?}"
     );
     std::fs::write(&shards[1], &original).unwrap();
-    assert_eq!(checkpoint::load(&m4).expect("whole again").step, 4);
+    assert_eq!(checkpoint::load(&m4).expect("whole again").1.step, 4);
     std::fs::remove_file(&shards[0]).unwrap();
     let err = checkpoint::load(&m4).unwrap_err();
     assert!(
