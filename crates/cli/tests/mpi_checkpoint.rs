@@ -1,7 +1,8 @@
 //! Sharded checkpoints of `mpirun -np 2 snug train --shard S`: each rank writes its shard and
 //! rank 0 the manifest; resuming on two ranks is bit-exact at every stage; one process continues
 //! a sharded run and two ranks a single process's, from the consolidated tensors; `snug export`
-//! consolidates; a damaged or missing shard is an error naming its file; and a rank killed
+//! consolidates; 8-bit AdamW's per-shard state resumes on as many ranks, and elsewhere is a
+//! named error; a damaged or missing shard is an error naming its file; and a rank killed
 //! mid-run leaves the last complete checkpoint to resume from.
 //!
 //! Skipped, with the reason printed, when snug was built without the `mpi` feature or `mpirun`
@@ -211,6 +212,55 @@ fn sharded_checkpoints_resume_bit_exact_on_two_ranks_at_every_stage() {
     // are stage 1's whole parameters, bit for bit.
     assert_eq!(finals[0], finals[1], "stages 1 and 2");
     assert_eq!(finals[0], finals[2], "stages 1 and 3");
+}
+
+#[test]
+fn eight_bit_adamw_state_is_held_per_rank_and_resumes_on_as_many_ranks() {
+    if let Err(reason) = mpirun() {
+        return snug_testkit::skip_or_fail(&reason);
+    }
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let (straight, resumed, one) = (
+        dir.path().join("straight"),
+        dir.path().join("resumed"),
+        dir.path().join("one"),
+    );
+    let all = two_ranks(
+        dir.path(),
+        &[
+            &RUN[..],
+            &["--shard", "3", "--optimizer", "adamw8bit", "--checkpoint-every", "3"],
+            &["--out", straight.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    // Its codes and block scales are quantized per shard: each rank's own.
+    let m = manifest(&straight, 3);
+    let per_rank = |dtype: &str| {
+        m["tensors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t["layout"] == "per_rank" && t["dtype"] == dtype)
+    };
+    assert!(per_rank("U8") && per_rank("F32"));
+    copy_sharded(&straight, &resumed, 3);
+    let rest = two_ranks(
+        dir.path(),
+        &["train", "--resume", resumed.to_str().unwrap(), "--json"],
+    );
+    assert_eq!(losses(&all)[3..], losses(&rest)[..], "steps 4, 5");
+    let (_, a) = checkpoint::load(&straight).unwrap();
+    let (_, b) = checkpoint::load(&resumed).unwrap();
+    assert_eq!(a.step, 5);
+    assert_eq!((&a.tensors, &a.per_rank), (&b.tensors, &b.per_rank));
+    // One process cannot divide them otherwise: a named error, saying how to resume.
+    copy_sharded(&straight, &one, 3);
+    common::fails_with(
+        dir.path(),
+        &["train", "--resume", one.to_str().unwrap()],
+        &["adam8_m", "per rank", "resume on 2 ranks with --shard 3"],
+    );
 }
 
 #[test]
