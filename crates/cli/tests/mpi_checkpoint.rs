@@ -125,10 +125,18 @@ fn copy_sharded(from: &Path, to: &Path, step: u64) {
 /// Every tensor of the checkpoint at `path` (parameters and optimizer state), as bits.
 fn state(path: &Path) -> BTreeMap<String, (Vec<usize>, Vec<u32>)> {
     let (_, c) = checkpoint::load(path).expect("a checkpoint that loads");
-    assert!(c.per_rank.is_none(), "AdamW's state is all whole or sharded");
+    assert!(
+        c.per_rank.is_none(),
+        "AdamW's state is all whole or sharded"
+    );
     c.tensors
         .into_iter()
-        .map(|t| (t.name, (t.shape, t.data.iter().map(|v| v.to_bits()).collect())))
+        .map(|t| {
+            (
+                t.name,
+                (t.shape, t.data.iter().map(|v| v.to_bits()).collect()),
+            )
+        })
         .collect()
 }
 
@@ -176,7 +184,10 @@ fn sharded_checkpoints_resume_bit_exact_on_two_ranks_at_every_stage() {
         // The manifest: world, stage, step, whole shapes, and each rank's file as written.
         let m = manifest(&straight, 3);
         assert_eq!(m["format"], "snug-sharded-checkpoint");
-        assert_eq!((m["ranks"].as_u64(), m["step"].as_u64()), (Some(2), Some(3)));
+        assert_eq!(
+            (m["ranks"].as_u64(), m["step"].as_u64()),
+            (Some(2), Some(3))
+        );
         assert_eq!(m["stage"].to_string(), stage);
         let listed: BTreeMap<String, Vec<usize>> = m["tensors"]
             .as_array()
@@ -203,9 +214,17 @@ fn sharded_checkpoints_resume_bit_exact_on_two_ranks_at_every_stage() {
             dir.path(),
             &["train", "--resume", resumed.to_str().unwrap(), "--json"],
         );
-        assert_eq!(losses(&all)[3..], losses(&rest)[..], "stage {stage}: steps 4, 5");
+        assert_eq!(
+            losses(&all)[3..],
+            losses(&rest)[..],
+            "stage {stage}: steps 4, 5"
+        );
         let end = state(&straight);
-        assert_eq!(end, state(&resumed), "stage {stage}: the state after step 5");
+        assert_eq!(
+            end,
+            state(&resumed),
+            "stage {stage}: the state after step 5"
+        );
         finals.push(end);
     }
     // Stages 1–3 train the same weights and moments: stage 3's consolidated parameter shards
@@ -229,7 +248,14 @@ fn eight_bit_adamw_state_is_held_per_rank_and_resumes_on_as_many_ranks() {
         dir.path(),
         &[
             &RUN[..],
-            &["--shard", "3", "--optimizer", "adamw8bit", "--checkpoint-every", "3"],
+            &[
+                "--shard",
+                "3",
+                "--optimizer",
+                "adamw8bit",
+                "--checkpoint-every",
+                "3",
+            ],
             &["--out", straight.to_str().unwrap()],
         ]
         .concat(),
@@ -497,7 +523,14 @@ fn a_damaged_or_missing_shard_is_named_and_the_previous_checkpoint_loads() {
     // remaining shard are moved aside, kept, not deleted.
     let rest = two_ranks(
         dir.path(),
-        &["train", "--resume", run.to_str().unwrap(), "--steps", "3", "--json"],
+        &[
+            "train",
+            "--resume",
+            run.to_str().unwrap(),
+            "--steps",
+            "3",
+            "--json",
+        ],
     );
     assert_eq!(lines(&rest, "summary")[0]["start_step"], 2);
     assert!(run.join("ckpt-00000004.manifest.json.damaged").is_file());
@@ -547,7 +580,14 @@ fn a_rank_killed_mid_run_leaves_the_last_complete_checkpoint_to_resume() {
     let mut child = cmd
         .args(["-np", "2", env!("CARGO_BIN_EXE_snug")])
         .args(RUN)
-        .args(["--steps", "100000", "--shard", "1", "--checkpoint-every", "1"])
+        .args([
+            "--steps",
+            "100000",
+            "--shard",
+            "1",
+            "--checkpoint-every",
+            "1",
+        ])
         .args(["--keep-checkpoints", "2", "--out", run.to_str().unwrap()])
         .current_dir(dir.path())
         .stdout(std::process::Stdio::null())
@@ -590,14 +630,24 @@ fn a_rank_killed_mid_run_leaves_the_last_complete_checkpoint_to_resume() {
     let (_, ckpt) = checkpoint::load(&run).expect("the last complete checkpoint");
     let k = ckpt.step;
     assert!(k >= 1);
-    let orphan = run.join(format!("ckpt-{:08}.0000abcd.shard-1-of-2.safetensors", k + 1));
+    let orphan = run.join(format!(
+        "ckpt-{:08}.0000abcd.shard-1-of-2.safetensors",
+        k + 1
+    ));
     std::fs::write(&orphan, b"half a shard").unwrap();
     assert_eq!(checkpoint::load(&run).unwrap().1.step, k);
     // Two ranks continue from it; their first save clears what the dead run left unfinished.
     let steps = (k + 2).to_string();
     let rest = two_ranks(
         dir.path(),
-        &["train", "--resume", run.to_str().unwrap(), "--steps", &steps, "--json"],
+        &[
+            "train",
+            "--resume",
+            run.to_str().unwrap(),
+            "--steps",
+            &steps,
+            "--json",
+        ],
     );
     assert_eq!(lines(&rest, "summary")[0]["start_step"], k);
     assert_eq!(lines(&rest, "step").len(), 2);

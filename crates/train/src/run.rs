@@ -254,16 +254,17 @@ fn train_loop(
             on_event(Event::Eval(&e));
             summary.last_eval = Some(e);
         }
-        if !matches!(saver, Saver::Nothing) {
-            if cfg.checkpoint_every > 0 && s.step % cfg.checkpoint_every == 0 {
-                let path = saver.save(trainer, cfg.keep_checkpoints)?;
-                on_event(Event::Checkpoint {
-                    step: s.step,
-                    path: &path,
-                });
-                st.saved_at = Some(s.step);
-                summary.checkpoint = Some(path);
-            }
+        if !matches!(saver, Saver::Nothing)
+            && cfg.checkpoint_every > 0
+            && s.step % cfg.checkpoint_every == 0
+        {
+            let path = saver.save(trainer, cfg.keep_checkpoints)?;
+            on_event(Event::Checkpoint {
+                step: s.step,
+                path: &path,
+            });
+            st.saved_at = Some(s.step);
+            summary.checkpoint = Some(path);
         }
     }
     Ok(())

@@ -28,8 +28,8 @@ use serde::{Deserialize, Serialize};
 use snug_cpu::kernels::collective::installed;
 
 use crate::checkpoint::{
-    self, Checkpoint, CheckpointDir, CheckpointRef, PerRankState, SavedBytes, SavedTensor,
-    ShardOf, PREFIX, SUFFIX,
+    self, Checkpoint, CheckpointDir, CheckpointRef, PerRankState, SavedBytes, SavedTensor, ShardOf,
+    PREFIX, SUFFIX,
 };
 use crate::tokenizer::TokenizerSpec;
 use crate::{LossScaler, TrainConfig, TrainError};
@@ -575,7 +575,10 @@ fn consolidate(
         match (e.layout, e.dtype) {
             (Layout::Whole, DType::F32) => {
                 let f = &mut ranks[0];
-                let t = f.tensors.remove(&e.name).ok_or_else(|| missing(f, &e.name))?;
+                let t = f
+                    .tensors
+                    .remove(&e.name)
+                    .ok_or_else(|| missing(f, &e.name))?;
                 if t.shape != e.shape {
                     return Err(wrong_shape(f, &e.name, &t.shape, &e.shape));
                 }
@@ -596,7 +599,10 @@ fn consolidate(
                 let numel: usize = e.shape.iter().product();
                 let mut data = Vec::with_capacity(numel);
                 for (r, f) in ranks.iter_mut().enumerate() {
-                    let t = f.tensors.remove(&e.name).ok_or_else(|| missing(f, &e.name))?;
+                    let t = f
+                        .tensors
+                        .remove(&e.name)
+                        .ok_or_else(|| missing(f, &e.name))?;
                     let want = [owned_range(numel, r, m.ranks).len()];
                     if t.shape != want {
                         return Err(wrong_shape(f, &e.name, &t.shape, &want));
@@ -622,7 +628,10 @@ fn consolidate(
                 for (r, f) in ranks.iter_mut().enumerate() {
                     let shape = match dtype {
                         DType::F32 => {
-                            let t = f.tensors.remove(&e.name).ok_or_else(|| missing(f, &e.name))?;
+                            let t = f
+                                .tensors
+                                .remove(&e.name)
+                                .ok_or_else(|| missing(f, &e.name))?;
                             let shape = t.shape.clone();
                             per_rank.tensors[r].push(t);
                             shape
@@ -748,7 +757,14 @@ mod tests {
         assert_eq!(ranges, [0..3, 3..6, 6..9, 9..10]);
         // 1 element over 2 ranks: rank 1's block is all padding.
         assert_eq!(owned_range(1, 1, 2), 1..1);
-        for v in [0u64, 1, 0xffff, 0x1_0000, 123_456_789_012, u64::from(u32::MAX)] {
+        for v in [
+            0u64,
+            1,
+            0xffff,
+            0x1_0000,
+            123_456_789_012,
+            u64::from(u32::MAX),
+        ] {
             assert_eq!(from_pieces(&pieces(v, 4).collect::<Vec<_>>()), v);
         }
     }

@@ -17,10 +17,14 @@ use snug_plan::{plan, MemoryPlan, PlanOptions};
 use snug_runtime::{Allocator, ExecCtx, OutOfMemory, RuntimeError};
 
 use crate::checkpoint::{Checkpoint, CheckpointRef, PerRankState, SavedBytes, SavedTensor};
-use crate::shards::{owned_range, DType as ShardDType, Layout, ShardRef, TensorEntry};
 use crate::data::{batch_starts, fill_batch, fill_mask, Batch, Prefetcher, Tokens};
 use crate::device::StepSession;
+use crate::shards::{owned_range, DType as ShardDType, Layout, ShardRef, TensorEntry};
 use crate::{LossScaler, TokenDataset, TrainConfig, TrainError};
+
+/// Where a persistent tensor goes in a checkpoint: its whole name and shape, and how the ranks
+/// hold it.
+type Placement = (String, Vec<usize>, Layout);
 
 /// Linear warmup to `lr`, then cosine decay to `min_lr` at the last step.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -506,7 +510,7 @@ impl Trainer {
     /// Where each persistent tensor goes in a checkpoint: its whole name and shape, and how the
     /// ranks hold it. Tensors not listed are whole in a world of one or at stage 0, and each
     /// rank's own otherwise (8-bit AdamW's per-shard blocks, a rank's own gradient norm).
-    fn placements(&self) -> std::collections::HashMap<TensorId, (String, Vec<usize>, Layout)> {
+    fn placements(&self) -> std::collections::HashMap<TensorId, Placement> {
         use snug_graph::zero::{unsharded_name, unsharded_shape};
         let g = &self.step_graph.graph;
         let sharded_state = self.saves_sharded();
@@ -536,7 +540,10 @@ impl Trainer {
             if let (Some((m, v)), None, true) = (moments, scales, sharded_state) {
                 for t in [m, v] {
                     if let Some(suffix) = g.tensor(t).name.strip_prefix(name) {
-                        out.insert(t, (format!("{whole}{suffix}"), full.clone(), Layout::Sharded));
+                        out.insert(
+                            t,
+                            (format!("{whole}{suffix}"), full.clone(), Layout::Sharded),
+                        );
                     }
                 }
             }
@@ -547,9 +554,9 @@ impl Trainer {
     /// `t`'s entry of [`Trainer::placements`], or its default.
     fn placement(
         &self,
-        places: &std::collections::HashMap<TensorId, (String, Vec<usize>, Layout)>,
+        places: &std::collections::HashMap<TensorId, Placement>,
         t: TensorId,
-    ) -> (String, Vec<usize>, Layout) {
+    ) -> Placement {
         places.get(&t).cloned().unwrap_or_else(|| {
             let g = &self.step_graph.graph;
             let m = g.tensor(t);
@@ -792,11 +799,11 @@ impl Trainer {
             ))
         };
         let places = self.placements();
-        let codes: Vec<(TensorId, (String, Vec<usize>, Layout))> = self
+        let codes: Vec<(TensorId, Placement)> = self
             .saved_tensors(true)
             .map(|t| (t, self.placement(&places, t)))
             .collect();
-        let values: Vec<(TensorId, (String, Vec<usize>, Layout))> = self
+        let values: Vec<(TensorId, Placement)> = self
             .saved_tensors(false)
             .map(|t| (t, self.placement(&places, t)))
             .collect();

@@ -129,7 +129,10 @@ fn named_error(path: &Path, expected: &Path, needle: &str) {
             assert_eq!(p, expected, "{detail}");
             assert!(detail.contains(needle), "`{needle}` missing from: {detail}");
         }
-        other => panic!("expected an error naming {}, got {other:?}", expected.display()),
+        other => panic!(
+            "expected an error naming {}, got {other:?}",
+            expected.display()
+        ),
     }
 }
 
@@ -218,7 +221,9 @@ fn a_whole_save_of_the_same_step_replaces_a_sharded_one_and_retention_takes_its_
     t.train_step().unwrap();
     let (manifest, files) = write_sharded(dir.path(), &t.checkpoint().unwrap(), 2);
     // An unfinished save of a later step: shard files and no manifest.
-    let orphan = dir.path().join("ckpt-00000009.00001234.shard-0-of-2.safetensors");
+    let orphan = dir
+        .path()
+        .join("ckpt-00000009.00001234.shard-0-of-2.safetensors");
     std::fs::write(&orphan, b"half").unwrap();
     assert_eq!(ckpt_dir.list().unwrap().len(), 1, "shards are not listed");
 
