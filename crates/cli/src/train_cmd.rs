@@ -274,14 +274,6 @@ pub fn run(args: TrainArgs) -> Result<()> {
     // Under mpirun the run spans the ranks it started; `--devices`, given, must say as many.
     let (rank, ranks) = snug_cpu::kernels::collective::world();
     train.devices.get_or_insert(ranks);
-    if ranks > 1 && train.shard.is_some_and(|s| s > 0) && !args.no_save {
-        anyhow::bail!(
-            "--shard {} spreads the optimizer state over the ranks, and sharded checkpoints are \
-             not written yet: add --no-save (or train with --shard 0, whose checkpoints rank 0 \
-             writes)",
-            train.shard.unwrap_or(0)
-        );
-    }
     #[cfg(unix)]
     // SAFETY: changing one signal's disposition before any thread starts. A closed stdout
     // then fails the write (see `Stdout`) instead of killing the process mid-step.
@@ -301,6 +293,16 @@ pub fn run(args: TrainArgs) -> Result<()> {
     let (cfg, data, mut trainer, run_dir) = match &args.resume {
         Some(from) => {
             let (path, ckpt) = checkpoint::load(from)?;
+            // A sharded run's checkpoint consolidates, so one process continues it unsharded
+            // unless told otherwise.
+            if ranks == 1 && ckpt.config.shard > 0 && train.shard.is_none() {
+                tracing::info!(
+                    "resuming ZeRO stage {} over {} ranks in one process, unsharded",
+                    ckpt.config.shard,
+                    ckpt.config.devices
+                );
+                train.shard = Some(0);
+            }
             if train.out.is_none() {
                 // Keep saving where the run lives.
                 train.out = Some(if from.is_dir() {

@@ -13,6 +13,10 @@
 //! Files are written atomically (temporary file in the same directory, fsync, rename, fsync of
 //! the directory), so a crash or a full disk during a save leaves every earlier checkpoint as
 //! it was.
+//!
+//! A run sharded over several ranks (ZeRO stages 1–3) saves a sharded checkpoint instead: one
+//! file per rank and a manifest, `ckpt-<step>.manifest.json`, which stands for the checkpoint
+//! here (see [`crate::shards`]); loading it consolidates the shards into whole tensors.
 
 use std::collections::HashMap;
 use std::fs::{self, File};
@@ -35,8 +39,8 @@ const OLDEST_VERSION: u32 = 1;
 /// Metadata key of the per-tensor checksums.
 const CHECKSUMS: &str = "crc32";
 
-const PREFIX: &str = "ckpt-";
-const SUFFIX: &str = ".safetensors";
+pub(crate) const PREFIX: &str = "ckpt-";
+pub(crate) const SUFFIX: &str = ".safetensors";
 
 /// A saved training state.
 #[derive(Debug, Clone, PartialEq)]
@@ -54,7 +58,31 @@ pub struct Checkpoint {
     pub quantized: Vec<SavedBytes>,
     /// The dynamic loss scale's state (f16 training).
     pub loss_scale: Option<LossScaler>,
+    /// State each rank of a sharded run held for itself, which has no whole form (8-bit
+    /// AdamW's per-shard blocks, a rank's own gradient norm): only a run on as many ranks
+    /// restores it. `None` for a checkpoint of one process or of stage 0.
+    pub per_rank: Option<PerRankState>,
 }
+
+/// The per-rank state of a sharded checkpoint, by rank, under the names the step graph gives it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PerRankState {
+    pub ranks: usize,
+    /// ZeRO stage of the run that saved it.
+    pub stage: u8,
+    pub tensors: Vec<Vec<SavedTensor>>,
+    pub quantized: Vec<Vec<SavedBytes>>,
+}
+
+/// Which rank of how many wrote a shard file of a sharded checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ShardOf {
+    pub rank: usize,
+    pub ranks: usize,
+}
+
+/// Metadata key of a shard file's [`ShardOf`].
+const SHARD_KEY: &str = "shard";
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct SavedTensor {
@@ -154,20 +182,45 @@ impl Checkpoint {
                 })
                 .collect(),
             loss_scale: self.loss_scale,
+            shard: None,
         }
     }
 
-    /// Reads and validates a checkpoint file.
+    /// Reads and validates a checkpoint file, or the manifest of a sharded checkpoint (whose
+    /// shards are then read, checked against it and consolidated).
     pub fn load(path: &Path) -> Result<Checkpoint, TrainError> {
+        if crate::shards::is_manifest(path) {
+            return crate::shards::load(path);
+        }
+        let bytes = read_whole(path)?;
+        match Self::parse(path, &bytes)? {
+            (ckpt, None) => Ok(ckpt),
+            (_, Some(of)) => Err(TrainError::Checkpoint {
+                path: path.to_path_buf(),
+                detail: format!(
+                    "is rank {}'s shard of a checkpoint over {} ranks, not a whole checkpoint: \
+                     give its manifest (`ckpt-<step>{}`) or the run directory",
+                    of.rank,
+                    of.ranks,
+                    crate::shards::MANIFEST_SUFFIX
+                ),
+            }),
+        }
+    }
+
+    /// A checkpoint file's contents from its bytes, and which rank's shard it is if it is one.
+    pub(crate) fn parse(
+        path: &Path,
+        bytes: &[u8],
+    ) -> Result<(Checkpoint, Option<ShardOf>), TrainError> {
         let bad = |detail: String| TrainError::Checkpoint {
             path: path.to_path_buf(),
             detail,
         };
-        let bytes = read_whole(path)?;
-        let st = snug_nn::safetensors_file::deserialize(&bytes)
+        let st = snug_nn::safetensors_file::deserialize(bytes)
             .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
         // The header parsed above; read again for its metadata, which `SafeTensors` keeps private.
-        let (_, header) = SafeTensors::read_metadata(&bytes)
+        let (_, header) = SafeTensors::read_metadata(bytes)
             .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
         let meta = header
             .metadata()
@@ -271,7 +324,14 @@ impl Checkpoint {
             ),
             None => None,
         };
-        Ok(Checkpoint {
+        let shard = match meta.get(SHARD_KEY) {
+            Some(s) => Some(
+                serde_json::from_str::<ShardOf>(s)
+                    .map_err(|e| bad(format!("metadata `{SHARD_KEY}`: {e}")))?,
+            ),
+            None => None,
+        };
+        let ckpt = Checkpoint {
             step: number("step")?,
             tokens_seen: number("tokens_seen")?,
             config,
@@ -279,14 +339,16 @@ impl Checkpoint {
             tensors,
             quantized,
             loss_scale,
-        })
+            per_rank: None,
+        };
+        Ok((ckpt, shard))
     }
 }
 
 /// The bytes of the checkpoint file `path`. Only a regular file is opened (a FIFO would block
 /// `open` and a device never ends), and no more is read than its size in the metadata: a
 /// checkpoint is as large as it is, but a file that grows while read is not a checkpoint.
-fn read_whole(path: &Path) -> Result<Vec<u8>, TrainError> {
+pub(crate) fn read_whole(path: &Path) -> Result<Vec<u8>, TrainError> {
     use std::io::Read;
     let io = |source| TrainError::Io {
         path: path.to_path_buf(),
@@ -343,6 +405,8 @@ pub struct CheckpointRef<'a> {
     /// Name, shape and codes of each quantized optimizer state.
     pub quantized: Vec<BytesRef<'a>>,
     pub loss_scale: Option<LossScaler>,
+    /// Set on one rank's shard of a sharded checkpoint (see [`crate::shards`]).
+    pub shard: Option<ShardOf>,
 }
 
 impl CheckpointRef<'_> {
@@ -449,6 +513,9 @@ impl CheckpointRef<'_> {
         if let Some(s) = &self.loss_scale {
             meta.insert("loss_scale".into(), json(serde_json::to_string(s))?);
         }
+        if let Some(s) = &self.shard {
+            meta.insert(SHARD_KEY.into(), json(serde_json::to_string(s))?);
+        }
         Ok(meta)
     }
 }
@@ -491,16 +558,17 @@ impl PendingWrite {
 }
 
 #[cfg(unix)]
-fn sync_dir(dir: &Path) -> std::io::Result<()> {
+pub(crate) fn sync_dir(dir: &Path) -> std::io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
 #[cfg(not(unix))]
-fn sync_dir(_dir: &Path) -> std::io::Result<()> {
+pub(crate) fn sync_dir(_dir: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-/// A directory of checkpoints `ckpt-<step>.safetensors`, newest kept.
+/// A directory of checkpoints `ckpt-<step>.safetensors` (and sharded ones, each standing as its
+/// manifest `ckpt-<step>.manifest.json`), newest kept.
 #[derive(Debug, Clone)]
 pub struct CheckpointDir {
     dir: PathBuf,
@@ -539,7 +607,8 @@ impl CheckpointDir {
         self.dir.join(format!("{PREFIX}{step:08}{SUFFIX}"))
     }
 
-    /// Checkpoint files by step, oldest first (temporary files are not listed).
+    /// Checkpoints by step, oldest first: whole files and sharded checkpoints' manifests
+    /// (temporary files, and shard files, which a manifest stands for, are not listed).
     pub fn list(&self) -> Result<Vec<(u64, PathBuf)>, TrainError> {
         let entries = fs::read_dir(&self.dir).map_err(|source| TrainError::Io {
             path: self.dir.clone(),
@@ -549,9 +618,10 @@ impl CheckpointDir {
             .filter_map(|e| e.ok())
             .filter_map(|e| {
                 let name = e.file_name().to_string_lossy().into_owned();
-                let step = name
-                    .strip_prefix(PREFIX)?
-                    .strip_suffix(SUFFIX)?
+                let rest = name.strip_prefix(PREFIX)?;
+                let step = rest
+                    .strip_suffix(SUFFIX)
+                    .or_else(|| rest.strip_suffix(crate::shards::MANIFEST_SUFFIX))?
                     .parse()
                     .ok()?;
                 Some((step, e.path()))
@@ -571,12 +641,29 @@ impl CheckpointDir {
     pub fn save_ref(&self, ckpt: &CheckpointRef<'_>, keep: usize) -> Result<PathBuf, TrainError> {
         let path = self.path_for(ckpt.step);
         ckpt.save(&path)?;
-        let all = self.list()?;
-        for (_, old) in all.iter().take(all.len().saturating_sub(keep.max(1))) {
+        self.retire(keep, ckpt.step, &path)?;
+        Ok(path)
+    }
+
+    /// After the save of `saved` (step `step`): deletes the other checkpoint of that step, if
+    /// any (a sharded one where a whole one was just saved, or the reverse: the same state,
+    /// resumed and saved again), all but the newest `keep` checkpoints, temporary files an
+    /// interrupted save left behind, and shard files no manifest names.
+    pub(crate) fn retire(&self, keep: usize, step: u64, saved: &Path) -> Result<(), TrainError> {
+        let (replaced, all): (Vec<_>, Vec<_>) = self
+            .list()?
+            .into_iter()
+            .partition(|(s, p)| *s == step && p.file_name() != saved.file_name());
+        let retired = all.len().saturating_sub(keep.max(1));
+        for (step, old) in replaced.iter().chain(&all[..retired]) {
+            // A manifest goes first: without it its shards are no checkpoint.
             if let Err(e) = fs::remove_file(old) {
                 tracing::warn!("could not remove old checkpoint {}: {e}", old.display());
+            } else if crate::shards::is_manifest(old) {
+                crate::shards::remove_shards(&self.dir, *step, None);
             }
         }
+        crate::shards::remove_orphans(&self.dir);
         if let Ok(entries) = fs::read_dir(&self.dir) {
             for e in entries.filter_map(|e| e.ok()) {
                 let name = e.file_name().to_string_lossy().into_owned();
@@ -585,7 +672,23 @@ impl CheckpointDir {
                 }
             }
         }
-        Ok(path)
+        Ok(())
+    }
+
+    /// Moves the checkpoint `path` (of `step`) aside, renamed `….damaged`: kept, never
+    /// deleted, and no longer listed. A sharded checkpoint's shard files go with its manifest.
+    pub fn move_aside(&self, step: u64, path: &Path) -> Result<PathBuf, TrainError> {
+        let mut aside = path.as_os_str().to_owned();
+        aside.push(".damaged");
+        let aside = PathBuf::from(aside);
+        fs::rename(path, &aside).map_err(|source| TrainError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        if crate::shards::is_manifest(path) {
+            crate::shards::move_shards_aside(&self.dir, step)?;
+        }
+        Ok(aside)
     }
 
     /// The newest checkpoint that loads; a newer file that does not (damaged, or not a regular

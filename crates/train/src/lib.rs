@@ -14,6 +14,7 @@
 //! - [`sample`]: text generation from a model's weights, on the planned inference graph.
 //! - [`calibration`]: kernel timings of this machine for fit's cost model, cached.
 //! - [`checkpoint`]: atomic safetensors checkpoints and resume.
+//! - [`shards`]: sharded checkpoints of runs over several ranks: a file per rank, a manifest.
 //! - [`ranks`]: the ranks of a run over MPI agreeing on their settings at start-up.
 //! - [`run`]: the loop: evaluation, checkpoints, metrics file, clean stop on Ctrl-C.
 //! - [`user_file`]: reading the files a user names: regular files only, with a size bound.
@@ -33,6 +34,7 @@ pub mod ranks;
 pub mod run;
 pub mod run_dir;
 pub mod sample;
+pub mod shards;
 pub mod token_file;
 pub mod tokenizer;
 pub mod trainer;

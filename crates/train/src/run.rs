@@ -1,6 +1,7 @@
 //! The training loop around a [`Trainer`]: periodic evaluation, checkpoints, the metrics file,
 //! and a clean stop when asked (Ctrl-C): the step in flight finishes, a checkpoint is saved,
-//! and the run returns normally.
+//! and the run returns normally. Over several ranks, every rank stops after the same step, and
+//! under ZeRO stages 1–3 every rank saves its part of each checkpoint ([`crate::shards`]).
 
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
@@ -99,9 +100,18 @@ pub fn run(
         recoveries: Vec::new(),
     };
     let ckpt_dir = run_dir.as_ref().map(RunDir::checkpoints);
+    let saver = if trainer.saves_sharded() {
+        // Rank 0 alone claimed the run directory; every rank writes its shard there.
+        match crate::shards::agree_dir(ckpt_dir.map(CheckpointDir::path)) {
+            Some(dir) => Saver::Sharded { dir, ckpt_dir },
+            None => Saver::Nothing,
+        }
+    } else {
+        ckpt_dir.map_or(Saver::Nothing, Saver::Whole)
+    };
     let mut state = LoopState {
         cfg: &cfg,
-        ckpt_dir,
+        saver: &saver,
         metrics: metrics.take(),
         summary,
         saved_at: None,
@@ -112,19 +122,22 @@ pub fn run(
         saved_at,
         ..
     } = state;
-    let Some(dir) = ckpt_dir else {
+    if matches!(saver, Saver::Nothing) {
         return result.map(|()| summary);
-    };
-    // After an error, save only a state some step of this run reached.
+    }
+    // After an error, save only a state some step of this run reached. A sharded save takes
+    // every rank, and after an error on one the others are elsewhere: the last checkpoint
+    // stands.
     let worth_saving = match &result {
         Ok(()) => true,
-        Err(_) => trainer.steps_done() > summary.start_step && trainer.state_is_consistent(),
+        Err(_) => {
+            !matches!(saver, Saver::Sharded { .. })
+                && trainer.steps_done() > summary.start_step
+                && trainer.state_is_consistent()
+        }
     };
     if worth_saving && saved_at != Some(trainer.steps_done()) {
-        match trainer
-            .checkpoint_ref()
-            .and_then(|c| dir.save_ref(&c, cfg.keep_checkpoints))
-        {
+        match saver.save(trainer, cfg.keep_checkpoints) {
             Ok(path) => {
                 on_event(Event::Checkpoint {
                     step: trainer.steps_done(),
@@ -145,10 +158,56 @@ pub fn run(
     result.map(|()| summary)
 }
 
+/// Where this process's part of a checkpoint goes.
+enum Saver<'a> {
+    /// Nowhere: no run directory (`--no-save`), or a rank of a stage-0 run other than 0.
+    Nothing,
+    /// A whole checkpoint into this directory: one process, or rank 0 of a stage-0 run.
+    Whole(&'a CheckpointDir),
+    /// This rank's shard into `dir`, rank 0's run directory; rank 0 (which holds `ckpt_dir`)
+    /// writes the manifest and retires old checkpoints.
+    Sharded {
+        dir: PathBuf,
+        ckpt_dir: Option<&'a CheckpointDir>,
+    },
+}
+
+impl Saver<'_> {
+    /// Saves the trainer's state (every rank at once, when sharded); returns the checkpoint's
+    /// path (a sharded one's manifest).
+    fn save(&self, trainer: &Trainer, keep: usize) -> Result<PathBuf, TrainError> {
+        match self {
+            Saver::Nothing => Err(TrainError::Config {
+                field: "out",
+                detail: "no run directory to save into".into(),
+            }),
+            Saver::Whole(dir) => dir.save_ref(&trainer.checkpoint_ref()?, keep),
+            Saver::Sharded { dir, ckpt_dir } => {
+                crate::shards::save(dir, &trainer.shard_ref()?, ckpt_dir.map(|d| (d, keep)))
+            }
+        }
+    }
+}
+
+/// Whether to stop before the next step: over several ranks, when any rank was asked, so all
+/// stop after the same step (one stopping alone would leave the others waiting in the step's
+/// collectives, and a sharded save needs them all).
+fn stop_requested(stop: &AtomicBool) -> bool {
+    let mine = stop.load(Ordering::Relaxed);
+    match snug_cpu::kernels::collective::installed() {
+        Some(t) if t.size() > 1 => {
+            let mut any = [f32::from(u8::from(mine))];
+            t.all_reduce_sum(&mut any);
+            any[0] > 0.0
+        }
+        _ => mine,
+    }
+}
+
 /// What the loop keeps between steps, and leaves for the final save.
 struct LoopState<'a> {
     cfg: &'a TrainConfig,
-    ckpt_dir: Option<&'a CheckpointDir>,
+    saver: &'a Saver<'a>,
     metrics: Option<MetricsFile>,
     summary: RunSummary,
     /// The step of the last checkpoint written.
@@ -161,10 +220,10 @@ fn train_loop(
     stop: &AtomicBool,
     on_event: &mut impl FnMut(Event<'_>),
 ) -> Result<(), TrainError> {
-    let (cfg, ckpt_dir) = (st.cfg, st.ckpt_dir);
+    let (cfg, saver) = (st.cfg, st.saver);
     let (metrics, summary) = (&mut st.metrics, &mut st.summary);
     while trainer.steps_done() < cfg.steps {
-        if stop.load(Ordering::Relaxed) {
+        if stop_requested(stop) {
             summary.interrupted = true;
             on_event(Event::Stopping {
                 step: trainer.steps_done(),
@@ -195,16 +254,17 @@ fn train_loop(
             on_event(Event::Eval(&e));
             summary.last_eval = Some(e);
         }
-        if let Some(dir) = ckpt_dir {
-            if cfg.checkpoint_every > 0 && s.step % cfg.checkpoint_every == 0 {
-                let path = dir.save_ref(&trainer.checkpoint_ref()?, cfg.keep_checkpoints)?;
-                on_event(Event::Checkpoint {
-                    step: s.step,
-                    path: &path,
-                });
-                st.saved_at = Some(s.step);
-                summary.checkpoint = Some(path);
-            }
+        if !matches!(saver, Saver::Nothing)
+            && cfg.checkpoint_every > 0
+            && s.step % cfg.checkpoint_every == 0
+        {
+            let path = saver.save(trainer, cfg.keep_checkpoints)?;
+            on_event(Event::Checkpoint {
+                step: s.step,
+                path: &path,
+            });
+            st.saved_at = Some(s.step);
+            summary.checkpoint = Some(path);
         }
     }
     Ok(())

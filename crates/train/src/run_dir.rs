@@ -89,12 +89,9 @@ impl RunDir {
                 for (s, path) in saved.iter().filter(|(s, _)| s > step) {
                     // A newer file that does not load is why an older one was resumed: move
                     // it aside (kept, never deleted) so retention cannot mistake it for ours.
+                    // (A sharded checkpoint's shard files go aside with its manifest.)
                     if Checkpoint::load(path).is_err() {
-                        let aside = path.with_extension("safetensors.damaged");
-                        fs::rename(path, &aside).map_err(|source| TrainError::Io {
-                            path: path.clone(),
-                            source,
-                        })?;
+                        let aside = self.checkpoints.move_aside(*s, path)?;
                         tracing::warn!(
                             "moved the damaged checkpoint of step {s} aside to {}",
                             aside.display()

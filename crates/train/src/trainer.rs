@@ -16,10 +16,15 @@ use snug_nn::{LossMask, ModelConfig};
 use snug_plan::{plan, MemoryPlan, PlanOptions};
 use snug_runtime::{Allocator, ExecCtx, OutOfMemory, RuntimeError};
 
-use crate::checkpoint::{Checkpoint, CheckpointRef, SavedBytes, SavedTensor};
+use crate::checkpoint::{Checkpoint, CheckpointRef, PerRankState, SavedBytes, SavedTensor};
 use crate::data::{batch_starts, fill_batch, fill_mask, Batch, Prefetcher, Tokens};
 use crate::device::StepSession;
+use crate::shards::{owned_range, DType as ShardDType, Layout, ShardRef, TensorEntry};
 use crate::{LossScaler, TokenDataset, TrainConfig, TrainError};
+
+/// Where a persistent tensor goes in a checkpoint: its whole name and shape, and how the ranks
+/// hold it.
+type Placement = (String, Vec<usize>, Layout);
 
 /// Linear warmup to `lr`, then cosine decay to `min_lr` at the last step.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -550,21 +555,161 @@ impl Trainer {
         Ok(trainer)
     }
 
-    /// A checkpoint holds whole tensors: under ZeRO stage 1 or more, each rank holds a shard
-    /// of the optimizer state (and under 3 of the parameters), which a checkpoint does not
-    /// consolidate yet.
+    /// A whole checkpoint is one process's state: under ZeRO stage 1 or more over several
+    /// ranks, each rank holds a shard of the optimizer state (and under 3 of the parameters),
+    /// and saves its part of a sharded checkpoint ([`Trainer::shard_ref`]).
     fn check_state_is_whole(&self) -> Result<(), TrainError> {
-        if self.config.devices > 1 && self.config.shard > 0 {
+        if self.saves_sharded() {
             return Err(TrainError::Config {
                 field: "shard",
                 detail: format!(
-                    "ZeRO stage {} spreads the optimizer state over the ranks, and sharded \
-                     checkpoints are not written yet: train with --no-save, or with --shard 0",
+                    "ZeRO stage {} spreads the state over the ranks: each rank saves its part of \
+                     a sharded checkpoint (`shard_ref`), which loading consolidates",
                     self.config.shard
                 ),
             });
         }
         Ok(())
+    }
+
+    /// Whether this trainer's state is spread over its ranks (ZeRO stage 1 or more on several),
+    /// so that each rank saves its part of a sharded checkpoint.
+    pub fn saves_sharded(&self) -> bool {
+        self.config.devices > 1 && self.config.shard > 0
+    }
+
+    /// Where each persistent tensor goes in a checkpoint: its whole name and shape, and how the
+    /// ranks hold it. Tensors not listed are whole in a world of one or at stage 0, and each
+    /// rank's own otherwise (8-bit AdamW's per-shard blocks, a rank's own gradient norm).
+    fn placements(&self) -> std::collections::HashMap<TensorId, Placement> {
+        use snug_graph::zero::{unsharded_name, unsharded_shape};
+        let g = &self.step_graph.graph;
+        let sharded_state = self.saves_sharded();
+        let mut out = std::collections::HashMap::new();
+        let slots = self
+            .step_graph
+            .params
+            .iter()
+            .map(|s| (s.name.as_str(), s.param, s.moments, s.moment_scales))
+            .chain(
+                self.step_graph
+                    .frozen
+                    .iter()
+                    .map(|f| (f.name.as_str(), f.param, None, None)),
+            );
+        for (name, p, moments, scales) in slots {
+            let whole = unsharded_name(name);
+            let full = unsharded_shape(g, p);
+            let param = if whole != name {
+                (whole.to_string(), full.clone(), Layout::Sharded)
+            } else {
+                let shape = crate::quantized::value_shape(g, p).to_vec();
+                (name.to_string(), shape, Layout::Whole)
+            };
+            out.insert(p, param);
+            // An f32 moment is shaped as its gradient: this rank's shard under stages 1–3.
+            if let (Some((m, v)), None, true) = (moments, scales, sharded_state) {
+                for t in [m, v] {
+                    if let Some(suffix) = g.tensor(t).name.strip_prefix(name) {
+                        out.insert(
+                            t,
+                            (format!("{whole}{suffix}"), full.clone(), Layout::Sharded),
+                        );
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// `t`'s entry of [`Trainer::placements`], or its default.
+    fn placement(
+        &self,
+        places: &std::collections::HashMap<TensorId, Placement>,
+        t: TensorId,
+    ) -> Placement {
+        places.get(&t).cloned().unwrap_or_else(|| {
+            let g = &self.step_graph.graph;
+            let m = g.tensor(t);
+            let layout = if self.saves_sharded() {
+                Layout::PerRank
+            } else {
+                Layout::Whole
+            };
+            let shape = crate::quantized::value_shape(g, t).to_vec();
+            (m.name.clone(), shape, layout)
+        })
+    }
+
+    /// This rank's part of a sharded checkpoint of the state after the steps run so far
+    /// (borrowed from the session where it can be): every rank of a sharded run saves one, at
+    /// the same step ([`crate::shards::save`]).
+    pub fn shard_ref(&self) -> Result<ShardRef<'_>, TrainError> {
+        let (rank, ranks) = (world().0, self.config.devices);
+        let places = self.placements();
+        let mut layout = Vec::new();
+        let mut tensors = Vec::new();
+        let mut quantized = Vec::new();
+        let ids = self
+            .saved_tensors(false)
+            .map(|t| (t, false))
+            .chain(self.saved_tensors(true).map(|t| (t, true)));
+        for (t, codes) in ids {
+            let (name, shape, place) = self.placement(&places, t);
+            let dtype = if codes {
+                ShardDType::U8
+            } else {
+                ShardDType::F32
+            };
+            layout.push(TensorEntry {
+                name: name.clone(),
+                shape: shape.clone(),
+                dtype,
+                layout: place,
+            });
+            match (place, codes) {
+                (Layout::Whole, _) if rank != 0 => {}
+                (_, true) => quantized.push((name, shape, self.session.read_u8(t)?)),
+                (Layout::Sharded, false) => {
+                    let numel: usize = shape.iter().product();
+                    let own = owned_range(numel, rank, ranks).len();
+                    let values = self.read_values(t)?;
+                    if values.len() != snug_graph::ops::shard_len(numel, ranks) {
+                        return Err(TrainError::Config {
+                            field: "shard",
+                            detail: format!(
+                                "`{name}` holds {} values on rank {rank}, not a shard of {numel} \
+                                 over {ranks} ranks",
+                                values.len()
+                            ),
+                        });
+                    }
+                    // The padding past the tensor's end is no state: it stays out of the file.
+                    let part = match values {
+                        std::borrow::Cow::Borrowed(v) => std::borrow::Cow::Borrowed(&v[..own]),
+                        std::borrow::Cow::Owned(mut v) => {
+                            v.truncate(own);
+                            std::borrow::Cow::Owned(v)
+                        }
+                    };
+                    tensors.push((name, vec![own], part));
+                }
+                (_, false) => tensors.push((name, shape, self.read_values(t)?)),
+            }
+        }
+        Ok(ShardRef {
+            rank,
+            ranks,
+            stage: self.config.shard,
+            step: self.step,
+            tokens_seen: self.tokens_seen,
+            config: &self.config,
+            tokenizer: self.data.tokenizer.to_spec(),
+            loss_scale: self.scaler,
+            layout,
+            tensors,
+            quantized,
+        })
     }
 
     /// Every persistent tensor a checkpoint holds: parameters and optimizer state, as f32
@@ -627,6 +772,7 @@ impl Trainer {
             tensors,
             quantized,
             loss_scale: self.scaler,
+            per_rank: None,
         })
     }
 
@@ -664,13 +810,16 @@ impl Trainer {
             tensors,
             quantized,
             loss_scale: self.scaler,
+            shard: None,
         })
     }
 
     /// Loads `ckpt`'s parameters, optimizer state and position. Every tensor must match by
-    /// name and shape, both ways.
+    /// name and shape, both ways. The checkpoint holds whole tensors (a sharded one is
+    /// consolidated as it loads): a rank of a sharded run takes its own shard of each, so a
+    /// run resumes on any number of ranks; state each rank held for itself
+    /// ([`Checkpoint::per_rank`]) only on as many.
     pub fn restore(&mut self, ckpt: &Checkpoint) -> Result<(), TrainError> {
-        self.check_state_is_whole()?;
         self.drop_staged();
         let bad = |detail: String| TrainError::Checkpoint {
             path: PathBuf::from("<checkpoint>"),
@@ -690,53 +839,105 @@ impl Trainer {
                 ),
             });
         }
-        let codes: Vec<TensorId> = self.saved_tensors(true).collect();
-        for &t in &codes {
-            let meta = self.step_graph.graph.tensor(t).clone();
-            let saved = ckpt
-                .quantized
-                .iter()
-                .find(|q| q.name == meta.name)
-                .ok_or_else(|| bad(format!("tensor `{}` is missing", meta.name)))?;
-            if saved.shape != meta.shape {
-                return Err(bad(format!(
-                    "tensor `{}` has shape {:?}, the model expects {:?}",
-                    meta.name, saved.shape, meta.shape
-                )));
+        let (rank, ranks) = (world().0, self.config.devices);
+        // Sought whole, held only per rank by the run that saved it.
+        let missing = |name: &str| match &ckpt.per_rank {
+            Some(p) => bad(format!(
+                "tensor `{name}` is missing: the checkpoint holds its optimizer state per rank, \
+                 for {} ranks at ZeRO stage {}: resume on {} ranks with --shard {}",
+                p.ranks, p.stage, p.ranks, p.stage
+            )),
+            None => bad(format!("tensor `{name}` is missing")),
+        };
+        let per_rank = |name: &str| -> Result<&PerRankState, TrainError> {
+            match &ckpt.per_rank {
+                Some(p) if p.ranks == ranks => Ok(p),
+                Some(p) => Err(bad(format!(
+                    "tensor `{name}` is state each of the {} ranks that saved the checkpoint held \
+                     for itself (8-bit AdamW's blocks, a rank's own gradient norm), which has no \
+                     whole form to divide over {ranks}: resume on {} ranks",
+                    p.ranks, p.ranks
+                ))),
+                None => Err(bad(format!(
+                    "tensor `{name}` is state each rank holds for itself under ZeRO stage {}, and \
+                     the checkpoint has none: resume on the ranks and stage it was saved with",
+                    self.config.shard
+                ))),
             }
-            self.session.write_u8(t, &saved.data)?;
+        };
+        let wrong_shape = |name: &str, saved: &[usize], want: &[usize]| {
+            bad(format!(
+                "tensor `{name}` has shape {saved:?}, the model expects {want:?}"
+            ))
+        };
+        let places = self.placements();
+        let codes: Vec<(TensorId, Placement)> = self
+            .saved_tensors(true)
+            .map(|t| (t, self.placement(&places, t)))
+            .collect();
+        let values: Vec<(TensorId, Placement)> = self
+            .saved_tensors(false)
+            .map(|t| (t, self.placement(&places, t)))
+            .collect();
+        let mut used = std::collections::HashSet::new();
+        for (t, (name, shape, place)) in &codes {
+            let saved = if *place == Layout::PerRank {
+                per_rank(name)?.quantized[rank]
+                    .iter()
+                    .find(|q| &q.name == name)
+                    .ok_or_else(|| missing(name))?
+            } else {
+                used.insert(name.as_str());
+                ckpt.quantized
+                    .iter()
+                    .find(|q| &q.name == name)
+                    .ok_or_else(|| missing(name))?
+            };
+            if &saved.shape != shape {
+                return Err(wrong_shape(name, &saved.shape, shape));
+            }
+            self.session.write_u8(*t, &saved.data)?;
         }
-        if let Some(extra) = ckpt.quantized.iter().find(|s| {
-            !codes
-                .iter()
-                .any(|&t| self.step_graph.graph.tensor(t).name == s.name)
-        }) {
+        if let Some(extra) = ckpt
+            .quantized
+            .iter()
+            .find(|s| !used.contains(s.name.as_str()))
+        {
             return Err(bad(format!(
                 "tensor `{}` has no place in this model (a different model or optimizer?)",
                 extra.name
             )));
         }
-        let ids: Vec<TensorId> = self.saved_tensors(false).collect();
-        for &t in &ids {
-            let meta = self.step_graph.graph.tensor(t).clone();
-            let saved = ckpt
-                .tensor(&meta.name)
-                .ok_or_else(|| bad(format!("tensor `{}` is missing", meta.name)))?;
-            let g = &self.step_graph.graph;
-            let shape = crate::quantized::value_shape(g, t);
-            if saved.shape != shape {
-                return Err(bad(format!(
-                    "tensor `{}` has shape {:?}, the model expects {:?}",
-                    meta.name, saved.shape, shape
-                )));
+        used.clear();
+        for (t, (name, shape, place)) in &values {
+            let saved = if *place == Layout::PerRank {
+                per_rank(name)?.tensors[rank]
+                    .iter()
+                    .find(|q| &q.name == name)
+                    .ok_or_else(|| missing(name))?
+            } else {
+                used.insert(name.as_str());
+                ckpt.tensor(name).ok_or_else(|| missing(name))?
+            };
+            if &saved.shape != shape {
+                return Err(wrong_shape(name, &saved.shape, shape));
             }
-            let base = self.config.quantize_base;
-            crate::quantized::write_param(&mut self.session, base, t, &saved.data)?;
+            match place {
+                Layout::Sharded => self
+                    .session
+                    .write_f32(*t, &rank_shard(&saved.data, ranks))?,
+                Layout::PerRank => self.session.write_f32(*t, &saved.data)?,
+                Layout::Whole => {
+                    let base = self.config.quantize_base;
+                    crate::quantized::write_param(&mut self.session, base, *t, &saved.data)?
+                }
+            }
         }
-        if let Some(extra) = ckpt.tensors.iter().find(|s| {
-            !ids.iter()
-                .any(|&t| self.step_graph.graph.tensor(t).name == s.name)
-        }) {
+        if let Some(extra) = ckpt
+            .tensors
+            .iter()
+            .find(|s| !used.contains(s.name.as_str()))
+        {
             return Err(bad(format!(
                 "tensor `{}` has no place in this model (a different model or optimizer?)",
                 extra.name

@@ -1,0 +1,656 @@
+//! Sharded checkpoints of `mpirun -np 2 snug train --shard S`: each rank writes its shard and
+//! rank 0 the manifest; resuming on two ranks is bit-exact at every stage; one process continues
+//! a sharded run and two ranks a single process's, from the consolidated tensors; `snug export`
+//! consolidates; 8-bit AdamW's per-shard state resumes on as many ranks, and elsewhere is a
+//! named error; a damaged or missing shard is an error naming its file; and a rank killed
+//! mid-run leaves the last complete checkpoint to resume from.
+//!
+//! Skipped, with the reason printed, when snug was built without the `mpi` feature or `mpirun`
+//! is missing (a failure under `SNUG_REQUIRE_ALL_TESTS=1`, as in CI).
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use snug_train::checkpoint;
+use snug_train::TrainError;
+
+/// The tiny model on the built-in data, 5 steps of a batch of 4, one thread.
+const RUN: [&str; 16] = [
+    "train",
+    "--preset",
+    "tiny",
+    "--steps",
+    "5",
+    "--batch",
+    "4",
+    "--block",
+    "16",
+    "--threads",
+    "1",
+    "--eval-every",
+    "0",
+    "--warmup-steps",
+    "2",
+    "--json",
+];
+
+/// `mpirun`, or the reason this test cannot run.
+fn mpirun() -> Result<Command, String> {
+    if !cfg!(feature = "mpi") {
+        return Err(
+            "snug was built without the `mpi` feature (cargo test -p snug-cli --features mpi)"
+                .into(),
+        );
+    }
+    let found = Command::new("mpirun").arg("--version").output();
+    if !found.is_ok_and(|o| o.status.success()) {
+        return Err(
+            "`mpirun` is not on PATH (Debian: apt-get install openmpi-bin libopenmpi-dev)".into(),
+        );
+    }
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["--bind-to", "none", "--oversubscribe"])
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    Ok(cmd)
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Runs `snug args` as two ranks in `cwd`; they must succeed.
+fn two_ranks(cwd: &Path, args: &[&str]) -> Output {
+    let mut cmd = mpirun().expect("checked by the caller");
+    let o = cmd
+        .args(["-np", "2", env!("CARGO_BIN_EXE_snug")])
+        .args(args)
+        .current_dir(cwd)
+        .output()
+        .expect("mpirun runs");
+    assert!(o.status.success(), "{args:?}: {}", text(&o.stderr));
+    o
+}
+
+/// The `kind` lines of a `--json` run's output.
+fn lines(o: &Output, kind: &str) -> Vec<serde_json::Value> {
+    text(&o.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["kind"] == kind)
+        .collect()
+}
+
+fn losses(o: &Output) -> Vec<f64> {
+    lines(o, "step")
+        .iter()
+        .map(|l| l["loss"].as_f64().expect("a loss"))
+        .collect()
+}
+
+fn manifest_of(dir: &Path, step: u64) -> PathBuf {
+    dir.join(format!("ckpt-{step:08}.manifest.json"))
+}
+
+fn manifest(dir: &Path, step: u64) -> serde_json::Value {
+    let text = std::fs::read_to_string(manifest_of(dir, step)).expect("the manifest");
+    serde_json::from_str(&text).expect("a JSON manifest")
+}
+
+/// The shard files the manifest of `step` names.
+fn shard_files(dir: &Path, step: u64) -> Vec<PathBuf> {
+    manifest(dir, step)["shards"]
+        .as_array()
+        .expect("shards")
+        .iter()
+        .map(|s| dir.join(s["file"].as_str().expect("a file name")))
+        .collect()
+}
+
+/// Copies the sharded checkpoint of `step` (manifest and shards) into `to`, a new directory.
+fn copy_sharded(from: &Path, to: &Path, step: u64) {
+    std::fs::create_dir_all(to).unwrap();
+    for f in shard_files(from, step)
+        .into_iter()
+        .chain([manifest_of(from, step)])
+    {
+        std::fs::copy(&f, to.join(f.file_name().unwrap())).expect("a checkpoint file");
+    }
+}
+
+/// Every tensor of the checkpoint at `path` (parameters and optimizer state), as bits.
+fn state(path: &Path) -> BTreeMap<String, (Vec<usize>, Vec<u32>)> {
+    let (_, c) = checkpoint::load(path).expect("a checkpoint that loads");
+    assert!(
+        c.per_rank.is_none(),
+        "AdamW's state is all whole or sharded"
+    );
+    c.tensors
+        .into_iter()
+        .map(|t| {
+            (
+                t.name,
+                (t.shape, t.data.iter().map(|v| v.to_bits()).collect()),
+            )
+        })
+        .collect()
+}
+
+/// `a` and `b` within `rel` of each other, relative to `a`.
+fn close(a: &[f64], b: &[f64], rel: f64) {
+    assert_eq!(a.len(), b.len(), "{a:?} against {b:?}");
+    for (x, y) in a.iter().zip(b) {
+        assert!((x - y).abs() <= rel * x.abs(), "{a:?} against {b:?}");
+    }
+}
+
+#[test]
+fn sharded_checkpoints_resume_bit_exact_on_two_ranks_at_every_stage() {
+    if let Err(reason) = mpirun() {
+        return snug_testkit::skip_or_fail(&reason);
+    }
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    // One process's checkpoint names every tensor with its whole shape.
+    let one = dir.path().join("one");
+    common::ok(
+        dir.path(),
+        &[&RUN[..], &["--out", one.to_str().unwrap()]].concat(),
+    );
+    let whole_shapes: BTreeMap<String, Vec<usize>> =
+        state(&one).into_iter().map(|(n, (s, _))| (n, s)).collect();
+    let mut finals = Vec::new();
+    for stage in ["1", "2", "3"] {
+        let straight = dir.path().join(format!("straight-{stage}"));
+        let resumed = dir.path().join(format!("resumed-{stage}"));
+        let all = two_ranks(
+            dir.path(),
+            &[
+                &RUN[..],
+                &[
+                    "--shard",
+                    stage,
+                    "--out",
+                    straight.to_str().unwrap(),
+                    "--checkpoint-every",
+                    "3",
+                ],
+            ]
+            .concat(),
+        );
+        // The manifest: world, stage, step, whole shapes, and each rank's file as written.
+        let m = manifest(&straight, 3);
+        assert_eq!(m["format"], "snug-sharded-checkpoint");
+        assert_eq!(
+            (m["ranks"].as_u64(), m["step"].as_u64()),
+            (Some(2), Some(3))
+        );
+        assert_eq!(m["stage"].to_string(), stage);
+        let listed: BTreeMap<String, Vec<usize>> = m["tensors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| {
+                let shape = t["shape"].as_array().unwrap();
+                let shape = shape.iter().map(|d| d.as_u64().unwrap() as usize);
+                (t["name"].as_str().unwrap().to_string(), shape.collect())
+            })
+            .collect();
+        assert_eq!(listed, whole_shapes, "stage {stage}: the whole shapes");
+        for (rank, s) in m["shards"].as_array().unwrap().iter().enumerate() {
+            let file = straight.join(s["file"].as_str().unwrap());
+            assert_eq!(s["rank"].as_u64(), Some(rank as u64));
+            assert_eq!(
+                Some(std::fs::metadata(&file).unwrap().len()),
+                s["bytes"].as_u64()
+            );
+        }
+        // The third step's checkpoint alone in a run directory, resumed to the end.
+        copy_sharded(&straight, &resumed, 3);
+        let rest = two_ranks(
+            dir.path(),
+            &["train", "--resume", resumed.to_str().unwrap(), "--json"],
+        );
+        assert_eq!(
+            losses(&all)[3..],
+            losses(&rest)[..],
+            "stage {stage}: steps 4, 5"
+        );
+        let end = state(&straight);
+        assert_eq!(
+            end,
+            state(&resumed),
+            "stage {stage}: the state after step 5"
+        );
+        finals.push(end);
+    }
+    // Stages 1–3 train the same weights and moments: stage 3's consolidated parameter shards
+    // are stage 1's whole parameters, bit for bit.
+    assert_eq!(finals[0], finals[1], "stages 1 and 2");
+    assert_eq!(finals[0], finals[2], "stages 1 and 3");
+}
+
+#[test]
+fn eight_bit_adamw_state_is_held_per_rank_and_resumes_on_as_many_ranks() {
+    if let Err(reason) = mpirun() {
+        return snug_testkit::skip_or_fail(&reason);
+    }
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let (straight, resumed, one) = (
+        dir.path().join("straight"),
+        dir.path().join("resumed"),
+        dir.path().join("one"),
+    );
+    let all = two_ranks(
+        dir.path(),
+        &[
+            &RUN[..],
+            &[
+                "--shard",
+                "3",
+                "--optimizer",
+                "adamw8bit",
+                "--checkpoint-every",
+                "3",
+            ],
+            &["--out", straight.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    // Its codes and block scales are quantized per shard: each rank's own.
+    let m = manifest(&straight, 3);
+    let per_rank = |dtype: &str| {
+        m["tensors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t["layout"] == "per_rank" && t["dtype"] == dtype)
+    };
+    assert!(per_rank("U8") && per_rank("F32"));
+    copy_sharded(&straight, &resumed, 3);
+    let rest = two_ranks(
+        dir.path(),
+        &["train", "--resume", resumed.to_str().unwrap(), "--json"],
+    );
+    assert_eq!(losses(&all)[3..], losses(&rest)[..], "steps 4, 5");
+    let (_, a) = checkpoint::load(&straight).unwrap();
+    let (_, b) = checkpoint::load(&resumed).unwrap();
+    assert_eq!(a.step, 5);
+    assert_eq!((&a.tensors, &a.per_rank), (&b.tensors, &b.per_rank));
+    // One process cannot divide them otherwise: a named error, saying how to resume.
+    copy_sharded(&straight, &one, 3);
+    common::fails_with(
+        dir.path(),
+        &["train", "--resume", one.to_str().unwrap()],
+        &["adam8_m", "per rank", "resume on 2 ranks with --shard 3"],
+    );
+}
+
+#[test]
+fn one_process_continues_a_sharded_run_and_exports_it_as_stage_0() {
+    if let Err(reason) = mpirun() {
+        return snug_testkit::skip_or_fail(&reason);
+    }
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let (two, one, whole) = (
+        dir.path().join("two"),
+        dir.path().join("one"),
+        dir.path().join("whole"),
+    );
+    let all = two_ranks(
+        dir.path(),
+        &[
+            &RUN[..],
+            &[
+                "--shard",
+                "3",
+                "--out",
+                two.to_str().unwrap(),
+                "--checkpoint-every",
+                "3",
+            ],
+        ]
+        .concat(),
+    );
+    // Step 3 in one process (unsharded): saved again at once, its state is the consolidated
+    // shards', bit for bit, and the whole file replaces the sharded one.
+    copy_sharded(&two, &one, 3);
+    common::ok(
+        dir.path(),
+        &["train", "--resume", one.to_str().unwrap(), "--steps", "3"],
+    );
+    assert!(one.join("ckpt-00000003.safetensors").is_file());
+    assert!(!manifest_of(&one, 3).exists());
+    assert_eq!(state(&one), state(&manifest_of(&two, 3)));
+    // Steps 4 and 5 in one process with the ranks' micro-batch (the step count, set to 3 by
+    // the save above, back to 5: the same learning-rate schedule): the same data, the
+    // gradients summed in another order.
+    let rest = common::ok(
+        dir.path(),
+        &[
+            "train",
+            "--resume",
+            one.to_str().unwrap(),
+            "--steps",
+            "5",
+            "--accumulation",
+            "2",
+            "--json",
+        ],
+    );
+    close(&losses(&all)[3..], &losses(&rest), 1e-6);
+
+    // The sharded step 5 exported, and the same weights as one process's whole checkpoint
+    // exported: the same files.
+    common::ok(
+        dir.path(),
+        &[
+            "train",
+            "--resume",
+            manifest_of(&two, 5).to_str().unwrap(),
+            "--out",
+            whole.to_str().unwrap(),
+        ],
+    );
+    let (ea, eb) = (dir.path().join("export-a"), dir.path().join("export-b"));
+    let exported = common::ok(
+        dir.path(),
+        &[
+            "export",
+            "--checkpoint",
+            two.to_str().unwrap(),
+            "--out",
+            ea.to_str().unwrap(),
+            "--json",
+        ],
+    );
+    assert!(text(&exported.stdout).contains("\"step\":5"));
+    common::ok(
+        dir.path(),
+        &[
+            "export",
+            "--checkpoint",
+            whole.to_str().unwrap(),
+            "--out",
+            eb.to_str().unwrap(),
+        ],
+    );
+    for f in ["model.safetensors", "config.json"] {
+        let (a, b) = (std::fs::read(ea.join(f)), std::fs::read(eb.join(f)));
+        assert_eq!(a.expect("exported"), b.expect("exported"), "{f}");
+    }
+}
+
+#[test]
+fn two_ranks_continue_a_single_process_run_sharded() {
+    if let Err(reason) = mpirun() {
+        return snug_testkit::skip_or_fail(&reason);
+    }
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let (one, two) = (dir.path().join("one"), dir.path().join("two"));
+    let single = common::ok(
+        dir.path(),
+        &[
+            &RUN[..],
+            &[
+                "--accumulation",
+                "2",
+                "--out",
+                one.to_str().unwrap(),
+                "--checkpoint-every",
+                "3",
+            ],
+        ]
+        .concat(),
+    );
+    std::fs::create_dir(&two).unwrap();
+    let name = "ckpt-00000003.safetensors";
+    std::fs::copy(one.join(name), two.join(name)).expect("the step-3 checkpoint");
+    // On two ranks at stage 3, saved again at once: each rank's shards of the whole tensors,
+    // which consolidate to them bit for bit; the sharded checkpoint replaces the whole file.
+    two_ranks(
+        dir.path(),
+        &[
+            "train",
+            "--resume",
+            two.to_str().unwrap(),
+            "--shard",
+            "3",
+            "--steps",
+            "3",
+        ],
+    );
+    assert!(manifest_of(&two, 3).is_file());
+    assert!(!two.join(name).exists());
+    assert_eq!(state(&two), state(&one.join(name)));
+    // Steps 4 and 5 on the two ranks (stage 3, kept from the checkpoint).
+    let rest = two_ranks(
+        dir.path(),
+        &[
+            "train",
+            "--resume",
+            two.to_str().unwrap(),
+            "--steps",
+            "5",
+            "--json",
+        ],
+    );
+    close(&losses(&single)[3..], &losses(&rest), 1e-6);
+    assert_eq!(manifest(&two, 5)["stage"], 3);
+}
+
+#[test]
+fn a_damaged_or_missing_shard_is_named_and_the_previous_checkpoint_loads() {
+    if let Err(reason) = mpirun() {
+        return snug_testkit::skip_or_fail(&reason);
+    }
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let run = dir.path().join("run");
+    two_ranks(
+        dir.path(),
+        &[
+            &RUN[..],
+            &[
+                "--shard",
+                "2",
+                "--steps",
+                "4",
+                "--out",
+                run.to_str().unwrap(),
+                "--checkpoint-every",
+                "2",
+            ],
+        ]
+        .concat(),
+    );
+    let (m2, m4) = (manifest_of(&run, 2), manifest_of(&run, 4));
+    let shards = shard_files(&run, 4);
+    assert_eq!(shards.len(), 2);
+    // A shard file alone is no checkpoint: the error says to load its manifest.
+    let err = checkpoint::load(&shards[0]).unwrap_err();
+    assert!(
+        matches!(&err, TrainError::Checkpoint { path, detail } if path == &shards[0] && detail.contains("manifest")),
+        "{err:?}"
+    );
+    // One flipped bit in rank 1's shard: the error names that file.
+    let mut bytes = std::fs::read(&shards[1]).unwrap();
+    let original = bytes.clone();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x10;
+    std::fs::write(&shards[1], &bytes).unwrap();
+    let err = checkpoint::load(&m4).unwrap_err();
+    assert!(
+        matches!(&err, TrainError::Checkpoint { path, detail } if path == &shards[1] && detail.contains("damaged")),
+        "{err:?}"
+    );
+    // The run directory's newest loadable checkpoint is step 2's.
+    let (path, ckpt) = checkpoint::load(&run).expect("step 2 loads");
+    assert_eq!((path, ckpt.step), (m2.clone(), 2));
+    // `snug export` of the damaged checkpoint names the file, and writes nothing.
+    let out = dir.path().join("export");
+    let file_name = shards[1].file_name().unwrap().to_str().unwrap();
+    common::fails_with(
+        dir.path(),
+        &[
+            "export",
+            "--checkpoint",
+            m4.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        &[file_name, "damaged"],
+    );
+    assert!(!out.exists());
+    // Truncated, then missing: named too.
+    std::fs::write(&shards[1], &original[..original.len() / 2]).unwrap();
+    let err = checkpoint::load(&m4).unwrap_err();
+    assert!(
+        matches!(&err, TrainError::Checkpoint { path, detail } if path == &shards[1] && detail.contains("truncated")),
+        "{err:?}"
+    );
+    std::fs::write(&shards[1], &original).unwrap();
+    assert_eq!(checkpoint::load(&m4).expect("whole again").1.step, 4);
+    std::fs::remove_file(&shards[0]).unwrap();
+    let err = checkpoint::load(&m4).unwrap_err();
+    assert!(
+        matches!(&err, TrainError::Checkpoint { path, detail } if path == &shards[0] && detail.contains("missing")),
+        "{err:?}"
+    );
+    // Resumed in its own directory, the run continues from step 2; step 4's manifest and its
+    // remaining shard are moved aside, kept, not deleted.
+    let rest = two_ranks(
+        dir.path(),
+        &[
+            "train",
+            "--resume",
+            run.to_str().unwrap(),
+            "--steps",
+            "3",
+            "--json",
+        ],
+    );
+    assert_eq!(lines(&rest, "summary")[0]["start_step"], 2);
+    assert!(run.join("ckpt-00000004.manifest.json.damaged").is_file());
+    let mut aside = shards[1].as_os_str().to_owned();
+    aside.push(".damaged");
+    assert_eq!(std::fs::read(PathBuf::from(aside)).unwrap(), original);
+    assert_eq!(checkpoint::load(&run).expect("step 3").1.step, 3);
+}
+
+/// The process ids of `mpirun`'s children (the ranks), with their rank.
+#[cfg(target_os = "linux")]
+fn ranks_of(mpirun: u32) -> Vec<(u32, usize)> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            // The parent's id is the second field after the parenthesised command name.
+            let after = &stat[stat.rfind(')')? + 2..];
+            let ppid: u32 = after.split(' ').nth(1)?.parse().ok()?;
+            if ppid != mpirun {
+                return None;
+            }
+            let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+            let rank = env
+                .split(|&b| b == 0)
+                .find_map(|kv| kv.strip_prefix(b"OMPI_COMM_WORLD_RANK="))?;
+            Some((pid, std::str::from_utf8(rank).ok()?.parse().ok()?))
+        })
+        .collect()
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_rank_killed_mid_run_leaves_the_last_complete_checkpoint_to_resume() {
+    let mut cmd = match mpirun() {
+        Ok(c) => c,
+        Err(reason) => return snug_testkit::skip_or_fail(&reason),
+    };
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let run = dir.path().join("run");
+    // A checkpoint every step, so rank 1 dies during a save as likely as not. Output goes to
+    // files: a full pipe nobody reads would stall mpirun.
+    let log = dir.path().join("stderr.txt");
+    let mut child = cmd
+        .args(["-np", "2", env!("CARGO_BIN_EXE_snug")])
+        .args(RUN)
+        .args([
+            "--steps",
+            "100000",
+            "--shard",
+            "1",
+            "--checkpoint-every",
+            "1",
+        ])
+        .args(["--keep-checkpoints", "2", "--out", run.to_str().unwrap()])
+        .current_dir(dir.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("a log file"))
+        .spawn()
+        .expect("mpirun starts");
+    let start = Instant::now();
+    let victim = loop {
+        let ranks = ranks_of(child.id());
+        let saved = checkpoint::CheckpointDir::open(&run)
+            .and_then(|d| d.list())
+            .map_or(0, |l| l.len());
+        if ranks.len() == 2 && saved >= 2 {
+            break ranks.into_iter().find(|&(_, r)| r == 1).map(|(pid, _)| pid);
+        }
+        if start.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            panic!("no two checkpoints in 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let victim = victim.expect("rank 1's process");
+    // SAFETY: signalling a process this test started (a child of its mpirun).
+    unsafe {
+        libc::kill(victim as i32, libc::SIGKILL);
+    }
+    let killed = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("mpirun's status") {
+            break s;
+        }
+        if killed.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            panic!("the job still runs 30 s after rank 1 was killed");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(!status.success());
+    // The newest complete checkpoint loads; an unfinished save's shards are no checkpoint.
+    let (_, ckpt) = checkpoint::load(&run).expect("the last complete checkpoint");
+    let k = ckpt.step;
+    assert!(k >= 1);
+    let orphan = run.join(format!(
+        "ckpt-{:08}.0000abcd.shard-1-of-2.safetensors",
+        k + 1
+    ));
+    std::fs::write(&orphan, b"half a shard").unwrap();
+    assert_eq!(checkpoint::load(&run).unwrap().1.step, k);
+    // Two ranks continue from it; their first save clears what the dead run left unfinished.
+    let steps = (k + 2).to_string();
+    let rest = two_ranks(
+        dir.path(),
+        &[
+            "train",
+            "--resume",
+            run.to_str().unwrap(),
+            "--steps",
+            &steps,
+            "--json",
+        ],
+    );
+    assert_eq!(lines(&rest, "summary")[0]["start_step"], k);
+    assert_eq!(lines(&rest, "step").len(), 2);
+    assert!(!orphan.exists());
+    assert_eq!(checkpoint::load(&run).unwrap().1.step, k + 2);
+}
