@@ -8,7 +8,7 @@ use snug_graph::{Graph, NodeId, Role, TensorId};
 
 use crate::lifetime::{lifetimes, Lifetime};
 use crate::placement::{align_up, max_live, place_best_in_chunks, Interval, Strategy};
-use crate::schedule::{has_split_collectives, schedule, ScheduleKind};
+use crate::schedule::{schedule, ScheduleKind};
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum PlanError {
@@ -380,9 +380,9 @@ pub fn plan<G: AsRef<Graph>>(graph: &G, options: &PlanOptions) -> Result<MemoryP
             let order = schedule(graph, ScheduleKind::MemoryAware);
             let lives = lifetimes(graph, &order);
             let intervals = aligned_intervals(&lives, align)?;
-            // Program order waits for each collective right after starting it: where the
-            // step has split collectives, the order that overlaps them is kept.
-            if max_live(&intervals).0 < program_bound || has_split_collectives(graph) {
+            // Both orders overlap split collectives with the backward (program order with
+            // its starts moved up and its waits down): the lower peak is kept.
+            if max_live(&intervals).0 < program_bound {
                 (ScheduleKind::MemoryAware, order, lives, intervals)
             } else {
                 (

@@ -229,6 +229,74 @@ pub fn memory_aware_order(graph: &Graph) -> Vec<NodeId> {
     order
 }
 
+/// The state of [`program_order_overlapped`] as it lays out the order.
+struct Overlapped<'g> {
+    graph: &'g Graph,
+    /// The starts that follow each node.
+    after: Vec<Vec<usize>>,
+    wait_of: Vec<Option<usize>>,
+    /// Waits of the collectives in flight, oldest first, with their buffers' bytes.
+    deferred: VecDeque<(usize, usize)>,
+    /// Tensors a put-off wait makes.
+    pending: Vec<bool>,
+    order: Vec<NodeId>,
+}
+
+impl Overlapped<'_> {
+    /// Puts off start `s`'s wait, first running the oldest waits while what is in flight
+    /// would pass the bound (one collective may always be in flight).
+    fn defer_wait_of(&mut self, s: usize) {
+        let Some(w) = self.wait_of[s] else {
+            return;
+        };
+        let graph = self.graph;
+        let bytes: usize = graph.nodes()[s]
+            .outputs
+            .iter()
+            .map(|&t| graph.tensor(t).size_bytes())
+            .sum();
+        let mut held: usize = self.deferred.iter().map(|&(_, b)| b).sum();
+        while !self.deferred.is_empty() && held + bytes > MAX_IN_FLIGHT_BYTES {
+            let Some((oldest, b)) = self.deferred.pop_front() else {
+                break;
+            };
+            self.emit(oldest);
+            held -= b;
+        }
+        self.deferred.push_back((w, bytes));
+        for &t in &graph.nodes()[w].outputs {
+            self.pending[t.index()] = true;
+        }
+    }
+
+    /// Runs node `n` (after the put-off waits whose outputs it reads, and every older one),
+    /// then the starts that follow it.
+    fn emit(&mut self, n: usize) {
+        let node = &self.graph.nodes()[n];
+        while node
+            .inputs
+            .iter()
+            .chain(&node.control)
+            .any(|t| self.pending[t.index()])
+        {
+            let Some((w, _)) = self.deferred.pop_front() else {
+                break;
+            };
+            self.emit(w);
+        }
+        if matches!(node.op, Op::CollectiveStart(_)) {
+            self.defer_wait_of(n);
+        }
+        self.order.push(NodeId(n as u32));
+        for &t in &node.outputs {
+            self.pending[t.index()] = false;
+        }
+        for s in std::mem::take(&mut self.after[n]) {
+            self.emit(s);
+        }
+    }
+}
+
 /// Whether `graph` has collectives split into a start and a wait, which only the memory-aware
 /// order overlaps with the backward.
 pub fn has_split_collectives(graph: &Graph) -> bool {
@@ -360,7 +428,83 @@ pub struct CollectiveSpan {
 /// The order for `kind`.
 pub fn schedule(graph: &Graph, kind: ScheduleKind) -> Vec<NodeId> {
     match kind {
-        ScheduleKind::Program => program_order(graph),
+        ScheduleKind::Program => program_order_overlapped(graph),
         ScheduleKind::MemoryAware => memory_aware_order(graph),
     }
+}
+
+/// Program order, with each split collective's start moved up to just after the last node
+/// that writes what it reads, and its wait moved down to just before the first node that reads
+/// what it makes (or sooner, oldest first, where the buffers in flight pass
+/// [`MAX_IN_FLIGHT_BYTES`]), so the backward overlaps the collectives as in the memory-aware
+/// order while every other node keeps the builder's order. The greedy memory-aware order can
+/// do much worse than the builder's where many allocations are ready at once (ZeRO-3's
+/// gathered weights: it gathers the small ones first, and every weight before the largest),
+/// so the planner compares the two. Without split collectives this is program order.
+pub fn program_order_overlapped(graph: &Graph) -> Vec<NodeId> {
+    let nodes = graph.nodes();
+    if !has_split_collectives(graph) {
+        return program_order(graph);
+    }
+    let root = |t: TensorId| graph.storage_root(t).index();
+    // Where each start goes: after the last earlier node writing one of its inputs' storage
+    // (producing it, updating it in place, or writing its output over it); `None`: first.
+    let mut last_writer: Vec<Option<usize>> = vec![None; graph.tensors().len()];
+    let mut after: Vec<Vec<usize>> = vec![Vec::new(); nodes.len()];
+    let mut first = Vec::new();
+    for (i, node) in nodes.iter().enumerate() {
+        if matches!(node.op, Op::CollectiveStart(_)) {
+            let at = node
+                .inputs
+                .iter()
+                .chain(&node.control)
+                .filter_map(|&t| last_writer[root(t)])
+                .max();
+            match at {
+                Some(w) => after[w].push(i),
+                None => first.push(i),
+            }
+        }
+        for &o in &node.outputs {
+            last_writer[root(o)] = Some(i);
+        }
+        let written = node.op.mutates_inputs().iter().copied().chain(node.inplace);
+        for k in written {
+            if let Some(&t) = node.inputs.get(k) {
+                last_writer[root(t)] = Some(i);
+            }
+        }
+    }
+    // Each start's wait (its in-flight buffer's one reader).
+    let mut wait_of: Vec<Option<usize>> = vec![None; nodes.len()];
+    for (i, node) in nodes.iter().enumerate() {
+        if matches!(node.op, Op::CollectiveWait(_)) {
+            if let Some(p) = node.inputs.first().and_then(|&t| graph.producer(t)) {
+                wait_of[p.index()] = Some(i);
+            }
+        }
+    }
+    let mut o = Overlapped {
+        graph,
+        after,
+        wait_of,
+        deferred: VecDeque::new(),
+        pending: vec![false; graph.tensors().len()],
+        order: Vec::with_capacity(nodes.len()),
+    };
+    for s in first {
+        o.emit(s);
+    }
+    for (i, node) in nodes.iter().enumerate() {
+        // Starts run where `after` puts them, and waits when they must.
+        if !matches!(node.op, Op::CollectiveStart(_) | Op::CollectiveWait(_)) {
+            o.emit(i);
+        }
+    }
+    while let Some((w, _)) = o.deferred.pop_front() {
+        o.emit(w);
+    }
+    let order = o.order;
+    debug_assert_eq!(order.len(), nodes.len());
+    order
 }

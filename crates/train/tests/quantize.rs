@@ -510,11 +510,32 @@ fn sampling_with_quantized_weights_follows_the_f32_model() {
                     "{q} {mode:?}: logits differ by {diff} of {range}"
                 );
                 if q == QuantizeBase::Int8 {
-                    assert_eq!(
-                        f.generate(p, 8, greedy).unwrap(),
-                        s.generate(p, 8, greedy).unwrap(),
-                        "{mode:?}: the greedy continuation of {p:?}"
-                    );
+                    // Along the f32 model's greedy continuation, the int8 model picks the same
+                    // token, except where the f32 model's logits for the two picks lie within
+                    // the quantization's difference of each other (a near-tie either may break).
+                    let cont = f.generate(p, 8, greedy).unwrap();
+                    let mut prefix = p.clone();
+                    let mut same = 0;
+                    for &tok in &cont {
+                        let a = f.next_token_logits(&prefix).unwrap().to_vec();
+                        let b = s.next_token_logits(&prefix).unwrap().to_vec();
+                        let pick = (0..b.len()).fold(0, |m, i| if b[i] > b[m] { i } else { m });
+                        let diff = a
+                            .iter()
+                            .zip(&b)
+                            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+                        let t = tok as usize;
+                        assert!(
+                            pick == t || a[t] - a[pick] <= 2.0 * diff,
+                            "{mode:?}: after {prefix:?} int8 picks {pick}, f32 {t} \
+                             (f32 logits {} vs {}, int8 within {diff})",
+                            a[pick],
+                            a[t]
+                        );
+                        same += usize::from(pick == t);
+                        prefix.push(tok);
+                    }
+                    assert!(same >= 6, "{mode:?}: {same} of 8 picks agree after {p:?}");
                 }
             }
             match s.kv_stats() {
