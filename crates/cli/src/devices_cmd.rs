@@ -23,6 +23,13 @@ struct CpuDevice {
     device: &'static str,
     physical_cores: usize,
     logical_cpus: usize,
+    /// The vector instructions the kernels run with (`baseline`, `avx2`, `avx512`): the
+    /// highest the CPU has, or lower where `SNUG_CPU_ISA` asks.
+    isa: &'static str,
+    /// Every level this CPU runs, lowest first (what `SNUG_CPU_ISA` may name).
+    isa_levels: Vec<&'static str>,
+    /// The GEMM's register tile (`avx512`, `avx2`, or `portable`: the gemm crate).
+    gemm: &'static str,
 }
 
 #[derive(Serialize)]
@@ -84,6 +91,13 @@ pub fn run(args: DevicesArgs) -> Result<()> {
             device: "cpu",
             physical_cores: snug_cpu::physical_cores(),
             logical_cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            isa: snug_cpu::isa::current().name(),
+            isa_levels: snug_cpu::isa::Isa::ALL
+                .into_iter()
+                .filter(|&l| l <= snug_cpu::isa::CpuFeatures::host().isa())
+                .map(|l| l.name())
+                .collect(),
+            gemm: snug_graph::CpuGemm::host().name(),
         },
         gpus: snug_gpu::adapters_once()
             .iter()
@@ -117,8 +131,8 @@ pub fn run(args: DevicesArgs) -> Result<()> {
     }
     let c = &devices.cpu;
     println!(
-        "cpu     this machine's CPU: {} physical cores, {} logical CPUs",
-        c.physical_cores, c.logical_cpus
+        "cpu     this machine's CPU: {} physical cores, {} logical CPUs; kernels {}, GEMM tile {}",
+        c.physical_cores, c.logical_cpus, c.isa, c.gemm
     );
     if devices.gpus.is_empty() {
         println!(

@@ -6,6 +6,7 @@
 //!   not compile).
 //! - [`gemm`]: the products every kernel calls: our blocked GEMM with its AVX-512 and AVX2
 //!   register tiles, a LayerNorm or GELU taken in as it packs, and the gemm crate elsewhere.
+//! - [`isa`]: the vector instructions the kernels run with, chosen at run time.
 //! - [`par`]: splitting a kernel's work over the rayon pool.
 //! - [`math`]: vectorisable `exp`, `tanh`, lane sums, and GELU's scalar function.
 //! - [`kernel`]: [`Kernel`], a kernel's checked view of one node's tensors ([`TensorArg`]),
@@ -15,6 +16,7 @@
 
 pub mod backend;
 pub mod gemm;
+pub mod isa;
 pub mod kernel;
 pub mod kernels;
 pub mod math;

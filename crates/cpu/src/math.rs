@@ -6,15 +6,13 @@ use std::f32::consts::LOG2_E;
 
 use snug_graph::ops::GeluApprox;
 
-/// `a·b + c`, fused where the CPU has FMA (one instruction, one rounding); plain otherwise, since
-/// a software `fmaf` would be far slower than the rounding it saves.
+/// `a·b + c`, rounded twice: the same bits at every [`crate::isa`] level, in every context.
+/// (A fused `mul_add` is one instruction only where the caller is compiled with FMA; called
+/// from code compiled for plain x86-64 it is a C library call per element, which made
+/// attention 4× slower in a portable build.)
 #[inline(always)]
 fn fma(a: f32, b: f32, c: f32) -> f32 {
-    if cfg!(target_feature = "fma") {
-        a.mul_add(b, c)
-    } else {
-        a * b + c
-    }
+    a * b + c
 }
 
 /// e^x, flushing to 0 below -87 and saturating above 88.

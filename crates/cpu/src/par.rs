@@ -2,6 +2,8 @@
 
 use rayon::prelude::*;
 
+use crate::isa::vectorized;
+
 pub use snug_graph::ops::MIN_PAR_ELEMS;
 
 /// Runs `f(start_index, chunk)` over `out` in parallel chunks of whole rows of `row` elements.
@@ -18,7 +20,7 @@ where
     }
     out.par_chunks_mut(chunk)
         .enumerate()
-        .for_each(|(c, part)| f(c * rows_per_chunk, part));
+        .for_each(|(c, part)| vectorized(|| f(c * rows_per_chunk, part)));
 }
 
 /// Like [`rows_mut`] for two outputs with the same row structure (`a_row`, `b_row` per row).
@@ -34,7 +36,7 @@ where
     a.par_chunks_mut(rows_per_chunk * a_row)
         .zip(b.par_chunks_mut(rows_per_chunk * b_row))
         .enumerate()
-        .for_each(|(c, (pa, pb))| f(c * rows_per_chunk, pa, pb));
+        .for_each(|(c, (pa, pb))| vectorized(|| f(c * rows_per_chunk, pa, pb)));
 }
 
 /// Elementwise map over a flat output: `f(start, chunk)` with `start` the first element's index.
@@ -49,7 +51,7 @@ where
     let chunk = MIN_PAR_ELEMS;
     out.par_chunks_mut(chunk)
         .enumerate()
-        .for_each(|(c, part)| f(c * chunk, part));
+        .for_each(|(c, part)| vectorized(|| f(c * chunk, part)));
 }
 
 /// A raw pointer that worker threads may share, for kernels whose work items write disjoint,
@@ -79,7 +81,9 @@ where
         return;
     }
     if per_slot == 0 {
-        (0..items).into_par_iter().for_each(|item| f(item, &mut []));
+        (0..items)
+            .into_par_iter()
+            .for_each(|item| vectorized(|| f(item, &mut [])));
         return;
     }
     let slots = (ws.len() / per_slot).max(1).min(items);
@@ -91,7 +95,7 @@ where
             if item >= items {
                 break;
             }
-            f(item, scratch);
+            vectorized(|| f(item, scratch));
         });
 }
 

@@ -307,7 +307,7 @@ fn deal_ranges(
                 Err(now) => start = now,
             }
         };
-        f(start, end);
+        crate::isa::vectorized(|| f(start, end));
     });
 }
 

@@ -238,19 +238,38 @@ pub(super) unsafe fn head_forward(
     s: &mut [f32],
     lse: &mut [f32],
 ) {
-    let (s, kt) = s.split_at_mut(t * t);
-    let (kt, v) = (rows_across(k, (t, d), kt), Right::rows(v));
-    let s_rows = Rows {
-        ptr: s.as_mut_ptr(),
-        stride: t,
-    };
-    for (r0, r1) in row_blocks(t) {
-        let (m, s_blk) = (r1 - r0, s_rows.down(r0));
-        head_gemm((m, r1, d), s_blk, q.down(r0), false, kt, scale, false);
-        for i in r0..r1 {
-            softmax_causal_row(i, &mut s[i * t..i * t + r1], &mut lse[i]);
+    // Not inlined into its caller's vectorised chunk: compiled for the level here.
+    crate::isa::vectorized(|| head_forward_body(((t, d, scale), [q, k, v], y, s, lse)))
+}
+
+/// [`head_forward`]'s body, its arguments as one tuple. Safe to call only as
+/// [`head_forward`] is.
+#[inline(always)]
+fn head_forward_body(
+    ((t, d, scale), [q, k, v], y, s, lse): (
+        (usize, usize, f32),
+        [Rows; 3],
+        Rows,
+        &mut [f32],
+        &mut [f32],
+    ),
+) {
+    // SAFETY: only `head_forward` calls this, with its caller's pointers.
+    unsafe {
+        let (s, kt) = s.split_at_mut(t * t);
+        let (kt, v) = (rows_across(k, (t, d), kt), Right::rows(v));
+        let s_rows = Rows {
+            ptr: s.as_mut_ptr(),
+            stride: t,
+        };
+        for (r0, r1) in row_blocks(t) {
+            let (m, s_blk) = (r1 - r0, s_rows.down(r0));
+            head_gemm((m, r1, d), s_blk, q.down(r0), false, kt, scale, false);
+            for i in r0..r1 {
+                softmax_causal_row(i, &mut s[i * t..i * t + r1], &mut lse[i]);
+            }
+            head_gemm((m, d, r1), y.down(r0), s_blk, false, v, 1.0, false);
         }
-        head_gemm((m, d, r1), y.down(r0), s_blk, false, v, 1.0, false);
     }
 }
 
@@ -267,58 +286,78 @@ pub(super) unsafe fn head_backward(
     ws: &mut [f32],
     accumulate_kv: bool,
 ) {
-    let (p, rest) = ws.split_at_mut(t * t);
-    let (dp, rest) = rest.split_at_mut(t * t);
-    let (kt, vt) = rest.split_at_mut(across_len(t, d));
-    let (kt, vt) = (rows_across(h.k, (t, d), kt), rows_across(h.v, (t, d), vt));
-    let (k, q, dy) = (Right::rows(h.k), Right::rows(h.q), Right::rows(h.dy));
-    let (p_rows, dp_rows) = (
-        Rows {
-            ptr: p.as_mut_ptr(),
-            stride: t,
-        },
-        Rows {
-            ptr: dp.as_mut_ptr(),
-            stride: t,
-        },
-    );
-    // Every row block adds into dK and dV rows 0..r1: the last block, which reaches every row,
-    // goes first and writes them, so they need no zeroing.
-    for (r0, r1) in row_blocks(t).rev() {
-        let kv_acc = accumulate_kv || r1 < t;
-        let m = r1 - r0;
-        let (p_blk, dp_blk) = (p_rows.down(r0), dp_rows.down(r0));
-        // P = exp(scale·QKᵀ − lse), zero above the diagonal.
-        head_gemm((m, r1, d), p_blk, h.q.down(r0), false, kt, scale, false);
-        for i in r0..r1 {
-            let (live, masked) = p[i * t..i * t + r1].split_at_mut(i + 1);
-            let l = lse[i];
-            for x in live.iter_mut() {
-                *x = crate::math::exp(*x - l);
+    // Not inlined into its caller's vectorised chunk: compiled for the level here.
+    crate::isa::vectorized(|| head_backward_body(((t, d, scale), h, lse, ws, accumulate_kv)))
+}
+
+/// [`head_backward`]'s body, its arguments as one tuple. Safe to call only as
+/// [`head_backward`] is.
+#[inline(always)]
+fn head_backward_body(
+    ((t, d, scale), h, lse, ws, accumulate_kv): (
+        (usize, usize, f32),
+        &HeadGrads,
+        &[f32],
+        &mut [f32],
+        bool,
+    ),
+) {
+    // SAFETY: only `head_backward` calls this, with its caller's pointers.
+    unsafe {
+        let (p, rest) = ws.split_at_mut(t * t);
+        let (dp, rest) = rest.split_at_mut(t * t);
+        let (kt, vt) = rest.split_at_mut(across_len(t, d));
+        let (kt, vt) = (rows_across(h.k, (t, d), kt), rows_across(h.v, (t, d), vt));
+        let (k, q, dy) = (Right::rows(h.k), Right::rows(h.q), Right::rows(h.dy));
+        let (p_rows, dp_rows) = (
+            Rows {
+                ptr: p.as_mut_ptr(),
+                stride: t,
+            },
+            Rows {
+                ptr: dp.as_mut_ptr(),
+                stride: t,
+            },
+        );
+        // Every row block adds into dK and dV rows 0..r1: the last block, which reaches every row,
+        // goes first and writes them, so they need no zeroing.
+        for (r0, r1) in row_blocks(t).rev() {
+            let kv_acc = accumulate_kv || r1 < t;
+            let m = r1 - r0;
+            let (p_blk, dp_blk) = (p_rows.down(r0), dp_rows.down(r0));
+            // P = exp(scale·QKᵀ − lse), zero above the diagonal.
+            head_gemm((m, r1, d), p_blk, h.q.down(r0), false, kt, scale, false);
+            for i in r0..r1 {
+                let (live, masked) = p[i * t..i * t + r1].split_at_mut(i + 1);
+                let l = lse[i];
+                for x in live.iter_mut() {
+                    *x = crate::math::exp(*x - l);
+                }
+                masked.fill(0.0);
             }
-            masked.fill(0.0);
-        }
-        // dV[0..r1] += Pᵀ · dY ;  dP = dY · Vᵀ
-        head_gemm((r1, d, m), h.dv, p_blk, true, dy.down(r0), 1.0, kv_acc);
-        head_gemm((m, r1, d), dp_blk, h.dy.down(r0), false, vt, 1.0, false);
-        // dS = P ⊙ (dP − rowsum(dY ⊙ Y))
-        for i in r0..r1 {
-            let dy_row = std::slice::from_raw_parts(h.dy.ptr.add(i * h.dy.stride), d);
-            let y_row = std::slice::from_raw_parts(h.y.ptr.add(i * h.y.stride), d);
-            let di = crate::math::dot(dy_row, y_row);
-            let (pr, dpr) = (&p[i * t..i * t + r1], &mut dp[i * t..i * t + r1]);
-            for (g, &pv) in dpr.iter_mut().zip(pr) {
-                *g = pv * (*g - di);
+            // dV[0..r1] += Pᵀ · dY ;  dP = dY · Vᵀ
+            head_gemm((r1, d, m), h.dv, p_blk, true, dy.down(r0), 1.0, kv_acc);
+            head_gemm((m, r1, d), dp_blk, h.dy.down(r0), false, vt, 1.0, false);
+            // dS = P ⊙ (dP − rowsum(dY ⊙ Y))
+            for i in r0..r1 {
+                let dy_row = std::slice::from_raw_parts(h.dy.ptr.add(i * h.dy.stride), d);
+                let y_row = std::slice::from_raw_parts(h.y.ptr.add(i * h.y.stride), d);
+                let di = crate::math::dot(dy_row, y_row);
+                let (pr, dpr) = (&p[i * t..i * t + r1], &mut dp[i * t..i * t + r1]);
+                for (g, &pv) in dpr.iter_mut().zip(pr) {
+                    *g = pv * (*g - di);
+                }
             }
+            // dQ = scale · dS · K ;  dK[0..r1] += scale · dSᵀ · Q
+            head_gemm((m, d, r1), h.dq.down(r0), dp_blk, false, k, scale, false);
+            head_gemm((r1, d, m), h.dk, dp_blk, true, q.down(r0), scale, kv_acc);
         }
-        // dQ = scale · dS · K ;  dK[0..r1] += scale · dSᵀ · Q
-        head_gemm((m, d, r1), h.dq.down(r0), dp_blk, false, k, scale, false);
-        head_gemm((r1, d, m), h.dk, dp_blk, true, q.down(r0), scale, kv_acc);
     }
 }
 
 /// Row `i` of scores (only its first `r1 ≥ i + 1` columns are read later) becomes causal
 /// probabilities in place; records the row's log-sum-exp.
+#[inline(always)]
 fn softmax_causal_row(i: usize, row: &mut [f32], lse: &mut f32) {
     let (live, masked) = row.split_at_mut(i + 1);
     let max = crate::math::max(live);

@@ -18,23 +18,26 @@ impl CpuKernel for Cast {
                 let (x, y) = (k.in_f32(0), k.out_u16(0));
                 y.par_chunks_mut(CHUNK)
                     .zip(x.par_chunks(CHUNK))
-                    .for_each(|(y, x)| match to {
-                        DType::BF16 => unsafe { &mut *(y as *mut [u16] as *mut [bf16]) }
-                            .convert_from_f32_slice(x),
-                        _ => unsafe { &mut *(y as *mut [u16] as *mut [f16]) }
-                            .convert_from_f32_slice(x),
+                    .for_each(|(y, x)| {
+                        crate::isa::vectorized(|| match to {
+                            DType::BF16 => unsafe { &mut *(y as *mut [u16] as *mut [bf16]) }
+                                .convert_from_f32_slice(x),
+                            _ => unsafe { &mut *(y as *mut [u16] as *mut [f16]) }
+                                .convert_from_f32_slice(x),
+                        })
                     });
             }
             (from, _) => {
                 let (x, y) = (k.in_u16(0), k.out_f32(0));
                 y.par_chunks_mut(CHUNK)
                     .zip(x.par_chunks(CHUNK))
-                    .for_each(|(y, x)| match from {
-                        DType::BF16 => unsafe { &*(x as *const [u16] as *const [bf16]) }
-                            .convert_to_f32_slice(y),
-                        _ => {
-                            unsafe { &*(x as *const [u16] as *const [f16]) }.convert_to_f32_slice(y)
-                        }
+                    .for_each(|(y, x)| {
+                        crate::isa::vectorized(|| match from {
+                            DType::BF16 => unsafe { &*(x as *const [u16] as *const [bf16]) }
+                                .convert_to_f32_slice(y),
+                            _ => unsafe { &*(x as *const [u16] as *const [f16]) }
+                                .convert_to_f32_slice(y),
+                        })
                     });
             }
         }

@@ -107,18 +107,22 @@ fn backward<const TANH: bool>(kern: &Kernel<'_>) {
                 .zip(dht.par_chunks_mut(chunk))
                 .zip(h[r0 * k..r1 * k].par_chunks(chunk))
                 .for_each(|((t, d), x)| {
-                    for ((t, d), &v) in t.iter_mut().zip(d.iter_mut()).zip(x) {
-                        step(t, d, v);
-                    }
+                    crate::isa::vectorized(|| {
+                        for ((t, d), &v) in t.iter_mut().zip(d.iter_mut()).zip(x) {
+                            step(t, d, v);
+                        }
+                    })
                 }),
             None => t
                 .par_chunks_mut(chunk)
                 .zip(dht.par_chunks_mut(chunk))
                 .for_each(|(t, d)| {
-                    for (t, d) in t.iter_mut().zip(d.iter_mut()) {
-                        let v = *d;
-                        step(t, d, v);
-                    }
+                    crate::isa::vectorized(|| {
+                        for (t, d) in t.iter_mut().zip(d.iter_mut()) {
+                            let v = *d;
+                            step(t, d, v);
+                        }
+                    })
                 }),
         }
         // dw (+)= gᵀ · dy over this tile's rows.

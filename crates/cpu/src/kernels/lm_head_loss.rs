@@ -88,14 +88,16 @@ pub(super) fn lm_head_loss(
                     .zip(picked.par_iter_mut())
                     .zip(targets[r0..r0 + m].par_iter())
                     .for_each(|((((row, max), sum), picked), &t)| {
-                        let new_max = max.max(crate::math::max(row));
-                        let block = crate::math::sum_by(row, |l| crate::math::exp(l - new_max));
-                        *sum = *sum * crate::math::exp(*max - new_max) + block;
-                        *max = new_max;
-                        let t = t.clamp(0, v as i32 - 1) as usize;
-                        if (c0..c0 + vb).contains(&t) {
-                            *picked = row[t - c0];
-                        }
+                        crate::isa::vectorized(|| {
+                            let new_max = max.max(crate::math::max(row));
+                            let block = crate::math::sum_by(row, |l| crate::math::exp(l - new_max));
+                            *sum = *sum * crate::math::exp(*max - new_max) + block;
+                            *max = new_max;
+                            let t = t.clamp(0, v as i32 - 1) as usize;
+                            if (c0..c0 + vb).contains(&t) {
+                                *picked = row[t - c0];
+                            }
+                        })
                     });
             }
             for (((lse, &sum), &picked), loss) in maxes

@@ -88,7 +88,7 @@ impl CpuKernel for SumTo {
                 ws.par_chunks_mut(n)
                     .take(parts)
                     .enumerate()
-                    .for_each(|(p, acc)| sum_rows(p, acc));
+                    .for_each(|(p, acc)| crate::isa::vectorized(|| sum_rows(p, acc)));
                 y.copy_from_slice(&ws[..n]);
                 for part in ws.chunks_exact(n).take(parts).skip(1) {
                     y.iter_mut().zip(part).for_each(|(a, b)| *a += b);

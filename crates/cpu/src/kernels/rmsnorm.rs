@@ -50,25 +50,27 @@ impl CpuKernel for RmsNormBackward {
             .zip(ws.par_chunks_mut(c))
             .enumerate()
             .for_each(|(p, (dx, pdw))| {
-                pdw.fill(0.0);
-                let r0 = p * rows_per;
-                for (r, dxr) in dx.chunks_exact_mut(c).enumerate() {
-                    let row = r0 + r;
-                    let (xr, dyr) = (&x[row * c..(row + 1) * c], &dy[row * c..(row + 1) * c]);
-                    let s = rstd[row];
-                    // dx = s · (g − x̂ · mean(g ⊙ x̂)) with g = dy ⊙ w and x̂ = x · s.
-                    let mut sum_gx = 0.0;
-                    for j in 0..c {
-                        let xhat = xr[j] * s;
-                        sum_gx += dyr[j] * w[j] * xhat;
-                        pdw[j] += dyr[j] * xhat;
+                crate::isa::vectorized(|| {
+                    pdw.fill(0.0);
+                    let r0 = p * rows_per;
+                    for (r, dxr) in dx.chunks_exact_mut(c).enumerate() {
+                        let row = r0 + r;
+                        let (xr, dyr) = (&x[row * c..(row + 1) * c], &dy[row * c..(row + 1) * c]);
+                        let s = rstd[row];
+                        // dx = s · (g − x̂ · mean(g ⊙ x̂)) with g = dy ⊙ w and x̂ = x · s.
+                        let mut sum_gx = 0.0;
+                        for j in 0..c {
+                            let xhat = xr[j] * s;
+                            sum_gx += dyr[j] * w[j] * xhat;
+                            pdw[j] += dyr[j] * xhat;
+                        }
+                        let mgx = sum_gx / c as f32;
+                        for j in 0..c {
+                            let xhat = xr[j] * s;
+                            dxr[j] = s * (dyr[j] * w[j] - xhat * mgx);
+                        }
                     }
-                    let mgx = sum_gx / c as f32;
-                    for j in 0..c {
-                        let xhat = xr[j] * s;
-                        dxr[j] = s * (dyr[j] * w[j] - xhat * mgx);
-                    }
-                }
+                })
             });
         let used = rows.div_ceil(rows_per);
         for pdw in ws.chunks_exact(c).take(used) {

@@ -1,0 +1,109 @@
+//! The portable binary: the kernels choose their vector instructions at run time, and every
+//! level this CPU runs (`SNUG_CPU_ISA`) trains the same bits, for GPT and Llama, f32 and bf16,
+//! AdamW and 8-bit AdamW. (The GEMM's register tile is chosen apart from the level, so it is
+//! the same in every run here.)
+
+use std::process::{Command, Output};
+
+fn snug_env(args: &[&str], isa: Option<&str>) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_snug"));
+    c.args(args).current_dir(env!("CARGO_TARGET_TMPDIR"));
+    c.env_remove("SNUG_CPU_ISA");
+    if let Some(isa) = isa {
+        c.env("SNUG_CPU_ISA", isa);
+    }
+    let o = c.output().expect("the snug binary runs");
+    assert!(
+        o.status.success(),
+        "snug {args:?} (SNUG_CPU_ISA={isa:?}): {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
+}
+
+fn json(o: &Output) -> Vec<serde_json::Value> {
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// Each step's loss and gradient norm, as the JSON lines print them (shortest round-trip
+/// decimals, so equal text is equal bits).
+fn steps(o: &Output) -> Vec<String> {
+    json(o)
+        .iter()
+        .filter(|l| l["kind"] == "step")
+        .map(|l| format!("{} {} {}", l["step"], l["loss"], l["grad_norm"]))
+        .collect()
+}
+
+#[test]
+fn devices_names_the_level_and_every_level_the_cpu_runs() {
+    let v: serde_json::Value =
+        serde_json::from_slice(&snug_env(&["devices", "--json"], None).stdout).unwrap();
+    let levels: Vec<&str> = v["cpu"]["isa_levels"]
+        .as_array()
+        .expect("isa_levels")
+        .iter()
+        .map(|l| l.as_str().unwrap())
+        .collect();
+    assert_eq!(levels.first(), Some(&"baseline"));
+    // Unasked, the kernels run the highest level.
+    assert_eq!(v["cpu"]["isa"].as_str(), levels.last().copied());
+    let low: serde_json::Value =
+        serde_json::from_slice(&snug_env(&["devices", "--json"], Some("baseline")).stdout).unwrap();
+    assert_eq!(low["cpu"]["isa"], "baseline");
+    // A level the CPU lacks is lowered to its highest, never run.
+    let high: serde_json::Value =
+        serde_json::from_slice(&snug_env(&["devices", "--json"], Some("avx512")).stdout).unwrap();
+    assert_eq!(high["cpu"]["isa"].as_str(), levels.last().copied());
+    assert!(["avx512", "avx2", "portable"].contains(&v["cpu"]["gemm"].as_str().unwrap()));
+}
+
+#[test]
+fn every_level_trains_the_same_bits() {
+    let v: serde_json::Value =
+        serde_json::from_slice(&snug_env(&["devices", "--json"], None).stdout).unwrap();
+    let levels: Vec<String> = v["cpu"]["isa_levels"]
+        .as_array()
+        .expect("isa_levels")
+        .iter()
+        .map(|l| l.as_str().unwrap().to_string())
+        .collect();
+    if levels.len() < 2 {
+        eprintln!("only the baseline level on this CPU: nothing to compare");
+    }
+    let common = [
+        "train",
+        "--steps",
+        "3",
+        "--batch",
+        "4",
+        "--block",
+        "32",
+        "--threads",
+        "2",
+        "--eval-every",
+        "0",
+        "--seed",
+        "3",
+        "--json",
+        "--no-save",
+    ];
+    let cases: [&[&str]; 4] = [
+        &["--preset", "tiny"],
+        &["--preset", "tiny", "--precision", "bf16"],
+        &["--preset", "llama-tiny"],
+        &["--preset", "llama-tiny", "--optimizer", "adamw8bit"],
+    ];
+    for case in cases {
+        let args: Vec<&str> = common.iter().chain(case).copied().collect();
+        let want = steps(&snug_env(&args, Some(levels[0].as_str())));
+        assert_eq!(want.len(), 3, "{case:?}");
+        for level in &levels[1..] {
+            let got = steps(&snug_env(&args, Some(level.as_str())));
+            assert_eq!(got, want, "{case:?}: {level} against {}", levels[0]);
+        }
+    }
+}

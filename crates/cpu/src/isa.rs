@@ -1,0 +1,179 @@
+//! Which vector instructions the kernels run with, chosen once at run time from the CPU's
+//! features, so one binary built for plain x86-64 (or aarch64) runs at full speed on any CPU.
+//!
+//! The GEMM's register tiles carry their own `#[target_feature]` and are chosen by
+//! [`crate::gemm`]. Everything else (norms, activations, softmax, optimizers, casts) is plain
+//! Rust that the compiler vectorises for whatever it is compiled for: [`vectorized`] runs such
+//! a body inside a function compiled for the chosen level, where the body is inlined and so
+//! vectorised for it. The kernels' arithmetic is the same on every level (no reassociation;
+//! [`crate::math`] fuses multiply-adds explicitly), so every level gives the same bits.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+/// An instruction-set level the elementwise kernels are compiled for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Isa {
+    /// What the binary was built for (SSE2 on x86-64, NEON on aarch64).
+    Baseline,
+    /// AVX2 with FMA (x86-64 since Haswell and Zen).
+    Avx2,
+    /// AVX-512 F, BW, DQ and VL (Skylake-SP, Ice Lake, Zen 4 and later).
+    Avx512,
+}
+
+impl Isa {
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Baseline => "baseline",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+
+    /// Every level, lowest first.
+    pub const ALL: [Isa; 3] = [Isa::Baseline, Isa::Avx2, Isa::Avx512];
+}
+
+/// The x86-64 features the choice depends on: plain data, so the choice is testable for any
+/// CPU on any CPU.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CpuFeatures {
+    pub avx2: bool,
+    pub fma: bool,
+    pub avx512f: bool,
+    pub avx512bw: bool,
+    pub avx512dq: bool,
+    pub avx512vl: bool,
+    pub avx512bf16: bool,
+}
+
+impl CpuFeatures {
+    /// This machine's.
+    pub fn host() -> CpuFeatures {
+        #[cfg(target_arch = "x86_64")]
+        {
+            CpuFeatures {
+                avx2: is_x86_feature_detected!("avx2"),
+                fma: is_x86_feature_detected!("fma"),
+                avx512f: is_x86_feature_detected!("avx512f"),
+                avx512bw: is_x86_feature_detected!("avx512bw"),
+                avx512dq: is_x86_feature_detected!("avx512dq"),
+                avx512vl: is_x86_feature_detected!("avx512vl"),
+                avx512bf16: is_x86_feature_detected!("avx512bf16"),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        CpuFeatures::default()
+    }
+
+    /// The highest level these features run (each level needs every feature its functions
+    /// are compiled with).
+    pub fn isa(self) -> Isa {
+        let avx2 = self.avx2 && self.fma;
+        if avx2 && self.avx512f && self.avx512bw && self.avx512dq && self.avx512vl {
+            Isa::Avx512
+        } else if avx2 {
+            Isa::Avx2
+        } else {
+            Isa::Baseline
+        }
+    }
+}
+
+/// The chosen level plus one (0: not chosen yet).
+static CHOSEN: AtomicU8 = AtomicU8::new(0);
+
+/// The level the kernels run at: the host's highest, or a lower one that `SNUG_CPU_ISA`
+/// (`baseline`, `avx2`, `avx512`) or [`set`] asked for.
+pub fn current() -> Isa {
+    match CHOSEN.load(Ordering::Relaxed) {
+        0 => {
+            let asked = std::env::var("SNUG_CPU_ISA").ok();
+            let asked = asked.and_then(|s| Isa::ALL.into_iter().find(|i| i.name() == s));
+            set(asked.unwrap_or(Isa::Avx512))
+        }
+        n => Isa::ALL[usize::from(n - 1).min(Isa::ALL.len() - 1)],
+    }
+}
+
+/// Runs the kernels at `isa` (at most the host's level, which is what it returns) from now
+/// on, in the whole process: for comparing levels, and for `SNUG_CPU_ISA`.
+pub fn set(isa: Isa) -> Isa {
+    let isa = isa.min(CpuFeatures::host().isa());
+    CHOSEN.store(isa as u8 + 1, Ordering::Relaxed);
+    isa
+}
+
+/// Runs `body` compiled for the current level: inlined into a function with that level's
+/// `#[target_feature]`, so its loops vectorise for it.
+#[inline(always)]
+pub fn vectorized<R>(body: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    match current() {
+        // SAFETY: `current` never returns a level the host lacks.
+        Isa::Avx512 => unsafe { x86::avx512(body) },
+        Isa::Avx2 => unsafe { x86::avx2(body) },
+        Isa::Baseline => body(),
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    body()
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn avx2<R>(body: impl FnOnce() -> R) -> R {
+        body()
+    }
+
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW, DQ and VL, AVX2 and FMA.
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]
+    pub(super) unsafe fn avx512<R>(body: impl FnOnce() -> R) -> R {
+        body()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_level_is_the_highest_whose_every_feature_is_there() {
+        let none = CpuFeatures::default();
+        assert_eq!(none.isa(), Isa::Baseline);
+        let avx2 = CpuFeatures {
+            avx2: true,
+            fma: true,
+            ..none
+        };
+        assert_eq!(avx2.isa(), Isa::Avx2);
+        // AVX2 without FMA (some early VIA and Intel Atom-class parts) stays at the baseline.
+        assert_eq!(CpuFeatures { fma: false, ..avx2 }.isa(), Isa::Baseline);
+        let avx512 = CpuFeatures {
+            avx512f: true,
+            avx512bw: true,
+            avx512dq: true,
+            avx512vl: true,
+            ..avx2
+        };
+        assert_eq!(avx512.isa(), Isa::Avx512);
+        // Knights Landing: AVX-512F without BW/VL.
+        let knl = CpuFeatures {
+            avx512bw: false,
+            avx512vl: false,
+            ..avx512
+        };
+        assert_eq!(knl.isa(), Isa::Avx2);
+        assert_eq!(
+            CpuFeatures {
+                avx512bf16: true,
+                ..avx512
+            }
+            .isa(),
+            Isa::Avx512
+        );
+    }
+}
