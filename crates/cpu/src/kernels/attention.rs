@@ -239,22 +239,23 @@ pub(super) unsafe fn head_forward(
     lse: &mut [f32],
 ) {
     // Not inlined into its caller's vectorised chunk: compiled for the level here.
-    crate::isa::vectorized(|| head_forward_body(((t, d, scale), [q, k, v], y, s, lse)))
+    // SAFETY: as the caller vouched.
+    crate::isa::vectorized(|| unsafe { head_forward_body((t, d, scale), [q, k, v], y, s, lse) })
 }
 
-/// [`head_forward`]'s body, its arguments as one tuple. Safe to call only as
-/// [`head_forward`] is.
+/// [`head_forward`]'s body.
+///
+/// # Safety
+/// As [`head_forward`].
 #[inline(always)]
-fn head_forward_body(
-    ((t, d, scale), [q, k, v], y, s, lse): (
-        (usize, usize, f32),
-        [Rows; 3],
-        Rows,
-        &mut [f32],
-        &mut [f32],
-    ),
+unsafe fn head_forward_body(
+    (t, d, scale): (usize, usize, f32),
+    [q, k, v]: [Rows; 3],
+    y: Rows,
+    s: &mut [f32],
+    lse: &mut [f32],
 ) {
-    // SAFETY: only `head_forward` calls this, with its caller's pointers.
+    // SAFETY: as the caller vouched.
     unsafe {
         let (s, kt) = s.split_at_mut(t * t);
         let (kt, v) = (rows_across(k, (t, d), kt), Right::rows(v));
@@ -287,22 +288,25 @@ pub(super) unsafe fn head_backward(
     accumulate_kv: bool,
 ) {
     // Not inlined into its caller's vectorised chunk: compiled for the level here.
-    crate::isa::vectorized(|| head_backward_body(((t, d, scale), h, lse, ws, accumulate_kv)))
+    // SAFETY: as the caller vouched.
+    crate::isa::vectorized(|| unsafe {
+        head_backward_body((t, d, scale), h, lse, ws, accumulate_kv)
+    })
 }
 
-/// [`head_backward`]'s body, its arguments as one tuple. Safe to call only as
-/// [`head_backward`] is.
+/// [`head_backward`]'s body.
+///
+/// # Safety
+/// As [`head_backward`].
 #[inline(always)]
-fn head_backward_body(
-    ((t, d, scale), h, lse, ws, accumulate_kv): (
-        (usize, usize, f32),
-        &HeadGrads,
-        &[f32],
-        &mut [f32],
-        bool,
-    ),
+unsafe fn head_backward_body(
+    (t, d, scale): (usize, usize, f32),
+    h: &HeadGrads,
+    lse: &[f32],
+    ws: &mut [f32],
+    accumulate_kv: bool,
 ) {
-    // SAFETY: only `head_backward` calls this, with its caller's pointers.
+    // SAFETY: as the caller vouched.
     unsafe {
         let (p, rest) = ws.split_at_mut(t * t);
         let (dp, rest) = rest.split_at_mut(t * t);
