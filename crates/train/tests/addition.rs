@@ -4,11 +4,12 @@ use snug_runtime::Allocator;
 use snug_train::addition::{self, HELD_OUT_SEED};
 use snug_train::{ModelSection, Sampler, TokenDataset, TrainConfig, TrainSection, Trainer};
 
-/// Guessing a sum uniformly among the 199 possible (0..=198) is right 0.5 % of the time; the
-/// demo model after 600 steps of 1,024 tokens (about 6 s in release on two cores) answers
-/// 46 % of held-out problems. 15 % leaves room for another machine's float rounding while
-/// staying thirty times chance.
-const LEARNED_ACCURACY: f64 = 0.15;
+/// Guessing a sum uniformly among the 199 possible (0..=198) is right 0.5 % of the time. After
+/// 600 steps of 1,024 tokens (about 6 s in release on two cores) the demo model is mid-way
+/// through learning to carry, where float rounding moves the score a lot: 46 % of held-out
+/// problems with fused multiply-adds in `exp`, 9 % with the portable build's plain ones. 5 %
+/// (10 of 200) is ten times chance, and an untrained model scores 0.
+const LEARNED_ACCURACY: f64 = 0.05;
 
 #[test]
 fn a_short_run_answers_held_out_additions() {
