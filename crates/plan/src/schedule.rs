@@ -237,6 +237,8 @@ struct Overlapped<'g> {
     wait_of: Vec<Option<usize>>,
     /// Waits of the collectives in flight, oldest first, with their buffers' bytes.
     deferred: VecDeque<(usize, usize)>,
+    /// The bytes of those buffers together.
+    held: usize,
     /// Tensors a put-off wait makes.
     pending: Vec<bool>,
     order: Vec<NodeId>,
@@ -255,18 +257,24 @@ impl Overlapped<'_> {
             .iter()
             .map(|&t| graph.tensor(t).size_bytes())
             .sum();
-        let mut held: usize = self.deferred.iter().map(|&(_, b)| b).sum();
-        while !self.deferred.is_empty() && held + bytes > MAX_IN_FLIGHT_BYTES {
-            let Some((oldest, b)) = self.deferred.pop_front() else {
-                break;
-            };
-            self.emit(oldest);
-            held -= b;
+        while !self.deferred.is_empty() && self.held + bytes > MAX_IN_FLIGHT_BYTES {
+            self.emit_oldest_wait();
         }
         self.deferred.push_back((w, bytes));
+        self.held += bytes;
         for &t in &graph.nodes()[w].outputs {
             self.pending[t.index()] = true;
         }
+    }
+
+    /// Runs the oldest put-off wait; `false` where none is.
+    fn emit_oldest_wait(&mut self) -> bool {
+        let Some((w, bytes)) = self.deferred.pop_front() else {
+            return false;
+        };
+        self.held -= bytes;
+        self.emit(w);
+        true
     }
 
     /// Runs node `n` (after the put-off waits whose outputs it reads, and every older one),
@@ -279,10 +287,9 @@ impl Overlapped<'_> {
             .chain(&node.control)
             .any(|t| self.pending[t.index()])
         {
-            let Some((w, _)) = self.deferred.pop_front() else {
+            if !self.emit_oldest_wait() {
                 break;
-            };
-            self.emit(w);
+            }
         }
         if matches!(node.op, Op::CollectiveStart(_)) {
             self.defer_wait_of(n);
@@ -297,8 +304,8 @@ impl Overlapped<'_> {
     }
 }
 
-/// Whether `graph` has collectives split into a start and a wait, which only the memory-aware
-/// order overlaps with the backward.
+/// Whether `graph` has collectives split into a start and a wait (overlapped with the backward
+/// by both orders).
 pub fn has_split_collectives(graph: &Graph) -> bool {
     graph
         .nodes()
@@ -489,6 +496,7 @@ pub fn program_order_overlapped(graph: &Graph) -> Vec<NodeId> {
         after,
         wait_of,
         deferred: VecDeque::new(),
+        held: 0,
         pending: vec![false; graph.tensors().len()],
         order: Vec::with_capacity(nodes.len()),
     };
@@ -501,9 +509,7 @@ pub fn program_order_overlapped(graph: &Graph) -> Vec<NodeId> {
             o.emit(i);
         }
     }
-    while let Some((w, _)) = o.deferred.pop_front() {
-        o.emit(w);
-    }
+    while o.emit_oldest_wait() {}
     let order = o.order;
     debug_assert_eq!(order.len(), nodes.len());
     order
