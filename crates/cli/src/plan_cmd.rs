@@ -341,7 +341,17 @@ pub fn run(args: PlanArgs) -> Result<()> {
     }
     if cfg.precision != snug_graph::DType::F32 {
         c.precision = cfg.precision;
-        stages.push((format!("precision={}", cfg.precision), c.clone(), target));
+        // Mixed precision first with every reader given an f32 copy, then with the products
+        // reading bf16 themselves, so each shows its saving.
+        let widening = {
+            let mut t = target;
+            t.fusions.half_reads = false;
+            t
+        };
+        stages.push((format!("precision={}", cfg.precision), c.clone(), widening));
+        if cfg.precision == snug_graph::DType::BF16 && target.fusions.half_reads {
+            stages.push(("half-reads".to_string(), c.clone(), target));
+        }
     }
     if cfg.remat != snug_train::Remat::None {
         c.remat = cfg.remat;

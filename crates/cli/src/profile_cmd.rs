@@ -77,6 +77,21 @@ pub fn run(args: ProfileArgs) -> Result<()> {
                     ins[0].shape,
                     ins[1].shape
                 ),
+                Op::HalfRead(h) => match &*h.reader {
+                    Op::MatMul(m) => format!(
+                        "matmul (bf16 {}){}{} {:?}·{:?}",
+                        match h.halves {
+                            0b01 => "a",
+                            0b10 => "b",
+                            _ => "a, b",
+                        },
+                        if m.ta { " aᵀ" } else { "" },
+                        if m.tb { " bᵀ" } else { "" },
+                        ins[0].shape,
+                        ins[1].shape
+                    ),
+                    _ => h.reader.name().to_string(),
+                },
                 op => op.name().to_string(),
             };
             let e = rows.entry(key).or_default();

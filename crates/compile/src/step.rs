@@ -247,6 +247,13 @@ pub fn compile_exactly_sharded(
         feeds = feeds.rewritten(&r)?;
         step = step.rewritten(r, forward)?;
     }
+    if config.precision == DType::BF16 {
+        // Products read the bf16 activations and gradients themselves where the target's
+        // GEMM can: the f32 copies the casts made go.
+        let (r, forward, _) = passes::read_halves(&step.graph, step.forward_nodes)?;
+        feeds = feeds.rewritten(&r)?;
+        step = step.rewritten(r, forward)?;
+    }
     let mut compiled = apply_remat(step, feeds, config.remat)?;
     if config.passes.contains(&Pass::InPlace) {
         // Marks nodes without renumbering tensors: the inputs and parameters keep their ids.

@@ -319,6 +319,16 @@ pub fn node_work(graph: &Graph, node: NodeId) -> NodeWork {
             if m.ta { "_ta" } else { "" },
             if m.tb { "_tb" } else { "" }
         ),
+        // Widening bf16 as it packs is a loop of its own.
+        Op::HalfRead(h) => match &*h.reader {
+            Op::MatMul(m) => format!(
+                "half_matmul{}{}_{:b}",
+                if m.ta { "_ta" } else { "" },
+                if m.tb { "_tb" } else { "" },
+                h.halves
+            ),
+            _ => n.op.name().to_string(),
+        },
         // Rounding down and widening up are different loops.
         Op::Cast(c) => format!("cast_{}", c.to),
         op => op.name().to_string(),

@@ -165,7 +165,8 @@ pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
         | Op::LayerNormLinearBackward(_)
         | Op::GeluLinear(_)
         | Op::GeluLinearBackward(_)
-        | Op::QuantizedRead(_) => Err(
+        | Op::QuantizedRead(_)
+        | Op::HalfRead(_) => Err(
             "a CPU fusion: plan for the GPU's target, which fuses nothing (Fusions::NONE)".into(),
         ),
         Op::AllReduce(_)
@@ -679,6 +680,7 @@ fn record_kernel(
         | Op::GeluLinear(_)
         | Op::GeluLinearBackward(_)
         | Op::QuantizedRead(_)
+        | Op::HalfRead(_)
         | Op::AllReduce(_)
         | Op::ReduceScatter(_)
         | Op::AllGather(_)

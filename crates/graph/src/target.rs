@@ -95,6 +95,10 @@ pub struct Fusions {
     /// the embedding's rows as it gathers them) rather than through a whole f32 copy.
     #[serde(default)]
     pub quantized_reads: bool,
+    /// Products read bf16 activations and gradients from their 16-bit storage (widened as the
+    /// GEMM packs them) rather than through a whole f32 copy.
+    #[serde(default)]
+    pub half_reads: bool,
 }
 
 impl Fusions {
@@ -102,11 +106,13 @@ impl Fusions {
         layernorm_linear: false,
         gelu_linear: false,
         quantized_reads: false,
+        half_reads: false,
     };
     pub const ALL: Fusions = Fusions {
         layernorm_linear: true,
         gelu_linear: true,
         quantized_reads: true,
+        half_reads: true,
     };
 }
 

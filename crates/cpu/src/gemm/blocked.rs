@@ -355,7 +355,7 @@ unsafe fn by_rows<T: Tile>(
                     for ir in (0..mc).step_by(T::MR) {
                         let src = o.a.get().offset((i0 + ir) as isize * rs + pc as isize * cs);
                         let panel = (ap.add(ir * kc), i0 + ir, pc);
-                        T::pack_a(kc, T::MR.min(mc - ir), src, o.a_s, panel, o.fused.prologue);
+                        pack_a::<T>(&o.fused, (kc, T::MR.min(mc - ir)), (src, o.a_s), panel);
                     }
                     for jc in (0..gw).step_by(T::NC) {
                         let at = i0 as isize * o.c_rs + (jg + jc) as isize;
@@ -388,7 +388,7 @@ unsafe fn by_columns<T: Tile>(
                 for ir in (p * T::MR * 8..mg).step_by(T::MR).take(8) {
                     let src = o.a.get().offset((ig + ir) as isize * rs + pc as isize * cs);
                     let panel = (sp.get().add(ir * kc), ig + ir, pc);
-                    T::pack_a(kc, T::MR.min(mg - ir), src, o.a_s, panel, o.fused.prologue);
+                    pack_a::<T>(&o.fused, (kc, T::MR.min(mg - ir)), (src, o.a_s), panel);
                 }
             });
             deal_ranges(n, T::NR, (2 * T::NR, T::NC), |j0, j1| {
@@ -435,13 +435,11 @@ unsafe fn blocked<T: Tile>(
                 // SAFETY (all blocks below): indices stay inside the operands' extents, and the
                 // packed panels inside the buffers `sgemm` sized.
                 unsafe {
-                    T::pack_a(
-                        kc,
-                        T::MR.min(mc - ir),
-                        a.offset(at(ic + ir, pc)),
-                        (a_rs, a_cs),
+                    pack_a::<T>(
+                        &fused,
+                        (kc, T::MR.min(mc - ir)),
+                        (a.offset(at(ic + ir, pc)), (a_rs, a_cs)),
                         (ap.add(ir * kc), ic + ir, pc),
-                        fused.prologue,
                     )
                 };
             }
@@ -488,6 +486,28 @@ unsafe fn tiles<T: Tile>(
                     accumulate,
                 )
             };
+        }
+    }
+}
+
+/// [`Tile::pack_a`] with `fused`'s prologue, or where `fused` holds a bf16 `a`, the same panel
+/// widened from its bits; `panel`: where it goes, and its first element `(i0, p0)` in the
+/// whole `a`.
+///
+/// # Safety
+/// As [`Tile::pack_a`] (a bf16 `a`'s pointer is not read; its bits cover the product).
+#[inline(always)]
+unsafe fn pack_a<T: Tile>(
+    fused: &Fused<'_>,
+    (kc, mr): (usize, usize),
+    (a, strides): (*const f32, (isize, isize)),
+    panel: (*mut f32, usize, usize),
+) {
+    // SAFETY: as the caller vouched.
+    unsafe {
+        match &fused.half_a {
+            None => T::pack_a(kc, mr, a, strides, panel, fused.prologue),
+            Some(h) => h.pack_a(T::MR, (kc, mr), (panel.1, panel.2), panel.0),
         }
     }
 }
@@ -830,6 +850,7 @@ pub(super) mod tests {
                             prologue,
                             bias: Some(&bias),
                             quant_b: None,
+                            half_a: None,
                         };
                         let a_op = (a.as_ptr(), a_rs, a_cs);
                         let (mut one, mut dealt) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);

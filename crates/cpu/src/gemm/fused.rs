@@ -34,6 +34,8 @@ pub(crate) struct Fused<'a> {
     pub prologue: Prologue<'a>,
     pub bias: Option<&'a [f32]>,
     pub quant_b: Option<super::quantized::QuantB<'a>>,
+    /// `a` held in bf16, widened as it is packed (the product's `a` pointer is then not read).
+    pub half_a: Option<super::half::HalfA<'a>>,
 }
 
 impl Fused<'_> {
@@ -41,6 +43,7 @@ impl Fused<'_> {
         prologue: Prologue::None,
         bias: None,
         quant_b: None,
+        half_a: None,
     };
 
     /// The bias from column `j` on, or null.

@@ -10,9 +10,11 @@ pub(crate) mod avx512;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod blocked;
 mod fused;
+mod half;
 mod quantized;
 
 pub(crate) use fused::{Fused, Prologue};
+pub(crate) use half::{gemm_half, Operand};
 pub(crate) use quantized::{gemm_quantized, QuantB};
 
 /// Threads for one GEMM: small products run single-threaded (rayon overhead dominates).
@@ -39,6 +41,7 @@ pub(crate) fn linear_rows(
         prologue: Prologue::None,
         bias: Some(bias),
         quant_b: None,
+        half_a: None,
     };
     // SAFETY: the lengths were checked just above.
     if unsafe { gemm_fused(Layout::new((false, false), (m, n, k)), t, w, y, par, fused) } {

@@ -230,6 +230,7 @@ pub(crate) unsafe fn gemm_quantized(
             prologue: super::Prologue::None,
             bias,
             quant_b: Some(w),
+            half_a: None,
         };
         // SAFETY: `own_kernel` checked the CPU; the caller vouches for the operands, and the
         // packing reads `b` from the codes only.

@@ -47,6 +47,7 @@ fn forward<const TANH: bool>(kern: &Kernel<'_>) {
         prologue: Prologue::Gelu(approx_of(TANH)),
         bias: Some(bias),
         quant_b: None,
+        half_a: None,
     };
     let par = par_for(rows, n, k, rayon::current_num_threads());
     // SAFETY: `h` holds rows·k, `w` k·n and `y` rows·n elements.

@@ -133,6 +133,7 @@ fn forward(eps: f32, kern: &Kernel<'_>) {
         prologue: norm_prologue((mean, rstd), (ln_w, ln_b), true),
         bias: Some(bias),
         quant_b: None,
+        half_a: None,
     };
     let par = par_for(rows, n, k, rayon::current_num_threads());
     // SAFETY: `x` holds rows·k, `w` k·n and `y` rows·n elements; the statistics cover every
@@ -193,6 +194,7 @@ fn backward(kern: &Kernel<'_>) {
         prologue: norm_prologue((mean, rstd), (ln_w, ln_b), false),
         bias: None,
         quant_b: None,
+        half_a: None,
     };
     let par = par_for(k, n, rows, threads);
     // SAFETY: `x` holds rows·k, `dy` rows·n and `dw` k·n elements; the statistics cover every

@@ -18,6 +18,7 @@ impl CpuKernel for MatMul {
                 prologue: Prologue::None,
                 bias: Some(k.in_f32(2)),
                 quant_b: None,
+                half_a: None,
             };
             let par = par_for(d.m, d.n, d.k, threads);
             // SAFETY: the shape rule sized `a`, `b`, `c` and the bias for these dimensions.

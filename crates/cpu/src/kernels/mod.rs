@@ -17,6 +17,7 @@ mod gelu;
 mod gelu_linear;
 mod gqa_attention;
 mod grad_norm;
+mod half_read;
 mod kv_attention;
 mod layernorm;
 mod layernorm_linear;

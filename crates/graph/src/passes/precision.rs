@@ -20,7 +20,8 @@
 //!   too, as a bf16 kernel's backward would.
 
 use super::{copy_reading, rewrite, Rewritten};
-use crate::ops::{Cast, Op};
+use crate::ops::quantized_read::own_gemm_runs;
+use crate::ops::{Cast, HalfRead, Op};
 use crate::{DType, Graph, GraphError, Result, Role, StepGraph, TensorId};
 
 /// An up-cast: f32 from a 16-bit float.
@@ -165,6 +166,138 @@ pub fn recast_saved(step: &StepGraph) -> Result<(Rewritten, usize)> {
         None,
     )?;
     Ok((r, made))
+}
+
+/// `graph` with each bf16 up-cast whose every reader is a product that can read bf16 itself
+/// removed, those products reading the 16-bit tensor as [`HalfRead`]s (directly, or through a
+/// reshape made anew over it, as a weight gradient reads its flattened operand). The values
+/// are bitwise the same (bf16 widens to f32 exactly, as the GEMM packs it), and the f32 copy
+/// never exists. Only where the target offers it ([`crate::Fusions::half_reads`]) and its own
+/// GEMM runs the product; an up-cast any other node reads is kept whole. `n_fwd`: the forward
+/// nodes, returned counted anew beside the rewrite and how many up-casts it removed.
+pub fn read_halves(graph: &Graph, n_fwd: usize) -> Result<(Rewritten, usize, usize)> {
+    let g = graph;
+    let n_nodes = g.nodes().len();
+    if !g.target().fusions.half_reads {
+        let r = rewrite(g, |_, _, _| Ok(None), &vec![false; n_nodes], None)?;
+        return Ok((r, n_fwd, 0));
+    }
+    let gemm = g.target().cpu_gemm().unwrap_or(crate::CpuGemm::Portable);
+    let mut readers: Vec<Vec<usize>> = vec![Vec::new(); g.tensors().len()];
+    let mut held_by_control = vec![false; g.tensors().len()];
+    for (i, node) in g.nodes().iter().enumerate() {
+        for &t in &node.inputs {
+            readers[t.index()].push(i);
+        }
+        for &t in &node.control {
+            held_by_control[t.index()] = true;
+        }
+    }
+    let private = |t: TensorId| !held_by_control[t.index()] && !g.outputs().contains(&t);
+    // The operands a product reads in bf16 if their up-casts go, or none.
+    let half_capable = |i: usize| -> u8 {
+        let node = &g.nodes()[i];
+        let Op::MatMul(mm) = &node.op else { return 0 };
+        let (a, b) = (g.tensor(node.inputs[0]), g.tensor(node.inputs[1]));
+        match mm.dims(&a.shape, &b.shape) {
+            Ok(d) if d.batch == 1 && own_gemm_runs(gemm, (d.m, d.n, d.k)) => 0b11,
+            _ => 0,
+        }
+    };
+    // Input `k` of node `i` may read `t` in bf16.
+    let reads_half = |i: usize, t: TensorId| {
+        let node = &g.nodes()[i];
+        let mask = half_capable(i);
+        node.inputs
+            .iter()
+            .enumerate()
+            .filter(|&(_, &x)| x == t)
+            .all(|(k, _)| k < 8 && mask & (1 << k) != 0)
+    };
+    // Each removable up-cast (by node), and each reshape of one it takes with it.
+    let mut skip = vec![false; n_nodes];
+    // For a removed tensor (an up-cast's output, or a reshape of one): the bf16 tensor, and the
+    // reshape to make anew over it.
+    let mut source: Vec<Option<(TensorId, Option<usize>)>> = vec![None; g.tensors().len()];
+    let mut removed = 0;
+    let mut removed_fwd = 0;
+    for (i, node) in g.nodes().iter().enumerate() {
+        if !is_up_cast(g, node) || g.tensor(node.inputs[0]).dtype != DType::BF16 {
+            continue;
+        }
+        let u = node.outputs[0];
+        if !private(u) || readers[u.index()].is_empty() {
+            continue;
+        }
+        let mut views = Vec::new();
+        let all = readers[u.index()].iter().all(|&r| {
+            let rn = &g.nodes()[r];
+            if matches!(rn.op, Op::Reshape(_)) && g.is_view(rn) {
+                let v = rn.outputs[0];
+                let ok = private(v)
+                    && !readers[v.index()].is_empty()
+                    && readers[v.index()].iter().all(|&x| reads_half(x, v));
+                views.push(r);
+                ok
+            } else {
+                reads_half(r, u)
+            }
+        });
+        if !all {
+            continue;
+        }
+        skip[i] = true;
+        source[u.index()] = Some((node.inputs[0], None));
+        for r in views {
+            skip[r] = true;
+            source[g.nodes()[r].outputs[0].index()] = Some((node.inputs[0], Some(r)));
+            removed_fwd += (r < n_fwd) as usize;
+        }
+        removed += 1;
+        removed_fwd += (i < n_fwd) as usize;
+    }
+    let mut added_fwd = 0;
+    let r = rewrite(
+        g,
+        |new, i, lookup| {
+            let node = &g.nodes()[i];
+            let halves = node
+                .inputs
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| source[t.index()].is_some())
+                .fold(0u8, |m, (k, _)| m | 1 << k);
+            if halves == 0 {
+                return Ok(None);
+            }
+            let Op::MatMul(mm) = node.op else {
+                unreachable!("only products read removed up-casts")
+            };
+            let mut inputs = Vec::with_capacity(node.inputs.len());
+            for &t in &node.inputs {
+                inputs.push(match source[t.index()] {
+                    None => lookup(t),
+                    Some((h, None)) => lookup(h),
+                    Some((h, Some(view))) => {
+                        let op = g.nodes()[view].op.clone();
+                        let v = new.apply1(op, &[lookup(h)])?;
+                        new.rename(v, format!("{}.bf16", g.tensor(t).name));
+                        added_fwd += (i < n_fwd) as usize;
+                        v
+                    }
+                });
+            }
+            let fused = crate::Node {
+                op: Op::HalfRead(HalfRead::matmul(mm, halves)),
+                ..node.clone()
+            };
+            let outs = copy_reading(new, g, &fused, &inputs, lookup)?;
+            Ok(Some(outs.into_iter().map(Some).collect()))
+        },
+        &skip,
+        None,
+    )?;
+    Ok((r, n_fwd + added_fwd - removed_fwd, removed))
 }
 
 /// The value a forward 16-bit copy holds was produced by `op` (for remat policies that keep

@@ -107,6 +107,7 @@ fn expensive(op: &Op) -> bool {
     matches!(
         op,
         Op::MatMul(_)
+            | Op::HalfRead(_)
             | Op::GeluLinear(_)
             | Op::LayerNormLinear(_)
             | Op::CausalAttention(_)

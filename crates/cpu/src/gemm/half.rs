@@ -1,0 +1,272 @@
+//! Products whose operands are bf16 activations or gradients read from their 16-bit storage
+//! (`snug_graph::ops::HalfRead`): each value is widened to f32 as the blocked kernel packs it
+//! (exactly, as a bf16 → f32 cast would have written it), so the product is bitwise the one on
+//! the cast's f32 copy, which is never made. `a` is widened by [`HalfA::pack_a`]; `b` is a
+//! [`QuantB`] of base bf16, the path frozen bf16 weights take.
+
+use snug_graph::ops::QuantizeBase;
+
+use super::quantized::QuantB;
+use super::Layout;
+
+/// f32 from bf16 bits: exact.
+#[inline(always)]
+pub(crate) fn widen(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
+/// A bf16 `a`: element `(i, p)` at `bits[i·rs + p·cs]`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HalfA<'a> {
+    pub bits: &'a [u16],
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl HalfA<'_> {
+    /// Packs `kc` columns of up to `mr` rows from `(i0, p0)` as `out[p·mr_tile + i]`, zero
+    /// rows past `mr`: a tile's `pack_a`, widening as it goes.
+    ///
+    /// # Safety
+    /// `out` must hold `mr_tile · kc` floats; the rows and columns must lie inside `bits`.
+    #[inline(always)]
+    pub(crate) unsafe fn pack_a(
+        &self,
+        mr_tile: usize,
+        (kc, mr): (usize, usize),
+        (i0, p0): (usize, usize),
+        out: *mut f32,
+    ) {
+        // SAFETY: the panel holds `mr_tile · kc` floats, as the caller vouched.
+        let panel = unsafe { std::slice::from_raw_parts_mut(out, mr_tile * kc) };
+        let (rs, cs) = (self.rs, self.cs);
+        for (p, col) in panel.chunks_exact_mut(mr_tile).enumerate() {
+            let at = i0 * rs + (p0 + p) * cs;
+            for (i, v) in col[..mr].iter_mut().enumerate() {
+                *v = widen(self.bits[at + i * rs]);
+            }
+            col[mr..].fill(0.0);
+        }
+    }
+}
+
+/// A product's operand: f32, or bf16 widened as it is read.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Operand<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+impl Operand<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Operand::F32(x) => x.len(),
+            Operand::Bf16(x) => x.len(),
+        }
+    }
+
+    /// The operand in f32: borrowed, or widened into `buf`.
+    fn widened<'b>(&'b self, buf: &'b mut Vec<f32>) -> &'b [f32] {
+        match self {
+            Operand::F32(x) => x,
+            Operand::Bf16(x) => {
+                buf.clear();
+                buf.extend(x.iter().map(|&h| widen(h)));
+                buf
+            }
+        }
+    }
+}
+
+/// `c = op(a) · op(b) (+ bias)` with either operand bf16: on our blocked kernel, widening
+/// as it packs, where it runs the product; elsewhere (another CPU, its packing space in use)
+/// on f32 copies of the bf16 operands made here.
+pub(crate) fn gemm_half(
+    layout: Layout,
+    (a, b): (Operand<'_>, Operand<'_>),
+    c: &mut [f32],
+    bias: Option<&[f32]>,
+    par: ::gemm::Parallelism,
+) {
+    let Layout { ta, tb, m, n, k } = layout;
+    assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
+    assert!(bias.is_none_or(|bias| bias.len() >= n));
+    #[cfg(target_arch = "x86_64")]
+    if let Some(tile) = super::own_kernel((m, n, k), 1) {
+        let ((a_rs, a_cs), (b_rs, b_cs)) = layout.strides();
+        let none = std::ptr::NonNull::<f32>::dangling().as_ptr() as *const f32;
+        let (a_ptr, a_s, half_a) = match a {
+            Operand::F32(x) => (x.as_ptr(), (a_rs, a_cs), None),
+            Operand::Bf16(bits) => {
+                let (rs, cs) = (a_rs as usize, a_cs as usize);
+                (none, (0, 0), Some(HalfA { bits, rs, cs }))
+            }
+        };
+        let (b_ptr, b_s, quant_b) = match b {
+            Operand::F32(x) => (x.as_ptr(), (b_rs, b_cs), None),
+            Operand::Bf16(halves) => {
+                let cols = if tb { k } else { n };
+                let q = QuantB::of(QuantizeBase::Bf16, (&[], halves, &[]), cols, tb);
+                (none, (0, 0), Some(q))
+            }
+        };
+        let product = super::Product {
+            dims: (m, n, k),
+            c: (c.as_mut_ptr(), n as isize, 1),
+            a: (a_ptr, a_s.0, a_s.1),
+            b: (b_ptr, b_s.0, b_s.1),
+            scale: 1.0,
+            accumulate: false,
+        };
+        let fused = super::Fused {
+            prologue: super::Prologue::None,
+            bias,
+            quant_b,
+            half_a,
+        };
+        // SAFETY: `own_kernel` checked the CPU; the lengths were checked above, and the
+        // packing reads a bf16 operand from its bits only (its pointer and strides are unread).
+        if unsafe { super::own_gemm(tile, product, par, fused) } {
+            return;
+        }
+    }
+    let (mut wa, mut wb) = (Vec::new(), Vec::new());
+    let (a, b) = (a.widened(&mut wa), b.widened(&mut wb));
+    if let Some(bias) = bias {
+        for row in c[..m * n].chunks_exact_mut(n) {
+            row.copy_from_slice(&bias[..n]);
+        }
+    }
+    // SAFETY: the lengths were checked above.
+    unsafe {
+        super::gemm_strided(
+            Layout::new((ta, tb), (m, n, k)),
+            a,
+            b,
+            c,
+            bias.is_some(),
+            par,
+        )
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gemm::blocked::tests::{assert_product, values};
+
+    /// bf16 bits of `x`, rounded to nearest even (as the Cast kernel rounds).
+    fn bf16(x: &[f32]) -> Vec<u16> {
+        x.iter()
+            .map(|v| {
+                let b = v.to_bits();
+                ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+            })
+            .collect()
+    }
+
+    /// Every layout, either operand or both in bf16, with and without a bias, on one thread
+    /// and two: the product is bitwise the f32 product of the widened operands (the path the
+    /// up-cast took), and within f32 rounding of an f64 product of the bf16 values. Shapes
+    /// big enough for our kernel (with partial register tiles and several depth blocks) and
+    /// too small for it (the widened copies on the gemm crate).
+    #[test]
+    fn bf16_operands_give_the_widened_product_in_every_layout() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let shapes = [(67, 130, 517), (301, 45, 700), (5, 20, 9), (40, 8, 33)];
+        for (m, n, k) in shapes {
+            let (a16, b16) = (bf16(&values(m * k, 11)), bf16(&values(k * n, 12)));
+            let (a, b): (Vec<f32>, Vec<f32>) = (
+                a16.iter().map(|&h| widen(h)).collect(),
+                b16.iter().map(|&h| widen(h)).collect(),
+            );
+            let bias = values(n, 13);
+            for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                for halves in [0b01, 0b10, 0b11] {
+                    for (with_bias, threads) in [(false, 1), (true, 2), (true, 1), (false, 2)] {
+                        let layout = Layout::new((ta, tb), (m, n, k));
+                        let par = if threads > 1 {
+                            ::gemm::Parallelism::Rayon(threads)
+                        } else {
+                            ::gemm::Parallelism::None
+                        };
+                        let bias = with_bias.then_some(&bias[..]);
+                        let operand = |half: bool, h: &'static str| {
+                            let _ = h;
+                            half
+                        };
+                        let a_op = if operand(halves & 1 != 0, "a") {
+                            Operand::Bf16(&a16)
+                        } else {
+                            Operand::F32(&a)
+                        };
+                        let b_op = if operand(halves & 2 != 0, "b") {
+                            Operand::Bf16(&b16)
+                        } else {
+                            Operand::F32(&b)
+                        };
+                        let mut got = vec![f32::NAN; m * n];
+                        pool.install(|| gemm_half(layout, (a_op, b_op), &mut got, bias, par));
+                        let mut want = vec![f32::NAN; m * n];
+                        pool.install(|| {
+                            gemm_half(
+                                layout,
+                                (Operand::F32(&a), Operand::F32(&b)),
+                                &mut want,
+                                bias,
+                                par,
+                            )
+                        });
+                        let label = format!(
+                            "{m}×{k}×{n} ta {ta} tb {tb} halves {halves:02b} bias {with_bias} \
+                             threads {threads}"
+                        );
+                        let same = got
+                            .iter()
+                            .zip(&want)
+                            .all(|(x, y)| x.to_bits() == y.to_bits());
+                        assert!(same, "{label}: not the widened f32 product");
+                        let at = |x: &[f32], rows: usize, cols: usize, t: bool| {
+                            let x = x.to_vec();
+                            move |i: usize, j: usize| {
+                                if t {
+                                    x[j * rows + i]
+                                } else {
+                                    x[i * cols + j]
+                                }
+                            }
+                        };
+                        let mut base = vec![0.0f32; m * n];
+                        if let Some(bias) = bias {
+                            for row in base.chunks_exact_mut(n) {
+                                row.copy_from_slice(bias);
+                            }
+                        }
+                        assert_product(
+                            (m, n, k),
+                            (at(&a, m, k, ta), at(&b, k, n, tb)),
+                            (1.0, true),
+                            (&base, &got),
+                            1e-5 * k as f64,
+                            &label,
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Widening is exact: every bf16 value, normal, subnormal, infinite or NaN, becomes the f32
+    /// with the same sign, exponent and leading mantissa bits.
+    #[test]
+    fn widening_is_exact() {
+        for h in 0..=u16::MAX {
+            let w = widen(h);
+            assert_eq!(w.to_bits() >> 16, u32::from(h));
+            assert_eq!(w.to_bits() & 0xffff, 0);
+        }
+    }
+}
