@@ -178,6 +178,20 @@ fn plan_predicts_what_train_measures_for_every_way_of_giving_a_run() {
             "cse,dce",
         ],
         vec!["--vocab", "40", "--batch", "2", "--optimizer", "sgd"],
+        // The demo's shape in bf16: big enough that its products read bf16 themselves (on a
+        // CPU with our GEMM), with selective remat recomputing some of them.
+        vec![
+            "--preset",
+            "llama-tiny",
+            "--batch",
+            "8",
+            "--block",
+            "128",
+            "--precision",
+            "bf16",
+            "--remat",
+            "selective",
+        ],
         // Token files with a loss mask: the step takes the mask and its divisor as inputs.
         vec![
             "--preset", "tiny", "--data", &masked, "--batch", "2", "--block", "16",

@@ -1,7 +1,8 @@
 //! Quantized frozen weights through the binary: `plan --quantize-base` shows the storage and
 //! what it saves, `train --lora --quantize-base nf4` (QLoRA) trains at its planned peak and
 //! its checkpoint says which quantization it used, `sample --quantize int8` samples it at its
-//! planned peak, and quantizing a trained base is refused by name.
+//! planned peak, and quantizing a trained base is refused by name. Also 16-bit activations read
+//! as stored: `plan --precision bf16` shows products reading bf16 themselves.
 
 mod common;
 
@@ -104,6 +105,41 @@ fn plan_shows_each_base_storage_and_its_saving() {
         ],
         &["quantize_base", "bf16, int8 or nf4"],
     );
+}
+
+/// With bf16 on a CPU with our GEMM, the pass table shows the products reading bf16 right
+/// after mixed precision; elsewhere it has no such row.
+#[test]
+fn plan_shows_products_reading_bf16() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "plan",
+        "--preset",
+        "llama-tiny",
+        "--batch",
+        "8",
+        "--block",
+        "128",
+        "--precision",
+        "bf16",
+        "--json",
+    ];
+    let p: serde_json::Value = serde_json::from_slice(&ok(dir.path(), &args).stdout).unwrap();
+    let names: Vec<&str> = p["passes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|s| s["pass"].as_str())
+        .collect();
+    let at = names.iter().position(|&n| n == "half-reads");
+    if p["target_cpu"] == "portable" {
+        assert_eq!(at, None, "{names:?}");
+    } else {
+        assert!(
+            at.is_some_and(|i| names[i - 1] == "precision=bf16"),
+            "{names:?}"
+        );
+    }
 }
 
 #[test]
