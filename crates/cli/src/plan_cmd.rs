@@ -165,6 +165,10 @@ struct PlanReport {
     /// How the frozen base is stored (bf16, int8, nf4), when not in f32.
     #[serde(skip_serializing_if = "Option::is_none")]
     quantize_base: Option<snug_graph::ops::QuantizeBase>,
+    /// Products that read bf16 activations or gradients as stored (bf16 on a CPU with our
+    /// GEMM), where an f32 copy was made for them otherwise.
+    #[serde(skip_serializing_if = "is_zero")]
+    bf16_products: usize,
     nodes: usize,
     tensors: usize,
     flops_per_step: u64,
@@ -341,17 +345,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     }
     if cfg.precision != snug_graph::DType::F32 {
         c.precision = cfg.precision;
-        // Mixed precision first with every reader given an f32 copy, then with the products
-        // reading bf16 themselves, so each shows its saving.
-        let widening = {
-            let mut t = target;
-            t.fusions.half_reads = false;
-            t
-        };
-        stages.push((format!("precision={}", cfg.precision), c.clone(), widening));
-        if cfg.precision == snug_graph::DType::BF16 && target.fusions.half_reads {
-            stages.push(("half-reads".to_string(), c.clone(), target));
-        }
+        stages.push((format!("precision={}", cfg.precision), c.clone(), target));
     }
     if cfg.remat != snug_train::Remat::None {
         c.remat = cfg.remat;
@@ -363,14 +357,26 @@ pub fn run(args: PlanArgs) -> Result<()> {
     };
     let mut pass_savings = Vec::new();
     if !stages.is_empty() {
-        let mut before = peak_of(&base, target)?;
         let last = stages.len() - 1;
-        for (i, (name, c, target)) in stages.iter().enumerate() {
-            // The last stage is the whole configuration, planned above.
+        // The base and every stage but the last (the whole configuration, planned above) are
+        // planned side by side: each is a whole compile and plan, and they share nothing.
+        let peaks: Vec<Result<usize>> = std::thread::scope(|s| {
+            let runs: Vec<_> = std::iter::once((&base, target))
+                .chain(stages[..last].iter().map(|(_, c, t)| (c, *t)))
+                .map(|(c, t)| s.spawn(move || peak_of(c, t)))
+                .collect();
+            runs.into_iter()
+                .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+                .collect()
+        });
+        let mut peaks = peaks.into_iter();
+        let mut next = || peaks.next().unwrap_or_else(|| Ok(memory_plan.peak_bytes()));
+        let mut before = next()?;
+        for (i, (name, _, _)) in stages.iter().enumerate() {
             let after = if i == last {
                 memory_plan.peak_bytes()
             } else {
-                peak_of(c, *target)?
+                next()?
             };
             pass_savings.push(PassSaving {
                 pass: name.clone(),
@@ -413,6 +419,12 @@ pub fn run(args: PlanArgs) -> Result<()> {
             }
         }),
         quantize_base: cfg.quantize_base,
+        bf16_products: step
+            .graph
+            .nodes()
+            .iter()
+            .filter(|n| matches!(n.op, snug_graph::ops::Op::HalfRead(_)))
+            .count(),
         nodes: step.graph.nodes().len(),
         tensors: step.graph.tensors().len(),
         flops_per_step: step.graph.flops(),
@@ -479,6 +491,12 @@ pub fn run(args: PlanArgs) -> Result<()> {
             "dequantized as each op reads them"
         };
         println!("frozen base weights (2-D) stored as {q}, {how}");
+    }
+    if report.bf16_products > 0 {
+        println!(
+            "{} products read their bf16 operands as stored, widened as the GEMM packs them",
+            report.bf16_products
+        );
     }
     println!(
         "training step: batch {} x block {} = {} tokens, {:?}, {}, {} threads, remat {}; {} nodes, {:.1} GFLOP",
