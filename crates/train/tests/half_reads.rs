@@ -1,8 +1,8 @@
 //! Products reading bf16 activations and gradients themselves ([`HalfRead`], the CPU's
 //! `half_reads`) against reading each through an f32 up-cast: over whole bf16 steps of GPT and
-//! Llama, with and without per-block remat and with 8-bit AdamW's fused path left aside, the
-//! loss, gradient norm and updated parameters are bitwise the up-casting step's, each step
-//! holds exactly its plan, and the up-casts that only products read are gone.
+//! Llama (plain, per-block and selective remat, fused updates, 8-bit AdamW, LoRA), the loss
+//! and updated parameters are bitwise the up-casting step's, each step holds exactly its plan,
+//! and the up-casts that only products read are gone.
 
 use snug_cpu::CpuSession;
 use snug_graph::ops::{Cast, HalfRead, Op};
@@ -51,17 +51,70 @@ const SHAPE: snug_compile::StepShape = snug_compile::StepShape {
 
 fn compiled(
     model: &ModelConfig,
-    remat: snug_compile::Remat,
+    config: &snug_compile::StepConfig,
     halves: bool,
 ) -> snug_compile::CompiledStep {
     let mut target = Target::cpu(2, snug_graph::CpuGemm::host());
     target.fusions.half_reads = halves;
-    let config = snug_compile::StepConfig {
+    snug_compile::compile_exactly(model, SHAPE, target, config).unwrap()
+}
+
+/// bf16 steps: plain, with per-block and selective remat, with updates fused into the
+/// backward (whose up-casts wait for their readers), with 8-bit AdamW, and with LoRA.
+fn configs(llama: bool) -> Vec<(&'static str, snug_compile::StepConfig)> {
+    use snug_compile::{OptimizerKind, Remat, StepConfig};
+    let bf16 = StepConfig {
         precision: DType::BF16,
-        remat,
         ..Default::default()
     };
-    snug_compile::compile_exactly(model, SHAPE, target, &config).unwrap()
+    let mut out = vec![
+        ("plain", bf16.clone()),
+        (
+            "remat block",
+            StepConfig {
+                remat: Remat::Blocks { blocks: 1 },
+                ..bf16.clone()
+            },
+        ),
+    ];
+    if llama {
+        out.extend([
+            (
+                "remat selective",
+                StepConfig {
+                    remat: Remat::Selective,
+                    ..bf16.clone()
+                },
+            ),
+            (
+                "fused update",
+                StepConfig {
+                    fused_update: true,
+                    clip_mode: snug_graph::ClipMode::Tensor,
+                    ..bf16.clone()
+                },
+            ),
+            (
+                "adamw8bit",
+                StepConfig {
+                    optimizer: OptimizerKind::AdamW8bit,
+                    ..bf16.clone()
+                },
+            ),
+            (
+                "lora",
+                StepConfig {
+                    lora: Some(snug_nn::LoraConfig {
+                        rank: 8,
+                        alpha: 16.0,
+                        targets: snug_nn::LoraTargets::AllLinear,
+                    }),
+                    ..bf16
+                },
+            ),
+        ]);
+    }
+    out
 }
 
 /// Up-casts of bf16 tensors in `step`, and how many of them only products our GEMM runs read
@@ -119,6 +172,10 @@ fn one_step(c: &snug_compile::CompiledStep, label: &str) -> (Vec<u32>, usize) {
         let n = step.graph.tensor(param.param).numel();
         s.write_f32(param.param, &values(n, i as u64 + 1)).unwrap();
     }
+    for (i, f) in step.frozen.iter().enumerate() {
+        let n = step.graph.tensor(f.param).numel();
+        s.write_f32(f.param, &values(n, i as u64 + 101)).unwrap();
+    }
     let tokens = SHAPE.micro_batch * SHAPE.block;
     let ids = |a: usize, b: usize| {
         (0..tokens)
@@ -139,13 +196,10 @@ fn one_step(c: &snug_compile::CompiledStep, label: &str) -> (Vec<u32>, usize) {
 #[test]
 fn reading_bf16_in_products_is_bitwise_the_up_casting_step() {
     let ours = snug_graph::CpuGemm::host() != snug_graph::CpuGemm::Portable;
-    for model in models() {
-        for remat in [
-            snug_compile::Remat::None,
-            snug_compile::Remat::Blocks { blocks: 1 },
-        ] {
-            let label = format!("{} remat {remat}", model.summary());
-            let [widening, reading] = [false, true].map(|h| compiled(&model, remat, h));
+    for (m, model) in models().iter().enumerate() {
+        for (name, config) in configs(m == 0) {
+            let label = format!("{} {name}", model.summary());
+            let [widening, reading] = [false, true].map(|h| compiled(model, &config, h));
             let halves = |c: &snug_compile::CompiledStep| {
                 c.step
                     .graph
@@ -162,7 +216,6 @@ fn reading_bf16_in_products_is_bitwise_the_up_casting_step() {
             }
             // At least the attention projection's forward and weight gradient in each layer
             // (GPT's other products are fused with their norm or GELU).
-            eprintln!("{label}: {} bf16 products", halves(&reading));
             assert!(
                 halves(&reading) >= 2 * 2,
                 "{label}: {} bf16 products",
