@@ -362,8 +362,8 @@ fn transpose_8x8(r: [__m256; 8]) -> [__m256; 8] {
 
 #[cfg(test)]
 mod tests {
-    use super::super::blocked::tests::{assert_product, values};
     use super::*;
+    use crate::gemm::test_support::{assert_product, values};
 
     /// Attention's unpacked products, against a triple loop in f64: `a` plain and transposed,
     /// `b` in strips of 64 (the last one partial, and a partial 16-column tile inside it), row

@@ -4,6 +4,9 @@
 //! the cast's f32 copy, which is never made. `a` is widened by [`HalfA::pack_a`]; `b` is a
 //! [`QuantB`] of base bf16, the path frozen bf16 weights take.
 
+// Only our x86-64 tiles pack a bf16 operand; elsewhere `gemm_half` widens copies.
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused_imports))]
+
 use snug_graph::ops::QuantizeBase;
 
 use super::quantized::QuantB;
@@ -153,7 +156,7 @@ pub(crate) fn gemm_half(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gemm::blocked::tests::{assert_product, values};
+    use crate::gemm::test_support::{assert_product, values};
 
     /// bf16 bits of `x`, rounded to nearest even (as the Cast kernel rounds).
     fn bf16(x: &[f32]) -> Vec<u16> {

@@ -388,6 +388,53 @@ unsafe fn gemm_with(product: Product, par: ::gemm::Parallelism, ours: Option<Own
     );
 }
 
+/// What the GEMM tests of every module share.
+#[cfg(test)]
+pub(crate) mod test_support {
+    /// Asserts `c[i·n + j] = base + scale · Σ_p a(i, p) · b(p, j)`, summed in f64, to within
+    /// `tol`; the base is `start`'s element when accumulating, else zero.
+    pub(crate) fn assert_product(
+        (m, n, k): (usize, usize, usize),
+        (a, b): (impl Fn(usize, usize) -> f32, impl Fn(usize, usize) -> f32),
+        (scale, accumulate): (f32, bool),
+        (start, c): (&[f32], &[f32]),
+        tol: f64,
+        label: &str,
+    ) {
+        for i in 0..m {
+            for j in 0..n {
+                let dot: f64 = (0..k)
+                    .map(|p| f64::from(a(i, p)) * f64::from(b(p, j)))
+                    .sum();
+                let base = if accumulate {
+                    f64::from(start[i * n + j])
+                } else {
+                    0.0
+                };
+                let want = base + f64::from(scale) * dot;
+                let got = f64::from(c[i * n + j]);
+                assert!(
+                    (got - want).abs() <= tol,
+                    "{label} at ({i}, {j}): {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    /// Deterministic values in [-0.5, 0.5) with no pattern a blocking bug could hide behind.
+    pub(crate) fn values(len: usize, seed: u64) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            })
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use snug_graph::CpuGemm;

@@ -119,6 +119,8 @@ impl<'a> QuantB<'a> {
     ///
     /// # Safety
     /// `out` must hold `kc · nc.next_multiple_of(nr)` floats; the codes must cover the block.
+    // Only our x86-64 tiles pack; elsewhere products decode panels (`decode_panel`).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) unsafe fn pack_b(
         &self,
         nr: usize,
