@@ -276,4 +276,9 @@ fn half_reads_are_a_cpu_fusion_with_a_checked_shape_rule() {
         matches!(err, snug_graph::GraphError::Invalid { .. }),
         "{err}"
     );
+    // A batch of products (attention's shape) is not one it reads.
+    let q = g.input("q", &[2, 8, 4], DType::BF16).unwrap();
+    let k = g.input("k", &[2, 4, 8], DType::F32).unwrap();
+    let err = g.apply1(HalfRead::matmul(mm, 0b01), &[q, k]).unwrap_err();
+    assert!(matches!(err, snug_graph::GraphError::Shape { .. }), "{err}");
 }

@@ -26,8 +26,7 @@ impl CpuKernel for HalfRead {
         let bias = mm.bias.then(|| k.in_f32(2));
         let layout = Layout::new((mm.ta, mm.tb), (d.m, d.n, d.k));
         let par = par_for(d.m, d.n, d.k, rayon::current_num_threads());
-        // The pass makes these for one product (a shared `b`) only.
-        assert_eq!(d.batch, 1, "a bf16-reading product of one batch entry");
+        // The shape rule admits one product only (a shared `b`): `d.batch` is 1.
         gemm_half(layout, (a, b), c, bias, par);
     }
 }

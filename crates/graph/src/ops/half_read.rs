@@ -85,6 +85,19 @@ impl OpRule for HalfRead {
     fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
         let metas = self.reader_inputs(inputs)?;
         let refs: Vec<&TensorMeta> = metas.iter().collect();
+        if let (Op::MatMul(mm), [a, b, ..]) = (&*self.reader, &refs[..]) {
+            // The kernel runs one product: a linear layer's, its input's or its weight's
+            // gradient (a shared `b`, every leading axis of `a` folded into rows).
+            if mm.dims(&a.shape, &b.shape).is_ok_and(|d| d.batch != 1) {
+                return Err(shape_err(
+                    Self::NAME,
+                    format!(
+                        "reads one product in bf16, not a batch of them: {:?} · {:?}",
+                        a.shape, b.shape
+                    ),
+                ));
+            }
+        }
         let mut outs = self.reader.infer(&refs)?;
         for o in &mut outs {
             o.view_of_input = None;
