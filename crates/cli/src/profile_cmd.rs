@@ -69,30 +69,28 @@ pub fn run(args: ProfileArgs) -> Result<()> {
             let node = graph.node(nid);
             let ins: Vec<_> = node.inputs.iter().map(|&i| graph.tensor(i)).collect();
             let outs: Vec<_> = node.outputs.iter().map(|&i| graph.tensor(i)).collect();
-            let key = match &node.op {
-                Op::MatMul(m) => format!(
-                    "matmul{}{} {:?}·{:?}",
+            // A product reading bf16 operands as stored says which.
+            let product = match &node.op {
+                Op::MatMul(m) => Some((m, "")),
+                Op::HalfRead(h) => h.product().map(|m| {
+                    let which = match h.halves {
+                        0b01 => " (bf16 a)",
+                        0b10 => " (bf16 b)",
+                        _ => " (bf16 a, b)",
+                    };
+                    (m, which)
+                }),
+                _ => None,
+            };
+            let key = match product {
+                Some((m, which)) => format!(
+                    "matmul{which}{}{} {:?}·{:?}",
                     if m.ta { " aᵀ" } else { "" },
                     if m.tb { " bᵀ" } else { "" },
                     ins[0].shape,
                     ins[1].shape
                 ),
-                Op::HalfRead(h) => match &*h.reader {
-                    Op::MatMul(m) => format!(
-                        "matmul (bf16 {}){}{} {:?}·{:?}",
-                        match h.halves {
-                            0b01 => "a",
-                            0b10 => "b",
-                            _ => "a, b",
-                        },
-                        if m.ta { " aᵀ" } else { "" },
-                        if m.tb { " bᵀ" } else { "" },
-                        ins[0].shape,
-                        ins[1].shape
-                    ),
-                    _ => h.reader.name().to_string(),
-                },
-                op => op.name().to_string(),
+                None => node.op.name().to_string(),
             };
             let e = rows.entry(key).or_default();
             e.0 += 1;

@@ -318,10 +318,7 @@ pub fn node_work(graph: &Graph, node: NodeId) -> NodeWork {
     // samples predict it.
     let product = match &n.op {
         Op::MatMul(m) => Some(m),
-        Op::HalfRead(h) => match &*h.reader {
-            Op::MatMul(m) => Some(m),
-            _ => None,
-        },
+        Op::HalfRead(h) => h.product(),
         _ => None,
     };
     let class = match (&n.op, product) {

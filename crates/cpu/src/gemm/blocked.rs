@@ -507,7 +507,11 @@ unsafe fn pack_a<T: Tile>(
     unsafe {
         match &fused.half_a {
             None => T::pack_a(kc, mr, a, strides, panel, fused.prologue),
-            Some(h) => h.pack_a(T::MR, (kc, mr), (panel.1, panel.2), panel.0),
+            Some(h) => {
+                // `gemm_half` fuses no prologue with a bf16 `a`.
+                debug_assert!(matches!(fused.prologue, Prologue::None));
+                h.pack_a(T::MR, (kc, mr), (panel.1, panel.2), panel.0)
+            }
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The kernel of [`HalfRead`]: its product with the bf16 operands widened as the GEMM packs
 //! them ([`crate::gemm::gemm_half`]), bitwise the product on their f32 up-casts.
 
-use snug_graph::ops::{HalfRead, Op};
+use snug_graph::ops::HalfRead;
 use snug_graph::DType;
 
 use crate::gemm::{gemm_half, par_for, Layout, Operand};
@@ -9,7 +9,7 @@ use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for HalfRead {
     fn run(&self, k: &Kernel<'_>) {
-        let Op::MatMul(mm) = &*self.reader else {
+        let Some(mm) = self.product() else {
             unreachable!("the shape rule admits products only")
         };
         let Ok(d) = mm.dims(k.in_shape(0), k.in_shape(1)) else {

@@ -32,6 +32,14 @@ impl HalfRead {
         }
     }
 
+    /// The product this reads for, if its reader is one.
+    pub fn product(&self) -> Option<&MatMul> {
+        match &*self.reader {
+            Op::MatMul(mm) => Some(mm),
+            _ => None,
+        }
+    }
+
     /// Whether input `i` is read in bf16.
     pub fn is_half(&self, i: usize) -> bool {
         i < 8 && self.halves & (1 << i) != 0
