@@ -423,7 +423,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
             .graph
             .nodes()
             .iter()
-            .filter(|n| matches!(n.op, snug_graph::ops::Op::HalfRead(_)))
+            .filter(|n| matches!(n.op, snug_graph::ops::Op::HalfIo(_)))
             .count(),
         nodes: step.graph.nodes().len(),
         tensors: step.graph.tensors().len(),

@@ -72,8 +72,8 @@ pub fn run(args: ProfileArgs) -> Result<()> {
             // A product reading bf16 operands as stored says which.
             let product = match &node.op {
                 Op::MatMul(m) => Some((m, "")),
-                Op::HalfRead(h) => h.product().map(|m| {
-                    let which = match h.halves {
+                Op::HalfIo(h) => h.product().map(|m| {
+                    let which = match h.reads {
                         0b01 => " (bf16 a)",
                         0b10 => " (bf16 b)",
                         _ => " (bf16 a, b)",

@@ -247,10 +247,10 @@ pub fn compile_exactly_sharded(
         feeds = feeds.rewritten(&r)?;
         step = step.rewritten(r, forward)?;
     }
-    if config.precision == DType::BF16 && step.graph.target().fusions.half_reads {
+    if config.precision == DType::BF16 && step.graph.target().fusions.half_io {
         // Products read the bf16 activations and gradients themselves where the target's
         // GEMM can: the f32 copies the casts made go.
-        let (r, forward, _) = passes::read_halves(&step.graph, step.forward_nodes)?;
+        let (r, forward, _) = passes::fold_half_casts(&step.graph, step.forward_nodes)?;
         feeds = feeds.rewritten(&r)?;
         step = step.rewritten(r, forward)?;
     }

@@ -199,7 +199,7 @@ fn check_dtypes(graph: &Graph) -> Result<(), RuntimeError> {
         // A quantized frozen weight is read only through its dequantization.
         let casts_or_views = matches!(
             node.op,
-            Op::Cast(_) | Op::Dequantize(_) | Op::QuantizedRead(_) | Op::HalfRead(_)
+            Op::Cast(_) | Op::Dequantize(_) | Op::QuantizedRead(_) | Op::HalfIo(_)
         ) || graph.is_view(node);
         // 8-bit AdamW reads and writes its quantized moments itself.
         let quantized_state = matches!(node.op, Op::AdamW8bit(_));

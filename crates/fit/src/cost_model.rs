@@ -318,7 +318,7 @@ pub fn node_work(graph: &Graph, node: NodeId) -> NodeWork {
     // samples predict it.
     let product = match &n.op {
         Op::MatMul(m) => Some(m),
-        Op::HalfRead(h) => h.product(),
+        Op::HalfIo(h) => h.product(),
         _ => None,
     };
     let class = match (&n.op, product) {
@@ -329,6 +329,8 @@ pub fn node_work(graph: &Graph, node: NodeId) -> NodeWork {
         ),
         // Rounding down and widening up are different loops.
         (Op::Cast(c), _) => format!("cast_{}", c.to),
+        // Another op reading or writing bf16 runs its own kernel on staged or packed values.
+        (Op::HalfIo(h), _) => h.op.name().to_string(),
         (op, _) => op.name().to_string(),
     };
     let last = |ts: &[&snug_graph::TensorMeta]| {

@@ -166,7 +166,7 @@ pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
         | Op::GeluLinear(_)
         | Op::GeluLinearBackward(_)
         | Op::QuantizedRead(_)
-        | Op::HalfRead(_) => Err(
+        | Op::HalfIo(_) => Err(
             "a CPU fusion: plan for the GPU's target, which fuses nothing (Fusions::NONE)".into(),
         ),
         Op::AllReduce(_)
@@ -680,7 +680,7 @@ fn record_kernel(
         | Op::GeluLinear(_)
         | Op::GeluLinearBackward(_)
         | Op::QuantizedRead(_)
-        | Op::HalfRead(_)
+        | Op::HalfIo(_)
         | Op::AllReduce(_)
         | Op::ReduceScatter(_)
         | Op::AllGather(_)

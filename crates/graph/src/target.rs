@@ -95,10 +95,11 @@ pub struct Fusions {
     /// the embedding's rows as it gathers them) rather than through a whole f32 copy.
     #[serde(default)]
     pub quantized_reads: bool,
-    /// Products read bf16 activations and gradients from their 16-bit storage (widened as the
-    /// GEMM packs them) rather than through a whole f32 copy.
-    #[serde(default)]
-    pub half_reads: bool,
+    /// Kernels read bf16 activations and gradients from their 16-bit storage (a product
+    /// widening them as the GEMM packs them) and write some in bf16, rather than through whole
+    /// f32 copies made by casts.
+    #[serde(default, alias = "half_reads")]
+    pub half_io: bool,
 }
 
 impl Fusions {
@@ -106,13 +107,13 @@ impl Fusions {
         layernorm_linear: false,
         gelu_linear: false,
         quantized_reads: false,
-        half_reads: false,
+        half_io: false,
     };
     pub const ALL: Fusions = Fusions {
         layernorm_linear: true,
         gelu_linear: true,
         quantized_reads: true,
-        half_reads: true,
+        half_io: true,
     };
 }
 

@@ -91,6 +91,25 @@ unsafe fn pack_a(
     }
 }
 
+/// As [`Tile::pack_a_half`]: widened from bf16 as it is packed, then the prologue.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn pack_a_half(
+    half: &super::half::HalfA<'_>,
+    (kc, mr): (usize, usize),
+    (out, i0, p0): (*mut f32, usize, usize),
+    prologue: Prologue<'_>,
+) {
+    // SAFETY: the panel holds `MR · kc` floats and the rows and columns lie inside the bits,
+    // as the caller vouched.
+    unsafe {
+        half.pack_a(MR, (kc, mr), (i0, p0), out);
+        if !matches!(prologue, Prologue::None) {
+            let panel = std::slice::from_raw_parts_mut(out, kc * MR);
+            apply_prologue::<MR>(prologue, panel, mr, (i0, p0));
+        }
+    }
+}
+
 /// As [`Tile::pack_b`]: 16-column panels.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, (rs, cs): (isize, isize), out: *mut f32) {

@@ -61,6 +61,18 @@ pub(crate) trait Tile {
     /// at its strides; `out` must be 64-byte aligned and hold `kc · nc.next_multiple_of(NR)`.
     unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, strides: (isize, isize), out: *mut f32);
 
+    /// [`Tile::pack_a`] from a bf16 `a`, widened as it is packed, then the prologue.
+    ///
+    /// # Safety
+    /// The CPU must have the instruction set; the panel's rows and columns must lie inside
+    /// `half`'s bits, `out` must hold `MR · kc` floats.
+    unsafe fn pack_a_half(
+        half: &super::half::HalfA<'_>,
+        dims: (usize, usize),
+        panel: (*mut f32, usize, usize),
+        prologue: Prologue<'_>,
+    );
+
     /// One `MR × NR` tile: `c (+)= scale · Σ_p a[p] ⊗ b[p]` over packed panels `kc` deep,
     /// storing its `mr × nr` corner; not accumulating, a non-null `bias` (the tile's `nr`
     /// columns) is added.
@@ -104,6 +116,16 @@ macro_rules! tile_entry_points {
         ) {
             // SAFETY: as the caller vouched.
             unsafe { pack_b(kc, nc, b, strides, out) }
+        }
+
+        unsafe fn pack_a_half(
+            half: &super::half::HalfA<'_>,
+            dims: (usize, usize),
+            panel: (*mut f32, usize, usize),
+            prologue: Prologue<'_>,
+        ) {
+            // SAFETY: as the caller vouched.
+            unsafe { pack_a_half(half, dims, panel, prologue) }
         }
 
         unsafe fn kernel(
@@ -491,8 +513,8 @@ unsafe fn tiles<T: Tile>(
 }
 
 /// [`Tile::pack_a`] with `fused`'s prologue, or where `fused` holds a bf16 `a`, the same panel
-/// widened from its bits; `panel`: where it goes, and its first element `(i0, p0)` in the
-/// whole `a`.
+/// widened from its bits (then the prologue); `panel`: where it goes, and its first element
+/// `(i0, p0)` in the whole `a`.
 ///
 /// # Safety
 /// As [`Tile::pack_a`] (a bf16 `a`'s pointer is not read; its bits cover the product).
@@ -507,11 +529,7 @@ unsafe fn pack_a<T: Tile>(
     unsafe {
         match &fused.half_a {
             None => T::pack_a(kc, mr, a, strides, panel, fused.prologue),
-            Some(h) => {
-                // `gemm_half` fuses no prologue with a bf16 `a`.
-                debug_assert!(matches!(fused.prologue, Prologue::None));
-                h.pack_a(T::MR, (kc, mr), (panel.1, panel.2), panel.0)
-            }
+            Some(h) => T::pack_a_half(h, (kc, mr), panel, fused.prologue),
         }
     }
 }

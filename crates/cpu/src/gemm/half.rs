@@ -1,5 +1,5 @@
 //! Products whose operands are bf16 activations or gradients read from their 16-bit storage
-//! (`snug_graph::ops::HalfRead`): each value is widened to f32 as the blocked kernel packs it
+//! (`snug_graph::ops::HalfIo`): each value is widened to f32 as the blocked kernel packs it
 //! (exactly, as a bf16 → f32 cast would have written it), so the product is bitwise the one on
 //! the cast's f32 copy, which is never made. `a` is widened by [`HalfA::pack_a`]; `b` is a
 //! [`QuantB`] of base bf16, the path frozen bf16 weights take.
@@ -79,6 +79,52 @@ impl Operand<'_> {
             }
         }
     }
+}
+
+/// [`super::gemm_fused`] with `a` in bf16: widened as our kernel packs it, then through
+/// `fused`'s prologue. Returns `false`, doing nothing, where our kernel does not run the
+/// product; the caller then widens `a` itself.
+///
+/// # Safety
+/// As [`super::gemm_fused`], `a` holding the bits.
+pub(crate) unsafe fn gemm_fused_half(
+    layout: Layout,
+    a: &[u16],
+    b: &[f32],
+    c: &mut [f32],
+    par: ::gemm::Parallelism,
+    fused: super::Fused<'_>,
+) -> bool {
+    let Layout { m, n, k, .. } = layout;
+    debug_assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
+    debug_assert!(fused.half_a.is_none() && fused.quant_b.is_none());
+    #[cfg(target_arch = "x86_64")]
+    if let Some(tile) = super::own_kernel((m, n, k), 1) {
+        let ((a_rs, a_cs), (b_rs, b_cs)) = layout.strides();
+        let none = std::ptr::NonNull::<f32>::dangling().as_ptr() as *const f32;
+        let half_a = HalfA {
+            bits: a,
+            rs: a_rs as usize,
+            cs: a_cs as usize,
+        };
+        let product = super::Product {
+            dims: (m, n, k),
+            c: (c.as_mut_ptr(), n as isize, 1),
+            a: (none, 0, 0),
+            b: (b.as_ptr(), b_rs, b_cs),
+            scale: 1.0,
+            accumulate: false,
+        };
+        let fused = super::Fused {
+            half_a: Some(half_a),
+            ..fused
+        };
+        // SAFETY: `own_kernel` checked the CPU; the caller vouches for the operands, and the
+        // packing reads `a` from its bits only.
+        return unsafe { super::own_gemm(tile, product, par, fused) };
+    }
+    let _ = (a, b, c, par, fused);
+    false
 }
 
 /// `c = op(a) · op(b) (+ bias)` with either operand bf16: on our blocked kernel, widening

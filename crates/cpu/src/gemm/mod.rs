@@ -14,7 +14,7 @@ mod half;
 mod quantized;
 
 pub(crate) use fused::{Fused, Prologue};
-pub(crate) use half::{gemm_half, Operand};
+pub(crate) use half::{gemm_fused_half, gemm_half, widen, Operand};
 pub(crate) use quantized::{gemm_quantized, QuantB};
 
 /// Threads for one GEMM: small products run single-threaded (rayon overhead dominates).

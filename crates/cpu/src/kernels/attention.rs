@@ -8,6 +8,7 @@ use snug_graph::ops::{
     CausalAttention, CausalAttentionBackward, OpRule,
 };
 
+use super::half_io::Elem;
 use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for CausalAttention {
@@ -87,6 +88,181 @@ impl CpuKernel for CausalAttentionBackward {
                 );
             }
         });
+    }
+}
+
+/// [`CausalAttention`]'s kernel under [`snug_graph::ops::HalfIo`]: with `half_qkv`, each
+/// head's queries, keys and values are widened from bf16 into its scratch, `[t, 3d]`, first.
+pub(super) fn forward_io(op: &CausalAttention, k: &Kernel<'_>, half_qkv: bool) {
+    if !half_qkv {
+        return op.run(k);
+    }
+    let Ok((b, t, c, d)) = dims(op.name(), k.in_shape(0), op.n_head) else {
+        unreachable!("shape rule checked at build time")
+    };
+    let qkv = k.in_u16(0);
+    let y = SendPtr(k.out_f32(0).as_mut_ptr());
+    let lse = SendPtr(k.out_f32(1).as_mut_ptr());
+    let h = op.n_head;
+    let scale = 1.0 / (d as f32).sqrt();
+    let own = forward_scratch(t, d);
+    for_each_head(k.workspace(), own + 3 * t * d, b * h, |item, s| {
+        let (bi, hi) = (item / h, item % h);
+        let (s, staged) = s.split_at_mut(own);
+        stage_head(qkv, (bi * t * 3 * c + hi * d, 3 * c), (c, 3), d, staged);
+        let base = staged.as_mut_ptr();
+        let at = |part: usize| Rows {
+            ptr: base.wrapping_add(part * d),
+            stride: 3 * d,
+        };
+        // SAFETY: the staged rows hold the head's `t × 3d`; each (b, h) writes only its own
+        // columns of y and its own row of lse.
+        unsafe {
+            let lse_row = std::slice::from_raw_parts_mut(lse.get().add(item * t), t);
+            head_forward(
+                (t, d, scale),
+                [at(0), at(1), at(2)],
+                Rows {
+                    ptr: y.get().add(bi * t * c + hi * d),
+                    stride: c,
+                },
+                s,
+                lse_row,
+            );
+        }
+    });
+}
+
+/// [`CausalAttentionBackward`]'s kernel under [`snug_graph::ops::HalfIo`]: the bf16 inputs
+/// (`[qkv, y, dy]` as `halves` flags) widened into each head's scratch first, and with
+/// `half_dqkv` the head's gradients made there and rounded into `dqkv` after.
+pub(super) fn backward_io(
+    op: &CausalAttentionBackward,
+    k: &Kernel<'_>,
+    halves: [bool; 3],
+    half_dqkv: bool,
+) {
+    if halves == [false; 3] && !half_dqkv {
+        return op.run(k);
+    }
+    let Ok((b, t, c, d)) = dims(op.name(), k.in_shape(0), op.n_head) else {
+        unreachable!("shape rule checked at build time")
+    };
+    // Each input as f32 (a pointer) or bf16 bits.
+    let src = |i: usize, half: bool| {
+        if half {
+            (SendPtr(std::ptr::null_mut()), k.in_u16(i))
+        } else {
+            (SendPtr(k.in_f32(i).as_ptr() as *mut f32), &[][..])
+        }
+    };
+    let [half_qkv, half_y, half_dy] = halves;
+    let (qkv, qkv16) = src(0, half_qkv);
+    let (y, y16) = src(1, half_y);
+    let lse = k.in_f32(2);
+    let (dy, dy16) = src(3, half_dy);
+    // `dqkv` as f32, or (its pointer carried as an f32 one) as bf16 bits.
+    let (dqkv, dqkv16) = if half_dqkv {
+        let bits = k.out_u16(0).as_mut_ptr() as *mut f32;
+        (SendPtr(std::ptr::null_mut()), SendPtr(bits))
+    } else {
+        (
+            SendPtr(k.out_f32(0).as_mut_ptr()),
+            SendPtr(std::ptr::null_mut()),
+        )
+    };
+    let h = op.n_head;
+    let scale = 1.0 / (d as f32).sqrt();
+    let own = backward_scratch(t, d);
+    let wide = |half: bool, width: usize| if half { width * t * d } else { 0 };
+    let staging = wide(half_qkv, 3) + wide(half_y, 1) + wide(half_dy, 1) + wide(half_dqkv, 3);
+    for_each_head(k.workspace(), own + staging, b * h, |item, ws| {
+        let (bi, hi) = (item / h, item % h);
+        let (ws, rest) = ws.split_at_mut(own);
+        let (s_qkv, rest) = rest.split_at_mut(wide(half_qkv, 3));
+        let (s_y, rest) = rest.split_at_mut(wide(half_y, 1));
+        let (s_dy, s_d) = rest.split_at_mut(wide(half_dy, 1));
+        let (at3, at1) = (bi * t * 3 * c + hi * d, bi * t * c + hi * d);
+        // A head operand's rows: staged from bf16 (`width · d` apart), or in the f32 tensor.
+        let rows = |staged: &mut [f32], f32_at: *mut f32, stride: usize, width: usize| {
+            if staged.is_empty() {
+                Rows {
+                    ptr: f32_at,
+                    stride,
+                }
+            } else {
+                Rows {
+                    ptr: staged.as_mut_ptr(),
+                    stride: width * d,
+                }
+            }
+        };
+        if half_qkv {
+            stage_head(qkv16, (at3, 3 * c), (c, 3), d, s_qkv);
+        }
+        if half_y {
+            stage_head(y16, (at1, c), (0, 1), d, s_y);
+        }
+        if half_dy {
+            stage_head(dy16, (at1, c), (0, 1), d, s_dy);
+        }
+        // SAFETY: every pointer stays inside its tensor or its staged copy; each (b, h) writes
+        // only its own columns of dqkv (or of its own staged gradients).
+        unsafe {
+            let q = rows(s_qkv, qkv.get().wrapping_add(at3), 3 * c, 3);
+            let dq = rows(s_d, dqkv.get().wrapping_add(at3), 3 * c, 3);
+            let part = |r: Rows, staged: bool, p: usize| Rows {
+                ptr: r.ptr.add(p * if staged { d } else { c }),
+                stride: r.stride,
+            };
+            let head = HeadGrads {
+                q,
+                k: part(q, half_qkv, 1),
+                v: part(q, half_qkv, 2),
+                y: rows(s_y, y.get().wrapping_add(at1), c, 1),
+                dy: rows(s_dy, dy.get().wrapping_add(at1), c, 1),
+                dq,
+                dk: part(dq, half_dqkv, 1),
+                dv: part(dq, half_dqkv, 2),
+            };
+            head_backward(
+                (t, d, scale),
+                &head,
+                &lse[item * t..(item + 1) * t],
+                ws,
+                false,
+            );
+            if half_dqkv {
+                for r in 0..t {
+                    let out = (dqkv16.get() as *mut u16).add(at3 + r * 3 * c);
+                    for p in 0..3 {
+                        let from = &s_d[r * 3 * d + p * d..r * 3 * d + (p + 1) * d];
+                        for (j, &v) in from.iter().enumerate() {
+                            *out.add(p * c + j) = <u16 as Elem>::put(v);
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// Widens one head's `parts` strips of `d` bf16 values per row (`part_stride` apart, rows
+/// `row_stride` apart from `at`) into `staged` as `[t, parts · d]`.
+fn stage_head(
+    bits: &[u16],
+    (at, row_stride): (usize, usize),
+    (part_stride, parts): (usize, usize),
+    d: usize,
+    staged: &mut [f32],
+) {
+    for (r, row) in staged.chunks_exact_mut(parts * d).enumerate() {
+        for (p, strip) in row.chunks_exact_mut(d).enumerate() {
+            let from = &bits[at + r * row_stride + p * part_stride..][..d];
+            for (o, &v) in strip.iter_mut().zip(from) {
+                *o = v.get();
+            }
+        }
     }
 }
 

@@ -6,6 +6,7 @@ use snug_graph::ops::{
     gelu_linear::TILE_ELEMS, linear_dims, tile_rows, GeluApprox, GeluLinear, GeluLinearBackward,
 };
 
+use super::half_io::{as_bits, as_f32, input, output, Elem};
 use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for GeluLinear {
@@ -36,8 +37,23 @@ fn approx_of(tanh: bool) -> GeluApprox {
 }
 
 fn forward<const TANH: bool>(kern: &Kernel<'_>) {
-    use crate::gemm::{gemm_fused, linear_rows, par_for, Fused, Layout, Prologue};
-    let (h, w, bias) = (kern.in_f32(0), kern.in_f32(1), kern.in_f32(2));
+    forward_with::<TANH, f32>(kern, kern.in_f32(0));
+}
+
+/// [`GeluLinear`]'s kernel under [`snug_graph::ops::HalfIo`]: `h` read in bf16 where `half`.
+pub(super) fn forward_io(approx: GeluApprox, kern: &Kernel<'_>, half: bool) {
+    match (approx, half) {
+        (GeluApprox::Tanh, true) => forward_with::<true, u16>(kern, kern.in_u16(0)),
+        (GeluApprox::Exact, true) => forward_with::<false, u16>(kern, kern.in_u16(0)),
+        (GeluApprox::Tanh, false) => forward::<true>(kern),
+        (GeluApprox::Exact, false) => forward::<false>(kern),
+    }
+}
+
+/// The forward with `h` stored as `H` (f32, or bf16 bits widened as it is read).
+fn forward_with<const TANH: bool, H: Elem>(kern: &Kernel<'_>, h: &[H]) {
+    use crate::gemm::{gemm_fused, gemm_fused_half, linear_rows, par_for, Fused, Layout, Prologue};
+    let (w, bias) = (kern.in_f32(1), kern.in_f32(2));
     let Ok((rows, k, n)) = linear_dims("gelu_linear", kern.in_shape(0), kern.in_shape(1)) else {
         unreachable!("shape rule checked at build time")
     };
@@ -50,17 +66,15 @@ fn forward<const TANH: bool>(kern: &Kernel<'_>) {
         half_a: None,
     };
     let par = par_for(rows, n, k, rayon::current_num_threads());
+    let layout = Layout::new((false, false), (rows, n, k));
     // SAFETY: `h` holds rows·k, `w` k·n and `y` rows·n elements.
-    if unsafe {
-        gemm_fused(
-            Layout::new((false, false), (rows, n, k)),
-            h,
-            w,
-            y,
-            par,
-            fused,
-        )
-    } {
+    let done = unsafe {
+        match as_bits(h) {
+            Some(bits) => gemm_fused_half(layout, bits, w, y, par, fused),
+            None => gemm_fused(layout, as_f32(h), w, y, par, fused),
+        }
+    };
+    if done {
         return;
     }
     let ws = kern.workspace();
@@ -68,24 +82,60 @@ fn forward<const TANH: bool>(kern: &Kernel<'_>) {
     for r0 in (0..rows).step_by(tile) {
         let r1 = (r0 + tile).min(rows);
         let g = &mut ws[..(r1 - r0) * k];
-        crate::par::map(&h[r0 * k..r1 * k], g, |v| {
+        map_in(&h[r0 * k..r1 * k], g, |v| {
             crate::math::gelu(approx_of(TANH), v)
         });
         linear_rows(g, w, bias, &mut y[r0 * n..r1 * n], (r1 - r0, k, n));
     }
 }
 
+/// `y[i] = f(x[i])` in parallel chunks, `x` stored as `H`.
+fn map_in<H: Elem>(x: &[H], y: &mut [f32], f: impl Fn(f32) -> f32 + Sync + Send) {
+    use rayon::prelude::*;
+    let chunk = crate::par::MIN_PAR_ELEMS;
+    y.par_chunks_mut(chunk)
+        .zip(x.par_chunks(chunk))
+        .for_each(|(y, x)| {
+            crate::isa::vectorized(|| {
+                for (o, &v) in y.iter_mut().zip(x) {
+                    *o = f(v.get());
+                }
+            })
+        });
+}
+
 fn backward<const TANH: bool>(kern: &Kernel<'_>) {
+    backward_with::<TANH, f32, f32>(kern);
+}
+
+/// [`GeluLinearBackward`]'s kernel under [`snug_graph::ops::HalfIo`]: `h` read, and `dh`
+/// written, in bf16 as flagged.
+pub(super) fn backward_io(approx: GeluApprox, kern: &Kernel<'_>, halves: (bool, bool)) {
+    match (approx == GeluApprox::Tanh, halves) {
+        (true, (false, false)) => backward_with::<true, f32, f32>(kern),
+        (true, (true, false)) => backward_with::<true, u16, f32>(kern),
+        (true, (false, true)) => backward_with::<true, f32, u16>(kern),
+        (true, (true, true)) => backward_with::<true, u16, u16>(kern),
+        (false, (false, false)) => backward_with::<false, f32, f32>(kern),
+        (false, (true, false)) => backward_with::<false, u16, f32>(kern),
+        (false, (false, true)) => backward_with::<false, f32, u16>(kern),
+        (false, (true, true)) => backward_with::<false, u16, u16>(kern),
+    }
+}
+
+/// The backward with `h` stored as `H` and `dh` as `D` (f32, or bf16 bits).
+fn backward_with<const TANH: bool, H: Elem, D: Elem>(kern: &Kernel<'_>) {
     use crate::gemm::{gemm_strided, input_grad_rows, par_for, Layout};
     use rayon::prelude::*;
-    // Run in place, `h` is read through `dh`: each element is read before it is written.
-    let h = (kern.inplace() != Some(0)).then(|| kern.in_f32(0));
+    // Run in place, `h` is read through `dh` (then `H` is `D`): each element is read before it
+    // is written.
+    let h: Option<&[H]> = (kern.inplace() != Some(0)).then(|| input::<H>(kern, 0));
     let (w, dy) = (kern.in_f32(1), kern.in_f32(2));
     let Ok((rows, k, n)) = linear_dims("gelu_linear_backward", kern.in_shape(0), kern.in_shape(1))
     else {
         unreachable!("shape rule checked at build time")
     };
-    let (dh, dw, ws) = (kern.out_f32(0), kern.out_f32(1), kern.workspace());
+    let (dh, dw, ws) = (output::<D>(kern, 0), kern.out_f32(1), kern.workspace());
     let threads = rayon::current_num_threads();
     // The tile the plan sized the workspace for (on its target, not necessarily this CPU).
     let tile = (ws.len() / k.max(1)).clamp(1, rows.max(1));
@@ -97,9 +147,9 @@ fn backward<const TANH: bool>(kern: &Kernel<'_>) {
         // One pass: dh = dg ⊙ gelu'(h), and the tile's dg is replaced by g = gelu(h).
         let dht = &mut dh[r0 * k..r1 * k];
         let chunk = crate::par::MIN_PAR_ELEMS;
-        let step = |t: &mut f32, d: &mut f32, v: f32| {
+        let step = |t: &mut f32, d: &mut D, v: f32| {
             let (value, slope) = crate::math::gelu_and_grad(approx_of(TANH), v);
-            *d = *t * slope;
+            *d = D::put(*t * slope);
             *t = value;
         };
         match h {
@@ -110,7 +160,7 @@ fn backward<const TANH: bool>(kern: &Kernel<'_>) {
                 .for_each(|((t, d), x)| {
                     crate::isa::vectorized(|| {
                         for ((t, d), &v) in t.iter_mut().zip(d.iter_mut()).zip(x) {
-                            step(t, d, v);
+                            step(t, d, v.get());
                         }
                     })
                 }),
@@ -120,7 +170,7 @@ fn backward<const TANH: bool>(kern: &Kernel<'_>) {
                 .for_each(|(t, d)| {
                     crate::isa::vectorized(|| {
                         for (t, d) in t.iter_mut().zip(d.iter_mut()) {
-                            let v = *d;
+                            let v = d.get();
                             step(t, d, v);
                         }
                     })

@@ -17,7 +17,7 @@ mod gelu;
 mod gelu_linear;
 mod gqa_attention;
 mod grad_norm;
-mod half_read;
+mod half_io;
 mod kv_attention;
 mod layernorm;
 mod layernorm_linear;

@@ -18,7 +18,7 @@ mod gelu;
 pub mod gelu_linear;
 pub mod gqa_attention;
 mod grad_norm;
-pub mod half_read;
+pub mod half_io;
 pub mod kv_attention;
 mod layernorm;
 pub mod layernorm_linear;
@@ -54,7 +54,7 @@ pub use gelu::{Gelu, GeluApprox, GeluBackward};
 pub use gelu_linear::{GeluLinear, GeluLinearBackward};
 pub use gqa_attention::{GqaAttention, GqaAttentionBackward};
 pub use grad_norm::{gpu_partial_sums, GradNorm, StoreSumSquares, SumSquares};
-pub use half_read::HalfRead;
+pub use half_io::HalfIo;
 pub use kv_attention::KvAttention;
 pub use layernorm::{LayerNorm, LayerNormBackward};
 pub use layernorm_linear::{LayerNormLinear, LayerNormLinearBackward};
@@ -225,7 +225,7 @@ ops!(
     StoreSumSquares,
     Dequantize,
     QuantizedRead,
-    HalfRead,
+    HalfIo,
     CollectiveStart,
     CollectiveWait,
 );

@@ -290,7 +290,7 @@ mod tests {
             layernorm_linear: false,
             gelu_linear: true,
             quantized_reads: false,
-            half_reads: false,
+            half_io: false,
         };
         let target = Target::default().with_fusions(gelu_only);
         let (r, n) = fuse_for_target(&g, &target).unwrap();

@@ -35,7 +35,7 @@ pub use fuse_layernorm_linear::fuse_layernorm_linear;
 pub use fuse_lm_head_loss::{fuse_lm_head_loss, DEFAULT_CHUNK_BYTES};
 pub use inplace::write_in_place;
 pub use lora::{add_lora, lora_names, LoraLayer, LoraSpec};
-pub use precision::{mixed_precision, read_halves, recast_saved};
+pub use precision::{fold_half_casts, mixed_precision, recast_saved};
 pub use quantize::{absmax_name, quantize_frozen, quantize_weights};
 pub use remat::{
     remat_candidates, rematerialize, rematerialize_dropping, RematCandidate, RematPolicy,

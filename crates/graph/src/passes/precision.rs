@@ -21,7 +21,7 @@
 
 use super::{copy_reading, rewrite, Rewritten};
 use crate::ops::quantized_read::own_gemm_runs;
-use crate::ops::{Cast, HalfRead, Op};
+use crate::ops::{Cast, HalfIo, Op};
 use crate::{DType, Graph, GraphError, Result, Role, StepGraph, TensorId};
 
 /// An up-cast: f32 from a 16-bit float.
@@ -168,17 +168,22 @@ pub fn recast_saved(step: &StepGraph) -> Result<(Rewritten, usize)> {
     Ok((r, made))
 }
 
-/// `graph` with each bf16 up-cast whose every reader is a product that can read bf16 itself
-/// removed, those products reading the 16-bit tensor as [`HalfRead`]s (directly, or through a
-/// reshape made anew over it, as a weight gradient reads its flattened operand). The values
-/// are bitwise the same (bf16 widens to f32 exactly, as the GEMM packs it), and the f32 copy
-/// never exists. Only where the target offers it ([`crate::Fusions::half_reads`]) and its own
-/// GEMM runs the product; an up-cast any other node reads is kept whole. `n_fwd`: the forward
-/// nodes, returned counted anew beside the rewrite and how many up-casts it removed.
-pub fn read_halves(graph: &Graph, n_fwd: usize) -> Result<(Rewritten, usize, usize)> {
+/// `graph` with the bf16 casts that kernels can take in removed ([`HalfIo`]):
+/// - an up-cast whose every reader can read bf16 itself (directly, or through a reshape made
+///   anew over the 16-bit tensor, as a weight gradient reads its flattened operand) goes, and
+///   those readers read the 16-bit tensor;
+/// - a down-cast that is the only reader of an output its producer can write in bf16 goes,
+///   and the producer writes the 16-bit tensor.
+///
+/// The values are bitwise the same (bf16 widens to f32 exactly, and the kernels round as the
+/// cast does), and the f32 copies never exist. Only where the target offers it
+/// ([`crate::Fusions::half_io`]); a product only where its own GEMM runs it. An up-cast any
+/// other node reads is kept whole. `n_fwd`: the forward nodes, returned counted anew beside
+/// the rewrite and how many casts it removed.
+pub fn fold_half_casts(graph: &Graph, n_fwd: usize) -> Result<(Rewritten, usize, usize)> {
     let g = graph;
     let n_nodes = g.nodes().len();
-    if !g.target().fusions.half_reads {
+    if !g.target().fusions.half_io {
         let r = rewrite(g, |_, _, _| Ok(None), &vec![false; n_nodes], None)?;
         return Ok((r, n_fwd, 0));
     }
@@ -193,35 +198,76 @@ pub fn read_halves(graph: &Graph, n_fwd: usize) -> Result<(Rewritten, usize, usi
             held_by_control[t.index()] = true;
         }
     }
+    let viewed: Vec<bool> = {
+        let mut v = vec![false; g.tensors().len()];
+        for t in g.tensors() {
+            if let Some(view) = t.view_of {
+                v[view.base.index()] = true;
+            }
+        }
+        v
+    };
     let private = |t: TensorId| !held_by_control[t.index()] && !g.outputs().contains(&t);
-    // The operands a product reads in bf16 if their up-casts go, or none.
-    let half_capable = |i: usize| -> u8 {
+    // The inputs a node reads in bf16 if their up-casts go, or none.
+    let readable = |i: usize| -> u8 {
         let node = &g.nodes()[i];
-        let Op::MatMul(mm) = &node.op else { return 0 };
-        let (a, b) = (g.tensor(node.inputs[0]), g.tensor(node.inputs[1]));
-        match mm.dims(&a.shape, &b.shape) {
-            Ok(d) if d.batch == 1 && own_gemm_runs(gemm, (d.m, d.n, d.k)) => 0b11,
-            _ => 0,
+        match &node.op {
+            Op::MatMul(mm) => {
+                let (a, b) = (g.tensor(node.inputs[0]), g.tensor(node.inputs[1]));
+                match mm.dims(&a.shape, &b.shape) {
+                    Ok(d) if d.batch == 1 && own_gemm_runs(gemm, (d.m, d.n, d.k)) => 0b11,
+                    _ => 0,
+                }
+            }
+            op => HalfIo::readable(op),
         }
     };
-    // Input `k` of node `i` may read `t` in bf16.
+    // Every read node `i` makes of `t` may be in bf16.
     let reads_half = |i: usize, t: TensorId| {
         let node = &g.nodes()[i];
-        let mask = half_capable(i);
+        let mask = readable(i);
         node.inputs
             .iter()
             .enumerate()
             .filter(|&(_, &x)| x == t)
             .all(|(k, _)| k < 8 && mask & (1 << k) != 0)
     };
-    // Each removable up-cast (by node), and each reshape of one it takes with it.
+    // Each removable cast (by node), and each reshape of an up-cast it takes with it.
     let mut skip = vec![false; n_nodes];
-    // For a removed tensor (an up-cast's output, or a reshape of one): the bf16 tensor, and the
-    // reshape to make anew over it.
+    // For a removed up-cast's output (or a reshape of one): the bf16 tensor, and the reshape
+    // to make anew over it.
     let mut source: Vec<Option<(TensorId, Option<usize>)>> = vec![None; g.tensors().len()];
+    // For a removed down-cast's output: the f32 output its producer now writes in bf16.
+    let mut written: Vec<Option<TensorId>> = vec![None; g.tensors().len()];
+    let mut write_mask = vec![0u8; n_nodes];
     let mut removed = 0;
     let mut removed_fwd = 0;
     for (i, node) in g.nodes().iter().enumerate() {
+        if is_down_cast(node) {
+            let (y, y16) = (node.inputs[0], node.outputs[0]);
+            let Some(p) = g.producer(y) else { continue };
+            let producer = &g.nodes()[p.index()];
+            let Some(j) = producer.outputs.iter().position(|&o| o == y) else {
+                continue;
+            };
+            let only_reader = readers[y.index()] == [i];
+            if j < 8
+                && HalfIo::writable(&producer.op) & (1 << j) != 0
+                && only_reader
+                && private(y)
+                && private(y16)
+                && !viewed[y.index()]
+                && g.tensor(y).view_of.is_none()
+                && g.tensor(y16).dtype == DType::BF16
+            {
+                skip[i] = true;
+                written[y16.index()] = Some(y);
+                write_mask[p.index()] |= 1 << j;
+                removed += 1;
+                removed_fwd += (i < n_fwd) as usize;
+            }
+            continue;
+        }
         if !is_up_cast(g, node) || g.tensor(node.inputs[0]).dtype != DType::BF16 {
             continue;
         }
@@ -256,31 +302,33 @@ pub fn read_halves(graph: &Graph, n_fwd: usize) -> Result<(Rewritten, usize, usi
         removed += 1;
         removed_fwd += (i < n_fwd) as usize;
     }
+    // A removed down-cast's output is read as the output its producer now writes in bf16.
+    let same: Vec<TensorId> = (0..g.tensors().len())
+        .map(|t| written[t].unwrap_or(TensorId(t as u32)))
+        .collect();
     let mut added_fwd = 0;
     let r = rewrite(
         g,
         |new, i, lookup| {
             let node = &g.nodes()[i];
-            let halves = node
+            let reads = node
                 .inputs
                 .iter()
                 .enumerate()
                 .filter(|(_, t)| source[t.index()].is_some())
                 .fold(0u8, |m, (k, _)| m | 1 << k);
-            if halves == 0 {
+            let writes = write_mask[i];
+            if reads | writes == 0 {
                 return Ok(None);
             }
-            let Op::MatMul(mm) = node.op else {
-                unreachable!("only products read removed up-casts")
-            };
             let mut inputs = Vec::with_capacity(node.inputs.len());
             for &t in &node.inputs {
                 inputs.push(match source[t.index()] {
-                    None => lookup(t),
-                    Some((h, None)) => lookup(h),
+                    None => lookup(same[t.index()]),
+                    Some((h, None)) => lookup(same[h.index()]),
                     Some((h, Some(view))) => {
                         let op = g.nodes()[view].op.clone();
-                        let v = new.apply1(op, &[lookup(h)])?;
+                        let v = new.apply1(op, &[lookup(same[h.index()])])?;
                         new.rename(v, format!("{}.bf16", g.tensor(t).name));
                         added_fwd += (i < n_fwd) as usize;
                         v
@@ -288,16 +336,32 @@ pub fn read_halves(graph: &Graph, n_fwd: usize) -> Result<(Rewritten, usize, usi
                 });
             }
             let fused = crate::Node {
-                op: Op::HalfRead(HalfRead::matmul(mm, halves)),
+                op: Op::HalfIo(HalfIo {
+                    op: Box::new(node.op.clone()),
+                    reads,
+                    writes,
+                }),
                 ..node.clone()
             };
             let outs = copy_reading(new, g, &fused, &inputs, lookup)?;
+            for (j, (&o, &n)) in node.outputs.iter().zip(&outs).enumerate() {
+                if writes & (1 << j) != 0 {
+                    // Named as the 16-bit tensor it replaces.
+                    let y16 = g.nodes()[readers[o.index()][0]].outputs[0];
+                    new.rename(n, g.tensor(y16).name.clone());
+                }
+            }
             Ok(Some(outs.into_iter().map(Some).collect()))
         },
         &skip,
-        None,
+        Some(&same),
     )?;
     Ok((r, n_fwd + added_fwd - removed_fwd, removed))
+}
+
+/// A down-cast: bf16 from f32.
+fn is_down_cast(node: &crate::Node) -> bool {
+    matches!(node.op, Op::Cast(Cast { to: DType::BF16 }))
 }
 
 /// The value a forward 16-bit copy holds was produced by `op` (for remat policies that keep

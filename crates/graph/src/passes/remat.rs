@@ -107,7 +107,7 @@ fn expensive(op: &Op) -> bool {
     matches!(
         op,
         Op::MatMul(_)
-            | Op::HalfRead(_)
+            | Op::HalfIo(_)
             | Op::GeluLinear(_)
             | Op::LayerNormLinear(_)
             | Op::CausalAttention(_)

@@ -1,0 +1,218 @@
+//! [`HalfIo`]: an op that reads some of its inputs straight from their 16-bit (bf16) storage
+//! and writes some of its outputs there, instead of through whole f32 copies made by casts.
+//! Under mixed precision every activation and gradient is held in bf16 and each was read
+//! through `cast(x16) -> f32` and stored through `cast(y) -> bf16`; a kernel that widens as it
+//! reads (bf16 to f32 is exact) and rounds to nearest even as it stores (as the cast does)
+//! computes bitwise the same step, and neither f32 copy exists. Made after autodiff by
+//! [`crate::passes::fold_half_casts`] where the target's kernels offer it
+//! ([`crate::Fusions::half_io`]).
+
+use super::{attention, shape_err, MatMul, Op, OpRule, OutSpec};
+use crate::autodiff::GradCtx;
+use crate::tensor::TensorMeta;
+use crate::{DType, GraphError, Result, Target};
+
+/// `op` with the inputs `reads` flags (bit `i` for input `i`) held in bf16 and widened as it
+/// reads them, and the outputs `writes` flags stored in bf16, rounded as it writes them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HalfIo {
+    pub op: Box<Op>,
+    pub reads: u8,
+    pub writes: u8,
+}
+
+impl HalfIo {
+    /// A matmul reading the operands `reads` flags in bf16.
+    pub fn matmul(mm: MatMul, reads: u8) -> HalfIo {
+        HalfIo {
+            op: Box::new(Op::MatMul(mm)),
+            reads,
+            writes: 0,
+        }
+    }
+
+    /// The product this runs, if its op is one.
+    pub fn product(&self) -> Option<&MatMul> {
+        match &*self.op {
+            Op::MatMul(mm) => Some(mm),
+            _ => None,
+        }
+    }
+
+    /// Whether input `i` is read in bf16.
+    pub fn reads(&self, i: usize) -> bool {
+        i < 8 && self.reads & (1 << i) != 0
+    }
+
+    /// Whether output `i` is written in bf16.
+    pub fn writes(&self, i: usize) -> bool {
+        i < 8 && self.writes & (1 << i) != 0
+    }
+
+    /// The inputs of `op` its CPU kernel can read in bf16, as a mask: a product's operands
+    /// (never its bias), the activation a fused GELU-linear reads, and attention's packed
+    /// `qkv`, output and output gradient.
+    pub fn readable(op: &Op) -> u8 {
+        match op {
+            Op::MatMul(_) => 0b11,
+            Op::GeluLinear(_) | Op::GeluLinearBackward(_) => 0b1,
+            Op::CausalAttention(_) => 0b1,
+            Op::CausalAttentionBackward(_) => 0b1011,
+            _ => 0,
+        }
+    }
+
+    /// The outputs of `op` its CPU kernel can write in bf16, as a mask: the activation
+    /// gradients of a fused GELU-linear's and of attention's backward.
+    pub fn writable(op: &Op) -> u8 {
+        match op {
+            Op::GeluLinearBackward(_) | Op::CausalAttentionBackward(_) => 0b1,
+            _ => 0,
+        }
+    }
+
+    fn invalid(&self, what: &str, mask: u8) -> GraphError {
+        GraphError::Invalid {
+            op: "half_io",
+            detail: format!("`{}` cannot {what} {mask:#b} in bf16", self.op.name()),
+        }
+    }
+
+    /// The op's input metadata, each bf16 input seen as the f32 tensor it widens to.
+    fn op_inputs(&self, inputs: &[&TensorMeta]) -> Result<Vec<TensorMeta>> {
+        if self.reads | self.writes == 0 {
+            return Err(self.invalid("read or write", 0));
+        }
+        if self.reads & !Self::readable(&self.op) != 0 {
+            return Err(self.invalid("read inputs", self.reads));
+        }
+        if self.writes & !Self::writable(&self.op) != 0 {
+            return Err(self.invalid("write outputs", self.writes));
+        }
+        inputs
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                if !self.reads(i) {
+                    return Ok((*m).clone());
+                }
+                if m.dtype != DType::BF16 {
+                    return Err(shape_err(
+                        self.name(),
+                        format!("input {i} `{}` must be bf16, got {}", m.name, m.dtype),
+                    ));
+                }
+                Ok(TensorMeta {
+                    dtype: DType::F32,
+                    ..(*m).clone()
+                })
+            })
+            .collect()
+    }
+
+    /// Per-thread floats the kernel widens a head's bf16 operands into, or rounds its bf16
+    /// gradients from, beside the head's own scratch: `[t, 3d]` for `qkv` (and `dqkv`),
+    /// `[t, d]` for the output and its gradient.
+    fn head_staging(&self, inputs: &[&TensorMeta]) -> usize {
+        let n_head = match &*self.op {
+            Op::CausalAttention(a) => a.n_head,
+            Op::CausalAttentionBackward(a) => a.n_head,
+            _ => return 0,
+        };
+        let Ok((_, t, _, d)) = attention::dims(self.name(), &inputs[0].shape, n_head) else {
+            return 0;
+        };
+        let widths = 3 * (self.reads(0) as usize + self.writes(0) as usize)
+            + self.reads(1) as usize
+            + self.reads(3) as usize;
+        widths * t * d
+    }
+}
+
+impl OpRule for HalfIo {
+    fn name(&self) -> &'static str {
+        match &*self.op {
+            Op::MatMul(_) => "half_matmul",
+            Op::GeluLinear(_) => "half_gelu_linear",
+            Op::GeluLinearBackward(_) => "half_gelu_linear_backward",
+            Op::CausalAttention(_) => "half_causal_attention",
+            Op::CausalAttentionBackward(_) => "half_causal_attention_backward",
+            _ => "half_io",
+        }
+    }
+
+    fn infer(&self, inputs: &[&TensorMeta]) -> Result<Vec<OutSpec>> {
+        let metas = self.op_inputs(inputs)?;
+        let refs: Vec<&TensorMeta> = metas.iter().collect();
+        if let (Op::MatMul(mm), [a, b, ..]) = (&*self.op, &refs[..]) {
+            // The kernel runs one product: a linear layer's, its input's or its weight's
+            // gradient (a shared `b`, every leading axis of `a` folded into rows).
+            if mm.dims(&a.shape, &b.shape).is_ok_and(|d| d.batch != 1) {
+                return Err(shape_err(
+                    self.name(),
+                    format!(
+                        "reads one product in bf16, not a batch of them: {:?} · {:?}",
+                        a.shape, b.shape
+                    ),
+                ));
+            }
+        }
+        let mut outs = self.op.infer(&refs)?;
+        for (i, o) in outs.iter_mut().enumerate() {
+            o.view_of_input = None;
+            if self.writes(i) {
+                if o.dtype != DType::F32 {
+                    return Err(shape_err(
+                        self.name(),
+                        format!("output {i} is {}, so it cannot be written in bf16", o.dtype),
+                    ));
+                }
+                o.dtype = DType::BF16;
+            }
+        }
+        if (outs.len() as u32) < 8 - self.writes.leading_zeros() {
+            return Err(self.invalid("write outputs", self.writes));
+        }
+        Ok(outs)
+    }
+
+    /// Made after autodiff, by a pass that keeps the values: no gradient rule of its own.
+    fn backward(&self, _ctx: &mut GradCtx<'_>) -> Result<()> {
+        Err(GraphError::Invalid {
+            op: "half_io",
+            detail: "made after autodiff; it has no gradient rule".into(),
+        })
+    }
+
+    fn workspace_elems(&self, inputs: &[&TensorMeta], target: &Target) -> usize {
+        match self.op_inputs(inputs) {
+            Ok(metas) => {
+                let refs: Vec<&TensorMeta> = metas.iter().collect();
+                let staging = if target.is_gpu() {
+                    0
+                } else {
+                    target.threads() * self.head_staging(inputs)
+                };
+                self.op.workspace_elems(&refs, target) + staging
+            }
+            Err(_) => 0,
+        }
+    }
+
+    /// As the op's: its kernel reads each element of that input before writing the same
+    /// element of output 0, whatever their width (the in-place pass also needs the two to
+    /// share a dtype).
+    fn inplace_inputs(&self) -> &'static [usize] {
+        self.op.inplace_inputs()
+    }
+
+    fn flops(&self, inputs: &[&TensorMeta], outputs: &[&TensorMeta]) -> u64 {
+        match self.op_inputs(inputs) {
+            Ok(metas) => {
+                let refs: Vec<&TensorMeta> = metas.iter().collect();
+                self.op.flops(&refs, outputs)
+            }
+            Err(_) => 0,
+        }
+    }
+}

@@ -1,0 +1,333 @@
+//! Kernels reading bf16 activations and gradients themselves and writing some in bf16
+//! ([`HalfIo`], the CPU's `half_io`: products, GPT's fused GELU-linear and attention) against
+//! going through f32 copies made by casts: over whole bf16 steps of GPT and Llama (plain,
+//! per-block and selective remat, fused updates, 8-bit AdamW, LoRA), the loss and updated
+//! parameters are bitwise the casting step's, each step holds exactly its plan, and every cast
+//! such a kernel can take in is gone.
+
+use snug_cpu::CpuSession;
+use snug_graph::ops::{Cast, HalfIo, Op};
+use snug_graph::{DType, StepGraph, Target};
+use snug_nn::{LlamaConfig, ModelConfig};
+use snug_plan::{plan, PlanOptions};
+use snug_runtime::{Allocator, ExecCtx};
+
+/// Deterministic values in [-0.1, 0.1).
+fn values(len: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
+        })
+        .collect()
+}
+
+/// Models whose linear layers are big enough for our GEMM (`m·n·k ≥ 2²²` at 256 tokens).
+fn models() -> [ModelConfig; 2] {
+    let mut llama = LlamaConfig::preset("llama-tiny").unwrap();
+    llama.n_layer = 2;
+    llama.hidden = 128;
+    llama.n_head = 4;
+    llama.n_kv_head = 2;
+    llama.intermediate = 320;
+    llama.vocab_size = 96;
+    llama.max_seq = 64;
+    let gpt = snug_nn::GptConfig {
+        n_layer: 2,
+        n_head: 4,
+        n_embd: 128,
+        block_size: 64,
+        vocab_size: 96,
+    };
+    [ModelConfig::Llama(llama), ModelConfig::Gpt(gpt)]
+}
+
+const SHAPE: snug_compile::StepShape = snug_compile::StepShape {
+    micro_batch: 4,
+    block: 64,
+};
+
+fn compiled(
+    model: &ModelConfig,
+    config: &snug_compile::StepConfig,
+    halves: bool,
+) -> snug_compile::CompiledStep {
+    let mut target = Target::cpu(2, snug_graph::CpuGemm::host());
+    target.fusions.half_io = halves;
+    snug_compile::compile_exactly(model, SHAPE, target, config).unwrap()
+}
+
+/// bf16 steps: plain, with per-block and selective remat, with updates fused into the
+/// backward (whose up-casts wait for their readers), with 8-bit AdamW, and with LoRA.
+fn configs() -> Vec<(&'static str, snug_compile::StepConfig)> {
+    use snug_compile::{OptimizerKind, Remat, StepConfig};
+    let bf16 = StepConfig {
+        precision: DType::BF16,
+        ..Default::default()
+    };
+    let mut out = vec![
+        ("plain", bf16.clone()),
+        (
+            "remat block",
+            StepConfig {
+                remat: Remat::Blocks { blocks: 1 },
+                ..bf16.clone()
+            },
+        ),
+    ];
+    out.extend([
+        (
+            "remat selective",
+            StepConfig {
+                remat: Remat::Selective,
+                ..bf16.clone()
+            },
+        ),
+        (
+            "fused update",
+            StepConfig {
+                fused_update: true,
+                clip_mode: snug_graph::ClipMode::Tensor,
+                ..bf16.clone()
+            },
+        ),
+        (
+            "adamw8bit",
+            StepConfig {
+                optimizer: OptimizerKind::AdamW8bit,
+                ..bf16.clone()
+            },
+        ),
+        (
+            "lora",
+            StepConfig {
+                lora: Some(snug_nn::LoraConfig {
+                    rank: 8,
+                    alpha: 16.0,
+                    targets: snug_nn::LoraTargets::AllLinear,
+                }),
+                ..bf16
+            },
+        ),
+    ]);
+    out
+}
+
+/// Casts between bf16 and f32 in `step`, and how many of them a kernel could take in: up-casts
+/// whose every reader reads bf16 (a product our GEMM runs, directly or through a reshape, or
+/// an op [`HalfIo::readable`] names), and down-casts that are the only reader of an output
+/// [`HalfIo::writable`] names.
+fn casts(step: &StepGraph) -> (usize, usize) {
+    use snug_graph::ops::quantized_read::own_gemm_runs;
+    let g = &step.graph;
+    let mut readers: Vec<Vec<(usize, usize)>> = vec![Vec::new(); g.tensors().len()];
+    for (i, n) in g.nodes().iter().enumerate() {
+        for (k, &t) in n.inputs.iter().enumerate() {
+            readers[t.index()].push((i, k));
+        }
+    }
+    let reads_half = |(i, k): (usize, usize)| {
+        let n = &g.nodes()[i];
+        match &n.op {
+            Op::MatMul(mm) => {
+                let (a, b) = (g.tensor(n.inputs[0]), g.tensor(n.inputs[1]));
+                k < 2
+                    && mm.dims(&a.shape, &b.shape).is_ok_and(|d| {
+                        d.batch == 1 && own_gemm_runs(snug_graph::CpuGemm::host(), (d.m, d.n, d.k))
+                    })
+            }
+            op => HalfIo::readable(op) & (1 << k) != 0,
+        }
+    };
+    let (mut all, mut foldable) = (0, 0);
+    for (i, n) in g.nodes().iter().enumerate() {
+        let Op::Cast(Cast { to }) = n.op else {
+            continue;
+        };
+        let (x, y) = (n.inputs[0], n.outputs[0]);
+        if to == DType::F32 && g.tensor(x).dtype == DType::BF16 {
+            all += 1;
+            foldable += readers[y.index()].iter().all(|&(r, k)| {
+                let rn = &g.nodes()[r];
+                if matches!(rn.op, Op::Reshape(_)) {
+                    readers[rn.outputs[0].index()]
+                        .iter()
+                        .all(|&x| reads_half(x))
+                } else {
+                    reads_half((r, k))
+                }
+            }) as usize;
+        } else if to == DType::BF16 {
+            all += 1;
+            let producer = g.producer(x).map(|p| g.node(p));
+            let writable = producer.is_some_and(|p| {
+                let j = p.outputs.iter().position(|&o| o == x).unwrap_or(8);
+                j < 8 && HalfIo::writable(&p.op) & (1 << j) != 0
+            });
+            foldable += (writable && readers[x.index()] == [(i, 0)]) as usize;
+        }
+    }
+    (all, foldable)
+}
+
+/// After one step: the loss, the gradient norm and every updated parameter, as bits.
+fn one_step(c: &snug_compile::CompiledStep, label: &str) -> (Vec<u32>, usize) {
+    let step = &c.step;
+    let p = plan(step, &PlanOptions::default()).unwrap();
+    let peak = p.peak_bytes();
+    let alloc = Allocator::default();
+    let mut s = CpuSession::new(step.graph.clone(), p, alloc.clone(), 2).unwrap();
+    for (i, param) in step.params.iter().enumerate() {
+        let n = step.graph.tensor(param.param).numel();
+        s.write_f32(param.param, &values(n, i as u64 + 1)).unwrap();
+    }
+    for (i, f) in step.frozen.iter().enumerate() {
+        let n = step.graph.tensor(f.param).numel();
+        s.write_f32(f.param, &values(n, i as u64 + 101)).unwrap();
+    }
+    let tokens = SHAPE.micro_batch * SHAPE.block;
+    let ids = |a: usize, b: usize| {
+        (0..tokens)
+            .map(|i| ((i * a + b) % 96) as i32)
+            .collect::<Vec<_>>()
+    };
+    s.write_i32(c.tokens, &ids(13, 5), 96).unwrap();
+    s.write_i32(c.targets, &ids(7, 2), 96).unwrap();
+    s.run(ExecCtx::step(1e-2, 1)).unwrap();
+    assert_eq!(alloc.peak_bytes(), peak, "{label}: planned == measured");
+    let mut v = vec![s.read_f32(step.loss).unwrap()[0].to_bits()];
+    for param in &step.params {
+        v.extend(s.read_f32(param.param).unwrap().iter().map(|x| x.to_bits()));
+    }
+    (v, peak)
+}
+
+#[test]
+fn folding_bf16_casts_into_kernels_is_bitwise_the_casting_step() {
+    let ours = snug_graph::CpuGemm::host() != snug_graph::CpuGemm::Portable;
+    for model in models().iter() {
+        for (name, config) in configs() {
+            let label = format!("{} {name}", model.summary());
+            let [widening, reading] = [false, true].map(|h| compiled(model, &config, h));
+            let halves = |c: &snug_compile::CompiledStep| {
+                c.step
+                    .graph
+                    .nodes()
+                    .iter()
+                    .filter(|n| matches!(n.op, Op::HalfIo(_)))
+                    .count()
+            };
+            assert_eq!(halves(&widening), 0, "{label}");
+            if !ours {
+                // Without our GEMM (no AVX2 + FMA, no AVX-512) no product reads bf16.
+                assert_eq!(halves(&reading), 0, "{label}");
+                continue;
+            }
+            // At least the attention projection's forward and weight gradient in each layer
+            // (GPT's other products are fused with their norm or GELU).
+            assert!(
+                halves(&reading) >= 2 * 2,
+                "{label}: {} bf16 products",
+                halves(&reading)
+            );
+            let (before, only) = casts(&widening.step);
+            let (after, left) = casts(&reading.step);
+            assert!(only > 0, "{label}");
+            assert_eq!(left, 0, "{label}: a cast a kernel could take in is left");
+            assert_eq!(after, before - only, "{label}: the other casts are kept");
+            let (w, _) = one_step(&widening, &label);
+            let (r, _) = one_step(&reading, &label);
+            assert_eq!(w.len(), r.len());
+            assert!(w == r, "{label}: loss and updated parameters differ");
+        }
+    }
+}
+
+/// No cast is folded on a GPU target, which fuses nothing; the shape rule refuses a bf16 input
+/// it does not flag, an f32 one it does, and an output or op whose kernel cannot write or read
+/// bf16.
+#[test]
+fn half_io_is_a_cpu_fusion_with_a_checked_shape_rule() {
+    let model = &models()[0];
+    let target = Target::gpu(snug_graph::MemoryLayout::CPU);
+    let config = snug_compile::StepConfig {
+        precision: DType::BF16,
+        ..Default::default()
+    };
+    let gpu = snug_compile::compile_exactly(model, SHAPE, target, &config).unwrap();
+    assert!(!gpu
+        .step
+        .graph
+        .nodes()
+        .iter()
+        .any(|n| matches!(n.op, Op::HalfIo(_))));
+
+    let mut g = snug_graph::Graph::new();
+    let x = g.input("x", &[8, 4], DType::BF16).unwrap();
+    let w = g.parameter("w", &[4, 3]).unwrap();
+    let mm = snug_graph::ops::MatMul::default();
+    assert!(g.apply1(HalfIo::matmul(mm, 0b01), &[x, w]).is_ok());
+    let err = g.apply1(HalfIo::matmul(mm, 0b10), &[x, w]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            snug_graph::GraphError::DType { .. } | snug_graph::GraphError::Shape { .. }
+        ),
+        "{err}"
+    );
+    let err = g.apply1(HalfIo::matmul(mm, 0b11), &[x, w]).unwrap_err();
+    assert!(matches!(err, snug_graph::GraphError::Shape { .. }), "{err}");
+    let err = g.apply1(HalfIo::matmul(mm, 0b100), &[x, w]).unwrap_err();
+    assert!(
+        matches!(err, snug_graph::GraphError::Invalid { .. }),
+        "{err}"
+    );
+    // A batch of products (attention's shape) is not one it reads.
+    let q = g.input("q", &[2, 8, 4], DType::BF16).unwrap();
+    let k = g.input("k", &[2, 4, 8], DType::F32).unwrap();
+    let err = g.apply1(HalfIo::matmul(mm, 0b01), &[q, k]).unwrap_err();
+    assert!(matches!(err, snug_graph::GraphError::Shape { .. }), "{err}");
+
+    // Writes: only the outputs the op's kernel can round, and only f32 ones.
+    let gelu_bwd = |reads: u8, writes: u8| HalfIo {
+        op: Box::new(Op::GeluLinearBackward(
+            snug_graph::ops::GeluLinearBackward::default(),
+        )),
+        reads,
+        writes,
+    };
+    let h = g.input("h", &[8, 4], DType::BF16).unwrap();
+    let dy = g.input("dy", &[8, 3], DType::F32).unwrap();
+    let outs = g.apply(gelu_bwd(0b1, 0b1), &[h, w, dy]).unwrap();
+    assert_eq!(
+        g.tensor(outs[0]).dtype,
+        DType::BF16,
+        "dh is written in bf16"
+    );
+    assert_eq!(g.tensor(outs[1]).dtype, DType::F32, "dw stays f32");
+    for writes in [0b10, 0b100] {
+        let err = g.apply(gelu_bwd(0b1, writes), &[h, w, dy]).unwrap_err();
+        assert!(
+            matches!(err, snug_graph::GraphError::Invalid { .. }),
+            "{err}"
+        );
+    }
+    let err = g.apply(gelu_bwd(0, 0), &[h, w, dy]).unwrap_err();
+    assert!(
+        matches!(err, snug_graph::GraphError::Invalid { .. }),
+        "{err}"
+    );
+    let layer_norm = HalfIo {
+        op: Box::new(Op::LayerNorm(snug_graph::ops::LayerNorm::default())),
+        reads: 0b1,
+        writes: 0,
+    };
+    let err = g.apply(layer_norm, &[h]).unwrap_err();
+    assert!(
+        matches!(err, snug_graph::GraphError::Invalid { .. }),
+        "{err}"
+    );
+}
