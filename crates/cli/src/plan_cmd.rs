@@ -165,8 +165,11 @@ struct PlanReport {
     /// How the frozen base is stored (bf16, int8, nf4), when not in f32.
     #[serde(skip_serializing_if = "Option::is_none")]
     quantize_base: Option<snug_graph::ops::QuantizeBase>,
-    /// Products that read bf16 activations or gradients as stored (bf16 on a CPU with our
-    /// GEMM), where an f32 copy was made for them otherwise.
+    /// Kernels that read or write bf16 activations or gradients as stored (bf16 on a CPU),
+    /// where casts made f32 copies for them otherwise.
+    #[serde(skip_serializing_if = "is_zero")]
+    bf16_kernels: usize,
+    /// Of those, products (on a CPU with our GEMM), widening as they pack.
     #[serde(skip_serializing_if = "is_zero")]
     bf16_products: usize,
     nodes: usize,
@@ -419,11 +422,17 @@ pub fn run(args: PlanArgs) -> Result<()> {
             }
         }),
         quantize_base: cfg.quantize_base,
-        bf16_products: step
+        bf16_kernels: step
             .graph
             .nodes()
             .iter()
             .filter(|n| matches!(n.op, snug_graph::ops::Op::HalfIo(_)))
+            .count(),
+        bf16_products: step
+            .graph
+            .nodes()
+            .iter()
+            .filter(|n| matches!(&n.op, snug_graph::ops::Op::HalfIo(h) if h.product().is_some()))
             .count(),
         nodes: step.graph.nodes().len(),
         tensors: step.graph.tensors().len(),
@@ -492,10 +501,11 @@ pub fn run(args: PlanArgs) -> Result<()> {
         };
         println!("frozen base weights (2-D) stored as {q}, {how}");
     }
-    if report.bf16_products > 0 {
+    if report.bf16_kernels > 0 {
         println!(
-            "{} products read their bf16 operands as stored, widened as the GEMM packs them",
-            report.bf16_products
+            "{} kernels read or write bf16 as stored, with no cast between ({} of them products, \
+             widening as the GEMM packs)",
+            report.bf16_kernels, report.bf16_products
         );
     }
     println!(

@@ -129,12 +129,14 @@ fn plan_counts_products_reading_bf16() {
     };
     let (f32_plan, bf16) = (plan("f32"), plan("bf16"));
     assert!(f32_plan.get("bf16_products").is_none(), "{f32_plan}");
+    assert!(f32_plan.get("bf16_kernels").is_none(), "{f32_plan}");
     if bf16["target_cpu"] == "portable" {
         assert!(bf16.get("bf16_products").is_none(), "{bf16}");
     } else {
         // Forward q, k, v, o, gate, up and down in each of 2 layers, and backward products.
         let n = bf16["bf16_products"].as_u64().unwrap_or(0);
         assert!(n >= 14, "{bf16}");
+        assert!(bf16["bf16_kernels"].as_u64().unwrap_or(0) >= n, "{bf16}");
     }
 }
 

@@ -119,8 +119,44 @@ pub fn vectorized<R>(body: impl FnOnce() -> R) -> R {
     body()
 }
 
+/// A hot loop whose body must be compiled for the current level whatever the inliner makes
+/// of a closure (one generic over element types can land in another codegen unit than
+/// [`vectorized`]'s wrapper, and stay at the baseline): `run` is `#[inline(always)]` in its
+/// impls, so [`vectorized_loop`] compiles it inside each level's function.
+pub(crate) trait Loop {
+    fn run(self);
+}
+
+/// Runs `body` compiled for the current level, as [`vectorized`] does, certainly.
+#[inline(always)]
+pub(crate) fn vectorized_loop(body: impl Loop) {
+    #[cfg(target_arch = "x86_64")]
+    match current() {
+        // SAFETY: `current` never returns a level the host lacks.
+        Isa::Avx512 => unsafe { x86::avx512_loop(body) },
+        Isa::Avx2 => unsafe { x86::avx2_loop(body) },
+        Isa::Baseline => body.run(),
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    body.run()
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn avx2_loop(body: impl super::Loop) {
+        body.run()
+    }
+
+    /// # Safety
+    /// The CPU must have AVX-512 F, BW, DQ and VL, AVX2 and FMA.
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]
+    pub(super) unsafe fn avx512_loop(body: impl super::Loop) {
+        body.run()
+    }
+
     /// # Safety
     /// The CPU must have AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]

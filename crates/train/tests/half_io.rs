@@ -117,9 +117,9 @@ fn configs() -> Vec<(&'static str, snug_compile::StepConfig)> {
 }
 
 /// Casts between bf16 and f32 in `step`, and how many of them a kernel could take in: up-casts
-/// whose every reader reads bf16 (a product our GEMM runs, directly or through a reshape, or
-/// an op [`HalfIo::readable`] names), and down-casts that are the only reader of an output
-/// [`HalfIo::writable`] names.
+/// whose every reader reads bf16 (a product our GEMM runs, directly or through a reshape, an
+/// op [`HalfIo::readable`] names, or a down-cast back), down-casts of an up-cast, and
+/// down-casts that are the only reader of an output [`HalfIo::writable`] names.
 fn casts(step: &StepGraph) -> (usize, usize) {
     use snug_graph::ops::quantized_read::own_gemm_runs;
     let g = &step.graph;
@@ -129,7 +129,20 @@ fn casts(step: &StepGraph) -> (usize, usize) {
             readers[t.index()].push((i, k));
         }
     }
+    let is_up = |n: &snug_graph::Node| {
+        matches!(n.op, Op::Cast(Cast { to: DType::F32 }))
+            && g.tensor(n.inputs[0]).dtype == DType::BF16
+    };
+    // A down-cast of such an up-cast's output gives the bf16 tensor back.
+    let round_trip = |i: usize| {
+        let n = &g.nodes()[i];
+        matches!(n.op, Op::Cast(Cast { to: DType::BF16 }))
+            && g.producer(n.inputs[0]).is_some_and(|p| is_up(g.node(p)))
+    };
     let reads_half = |(i, k): (usize, usize)| {
+        if round_trip(i) {
+            return true;
+        }
         let n = &g.nodes()[i];
         match &n.op {
             Op::MatMul(mm) => {
@@ -138,6 +151,16 @@ fn casts(step: &StepGraph) -> (usize, usize) {
                     && mm.dims(&a.shape, &b.shape).is_ok_and(|d| {
                         d.batch == 1 && own_gemm_runs(snug_graph::CpuGemm::host(), (d.m, d.n, d.k))
                     })
+            }
+            Op::LayerNormLinearBackward(_) => {
+                let (x, w) = (g.tensor(n.inputs[0]), g.tensor(n.inputs[5]));
+                let rows = x.numel() / x.shape.last().unwrap();
+                let (k_, n_) = (w.shape[0], w.shape[1]);
+                k == 6 && own_gemm_runs(snug_graph::CpuGemm::host(), (k_, n_, rows))
+            }
+            Op::Binary(_) => {
+                g.tensor(n.inputs[0]).shape == g.tensor(n.inputs[1]).shape
+                    && HalfIo::readable(&n.op) & (1 << k) != 0
             }
             op => HalfIo::readable(op) & (1 << k) != 0,
         }
@@ -160,12 +183,17 @@ fn casts(step: &StepGraph) -> (usize, usize) {
                     reads_half((r, k))
                 }
             }) as usize;
+        } else if to == DType::BF16 && round_trip(i) {
+            all += 1;
+            foldable += 1;
         } else if to == DType::BF16 {
             all += 1;
             let producer = g.producer(x).map(|p| g.node(p));
             let writable = producer.is_some_and(|p| {
                 let j = p.outputs.iter().position(|&o| o == x).unwrap_or(8);
-                j < 8 && HalfIo::writable(&p.op) & (1 << j) != 0
+                let broadcasts = matches!(p.op, Op::Binary(_))
+                    && g.tensor(p.inputs[0]).shape != g.tensor(p.inputs[1]).shape;
+                j < 8 && !broadcasts && HalfIo::writable(&p.op) & (1 << j) != 0
             });
             foldable += (writable && readers[x.index()] == [(i, 0)]) as usize;
         }
@@ -233,6 +261,29 @@ fn folding_bf16_casts_into_kernels_is_bitwise_the_casting_step() {
                 "{label}: {} bf16 products",
                 halves(&reading)
             );
+            if matches!(model, ModelConfig::Gpt(_)) && config.lora.is_none() {
+                // Every kernel that takes casts in runs in GPT's step (LoRA unfuses the MLP).
+                let names: std::collections::BTreeSet<&str> = reading
+                    .step
+                    .graph
+                    .nodes()
+                    .iter()
+                    .filter(|n| matches!(n.op, Op::HalfIo(_)))
+                    .map(|n| n.op.name())
+                    .collect();
+                for want in [
+                    "half_matmul",
+                    "half_gelu_linear",
+                    "half_gelu_linear_backward",
+                    "half_causal_attention",
+                    "half_causal_attention_backward",
+                    "half_layer_norm_linear_backward",
+                    "half_sum_to",
+                    "half_add",
+                ] {
+                    assert!(names.contains(want), "{label}: no {want} in {names:?}");
+                }
+            }
             let (before, only) = casts(&widening.step);
             let (after, left) = casts(&reading.step);
             assert!(only > 0, "{label}");
@@ -330,4 +381,16 @@ fn half_io_is_a_cpu_fusion_with_a_checked_shape_rule() {
         matches!(err, snug_graph::GraphError::Invalid { .. }),
         "{err}"
     );
+    // An add reads and writes bf16 element by element: equal shapes only.
+    let add = || HalfIo {
+        op: Box::new(Op::Binary(snug_graph::ops::Binary::add())),
+        reads: 0b01,
+        writes: 0b1,
+    };
+    let same = g.input("same", &[8, 4], DType::F32).unwrap();
+    let sum = g.apply1(add(), &[h, same]).unwrap();
+    assert_eq!(g.tensor(sum).dtype, DType::BF16);
+    let row = g.input("row", &[4], DType::F32).unwrap();
+    let err = g.apply1(add(), &[h, row]).unwrap_err();
+    assert!(matches!(err, snug_graph::GraphError::Shape { .. }), "{err}");
 }

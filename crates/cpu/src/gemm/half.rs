@@ -60,16 +60,24 @@ pub(crate) enum Operand<'a> {
     Bf16(&'a [u16]),
 }
 
-impl Operand<'_> {
-    fn len(&self) -> usize {
+impl<'a> Operand<'a> {
+    pub(crate) fn len(&self) -> usize {
         match self {
             Operand::F32(x) => x.len(),
             Operand::Bf16(x) => x.len(),
         }
     }
 
+    /// The elements in `range`.
+    pub(crate) fn rows(&self, range: std::ops::Range<usize>) -> Operand<'a> {
+        match *self {
+            Operand::F32(x) => Operand::F32(&x[range]),
+            Operand::Bf16(x) => Operand::Bf16(&x[range]),
+        }
+    }
+
     /// The operand in f32: borrowed, or widened into `buf`.
-    fn widened<'b>(&'b self, buf: &'b mut Vec<f32>) -> &'b [f32] {
+    pub(crate) fn widened<'b>(&'b self, buf: &'b mut Vec<f32>) -> &'b [f32] {
         match self {
             Operand::F32(x) => x,
             Operand::Bf16(x) => {
@@ -81,65 +89,22 @@ impl Operand<'_> {
     }
 }
 
-/// [`super::gemm_fused`] with `a` in bf16: widened as our kernel packs it, then through
-/// `fused`'s prologue. Returns `false`, doing nothing, where our kernel does not run the
-/// product; the caller then widens `a` itself.
+/// [`super::gemm_fused`] with either operand in bf16: `a` widened as our kernel packs it (then
+/// through `fused`'s prologue), `b` decoded as its panels are packed. Returns `false`, doing
+/// nothing, where our kernel does not run the product; the caller then widens them itself.
 ///
 /// # Safety
-/// As [`super::gemm_fused`], `a` holding the bits.
+/// As [`super::gemm_fused`].
 pub(crate) unsafe fn gemm_fused_half(
     layout: Layout,
-    a: &[u16],
-    b: &[f32],
+    (a, b): (Operand<'_>, Operand<'_>),
     c: &mut [f32],
     par: ::gemm::Parallelism,
     fused: super::Fused<'_>,
 ) -> bool {
-    let Layout { m, n, k, .. } = layout;
+    let Layout { tb, m, n, k, .. } = layout;
     debug_assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
     debug_assert!(fused.half_a.is_none() && fused.quant_b.is_none());
-    #[cfg(target_arch = "x86_64")]
-    if let Some(tile) = super::own_kernel((m, n, k), 1) {
-        let ((a_rs, a_cs), (b_rs, b_cs)) = layout.strides();
-        let none = std::ptr::NonNull::<f32>::dangling().as_ptr() as *const f32;
-        let half_a = HalfA {
-            bits: a,
-            rs: a_rs as usize,
-            cs: a_cs as usize,
-        };
-        let product = super::Product {
-            dims: (m, n, k),
-            c: (c.as_mut_ptr(), n as isize, 1),
-            a: (none, 0, 0),
-            b: (b.as_ptr(), b_rs, b_cs),
-            scale: 1.0,
-            accumulate: false,
-        };
-        let fused = super::Fused {
-            half_a: Some(half_a),
-            ..fused
-        };
-        // SAFETY: `own_kernel` checked the CPU; the caller vouches for the operands, and the
-        // packing reads `a` from its bits only.
-        return unsafe { super::own_gemm(tile, product, par, fused) };
-    }
-    let _ = (a, b, c, par, fused);
-    false
-}
-
-/// `c = op(a) · op(b) (+ bias)` with either operand bf16: on our blocked kernel, widening
-/// as it packs, where it runs the product; elsewhere (another CPU, its packing space in use)
-/// on f32 copies of the bf16 operands made here.
-pub(crate) fn gemm_half(
-    layout: Layout,
-    (a, b): (Operand<'_>, Operand<'_>),
-    c: &mut [f32],
-    bias: Option<&[f32]>,
-    par: ::gemm::Parallelism,
-) {
-    let Layout { ta, tb, m, n, k } = layout;
-    assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
-    assert!(bias.is_none_or(|bias| bias.len() >= n));
     #[cfg(target_arch = "x86_64")]
     if let Some(tile) = super::own_kernel((m, n, k), 1) {
         let ((a_rs, a_cs), (b_rs, b_cs)) = layout.strides();
@@ -168,16 +133,38 @@ pub(crate) fn gemm_half(
             accumulate: false,
         };
         let fused = super::Fused {
-            prologue: super::Prologue::None,
-            bias,
-            quant_b,
             half_a,
+            quant_b,
+            ..fused
         };
-        // SAFETY: `own_kernel` checked the CPU; the lengths were checked above, and the
-        // packing reads a bf16 operand from its bits only (its pointer and strides are unread).
-        if unsafe { super::own_gemm(tile, product, par, fused) } {
-            return;
-        }
+        // SAFETY: `own_kernel` checked the CPU; the caller vouches for the operands, and the
+        // packing reads a bf16 operand from its bits only.
+        return unsafe { super::own_gemm(tile, product, par, fused) };
+    }
+    let _ = (a, b, c, par, fused);
+    false
+}
+
+/// `c = op(a) · op(b) (+ bias)` with either operand bf16: on our blocked kernel, widening
+/// as it packs, where it runs the product; elsewhere (another CPU, its packing space in use)
+/// on f32 copies of the bf16 operands made here.
+pub(crate) fn gemm_half(
+    layout: Layout,
+    (a, b): (Operand<'_>, Operand<'_>),
+    c: &mut [f32],
+    bias: Option<&[f32]>,
+    par: ::gemm::Parallelism,
+) {
+    let Layout { ta, tb, m, n, k } = layout;
+    assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
+    assert!(bias.is_none_or(|bias| bias.len() >= n));
+    let fused = super::Fused {
+        bias,
+        ..super::Fused::NONE
+    };
+    // SAFETY: the lengths were checked above.
+    if unsafe { gemm_fused_half(layout, (a, b), c, par, fused) } {
+        return;
     }
     let (mut wa, mut wb) = (Vec::new(), Vec::new());
     let (a, b) = (a.widened(&mut wa), b.widened(&mut wb));

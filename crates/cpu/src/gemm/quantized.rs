@@ -130,6 +130,17 @@ impl<'a> QuantB<'a> {
     ) {
         let (rs, cs) = (self.rs, self.cs);
         let first = self.origin + p0 * rs + j0 * cs;
+        if self.base == QuantizeBase::Bf16 && cs == 1 {
+            // bf16 rows read in order (a gradient or activation, or a stored weight): a
+            // straight widening copy per panel row, compiled for the CPU's vector level.
+            crate::isa::vectorized_loop(WidenPanels {
+                halves: &self.halves[first..],
+                rs,
+                dims: (kc, nc, nr),
+                out,
+            });
+            return;
+        }
         decoding!(self, |value| {
             for j in (0..nc).step_by(nr) {
                 let w = nr.min(nc - j);
@@ -272,5 +283,34 @@ pub(crate) unsafe fn gemm_quantized(
                 par,
             )
         };
+    }
+}
+
+/// Panels of `nr` columns of a bf16 `b` whose rows are `rs` apart and columns contiguous,
+/// widened into `out` (`kc · nr` floats a panel, zero columns past `nc`).
+struct WidenPanels<'a> {
+    halves: &'a [u16],
+    rs: usize,
+    dims: (usize, usize, usize),
+    out: *mut f32,
+}
+
+impl crate::isa::Loop for WidenPanels<'_> {
+    #[inline(always)]
+    fn run(self) {
+        let (kc, nc, nr) = self.dims;
+        for j in (0..nc).step_by(nr) {
+            let w = nr.min(nc - j);
+            // SAFETY: panel `j` holds `kc · nr` floats inside `out`, as `pack_b`'s caller
+            // vouched.
+            let panel = unsafe { std::slice::from_raw_parts_mut(self.out.add(j * kc), kc * nr) };
+            for (p, row) in panel.chunks_exact_mut(nr).enumerate() {
+                let from = &self.halves[j + p * self.rs..][..w];
+                for (v, &h) in row[..w].iter_mut().zip(from) {
+                    *v = f32::from_bits((h as u32) << 16);
+                }
+                row[w..].fill(0.0);
+            }
+        }
     }
 }

@@ -92,43 +92,72 @@ impl CpuKernel for CausalAttentionBackward {
 }
 
 /// [`CausalAttention`]'s kernel under [`snug_graph::ops::HalfIo`]: with `half_qkv`, each
-/// head's queries, keys and values are widened from bf16 into its scratch, `[t, 3d]`, first.
-pub(super) fn forward_io(op: &CausalAttention, k: &Kernel<'_>, half_qkv: bool) {
-    if !half_qkv {
+/// head's queries, keys and values are widened from bf16 into its scratch, `[t, 3d]`, first;
+/// with `half_y`, its output is made there, `[t, d]`, and rounded into `y` after.
+pub(super) fn forward_io(op: &CausalAttention, k: &Kernel<'_>, (half_qkv, half_y): (bool, bool)) {
+    if !half_qkv && !half_y {
         return op.run(k);
     }
     let Ok((b, t, c, d)) = dims(op.name(), k.in_shape(0), op.n_head) else {
         unreachable!("shape rule checked at build time")
     };
-    let qkv = k.in_u16(0);
-    let y = SendPtr(k.out_f32(0).as_mut_ptr());
+    let (qkv, qkv16) = if half_qkv {
+        (SendPtr(std::ptr::null_mut()), k.in_u16(0))
+    } else {
+        (SendPtr(k.in_f32(0).as_ptr() as *mut f32), &[][..])
+    };
+    // `y` as f32, or (its pointer carried as an f32 one) as bf16 bits.
+    let y = if half_y {
+        SendPtr(k.out_u16(0).as_mut_ptr() as *mut f32)
+    } else {
+        SendPtr(k.out_f32(0).as_mut_ptr())
+    };
     let lse = SendPtr(k.out_f32(1).as_mut_ptr());
     let h = op.n_head;
     let scale = 1.0 / (d as f32).sqrt();
     let own = forward_scratch(t, d);
-    for_each_head(k.workspace(), own + 3 * t * d, b * h, |item, s| {
+    let staging = (3 * usize::from(half_qkv) + usize::from(half_y)) * t * d;
+    for_each_head(k.workspace(), own + staging, b * h, |item, s| {
         let (bi, hi) = (item / h, item % h);
-        let (s, staged) = s.split_at_mut(own);
-        stage_head(qkv, (bi * t * 3 * c + hi * d, 3 * c), (c, 3), d, staged);
-        let base = staged.as_mut_ptr();
-        let at = |part: usize| Rows {
-            ptr: base.wrapping_add(part * d),
-            stride: 3 * d,
+        let (s, rest) = s.split_at_mut(own);
+        let (s_qkv, s_y) = rest.split_at_mut(if half_qkv { 3 * t * d } else { 0 });
+        let (at3, at1) = (bi * t * 3 * c + hi * d, bi * t * c + hi * d);
+        if half_qkv {
+            stage_head(qkv16, (at3, 3 * c), (c, 3), d, s_qkv);
+        }
+        let (base, stride, part) = if half_qkv {
+            (s_qkv.as_mut_ptr(), 3 * d, d)
+        } else {
+            (qkv.get().wrapping_add(at3), 3 * c, c)
         };
-        // SAFETY: the staged rows hold the head's `t × 3d`; each (b, h) writes only its own
-        // columns of y and its own row of lse.
+        let at = |p: usize| Rows {
+            ptr: base.wrapping_add(p * part),
+            stride,
+        };
+        let out = if half_y {
+            Rows {
+                ptr: s_y.as_mut_ptr(),
+                stride: d,
+            }
+        } else {
+            Rows {
+                ptr: y.get().wrapping_add(at1),
+                stride: c,
+            }
+        };
+        // SAFETY: the rows lie inside `qkv` or the staged copy; each (b, h) writes only its own
+        // columns of y (or its own staged output) and its own row of lse.
         unsafe {
             let lse_row = std::slice::from_raw_parts_mut(lse.get().add(item * t), t);
-            head_forward(
-                (t, d, scale),
-                [at(0), at(1), at(2)],
-                Rows {
-                    ptr: y.get().add(bi * t * c + hi * d),
-                    stride: c,
-                },
-                s,
-                lse_row,
-            );
+            head_forward((t, d, scale), [at(0), at(1), at(2)], out, s, lse_row);
+            if half_y {
+                let y16 = y.get() as *mut u16;
+                for (r, row) in s_y.chunks_exact(d).enumerate() {
+                    for (j, &v) in row.iter().enumerate() {
+                        *y16.add(at1 + r * c + j) = <u16 as Elem>::put(v);
+                    }
+                }
+            }
         }
     });
 }
@@ -248,7 +277,9 @@ pub(super) fn backward_io(
 }
 
 /// Widens one head's `parts` strips of `d` bf16 values per row (`part_stride` apart, rows
-/// `row_stride` apart from `at`) into `staged` as `[t, parts · d]`.
+/// `row_stride` apart from `at`) into `staged` as `[t, parts · d]`. Inlined into the head's
+/// vectorised body.
+#[inline(always)]
 fn stage_head(
     bits: &[u16],
     (at, row_stride): (usize, usize),

@@ -2,6 +2,9 @@
 
 use snug_graph::ops::{Binary, BinaryKind, Scale};
 
+use snug_graph::DType;
+
+use super::half_io::{input, output, Elem};
 use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for Binary {
@@ -81,4 +84,70 @@ impl CpuKernel for Scale {
         let s = self.factor;
         crate::par::unary(k, |v| v * s);
     }
+}
+
+/// An add under [`snug_graph::ops::HalfIo`]: either operand read, and the sum written, in bf16
+/// as their dtypes say (equal shapes: the shape rule refuses a broadcast).
+pub(super) fn add_io(k: &Kernel<'_>) {
+    let half = |d: DType| d == DType::BF16;
+    match (
+        half(k.in_dtype(0)),
+        half(k.in_dtype(1)),
+        half(k.out_dtype(0)),
+    ) {
+        (false, false, false) => add_with::<f32, f32, f32>(k),
+        (true, false, false) => add_with::<u16, f32, f32>(k),
+        (false, true, false) => add_with::<f32, u16, f32>(k),
+        (true, true, false) => add_with::<u16, u16, f32>(k),
+        (false, false, true) => add_with::<f32, f32, u16>(k),
+        (true, false, true) => add_with::<u16, f32, u16>(k),
+        (false, true, true) => add_with::<f32, u16, u16>(k),
+        (true, true, true) => add_with::<u16, u16, u16>(k),
+    }
+}
+
+/// `c = a + b` element by element, each stored as its type says; run in place, the output
+/// holds that input (then of the output's type) and is read before it is written.
+fn add_with<A: Elem, B: Elem, C: Elem>(k: &Kernel<'_>) {
+    use rayon::prelude::*;
+    const CHUNK: usize = crate::par::MIN_PAR_ELEMS;
+    let c = output::<C>(k, 0);
+    match k.inplace() {
+        Some(i) => {
+            // The sum is commutative bit for bit, so the held operand goes first either way.
+            if i == 0 {
+                in_place::<B, C>(c, input::<B>(k, 1));
+            } else {
+                in_place::<A, C>(c, input::<A>(k, 0));
+            }
+        }
+        None => {
+            let (a, b) = (input::<A>(k, 0), input::<B>(k, 1));
+            c.par_chunks_mut(CHUNK)
+                .zip(a.par_chunks(CHUNK))
+                .zip(b.par_chunks(CHUNK))
+                .for_each(|((c, a), b)| {
+                    crate::isa::vectorized(|| {
+                        for ((o, &x), &y) in c.iter_mut().zip(a).zip(b) {
+                            *o = C::put(x.get() + y.get());
+                        }
+                    })
+                });
+        }
+    }
+}
+
+/// `c += x` element by element, `c` holding one operand of an add in place.
+fn in_place<X: Elem, C: Elem>(c: &mut [C], x: &[X]) {
+    use rayon::prelude::*;
+    const CHUNK: usize = crate::par::MIN_PAR_ELEMS;
+    c.par_chunks_mut(CHUNK)
+        .zip(x.par_chunks(CHUNK))
+        .for_each(|(c, x)| {
+            crate::isa::vectorized(|| {
+                for (o, &v) in c.iter_mut().zip(x) {
+                    *o = C::put(o.get() + v.get());
+                }
+            })
+        });
 }

@@ -52,7 +52,9 @@ pub(super) fn forward_io(approx: GeluApprox, kern: &Kernel<'_>, half: bool) {
 
 /// The forward with `h` stored as `H` (f32, or bf16 bits widened as it is read).
 fn forward_with<const TANH: bool, H: Elem>(kern: &Kernel<'_>, h: &[H]) {
-    use crate::gemm::{gemm_fused, gemm_fused_half, linear_rows, par_for, Fused, Layout, Prologue};
+    use crate::gemm::{
+        gemm_fused, gemm_fused_half, linear_rows, par_for, Fused, Layout, Operand, Prologue,
+    };
     let (w, bias) = (kern.in_f32(1), kern.in_f32(2));
     let Ok((rows, k, n)) = linear_dims("gelu_linear", kern.in_shape(0), kern.in_shape(1)) else {
         unreachable!("shape rule checked at build time")
@@ -70,7 +72,13 @@ fn forward_with<const TANH: bool, H: Elem>(kern: &Kernel<'_>, h: &[H]) {
     // SAFETY: `h` holds rows·k, `w` k·n and `y` rows·n elements.
     let done = unsafe {
         match as_bits(h) {
-            Some(bits) => gemm_fused_half(layout, bits, w, y, par, fused),
+            Some(bits) => gemm_fused_half(
+                layout,
+                (Operand::Bf16(bits), Operand::F32(w)),
+                y,
+                par,
+                fused,
+            ),
             None => gemm_fused(layout, as_f32(h), w, y, par, fused),
         }
     };
@@ -147,33 +155,19 @@ fn backward_with<const TANH: bool, H: Elem, D: Elem>(kern: &Kernel<'_>) {
         // One pass: dh = dg ⊙ gelu'(h), and the tile's dg is replaced by g = gelu(h).
         let dht = &mut dh[r0 * k..r1 * k];
         let chunk = crate::par::MIN_PAR_ELEMS;
-        let step = |t: &mut f32, d: &mut D, v: f32| {
-            let (value, slope) = crate::math::gelu_and_grad(approx_of(TANH), v);
-            *d = D::put(*t * slope);
-            *t = value;
-        };
         match h {
             Some(h) => t
                 .par_chunks_mut(chunk)
                 .zip(dht.par_chunks_mut(chunk))
                 .zip(h[r0 * k..r1 * k].par_chunks(chunk))
                 .for_each(|((t, d), x)| {
-                    crate::isa::vectorized(|| {
-                        for ((t, d), &v) in t.iter_mut().zip(d.iter_mut()).zip(x) {
-                            step(t, d, v.get());
-                        }
-                    })
+                    crate::isa::vectorized_loop(GeluGrad::<TANH, H, D> { t, d, x: Some(x) })
                 }),
             None => t
                 .par_chunks_mut(chunk)
                 .zip(dht.par_chunks_mut(chunk))
                 .for_each(|(t, d)| {
-                    crate::isa::vectorized(|| {
-                        for (t, d) in t.iter_mut().zip(d.iter_mut()) {
-                            let v = d.get();
-                            step(t, d, v);
-                        }
-                    })
+                    crate::isa::vectorized_loop(GeluGrad::<TANH, D, D> { t, d, x: None })
                 }),
         }
         // dw (+)= gᵀ · dy over this tile's rows.
@@ -188,5 +182,37 @@ fn backward_with<const TANH: bool, H: Elem, D: Elem>(kern: &Kernel<'_>) {
                 par_for(k, n, r1 - r0, threads),
             )
         };
+    }
+}
+
+/// `d = t ⊙ gelu'(h)` and `t = gelu(h)` over one chunk, `h` read from `x` or (run in place)
+/// from `d` itself before it is written.
+struct GeluGrad<'a, const TANH: bool, H, D> {
+    t: &'a mut [f32],
+    d: &'a mut [D],
+    x: Option<&'a [H]>,
+}
+
+impl<const TANH: bool, H: Elem, D: Elem> crate::isa::Loop for GeluGrad<'_, TANH, H, D> {
+    #[inline(always)]
+    fn run(self) {
+        let step = |t: &mut f32, d: &mut D, v: f32| {
+            let (value, slope) = crate::math::gelu_and_grad(approx_of(TANH), v);
+            *d = D::put(*t * slope);
+            *t = value;
+        };
+        match self.x {
+            Some(x) => {
+                for ((t, d), &v) in self.t.iter_mut().zip(self.d.iter_mut()).zip(x) {
+                    step(t, d, v.get());
+                }
+            }
+            None => {
+                for (t, d) in self.t.iter_mut().zip(self.d.iter_mut()) {
+                    let v = d.get();
+                    step(t, d, v);
+                }
+            }
+        }
     }
 }

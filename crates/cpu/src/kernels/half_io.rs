@@ -16,13 +16,20 @@ impl CpuKernel for HalfIo {
             Op::GeluLinearBackward(op) => {
                 super::gelu_linear::backward_io(op.approx, k, (self.reads(0), self.writes(0)))
             }
-            Op::CausalAttention(op) => super::attention::forward_io(op, k, self.reads(0)),
+            Op::CausalAttention(op) => {
+                super::attention::forward_io(op, k, (self.reads(0), self.writes(0)))
+            }
+            Op::Binary(_) => super::elementwise::add_io(k),
             Op::CausalAttentionBackward(op) => super::attention::backward_io(
                 op,
                 k,
                 [self.reads(0), self.reads(1), self.reads(3)],
                 self.writes(0),
             ),
+            Op::LayerNormLinearBackward(_) => {
+                super::layernorm_linear::backward_io(k, self.reads(6))
+            }
+            Op::SumTo(op) if self.reads(0) => super::reduce::sum_to_io(op, k),
             op => unreachable!("the shape rule admits no `{}`", op.name()),
         }
     }
@@ -73,9 +80,18 @@ impl Elem for u16 {
     fn get(self) -> f32 {
         widen(self)
     }
+    /// Nearest even, NaN kept NaN (quieted), as `half`'s conversion in the cast kernel does,
+    /// written as a select so the loops storing it vectorise.
     #[inline(always)]
     fn put(v: f32) -> u16 {
-        half::bf16::from_f32(v).to_bits()
+        let b = v.to_bits();
+        let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+        let nan = (b >> 16) as u16 | 0x40;
+        if b & 0x7fff_ffff > 0x7f80_0000 {
+            nan
+        } else {
+            rounded
+        }
     }
 }
 

@@ -7,6 +7,7 @@ use snug_graph::ops::{
     linear_dims, tile_rows, LayerNormLinear, LayerNormLinearBackward,
 };
 
+use crate::gemm::Operand;
 use crate::kernel::{CpuKernel, Kernel};
 
 use super::layernorm::{backward_sums, dx_value, normalize_row, row_stats};
@@ -19,8 +20,19 @@ impl CpuKernel for LayerNormLinear {
 
 impl CpuKernel for LayerNormLinearBackward {
     fn run(&self, kern: &Kernel<'_>) {
-        backward(kern);
+        backward(kern, Operand::F32(kern.in_f32(6)));
     }
+}
+
+/// [`LayerNormLinearBackward`]'s kernel under [`snug_graph::ops::HalfIo`]: with `half_dy`,
+/// the output gradient is read in bf16, widened as the GEMMs pack it.
+pub(super) fn backward_io(kern: &Kernel<'_>, half_dy: bool) {
+    let dy = if half_dy {
+        Operand::Bf16(kern.in_u16(6))
+    } else {
+        Operand::F32(kern.in_f32(6))
+    };
+    backward(kern, dy);
 }
 
 /// Normalises rows `r0..r0 + tile.len() / k` of `x` into `tile`, in parallel over rows, storing
@@ -161,18 +173,15 @@ fn forward(eps: f32, kern: &Kernel<'_>) {
     }
 }
 
-fn backward(kern: &Kernel<'_>) {
-    use crate::gemm::{gemm_fused, gemm_strided, input_grad_rows, par_for, Fused, Layout};
+fn backward(kern: &Kernel<'_>, dy: Operand<'_>) {
+    use crate::gemm::{
+        gemm_fused_half, gemm_half, gemm_strided, input_grad_rows, par_for, Fused, Layout,
+    };
     use rayon::prelude::*;
     // Run in place, `x` is read through `dx`: every read of a row comes before its write.
     let x_in = (kern.inplace() != Some(0)).then(|| kern.in_f32(0));
     let (ln_w, ln_b) = (kern.in_f32(1), kern.in_f32(2));
-    let (mean, rstd, w, dy) = (
-        kern.in_f32(3),
-        kern.in_f32(4),
-        kern.in_f32(5),
-        kern.in_f32(6),
-    );
+    let (mean, rstd, w) = (kern.in_f32(3), kern.in_f32(4), kern.in_f32(5));
     let Ok((rows, k, n)) = linear_dims(
         "layer_norm_linear_backward",
         kern.in_shape(0),
@@ -200,14 +209,19 @@ fn backward(kern: &Kernel<'_>) {
     // SAFETY: `x` holds rows·k, `dy` rows·n and `dw` k·n elements; the statistics cover every
     // row and the norm's weights every feature.
     let dw_done = unsafe {
-        gemm_fused(
+        gemm_fused_half(
             Layout::new((true, false), (k, n, rows)),
-            x_in.unwrap_or(&*dx),
-            dy,
+            (Operand::F32(x_in.unwrap_or(&*dx)), dy),
             dw,
             par,
             fused,
         )
+    };
+    // Off our kernel a bf16 `dy` is widened once for the tile loop's products.
+    let mut widened = Vec::new();
+    let dy = match (dw_done, dy) {
+        (false, Operand::Bf16(_)) => Operand::F32(dy.widened(&mut widened)),
+        _ => dy,
     };
     let tile = tile_rows(rows, k, TILE_ELEMS);
     let (ws, partials) = kern.workspace().split_at_mut(tile * k);
@@ -215,8 +229,12 @@ fn backward(kern: &Kernel<'_>) {
     let parts = partials.len() / (2 * k);
     for r0 in (0..rows).step_by(tile) {
         let r1 = (r0 + tile).min(rows);
-        let (t, dyt) = (&mut ws[..(r1 - r0) * k], &dy[r0 * n..r1 * n]);
+        let t = &mut ws[..(r1 - r0) * k];
+        let dyt = dy.rows(r0 * n..r1 * n);
         if !dw_done {
+            let Operand::F32(dyt) = dyt else {
+                unreachable!("widened above")
+            };
             // The normalised rows, remade transposed (`[k, rows]`): the weight gradient's GEMM
             // then reads its left operand plainly, which the gemm crate ran 5-14 % faster at
             // char-small's shapes.
@@ -243,7 +261,20 @@ fn backward(kern: &Kernel<'_>) {
             };
         }
         // The LayerNorm's output gradient for the tile's rows, dy · wᵀ.
-        input_grad_rows(dyt, w, t, (r1 - r0, k, n));
+        let m = r1 - r0;
+        match dyt {
+            Operand::F32(dyt) => input_grad_rows(dyt, w, t, (m, k, n)),
+            half => {
+                let layout = Layout::new((false, true), (m, k, n));
+                gemm_half(
+                    layout,
+                    (half, Operand::F32(w)),
+                    t,
+                    None,
+                    par_for(m, k, n, threads),
+                );
+            }
+        }
         // The LayerNorm backward into dx's rows. Part `p` always takes the same rows of a
         // tile, so the partial sums (and the result) do not depend on thread timing.
         let rows_per = (r1 - r0).div_ceil(parts);

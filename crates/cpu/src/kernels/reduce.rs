@@ -3,6 +3,7 @@
 
 use snug_graph::ops::{reduce::split_axis, BroadcastTo, MaxBackward, Reduce, ReduceKind, SumTo};
 
+use super::half_io::Elem;
 use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for Reduce {
@@ -61,52 +62,63 @@ impl CpuKernel for MaxBackward {
 
 impl CpuKernel for SumTo {
     fn run(&self, k: &Kernel<'_>) {
-        use super::broadcast::Mapping;
-        let (x, y) = (k.in_f32(0), k.out_f32(0));
-        match Mapping::new(&self.shape, k.in_shape(0)) {
-            Mapping::Same => y.copy_from_slice(x),
-            Mapping::Cycle(n) => {
-                // A bias gradient: each worker sums a contiguous block of rows into its own
-                // partial, and the partials are added in order (deterministic for a thread count).
-                use rayon::prelude::*;
-                let rows = x.len() / n;
-                let ws = k.workspace();
-                let parts = (ws.len() / n).clamp(1, rows.max(1));
-                let rows_per = rows.div_ceil(parts);
-                let sum_rows = |p: usize, acc: &mut [f32]| {
-                    acc.fill(0.0);
-                    for r in p * rows_per..((p + 1) * rows_per).min(rows) {
-                        for (a, &v) in acc.iter_mut().zip(&x[r * n..(r + 1) * n]) {
-                            *a += v;
-                        }
+        sum_to(self, k, k.in_f32(0));
+    }
+}
+
+/// [`SumTo`]'s kernel under [`snug_graph::ops::HalfIo`]: `x` read in bf16 (a bias gradient
+/// summed from the bf16 output gradient).
+pub(super) fn sum_to_io(op: &SumTo, k: &Kernel<'_>) {
+    sum_to(op, k, super::half_io::input::<u16>(k, 0));
+}
+
+/// `x`, stored as `X`, summed to the op's shape.
+fn sum_to<X: Elem>(op: &SumTo, k: &Kernel<'_>, x: &[X]) {
+    use super::broadcast::Mapping;
+    let y = k.out_f32(0);
+    match Mapping::new(&op.shape, k.in_shape(0)) {
+        Mapping::Same => y.iter_mut().zip(x).for_each(|(o, v)| *o = v.get()),
+        Mapping::Cycle(n) => {
+            // A bias gradient: each worker sums a contiguous block of rows into its own
+            // partial, and the partials are added in order (deterministic for a thread count).
+            use rayon::prelude::*;
+            let rows = x.len() / n;
+            let ws = k.workspace();
+            let parts = (ws.len() / n).clamp(1, rows.max(1));
+            let rows_per = rows.div_ceil(parts);
+            let sum_rows = |p: usize, acc: &mut [f32]| {
+                acc.fill(0.0);
+                for r in p * rows_per..((p + 1) * rows_per).min(rows) {
+                    for (a, v) in acc.iter_mut().zip(&x[r * n..(r + 1) * n]) {
+                        *a += v.get();
                     }
-                };
-                if parts <= 1 {
-                    sum_rows(0, y);
-                    return;
                 }
-                ws.par_chunks_mut(n)
-                    .take(parts)
-                    .enumerate()
-                    .for_each(|(p, acc)| crate::isa::vectorized(|| sum_rows(p, acc)));
-                y.copy_from_slice(&ws[..n]);
-                for part in ws.chunks_exact(n).take(parts).skip(1) {
-                    y.iter_mut().zip(part).for_each(|(a, b)| *a += b);
-                }
+            };
+            if parts <= 1 {
+                sum_rows(0, y);
+                return;
             }
-            Mapping::Spread(n) => {
-                crate::par::rows_mut(y, 1, |o0, outs| {
-                    for (j, out) in outs.iter_mut().enumerate() {
-                        let o = o0 + j;
-                        *out = x[o * n..(o + 1) * n].iter().sum();
-                    }
-                });
+            ws.par_chunks_mut(n)
+                .take(parts)
+                .enumerate()
+                .for_each(|(p, acc)| crate::isa::vectorized(|| sum_rows(p, acc)));
+            y.copy_from_slice(&ws[..n]);
+            for part in ws.chunks_exact(n).take(parts).skip(1) {
+                y.iter_mut().zip(part).for_each(|(a, b)| *a += b);
             }
-            m @ Mapping::Strided { .. } => {
-                y.fill(0.0);
-                for (i, &v) in x.iter().enumerate() {
-                    y[m.index(i)] += v;
+        }
+        Mapping::Spread(n) => {
+            crate::par::rows_mut(y, 1, |o0, outs| {
+                for (j, out) in outs.iter_mut().enumerate() {
+                    let o = o0 + j;
+                    *out = x[o * n..(o + 1) * n].iter().map(|v| v.get()).sum();
                 }
+            });
+        }
+        m @ Mapping::Strided { .. } => {
+            y.fill(0.0);
+            for (i, v) in x.iter().enumerate() {
+                y[m.index(i)] += v.get();
             }
         }
     }

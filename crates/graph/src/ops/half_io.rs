@@ -7,7 +7,7 @@
 //! [`crate::passes::fold_half_casts`] where the target's kernels offer it
 //! ([`crate::Fusions::half_io`]).
 
-use super::{attention, shape_err, MatMul, Op, OpRule, OutSpec};
+use super::{attention, shape_err, BinaryKind, MatMul, Op, OpRule, OutSpec};
 use crate::autodiff::GradCtx;
 use crate::tensor::TensorMeta;
 use crate::{DType, GraphError, Result, Target};
@@ -50,11 +50,16 @@ impl HalfIo {
     }
 
     /// The inputs of `op` its CPU kernel can read in bf16, as a mask: a product's operands
-    /// (never its bias), the activation a fused GELU-linear reads, and attention's packed
-    /// `qkv`, output and output gradient.
+    /// (never its bias), the activation a fused GELU-linear reads, attention's packed `qkv`,
+    /// output and output gradient, a fused norm-linear's output gradient, a sum's input (a
+    /// bias gradient summed from that output gradient), and an add's operands (the residual
+    /// stream and its gradient; the pass folds adds of equal shapes only).
     pub fn readable(op: &Op) -> u8 {
         match op {
             Op::MatMul(_) => 0b11,
+            Op::LayerNormLinearBackward(_) => 1 << 6,
+            Op::SumTo(_) => 0b1,
+            Op::Binary(b) if b.kind == BinaryKind::Add => 0b11,
             Op::GeluLinear(_) | Op::GeluLinearBackward(_) => 0b1,
             Op::CausalAttention(_) => 0b1,
             Op::CausalAttentionBackward(_) => 0b1011,
@@ -62,11 +67,15 @@ impl HalfIo {
         }
     }
 
-    /// The outputs of `op` its CPU kernel can write in bf16, as a mask: the activation
-    /// gradients of a fused GELU-linear's and of attention's backward.
+    /// The outputs of `op` its CPU kernel can write in bf16, as a mask: attention's output,
+    /// the activation gradients of a fused GELU-linear's and of attention's backward, and a
+    /// sum's (the residual stream and its gradient).
     pub fn writable(op: &Op) -> u8 {
         match op {
-            Op::GeluLinearBackward(_) | Op::CausalAttentionBackward(_) => 0b1,
+            Op::CausalAttention(_) | Op::GeluLinearBackward(_) | Op::CausalAttentionBackward(_) => {
+                0b1
+            }
+            Op::Binary(b) if b.kind == BinaryKind::Add => 0b1,
             _ => 0,
         }
     }
@@ -122,9 +131,14 @@ impl HalfIo {
         let Ok((_, t, _, d)) = attention::dims(self.name(), &inputs[0].shape, n_head) else {
             return 0;
         };
-        let widths = 3 * (self.reads(0) as usize + self.writes(0) as usize)
-            + self.reads(1) as usize
-            + self.reads(3) as usize;
+        let [r0, r1, r3, w0] =
+            [self.reads(0), self.reads(1), self.reads(3), self.writes(0)].map(usize::from);
+        let widths = match &*self.op {
+            // `qkv` in, the output out.
+            Op::CausalAttention(_) => 3 * r0 + w0,
+            // `qkv`, the output and its gradient in, `dqkv` out.
+            _ => 3 * r0 + r1 + r3 + 3 * w0,
+        };
         widths * t * d
     }
 }
@@ -137,6 +151,9 @@ impl OpRule for HalfIo {
             Op::GeluLinearBackward(_) => "half_gelu_linear_backward",
             Op::CausalAttention(_) => "half_causal_attention",
             Op::CausalAttentionBackward(_) => "half_causal_attention_backward",
+            Op::LayerNormLinearBackward(_) => "half_layer_norm_linear_backward",
+            Op::SumTo(_) => "half_sum_to",
+            Op::Binary(_) => "half_add",
             _ => "half_io",
         }
     }
@@ -152,6 +169,18 @@ impl OpRule for HalfIo {
                     self.name(),
                     format!(
                         "reads one product in bf16, not a batch of them: {:?} · {:?}",
+                        a.shape, b.shape
+                    ),
+                ));
+            }
+        }
+        if let (Op::Binary(_), [a, b]) = (&*self.op, &refs[..]) {
+            // The kernel adds element by element: no broadcast.
+            if a.shape != b.shape {
+                return Err(shape_err(
+                    self.name(),
+                    format!(
+                        "adds equal shapes only, not {:?} and {:?}",
                         a.shape, b.shape
                     ),
                 ));

@@ -173,7 +173,9 @@ pub fn recast_saved(step: &StepGraph) -> Result<(Rewritten, usize)> {
 ///   anew over the 16-bit tensor, as a weight gradient reads its flattened operand) goes, and
 ///   those readers read the 16-bit tensor;
 /// - a down-cast that is the only reader of an output its producer can write in bf16 goes,
-///   and the producer writes the 16-bit tensor.
+///   and the producer writes the 16-bit tensor;
+/// - a down-cast of an up-cast (a gradient passed through an add) goes, its readers reading
+///   the bf16 tensor the up-cast widened.
 ///
 /// The values are bitwise the same (bf16 widens to f32 exactly, and the kernels round as the
 /// cast does), and the f32 copies never exist. Only where the target offers it
@@ -219,11 +221,46 @@ pub fn fold_half_casts(graph: &Graph, n_fwd: usize) -> Result<(Rewritten, usize,
                     _ => 0,
                 }
             }
+            // The weight gradient's product reads `dy` as our GEMM packs it; elsewhere the
+            // kernel would widen a whole copy the plan does not hold.
+            Op::LayerNormLinearBackward(_) => {
+                let (x, w) = (g.tensor(node.inputs[0]), g.tensor(node.inputs[5]));
+                match crate::ops::linear_dims("layer_norm_linear_backward", &x.shape, &w.shape) {
+                    Ok((rows, k, n)) if own_gemm_runs(gemm, (k, n, rows)) => {
+                        HalfIo::readable(&node.op)
+                    }
+                    _ => 0,
+                }
+            }
+            // Adds of equal shapes only (the kernel does not broadcast).
+            Op::Binary(_) => {
+                let (a, b) = (g.tensor(node.inputs[0]), g.tensor(node.inputs[1]));
+                if a.shape == b.shape {
+                    HalfIo::readable(&node.op)
+                } else {
+                    0
+                }
+            }
             op => HalfIo::readable(op),
         }
     };
+    // Down-casts of an up-cast of a bf16 tensor (a gradient passed through an add): rounding
+    // a widened bf16 value gives it back, so they read that tensor instead.
+    let round_trip = |i: usize| -> Option<TensorId> {
+        let node = &g.nodes()[i];
+        if !is_down_cast(node) || !private(node.outputs[0]) {
+            return None;
+        }
+        let up = g.node(g.producer(node.inputs[0])?);
+        let x16 = up.inputs[0];
+        (is_up_cast(g, up) && g.tensor(x16).dtype == DType::BF16 && private(node.inputs[0]))
+            .then_some(x16)
+    };
     // Every read node `i` makes of `t` may be in bf16.
     let reads_half = |i: usize, t: TensorId| {
+        if round_trip(i).is_some() {
+            return true;
+        }
         let node = &g.nodes()[i];
         let mask = readable(i);
         node.inputs
@@ -237,12 +274,20 @@ pub fn fold_half_casts(graph: &Graph, n_fwd: usize) -> Result<(Rewritten, usize,
     // For a removed up-cast's output (or a reshape of one): the bf16 tensor, and the reshape
     // to make anew over it.
     let mut source: Vec<Option<(TensorId, Option<usize>)>> = vec![None; g.tensors().len()];
-    // For a removed down-cast's output: the f32 output its producer now writes in bf16.
-    let mut written: Vec<Option<TensorId>> = vec![None; g.tensors().len()];
     let mut write_mask = vec![0u8; n_nodes];
     let mut removed = 0;
     let mut removed_fwd = 0;
+    // What each tensor is read as: itself, or for a removed down-cast's output, the bf16
+    // tensor that replaces it.
+    let mut same: Vec<TensorId> = (0..g.tensors().len()).map(|t| TensorId(t as u32)).collect();
     for (i, node) in g.nodes().iter().enumerate() {
+        if let Some(x16) = round_trip(i) {
+            skip[i] = true;
+            same[node.outputs[0].index()] = same[x16.index()];
+            removed += 1;
+            removed_fwd += (i < n_fwd) as usize;
+            continue;
+        }
         if is_down_cast(node) {
             let (y, y16) = (node.inputs[0], node.outputs[0]);
             let Some(p) = g.producer(y) else { continue };
@@ -251,7 +296,10 @@ pub fn fold_half_casts(graph: &Graph, n_fwd: usize) -> Result<(Rewritten, usize,
                 continue;
             };
             let only_reader = readers[y.index()] == [i];
+            let broadcasts = matches!(producer.op, Op::Binary(_))
+                && g.tensor(producer.inputs[0]).shape != g.tensor(producer.inputs[1]).shape;
             if j < 8
+                && !broadcasts
                 && HalfIo::writable(&producer.op) & (1 << j) != 0
                 && only_reader
                 && private(y)
@@ -261,7 +309,7 @@ pub fn fold_half_casts(graph: &Graph, n_fwd: usize) -> Result<(Rewritten, usize,
                 && g.tensor(y16).dtype == DType::BF16
             {
                 skip[i] = true;
-                written[y16.index()] = Some(y);
+                same[y16.index()] = y;
                 write_mask[p.index()] |= 1 << j;
                 removed += 1;
                 removed_fwd += (i < n_fwd) as usize;
@@ -302,10 +350,6 @@ pub fn fold_half_casts(graph: &Graph, n_fwd: usize) -> Result<(Rewritten, usize,
         removed += 1;
         removed_fwd += (i < n_fwd) as usize;
     }
-    // A removed down-cast's output is read as the output its producer now writes in bf16.
-    let same: Vec<TensorId> = (0..g.tensors().len())
-        .map(|t| written[t].unwrap_or(TensorId(t as u32)))
-        .collect();
     let mut added_fwd = 0;
     let r = rewrite(
         g,
