@@ -151,12 +151,8 @@ pub(super) fn forward_io(op: &CausalAttention, k: &Kernel<'_>, (half_qkv, half_y
             let lse_row = std::slice::from_raw_parts_mut(lse.get().add(item * t), t);
             head_forward((t, d, scale), [at(0), at(1), at(2)], out, s, lse_row);
             if half_y {
-                let y16 = y.get() as *mut u16;
-                for (r, row) in s_y.chunks_exact(d).enumerate() {
-                    for (j, &v) in row.iter().enumerate() {
-                        *y16.add(at1 + r * c + j) = <u16 as Elem>::put(v);
-                    }
-                }
+                let y16 = (y.get() as *mut u16).add(at1);
+                unstage_head(s_y, y16, (c, (0, 1)), d);
             }
         }
     });
@@ -262,24 +258,16 @@ pub(super) fn backward_io(
                 false,
             );
             if half_dqkv {
-                for r in 0..t {
-                    let out = (dqkv16.get() as *mut u16).add(at3 + r * 3 * c);
-                    for p in 0..3 {
-                        let from = &s_d[r * 3 * d + p * d..r * 3 * d + (p + 1) * d];
-                        for (j, &v) in from.iter().enumerate() {
-                            *out.add(p * c + j) = <u16 as Elem>::put(v);
-                        }
-                    }
-                }
+                let dqkv16 = (dqkv16.get() as *mut u16).add(at3);
+                unstage_head(s_d, dqkv16, (3 * c, (c, 3)), d);
             }
         }
     });
 }
 
 /// Widens one head's `parts` strips of `d` bf16 values per row (`part_stride` apart, rows
-/// `row_stride` apart from `at`) into `staged` as `[t, parts · d]`. Inlined into the head's
-/// vectorised body.
-#[inline(always)]
+/// `row_stride` apart from `at`) into `staged` as `[t, parts · d]`, compiled for the CPU's
+/// vector level.
 fn stage_head(
     bits: &[u16],
     (at, row_stride): (usize, usize),
@@ -287,14 +275,81 @@ fn stage_head(
     d: usize,
     staged: &mut [f32],
 ) {
-    for (r, row) in staged.chunks_exact_mut(parts * d).enumerate() {
-        for (p, strip) in row.chunks_exact_mut(d).enumerate() {
-            let from = &bits[at + r * row_stride + p * part_stride..][..d];
-            for (o, &v) in strip.iter_mut().zip(from) {
-                *o = v.get();
+    struct Stage<'a> {
+        bits: &'a [u16],
+        strides: (usize, usize, usize),
+        d: usize,
+        staged: &'a mut [f32],
+    }
+    impl crate::isa::Loop for Stage<'_> {
+        #[inline(always)]
+        fn run(self) {
+            let (row_stride, part_stride, parts) = self.strides;
+            let d = self.d;
+            for (r, row) in self.staged.chunks_exact_mut(parts * d).enumerate() {
+                for (p, strip) in row.chunks_exact_mut(d).enumerate() {
+                    let from = &self.bits[r * row_stride + p * part_stride..][..d];
+                    for (o, &v) in strip.iter_mut().zip(from) {
+                        *o = v.get();
+                    }
+                }
             }
         }
     }
+    crate::isa::vectorized_loop(Stage {
+        bits: &bits[at..],
+        strides: (row_stride, part_stride, parts),
+        d,
+        staged,
+    });
+}
+
+/// Rounds a head's staged `[t, parts · d]` into its bf16 strips (rows `row_stride` apart from
+/// `out`, parts `part_stride` apart): [`stage_head`]'s inverse, compiled likewise.
+///
+/// # Safety
+/// Every strip must lie inside the bf16 tensor `out` points into, and no other thread may
+/// write them.
+unsafe fn unstage_head(
+    staged: &[f32],
+    out: *mut u16,
+    (row_stride, (part_stride, parts)): (usize, (usize, usize)),
+    d: usize,
+) {
+    struct Unstage<'a> {
+        staged: &'a [f32],
+        out: *mut u16,
+        strides: (usize, usize, usize),
+        d: usize,
+    }
+    impl crate::isa::Loop for Unstage<'_> {
+        #[inline(always)]
+        fn run(self) {
+            let (row_stride, part_stride, parts) = self.strides;
+            let d = self.d;
+            for (r, row) in self.staged.chunks_exact(parts * d).enumerate() {
+                for (p, strip) in row.chunks_exact(d).enumerate() {
+                    // SAFETY: the strip lies inside the tensor and is this thread's alone, as
+                    // `unstage_head`'s caller vouched.
+                    let to = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            self.out.add(r * row_stride + p * part_stride),
+                            d,
+                        )
+                    };
+                    for (o, &v) in to.iter_mut().zip(strip) {
+                        *o = <u16 as Elem>::put(v);
+                    }
+                }
+            }
+        }
+    }
+    crate::isa::vectorized_loop(Unstage {
+        staged,
+        out,
+        strides: (row_stride, part_stride, parts),
+        d,
+    });
 }
 
 use crate::par::{for_each_item as for_each_head, SendPtr};
