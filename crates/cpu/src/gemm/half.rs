@@ -102,7 +102,7 @@ pub(crate) unsafe fn gemm_fused_half(
     par: ::gemm::Parallelism,
     fused: super::Fused<'_>,
 ) -> bool {
-    let Layout { tb, m, n, k, .. } = layout;
+    let Layout { m, n, k, .. } = layout;
     debug_assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
     debug_assert!(fused.half_a.is_none() && fused.quant_b.is_none());
     #[cfg(target_arch = "x86_64")]
@@ -119,8 +119,8 @@ pub(crate) unsafe fn gemm_fused_half(
         let (b_ptr, b_s, quant_b) = match b {
             Operand::F32(x) => (x.as_ptr(), (b_rs, b_cs), None),
             Operand::Bf16(halves) => {
-                let cols = if tb { k } else { n };
-                let q = QuantB::of(QuantizeBase::Bf16, (&[], halves, &[]), cols, tb);
+                let cols = if layout.tb { k } else { n };
+                let q = QuantB::of(QuantizeBase::Bf16, (&[], halves, &[]), cols, layout.tb);
                 (none, (0, 0), Some(q))
             }
         };
