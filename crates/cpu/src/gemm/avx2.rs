@@ -9,7 +9,9 @@
 
 use std::arch::x86_64::*;
 
-use super::blocked::{apply_prologue, pack_a_any, pack_b_any, tile_entry_points, Tile};
+use super::blocked::{
+    apply_prologue, pack_a_any, pack_a_half_panel, pack_b_any, tile_entry_points, Tile,
+};
 use super::fused::Prologue;
 
 /// Rows of the register tile.
@@ -99,15 +101,8 @@ unsafe fn pack_a_half(
     (out, i0, p0): (*mut f32, usize, usize),
     prologue: Prologue<'_>,
 ) {
-    // SAFETY: the panel holds `MR · kc` floats and the rows and columns lie inside the bits,
-    // as the caller vouched.
-    unsafe {
-        half.pack_a(MR, (kc, mr), (i0, p0), out);
-        if !matches!(prologue, Prologue::None) {
-            let panel = std::slice::from_raw_parts_mut(out, kc * MR);
-            apply_prologue::<MR>(prologue, panel, mr, (i0, p0));
-        }
-    }
+    // SAFETY: as the caller vouched.
+    unsafe { pack_a_half_panel::<MR>(half, (kc, mr), (out, i0, p0), prologue) }
 }
 
 /// As [`Tile::pack_b`]: 16-column panels.

@@ -610,6 +610,29 @@ pub(super) fn apply_prologue<const MR: usize>(
     }
 }
 
+/// A tile's [`Tile::pack_a_half`]: the bf16 panel widened as it is packed, then the prologue;
+/// inlined into each tile's function, so it is compiled for that instruction set.
+///
+/// # Safety
+/// As [`Tile::pack_a_half`].
+#[inline(always)]
+pub(super) unsafe fn pack_a_half_panel<const MR: usize>(
+    half: &super::half::HalfA<'_>,
+    (kc, mr): (usize, usize),
+    (out, i0, p0): (*mut f32, usize, usize),
+    prologue: Prologue<'_>,
+) {
+    // SAFETY: the panel holds `MR · kc` floats and the rows and columns lie inside the bits,
+    // as the caller vouched.
+    unsafe {
+        half.pack_a(MR, (kc, mr), (i0, p0), out);
+        if !matches!(prologue, Prologue::None) {
+            let panel = std::slice::from_raw_parts_mut(out, kc * MR);
+            apply_prologue::<MR>(prologue, panel, mr, (i0, p0));
+        }
+    }
+}
+
 /// Packs `kc` columns of up to `MR` rows of `a` element by element (any strides), zero rows
 /// past `mr`: the path for edges and strides a tile's vector packing does not cover.
 ///
