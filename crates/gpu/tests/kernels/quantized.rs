@@ -254,6 +254,7 @@ fn adamw8bit_matches_the_cpu_kernel_over_steps_and_a_partial_block() {
         let t = Tensors::new(device, &inits);
         for step in 1..=3u64 {
             let g = uniform(30 + step, n, -1.0, 1.0);
+            let before = host[0].f32s();
             host[1] = Host::f32(&g);
             let ctx = ExecCtx::step(2e-2, step);
             cpu_run(&op, &[0, 2, 3, 4, 5], &mut host, &mut [], ctx);
@@ -289,11 +290,17 @@ fn adamw8bit_matches_the_cpu_kernel_over_steps_and_a_partial_block() {
                 assert_ne!(wp, p, "{what}: the CPU moved the weights");
             }
             for i in 0..n {
+                // The step is a quotient of a square root: off a CPU driver each carries a
+                // few ULPs of its own (WGSL allows 2.5 each), and where the step outweighs the
+                // weight those are many of the weight's ULPs.
+                let step_size = (wp[i] - before[i]).abs();
+                let near = (gp[i] - wp[i]).abs() <= 8.0 * f32::EPSILON * step_size;
                 assert!(
-                    agree(device, gp[i], wp[i], 4),
-                    "{what}: param[{i}] {} against the CPU's {}",
+                    agree(device, gp[i], wp[i], 4) || (device.info().device_type != "CPU" && near),
+                    "{what}: param[{i}] {} against the CPU's {} (from {})",
                     gp[i],
-                    wp[i]
+                    wp[i],
+                    before[i]
                 );
             }
             for (k, name) in [(4, "m absmax"), (5, "v absmax")] {
@@ -322,6 +329,16 @@ fn adamw8bit_matches_the_cpu_kernel_over_steps_and_a_partial_block() {
                 }
                 // The padding past the last code is left as it was.
                 assert!(got[n..].iter().all(|&b| b == 0), "{what}: {name} padding");
+            }
+            // The next step starts from the device's state on both sides, so each step is
+            // held to one step's rounding (a code a neighbour apart would otherwise move the
+            // CPU's and the device's weights apart by a code book step).
+            host[0] = Host::f32(&t.read(0));
+            for k in [2, 3] {
+                host[k] = Host::u8(&t.read_bytes(k)[..n]);
+            }
+            for k in [4, 5] {
+                host[k] = Host::f32(&t.read(k)[..nb]);
             }
         }
     }
