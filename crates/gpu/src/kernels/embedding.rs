@@ -4,7 +4,7 @@
 //! simple, at `vocab · c · tokens` comparisons. A sort of the ids by value would bring that
 //! down to the tokens' own work; it is left for when a profile asks for it.
 
-use super::{grid_items, need, u32_of, Dispatch, Params, Source};
+use super::{grid_1d, grid_items, need, u32_of, Dispatch, Params, Source};
 use crate::device::GpuDevice;
 use crate::error::Result;
 use crate::memory::DeviceSlice;
@@ -58,7 +58,7 @@ pub fn embedding_backward<'a>(
         constants: String::new(),
         params: params(device, tokens, c, vocab)?,
         tensors: vec![(2, ids), (4, dy), (5, dtable)],
-        grid: grid_items(device, vocab * c),
+        grid: grid_1d(device, vocab as u64),
     }
     .record(device, encoder)
 }

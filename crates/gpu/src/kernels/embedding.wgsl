@@ -34,24 +34,41 @@ fn embedding(
     y[i] = v;
 }
 
-// One thread per element of the table's gradient.
-@compute @workgroup_size(256)
+// One workgroup per row of the table's gradient: its 64 threads scan the ids in token order,
+// staged 64 at a time, and on each match (the same for the whole workgroup) add that token's
+// row of dy to the gradient's row, the columns dealt round the threads. The scan is the
+// whole cost and is done once per row, not once per element: an H200 took 80 ms for GPT-2's
+// 50257 × 768 table at 4096 tokens when every element scanned the ids itself.
+var<workgroup> staged: array<i32, 64>;
+
+@compute @workgroup_size(64)
 fn embedding_backward(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(local_invocation_index) li: u32,
 ) {
-    let i = group_index(wid, nwg) * 256u + li;
-    if (i >= p.vocab * p.c) {
+    let row = group_index(wid, nwg);
+    if (row >= p.vocab) {
         return;
     }
-    let row = i32(i / p.c);
-    let col = i % p.c;
-    var s = 0.0;
-    for (var t = 0u; t < p.tokens; t++) {
-        if (ids[t] == row) {
-            s += dy[t * p.c + col];
+    let out = row * p.c;
+    for (var col = li; col < p.c; col += 64u) {
+        dtable[out + col] = 0.0;
+    }
+    for (var t0 = 0u; t0 < p.tokens; t0 += 64u) {
+        workgroupBarrier();
+        if (t0 + li < p.tokens) {
+            staged[li] = ids[t0 + li];
+        }
+        workgroupBarrier();
+        let count = min(64u, p.tokens - t0);
+        for (var j = 0u; j < count; j++) {
+            if (staged[j] == i32(row)) {
+                let src = (t0 + j) * p.c;
+                for (var col = li; col < p.c; col += 64u) {
+                    dtable[out + col] += dy[src + col];
+                }
+            }
         }
     }
-    dtable[i] = s;
 }

@@ -2,7 +2,7 @@
 //! `SumTo` (a contiguous pattern where the kept axes are leading or trailing — a bias gradient
 //! sums rows, a `[.., 1]` column sums within rows — and strides otherwise), and `BroadcastTo`.
 
-use super::{grid_items, need, u32_of, unsupported, Dispatch, Params, Source};
+use super::{grid_1d, grid_items, need, u32_of, unsupported, Dispatch, Params, Source};
 use crate::device::GpuDevice;
 use crate::error::Result;
 use crate::memory::DeviceSlice;
@@ -90,7 +90,7 @@ pub fn sum_to(
             .u(u(l.o_step)?)
             .u(u(l.stride)?),
         tensors: vec![(1, x), (2, y)],
-        grid: grid_items(device, l.outputs),
+        grid: grid_1d(device, l.outputs.div_ceil(32) as u64),
     }
     .record(device, encoder)
 }

@@ -1,4 +1,5 @@
-// Reductions, one thread per output element, summing in order (the same bits every run).
+// Reductions, one thread per output element, summing in order (the same bits every run),
+// but SumTo's contiguous case, eight threads an output.
 // SumTo: output o is the sum of `count` input elements from `o · o_step`, `stride` apart.
 // Reduce (KIND 0 sum, 1 mean, 2 max) and MaxBackward: over the middle axis of
 // [outer, count, inner], output o = (outer index) · inner + (inner index).
@@ -27,22 +28,37 @@ struct Params {
 @group(0) @binding(3) var<storage, read_write> dy: array<f32>;
 @group(0) @binding(4) var<storage, read_write> dx: array<f32>;
 
+// 32 outputs a workgroup, each summed by 8 threads over consecutive slices of its elements,
+// then the 8 partial sums added in slice order: the same bits every run, and 8 times the
+// threads of one a sum (a bias gradient has a few hundred outputs over thousands of rows).
+var<workgroup> slices: array<f32, 256>;
+
 @compute @workgroup_size(256)
 fn sum_to(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(local_invocation_index) li: u32,
 ) {
-    let o = group_index(wid, nwg) * 256u + li;
-    if (o >= p.n) {
-        return;
-    }
-    let base = o * p.o_step;
+    let o = group_index(wid, nwg) * 32u + li % 32u;
+    let slice = li / 32u;
+    let per = (p.count + 7u) / 8u;
     var s = 0.0;
-    for (var r = 0u; r < p.count; r++) {
-        s += x[base + r * p.stride];
+    if (o < p.n) {
+        let base = o * p.o_step;
+        let end = min(p.count, (slice + 1u) * per);
+        for (var r = slice * per; r < end; r++) {
+            s += x[base + r * p.stride];
+        }
     }
-    y[o] = s;
+    slices[li] = s;
+    workgroupBarrier();
+    if (slice == 0u && o < p.n) {
+        var t = slices[li];
+        for (var k = 1u; k < 8u; k++) {
+            t += slices[k * 32u + li];
+        }
+        y[o] = t;
+    }
 }
 
 // The first element of reduction o, and the distance between its elements.

@@ -90,7 +90,7 @@ fn cross_entropy_loss_and_gradient() {
 #[test]
 fn embedding_gathers_rows_and_scatters_gradients_deterministically() {
     let Some(device) = gpu() else { return };
-    for (k, (tokens, vocab, c)) in [(1, 1, 1), (17, 5, 17), (130, 65, 33)]
+    for (k, (tokens, vocab, c)) in [(1, 1, 1), (17, 5, 17), (130, 65, 33), (200, 7, 100)]
         .into_iter()
         .enumerate()
     {
