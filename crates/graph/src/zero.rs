@@ -11,6 +11,8 @@
 //!   forward reads it and again before the backward does ([`gather_parameters`], then the
 //!   compiler drops the forward copies for the backward to re-gather).
 
+use std::collections::HashMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::ops::{shard_len, AllGather, AllReduce, Bucketed, CollectiveStart, Op, ReduceScatter};
@@ -180,19 +182,34 @@ fn mapped(map: &[Option<TensorId>], t: TensorId) -> Result<TensorId> {
         })
 }
 
+/// The parameter a stage-3 gather brings back whole, and the shape it brings it back to.
+fn gathered(node: &crate::Node) -> Option<(TensorId, &[usize])> {
+    match (&node.op, node.inputs.first()) {
+        (Op::AllGather(g), Some(&param)) if !g.into => Some((param, &g.shape)),
+        _ => None,
+    }
+}
+
 /// The shape a parameter of the step had before sharding: its gather's shape under stage 3,
 /// its own otherwise.
 pub fn unsharded_shape(graph: &Graph, param: TensorId) -> Vec<usize> {
     graph
         .nodes()
         .iter()
-        .find_map(|node| match &node.op {
-            Op::AllGather(g) if !g.into && node.inputs.first() == Some(&param) => {
-                Some(g.shape.clone())
-            }
-            _ => None,
-        })
-        .unwrap_or_else(|| graph.tensor(param).shape.clone())
+        .filter_map(gathered)
+        .find(|&(p, _)| p == param)
+        .map_or_else(|| graph.tensor(param).shape.clone(), |(_, s)| s.to_vec())
+}
+
+/// The shapes stage 3 gathers parameters back to, by parameter: [`unsharded_shape`] for all
+/// of them in one pass over the nodes (asked once per parameter, it made building a 405B
+/// step quadratic in its depth).
+pub fn gathered_shapes(graph: &Graph) -> HashMap<TensorId, Vec<usize>> {
+    let mut shapes = HashMap::new();
+    for (param, shape) in graph.nodes().iter().filter_map(gathered) {
+        shapes.entry(param).or_insert_with(|| shape.to_vec());
+    }
+    shapes
 }
 
 /// Bytes one rank sends and receives in one optimizer step, with ring algorithms (what Open

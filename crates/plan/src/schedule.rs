@@ -93,7 +93,13 @@ pub fn memory_aware_order(graph: &Graph) -> Vec<NodeId> {
         }
     }
 
-    let size = |t: TensorId| graph.tensor(t).size_bytes() as i64;
+    // Asked for every candidate at every pick: computed once, not from the shape each time.
+    let sizes: Vec<i64> = graph
+        .tensors()
+        .iter()
+        .map(|t| t.size_bytes() as i64)
+        .collect();
+    let size = |t: TensorId| sizes[t.index()];
     // Bytes a node would add to the live set (new storage) minus bytes it would release.
     let delta = |i: usize, uses: &[usize]| -> i64 {
         let node = &nodes[i];
