@@ -579,7 +579,7 @@ pub fn gemm_rate(
         let [a, b, c] = [0, 1, 2].map(|i| arena.chunks()[i].whole());
         let start = std::time::Instant::now();
         let mut encoder = device.encoder("snug GEMM probe");
-        crate::kernels::matmul::matmul(device, &mut encoder, g, a, b, None, c)?;
+        crate::kernels::matmul::matmul(device, &mut encoder, g, a, b, None, c, None)?;
         device.submit(encoder)?;
         device.wait()?;
         Ok(start.elapsed().as_secs_f64())

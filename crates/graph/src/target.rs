@@ -231,7 +231,7 @@ impl From<usize> for Target {
 #[cfg(test)]
 mod tests {
     use super::{CpuGemm, MemoryLayout, Target};
-    use crate::ops::{gpu_partial_sums, GradNorm, LayerNormBackward, Rope, SumSquares};
+    use crate::ops::{gpu_partial_sums, GradNorm, LayerNormBackward, MatMul, Rope, SumSquares};
     use crate::{DType, Graph, Role};
 
     /// Workspace elements of `op`'s node on `target`, over f32 leaves of `shapes`.
@@ -283,5 +283,20 @@ mod tests {
         let rope = Rope::new(2, 8, 10_000.0);
         assert_eq!(workspace(gpu, rope, &[&[1, 4, 16]]), 0);
         assert_eq!(workspace(cpu, rope, &[&[1, 4, 16]]), 4 * 8);
+
+        // A weight's gradient (384 × 384 over 4096 rows: 36 tiles) sums 8 depth slices apart;
+        // a product of many tiles, and any on the CPU, needs none.
+        let grad = MatMul {
+            ta: true,
+            tb: false,
+            bias: false,
+        };
+        assert_eq!(
+            workspace(gpu, grad, &[&[4096, 384], &[4096, 384]]),
+            8 * 384 * 384
+        );
+        assert_eq!(workspace(cpu, grad, &[&[4096, 384], &[4096, 384]]), 0);
+        let forward = MatMul::default();
+        assert_eq!(workspace(gpu, forward, &[&[4096, 384], &[384, 1536]]), 0);
     }
 }

@@ -2,7 +2,7 @@
 //! transposes the last two axes of an operand stored transposed, `b` may be one matrix shared
 //! by the batch (a linear layer's weight), and a bias of `n` is added to every row.
 
-use super::{need, u32_of, unsupported, Dispatch, Params, Source};
+use super::{grid_items, need, u32_of, unsupported, Dispatch, Params, Source};
 use crate::device::GpuDevice;
 use crate::error::Result;
 use crate::memory::DeviceSlice;
@@ -38,7 +38,9 @@ pub struct Place {
     pub ld: usize,
 }
 
-/// Records `c = op(a)·op(b) (+ bias)`.
+/// Records `c = op(a)·op(b) (+ bias)`. A product [`splits`] cuts along its depth sums its
+/// slices in `workspace` (`splits × m × n` elements), which it then needs; any other ignores it.
+#[allow(clippy::too_many_arguments)]
 pub fn matmul(
     device: &GpuDevice,
     encoder: &mut wgpu::CommandEncoder,
@@ -47,6 +49,7 @@ pub fn matmul(
     b: DeviceSlice<'_>,
     bias: Option<DeviceSlice<'_>>,
     c: DeviceSlice<'_>,
+    workspace: Option<DeviceSlice<'_>>,
 ) -> Result<()> {
     let dense = |ld| Place { offset: 0, ld };
     let places = [
@@ -54,7 +57,33 @@ pub fn matmul(
         dense(if g.tb { g.k } else { g.n }),
         dense(g.n),
     ];
-    record(device, encoder, g, [a, b, c], places, bias, false)
+    let split = match splits(&g) {
+        1 => None,
+        s => {
+            let Some(ws) = workspace else {
+                return Err(unsupported(
+                    device,
+                    "matmul",
+                    format!("a product split {s} ways along its depth, without its workspace"),
+                ));
+            };
+            need(device, "matmul workspace", &ws, s * g.m * g.n)?;
+            Some((s, ws))
+        }
+    };
+    record(device, encoder, g, [a, b, c], places, bias, false, split)
+}
+
+/// Slices the product `g` is cut into along its depth, as the plan's workspace for it
+/// assumes ([`snug_graph::ops::gpu_depth_splits`]).
+pub fn splits(g: &Gemm) -> usize {
+    snug_graph::ops::gpu_depth_splits(&snug_graph::ops::MatMulDims {
+        batch: g.batch,
+        m: g.m,
+        k: g.k,
+        n: g.n,
+        shared_b: g.shared_b,
+    })
 }
 
 /// Records one product (`g.batch` is 1) between matrices placed inside their bindings (a tile
@@ -82,6 +111,7 @@ pub fn matmul_in(
         [a.1, b.1, c.1],
         None,
         accumulate,
+        None,
     )
 }
 
@@ -93,6 +123,7 @@ fn extent(place: Place, (rows, cols): (usize, usize)) -> usize {
     place.offset + (rows - 1) * place.ld + cols
 }
 
+#[allow(clippy::too_many_arguments)]
 fn record(
     device: &GpuDevice,
     encoder: &mut wgpu::CommandEncoder,
@@ -101,6 +132,7 @@ fn record(
     [pa, pb, pc]: [Place; 3],
     bias: Option<DeviceSlice<'_>>,
     accumulate: bool,
+    split: Option<(usize, DeviceSlice<'_>)>,
 ) -> Result<()> {
     let kernel = "matmul";
     let b_batch = if g.shared_b { 1 } else { g.batch };
@@ -136,31 +168,58 @@ fn record(
     }
     let u = |n| u32_of(device, kernel, n);
     let b_stride = if g.shared_b { 0 } else { g.k * g.n };
-    Dispatch {
-        source: SOURCE,
-        entry: kernel,
-        constants: format!(
-            "const TA: bool = {};\nconst TB: bool = {};\nconst BIAS: bool = {};\nconst ACC: bool = {accumulate};",
+    let (splits, k_per) = match split {
+        // Whole depth blocks a slice, so only the last slice ends inside one.
+        Some((s, _)) => (s, g.k.div_ceil(s).next_multiple_of(16)),
+        None => (1, g.k),
+    };
+    let constants = |split: bool| {
+        format!(
+            "const TA: bool = {};\nconst TB: bool = {};\nconst BIAS: bool = {};\nconst ACC: bool = {accumulate};\nconst SPLIT: bool = {split};",
             g.ta,
             g.tb,
             bias.is_some()
-        ),
-        params: Params::new()
-            .u(u(g.m)?)
-            .u(u(g.n)?)
-            .u(u(g.k)?)
-            .u(u(g.m * g.k)?)
-            .u(u(b_stride)?)
-            .u(u(g.m * g.n)?)
-            .u(u(pa.offset)?)
-            .u(u(pb.offset)?)
-            .u(u(pc.offset)?)
-            .u(u(pa.ld)?)
-            .u(u(pb.ld)?)
-            .u(u(pc.ld)?),
-        // Without a bias, `c` fills its binding: the kernel never reads it.
-        tensors: vec![(1, a), (2, b), (3, c), (4, bias.unwrap_or(c))],
-        grid: [u(g.n.div_ceil(TILE))?, u(g.m.div_ceil(TILE))?, u(g.batch)?],
+        )
+    };
+    let params = Params::new()
+        .u(u(g.m)?)
+        .u(u(g.n)?)
+        .u(u(g.k)?)
+        .u(u(g.m * g.k)?)
+        .u(u(b_stride)?)
+        .u(u(g.m * g.n)?)
+        .u(u(pa.offset)?)
+        .u(u(pb.offset)?)
+        .u(u(pc.offset)?)
+        .u(u(pa.ld)?)
+        .u(u(pb.ld)?)
+        .u(u(pc.ld)?)
+        .u(u(k_per)?)
+        .u(u(splits)?);
+    // Without a bias, `c` fills its binding, as it does the workspace's unsplit: the kernel
+    // never reads either then.
+    let ws = split.map_or(c, |(_, ws)| ws);
+    let tensors = vec![(1, a), (2, b), (3, c), (4, bias.unwrap_or(c)), (5, ws)];
+    let batches = if split.is_some() { splits } else { g.batch };
+    Dispatch {
+        source: SOURCE,
+        entry: kernel,
+        constants: constants(split.is_some()),
+        params: params.clone(),
+        tensors: tensors.clone(),
+        grid: [u(g.n.div_ceil(TILE))?, u(g.m.div_ceil(TILE))?, u(batches)?],
+    }
+    .record(device, encoder)?;
+    if split.is_none() {
+        return Ok(());
+    }
+    Dispatch {
+        source: SOURCE,
+        entry: "matmul_reduce",
+        constants: constants(true),
+        params,
+        tensors,
+        grid: grid_items(device, g.m * g.n),
     }
     .record(device, encoder)
 }

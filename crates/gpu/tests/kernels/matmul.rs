@@ -1,4 +1,4 @@
-use snug_gpu::kernels::matmul::{matmul, Gemm};
+use snug_gpu::kernels::matmul::{matmul, splits, Gemm};
 use snug_gpu::GpuDevice;
 
 use crate::common::{assert_close, gpu, uniform, Init, Tensors};
@@ -36,6 +36,8 @@ fn check(device: &'static GpuDevice, g: Gemm, with_bias: bool, seed: u64) {
     let a = uniform(seed, g.batch * g.m * g.k, -1.0, 1.0);
     let b = uniform(seed + 1, b_count * g.k * g.n, -1.0, 1.0);
     let bias = uniform(seed + 2, g.n, -1.0, 1.0);
+    // A product split along its depth sums its slices in a workspace (NaN until written).
+    let split = splits(&g);
     let t = Tensors::new(
         device,
         &[
@@ -43,20 +45,98 @@ fn check(device: &'static GpuDevice, g: Gemm, with_bias: bool, seed: u64) {
             Init::F32(b.clone()),
             Init::F32(bias.clone()),
             Init::Out(g.batch * g.m * g.n),
+            Init::Out(if split > 1 { split * g.m * g.n } else { 1 }),
         ],
     );
     t.run(|e, t| {
         let bias = with_bias.then(|| t.get(2));
-        matmul(device, e, g, t.get(0), t.get(1), bias, t.get(3))
+        let ws = (split > 1).then(|| t.get(4));
+        matmul(device, e, g, t.get(0), t.get(1), bias, t.get(3), ws)
     });
     let (want, mag) = reference(g, &a, &b, with_bias.then_some(&bias[..]));
-    // f32 sums of k ≤ 130 products: error below k·2⁻²⁴ ≈ 8e-6 of the terms' magnitudes.
+    // f32 sums of k products: error below k·2⁻²⁴ of the terms' magnitudes (8e-6 at 130).
+    let tol = (g.k as f64 * 2f64.powi(-24)).max(1e-5);
     assert_close(
         &format!("{g:?} bias={with_bias}"),
         &t.read(3),
         &want,
-        1e-5,
+        tol,
         &mag,
+    );
+}
+
+/// Weight-gradient shapes (few output tiles, a long depth) are cut into depth slices summed
+/// apart and then in order: every layout, with and without a bias, the last slice short.
+#[test]
+fn deep_products_are_split_along_their_depth() {
+    let Some(device) = gpu() else { return };
+    let mut seed = 100;
+    for (m, n, k, want_splits) in [(70, 70, 1000, 3), (33, 130, 600, 2), (17, 17, 4100, 16)] {
+        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+            let g = Gemm {
+                batch: 1,
+                m,
+                n,
+                k,
+                ta,
+                tb,
+                shared_b: true,
+            };
+            assert_eq!(splits(&g), want_splits, "{g:?}");
+            for bias in [false, true] {
+                seed += 3;
+                check(device, g, bias, seed);
+            }
+        }
+    }
+    // Batches, and products whose tiles already fill a GPU, are not split.
+    let batched = Gemm {
+        batch: 2,
+        m: 17,
+        n: 17,
+        k: 4100,
+        ta: false,
+        tb: false,
+        shared_b: false,
+    };
+    assert_eq!(splits(&batched), 1);
+    let wide = Gemm {
+        batch: 1,
+        m: 64 * 16,
+        n: 64 * 16,
+        ..batched
+    };
+    assert_eq!(splits(&wide), 1);
+}
+
+/// A product the plan split needs the workspace it was planned with.
+#[test]
+fn a_split_product_without_its_workspace_is_an_error() {
+    let Some(device) = gpu() else { return };
+    let g = Gemm {
+        batch: 1,
+        m: 17,
+        n: 17,
+        k: 600,
+        ta: false,
+        tb: false,
+        shared_b: true,
+    };
+    assert!(splits(&g) > 1);
+    let t = Tensors::new(
+        device,
+        &[
+            Init::F32(vec![0.0; 17 * 600]),
+            Init::F32(vec![0.0; 600 * 17]),
+            Init::Out(17 * 17),
+        ],
+    );
+    let mut e = device.encoder("test");
+    let err = matmul(device, &mut e, g, t.get(0), t.get(1), None, t.get(2), None).unwrap_err();
+    assert!(
+        matches!(err, snug_gpu::GpuError::Unsupported { .. })
+            && err.to_string().contains("workspace"),
+        "{err}"
     );
 }
 
@@ -124,6 +204,6 @@ fn a_short_operand_is_a_binding_error() {
         shared_b: false,
     };
     let mut e = device.encoder("short");
-    let err = matmul(device, &mut e, g, t.get(0), t.get(1), None, t.get(2)).unwrap_err();
+    let err = matmul(device, &mut e, g, t.get(0), t.get(1), None, t.get(2), None).unwrap_err();
     assert!(matches!(err, snug_gpu::GpuError::Binding { .. }), "{err}");
 }

@@ -59,7 +59,7 @@ pub use kv_attention::KvAttention;
 pub use layernorm::{LayerNorm, LayerNormBackward};
 pub use layernorm_linear::{LayerNormLinear, LayerNormLinearBackward};
 pub use lm_head_loss::{LmHeadLoss, LmHeadLossBackward};
-pub use matmul::MatMul;
+pub use matmul::{gpu_depth_splits, MatMul, MatMulDims};
 pub use quantized_read::QuantizedRead;
 pub use reduce::{BroadcastTo, MaxBackward, Reduce, ReduceKind, SumTo};
 pub use rmsnorm::{RmsNorm, RmsNormBackward};
