@@ -27,7 +27,7 @@ use crate::kernels::grad_norm::{grad_norm, sum_squares, GradNormRule};
 use crate::kernels::kv_attention::{kv_attention, KvShape};
 use crate::kernels::layernorm::{layer_norm, layer_norm_backward};
 use crate::kernels::lm_head_loss::{lm_head_loss, lm_head_loss_backward, HeadShape};
-use crate::kernels::matmul::{matmul, splits, Gemm};
+use crate::kernels::matmul::{matmul, Gemm};
 use crate::kernels::reduce::{broadcast_to, max_backward, reduce, sum_to, ReduceKind};
 use crate::kernels::rmsnorm::{rms_norm, rms_norm_backward};
 use crate::kernels::rope::rope;
@@ -272,7 +272,8 @@ fn record_kernel(
                 shared_b: d.shared_b,
             };
             let bias = op.bias.then(|| input(2));
-            let ws = (splits(&g) > 1).then(workspace).transpose()?;
+            // Present exactly where the plan split the product (`matmul` checks it).
+            let ws = n.workspace.as_ref().map(Arg::slice);
             matmul(device, e, g, input(0), input(1), bias, output(0), ws)
         }
         Op::Binary(op) => {

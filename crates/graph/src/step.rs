@@ -8,7 +8,7 @@ use crate::ops::{
     adamw8bit, AccumulateGrad, AdamW, AdamW8bit, AllGather, AllReduce, Bucketed, CollectiveStart,
     CollectiveWait, GradNorm, ReduceScatter, Sgd, ShardedAdamW, StoreSumSquares, SumSquares,
 };
-use crate::zero::{gathered_shapes, Sharding};
+use crate::zero::{Sharding, UnshardedShapes};
 use crate::{backward_seeded, DType, Graph, GraphError, Result, Role, TensorId};
 
 /// Optimizer applied at the end of the step.
@@ -406,16 +406,14 @@ impl StepGraph {
             (None, None)
         };
         let mut slots = Vec::with_capacity(params.len());
-        let gathered = gathered_shapes(&graph);
+        let unsharded = UnshardedShapes::of(&graph);
         for (((&p, &g), accumulator), local) in
             params.iter().zip(&grads).zip(accumulators).zip(local_coef)
         {
             let coef = coef.or(local);
             let meta = graph.tensor(p).clone();
             // Weight decay follows the weight's own rank, not its shard's.
-            let rank = gathered
-                .get(&p)
-                .map_or_else(|| graph.tensor(p).shape.len(), Vec::len);
+            let rank = unsharded.shape(&graph, p).len();
             let mut moment_scales = None;
             let moments = match optimizer {
                 OptimizerSpec::AdamW8bit(adamw) => {

@@ -182,34 +182,36 @@ fn mapped(map: &[Option<TensorId>], t: TensorId) -> Result<TensorId> {
         })
 }
 
-/// The parameter a stage-3 gather brings back whole, and the shape it brings it back to.
-fn gathered(node: &crate::Node) -> Option<(TensorId, &[usize])> {
-    match (&node.op, node.inputs.first()) {
-        (Op::AllGather(g), Some(&param)) if !g.into => Some((param, &g.shape)),
-        _ => None,
+/// The shapes parameters had before sharding: under stage 3 the shape each one's gather
+/// brings it back to. Built in one pass over the nodes, for callers that ask of every
+/// parameter (asked one by one, each a scan of the nodes, building a 405B step was quadratic
+/// in its depth).
+#[derive(Debug, Clone, Default)]
+pub struct UnshardedShapes(HashMap<TensorId, Vec<usize>>);
+
+impl UnshardedShapes {
+    pub fn of(graph: &Graph) -> UnshardedShapes {
+        let mut shapes = HashMap::new();
+        for node in graph.nodes() {
+            if let (Op::AllGather(g), Some(&param)) = (&node.op, node.inputs.first()) {
+                if !g.into {
+                    shapes.entry(param).or_insert_with(|| g.shape.clone());
+                }
+            }
+        }
+        UnshardedShapes(shapes)
+    }
+
+    /// `param`'s shape before sharding: its gather's under stage 3, its own otherwise.
+    pub fn shape<'g>(&'g self, graph: &'g Graph, param: TensorId) -> &'g [usize] {
+        self.0.get(&param).map_or(&graph.tensor(param).shape, |s| s)
     }
 }
 
-/// The shape a parameter of the step had before sharding: its gather's shape under stage 3,
-/// its own otherwise.
+/// The shape a parameter of the step had before sharding (one parameter; see
+/// [`UnshardedShapes`] for many).
 pub fn unsharded_shape(graph: &Graph, param: TensorId) -> Vec<usize> {
-    graph
-        .nodes()
-        .iter()
-        .filter_map(gathered)
-        .find(|&(p, _)| p == param)
-        .map_or_else(|| graph.tensor(param).shape.clone(), |(_, s)| s.to_vec())
-}
-
-/// The shapes stage 3 gathers parameters back to, by parameter: [`unsharded_shape`] for all
-/// of them in one pass over the nodes (asked once per parameter, it made building a 405B
-/// step quadratic in its depth).
-pub fn gathered_shapes(graph: &Graph) -> HashMap<TensorId, Vec<usize>> {
-    let mut shapes = HashMap::new();
-    for (param, shape) in graph.nodes().iter().filter_map(gathered) {
-        shapes.entry(param).or_insert_with(|| shape.to_vec());
-    }
-    shapes
+    UnshardedShapes::of(graph).shape(graph, param).to_vec()
 }
 
 /// Bytes one rank sends and receives in one optimizer step, with ring algorithms (what Open

@@ -582,8 +582,9 @@ impl Trainer {
     /// ranks hold it. Tensors not listed are whole in a world of one or at stage 0, and each
     /// rank's own otherwise (8-bit AdamW's per-shard blocks, a rank's own gradient norm).
     fn placements(&self) -> std::collections::HashMap<TensorId, Placement> {
-        use snug_graph::zero::{unsharded_name, unsharded_shape};
+        use snug_graph::zero::{unsharded_name, UnshardedShapes};
         let g = &self.step_graph.graph;
+        let unsharded = UnshardedShapes::of(g);
         let sharded_state = self.saves_sharded();
         let mut out = std::collections::HashMap::new();
         let slots = self
@@ -599,7 +600,7 @@ impl Trainer {
             );
         for (name, p, moments, scales) in slots {
             let whole = unsharded_name(name);
-            let full = unsharded_shape(g, p);
+            let full = unsharded.shape(g, p).to_vec();
             let param = if whole != name {
                 (whole.to_string(), full.clone(), Layout::Sharded)
             } else {
@@ -1525,6 +1526,8 @@ impl Trainer {
 
     /// Current values of every parameter (trained and frozen), by Hugging Face name.
     pub fn parameters(&self) -> Result<Vec<(String, Vec<f32>)>, TrainError> {
+        let graph = &self.step_graph.graph;
+        let unsharded = snug_graph::zero::UnshardedShapes::of(graph);
         self.step_graph
             .params
             .iter()
@@ -1533,9 +1536,7 @@ impl Trainer {
             .map(
                 |(name, t)| match name.strip_suffix(snug_graph::zero::SHARD_SUFFIX) {
                     Some(base) => {
-                        let numel = snug_graph::zero::unsharded_shape(&self.step_graph.graph, t)
-                            .iter()
-                            .product::<usize>();
+                        let numel = unsharded.shape(graph, t).iter().product::<usize>();
                         let mut full = all_ranks(&self.session.read_f32(t)?);
                         full.truncate(numel);
                         Ok((base.to_string(), full))

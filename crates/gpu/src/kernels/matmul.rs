@@ -201,18 +201,19 @@ fn record(
     let ws = split.map_or(c, |(_, ws)| ws);
     let tensors = vec![(1, a), (2, b), (3, c), (4, bias.unwrap_or(c)), (5, ws)];
     let batches = if split.is_some() { splits } else { g.batch };
+    let reduce = split.map(|_| (params.clone(), tensors.clone()));
     Dispatch {
         source: SOURCE,
         entry: kernel,
         constants: constants(split.is_some()),
-        params: params.clone(),
-        tensors: tensors.clone(),
+        params,
+        tensors,
         grid: [u(g.n.div_ceil(TILE))?, u(g.m.div_ceil(TILE))?, u(batches)?],
     }
     .record(device, encoder)?;
-    if split.is_none() {
+    let Some((params, tensors)) = reduce else {
         return Ok(());
-    }
+    };
     Dispatch {
         source: SOURCE,
         entry: "matmul_reduce",
