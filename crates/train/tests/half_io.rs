@@ -1,5 +1,6 @@
 //! Kernels reading bf16 activations and gradients themselves and writing some in bf16
-//! ([`HalfIo`], the CPU's `half_io`: products, GPT's fused GELU-linear and attention) against
+//! ([`HalfIo`], the CPU's `half_io`: products, GPT's fused GELU-linear and attention, Llama's
+//! RMSNorm, SwiGLU and RoPE) against
 //! going through f32 copies made by casts: over whole bf16 steps of GPT and Llama (plain,
 //! per-block and selective remat, fused updates, 8-bit AdamW, LoRA), the loss and updated
 //! parameters are bitwise the casting step's, each step holds exactly its plan, and every cast
@@ -193,7 +194,9 @@ fn casts(step: &StepGraph) -> (usize, usize) {
                 let j = p.outputs.iter().position(|&o| o == x).unwrap_or(8);
                 let broadcasts = matches!(p.op, Op::Binary(_))
                     && g.tensor(p.inputs[0]).shape != g.tensor(p.inputs[1]).shape;
-                j < 8 && !broadcasts && HalfIo::writable(&p.op) & (1 << j) != 0
+                let inputs: Vec<_> = p.inputs.iter().map(|&t| g.tensor(t)).collect();
+                let mask = HalfIo::writes_on(&p.op, &inputs, snug_graph::CpuGemm::host());
+                j < 8 && !broadcasts && mask & (1 << j) != 0
             });
             foldable += (writable && readers[x.index()] == [(i, 0)]) as usize;
         }
@@ -273,13 +276,18 @@ fn folding_bf16_casts_into_kernels_is_bitwise_the_casting_step() {
                     .filter(|n| matches!(n.op, Op::HalfIo(_)))
                     .map(|n| n.op.name())
                     .collect();
-                let gemm_only = ["half_matmul", "half_layer_norm_linear_backward"];
+                let gemm_only = [
+                    "half_matmul",
+                    "half_layer_norm_linear",
+                    "half_layer_norm_linear_backward",
+                ];
                 for want in [
                     "half_matmul",
                     "half_gelu_linear",
                     "half_gelu_linear_backward",
                     "half_causal_attention",
                     "half_causal_attention_backward",
+                    "half_layer_norm_linear",
                     "half_layer_norm_linear_backward",
                     "half_sum_to",
                     "half_add",
@@ -290,6 +298,26 @@ fn folding_bf16_casts_into_kernels_is_bitwise_the_casting_step() {
                         expected,
                         "{label}: {want} in {names:?}"
                     );
+                }
+            }
+            if matches!(model, ModelConfig::Llama(_)) {
+                // Llama's norms, gate and rotations take their casts in on any CPU.
+                let names: std::collections::BTreeSet<&str> = reading
+                    .step
+                    .graph
+                    .nodes()
+                    .iter()
+                    .filter(|n| matches!(n.op, Op::HalfIo(_)))
+                    .map(|n| n.op.name())
+                    .collect();
+                for want in [
+                    "half_rms_norm",
+                    "half_rms_norm_backward",
+                    "half_swiglu",
+                    "half_swiglu_backward",
+                    "half_rope",
+                ] {
+                    assert!(names.contains(want), "{label}: {want} in {names:?}");
                 }
             }
             let (before, only) = casts(&widening.step);
@@ -401,4 +429,215 @@ fn half_io_is_a_cpu_fusion_with_a_checked_shape_rule() {
     let row = g.input("row", &[4], DType::F32).unwrap();
     let err = g.apply1(add(), &[h, row]).unwrap_err();
     assert!(matches!(err, snug_graph::GraphError::Shape { .. }), "{err}");
+}
+
+/// bf16 bits of `x`, rounded to nearest even (as the cast kernel rounds finite values).
+fn to_bf16(x: &[f32]) -> Vec<u16> {
+    x.iter()
+        .map(|v| {
+            let b = v.to_bits();
+            ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+        })
+        .collect()
+}
+
+/// Products written in bf16 a tile of rows at a time, on shapes of two tiles with a shorter
+/// last one: bitwise the f32 product rounded by a cast, for a plain product (with a bias, `a`
+/// read in bf16 or f32, `b` transposed or not), a LayerNorm-linear (its statistics too) and a
+/// GELU-linear (its input in bf16 or f32). Each run holds exactly its plan, the f32 tile
+/// included, and less than the casting graph, which holds the whole f32 output.
+#[test]
+fn products_written_in_bf16_tile_by_tile_are_the_rounded_f32_products() {
+    use snug_graph::ops::half_io::write_tile_rows;
+    use snug_graph::ops::{GeluApprox, GeluLinear, LayerNormLinear, MatMul};
+    use snug_graph::{CpuGemm, Graph, Role};
+    let (rows, k, n) = (601, 16, 2048);
+    let tile = write_tile_rows(rows, n);
+    assert!(
+        tile < rows && rows % tile != 0,
+        "two tiles, the last shorter"
+    );
+    let f32_in = |name: &str, shape: &[usize], seed: u64| {
+        (name.to_string(), shape.to_vec(), DType::F32, seed)
+    };
+    let bf16_in = |name: &str, shape: &[usize], seed: u64| {
+        (name.to_string(), shape.to_vec(), DType::BF16, seed)
+    };
+    let mm = |tb: bool| {
+        Op::MatMul(MatMul {
+            ta: false,
+            tb,
+            bias: true,
+        })
+    };
+    let b_shape = |tb: bool| if tb { vec![n, k] } else { vec![k, n] };
+    let cases = vec![
+        (
+            "matmul",
+            mm(false),
+            0b00,
+            vec![
+                f32_in("a", &[rows, k], 1),
+                f32_in("b", &b_shape(false), 2),
+                f32_in("bias", &[n], 3),
+            ],
+        ),
+        (
+            "matmul, a in bf16",
+            mm(false),
+            0b01,
+            vec![
+                bf16_in("a", &[rows, k], 1),
+                f32_in("b", &b_shape(false), 2),
+                f32_in("bias", &[n], 3),
+            ],
+        ),
+        (
+            "matmul, b transposed",
+            mm(true),
+            0b01,
+            vec![
+                bf16_in("a", &[rows, k], 1),
+                f32_in("b", &b_shape(true), 2),
+                f32_in("bias", &[n], 3),
+            ],
+        ),
+        (
+            "layer_norm_linear",
+            Op::LayerNormLinear(LayerNormLinear::default()),
+            0,
+            vec![
+                f32_in("x", &[rows, k], 4),
+                f32_in("ln_w", &[k], 5),
+                f32_in("ln_b", &[k], 6),
+                f32_in("w", &[k, n], 7),
+                f32_in("b", &[n], 8),
+            ],
+        ),
+        (
+            "gelu_linear",
+            Op::GeluLinear(GeluLinear {
+                approx: GeluApprox::Tanh,
+            }),
+            0,
+            vec![
+                f32_in("h", &[rows, k], 9),
+                f32_in("w", &[k, n], 10),
+                f32_in("b", &[n], 11),
+            ],
+        ),
+        (
+            "gelu_linear, h in bf16",
+            Op::GeluLinear(GeluLinear {
+                approx: GeluApprox::Exact,
+            }),
+            0b1,
+            vec![
+                bf16_in("h", &[rows, k], 9),
+                f32_in("w", &[k, n], 10),
+                f32_in("b", &[n], 11),
+            ],
+        ),
+    ];
+    let gemm = CpuGemm::host();
+    for (label, op, reads, inputs) in cases {
+        let metas: Vec<snug_graph::TensorMeta> = inputs
+            .iter()
+            .map(|(name, shape, _, _)| snug_graph::TensorMeta {
+                name: name.clone(),
+                shape: shape.clone(),
+                dtype: DType::F32,
+                role: Role::Input,
+                view_of: None,
+            })
+            .collect();
+        let refs: Vec<&snug_graph::TensorMeta> = metas.iter().collect();
+        if gemm == CpuGemm::Portable {
+            // Without our GEMM a tile's product may differ from the whole one's: not written.
+            assert_eq!(HalfIo::writes_on(&op, &refs, gemm), 0, "{label}");
+            continue;
+        }
+        assert_eq!(HalfIo::writes_on(&op, &refs, gemm), 0b1, "{label}");
+        // The graph: fused (one HalfIo) or casting (casts around the op); `widen` appends an
+        // exact cast of the bf16 output back to f32, which the session can read.
+        let build = |fused: bool, widen: bool| {
+            let mut g = Graph::new().with_target(Target::cpu(2, gemm));
+            let mut leaves = Vec::new();
+            let mut args = Vec::new();
+            for (name, shape, dtype, _) in &inputs {
+                let t = g
+                    .add_leaf(name.clone(), shape, *dtype, Role::Input)
+                    .unwrap();
+                leaves.push(t);
+                args.push(if *dtype == DType::BF16 && !fused {
+                    g.apply1(Op::Cast(Cast { to: DType::F32 }), &[t]).unwrap()
+                } else {
+                    t
+                });
+            }
+            let mut outs = if fused {
+                let io = HalfIo {
+                    op: Box::new(op.clone()),
+                    reads,
+                    writes: 0b1,
+                };
+                g.apply(Op::HalfIo(io), &args).unwrap()
+            } else {
+                let mut outs = g.apply(op.clone(), &args).unwrap();
+                outs[0] = g
+                    .apply1(Op::Cast(Cast { to: DType::BF16 }), &[outs[0]])
+                    .unwrap();
+                outs
+            };
+            assert_eq!(g.tensor(outs[0]).dtype, DType::BF16, "{label}");
+            if widen {
+                outs[0] = g
+                    .apply1(Op::Cast(Cast { to: DType::F32 }), &[outs[0]])
+                    .unwrap();
+            }
+            for &o in &outs {
+                g.mark_output(o);
+            }
+            (g, leaves, outs)
+        };
+        let peak = |fused: bool| {
+            let (g, ..) = build(fused, false);
+            plan(&g, &PlanOptions::default()).unwrap().peak_bytes()
+        };
+        let (fused_peak, casting_peak) = (peak(true), peak(false));
+        assert!(
+            fused_peak < casting_peak,
+            "{label}: {fused_peak} B held, the casting graph {casting_peak} B"
+        );
+        // Every output's bits (the bf16 one widened, exactly), after a run that held its plan.
+        let run = |fused: bool| -> Vec<Vec<u32>> {
+            let (g, leaves, outs) = build(fused, true);
+            let memory = plan(&g, &PlanOptions::default()).unwrap();
+            let peak = memory.peak_bytes();
+            let alloc = Allocator::default();
+            let mut s = CpuSession::new(g, memory, alloc.clone(), 2).unwrap();
+            for (&t, (_, shape, dtype, seed)) in leaves.iter().zip(&inputs) {
+                let v = values(shape.iter().product(), *seed);
+                if *dtype == DType::BF16 {
+                    let bytes: Vec<u8> = to_bf16(&v).iter().flat_map(|h| h.to_le_bytes()).collect();
+                    s.write_bytes(t, &bytes).unwrap();
+                } else {
+                    s.write_f32(t, &v).unwrap();
+                }
+            }
+            s.run(ExecCtx::default()).unwrap();
+            assert_eq!(alloc.peak_bytes(), peak, "{label}: planned == measured");
+            outs.iter()
+                .map(|&o| s.read_f32(o).unwrap().iter().map(|x| x.to_bits()).collect())
+                .collect()
+        };
+        let (fused, casting) = (run(true), run(false));
+        assert_eq!(fused.len(), casting.len(), "{label}");
+        for (i, (a, b)) in fused.iter().zip(&casting).enumerate() {
+            assert!(
+                a == b,
+                "{label}: output {i} differs from the casting graph's"
+            );
+        }
+    }
 }

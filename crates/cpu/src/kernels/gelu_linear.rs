@@ -37,29 +37,52 @@ fn approx_of(tanh: bool) -> GeluApprox {
 }
 
 fn forward<const TANH: bool>(kern: &Kernel<'_>) {
-    forward_with::<TANH, f32>(kern, kern.in_f32(0));
+    forward_with::<TANH, f32>(kern, kern.in_f32(0), false);
 }
 
-/// [`GeluLinear`]'s kernel under [`snug_graph::ops::HalfIo`]: `h` read in bf16 where `half`.
-pub(super) fn forward_io(approx: GeluApprox, kern: &Kernel<'_>, half: bool) {
-    match (approx, half) {
-        (GeluApprox::Tanh, true) => forward_with::<true, u16>(kern, kern.in_u16(0)),
-        (GeluApprox::Exact, true) => forward_with::<false, u16>(kern, kern.in_u16(0)),
-        (GeluApprox::Tanh, false) => forward::<true>(kern),
-        (GeluApprox::Exact, false) => forward::<false>(kern),
+/// [`GeluLinear`]'s kernel under [`snug_graph::ops::HalfIo`]: `h` read in bf16 where
+/// `half_h`, `y` written in bf16 (a tile of rows at a time) where `half_y`.
+pub(super) fn forward_io(approx: GeluApprox, kern: &Kernel<'_>, (half_h, half_y): (bool, bool)) {
+    match (approx, half_h) {
+        (GeluApprox::Tanh, true) => forward_with::<true, u16>(kern, kern.in_u16(0), half_y),
+        (GeluApprox::Exact, true) => forward_with::<false, u16>(kern, kern.in_u16(0), half_y),
+        (GeluApprox::Tanh, false) => forward_with::<true, f32>(kern, kern.in_f32(0), half_y),
+        (GeluApprox::Exact, false) => forward_with::<false, f32>(kern, kern.in_f32(0), half_y),
     }
 }
 
-/// The forward with `h` stored as `H` (f32, or bf16 bits widened as it is read).
-fn forward_with<const TANH: bool, H: Elem>(kern: &Kernel<'_>, h: &[H]) {
+/// The forward with `h` stored as `H` (f32, or bf16 bits widened as it is read), `y` written
+/// in bf16 where `half_y`.
+fn forward_with<const TANH: bool, H: Elem>(kern: &Kernel<'_>, h: &[H], half_y: bool) {
+    let Ok((rows, _, n)) = linear_dims("gelu_linear", kern.in_shape(0), kern.in_shape(1)) else {
+        unreachable!("shape rule checked at build time")
+    };
+    if half_y {
+        super::half_io::write_rows(kern, (rows, n), kern.workspace(), |r, ws, y| {
+            forward_rows::<TANH, H>(kern, h, ws, (r, y))
+        });
+    } else {
+        forward_rows::<TANH, H>(kern, h, kern.workspace(), (0..rows, kern.out_f32(0)));
+    }
+}
+
+/// Rows `rows` of `y` into `y` (those rows only).
+fn forward_rows<const TANH: bool, H: Elem>(
+    kern: &Kernel<'_>,
+    h: &[H],
+    ws: &mut [f32],
+    (rows, y): (std::ops::Range<usize>, &mut [f32]),
+) {
     use crate::gemm::{
         gemm_fused, gemm_fused_half, linear_rows, par_for, Fused, Layout, Operand, Prologue,
     };
     let (w, bias) = (kern.in_f32(1), kern.in_f32(2));
-    let Ok((rows, k, n)) = linear_dims("gelu_linear", kern.in_shape(0), kern.in_shape(1)) else {
+    let Ok((all_rows, k, n)) = linear_dims("gelu_linear", kern.in_shape(0), kern.in_shape(1))
+    else {
         unreachable!("shape rule checked at build time")
     };
-    let y = kern.out_f32(0);
+    let m = rows.len();
+    let h = &h[rows.start * k..rows.end * k];
     // Where our GEMM kernel runs the product, it takes GELU of `h` as it packs it.
     let fused = Fused {
         prologue: Prologue::Gelu(approx_of(TANH)),
@@ -67,9 +90,9 @@ fn forward_with<const TANH: bool, H: Elem>(kern: &Kernel<'_>, h: &[H]) {
         quant_b: None,
         half_a: None,
     };
-    let par = par_for(rows, n, k, rayon::current_num_threads());
-    let layout = Layout::new((false, false), (rows, n, k));
-    // SAFETY: `h` holds rows·k, `w` k·n and `y` rows·n elements.
+    let par = par_for(m, n, k, rayon::current_num_threads());
+    let layout = Layout::new((false, false), (m, n, k));
+    // SAFETY: `h` holds m·k, `w` k·n and `y` m·n elements.
     let done = unsafe {
         match as_bits(h) {
             Some(bits) => gemm_fused_half(
@@ -85,10 +108,10 @@ fn forward_with<const TANH: bool, H: Elem>(kern: &Kernel<'_>, h: &[H]) {
     if done {
         return;
     }
-    let ws = kern.workspace();
-    let tile = tile_rows(rows, k, TILE_ELEMS);
-    for r0 in (0..rows).step_by(tile) {
-        let r1 = (r0 + tile).min(rows);
+    // The workspace holds a tile of the whole op's rows.
+    let tile = tile_rows(all_rows, k, TILE_ELEMS);
+    for r0 in (0..m).step_by(tile) {
+        let r1 = (r0 + tile).min(m);
         let g = &mut ws[..(r1 - r0) * k];
         map_in(&h[r0 * k..r1 * k], g, |v| {
             crate::math::gelu(approx_of(TANH), v)

@@ -1,7 +1,11 @@
 //! The kernel of [`HalfIo`]: its op's kernel reading the bf16 inputs from their bits (widened
 //! as a product packs them, or as a head or a row is staged) and writing the bf16 outputs
-//! rounded to nearest even as it stores them, bitwise the op on the casts' f32 copies.
+//! rounded to nearest even as it stores them (a product's a tile of rows at a time, made in
+//! f32 in the workspace), bitwise the op on the casts' f32 copies.
 
+use std::ops::Range;
+
+use snug_graph::ops::half_io::write_tile_rows;
 use snug_graph::ops::{HalfIo, Op};
 use snug_graph::DType;
 
@@ -12,7 +16,10 @@ impl CpuKernel for HalfIo {
     fn run(&self, k: &Kernel<'_>) {
         match &*self.op {
             Op::MatMul(_) => product(self, k),
-            Op::GeluLinear(op) => super::gelu_linear::forward_io(op.approx, k, self.reads(0)),
+            Op::GeluLinear(op) => {
+                super::gelu_linear::forward_io(op.approx, k, (self.reads(0), self.writes(0)))
+            }
+            Op::LayerNormLinear(op) => super::layernorm_linear::forward_io(op.eps, k),
             Op::GeluLinearBackward(op) => {
                 super::gelu_linear::backward_io(op.approx, k, (self.reads(0), self.writes(0)))
             }
@@ -30,6 +37,11 @@ impl CpuKernel for HalfIo {
                 super::layernorm_linear::backward_io(k, self.reads(6))
             }
             Op::SumTo(op) if self.reads(0) => super::reduce::sum_to_io(op, k),
+            Op::SwiGlu(_) => super::swiglu::forward_io(k),
+            Op::SwiGluBackward(_) => super::swiglu::backward_io(k),
+            Op::RmsNorm(op) => super::rmsnorm::forward(op.eps, k),
+            Op::RmsNormBackward(_) => super::rmsnorm::backward(k),
+            Op::Rope(op) => super::rope::rotate(op, k, 0),
             op => unreachable!("the shape rule admits no `{}`", op.name()),
         }
     }
@@ -49,12 +61,53 @@ fn product(io: &HalfIo, k: &Kernel<'_>) {
             Operand::F32(k.in_f32(i))
         }
     };
-    let (a, b, c) = (operand(0), operand(1), k.out_f32(0));
+    let (a, b) = (operand(0), operand(1));
     let bias = mm.bias.then(|| k.in_f32(2));
-    let layout = Layout::new((mm.ta, mm.tb), (d.m, d.n, d.k));
     let par = par_for(d.m, d.n, d.k, rayon::current_num_threads());
     // The shape rule admits one product only (a shared `b`): `d.batch` is 1.
-    gemm_half(layout, (a, b), c, bias, par);
+    if !io.writes(0) {
+        let layout = Layout::new((mm.ta, mm.tb), (d.m, d.n, d.k));
+        gemm_half(layout, (a, b), k.out_f32(0), bias, par);
+        return;
+    }
+    // Written in bf16, `a` is not transposed (the shape rule's condition): a tile of rows of
+    // the output is the product of the same rows of `a`.
+    write_rows(k, (d.m, d.n), k.workspace(), |rows, _, tile| {
+        let layout = Layout::new((false, mm.tb), (rows.len(), d.n, d.k));
+        let a = a.rows(rows.start * d.k..rows.end * d.k);
+        gemm_half(layout, (a, b), tile, bias, par);
+    });
+}
+
+/// Output 0, `[rows, n]`, written in bf16: each tile of [`write_tile_rows`] rows made in f32
+/// by `make(rows, own, tile)` in the last floats of `workspace` (where the op rule puts it,
+/// after the op's own workspace, `own`), then rounded into the output as the cast rounds.
+pub(super) fn write_rows(
+    k: &Kernel<'_>,
+    (rows, n): (usize, usize),
+    workspace: &mut [f32],
+    mut make: impl FnMut(Range<usize>, &mut [f32], &mut [f32]),
+) {
+    use rayon::prelude::*;
+    let out = k.out_u16(0);
+    let per = write_tile_rows(rows, n);
+    let (own, tile) = workspace.split_at_mut(workspace.len() - per * n);
+    for r0 in (0..rows).step_by(per) {
+        let r1 = (r0 + per).min(rows);
+        let t = &mut tile[..(r1 - r0) * n];
+        make(r0..r1, own, t);
+        let chunk = crate::par::MIN_PAR_ELEMS;
+        out[r0 * n..r1 * n]
+            .par_chunks_mut(chunk)
+            .zip(t.par_chunks(chunk))
+            .for_each(|(y, x)| {
+                crate::isa::vectorized(|| {
+                    for (o, &v) in y.iter_mut().zip(x) {
+                        *o = <u16 as Elem>::put(v);
+                    }
+                })
+            });
+    }
 }
 
 /// An element as stored: f32, or bf16 bits (widened exactly as read, rounded to nearest even
@@ -165,4 +218,138 @@ mod tests {
             assert_eq!(back.to_bits(), u32::from(ours) << 16);
         }
     }
+}
+
+/// An input as stored, read in f32 a run at a time by kernels that stage their rows or
+/// chunks: f32 borrowed as it is, bf16 widened into a buffer.
+#[derive(Clone, Copy)]
+pub(super) enum Src<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+impl<'a> Src<'a> {
+    /// Input `i`, by its dtype.
+    pub(super) fn input(k: &Kernel<'a>, i: usize) -> Src<'a> {
+        if k.in_dtype(i) == DType::BF16 {
+            Src::Bf16(k.in_u16(i))
+        } else {
+            Src::F32(k.in_f32(i))
+        }
+    }
+
+    /// A buffer for runs of up to `n` elements: empty (no allocation) where the input is
+    /// f32 and is read in place.
+    pub(super) fn buffer(&self, n: usize) -> Vec<f32> {
+        match self {
+            Src::F32(_) => Vec::new(),
+            Src::Bf16(_) => vec![0.0; n],
+        }
+    }
+
+    /// Elements `at..at + n` in f32: the input's own where it is f32, else widened into
+    /// `buf` (which holds at least `n`).
+    #[inline(always)]
+    pub(super) fn get<'b>(&'b self, (at, n): (usize, usize), buf: &'b mut [f32]) -> &'b [f32] {
+        match self {
+            Src::F32(x) => &x[at..at + n],
+            Src::Bf16(x) => {
+                let buf = &mut buf[..n];
+                for (o, &h) in buf.iter_mut().zip(&x[at..at + n]) {
+                    *o = widen(h);
+                }
+                buf
+            }
+        }
+    }
+}
+
+/// An output as stored, written from f32 a run at a time by worker threads that write
+/// disjoint runs: f32 in place, bf16 rounded from a buffer.
+#[derive(Clone, Copy)]
+pub(super) struct Dst {
+    ptr: *mut u8,
+    len: usize,
+    half: bool,
+}
+
+// SAFETY: handed to worker threads that write disjoint runs of the output.
+unsafe impl Send for Dst {}
+unsafe impl Sync for Dst {}
+
+impl Dst {
+    /// Output `i`, by its dtype.
+    pub(super) fn output(k: &Kernel<'_>, i: usize) -> Dst {
+        if k.out_dtype(i) == DType::BF16 {
+            let y = k.out_u16(i);
+            Dst {
+                ptr: y.as_mut_ptr().cast(),
+                len: y.len(),
+                half: true,
+            }
+        } else {
+            let y = k.out_f32(i);
+            Dst {
+                ptr: y.as_mut_ptr().cast(),
+                len: y.len(),
+                half: false,
+            }
+        }
+    }
+
+    /// A buffer for runs of up to `n` elements: empty (no allocation) where the output is
+    /// f32 and is written in place.
+    pub(super) fn buffer(&self, n: usize) -> Vec<f32> {
+        if self.half {
+            vec![0.0; n]
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// Runs `f` on elements `at..at + n` as f32: the output's own where it is f32, else
+    /// `buf` (which holds at least `n`), then rounded into the output as the cast rounds.
+    ///
+    /// # Safety
+    /// No other thread reads or writes those elements meanwhile.
+    #[inline(always)]
+    pub(super) unsafe fn with<R>(
+        &self,
+        (at, n): (usize, usize),
+        buf: &mut [f32],
+        f: impl FnOnce(&mut [f32]) -> R,
+    ) -> R {
+        assert!(at + n <= self.len, "a run past the output's end");
+        if self.half {
+            let buf = &mut buf[..n];
+            let r = f(buf);
+            // SAFETY: inside the output (checked above), written by this thread only.
+            let y = unsafe { std::slice::from_raw_parts_mut((self.ptr as *mut u16).add(at), n) };
+            for (o, &v) in y.iter_mut().zip(buf.iter()) {
+                *o = <u16 as Elem>::put(v);
+            }
+            r
+        } else {
+            // SAFETY: as above.
+            f(unsafe { std::slice::from_raw_parts_mut((self.ptr as *mut f32).add(at), n) })
+        }
+    }
+}
+
+/// Elements a staged elementwise kernel widens and rounds at a time (on the stack).
+pub(super) const STAGE: usize = 512;
+
+/// `f(at, n)` over `0..len` in runs of at most [`STAGE`] elements, in parallel chunks, each
+/// compiled for the current instruction set.
+pub(super) fn staged_runs(len: usize, f: impl Fn(usize, usize) + Sync + Send) {
+    use rayon::prelude::*;
+    let chunk = crate::par::MIN_PAR_ELEMS.next_multiple_of(STAGE);
+    (0..len.div_ceil(chunk)).into_par_iter().for_each(|c| {
+        crate::isa::vectorized(|| {
+            let end = ((c + 1) * chunk).min(len);
+            for at in (c * chunk..end).step_by(STAGE) {
+                f(at, STAGE.min(end - at));
+            }
+        })
+    });
 }

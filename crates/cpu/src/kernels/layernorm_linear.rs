@@ -130,14 +130,48 @@ fn row_stats_all(x: &[f32], k: usize, eps: f32, mean: &mut [f32], rstd: &mut [f3
 }
 
 fn forward(eps: f32, kern: &Kernel<'_>) {
-    use crate::gemm::{gemm_fused, linear_rows, par_for, Fused, Layout};
-    let (x, ln_w, ln_b) = (kern.in_f32(0), kern.in_f32(1), kern.in_f32(2));
-    let (w, bias) = (kern.in_f32(3), kern.in_f32(4));
-    let Ok((rows, k, n)) = linear_dims("layer_norm_linear", kern.in_shape(0), kern.in_shape(3))
+    let (mean, rstd) = (kern.out_f32(1), kern.out_f32(2));
+    let rows = mean.len();
+    forward_rows(
+        eps,
+        kern,
+        kern.workspace(),
+        (mean, rstd),
+        (0..rows, kern.out_f32(0)),
+    );
+}
+
+/// [`LayerNormLinear`]'s kernel under [`snug_graph::ops::HalfIo`]: `y` written in bf16, a
+/// tile of rows at a time.
+pub(super) fn forward_io(eps: f32, kern: &Kernel<'_>) {
+    let (mean, rstd) = (kern.out_f32(1), kern.out_f32(2));
+    let Ok((rows, _, n)) = linear_dims("layer_norm_linear", kern.in_shape(0), kern.in_shape(3))
     else {
         unreachable!("shape rule checked at build time")
     };
-    let (y, mean, rstd) = (kern.out_f32(0), kern.out_f32(1), kern.out_f32(2));
+    super::half_io::write_rows(kern, (rows, n), kern.workspace(), |r, ws, y| {
+        forward_rows(eps, kern, ws, (&mut *mean, &mut *rstd), (r, y))
+    });
+}
+
+/// Rows `rows` of `y` into `y` (those rows only), with their statistics.
+fn forward_rows(
+    eps: f32,
+    kern: &Kernel<'_>,
+    ws: &mut [f32],
+    (mean, rstd): (&mut [f32], &mut [f32]),
+    (rows, y): (std::ops::Range<usize>, &mut [f32]),
+) {
+    use crate::gemm::{gemm_fused, linear_rows, par_for, Fused, Layout};
+    let (x, ln_w, ln_b) = (kern.in_f32(0), kern.in_f32(1), kern.in_f32(2));
+    let (w, bias) = (kern.in_f32(3), kern.in_f32(4));
+    let Ok((all_rows, k, n)) = linear_dims("layer_norm_linear", kern.in_shape(0), kern.in_shape(3))
+    else {
+        unreachable!("shape rule checked at build time")
+    };
+    let m = rows.len();
+    let x = &x[rows.start * k..rows.end * k];
+    let (mean, rstd) = (&mut mean[rows.clone()], &mut rstd[rows]);
     // Where our GEMM kernel runs the product, it normalises rows as it packs them: only the
     // statistics are made beforehand, and no normalised row is stored.
     row_stats_all(x, k, eps, mean, rstd);
@@ -147,25 +181,16 @@ fn forward(eps: f32, kern: &Kernel<'_>) {
         quant_b: None,
         half_a: None,
     };
-    let par = par_for(rows, n, k, rayon::current_num_threads());
-    // SAFETY: `x` holds rows·k, `w` k·n and `y` rows·n elements; the statistics cover every
-    // row and the norm's weights every feature.
-    if unsafe {
-        gemm_fused(
-            Layout::new((false, false), (rows, n, k)),
-            x,
-            w,
-            y,
-            par,
-            fused,
-        )
-    } {
+    let par = par_for(m, n, k, rayon::current_num_threads());
+    // SAFETY: `x` holds m·k, `w` k·n and `y` m·n elements; the statistics cover every row
+    // and the norm's weights every feature.
+    if unsafe { gemm_fused(Layout::new((false, false), (m, n, k)), x, w, y, par, fused) } {
         return;
     }
-    let ws = kern.workspace();
-    let tile = tile_rows(rows, k, FORWARD_TILE_ELEMS);
-    for r0 in (0..rows).step_by(tile) {
-        let r1 = (r0 + tile).min(rows);
+    // The workspace holds a tile of the whole op's rows.
+    let tile = tile_rows(all_rows, k, FORWARD_TILE_ELEMS);
+    for r0 in (0..m).step_by(tile) {
+        let r1 = (r0 + tile).min(m);
         let t = &mut ws[..(r1 - r0) * k];
         let stats = (&mut mean[r0..r1], &mut rstd[r0..r1]);
         normalize_tile(x, (ln_w, ln_b, eps), r0, t, stats);

@@ -1,8 +1,11 @@
 //! The kernel of [`Rope`]: each position's cosines and sines made in a per-thread workspace
-//! (angle in f64, rounded to f32), then every head of that position rotated.
+//! (angle in f64, rounded to f32), then every head of that position rotated; under
+//! [`snug_graph::ops::HalfIo`], each row read and written in bf16 as the dtypes say, staged
+//! in f32.
 
 use snug_graph::ops::{rope::dims, Rope};
 
+use super::half_io::{Dst, Src};
 use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for Rope {
@@ -18,8 +21,7 @@ pub(super) fn rotate(op: &Rope, k: &Kernel<'_>, first: usize) {
     let Ok((b, t, c)) = dims(op, k.in_shape(0)) else {
         unreachable!("shape rule checked at build time")
     };
-    let x = k.in_f32(0);
-    let y = crate::par::SendPtr(k.out_f32(0).as_mut_ptr());
+    let (x, y) = (Src::input(k, 0), Dst::output(k, 0));
     let (hd, half) = (op.head_dim, op.head_dim / 2);
     let sign = if op.inverse { -1.0 } else { 1.0 };
     // One position per item: its angles are computed once and used for every batch row.
@@ -31,19 +33,23 @@ pub(super) fn rotate(op: &Rope, k: &Kernel<'_>, first: usize) {
             cos[i] = co as f32;
             sin[i] = (sign * s) as f32;
         }
+        let (mut bx, mut by) = (x.buffer(c), y.buffer(c));
         for bi in 0..b {
             let off = (bi * t + pos) * c;
-            let xr = &x[off..off + c];
-            // SAFETY: row (bi, pos) of y is written by this item only, and lies inside y.
-            let yr = unsafe { std::slice::from_raw_parts_mut(y.get().add(off), c) };
-            for (xh, yh) in xr.chunks_exact(hd).zip(yr.chunks_exact_mut(hd)) {
-                let (x1, x2) = xh.split_at(half);
-                let (y1, y2) = yh.split_at_mut(half);
-                for i in 0..half {
-                    y1[i] = x1[i] * cos[i] - x2[i] * sin[i];
-                    y2[i] = x2[i] * cos[i] + x1[i] * sin[i];
-                }
-            }
+            let xr = x.get((off, c), &mut bx);
+            // SAFETY: row (bi, pos) of y is written by this item only.
+            unsafe {
+                y.with((off, c), &mut by, |yr| {
+                    for (xh, yh) in xr.chunks_exact(hd).zip(yr.chunks_exact_mut(hd)) {
+                        let (x1, x2) = xh.split_at(half);
+                        let (y1, y2) = yh.split_at_mut(half);
+                        for i in 0..half {
+                            y1[i] = x1[i] * cos[i] - x2[i] * sin[i];
+                            y2[i] = x2[i] * cos[i] + x1[i] * sin[i];
+                        }
+                    }
+                })
+            };
         }
     });
 }

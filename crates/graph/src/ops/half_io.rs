@@ -7,10 +7,22 @@
 //! [`crate::passes::fold_half_casts`] where the target's kernels offer it
 //! ([`crate::Fusions::half_io`]).
 
-use super::{attention, shape_err, BinaryKind, MatMul, Op, OpRule, OutSpec};
+use super::quantized_read::own_gemm_runs;
+use super::{
+    attention, linear_dims, shape_err, tile_rows, BinaryKind, MatMul, Op, OpRule, OutSpec,
+};
 use crate::autodiff::GradCtx;
 use crate::tensor::TensorMeta;
-use crate::{DType, GraphError, Result, Target};
+use crate::{CpuGemm, DType, GraphError, Result, Target};
+
+/// Elements of the f32 tile (4 MiB) a product's rows are made in before they are rounded
+/// into its bf16 output: the whole f32 output is never held, only this much of it.
+pub const WRITE_TILE_ELEMS: usize = 1 << 20;
+
+/// Rows of a `[rows, n]` product output made at a time when it is written in bf16.
+pub fn write_tile_rows(rows: usize, n: usize) -> usize {
+    tile_rows(rows, n, WRITE_TILE_ELEMS)
+}
 
 /// `op` with the inputs `reads` flags (bit `i` for input `i`) held in bf16 and widened as it
 /// reads them, and the outputs `writes` flags stored in bf16, rounded as it writes them.
@@ -52,8 +64,10 @@ impl HalfIo {
     /// The inputs of `op` its CPU kernel can read in bf16, as a mask: a product's operands
     /// (never its bias), the activation a fused GELU-linear reads, attention's packed `qkv`,
     /// output and output gradient, a fused norm-linear's output gradient, a sum's input (a
-    /// bias gradient summed from that output gradient), and an add's operands (the residual
-    /// stream and its gradient; the pass folds adds of equal shapes only).
+    /// bias gradient summed from that output gradient), an add's operands (the residual
+    /// stream and its gradient; the pass folds adds of equal shapes only), and Llama's
+    /// elementwise and row ops: RMSNorm's `x` (its backward's `dy` and `x`), SwiGLU's `gate`
+    /// and `up` (its backward's and `dy`), RoPE's input.
     pub fn readable(op: &Op) -> u8 {
         match op {
             Op::MatMul(_) => 0b11,
@@ -63,19 +77,86 @@ impl HalfIo {
             Op::GeluLinear(_) | Op::GeluLinearBackward(_) => 0b1,
             Op::CausalAttention(_) => 0b1,
             Op::CausalAttentionBackward(_) => 0b1011,
+            Op::SwiGlu(_) | Op::RmsNormBackward(_) => 0b11,
+            Op::SwiGluBackward(_) => 0b111,
+            Op::RmsNorm(_) | Op::Rope(_) => 0b1,
             _ => 0,
         }
     }
 
     /// The outputs of `op` its CPU kernel can write in bf16, as a mask: attention's output,
-    /// the activation gradients of a fused GELU-linear's and of attention's backward, and a
-    /// sum's (the residual stream and its gradient).
+    /// the activation gradients of a fused GELU-linear's and of attention's backward, a sum's
+    /// (the residual stream and its gradient), and the output of a product whose rows are its
+    /// input's (a plain, LayerNorm- or GELU-fused linear layer, or an input gradient), made a
+    /// tile of rows at a time in f32 and rounded ([`HalfIo::writes_on`] says which shapes),
+    /// and Llama's: RMSNorm's output and its backward's `dx`, SwiGLU's output and both its
+    /// backward's gradients, RoPE's output.
     pub fn writable(op: &Op) -> u8 {
         match op {
             Op::CausalAttention(_) | Op::GeluLinearBackward(_) | Op::CausalAttentionBackward(_) => {
                 0b1
             }
             Op::Binary(b) if b.kind == BinaryKind::Add => 0b1,
+            Op::MatMul(_) | Op::LayerNormLinear(_) | Op::GeluLinear(_) => 0b1,
+            Op::SwiGlu(_) | Op::RmsNorm(_) | Op::RmsNormBackward(_) | Op::Rope(_) => 0b1,
+            Op::SwiGluBackward(_) => 0b11,
+            _ => 0,
+        }
+    }
+
+    /// `(rows, k, n)` of an op [`HalfIo::writable`] names as a product: one product (a
+    /// shared `b`) whose output rows are its left operand's rows as stored (not transposed).
+    pub fn product_rows(op: &Op, inputs: &[&TensorMeta]) -> Option<(usize, usize, usize)> {
+        match op {
+            Op::MatMul(mm) if !mm.ta => {
+                let d = mm
+                    .dims(&inputs.first()?.shape, &inputs.get(1)?.shape)
+                    .ok()?;
+                (d.batch == 1).then_some((d.m, d.k, d.n))
+            }
+            Op::LayerNormLinear(_) => linear_dims(
+                "layer_norm_linear",
+                &inputs.first()?.shape,
+                &inputs.get(3)?.shape,
+            )
+            .ok(),
+            Op::GeluLinear(_) => {
+                linear_dims("gelu_linear", &inputs.first()?.shape, &inputs.get(1)?.shape).ok()
+            }
+            _ => None,
+        }
+    }
+
+    /// [`HalfIo::writable`] for `op` over these inputs on a CPU with `gemm`. A product is
+    /// written a tile of rows at a time, so it is only where our GEMM runs the whole product
+    /// and each tile of it: the tiles' values are then bitwise the whole product's.
+    pub fn writes_on(op: &Op, inputs: &[&TensorMeta], gemm: CpuGemm) -> u8 {
+        let mask = Self::writable(op);
+        if !matches!(
+            op,
+            Op::MatMul(_) | Op::LayerNormLinear(_) | Op::GeluLinear(_)
+        ) {
+            return mask;
+        }
+        match Self::product_rows(op, inputs) {
+            Some((rows, k, n)) => {
+                let tile = write_tile_rows(rows, n);
+                let last = rows - (rows.div_ceil(tile) - 1) * tile;
+                let runs = |m: usize| own_gemm_runs(gemm, (m, n, k));
+                if runs(rows) && runs(tile.min(rows)) && runs(last) {
+                    mask
+                } else {
+                    0
+                }
+            }
+            None => 0,
+        }
+    }
+
+    /// Floats of the f32 tile output 0 is made in, where it is written in bf16.
+    fn write_tile(&self, inputs: &[&TensorMeta]) -> usize {
+        match (self.writes(0), Self::product_rows(&self.op, inputs)) {
+            (true, Some((rows, _, n))) => write_tile_rows(rows, n) * n,
             _ => 0,
         }
     }
@@ -151,8 +232,14 @@ impl OpRule for HalfIo {
             Op::GeluLinearBackward(_) => "half_gelu_linear_backward",
             Op::CausalAttention(_) => "half_causal_attention",
             Op::CausalAttentionBackward(_) => "half_causal_attention_backward",
+            Op::LayerNormLinear(_) => "half_layer_norm_linear",
             Op::LayerNormLinearBackward(_) => "half_layer_norm_linear_backward",
             Op::SumTo(_) => "half_sum_to",
+            Op::SwiGlu(_) => "half_swiglu",
+            Op::SwiGluBackward(_) => "half_swiglu_backward",
+            Op::RmsNorm(_) => "half_rms_norm",
+            Op::RmsNormBackward(_) => "half_rms_norm_backward",
+            Op::Rope(_) => "half_rope",
             Op::Binary(_) => "half_add",
             _ => "half_io",
         }
@@ -185,6 +272,19 @@ impl OpRule for HalfIo {
                     ),
                 ));
             }
+        }
+        if self.writes(0)
+            && matches!(
+                &*self.op,
+                Op::MatMul(_) | Op::LayerNormLinear(_) | Op::GeluLinear(_)
+            )
+            && Self::product_rows(&self.op, &refs).is_none()
+        {
+            return Err(shape_err(
+                self.name(),
+                "writes a product in bf16 only where its rows are its input's rows as stored"
+                    .to_string(),
+            ));
         }
         let mut outs = self.op.infer(&refs)?;
         for (i, o) in outs.iter_mut().enumerate() {
@@ -222,7 +322,12 @@ impl OpRule for HalfIo {
                 } else {
                     target.threads() * self.head_staging(inputs)
                 };
-                self.op.workspace_elems(&refs, target) + staging
+                let tile = if target.is_gpu() {
+                    0
+                } else {
+                    self.write_tile(&refs)
+                };
+                self.op.workspace_elems(&refs, target) + staging + tile
             }
             Err(_) => 0,
         }
@@ -232,7 +337,12 @@ impl OpRule for HalfIo {
     /// element of output 0, whatever their width (the in-place pass also needs the two to
     /// share a dtype).
     fn inplace_inputs(&self) -> &'static [usize] {
-        self.op.inplace_inputs()
+        match &*self.op {
+            // Their kernels stage runs of the inputs and write the outputs apart.
+            Op::SwiGlu(_) | Op::SwiGluBackward(_) | Op::RmsNorm(_) | Op::RmsNormBackward(_) => &[],
+            Op::Rope(_) => &[],
+            op => op.inplace_inputs(),
+        }
     }
 
     fn flops(&self, inputs: &[&TensorMeta], outputs: &[&TensorMeta]) -> u64 {

@@ -298,9 +298,11 @@ pub fn fold_half_casts(graph: &Graph, n_fwd: usize) -> Result<(Rewritten, usize,
             let only_reader = readers[y.index()] == [i];
             let broadcasts = matches!(producer.op, Op::Binary(_))
                 && g.tensor(producer.inputs[0]).shape != g.tensor(producer.inputs[1]).shape;
+            let inputs: Vec<&crate::TensorMeta> =
+                producer.inputs.iter().map(|&t| g.tensor(t)).collect();
             if j < 8
                 && !broadcasts
-                && HalfIo::writable(&producer.op) & (1 << j) != 0
+                && HalfIo::writes_on(&producer.op, &inputs, gemm) & (1 << j) != 0
                 && only_reader
                 && private(y)
                 && private(y16)
