@@ -365,41 +365,15 @@ pub fn plan<G: AsRef<Graph>>(graph: &G, options: &PlanOptions) -> Result<MemoryP
             limit: layout.max_binding_bytes,
         });
     }
-    let program = schedule(graph, ScheduleKind::Program);
-    let program_lives = lifetimes(graph, &program);
-    let program_intervals = aligned_intervals(&program_lives, align)?;
-    let program_bound = max_live(&program_intervals).0;
-    let (schedule_kind, order, lives, intervals) = match options.schedule {
-        ScheduleKind::Program => (
-            ScheduleKind::Program,
-            program,
-            program_lives,
-            program_intervals,
-        ),
-        ScheduleKind::MemoryAware => {
-            let order = schedule(graph, ScheduleKind::MemoryAware);
-            let lives = lifetimes(graph, &order);
-            let intervals = aligned_intervals(&lives, align)?;
-            // Both orders overlap split collectives with the backward (program order with
-            // its starts moved up and its waits down): the lower peak is kept.
-            if max_live(&intervals).0 < program_bound {
-                (ScheduleKind::MemoryAware, order, lives, intervals)
-            } else {
-                (
-                    ScheduleKind::Program,
-                    program,
-                    program_lives,
-                    program_intervals,
-                )
-            }
-        }
-    };
     // The arena is cut into chunks no larger than the device's largest buffer, each a whole
     // number of alignments so every chunk-relative offset stays aligned.
     let chunk_bytes = layout.max_buffer_bytes / align * align;
-    if let Some((l, iv)) = lives
+    let program = schedule(graph, ScheduleKind::Program);
+    let program_lives = lifetimes(graph, &program);
+    let program_intervals = aligned_intervals(&program_lives, align)?;
+    if let Some((l, iv)) = program_lives
         .iter()
-        .zip(&intervals)
+        .zip(&program_intervals)
         .find(|(_, iv)| iv.size > chunk_bytes)
     {
         return Err(PlanError::LargerThanBuffer {
@@ -408,7 +382,54 @@ pub fn plan<G: AsRef<Graph>>(graph: &G, options: &PlanOptions) -> Result<MemoryP
             limit: layout.max_buffer_bytes,
         });
     }
-    let (placement, strategy, strategy_arenas) = place_best_in_chunks(&intervals, chunk_bytes);
+    let program_bound = max_live(&program_intervals).0;
+    let placed = |intervals: &[Interval]| place_best_in_chunks(intervals, chunk_bytes);
+    let (schedule_kind, order, lives, intervals, (placement, strategy, strategy_arenas)) =
+        match options.schedule {
+            ScheduleKind::Program => {
+                let p = placed(&program_intervals);
+                (
+                    ScheduleKind::Program,
+                    program,
+                    program_lives,
+                    program_intervals,
+                    p,
+                )
+            }
+            ScheduleKind::MemoryAware => {
+                let order = schedule(graph, ScheduleKind::MemoryAware);
+                let lives = lifetimes(graph, &order);
+                let intervals = aligned_intervals(&lives, align)?;
+                // Both orders overlap split collectives with the backward (program order with
+                // its starts moved up and its waits down). The memory-aware order is placed
+                // where fewer bytes are ever live at once in it, and kept where its arena then
+                // comes out no larger than program order's: a lower bound can still place
+                // worse (a late, large gradient finding no hole its size).
+                let program_placed = placed(&program_intervals);
+                if max_live(&intervals).0 < program_bound {
+                    let p = placed(&intervals);
+                    if p.0.arena_bytes <= program_placed.0.arena_bytes {
+                        (ScheduleKind::MemoryAware, order, lives, intervals, p)
+                    } else {
+                        (
+                            ScheduleKind::Program,
+                            program,
+                            program_lives,
+                            program_intervals,
+                            program_placed,
+                        )
+                    }
+                } else {
+                    (
+                        ScheduleKind::Program,
+                        program,
+                        program_lives,
+                        program_intervals,
+                        program_placed,
+                    )
+                }
+            }
+        };
 
     let mut offsets = vec![None; graph.tensors().len()];
     let mut allocations = Vec::with_capacity(lives.len());
