@@ -958,6 +958,11 @@ fn memory_lowered_mid_run_is_recovered_without_losing_a_step() {
     assert_eq!(recovery.len(), 1);
     assert_eq!(recovery[0]["step"], 3);
     assert!(recovery[0]["to_peak_bytes"].as_u64() <= recovery[0]["failure"]["limit"].as_u64());
+    // Recovery changes how the step runs, never what it trains: the f32 run stays f32 (a
+    // bf16 step may plan smaller and faster, but would round every activation from here on).
+    for key in ["precision", "levers"] {
+        assert_eq!(recovery[0]["to"][key], recovery[0]["from"][key], "{key}");
+    }
     let steps: Vec<u64> = step_losses(&lines).iter().map(|s| s.0).collect();
     assert_eq!(steps, vec![1, 2, 3, 4, 5]);
     // The first two steps are those of an undisturbed run.

@@ -457,10 +457,12 @@ impl Trainer {
             shard: self.config.shard,
             ..FitConfig::of(&self.config.step_config(), self.config.batch)
         };
-        // A lever mid-run would change what is being trained: recovery adds none.
+        // A lever or a lower precision mid-run would change what is being trained: recovery
+        // adds neither, and changes only how the step runs (micro-batches, remat).
         let fit_model = self
             .config
             .fit_model(self.model.clone())
+            .allowing(None)
             .allowing_levers(snug_fit::Levers::none());
         let from_peak_bytes = self.session.plan().peak_bytes();
         let unrecoverable = |e: snug_fit::FitError| TrainError::Unrecoverable {
