@@ -1,7 +1,7 @@
 //! Kernels reading bf16 activations and gradients themselves and writing some in bf16
 //! ([`HalfIo`], the CPU's `half_io`: products, GPT's fused GELU-linear and attention, Llama's
-//! RMSNorm, SwiGLU and RoPE) against
-//! going through f32 copies made by casts: over whole bf16 steps of GPT and Llama (plain,
+//! RMSNorm, SwiGLU, RoPE and grouped-query attention) against going through f32 copies made
+//! by casts: over whole bf16 steps of GPT and Llama (plain,
 //! per-block and selective remat, fused updates, 8-bit AdamW, LoRA), the loss and updated
 //! parameters are bitwise the casting step's, each step holds exactly its plan, and every cast
 //! such a kernel can take in is gone.
@@ -301,7 +301,7 @@ fn folding_bf16_casts_into_kernels_is_bitwise_the_casting_step() {
                 }
             }
             if matches!(model, ModelConfig::Llama(_)) {
-                // Llama's norms, gate and rotations take their casts in on any CPU.
+                // Llama's norms, gate, rotations and attention take their casts in on any CPU.
                 let names: std::collections::BTreeSet<&str> = reading
                     .step
                     .graph
@@ -316,6 +316,8 @@ fn folding_bf16_casts_into_kernels_is_bitwise_the_casting_step() {
                     "half_swiglu",
                     "half_swiglu_backward",
                     "half_rope",
+                    "half_gqa_attention",
+                    "half_gqa_attention_backward",
                 ] {
                     assert!(names.contains(want), "{label}: {want} in {names:?}");
                 }

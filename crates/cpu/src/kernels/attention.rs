@@ -268,7 +268,7 @@ pub(super) fn backward_io(
 /// Widens one head's `parts` strips of `d` bf16 values per row (`part_stride` apart, rows
 /// `row_stride` apart from `at`) into `staged` as `[t, parts · d]`, compiled for the CPU's
 /// vector level.
-fn stage_head(
+pub(super) fn stage_head(
     bits: &[u16],
     (at, row_stride): (usize, usize),
     (part_stride, parts): (usize, usize),
@@ -310,7 +310,7 @@ fn stage_head(
 /// # Safety
 /// Every strip must lie inside the bf16 tensor `out` points into, and no other thread may
 /// write them.
-unsafe fn unstage_head(
+pub(super) unsafe fn unstage_head(
     staged: &[f32],
     out: *mut u16,
     (row_stride, (part_stride, parts)): (usize, (usize, usize)),

@@ -42,6 +42,18 @@ impl CpuKernel for HalfIo {
             Op::RmsNorm(op) => super::rmsnorm::forward(op.eps, k),
             Op::RmsNormBackward(_) => super::rmsnorm::backward(k),
             Op::Rope(op) => super::rope::rotate(op, k, 0),
+            Op::GqaAttention(op) => super::gqa_attention::forward_io(
+                op,
+                k,
+                [0, 1, 2].map(|i| self.reads(i)),
+                self.writes(0),
+            ),
+            Op::GqaAttentionBackward(op) => super::gqa_attention::backward_io(
+                op,
+                k,
+                [0, 1, 2, 3, 5].map(|i| self.reads(i)),
+                [0, 1, 2].map(|i| self.writes(i)),
+            ),
             op => unreachable!("the shape rule admits no `{}`", op.name()),
         }
     }

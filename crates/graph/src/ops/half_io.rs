@@ -9,7 +9,8 @@
 
 use super::quantized_read::own_gemm_runs;
 use super::{
-    attention, linear_dims, shape_err, tile_rows, BinaryKind, MatMul, Op, OpRule, OutSpec,
+    attention, gqa_attention, linear_dims, shape_err, tile_rows, BinaryKind, MatMul, Op, OpRule,
+    OutSpec,
 };
 use crate::autodiff::GradCtx;
 use crate::tensor::TensorMeta;
@@ -67,7 +68,8 @@ impl HalfIo {
     /// bias gradient summed from that output gradient), an add's operands (the residual
     /// stream and its gradient; the pass folds adds of equal shapes only), and Llama's
     /// elementwise and row ops: RMSNorm's `x` (its backward's `dy` and `x`), SwiGLU's `gate`
-    /// and `up` (its backward's and `dy`), RoPE's input.
+    /// and `up` (its backward's and `dy`), RoPE's input, grouped-query attention's `q`, `k`,
+    /// `v` (its backward's and `y`, `dy`).
     pub fn readable(op: &Op) -> u8 {
         match op {
             Op::MatMul(_) => 0b11,
@@ -78,8 +80,10 @@ impl HalfIo {
             Op::CausalAttention(_) => 0b1,
             Op::CausalAttentionBackward(_) => 0b1011,
             Op::SwiGlu(_) | Op::RmsNormBackward(_) => 0b11,
-            Op::SwiGluBackward(_) => 0b111,
+            Op::SwiGluBackward(_) | Op::GqaAttention(_) => 0b111,
             Op::RmsNorm(_) | Op::Rope(_) => 0b1,
+            // `q`, `k`, `v`, `y` and `dy`; never the log-sum-exp, kept in f32.
+            Op::GqaAttentionBackward(_) => 0b10_1111,
             _ => 0,
         }
     }
@@ -90,7 +94,8 @@ impl HalfIo {
     /// input's (a plain, LayerNorm- or GELU-fused linear layer, or an input gradient), made a
     /// tile of rows at a time in f32 and rounded ([`HalfIo::writes_on`] says which shapes),
     /// and Llama's: RMSNorm's output and its backward's `dx`, SwiGLU's output and both its
-    /// backward's gradients, RoPE's output.
+    /// backward's gradients, RoPE's output, grouped-query attention's output and its
+    /// backward's `dq`, `dk`, `dv`.
     pub fn writable(op: &Op) -> u8 {
         match op {
             Op::CausalAttention(_) | Op::GeluLinearBackward(_) | Op::CausalAttentionBackward(_) => {
@@ -99,7 +104,9 @@ impl HalfIo {
             Op::Binary(b) if b.kind == BinaryKind::Add => 0b1,
             Op::MatMul(_) | Op::LayerNormLinear(_) | Op::GeluLinear(_) => 0b1,
             Op::SwiGlu(_) | Op::RmsNorm(_) | Op::RmsNormBackward(_) | Op::Rope(_) => 0b1,
+            Op::GqaAttention(_) => 0b1,
             Op::SwiGluBackward(_) => 0b11,
+            Op::GqaAttentionBackward(_) => 0b111,
             _ => 0,
         }
     }
@@ -202,8 +209,24 @@ impl HalfIo {
 
     /// Per-thread floats the kernel widens a head's bf16 operands into, or rounds its bf16
     /// gradients from, beside the head's own scratch: `[t, 3d]` for `qkv` (and `dqkv`),
-    /// `[t, d]` for the output and its gradient.
+    /// `[t, d]` for the output and its gradient; `[t, d]` for each bf16 input and output of
+    /// grouped-query attention.
     fn head_staging(&self, inputs: &[&TensorMeta]) -> usize {
+        let gqa = match &*self.op {
+            Op::GqaAttention(a) => Some((a.n_head, a.n_kv_head)),
+            Op::GqaAttentionBackward(a) => Some((a.n_head, a.n_kv_head)),
+            _ => None,
+        };
+        if let (Some((n_head, n_kv_head)), [q, k, v, ..]) = (gqa, inputs) {
+            // One head of each bf16 input and output, `[t, d]` apiece, per work item.
+            let Ok(s) =
+                gqa_attention::dims(self.name(), n_head, n_kv_head, &q.shape, &k.shape, &v.shape)
+            else {
+                return 0;
+            };
+            let halves = (self.reads.count_ones() + self.writes.count_ones()) as usize;
+            return halves * s.t * s.d;
+        }
         let n_head = match &*self.op {
             Op::CausalAttention(a) => a.n_head,
             Op::CausalAttentionBackward(a) => a.n_head,
@@ -240,6 +263,8 @@ impl OpRule for HalfIo {
             Op::RmsNorm(_) => "half_rms_norm",
             Op::RmsNormBackward(_) => "half_rms_norm_backward",
             Op::Rope(_) => "half_rope",
+            Op::GqaAttention(_) => "half_gqa_attention",
+            Op::GqaAttentionBackward(_) => "half_gqa_attention_backward",
             Op::Binary(_) => "half_add",
             _ => "half_io",
         }
