@@ -69,14 +69,18 @@ pub fn run(args: ProfileArgs) -> Result<()> {
             let node = graph.node(nid);
             let ins: Vec<_> = node.inputs.iter().map(|&i| graph.tensor(i)).collect();
             let outs: Vec<_> = node.outputs.iter().map(|&i| graph.tensor(i)).collect();
-            // A product reading bf16 operands as stored says which.
+            // A product reading or writing bf16 as stored says which.
             let product = match &node.op {
                 Op::MatMul(m) => Some((m, "")),
                 Op::HalfIo(h) => h.product().map(|m| {
-                    let which = match h.reads {
-                        0b01 => " (bf16 a)",
-                        0b10 => " (bf16 b)",
-                        _ => " (bf16 a, b)",
+                    let which = match (h.reads & 0b11, h.writes(0)) {
+                        (0b01, false) => " (bf16 a)",
+                        (0b10, false) => " (bf16 b)",
+                        (0b11, false) => " (bf16 a, b)",
+                        (0b01, true) => " (bf16 a, out)",
+                        (0b10, true) => " (bf16 b, out)",
+                        (0b11, true) => " (bf16 a, b, out)",
+                        _ => " (bf16 out)",
                     };
                     (m, which)
                 }),

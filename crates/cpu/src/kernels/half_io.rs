@@ -309,6 +309,11 @@ impl Dst {
         }
     }
 
+    /// Whether the output is stored in bf16 (and so written through a buffer).
+    pub(super) fn is_half(&self) -> bool {
+        self.half
+    }
+
     /// A buffer for runs of up to `n` elements: empty (no allocation) where the output is
     /// f32 and is written in place.
     pub(super) fn buffer(&self, n: usize) -> Vec<f32> {

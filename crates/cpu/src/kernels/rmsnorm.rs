@@ -29,19 +29,25 @@ pub(super) fn forward(eps: f32, k: &Kernel<'_>) {
         return;
     }
     let rows_per = (crate::par::MIN_PAR_ELEMS / c).max(1);
-    rstd.par_chunks_mut(rows_per)
-        .enumerate()
-        .for_each(|(p, rstd)| {
-            let (mut bx, mut by) = (x.buffer(c), y.buffer(c));
-            crate::isa::vectorized(|| {
-                for (r, s) in rstd.iter_mut().enumerate() {
-                    let at = (p * rows_per + r) * c;
-                    let xr = x.get((at, c), &mut bx);
-                    // SAFETY: row `at / c` is written by this item only.
-                    *s = unsafe { y.with((at, c), &mut by, |yr| norm_row(xr, w, eps, yr)) };
-                }
-            })
-        });
+    let part = |p: usize, rstd: &mut [f32]| {
+        let (mut bx, mut by) = (x.buffer(c), y.buffer(c));
+        crate::isa::vectorized(|| {
+            for (r, s) in rstd.iter_mut().enumerate() {
+                let at = (p * rows_per + r) * c;
+                let xr = x.get((at, c), &mut bx);
+                // SAFETY: row `at / c` is written by this part only.
+                *s = unsafe { y.with((at, c), &mut by, |yr| norm_row(xr, w, eps, yr)) };
+            }
+        })
+    };
+    // A few rows (a decode step's) run here, without the pool.
+    if rstd.len() <= rows_per {
+        part(0, rstd);
+    } else {
+        rstd.par_chunks_mut(rows_per)
+            .enumerate()
+            .for_each(|(p, rstd)| part(p, rstd));
+    }
 }
 
 /// One row: `y = x · rstd · w`; returns rstd.

@@ -24,22 +24,26 @@ pub(super) fn rotate(op: &Rope, k: &Kernel<'_>, first: usize) {
     let (x, y) = (Src::input(k, 0), Dst::output(k, 0));
     let (hd, half) = (op.head_dim, op.head_dim / 2);
     let sign = if op.inverse { -1.0 } else { 1.0 };
+    // A bf16 row is staged in f32 in the slot, after the angles (the plan holds it).
+    let staged = |half: bool| if half { c } else { 0 };
+    let (sx, sy) = (staged(matches!(x, Src::Bf16(_))), staged(y.is_half()));
     // One position per item: its angles are computed once and used for every batch row.
-    crate::par::for_each_item(k.workspace(), hd, t, |pos, scratch| {
-        let (cos, sin) = scratch.split_at_mut(half);
+    crate::par::for_each_item(k.workspace(), hd + sx + sy, t, |pos, scratch| {
+        let (angles, rest) = scratch.split_at_mut(hd);
+        let (bx, by) = rest.split_at_mut(sx);
+        let (cos, sin) = angles.split_at_mut(half);
         let at = (first + pos) as f64;
         for i in 0..half {
             let (s, co) = (at * op.inv_freq(i)).sin_cos();
             cos[i] = co as f32;
             sin[i] = (sign * s) as f32;
         }
-        let (mut bx, mut by) = (x.buffer(c), y.buffer(c));
         for bi in 0..b {
             let off = (bi * t + pos) * c;
-            let xr = x.get((off, c), &mut bx);
+            let xr = x.get((off, c), bx);
             // SAFETY: row (bi, pos) of y is written by this item only.
             unsafe {
-                y.with((off, c), &mut by, |yr| {
+                y.with((off, c), by, |yr| {
                     for (xh, yh) in xr.chunks_exact(hd).zip(yr.chunks_exact_mut(hd)) {
                         let (x1, x2) = xh.split_at(half);
                         let (y1, y2) = yh.split_at_mut(half);

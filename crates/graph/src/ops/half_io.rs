@@ -146,6 +146,7 @@ impl HalfIo {
             return mask;
         }
         match Self::product_rows(op, inputs) {
+            Some((0, ..)) | None => 0,
             Some((rows, k, n)) => {
                 let tile = write_tile_rows(rows, n);
                 let last = rows - (rows.div_ceil(tile) - 1) * tile;
@@ -156,7 +157,6 @@ impl HalfIo {
                     0
                 }
             }
-            None => 0,
         }
     }
 
@@ -210,8 +210,13 @@ impl HalfIo {
     /// Per-thread floats the kernel widens a head's bf16 operands into, or rounds its bf16
     /// gradients from, beside the head's own scratch: `[t, 3d]` for `qkv` (and `dqkv`),
     /// `[t, d]` for the output and its gradient; `[t, d]` for each bf16 input and output of
-    /// grouped-query attention.
+    /// grouped-query attention; a row for RoPE's bf16 input and output.
     fn head_staging(&self, inputs: &[&TensorMeta]) -> usize {
+        if let (Op::Rope(_), Some(x)) = (&*self.op, inputs.first()) {
+            // A row of `x` widened, and one of `y` before it is rounded.
+            let c = x.shape.last().copied().unwrap_or(0);
+            return (usize::from(self.reads(0)) + usize::from(self.writes(0))) * c;
+        }
         let gqa = match &*self.op {
             Op::GqaAttention(a) => Some((a.n_head, a.n_kv_head)),
             Op::GqaAttentionBackward(a) => Some((a.n_head, a.n_kv_head)),

@@ -103,16 +103,22 @@ pub fn rematerialize_dropping(step: &StepGraph, drop: &[TensorId]) -> Result<(Re
     remat_with(step, |t, _| keep[g.storage_root(t).index()], 1)
 }
 
+/// Whether selective remat keeps an op's outputs. A kernel reading or writing bf16 is the op
+/// it runs (a norm that rounds its own output is as cheap to recompute as one a cast rounds
+/// after), except a residual add: recomputing it would re-read its input through an up-cast
+/// made anew, which the bf16 fold, run before remat, does not take in.
 fn expensive(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::MatMul(_)
-            | Op::HalfIo(_)
-            | Op::GeluLinear(_)
-            | Op::LayerNormLinear(_)
-            | Op::CausalAttention(_)
-            | Op::GqaAttention(_)
-    )
+    match op {
+        Op::HalfIo(h) => matches!(*h.op, Op::Binary(_)) || expensive(&h.op),
+        op => matches!(
+            op,
+            Op::MatMul(_)
+                | Op::GeluLinear(_)
+                | Op::LayerNormLinear(_)
+                | Op::CausalAttention(_)
+                | Op::GqaAttention(_)
+        ),
+    }
 }
 
 /// `step` with `policy` applied; the count of forward nodes it recomputes is returned beside.
