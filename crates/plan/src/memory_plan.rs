@@ -406,27 +406,18 @@ pub fn plan<G: AsRef<Graph>>(graph: &G, options: &PlanOptions) -> Result<MemoryP
                 // comes out no larger than program order's: a lower bound can still place
                 // worse (a late, large gradient finding no hole its size).
                 let program_placed = placed(&program_intervals);
-                if max_live(&intervals).0 < program_bound {
-                    let p = placed(&intervals);
-                    if p.0.arena_bytes <= program_placed.0.arena_bytes {
-                        (ScheduleKind::MemoryAware, order, lives, intervals, p)
-                    } else {
-                        (
-                            ScheduleKind::Program,
-                            program,
-                            program_lives,
-                            program_intervals,
-                            program_placed,
-                        )
-                    }
-                } else {
-                    (
+                let aware_placed = (max_live(&intervals).0 < program_bound)
+                    .then(|| placed(&intervals))
+                    .filter(|p| p.0.arena_bytes <= program_placed.0.arena_bytes);
+                match aware_placed {
+                    Some(p) => (ScheduleKind::MemoryAware, order, lives, intervals, p),
+                    None => (
                         ScheduleKind::Program,
                         program,
                         program_lives,
                         program_intervals,
                         program_placed,
-                    )
+                    ),
                 }
             }
         };

@@ -208,19 +208,8 @@ pub(super) fn backward_io(
         let (s_y, rest) = rest.split_at_mut(wide(half_y, 1));
         let (s_dy, s_d) = rest.split_at_mut(wide(half_dy, 1));
         let (at3, at1) = (bi * t * 3 * c + hi * d, bi * t * c + hi * d);
-        // A head operand's rows: staged from bf16 (`width · d` apart), or in the f32 tensor.
         let rows = |staged: &mut [f32], f32_at: *mut f32, stride: usize, width: usize| {
-            if staged.is_empty() {
-                Rows {
-                    ptr: f32_at,
-                    stride,
-                }
-            } else {
-                Rows {
-                    ptr: staged.as_mut_ptr(),
-                    stride: width * d,
-                }
-            }
+            Rows::staged_or(staged, (f32_at, stride), width * d)
         };
         if half_qkv {
             stage_head(qkv16, (at3, 3 * c), (c, 3), d, s_qkv);
@@ -359,6 +348,28 @@ use crate::par::{for_each_item as for_each_head, SendPtr};
 pub(super) struct Rows {
     pub ptr: *mut f32,
     pub stride: usize,
+}
+
+impl Rows {
+    /// A head operand's rows: staged from bf16 (`staged_stride` apart) where `staged` is not
+    /// empty, else in the f32 tensor at `f32_at`, `stride` apart.
+    pub(super) fn staged_or(
+        staged: &mut [f32],
+        (f32_at, stride): (*mut f32, usize),
+        staged_stride: usize,
+    ) -> Rows {
+        if staged.is_empty() {
+            Rows {
+                ptr: f32_at,
+                stride,
+            }
+        } else {
+            Rows {
+                ptr: staged.as_mut_ptr(),
+                stride: staged_stride,
+            }
+        }
+    }
 }
 
 /// A head's forward inputs and outputs and their gradients, for [`head_backward`].

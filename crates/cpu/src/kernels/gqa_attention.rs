@@ -5,7 +5,7 @@
 
 use snug_graph::ops::{
     attention::{backward_scratch, forward_scratch},
-    gqa_attention::dims,
+    gqa_attention::{dims, Dims},
     GqaAttention, GqaAttentionBackward, OpRule,
 };
 
@@ -38,37 +38,25 @@ fn sink(k: &Kernel<'_>, i: usize, half: bool) -> SendPtr {
     }
 }
 
-/// A head operand's rows: staged (`d` apart) where `staged` is not empty, else in the f32
-/// tensor at `f32_at`.
+/// A head operand's rows: staged (`d` apart), or in the f32 tensor at `f32_at`.
 fn rows(staged: &mut [f32], f32_at: *mut f32, stride: usize, d: usize) -> Rows {
-    if staged.is_empty() {
-        Rows {
-            ptr: f32_at,
-            stride,
-        }
-    } else {
-        Rows {
-            ptr: staged.as_mut_ptr(),
-            stride: d,
-        }
-    }
+    Rows::staged_or(staged, (f32_at, stride), d)
+}
+
+/// The attention's sizes (the shape rule checked them when the graph was built).
+fn sizes(op: &'static str, (n_head, n_kv_head): (usize, usize), k: &Kernel<'_>) -> Dims {
+    let (q, kk, v) = (k.in_shape(0), k.in_shape(1), k.in_shape(2));
+    let Ok(s) = dims(op, n_head, n_kv_head, q, kk, v) else {
+        unreachable!("shape rule checked at build time")
+    };
+    s
 }
 
 /// [`GqaAttention`], under [`snug_graph::ops::HalfIo`] with `q`, `k`, `v` (`reads`) widened
 /// from bf16 into each head's scratch first, and with `half_y` its output made there and
 /// rounded into `y` after; with no flag, every head read and written in place.
 pub(super) fn forward_io(op: &GqaAttention, k: &Kernel<'_>, reads: [bool; 3], half_y: bool) {
-    let shapes = (k.in_shape(0), k.in_shape(1), k.in_shape(2));
-    let Ok(s) = dims(
-        op.name(),
-        op.n_head,
-        op.n_kv_head,
-        shapes.0,
-        shapes.1,
-        shapes.2,
-    ) else {
-        unreachable!("shape rule checked at build time")
-    };
+    let s = sizes(op.name(), (op.n_head, op.n_kv_head), k);
     let (t, d, h, group) = (s.t, s.d, s.h, s.group());
     let (cq, ckv) = (s.h * d, s.kh * d);
     let [(q, q16), (kk, k16), (v, v16)] = [0, 1, 2].map(|i| source(k, i, reads[i]));
@@ -136,17 +124,7 @@ pub(super) fn backward_io(
     reads: [bool; 5],
     writes: [bool; 3],
 ) {
-    let shapes = (k.in_shape(0), k.in_shape(1), k.in_shape(2));
-    let Ok(s) = dims(
-        op.name(),
-        op.n_head,
-        op.n_kv_head,
-        shapes.0,
-        shapes.1,
-        shapes.2,
-    ) else {
-        unreachable!("shape rule checked at build time")
-    };
+    let s = sizes(op.name(), (op.n_head, op.n_kv_head), k);
     let (t, d, h, kh, group) = (s.t, s.d, s.h, s.kh, s.group());
     let (cq, ckv) = (h * d, kh * d);
     let [(q, q16), (kk, k16), (v, v16), (y, y16), (dy, dy16)] =
