@@ -8,6 +8,8 @@
 
 #[cfg(unix)]
 pub mod bounded;
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+pub mod emulate;
 pub mod fuzz;
 
 use std::io::Write;
