@@ -14,9 +14,9 @@ use super::blocked::{
 use super::fused::Prologue;
 
 /// Rows of the register tile.
-const MR: usize = 8;
+pub(super) const MR: usize = 8;
 /// Columns of the register tile: three zmm vectors.
-const NR: usize = 48;
+pub(super) const NR: usize = 48;
 /// Packed rows of `b` the kernel prefetches ahead.
 const PREFETCH: usize = 16;
 
@@ -44,7 +44,7 @@ impl Tile for Avx512 {
 /// Packs `kc` columns of up to 8 rows of `a` as `out[p·8 + i]`, zero rows past `mr`, then
 /// applies the prologue; the panel's first element is `(i0, p0)` of the whole `a`.
 #[target_feature(enable = "avx512f")]
-unsafe fn pack_a(
+pub(super) unsafe fn pack_a(
     kc: usize,
     mr: usize,
     a: *const f32,
@@ -85,7 +85,7 @@ unsafe fn pack_a(
 
 /// As [`Tile::pack_a_half`]: widened from bf16 as it is packed, then the prologue.
 #[target_feature(enable = "avx512f")]
-unsafe fn pack_a_half(
+pub(super) unsafe fn pack_a_half(
     half: &super::half::HalfA<'_>,
     (kc, mr): (usize, usize),
     (out, i0, p0): (*mut f32, usize, usize),
@@ -98,7 +98,13 @@ unsafe fn pack_a_half(
 /// Packs `kc` rows of `nc` columns of `b` into 48-column panels (`out[j·kc + p·48 + l]` for
 /// panel `j`), zero columns past `nc`.
 #[target_feature(enable = "avx512f")]
-unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, (rs, cs): (isize, isize), out: *mut f32) {
+pub(super) unsafe fn pack_b(
+    kc: usize,
+    nc: usize,
+    b: *const f32,
+    (rs, cs): (isize, isize),
+    out: *mut f32,
+) {
     for jr in (0..nc).step_by(NR) {
         let nr = NR.min(nc - jr);
         // SAFETY (all blocks): reads stay within `kc` rows and `nc` columns of `b`; `out` is
@@ -186,6 +192,27 @@ unsafe fn kernel(
                 }
             }
         }
+        store_tile(&acc, (c, c_rs), (mr, nr), (scale, bias), accumulate);
+    }
+}
+
+/// Stores the `mr × nr` corner of a tile's accumulators: `c (+)= scale · acc`; not
+/// accumulating, a non-null `bias` (the tile's `nr` columns) is added. Shared with the BF16
+/// tile, whose accumulators are these.
+///
+/// # Safety
+/// The tile (and its biases) must lie inside `c` (and `bias`).
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(super) unsafe fn store_tile(
+    acc: &[[__m512; 3]; MR],
+    (c, c_rs): (*mut f32, isize),
+    (mr, nr): (usize, usize),
+    (scale, bias): (f32, *const f32),
+    accumulate: bool,
+) {
+    // SAFETY: stores are masked to the tile, as the caller vouched.
+    unsafe {
         let s = _mm512_set1_ps(scale);
         for (i, row) in acc.iter().enumerate().take(mr) {
             let out = c.offset(i as isize * c_rs);

@@ -73,6 +73,26 @@ pub(crate) trait Tile {
         prologue: Prologue<'_>,
     );
 
+    /// Turns a packed `a` panel (`MR · kc` floats, as [`Tile::pack_a`] leaves it) into the
+    /// form [`Tile::kernel`] reads, in place. The f32 tiles read it as it is.
+    ///
+    /// # Safety
+    /// The CPU must have the instruction set; `panel` must hold `MR · kc` floats.
+    #[inline(always)]
+    unsafe fn finish_a(kc: usize, panel: *mut f32) {
+        let _ = (kc, panel);
+    }
+
+    /// Turns packed `b` panels (as [`Tile::pack_b`] leaves them) into the form
+    /// [`Tile::kernel`] reads, in place. The f32 tiles read them as they are.
+    ///
+    /// # Safety
+    /// As [`Tile::pack_b`]'s `out`.
+    #[inline(always)]
+    unsafe fn finish_b(kc: usize, nc: usize, out: *mut f32) {
+        let _ = (kc, nc, out);
+    }
+
     /// One `MR × NR` tile: `c (+)= scale · Σ_p a[p] ⊗ b[p]` over packed panels `kc` deep,
     /// storing its `mr × nr` corner; not accumulating, a non-null `bias` (the tile's `nr`
     /// columns) is added.
@@ -150,6 +170,15 @@ const fn pack_floats<T: Tile>() -> usize {
 
 thread_local! {
     static PACK: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Grows this thread's packing space for `T` now, so that a product run later needs no
+/// allocation: under emulation (`snug_testkit::emulate`) none can reach the kernel.
+#[cfg(test)]
+pub(super) fn reserve_pack<T: Tile>() {
+    PACK.with(|pack| {
+        aligned(&mut pack.borrow_mut(), pack_floats::<T>());
+    });
 }
 
 /// Room for `floats` in `buf`, grown if need be, from a 64-byte boundary. It is capacity,
@@ -531,6 +560,7 @@ unsafe fn pack_a<T: Tile>(
             None => T::pack_a(kc, mr, a, strides, panel, fused.prologue),
             Some(h) => T::pack_a_half(h, (kc, mr), panel, fused.prologue),
         }
+        T::finish_a(kc, panel.0);
     }
 }
 
@@ -553,6 +583,7 @@ unsafe fn pack_b<T: Tile>(
             None => T::pack_b(kc, nc, b, strides, out),
             Some(q) => q.pack_b(T::NR, (kc, nc), at, out),
         }
+        T::finish_b(kc, nc, out);
     }
 }
 

@@ -1,8 +1,12 @@
 //! Products whose operands are bf16 activations or gradients read from their 16-bit storage
 //! (`snug_graph::ops::HalfIo`): each value is widened to f32 as the blocked kernel packs it
-//! (exactly, as a bf16 → f32 cast would have written it), so the product is bitwise the one on
-//! the cast's f32 copy, which is never made. `a` is widened by [`HalfA::pack_a`]; `b` is a
-//! [`QuantB`] of base bf16, the path frozen bf16 weights take.
+//! (exactly, as a bf16 → f32 cast would have written it), so on the f32 tiles the product is
+//! bitwise the one on the cast's f32 copy, which is never made. `a` is widened by
+//! [`HalfA::pack_a`]; `b` is a [`QuantB`] of base bf16, the path frozen bf16 weights take.
+//!
+//! On a CPU with AVX512-BF16 these products run in bf16 arithmetic instead
+//! ([`super::avx512bf16`]): the panels are rounded to bf16 pairs once packed (an f32 operand,
+//! a weight, then rounded too, as bf16 autocast does) and summed in f32.
 
 // Only our x86-64 tiles pack a bf16 operand; elsewhere `gemm_half` widens copies.
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code, unused_imports))]
@@ -90,7 +94,8 @@ impl<'a> Operand<'a> {
 }
 
 /// [`super::gemm_fused`] with either operand in bf16: `a` widened as our kernel packs it (then
-/// through `fused`'s prologue), `b` decoded as its panels are packed. Returns `false`, doing
+/// through `fused`'s prologue), `b` decoded as its panels are packed; in bf16 arithmetic where
+/// the CPU has AVX512-BF16 ([`super::choose_tile`]). Returns `false`, doing
 /// nothing, where our kernel does not run the product; the caller then widens them itself.
 ///
 /// # Safety
@@ -103,10 +108,30 @@ pub(crate) unsafe fn gemm_fused_half(
     fused: super::Fused<'_>,
 ) -> bool {
     let Layout { m, n, k, .. } = layout;
+    let bf16_operand = matches!(a, Operand::Bf16(_)) || matches!(b, Operand::Bf16(_));
+    let cpu = crate::isa::CpuFeatures::host();
+    let tile = super::choose_tile(cpu, (m, n, k), 1, bf16_operand);
+    // SAFETY: `choose_tile` checked the CPU; the caller vouches for the rest.
+    unsafe { gemm_fused_half_on(tile, layout, (a, b), c, par, fused) }
+}
+
+/// [`gemm_fused_half`] on `tile` (`None`: not run, `false`).
+///
+/// # Safety
+/// As [`super::gemm_fused`]; the CPU must have `tile`'s instructions.
+unsafe fn gemm_fused_half_on(
+    tile: Option<super::OwnTile>,
+    layout: Layout,
+    (a, b): (Operand<'_>, Operand<'_>),
+    c: &mut [f32],
+    par: ::gemm::Parallelism,
+    fused: super::Fused<'_>,
+) -> bool {
+    let Layout { m, n, k, .. } = layout;
     debug_assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
     debug_assert!(fused.half_a.is_none() && fused.quant_b.is_none());
     #[cfg(target_arch = "x86_64")]
-    if let Some(tile) = super::own_kernel((m, n, k), 1) {
+    if let Some(tile) = tile {
         let ((a_rs, a_cs), (b_rs, b_cs)) = layout.strides();
         let none = std::ptr::NonNull::<f32>::dangling().as_ptr() as *const f32;
         let (a_ptr, a_s, half_a) = match a {
@@ -137,11 +162,11 @@ pub(crate) unsafe fn gemm_fused_half(
             quant_b,
             ..fused
         };
-        // SAFETY: `own_kernel` checked the CPU; the caller vouches for the operands, and the
-        // packing reads a bf16 operand from its bits only.
+        // SAFETY: the caller checked the CPU and vouches for the operands; the packing reads
+        // a bf16 operand from its bits only.
         return unsafe { super::own_gemm(tile, product, par, fused) };
     }
-    let _ = (a, b, c, par, fused);
+    let _ = (tile, a, b, c, par, fused);
     false
 }
 
@@ -264,7 +289,15 @@ mod tests {
                             .iter()
                             .zip(&want)
                             .all(|(x, y)| x.to_bits() == y.to_bits());
-                        assert!(same, "{label}: not the widened f32 product");
+                        // Where the CPU has AVX512-BF16 our tile computes in bf16 arithmetic
+                        // (its own test below): the same values, summed in another order.
+                        let cpu = crate::isa::CpuFeatures::host();
+                        let bf16_arithmetic = crate::gemm::choose_tile(cpu, (m, n, k), 1, true)
+                            != crate::gemm::choose_tile(cpu, (m, n, k), 1, false);
+                        assert!(
+                            same || bf16_arithmetic,
+                            "{label}: not the widened f32 product"
+                        );
                         let at = |x: &[f32], rows: usize, cols: usize, t: bool| {
                             let x = x.to_vec();
                             move |i: usize, j: usize| {
@@ -290,6 +323,160 @@ mod tests {
                             &label,
                         );
                     }
+                }
+            }
+        }
+    }
+
+    /// bf16 bits of `x`, as [`Operand::Bf16`] storage.
+    fn rounded(x: &[f32]) -> Vec<f32> {
+        bf16(x).iter().map(|&h| widen(h)).collect()
+    }
+
+    /// The AVX512-BF16 tile, on this CPU where it has the instructions and else on an emulated
+    /// Sapphire Rapids core (`snug_testkit::emulate`): in every layout, with `a`, `b` or both
+    /// in bf16 (the f32 one then rounded to bf16, as the tile packs it), with and without a
+    /// bias, at partial register tiles, odd depths and two depth blocks, each element is within
+    /// f32 summation error of an f64 product of the bf16 values.
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    #[test]
+    fn the_bf16_tile_matches_an_f64_product_of_the_bf16_values() {
+        use std::ffi::c_void;
+
+        use snug_testkit::emulate::{self, EmuError, Model};
+
+        use crate::gemm::avx512bf16::Avx512Bf16;
+        use crate::gemm::blocked::{reserve_pack, Tile};
+        use crate::gemm::{Fused, OwnTile};
+
+        struct Case<'a> {
+            layout: Layout,
+            a: Operand<'a>,
+            b: Operand<'a>,
+            bias: Option<&'a [f32]>,
+            /// The operands' values as the tile multiplies them, and the label.
+            values: (&'a [f32], &'a [f32]),
+            label: String,
+        }
+        struct Job<'a> {
+            cases: &'a [Case<'a>],
+            out: &'a mut [Vec<f32>],
+            ran: &'a mut [bool],
+        }
+        /// Every case on the BF16 tile, one thread; no allocation, no panic, no I/O, so it can
+        /// run where no kernel answers system calls.
+        unsafe extern "C" fn run_cases(job: *mut c_void) {
+            // SAFETY: the test passes a `Job`.
+            let job = unsafe { &mut *(job as *mut Job<'_>) };
+            for ((case, c), ran) in job
+                .cases
+                .iter()
+                .zip(job.out.iter_mut())
+                .zip(job.ran.iter_mut())
+            {
+                let fused = Fused {
+                    bias: case.bias,
+                    ..Fused::NONE
+                };
+                // SAFETY: the CPU (real or emulated) has AVX512-BF16; the operands cover the
+                // product and `c` holds `m · n`.
+                *ran = unsafe {
+                    gemm_fused_half_on(
+                        Some(OwnTile::Avx512Bf16),
+                        case.layout,
+                        (case.a, case.b),
+                        c,
+                        ::gemm::Parallelism::None,
+                        fused,
+                    )
+                };
+            }
+        }
+
+        let shapes = [(67, 130, 517), (21, 45, 700)];
+        let data: Vec<_> = shapes
+            .iter()
+            .enumerate()
+            .map(|(s, &(m, n, k))| {
+                let (a, b) = (values(m * k, 21 + s as u64), values(k * n, 31 + s as u64));
+                let (a16, b16) = (bf16(&a), bf16(&b));
+                let (ra, rb) = (rounded(&a), rounded(&b));
+                (a, b, a16, b16, ra, rb, values(n, 41 + s as u64))
+            })
+            .collect();
+        let mut cases = Vec::new();
+        for (&(m, n, k), (a, b, a16, b16, ra, rb, bias)) in shapes.iter().zip(&data) {
+            for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                for halves in [0b01, 0b10, 0b11] {
+                    let a_op = if halves & 1 != 0 {
+                        Operand::Bf16(a16)
+                    } else {
+                        Operand::F32(a)
+                    };
+                    let b_op = if halves & 2 != 0 {
+                        Operand::Bf16(b16)
+                    } else {
+                        Operand::F32(b)
+                    };
+                    let with_bias = halves == 0b11;
+                    cases.push(Case {
+                        layout: Layout::new((ta, tb), (m, n, k)),
+                        a: a_op,
+                        b: b_op,
+                        bias: with_bias.then_some(&bias[..]),
+                        values: (ra, rb),
+                        label: format!(
+                            "{m}×{k}×{n} ta {ta} tb {tb} halves {halves:02b} bias {with_bias}"
+                        ),
+                    });
+                }
+            }
+        }
+        let mut out: Vec<Vec<f32>> = cases
+            .iter()
+            .map(|c| vec![f32::NAN; c.layout.m * c.layout.n])
+            .collect();
+        let mut ran = vec![false; cases.len()];
+        let mut job = Job {
+            cases: &cases,
+            out: &mut out,
+            ran: &mut ran,
+        };
+        let arg = &mut job as *mut Job<'_> as *mut c_void;
+        if Avx512Bf16::available() {
+            // SAFETY: this CPU has the instructions.
+            unsafe { run_cases(arg) };
+        } else {
+            reserve_pack::<Avx512Bf16>();
+            // SAFETY: `run_cases` makes no system call (its packing space is reserved) and
+            // touches only the job, which nothing else writes meanwhile.
+            match unsafe { emulate::call(Model::SapphireRapids, run_cases, arg) } {
+                Err(EmuError::Unavailable(why)) => return snug_testkit::skip_or_fail(&why),
+                Err(e) => panic!("the BF16 tile under emulation: {e}"),
+                Ok(()) => {}
+            }
+        }
+        for ((case, c), ran) in cases.iter().zip(&out).zip(&ran) {
+            assert!(ran, "{}: the tile did not run", case.label);
+            let Layout { ta, tb, m, n, k } = case.layout;
+            let (a, b) = case.values;
+            let at = |i: usize, p: usize| if ta { a[p * m + i] } else { a[i * k + p] };
+            let bt = |p: usize, j: usize| if tb { b[j * k + p] } else { b[p * n + j] };
+            for i in 0..m {
+                for j in 0..n {
+                    let terms = (0..k).map(|p| f64::from(at(i, p)) * f64::from(bt(p, j)));
+                    let base = case.bias.map_or(0.0, |bias| f64::from(bias[j]));
+                    let want = base + terms.clone().sum::<f64>();
+                    // Sequential f32 summation: at most k roundings of partial sums, each
+                    // bounded by the sum of magnitudes.
+                    let bound = terms.map(f64::abs).sum::<f64>() + base.abs();
+                    let tol = (k + 1) as f64 * f64::from(f32::EPSILON) / 2.0 * bound;
+                    let got = f64::from(c[i * n + j]);
+                    assert!(
+                        (got - want).abs() <= tol,
+                        "{} at ({i}, {j}): {got} vs {want} (tolerance {tol:e})",
+                        case.label
+                    );
                 }
             }
         }

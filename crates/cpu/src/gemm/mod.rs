@@ -1,12 +1,15 @@
 //! The GEMM entry points every kernel calls: `c (+)= f(op(a)) · op(b) (+ bias)` on our blocked
-//! kernel ([`blocked`], with the AVX-512 and AVX2 register tiles in [`avx512`] and [`avx2`])
-//! where the CPU and the product suit it, else on the gemm crate. [`Fused`] says what a product
+//! kernel ([`blocked`], with the AVX-512 and AVX2 register tiles in [`avx512`] and [`avx2`],
+//! and for products reading a bf16 operand the AVX512-BF16 one in [`avx512bf16`]) where the CPU
+//! and the product suit it, else on the gemm crate. [`Fused`] says what a product
 //! takes in as it packs (a LayerNorm or GELU [`Prologue`], a bias; [`fused`]).
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512bf16;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod blocked;
 mod fused;
@@ -58,24 +61,33 @@ pub(crate) fn linear_rows(
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum OwnTile {
     #[cfg(target_arch = "x86_64")]
+    Avx512Bf16,
+    #[cfg(target_arch = "x86_64")]
     Avx512,
     #[cfg(target_arch = "x86_64")]
     Avx2,
 }
 
-/// Our tile for a product, if `gemm_raw` runs one: on a CPU with AVX-512F or AVX2 + FMA, for
-/// row-major outputs at least 16 columns wide, and products big enough that packing both
-/// operands pays. (Attention's blocks, at most 64 × 256 × 64, run an unpacked
-/// `small_gemm` instead: through the packed one they measured 15 % slower.)
-fn own_kernel((m, n, k): (usize, usize, usize), c_cs: isize) -> Option<OwnTile> {
+/// Our tile for a product on a CPU with `cpu`'s features, if one runs it: for row-major
+/// outputs at least 16 columns wide, and products big enough that packing both operands pays
+/// (attention's blocks, at most 64 × 256 × 64, run an unpacked `small_gemm` instead: through
+/// the packed one they measured 15 % slower). AVX-512F's tile, else AVX2 + FMA's; a product
+/// with a bf16 operand (`bf16_operand`) runs in bf16 arithmetic where the CPU has AVX512-BF16.
+fn choose_tile(
+    cpu: crate::isa::CpuFeatures,
+    (m, n, k): (usize, usize, usize),
+    c_cs: isize,
+    bf16_operand: bool,
+) -> Option<OwnTile> {
     #[cfg(target_arch = "x86_64")]
     {
-        use blocked::Tile;
         if c_cs != 1 || n < 16 || m * n * k < 1 << 22 {
             None
-        } else if avx512::Avx512::available() {
+        } else if cpu.avx512f && cpu.avx512bf16 && bf16_operand {
+            Some(OwnTile::Avx512Bf16)
+        } else if cpu.avx512f {
             Some(OwnTile::Avx512)
-        } else if avx2::Avx2::available() {
+        } else if cpu.avx2 && cpu.fma {
             Some(OwnTile::Avx2)
         } else {
             None
@@ -83,9 +95,14 @@ fn own_kernel((m, n, k): (usize, usize, usize), c_cs: isize) -> Option<OwnTile> 
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = ((m, n, k), c_cs);
+        let _ = (cpu, (m, n, k), c_cs, bf16_operand);
         None
     }
+}
+
+/// Our tile for an f32 product on this CPU, if `gemm_raw` runs one ([`choose_tile`]).
+fn own_kernel(dims: (usize, usize, usize), c_cs: isize) -> Option<OwnTile> {
+    choose_tile(crate::isa::CpuFeatures::host(), dims, c_cs, false)
 }
 
 /// Attention's unpacked per-head product (`small_gemm` in `avx512` and `avx2`):
@@ -222,9 +239,12 @@ unsafe fn own_gemm(
     } = product;
     use avx2::Avx2;
     use avx512::Avx512;
+    use avx512bf16::Avx512Bf16;
     use blocked::{sgemm, sgemm_threaded};
     let threaded = matches!(par, ::gemm::Parallelism::Rayon(_)) && m.max(n) >= 32;
     let run = match (tile, threaded) {
+        (OwnTile::Avx512Bf16, false) => sgemm::<Avx512Bf16>,
+        (OwnTile::Avx512Bf16, true) => sgemm_threaded::<Avx512Bf16>,
         (OwnTile::Avx512, false) => sgemm::<Avx512>,
         (OwnTile::Avx512, true) => sgemm_threaded::<Avx512>,
         (OwnTile::Avx2, false) => sgemm::<Avx2>,
@@ -446,8 +466,9 @@ mod tests {
     /// The GEMM a large product runs on here, as the planner names it.
     fn dispatched() -> CpuGemm {
         match own_kernel((1024, 1024, 1024), 1) {
+            // The BF16 tile keeps the AVX-512 one's blocking, so the plan is the same.
             #[cfg(target_arch = "x86_64")]
-            Some(OwnTile::Avx512) => CpuGemm::Avx512,
+            Some(OwnTile::Avx512 | OwnTile::Avx512Bf16) => CpuGemm::Avx512,
             #[cfg(target_arch = "x86_64")]
             Some(OwnTile::Avx2) => CpuGemm::Avx2,
             None => CpuGemm::Portable,
@@ -479,6 +500,56 @@ mod tests {
                     "{m}×{k}×{n}"
                 );
             }
+        }
+    }
+
+    /// Dispatch for each feature set: bf16 arithmetic only for a product with a bf16 operand
+    /// on a CPU with AVX512-BF16 (and AVX-512F); AVX-512F's tile before AVX2 + FMA's; none
+    /// for small or column-strided products, or without the instructions.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_tile_is_chosen_from_the_features_and_the_operands() {
+        use super::choose_tile;
+        use crate::isa::CpuFeatures;
+        let none = CpuFeatures::default();
+        let avx2 = CpuFeatures {
+            avx2: true,
+            fma: true,
+            ..none
+        };
+        let avx512 = CpuFeatures {
+            avx512f: true,
+            avx512bw: true,
+            avx512dq: true,
+            avx512vl: true,
+            ..avx2
+        };
+        let bf16 = CpuFeatures {
+            avx512bf16: true,
+            ..avx512
+        };
+        let big = (512, 512, 512);
+        let cases = [
+            (none, false, None),
+            (none, true, None),
+            (CpuFeatures { fma: false, ..avx2 }, true, None),
+            (avx2, false, Some(OwnTile::Avx2)),
+            (avx2, true, Some(OwnTile::Avx2)),
+            (avx512, false, Some(OwnTile::Avx512)),
+            (avx512, true, Some(OwnTile::Avx512)),
+            (bf16, false, Some(OwnTile::Avx512)),
+            (bf16, true, Some(OwnTile::Avx512Bf16)),
+        ];
+        for (cpu, half, want) in cases {
+            assert_eq!(
+                choose_tile(cpu, big, 1, half),
+                want,
+                "{cpu:?}, bf16 operand {half}"
+            );
+        }
+        // Too small to pack, too narrow, or a strided output: the gemm crate, on every CPU.
+        for (dims, c_cs) in [((8, 64, 64), 1), ((1024, 8, 1024), 1), (big, 2)] {
+            assert_eq!(choose_tile(bf16, dims, c_cs, true), None, "{dims:?} {c_cs}");
         }
     }
 
