@@ -73,10 +73,11 @@ fn python() -> Result<&'static (String, PathBuf), EmuError> {
                 .output()
                 .map_err(|e| format!("cannot run {python} ({PYTHON_VAR}): {e}"))?;
             if !probe.status.success() {
+                let stderr = String::from_utf8_lossy(&probe.stderr);
                 return Err(format!(
                     "needs {PACKAGE} for {python} (set {PYTHON_VAR} to an interpreter that has \
                      it): {}",
-                    String::from_utf8_lossy(&probe.stderr).trim()
+                    stderr.trim().lines().last().unwrap_or_default()
                 ));
             }
             Ok((python, shim))

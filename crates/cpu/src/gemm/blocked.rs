@@ -971,4 +971,107 @@ pub(super) mod tests {
         }
         for_each_tile!(check);
     }
+
+    /// The AVX-512 tile where this CPU has no AVX-512: the triple-loop check above, each
+    /// product run on an emulated Tiger Lake core (`snug_testkit::emulate`), with partial
+    /// tiles, several depth and row blocks, every layout, scaling and accumulating.
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    #[test]
+    fn the_avx512_tile_matches_a_triple_loop_on_an_emulated_core() {
+        use std::ffi::c_void;
+
+        use snug_testkit::emulate::{self, EmuError, Model};
+
+        use super::super::avx512::Avx512;
+
+        if Avx512::available() {
+            return; // run natively by the test above
+        }
+        struct Case {
+            dims: (usize, usize, usize),
+            a: (Vec<f32>, isize, isize),
+            b: (Vec<f32>, isize, isize),
+            scale_acc: (f32, bool),
+            start: Vec<f32>,
+            c: Vec<f32>,
+            done: bool,
+        }
+        /// Every case on the tile, one thread, nothing allocated: runnable where no kernel
+        /// answers system calls.
+        unsafe extern "C" fn run_cases(cases: *mut c_void) {
+            // SAFETY: the test passes its cases.
+            let cases = unsafe { &mut *(cases as *mut Vec<Case>) };
+            for case in cases.iter_mut() {
+                let ((a, a_rs, a_cs), (b, b_rs, b_cs)) = (&case.a, &case.b);
+                // SAFETY: the (emulated) CPU has AVX-512F; the strides stay inside the vectors.
+                case.done = unsafe {
+                    sgemm::<Avx512>(
+                        case.dims,
+                        (case.c.as_mut_ptr(), case.dims.1 as isize),
+                        (a.as_ptr(), *a_rs, *a_cs),
+                        (b.as_ptr(), *b_rs, *b_cs),
+                        case.scale_acc.0,
+                        case.scale_acc.1,
+                        Fused::NONE,
+                    )
+                };
+            }
+        }
+        let shapes = [
+            (7, 5, 3),
+            (13, 50, 17),
+            (790, 203, 401),
+            (9, 97, 800),
+            (6, 16, 9),
+        ];
+        let mut cases = Vec::new();
+        for (m, n, k) in shapes {
+            for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                for scale_acc in [(1.0f32, false), (0.5, true)] {
+                    let (a_rs, a_cs) = if ta { (1, m as isize) } else { (k as isize, 1) };
+                    let (b_rs, b_cs) = if tb { (1, k as isize) } else { (n as isize, 1) };
+                    let start = values(m * n, 3);
+                    cases.push(Case {
+                        dims: (m, n, k),
+                        a: (values(m * k, 1), a_rs, a_cs),
+                        b: (values(k * n, 2), b_rs, b_cs),
+                        scale_acc,
+                        c: start.clone(),
+                        start,
+                        done: false,
+                    });
+                }
+            }
+        }
+        reserve_pack::<Avx512>();
+        let arg = &mut cases as *mut Vec<Case> as *mut c_void;
+        // SAFETY: `run_cases` makes no system call (its packing space is reserved) and
+        // touches only the cases, which nothing else writes meanwhile.
+        match unsafe { emulate::call(Model::TigerLake, run_cases, arg) } {
+            Err(EmuError::Unavailable(why)) => return snug_testkit::skip_or_fail(&why),
+            Err(e) => panic!("the AVX-512 tile under emulation: {e}"),
+            Ok(()) => {}
+        }
+        for case in &cases {
+            let (m, n, k) = case.dims;
+            let ((a, a_rs, a_cs), (b, b_rs, b_cs)) = (&case.a, &case.b);
+            let at = |x: &[f32], (rs, cs): (isize, isize), r: usize, col: usize| {
+                x[(r as isize * rs + col as isize * cs) as usize]
+            };
+            let label =
+                format!("avx512 (emulated): {m}×{k}×{n} strides {a_rs},{a_cs} {b_rs},{b_cs}");
+            assert!(case.done, "{label}: did not run");
+            assert_product(
+                (m, n, k),
+                (
+                    |i, p| at(a, (*a_rs, *a_cs), i, p),
+                    |p, j| at(b, (*b_rs, *b_cs), p, j),
+                ),
+                case.scale_acc,
+                (&case.start, &case.c),
+                1e-5 * (k as f64).sqrt() + 1e-6,
+                &label,
+            );
+        }
+    }
 }
