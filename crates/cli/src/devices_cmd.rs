@@ -30,6 +30,9 @@ struct CpuDevice {
     isa_levels: Vec<&'static str>,
     /// The GEMM's register tile (`avx512`, `avx2`, or `portable`: the gemm crate).
     gemm: &'static str,
+    /// Whether bf16 products run in bf16 arithmetic (AVX512-BF16's `VDPBF16PS`, summing in
+    /// f32); elsewhere their bf16 operands are widened to f32 as they are packed.
+    bf16_arithmetic: bool,
 }
 
 #[derive(Serialize)]
@@ -98,6 +101,7 @@ pub fn run(args: DevicesArgs) -> Result<()> {
                 .map(|l| l.name())
                 .collect(),
             gemm: snug_graph::CpuGemm::host().name(),
+            bf16_arithmetic: snug_cpu::isa::CpuFeatures::host().bf16_arithmetic(),
         },
         gpus: snug_gpu::adapters_once()
             .iter()
@@ -131,8 +135,17 @@ pub fn run(args: DevicesArgs) -> Result<()> {
     }
     let c = &devices.cpu;
     println!(
-        "cpu     this machine's CPU: {} physical cores, {} logical CPUs; kernels {}, GEMM tile {}",
-        c.physical_cores, c.logical_cpus, c.isa, c.gemm
+        "cpu     this machine's CPU: {} physical cores, {} logical CPUs; kernels {}, GEMM tile {}; \
+         bf16 products {}",
+        c.physical_cores,
+        c.logical_cpus,
+        c.isa,
+        c.gemm,
+        if c.bf16_arithmetic {
+            "in bf16 arithmetic (AVX512-BF16)"
+        } else {
+            "widened to f32 (no AVX512-BF16)"
+        }
     );
     if devices.gpus.is_empty() {
         println!(

@@ -59,6 +59,21 @@ fn devices_names_the_level_and_every_level_the_cpu_runs() {
         serde_json::from_slice(&snug_env(&["devices", "--json"], Some("avx512")).stdout).unwrap();
     assert_eq!(high["cpu"]["isa"].as_str(), levels.last().copied());
     assert!(["avx512", "avx2", "portable"].contains(&v["cpu"]["gemm"].as_str().unwrap()));
+    // bf16 arithmetic exactly where the kernel reports AVX512-BF16 (and AVX-512F).
+    if let Ok(cpuinfo) = std::fs::read_to_string("/proc/cpuinfo") {
+        let flags: Vec<&str> = cpuinfo
+            .lines()
+            .find(|l| l.starts_with("flags"))
+            .map(|l| l.split_whitespace().collect())
+            .unwrap_or_default();
+        if cfg!(target_arch = "x86_64") && !flags.is_empty() {
+            let has = |f: &str| flags.contains(&f);
+            assert_eq!(
+                v["cpu"]["bf16_arithmetic"].as_bool(),
+                Some(has("avx512f") && has("avx512_bf16"))
+            );
+        }
+    }
 }
 
 #[test]

@@ -66,6 +66,12 @@ impl CpuFeatures {
         CpuFeatures::default()
     }
 
+    /// Whether products reading a bf16 operand run in bf16 arithmetic (`VDPBF16PS`, the GEMM's
+    /// AVX512-BF16 tile) rather than widened to f32.
+    pub fn bf16_arithmetic(self) -> bool {
+        self.avx512f && self.avx512bf16
+    }
+
     /// The highest level these features run (each level needs every feature its functions
     /// are compiled with).
     pub fn isa(self) -> Isa {

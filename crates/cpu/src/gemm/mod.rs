@@ -83,7 +83,7 @@ fn choose_tile(
     {
         if c_cs != 1 || n < 16 || m * n * k < 1 << 22 {
             None
-        } else if cpu.avx512f && cpu.avx512bf16 && bf16_operand {
+        } else if cpu.bf16_arithmetic() && bf16_operand {
             Some(OwnTile::Avx512Bf16)
         } else if cpu.avx512f {
             Some(OwnTile::Avx512)
