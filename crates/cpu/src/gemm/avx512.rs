@@ -425,3 +425,153 @@ unsafe fn transpose_8x16(r: &[__m512; 8], out: *mut f32, stride: usize) {
         }
     }
 }
+
+/// Attention's head kernels here are tested where the CPU has AVX-512F, and else on an emulated
+/// Tiger Lake core (`snug_testkit::emulate`): each test's cases are made first, run in one
+/// call that allocates nothing, then checked.
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use std::ffi::c_void;
+
+    use snug_testkit::emulate::Model;
+
+    use super::*;
+    use crate::gemm::blocked::Tile;
+    use crate::gemm::test_support::{assert_product, run_job, values};
+
+    /// One `small_gemm` call's operands and result.
+    struct SmallCase {
+        dims: (usize, usize, usize),
+        a: (Vec<f32>, usize, usize),
+        /// In strips of 64 columns, each `k` rows of 64.
+        b: Vec<f32>,
+        scale_acc: (f32, bool),
+        start: Vec<f32>,
+        c: Vec<f32>,
+    }
+
+    unsafe extern "C" fn run_small(cases: *mut c_void) {
+        // SAFETY: the test passes its cases.
+        let cases = unsafe { &mut *(cases as *mut Vec<SmallCase>) };
+        for case in cases.iter_mut() {
+            let (m, n, k) = case.dims;
+            let (a, a_rs, a_cs) = &case.a;
+            // SAFETY: the (emulated) CPU has AVX-512F; the strides stay inside the vectors.
+            unsafe {
+                small_gemm(
+                    (m, n, k),
+                    (case.c.as_mut_ptr(), n),
+                    (a.as_ptr(), *a_rs, *a_cs),
+                    (case.b.as_ptr(), 64, 64 * k),
+                    case.scale_acc.0,
+                    case.scale_acc.1,
+                )
+            };
+        }
+    }
+
+    /// Attention's unpacked products, against a triple loop in f64: `a` plain and transposed,
+    /// `b` in strips of 64 (the last one partial, and a partial 16-column vector inside it),
+    /// row counts that leave every remainder of the 6-row tile, scaled and accumulated.
+    #[test]
+    fn small_gemm_matches_a_triple_loop_at_every_edge() {
+        let mut cases = Vec::new();
+        for (m, n, k) in [
+            (64usize, 256usize, 64usize),
+            (13, 71, 9),
+            (7, 76, 5),
+            (5, 150, 64),
+            (1, 3, 2),
+            (12, 64, 17),
+            (11, 130, 33),
+        ] {
+            for ta in [false, true] {
+                for scale_acc in [(0.125f32, false), (1.0, true)] {
+                    let (a_rs, a_cs) = if ta { (1, m) } else { (k, 1) };
+                    let start = values(m * n, 3);
+                    cases.push(SmallCase {
+                        dims: (m, n, k),
+                        a: (values(m * k, 1), a_rs, a_cs),
+                        b: values(n.div_ceil(64) * 64 * k, 2),
+                        scale_acc,
+                        c: start.clone(),
+                        start,
+                    });
+                }
+            }
+        }
+        let arg = &mut cases as *mut Vec<SmallCase> as *mut c_void;
+        // SAFETY: the kernel runs where AVX-512F is, natively or emulated; `run_small`
+        // allocates nothing and touches only the cases.
+        if !unsafe { run_job(Avx512::available(), Model::TigerLake, run_small, arg) } {
+            return;
+        }
+        for case in &cases {
+            let (m, n, k) = case.dims;
+            let (a, a_rs, a_cs) = &case.a;
+            let b_at = |p: usize, j: usize| (j / 64) * 64 * k + p * 64 + j % 64;
+            assert_product(
+                (m, n, k),
+                (|i, p| a[i * a_rs + p * a_cs], |p, j| case.b[b_at(p, j)]),
+                case.scale_acc,
+                (&case.start, &case.c),
+                1e-5,
+                &format!("avx512 small_gemm {m}×{k}×{n} strides {a_rs},{a_cs}"),
+            );
+        }
+    }
+
+    /// One `transpose` call's input and output.
+    struct TransposeCase {
+        dims: (usize, usize),
+        x: (Vec<f32>, usize),
+        out: (Vec<f32>, usize),
+    }
+
+    unsafe extern "C" fn run_transpose(cases: *mut c_void) {
+        // SAFETY: the test passes its cases.
+        let cases = unsafe { &mut *(cases as *mut Vec<TransposeCase>) };
+        for case in cases.iter_mut() {
+            let ((x, x_rs), (out, out_rs)) = (&case.x, &mut case.out);
+            // SAFETY: the (emulated) CPU has AVX-512F; both extents fit their vectors.
+            unsafe { transpose((x.as_ptr(), *x_rs), case.dims, (out.as_mut_ptr(), *out_rs)) };
+        }
+    }
+
+    /// The 8 × 16 register transpose, and the scalar edges, move every element exactly.
+    #[test]
+    fn transpose_moves_every_element() {
+        let mut cases: Vec<TransposeCase> = [
+            (64, 64, 70, 64),
+            (19, 13, 13, 20),
+            (8, 16, 16, 8),
+            (8, 8, 8, 8),
+            (17, 35, 40, 17),
+            (3, 5, 5, 3),
+        ]
+        .into_iter()
+        .map(|(rows, cols, x_rs, out_rs)| TransposeCase {
+            dims: (rows, cols),
+            x: (values(rows * x_rs, 4), x_rs),
+            out: (vec![f32::NAN; cols * out_rs], out_rs),
+        })
+        .collect();
+        let arg = &mut cases as *mut Vec<TransposeCase> as *mut c_void;
+        // SAFETY: as in `small_gemm_matches_a_triple_loop_at_every_edge`.
+        if !unsafe { run_job(Avx512::available(), Model::TigerLake, run_transpose, arg) } {
+            return;
+        }
+        for case in &cases {
+            let ((rows, cols), (x, x_rs), (out, out_rs)) = (case.dims, &case.x, &case.out);
+            for i in 0..rows {
+                for p in 0..cols {
+                    assert_eq!(
+                        out[p * out_rs + i].to_bits(),
+                        x[i * x_rs + p].to_bits(),
+                        "{rows}×{cols}: ({i}, {p})"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -980,7 +980,7 @@ pub(super) mod tests {
     fn the_avx512_tile_matches_a_triple_loop_on_an_emulated_core() {
         use std::ffi::c_void;
 
-        use snug_testkit::emulate::{self, EmuError, Model};
+        use snug_testkit::emulate::Model;
 
         use super::super::avx512::Avx512;
 
@@ -1047,10 +1047,8 @@ pub(super) mod tests {
         let arg = &mut cases as *mut Vec<Case> as *mut c_void;
         // SAFETY: `run_cases` makes no system call (its packing space is reserved) and
         // touches only the cases, which nothing else writes meanwhile.
-        match unsafe { emulate::call(Model::TigerLake, run_cases, arg) } {
-            Err(EmuError::Unavailable(why)) => return snug_testkit::skip_or_fail(&why),
-            Err(e) => panic!("the AVX-512 tile under emulation: {e}"),
-            Ok(()) => {}
+        if !unsafe { crate::gemm::test_support::run_job(false, Model::TigerLake, run_cases, arg) } {
+            return;
         }
         for case in &cases {
             let (m, n, k) = case.dims;

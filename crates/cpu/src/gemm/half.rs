@@ -343,10 +343,11 @@ mod tests {
     fn the_bf16_tile_matches_an_f64_product_of_the_bf16_values() {
         use std::ffi::c_void;
 
-        use snug_testkit::emulate::{self, EmuError, Model};
+        use snug_testkit::emulate::Model;
 
         use crate::gemm::avx512bf16::Avx512Bf16;
         use crate::gemm::blocked::{reserve_pack, Tile};
+        use crate::gemm::test_support::run_job;
         use crate::gemm::{Fused, OwnTile};
 
         struct Case<'a> {
@@ -443,18 +444,19 @@ mod tests {
             ran: &mut ran,
         };
         let arg = &mut job as *mut Job<'_> as *mut c_void;
-        if Avx512Bf16::available() {
-            // SAFETY: this CPU has the instructions.
-            unsafe { run_cases(arg) };
-        } else {
-            reserve_pack::<Avx512Bf16>();
-            // SAFETY: `run_cases` makes no system call (its packing space is reserved) and
-            // touches only the job, which nothing else writes meanwhile.
-            match unsafe { emulate::call(Model::SapphireRapids, run_cases, arg) } {
-                Err(EmuError::Unavailable(why)) => return snug_testkit::skip_or_fail(&why),
-                Err(e) => panic!("the BF16 tile under emulation: {e}"),
-                Ok(()) => {}
-            }
+        reserve_pack::<Avx512Bf16>();
+        // SAFETY: the tile runs where its instructions are, natively or emulated; `run_cases`
+        // makes no system call (its packing space is reserved) and touches only the job,
+        // which nothing else writes meanwhile.
+        if !unsafe {
+            run_job(
+                Avx512Bf16::available(),
+                Model::SapphireRapids,
+                run_cases,
+                arg,
+            )
+        } {
+            return;
         }
         for ((case, c), ran) in cases.iter().zip(&out).zip(&ran) {
             assert!(ran, "{}: the tile did not run", case.label);

@@ -441,6 +441,36 @@ pub(crate) mod test_support {
         }
     }
 
+    /// Runs `job(arg)` on this CPU where `native` (it has the instructions), else on an
+    /// emulated `model` core (`snug_testkit::emulate`). Returns `false` where the emulator is
+    /// not installed, after a skip (a failure in CI): the test then returns.
+    ///
+    /// # Safety
+    /// As [`snug_testkit::emulate::call`]; natively, `job(arg)` must be sound to call.
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    pub(crate) unsafe fn run_job(
+        native: bool,
+        model: snug_testkit::emulate::Model,
+        job: unsafe extern "C" fn(*mut std::ffi::c_void),
+        arg: *mut std::ffi::c_void,
+    ) -> bool {
+        use snug_testkit::emulate::{call, EmuError};
+        if native {
+            // SAFETY: as the caller vouched.
+            unsafe { job(arg) };
+            return true;
+        }
+        // SAFETY: as the caller vouched.
+        match unsafe { call(model, job, arg) } {
+            Ok(()) => true,
+            Err(EmuError::Unavailable(why)) => {
+                snug_testkit::skip_or_fail(&why);
+                false
+            }
+            Err(e) => panic!("{model:?} (emulated): {e}"),
+        }
+    }
+
     /// Deterministic values in [-0.5, 0.5) with no pattern a blocking bug could hide behind.
     pub(crate) fn values(len: usize, seed: u64) -> Vec<f32> {
         let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
