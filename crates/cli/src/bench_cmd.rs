@@ -161,10 +161,10 @@ struct CaseResult {
     /// them and `SNUG_GPU_SUBGROUPS=0` did not turn them off); None on the CPU.
     #[serde(default)]
     gpu_subgroups: Option<bool>,
-    /// A bf16 case on the CPU: whether its products ran in bf16 arithmetic (AVX512-BF16's
-    /// `VDPBF16PS`) rather than widened to f32. None for f32 cases and on a GPU.
+    /// A bf16 case on the CPU: what its products computed, as `snug devices` says
+    /// (`vdpbf16ps`, `model` or `widen`). None for f32 cases and on a GPU.
     #[serde(default)]
-    bf16_arithmetic: Option<bool>,
+    bf16_products: Option<String>,
     final_loss: f32,
     /// Share of the machine's CPU time that a hypervisor gave to other guests during the timed
     /// steps (Linux's steal time): on a shared host, figures taken while it is high are slow
@@ -282,8 +282,8 @@ fn run_case(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
         device_allocator_report_bytes,
         staging_ring_bytes,
         gpu_subgroups: gpu.as_ref().map(snug_gpu::GpuDevice::has_subgroups),
-        bf16_arithmetic: (gpu.is_none() && case.precision == "bf16")
-            .then(|| snug_cpu::isa::CpuFeatures::host().bf16_arithmetic()),
+        bf16_products: (gpu.is_none() && case.precision == "bf16")
+            .then(|| crate::devices_cmd::bf16_products().to_string()),
         final_loss: loss,
         steal,
     })

@@ -30,8 +30,12 @@ struct CpuDevice {
     isa_levels: Vec<&'static str>,
     /// The GEMM's register tile (`avx512`, `avx2`, or `portable`: the gemm crate).
     gemm: &'static str,
-    /// Whether bf16 products run in bf16 arithmetic (AVX512-BF16's `VDPBF16PS`, summing in
-    /// f32); elsewhere their bf16 operands are widened to f32 as they are packed.
+    /// How the products of a bf16 run compute on our GEMM tiles: `vdpbf16ps` (AVX512-BF16:
+    /// operands in bf16, sums in f32), `model` (the same rounding on the f32 tiles,
+    /// `SNUG_BF16_MATH=model`) or `widen` (bf16 widened to f32: no AVX512-BF16, or
+    /// `SNUG_BF16_MATH=widen`).
+    bf16_products: &'static str,
+    /// `bf16_products` is not `widen`: their f32 operands (weights) are rounded to bf16.
     bf16_arithmetic: bool,
 }
 
@@ -75,6 +79,11 @@ struct Devices {
     gpus: Vec<GpuDevice>,
 }
 
+/// What the products of a bf16 run compute here (`SNUG_BF16_MATH` and the CPU's features).
+pub(crate) fn bf16_products() -> &'static str {
+    snug_cpu::isa::Bf16Math::current().path(snug_cpu::isa::CpuFeatures::host())
+}
+
 pub fn run(args: DevicesArgs) -> Result<()> {
     let given = args
         .device_memory
@@ -101,7 +110,8 @@ pub fn run(args: DevicesArgs) -> Result<()> {
                 .map(|l| l.name())
                 .collect(),
             gemm: snug_graph::CpuGemm::host().name(),
-            bf16_arithmetic: snug_cpu::isa::CpuFeatures::host().bf16_arithmetic(),
+            bf16_products: bf16_products(),
+            bf16_arithmetic: bf16_products() != "widen",
         },
         gpus: snug_gpu::adapters_once()
             .iter()
@@ -141,10 +151,13 @@ pub fn run(args: DevicesArgs) -> Result<()> {
         c.logical_cpus,
         c.isa,
         c.gemm,
-        if c.bf16_arithmetic {
-            "in bf16 arithmetic (AVX512-BF16)"
-        } else {
-            "widened to f32 (no AVX512-BF16)"
+        match c.bf16_products {
+            "vdpbf16ps" => "in bf16 arithmetic (AVX512-BF16)",
+            "model" => "rounded to bf16 on the f32 tiles (SNUG_BF16_MATH=model)",
+            _ if snug_cpu::isa::CpuFeatures::host().bf16_arithmetic() => {
+                "widened to f32 (SNUG_BF16_MATH=widen)"
+            }
+            _ => "widened to f32 (no AVX512-BF16)",
         }
     );
     if devices.gpus.is_empty() {

@@ -1071,7 +1071,7 @@ fn bench_reports_step_times_mfu_and_memory() {
     ));
     assert_eq!(case["measured_peak_bytes"], case["predicted_peak_bytes"]);
     // Which bf16 arithmetic ran is said only of bf16 cases.
-    assert!(case["bf16_arithmetic"].is_null(), "{case}");
+    assert!(case["bf16_products"].is_null(), "{case}");
     assert!(case["peak_rss_bytes"].as_u64() > case["measured_peak_bytes"].as_u64());
     assert!(f(case, "final_loss").is_finite());
     // The steal share, where Linux reports it, is a fraction of the CPU time.

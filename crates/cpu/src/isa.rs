@@ -86,6 +86,69 @@ impl CpuFeatures {
     }
 }
 
+/// How products that read a bf16 operand compute: `SNUG_BF16_MATH` (`native`, `widen` or
+/// `model`; anything else, or unset, is `native`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bf16Math {
+    /// bf16 arithmetic (`VDPBF16PS`: operands rounded to bf16, products summed in f32) where
+    /// the CPU has AVX512-BF16; elsewhere bf16 widened to f32.
+    Native,
+    /// Always bf16 widened to f32, never an f32 operand rounded: the same bits on every CPU.
+    Widen,
+    /// bf16 arithmetic's rounding on the f32 register tiles, on any CPU they run on: each
+    /// packed operand value rounded to bf16, the exact products summed in f32. The numbers
+    /// `VDPBF16PS` gives, up to the order of the sum (and its flushing of subnormals), for
+    /// seeing bf16 arithmetic's effect on a run without the instructions.
+    Model,
+}
+
+impl Bf16Math {
+    pub fn name(self) -> &'static str {
+        match self {
+            Bf16Math::Native => "native",
+            Bf16Math::Widen => "widen",
+            Bf16Math::Model => "model",
+        }
+    }
+
+    const ALL: [Bf16Math; 3] = [Bf16Math::Native, Bf16Math::Widen, Bf16Math::Model];
+
+    /// The setting in force: [`Bf16Math::set`]'s, else what `SNUG_BF16_MATH` asks for (read
+    /// once).
+    pub fn current() -> Bf16Math {
+        match BF16_MATH.load(Ordering::Relaxed) {
+            0 => {
+                let asked = std::env::var("SNUG_BF16_MATH").ok();
+                let asked = asked.as_deref().map(str::trim);
+                let math = Bf16Math::ALL.into_iter().find(|m| asked == Some(m.name()));
+                Bf16Math::set(math.unwrap_or(Bf16Math::Native));
+                Bf16Math::current()
+            }
+            n => Bf16Math::ALL[usize::from(n - 1).min(Bf16Math::ALL.len() - 1)],
+        }
+    }
+
+    /// Computes bf16 products as `self` says from now on, in the whole process (a test that
+    /// compares bits with a casting graph's asks for [`Bf16Math::Widen`]).
+    pub fn set(self) {
+        let at = Bf16Math::ALL.iter().position(|&m| m == self).unwrap_or(0);
+        BF16_MATH.store(at as u8 + 1, Ordering::Relaxed);
+    }
+
+    /// What a bf16 product computes on a CPU with `cpu`'s features under this setting:
+    /// `vdpbf16ps`, `model` (rounded operands on the f32 tiles) or `widen`.
+    pub fn path(self, cpu: CpuFeatures) -> &'static str {
+        match self {
+            Bf16Math::Native if cpu.bf16_arithmetic() => "vdpbf16ps",
+            Bf16Math::Model => "model",
+            _ => "widen",
+        }
+    }
+}
+
+/// The index of the [`Bf16Math`] in force plus one (0: not chosen yet).
+static BF16_MATH: AtomicU8 = AtomicU8::new(0);
+
 /// The chosen level plus one (0: not chosen yet).
 static CHOSEN: AtomicU8 = AtomicU8::new(0);
 

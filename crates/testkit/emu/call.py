@@ -89,10 +89,11 @@ def main():
         if gva is None:
             raise RuntimeError(f"emulated code reached guest physical {gpa:#x}, no page of ours")
         mem.seek(gva)
-        try:
-            original = mem.read(PAGE)
-        except OSError:
-            original = bytes(PAGE)  # a guard page: reads as zeros, as nothing is there
+        # A page listed readable that cannot be read was unmapped meanwhile: the run fails
+        # rather than see zeros there.
+        original = mem.read(PAGE)
+        if len(original) != PAGE:
+            raise RuntimeError(f"page {gva:#x} of process {pid} could not be read")
         hva = bochscpu.memory.allocate_host_page()
         ctypes.memmove(hva, original, PAGE)
         bochscpu.memory.page_insert(gpa & ~(PAGE - 1), hva)
@@ -144,7 +145,8 @@ def main():
         sys.stderr.flush()
         os._exit(3)
 
-    written = 0
+    # The runs of changed bytes, all found before any is written back.
+    changes = []
     for gpa, (hva, original) in touched.items():
         now = ctypes.string_at(hva, PAGE)
         if now == original:
@@ -158,10 +160,14 @@ def main():
             j = i
             while j < PAGE and now[j] != original[j]:
                 j += 1
-            mem.seek(gva_of[gpa] + i)
-            mem.write(now[i:j])
-            written += j - i
+            changes.append((gva_of[gpa] + i, now[i:j]))
             i = j
+    written = 0
+    for at, data in changes:
+        mem.seek(at)
+        if mem.write(data) != len(data):
+            raise RuntimeError(f"writing {len(data)} bytes back at {at:#x} fell short")
+        written += len(data)
     final = session.cpu.state
     print(json.dumps({"rax": final.rax, "pages": len(touched), "bytes_written": written}))
     sys.stdout.flush()

@@ -5,8 +5,10 @@
 //! this process's pages into an emulated core of the chosen model, runs `f(arg)` there, and
 //! writes the bytes it changed back into this process before it exits; this thread waits for it.
 //! The function therefore sees and writes this process's memory as it would natively. It must
-//! make no system call (no allocation that reaches the kernel, no I/O, no thread spawning): the
-//! emulated core has no kernel behind it, so that stops the run as a fault.
+//! make no system call (no I/O, no thread spawning): the emulated core has no kernel behind it,
+//! so that stops the run as a fault. Nor may it allocate or free at all: this process's other
+//! threads go on allocating meanwhile, and the allocator's bookkeeping the emulated code
+//! changed would be written back over theirs.
 
 use std::ffi::c_void;
 use std::path::{Path, PathBuf};
@@ -128,6 +130,10 @@ pub unsafe fn call(
     arg: *mut c_void,
 ) -> Result<(), EmuError> {
     let (python, shim) = python()?;
+    // The standard library caches the CPU's features on first asking: were that in the emulated
+    // call, the emulated model's would be written back, and native code would later run
+    // instructions this CPU lacks.
+    std::hint::black_box(std::arch::is_x86_feature_detected!("avx2"));
     // The emulated call's stack: ours, so its pages are this process's like everything else.
     let mut stack = vec![0u8; 1 << 20];
     let top = stack.as_mut_ptr() as u64 + stack.len() as u64;

@@ -238,6 +238,9 @@ fn one_step(c: &snug_compile::CompiledStep, label: &str) -> (Vec<u32>, usize) {
 
 #[test]
 fn folding_bf16_casts_into_kernels_is_bitwise_the_casting_step() {
+    // bf16 widened to f32 in every product, as the casting graph computes them: on a CPU with
+    // AVX512-BF16 the default is bf16 arithmetic, which rounds the f32 operand too.
+    snug_cpu::isa::Bf16Math::Widen.set();
     let ours = snug_graph::CpuGemm::host() != snug_graph::CpuGemm::Portable;
     for model in models().iter() {
         let mut reading_peaks = Vec::new();
@@ -463,6 +466,8 @@ fn to_bf16(x: &[f32]) -> Vec<u16> {
 /// included, and less than the casting graph, which holds the whole f32 output.
 #[test]
 fn products_written_in_bf16_tile_by_tile_are_the_rounded_f32_products() {
+    // As in `folding_bf16_casts_into_kernels_is_bitwise_the_casting_step`.
+    snug_cpu::isa::Bf16Math::Widen.set();
     use snug_graph::ops::half_io::write_tile_rows;
     use snug_graph::ops::{GeluApprox, GeluLinear, LayerNormLinear, MatMul};
     use snug_graph::{CpuGemm, Graph, Role};

@@ -8,14 +8,16 @@
 //! 32 bits hold `(x[2q], x[2q + 1])`, half the bytes the kernel streams. Each `VDPBF16PS` then
 //! adds two products per lane. Every product of two bf16 values is exact in f32, so the result
 //! differs from the f32 tile's on the same (bf16-rounded) operands only in the order of the
-//! f32 additions, and in the f32 operand (a weight) being rounded to bf16 first: what PyTorch's
-//! bf16 autocast computes.
+//! f32 additions and in `VDPBF16PS` flushing subnormal inputs and results to zero (it ignores
+//! MXCSR); and the f32 operand (a weight) is rounded to bf16 first: what PyTorch's bf16
+//! autocast computes.
 
 use std::arch::x86_64::*;
 
 use super::avx512::{store_tile, MR, NR};
 use super::blocked::Tile;
 use super::fused::Prologue;
+use super::half::bf16_bits;
 
 /// Packed pairs of `b` the kernel prefetches ahead.
 const PREFETCH: usize = 8;
@@ -86,17 +88,6 @@ impl Tile for Avx512Bf16 {
     }
 }
 
-/// bf16 bits of `v`: nearest even, NaN kept NaN, as the cast kernel and `VCVTNEPS2BF16` round.
-#[inline(always)]
-fn bf16_bits(v: f32) -> u32 {
-    let b = v.to_bits();
-    if b & 0x7fff_ffff > 0x7f80_0000 {
-        (b >> 16) | 0x40
-    } else {
-        b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16
-    }
-}
-
 /// Rounds a packed panel of `W`-wide rows (`x[p·W + l]`, `kc` rows) in place into pairs of
 /// rows: `u32[q·W + l] = bf16(x[2q·W + l]) | bf16(x[(2q + 1)·W + l]) << 16`, the last pair's
 /// upper half zero when `kc` is odd. Pair `q` lands on row `q`, which pair `q / 2` has
@@ -112,9 +103,9 @@ unsafe fn to_pairs<const W: usize>(kc: usize, panel: *mut f32) {
         for (l, v) in pair.iter_mut().enumerate() {
             // SAFETY: rows `2q` and `2q + 1 < kc` of the panel.
             unsafe {
-                let lo = bf16_bits(*panel.add(2 * q * W + l));
+                let lo = u32::from(bf16_bits(*panel.add(2 * q * W + l)));
                 let hi = if 2 * q + 1 < kc {
-                    bf16_bits(*panel.add((2 * q + 1) * W + l))
+                    u32::from(bf16_bits(*panel.add((2 * q + 1) * W + l)))
                 } else {
                     0
                 };

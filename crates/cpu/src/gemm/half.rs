@@ -22,6 +22,24 @@ pub(crate) fn widen(h: u16) -> f32 {
     f32::from_bits((h as u32) << 16)
 }
 
+/// bf16 bits of `v`: nearest even, NaN kept NaN (quieted), as the cast kernel and
+/// `VCVTNEPS2BF16` round.
+#[inline(always)]
+pub(crate) fn bf16_bits(v: f32) -> u16 {
+    let b = v.to_bits();
+    if b & 0x7fff_ffff > 0x7f80_0000 {
+        ((b >> 16) | 0x40) as u16
+    } else {
+        (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16
+    }
+}
+
+/// `v` rounded to the nearest bf16 value ([`bf16_bits`]), as f32.
+#[inline(always)]
+pub(crate) fn round_to_bf16(v: f32) -> f32 {
+    widen(bf16_bits(v))
+}
+
 /// A bf16 `a`: element `(i, p)` at `bits[i·rs + p·cs]`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct HalfA<'a> {
@@ -109,8 +127,11 @@ pub(crate) unsafe fn gemm_fused_half(
 ) -> bool {
     let Layout { m, n, k, .. } = layout;
     let bf16_operand = matches!(a, Operand::Bf16(_)) || matches!(b, Operand::Bf16(_));
-    let cpu = crate::isa::CpuFeatures::host();
-    let tile = super::choose_tile(cpu, (m, n, k), 1, bf16_operand);
+    let (cpu, math) = (
+        crate::isa::CpuFeatures::host(),
+        crate::isa::Bf16Math::current(),
+    );
+    let tile = super::choose_tile(cpu, math, (m, n, k), 1, bf16_operand);
     // SAFETY: `choose_tile` checked the CPU; the caller vouches for the rest.
     unsafe { gemm_fused_half_on(tile, layout, (a, b), c, par, fused) }
 }
@@ -291,9 +312,13 @@ mod tests {
                             .all(|(x, y)| x.to_bits() == y.to_bits());
                         // Where the CPU has AVX512-BF16 our tile computes in bf16 arithmetic
                         // (its own test below): the same values, summed in another order.
-                        let cpu = crate::isa::CpuFeatures::host();
-                        let bf16_arithmetic = crate::gemm::choose_tile(cpu, (m, n, k), 1, true)
-                            != crate::gemm::choose_tile(cpu, (m, n, k), 1, false);
+                        let (cpu, math) = (
+                            crate::isa::CpuFeatures::host(),
+                            crate::isa::Bf16Math::current(),
+                        );
+                        let bf16_arithmetic =
+                            crate::gemm::choose_tile(cpu, math, (m, n, k), 1, true)
+                                != crate::gemm::choose_tile(cpu, math, (m, n, k), 1, false);
                         assert!(
                             same || bf16_arithmetic,
                             "{label}: not the widened f32 product"
@@ -334,19 +359,55 @@ mod tests {
     }
 
     /// The AVX512-BF16 tile, on this CPU where it has the instructions and else on an emulated
-    /// Sapphire Rapids core (`snug_testkit::emulate`): in every layout, with `a`, `b` or both
-    /// in bf16 (the f32 one then rounded to bf16, as the tile packs it), with and without a
-    /// bias, at partial register tiles, odd depths and two depth blocks, each element is within
-    /// f32 summation error of an f64 product of the bf16 values.
+    /// Sapphire Rapids core (`snug_testkit::emulate`).
     #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
     #[test]
     fn the_bf16_tile_matches_an_f64_product_of_the_bf16_values() {
-        use std::ffi::c_void;
-
-        use snug_testkit::emulate::Model;
-
         use crate::gemm::avx512bf16::Avx512Bf16;
         use crate::gemm::blocked::{reserve_pack, Tile};
+        let native = Avx512Bf16::available();
+        let emulated = snug_testkit::emulate::Model::SapphireRapids;
+        let reserve = reserve_pack::<Avx512Bf16>;
+        check_bf16_arithmetic(crate::gemm::OwnTile::Avx512Bf16, native, emulated, reserve);
+    }
+
+    /// `SNUG_BF16_MATH=model`'s tiles give the same numbers as the AVX512-BF16 one: AVX2's
+    /// where this CPU has it, AVX-512's natively or on an emulated Tiger Lake core.
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    #[test]
+    fn the_modelled_bf16_tiles_match_an_f64_product_of_the_bf16_values() {
+        use snug_testkit::emulate::Model;
+
+        use crate::gemm::avx2::Avx2;
+        use crate::gemm::avx512::Avx512;
+        use crate::gemm::bf16_model::Rounded;
+        use crate::gemm::blocked::{reserve_pack, Tile};
+        use crate::gemm::OwnTile;
+        if Avx2::available() {
+            let reserve = reserve_pack::<Rounded<Avx2>>;
+            check_bf16_arithmetic(OwnTile::Avx2Model, true, Model::TigerLake, reserve);
+        } else {
+            eprintln!("skipped the modelled AVX2 tile: this CPU has no AVX2 and FMA");
+        }
+        let reserve = reserve_pack::<Rounded<Avx512>>;
+        let native = Avx512::available();
+        check_bf16_arithmetic(OwnTile::Avx512Model, native, Model::TigerLake, reserve);
+    }
+
+    /// Runs `tile` (on this CPU where `native`, else on an emulated `emulated` core, after
+    /// `reserve` made its packing space) in every layout, with `a`, `b` or both in bf16 (the
+    /// f32 one then rounded to bf16, as the tile packs it), with and without a bias, at partial
+    /// register tiles, odd depths and two depth blocks: each element must be within f32
+    /// summation error of an f64 product of the bf16 values.
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    fn check_bf16_arithmetic(
+        tile: crate::gemm::OwnTile,
+        native: bool,
+        emulated: snug_testkit::emulate::Model,
+        reserve: fn(),
+    ) {
+        use std::ffi::c_void;
+
         use crate::gemm::test_support::run_job;
         use crate::gemm::{Fused, OwnTile};
 
@@ -360,12 +421,13 @@ mod tests {
             label: String,
         }
         struct Job<'a> {
+            tile: OwnTile,
             cases: &'a [Case<'a>],
             out: &'a mut [Vec<f32>],
             ran: &'a mut [bool],
         }
-        /// Every case on the BF16 tile, one thread; no allocation, no panic, no I/O, so it can
-        /// run where no kernel answers system calls.
+        /// Every case on the job's tile, one thread; no allocation, no panic, no I/O, so it
+        /// can run where no kernel answers system calls.
         unsafe extern "C" fn run_cases(job: *mut c_void) {
             // SAFETY: the test passes a `Job`.
             let job = unsafe { &mut *(job as *mut Job<'_>) };
@@ -379,11 +441,11 @@ mod tests {
                     bias: case.bias,
                     ..Fused::NONE
                 };
-                // SAFETY: the CPU (real or emulated) has AVX512-BF16; the operands cover the
-                // product and `c` holds `m · n`.
+                // SAFETY: the CPU (real or emulated) has the tile's instructions; the operands
+                // cover the product and `c` holds `m · n`.
                 *ran = unsafe {
                     gemm_fused_half_on(
-                        Some(OwnTile::Avx512Bf16),
+                        Some(job.tile),
                         case.layout,
                         (case.a, case.b),
                         c,
@@ -439,27 +501,21 @@ mod tests {
             .collect();
         let mut ran = vec![false; cases.len()];
         let mut job = Job {
+            tile,
             cases: &cases,
             out: &mut out,
             ran: &mut ran,
         };
         let arg = &mut job as *mut Job<'_> as *mut c_void;
-        reserve_pack::<Avx512Bf16>();
+        reserve();
         // SAFETY: the tile runs where its instructions are, natively or emulated; `run_cases`
         // makes no system call (its packing space is reserved) and touches only the job,
         // which nothing else writes meanwhile.
-        if !unsafe {
-            run_job(
-                Avx512Bf16::available(),
-                Model::SapphireRapids,
-                run_cases,
-                arg,
-            )
-        } {
+        if !unsafe { run_job(native, emulated, run_cases, arg) } {
             return;
         }
         for ((case, c), ran) in cases.iter().zip(&out).zip(&ran) {
-            assert!(ran, "{}: the tile did not run", case.label);
+            assert!(ran, "{tile:?} {}: the tile did not run", case.label);
             let Layout { ta, tb, m, n, k } = case.layout;
             let (a, b) = case.values;
             let at = |i: usize, p: usize| if ta { a[p * m + i] } else { a[i * k + p] };
@@ -476,7 +532,7 @@ mod tests {
                     let got = f64::from(c[i * n + j]);
                     assert!(
                         (got - want).abs() <= tol,
-                        "{} at ({i}, {j}): {got} vs {want} (tolerance {tol:e})",
+                        "{tile:?} {} at ({i}, {j}): {got} vs {want} (tolerance {tol:e})",
                         case.label
                     );
                 }

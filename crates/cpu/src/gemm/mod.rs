@@ -11,6 +11,8 @@ pub(crate) mod avx512;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512bf16;
 #[cfg(target_arch = "x86_64")]
+mod bf16_model;
+#[cfg(target_arch = "x86_64")]
 pub(crate) mod blocked;
 mod fused;
 mod half;
@@ -62,6 +64,12 @@ pub(crate) fn linear_rows(
 enum OwnTile {
     #[cfg(target_arch = "x86_64")]
     Avx512Bf16,
+    /// AVX-512F's tile with its panels rounded to bf16 (`SNUG_BF16_MATH=model`).
+    #[cfg(target_arch = "x86_64")]
+    Avx512Model,
+    /// AVX2's tile with its panels rounded to bf16 (`SNUG_BF16_MATH=model`).
+    #[cfg(target_arch = "x86_64")]
+    Avx2Model,
     #[cfg(target_arch = "x86_64")]
     Avx512,
     #[cfg(target_arch = "x86_64")]
@@ -71,38 +79,52 @@ enum OwnTile {
 /// Our tile for a product on a CPU with `cpu`'s features, if one runs it: for row-major
 /// outputs at least 16 columns wide, and products big enough that packing both operands pays
 /// (attention's blocks, at most 64 × 256 × 64, run an unpacked `small_gemm` instead: through
-/// the packed one they measured 15 % slower). AVX-512F's tile, else AVX2 + FMA's; a product
-/// with a bf16 operand (`bf16_operand`) runs in bf16 arithmetic where the CPU has AVX512-BF16.
+/// the packed one they measured 15 % slower). AVX-512F's tile, else AVX2 + FMA's. A product
+/// with a bf16 operand (`bf16_operand`) computes as `math` says: in bf16 arithmetic where the
+/// CPU has AVX512-BF16 (`Native`), with its panels rounded to bf16 on the f32 tile (`Model`),
+/// or widened (`Widen`, and `Native` elsewhere).
 fn choose_tile(
     cpu: crate::isa::CpuFeatures,
+    math: crate::isa::Bf16Math,
     (m, n, k): (usize, usize, usize),
     c_cs: isize,
     bf16_operand: bool,
 ) -> Option<OwnTile> {
     #[cfg(target_arch = "x86_64")]
     {
+        use crate::isa::Bf16Math;
+        let model = bf16_operand && math == Bf16Math::Model;
         if c_cs != 1 || n < 16 || m * n * k < 1 << 22 {
             None
-        } else if cpu.bf16_arithmetic() && bf16_operand {
+        } else if bf16_operand && math == Bf16Math::Native && cpu.bf16_arithmetic() {
             Some(OwnTile::Avx512Bf16)
         } else if cpu.avx512f {
-            Some(OwnTile::Avx512)
+            Some(if model {
+                OwnTile::Avx512Model
+            } else {
+                OwnTile::Avx512
+            })
         } else if cpu.avx2 && cpu.fma {
-            Some(OwnTile::Avx2)
+            Some(if model {
+                OwnTile::Avx2Model
+            } else {
+                OwnTile::Avx2
+            })
         } else {
             None
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (cpu, (m, n, k), c_cs, bf16_operand);
+        let _ = (cpu, math, (m, n, k), c_cs, bf16_operand);
         None
     }
 }
 
 /// Our tile for an f32 product on this CPU, if `gemm_raw` runs one ([`choose_tile`]).
 fn own_kernel(dims: (usize, usize, usize), c_cs: isize) -> Option<OwnTile> {
-    choose_tile(crate::isa::CpuFeatures::host(), dims, c_cs, false)
+    let math = crate::isa::Bf16Math::Native;
+    choose_tile(crate::isa::CpuFeatures::host(), math, dims, c_cs, false)
 }
 
 /// Attention's unpacked per-head product (`small_gemm` in `avx512` and `avx2`):
@@ -240,11 +262,16 @@ unsafe fn own_gemm(
     use avx2::Avx2;
     use avx512::Avx512;
     use avx512bf16::Avx512Bf16;
+    use bf16_model::Rounded;
     use blocked::{sgemm, sgemm_threaded};
     let threaded = matches!(par, ::gemm::Parallelism::Rayon(_)) && m.max(n) >= 32;
     let run = match (tile, threaded) {
         (OwnTile::Avx512Bf16, false) => sgemm::<Avx512Bf16>,
         (OwnTile::Avx512Bf16, true) => sgemm_threaded::<Avx512Bf16>,
+        (OwnTile::Avx512Model, false) => sgemm::<Rounded<Avx512>>,
+        (OwnTile::Avx512Model, true) => sgemm_threaded::<Rounded<Avx512>>,
+        (OwnTile::Avx2Model, false) => sgemm::<Rounded<Avx2>>,
+        (OwnTile::Avx2Model, true) => sgemm_threaded::<Rounded<Avx2>>,
         (OwnTile::Avx512, false) => sgemm::<Avx512>,
         (OwnTile::Avx512, true) => sgemm_threaded::<Avx512>,
         (OwnTile::Avx2, false) => sgemm::<Avx2>,
@@ -496,11 +523,11 @@ mod tests {
     /// The GEMM a large product runs on here, as the planner names it.
     fn dispatched() -> CpuGemm {
         match own_kernel((1024, 1024, 1024), 1) {
-            // The BF16 tile keeps the AVX-512 one's blocking, so the plan is the same.
+            // The bf16 tiles keep their f32 tile's blocking, so the plan is the same.
             #[cfg(target_arch = "x86_64")]
-            Some(OwnTile::Avx512 | OwnTile::Avx512Bf16) => CpuGemm::Avx512,
+            Some(OwnTile::Avx512 | OwnTile::Avx512Bf16 | OwnTile::Avx512Model) => CpuGemm::Avx512,
             #[cfg(target_arch = "x86_64")]
-            Some(OwnTile::Avx2) => CpuGemm::Avx2,
+            Some(OwnTile::Avx2 | OwnTile::Avx2Model) => CpuGemm::Avx2,
             None => CpuGemm::Portable,
         }
     }
@@ -533,9 +560,10 @@ mod tests {
         }
     }
 
-    /// Dispatch for each feature set: bf16 arithmetic only for a product with a bf16 operand
-    /// on a CPU with AVX512-BF16 (and AVX-512F); AVX-512F's tile before AVX2 + FMA's; none
-    /// for small or column-strided products, or without the instructions.
+    /// Dispatch for each feature set and `SNUG_BF16_MATH`: bf16 arithmetic only for a product
+    /// with a bf16 operand, natively on a CPU with AVX512-BF16 (and AVX-512F) or modelled on
+    /// the f32 tile; AVX-512F's tile before AVX2 + FMA's; none for small or column-strided
+    /// products, or without the instructions.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_tile_is_chosen_from_the_features_and_the_operands() {
@@ -559,27 +587,34 @@ mod tests {
             ..avx512
         };
         let big = (512, 512, 512);
+        use crate::isa::Bf16Math::{Model, Native, Widen};
         let cases = [
-            (none, false, None),
-            (none, true, None),
-            (CpuFeatures { fma: false, ..avx2 }, true, None),
-            (avx2, false, Some(OwnTile::Avx2)),
-            (avx2, true, Some(OwnTile::Avx2)),
-            (avx512, false, Some(OwnTile::Avx512)),
-            (avx512, true, Some(OwnTile::Avx512)),
-            (bf16, false, Some(OwnTile::Avx512)),
-            (bf16, true, Some(OwnTile::Avx512Bf16)),
+            (none, Native, false, None),
+            (none, Native, true, None),
+            (none, Model, true, None),
+            (CpuFeatures { fma: false, ..avx2 }, Native, true, None),
+            (avx2, Native, false, Some(OwnTile::Avx2)),
+            (avx2, Native, true, Some(OwnTile::Avx2)),
+            (avx2, Widen, true, Some(OwnTile::Avx2)),
+            (avx2, Model, false, Some(OwnTile::Avx2)),
+            (avx2, Model, true, Some(OwnTile::Avx2Model)),
+            (avx512, Native, false, Some(OwnTile::Avx512)),
+            (avx512, Native, true, Some(OwnTile::Avx512)),
+            (avx512, Model, true, Some(OwnTile::Avx512Model)),
+            (bf16, Native, false, Some(OwnTile::Avx512)),
+            (bf16, Native, true, Some(OwnTile::Avx512Bf16)),
+            (bf16, Widen, true, Some(OwnTile::Avx512)),
+            (bf16, Model, true, Some(OwnTile::Avx512Model)),
+            (bf16, Model, false, Some(OwnTile::Avx512)),
         ];
-        for (cpu, half, want) in cases {
-            assert_eq!(
-                choose_tile(cpu, big, 1, half),
-                want,
-                "{cpu:?}, bf16 operand {half}"
-            );
+        for (cpu, math, half, want) in cases {
+            let got = choose_tile(cpu, math, big, 1, half);
+            assert_eq!(got, want, "{cpu:?}, {math:?}, bf16 operand {half}");
         }
         // Too small to pack, too narrow, or a strided output: the gemm crate, on every CPU.
         for (dims, c_cs) in [((8, 64, 64), 1), ((1024, 8, 1024), 1), (big, 2)] {
-            assert_eq!(choose_tile(bf16, dims, c_cs, true), None, "{dims:?} {c_cs}");
+            let got = choose_tile(bf16, Native, dims, c_cs, true);
+            assert_eq!(got, None, "{dims:?} {c_cs}");
         }
     }
 

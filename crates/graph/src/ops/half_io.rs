@@ -3,7 +3,9 @@
 //! Under mixed precision every activation and gradient is held in bf16 and each was read
 //! through `cast(x16) -> f32` and stored through `cast(y) -> bf16`; a kernel that widens as it
 //! reads (bf16 to f32 is exact) and rounds to nearest even as it stores (as the cast does)
-//! computes bitwise the same step, and neither f32 copy exists. Made after autodiff by
+//! computes bitwise the same step, and neither f32 copy exists (the CPU backend's bf16
+//! arithmetic on AVX512-BF16, when on, rounds a product's f32 operand as well, so there the
+//! step is PyTorch's autocast's rather than the casting graph's). Made after autodiff by
 //! [`crate::passes::fold_half_casts`] where the target's kernels offer it
 //! ([`crate::Fusions::half_io`]).
 

@@ -178,7 +178,9 @@ pub fn recast_saved(step: &StepGraph) -> Result<(Rewritten, usize)> {
 ///   the bf16 tensor the up-cast widened.
 ///
 /// The values are bitwise the same (bf16 widens to f32 exactly, and the kernels round as the
-/// cast does), and the f32 copies never exist. Only where the target offers it
+/// cast does), and the f32 copies never exist; except where a CPU backend computes products
+/// that read bf16 in bf16 arithmetic (AVX512-BF16, by default where the CPU has it), which
+/// rounds their f32 operand too. Only where the target offers it
 /// ([`crate::Fusions::half_io`]); a product only where its own GEMM runs it. An up-cast any
 /// other node reads is kept whole. `n_fwd`: the forward nodes, returned counted anew beside
 /// the rewrite and how many casts it removed.
