@@ -8,7 +8,7 @@ use std::process::{Command, Output};
 fn snug_env(args: &[&str], isa: Option<&str>) -> Output {
     let mut c = Command::new(env!("CARGO_BIN_EXE_snug"));
     c.args(args).current_dir(env!("CARGO_TARGET_TMPDIR"));
-    c.env_remove("SNUG_CPU_ISA");
+    c.env_remove("SNUG_CPU_ISA").env_remove("SNUG_BF16_MATH");
     if let Some(isa) = isa {
         c.env("SNUG_CPU_ISA", isa);
     }
