@@ -744,6 +744,32 @@ pub(super) mod tests {
         }};
     }
 
+    /// [`for_each_tile`], then the tiles that round their panels to bf16: the modelled ones
+    /// (`SNUG_BF16_MATH=model`) and AVX512-BF16's, where this CPU runs them. For the checks
+    /// that compare two ways of running one tile bitwise, which hold for these too.
+    macro_rules! for_each_tile_and_bf16 {
+        ($check:ident) => {{
+            for_each_tile!($check);
+            #[cfg(target_arch = "x86_64")]
+            {
+                use super::super::avx512bf16::Avx512Bf16;
+                use super::super::bf16_model::Rounded;
+                use super::super::{avx2::Avx2, avx512::Avx512};
+                if Avx512::available() {
+                    $check::<Rounded<Avx512>>("avx512, modelled bf16");
+                }
+                if Avx2::available() {
+                    $check::<Rounded<Avx2>>("avx2, modelled bf16");
+                }
+                if Avx512Bf16::available() {
+                    $check::<Avx512Bf16>("avx512bf16");
+                } else {
+                    eprintln!("skipped the AVX512-BF16 tile: this CPU has no AVX512-BF16");
+                }
+            }
+        }};
+    }
+
     /// Threads dealing rows or columns compute bitwise what one thread computes, in every
     /// layout, with partial chunks, several `k` blocks, and shared blocks past `SHARED` in
     /// both directions; also on a pool of three, where chunks do not divide evenly.
@@ -807,7 +833,7 @@ pub(super) mod tests {
                 }
             }
         }
-        for_each_tile!(check);
+        for_each_tile_and_bf16!(check);
     }
 
     /// A prologue made while packing, and a bias added while storing, give bitwise the product
@@ -910,7 +936,7 @@ pub(super) mod tests {
                 }
             }
         }
-        for_each_tile!(check);
+        for_each_tile_and_bf16!(check);
     }
 
     /// Every layout the step uses, and shapes that leave partial tiles and blocks in each
