@@ -86,6 +86,34 @@ impl CpuFeatures {
     }
 }
 
+/// Representative feature sets, for tests of the choices made from them.
+#[cfg(test)]
+impl CpuFeatures {
+    /// Haswell, Zen 1–3: AVX2 and FMA.
+    pub(crate) const AVX2: CpuFeatures = CpuFeatures {
+        avx2: true,
+        fma: true,
+        avx512f: false,
+        avx512bw: false,
+        avx512dq: false,
+        avx512vl: false,
+        avx512bf16: false,
+    };
+    /// Skylake-SP, Ice Lake: AVX-512 F, BW, DQ and VL.
+    pub(crate) const AVX512: CpuFeatures = CpuFeatures {
+        avx512f: true,
+        avx512bw: true,
+        avx512dq: true,
+        avx512vl: true,
+        ..CpuFeatures::AVX2
+    };
+    /// Sapphire Rapids, Zen 4: AVX-512 with AVX512-BF16.
+    pub(crate) const AVX512_BF16: CpuFeatures = CpuFeatures {
+        avx512bf16: true,
+        ..CpuFeatures::AVX512
+    };
+}
+
 /// How products that read a bf16 operand compute: `SNUG_BF16_MATH` (`native`, `widen` or
 /// `model`; anything else, or unset, is `native`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -249,21 +277,10 @@ mod tests {
     fn the_level_is_the_highest_whose_every_feature_is_there() {
         let none = CpuFeatures::default();
         assert_eq!(none.isa(), Isa::Baseline);
-        let avx2 = CpuFeatures {
-            avx2: true,
-            fma: true,
-            ..none
-        };
+        let (avx2, avx512) = (CpuFeatures::AVX2, CpuFeatures::AVX512);
         assert_eq!(avx2.isa(), Isa::Avx2);
         // AVX2 without FMA (some early VIA and Intel Atom-class parts) stays at the baseline.
         assert_eq!(CpuFeatures { fma: false, ..avx2 }.isa(), Isa::Baseline);
-        let avx512 = CpuFeatures {
-            avx512f: true,
-            avx512bw: true,
-            avx512dq: true,
-            avx512vl: true,
-            ..avx2
-        };
         assert_eq!(avx512.isa(), Isa::Avx512);
         // Knights Landing: AVX-512F without BW/VL.
         let knl = CpuFeatures {
@@ -272,13 +289,6 @@ mod tests {
             ..avx512
         };
         assert_eq!(knl.isa(), Isa::Avx2);
-        assert_eq!(
-            CpuFeatures {
-                avx512bf16: true,
-                ..avx512
-            }
-            .isa(),
-            Isa::Avx512
-        );
+        assert_eq!(CpuFeatures::AVX512_BF16.isa(), Isa::Avx512);
     }
 }

@@ -14,8 +14,10 @@
 
 use std::arch::x86_64::*;
 
-use super::avx512::{store_tile, MR, NR};
-use super::blocked::Tile;
+// The AVX-512 tile's packing, which `tile_entry_points!` calls by these names (AVX512-BF16
+// CPUs have AVX-512F).
+use super::avx512::{pack_a, pack_a_half, pack_b, store_tile, MR, NR};
+use super::blocked::{tile_entry_points, Tile};
 use super::fused::Prologue;
 use super::half::bf16_bits;
 
@@ -36,32 +38,7 @@ impl Tile for Avx512Bf16 {
         is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")
     }
 
-    unsafe fn pack_a(
-        kc: usize,
-        mr: usize,
-        a: *const f32,
-        strides: (isize, isize),
-        panel: (*mut f32, usize, usize),
-        prologue: Prologue<'_>,
-    ) {
-        // SAFETY: as the caller vouched (AVX512-BF16 implies AVX-512F).
-        unsafe { super::avx512::pack_a(kc, mr, a, strides, panel, prologue) }
-    }
-
-    unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, strides: (isize, isize), out: *mut f32) {
-        // SAFETY: as the caller vouched.
-        unsafe { super::avx512::pack_b(kc, nc, b, strides, out) }
-    }
-
-    unsafe fn pack_a_half(
-        half: &super::half::HalfA<'_>,
-        dims: (usize, usize),
-        panel: (*mut f32, usize, usize),
-        prologue: Prologue<'_>,
-    ) {
-        // SAFETY: as the caller vouched.
-        unsafe { super::avx512::pack_a_half(half, dims, panel, prologue) }
-    }
+    tile_entry_points!();
 
     unsafe fn finish_a(kc: usize, panel: *mut f32) {
         // SAFETY: the panel holds `MR · kc` floats, as the caller vouched.
@@ -73,18 +50,6 @@ impl Tile for Avx512Bf16 {
             // SAFETY: each panel holds `NR · kc` floats, as the caller vouched.
             unsafe { to_pairs::<NR>(kc, out.add(jr * kc)) }
         }
-    }
-
-    unsafe fn kernel(
-        kc: usize,
-        panels: (*const f32, *const f32),
-        c: (*mut f32, isize),
-        tile: (usize, usize),
-        scale_bias: (f32, *const f32),
-        accumulate: bool,
-    ) {
-        // SAFETY: as the caller vouched.
-        unsafe { kernel(kc, panels, c, tile, scale_bias, accumulate) }
     }
 }
 

@@ -16,6 +16,8 @@ mod bf16_model;
 pub(crate) mod blocked;
 mod fused;
 mod half;
+#[cfg(all(test, target_arch = "x86_64", target_os = "linux"))]
+mod head_tests;
 mod quantized;
 
 pub(crate) use fused::{Fused, Prologue};
@@ -570,22 +572,8 @@ mod tests {
         use super::choose_tile;
         use crate::isa::CpuFeatures;
         let none = CpuFeatures::default();
-        let avx2 = CpuFeatures {
-            avx2: true,
-            fma: true,
-            ..none
-        };
-        let avx512 = CpuFeatures {
-            avx512f: true,
-            avx512bw: true,
-            avx512dq: true,
-            avx512vl: true,
-            ..avx2
-        };
-        let bf16 = CpuFeatures {
-            avx512bf16: true,
-            ..avx512
-        };
+        let (avx2, avx512) = (CpuFeatures::AVX2, CpuFeatures::AVX512);
+        let bf16 = CpuFeatures::AVX512_BF16;
         let big = (512, 512, 512);
         use crate::isa::Bf16Math::{Model, Native, Widen};
         let cases = [

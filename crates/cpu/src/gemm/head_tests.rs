@@ -1,0 +1,177 @@
+//! Attention's head kernels (`small_gemm` and `transpose`, each tile's), checked the same way
+//! for every instruction set: where the CPU has it natively, else on an emulated Tiger Lake
+//! core (`snug_testkit::emulate`; it has AVX2 and AVX-512F). Each test's cases are made first,
+//! run in one call that allocates nothing, then checked.
+
+use std::ffi::c_void;
+
+use snug_testkit::emulate::Model;
+
+use super::avx2::{self, Avx2};
+use super::avx512::{self, Avx512};
+use super::blocked::Tile;
+use super::test_support::{assert_product, run_job, values};
+use super::{SmallGemm, Transpose};
+
+/// One `small_gemm` call's operands and result.
+struct SmallCase {
+    dims: (usize, usize, usize),
+    a: (Vec<f32>, usize, usize),
+    /// In strips of 64 columns, each `k` rows of 64.
+    b: Vec<f32>,
+    scale_acc: (f32, bool),
+    start: Vec<f32>,
+    c: Vec<f32>,
+}
+
+struct SmallJob {
+    kernel: SmallGemm,
+    cases: Vec<SmallCase>,
+}
+
+unsafe extern "C" fn run_small(job: *mut c_void) {
+    // SAFETY: the test passes its job.
+    let job = unsafe { &mut *(job as *mut SmallJob) };
+    for case in job.cases.iter_mut() {
+        let (m, n, k) = case.dims;
+        let (a, a_rs, a_cs) = &case.a;
+        // SAFETY: the (emulated) CPU has the kernel's instructions; the strides stay inside
+        // the vectors.
+        unsafe {
+            (job.kernel)(
+                (m, n, k),
+                (case.c.as_mut_ptr(), n),
+                (a.as_ptr(), *a_rs, *a_cs),
+                (case.b.as_ptr(), 64, 64 * k),
+                case.scale_acc.0,
+                case.scale_acc.1,
+            )
+        };
+    }
+}
+
+/// Attention's unpacked products, against a triple loop in f64: `a` plain and transposed, `b`
+/// in strips of 64 (the last one partial, and a partial vector inside it), row counts that
+/// leave every remainder of the 6-row tiles, scaled and accumulated.
+#[test]
+fn small_gemm_matches_a_triple_loop_at_every_edge() {
+    let kernels: [(&str, SmallGemm, bool); 2] = [
+        ("avx512", avx512::small_gemm, Avx512::available()),
+        ("avx2", avx2::small_gemm, Avx2::available()),
+    ];
+    for (name, kernel, native) in kernels {
+        let mut cases = Vec::new();
+        for (m, n, k) in [
+            (64usize, 256usize, 64usize),
+            (13, 71, 9),
+            (7, 76, 5),
+            (5, 150, 64),
+            (1, 3, 2),
+            (12, 64, 17),
+            (11, 130, 33),
+        ] {
+            for ta in [false, true] {
+                for scale_acc in [(0.125f32, false), (1.0, true)] {
+                    let (a_rs, a_cs) = if ta { (1, m) } else { (k, 1) };
+                    let start = values(m * n, 3);
+                    cases.push(SmallCase {
+                        dims: (m, n, k),
+                        a: (values(m * k, 1), a_rs, a_cs),
+                        b: values(n.div_ceil(64) * 64 * k, 2),
+                        scale_acc,
+                        c: start.clone(),
+                        start,
+                    });
+                }
+            }
+        }
+        let mut job = SmallJob { kernel, cases };
+        let arg = &mut job as *mut SmallJob as *mut c_void;
+        // SAFETY: the kernel runs where its instructions are, natively or emulated;
+        // `run_small` allocates nothing and touches only the job.
+        if !unsafe { run_job(native, Model::TigerLake, run_small, arg) } {
+            return;
+        }
+        for case in &job.cases {
+            let (m, n, k) = case.dims;
+            let (a, a_rs, a_cs) = &case.a;
+            let b_at = |p: usize, j: usize| (j / 64) * 64 * k + p * 64 + j % 64;
+            assert_product(
+                (m, n, k),
+                (|i, p| a[i * a_rs + p * a_cs], |p, j| case.b[b_at(p, j)]),
+                case.scale_acc,
+                (&case.start, &case.c),
+                1e-5,
+                &format!("{name} small_gemm {m}×{k}×{n} strides {a_rs},{a_cs}"),
+            );
+        }
+    }
+}
+
+/// One `transpose` call's input and output.
+struct TransposeCase {
+    dims: (usize, usize),
+    x: (Vec<f32>, usize),
+    out: (Vec<f32>, usize),
+}
+
+struct TransposeJob {
+    kernel: Transpose,
+    cases: Vec<TransposeCase>,
+}
+
+unsafe extern "C" fn run_transpose(job: *mut c_void) {
+    // SAFETY: the test passes its job.
+    let job = unsafe { &mut *(job as *mut TransposeJob) };
+    for case in job.cases.iter_mut() {
+        let ((x, x_rs), (out, out_rs)) = (&case.x, &mut case.out);
+        // SAFETY: the (emulated) CPU has the kernel's instructions; both extents fit their
+        // vectors.
+        unsafe { (job.kernel)((x.as_ptr(), *x_rs), case.dims, (out.as_mut_ptr(), *out_rs)) };
+    }
+}
+
+/// The register transposes (8 × 16 on AVX-512, 8 × 8 on AVX2), and the scalar edges, move
+/// every element exactly.
+#[test]
+fn transpose_moves_every_element() {
+    let kernels: [(&str, Transpose, bool); 2] = [
+        ("avx512", avx512::transpose, Avx512::available()),
+        ("avx2", avx2::transpose, Avx2::available()),
+    ];
+    for (name, kernel, native) in kernels {
+        let cases = [
+            (64, 64, 70, 64),
+            (19, 13, 13, 20),
+            (8, 16, 16, 8),
+            (8, 8, 8, 8),
+            (17, 35, 40, 17),
+            (3, 5, 5, 3),
+        ]
+        .into_iter()
+        .map(|(rows, cols, x_rs, out_rs)| TransposeCase {
+            dims: (rows, cols),
+            x: (values(rows * x_rs, 4), x_rs),
+            out: (vec![f32::NAN; cols * out_rs], out_rs),
+        })
+        .collect();
+        let mut job = TransposeJob { kernel, cases };
+        let arg = &mut job as *mut TransposeJob as *mut c_void;
+        // SAFETY: as in `small_gemm_matches_a_triple_loop_at_every_edge`.
+        if !unsafe { run_job(native, Model::TigerLake, run_transpose, arg) } {
+            return;
+        }
+        for case in &job.cases {
+            let ((rows, cols), (x, x_rs), (out, out_rs)) = (case.dims, &case.x, &case.out);
+            for i in 0..rows {
+                for p in 0..cols {
+                    assert_eq!(
+                        out[p * out_rs + i].to_bits(),
+                        x[i * x_rs + p].to_bits(),
+                        "{name} {rows}×{cols}: ({i}, {p})"
+                    );
+                }
+            }
+        }
+    }
+}
