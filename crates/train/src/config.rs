@@ -141,7 +141,7 @@ train_keys! {
     /// Peak learning rate.
     #[flag(run, long, allow_negative_numbers = true)]
     lr: f32,
-    /// Learning rate at the end of the cosine decay.
+    /// Learning rate at the end of the cosine decay (default: a tenth of `lr`).
     #[flag(run, long, allow_negative_numbers = true)]
     min_lr: f32,
     /// Steps of linear warmup.
@@ -473,6 +473,8 @@ impl TrainConfig {
         // A resumed run keeps its model; a fresh one may name it here or in the file.
         let mut model_set = block_fixed || model.preset.is_some() || model.hf_config.is_some();
         let mut threads_set = train.threads.is_some();
+        let mut lr_set = train.lr.is_some();
+        let mut min_lr_set = train.min_lr.is_some();
         if let Some(path) = file {
             let text = crate::user_file::read_text(
                 path,
@@ -486,9 +488,16 @@ impl TrainConfig {
             block_set |= parsed.train.block.is_some();
             model_set |= parsed.model.preset.is_some() || parsed.model.hf_config.is_some();
             threads_set |= parsed.train.threads.is_some();
+            lr_set |= parsed.train.lr.is_some();
+            min_lr_set |= parsed.train.min_lr.is_some();
             cfg.apply(&parsed.model, &parsed.train)?;
         }
         cfg.apply(model, train)?;
+        if lr_set && !min_lr_set {
+            // The decay's floor follows a learning rate given without one: `--lr 1e-4` alone
+            // must not fail against the default floor (3e-4, the demo's `lr` over ten).
+            cfg.min_lr = cfg.lr / 10.0;
+        }
         if let (false, Some(dir)) = (model_set, cfg.hf_init_dir()) {
             // Pretrained weights bring their model: its config.json, not the default preset.
             cfg.model.hf_config = Some(dir.to_path_buf());
@@ -1192,6 +1201,37 @@ mod tests {
             panic!("char-small is a GPT")
         };
         assert_eq!((model.n_layer, model.n_embd), (2, 384));
+    }
+
+    #[test]
+    fn min_lr_follows_an_lr_given_without_it() {
+        let m = ModelSection::default();
+        let flags = |lr: Option<f32>, min_lr: Option<f32>| TrainSection {
+            lr,
+            min_lr,
+            ..Default::default()
+        };
+        let cfg = TrainConfig::resolve(None, &m, &flags(Some(1e-4), None)).unwrap();
+        assert_eq!((cfg.lr, cfg.min_lr), (1e-4, 1e-4 / 10.0));
+        let cfg = TrainConfig::resolve(None, &m, &flags(Some(1e-4), Some(0.0))).unwrap();
+        assert_eq!(cfg.min_lr, 0.0);
+        let default = TrainConfig::default();
+        let cfg = TrainConfig::resolve(None, &m, &flags(None, None)).unwrap();
+        assert_eq!((cfg.lr, cfg.min_lr), (default.lr, default.min_lr));
+        // A floor the file gives stays when the flags change only `lr`.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run.toml");
+        std::fs::write(&path, "[train]\nlr = 1e-3\nmin_lr = 5e-5\n").unwrap();
+        let cfg = TrainConfig::resolve(Some(&path), &m, &flags(Some(2e-4), None)).unwrap();
+        assert_eq!((cfg.lr, cfg.min_lr), (2e-4, 5e-5));
+        // A floor above the learning rate, given, is still refused.
+        assert!(matches!(
+            TrainConfig::resolve(None, &m, &flags(Some(1e-4), Some(1e-3))),
+            Err(TrainError::Config {
+                field: "min_lr",
+                ..
+            })
+        ));
     }
 
     #[test]

@@ -505,14 +505,63 @@ fn toml_document() -> impl Strategy<Value = String> {
         })
 }
 
+/// A document every key and value of which is valid, so it must resolve.
+fn valid_document() -> impl Strategy<Value = String> {
+    use toml::Value as V;
+    let text = |options: &'static [&'static str]| {
+        proptest::sample::select(options).prop_map(|s| V::String(s.to_string()))
+    };
+    let train: Vec<(&str, BoxedStrategy<V>)> = vec![
+        ("steps", (1i64..100).prop_map(V::Integer).boxed()),
+        ("warmup_steps", (0i64..10).prop_map(V::Integer).boxed()),
+        ("seed", (0i64..1 << 32).prop_map(V::Integer).boxed()),
+        ("lr", (1e-5f64..1e-2).prop_map(V::Float).boxed()),
+        ("grad_clip", (0.1f64..2.0).prop_map(V::Float).boxed()),
+        ("precision", text(&["f32", "bf16"]).boxed()),
+        ("optimizer", text(&["adamw", "adamw8bit"]).boxed()),
+        ("remat", text(&["none", "block", "selective"]).boxed()),
+        // (`tensor` takes accumulation 1.)
+        ("clip_mode", text(&["global"]).boxed()),
+    ];
+    let entries = train
+        .into_iter()
+        .map(|(k, v)| proptest::option::of(v.prop_map(move |v| (k.to_string(), v))))
+        .collect::<Vec<_>>();
+    // Accumulation must divide the batch: a micro-batch and a count.
+    let batch = proptest::option::of((1i64..5, 1i64..4));
+    (
+        text(&["tiny", "char-small", "gpt2", "llama-tiny"]),
+        entries,
+        batch,
+    )
+        .prop_map(|(preset, entries, batch)| {
+            let mut model = toml::Table::new();
+            model.insert("preset".into(), preset);
+            let mut train: toml::Table = entries.into_iter().flatten().collect();
+            if let Some((micro, accumulation)) = batch {
+                train.insert("batch".into(), V::Integer(micro * accumulation));
+                train.insert("accumulation".into(), V::Integer(accumulation));
+            }
+            let mut doc = toml::Table::new();
+            doc.insert("model".into(), V::Table(model));
+            doc.insert("train".into(), V::Table(train));
+            toml::to_string(&doc).unwrap()
+        })
+}
+
 /// Any document given as `--config` resolves to a configuration whose model is valid, or fails
-/// with a typed error. Some documents must resolve, or the fuzzer only exercised the parser.
+/// with a typed error; one built only of valid keys and values resolves. (The fuzzed documents
+/// alone resolve about one time in twenty: 64 of them sometimes resolve none.)
 #[test]
 fn toml_configs_never_panic() {
     let mut runner = proptest::test_runner::TestRunner::new(config());
     let cases = runner.config().cases;
     let resolved = std::cell::Cell::new(0u32);
-    let result = runner.run(&toml_document(), |doc| {
+    let documents = prop_oneof![
+        3 => toml_document().prop_map(|doc| (doc, false)),
+        1 => valid_document().prop_map(|doc| (doc, true)),
+    ];
+    let result = runner.run(&documents, |(doc, valid)| {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("run.toml");
         std::fs::write(&path, &doc).unwrap();
@@ -530,6 +579,7 @@ fn toml_configs_never_panic() {
                 let _ = cfg.step_config();
             }
             Err(e) => {
+                prop_assert!(!valid, "a valid document failed: {e}\n{doc}");
                 prop_assert!(!e.to_string().is_empty());
                 if let TrainError::ConfigFile { path: p, .. } = &e {
                     prop_assert_eq!(p, &path);
