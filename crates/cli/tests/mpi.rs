@@ -141,7 +141,8 @@ fn ranks_started_with_different_settings_stop_naming_the_keys() {
     let dir = tempfile::tempdir().expect("a scratch directory");
     let exe = env!("CARGO_BIN_EXE_snug");
     let start = Instant::now();
-    // One rank each, with another learning rate and seed on rank 1.
+    // One rank each, with another learning rate (so another decay floor, a tenth of it) and
+    // seed on rank 1.
     let o = cmd
         .args(["-np", "1", exe])
         .args(RUN)
@@ -155,7 +156,7 @@ fn ranks_started_with_different_settings_stop_naming_the_keys() {
     assert!(!o.status.success(), "{err}");
     assert!(!err.contains("panicked"), "{err}");
     assert!(
-        err.contains("rank 1 differs from rank 0 in lr, seed"),
+        err.contains("rank 1 differs from rank 0 in lr, min_lr, seed"),
         "the keys named: {err}"
     );
     assert!(lines(&o, "step").is_empty(), "no step ran");
