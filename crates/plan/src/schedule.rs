@@ -137,7 +137,22 @@ pub fn memory_aware_order(graph: &Graph) -> Vec<NodeId> {
     // Other ready nodes are keyed by (delta, index). A node's delta changes only when a use of
     // one of its unpinned inputs runs, so only those readers are re-keyed: picking the best
     // ready node no longer scans every ready node, which made scheduling quadratic.
-    let max_inputs = nodes.iter().map(|n| n.inputs.len()).max().unwrap_or(0);
+    // The most uses of each root one node holds. A reader's delta counts root `r` only once
+    // the reader holds every use left, so while more uses are left than any one reader holds,
+    // no reader's delta changed. The bound is per root: a global one (the most inputs of any
+    // node, such as a global norm reading every gradient) re-keyed all of a shared input's
+    // readers at each of their runs, which made the optimizer's updates quadratic.
+    let mut most_in_one = vec![0usize; n_tensors];
+    let mut node_roots: Vec<TensorId> = Vec::new();
+    for node in nodes {
+        node_roots.clear();
+        node_roots.extend(node.inputs.iter().map(|t| root[t.index()]));
+        node_roots.sort_unstable();
+        for run in node_roots.chunk_by(|a, b| a == b) {
+            let r = run[0].index();
+            most_in_one[r] = most_in_one[r].max(run.len());
+        }
+    }
     let mut key: Vec<i64> = vec![0; nodes.len()];
     let mut is_ready = vec![false; nodes.len()];
     let mut keyed: BTreeSet<(i64, usize)> = BTreeSet::new();
@@ -203,9 +218,7 @@ pub fn memory_aware_order(graph: &Graph) -> Vec<NodeId> {
             }
         }
         for r in &touched {
-            // A reader's delta counts `r` only once the reader holds every use left; with more
-            // uses left than any node has inputs, no reader's delta changed.
-            if uses[r.index()] > max_inputs {
+            if uses[r.index()] > most_in_one[r.index()] {
                 continue;
             }
             for &c in &readers[r.index()] {
