@@ -21,6 +21,8 @@ mod head_tests;
 mod quantized;
 
 pub(crate) use fused::{Fused, Prologue};
+#[cfg(all(test, target_arch = "x86_64"))]
+pub(crate) use half::round_to_bf16;
 pub(crate) use half::{gemm_fused_half, gemm_half, widen, Operand};
 pub(crate) use quantized::{gemm_quantized, QuantB};
 
@@ -94,24 +96,14 @@ fn choose_tile(
 ) -> Option<OwnTile> {
     #[cfg(target_arch = "x86_64")]
     {
-        use crate::isa::Bf16Math;
-        let model = bf16_operand && math == Bf16Math::Model;
         if c_cs != 1 || n < 16 || m * n * k < 1 << 22 {
             None
-        } else if bf16_operand && math == Bf16Math::Native && cpu.bf16_arithmetic() {
-            Some(OwnTile::Avx512Bf16)
+        } else if let Some(tile) = bf16_operand.then(|| bf16_tile(cpu, math)).flatten() {
+            Some(tile)
         } else if cpu.avx512f {
-            Some(if model {
-                OwnTile::Avx512Model
-            } else {
-                OwnTile::Avx512
-            })
+            Some(OwnTile::Avx512)
         } else if cpu.avx2 && cpu.fma {
-            Some(if model {
-                OwnTile::Avx2Model
-            } else {
-                OwnTile::Avx2
-            })
+            Some(OwnTile::Avx2)
         } else {
             None
         }
@@ -120,6 +112,74 @@ fn choose_tile(
     {
         let _ = (cpu, math, (m, n, k), c_cs, bf16_operand);
         None
+    }
+}
+
+/// The tile that computes a product in bf16 arithmetic as `math` says, if any: AVX512-BF16's
+/// (`Native`, on a CPU with it) or an f32 tile with its panels rounded (`Model`). `None`:
+/// bf16 operands are widened and the product is f32's.
+fn bf16_tile(cpu: crate::isa::CpuFeatures, math: crate::isa::Bf16Math) -> Option<OwnTile> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use crate::isa::Bf16Math;
+        match math {
+            Bf16Math::Native if cpu.bf16_arithmetic() => Some(OwnTile::Avx512Bf16),
+            Bf16Math::Model if cpu.avx512f => Some(OwnTile::Avx512Model),
+            Bf16Math::Model if cpu.avx2 && cpu.fma => Some(OwnTile::Avx2Model),
+            _ => None,
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (cpu, math);
+        None
+    }
+}
+
+/// Where attention's head products on bf16 inputs run in bf16 arithmetic: the tile for them
+/// on this CPU under the [`Bf16Math`](crate::isa::Bf16Math) in force, at any size (the
+/// numbers must not depend on the sequence length). `None`: they run in f32 on the widened
+/// heads, as everywhere without bf16 instructions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct HeadBf16(OwnTile);
+
+impl HeadBf16 {
+    pub(crate) fn host() -> Option<HeadBf16> {
+        let math = crate::isa::Bf16Math::current();
+        HeadBf16::on(crate::isa::CpuFeatures::host(), math)
+    }
+
+    /// The tile under `math` on a CPU with `cpu`'s features (the host's or fewer).
+    pub(crate) fn on(cpu: crate::isa::CpuFeatures, math: crate::isa::Bf16Math) -> Option<HeadBf16> {
+        bf16_tile(cpu, math).map(HeadBf16)
+    }
+
+    /// `c (+)= scale · a · b` on the tile, one thread; `c`'s columns contiguous. Returns
+    /// `false`, doing nothing, where the thread's packing space is in use.
+    ///
+    /// # Safety
+    /// Every pointer must be valid for the elements its strides reach; `c` must not overlap
+    /// `a` or `b`.
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) unsafe fn gemm(
+        self,
+        dims: (usize, usize, usize),
+        c: (*mut f32, isize),
+        a: (*const f32, isize, isize),
+        b: (*const f32, isize, isize),
+        scale: f32,
+        accumulate: bool,
+    ) -> bool {
+        let product = Product {
+            dims,
+            c: (c.0, c.1, 1),
+            a,
+            b,
+            scale,
+            accumulate,
+        };
+        // SAFETY: `bf16_tile` checked the CPU; the caller vouches for the operands.
+        unsafe { own_gemm(self.0, product, ::gemm::Parallelism::None, Fused::NONE) }
     }
 }
 
@@ -598,6 +658,24 @@ mod tests {
         for (cpu, math, half, want) in cases {
             let got = choose_tile(cpu, math, big, 1, half);
             assert_eq!(got, want, "{cpu:?}, {math:?}, bf16 operand {half}");
+        }
+        // The bf16 tile alone (attention's head products ask for it at any size).
+        let no_fma = CpuFeatures { fma: false, ..avx2 };
+        let heads = [
+            (none, Native, None),
+            (none, Model, None),
+            (no_fma, Model, None),
+            (avx2, Native, None),
+            (avx2, Widen, None),
+            (avx2, Model, Some(OwnTile::Avx2Model)),
+            (avx512, Native, None),
+            (avx512, Model, Some(OwnTile::Avx512Model)),
+            (bf16, Native, Some(OwnTile::Avx512Bf16)),
+            (bf16, Widen, None),
+            (bf16, Model, Some(OwnTile::Avx512Model)),
+        ];
+        for (cpu, math, want) in heads {
+            assert_eq!(super::bf16_tile(cpu, math), want, "{cpu:?}, {math:?}");
         }
         // Too small to pack, too narrow, or a strided output: the gemm crate, on every CPU.
         for (dims, c_cs) in [((8, 64, 64), 1), ((1024, 8, 1024), 1), (big, 2)] {

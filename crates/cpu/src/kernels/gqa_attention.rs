@@ -66,6 +66,8 @@ pub(super) fn forward_io(op: &GqaAttention, k: &Kernel<'_>, reads: [bool; 3], ha
     let own = forward_scratch(t, d);
     let wide = |half: bool| if half { t * d } else { 0 };
     let staging = reads.map(wide).iter().sum::<usize>() + wide(half_y);
+    // Products on bf16 inputs compute in bf16 arithmetic where the CPU has it.
+    let bf16 = reads[0].then(crate::gemm::HeadBf16::host).flatten();
     crate::par::for_each_item(k.workspace(), own + staging, s.b * h, |item, sc| {
         let (bi, hi) = (item / h, item % h);
         let kvh = hi / group;
@@ -97,6 +99,7 @@ pub(super) fn forward_io(op: &GqaAttention, k: &Kernel<'_>, reads: [bool; 3], ha
                 rows(s_y, y.get().wrapping_add(at_q), cq, d),
                 sc,
                 lse_row,
+                bf16,
             );
             if half_y {
                 unstage_head(s_y, (y.get() as *mut u16).add(at_q), (cq, (0, 1)), d);
@@ -135,6 +138,7 @@ pub(super) fn backward_io(
     let own = backward_scratch(t, d);
     let wide = |half: bool| if half { t * d } else { 0 };
     let staging = reads.map(wide).iter().sum::<usize>() + writes.map(wide).iter().sum::<usize>();
+    let bf16 = reads[0].then(crate::gemm::HeadBf16::host).flatten();
     crate::par::for_each_item(k.workspace(), own + staging, s.b * kh, |item, ws| {
         let (bi, kvh) = (item / kh, item % kh);
         let (ws, rest) = ws.split_at_mut(own);
@@ -180,7 +184,7 @@ pub(super) fn backward_io(
                 };
                 let lse_row = &lse[(bi * h + hi) * t..(bi * h + hi + 1) * t];
                 // The first query head of the group writes dk/dv, the rest add to them.
-                head_backward((t, d, scale), &head, lse_row, ws, j > 0);
+                head_backward((t, d, scale), &head, lse_row, ws, j > 0, bf16);
                 if writes[0] {
                     unstage_head(s_dq, (dq.get() as *mut u16).add(off), (cq, (0, 1)), d);
                 }
