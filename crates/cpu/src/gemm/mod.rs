@@ -154,6 +154,19 @@ impl HeadBf16 {
         bf16_tile(cpu, math).map(HeadBf16)
     }
 
+    /// Grows this thread's packing space for the tile now (see `blocked::reserve_pack`).
+    #[cfg(all(test, target_arch = "x86_64"))]
+    pub(crate) fn reserve(self) {
+        use blocked::reserve_pack;
+        match self.0 {
+            OwnTile::Avx512Bf16 => reserve_pack::<avx512bf16::Avx512Bf16>(),
+            OwnTile::Avx512Model => reserve_pack::<bf16_model::Rounded<avx512::Avx512>>(),
+            OwnTile::Avx2Model => reserve_pack::<bf16_model::Rounded<avx2::Avx2>>(),
+            OwnTile::Avx512 => reserve_pack::<avx512::Avx512>(),
+            OwnTile::Avx2 => reserve_pack::<avx2::Avx2>(),
+        }
+    }
+
     /// `c (+)= scale · a · b` on the tile, one thread; `c`'s columns contiguous. Returns
     /// `false`, doing nothing, where the thread's packing space is in use.
     ///

@@ -798,30 +798,57 @@ mod tests {
         [y, dq, dk, dv]
     }
 
-    /// One head through [`head_forward`] and [`head_backward`] on `bf16`'s tile (or in f32).
-    fn kernel(
+    /// One head's outputs and scratch, made before a run so that the run allocates nothing
+    /// (under emulation it must not).
+    struct Head {
+        y: Vec<f32>,
+        lse: Vec<f32>,
+        s: Vec<f32>,
+        grads: [Vec<f32>; 3],
+        ws: Vec<f32>,
+    }
+
+    impl Head {
+        fn new((t, d): (usize, usize)) -> Head {
+            Head {
+                y: vec![0.0; t * d],
+                lse: vec![0.0; t],
+                s: vec![0.0; forward_scratch(t, d)],
+                grads: [0, 1, 2].map(|_| vec![0.0; t * d]),
+                ws: vec![0.0; backward_scratch(t, d)],
+            }
+        }
+
+        fn outputs(&self) -> Outputs {
+            let wide = |x: &[f32]| x.iter().map(|&v| f64::from(v)).collect();
+            let [dq, dk, dv] = &self.grads;
+            [wide(&self.y), wide(dq), wide(dk), wide(dv)]
+        }
+    }
+
+    /// One head through [`head_forward`] and [`head_backward`] on `bf16`'s tile (or in f32)
+    /// into `out`.
+    fn run_head(
         (t, d): (usize, usize),
         [q, k, v, dy]: [&[f32]; 4],
         y_in: &[f32],
         bf16: Option<HeadBf16>,
-    ) -> Outputs {
+        out: &mut Head,
+    ) {
         let rows = |x: &[f32]| Rows {
             ptr: x.as_ptr() as *mut f32,
             stride: d,
         };
         let scale = 1.0 / (d as f32).sqrt();
-        let (mut y, mut lse) = (vec![0.0f32; t * d], vec![0.0f32; t]);
-        let mut s = vec![0.0f32; forward_scratch(t, d)];
-        let (mut dq, mut dk, mut dv) = (vec![0.0f32; t * d], vec![0.0; t * d], vec![0.0; t * d]);
-        let mut ws = vec![0.0f32; backward_scratch(t, d)];
+        let [dq, dk, dv] = &mut out.grads;
         // SAFETY: every operand holds `t` rows of `d` at stride `d`; the outputs are distinct.
         unsafe {
             head_forward(
                 (t, d, scale),
                 [rows(q), rows(k), rows(v)],
-                rows(&y),
-                &mut s,
-                &mut lse,
+                rows(&out.y),
+                &mut out.s,
+                &mut out.lse,
                 bf16,
             );
             let head = HeadGrads {
@@ -830,15 +857,71 @@ mod tests {
                 v: rows(v),
                 y: rows(y_in),
                 dy: rows(dy),
-                dq: rows(&dq),
-                dk: rows(&dk),
-                dv: rows(&dv),
+                dq: rows(dq),
+                dk: rows(dk),
+                dv: rows(dv),
             };
-            head_backward((t, d, scale), &head, &lse, &mut ws, false, bf16);
+            head_backward((t, d, scale), &head, &out.lse, &mut out.ws, false, bf16);
         }
-        // The kernels wrote through the pointers above.
-        let wide = |x: &mut Vec<f32>| x.iter().map(|&v| f64::from(v)).collect();
-        [wide(&mut y), wide(&mut dq), wide(&mut dk), wide(&mut dv)]
+    }
+
+    /// A head of 24 (partial register tiles) over a sequence of 100 (a partial row block and
+    /// strip): bf16 inputs with spread scores, so the probabilities are far from uniform, and
+    /// `y` as a bf16 forward would have stored it.
+    struct Case {
+        dims: (usize, usize),
+        inputs: [Vec<f32>; 4],
+        y_in: Vec<f32>,
+    }
+
+    impl Case {
+        fn new() -> Case {
+            let (t, d) = (100, 24);
+            let values = |seed: u64, spread: f32| -> Vec<f32> {
+                crate::gemm::test_support::values(t * d, seed)
+                    .into_iter()
+                    .map(|x| round_to_bf16(x * spread))
+                    .collect()
+            };
+            let inputs = [
+                values(1, 4.0),
+                values(2, 4.0),
+                values(3, 1.0),
+                values(4, 1.0),
+            ];
+            let refs = [0, 1, 2, 3].map(|i| &inputs[i][..]);
+            let y = reference((t, d), refs, &inputs[2], false)[0].clone();
+            let y_in = y.iter().map(|&x| round_to_bf16(x as f32)).collect();
+            Case {
+                dims: (t, d),
+                inputs,
+                y_in,
+            }
+        }
+
+        fn inputs(&self) -> [&[f32]; 4] {
+            [0, 1, 2, 3].map(|i| &self.inputs[i][..])
+        }
+
+        /// Asserts that `bf16` (a run in bf16 arithmetic) matches the reference that rounds a
+        /// hundred times more closely than the two references match each other, and `f32` (a
+        /// run in f32, if given) likewise the one that does not.
+        fn check(&self, label: &str, bf16: &Outputs, f32_run: Option<&Outputs>) {
+            let rounded = reference(self.dims, self.inputs(), &self.y_in, true);
+            let exact = reference(self.dims, self.inputs(), &self.y_in, false);
+            for (o, name) in ["y", "dq", "dk", "dv"].iter().enumerate() {
+                let apart = distance(&rounded[o], &exact[o]);
+                assert!(apart > 1e-4, "{name}: rounding moved it only {apart:e}");
+                let b = distance(&bf16[o], &rounded[o]);
+                assert!(
+                    b < 0.01 * apart,
+                    "{label} {name}: {b:e} from its reference, {apart:e} apart"
+                );
+                if let Some(f) = f32_run.map(|f| distance(&f[o], &exact[o])) {
+                    assert!(f < 0.01 * apart, "f32 {name}: {f:e} from its reference");
+                }
+            }
+        }
     }
 
     fn distance(a: &[f64], b: &[f64]) -> f64 {
@@ -852,50 +935,71 @@ mod tests {
     /// tile, the numbers `VDPBF16PS` gives up to the order of the sum) match an f64 reference
     /// that rounds the same operands a hundred times more closely than one that does not, and
     /// the f32 path the reverse: the rounding is where it should be, and only there (measured:
-    /// 1e-7 from its own reference against 2e-4 to 1e-3 between the two). A sequence of
-    /// 100 (a partial row block and strip) and a head of 24 (partial register tiles).
+    /// 1e-7 from its own reference against 2e-4 to 1e-3 between the two).
     #[test]
     fn bf16_head_products_round_their_operands_as_bf16_arithmetic_does() {
         let Some(tile) = HeadBf16::on(CpuFeatures::host(), Bf16Math::Model) else {
             snug_testkit::skip_or_fail("the modelled bf16 tile needs AVX2 + FMA");
             return;
         };
-        let (t, d) = (100, 24);
-        let values = |seed: u64, spread: f32| -> Vec<f32> {
-            crate::gemm::test_support::values(t * d, seed)
-                .into_iter()
-                .map(|x| round_to_bf16(x * spread))
-                .collect()
-        };
-        // Spread scores, so the probabilities are far from uniform.
-        let (q, k, v, dy) = (
-            values(1, 4.0),
-            values(2, 4.0),
-            values(3, 1.0),
-            values(4, 1.0),
+        let case = Case::new();
+        let mut runs = [Some(tile), None].map(|bf16| {
+            let mut out = Head::new(case.dims);
+            run_head(case.dims, case.inputs(), &case.y_in, bf16, &mut out);
+            out.outputs()
+        });
+        let [modelled, f32_run] = [0, 1].map(|i| std::mem::take(&mut runs[i]));
+        case.check("model", &modelled, Some(&f32_run));
+    }
+
+    struct Job<'a> {
+        case: &'a Case,
+        tile: HeadBf16,
+        out: Head,
+    }
+
+    unsafe extern "C" fn run_job(job: *mut std::ffi::c_void) {
+        // SAFETY: the test passes its job.
+        let job = unsafe { &mut *(job as *mut Job<'_>) };
+        let (case, tile) = (job.case, job.tile);
+        run_head(
+            case.dims,
+            case.inputs(),
+            &case.y_in,
+            Some(tile),
+            &mut job.out,
         );
-        let inputs = [&q[..], &k[..], &v[..], &dy[..]];
-        let y_f64 = reference((t, d), inputs, &v, false)[0].clone();
-        let y_in: Vec<f32> = y_f64.iter().map(|&x| round_to_bf16(x as f32)).collect();
-        let rounded = reference((t, d), inputs, &y_in, true);
-        let exact = reference((t, d), inputs, &y_in, false);
-        let bf16 = kernel((t, d), inputs, &y_in, Some(tile));
-        let f32_path = kernel((t, d), inputs, &y_in, None);
-        for (o, name) in ["y", "dq", "dk", "dv"].iter().enumerate() {
-            let apart = distance(&rounded[o], &exact[o]);
-            let (b, f) = (
-                distance(&bf16[o], &rounded[o]),
-                distance(&f32_path[o], &exact[o]),
-            );
-            assert!(apart > 1e-4, "{name}: rounding moved it only {apart:e}");
-            assert!(
-                b < 0.01 * apart,
-                "{name}: bf16 {b:e} from its reference, {apart:e} apart"
-            );
-            assert!(
-                f < 0.01 * apart,
-                "{name}: f32 {f:e} from its reference, {apart:e} apart"
-            );
+    }
+
+    /// The same head on AVX512-BF16's tile (`VDPBF16PS`): natively where the CPU has it, else
+    /// on an emulated Sapphire Rapids core.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn vdpbf16ps_head_products_round_their_operands_as_bf16_arithmetic_does() {
+        use snug_testkit::emulate::Model;
+        let features = CpuFeatures::AVX512_BF16;
+        let Some(tile) = HeadBf16::on(features, Bf16Math::Native) else {
+            panic!("AVX512-BF16's features chose no bf16 tile");
+        };
+        let case = Case::new();
+        let mut job = Job {
+            case: &case,
+            tile,
+            out: Head::new(case.dims),
+        };
+        // Nothing the run reaches may allocate or ask the OS: its packing space, the vector
+        // level and the head kernels are settled here first.
+        tile.reserve();
+        let _ = (crate::isa::current(), crate::gemm::head_kernels());
+        let native = CpuFeatures::host().bf16_arithmetic();
+        let arg = &mut job as *mut Job<'_> as *mut std::ffi::c_void;
+        // SAFETY: the tile runs where its instructions are, natively or emulated; `run_job`
+        // allocates nothing and touches only the job.
+        let ran = unsafe {
+            crate::gemm::test_support::run_job(native, Model::SapphireRapids, run_job, arg)
+        };
+        if ran {
+            case.check("vdpbf16ps", &job.out.outputs(), None);
         }
     }
 }
