@@ -419,21 +419,20 @@ impl Right {
     }
 }
 
-/// `c (+)= scale · op(a) · b` on one head's matrices, `op` transposing with `ta`; in bf16
-/// arithmetic on `bf16`'s tile where given (each operand rounded to bf16 as it is packed: the
-/// probabilities and score gradients, which are made in f32, included), else in f32.
+/// `c (+)= scale · op(a) · b` (adding with `acc`) on one head's matrices, `op` transposing
+/// with `ta`; in bf16 arithmetic on `bf16`'s tile where given (each operand rounded to bf16 as
+/// it is packed: the probabilities and score gradients, which are made in f32, included), else
+/// in f32.
 ///
 /// # Safety
 /// Every pointer must be valid for the rows its shape and stride reach.
-#[allow(clippy::too_many_arguments)]
 unsafe fn head_gemm(
     (m, n, k): (usize, usize, usize),
     c: Rows,
     a: Rows,
     ta: bool,
     b: Right,
-    scale: f32,
-    acc: bool,
+    (scale, acc): (f32, bool),
     bf16: Option<HeadBf16>,
 ) {
     let (a_rs, a_cs) = if ta { (1, a.stride) } else { (a.stride, 1) };
@@ -571,17 +570,18 @@ unsafe fn head_forward_body(
     unsafe {
         let (s, kt) = s.split_at_mut(t * t);
         let (kt, v) = (rows_across(k, (t, d), kt), Right::rows(v));
+        let gemm = |dims, c, a, ta, b, scale_acc| head_gemm(dims, c, a, ta, b, scale_acc, bf16);
         let s_rows = Rows {
             ptr: s.as_mut_ptr(),
             stride: t,
         };
         for (r0, r1) in row_blocks(t) {
             let (m, s_blk) = (r1 - r0, s_rows.down(r0));
-            head_gemm((m, r1, d), s_blk, q.down(r0), false, kt, scale, false, bf16);
+            gemm((m, r1, d), s_blk, q.down(r0), false, kt, (scale, false));
             for i in r0..r1 {
                 softmax_causal_row(i, &mut s[i * t..i * t + r1], &mut lse[i]);
             }
-            head_gemm((m, d, r1), y.down(r0), s_blk, false, v, 1.0, false, bf16);
+            gemm((m, d, r1), y.down(r0), s_blk, false, v, (1.0, false));
         }
     }
 }
@@ -627,6 +627,7 @@ unsafe fn head_backward_body(
         let (kt, vt) = rest.split_at_mut(across_len(t, d));
         let (kt, vt) = (rows_across(h.k, (t, d), kt), rows_across(h.v, (t, d), vt));
         let (k, q, dy) = (Right::rows(h.k), Right::rows(h.q), Right::rows(h.dy));
+        let gemm = |dims, c, a, ta, b, scale_acc| head_gemm(dims, c, a, ta, b, scale_acc, bf16);
         let (p_rows, dp_rows) = (
             Rows {
                 ptr: p.as_mut_ptr(),
@@ -644,16 +645,7 @@ unsafe fn head_backward_body(
             let m = r1 - r0;
             let (p_blk, dp_blk) = (p_rows.down(r0), dp_rows.down(r0));
             // P = exp(scale·QKᵀ − lse), zero above the diagonal.
-            head_gemm(
-                (m, r1, d),
-                p_blk,
-                h.q.down(r0),
-                false,
-                kt,
-                scale,
-                false,
-                bf16,
-            );
+            gemm((m, r1, d), p_blk, h.q.down(r0), false, kt, (scale, false));
             for i in r0..r1 {
                 let (live, masked) = p[i * t..i * t + r1].split_at_mut(i + 1);
                 let l = lse[i];
@@ -663,26 +655,8 @@ unsafe fn head_backward_body(
                 masked.fill(0.0);
             }
             // dV[0..r1] += Pᵀ · dY ;  dP = dY · Vᵀ
-            head_gemm(
-                (r1, d, m),
-                h.dv,
-                p_blk,
-                true,
-                dy.down(r0),
-                1.0,
-                kv_acc,
-                bf16,
-            );
-            head_gemm(
-                (m, r1, d),
-                dp_blk,
-                h.dy.down(r0),
-                false,
-                vt,
-                1.0,
-                false,
-                bf16,
-            );
+            gemm((r1, d, m), h.dv, p_blk, true, dy.down(r0), (1.0, kv_acc));
+            gemm((m, r1, d), dp_blk, h.dy.down(r0), false, vt, (1.0, false));
             // dS = P ⊙ (dP − rowsum(dY ⊙ Y))
             for i in r0..r1 {
                 let dy_row = std::slice::from_raw_parts(h.dy.ptr.add(i * h.dy.stride), d);
@@ -694,26 +668,8 @@ unsafe fn head_backward_body(
                 }
             }
             // dQ = scale · dS · K ;  dK[0..r1] += scale · dSᵀ · Q
-            head_gemm(
-                (m, d, r1),
-                h.dq.down(r0),
-                dp_blk,
-                false,
-                k,
-                scale,
-                false,
-                bf16,
-            );
-            head_gemm(
-                (r1, d, m),
-                h.dk,
-                dp_blk,
-                true,
-                q.down(r0),
-                scale,
-                kv_acc,
-                bf16,
-            );
+            gemm((m, d, r1), h.dq.down(r0), dp_blk, false, k, (scale, false));
+            gemm((r1, d, m), h.dk, dp_blk, true, q.down(r0), (scale, kv_acc));
         }
     }
 }
