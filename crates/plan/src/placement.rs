@@ -159,25 +159,23 @@ pub fn place_in_chunks(strategy: Strategy, intervals: &[Interval], chunk: usize)
     let mut offsets = vec![0usize; intervals.len()];
     // Placed blocks kept sorted by (start, end), so the blocks an interval coexists with are
     // met in offset order by one scan with no sort per interval. The scan is over every placed
-    // block, so their lifetimes are kept apart from their bytes and tested 64 at a time: the
-    // test reads 8 bytes a block and vectorises. Positions index nodes, which are u32.
-    let mut firsts: Vec<u32> = Vec::with_capacity(intervals.len());
-    let mut lasts: Vec<u32> = Vec::with_capacity(intervals.len());
-    let mut bytes: Vec<(usize, usize)> = Vec::with_capacity(intervals.len());
+    // block, so their lifetimes are kept apart from their bytes and tested a run of 64 at a
+    // time: the test reads 8 bytes a block and vectorises. The runs split when full, so an
+    // insert moves at most a run's blocks, not every block after it (one sorted vector's
+    // inserts made the placement quadratic in its moves alone).
+    let mut runs: Vec<Run> = Vec::with_capacity(intervals.len() / 32 + 1);
     let mut arena = 0usize;
     for &i in &order {
         let iv = intervals[i];
         let (first, last) = (position(iv.first), position(iv.last));
         let mut best: Option<(usize, usize)> = None; // (gap size, offset)
         let mut cursor = 0usize;
-        let mut base = 0;
-        'scan: while base < bytes.len() {
-            let end = (base + 64).min(bytes.len());
-            let mut live = [0u8; 64];
+        'scan: for run in &runs {
+            let mut live = [0u8; RUN];
             for ((h, &f), &l) in live
                 .iter_mut()
-                .zip(&firsts[base..end])
-                .zip(&lasts[base..end])
+                .zip(&run.firsts[..run.len])
+                .zip(&run.lasts[..run.len])
             {
                 *h = u8::from(f <= last) & u8::from(first <= l);
             }
@@ -187,7 +185,7 @@ pub fn place_in_chunks(strategy: Strategy, intervals: &[Interval], chunk: usize)
                     word[0], word[1], word[2], word[3], word[4], word[5], word[6], word[7],
                 ]);
                 while word != 0 {
-                    let (start, stop) = bytes[base + 8 * w + word.trailing_zeros() as usize / 8];
+                    let (start, stop) = run.bytes[8 * w + word.trailing_zeros() as usize / 8];
                     word &= word - 1;
                     if start > cursor {
                         let gap = start - cursor;
@@ -204,16 +202,11 @@ pub fn place_in_chunks(strategy: Strategy, intervals: &[Interval], chunk: usize)
                     cursor = cursor.max(stop);
                 }
             }
-            base = end;
         }
         let offset = best.map_or_else(|| fit_in_chunk(cursor, iv.size, chunk), |(_, off)| off);
         offsets[i] = offset;
         arena = arena.max(offset + iv.size);
-        let block = (offset, offset + iv.size);
-        let at = bytes.partition_point(|&p| p <= block);
-        bytes.insert(at, block);
-        firsts.insert(at, first);
-        lasts.insert(at, last);
+        insert(&mut runs, (offset, offset + iv.size), (first, last));
     }
     let (lower_bound_bytes, peak_position) = max_live(intervals);
     Placement {
@@ -222,6 +215,80 @@ pub fn place_in_chunks(strategy: Strategy, intervals: &[Interval], chunk: usize)
         lower_bound_bytes,
         peak_position,
     }
+}
+
+/// Blocks in a run of placed ones.
+const RUN: usize = 64;
+
+/// Up to [`RUN`] placed blocks, consecutive in (start, end) order: their byte ranges, and
+/// apart from them their lifetimes, which the scan reads for every block.
+#[derive(Clone)]
+struct Run {
+    len: usize,
+    firsts: [u32; RUN],
+    lasts: [u32; RUN],
+    bytes: [(usize, usize); RUN],
+}
+
+impl Run {
+    fn empty() -> Run {
+        Run {
+            len: 0,
+            firsts: [0; RUN],
+            lasts: [0; RUN],
+            bytes: [(0, 0); RUN],
+        }
+    }
+
+    /// Puts a block at `at`, moving the ones after it along (the run has room).
+    fn insert(&mut self, at: usize, block: (usize, usize), (first, last): (u32, u32)) {
+        let n = self.len;
+        self.bytes.copy_within(at..n, at + 1);
+        self.firsts.copy_within(at..n, at + 1);
+        self.lasts.copy_within(at..n, at + 1);
+        (self.bytes[at], self.firsts[at], self.lasts[at]) = (block, first, last);
+        self.len += 1;
+    }
+
+    /// Moves the second half of the blocks into a new run.
+    fn split(&mut self) -> Run {
+        let (half, n) = (self.len / 2, self.len);
+        let mut upper = Run::empty();
+        upper.len = n - half;
+        upper.bytes[..n - half].copy_from_slice(&self.bytes[half..n]);
+        upper.firsts[..n - half].copy_from_slice(&self.firsts[half..n]);
+        upper.lasts[..n - half].copy_from_slice(&self.lasts[half..n]);
+        self.len = half;
+        upper
+    }
+}
+
+/// Inserts a placed block after every block that sorts at or before it: where one sorted
+/// vector of all of them would put it.
+fn insert(runs: &mut Vec<Run>, block: (usize, usize), lifetime: (u32, u32)) {
+    if runs.is_empty() {
+        runs.push(Run::empty());
+    }
+    // The first run with a block after this one; the last run if none has. (Only the first
+    // run is ever empty, before the first insert.)
+    let r = runs
+        .partition_point(|run| run.bytes[..run.len].last().is_some_and(|&p| p <= block))
+        .min(runs.len() - 1);
+    let r = if runs[r].len == RUN {
+        let upper = runs[r].split();
+        runs.insert(r + 1, upper);
+        // The lower half keeps the block unless it sorts after the lower half's last.
+        if runs[r].bytes[runs[r].len - 1] <= block {
+            r + 1
+        } else {
+            r
+        }
+    } else {
+        r
+    };
+    let run = &mut runs[r];
+    let at = run.bytes[..run.len].partition_point(|&p| p <= block);
+    run.insert(at, block, lifetime);
 }
 
 /// A schedule position as the placement stores it: positions index the step's nodes, whose ids
