@@ -146,10 +146,12 @@ pub(crate) struct HeadBf16(OwnTile);
 impl HeadBf16 {
     pub(crate) fn host() -> Option<HeadBf16> {
         let math = crate::isa::Bf16Math::current();
-        HeadBf16::on(crate::isa::CpuFeatures::host(), math)
+        bf16_tile(crate::isa::CpuFeatures::host(), math).map(HeadBf16)
     }
 
-    /// The tile under `math` on a CPU with `cpu`'s features (the host's or fewer).
+    /// The tile under `math` on a CPU with `cpu`'s features, for a test to run where the CPU
+    /// (or an emulated one) has them.
+    #[cfg(all(test, target_arch = "x86_64"))]
     pub(crate) fn on(cpu: crate::isa::CpuFeatures, math: crate::isa::Bf16Math) -> Option<HeadBf16> {
         bf16_tile(cpu, math).map(HeadBf16)
     }
@@ -171,8 +173,9 @@ impl HeadBf16 {
     /// `false`, doing nothing, where the thread's packing space is in use.
     ///
     /// # Safety
-    /// Every pointer must be valid for the elements its strides reach; `c` must not overlap
-    /// `a` or `b`.
+    /// The CPU must have the tile's instructions (a tile from [`HeadBf16::host`] is this
+    /// CPU's); every pointer must be valid for the elements its strides reach; `c` must not
+    /// overlap `a` or `b`.
     #[cfg(target_arch = "x86_64")]
     pub(crate) unsafe fn gemm(
         self,
@@ -191,7 +194,7 @@ impl HeadBf16 {
             scale,
             accumulate,
         };
-        // SAFETY: `bf16_tile` checked the CPU; the caller vouches for the operands.
+        // SAFETY: as the caller vouched.
         unsafe { own_gemm(self.0, product, ::gemm::Parallelism::None, Fused::NONE) }
     }
 }

@@ -425,7 +425,8 @@ impl Right {
 /// in f32.
 ///
 /// # Safety
-/// Every pointer must be valid for the rows its shape and stride reach.
+/// Every pointer must be valid for the rows its shape and stride reach; `bf16`'s tile must be
+/// one this CPU runs ([`HeadBf16::host`]'s).
 unsafe fn head_gemm(
     (m, n, k): (usize, usize, usize),
     c: Rows,
@@ -461,7 +462,8 @@ unsafe fn head_gemm(
         );
         #[cfg(target_arch = "x86_64")]
         if let Some(tile) = bf16 {
-            // SAFETY: strip `j0 / 64` of `b` and columns `j0..` of `c`, as the caller vouched.
+            // SAFETY: strip `j0 / 64` of `b` and columns `j0..` of `c`, and a tile this CPU
+            // runs, as the caller vouched.
             let done = unsafe {
                 tile.gemm(
                     (m, w, k),
@@ -537,7 +539,8 @@ impl Rows {
 /// row's log-sum-exp; `s` is [`forward_scratch`] floats.
 ///
 /// # Safety
-/// The pointers must be valid for `t` rows of `d` elements at their strides.
+/// The pointers must be valid for `t` rows of `d` elements at their strides; `bf16`'s tile
+/// must be one this CPU runs ([`HeadBf16::host`]'s).
 pub(super) unsafe fn head_forward(
     (t, d, scale): (usize, usize, f32),
     [q, k, v]: [Rows; 3],
@@ -591,7 +594,8 @@ unsafe fn head_forward_body(
 /// key/value head) instead of overwritten.
 ///
 /// # Safety
-/// The pointers must be valid for `t` rows of `d` elements at their strides.
+/// The pointers must be valid for `t` rows of `d` elements at their strides; `bf16`'s tile
+/// must be one this CPU runs ([`HeadBf16::host`]'s).
 pub(super) unsafe fn head_backward(
     (t, d, scale): (usize, usize, f32),
     h: &HeadGrads,
