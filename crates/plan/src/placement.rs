@@ -163,7 +163,7 @@ pub fn place_in_chunks(strategy: Strategy, intervals: &[Interval], chunk: usize)
     // time: the test reads 8 bytes a block and vectorises. The runs split when full, so an
     // insert moves at most a run's blocks, not every block after it (one sorted vector's
     // inserts made the placement quadratic in its moves alone).
-    let mut runs: Vec<Run> = Vec::with_capacity(intervals.len() / 32 + 1);
+    let mut runs: Vec<Run> = vec![Run::empty()];
     let mut arena = 0usize;
     for &i in &order {
         let iv = intervals[i];
@@ -266,9 +266,6 @@ impl Run {
 /// Inserts a placed block after every block that sorts at or before it: where one sorted
 /// vector of all of them would put it.
 fn insert(runs: &mut Vec<Run>, block: (usize, usize), lifetime: (u32, u32)) {
-    if runs.is_empty() {
-        runs.push(Run::empty());
-    }
     // The first run with a block after this one; the last run if none has. (Only the first
     // run is ever empty, before the first insert.)
     let r = runs

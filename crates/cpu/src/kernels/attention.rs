@@ -437,8 +437,6 @@ unsafe fn head_gemm(
     bf16: Option<HeadBf16>,
 ) {
     let (a_rs, a_cs) = if ta { (1, a.stride) } else { (a.stride, 1) };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = bf16;
     #[cfg(target_arch = "x86_64")]
     if let (None, Some((small_gemm, _))) = (bf16, crate::gemm::head_kernels()) {
         // SAFETY: the CPU was checked; the caller vouches for the operands.
@@ -454,8 +452,15 @@ unsafe fn head_gemm(
         };
         return;
     }
-    for j0 in (0..n).step_by(64) {
-        let w = (n - j0).min(64);
+    // On the bf16 tile, a `b` whose columns are contiguous (rows read in place) is one
+    // product, so `a` is packed once rather than once a strip.
+    let strip = if bf16.is_some() && b.strip == 64 {
+        n.max(1)
+    } else {
+        64
+    };
+    for j0 in (0..n).step_by(strip) {
+        let w = (n - j0).min(strip);
         let (c_at, b_at) = (
             c.ptr.wrapping_add(j0),
             b.ptr.wrapping_add(j0 / 64 * b.strip),
@@ -825,9 +830,9 @@ mod tests {
         }
     }
 
-    /// A head of 24 (partial register tiles) over a sequence of 100 (a partial row block and
-    /// strip): bf16 inputs with spread scores, so the probabilities are far from uniform, and
-    /// `y` as a bf16 forward would have stored it.
+    /// A head of `d` over a sequence of `t` (100 and 24: a partial row block, strip and
+    /// register tile): bf16 inputs with spread scores, so the probabilities are far from
+    /// uniform, and `y` as a bf16 forward would have stored it.
     struct Case {
         dims: (usize, usize),
         inputs: [Vec<f32>; 4],
@@ -835,8 +840,7 @@ mod tests {
     }
 
     impl Case {
-        fn new() -> Case {
-            let (t, d) = (100, 24);
+        fn new((t, d): (usize, usize)) -> Case {
             let values = |seed: u64, spread: f32| -> Vec<f32> {
                 crate::gemm::test_support::values(t * d, seed)
                     .into_iter()
@@ -902,14 +906,17 @@ mod tests {
             snug_testkit::skip_or_fail("the modelled bf16 tile needs AVX2 + FMA");
             return;
         };
-        let case = Case::new();
-        let mut runs = [Some(tile), None].map(|bf16| {
-            let mut out = Head::new(case.dims);
-            run_head(case.dims, case.inputs(), &case.y_in, bf16, &mut out);
-            out.outputs()
-        });
-        let [modelled, f32_run] = [0, 1].map(|i| std::mem::take(&mut runs[i]));
-        case.check("model", &modelled, Some(&f32_run));
+        // And a head of 80: products whose columns are a head's run as one, not by strips.
+        for dims in [(100, 24), (70, 80)] {
+            let case = Case::new(dims);
+            let mut runs = [Some(tile), None].map(|bf16| {
+                let mut out = Head::new(case.dims);
+                run_head(case.dims, case.inputs(), &case.y_in, bf16, &mut out);
+                out.outputs()
+            });
+            let [modelled, f32_run] = [0, 1].map(|i| std::mem::take(&mut runs[i]));
+            case.check("model", &modelled, Some(&f32_run));
+        }
     }
 
     struct Job<'a> {
@@ -941,7 +948,7 @@ mod tests {
         let Some(tile) = HeadBf16::on(features, Bf16Math::Native) else {
             panic!("AVX512-BF16's features chose no bf16 tile");
         };
-        let case = Case::new();
+        let case = Case::new((100, 24));
         let mut job = Job {
             case: &case,
             tile,
