@@ -69,7 +69,8 @@ impl CpuFeatures {
     /// Whether products reading a bf16 operand run in bf16 arithmetic (`VDPBF16PS`, the GEMM's
     /// AVX512-BF16 tile) rather than widened to f32.
     pub fn bf16_arithmetic(self) -> bool {
-        self.avx512f && self.avx512bf16
+        // Every CPU with AVX512-BF16 has BW and VL, which its packing uses.
+        self.avx512f && self.avx512bw && self.avx512vl && self.avx512bf16
     }
 
     /// The highest level these features run (each level needs every feature its functions

@@ -19,7 +19,6 @@ use std::arch::x86_64::*;
 use super::avx512::{pack_a, pack_a_half, pack_b, store_tile, MR, NR};
 use super::blocked::{tile_entry_points, Tile};
 use super::fused::Prologue;
-use super::half::bf16_bits;
 
 /// Packed pairs of `b` the kernel prefetches ahead.
 const PREFETCH: usize = 8;
@@ -35,7 +34,7 @@ impl Tile for Avx512Bf16 {
     const NC: usize = <super::avx512::Avx512 as Tile>::NC;
 
     fn available() -> bool {
-        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")
+        crate::isa::CpuFeatures::host().bf16_arithmetic()
     }
 
     tile_entry_points!();
@@ -56,29 +55,60 @@ impl Tile for Avx512Bf16 {
 /// Rounds a packed panel of `W`-wide rows (`x[p·W + l]`, `kc` rows) in place into pairs of
 /// rows: `u32[q·W + l] = bf16(x[2q·W + l]) | bf16(x[(2q + 1)·W + l]) << 16`, the last pair's
 /// upper half zero when `kc` is odd. Pair `q` lands on row `q`, which pair `q / 2` has
-/// already read, so going up in `q` never overwrites a value still to be read.
+/// already read, so going up in `q` never overwrites a value still to be read (and within a
+/// row, each chunk of columns is read before the same chunk is written).
+///
+/// `VCVTNE2PS2BF16` rounds as [`bf16_bits`](super::half::bf16_bits) does (nearest even, NaN quieted) except that it
+/// takes a subnormal input as zero: one that `VDPBF16PS` reads as zero anyway, unless it
+/// rounds up to the least normal bf16 (within 2⁻¹³³ of it), where the tile then computes with
+/// zero instead of 2⁻¹²⁶.
 ///
 /// # Safety
-/// `panel` must hold `W · kc` floats.
-#[inline(always)]
+/// `panel` must hold `W · kc` floats; `W` a multiple of 8; the CPU must have AVX512-BF16, BW
+/// and VL.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 unsafe fn to_pairs<const W: usize>(kc: usize, panel: *mut f32) {
+    // Lane `2l` takes bf16 `l` of the lower operand, lane `2l + 1` bf16 `l` of the upper,
+    // which `cvtne2ps` put 16 (a 512-bit vector) or 8 (256-bit) lanes further on.
+    const fn zip<const N: usize>(half: u16) -> [u16; N] {
+        let mut idx = [0u16; N];
+        let mut i = 0;
+        while i < N {
+            idx[i] = (i / 2) as u16 + if i % 2 == 1 { half } else { 0 };
+            i += 1;
+        }
+        idx
+    }
+    const ZIP16: [u16; 32] = zip::<32>(16);
+    const ZIP8: [u16; 16] = zip::<16>(8);
+    debug_assert!(W % 8 == 0);
     let words = panel as *mut u32;
-    for q in 0..kc.div_ceil(2) {
-        let mut pair = [0u32; W];
-        for (l, v) in pair.iter_mut().enumerate() {
-            // SAFETY: rows `2q` and `2q + 1 < kc` of the panel.
-            unsafe {
-                let lo = u32::from(bf16_bits(*panel.add(2 * q * W + l)));
-                let hi = if 2 * q + 1 < kc {
-                    u32::from(bf16_bits(*panel.add((2 * q + 1) * W + l)))
-                } else {
-                    0
-                };
-                *v = lo | hi << 16;
+    // SAFETY: rows `2q` and `2q + 1 < kc` of the panel are read, row `q` written, all inside
+    // its `W · kc` floats; the CPU has the features, as the caller vouched.
+    unsafe {
+        let zip16 = _mm512_loadu_si512(ZIP16.as_ptr() as *const __m512i);
+        let zip8 = _mm256_loadu_si256(ZIP8.as_ptr() as *const __m256i);
+        for q in 0..kc.div_ceil(2) {
+            let lo = panel.add(2 * q * W);
+            let hi = (2 * q + 1 < kc).then(|| panel.add((2 * q + 1) * W));
+            let out = words.add(q * W);
+            let mut l = 0;
+            while l + 16 <= W {
+                let x = _mm512_loadu_ps(lo.add(l));
+                let y = hi.map_or(_mm512_setzero_ps(), |h| _mm512_loadu_ps(h.add(l)));
+                let both: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(y, x));
+                let pairs = _mm512_permutexvar_epi16(zip16, both);
+                _mm512_storeu_si512(out.add(l) as *mut __m512i, pairs);
+                l += 16;
+            }
+            if l < W {
+                let x = _mm256_loadu_ps(lo.add(l));
+                let y = hi.map_or(_mm256_setzero_ps(), |h| _mm256_loadu_ps(h.add(l)));
+                let both: __m256i = std::mem::transmute(_mm256_cvtne2ps_pbh(y, x));
+                let pairs = _mm256_permutexvar_epi16(zip8, both);
+                _mm256_storeu_si256(out.add(l) as *mut __m256i, pairs);
             }
         }
-        // SAFETY: row `q ≤ 2q` of the panel, read already.
-        unsafe { std::ptr::copy_nonoverlapping(pair.as_ptr(), words.add(q * W), W) };
     }
 }
 
@@ -125,13 +155,23 @@ unsafe fn kernel(
 
 #[cfg(test)]
 mod tests {
+    use super::super::half::bf16_bits;
     use super::*;
 
-    /// The rounding is the cast kernel's: nearest even, ties to even, NaN quieted, infinities
-    /// kept.
+    /// The rounding is the cast kernel's ([`bf16_bits`]: nearest even, ties to even, NaN
+    /// quieted, infinities kept) and the pairs keep their order, for the 512-bit and 256-bit
+    /// steps (24 columns: one of each) and an odd depth's last half-pair; a subnormal is
+    /// taken as zero. Natively where the CPU has AVX512-BF16, else on an emulated Sapphire
+    /// Rapids core.
+    #[cfg(target_os = "linux")]
     #[test]
     fn pairs_round_to_nearest_even_and_keep_order() {
-        let rows = [
+        use std::ffi::c_void;
+
+        use crate::gemm::test_support::{run_job, values};
+        const W: usize = 24;
+        const KC: usize = 7;
+        let special = [
             1.0f32,
             f32::from_bits(0x3f80_8000), // a tie: stays at 1.0 (even)
             f32::from_bits(0x3f81_8000), // a tie: up to the even 0x3f82
@@ -139,17 +179,41 @@ mod tests {
             -2.5,
             f32::INFINITY,
             f32::from_bits(0x7f80_0001), // a signalling NaN: quieted
+            f32::from_bits(0x0000_1234), // subnormal: zero
+            f32::from_bits(0x8040_0000), // negative subnormal: negative zero
         ];
-        let want = [0x3f80, 0x3f80, 0x3f82, 0x3f81, 0xc020, 0x7f80, 0x7fc0];
-        // One column (W = 1), 7 rows: three full pairs and a last half-pair.
-        let mut panel = rows.to_vec();
-        // SAFETY: the panel holds 1 · 7 floats.
-        unsafe { to_pairs::<1>(7, panel.as_mut_ptr()) };
-        let words: Vec<u32> = panel[..4].iter().map(|x| x.to_bits()).collect();
-        for q in 0..4 {
-            let lo = want[2 * q];
-            let hi = if 2 * q + 1 < 7 { want[2 * q + 1] } else { 0 };
-            assert_eq!(words[q], lo | hi << 16, "pair {q}");
+        let mut rows = values(W * KC, 5);
+        for (i, &v) in special.iter().enumerate() {
+            // Spread over both steps' columns and both halves of pairs.
+            rows[(i % KC) * W + (i * 5) % W] = v;
+        }
+        let want = |p: usize, l: usize| -> u32 {
+            let v = rows[p * W + l];
+            if v != 0.0 && v.is_subnormal() {
+                u32::from(v.is_sign_negative()) << 15
+            } else {
+                u32::from(bf16_bits(v))
+            }
+        };
+        unsafe extern "C" fn job(panel: *mut c_void) {
+            // SAFETY: the test passes a panel of W · KC floats; the CPU has the features.
+            unsafe { to_pairs::<W>(KC, panel as *mut f32) }
+        }
+        let mut panel = rows.clone();
+        let native = crate::isa::CpuFeatures::host().bf16_arithmetic();
+        let model = snug_testkit::emulate::Model::SapphireRapids;
+        let arg = panel.as_mut_ptr() as *mut c_void;
+        // SAFETY: `job` makes no system call and touches only the panel.
+        if !unsafe { run_job(native, model, job, arg) } {
+            return;
+        }
+        for q in 0..KC.div_ceil(2) {
+            for l in 0..W {
+                let hi = if 2 * q + 1 < KC { want(2 * q + 1, l) } else { 0 };
+                let expected = want(2 * q, l) | hi << 16;
+                let got = panel[q * W + l].to_bits();
+                assert_eq!(got, expected, "pair {q}, column {l}: {got:#x} vs {expected:#x}");
+            }
         }
     }
 }

@@ -909,8 +909,7 @@ pub(super) mod tests {
                         let fused = Fused {
                             prologue,
                             bias: Some(&bias),
-                            quant_b: None,
-                            half_a: None,
+                            ..Fused::NONE
                         };
                         let a_op = (a.as_ptr(), a_rs, a_cs);
                         let (mut one, mut dealt) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);

@@ -36,6 +36,8 @@ pub(crate) struct Fused<'a> {
     pub quant_b: Option<super::quantized::QuantB<'a>>,
     /// `a` held in bf16, widened as it is packed (the product's `a` pointer is then not read).
     pub half_a: Option<super::half::HalfA<'a>>,
+    /// The arithmetic the product computes in.
+    pub arith: super::Arith,
 }
 
 impl Fused<'_> {
@@ -44,6 +46,7 @@ impl Fused<'_> {
         bias: None,
         quant_b: None,
         half_a: None,
+        arith: super::Arith::F32,
     };
 
     /// The bias from column `j` on, or null.

@@ -127,6 +127,7 @@ pub(crate) unsafe fn gemm_fused_half(
 ) -> bool {
     let Layout { m, n, k, .. } = layout;
     let bf16_operand = matches!(a, Operand::Bf16(_)) || matches!(b, Operand::Bf16(_));
+    let bf16_operand = bf16_operand || fused.arith == super::Arith::Bf16;
     let (cpu, math) = (
         crate::isa::CpuFeatures::host(),
         crate::isa::Bf16Math::current(),
@@ -191,21 +192,23 @@ unsafe fn gemm_fused_half_on(
     false
 }
 
-/// `c = op(a) · op(b) (+ bias)` with either operand bf16: on our blocked kernel, widening
-/// as it packs, where it runs the product; elsewhere (another CPU, its packing space in use)
-/// on f32 copies of the bf16 operands made here.
+/// `c = op(a) · op(b) (+ bias)` in `arith` with either operand bf16: on our blocked kernel,
+/// widening as it packs, where it runs the product; elsewhere (another CPU, its packing
+/// space in use) on f32 copies of the bf16 operands made here.
 pub(crate) fn gemm_half(
     layout: Layout,
     (a, b): (Operand<'_>, Operand<'_>),
     c: &mut [f32],
     bias: Option<&[f32]>,
     par: ::gemm::Parallelism,
+    arith: super::Arith,
 ) {
     let Layout { ta, tb, m, n, k } = layout;
     assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
     assert!(bias.is_none_or(|bias| bias.len() >= n));
     let fused = super::Fused {
         bias,
+        arith,
         ..super::Fused::NONE
     };
     // SAFETY: the lengths were checked above.
@@ -228,6 +231,7 @@ pub(crate) fn gemm_half(
             c,
             bias.is_some(),
             par,
+            arith,
         )
     };
 }
@@ -291,7 +295,10 @@ mod tests {
                             Operand::F32(&b)
                         };
                         let mut got = vec![f32::NAN; m * n];
-                        pool.install(|| gemm_half(layout, (a_op, b_op), &mut got, bias, par));
+                        let f32_arith = crate::gemm::Arith::F32;
+                        pool.install(|| {
+                            gemm_half(layout, (a_op, b_op), &mut got, bias, par, f32_arith)
+                        });
                         let mut want = vec![f32::NAN; m * n];
                         pool.install(|| {
                             gemm_half(
@@ -300,6 +307,7 @@ mod tests {
                                 &mut want,
                                 bias,
                                 par,
+                                f32_arith,
                             )
                         });
                         let label = format!(

@@ -26,6 +26,18 @@ pub(crate) use half::round_to_bf16;
 pub(crate) use half::{gemm_fused_half, gemm_half, widen, Operand};
 pub(crate) use quantized::{gemm_quantized, QuantB};
 
+/// The arithmetic a product computes in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Arith {
+    /// f32, a bf16 operand widened exactly: every product of an f32 run.
+    F32,
+    /// A bf16 run's: both operands rounded to bf16 as they are packed and the exact products
+    /// summed in f32, where a bf16 tile runs the product ([`bf16_tile`]), whether an operand
+    /// is stored in bf16 or is an f32 weight or normalised activation. Autocast casts both
+    /// operands of every linear layer so; elsewhere, as [`Arith::F32`].
+    Bf16,
+}
+
 /// Threads for one GEMM: small products run single-threaded (rayon overhead dominates).
 pub(crate) fn par_for(m: usize, n: usize, k: usize, threads: usize) -> ::gemm::Parallelism {
     if threads <= 1 || m * n * k < 64 * 64 * 64 {
@@ -43,14 +55,14 @@ pub(crate) fn linear_rows(
     bias: &[f32],
     y: &mut [f32],
     (m, k, n): (usize, usize, usize),
+    arith: Arith,
 ) {
     assert!(t.len() >= m * k && w.len() >= k * n && y.len() >= m * n && bias.len() >= n);
     let par = par_for(m, n, k, rayon::current_num_threads());
     let fused = Fused {
-        prologue: Prologue::None,
         bias: Some(bias),
-        quant_b: None,
-        half_a: None,
+        arith,
+        ..Fused::NONE
     };
     // SAFETY: the lengths were checked just above.
     if unsafe { gemm_fused(Layout::new((false, false), (m, n, k)), t, w, y, par, fused) } {
@@ -60,7 +72,7 @@ pub(crate) fn linear_rows(
         row.copy_from_slice(bias);
     }
     // SAFETY: the lengths were checked just above.
-    unsafe { gemm_strided(Layout::new((false, false), (m, n, k)), t, w, y, true, par) };
+    unsafe { gemm_strided(Layout::new((false, false), (m, n, k)), t, w, y, true, par, arith) };
 }
 
 /// Which of our register tiles ([`blocked`]) a product runs on.
@@ -199,10 +211,12 @@ impl HeadBf16 {
     }
 }
 
-/// Our tile for an f32 product on this CPU, if `gemm_raw` runs one ([`choose_tile`]).
-fn own_kernel(dims: (usize, usize, usize), c_cs: isize) -> Option<OwnTile> {
-    let math = crate::isa::Bf16Math::Native;
-    choose_tile(crate::isa::CpuFeatures::host(), math, dims, c_cs, false)
+/// Our tile for a product of f32 operands in `arith` on this CPU, if `gemm_raw` runs one
+/// ([`choose_tile`]).
+fn own_kernel(dims: (usize, usize, usize), c_cs: isize, arith: Arith) -> Option<OwnTile> {
+    let math = crate::isa::Bf16Math::current();
+    let cpu = crate::isa::CpuFeatures::host();
+    choose_tile(cpu, math, dims, c_cs, arith == Arith::Bf16)
 }
 
 /// Attention's unpacked per-head product (`small_gemm` in `avx512` and `avx2`):
@@ -243,11 +257,13 @@ pub(crate) fn input_grad_rows(
     w: &[f32],
     g: &mut [f32],
     (m, k, n): (usize, usize, usize),
+    arith: Arith,
 ) {
     assert!(dy.len() >= m * n && w.len() >= k * n && g.len() >= m * k);
     let par = par_for(m, k, n, rayon::current_num_threads());
+    let layout = Layout::new((false, true), (m, k, n));
     // SAFETY: the lengths were checked just above.
-    unsafe { gemm_strided(Layout::new((false, true), (m, k, n)), dy, w, g, false, par) };
+    unsafe { gemm_strided(layout, dy, w, g, false, par, arith) };
 }
 
 /// The shape of a product of row-major matrices, `op(a) [m, k] · op(b) [k, n]`, where `op`
@@ -276,7 +292,8 @@ impl Layout {
     }
 }
 
-/// `c (+)= op(a) · op(b)` over row-major storage; `accumulate` keeps what `c` holds.
+/// `c (+)= op(a) · op(b)` over row-major storage in `arith`; `accumulate` keeps what `c`
+/// holds.
 ///
 /// # Safety
 /// `a`, `b` and `c` must hold at least `m·k`, `k·n` and `m·n` elements.
@@ -287,6 +304,7 @@ pub(crate) unsafe fn gemm_strided(
     c: &mut [f32],
     accumulate: bool,
     par: ::gemm::Parallelism,
+    arith: Arith,
 ) {
     let Layout { m, n, k, .. } = layout;
     debug_assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
@@ -299,6 +317,7 @@ pub(crate) unsafe fn gemm_strided(
         1.0,
         accumulate,
         par,
+        arith,
     );
 }
 
@@ -380,7 +399,7 @@ pub(crate) unsafe fn gemm_fused(
     debug_assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
     debug_assert!(fused.bias.is_none_or(|bias| bias.len() >= n));
     #[cfg(target_arch = "x86_64")]
-    if let Some(tile) = own_kernel((m, n, k), 1) {
+    if let Some(tile) = own_kernel((m, n, k), 1, fused.arith) {
         let ((a_rs, a_cs), (b_rs, b_cs)) = layout.strides();
         let product = Product {
             dims: (m, n, k),
@@ -397,10 +416,12 @@ pub(crate) unsafe fn gemm_fused(
     false
 }
 
-/// `c (+)= scale · a · b` for strided matrices given as (pointer, row stride, column stride).
+/// `c (+)= scale · a · b` in `arith` for strided matrices given as (pointer, row stride,
+/// column stride).
 ///
 /// # Safety
 /// Every pointer must be valid for the elements its strides reach.
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gemm_raw(
     (m, n, k): (usize, usize, usize),
     (c, c_rs, c_cs): (*mut f32, isize, isize),
@@ -409,8 +430,9 @@ pub(crate) unsafe fn gemm_raw(
     scale: f32,
     accumulate: bool,
     par: ::gemm::Parallelism,
+    arith: Arith,
 ) {
-    let ours = own_kernel((m, n, k), c_cs);
+    let ours = own_kernel((m, n, k), c_cs, arith);
     let product = Product {
         dims: (m, n, k),
         c: (c, c_rs, c_cs),
@@ -600,7 +622,7 @@ mod tests {
 
     /// The GEMM a large product runs on here, as the planner names it.
     fn dispatched() -> CpuGemm {
-        match own_kernel((1024, 1024, 1024), 1) {
+        match own_kernel((1024, 1024, 1024), 1, super::Arith::F32) {
             // The bf16 tiles keep their f32 tile's blocking, so the plan is the same.
             #[cfg(target_arch = "x86_64")]
             Some(OwnTile::Avx512 | OwnTile::Avx512Bf16 | OwnTile::Avx512Model) => CpuGemm::Avx512,
@@ -630,7 +652,7 @@ mod tests {
         ] {
             for (m, n, k) in [dims, (dims.2, dims.0, dims.1), (dims.1, dims.2, dims.0)] {
                 assert_eq!(
-                    own_kernel((m, n, k), 1).is_some(),
+                    own_kernel((m, n, k), 1, super::Arith::F32).is_some(),
                     own_gemm_runs(CpuGemm::host(), (m, n, k)),
                     "{m}×{k}×{n}"
                 );

@@ -230,7 +230,7 @@ pub(crate) unsafe fn gemm_quantized(
 ) {
     debug_assert!(bias.is_none() || !accumulate);
     #[cfg(target_arch = "x86_64")]
-    if let Some(tile) = super::own_kernel((m, n, k), 1) {
+    if let Some(tile) = super::own_kernel((m, n, k), 1, super::Arith::F32) {
         let product = super::Product {
             dims: (m, n, k),
             c: (c, c_rs, 1),
@@ -244,6 +244,7 @@ pub(crate) unsafe fn gemm_quantized(
             bias,
             quant_b: Some(w),
             half_a: None,
+            arith: super::Arith::F32,
         };
         // SAFETY: `own_kernel` checked the CPU; the caller vouches for the operands, and the
         // packing reads `b` from the codes only.
@@ -281,6 +282,7 @@ pub(crate) unsafe fn gemm_quantized(
                 1.0,
                 acc || p0 > 0,
                 par,
+                super::Arith::F32,
             )
         };
     }

@@ -493,6 +493,7 @@ unsafe fn head_gemm(
                 scale,
                 acc,
                 gemm::Parallelism::None,
+                crate::gemm::Arith::F32,
             )
         };
     }

@@ -7,6 +7,7 @@ use snug_graph::ops::{
 };
 
 use super::half_io::{as_bits, as_f32, input, output, Elem};
+use crate::gemm::Arith;
 use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for GeluLinear {
@@ -37,32 +38,46 @@ fn approx_of(tanh: bool) -> GeluApprox {
 }
 
 fn forward<const TANH: bool>(kern: &Kernel<'_>) {
-    forward_with::<TANH, f32>(kern, kern.in_f32(0), false);
+    forward_with::<TANH, f32>(kern, kern.in_f32(0), false, Arith::F32);
 }
 
-/// [`GeluLinear`]'s kernel under [`snug_graph::ops::HalfIo`]: `h` read in bf16 where
-/// `half_h`, `y` written in bf16 (a tile of rows at a time) where `half_y`.
+/// [`GeluLinear`]'s kernel under [`snug_graph::ops::HalfIo`], the product in bf16
+/// arithmetic: `h` read in bf16 where `half_h`, `y` written in bf16 (a tile of rows at a
+/// time) where `half_y`.
 pub(super) fn forward_io(approx: GeluApprox, kern: &Kernel<'_>, (half_h, half_y): (bool, bool)) {
+    let bf16 = Arith::Bf16;
     match (approx, half_h) {
-        (GeluApprox::Tanh, true) => forward_with::<true, u16>(kern, kern.in_u16(0), half_y),
-        (GeluApprox::Exact, true) => forward_with::<false, u16>(kern, kern.in_u16(0), half_y),
-        (GeluApprox::Tanh, false) => forward_with::<true, f32>(kern, kern.in_f32(0), half_y),
-        (GeluApprox::Exact, false) => forward_with::<false, f32>(kern, kern.in_f32(0), half_y),
+        (GeluApprox::Tanh, true) => forward_with::<true, u16>(kern, kern.in_u16(0), half_y, bf16),
+        (GeluApprox::Exact, true) => {
+            forward_with::<false, u16>(kern, kern.in_u16(0), half_y, bf16)
+        }
+        (GeluApprox::Tanh, false) => {
+            forward_with::<true, f32>(kern, kern.in_f32(0), half_y, bf16)
+        }
+        (GeluApprox::Exact, false) => {
+            forward_with::<false, f32>(kern, kern.in_f32(0), half_y, bf16)
+        }
     }
 }
 
 /// The forward with `h` stored as `H` (f32, or bf16 bits widened as it is read), `y` written
-/// in bf16 where `half_y`.
-fn forward_with<const TANH: bool, H: Elem>(kern: &Kernel<'_>, h: &[H], half_y: bool) {
+/// in bf16 where `half_y`, the product in `arith`.
+fn forward_with<const TANH: bool, H: Elem>(
+    kern: &Kernel<'_>,
+    h: &[H],
+    half_y: bool,
+    arith: Arith,
+) {
     let Ok((rows, _, n)) = linear_dims("gelu_linear", kern.in_shape(0), kern.in_shape(1)) else {
         unreachable!("shape rule checked at build time")
     };
     if half_y {
         super::half_io::write_rows(kern, (rows, n), kern.workspace(), |r, ws, y| {
-            forward_rows::<TANH, H>(kern, h, ws, (r, y))
+            forward_rows::<TANH, H>(kern, h, ws, (r, y), arith)
         });
     } else {
-        forward_rows::<TANH, H>(kern, h, kern.workspace(), (0..rows, kern.out_f32(0)));
+        let y = (0..rows, kern.out_f32(0));
+        forward_rows::<TANH, H>(kern, h, kern.workspace(), y, arith);
     }
 }
 
@@ -72,6 +87,7 @@ fn forward_rows<const TANH: bool, H: Elem>(
     h: &[H],
     ws: &mut [f32],
     (rows, y): (std::ops::Range<usize>, &mut [f32]),
+    arith: Arith,
 ) {
     use crate::gemm::{
         gemm_fused, gemm_fused_half, linear_rows, par_for, Fused, Layout, Operand, Prologue,
@@ -87,8 +103,8 @@ fn forward_rows<const TANH: bool, H: Elem>(
     let fused = Fused {
         prologue: Prologue::Gelu(approx_of(TANH)),
         bias: Some(bias),
-        quant_b: None,
-        half_a: None,
+        arith,
+        ..Fused::NONE
     };
     let par = par_for(m, n, k, rayon::current_num_threads());
     let layout = Layout::new((false, false), (m, n, k));
@@ -116,7 +132,7 @@ fn forward_rows<const TANH: bool, H: Elem>(
         map_in(&h[r0 * k..r1 * k], g, |v| {
             crate::math::gelu(approx_of(TANH), v)
         });
-        linear_rows(g, w, bias, &mut y[r0 * n..r1 * n], (r1 - r0, k, n));
+        linear_rows(g, w, bias, &mut y[r0 * n..r1 * n], (r1 - r0, k, n), arith);
     }
 }
 
@@ -136,26 +152,28 @@ fn map_in<H: Elem>(x: &[H], y: &mut [f32], f: impl Fn(f32) -> f32 + Sync + Send)
 }
 
 fn backward<const TANH: bool>(kern: &Kernel<'_>) {
-    backward_with::<TANH, f32, f32>(kern);
+    backward_with::<TANH, f32, f32>(kern, Arith::F32);
 }
 
-/// [`GeluLinearBackward`]'s kernel under [`snug_graph::ops::HalfIo`]: `h` read, and `dh`
-/// written, in bf16 as flagged.
+/// [`GeluLinearBackward`]'s kernel under [`snug_graph::ops::HalfIo`], its products in bf16
+/// arithmetic: `h` read, and `dh` written, in bf16 as flagged.
 pub(super) fn backward_io(approx: GeluApprox, kern: &Kernel<'_>, halves: (bool, bool)) {
+    let bf16 = Arith::Bf16;
     match (approx == GeluApprox::Tanh, halves) {
-        (true, (false, false)) => backward_with::<true, f32, f32>(kern),
-        (true, (true, false)) => backward_with::<true, u16, f32>(kern),
-        (true, (false, true)) => backward_with::<true, f32, u16>(kern),
-        (true, (true, true)) => backward_with::<true, u16, u16>(kern),
-        (false, (false, false)) => backward_with::<false, f32, f32>(kern),
-        (false, (true, false)) => backward_with::<false, u16, f32>(kern),
-        (false, (false, true)) => backward_with::<false, f32, u16>(kern),
-        (false, (true, true)) => backward_with::<false, u16, u16>(kern),
+        (true, (false, false)) => backward_with::<true, f32, f32>(kern, bf16),
+        (true, (true, false)) => backward_with::<true, u16, f32>(kern, bf16),
+        (true, (false, true)) => backward_with::<true, f32, u16>(kern, bf16),
+        (true, (true, true)) => backward_with::<true, u16, u16>(kern, bf16),
+        (false, (false, false)) => backward_with::<false, f32, f32>(kern, bf16),
+        (false, (true, false)) => backward_with::<false, u16, f32>(kern, bf16),
+        (false, (false, true)) => backward_with::<false, f32, u16>(kern, bf16),
+        (false, (true, true)) => backward_with::<false, u16, u16>(kern, bf16),
     }
 }
 
-/// The backward with `h` stored as `H` and `dh` as `D` (f32, or bf16 bits).
-fn backward_with<const TANH: bool, H: Elem, D: Elem>(kern: &Kernel<'_>) {
+/// The backward with `h` stored as `H` and `dh` as `D` (f32, or bf16 bits), its products in
+/// `arith`.
+fn backward_with<const TANH: bool, H: Elem, D: Elem>(kern: &Kernel<'_>, arith: Arith) {
     use crate::gemm::{gemm_strided, input_grad_rows, par_for, Layout};
     use rayon::prelude::*;
     // Run in place, `h` is read through `dh` (then `H` is `D`): each element is read before it
@@ -174,7 +192,7 @@ fn backward_with<const TANH: bool, H: Elem, D: Elem>(kern: &Kernel<'_>) {
         let r1 = (r0 + tile).min(rows);
         let (t, dyt) = (&mut ws[..(r1 - r0) * k], &dy[r0 * n..r1 * n]);
         // dg = dy · wᵀ for this tile's rows.
-        input_grad_rows(dyt, w, t, (r1 - r0, k, n));
+        input_grad_rows(dyt, w, t, (r1 - r0, k, n), arith);
         // One pass: dh = dg ⊙ gelu'(h), and the tile's dg is replaced by g = gelu(h).
         let dht = &mut dh[r0 * k..r1 * k];
         let chunk = crate::par::MIN_PAR_ELEMS;
@@ -203,6 +221,7 @@ fn backward_with<const TANH: bool, H: Elem, D: Elem>(kern: &Kernel<'_>) {
                 dw,
                 r0 > 0,
                 par_for(k, n, r1 - r0, threads),
+                arith,
             )
         };
     }

@@ -9,7 +9,7 @@ use snug_graph::ops::half_io::write_tile_rows;
 use snug_graph::ops::{HalfIo, Op};
 use snug_graph::DType;
 
-use crate::gemm::{gemm_half, par_for, widen, Layout, Operand};
+use crate::gemm::{gemm_half, par_for, widen, Arith, Layout, Operand};
 use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for HalfIo {
@@ -79,7 +79,7 @@ fn product(io: &HalfIo, k: &Kernel<'_>) {
     // The shape rule admits one product only (a shared `b`): `d.batch` is 1.
     if !io.writes(0) {
         let layout = Layout::new((mm.ta, mm.tb), (d.m, d.n, d.k));
-        gemm_half(layout, (a, b), k.out_f32(0), bias, par);
+        gemm_half(layout, (a, b), k.out_f32(0), bias, par, Arith::Bf16);
         return;
     }
     // Written in bf16, `a` is not transposed (the shape rule's condition): a tile of rows of
@@ -87,7 +87,7 @@ fn product(io: &HalfIo, k: &Kernel<'_>) {
     write_rows(k, (d.m, d.n), k.workspace(), |rows, _, tile| {
         let layout = Layout::new((false, mm.tb), (rows.len(), d.n, d.k));
         let a = a.rows(rows.start * d.k..rows.end * d.k);
-        gemm_half(layout, (a, b), tile, bias, par);
+        gemm_half(layout, (a, b), tile, bias, par, Arith::Bf16);
     });
 }
 

@@ -7,7 +7,7 @@ use snug_graph::ops::{
     linear_dims, tile_rows, LayerNormLinear, LayerNormLinearBackward,
 };
 
-use crate::gemm::Operand;
+use crate::gemm::{Arith, Operand};
 use crate::kernel::{CpuKernel, Kernel};
 
 use super::layernorm::{backward_sums, dx_value, normalize_row, row_stats};
@@ -20,19 +20,19 @@ impl CpuKernel for LayerNormLinear {
 
 impl CpuKernel for LayerNormLinearBackward {
     fn run(&self, kern: &Kernel<'_>) {
-        backward(kern, Operand::F32(kern.in_f32(6)));
+        backward(kern, Operand::F32(kern.in_f32(6)), Arith::F32);
     }
 }
 
-/// [`LayerNormLinearBackward`]'s kernel under [`snug_graph::ops::HalfIo`]: with `half_dy`,
-/// the output gradient is read in bf16, widened as the GEMMs pack it.
+/// [`LayerNormLinearBackward`]'s kernel under [`snug_graph::ops::HalfIo`], its products in
+/// bf16 arithmetic: with `half_dy`, the output gradient is read in bf16 as the GEMMs pack it.
 pub(super) fn backward_io(kern: &Kernel<'_>, half_dy: bool) {
     let dy = if half_dy {
         Operand::Bf16(kern.in_u16(6))
     } else {
         Operand::F32(kern.in_f32(6))
     };
-    backward(kern, dy);
+    backward(kern, dy, Arith::Bf16);
 }
 
 /// Normalises rows `r0..r0 + tile.len() / k` of `x` into `tile`, in parallel over rows, storing
@@ -138,11 +138,12 @@ fn forward(eps: f32, kern: &Kernel<'_>) {
         kern.workspace(),
         (mean, rstd),
         (0..rows, kern.out_f32(0)),
+        Arith::F32,
     );
 }
 
 /// [`LayerNormLinear`]'s kernel under [`snug_graph::ops::HalfIo`]: `y` written in bf16, a
-/// tile of rows at a time.
+/// tile of rows at a time, the product in bf16 arithmetic.
 pub(super) fn forward_io(eps: f32, kern: &Kernel<'_>) {
     let (mean, rstd) = (kern.out_f32(1), kern.out_f32(2));
     let Ok((rows, _, n)) = linear_dims("layer_norm_linear", kern.in_shape(0), kern.in_shape(3))
@@ -150,17 +151,19 @@ pub(super) fn forward_io(eps: f32, kern: &Kernel<'_>) {
         unreachable!("shape rule checked at build time")
     };
     super::half_io::write_rows(kern, (rows, n), kern.workspace(), |r, ws, y| {
-        forward_rows(eps, kern, ws, (&mut *mean, &mut *rstd), (r, y))
+        forward_rows(eps, kern, ws, (&mut *mean, &mut *rstd), (r, y), Arith::Bf16)
     });
 }
 
-/// Rows `rows` of `y` into `y` (those rows only), with their statistics.
+/// Rows `rows` of `y` into `y` (those rows only), with their statistics; the product in
+/// `arith`.
 fn forward_rows(
     eps: f32,
     kern: &Kernel<'_>,
     ws: &mut [f32],
     (mean, rstd): (&mut [f32], &mut [f32]),
     (rows, y): (std::ops::Range<usize>, &mut [f32]),
+    arith: Arith,
 ) {
     use crate::gemm::{gemm_fused, linear_rows, par_for, Fused, Layout};
     let (x, ln_w, ln_b) = (kern.in_f32(0), kern.in_f32(1), kern.in_f32(2));
@@ -178,8 +181,8 @@ fn forward_rows(
     let fused = Fused {
         prologue: norm_prologue((mean, rstd), (ln_w, ln_b), true),
         bias: Some(bias),
-        quant_b: None,
-        half_a: None,
+        arith,
+        ..Fused::NONE
     };
     let par = par_for(m, n, k, rayon::current_num_threads());
     // SAFETY: `x` holds m·k, `w` k·n and `y` m·n elements; the statistics cover every row
@@ -194,11 +197,11 @@ fn forward_rows(
         let t = &mut ws[..(r1 - r0) * k];
         let stats = (&mut mean[r0..r1], &mut rstd[r0..r1]);
         normalize_tile(x, (ln_w, ln_b, eps), r0, t, stats);
-        linear_rows(t, w, bias, &mut y[r0 * n..r1 * n], (r1 - r0, k, n));
+        linear_rows(t, w, bias, &mut y[r0 * n..r1 * n], (r1 - r0, k, n), arith);
     }
 }
 
-fn backward(kern: &Kernel<'_>, dy: Operand<'_>) {
+fn backward(kern: &Kernel<'_>, dy: Operand<'_>, arith: Arith) {
     use crate::gemm::{
         gemm_fused_half, gemm_half, gemm_strided, input_grad_rows, par_for, Fused, Layout,
     };
@@ -226,9 +229,8 @@ fn backward(kern: &Kernel<'_>, dy: Operand<'_>) {
     // of `x` is read for it before the row's `dx` is written.
     let fused = Fused {
         prologue: norm_prologue((mean, rstd), (ln_w, ln_b), false),
-        bias: None,
-        quant_b: None,
-        half_a: None,
+        arith,
+        ..Fused::NONE
     };
     let par = par_for(k, n, rows, threads);
     // SAFETY: `x` holds rows·k, `dy` rows·n and `dw` k·n elements; the statistics cover every
@@ -282,13 +284,14 @@ fn backward(kern: &Kernel<'_>, dy: Operand<'_>) {
                     dw,
                     r0 > 0,
                     par_for(k, n, r1 - r0, threads),
+                    arith,
                 )
             };
         }
         // The LayerNorm's output gradient for the tile's rows, dy · wᵀ.
         let m = r1 - r0;
         match dyt {
-            Operand::F32(dyt) => input_grad_rows(dyt, w, t, (m, k, n)),
+            Operand::F32(dyt) => input_grad_rows(dyt, w, t, (m, k, n), arith),
             half => {
                 let layout = Layout::new((false, true), (m, k, n));
                 gemm_half(
@@ -297,6 +300,7 @@ fn backward(kern: &Kernel<'_>, dy: Operand<'_>) {
                     t,
                     None,
                     par_for(m, k, n, threads),
+                    arith,
                 );
             }
         }

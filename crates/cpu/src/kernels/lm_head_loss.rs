@@ -124,7 +124,7 @@ pub(super) fn lm_head_loss_backward(
     mut dw: Option<&mut [f32]>,
 ) {
     {
-        use crate::gemm::{gemm_raw, par_for};
+        use crate::gemm::{gemm_raw, par_for, Arith};
         // Run in place, `x` is read through `dx`.
         let x_in = (k.inplace() != Some(0)).then(|| k.in_f32(0));
         let s = at.shift;
@@ -186,6 +186,7 @@ pub(super) fn lm_head_loss_backward(
                             1.0,
                             r0 > 0,
                             par_for(c, vb, m, threads),
+                            Arith::F32,
                         );
                     }
                     // dx[r0..r0+m] (+)= dlogits · B[:, c0..c0+vb]ᵀ
@@ -200,6 +201,7 @@ pub(super) fn lm_head_loss_backward(
                             1.0,
                             c0 > 0,
                             par,
+                            Arith::F32,
                         ),
                         Head::Quantized(q, panel) => {
                             let q = q.at((0, c0), true);
@@ -235,7 +237,7 @@ fn block_logits(
     (c0, vb): (usize, usize),
     out: &mut [f32],
 ) {
-    use crate::gemm::{gemm_raw, par_for};
+    use crate::gemm::{gemm_raw, par_for, Arith};
     let (b, b_rs, b_cs) = head_block(tb, c, v, c0);
     let par = par_for(m, vb, c, rayon::current_num_threads());
     let a = (x[r0 * c..].as_ptr(), c as isize, 1);
@@ -250,6 +252,7 @@ fn block_logits(
                 1.0,
                 false,
                 par,
+                Arith::F32,
             ),
             Head::Quantized(q, panel) => {
                 let (q, c_out) = (q.at((0, c0), false), (out.as_mut_ptr(), vb as isize));

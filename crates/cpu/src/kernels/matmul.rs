@@ -3,7 +3,7 @@
 
 use snug_graph::ops::MatMul;
 
-use crate::gemm::{gemm_fused, gemm_strided, par_for, Fused, Layout, Prologue};
+use crate::gemm::{gemm_fused, gemm_strided, par_for, Arith, Fused, Layout, Prologue};
 use crate::kernel::{CpuKernel, Kernel};
 
 impl CpuKernel for MatMul {
@@ -19,6 +19,7 @@ impl CpuKernel for MatMul {
                 bias: Some(k.in_f32(2)),
                 quant_b: None,
                 half_a: None,
+                arith: Arith::F32,
             };
             let par = par_for(d.m, d.n, d.k, threads);
             // SAFETY: the shape rule sized `a`, `b`, `c` and the bias for these dimensions.
@@ -42,7 +43,7 @@ impl CpuKernel for MatMul {
         let run = |i: usize, c: &mut [f32], par: gemm::Parallelism| {
             let (a, b) = (&a[i * a_stride..], &b[i * b_stride..]);
             // SAFETY: the slices hold `m·k`, `k·n` and `m·n` elements at the strides below.
-            unsafe { gemm_strided(layout, a, b, c, self.bias, par) }
+            unsafe { gemm_strided(layout, a, b, c, self.bias, par, Arith::F32) }
         };
         if d.batch >= threads && threads > 1 {
             use rayon::prelude::*;
