@@ -225,8 +225,24 @@ pub fn fused_backwards_in_place_keep_the_bits<H: Harness>(harness: &H) {
             let w = feed.f32(g, &shape);
             let t = feed.ids(g, n, v);
             let dloss = feed.f32(g, &[]);
-            let lse = g.apply(LmHeadLoss { tb, rows, cols }, &[x, w, t]).unwrap()[1];
-            let back = LmHeadLossBackward { tb, rows, cols };
+            let bf16 = false;
+            let lse = g
+                .apply(
+                    LmHeadLoss {
+                        tb,
+                        rows,
+                        cols,
+                        bf16,
+                    },
+                    &[x, w, t],
+                )
+                .unwrap()[1];
+            let back = LmHeadLossBackward {
+                tb,
+                rows,
+                cols,
+                bf16,
+            };
             g.apply(back, &[x, w, t, lse, dloss]).unwrap()
         });
     }

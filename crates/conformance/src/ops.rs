@@ -521,7 +521,12 @@ pub fn lm_head_loss_masked<H: Harness>(harness: &H) {
         let targets = c.ids(&[n], v);
         let [mask, divisor] = c.loss_mask(n);
         let y = c.op(
-            LmHeadLoss { tb, rows, cols },
+            LmHeadLoss {
+                tb,
+                rows,
+                cols,
+                bf16: false,
+            },
             &[x, w, targets, mask, divisor],
         );
         c.check(y);
@@ -551,7 +556,13 @@ pub fn lm_head_loss<H: Harness>(harness: &H) {
             c.param(&[ch, v])
         };
         let targets = c.ids(&[n], v);
-        let y = c.op(LmHeadLoss { tb, rows, cols }, &[x, w, targets]);
+        let head = LmHeadLoss {
+            tb,
+            rows,
+            cols,
+            bf16: false,
+        };
+        let y = c.op(head, &[x, w, targets]);
         c.check(y);
     }
 }

@@ -95,6 +95,7 @@ fn run(loss: Loss, case: &Case, mask: Option<(&[f32], f32)>) -> (f32, Vec<f32>, 
                 tb: false,
                 rows,
                 cols,
+                bf16: false,
             };
             g.apply(op, &ins).unwrap()[0]
         }

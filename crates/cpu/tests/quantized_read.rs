@@ -253,7 +253,13 @@ fn the_lm_head_read_from_codes_is_bitwise_the_dequantized_head() {
                 let w = values(c * v, 17);
                 let x = values(n * c, 19);
                 let targets: Vec<f32> = (0..n).map(|i| ((i * 7 + 3) % v) as f32).collect();
-                let fwd = LmHeadLoss { tb, rows, cols };
+                let bf16 = false;
+                let fwd = LmHeadLoss {
+                    tb,
+                    rows,
+                    cols,
+                    bf16,
+                };
                 let inputs = vec![
                     (vec![n, c], DType::F32, x.clone()),
                     (shape.clone(), DType::F32, Vec::new()),
@@ -264,7 +270,12 @@ fn the_lm_head_read_from_codes_is_bitwise_the_dequantized_head() {
                 let label = format!("{base} {n}×{c}×{v} tb={tb}");
                 assert_eq!(bits(&got[0]), bits(&want[0]), "{label}: loss");
                 assert_eq!(bits(&got[1]), bits(&want[1]), "{label}: lse");
-                let back = LmHeadLossBackward { tb, rows, cols };
+                let back = LmHeadLossBackward {
+                    tb,
+                    rows,
+                    cols,
+                    bf16,
+                };
                 let inputs = vec![
                     (vec![n, c], DType::F32, x),
                     (shape.clone(), DType::F32, Vec::new()),

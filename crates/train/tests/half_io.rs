@@ -661,3 +661,31 @@ fn products_written_in_bf16_tile_by_tile_are_the_rounded_f32_products() {
         }
     }
 }
+
+/// The fused LM head of a bf16 step computes in bf16 arithmetic, as autocast's head does (its
+/// kernel's test: `crates/cpu/tests/bf16_head.rs`); of an f32 or f16 step, in f32.
+#[test]
+fn only_a_bf16_steps_head_computes_in_bf16_arithmetic() {
+    for model in models() {
+        for precision in [DType::BF16, DType::F16, DType::F32] {
+            let config = snug_compile::StepConfig {
+                precision,
+                ..Default::default()
+            };
+            let step = compiled(&model, &config, true).step;
+            let heads: Vec<bool> = step
+                .graph
+                .nodes()
+                .iter()
+                .filter_map(|n| match &n.op {
+                    Op::LmHeadLoss(op) => Some(op.bf16),
+                    Op::LmHeadLossBackward(op) => Some(op.bf16),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(heads.len(), 2, "{precision}: the head and its backward");
+            let want = precision == DType::BF16;
+            assert!(heads.iter().all(|&b| b == want), "{precision}: {heads:?}");
+        }
+    }
+}

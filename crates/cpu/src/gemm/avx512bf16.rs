@@ -81,7 +81,7 @@ unsafe fn to_pairs<const W: usize>(kc: usize, panel: *mut f32) {
     }
     const ZIP16: [u16; 32] = zip::<32>(16);
     const ZIP8: [u16; 16] = zip::<16>(8);
-    debug_assert!(W % 8 == 0);
+    debug_assert!(W.is_multiple_of(8));
     let words = panel as *mut u32;
     // SAFETY: rows `2q` and `2q + 1 < kc` of the panel are read, row `q` written, all inside
     // its `W · kc` floats; the CPU has the features, as the caller vouched.
@@ -209,10 +209,17 @@ mod tests {
         }
         for q in 0..KC.div_ceil(2) {
             for l in 0..W {
-                let hi = if 2 * q + 1 < KC { want(2 * q + 1, l) } else { 0 };
+                let hi = if 2 * q + 1 < KC {
+                    want(2 * q + 1, l)
+                } else {
+                    0
+                };
                 let expected = want(2 * q, l) | hi << 16;
                 let got = panel[q * W + l].to_bits();
-                assert_eq!(got, expected, "pair {q}, column {l}: {got:#x} vs {expected:#x}");
+                assert_eq!(
+                    got, expected,
+                    "pair {q}, column {l}: {got:#x} vs {expected:#x}"
+                );
             }
         }
     }

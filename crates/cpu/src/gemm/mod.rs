@@ -72,7 +72,17 @@ pub(crate) fn linear_rows(
         row.copy_from_slice(bias);
     }
     // SAFETY: the lengths were checked just above.
-    unsafe { gemm_strided(Layout::new((false, false), (m, n, k)), t, w, y, true, par, arith) };
+    unsafe {
+        gemm_strided(
+            Layout::new((false, false), (m, n, k)),
+            t,
+            w,
+            y,
+            true,
+            par,
+            arith,
+        )
+    };
 }
 
 /// Which of our register tiles ([`blocked`]) a product runs on.
@@ -96,9 +106,9 @@ enum OwnTile {
 /// outputs at least 16 columns wide, and products big enough that packing both operands pays
 /// (attention's blocks, at most 64 × 256 × 64, run an unpacked `small_gemm` instead: through
 /// the packed one they measured 15 % slower). AVX-512F's tile, else AVX2 + FMA's. A product
-/// with a bf16 operand (`bf16_operand`) computes as `math` says: in bf16 arithmetic where the
+/// in bf16 arithmetic (`bf16_operand`) computes as `math` says: in bf16 arithmetic where the
 /// CPU has AVX512-BF16 (`Native`), with its panels rounded to bf16 on the f32 tile (`Model`),
-/// or widened (`Widen`, and `Native` elsewhere).
+/// on a row-major output of any size; or widened (`Widen`, and `Native` elsewhere), as f32.
 fn choose_tile(
     cpu: crate::isa::CpuFeatures,
     math: crate::isa::Bf16Math,
@@ -108,10 +118,14 @@ fn choose_tile(
 ) -> Option<OwnTile> {
     #[cfg(target_arch = "x86_64")]
     {
-        if c_cs != 1 || n < 16 || m * n * k < 1 << 22 {
+        if c_cs != 1 {
             None
         } else if let Some(tile) = bf16_operand.then(|| bf16_tile(cpu, math)).flatten() {
+            // At any size: which arithmetic a bf16 run's product computes in must not depend
+            // on its size or how an op blocks it.
             Some(tile)
+        } else if n < 16 || m * n * k < 1 << 22 {
+            None
         } else if cpu.avx512f {
             Some(OwnTile::Avx512)
         } else if cpu.avx2 && cpu.fma {
@@ -715,10 +729,26 @@ mod tests {
         for (cpu, math, want) in heads {
             assert_eq!(super::bf16_tile(cpu, math), want, "{cpu:?}, {math:?}");
         }
-        // Too small to pack, too narrow, or a strided output: the gemm crate, on every CPU.
+        // Too small to pack, too narrow, or a strided output: the gemm crate, on every CPU;
+        // except that bf16 arithmetic runs on its tile at any size, row-major.
         for (dims, c_cs) in [((8, 64, 64), 1), ((1024, 8, 1024), 1), (big, 2)] {
-            let got = choose_tile(bf16, Native, dims, c_cs, true);
-            assert_eq!(got, None, "{dims:?} {c_cs}");
+            for (cpu, math, half) in [
+                (bf16, Native, false),
+                (bf16, Widen, true),
+                (avx2, Native, true),
+            ] {
+                let got = choose_tile(cpu, math, dims, c_cs, half);
+                assert_eq!(got, None, "{dims:?} {c_cs} {cpu:?} {math:?}");
+            }
+            let bf16_arithmetic = [
+                (bf16, Native, OwnTile::Avx512Bf16),
+                (avx2, Model, OwnTile::Avx2Model),
+            ];
+            for (cpu, math, tile) in bf16_arithmetic {
+                let want = (c_cs == 1).then_some(tile);
+                let got = choose_tile(cpu, math, dims, c_cs, true);
+                assert_eq!(got, want, "{dims:?} {c_cs} {cpu:?} {math:?}");
+            }
         }
     }
 

@@ -48,12 +48,8 @@ pub(super) fn forward_io(approx: GeluApprox, kern: &Kernel<'_>, (half_h, half_y)
     let bf16 = Arith::Bf16;
     match (approx, half_h) {
         (GeluApprox::Tanh, true) => forward_with::<true, u16>(kern, kern.in_u16(0), half_y, bf16),
-        (GeluApprox::Exact, true) => {
-            forward_with::<false, u16>(kern, kern.in_u16(0), half_y, bf16)
-        }
-        (GeluApprox::Tanh, false) => {
-            forward_with::<true, f32>(kern, kern.in_f32(0), half_y, bf16)
-        }
+        (GeluApprox::Exact, true) => forward_with::<false, u16>(kern, kern.in_u16(0), half_y, bf16),
+        (GeluApprox::Tanh, false) => forward_with::<true, f32>(kern, kern.in_f32(0), half_y, bf16),
         (GeluApprox::Exact, false) => {
             forward_with::<false, f32>(kern, kern.in_f32(0), half_y, bf16)
         }
@@ -62,12 +58,7 @@ pub(super) fn forward_io(approx: GeluApprox, kern: &Kernel<'_>, (half_h, half_y)
 
 /// The forward with `h` stored as `H` (f32, or bf16 bits widened as it is read), `y` written
 /// in bf16 where `half_y`, the product in `arith`.
-fn forward_with<const TANH: bool, H: Elem>(
-    kern: &Kernel<'_>,
-    h: &[H],
-    half_y: bool,
-    arith: Arith,
-) {
+fn forward_with<const TANH: bool, H: Elem>(kern: &Kernel<'_>, h: &[H], half_y: bool, arith: Arith) {
     let Ok((rows, _, n)) = linear_dims("gelu_linear", kern.in_shape(0), kern.in_shape(1)) else {
         unreachable!("shape rule checked at build time")
     };

@@ -8,7 +8,7 @@ use snug_graph::ops::{
 };
 
 use super::cross_entropy::{grad_scale, loss_mask, reduce_loss, row_scale};
-use crate::gemm::QuantB;
+use crate::gemm::{Arith, QuantB};
 use crate::kernel::{CpuKernel, Kernel};
 
 /// The head a kernel reads: its f32 values, or a frozen head's codes
@@ -68,6 +68,7 @@ pub(super) fn lm_head_loss(
         let (n, c) = (k.in_shape(0)[0], k.in_shape(0)[1]);
         let v = head_vocab_of(op.tb, at.shape);
         let (rows, cols) = tile(op.rows, op.cols, n, v);
+        let arith = arith_of(op.bf16);
         let (logits, rest) = ws.split_at_mut(rows * cols);
         let (sums, rest) = rest.split_at_mut(rows);
         let (picked, losses) = rest.split_at_mut(rows);
@@ -80,7 +81,7 @@ pub(super) fn lm_head_loss(
             for c0 in (0..v).step_by(cols) {
                 let vb = cols.min(v - c0);
                 let logits = &mut logits[..m * vb];
-                block_logits(op.tb, x, &mut w, (r0, m, c, v), (c0, vb), logits);
+                block_logits((op.tb, arith), x, &mut w, (r0, m, c, v), (c0, vb), logits);
                 logits
                     .par_chunks(vb)
                     .zip(maxes.par_iter_mut())
@@ -124,7 +125,8 @@ pub(super) fn lm_head_loss_backward(
     mut dw: Option<&mut [f32]>,
 ) {
     {
-        use crate::gemm::{gemm_raw, par_for, Arith};
+        use crate::gemm::{gemm_raw, par_for};
+        let arith = arith_of(op.bf16);
         // Run in place, `x` is read through `dx`.
         let x_in = (k.inplace() != Some(0)).then(|| k.in_f32(0));
         let s = at.shift;
@@ -154,7 +156,7 @@ pub(super) fn lm_head_loss_backward(
                 let dlogits = &mut logits[..m * vb];
                 // SAFETY: rows r0..r0+m of x lie inside it and are not yet written over.
                 let xt = unsafe { std::slice::from_raw_parts(xp.add(r0 * c), m * c) };
-                block_logits(op.tb, xt, &mut w, (0, m, c, v), (c0, vb), dlogits);
+                block_logits((op.tb, arith), xt, &mut w, (0, m, c, v), (c0, vb), dlogits);
                 crate::par::rows_mut(dlogits, vb, |i0, chunk| {
                     for (i, row) in chunk.chunks_exact_mut(vb).enumerate() {
                         let r = r0 + i0 + i;
@@ -176,9 +178,21 @@ pub(super) fn lm_head_loss_backward(
                 // `head_block` stays inside the head); the tile's rows of x are read before
                 // its rows of dx are written.
                 unsafe {
-                    if let Some(dw) = dw.as_deref_mut() {
+                    match dw.as_deref_mut() {
+                        // A tied head (`[V, C]`): its block's rows, dW[c0..c0+vb] (+)=
+                        // dlogitsᵀ · x[r0..r0+m], row-major as our kernel writes them.
+                        Some(dw) if op.tb => gemm_raw(
+                            (vb, c, m),
+                            (dw.as_mut_ptr().add(b), c as isize, 1),
+                            (dlogits.as_ptr(), 1, vb as isize),
+                            (xp.add(r0 * c), c as isize, 1),
+                            1.0,
+                            r0 > 0,
+                            par_for(vb, c, m, threads),
+                            arith,
+                        ),
                         // dB[:, c0..c0+vb] (+)= x[r0..r0+m]ᵀ · dlogits, in B's layout.
-                        gemm_raw(
+                        Some(dw) => gemm_raw(
                             (c, vb, m),
                             (dw.as_mut_ptr().add(b), b_rs, b_cs),
                             (xp.add(r0 * c), 1, c as isize),
@@ -186,8 +200,9 @@ pub(super) fn lm_head_loss_backward(
                             1.0,
                             r0 > 0,
                             par_for(c, vb, m, threads),
-                            Arith::F32,
-                        );
+                            arith,
+                        ),
+                        None => {}
                     }
                     // dx[r0..r0+m] (+)= dlogits · B[:, c0..c0+vb]ᵀ
                     let (dims, par) = ((m, c, vb), par_for(m, c, vb, threads));
@@ -201,7 +216,7 @@ pub(super) fn lm_head_loss_backward(
                             1.0,
                             c0 > 0,
                             par,
-                            Arith::F32,
+                            arith,
                         ),
                         Head::Quantized(q, panel) => {
                             let q = q.at((0, c0), true);
@@ -228,16 +243,25 @@ fn head_block(tb: bool, c: usize, v: usize, c0: usize) -> (usize, isize, isize) 
     }
 }
 
-/// `out [m, vb] = x[r0..r0+m] · B[:, c0..c0+vb]` for the head read as `[C, V]`.
+/// The arithmetic of the head's products: bf16 where the op asks for it.
+fn arith_of(bf16: bool) -> Arith {
+    if bf16 {
+        Arith::Bf16
+    } else {
+        Arith::F32
+    }
+}
+
+/// `out [m, vb] = x[r0..r0+m] · B[:, c0..c0+vb]` in `arith` for the head read as `[C, V]`.
 fn block_logits(
-    tb: bool,
+    (tb, arith): (bool, Arith),
     x: &[f32],
     w: &mut Head<'_>,
     (r0, m, c, v): (usize, usize, usize, usize),
     (c0, vb): (usize, usize),
     out: &mut [f32],
 ) {
-    use crate::gemm::{gemm_raw, par_for, Arith};
+    use crate::gemm::{gemm_raw, par_for};
     let (b, b_rs, b_cs) = head_block(tb, c, v, c0);
     let par = par_for(m, vb, c, rayon::current_num_threads());
     let a = (x[r0 * c..].as_ptr(), c as isize, 1);
@@ -252,7 +276,7 @@ fn block_logits(
                 1.0,
                 false,
                 par,
-                Arith::F32,
+                arith,
             ),
             Head::Quantized(q, panel) => {
                 let (q, c_out) = (q.at((0, c0), false), (out.as_mut_ptr(), vb as isize));

@@ -26,6 +26,10 @@ pub struct LmHeadLoss {
     pub rows: usize,
     /// Vocabulary entries per tile of logits.
     pub cols: usize,
+    /// The head's products compute in bf16 arithmetic where the device has it (a bf16 run's,
+    /// set by the precision pass: autocast computes the head's linear layer so); memory is
+    /// the same either way.
+    pub bf16: bool,
 }
 
 /// A tile of `rows × cols` logits, clamped to the problem's `n` tokens and `v` entries.
@@ -89,6 +93,7 @@ impl OpRule for LmHeadLoss {
             tb: self.tb,
             rows: self.rows,
             cols: self.cols,
+            bf16: self.bf16,
         };
         let grads = ctx.apply(back, &ins)?;
         for (i, g) in grads.into_iter().enumerate() {
@@ -121,6 +126,8 @@ pub struct LmHeadLossBackward {
     pub tb: bool,
     pub rows: usize,
     pub cols: usize,
+    /// As [`LmHeadLoss::bf16`].
+    pub bf16: bool,
 }
 
 impl OpRule for LmHeadLossBackward {

@@ -74,7 +74,15 @@ pub fn fuse_lm_head_loss(g: &Graph, chunk_bytes: usize) -> Result<(Rewritten, us
                 .chain(ce.inputs[1..].iter().copied())
                 .map(lookup)
                 .collect();
-            let outs = new.apply(LmHeadLoss { tb, rows, cols }, &ins)?;
+            let outs = new.apply(
+                LmHeadLoss {
+                    tb,
+                    rows,
+                    cols,
+                    bf16: false,
+                },
+                &ins,
+            )?;
             let old_loss = g.tensor(ce.outputs[0]);
             new.rename(outs[0], old_loss.name.clone());
             new.set_role(outs[0], old_loss.role);

@@ -21,7 +21,7 @@
 
 use super::{copy_reading, rewrite, Rewritten};
 use crate::ops::quantized_read::own_gemm_runs;
-use crate::ops::{Cast, HalfIo, Op};
+use crate::ops::{Cast, HalfIo, LmHeadLoss, Op};
 use crate::{DType, Graph, GraphError, Result, Role, StepGraph, TensorId};
 
 /// An up-cast: f32 from a 16-bit float.
@@ -80,10 +80,18 @@ pub fn mixed_precision(graph: &Graph, low: DType) -> Result<(Rewritten, usize)> 
                     None => inputs.push(lookup(t)),
                 }
             }
-            if !changed && (view || !eligible(old, node)) {
+            // The fused head's products compute as autocast's head does: in bf16 arithmetic.
+            let head = match node.op {
+                Op::LmHeadLoss(op) if low == DType::BF16 => Some(crate::Node {
+                    op: Op::LmHeadLoss(LmHeadLoss { bf16: true, ..op }),
+                    ..node.clone()
+                }),
+                _ => None,
+            };
+            if !changed && head.is_none() && (view || !eligible(old, node)) {
                 return Ok(None);
             }
-            let outs = copy_reading(new, old, node, &inputs, lookup)?;
+            let outs = copy_reading(new, old, head.as_ref().unwrap_or(node), &inputs, lookup)?;
             if view {
                 // Views of a 16-bit tensor are 16-bit; their readers up-cast them.
                 for (&o, &n) in node.outputs.iter().zip(&outs) {
