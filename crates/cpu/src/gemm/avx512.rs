@@ -83,7 +83,8 @@ pub(super) unsafe fn pack_a(
     }
 }
 
-/// As [`Tile::pack_a_half`]: widened from bf16 as it is packed, then the prologue.
+/// As [`Tile::pack_a_half`]: widened from bf16 as it is packed (16 or 8 values a vector
+/// where the panel's rows or columns are contiguous), then the prologue.
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn pack_a_half(
     half: &super::half::HalfA<'_>,
@@ -91,8 +92,48 @@ pub(super) unsafe fn pack_a_half(
     (out, i0, p0): (*mut f32, usize, usize),
     prologue: Prologue<'_>,
 ) {
-    // SAFETY: as the caller vouched.
-    unsafe { pack_a_half_panel::<MR>(half, (kc, mr), (out, i0, p0), prologue) }
+    let (rs, cs) = (half.rs, half.cs);
+    let contiguous = mr == MR && (cs == 1 || rs == 1) && kc > 0;
+    // The panel's last element lies inside the bits: every vector read below is inside it.
+    if !contiguous || (i0 + MR - 1) * rs + (p0 + kc - 1) * cs >= half.bits.len() {
+        // SAFETY: as the caller vouched.
+        return unsafe { pack_a_half_panel::<MR>(half, (kc, mr), (out, i0, p0), prologue) };
+    }
+    // bf16 bits to f32 exactly, as `half::widen`: the bits in the upper half.
+    let wide16 =
+        |v: __m256i| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(v)));
+    let wide8 = |v: __m128i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(v)));
+    let base = half.bits.as_ptr();
+    let at = |i: usize, p: usize| (i0 + i) * rs + (p0 + p) * cs;
+    // SAFETY (all blocks): reads stay within the panel's rows and columns of the bits (checked
+    // above); writes within the `8·kc` floats of the panel.
+    unsafe {
+        if cs == 1 {
+            let mut p = 0;
+            while p + 16 <= kc {
+                let r: [__m512; MR] = std::array::from_fn(|i| {
+                    wide16(_mm256_loadu_si256(base.add(at(i, p)) as *const __m256i))
+                });
+                transpose_8x16(&r, out.add(p * MR), MR);
+                p += 16;
+            }
+            for p in p..kc {
+                for i in 0..MR {
+                    *out.add(p * MR + i) = super::half::widen(*base.add(at(i, p)));
+                }
+            }
+        } else {
+            // `a` read transposed: each column's 8 rows are contiguous.
+            for p in 0..kc {
+                let col = _mm_loadu_si128(base.add(at(0, p)) as *const __m128i);
+                _mm256_storeu_ps(out.add(p * MR), wide8(col));
+            }
+        }
+        if !matches!(prologue, Prologue::None) {
+            let panel = std::slice::from_raw_parts_mut(out, kc * MR);
+            apply_prologue::<MR>(prologue, panel, mr, (i0, p0));
+        }
+    }
 }
 
 /// Packs `kc` rows of `nc` columns of `b` into 48-column panels (`out[j·kc + p·48 + l]` for

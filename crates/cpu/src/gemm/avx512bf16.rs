@@ -16,7 +16,7 @@ use std::arch::x86_64::*;
 
 // The AVX-512 tile's packing, which `tile_entry_points!` calls by these names (AVX512-BF16
 // CPUs have AVX-512F).
-use super::avx512::{pack_a, pack_a_half, pack_b, store_tile, MR, NR};
+use super::avx512::{pack_a, pack_a_half, store_tile, MR, NR};
 use super::blocked::{tile_entry_points, Tile};
 use super::fused::Prologue;
 
@@ -52,13 +52,81 @@ impl Tile for Avx512Bf16 {
     }
 }
 
+/// Packs `kc` rows of `nc` columns of `b` as the AVX-512 tile does, then into bf16 pairs of
+/// rows ([`to_pairs`]); a full panel of a row-major `b` goes straight to pairs, two rows at a
+/// time, with the same bits.
+///
+/// # Safety
+/// As [`Tile::pack_b`]; the CPU must have AVX512-BF16, BW and VL.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, (rs, cs): (isize, isize), out: *mut f32) {
+    for jr in (0..nc).step_by(NR) {
+        let nr = NR.min(nc - jr);
+        // SAFETY (all blocks): reads stay within `kc` rows and `nc` columns of `b`, writes
+        // within the panel's `kc · NR` floats.
+        unsafe {
+            let dst = out.add(jr * kc);
+            let src = b.offset(jr as isize * cs);
+            if cs == 1 && nr == NR {
+                for q in 0..kc.div_ceil(2) {
+                    let lo = src.offset(2 * q as isize * rs);
+                    let hi = (2 * q + 1 < kc).then(|| lo.offset(rs));
+                    let words = dst.add(q * NR) as *mut __m512i;
+                    for v in 0..NR / 16 {
+                        let x = _mm512_loadu_ps(lo.add(16 * v));
+                        let y = hi.map_or(_mm512_setzero_ps(), |h| _mm512_loadu_ps(h.add(16 * v)));
+                        _mm512_storeu_si512(words.add(v), pairs16(x, y));
+                    }
+                }
+            } else {
+                super::avx512::pack_b(kc, nr, src, (rs, cs), dst);
+                to_pairs::<NR>(kc, dst);
+            }
+        }
+    }
+}
+
+/// Sixteen pairs: `bf16(x[l]) | bf16(y[l]) << 16`. (Two `VCVTNEPS2BF16` and a zero-extension,
+/// rather than `VCVTNE2PS2BF16` and a word shuffle, which Bochs's Sapphire Rapids model, the
+/// tests' emulated core, pairs wrongly.)
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[inline]
+unsafe fn pairs16(x: __m512, y: __m512) -> __m512i {
+    // SAFETY: `__m256bh` and `__m256i` are the same 256 bits.
+    let (x, y) = unsafe {
+        let x: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(x));
+        let y: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(y));
+        (x, y)
+    };
+    _mm512_or_si512(
+        _mm512_cvtepu16_epi32(x),
+        _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(y)),
+    )
+}
+
+/// [`pairs16`] for eight.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[inline]
+unsafe fn pairs8(x: __m256, y: __m256) -> __m256i {
+    // SAFETY: `__m128bh` and `__m128i` are the same 128 bits.
+    let (x, y) = unsafe {
+        let x: __m128i = std::mem::transmute(_mm256_cvtneps_pbh(x));
+        let y: __m128i = std::mem::transmute(_mm256_cvtneps_pbh(y));
+        (x, y)
+    };
+    _mm256_or_si256(
+        _mm256_cvtepu16_epi32(x),
+        _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(y)),
+    )
+}
+
 /// Rounds a packed panel of `W`-wide rows (`x[p·W + l]`, `kc` rows) in place into pairs of
 /// rows: `u32[q·W + l] = bf16(x[2q·W + l]) | bf16(x[(2q + 1)·W + l]) << 16`, the last pair's
 /// upper half zero when `kc` is odd. Pair `q` lands on row `q`, which pair `q / 2` has
 /// already read, so going up in `q` never overwrites a value still to be read (and within a
 /// row, each chunk of columns is read before the same chunk is written).
 ///
-/// `VCVTNE2PS2BF16` rounds as [`bf16_bits`](super::half::bf16_bits) does (nearest even, NaN quieted) except that it
+/// `VCVTNEPS2BF16` rounds as [`bf16_bits`](super::half::bf16_bits) does (nearest even, NaN quieted) except that it
 /// takes a subnormal input as zero: one that `VDPBF16PS` reads as zero anyway, unless it
 /// rounds up to the least normal bf16 (within 2⁻¹³³ of it), where the tile then computes with
 /// zero instead of 2⁻¹²⁶.
@@ -68,26 +136,11 @@ impl Tile for Avx512Bf16 {
 /// and VL.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 unsafe fn to_pairs<const W: usize>(kc: usize, panel: *mut f32) {
-    // Lane `2l` takes bf16 `l` of the lower operand, lane `2l + 1` bf16 `l` of the upper,
-    // which `cvtne2ps` put 16 (a 512-bit vector) or 8 (256-bit) lanes further on.
-    const fn zip<const N: usize>(half: u16) -> [u16; N] {
-        let mut idx = [0u16; N];
-        let mut i = 0;
-        while i < N {
-            idx[i] = (i / 2) as u16 + if i % 2 == 1 { half } else { 0 };
-            i += 1;
-        }
-        idx
-    }
-    const ZIP16: [u16; 32] = zip::<32>(16);
-    const ZIP8: [u16; 16] = zip::<16>(8);
     debug_assert!(W.is_multiple_of(8));
     let words = panel as *mut u32;
     // SAFETY: rows `2q` and `2q + 1 < kc` of the panel are read, row `q` written, all inside
     // its `W · kc` floats; the CPU has the features, as the caller vouched.
     unsafe {
-        let zip16 = _mm512_loadu_si512(ZIP16.as_ptr() as *const __m512i);
-        let zip8 = _mm256_loadu_si256(ZIP8.as_ptr() as *const __m256i);
         for q in 0..kc.div_ceil(2) {
             let lo = panel.add(2 * q * W);
             let hi = (2 * q + 1 < kc).then(|| panel.add((2 * q + 1) * W));
@@ -96,17 +149,13 @@ unsafe fn to_pairs<const W: usize>(kc: usize, panel: *mut f32) {
             while l + 16 <= W {
                 let x = _mm512_loadu_ps(lo.add(l));
                 let y = hi.map_or(_mm512_setzero_ps(), |h| _mm512_loadu_ps(h.add(l)));
-                let both: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(y, x));
-                let pairs = _mm512_permutexvar_epi16(zip16, both);
-                _mm512_storeu_si512(out.add(l) as *mut __m512i, pairs);
+                _mm512_storeu_si512(out.add(l) as *mut __m512i, pairs16(x, y));
                 l += 16;
             }
             if l < W {
                 let x = _mm256_loadu_ps(lo.add(l));
                 let y = hi.map_or(_mm256_setzero_ps(), |h| _mm256_loadu_ps(h.add(l)));
-                let both: __m256i = std::mem::transmute(_mm256_cvtne2ps_pbh(y, x));
-                let pairs = _mm256_permutexvar_epi16(zip8, both);
-                _mm256_storeu_si256(out.add(l) as *mut __m256i, pairs);
+                _mm256_storeu_si256(out.add(l) as *mut __m256i, pairs8(x, y));
             }
         }
     }

@@ -51,8 +51,11 @@ impl<T: Tile> Tile for Rounded<T> {
     }
 
     unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, strides: (isize, isize), out: *mut f32) {
-        // SAFETY: as the caller vouched.
-        unsafe { T::pack_b(kc, nc, b, strides, out) }
+        // SAFETY: as the caller vouched; the panels hold `kc · nc.next_multiple_of(NR)`.
+        unsafe {
+            T::pack_b(kc, nc, b, strides, out);
+            round_panel(out, kc * nc.next_multiple_of(T::NR));
+        }
     }
 
     unsafe fn pack_a_half(

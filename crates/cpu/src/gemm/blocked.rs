@@ -54,7 +54,7 @@ pub(crate) trait Tile {
     );
 
     /// Packs `kc` rows of `nc` columns of `b` into `NR`-column panels (`out[j·kc + p·NR + l]`
-    /// for panel `j`), zero columns past `nc`.
+    /// for panel `j`), zero columns past `nc`, in the form [`Tile::kernel`] reads.
     ///
     /// # Safety
     /// The CPU must have the instruction set; `b` must be valid for `kc` rows and `nc` columns
@@ -83,8 +83,9 @@ pub(crate) trait Tile {
         let _ = (kc, panel);
     }
 
-    /// Turns packed `b` panels (as [`Tile::pack_b`] leaves them) into the form
-    /// [`Tile::kernel`] reads, in place. The f32 tiles read them as they are.
+    /// Turns `b` panels decoded in f32 from a quantized or bf16 `b` (laid out as an f32
+    /// tile's [`Tile::pack_b`] packs them) into the form [`Tile::kernel`] reads, in place. The
+    /// f32 tiles read them as they are.
     ///
     /// # Safety
     /// As [`Tile::pack_b`]'s `out`.
@@ -581,9 +582,11 @@ unsafe fn pack_b<T: Tile>(
     unsafe {
         match &fused.quant_b {
             None => T::pack_b(kc, nc, b, strides, out),
-            Some(q) => q.pack_b(T::NR, (kc, nc), at, out),
+            Some(q) => {
+                q.pack_b(T::NR, (kc, nc), at, out);
+                T::finish_b(kc, nc, out);
+            }
         }
-        T::finish_b(kc, nc, out);
     }
 }
 
