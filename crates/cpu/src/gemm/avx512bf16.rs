@@ -53,8 +53,8 @@ impl Tile for Avx512Bf16 {
 }
 
 /// Packs `kc` rows of `nc` columns of `b` as the AVX-512 tile does, then into bf16 pairs of
-/// rows ([`to_pairs`]); a full panel of a row-major `b` goes straight to pairs, two rows at a
-/// time, with the same bits.
+/// rows ([`to_pairs`]); a row-major `b` goes straight to pairs, two rows at a time, with the
+/// same bits.
 ///
 /// # Safety
 /// As [`Tile::pack_b`]; the CPU must have AVX512-BF16, BW and VL.
@@ -67,14 +67,21 @@ unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, (rs, cs): (isize, isize), 
         unsafe {
             let dst = out.add(jr * kc);
             let src = b.offset(jr as isize * cs);
-            if cs == 1 && nr == NR {
+            if cs == 1 {
+                // Lanes past `nr` are not read, and pair as zeros.
+                let masks: [__mmask16; NR / 16] = std::array::from_fn(|v| {
+                    let live = nr.saturating_sub(16 * v).min(16);
+                    ((1u32 << live) - 1) as __mmask16
+                });
                 for q in 0..kc.div_ceil(2) {
                     let lo = src.offset(2 * q as isize * rs);
                     let hi = (2 * q + 1 < kc).then(|| lo.offset(rs));
                     let words = dst.add(q * NR) as *mut __m512i;
-                    for v in 0..NR / 16 {
-                        let x = _mm512_loadu_ps(lo.add(16 * v));
-                        let y = hi.map_or(_mm512_setzero_ps(), |h| _mm512_loadu_ps(h.add(16 * v)));
+                    for (v, &m) in masks.iter().enumerate() {
+                        let x = _mm512_maskz_loadu_ps(m, lo.add(16 * v));
+                        let y = hi.map_or(_mm512_setzero_ps(), |h| {
+                            _mm512_maskz_loadu_ps(m, h.add(16 * v))
+                        });
                         _mm512_storeu_si512(words.add(v), pairs16(x, y));
                     }
                 }
