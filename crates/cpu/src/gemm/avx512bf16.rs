@@ -44,6 +44,22 @@ impl Tile for Avx512Bf16 {
         unsafe { to_pairs::<MR>(kc, panel) }
     }
 
+    unsafe fn pack_b_bf16(
+        kc: usize,
+        nc: usize,
+        (halves, rs): (&[u16], usize),
+        out: *mut f32,
+    ) -> bool {
+        // The block's last value lies inside the bits: every read below is inside them.
+        if kc == 0 || nc == 0 || (kc - 1) * rs + nc > halves.len() {
+            return false;
+        }
+        // SAFETY: the rows and columns lie inside `halves` (checked), `out` holds the panels,
+        // and the CPU has the features, as the caller vouched.
+        unsafe { pack_b_bits(kc, nc, (halves.as_ptr(), rs), out) };
+        true
+    }
+
     unsafe fn finish_b(kc: usize, nc: usize, out: *mut f32) {
         for jr in (0..nc).step_by(NR) {
             // SAFETY: each panel holds `NR · kc` floats, as the caller vouched.
@@ -88,6 +104,47 @@ unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, (rs, cs): (isize, isize), 
             } else {
                 super::avx512::pack_b(kc, nr, src, (rs, cs), dst);
                 to_pairs::<NR>(kc, dst);
+            }
+        }
+    }
+}
+
+/// Packs `kc` rows of `nc` columns of a bf16 `b` (rows `rs` values apart from `b`, columns
+/// contiguous) into pairs of rows, its bits as they are: what widening them and rounding
+/// back gives, but that a NaN keeps its payload and a subnormal its bits (which `VDPBF16PS`
+/// takes as zero either way).
+///
+/// # Safety
+/// The rows and columns must lie inside the bits `b` points into; `out` must hold `kc ·
+/// nc.next_multiple_of(NR)` floats; the CPU must have AVX512-BF16, BW and VL.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn pack_b_bits(kc: usize, nc: usize, (b, rs): (*const u16, usize), out: *mut f32) {
+    for jr in (0..nc).step_by(NR) {
+        let nr = NR.min(nc - jr);
+        // Lanes past `nr` are not read, and pair as zeros.
+        let masks: [__mmask16; NR / 16] = std::array::from_fn(|v| {
+            let live = nr.saturating_sub(16 * v).min(16);
+            ((1u32 << live) - 1) as __mmask16
+        });
+        // SAFETY (all blocks): reads stay within `kc` rows and `nc` columns, writes within the
+        // panel's `kc · NR` floats, as the caller vouched.
+        unsafe {
+            let (dst, src) = (out.add(jr * kc), b.add(jr));
+            for q in 0..kc.div_ceil(2) {
+                let lo = src.add(2 * q * rs);
+                let hi = (2 * q + 1 < kc).then(|| lo.add(rs));
+                let words = dst.add(q * NR) as *mut __m512i;
+                for (v, &m) in masks.iter().enumerate() {
+                    let x = _mm256_maskz_loadu_epi16(m, lo.add(16 * v) as *const i16);
+                    let y = hi.map_or(_mm256_setzero_si256(), |h| {
+                        _mm256_maskz_loadu_epi16(m, h.add(16 * v) as *const i16)
+                    });
+                    let pairs = _mm512_or_si512(
+                        _mm512_cvtepu16_epi32(x),
+                        _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(y)),
+                    );
+                    _mm512_storeu_si512(words.add(v), pairs);
+                }
             }
         }
     }

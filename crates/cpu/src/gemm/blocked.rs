@@ -94,6 +94,25 @@ pub(crate) trait Tile {
         let _ = (kc, nc, out);
     }
 
+    /// Packs `kc` rows of `nc` columns of a bf16 `b` whose rows start `rs` values apart in
+    /// `halves` (columns contiguous) straight into the form [`Tile::kernel`] reads, where
+    /// the tile reads bf16 as it is stored; `false`, doing nothing, where it does not (the
+    /// caller then decodes the panels in f32 and finishes them).
+    ///
+    /// # Safety
+    /// The CPU must have the instruction set; the rows and columns must lie inside `halves`;
+    /// `out` as [`Tile::pack_b`]'s.
+    #[inline(always)]
+    unsafe fn pack_b_bf16(
+        kc: usize,
+        nc: usize,
+        (halves, rs): (&[u16], usize),
+        out: *mut f32,
+    ) -> bool {
+        let _ = (kc, nc, halves, rs, out);
+        false
+    }
+
     /// One `MR × NR` tile: `c (+)= scale · Σ_p a[p] ⊗ b[p]` over packed panels `kc` deep,
     /// storing its `mr × nr` corner; not accumulating, a non-null `bias` (the tile's `nr`
     /// columns) is added.
@@ -583,8 +602,13 @@ unsafe fn pack_b<T: Tile>(
         match &fused.quant_b {
             None => T::pack_b(kc, nc, b, strides, out),
             Some(q) => {
-                q.pack_b(T::NR, (kc, nc), at, out);
-                T::finish_b(kc, nc, out);
+                if !q
+                    .bf16_rows(at)
+                    .is_some_and(|rows| T::pack_b_bf16(kc, nc, rows, out))
+                {
+                    q.pack_b(T::NR, (kc, nc), at, out);
+                    T::finish_b(kc, nc, out);
+                }
             }
         }
     }

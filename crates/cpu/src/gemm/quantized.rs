@@ -172,6 +172,16 @@ impl<'a> QuantB<'a> {
         })
     }
 
+    /// A bf16 `b` read in order from `(p0, j0)`: its values from there on, and its row
+    /// stride; `None` for any other.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(crate) fn bf16_rows(&self, (p0, j0): (usize, usize)) -> Option<(&'a [u16], usize)> {
+        let first = self.origin + p0 * self.rs + j0 * self.cs;
+        (self.base == QuantizeBase::Bf16 && self.cs == 1)
+            .then(|| self.halves.get(first..).map(|h| (h, self.rs)))
+            .flatten()
+    }
+
     /// Decodes row `i` of `b` (`row.len()` columns) into `row`: an embedding's gather.
     pub(crate) fn decode_row(&self, i: usize, row: &mut [f32]) {
         let (first, cs) = (self.origin + i * self.rs, self.cs);
