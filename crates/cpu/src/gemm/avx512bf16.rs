@@ -85,10 +85,7 @@ unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, (rs, cs): (isize, isize), 
             let src = b.offset(jr as isize * cs);
             if cs == 1 {
                 // Lanes past `nr` are not read, and pair as zeros.
-                let masks: [__mmask16; NR / 16] = std::array::from_fn(|v| {
-                    let live = nr.saturating_sub(16 * v).min(16);
-                    ((1u32 << live) - 1) as __mmask16
-                });
+                let masks = lane_masks(nr);
                 for q in 0..kc.div_ceil(2) {
                     let lo = src.offset(2 * q as isize * rs);
                     let hi = (2 * q + 1 < kc).then(|| lo.offset(rs));
@@ -122,10 +119,7 @@ unsafe fn pack_b_bits(kc: usize, nc: usize, (b, rs): (*const u16, usize), out: *
     for jr in (0..nc).step_by(NR) {
         let nr = NR.min(nc - jr);
         // Lanes past `nr` are not read, and pair as zeros.
-        let masks: [__mmask16; NR / 16] = std::array::from_fn(|v| {
-            let live = nr.saturating_sub(16 * v).min(16);
-            ((1u32 << live) - 1) as __mmask16
-        });
+        let masks = lane_masks(nr);
         // SAFETY (all blocks): reads stay within `kc` rows and `nc` columns, writes within the
         // panel's `kc · NR` floats, as the caller vouched.
         unsafe {
@@ -148,6 +142,14 @@ unsafe fn pack_b_bits(kc: usize, nc: usize, (b, rs): (*const u16, usize), out: *
             }
         }
     }
+}
+
+/// A panel's three 16-lane masks: the lanes of its first `nr` columns.
+fn lane_masks(nr: usize) -> [__mmask16; NR / 16] {
+    std::array::from_fn(|v| {
+        let live = nr.saturating_sub(16 * v).min(16);
+        ((1u32 << live) - 1) as __mmask16
+    })
 }
 
 /// Sixteen pairs: `bf16(x[l]) | bf16(y[l]) << 16`. (Two `VCVTNEPS2BF16` and a zero-extension,
