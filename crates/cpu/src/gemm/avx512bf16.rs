@@ -84,20 +84,9 @@ unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, (rs, cs): (isize, isize), 
             let dst = out.add(jr * kc);
             let src = b.offset(jr as isize * cs);
             if cs == 1 {
-                // Lanes past `nr` are not read, and pair as zeros.
-                let masks = lane_masks(nr);
-                for q in 0..kc.div_ceil(2) {
-                    let lo = src.offset(2 * q as isize * rs);
-                    let hi = (2 * q + 1 < kc).then(|| lo.offset(rs));
-                    let words = dst.add(q * NR) as *mut __m512i;
-                    for (v, &m) in masks.iter().enumerate() {
-                        let x = _mm512_maskz_loadu_ps(m, lo.add(16 * v));
-                        let y = hi.map_or(_mm512_setzero_ps(), |h| {
-                            _mm512_maskz_loadu_ps(m, h.add(16 * v))
-                        });
-                        _mm512_storeu_si512(words.add(v), pairs16(x, y));
-                    }
-                }
+                pair_rows(kc, nr, dst, |p, l, m| {
+                    bits16(_mm512_maskz_loadu_ps(m, src.offset(p as isize * rs).add(l)))
+                });
             } else {
                 super::avx512::pack_b(kc, nr, src, (rs, cs), dst);
                 to_pairs::<NR>(kc, dst);
@@ -117,29 +106,45 @@ unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, (rs, cs): (isize, isize), 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 unsafe fn pack_b_bits(kc: usize, nc: usize, (b, rs): (*const u16, usize), out: *mut f32) {
     for jr in (0..nc).step_by(NR) {
-        let nr = NR.min(nc - jr);
-        // Lanes past `nr` are not read, and pair as zeros.
-        let masks = lane_masks(nr);
-        // SAFETY (all blocks): reads stay within `kc` rows and `nc` columns, writes within the
-        // panel's `kc · NR` floats, as the caller vouched.
+        // SAFETY: rows `p < kc` and columns `jr + l` (those in the mask) lie inside the bits,
+        // and the panel inside `out`, as the caller vouched.
         unsafe {
-            let (dst, src) = (out.add(jr * kc), b.add(jr));
-            for q in 0..kc.div_ceil(2) {
-                let lo = src.add(2 * q * rs);
-                let hi = (2 * q + 1 < kc).then(|| lo.add(rs));
-                let words = dst.add(q * NR) as *mut __m512i;
-                for (v, &m) in masks.iter().enumerate() {
-                    let x = _mm256_maskz_loadu_epi16(m, lo.add(16 * v) as *const i16);
-                    let y = hi.map_or(_mm256_setzero_si256(), |h| {
-                        _mm256_maskz_loadu_epi16(m, h.add(16 * v) as *const i16)
-                    });
-                    let pairs = _mm512_or_si512(
-                        _mm512_cvtepu16_epi32(x),
-                        _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(y)),
-                    );
-                    _mm512_storeu_si512(words.add(v), pairs);
-                }
-            }
+            let src = b.add(jr);
+            pair_rows(kc, NR.min(nc - jr), out.add(jr * kc), |p, l, m| {
+                _mm256_maskz_loadu_epi16(m, src.add(p * rs + l) as *const i16)
+            });
+        }
+    }
+}
+
+/// One panel of `kc` rows of a row-major `b` in bf16 pairs of rows, its lanes past `nr`
+/// zero: `load(p, l, mask)` gives row `p`'s 16 values from column `l` as bf16 bits, those
+/// outside `mask` zero and unread.
+///
+/// # Safety
+/// `dst` must hold `kc · NR` floats; `load` must be sound for every row `p < kc`, the masked
+/// lanes of the panel's first `nr` columns. The CPU must have AVX512-BF16, BW and VL.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[inline]
+unsafe fn pair_rows(
+    kc: usize,
+    nr: usize,
+    dst: *mut f32,
+    load: impl Fn(usize, usize, __mmask16) -> __m256i,
+) {
+    let masks = lane_masks(nr);
+    for q in 0..kc.div_ceil(2) {
+        // SAFETY: row `q` of pairs lies inside the panel, as the caller vouched.
+        let words = unsafe { dst.add(q * NR) } as *mut __m512i;
+        for (v, &m) in masks.iter().enumerate() {
+            let lo = load(2 * q, 16 * v, m);
+            let hi = if 2 * q + 1 < kc {
+                load(2 * q + 1, 16 * v, m)
+            } else {
+                _mm256_setzero_si256()
+            };
+            // SAFETY: as above.
+            unsafe { _mm512_storeu_si512(words.add(v), zip16(lo, hi)) };
         }
     }
 }
@@ -152,37 +157,44 @@ fn lane_masks(nr: usize) -> [__mmask16; NR / 16] {
     })
 }
 
-/// Sixteen pairs: `bf16(x[l]) | bf16(y[l]) << 16`. (Two `VCVTNEPS2BF16` and a zero-extension,
-/// rather than `VCVTNE2PS2BF16` and a word shuffle, which Bochs's Sapphire Rapids model, the
-/// tests' emulated core, pairs wrongly.)
+/// Sixteen f32 values rounded to bf16 bits (nearest even; a subnormal to zero).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 #[inline]
-unsafe fn pairs16(x: __m512, y: __m512) -> __m512i {
+fn bits16(x: __m512) -> __m256i {
     // SAFETY: `__m256bh` and `__m256i` are the same 256 bits.
-    let (x, y) = unsafe {
-        let x: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(x));
-        let y: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(y));
-        (x, y)
-    };
+    unsafe { std::mem::transmute(_mm512_cvtneps_pbh(x)) }
+}
+
+/// Sixteen pairs of bf16 bits: `lo[l] | hi[l] << 16`. (Rounding each half on its own and
+/// zero-extending, rather than `VCVTNE2PS2BF16` and a word shuffle, which Bochs's Sapphire
+/// Rapids model, the tests' emulated core, pairs wrongly.)
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[inline]
+fn zip16(lo: __m256i, hi: __m256i) -> __m512i {
     _mm512_or_si512(
-        _mm512_cvtepu16_epi32(x),
-        _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(y)),
+        _mm512_cvtepu16_epi32(lo),
+        _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(hi)),
     )
+}
+
+/// Sixteen pairs: `bf16(x[l]) | bf16(y[l]) << 16`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[inline]
+fn pairs16(x: __m512, y: __m512) -> __m512i {
+    zip16(bits16(x), bits16(y))
 }
 
 /// [`pairs16`] for eight.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 #[inline]
-unsafe fn pairs8(x: __m256, y: __m256) -> __m256i {
-    // SAFETY: `__m128bh` and `__m128i` are the same 128 bits.
-    let (x, y) = unsafe {
-        let x: __m128i = std::mem::transmute(_mm256_cvtneps_pbh(x));
-        let y: __m128i = std::mem::transmute(_mm256_cvtneps_pbh(y));
-        (x, y)
+fn pairs8(x: __m256, y: __m256) -> __m256i {
+    let bits8 = |v: __m256| -> __m128i {
+        // SAFETY: `__m128bh` and `__m128i` are the same 128 bits.
+        unsafe { std::mem::transmute(_mm256_cvtneps_pbh(v)) }
     };
     _mm256_or_si256(
-        _mm256_cvtepu16_epi32(x),
-        _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(y)),
+        _mm256_cvtepu16_epi32(bits8(x)),
+        _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(bits8(y))),
     )
 }
 

@@ -126,8 +126,9 @@ pub(crate) unsafe fn gemm_fused_half(
     fused: super::Fused<'_>,
 ) -> bool {
     let Layout { m, n, k, .. } = layout;
-    let bf16_operand = matches!(a, Operand::Bf16(_)) || matches!(b, Operand::Bf16(_));
-    let bf16_operand = bf16_operand || fused.arith == super::Arith::Bf16;
+    let bf16_operand = matches!(a, Operand::Bf16(_))
+        || matches!(b, Operand::Bf16(_))
+        || fused.arith == super::Arith::Bf16;
     let (cpu, math) = (
         crate::isa::CpuFeatures::host(),
         crate::isa::Bf16Math::current(),
