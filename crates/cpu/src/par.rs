@@ -1,4 +1,6 @@
 //! Data-parallel helpers for kernels: split work into chunks large enough to amortise rayon.
+//! Each runs its closure under [`vectorized`], which compiles it for the CPU's level only where
+//! it is inlined: callers pass `#[inline(always)] |…|` closures ([`crate::isa`]'s notes).
 
 use rayon::prelude::*;
 
@@ -15,12 +17,18 @@ where
     let rows_per_chunk = (MIN_PAR_ELEMS / row).max(1);
     let chunk = rows_per_chunk * row;
     if out.len() <= chunk {
-        f(0, out);
+        vectorized(
+            #[inline(always)]
+            || f(0, out),
+        );
         return;
     }
-    out.par_chunks_mut(chunk)
-        .enumerate()
-        .for_each(|(c, part)| vectorized(|| f(c * rows_per_chunk, part)));
+    out.par_chunks_mut(chunk).enumerate().for_each(|(c, part)| {
+        vectorized(
+            #[inline(always)]
+            || f(c * rows_per_chunk, part),
+        )
+    });
 }
 
 /// Like [`rows_mut`] for two outputs with the same row structure (`a_row`, `b_row` per row).
@@ -30,13 +38,21 @@ where
 {
     let rows_per_chunk = (MIN_PAR_ELEMS / a_row.max(1)).max(1);
     if a.len() <= rows_per_chunk * a_row {
-        f(0, a, b);
+        vectorized(
+            #[inline(always)]
+            || f(0, a, b),
+        );
         return;
     }
     a.par_chunks_mut(rows_per_chunk * a_row)
         .zip(b.par_chunks_mut(rows_per_chunk * b_row))
         .enumerate()
-        .for_each(|(c, (pa, pb))| vectorized(|| f(c * rows_per_chunk, pa, pb)));
+        .for_each(|(c, (pa, pb))| {
+            vectorized(
+                #[inline(always)]
+                || f(c * rows_per_chunk, pa, pb),
+            )
+        });
 }
 
 /// Elementwise map over a flat output: `f(start, chunk)` with `start` the first element's index.
@@ -45,13 +61,19 @@ where
     F: Fn(usize, &mut [f32]) + Sync + Send,
 {
     if out.len() <= MIN_PAR_ELEMS {
-        f(0, out);
+        vectorized(
+            #[inline(always)]
+            || f(0, out),
+        );
         return;
     }
     let chunk = MIN_PAR_ELEMS;
-    out.par_chunks_mut(chunk)
-        .enumerate()
-        .for_each(|(c, part)| vectorized(|| f(c * chunk, part)));
+    out.par_chunks_mut(chunk).enumerate().for_each(|(c, part)| {
+        vectorized(
+            #[inline(always)]
+            || f(c * chunk, part),
+        )
+    });
 }
 
 /// A raw pointer that worker threads may share, for kernels whose work items write disjoint,
@@ -81,9 +103,12 @@ where
         return;
     }
     if per_slot == 0 {
-        (0..items)
-            .into_par_iter()
-            .for_each(|item| vectorized(|| f(item, &mut [])));
+        (0..items).into_par_iter().for_each(|item| {
+            vectorized(
+                #[inline(always)]
+                || f(item, &mut []),
+            )
+        });
         return;
     }
     let slots = (ws.len() / per_slot).max(1).min(items);
@@ -95,28 +120,39 @@ where
             if item >= items {
                 break;
             }
-            vectorized(|| f(item, scratch));
+            vectorized(
+                #[inline(always)]
+                || f(item, scratch),
+            );
         });
 }
 
 /// `y[i] = f(x[i])` in parallel chunks; one closure per call site so each loop vectorises.
 pub fn map(x: &[f32], y: &mut [f32], f: impl Fn(f32) -> f32 + Sync + Send) {
-    elems_mut(y, |start, out| {
-        let n = out.len();
-        for (o, &v) in out.iter_mut().zip(&x[start..start + n]) {
-            *o = f(v);
-        }
-    });
+    elems_mut(
+        y,
+        #[inline(always)]
+        |start, out| {
+            let n = out.len();
+            for (o, &v) in out.iter_mut().zip(&x[start..start + n]) {
+                *o = f(v);
+            }
+        },
+    );
 }
 
 /// A one-input elementwise kernel `y = f(x)`, run over `x`'s bytes when the node is in place.
 pub fn unary(k: &crate::kernel::Kernel<'_>, f: impl Fn(f32) -> f32 + Sync + Send) {
     if k.inplace().is_some() {
-        elems_mut(k.out_f32(0), |_, out| {
-            for o in out {
-                *o = f(*o);
-            }
-        });
+        elems_mut(
+            k.out_f32(0),
+            #[inline(always)]
+            |_, out| {
+                for o in out {
+                    *o = f(*o);
+                }
+            },
+        );
     } else {
         map(k.in_f32(0), k.out_f32(0), f);
     }
@@ -134,24 +170,32 @@ pub fn binary(k: &crate::kernel::Kernel<'_>, f: impl Fn(f32, f32) -> f32 + Sync 
 
 /// `y[i] = f(x[i], y[i])`: `y` holds the other operand on entry.
 fn update(x: &[f32], y: &mut [f32], f: impl Fn(f32, f32) -> f32 + Sync + Send) {
-    elems_mut(y, |start, out| {
-        let n = out.len();
-        for (o, &v) in out.iter_mut().zip(&x[start..start + n]) {
-            *o = f(v, *o);
-        }
-    });
+    elems_mut(
+        y,
+        #[inline(always)]
+        |start, out| {
+            let n = out.len();
+            for (o, &v) in out.iter_mut().zip(&x[start..start + n]) {
+                *o = f(v, *o);
+            }
+        },
+    );
 }
 
 /// `y[i] = f(a[i], b[i])` in parallel chunks.
 pub fn map2(a: &[f32], b: &[f32], y: &mut [f32], f: impl Fn(f32, f32) -> f32 + Sync + Send) {
-    elems_mut(y, |start, out| {
-        let n = out.len();
-        for ((o, &u), &v) in out
-            .iter_mut()
-            .zip(&a[start..start + n])
-            .zip(&b[start..start + n])
-        {
-            *o = f(u, v);
-        }
-    });
+    elems_mut(
+        y,
+        #[inline(always)]
+        |start, out| {
+            let n = out.len();
+            for ((o, &u), &v) in out
+                .iter_mut()
+                .zip(&a[start..start + n])
+                .zip(&b[start..start + n])
+            {
+                *o = f(u, v);
+            }
+        },
+    );
 }

@@ -378,7 +378,10 @@ fn deal_ranges(
                 Err(now) => start = now,
             }
         };
-        crate::isa::vectorized(|| f(start, end));
+        crate::isa::vectorized(
+            #[inline(always)]
+            || f(start, end),
+        );
     });
 }
 

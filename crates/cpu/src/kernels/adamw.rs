@@ -52,18 +52,21 @@ pub(super) fn update(
         .zip(v.par_chunks_mut(chunk))
         .enumerate()
         .for_each(|(c, ((p, m), v))| {
-            crate::isa::vectorized(|| {
-                let g = &g[c * chunk..c * chunk + p.len()];
-                for i in 0..p.len() {
-                    let gi = match scale {
-                        Some(s) => g[i] * s,
-                        None => g[i],
-                    };
-                    m[i] = beta1 * m[i] + (1.0 - beta1) * gi;
-                    v[i] = beta2 * v[i] + (1.0 - beta2) * gi * gi;
-                    let denom = v[i].sqrt() / bc2_sqrt + eps;
-                    p[i] = p[i] * decay - step_size * m[i] / denom;
-                }
-            })
+            crate::isa::vectorized(
+                #[inline(always)]
+                || {
+                    let g = &g[c * chunk..c * chunk + p.len()];
+                    for i in 0..p.len() {
+                        let gi = match scale {
+                            Some(s) => g[i] * s,
+                            None => g[i],
+                        };
+                        m[i] = beta1 * m[i] + (1.0 - beta1) * gi;
+                        v[i] = beta2 * v[i] + (1.0 - beta2) * gi * gi;
+                        let denom = v[i].sqrt() / bc2_sqrt + eps;
+                        p[i] = p[i] * decay - step_size * m[i] / denom;
+                    }
+                },
+            )
         });
 }

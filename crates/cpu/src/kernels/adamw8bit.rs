@@ -84,40 +84,44 @@ pub(crate) fn update(
         .zip(s.v_absmax.par_chunks_mut(per_task))
         .enumerate()
         .for_each(|(c, ((((p, mq), vq), ma), va))| {
-            crate::isa::vectorized(|| {
-                let g = &g[c * chunk..c * chunk + p.len()];
-                let mut m = [0f32; BLOCK];
-                let mut v = [0f32; BLOCK];
-                for (b, p) in p.chunks_mut(BLOCK).enumerate() {
-                    let n = p.len();
-                    let range = b * BLOCK..b * BLOCK + n;
-                    let (mq, vq, g) = (&mut mq[range.clone()], &mut vq[range.clone()], &g[range]);
-                    let (m, v) = (&mut m[..n], &mut v[..n]);
-                    let (mut m_max, mut v_max) = (0f32, 0f32);
-                    for i in 0..n {
-                        let gi = match scale {
-                            Some(s) => g[i] * s,
-                            None => g[i],
-                        };
-                        let mi = beta1 * (signed[mq[i] as usize] * ma[b]) + (1.0 - beta1) * gi;
-                        let vi =
-                            beta2 * (unsigned[vq[i] as usize] * va[b]) + (1.0 - beta2) * gi * gi;
-                        let denom = vi.sqrt() / bc2_sqrt + eps;
-                        p[i] = p[i] * decay - step_size * mi / denom;
-                        m_max = m_max.max(mi.abs());
-                        v_max = v_max.max(vi);
-                        m[i] = mi;
-                        v[i] = vi;
+            crate::isa::vectorized(
+                #[inline(always)]
+                || {
+                    let g = &g[c * chunk..c * chunk + p.len()];
+                    let mut m = [0f32; BLOCK];
+                    let mut v = [0f32; BLOCK];
+                    for (b, p) in p.chunks_mut(BLOCK).enumerate() {
+                        let n = p.len();
+                        let range = b * BLOCK..b * BLOCK + n;
+                        let (mq, vq, g) =
+                            (&mut mq[range.clone()], &mut vq[range.clone()], &g[range]);
+                        let (m, v) = (&mut m[..n], &mut v[..n]);
+                        let (mut m_max, mut v_max) = (0f32, 0f32);
+                        for i in 0..n {
+                            let gi = match scale {
+                                Some(s) => g[i] * s,
+                                None => g[i],
+                            };
+                            let mi = beta1 * (signed[mq[i] as usize] * ma[b]) + (1.0 - beta1) * gi;
+                            let vi = beta2 * (unsigned[vq[i] as usize] * va[b])
+                                + (1.0 - beta2) * gi * gi;
+                            let denom = vi.sqrt() / bc2_sqrt + eps;
+                            p[i] = p[i] * decay - step_size * mi / denom;
+                            m_max = m_max.max(mi.abs());
+                            v_max = v_max.max(vi);
+                            m[i] = mi;
+                            v[i] = vi;
+                        }
+                        ma[b] = m_max;
+                        va[b] = v_max;
+                        let inv_m = if m_max > 0.0 { 1.0 / m_max } else { 0.0 };
+                        let inv_v = if v_max > 0.0 { 1.0 / v_max } else { 0.0 };
+                        for i in 0..n {
+                            mq[i] = signed_index.nearest(m[i] * inv_m);
+                            vq[i] = unsigned_index.nearest(v[i] * inv_v);
+                        }
                     }
-                    ma[b] = m_max;
-                    va[b] = v_max;
-                    let inv_m = if m_max > 0.0 { 1.0 / m_max } else { 0.0 };
-                    let inv_v = if v_max > 0.0 { 1.0 / v_max } else { 0.0 };
-                    for i in 0..n {
-                        mq[i] = signed_index.nearest(m[i] * inv_m);
-                        vq[i] = unsigned_index.nearest(v[i] * inv_v);
-                    }
-                }
-            })
+                },
+            )
         });
 }

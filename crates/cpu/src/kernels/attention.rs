@@ -22,28 +22,34 @@ impl CpuKernel for CausalAttention {
         let lse = SendPtr(k.out_f32(1).as_mut_ptr());
         let h = self.n_head;
         let scale = 1.0 / (d as f32).sqrt();
-        for_each_head(k.workspace(), forward_scratch(t, d), b * h, |item, s| {
-            let (bi, hi) = (item / h, item % h);
-            // SAFETY: every pointer below stays inside its tensor; each (b, h) writes only its
-            // own columns of y and its own row of lse.
-            unsafe {
-                let q = qkv.get().add(bi * t * 3 * c + hi * d);
-                let rows = |ptr, stride| Rows { ptr, stride };
-                let lse_row = std::slice::from_raw_parts_mut(lse.get().add(item * t), t);
-                head_forward(
-                    (t, d, scale),
-                    [
-                        rows(q, 3 * c),
-                        rows(q.add(c), 3 * c),
-                        rows(q.add(2 * c), 3 * c),
-                    ],
-                    rows(y.get().add(bi * t * c + hi * d), c),
-                    s,
-                    lse_row,
-                    None,
-                );
-            }
-        });
+        for_each_head(
+            k.workspace(),
+            forward_scratch(t, d),
+            b * h,
+            #[inline(always)]
+            |item, s| {
+                let (bi, hi) = (item / h, item % h);
+                // SAFETY: every pointer below stays inside its tensor; each (b, h) writes only its
+                // own columns of y and its own row of lse.
+                unsafe {
+                    let q = qkv.get().add(bi * t * 3 * c + hi * d);
+                    let rows = |ptr, stride| Rows { ptr, stride };
+                    let lse_row = std::slice::from_raw_parts_mut(lse.get().add(item * t), t);
+                    head_forward(
+                        (t, d, scale),
+                        [
+                            rows(q, 3 * c),
+                            rows(q.add(c), 3 * c),
+                            rows(q.add(2 * c), 3 * c),
+                        ],
+                        rows(y.get().add(bi * t * c + hi * d), c),
+                        s,
+                        lse_row,
+                        None,
+                    );
+                }
+            },
+        );
     }
 }
 
@@ -59,38 +65,44 @@ impl CpuKernel for CausalAttentionBackward {
         let dqkv = SendPtr(k.out_f32(0).as_mut_ptr());
         let h = self.n_head;
         let scale = 1.0 / (d as f32).sqrt();
-        for_each_head(k.workspace(), backward_scratch(t, d), b * h, |item, ws| {
-            let (bi, hi) = (item / h, item % h);
-            // SAFETY: as in the forward; each (b, h) writes only its own columns of dqkv.
-            unsafe {
-                let q = qkv.get().add(bi * t * 3 * c + hi * d);
-                let dq = dqkv.get().add(bi * t * 3 * c + hi * d);
-                let (yb, dyb) = (
-                    y.get().add(bi * t * c + hi * d),
-                    dy.get().add(bi * t * c + hi * d),
-                );
-                let r3 = |ptr| Rows { ptr, stride: 3 * c };
-                let rc = |ptr| Rows { ptr, stride: c };
-                let head = HeadGrads {
-                    q: r3(q),
-                    k: r3(q.add(c)),
-                    v: r3(q.add(2 * c)),
-                    y: rc(yb),
-                    dy: rc(dyb),
-                    dq: r3(dq),
-                    dk: r3(dq.add(c)),
-                    dv: r3(dq.add(2 * c)),
-                };
-                head_backward(
-                    (t, d, scale),
-                    &head,
-                    &lse[item * t..(item + 1) * t],
-                    ws,
-                    false,
-                    None,
-                );
-            }
-        });
+        for_each_head(
+            k.workspace(),
+            backward_scratch(t, d),
+            b * h,
+            #[inline(always)]
+            |item, ws| {
+                let (bi, hi) = (item / h, item % h);
+                // SAFETY: as in the forward; each (b, h) writes only its own columns of dqkv.
+                unsafe {
+                    let q = qkv.get().add(bi * t * 3 * c + hi * d);
+                    let dq = dqkv.get().add(bi * t * 3 * c + hi * d);
+                    let (yb, dyb) = (
+                        y.get().add(bi * t * c + hi * d),
+                        dy.get().add(bi * t * c + hi * d),
+                    );
+                    let r3 = |ptr| Rows { ptr, stride: 3 * c };
+                    let rc = |ptr| Rows { ptr, stride: c };
+                    let head = HeadGrads {
+                        q: r3(q),
+                        k: r3(q.add(c)),
+                        v: r3(q.add(2 * c)),
+                        y: rc(yb),
+                        dy: rc(dyb),
+                        dq: r3(dq),
+                        dk: r3(dq.add(c)),
+                        dv: r3(dq.add(2 * c)),
+                    };
+                    head_backward(
+                        (t, d, scale),
+                        &head,
+                        &lse[item * t..(item + 1) * t],
+                        ws,
+                        false,
+                        None,
+                    );
+                }
+            },
+        );
     }
 }
 
@@ -122,45 +134,51 @@ pub(super) fn forward_io(op: &CausalAttention, k: &Kernel<'_>, (half_qkv, half_y
     let staging = (3 * usize::from(half_qkv) + usize::from(half_y)) * t * d;
     // Products on bf16 inputs compute in bf16 arithmetic where the CPU has it.
     let bf16 = half_qkv.then(HeadBf16::host).flatten();
-    for_each_head(k.workspace(), own + staging, b * h, |item, s| {
-        let (bi, hi) = (item / h, item % h);
-        let (s, rest) = s.split_at_mut(own);
-        let (s_qkv, s_y) = rest.split_at_mut(if half_qkv { 3 * t * d } else { 0 });
-        let (at3, at1) = (bi * t * 3 * c + hi * d, bi * t * c + hi * d);
-        if half_qkv {
-            stage_head(qkv16, (at3, 3 * c), (c, 3), d, s_qkv);
-        }
-        let (base, stride, part) = if half_qkv {
-            (s_qkv.as_mut_ptr(), 3 * d, d)
-        } else {
-            (qkv.get().wrapping_add(at3), 3 * c, c)
-        };
-        let at = |p: usize| Rows {
-            ptr: base.wrapping_add(p * part),
-            stride,
-        };
-        let out = if half_y {
-            Rows {
-                ptr: s_y.as_mut_ptr(),
-                stride: d,
+    for_each_head(
+        k.workspace(),
+        own + staging,
+        b * h,
+        #[inline(always)]
+        |item, s| {
+            let (bi, hi) = (item / h, item % h);
+            let (s, rest) = s.split_at_mut(own);
+            let (s_qkv, s_y) = rest.split_at_mut(if half_qkv { 3 * t * d } else { 0 });
+            let (at3, at1) = (bi * t * 3 * c + hi * d, bi * t * c + hi * d);
+            if half_qkv {
+                stage_head(qkv16, (at3, 3 * c), (c, 3), d, s_qkv);
             }
-        } else {
-            Rows {
-                ptr: y.get().wrapping_add(at1),
-                stride: c,
+            let (base, stride, part) = if half_qkv {
+                (s_qkv.as_mut_ptr(), 3 * d, d)
+            } else {
+                (qkv.get().wrapping_add(at3), 3 * c, c)
+            };
+            let at = |p: usize| Rows {
+                ptr: base.wrapping_add(p * part),
+                stride,
+            };
+            let out = if half_y {
+                Rows {
+                    ptr: s_y.as_mut_ptr(),
+                    stride: d,
+                }
+            } else {
+                Rows {
+                    ptr: y.get().wrapping_add(at1),
+                    stride: c,
+                }
+            };
+            // SAFETY: the rows lie inside `qkv` or the staged copy; each (b, h) writes only its own
+            // columns of y (or its own staged output) and its own row of lse.
+            unsafe {
+                let lse_row = std::slice::from_raw_parts_mut(lse.get().add(item * t), t);
+                head_forward((t, d, scale), [at(0), at(1), at(2)], out, s, lse_row, bf16);
+                if half_y {
+                    let y16 = (y.get() as *mut u16).add(at1);
+                    unstage_head(s_y, y16, (c, (0, 1)), d);
+                }
             }
-        };
-        // SAFETY: the rows lie inside `qkv` or the staged copy; each (b, h) writes only its own
-        // columns of y (or its own staged output) and its own row of lse.
-        unsafe {
-            let lse_row = std::slice::from_raw_parts_mut(lse.get().add(item * t), t);
-            head_forward((t, d, scale), [at(0), at(1), at(2)], out, s, lse_row, bf16);
-            if half_y {
-                let y16 = (y.get() as *mut u16).add(at1);
-                unstage_head(s_y, y16, (c, (0, 1)), d);
-            }
-        }
-    });
+        },
+    );
 }
 
 /// [`CausalAttentionBackward`]'s kernel under [`snug_graph::ops::HalfIo`]: the bf16 inputs
@@ -207,58 +225,64 @@ pub(super) fn backward_io(
     let wide = |half: bool, width: usize| if half { width * t * d } else { 0 };
     let staging = wide(half_qkv, 3) + wide(half_y, 1) + wide(half_dy, 1) + wide(half_dqkv, 3);
     let bf16 = half_qkv.then(HeadBf16::host).flatten();
-    for_each_head(k.workspace(), own + staging, b * h, |item, ws| {
-        let (bi, hi) = (item / h, item % h);
-        let (ws, rest) = ws.split_at_mut(own);
-        let (s_qkv, rest) = rest.split_at_mut(wide(half_qkv, 3));
-        let (s_y, rest) = rest.split_at_mut(wide(half_y, 1));
-        let (s_dy, s_d) = rest.split_at_mut(wide(half_dy, 1));
-        let (at3, at1) = (bi * t * 3 * c + hi * d, bi * t * c + hi * d);
-        let rows = |staged: &mut [f32], f32_at: *mut f32, stride: usize, width: usize| {
-            Rows::staged_or(staged, (f32_at, stride), width * d)
-        };
-        if half_qkv {
-            stage_head(qkv16, (at3, 3 * c), (c, 3), d, s_qkv);
-        }
-        if half_y {
-            stage_head(y16, (at1, c), (0, 1), d, s_y);
-        }
-        if half_dy {
-            stage_head(dy16, (at1, c), (0, 1), d, s_dy);
-        }
-        // SAFETY: every pointer stays inside its tensor or its staged copy; each (b, h) writes
-        // only its own columns of dqkv (or of its own staged gradients).
-        unsafe {
-            let q = rows(s_qkv, qkv.get().wrapping_add(at3), 3 * c, 3);
-            let dq = rows(s_d, dqkv.get().wrapping_add(at3), 3 * c, 3);
-            let part = |r: Rows, staged: bool, p: usize| Rows {
-                ptr: r.ptr.add(p * if staged { d } else { c }),
-                stride: r.stride,
+    for_each_head(
+        k.workspace(),
+        own + staging,
+        b * h,
+        #[inline(always)]
+        |item, ws| {
+            let (bi, hi) = (item / h, item % h);
+            let (ws, rest) = ws.split_at_mut(own);
+            let (s_qkv, rest) = rest.split_at_mut(wide(half_qkv, 3));
+            let (s_y, rest) = rest.split_at_mut(wide(half_y, 1));
+            let (s_dy, s_d) = rest.split_at_mut(wide(half_dy, 1));
+            let (at3, at1) = (bi * t * 3 * c + hi * d, bi * t * c + hi * d);
+            let rows = |staged: &mut [f32], f32_at: *mut f32, stride: usize, width: usize| {
+                Rows::staged_or(staged, (f32_at, stride), width * d)
             };
-            let head = HeadGrads {
-                q,
-                k: part(q, half_qkv, 1),
-                v: part(q, half_qkv, 2),
-                y: rows(s_y, y.get().wrapping_add(at1), c, 1),
-                dy: rows(s_dy, dy.get().wrapping_add(at1), c, 1),
-                dq,
-                dk: part(dq, half_dqkv, 1),
-                dv: part(dq, half_dqkv, 2),
-            };
-            head_backward(
-                (t, d, scale),
-                &head,
-                &lse[item * t..(item + 1) * t],
-                ws,
-                false,
-                bf16,
-            );
-            if half_dqkv {
-                let dqkv16 = (dqkv16.get() as *mut u16).add(at3);
-                unstage_head(s_d, dqkv16, (3 * c, (c, 3)), d);
+            if half_qkv {
+                stage_head(qkv16, (at3, 3 * c), (c, 3), d, s_qkv);
             }
-        }
-    });
+            if half_y {
+                stage_head(y16, (at1, c), (0, 1), d, s_y);
+            }
+            if half_dy {
+                stage_head(dy16, (at1, c), (0, 1), d, s_dy);
+            }
+            // SAFETY: every pointer stays inside its tensor or its staged copy; each (b, h) writes
+            // only its own columns of dqkv (or of its own staged gradients).
+            unsafe {
+                let q = rows(s_qkv, qkv.get().wrapping_add(at3), 3 * c, 3);
+                let dq = rows(s_d, dqkv.get().wrapping_add(at3), 3 * c, 3);
+                let part = |r: Rows, staged: bool, p: usize| Rows {
+                    ptr: r.ptr.add(p * if staged { d } else { c }),
+                    stride: r.stride,
+                };
+                let head = HeadGrads {
+                    q,
+                    k: part(q, half_qkv, 1),
+                    v: part(q, half_qkv, 2),
+                    y: rows(s_y, y.get().wrapping_add(at1), c, 1),
+                    dy: rows(s_dy, dy.get().wrapping_add(at1), c, 1),
+                    dq,
+                    dk: part(dq, half_dqkv, 1),
+                    dv: part(dq, half_dqkv, 2),
+                };
+                head_backward(
+                    (t, d, scale),
+                    &head,
+                    &lse[item * t..(item + 1) * t],
+                    ws,
+                    false,
+                    bf16,
+                );
+                if half_dqkv {
+                    let dqkv16 = (dqkv16.get() as *mut u16).add(at3);
+                    unstage_head(s_d, dqkv16, (3 * c, (c, 3)), d);
+                }
+            }
+        },
+    );
 }
 
 /// Widens one head's `parts` strips of `d` bf16 values per row (`part_stride` apart, rows
@@ -557,9 +581,10 @@ pub(super) unsafe fn head_forward(
 ) {
     // Not inlined into its caller's vectorised chunk: compiled for the level here.
     // SAFETY: as the caller vouched.
-    crate::isa::vectorized(|| unsafe {
-        head_forward_body((t, d, scale), [q, k, v], y, s, lse, bf16)
-    })
+    crate::isa::vectorized(
+        #[inline(always)]
+        || unsafe { head_forward_body((t, d, scale), [q, k, v], y, s, lse, bf16) },
+    )
 }
 
 /// [`head_forward`]'s body.
@@ -612,9 +637,10 @@ pub(super) unsafe fn head_backward(
 ) {
     // Not inlined into its caller's vectorised chunk: compiled for the level here.
     // SAFETY: as the caller vouched.
-    crate::isa::vectorized(|| unsafe {
-        head_backward_body((t, d, scale), h, lse, ws, accumulate_kv, bf16)
-    })
+    crate::isa::vectorized(
+        #[inline(always)]
+        || unsafe { head_backward_body((t, d, scale), h, lse, ws, accumulate_kv, bf16) },
+    )
 }
 
 /// [`head_backward`]'s body.

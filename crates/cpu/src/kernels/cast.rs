@@ -19,12 +19,15 @@ impl CpuKernel for Cast {
                 y.par_chunks_mut(CHUNK)
                     .zip(x.par_chunks(CHUNK))
                     .for_each(|(y, x)| {
-                        crate::isa::vectorized(|| match to {
-                            DType::BF16 => unsafe { &mut *(y as *mut [u16] as *mut [bf16]) }
-                                .convert_from_f32_slice(x),
-                            _ => unsafe { &mut *(y as *mut [u16] as *mut [f16]) }
-                                .convert_from_f32_slice(x),
-                        })
+                        crate::isa::vectorized(
+                            #[inline(always)]
+                            || match to {
+                                DType::BF16 => unsafe { &mut *(y as *mut [u16] as *mut [bf16]) }
+                                    .convert_from_f32_slice(x),
+                                _ => unsafe { &mut *(y as *mut [u16] as *mut [f16]) }
+                                    .convert_from_f32_slice(x),
+                            },
+                        )
                     });
             }
             (from, _) => {
@@ -32,12 +35,15 @@ impl CpuKernel for Cast {
                 y.par_chunks_mut(CHUNK)
                     .zip(x.par_chunks(CHUNK))
                     .for_each(|(y, x)| {
-                        crate::isa::vectorized(|| match from {
-                            DType::BF16 => unsafe { &*(x as *const [u16] as *const [bf16]) }
-                                .convert_to_f32_slice(y),
-                            _ => unsafe { &*(x as *const [u16] as *const [f16]) }
-                                .convert_to_f32_slice(y),
-                        })
+                        crate::isa::vectorized(
+                            #[inline(always)]
+                            || match from {
+                                DType::BF16 => unsafe { &*(x as *const [u16] as *const [bf16]) }
+                                    .convert_to_f32_slice(y),
+                                _ => unsafe { &*(x as *const [u16] as *const [f16]) }
+                                    .convert_to_f32_slice(y),
+                            },
+                        )
                     });
             }
         }

@@ -56,15 +56,20 @@ impl CpuKernel for CrossEntropy {
         let (logits, targets, loss) = (k.in_f32(0), k.in_i32(1), k.out_f32(0));
         let v = k.in_shape(0)[1];
         let rows = k.workspace();
-        crate::par::rows_mut(rows, 1, |r0, out| {
-            for (r, o) in out.iter_mut().enumerate() {
-                let row = &logits[(r0 + r) * v..(r0 + r + 1) * v];
-                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let sum: f32 = row.iter().map(|&x| crate::math::exp(x - max)).sum();
-                let t = targets[r0 + r].clamp(0, v as i32 - 1) as usize;
-                *o = max + sum.ln() - row[t];
-            }
-        });
+        crate::par::rows_mut(
+            rows,
+            1,
+            #[inline(always)]
+            |r0, out| {
+                for (r, o) in out.iter_mut().enumerate() {
+                    let row = &logits[(r0 + r) * v..(r0 + r + 1) * v];
+                    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let sum: f32 = row.iter().map(|&x| crate::math::exp(x - max)).sum();
+                    let t = targets[r0 + r].clamp(0, v as i32 - 1) as usize;
+                    *o = max + sum.ln() - row[t];
+                }
+            },
+        );
         loss[0] = reduce_loss(rows, loss_mask(k, 2));
     }
 }
@@ -75,24 +80,29 @@ impl CpuKernel for CrossEntropyBackward {
         let (n, v) = (k.in_shape(0)[0], k.in_shape(0)[1]);
         let mask = loss_mask(k, 3);
         let g = grad_scale(dloss[0], n, mask);
-        crate::par::rows_mut(dl, v, |r0, rows| {
-            for (r, out) in rows.chunks_exact_mut(v).enumerate() {
-                let Some(g) = row_scale(g, mask, r0 + r) else {
-                    out.fill(0.0);
-                    continue;
-                };
-                let row = &logits[(r0 + r) * v..(r0 + r + 1) * v];
-                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0.0;
-                for (o, &x) in out.iter_mut().zip(row) {
-                    *o = crate::math::exp(x - max);
-                    sum += *o;
+        crate::par::rows_mut(
+            dl,
+            v,
+            #[inline(always)]
+            |r0, rows| {
+                for (r, out) in rows.chunks_exact_mut(v).enumerate() {
+                    let Some(g) = row_scale(g, mask, r0 + r) else {
+                        out.fill(0.0);
+                        continue;
+                    };
+                    let row = &logits[(r0 + r) * v..(r0 + r + 1) * v];
+                    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let mut sum = 0.0;
+                    for (o, &x) in out.iter_mut().zip(row) {
+                        *o = crate::math::exp(x - max);
+                        sum += *o;
+                    }
+                    let inv = g / sum;
+                    out.iter_mut().for_each(|o| *o *= inv);
+                    let t = targets[r0 + r].clamp(0, v as i32 - 1) as usize;
+                    out[t] -= g;
                 }
-                let inv = g / sum;
-                out.iter_mut().for_each(|o| *o *= inv);
-                let t = targets[r0 + r].clamp(0, v as i32 - 1) as usize;
-                out[t] -= g;
-            }
-        });
+            },
+        );
     }
 }

@@ -12,10 +12,13 @@ impl CpuKernel for Dequantize {
         let (codes, absmax, y) = (k.in_u8(0), k.in_f32(1), k.out_f32(0));
         let cols = self.shape.last().copied().unwrap_or(1);
         y.par_chunks_mut(CHUNK).enumerate().for_each(|(c, y)| {
-            crate::isa::vectorized(|| {
-                self.scheme
-                    .dequantize_range(codes, absmax, cols, c * CHUNK, y)
-            })
+            crate::isa::vectorized(
+                #[inline(always)]
+                || {
+                    self.scheme
+                        .dequantize_range(codes, absmax, cols, c * CHUNK, y)
+                },
+            )
         });
     }
 }

@@ -34,49 +34,57 @@ where
         } else {
             (k.in_f32(0), ma)
         };
-        crate::par::elems_mut(k.out_f32(0), |start, out| match (&m, i) {
-            (Mapping::Same, 0) => {
-                let n = out.len();
-                for (o, &v) in out.iter_mut().zip(&other[start..start + n]) {
-                    *o = f(*o, v);
+        crate::par::elems_mut(
+            k.out_f32(0),
+            #[inline(always)]
+            |start, out| match (&m, i) {
+                (Mapping::Same, 0) => {
+                    let n = out.len();
+                    for (o, &v) in out.iter_mut().zip(&other[start..start + n]) {
+                        *o = f(*o, v);
+                    }
+                }
+                (Mapping::Same, _) => {
+                    let n = out.len();
+                    for (o, &v) in out.iter_mut().zip(&other[start..start + n]) {
+                        *o = f(v, *o);
+                    }
+                }
+                _ => {
+                    for (j, o) in out.iter_mut().enumerate() {
+                        let v = other[m.index(start + j)];
+                        *o = if i == 0 { f(*o, v) } else { f(v, *o) };
+                    }
+                }
+            },
+        );
+        return;
+    }
+    let (a, b, c) = (k.in_f32(0), k.in_f32(1), k.out_f32(0));
+    crate::par::elems_mut(
+        c,
+        #[inline(always)]
+        |start, out| match (&ma, &mb) {
+            (Mapping::Same, Mapping::Same) => {
+                let (a, b) = (&a[start..start + out.len()], &b[start..start + out.len()]);
+                for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
+                    *o = f(x, y);
                 }
             }
-            (Mapping::Same, _) => {
-                let n = out.len();
-                for (o, &v) in out.iter_mut().zip(&other[start..start + n]) {
-                    *o = f(v, *o);
+            (Mapping::Same, Mapping::Cycle(n)) => {
+                let a = &a[start..start + out.len()];
+                for (j, (o, &x)) in out.iter_mut().zip(a).enumerate() {
+                    *o = f(x, b[(start + j) % n]);
                 }
             }
             _ => {
                 for (j, o) in out.iter_mut().enumerate() {
-                    let v = other[m.index(start + j)];
-                    *o = if i == 0 { f(*o, v) } else { f(v, *o) };
+                    let i = start + j;
+                    *o = f(a[ma.index(i)], b[mb.index(i)]);
                 }
             }
-        });
-        return;
-    }
-    let (a, b, c) = (k.in_f32(0), k.in_f32(1), k.out_f32(0));
-    crate::par::elems_mut(c, |start, out| match (&ma, &mb) {
-        (Mapping::Same, Mapping::Same) => {
-            let (a, b) = (&a[start..start + out.len()], &b[start..start + out.len()]);
-            for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
-                *o = f(x, y);
-            }
-        }
-        (Mapping::Same, Mapping::Cycle(n)) => {
-            let a = &a[start..start + out.len()];
-            for (j, (o, &x)) in out.iter_mut().zip(a).enumerate() {
-                *o = f(x, b[(start + j) % n]);
-            }
-        }
-        _ => {
-            for (j, o) in out.iter_mut().enumerate() {
-                let i = start + j;
-                *o = f(a[ma.index(i)], b[mb.index(i)]);
-            }
-        }
-    });
+        },
+    );
 }
 
 impl CpuKernel for Scale {
@@ -127,11 +135,14 @@ fn add_with<A: Elem, B: Elem, C: Elem>(k: &Kernel<'_>) {
                 .zip(a.par_chunks(CHUNK))
                 .zip(b.par_chunks(CHUNK))
                 .for_each(|((c, a), b)| {
-                    crate::isa::vectorized(|| {
-                        for ((o, &x), &y) in c.iter_mut().zip(a).zip(b) {
-                            *o = C::put(x.get() + y.get());
-                        }
-                    })
+                    crate::isa::vectorized(
+                        #[inline(always)]
+                        || {
+                            for ((o, &x), &y) in c.iter_mut().zip(a).zip(b) {
+                                *o = C::put(x.get() + y.get());
+                            }
+                        },
+                    )
                 });
         }
     }
@@ -144,10 +155,13 @@ fn in_place<X: Elem, C: Elem>(c: &mut [C], x: &[X]) {
     c.par_chunks_mut(CHUNK)
         .zip(x.par_chunks(CHUNK))
         .for_each(|(c, x)| {
-            crate::isa::vectorized(|| {
-                for (o, &v) in c.iter_mut().zip(x) {
-                    *o = C::put(o.get() + v.get());
-                }
-            })
+            crate::isa::vectorized(
+                #[inline(always)]
+                || {
+                    for (o, &v) in c.iter_mut().zip(x) {
+                        *o = C::put(o.get() + v.get());
+                    }
+                },
+            )
         });
 }

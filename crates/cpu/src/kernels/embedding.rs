@@ -9,16 +9,21 @@ impl CpuKernel for Embedding {
         let (table, ids, out) = (k.in_f32(0), k.in_i32(1), k.out_f32(0));
         let c = k.in_shape(0)[1];
         let vocab = k.in_shape(0)[0];
-        crate::par::rows_mut(out, c, |r0, rows| {
-            for (r, row) in rows.chunks_exact_mut(c).enumerate() {
-                let id = ids[r0 + r];
-                // Ids are range-checked when a batch is loaded; a stray one reads zeros.
-                match usize::try_from(id).ok().filter(|&i| i < vocab) {
-                    Some(i) => row.copy_from_slice(&table[i * c..(i + 1) * c]),
-                    None => row.fill(0.0),
+        crate::par::rows_mut(
+            out,
+            c,
+            #[inline(always)]
+            |r0, rows| {
+                for (r, row) in rows.chunks_exact_mut(c).enumerate() {
+                    let id = ids[r0 + r];
+                    // Ids are range-checked when a batch is loaded; a stray one reads zeros.
+                    match usize::try_from(id).ok().filter(|&i| i < vocab) {
+                        Some(i) => row.copy_from_slice(&table[i * c..(i + 1) * c]),
+                        None => row.fill(0.0),
+                    }
                 }
-            }
-        });
+            },
+        );
     }
 }
 

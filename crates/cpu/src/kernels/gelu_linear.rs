@@ -134,11 +134,14 @@ fn map_in<H: Elem>(x: &[H], y: &mut [f32], f: impl Fn(f32) -> f32 + Sync + Send)
     y.par_chunks_mut(chunk)
         .zip(x.par_chunks(chunk))
         .for_each(|(y, x)| {
-            crate::isa::vectorized(|| {
-                for (o, &v) in y.iter_mut().zip(x) {
-                    *o = f(v.get());
-                }
-            })
+            crate::isa::vectorized(
+                #[inline(always)]
+                || {
+                    for (o, &v) in y.iter_mut().zip(x) {
+                        *o = f(v.get());
+                    }
+                },
+            )
         });
 }
 

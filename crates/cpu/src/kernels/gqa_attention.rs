@@ -68,44 +68,50 @@ pub(super) fn forward_io(op: &GqaAttention, k: &Kernel<'_>, reads: [bool; 3], ha
     let staging = reads.map(wide).iter().sum::<usize>() + wide(half_y);
     // Products on bf16 inputs compute in bf16 arithmetic where the CPU has it.
     let bf16 = reads[0].then(crate::gemm::HeadBf16::host).flatten();
-    crate::par::for_each_item(k.workspace(), own + staging, s.b * h, |item, sc| {
-        let (bi, hi) = (item / h, item % h);
-        let kvh = hi / group;
-        let (sc, rest) = sc.split_at_mut(own);
-        let (s_q, rest) = rest.split_at_mut(wide(reads[0]));
-        let (s_k, rest) = rest.split_at_mut(wide(reads[1]));
-        let (s_v, s_y) = rest.split_at_mut(wide(reads[2]));
-        let (at_q, at_kv) = (bi * t * cq + hi * d, bi * t * ckv + kvh * d);
-        for (half, bits, (at, stride), staged) in [
-            (reads[0], q16, (at_q, cq), &mut *s_q),
-            (reads[1], k16, (at_kv, ckv), &mut *s_k),
-            (reads[2], v16, (at_kv, ckv), &mut *s_v),
-        ] {
-            if half {
-                stage_head(bits, (at, stride), (0, 1), d, staged);
+    crate::par::for_each_item(
+        k.workspace(),
+        own + staging,
+        s.b * h,
+        #[inline(always)]
+        |item, sc| {
+            let (bi, hi) = (item / h, item % h);
+            let kvh = hi / group;
+            let (sc, rest) = sc.split_at_mut(own);
+            let (s_q, rest) = rest.split_at_mut(wide(reads[0]));
+            let (s_k, rest) = rest.split_at_mut(wide(reads[1]));
+            let (s_v, s_y) = rest.split_at_mut(wide(reads[2]));
+            let (at_q, at_kv) = (bi * t * cq + hi * d, bi * t * ckv + kvh * d);
+            for (half, bits, (at, stride), staged) in [
+                (reads[0], q16, (at_q, cq), &mut *s_q),
+                (reads[1], k16, (at_kv, ckv), &mut *s_k),
+                (reads[2], v16, (at_kv, ckv), &mut *s_v),
+            ] {
+                if half {
+                    stage_head(bits, (at, stride), (0, 1), d, staged);
+                }
             }
-        }
-        // SAFETY: every pointer below stays inside its tensor or its staged copy; each (b, h)
-        // writes only its own columns of y (or its own staged output) and its own row of lse.
-        unsafe {
-            let lse_row = std::slice::from_raw_parts_mut(lse.get().add(item * t), t);
-            head_forward(
-                (t, d, scale),
-                [
-                    rows(s_q, q.get().wrapping_add(at_q), cq, d),
-                    rows(s_k, kk.get().wrapping_add(at_kv), ckv, d),
-                    rows(s_v, v.get().wrapping_add(at_kv), ckv, d),
-                ],
-                rows(s_y, y.get().wrapping_add(at_q), cq, d),
-                sc,
-                lse_row,
-                bf16,
-            );
-            if half_y {
-                unstage_head(s_y, (y.get() as *mut u16).add(at_q), (cq, (0, 1)), d);
+            // SAFETY: every pointer below stays inside its tensor or its staged copy; each (b, h)
+            // writes only its own columns of y (or its own staged output) and its own row of lse.
+            unsafe {
+                let lse_row = std::slice::from_raw_parts_mut(lse.get().add(item * t), t);
+                head_forward(
+                    (t, d, scale),
+                    [
+                        rows(s_q, q.get().wrapping_add(at_q), cq, d),
+                        rows(s_k, kk.get().wrapping_add(at_kv), ckv, d),
+                        rows(s_v, v.get().wrapping_add(at_kv), ckv, d),
+                    ],
+                    rows(s_y, y.get().wrapping_add(at_q), cq, d),
+                    sc,
+                    lse_row,
+                    bf16,
+                );
+                if half_y {
+                    unstage_head(s_y, (y.get() as *mut u16).add(at_q), (cq, (0, 1)), d);
+                }
             }
-        }
-    });
+        },
+    );
 }
 
 impl CpuKernel for GqaAttentionBackward {
@@ -139,65 +145,71 @@ pub(super) fn backward_io(
     let wide = |half: bool| if half { t * d } else { 0 };
     let staging = reads.map(wide).iter().sum::<usize>() + writes.map(wide).iter().sum::<usize>();
     let bf16 = reads[0].then(crate::gemm::HeadBf16::host).flatten();
-    crate::par::for_each_item(k.workspace(), own + staging, s.b * kh, |item, ws| {
-        let (bi, kvh) = (item / kh, item % kh);
-        let (ws, rest) = ws.split_at_mut(own);
-        let (s_q, rest) = rest.split_at_mut(wide(reads[0]));
-        let (s_k, rest) = rest.split_at_mut(wide(reads[1]));
-        let (s_v, rest) = rest.split_at_mut(wide(reads[2]));
-        let (s_y, rest) = rest.split_at_mut(wide(reads[3]));
-        let (s_dy, rest) = rest.split_at_mut(wide(reads[4]));
-        let (s_dq, rest) = rest.split_at_mut(wide(writes[0]));
-        let (s_dk, s_dv) = rest.split_at_mut(wide(writes[1]));
-        let kv_off = bi * t * ckv + kvh * d;
-        if reads[1] {
-            stage_head(k16, (kv_off, ckv), (0, 1), d, s_k);
-        }
-        if reads[2] {
-            stage_head(v16, (kv_off, ckv), (0, 1), d, s_v);
-        }
-        for j in 0..group {
-            let hi = kvh * group + j;
-            let off = bi * t * cq + hi * d;
-            for (half, bits, staged) in [
-                (reads[0], q16, &mut *s_q),
-                (reads[3], y16, &mut *s_y),
-                (reads[4], dy16, &mut *s_dy),
-            ] {
-                if half {
-                    stage_head(bits, (off, cq), (0, 1), d, staged);
+    crate::par::for_each_item(
+        k.workspace(),
+        own + staging,
+        s.b * kh,
+        #[inline(always)]
+        |item, ws| {
+            let (bi, kvh) = (item / kh, item % kh);
+            let (ws, rest) = ws.split_at_mut(own);
+            let (s_q, rest) = rest.split_at_mut(wide(reads[0]));
+            let (s_k, rest) = rest.split_at_mut(wide(reads[1]));
+            let (s_v, rest) = rest.split_at_mut(wide(reads[2]));
+            let (s_y, rest) = rest.split_at_mut(wide(reads[3]));
+            let (s_dy, rest) = rest.split_at_mut(wide(reads[4]));
+            let (s_dq, rest) = rest.split_at_mut(wide(writes[0]));
+            let (s_dk, s_dv) = rest.split_at_mut(wide(writes[1]));
+            let kv_off = bi * t * ckv + kvh * d;
+            if reads[1] {
+                stage_head(k16, (kv_off, ckv), (0, 1), d, s_k);
+            }
+            if reads[2] {
+                stage_head(v16, (kv_off, ckv), (0, 1), d, s_v);
+            }
+            for j in 0..group {
+                let hi = kvh * group + j;
+                let off = bi * t * cq + hi * d;
+                for (half, bits, staged) in [
+                    (reads[0], q16, &mut *s_q),
+                    (reads[3], y16, &mut *s_y),
+                    (reads[4], dy16, &mut *s_dy),
+                ] {
+                    if half {
+                        stage_head(bits, (off, cq), (0, 1), d, staged);
+                    }
+                }
+                // SAFETY: every pointer stays inside its tensor or its staged copy; this (b, kv
+                // head) item alone writes its kv head's columns of dk and dv, and its query heads'
+                // columns of dq (or its own staged gradients).
+                unsafe {
+                    let head = HeadGrads {
+                        q: rows(s_q, q.get().wrapping_add(off), cq, d),
+                        k: rows(s_k, kk.get().wrapping_add(kv_off), ckv, d),
+                        v: rows(s_v, v.get().wrapping_add(kv_off), ckv, d),
+                        y: rows(s_y, y.get().wrapping_add(off), cq, d),
+                        dy: rows(s_dy, dy.get().wrapping_add(off), cq, d),
+                        dq: rows(s_dq, dq.get().wrapping_add(off), cq, d),
+                        dk: rows(s_dk, dk.get().wrapping_add(kv_off), ckv, d),
+                        dv: rows(s_dv, dv.get().wrapping_add(kv_off), ckv, d),
+                    };
+                    let lse_row = &lse[(bi * h + hi) * t..(bi * h + hi + 1) * t];
+                    // The first query head of the group writes dk/dv, the rest add to them.
+                    head_backward((t, d, scale), &head, lse_row, ws, j > 0, bf16);
+                    if writes[0] {
+                        unstage_head(s_dq, (dq.get() as *mut u16).add(off), (cq, (0, 1)), d);
+                    }
                 }
             }
-            // SAFETY: every pointer stays inside its tensor or its staged copy; this (b, kv
-            // head) item alone writes its kv head's columns of dk and dv, and its query heads'
-            // columns of dq (or its own staged gradients).
+            // SAFETY: this item alone writes its kv head's columns of dk and dv.
             unsafe {
-                let head = HeadGrads {
-                    q: rows(s_q, q.get().wrapping_add(off), cq, d),
-                    k: rows(s_k, kk.get().wrapping_add(kv_off), ckv, d),
-                    v: rows(s_v, v.get().wrapping_add(kv_off), ckv, d),
-                    y: rows(s_y, y.get().wrapping_add(off), cq, d),
-                    dy: rows(s_dy, dy.get().wrapping_add(off), cq, d),
-                    dq: rows(s_dq, dq.get().wrapping_add(off), cq, d),
-                    dk: rows(s_dk, dk.get().wrapping_add(kv_off), ckv, d),
-                    dv: rows(s_dv, dv.get().wrapping_add(kv_off), ckv, d),
-                };
-                let lse_row = &lse[(bi * h + hi) * t..(bi * h + hi + 1) * t];
-                // The first query head of the group writes dk/dv, the rest add to them.
-                head_backward((t, d, scale), &head, lse_row, ws, j > 0, bf16);
-                if writes[0] {
-                    unstage_head(s_dq, (dq.get() as *mut u16).add(off), (cq, (0, 1)), d);
+                if writes[1] {
+                    unstage_head(s_dk, (dk.get() as *mut u16).add(kv_off), (ckv, (0, 1)), d);
+                }
+                if writes[2] {
+                    unstage_head(s_dv, (dv.get() as *mut u16).add(kv_off), (ckv, (0, 1)), d);
                 }
             }
-        }
-        // SAFETY: this item alone writes its kv head's columns of dk and dv.
-        unsafe {
-            if writes[1] {
-                unstage_head(s_dk, (dk.get() as *mut u16).add(kv_off), (ckv, (0, 1)), d);
-            }
-            if writes[2] {
-                unstage_head(s_dv, (dv.get() as *mut u16).add(kv_off), (ckv, (0, 1)), d);
-            }
-        }
-    });
+        },
+    );
 }

@@ -15,7 +15,10 @@ impl CpuKernel for SumSquares {
         let sum: f64 = x
             .par_chunks(crate::par::MIN_PAR_ELEMS)
             .map(|c| {
-                crate::isa::vectorized(|| c.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>())
+                crate::isa::vectorized(
+                    #[inline(always)]
+                    || c.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>(),
+                )
             })
             .sum();
         k.out_f32(0)[0] = sum as f32;

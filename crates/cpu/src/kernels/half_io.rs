@@ -113,11 +113,14 @@ pub(super) fn write_rows(
             .par_chunks_mut(chunk)
             .zip(t.par_chunks(chunk))
             .for_each(|(y, x)| {
-                crate::isa::vectorized(|| {
-                    for (o, &v) in y.iter_mut().zip(x) {
-                        *o = <u16 as Elem>::put(v);
-                    }
-                })
+                crate::isa::vectorized(
+                    #[inline(always)]
+                    || {
+                        for (o, &v) in y.iter_mut().zip(x) {
+                            *o = <u16 as Elem>::put(v);
+                        }
+                    },
+                )
             });
     }
 }
@@ -362,11 +365,14 @@ pub(super) fn staged_runs(len: usize, f: impl Fn(usize, usize) + Sync + Send) {
     use rayon::prelude::*;
     let chunk = crate::par::MIN_PAR_ELEMS.next_multiple_of(STAGE);
     (0..len.div_ceil(chunk)).into_par_iter().for_each(|c| {
-        crate::isa::vectorized(|| {
-            let end = ((c + 1) * chunk).min(len);
-            for at in (c * chunk..end).step_by(STAGE) {
-                f(at, STAGE.min(end - at));
-            }
-        })
+        crate::isa::vectorized(
+            #[inline(always)]
+            || {
+                let end = ((c + 1) * chunk).min(len);
+                for at in (c * chunk..end).step_by(STAGE) {
+                    f(at, STAGE.min(end - at));
+                }
+            },
+        )
     });
 }

@@ -43,39 +43,45 @@ impl CpuKernel for KvAttention {
         let y = crate::par::SendPtr(k.out_f32(0).as_mut_ptr());
         let (d, group) = (s.d, s.h / s.kh);
         let scale = 1.0 / (d as f32).sqrt();
-        crate::par::for_each_item(k.workspace(), s.s, s.b * s.h * s.t, |item, scores| {
-            let (b, rest) = (item / (s.h * s.t), item % (s.h * s.t));
-            let (h, i) = (rest / s.t, rest % s.t);
-            let seen = (pos + i + 1).min(s.s);
-            let qr = &q.0[(b * s.t + i) * q.1 + q.2 + h * d..][..d];
-            let kv_off = (h / group) * d;
-            let at = |j: usize| (b * s.s + j) * kv + kv_off;
-            let mut max = f32::NEG_INFINITY;
-            for (j, sc) in scores[..seen].iter_mut().enumerate() {
-                let dot: f32 = qr
-                    .iter()
-                    .zip(&k_cache[at(j)..at(j) + d])
-                    .map(|(a, b)| a * b)
-                    .sum();
-                *sc = dot * scale;
-                max = max.max(*sc);
-            }
-            let mut total = 0.0f32;
-            for sc in &mut scores[..seen] {
-                *sc = (*sc - max).exp();
-                total += *sc;
-            }
-            // SAFETY: head h of row (b, i) of y is written by this item only, inside y.
-            let out = unsafe {
-                std::slice::from_raw_parts_mut(y.get().add((b * s.t + i) * hd + h * d), d)
-            };
-            out.fill(0.0);
-            for (j, &p) in scores[..seen].iter().enumerate() {
-                let w = p / total;
-                for (o, v) in out.iter_mut().zip(&v_cache[at(j)..at(j) + d]) {
-                    *o += w * v;
+        crate::par::for_each_item(
+            k.workspace(),
+            s.s,
+            s.b * s.h * s.t,
+            #[inline(always)]
+            |item, scores| {
+                let (b, rest) = (item / (s.h * s.t), item % (s.h * s.t));
+                let (h, i) = (rest / s.t, rest % s.t);
+                let seen = (pos + i + 1).min(s.s);
+                let qr = &q.0[(b * s.t + i) * q.1 + q.2 + h * d..][..d];
+                let kv_off = (h / group) * d;
+                let at = |j: usize| (b * s.s + j) * kv + kv_off;
+                let mut max = f32::NEG_INFINITY;
+                for (j, sc) in scores[..seen].iter_mut().enumerate() {
+                    let dot: f32 = qr
+                        .iter()
+                        .zip(&k_cache[at(j)..at(j) + d])
+                        .map(|(a, b)| a * b)
+                        .sum();
+                    *sc = dot * scale;
+                    max = max.max(*sc);
                 }
-            }
-        });
+                let mut total = 0.0f32;
+                for sc in &mut scores[..seen] {
+                    *sc = (*sc - max).exp();
+                    total += *sc;
+                }
+                // SAFETY: head h of row (b, i) of y is written by this item only, inside y.
+                let out = unsafe {
+                    std::slice::from_raw_parts_mut(y.get().add((b * s.t + i) * hd + h * d), d)
+                };
+                out.fill(0.0);
+                for (j, &p) in scores[..seen].iter().enumerate() {
+                    let w = p / total;
+                    for (o, v) in out.iter_mut().zip(&v_cache[at(j)..at(j) + d]) {
+                        *o += w * v;
+                    }
+                }
+            },
+        );
     }
 }

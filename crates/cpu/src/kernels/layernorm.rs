@@ -24,19 +24,22 @@ impl CpuKernel for LayerNorm {
             .zip(rstd.par_chunks_mut(rows_per))
             .enumerate()
             .for_each(|(chunk, ((y, mean), rstd))| {
-                crate::isa::vectorized(|| {
-                    let r0 = chunk * rows_per;
-                    for (r, yr) in y.chunks_exact_mut(c).enumerate() {
-                        let xr = &x[(r0 + r) * c..(r0 + r + 1) * c];
-                        (mean[r], rstd[r]) = normalize_row(xr, w, b, eps, yr);
-                    }
-                })
+                crate::isa::vectorized(
+                    #[inline(always)]
+                    || {
+                        let r0 = chunk * rows_per;
+                        for (r, yr) in y.chunks_exact_mut(c).enumerate() {
+                            let xr = &x[(r0 + r) * c..(r0 + r + 1) * c];
+                            (mean[r], rstd[r]) = normalize_row(xr, w, b, eps, yr);
+                        }
+                    },
+                )
             });
     }
 }
 
 /// One row of the forward: writes `y` and returns the row's `(mean, rstd)`.
-#[inline]
+#[inline(always)]
 pub(super) fn normalize_row(
     xr: &[f32],
     w: &[f32],
@@ -108,43 +111,47 @@ impl CpuKernel for LayerNormBackward {
             .zip(ws.par_chunks_mut(2 * c))
             .enumerate()
             .for_each(|(p, (dx, part))| {
-                crate::isa::vectorized(|| {
-                    let (pdw, pdb) = part.split_at_mut(c);
-                    pdw.fill(0.0);
-                    pdb.fill(0.0);
-                    let r0 = p * rows_per;
-                    for (r, dxr) in dx.chunks_exact_mut(c).enumerate() {
-                        let row = r0 + r;
-                        let span = row * c..(row + 1) * c;
-                        let (m, s) = (mean[row], rstd[row]);
-                        let (mg, mgx) = {
-                            let xr = x.map_or(&*dxr, |x| &x[span.clone()]);
-                            let dyr = dy.map_or(&*dxr, |dy| &dy[span.clone()]);
-                            backward_sums(dyr, xr, w, (m, s), pdw, pdb)
-                        };
-                        let dx_of = |dy: f32, x: f32, w: f32| dx_value(dy, x, w, (m, s), (mg, mgx));
-                        match (dy, x) {
-                            (Some(dy), Some(x)) => {
-                                for (((o, &d), &v), &wj) in
-                                    dxr.iter_mut().zip(&dy[span.clone()]).zip(&x[span]).zip(w)
-                                {
-                                    *o = dx_of(d, v, wj);
+                crate::isa::vectorized(
+                    #[inline(always)]
+                    || {
+                        let (pdw, pdb) = part.split_at_mut(c);
+                        pdw.fill(0.0);
+                        pdb.fill(0.0);
+                        let r0 = p * rows_per;
+                        for (r, dxr) in dx.chunks_exact_mut(c).enumerate() {
+                            let row = r0 + r;
+                            let span = row * c..(row + 1) * c;
+                            let (m, s) = (mean[row], rstd[row]);
+                            let (mg, mgx) = {
+                                let xr = x.map_or(&*dxr, |x| &x[span.clone()]);
+                                let dyr = dy.map_or(&*dxr, |dy| &dy[span.clone()]);
+                                backward_sums(dyr, xr, w, (m, s), pdw, pdb)
+                            };
+                            let dx_of =
+                                |dy: f32, x: f32, w: f32| dx_value(dy, x, w, (m, s), (mg, mgx));
+                            match (dy, x) {
+                                (Some(dy), Some(x)) => {
+                                    for (((o, &d), &v), &wj) in
+                                        dxr.iter_mut().zip(&dy[span.clone()]).zip(&x[span]).zip(w)
+                                    {
+                                        *o = dx_of(d, v, wj);
+                                    }
                                 }
-                            }
-                            (None, Some(x)) => {
-                                for ((o, &v), &wj) in dxr.iter_mut().zip(&x[span]).zip(w) {
-                                    *o = dx_of(*o, v, wj);
+                                (None, Some(x)) => {
+                                    for ((o, &v), &wj) in dxr.iter_mut().zip(&x[span]).zip(w) {
+                                        *o = dx_of(*o, v, wj);
+                                    }
                                 }
-                            }
-                            (Some(dy), None) => {
-                                for ((o, &d), &wj) in dxr.iter_mut().zip(&dy[span]).zip(w) {
-                                    *o = dx_of(d, *o, wj);
+                                (Some(dy), None) => {
+                                    for ((o, &d), &wj) in dxr.iter_mut().zip(&dy[span]).zip(w) {
+                                        *o = dx_of(d, *o, wj);
+                                    }
                                 }
+                                (None, None) => unreachable!("one input at most is written over"),
                             }
-                            (None, None) => unreachable!("one input at most is written over"),
                         }
-                    }
-                })
+                    },
+                )
             });
         dw.fill(0.0);
         db.fill(0.0);

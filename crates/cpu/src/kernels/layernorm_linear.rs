@@ -52,13 +52,16 @@ fn normalize_tile(
         .zip(rstd.par_chunks_mut(rows_per))
         .enumerate()
         .for_each(|(c, ((t, mean), rstd))| {
-            crate::isa::vectorized(|| {
-                for (r, yr) in t.chunks_exact_mut(k).enumerate() {
-                    let row = r0 + c * rows_per + r;
-                    let xr = &x[row * k..(row + 1) * k];
-                    (mean[r], rstd[r]) = normalize_row(xr, ln_w, ln_b, eps, yr);
-                }
-            })
+            crate::isa::vectorized(
+                #[inline(always)]
+                || {
+                    for (r, yr) in t.chunks_exact_mut(k).enumerate() {
+                        let row = r0 + c * rows_per + r;
+                        let xr = &x[row * k..(row + 1) * k];
+                        (mean[r], rstd[r]) = normalize_row(xr, ln_w, ln_b, eps, yr);
+                    }
+                },
+            )
         });
 }
 
@@ -82,19 +85,22 @@ fn normalize_tile_transposed(
         .par_chunks_mut(COLS * m)
         .enumerate()
         .for_each(|(c, block)| {
-            crate::isa::vectorized(|| {
-                let j0 = c * COLS;
-                for ra in (0..m).step_by(ROWS) {
-                    let rb = (ra + ROWS).min(m);
-                    for (jj, out_row) in block.chunks_exact_mut(m).enumerate() {
-                        let j = j0 + jj;
-                        let (wj, bj) = (ln_w[j], ln_b[j]);
-                        for (o, r) in out_row[ra..rb].iter_mut().zip(r0 + ra..r0 + rb) {
-                            *o = (x[r * k + j] - mean[r]) * rstd[r] * wj + bj;
+            crate::isa::vectorized(
+                #[inline(always)]
+                || {
+                    let j0 = c * COLS;
+                    for ra in (0..m).step_by(ROWS) {
+                        let rb = (ra + ROWS).min(m);
+                        for (jj, out_row) in block.chunks_exact_mut(m).enumerate() {
+                            let j = j0 + jj;
+                            let (wj, bj) = (ln_w[j], ln_b[j]);
+                            for (o, r) in out_row[ra..rb].iter_mut().zip(r0 + ra..r0 + rb) {
+                                *o = (x[r * k + j] - mean[r]) * rstd[r] * wj + bj;
+                            }
                         }
                     }
-                }
-            })
+                },
+            )
         });
 }
 
@@ -121,11 +127,14 @@ fn row_stats_all(x: &[f32], k: usize, eps: f32, mean: &mut [f32], rstd: &mut [f3
         .zip(mean.par_chunks_mut(rows_per))
         .zip(rstd.par_chunks_mut(rows_per))
         .for_each(|((x, mean), rstd)| {
-            crate::isa::vectorized(|| {
-                for ((xr, m), s) in x.chunks_exact(k).zip(mean).zip(rstd) {
-                    (*m, *s) = row_stats(xr, eps);
-                }
-            })
+            crate::isa::vectorized(
+                #[inline(always)]
+                || {
+                    for ((xr, m), s) in x.chunks_exact(k).zip(mean).zip(rstd) {
+                        (*m, *s) = row_stats(xr, eps);
+                    }
+                },
+            )
         });
 }
 
@@ -313,31 +322,35 @@ fn backward(kern: &Kernel<'_>, dy: Operand<'_>, arith: Arith) {
             .zip(partials.par_chunks_mut(2 * k))
             .enumerate()
             .for_each(|(p, ((dxp, tp), part))| {
-                crate::isa::vectorized(|| {
-                    let (pdw, pdb) = part.split_at_mut(k);
-                    for (r, (dxr, gr)) in
-                        dxp.chunks_exact_mut(k).zip(tp.chunks_exact(k)).enumerate()
-                    {
-                        let row = r0 + p * rows_per + r;
-                        let ms = (mean[row], rstd[row]);
-                        match x_in {
-                            Some(x) => {
-                                let xr = &x[row * k..(row + 1) * k];
-                                let sums = backward_sums(gr, xr, ln_w, ms, pdw, pdb);
-                                for (((o, &g), &v), &wj) in dxr.iter_mut().zip(gr).zip(xr).zip(ln_w)
-                                {
-                                    *o = dx_value(g, v, wj, ms, sums);
+                crate::isa::vectorized(
+                    #[inline(always)]
+                    || {
+                        let (pdw, pdb) = part.split_at_mut(k);
+                        for (r, (dxr, gr)) in
+                            dxp.chunks_exact_mut(k).zip(tp.chunks_exact(k)).enumerate()
+                        {
+                            let row = r0 + p * rows_per + r;
+                            let ms = (mean[row], rstd[row]);
+                            match x_in {
+                                Some(x) => {
+                                    let xr = &x[row * k..(row + 1) * k];
+                                    let sums = backward_sums(gr, xr, ln_w, ms, pdw, pdb);
+                                    for (((o, &g), &v), &wj) in
+                                        dxr.iter_mut().zip(gr).zip(xr).zip(ln_w)
+                                    {
+                                        *o = dx_value(g, v, wj, ms, sums);
+                                    }
                                 }
-                            }
-                            None => {
-                                let sums = backward_sums(gr, dxr, ln_w, ms, pdw, pdb);
-                                for ((o, &g), &wj) in dxr.iter_mut().zip(gr).zip(ln_w) {
-                                    *o = dx_value(g, *o, wj, ms, sums);
+                                None => {
+                                    let sums = backward_sums(gr, dxr, ln_w, ms, pdw, pdb);
+                                    for ((o, &g), &wj) in dxr.iter_mut().zip(gr).zip(ln_w) {
+                                        *o = dx_value(g, *o, wj, ms, sums);
+                                    }
                                 }
                             }
                         }
-                    }
-                })
+                    },
+                )
             });
     }
     d_ln_w.fill(0.0);

@@ -89,16 +89,20 @@ pub(super) fn lm_head_loss(
                     .zip(picked.par_iter_mut())
                     .zip(targets[r0..r0 + m].par_iter())
                     .for_each(|((((row, max), sum), picked), &t)| {
-                        crate::isa::vectorized(|| {
-                            let new_max = max.max(crate::math::max(row));
-                            let block = crate::math::sum_by(row, |l| crate::math::exp(l - new_max));
-                            *sum = *sum * crate::math::exp(*max - new_max) + block;
-                            *max = new_max;
-                            let t = t.clamp(0, v as i32 - 1) as usize;
-                            if (c0..c0 + vb).contains(&t) {
-                                *picked = row[t - c0];
-                            }
-                        })
+                        crate::isa::vectorized(
+                            #[inline(always)]
+                            || {
+                                let new_max = max.max(crate::math::max(row));
+                                let block =
+                                    crate::math::sum_by(row, |l| crate::math::exp(l - new_max));
+                                *sum = *sum * crate::math::exp(*max - new_max) + block;
+                                *max = new_max;
+                                let t = t.clamp(0, v as i32 - 1) as usize;
+                                if (c0..c0 + vb).contains(&t) {
+                                    *picked = row[t - c0];
+                                }
+                            },
+                        )
                     });
             }
             for (((lse, &sum), &picked), loss) in maxes
@@ -157,22 +161,27 @@ pub(super) fn lm_head_loss_backward(
                 // SAFETY: rows r0..r0+m of x lie inside it and are not yet written over.
                 let xt = unsafe { std::slice::from_raw_parts(xp.add(r0 * c), m * c) };
                 block_logits((op.tb, arith), xt, &mut w, (0, m, c, v), (c0, vb), dlogits);
-                crate::par::rows_mut(dlogits, vb, |i0, chunk| {
-                    for (i, row) in chunk.chunks_exact_mut(vb).enumerate() {
-                        let r = r0 + i0 + i;
-                        let Some(g) = row_scale(g, mask, r) else {
-                            row.fill(0.0);
-                            continue;
-                        };
-                        let s = lse[r];
-                        row.iter_mut()
-                            .for_each(|l| *l = crate::math::exp(*l - s) * g);
-                        let t = targets[r].clamp(0, v as i32 - 1) as usize;
-                        if (c0..c0 + vb).contains(&t) {
-                            row[t - c0] -= g;
+                crate::par::rows_mut(
+                    dlogits,
+                    vb,
+                    #[inline(always)]
+                    |i0, chunk| {
+                        for (i, row) in chunk.chunks_exact_mut(vb).enumerate() {
+                            let r = r0 + i0 + i;
+                            let Some(g) = row_scale(g, mask, r) else {
+                                row.fill(0.0);
+                                continue;
+                            };
+                            let s = lse[r];
+                            row.iter_mut()
+                                .for_each(|l| *l = crate::math::exp(*l - s) * g);
+                            let t = targets[r].clamp(0, v as i32 - 1) as usize;
+                            if (c0..c0 + vb).contains(&t) {
+                                row[t - c0] -= g;
+                            }
                         }
-                    }
-                });
+                    },
+                );
                 let (b, b_rs, b_cs) = head_block(op.tb, c, v, c0);
                 // SAFETY: every matrix below lies inside its buffer (shapes checked by `infer`;
                 // `head_block` stays inside the head); the tile's rows of x are read before

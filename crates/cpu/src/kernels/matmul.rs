@@ -30,11 +30,16 @@ impl CpuKernel for MatMul {
         }
         if self.bias {
             let bias = k.in_f32(2);
-            crate::par::rows_mut(c, d.n, |_, rows| {
-                for row in rows.chunks_exact_mut(d.n) {
-                    row.copy_from_slice(bias);
-                }
-            });
+            crate::par::rows_mut(
+                c,
+                d.n,
+                #[inline(always)]
+                |_, rows| {
+                    for row in rows.chunks_exact_mut(d.n) {
+                        row.copy_from_slice(bias);
+                    }
+                },
+            );
         }
         let a_stride = d.m * d.k;
         let b_stride = if d.shared_b { 0 } else { d.k * d.n };

@@ -44,7 +44,7 @@ macro_rules! dispatch {
         /// Runs `op`'s CPU kernel on the tensors `k` binds.
         pub fn run(op: &Op, k: &Kernel<'_>) {
             match op {
-                $(Op::$variant(op) => crate::isa::vectorized(|| <snug_graph::ops::$variant as CpuKernel>::run(op, k)),)*
+                $(Op::$variant(op) => crate::isa::vectorized(#[inline(always)] || <snug_graph::ops::$variant as CpuKernel>::run(op, k)),)*
             }
         }
     };

@@ -80,15 +80,20 @@ impl CpuKernel for QuantizedRead {
             Op::Embedding(_) => {
                 let (ids, out) = (k.in_i32(self.input_of(1)), k.out_f32(0));
                 let table = weight(false);
-                crate::par::rows_mut(out, cols, |r0, out_rows| {
-                    for (r, row) in out_rows.chunks_exact_mut(cols).enumerate() {
-                        // Ids are range-checked when a batch is loaded; a stray one reads zeros.
-                        match usize::try_from(ids[r0 + r]).ok().filter(|&i| i < rows) {
-                            Some(i) => table.decode_row(i, row),
-                            None => row.fill(0.0),
+                crate::par::rows_mut(
+                    out,
+                    cols,
+                    #[inline(always)]
+                    |r0, out_rows| {
+                        for (r, row) in out_rows.chunks_exact_mut(cols).enumerate() {
+                            // Ids are range-checked when a batch is loaded; a stray one reads zeros.
+                            match usize::try_from(ids[r0 + r]).ok().filter(|&i| i < rows) {
+                                Some(i) => table.decode_row(i, row),
+                                None => row.fill(0.0),
+                            }
                         }
-                    }
-                });
+                    },
+                );
             }
             Op::Narrow(n) => {
                 let (out, table) = (k.out_f32(0), weight(false));

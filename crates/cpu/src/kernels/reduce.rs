@@ -11,32 +11,37 @@ impl CpuKernel for Reduce {
         let (x, y) = (k.in_f32(0), k.out_f32(0));
         let (outer, n, inner) = split_axis(k.in_shape(0), self.axis);
         let kind = self.kind;
-        crate::par::rows_mut(y, inner, |row0, rows| {
-            for (r, out) in rows.chunks_exact_mut(inner).enumerate() {
-                let o = row0 + r;
-                let base = o * n * inner;
-                let init = if kind == ReduceKind::Max {
-                    f32::NEG_INFINITY
-                } else {
-                    0.0
-                };
-                out.fill(init);
-                for j in 0..n {
-                    let src = &x[base + j * inner..base + (j + 1) * inner];
-                    for (acc, &v) in out.iter_mut().zip(src) {
-                        *acc = if kind == ReduceKind::Max {
-                            acc.max(v)
-                        } else {
-                            *acc + v
-                        };
+        crate::par::rows_mut(
+            y,
+            inner,
+            #[inline(always)]
+            |row0, rows| {
+                for (r, out) in rows.chunks_exact_mut(inner).enumerate() {
+                    let o = row0 + r;
+                    let base = o * n * inner;
+                    let init = if kind == ReduceKind::Max {
+                        f32::NEG_INFINITY
+                    } else {
+                        0.0
+                    };
+                    out.fill(init);
+                    for j in 0..n {
+                        let src = &x[base + j * inner..base + (j + 1) * inner];
+                        for (acc, &v) in out.iter_mut().zip(src) {
+                            *acc = if kind == ReduceKind::Max {
+                                acc.max(v)
+                            } else {
+                                *acc + v
+                            };
+                        }
+                    }
+                    if kind == ReduceKind::Mean {
+                        let inv = 1.0 / n as f32;
+                        out.iter_mut().for_each(|v| *v *= inv);
                     }
                 }
-                if kind == ReduceKind::Mean {
-                    let inv = 1.0 / n as f32;
-                    out.iter_mut().for_each(|v| *v *= inv);
-                }
-            }
-        });
+            },
+        );
         debug_assert_eq!(y.len(), outer * inner);
     }
 }
@@ -101,19 +106,29 @@ fn sum_to<X: Elem>(op: &SumTo, k: &Kernel<'_>, x: &[X]) {
             ws.par_chunks_mut(n)
                 .take(parts)
                 .enumerate()
-                .for_each(|(p, acc)| crate::isa::vectorized(|| sum_rows(p, acc)));
+                .for_each(|(p, acc)| {
+                    crate::isa::vectorized(
+                        #[inline(always)]
+                        || sum_rows(p, acc),
+                    )
+                });
             y.copy_from_slice(&ws[..n]);
             for part in ws.chunks_exact(n).take(parts).skip(1) {
                 y.iter_mut().zip(part).for_each(|(a, b)| *a += b);
             }
         }
         Mapping::Spread(n) => {
-            crate::par::rows_mut(y, 1, |o0, outs| {
-                for (j, out) in outs.iter_mut().enumerate() {
-                    let o = o0 + j;
-                    *out = x[o * n..(o + 1) * n].iter().map(|v| v.get()).sum();
-                }
-            });
+            crate::par::rows_mut(
+                y,
+                1,
+                #[inline(always)]
+                |o0, outs| {
+                    for (j, out) in outs.iter_mut().enumerate() {
+                        let o = o0 + j;
+                        *out = x[o * n..(o + 1) * n].iter().map(|v| v.get()).sum();
+                    }
+                },
+            );
         }
         m @ Mapping::Strided { .. } => {
             y.fill(0.0);
@@ -128,10 +143,14 @@ impl CpuKernel for BroadcastTo {
     fn run(&self, k: &Kernel<'_>) {
         let (x, y) = (k.in_f32(0), k.out_f32(0));
         let m = super::broadcast::Mapping::new(k.in_shape(0), &self.shape);
-        crate::par::elems_mut(y, |start, out| {
-            for (j, o) in out.iter_mut().enumerate() {
-                *o = x[m.index(start + j)];
-            }
-        });
+        crate::par::elems_mut(
+            y,
+            #[inline(always)]
+            |start, out| {
+                for (j, o) in out.iter_mut().enumerate() {
+                    *o = x[m.index(start + j)];
+                }
+            },
+        );
     }
 }

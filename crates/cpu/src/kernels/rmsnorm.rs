@@ -31,14 +31,24 @@ pub(super) fn forward(eps: f32, k: &Kernel<'_>) {
     let rows_per = (crate::par::MIN_PAR_ELEMS / c).max(1);
     let part = |p: usize, rstd: &mut [f32]| {
         let (mut bx, mut by) = (x.buffer(c), y.buffer(c));
-        crate::isa::vectorized(|| {
-            for (r, s) in rstd.iter_mut().enumerate() {
-                let at = (p * rows_per + r) * c;
-                let xr = x.get((at, c), &mut bx);
-                // SAFETY: row `at / c` is written by this part only.
-                *s = unsafe { y.with((at, c), &mut by, |yr| norm_row(xr, w, eps, yr)) };
-            }
-        })
+        crate::isa::vectorized(
+            #[inline(always)]
+            || {
+                for (r, s) in rstd.iter_mut().enumerate() {
+                    let at = (p * rows_per + r) * c;
+                    let xr = x.get((at, c), &mut bx);
+                    // SAFETY: row `at / c` is written by this part only.
+                    *s = unsafe {
+                        y.with(
+                            (at, c),
+                            &mut by,
+                            #[inline(always)]
+                            |yr| norm_row(xr, w, eps, yr),
+                        )
+                    };
+                }
+            },
+        )
     };
     // A few rows (a decode step's) run here, without the pool.
     if rstd.len() <= rows_per {
@@ -87,19 +97,27 @@ pub(super) fn backward(k: &Kernel<'_>) {
         .enumerate()
         .for_each(|(p, pdw)| {
             let (mut bdy, mut bx, mut bdx) = (dy.buffer(c), x.buffer(c), dx.buffer(c));
-            crate::isa::vectorized(|| {
-                pdw.fill(0.0);
-                let first = p * rows_per;
-                let part = &rstd[first..((p + 1) * rows_per).min(rows)];
-                for (row, &s) in (first..).zip(part) {
-                    let at = row * c;
-                    let (dyr, xr) = (dy.get((at, c), &mut bdy), x.get((at, c), &mut bx));
-                    // SAFETY: row `row` is written by this item only.
-                    unsafe {
-                        dx.with((at, c), &mut bdx, |dxr| grad_row((dyr, xr, w, s), dxr, pdw))
-                    };
-                }
-            })
+            crate::isa::vectorized(
+                #[inline(always)]
+                || {
+                    pdw.fill(0.0);
+                    let first = p * rows_per;
+                    let part = &rstd[first..((p + 1) * rows_per).min(rows)];
+                    for (row, &s) in (first..).zip(part) {
+                        let at = row * c;
+                        let (dyr, xr) = (dy.get((at, c), &mut bdy), x.get((at, c), &mut bx));
+                        // SAFETY: row `row` is written by this item only.
+                        unsafe {
+                            dx.with(
+                                (at, c),
+                                &mut bdx,
+                                #[inline(always)]
+                                |dxr| grad_row((dyr, xr, w, s), dxr, pdw),
+                            )
+                        };
+                    }
+                },
+            )
         });
     for pdw in ws.chunks_exact(c).take(used) {
         dw.iter_mut().zip(pdw).for_each(|(a, b)| *a += b);

@@ -28,32 +28,43 @@ pub(super) fn rotate(op: &Rope, k: &Kernel<'_>, first: usize) {
     let staged = |half: bool| if half { c } else { 0 };
     let (sx, sy) = (staged(matches!(x, Src::Bf16(_))), staged(y.is_half()));
     // One position per item: its angles are computed once and used for every batch row.
-    crate::par::for_each_item(k.workspace(), hd + sx + sy, t, |pos, scratch| {
-        let (angles, rest) = scratch.split_at_mut(hd);
-        let (bx, by) = rest.split_at_mut(sx);
-        let (cos, sin) = angles.split_at_mut(half);
-        let at = (first + pos) as f64;
-        for i in 0..half {
-            let (s, co) = (at * op.inv_freq(i)).sin_cos();
-            cos[i] = co as f32;
-            sin[i] = (sign * s) as f32;
-        }
-        for bi in 0..b {
-            let off = (bi * t + pos) * c;
-            let xr = x.get((off, c), bx);
-            // SAFETY: row (bi, pos) of y is written by this item only.
-            unsafe {
-                y.with((off, c), by, |yr| {
-                    for (xh, yh) in xr.chunks_exact(hd).zip(yr.chunks_exact_mut(hd)) {
-                        let (x1, x2) = xh.split_at(half);
-                        let (y1, y2) = yh.split_at_mut(half);
-                        for i in 0..half {
-                            y1[i] = x1[i] * cos[i] - x2[i] * sin[i];
-                            y2[i] = x2[i] * cos[i] + x1[i] * sin[i];
-                        }
-                    }
-                })
-            };
-        }
-    });
+    crate::par::for_each_item(
+        k.workspace(),
+        hd + sx + sy,
+        t,
+        #[inline(always)]
+        |pos, scratch| {
+            let (angles, rest) = scratch.split_at_mut(hd);
+            let (bx, by) = rest.split_at_mut(sx);
+            let (cos, sin) = angles.split_at_mut(half);
+            let at = (first + pos) as f64;
+            for i in 0..half {
+                let (s, co) = (at * op.inv_freq(i)).sin_cos();
+                cos[i] = co as f32;
+                sin[i] = (sign * s) as f32;
+            }
+            for bi in 0..b {
+                let off = (bi * t + pos) * c;
+                let xr = x.get((off, c), bx);
+                // SAFETY: row (bi, pos) of y is written by this item only.
+                unsafe {
+                    y.with(
+                        (off, c),
+                        by,
+                        #[inline(always)]
+                        |yr| {
+                            for (xh, yh) in xr.chunks_exact(hd).zip(yr.chunks_exact_mut(hd)) {
+                                let (x1, x2) = xh.split_at(half);
+                                let (y1, y2) = yh.split_at_mut(half);
+                                for i in 0..half {
+                                    y1[i] = x1[i] * cos[i] - x2[i] * sin[i];
+                                    y2[i] = x2[i] * cos[i] + x1[i] * sin[i];
+                                }
+                            }
+                        },
+                    )
+                };
+            }
+        },
+    );
 }

@@ -16,11 +16,15 @@ impl CpuKernel for Sgd {
         let (p, g) = (k.in_mut_f32(0), k.in_f32(1));
         let decay = 1.0 - k.ctx.lr * self.weight_decay;
         let lr = k.ctx.lr * scale;
-        crate::par::elems_mut(p, |start, out| {
-            let n = out.len();
-            for (w, &gi) in out.iter_mut().zip(&g[start..start + n]) {
-                *w = *w * decay - lr * gi;
-            }
-        });
+        crate::par::elems_mut(
+            p,
+            #[inline(always)]
+            |start, out| {
+                let n = out.len();
+                for (w, &gi) in out.iter_mut().zip(&g[start..start + n]) {
+                    *w = *w * decay - lr * gi;
+                }
+            },
+        );
     }
 }

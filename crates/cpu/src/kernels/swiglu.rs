@@ -31,35 +31,51 @@ fn gate_grad(g: f32, u: f32, d: f32) -> (f32, f32) {
 /// shape rule gives it no in-place input).
 pub(super) fn forward_io(k: &Kernel<'_>) {
     let (g, u, y) = (Src::input(k, 0), Src::input(k, 1), Dst::output(k, 0));
-    staged_runs(k.in_shape(0).iter().product(), |at, n| {
-        let ([mut bg, mut bu], mut by) = ([[0.0f32; STAGE]; 2], [0.0f32; STAGE]);
-        let (g, u) = (g.get((at, n), &mut bg), u.get((at, n), &mut bu));
-        // SAFETY: each run is written by one thread.
-        unsafe {
-            y.with((at, n), &mut by, |y| {
-                for ((o, &g), &u) in y.iter_mut().zip(g).zip(u) {
-                    *o = gate(g, u);
-                }
-            })
-        }
-    });
+    staged_runs(
+        k.in_shape(0).iter().product(),
+        #[inline(always)]
+        |at, n| {
+            let ([mut bg, mut bu], mut by) = ([[0.0f32; STAGE]; 2], [0.0f32; STAGE]);
+            let (g, u) = (g.get((at, n), &mut bg), u.get((at, n), &mut bu));
+            // SAFETY: each run is written by one thread.
+            unsafe {
+                y.with(
+                    (at, n),
+                    &mut by,
+                    #[inline(always)]
+                    |y| {
+                        for ((o, &g), &u) in y.iter_mut().zip(g).zip(u) {
+                            *o = gate(g, u);
+                        }
+                    },
+                )
+            }
+        },
+    );
 }
 
 impl CpuKernel for SwiGluBackward {
     fn run(&self, k: &Kernel<'_>) {
         let (gate, up, dy) = (k.in_f32(0), k.in_f32(1), k.in_f32(2));
         let (dgate, dup) = (k.out_f32(0), k.out_f32(1));
-        crate::par::rows_mut2(dgate, 1, dup, 1, |start, dg, du| {
-            let n = dg.len();
-            let (g, u, d) = (
-                &gate[start..start + n],
-                &up[start..start + n],
-                &dy[start..start + n],
-            );
-            for i in 0..n {
-                (dg[i], du[i]) = gate_grad(g[i], u[i], d[i]);
-            }
-        });
+        crate::par::rows_mut2(
+            dgate,
+            1,
+            dup,
+            1,
+            #[inline(always)]
+            |start, dg, du| {
+                let n = dg.len();
+                let (g, u, d) = (
+                    &gate[start..start + n],
+                    &up[start..start + n],
+                    &dy[start..start + n],
+                );
+                for i in 0..n {
+                    (dg[i], du[i]) = gate_grad(g[i], u[i], d[i]);
+                }
+            },
+        );
     }
 }
 
@@ -67,23 +83,37 @@ impl CpuKernel for SwiGluBackward {
 pub(super) fn backward_io(k: &Kernel<'_>) {
     let ins = [0, 1, 2].map(|i| Src::input(k, i));
     let (dg, du) = (Dst::output(k, 0), Dst::output(k, 1));
-    staged_runs(k.in_shape(0).iter().product(), |at, n| {
-        let mut b = [[0.0f32; STAGE]; 5];
-        let [bg, bu, bd, bdg, bdu] = &mut b;
-        let (g, u, d) = (
-            ins[0].get((at, n), bg),
-            ins[1].get((at, n), bu),
-            ins[2].get((at, n), bd),
-        );
-        // SAFETY: each run is written by one thread.
-        unsafe {
-            dg.with((at, n), bdg, |dg| {
-                du.with((at, n), bdu, |du| {
-                    for i in 0..n {
-                        (dg[i], du[i]) = gate_grad(g[i], u[i], d[i]);
-                    }
-                })
-            })
-        }
-    });
+    staged_runs(
+        k.in_shape(0).iter().product(),
+        #[inline(always)]
+        |at, n| {
+            let mut b = [[0.0f32; STAGE]; 5];
+            let [bg, bu, bd, bdg, bdu] = &mut b;
+            let (g, u, d) = (
+                ins[0].get((at, n), bg),
+                ins[1].get((at, n), bu),
+                ins[2].get((at, n), bd),
+            );
+            // SAFETY: each run is written by one thread.
+            unsafe {
+                dg.with(
+                    (at, n),
+                    bdg,
+                    #[inline(always)]
+                    |dg| {
+                        du.with(
+                            (at, n),
+                            bdu,
+                            #[inline(always)]
+                            |du| {
+                                for i in 0..n {
+                                    (dg[i], du[i]) = gate_grad(g[i], u[i], d[i]);
+                                }
+                            },
+                        )
+                    },
+                )
+            }
+        },
+    );
 }

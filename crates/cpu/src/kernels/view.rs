@@ -35,16 +35,20 @@ impl CpuKernel for Transpose {
         // Output axis d reads input axis perm[d].
         let mut perm: Vec<usize> = (0..rank).collect();
         perm.swap(self.dim0, self.dim1);
-        crate::par::elems_mut(y, |start, out| {
-            for (j, o) in out.iter_mut().enumerate() {
-                let mut rem = start + j;
-                let mut src = 0;
-                for d in (0..rank).rev() {
-                    src += (rem % out_shape[d]) * in_strides[perm[d]];
-                    rem /= out_shape[d];
+        crate::par::elems_mut(
+            y,
+            #[inline(always)]
+            |start, out| {
+                for (j, o) in out.iter_mut().enumerate() {
+                    let mut rem = start + j;
+                    let mut src = 0;
+                    for d in (0..rank).rev() {
+                        src += (rem % out_shape[d]) * in_strides[perm[d]];
+                        rem /= out_shape[d];
+                    }
+                    *o = x[src];
                 }
-                *o = x[src];
-            }
-        });
+            },
+        );
     }
 }
