@@ -141,35 +141,42 @@ impl<'a> QuantB<'a> {
             });
             return;
         }
-        decoding!(self, |value| {
-            for j in (0..nc).step_by(nr) {
-                let w = nr.min(nc - j);
-                // SAFETY: panel `j` holds `kc · nr` floats inside `out`, as the caller vouched.
-                let panel = unsafe { std::slice::from_raw_parts_mut(out.add(j * kc), kc * nr) };
-                let col0 = first + j * cs;
-                if cs <= rs {
-                    // Rows of the weight run along the panel's columns: read them in order.
-                    for (p, row) in panel.chunks_exact_mut(nr).enumerate() {
-                        let at = col0 + p * rs;
-                        for (l, v) in row[..w].iter_mut().enumerate() {
-                            *v = value(at + l * cs);
+        // Not inlined into the tile's packing: compiled for the CPU's level here.
+        crate::isa::vectorized(
+            #[inline(always)]
+            || {
+                decoding!(self, |value| {
+                    for j in (0..nc).step_by(nr) {
+                        let w = nr.min(nc - j);
+                        // SAFETY: panel `j` holds `kc · nr` floats inside `out`, as the caller vouched.
+                        let panel =
+                            unsafe { std::slice::from_raw_parts_mut(out.add(j * kc), kc * nr) };
+                        let col0 = first + j * cs;
+                        if cs <= rs {
+                            // Rows of the weight run along the panel's columns: read them in order.
+                            for (p, row) in panel.chunks_exact_mut(nr).enumerate() {
+                                let at = col0 + p * rs;
+                                for (l, v) in row[..w].iter_mut().enumerate() {
+                                    *v = value(at + l * cs);
+                                }
+                                row[w..].fill(0.0);
+                            }
+                        } else {
+                            // A transposed weight: each panel column is a run of one of its rows.
+                            for l in 0..nr {
+                                for p in 0..kc {
+                                    panel[p * nr + l] = if l < w {
+                                        value(col0 + l * cs + p * rs)
+                                    } else {
+                                        0.0
+                                    };
+                                }
+                            }
                         }
-                        row[w..].fill(0.0);
                     }
-                } else {
-                    // A transposed weight: each panel column is a run of one of its rows.
-                    for l in 0..nr {
-                        for p in 0..kc {
-                            panel[p * nr + l] = if l < w {
-                                value(col0 + l * cs + p * rs)
-                            } else {
-                                0.0
-                            };
-                        }
-                    }
-                }
-            }
-        })
+                })
+            },
+        )
     }
 
     /// A bf16 `b` read in order from `(p0, j0)`: its values from there on, and its row
