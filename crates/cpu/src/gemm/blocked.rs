@@ -629,16 +629,18 @@ pub(super) fn apply_prologue<const MR: usize>(
 ) {
     match prologue {
         Prologue::None => {}
-        // Padded rows hold zeros, and GELU(0) = 0. One loop per variant, each vectorised.
+        // Padded rows hold zeros, and GELU(0) = 0. One loop per variant, each vectorised; plain
+        // `for` loops, since `Iterator::for_each` is a function of its own that the inliner
+        // left uninlined, compiled for the baseline.
         Prologue::Gelu(GeluApprox::Tanh) => {
-            panel
-                .iter_mut()
-                .for_each(|x| *x = gelu(GeluApprox::Tanh, *x));
+            for x in panel.iter_mut() {
+                *x = gelu(GeluApprox::Tanh, *x);
+            }
         }
         Prologue::Gelu(GeluApprox::Exact) => {
-            panel
-                .iter_mut()
-                .for_each(|x| *x = gelu(GeluApprox::Exact, *x));
+            for x in panel.iter_mut() {
+                *x = gelu(GeluApprox::Exact, *x);
+            }
         }
         Prologue::LayerNorm {
             mean,
