@@ -233,7 +233,7 @@ unsafe fn kernel(
                 }
             }
         }
-        store_tile(&acc, (c, c_rs), (mr, nr), (scale, bias), accumulate);
+        store_tile(acc, (c, c_rs), (mr, nr), (scale, bias), accumulate);
     }
 }
 
@@ -241,12 +241,15 @@ unsafe fn kernel(
 /// accumulating, a non-null `bias` (the tile's `nr` columns) is added. Shared with the BF16
 /// tile, whose accumulators are these.
 ///
+/// The accumulators by value: behind a reference they were a stack array, zeroed by a
+/// `memset` call on every tile (2 % of a bf16 step).
+///
 /// # Safety
 /// The tile (and its biases) must lie inside `c` (and `bias`).
 #[target_feature(enable = "avx512f")]
 #[inline]
 pub(super) unsafe fn store_tile(
-    acc: &[[__m512; 3]; MR],
+    acc: [[__m512; 3]; MR],
     (c, c_rs): (*mut f32, isize),
     (mr, nr): (usize, usize),
     (scale, bias): (f32, *const f32),

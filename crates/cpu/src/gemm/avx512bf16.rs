@@ -276,7 +276,174 @@ unsafe fn kernel(
                 }
             }
         }
-        store_tile(&acc, (c, c_rs), (mr, nr), (scale, bias), accumulate);
+        store_tile(acc, (c, c_rs), (mr, nr), (scale, bias), accumulate);
+    }
+}
+
+/// Attention's head products on operands paired once: every row block of a head reads all of
+/// its keys and values, and through [`Tile`]'s packing each block paired them again (up to
+/// `t / 64` times over). Here a head's keys and values are laid out as [`kernel`] reads them
+/// once, and the products run tile by tile over the laid-out panels, at any depth (a head's
+/// panels fit in L2, so no depth blocking).
+///
+/// Panel layouts: an `a` panel (`MR` rows, depth `k`) holds pair `q` of row `i` at word
+/// `q·MR + i`, panels `MR·⌈k/2⌉` words apart; a `b` panel (`NR` columns) holds pair `q` of
+/// column `l` at word `q·NR + l`, panels `NR·⌈k/2⌉` words apart, 64-byte aligned.
+pub(crate) mod paired {
+    use super::*;
+    use crate::gemm::avx512::transpose;
+
+    /// Words `a` panels of `m` rows, `k` deep, take (in f32 slots), with room for the last
+    /// one to be packed in f32 before it is paired in place ([`a_f32`]).
+    pub(crate) fn a_len(m: usize, k: usize) -> usize {
+        (m.div_ceil(MR) + 1) * MR * k.div_ceil(2)
+    }
+
+    /// Words `b` panels of `n` columns, `k` deep, take.
+    pub(crate) fn b_len(k: usize, n: usize) -> usize {
+        n.div_ceil(NR) * NR * k.div_ceil(2)
+    }
+
+    /// `a` panels of the `m` rows of `k` bf16 values at `x` (rows `rs` values apart): pair
+    /// `q` of a row is the row's word `q`, so the panels are those words transposed.
+    ///
+    /// # Safety
+    /// `k` and `rs` even and `x` 4-byte aligned; the rows inside the bits `x` points into;
+    /// `out` holds [`a_len`]`(m, k)` floats; the CPU has AVX512-BF16, BW and VL.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub(crate) unsafe fn a_words(x: *const u16, rs: usize, (m, k): (usize, usize), out: *mut f32) {
+        // SAFETY: as the caller vouched; each panel's writes stay in its `MR·k/2` words.
+        unsafe { words_across::<MR>(x, rs, (m, k), (out, MR * k / 2)) }
+    }
+
+    /// `b` panels of `xᵀ` for the `n` rows of `k` bf16 values at `x`: column `j` of `b` is row
+    /// `j` of `x`, paired along it as [`a_words`] pairs.
+    ///
+    /// # Safety
+    /// As [`a_words`]; `out` holds [`b_len`]`(k, n)` floats, 64-byte aligned.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub(crate) unsafe fn b_words(x: *const u16, rs: usize, (n, k): (usize, usize), out: *mut f32) {
+        // SAFETY: as the caller vouched.
+        unsafe { words_across::<NR>(x, rs, (n, k), (out, NR * k.div_ceil(2))) }
+    }
+
+    /// Rows `W` at a time, word `q` of row `i` to `q·W + i` of the panel (`stride` floats
+    /// apart); lanes past the last row zero.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    unsafe fn words_across<const W: usize>(
+        x: *const u16,
+        rs: usize,
+        (rows, k): (usize, usize),
+        (out, stride): (*mut f32, usize),
+    ) {
+        debug_assert!(
+            k.is_multiple_of(2) && rs.is_multiple_of(2) && (x as usize).is_multiple_of(4)
+        );
+        let words = x as *const f32;
+        for (p, r0) in (0..rows).step_by(W).enumerate() {
+            let live = W.min(rows - r0);
+            // SAFETY: rows `r0..r0 + live` lie inside the bits and the panel inside `out`, as
+            // the caller vouched; the words are moved, never computed with.
+            unsafe {
+                let dst = out.add(p * stride);
+                if live < W {
+                    std::ptr::write_bytes(dst, 0, W * k / 2);
+                }
+                transpose((words.add(r0 * rs / 2), rs / 2), (live, k / 2), (dst, W));
+            }
+        }
+    }
+
+    /// `b` panels of the `k` rows of `n` bf16 values at `x` itself (rows `rs` values apart,
+    /// the depth down them): pairs of rows, as [`pack_b_bits`] makes them, panels
+    /// [`b_len`]-packed.
+    ///
+    /// # Safety
+    /// The rows inside the bits; `out` holds [`b_len`]`(k, n)` floats, 64-byte aligned; the
+    /// CPU has AVX512-BF16, BW and VL.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub(crate) unsafe fn b_rows(x: *const u16, rs: usize, (k, n): (usize, usize), out: *mut f32) {
+        let stride = NR * k.div_ceil(2);
+        for (p, j0) in (0..n).step_by(NR).enumerate() {
+            // SAFETY: rows `< k`, columns `j0 + l` in the mask: inside the bits; the panel
+            // inside `out`, as the caller vouched.
+            unsafe {
+                let src = x.add(j0);
+                pair_rows(k, NR.min(n - j0), out.add(p * stride), |q, l, m| {
+                    _mm256_maskz_loadu_epi16(m, src.add(q * rs + l) as *const i16)
+                });
+            }
+        }
+    }
+
+    /// `a` panels of an f32 `a` (`m` rows, `k` deep, any strides), each value rounded to bf16.
+    /// Each panel is packed in f32 where it goes, over the next one's place (not yet
+    /// written), then paired in place into its own.
+    ///
+    /// # Safety
+    /// `a` valid for `m` rows and `k` columns at its strides; `out` holds [`a_len`]`(m, k)`
+    /// floats; the CPU has AVX512-BF16, BW and VL.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub(crate) unsafe fn a_f32(
+        a: *const f32,
+        (rs, cs): (isize, isize),
+        (m, k): (usize, usize),
+        out: *mut f32,
+    ) {
+        for (p, i0) in (0..m).step_by(MR).enumerate() {
+            // SAFETY: rows `i0..` and `k` columns of `a`; the panel's `MR·k` floats from its
+            // place in `out`, inside [`a_len`]'s.
+            unsafe {
+                let dst = out.add(p * MR * k.div_ceil(2));
+                let src = a.offset(i0 as isize * rs);
+                pack_a(
+                    k,
+                    MR.min(m - i0),
+                    src,
+                    (rs, cs),
+                    (dst, 0, 0),
+                    Prologue::None,
+                );
+                to_pairs::<MR>(k, dst);
+            }
+        }
+    }
+
+    /// `c (+)= scale · a · b`, `m × n`, `k` deep, over `a` panels packed `ka ≥ k` deep and `b`
+    /// panels packed `kb ≥ k` deep (a product over the first `k` of their depth); `c`'s
+    /// columns contiguous, rows `c_rs` apart.
+    ///
+    /// # Safety
+    /// The panels as laid out above, holding `m` rows and `n` columns; `c` valid for the
+    /// block and apart from the panels; the CPU has AVX512-BF16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn product(
+        (m, n, k): (usize, usize, usize),
+        (c, c_rs): (*mut f32, usize),
+        (a, ka): (*const f32, usize),
+        (b, kb): (*const f32, usize),
+        scale: f32,
+        accumulate: bool,
+    ) {
+        debug_assert!(k <= ka && k <= kb && (b as usize).is_multiple_of(64));
+        let (a_step, b_step) = (MR * ka.div_ceil(2), NR * kb.div_ceil(2));
+        for (pa, i0) in (0..m).step_by(MR).enumerate() {
+            for (pb, j0) in (0..n).step_by(NR).enumerate() {
+                // SAFETY: panel `pa` of `a`, `pb` of `b` and the tile of `c`, as the caller
+                // vouched.
+                unsafe {
+                    kernel(
+                        k,
+                        (a.add(pa * a_step), b.add(pb * b_step)),
+                        (c.add(i0 * c_rs + j0), c_rs as isize),
+                        (MR.min(m - i0), NR.min(n - j0)),
+                        (scale, std::ptr::null()),
+                        accumulate,
+                    )
+                };
+            }
+        }
     }
 }
 

@@ -175,6 +175,18 @@ impl HeadBf16 {
         bf16_tile(crate::isa::CpuFeatures::host(), math).map(HeadBf16)
     }
 
+    /// Whether this is AVX512-BF16's own tile (`VDPBF16PS`), not a model of it.
+    pub(crate) fn native(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            self.0 == OwnTile::Avx512Bf16
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    }
+
     /// The tile under `math` on a CPU with `cpu`'s features, for a test to run where the CPU
     /// (or an emulated one) has them.
     #[cfg(all(test, target_arch = "x86_64"))]

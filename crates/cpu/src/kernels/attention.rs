@@ -12,6 +12,9 @@ use super::half_io::Elem;
 use crate::gemm::HeadBf16;
 use crate::kernel::{CpuKernel, Kernel};
 
+#[cfg(target_arch = "x86_64")]
+pub(super) mod paired;
+
 impl CpuKernel for CausalAttention {
     fn run(&self, k: &Kernel<'_>) {
         let Ok((b, t, c, d)) = dims(self.name(), k.in_shape(0), self.n_head) else {
@@ -134,6 +137,10 @@ pub(super) fn forward_io(op: &CausalAttention, k: &Kernel<'_>, (half_qkv, half_y
     let staging = (3 * usize::from(half_qkv) + usize::from(half_y)) * t * d;
     // Products on bf16 inputs compute in bf16 arithmetic where the CPU has it.
     let bf16 = half_qkv.then(HeadBf16::host).flatten();
+    // On AVX512-BF16, from the bits, each head's keys and values paired once.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+    let paired = bf16.is_some_and(HeadBf16::native)
+        && paired_forward_fits((t, d), own + 3 * t * d, (qkv16.as_ptr(), 3 * c));
     for_each_head(
         k.workspace(),
         own + staging,
@@ -141,9 +148,39 @@ pub(super) fn forward_io(op: &CausalAttention, k: &Kernel<'_>, (half_qkv, half_y
         #[inline(always)]
         |item, s| {
             let (bi, hi) = (item / h, item % h);
+            let (at3, at1) = (bi * t * 3 * c + hi * d, bi * t * c + hi * d);
+            #[cfg(target_arch = "x86_64")]
+            if paired {
+                let (work, s_y) = s.split_at_mut(own + 3 * t * d);
+                let bits = |p: usize| paired::Bits {
+                    ptr: qkv16[at3 + p * c..].as_ptr(),
+                    stride: 3 * c,
+                };
+                let out = if half_y {
+                    Rows::staged_or(s_y, (std::ptr::null_mut(), 0), d)
+                } else {
+                    Rows {
+                        ptr: y.get().wrapping_add(at1),
+                        stride: c,
+                    }
+                };
+                // SAFETY: the rows lie inside `qkv` (pairable, checked above) and `y` or the
+                // staged output; each (b, h) writes only its own columns of y and row of lse;
+                // the CPU has AVX512-BF16 (a native tile).
+                unsafe {
+                    let lse_row = std::slice::from_raw_parts_mut(lse.get().add(item * t), t);
+                    let qkv = [bits(0), bits(1), bits(2)];
+                    let done = paired::head_forward((t, d, scale), qkv, out, work, lse_row);
+                    debug_assert!(done, "the scratch was sized for it");
+                    if half_y {
+                        let y16 = (y.get() as *mut u16).add(at1);
+                        unstage_head(s_y, y16, (c, (0, 1)), d);
+                    }
+                }
+                return;
+            }
             let (s, rest) = s.split_at_mut(own);
             let (s_qkv, s_y) = rest.split_at_mut(if half_qkv { 3 * t * d } else { 0 });
-            let (at3, at1) = (bi * t * 3 * c + hi * d, bi * t * c + hi * d);
             if half_qkv {
                 stage_head(qkv16, (at3, 3 * c), (c, 3), d, s_qkv);
             }
@@ -225,6 +262,15 @@ pub(super) fn backward_io(
     let wide = |half: bool, width: usize| if half { width * t * d } else { 0 };
     let staging = wide(half_qkv, 3) + wide(half_y, 1) + wide(half_dy, 1) + wide(half_dqkv, 3);
     let bf16 = half_qkv.then(HeadBf16::host).flatten();
+    // On AVX512-BF16, from the bits (every input bf16), each head's keys and values paired
+    // once; the scratch in front of the staged gradients is the pairing's.
+    let work = own + wide(half_qkv, 3) + wide(half_y, 1) + wide(half_dy, 1);
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+    let paired = bf16.is_some_and(HeadBf16::native)
+        && halves == [true; 3]
+        && paired_backward_fits((t, d), work, (qkv16.as_ptr(), 3 * c))
+        && pairable_rows(d, (y16.as_ptr(), c))
+        && pairable_rows(d, (dy16.as_ptr(), c));
     for_each_head(
         k.workspace(),
         own + staging,
@@ -232,6 +278,41 @@ pub(super) fn backward_io(
         #[inline(always)]
         |item, ws| {
             let (bi, hi) = (item / h, item % h);
+            #[cfg(target_arch = "x86_64")]
+            if paired {
+                let (at3, at1) = (bi * t * 3 * c + hi * d, bi * t * c + hi * d);
+                let (work, s_d) = ws.split_at_mut(work);
+                let bits = |x: &[u16], at: usize, stride: usize| paired::Bits {
+                    ptr: x[at..].as_ptr(),
+                    stride,
+                };
+                let head = paired::HeadBits {
+                    q: bits(qkv16, at3, 3 * c),
+                    k: bits(qkv16, at3 + c, 3 * c),
+                    v: bits(qkv16, at3 + 2 * c, 3 * c),
+                    y: bits(y16, at1, c),
+                    dy: bits(dy16, at1, c),
+                };
+                // SAFETY: the rows lie inside their tensors (pairable, checked above) or the
+                // staged gradients; each (b, h) writes only its own columns of dqkv; the CPU
+                // has AVX512-BF16 (a native tile).
+                unsafe {
+                    let dq = Rows::staged_or(s_d, (dqkv.get().wrapping_add(at3), 3 * c), 3 * d);
+                    let part = |p: usize| Rows {
+                        ptr: dq.ptr.add(p * if half_dqkv { d } else { c }),
+                        stride: dq.stride,
+                    };
+                    let lse = &lse[item * t..(item + 1) * t];
+                    let grads = [part(0), part(1), part(2)];
+                    let done = paired::head_backward((t, d, scale), &head, grads, lse, work, false);
+                    debug_assert!(done, "the scratch was sized for it");
+                    if half_dqkv {
+                        let dqkv16 = (dqkv16.get() as *mut u16).add(at3);
+                        unstage_head(s_d, dqkv16, (3 * c, (c, 3)), d);
+                    }
+                }
+                return;
+            }
             let (ws, rest) = ws.split_at_mut(own);
             let (s_qkv, rest) = rest.split_at_mut(wide(half_qkv, 3));
             let (s_y, rest) = rest.split_at_mut(wide(half_y, 1));
@@ -283,6 +364,54 @@ pub(super) fn backward_io(
             }
         },
     );
+}
+
+/// Whether [`paired::head_forward`] runs heads of `d` over `t` at rows `stride` apart from
+/// `base`, in `room` floats of scratch a head.
+fn paired_forward_fits(
+    (t, d): (usize, usize),
+    room: usize,
+    (base, stride): (*const u16, usize),
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        paired::pairable(d, stride, base) && paired::forward_len(t, d) <= room
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (t, d, room, base, stride);
+        false
+    }
+}
+
+/// [`paired_forward_fits`] for [`paired::head_backward`].
+fn paired_backward_fits(
+    (t, d): (usize, usize),
+    room: usize,
+    (base, stride): (*const u16, usize),
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        paired::pairable(d, stride, base) && paired::backward_len(t, d) <= room
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (t, d, room, base, stride);
+        false
+    }
+}
+
+/// Whether rows of `d` bf16 values `stride` apart from `base` can be paired from their words.
+fn pairable_rows(d: usize, (base, stride): (*const u16, usize)) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        paired::pairable(d, stride, base)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (d, base, stride);
+        false
+    }
 }
 
 /// Widens one head's `parts` strips of `d` bf16 values per row (`part_stride` apart, rows
@@ -994,6 +1123,140 @@ mod tests {
         };
         if ran {
             case.check("vdpbf16ps", &job.out.outputs(), None);
+        }
+    }
+
+    /// A head's bf16 inputs as the paired kernels read them: `q`, `k`, `v` side by side in
+    /// rows of `3d` (as in `qkv`), `y` and `dy` in rows of `d`; scratch filled with NaN, so a
+    /// value read from a piece the kernels did not write shows in the outputs.
+    struct PairedJob<'a> {
+        case: &'a Case,
+        qkv: Vec<u16>,
+        y: Vec<u16>,
+        dy: Vec<u16>,
+        out: Head,
+        ws: Vec<f32>,
+        done: [bool; 2],
+    }
+
+    impl PairedJob<'_> {
+        fn new(case: &Case) -> PairedJob<'_> {
+            let (t, d) = case.dims;
+            // Exact: the inputs are bf16 values.
+            let bits = |x: &[f32]| x.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+            let [q, k, v, dy] = case.inputs();
+            let qkv = (0..t)
+                .flat_map(|i| [q, k, v].map(|x| &x[i * d..(i + 1) * d]).concat())
+                .map(|v: f32| (v.to_bits() >> 16) as u16)
+                .collect();
+            let ws = paired::forward_len(t, d).max(paired::backward_len(t, d));
+            PairedJob {
+                case,
+                qkv,
+                y: bits(&case.y_in),
+                dy: bits(dy),
+                out: Head::new(case.dims),
+                ws: vec![f32::NAN; ws],
+                done: [false; 2],
+            }
+        }
+    }
+
+    unsafe extern "C" fn run_paired(job: *mut std::ffi::c_void) {
+        // SAFETY: the test passes its job.
+        let job = unsafe { &mut *(job as *mut PairedJob<'_>) };
+        let (t, d) = job.case.dims;
+        let scale = 1.0 / (d as f32).sqrt();
+        let bits = |x: &[u16], at: usize, stride: usize| paired::Bits {
+            ptr: x[at..].as_ptr(),
+            stride,
+        };
+        let rows = |x: &mut [f32]| Rows {
+            ptr: x.as_mut_ptr(),
+            stride: d,
+        };
+        let qkv = [0, 1, 2].map(|p| bits(&job.qkv, p * d, 3 * d));
+        let [dq, dk, dv] = &mut job.out.grads;
+        // SAFETY: every operand holds `t` rows at its stride (pairable: `d` even, the
+        // vectors' bits word-aligned); the outputs and scratch are distinct; the CPU (or
+        // the emulated one) has AVX512-BF16.
+        unsafe {
+            job.done[0] = paired::head_forward(
+                (t, d, scale),
+                qkv,
+                rows(&mut job.out.y),
+                &mut job.ws,
+                &mut job.out.lse,
+            );
+            let head = paired::HeadBits {
+                q: qkv[0],
+                k: qkv[1],
+                v: qkv[2],
+                y: bits(&job.y, 0, d),
+                dy: bits(&job.dy, 0, d),
+            };
+            let grads = [rows(dq), rows(dk), rows(dv)];
+            job.done[1] = paired::head_backward(
+                (t, d, scale),
+                &head,
+                grads,
+                &job.out.lse,
+                &mut job.ws,
+                false,
+            );
+        }
+    }
+
+    /// The heads paired from their bf16 bits (keys and values once a head) compute what
+    /// bf16 arithmetic does, as the tile's own packing does: a partial row block and
+    /// register tile (100, 24), a head two `b` panels wide (70, 80), and an odd sequence,
+    /// whose last block is an odd depth (33, 16). Natively where the CPU has AVX512-BF16,
+    /// else on an emulated Sapphire Rapids core.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn paired_head_products_round_their_operands_as_bf16_arithmetic_does() {
+        use snug_testkit::emulate::Model;
+        let native = CpuFeatures::host().bf16_arithmetic();
+        let _ = crate::isa::current();
+        for dims in [(100, 24), (70, 80), (33, 16)] {
+            let case = Case::new(dims);
+            let mut job = PairedJob::new(&case);
+            assert!(
+                paired::pairable(dims.1, 3 * dims.1, job.qkv.as_ptr()),
+                "the test's rows are not word-aligned"
+            );
+            let arg = &mut job as *mut PairedJob<'_> as *mut std::ffi::c_void;
+            // SAFETY: the kernels run where their instructions are, natively or emulated;
+            // `run_paired` allocates nothing and touches only the job.
+            let ran = unsafe {
+                crate::gemm::test_support::run_job(native, Model::SapphireRapids, run_paired, arg)
+            };
+            if !ran {
+                return;
+            }
+            assert_eq!(job.done, [true; 2], "{dims:?}: the scratch was too small");
+            case.check(&format!("paired {dims:?}"), &job.out.outputs(), None);
+        }
+    }
+
+    /// The paired heads fit in the scratch the graph plans for a bf16 head (its own and its
+    /// staged `q`, `k`, `v`, and for the backward also `y` and `dy`), at the presets' head
+    /// sizes and sequence lengths from one token up: otherwise they would fall back to the
+    /// tile's packing, correct but slower. (Heads narrower than 32 may fall back: a `b` panel
+    /// of values is 48 wide whatever the head's width.)
+    #[test]
+    fn the_paired_heads_fit_the_scratch_planned_for_a_bf16_head() {
+        use snug_graph::ops::attention::{backward_scratch, forward_scratch};
+        for d in [32, 64, 80, 96, 128, 256] {
+            for t in [1, 2, 7, 33, 64, 100, 256, 1024, 2048, 4096] {
+                let forward = forward_scratch(t, d) + 3 * t * d;
+                let backward = backward_scratch(t, d) + 5 * t * d;
+                assert!(paired::forward_len(t, d) <= forward, "forward ({t}, {d})");
+                assert!(
+                    paired::backward_len(t, d) <= backward,
+                    "backward ({t}, {d})"
+                );
+            }
         }
     }
 }
