@@ -176,15 +176,9 @@ impl HeadBf16 {
     }
 
     /// Whether this is AVX512-BF16's own tile (`VDPBF16PS`), not a model of it.
+    #[cfg(target_arch = "x86_64")]
     pub(crate) fn native(self) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        {
-            self.0 == OwnTile::Avx512Bf16
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
+        self.0 == OwnTile::Avx512Bf16
     }
 
     /// The tile under `math` on a CPU with `cpu`'s features, for a test to run where the CPU

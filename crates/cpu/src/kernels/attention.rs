@@ -138,9 +138,10 @@ pub(super) fn forward_io(op: &CausalAttention, k: &Kernel<'_>, (half_qkv, half_y
     // Products on bf16 inputs compute in bf16 arithmetic where the CPU has it.
     let bf16 = half_qkv.then(HeadBf16::host).flatten();
     // On AVX512-BF16, from the bits, each head's keys and values paired once.
-    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+    #[cfg(target_arch = "x86_64")]
     let paired = bf16.is_some_and(HeadBf16::native)
-        && paired_forward_fits((t, d), own + 3 * t * d, (qkv16.as_ptr(), 3 * c));
+        && paired::pairable(d, 3 * c, qkv16.as_ptr())
+        && paired::forward_len(t, d) <= own + 3 * t * d;
     for_each_head(
         k.workspace(),
         own + staging,
@@ -264,13 +265,15 @@ pub(super) fn backward_io(
     let bf16 = half_qkv.then(HeadBf16::host).flatten();
     // On AVX512-BF16, from the bits (every input bf16), each head's keys and values paired
     // once; the scratch in front of the staged gradients is the pairing's.
+    #[cfg(target_arch = "x86_64")]
     let work = own + wide(half_qkv, 3) + wide(half_y, 1) + wide(half_dy, 1);
-    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+    #[cfg(target_arch = "x86_64")]
     let paired = bf16.is_some_and(HeadBf16::native)
         && halves == [true; 3]
-        && paired_backward_fits((t, d), work, (qkv16.as_ptr(), 3 * c))
-        && pairable_rows(d, (y16.as_ptr(), c))
-        && pairable_rows(d, (dy16.as_ptr(), c));
+        && paired::pairable(d, 3 * c, qkv16.as_ptr())
+        && paired::pairable(d, c, y16.as_ptr())
+        && paired::pairable(d, c, dy16.as_ptr())
+        && paired::backward_len(t, d) <= work;
     for_each_head(
         k.workspace(),
         own + staging,
@@ -364,54 +367,6 @@ pub(super) fn backward_io(
             }
         },
     );
-}
-
-/// Whether [`paired::head_forward`] runs heads of `d` over `t` at rows `stride` apart from
-/// `base`, in `room` floats of scratch a head.
-fn paired_forward_fits(
-    (t, d): (usize, usize),
-    room: usize,
-    (base, stride): (*const u16, usize),
-) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        paired::pairable(d, stride, base) && paired::forward_len(t, d) <= room
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (t, d, room, base, stride);
-        false
-    }
-}
-
-/// [`paired_forward_fits`] for [`paired::head_backward`].
-fn paired_backward_fits(
-    (t, d): (usize, usize),
-    room: usize,
-    (base, stride): (*const u16, usize),
-) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        paired::pairable(d, stride, base) && paired::backward_len(t, d) <= room
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (t, d, room, base, stride);
-        false
-    }
-}
-
-/// Whether rows of `d` bf16 values `stride` apart from `base` can be paired from their words.
-fn pairable_rows(d: usize, (base, stride): (*const u16, usize)) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        paired::pairable(d, stride, base)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (d, base, stride);
-        false
-    }
 }
 
 /// Widens one head's `parts` strips of `d` bf16 values per row (`part_stride` apart, rows
