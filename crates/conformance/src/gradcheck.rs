@@ -374,13 +374,13 @@ impl<'h, H: Harness> GradCheck<'h, H> {
                 .iter()
                 .filter(|p| p.param == name)
                 .map(|p| p.numeric.abs())
-                .fold(0.0, f64::max);
+                .fold(0.0, nan_max);
             if zero {
                 let analytic = probes
                     .iter()
                     .filter(|p| p.param == name)
                     .map(|p| p.analytic.abs())
-                    .fold(0.0, f64::max);
+                    .fold(0.0, nan_max);
                 assert!(
                     signal <= ATOL && analytic <= ATOL,
                     "{label}: gradient of {name} should be zero, got analytic {analytic:e}, \
@@ -400,7 +400,16 @@ fn worst(probes: &[Probe]) -> f64 {
     probes
         .iter()
         .map(|p| (p.analytic - p.numeric).abs() / (ATOL + RTOL * p.numeric.abs()))
-        .fold(0.0, f64::max)
+        .fold(0.0, nan_max)
+}
+
+/// The larger of two, a NaN winning: a NaN gradient must not read as small.
+fn nan_max(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        f64::NAN
+    } else {
+        a.max(b)
+    }
 }
 
 /// Panics with every element of `probes` that disagrees.

@@ -151,13 +151,6 @@ impl Problem {
     }
 }
 
-fn distance(a: &[f64], b: &[f64]) -> f64 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f64::max)
-}
-
 #[test]
 fn a_bf16_runs_head_rounds_its_operands_as_bf16_arithmetic_does() {
     let cpu = CpuFeatures::host();
@@ -179,11 +172,17 @@ fn a_bf16_runs_head_rounds_its_operands_as_bf16_arithmetic_does() {
             let got = p.run(bf16, (96, 128));
             let (rounded, plain) = (p.reference(true, &got[0]), p.reference(false, &got[0]));
             for (k, name) in ["lse", "dx", "dw"].iter().enumerate() {
-                let apart = distance(&rounded[k], &plain[k]);
+                let apart = snug_testkit::max_abs_diff(&rounded[k], &plain[k]);
                 let (near, far) = if bf16 {
-                    (distance(&got[k], &rounded[k]), distance(&got[k], &plain[k]))
+                    (
+                        snug_testkit::max_abs_diff(&got[k], &rounded[k]),
+                        snug_testkit::max_abs_diff(&got[k], &plain[k]),
+                    )
                 } else {
-                    (distance(&got[k], &plain[k]), distance(&got[k], &rounded[k]))
+                    (
+                        snug_testkit::max_abs_diff(&got[k], &plain[k]),
+                        snug_testkit::max_abs_diff(&got[k], &rounded[k]),
+                    )
                 };
                 let label = format!("tb {tb}, bf16 {bf16}, {name}");
                 eprintln!("{label}: {near:.2e} from its reference, {apart:.2e} between them");

@@ -145,6 +145,8 @@ fn max_rel_error(got: &[f32], want: &[f32]) -> f64 {
     got.iter()
         .zip(want)
         .map(|(&g, &w)| (f64::from(g) - f64::from(w)).abs() / scale)
+        // A NaN is infinitely far (`f64::max` would skip it).
+        .map(|e| if e.is_nan() { f64::INFINITY } else { e })
         .fold(0.0, f64::max)
 }
 

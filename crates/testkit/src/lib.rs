@@ -20,6 +20,24 @@ pub const REQUIRE_ALL_TESTS: &str = "SNUG_REQUIRE_ALL_TESTS";
 /// Overrides where the tinyshakespeare corpus is looked for.
 pub const CORPUS_VAR: &str = "SNUG_CORPUS";
 
+/// The largest `|a[i] − b[i]|`, a NaN counted as infinitely far: a fold over `f64::max` skips
+/// NaNs, so a kernel that wrote one would pass a bound checked that way. Panics if the lengths
+/// differ.
+pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(
+        a.len(),
+        b.len(),
+        "comparing {} values with {}",
+        a.len(),
+        b.len()
+    );
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .map(|e| if e.is_nan() { f64::INFINITY } else { e })
+        .fold(0.0, f64::max)
+}
+
 /// Whether the value of [`REQUIRE_ALL_TESTS`] asks for every test to run: set and neither
 /// empty nor `0`.
 pub fn requires_all(value: Option<&str>) -> bool {
@@ -71,6 +89,14 @@ pub fn tinyshakespeare() -> Result<PathBuf, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_largest_difference_counts_a_nan_as_infinitely_far() {
+        assert_eq!(max_abs_diff(&[1.0, -2.0, 3.0], &[1.5, 1.0, 3.0]), 3.0);
+        assert_eq!(max_abs_diff(&[], &[]), 0.0);
+        assert_eq!(max_abs_diff(&[f64::NAN, 0.0], &[0.0, 0.0]), f64::INFINITY);
+        assert_eq!(max_abs_diff(&[0.0, 0.0], &[0.0, f64::NAN]), f64::INFINITY);
+    }
 
     #[test]
     fn only_a_set_non_zero_value_requires_all() {

@@ -409,9 +409,20 @@ pub(crate) mod paired {
         }
     }
 
+    /// What a causal block's product leaves out, where row `i` of the product is row `r0 + i`
+    /// of the sequence: nothing (`Whole`); the register tiles of `c` wholly past the
+    /// diagonal (`Columns(r0)`: scores, whose masked columns are never read); or the depth
+    /// past the diagonal (`Depth(r0)`: `a` is probabilities or their gradients, zero there).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(crate) enum Causal {
+        Whole,
+        Columns(usize),
+        Depth(usize),
+    }
+
     /// `c (+)= scale · a · b`, `m × n`, `k` deep, over `a` panels packed `ka ≥ k` deep and `b`
-    /// panels packed `kb ≥ k` deep (a product over the first `k` of their depth); `c`'s
-    /// columns contiguous, rows `c_rs` apart.
+    /// panels packed `kb ≥ k` deep (a product over the first `k` of their depth), leaving out
+    /// what `causal` says; `c`'s columns contiguous, rows `c_rs` apart.
     ///
     /// # Safety
     /// The panels as laid out above, holding `m` rows and `n` columns; `c` valid for the
@@ -423,21 +434,31 @@ pub(crate) mod paired {
         (c, c_rs): (*mut f32, usize),
         (a, ka): (*const f32, usize),
         (b, kb): (*const f32, usize),
-        scale: f32,
-        accumulate: bool,
+        (scale, accumulate): (f32, bool),
+        causal: Causal,
     ) {
         debug_assert!(k <= ka && k <= kb && (b as usize).is_multiple_of(64));
         let (a_step, b_step) = (MR * ka.div_ceil(2), NR * kb.div_ceil(2));
         for (pa, i0) in (0..m).step_by(MR).enumerate() {
+            let mr = MR.min(m - i0);
+            // The panel's last row, in the sequence.
+            let last = |r0: usize| r0 + i0 + mr - 1;
+            let depth = match causal {
+                Causal::Depth(r0) => k.min(last(r0) + 1),
+                _ => k,
+            };
             for (pb, j0) in (0..n).step_by(NR).enumerate() {
+                if matches!(causal, Causal::Columns(r0) if j0 > last(r0)) {
+                    break;
+                }
                 // SAFETY: panel `pa` of `a`, `pb` of `b` and the tile of `c`, as the caller
                 // vouched.
                 unsafe {
                     kernel(
-                        k,
+                        depth,
                         (a.add(pa * a_step), b.add(pb * b_step)),
                         (c.add(i0 * c_rs + j0), c_rs as isize),
-                        (MR.min(m - i0), NR.min(n - j0)),
+                        (mr, NR.min(n - j0)),
                         (scale, std::ptr::null()),
                         accumulate,
                     )

@@ -985,25 +985,18 @@ mod tests {
             let rounded = reference(self.dims, self.inputs(), &self.y_in, true);
             let exact = reference(self.dims, self.inputs(), &self.y_in, false);
             for (o, name) in ["y", "dq", "dk", "dv"].iter().enumerate() {
-                let apart = distance(&rounded[o], &exact[o]);
+                let apart = snug_testkit::max_abs_diff(&rounded[o], &exact[o]);
                 assert!(apart > 1e-4, "{name}: rounding moved it only {apart:e}");
-                let b = distance(&bf16[o], &rounded[o]);
+                let b = snug_testkit::max_abs_diff(&bf16[o], &rounded[o]);
                 assert!(
                     b < 0.01 * apart,
                     "{label} {name}: {b:e} from its reference, {apart:e} apart"
                 );
-                if let Some(f) = f32_run.map(|f| distance(&f[o], &exact[o])) {
+                if let Some(f) = f32_run.map(|f| snug_testkit::max_abs_diff(&f[o], &exact[o])) {
                     assert!(f < 0.01 * apart, "f32 {name}: {f:e} from its reference");
                 }
             }
         }
-    }
-
-    fn distance(a: &[f64], b: &[f64]) -> f64 {
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f64::max)
     }
 
     /// On bf16 inputs, the head's products computed in bf16 arithmetic (here on the modelled
@@ -1143,6 +1136,8 @@ mod tests {
                 &mut job.ws,
                 &mut job.out.lse,
             );
+            // The backward's scratch as unwritten as the forward's was.
+            job.ws.fill(f32::NAN);
             let head = paired::HeadBits {
                 q: qkv[0],
                 k: qkv[1],

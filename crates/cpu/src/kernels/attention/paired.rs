@@ -11,7 +11,9 @@
 use snug_graph::ops::attention::row_blocks;
 
 use super::{softmax_causal_row, Rows};
-use crate::gemm::avx512bf16::paired::{a_f32, a_len, a_words, b_len, b_rows, b_words, product};
+use crate::gemm::avx512bf16::paired::{
+    a_f32, a_len, a_words, b_len, b_rows, b_words, product, Causal,
+};
 
 /// A head's rows in bf16: the first value and the distance between rows, in values.
 #[derive(Clone, Copy)]
@@ -127,14 +129,29 @@ pub(in crate::kernels) unsafe fn head_forward(
                 // queries, then its probabilities, in `ap`.
                 let m = r1 - r0;
                 a_words(q.down(r0).ptr, q.stride, (m, d), ap);
-                product((m, r1, d), (s, t), (ap, d), (kt, d), scale, false);
+                product(
+                    (m, r1, d),
+                    (s, t),
+                    (ap, d),
+                    (kt, d),
+                    (scale, false),
+                    Causal::Columns(r0),
+                );
                 for (i, lse) in (r0..r1).zip(&mut lse[r0..r1]) {
                     let row = std::slice::from_raw_parts_mut(s.add((i - r0) * t), r1);
                     softmax_causal_row(i, row, lse);
                 }
                 a_f32(s, (t as isize, 1), (m, r1), ap);
                 let y_blk = y.ptr.add(r0 * y.stride);
-                product((m, d, r1), (y_blk, y.stride), (ap, r1), (vp, t), 1.0, false);
+                let y_c = (y_blk, y.stride);
+                product(
+                    (m, d, r1),
+                    y_c,
+                    (ap, r1),
+                    (vp, t),
+                    (1.0, false),
+                    Causal::Depth(r0),
+                );
             }
         },
     );
@@ -186,7 +203,14 @@ pub(in crate::kernels) unsafe fn head_backward(
                     |x: *mut f32, i: usize| std::slice::from_raw_parts_mut(x.add((i - r0) * t), r1);
                 // P = exp(scale·QKᵀ − lse), zero above the diagonal.
                 a_words(qb.ptr, qb.stride, (m, d), ap);
-                product((m, r1, d), (p, t), (ap, d), (kt, d), scale, false);
+                product(
+                    (m, r1, d),
+                    (p, t),
+                    (ap, d),
+                    (kt, d),
+                    (scale, false),
+                    Causal::Columns(r0),
+                );
                 for (i, &l) in (r0..r1).zip(&lse[r0..r1]) {
                     let (live, masked) = row(p, i).split_at_mut(i + 1);
                     for x in live.iter_mut() {
@@ -197,44 +221,57 @@ pub(in crate::kernels) unsafe fn head_backward(
                 // dV[0..r1] (+)= Pᵀ · dY ;  dP = dY · Vᵀ
                 a_f32(p, (1, t as isize), (r1, m), ap);
                 b_rows(dyb.ptr, dyb.stride, (m, d), bp);
+                let dv_c = (dv.ptr, dv.stride);
                 product(
                     (r1, d, m),
-                    (dv.ptr, dv.stride),
+                    dv_c,
                     (ap, m),
                     (bp, m),
-                    1.0,
-                    kv_acc,
+                    (1.0, kv_acc),
+                    Causal::Whole,
                 );
                 a_words(dyb.ptr, dyb.stride, (m, d), ap);
-                product((m, r1, d), (dp, t), (ap, d), (vt, d), 1.0, false);
-                // dS = P ⊙ (dP − rowsum(dY ⊙ Y))
+                product(
+                    (m, r1, d),
+                    (dp, t),
+                    (ap, d),
+                    (vt, d),
+                    (1.0, false),
+                    Causal::Columns(r0),
+                );
+                // dS = P ⊙ (dP − rowsum(dY ⊙ Y)); dP's tiles past the diagonal were left out,
+                // and dS is zero there.
                 for i in r0..r1 {
                     let bits = |x: Bits| std::slice::from_raw_parts(x.ptr.add(i * x.stride), d);
                     let di = dot_bits(bits(h.dy), bits(h.y));
-                    for (g, &pv) in row(dp, i).iter_mut().zip(row(p, i).iter()) {
+                    let (live, masked) = row(dp, i).split_at_mut(i + 1);
+                    for (g, &pv) in live.iter_mut().zip(row(p, i).iter()) {
                         *g = pv * (*g - di);
                     }
+                    masked.fill(0.0);
                 }
                 // dQ = scale · dS · K ;  dK[0..r1] (+)= scale · dSᵀ · Q
                 a_f32(dp, (t as isize, 1), (m, r1), ap);
                 let dq_blk = dq.ptr.add(r0 * dq.stride);
+                let dq_c = (dq_blk, dq.stride);
                 product(
                     (m, d, r1),
-                    (dq_blk, dq.stride),
+                    dq_c,
                     (ap, r1),
                     (kp, t),
-                    scale,
-                    false,
+                    (scale, false),
+                    Causal::Depth(r0),
                 );
                 a_f32(dp, (1, t as isize), (r1, m), ap);
                 b_rows(qb.ptr, qb.stride, (m, d), bp);
+                let dk_c = (dk.ptr, dk.stride);
                 product(
                     (r1, d, m),
-                    (dk.ptr, dk.stride),
+                    dk_c,
                     (ap, m),
                     (bp, m),
-                    scale,
-                    kv_acc,
+                    (scale, kv_acc),
+                    Causal::Whole,
                 );
             }
         },
