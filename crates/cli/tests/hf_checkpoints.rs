@@ -129,11 +129,7 @@ fn train_sample_and_export_from_a_hugging_face_directory() {
         want.iter().map(|(n, _)| n).collect::<Vec<_>>()
     );
     for ((name, a), (_, b)) in got.iter().zip(&want) {
-        let worst = a
-            .iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0f32, f32::max);
+        let worst = snug_testkit::worst(a.iter().zip(b).map(|(x, y)| (x - y).abs()));
         assert!(
             worst < 1e-6,
             "{name}: moved {worst} from the pretrained weights"

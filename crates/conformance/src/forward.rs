@@ -59,11 +59,12 @@ fn gelu_linear_against_unfused<H: Harness>(harness: &H, rows: usize, k: usize, n
     let (Some(fused), Some(plain)) = (run(true), run(false)) else {
         return;
     };
-    let worst = fused
-        .iter()
-        .zip(&plain)
-        .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
-        .fold(0.0f32, f32::max);
+    let worst = snug_testkit::worst(
+        fused
+            .iter()
+            .zip(&plain)
+            .map(|(a, b)| (a - b).abs() / (1.0 + b.abs())),
+    );
     assert!(
         worst < 1e-5,
         "[{rows}, {k}] x [{k}, {n}]: fused and unfused differ by {worst}"
@@ -169,12 +170,8 @@ fn layer_norm_linear_against_unfused<H: Harness>(harness: &H, rows: usize, k: us
         // The weight gradients sum 33000 rows: errors are measured against each tensor's
         // largest value (at least 1).
         let scale = p.iter().fold(1.0f32, |m, v| m.max(v.abs()));
-        let worst = f
-            .iter()
-            .zip(p)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max)
-            / scale;
+        let worst =
+            snug_testkit::worst(f.iter().zip(p).map(|(a, b)| (a - b).abs())) / f64::from(scale);
         assert!(
             worst < 1e-5,
             "[{rows}, {k}] x [{k}, {n}] {what}: fused and unfused differ by {worst}"
@@ -500,11 +497,8 @@ pub fn rope_matches_rotate_half_and_inverse_undoes_it<H: Harness>(harness: &H) {
             // Position 0 is not rotated; later positions are.
             assert_eq!(&yv[..width], &xv[..width]);
             assert!(yv.iter().zip(&xv).any(|(a, b)| (a - b).abs() > 0.1));
-            let round_trip = back_v
-                .iter()
-                .zip(&xv)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0f32, f32::max);
+            let round_trip =
+                snug_testkit::worst(back_v.iter().zip(&xv).map(|(a, b)| (a - b).abs()));
             assert!(
                 round_trip < 1e-6,
                 "theta={theta} threads={threads}: inverse rope leaves an error of {round_trip}"
@@ -553,11 +547,8 @@ pub fn gqa_attention_with_all_heads_equals_causal_attention<H: Harness>(harness:
             };
             for (what, ours, theirs) in [("y", &out[0], &out[2]), ("lse", &out[1], &out[3])] {
                 assert_eq!(ours.len(), theirs.len());
-                let diff = ours
-                    .iter()
-                    .zip(theirs.iter())
-                    .map(|(x, y)| (x - y).abs())
-                    .fold(0.0f32, f32::max);
+                let diff =
+                    snug_testkit::worst(ours.iter().zip(theirs.iter()).map(|(x, y)| (x - y).abs()));
                 assert!(
                     diff < 1e-5,
                     "B={b} T={t} heads={n_head} threads={threads}: {what} differs by {diff}"

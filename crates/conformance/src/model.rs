@@ -152,13 +152,9 @@ fn whole_model_gradients_match<H: Harness>(harness: &H, cfg: &ModelConfig) {
             let (got, want) = (&grads[k], &want_grads[k]);
             // Relative to the tensor's largest gradient: single elements may be near zero.
             let scale = want.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-            let worst = got
-                .iter()
-                .zip(want)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0f32, f32::max);
+            let worst = snug_testkit::worst(got.iter().zip(want).map(|(a, b)| (a - b).abs()));
             assert!(
-                worst <= 1e-4 * scale,
+                worst <= 1e-4 * f64::from(scale),
                 "{name}: gradient of {} differs from the CPU's by {worst} (largest {scale})",
                 slot.name
             );

@@ -142,12 +142,11 @@ fn max_rel_error(got: &[f32], want: &[f32]) -> f64 {
         .iter()
         .fold(0f64, |m, &w| m.max(f64::from(w).abs()))
         .max(f64::MIN_POSITIVE);
-    got.iter()
-        .zip(want)
-        .map(|(&g, &w)| (f64::from(g) - f64::from(w)).abs() / scale)
-        // A NaN is infinitely far (`f64::max` would skip it).
-        .map(|e| if e.is_nan() { f64::INFINITY } else { e })
-        .fold(0.0, f64::max)
+    snug_testkit::worst(
+        got.iter()
+            .zip(want)
+            .map(|(&g, &w)| (f64::from(g) - f64::from(w)).abs() / scale),
+    )
 }
 
 /// One step on the GPU against the CPU: the loss and every gradient within 1e-4. Run on both

@@ -90,11 +90,7 @@ fn logits_match_transformers_for_every_architecture() {
         let got = logits(&ckpt, &input_ids(&e));
         let want = floats(&e["logits"]["data"]);
         assert_eq!(got.len(), want.len(), "{name}");
-        let worst = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+        let worst = snug_testkit::worst(got.iter().zip(&want).map(|(a, b)| (a - b).abs()));
         assert!(worst <= 1e-5, "{name}: max |snug − transformers| = {worst}");
     }
 }

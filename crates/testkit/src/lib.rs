@@ -31,10 +31,16 @@ pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
         a.len(),
         b.len()
     );
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .map(|e| if e.is_nan() { f64::INFINITY } else { e })
+    worst(a.iter().zip(b).map(|(x, y)| (x - y).abs()))
+}
+
+/// The largest of `errors` (0 for none), a NaN counted as infinite, for the same reason as
+/// [`max_abs_diff`].
+pub fn worst<E: Into<f64>>(errors: impl IntoIterator<Item = E>) -> f64 {
+    errors
+        .into_iter()
+        .map(Into::into)
+        .map(|e: f64| if e.is_nan() { f64::INFINITY } else { e })
         .fold(0.0, f64::max)
 }
 
@@ -96,6 +102,9 @@ mod tests {
         assert_eq!(max_abs_diff(&[], &[]), 0.0);
         assert_eq!(max_abs_diff(&[f64::NAN, 0.0], &[0.0, 0.0]), f64::INFINITY);
         assert_eq!(max_abs_diff(&[0.0, 0.0], &[0.0, f64::NAN]), f64::INFINITY);
+        assert_eq!(worst([0.5f32, 2.0, 1.0]), 2.0);
+        assert_eq!(worst([0.5f32, f32::NAN]), f64::INFINITY);
+        assert_eq!(worst(Vec::<f32>::new()), 0.0);
     }
 
     #[test]
