@@ -157,14 +157,7 @@ pub(super) fn forward_io(op: &CausalAttention, k: &Kernel<'_>, (half_qkv, half_y
                     ptr: qkv16[at3 + p * c..].as_ptr(),
                     stride: 3 * c,
                 };
-                let out = if half_y {
-                    Rows::staged_or(s_y, (std::ptr::null_mut(), 0), d)
-                } else {
-                    Rows {
-                        ptr: y.get().wrapping_add(at1),
-                        stride: c,
-                    }
-                };
+                let out = Rows::staged_or(s_y, (y.get().wrapping_add(at1), c), d);
                 // SAFETY: the rows lie inside `qkv` (pairable, checked above) and `y` or the
                 // staged output; each (b, h) writes only its own columns of y and row of lse;
                 // the CPU has AVX512-BF16 (a native tile).
@@ -194,17 +187,7 @@ pub(super) fn forward_io(op: &CausalAttention, k: &Kernel<'_>, (half_qkv, half_y
                 ptr: base.wrapping_add(p * part),
                 stride,
             };
-            let out = if half_y {
-                Rows {
-                    ptr: s_y.as_mut_ptr(),
-                    stride: d,
-                }
-            } else {
-                Rows {
-                    ptr: y.get().wrapping_add(at1),
-                    stride: c,
-                }
-            };
+            let out = Rows::staged_or(s_y, (y.get().wrapping_add(at1), c), d);
             // SAFETY: the rows lie inside `qkv` or the staged copy; each (b, h) writes only its own
             // columns of y (or its own staged output) and its own row of lse.
             unsafe {
