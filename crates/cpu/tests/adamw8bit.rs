@@ -10,12 +10,8 @@ use snug_runtime::{Allocator, ExecCtx};
 
 /// Deterministic values in [-1, 1).
 fn values(n: usize, seed: u64) -> Vec<f32> {
-    (0..n as u64)
-        .map(|i| {
-            let x = (i.wrapping_add(seed).wrapping_mul(0x9E37_79B9_7F4A_7C15)) >> 40;
-            2.0 * (x as f32 / (1u64 << 24) as f32) - 1.0
-        })
-        .collect()
+    let doubled = snug_testkit::hashed_values(n, seed).into_iter();
+    doubled.map(|v| 2.0 * v).collect()
 }
 
 #[test]

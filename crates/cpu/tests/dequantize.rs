@@ -9,20 +9,7 @@ use snug_graph::{DType, Graph, Role};
 use snug_plan::{plan, PlanOptions};
 use snug_runtime::{Allocator, ExecCtx};
 
-/// Deterministic values in [-1, 1) with a few large ones, so blocks and channels differ.
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    (0..n as u64)
-        .map(|i| {
-            let x = (i.wrapping_add(seed).wrapping_mul(0x9E37_79B9_7F4A_7C15)) >> 40;
-            let v = x as f32 / (1u64 << 23) as f32 - 1.0;
-            if i % 97 == 0 {
-                v * 8.0
-            } else {
-                v
-            }
-        })
-        .collect()
-}
+use snug_testkit::heavy_tailed_values as values;
 
 /// `x [2, k] · dequantize(w [k, n])` and the dequantized weight, on `threads` threads.
 fn run(base: QuantizeBase, k: usize, n: usize, threads: usize) -> (Vec<f32>, Vec<f32>) {

@@ -25,20 +25,7 @@ const BASES: [QuantizeBase; 4] = [
     QuantizeBase::Nf4Dq,
 ];
 
-/// Deterministic values in [-1, 1) with a few large ones, so blocks and channels differ.
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    (0..n as u64)
-        .map(|i| {
-            let x = (i.wrapping_add(seed).wrapping_mul(0x9E37_79B9_7F4A_7C15)) >> 40;
-            let v = x as f32 / (1u64 << 23) as f32 - 1.0;
-            if i % 97 == 0 {
-                v * 8.0
-            } else {
-                v
-            }
-        })
-        .collect()
-}
+use snug_testkit::heavy_tailed_values as values;
 
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()

@@ -44,6 +44,27 @@ pub fn worst<E: Into<f64>>(errors: impl IntoIterator<Item = E>) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// Deterministic test values in [-0.5, 0.5): a multiplicative hash of each index and the
+/// seed, so no pattern a blocking or tiling bug could hide behind.
+pub fn hashed_values(n: usize, seed: u64) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| {
+            let x = (i.wrapping_add(seed).wrapping_mul(0x9E37_79B9_7F4A_7C15)) >> 40;
+            x as f32 / (1u64 << 24) as f32 - 0.5
+        })
+        .collect()
+}
+
+/// [`hashed_values`] doubled into [-1, 1), every 97th eight times larger again, so a
+/// quantizer's blocks and channels differ in scale.
+pub fn heavy_tailed_values(n: usize, seed: u64) -> Vec<f32> {
+    hashed_values(n, seed)
+        .into_iter()
+        .enumerate()
+        .map(|(i, v)| if i % 97 == 0 { 16.0 * v } else { 2.0 * v })
+        .collect()
+}
+
 /// Whether the value of [`REQUIRE_ALL_TESTS`] asks for every test to run: set and neither
 /// empty nor `0`.
 pub fn requires_all(value: Option<&str>) -> bool {
@@ -95,6 +116,20 @@ pub fn tinyshakespeare() -> Result<PathBuf, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn test_values_are_deterministic_and_in_range() {
+        let (a, b) = (hashed_values(1000, 7), hashed_values(1000, 7));
+        assert_eq!(a, b);
+        assert_ne!(a, hashed_values(1000, 8));
+        assert!(a.iter().all(|v| (-0.5..0.5).contains(v)));
+        let heavy = heavy_tailed_values(1000, 7);
+        for (i, (&h, &v)) in heavy.iter().zip(&a).enumerate() {
+            let want = if i % 97 == 0 { 16.0 * v } else { 2.0 * v };
+            assert_eq!(h, want, "value {i}");
+        }
+        assert!(heavy.iter().any(|v| v.abs() > 1.0));
+    }
 
     #[test]
     fn the_largest_difference_counts_a_nan_as_infinitely_far() {

@@ -31,15 +31,7 @@ fn all_linear(rank: usize) -> LoraConfig {
     }
 }
 
-/// Deterministic values in [-0.5, 0.5).
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    (0..n as u64)
-        .map(|i| {
-            let x = (i.wrapping_add(seed).wrapping_mul(0x9E37_79B9_7F4A_7C15)) >> 40;
-            x as f32 / (1u64 << 24) as f32 - 0.5
-        })
-        .collect()
-}
+use snug_testkit::hashed_values as values;
 
 /// A session of the step with every parameter written (adapters' B nonzero, so A has a
 /// gradient) and a fixed batch fed.
