@@ -25,7 +25,7 @@ impl CpuGemm {
     /// are not blocked by us. Must equal the register tiles' own `KC` (the CPU backend checks).
     pub const fn depth_block(self) -> usize {
         match self {
-            CpuGemm::Avx512 => 384,
+            CpuGemm::Avx512 => 512,
             CpuGemm::Avx2 => 512,
             CpuGemm::Portable => 0,
         }

@@ -165,14 +165,25 @@ fn trainer(cfg: &TrainConfig) -> Trainer {
 /// loss falls in steps (one near step 150, others up to step 400) whose timing shifts with
 /// any difference in the updates: another GEMM tile's summation order moved bf16's loss at
 /// step 150 by 13 % against f32's, while after 600 steps every precision and bf16 arithmetic
-/// lands within 2 %.
+/// lands near f32.
 const STEPS: u64 = 600;
 
-/// Mean loss of the last 50 of [`STEPS`] steps.
+/// Seeds the final loss is averaged over. One seed's plateau moves with the summation order:
+/// f32's alone lands 1.538–1.582 over seeds 1–3, and a depth block of 512 rather than 384 put
+/// seed 1337's bf16 2.1 % above its f32 (0.5 % before); over three seeds bf16 and f16 are
+/// 0.7 % from f32.
+const SEEDS: [u64; 3] = [1, 2, 3];
+
+/// Mean loss of the last 50 of [`STEPS`] steps, averaged over [`SEEDS`].
 fn final_loss(precision: &str) -> f32 {
-    let mut t = trainer(&config(precision, STEPS, None));
-    let losses: Vec<f32> = (0..STEPS).map(|_| t.train_step().unwrap().loss).collect();
-    losses[losses.len() - 50..].iter().sum::<f32>() / 50.0
+    let per_seed = SEEDS.map(|seed| {
+        let mut cfg = config(precision, STEPS, None);
+        cfg.seed = seed;
+        let mut t = trainer(&cfg);
+        let losses: Vec<f32> = (0..STEPS).map(|_| t.train_step().unwrap().loss).collect();
+        losses[losses.len() - 50..].iter().sum::<f32>() / 50.0
+    });
+    per_seed.iter().sum::<f32>() / SEEDS.len() as f32
 }
 
 #[test]
