@@ -200,7 +200,7 @@ unsafe fn kernel(
 }
 
 /// Rows of [`small_gemm`]'s register tile; its columns are two ymm vectors.
-const SMALL_MR: usize = 6;
+const SMALL_MR: usize = super::HEAD_TILE_ROWS;
 
 /// As the AVX-512 `small_gemm`, for attention's per-head products on CPUs with AVX2 + FMA:
 /// `c (+)= scale · a · b`, nothing packed; `a`'s elements are broadcast from any strides, `b` is

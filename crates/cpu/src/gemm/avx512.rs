@@ -301,7 +301,7 @@ pub(super) unsafe fn store_tile(
 
 /// Rows of [`small_gemm`]'s register tile; its columns are four zmm vectors (64 floats, one
 /// attention head's width).
-const SMALL_MR: usize = 6;
+const SMALL_MR: usize = super::HEAD_TILE_ROWS;
 
 /// `c (+)= scale · a · b` for the small products of one attention head (tens to hundreds of
 /// rows, columns and depth), nothing packed per product: `a`'s elements are broadcast from
@@ -322,39 +322,67 @@ pub(crate) unsafe fn small_gemm(
     scale: f32,
     accumulate: bool,
 ) {
+    let scale_acc = (scale, accumulate);
     for j0 in (0..n).step_by(64) {
         let nr = (n - j0).min(64);
         let masks: [__mmask16; 4] = std::array::from_fn(|v| {
             let left = nr.saturating_sub(16 * v).min(16);
             (((1u32 << left) - 1) & 0xffff) as __mmask16
         });
-        // SAFETY (all tiles): each stays inside `c`, and reads inside `a` and `b`, as the
-        // caller vouched; the masks stop loads and stores at column `n`.
+        // SAFETY: each tile stays inside `c`, and reads inside `a` and `b`, as the caller
+        // vouched; the masks stop loads and stores at column `n`.
         unsafe {
-            let (b, c) = (b.add(j0 / 64 * b_strip), c.add(j0));
-            let mut i0 = 0;
-            while i0 + SMALL_MR <= m {
-                small_tile::<SMALL_MR>(k, i0, (c, c_rs), a, (b, b_rs), masks, (scale, accumulate));
-                i0 += SMALL_MR;
-            }
-            let tile = (c, c_rs);
-            let run = (scale, accumulate);
-            match m - i0 {
-                1 => small_tile::<1>(k, i0, tile, a, (b, b_rs), masks, run),
-                2 => small_tile::<2>(k, i0, tile, a, (b, b_rs), masks, run),
-                3 => small_tile::<3>(k, i0, tile, a, (b, b_rs), masks, run),
-                4 => small_tile::<4>(k, i0, tile, a, (b, b_rs), masks, run),
-                5 => small_tile::<5>(k, i0, tile, a, (b, b_rs), masks, run),
-                _ => {}
+            let strip = (b.add(j0 / 64 * b_strip), c.add(j0));
+            // Only the vectors the strip's columns reach: a causal block's scores stop at the
+            // diagonal, and a head 32 wide is two.
+            match nr.div_ceil(16) {
+                1 => small_strip::<1>((m, k), strip, (c_rs, b_rs), a, masks, scale_acc),
+                2 => small_strip::<2>((m, k), strip, (c_rs, b_rs), a, masks, scale_acc),
+                3 => small_strip::<3>((m, k), strip, (c_rs, b_rs), a, masks, scale_acc),
+                _ => small_strip::<4>((m, k), strip, (c_rs, b_rs), a, masks, scale_acc),
             }
         }
     }
 }
 
-/// Rows `i0..i0 + R` of one 64-column strip for [`small_gemm`].
+/// Every row of one strip of [`small_gemm`], `V` vectors of it.
+///
+/// # Safety
+/// As [`small_gemm`], for the strip at `(b, c)`.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn small_tile<const R: usize>(
+unsafe fn small_strip<const V: usize>(
+    (m, k): (usize, usize),
+    (b, c): (*const f32, *mut f32),
+    (c_rs, b_rs): (usize, usize),
+    a: (*const f32, usize, usize),
+    masks: [__mmask16; 4],
+    run: (f32, bool),
+) {
+    let tile = (c, c_rs);
+    let b = (b, b_rs);
+    // SAFETY: as the caller vouched.
+    unsafe {
+        let mut i0 = 0;
+        while i0 + SMALL_MR <= m {
+            small_tile::<SMALL_MR, V>(k, i0, tile, a, b, masks, run);
+            i0 += SMALL_MR;
+        }
+        match m - i0 {
+            1 => small_tile::<1, V>(k, i0, tile, a, b, masks, run),
+            2 => small_tile::<2, V>(k, i0, tile, a, b, masks, run),
+            3 => small_tile::<3, V>(k, i0, tile, a, b, masks, run),
+            4 => small_tile::<4, V>(k, i0, tile, a, b, masks, run),
+            5 => small_tile::<5, V>(k, i0, tile, a, b, masks, run),
+            _ => {}
+        }
+    }
+}
+
+/// Rows `i0..i0 + R` of one 64-column strip for [`small_gemm`], its first `V` vectors.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn small_tile<const R: usize, const V: usize>(
     k: usize,
     i0: usize,
     (c, c_rs): (*mut f32, usize),
@@ -363,13 +391,13 @@ unsafe fn small_tile<const R: usize>(
     masks: [__mmask16; 4],
     (scale, accumulate): (f32, bool),
 ) {
-    let mut acc = [[_mm512_setzero_ps(); 4]; R];
+    let mut acc = [[_mm512_setzero_ps(); V]; R];
     // SAFETY (all blocks): as `small_gemm`'s caller vouched; masked lanes are not touched.
     unsafe {
         let a = a.add(i0 * a_rs);
         for p in 0..k {
             let bq = b.add(p * b_rs);
-            let bv: [__m512; 4] =
+            let bv: [__m512; V] =
                 std::array::from_fn(|v| _mm512_maskz_loadu_ps(masks[v], bq.wrapping_add(16 * v)));
             let aq = a.add(p * a_cs);
             for (i, row) in acc.iter_mut().enumerate() {

@@ -292,6 +292,7 @@ unsafe fn kernel(
 pub(crate) mod paired {
     use super::*;
     use crate::gemm::avx512::transpose;
+    use crate::gemm::Causal;
 
     /// Words `a` panels of `m` rows, `k` deep, take (in f32 slots), with room for the last
     /// one to be packed in f32 before it is paired in place ([`a_f32`]).
@@ -409,17 +410,6 @@ pub(crate) mod paired {
         }
     }
 
-    /// What a causal block's product leaves out, where row `i` of the product is row `r0 + i`
-    /// of the sequence: nothing (`Whole`); the register tiles of `c` wholly past the
-    /// diagonal (`Columns(r0)`: scores, whose masked columns are never read); or the depth
-    /// past the diagonal (`Depth(r0)`: `a` is probabilities or their gradients, zero there).
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-    pub(crate) enum Causal {
-        Whole,
-        Columns(usize),
-        Depth(usize),
-    }
-
     /// `c (+)= scale · a · b`, `m × n`, `k` deep, over `a` panels packed `ka ≥ k` deep and `b`
     /// panels packed `kb ≥ k` deep (a product over the first `k` of their depth), leaving out
     /// what `causal` says; `c`'s columns contiguous, rows `c_rs` apart.
@@ -441,22 +431,16 @@ pub(crate) mod paired {
         let (a_step, b_step) = (MR * ka.div_ceil(2), NR * kb.div_ceil(2));
         for (pa, i0) in (0..m).step_by(MR).enumerate() {
             let mr = MR.min(m - i0);
-            // The panel's last row, in the sequence.
-            let last = |r0: usize| r0 + i0 + mr - 1;
-            let depth = match causal {
-                Causal::Depth(r0) => k.min(last(r0) + 1),
-                _ => k,
-            };
-            for (pb, j0) in (0..n).step_by(NR).enumerate() {
-                if matches!(causal, Causal::Columns(r0) if j0 > last(r0)) {
-                    break;
-                }
-                // SAFETY: panel `pa` of `a`, `pb` of `b` and the tile of `c`, as the caller
-                // vouched.
+            let (cols, depth) = causal.extent((i0, mr), (n, k));
+            // The depth from a whole pair: the half before the range is zero.
+            let q0 = depth.start / 2;
+            for (pb, j0) in (0..cols).step_by(NR).enumerate() {
+                // SAFETY: panel `pa` of `a`, `pb` of `b` from pair `q0` and the tile of `c`,
+                // as the caller vouched.
                 unsafe {
                     kernel(
-                        depth,
-                        (a.add(pa * a_step), b.add(pb * b_step)),
+                        depth.end - 2 * q0,
+                        (a.add(pa * a_step + q0 * MR), b.add(pb * b_step + q0 * NR)),
                         (c.add(i0 * c_rs + j0), c_rs as isize),
                         (mr, NR.min(n - j0)),
                         (scale, std::ptr::null()),

@@ -175,3 +175,127 @@ fn transpose_moves_every_element() {
         }
     }
 }
+
+/// One causal product and the whole one it stands for, on the same operands.
+struct CausalCase {
+    dims: (usize, usize, usize),
+    a: (Vec<f32>, usize, usize),
+    b: Vec<f32>,
+    scale_acc: (f32, bool),
+    causal: super::Causal,
+    /// `[causal, whole]` results, from the same start.
+    c: [Vec<f32>; 2],
+}
+
+struct CausalJob {
+    kernel: SmallGemm,
+    cases: Vec<CausalCase>,
+}
+
+unsafe extern "C" fn run_causal(job: *mut c_void) {
+    // SAFETY: the test passes its job.
+    let job = unsafe { &mut *(job as *mut CausalJob) };
+    for case in job.cases.iter_mut() {
+        let (m, n, k) = case.dims;
+        let (a, a_rs, a_cs) = &case.a;
+        for (c, causal) in case.c.iter_mut().zip([case.causal, super::Causal::Whole]) {
+            // SAFETY: as in `run_small`.
+            unsafe {
+                super::causal_small_gemm(
+                    job.kernel,
+                    (m, n, k),
+                    (c.as_mut_ptr(), n),
+                    (a.as_ptr(), *a_rs, *a_cs),
+                    (case.b.as_ptr(), 64, 64 * k),
+                    case.scale_acc,
+                    causal,
+                )
+            };
+        }
+    }
+}
+
+/// A causal block's products left out where they may be give bitwise what the whole products
+/// do where it is read: scores (`Columns`) on and before the diagonal, and (`Depth`,
+/// `DepthFrom`) every output, `a` being zero past (before) the diagonal as probabilities and
+/// their gradients (transposed) are; blocks at the start and further down, partial row tiles.
+#[test]
+fn causal_small_products_match_the_whole_ones() {
+    use super::Causal;
+    let kernels: [(&str, SmallGemm, bool); 2] = [
+        ("avx512", avx512::small_gemm, Avx512::available()),
+        ("avx2", avx2::small_gemm, Avx2::available()),
+    ];
+    for (name, kernel, native) in kernels {
+        let mut cases = Vec::new();
+        for (r0, m, d) in [
+            (0usize, 37usize, 24usize),
+            (37, 37, 80),
+            (64, 64, 64),
+            (5, 13, 16),
+        ] {
+            let r1 = r0 + m;
+            for scale_acc in [(0.125f32, false), (1.0, true)] {
+                let start = |len: usize| values(len, 3);
+                let strips = |n: usize, k: usize, seed| values(n.div_ceil(64) * 64 * k, seed);
+                // Scores: `[m, r1]` from `[m, d]` queries and the keys across.
+                let a = values(m * d, 1);
+                cases.push(CausalCase {
+                    dims: (m, r1, d),
+                    a: (a, d, 1),
+                    b: strips(r1, d, 2),
+                    scale_acc,
+                    causal: Causal::Columns(r0),
+                    c: [start(m * r1), start(m * r1)],
+                });
+                // Outputs from probabilities: `[m, r1]`, zero past each row's diagonal.
+                let mut p = values(m * r1, 4);
+                for i in 0..m {
+                    p[i * r1 + r0 + i + 1..(i + 1) * r1].fill(0.0);
+                }
+                cases.push(CausalCase {
+                    dims: (m, d, r1),
+                    a: (p.clone(), r1, 1),
+                    b: strips(d, r1, 5),
+                    scale_acc,
+                    causal: Causal::Depth(r0),
+                    c: [start(m * d), start(m * d)],
+                });
+                // Keys' gradients from the probabilities transposed: `[r1, m]`.
+                cases.push(CausalCase {
+                    dims: (r1, d, m),
+                    a: (p, 1, r1),
+                    b: strips(d, m, 6),
+                    scale_acc,
+                    causal: Causal::DepthFrom(r0),
+                    c: [start(r1 * d), start(r1 * d)],
+                });
+            }
+        }
+        let mut job = CausalJob { kernel, cases };
+        let arg = &mut job as *mut CausalJob as *mut c_void;
+        // SAFETY: as in `small_gemm_matches_a_triple_loop_at_every_edge`.
+        if !unsafe { run_job(native, Model::TigerLake, run_causal, arg) } {
+            return;
+        }
+        for case in &job.cases {
+            let (m, n, _) = case.dims;
+            let [causal, whole] = &case.c;
+            for i in 0..m {
+                let read = match case.causal {
+                    Causal::Columns(r0) => r0 + i + 1,
+                    _ => n,
+                };
+                for j in 0..read {
+                    assert_eq!(
+                        causal[i * n + j].to_bits(),
+                        whole[i * n + j].to_bits(),
+                        "{name} {:?} {:?}: ({i}, {j})",
+                        case.causal,
+                        case.dims
+                    );
+                }
+            }
+        }
+    }
+}

@@ -239,6 +239,42 @@ fn own_kernel(dims: (usize, usize, usize), c_cs: isize, arith: Arith) -> Option<
     choose_tile(cpu, math, dims, c_cs, arith == Arith::Bf16)
 }
 
+/// What a product of one causal row block may leave out, where row `i` of the block is row
+/// `r0 + i` of the sequence. Leaving out only terms that are zero (or outputs never read),
+/// a product gives bitwise what the whole one does on finite inputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Causal {
+    /// Nothing.
+    Whole,
+    /// `c`'s columns past the diagonal (`Columns(r0)`: scores, whose masked columns are never
+    /// read).
+    Columns(usize),
+    /// The depth past the diagonal (`Depth(r0)`: `a` is the block's probabilities or their
+    /// gradients, zero past it).
+    Depth(usize),
+    /// The depth before the diagonal (`DepthFrom(r0)`: `a` is those transposed, so row `j`
+    /// of `c`, a key's, takes terms only from the block's rows at or after `j`).
+    DepthFrom(usize),
+}
+
+impl Causal {
+    /// For the product's rows `i0..i0 + rows`: the columns it needs (of `n`) and the depth
+    /// range (of `k`) where its `a` may be non-zero.
+    pub(crate) fn extent(
+        self,
+        (i0, rows): (usize, usize),
+        (n, k): (usize, usize),
+    ) -> (usize, std::ops::Range<usize>) {
+        let last = |r0: usize| r0 + i0 + rows - 1;
+        match self {
+            Causal::Whole => (n, 0..k),
+            Causal::Columns(r0) => (n.min(last(r0) + 1), 0..k),
+            Causal::Depth(r0) => (n, 0..k.min(last(r0) + 1)),
+            Causal::DepthFrom(r0) => (n, i0.saturating_sub(r0).min(k)..k),
+        }
+    }
+}
+
 /// Attention's unpacked per-head product (`small_gemm` in `avx512` and `avx2`):
 /// `(m, n, k)`, `(c, c_rs)`, `(a, a_rs, a_cs)`, `(b, b_rs, b_strip)`, `scale`, `accumulate`.
 #[cfg(target_arch = "x86_64")]
@@ -250,6 +286,57 @@ pub(crate) type SmallGemm = unsafe fn(
     f32,
     bool,
 );
+
+/// Rows of both `small_gemm` register tiles: the rows a causal product is trimmed by.
+#[cfg(target_arch = "x86_64")]
+pub(crate) const HEAD_TILE_ROWS: usize = 6;
+
+/// `small_gemm`'s product leaving out what `causal` says, a register tile's rows at a time;
+/// arguments as [`SmallGemm`]'s.
+///
+/// # Safety
+/// As the kernel's, for the whole product.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn causal_small_gemm(
+    kernel: SmallGemm,
+    (m, n, k): (usize, usize, usize),
+    (c, c_rs): (*mut f32, usize),
+    (a, a_rs, a_cs): (*const f32, usize, usize),
+    (b, b_rs, b_strip): (*const f32, usize, usize),
+    (scale, accumulate): (f32, bool),
+    causal: Causal,
+) {
+    if causal == Causal::Whole {
+        // SAFETY: as the caller vouched.
+        return unsafe {
+            kernel(
+                (m, n, k),
+                (c, c_rs),
+                (a, a_rs, a_cs),
+                (b, b_rs, b_strip),
+                scale,
+                accumulate,
+            )
+        };
+    }
+    for i0 in (0..m).step_by(HEAD_TILE_ROWS) {
+        let rows = HEAD_TILE_ROWS.min(m - i0);
+        let (cols, depth) = causal.extent((i0, rows), (n, k));
+        // SAFETY: rows `i0..i0 + rows` of `c` and `a`, the depth range of `a` and `b`: inside
+        // the product the caller vouched for.
+        unsafe {
+            kernel(
+                (rows, cols, depth.len()),
+                (c.add(i0 * c_rs), c_rs),
+                (a.add(i0 * a_rs + depth.start * a_cs), a_rs, a_cs),
+                (b.add(depth.start * b_rs), b_rs, b_strip),
+                scale,
+                accumulate,
+            )
+        };
+    }
+}
 
 /// A register transpose (`transpose` in `avx512` and `avx2`): `(x, x_rs)`,
 /// `(rows, cols)`, `(out, out_rs)`.

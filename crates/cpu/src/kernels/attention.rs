@@ -9,7 +9,7 @@ use snug_graph::ops::{
 };
 
 use super::half_io::Elem;
-use crate::gemm::HeadBf16;
+use crate::gemm::{Causal, HeadBf16};
 use crate::kernel::{CpuKernel, Kernel};
 
 #[cfg(target_arch = "x86_64")]
@@ -511,7 +511,8 @@ impl Right {
 }
 
 /// `c (+)= scale · op(a) · b` (adding with `acc`) on one head's matrices, `op` transposing
-/// with `ta`; in bf16 arithmetic on `bf16`'s tile where given (each operand rounded to bf16 as
+/// with `ta`, leaving out what `causal` says where the product runs on `small_gemm` (elsewhere
+/// computing the whole, which gives the same); in bf16 arithmetic on `bf16`'s tile where given (each operand rounded to bf16 as
 /// it is packed: the probabilities and score gradients, which are made in f32, included), else
 /// in f32.
 ///
@@ -521,10 +522,10 @@ impl Right {
 unsafe fn head_gemm(
     (m, n, k): (usize, usize, usize),
     c: Rows,
-    a: Rows,
-    ta: bool,
+    (a, ta): (Rows, bool),
     b: Right,
     (scale, acc): (f32, bool),
+    causal: Causal,
     bf16: Option<HeadBf16>,
 ) {
     let (a_rs, a_cs) = if ta { (1, a.stride) } else { (a.stride, 1) };
@@ -532,17 +533,19 @@ unsafe fn head_gemm(
     if let (None, Some((small_gemm, _))) = (bf16, crate::gemm::head_kernels()) {
         // SAFETY: the CPU was checked; the caller vouches for the operands.
         unsafe {
-            small_gemm(
+            crate::gemm::causal_small_gemm(
+                small_gemm,
                 (m, n, k),
                 (c.ptr, c.stride),
                 (a.ptr, a_rs, a_cs),
                 (b.ptr, b.rs, b.strip),
-                scale,
-                acc,
+                (scale, acc),
+                causal,
             )
         };
         return;
     }
+    let _ = causal;
     // On the bf16 tile, a `b` whose columns are contiguous (rows read in place) is one
     // product, so `a` is packed once rather than once a strip.
     let strip = if bf16.is_some() && b.strip == 64 {
@@ -671,18 +674,29 @@ unsafe fn head_forward_body(
     unsafe {
         let (s, kt) = s.split_at_mut(t * t);
         let (kt, v) = (rows_across(k, (t, d), kt), Right::rows(v));
-        let gemm = |dims, c, a, ta, b, scale_acc| head_gemm(dims, c, a, ta, b, scale_acc, bf16);
+        let gemm = |dims, c, a, ta, b, scale_acc, causal| {
+            head_gemm(dims, c, (a, ta), b, scale_acc, causal, bf16)
+        };
         let s_rows = Rows {
             ptr: s.as_mut_ptr(),
             stride: t,
         };
         for (r0, r1) in row_blocks(t) {
             let (m, s_blk) = (r1 - r0, s_rows.down(r0));
-            gemm((m, r1, d), s_blk, q.down(r0), false, kt, (scale, false));
+            let (columns, depth) = (Causal::Columns(r0), Causal::Depth(r0));
+            gemm(
+                (m, r1, d),
+                s_blk,
+                q.down(r0),
+                false,
+                kt,
+                (scale, false),
+                columns,
+            );
             for i in r0..r1 {
                 softmax_causal_row(i, &mut s[i * t..i * t + r1], &mut lse[i]);
             }
-            gemm((m, d, r1), y.down(r0), s_blk, false, v, (1.0, false));
+            gemm((m, d, r1), y.down(r0), s_blk, false, v, (1.0, false), depth);
         }
     }
 }
@@ -730,7 +744,9 @@ unsafe fn head_backward_body(
         let (kt, vt) = rest.split_at_mut(across_len(t, d));
         let (kt, vt) = (rows_across(h.k, (t, d), kt), rows_across(h.v, (t, d), vt));
         let (k, q, dy) = (Right::rows(h.k), Right::rows(h.q), Right::rows(h.dy));
-        let gemm = |dims, c, a, ta, b, scale_acc| head_gemm(dims, c, a, ta, b, scale_acc, bf16);
+        let gemm = |dims, c, a, ta, b, scale_acc, causal| {
+            head_gemm(dims, c, (a, ta), b, scale_acc, causal, bf16)
+        };
         let (p_rows, dp_rows) = (
             Rows {
                 ptr: p.as_mut_ptr(),
@@ -747,8 +763,18 @@ unsafe fn head_backward_body(
             let kv_acc = accumulate_kv || r1 < t;
             let m = r1 - r0;
             let (p_blk, dp_blk) = (p_rows.down(r0), dp_rows.down(r0));
+            let (columns, depth) = (Causal::Columns(r0), Causal::Depth(r0));
+            let depth_from = Causal::DepthFrom(r0);
             // P = exp(scale·QKᵀ − lse), zero above the diagonal.
-            gemm((m, r1, d), p_blk, h.q.down(r0), false, kt, (scale, false));
+            gemm(
+                (m, r1, d),
+                p_blk,
+                h.q.down(r0),
+                false,
+                kt,
+                (scale, false),
+                columns,
+            );
             for i in r0..r1 {
                 let (live, masked) = p[i * t..i * t + r1].split_at_mut(i + 1);
                 let l = lse[i];
@@ -758,21 +784,58 @@ unsafe fn head_backward_body(
                 masked.fill(0.0);
             }
             // dV[0..r1] += Pᵀ · dY ;  dP = dY · Vᵀ
-            gemm((r1, d, m), h.dv, p_blk, true, dy.down(r0), (1.0, kv_acc));
-            gemm((m, r1, d), dp_blk, h.dy.down(r0), false, vt, (1.0, false));
-            // dS = P ⊙ (dP − rowsum(dY ⊙ Y))
+            let dy_blk = dy.down(r0);
+            gemm(
+                (r1, d, m),
+                h.dv,
+                p_blk,
+                true,
+                dy_blk,
+                (1.0, kv_acc),
+                depth_from,
+            );
+            gemm(
+                (m, r1, d),
+                dp_blk,
+                h.dy.down(r0),
+                false,
+                vt,
+                (1.0, false),
+                columns,
+            );
+            // dS = P ⊙ (dP − rowsum(dY ⊙ Y)); dP past the diagonal may be left out, and dS is
+            // zero there.
             for i in r0..r1 {
                 let dy_row = std::slice::from_raw_parts(h.dy.ptr.add(i * h.dy.stride), d);
                 let y_row = std::slice::from_raw_parts(h.y.ptr.add(i * h.y.stride), d);
                 let di = crate::math::dot(dy_row, y_row);
                 let (pr, dpr) = (&p[i * t..i * t + r1], &mut dp[i * t..i * t + r1]);
-                for (g, &pv) in dpr.iter_mut().zip(pr) {
+                let (live, masked) = dpr.split_at_mut(i + 1);
+                for (g, &pv) in live.iter_mut().zip(pr) {
                     *g = pv * (*g - di);
                 }
+                masked.fill(0.0);
             }
             // dQ = scale · dS · K ;  dK[0..r1] += scale · dSᵀ · Q
-            gemm((m, d, r1), h.dq.down(r0), dp_blk, false, k, (scale, false));
-            gemm((r1, d, m), h.dk, dp_blk, true, q.down(r0), (scale, kv_acc));
+            gemm(
+                (m, d, r1),
+                h.dq.down(r0),
+                dp_blk,
+                false,
+                k,
+                (scale, false),
+                depth,
+            );
+            let q_blk = q.down(r0);
+            gemm(
+                (r1, d, m),
+                h.dk,
+                dp_blk,
+                true,
+                q_blk,
+                (scale, kv_acc),
+                depth_from,
+            );
         }
     }
 }
@@ -872,9 +935,11 @@ mod tests {
             Head {
                 y: vec![0.0; t * d],
                 lse: vec![0.0; t],
-                s: vec![0.0; forward_scratch(t, d)],
+                // Scratch as unwritten as a reused workspace: a product that leaves out a
+                // part something later reads shows as NaN.
+                s: vec![f32::NAN; forward_scratch(t, d)],
                 grads: [0, 1, 2].map(|_| vec![0.0; t * d]),
-                ws: vec![0.0; backward_scratch(t, d)],
+                ws: vec![f32::NAN; backward_scratch(t, d)],
             }
         }
 

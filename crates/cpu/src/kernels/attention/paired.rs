@@ -11,9 +11,8 @@
 use snug_graph::ops::attention::row_blocks;
 
 use super::{softmax_causal_row, Rows};
-use crate::gemm::avx512bf16::paired::{
-    a_f32, a_len, a_words, b_len, b_rows, b_words, product, Causal,
-};
+use crate::gemm::avx512bf16::paired::{a_f32, a_len, a_words, b_len, b_rows, b_words, product};
+use crate::gemm::Causal;
 
 /// A head's rows in bf16: the first value and the distance between rows, in values.
 #[derive(Clone, Copy)]
@@ -228,7 +227,7 @@ pub(in crate::kernels) unsafe fn head_backward(
                     (ap, m),
                     (bp, m),
                     (1.0, kv_acc),
-                    Causal::Whole,
+                    Causal::DepthFrom(r0),
                 );
                 a_words(dyb.ptr, dyb.stride, (m, d), ap);
                 product(
@@ -271,7 +270,7 @@ pub(in crate::kernels) unsafe fn head_backward(
                     (ap, m),
                     (bp, m),
                     (scale, kv_acc),
-                    Causal::Whole,
+                    Causal::DepthFrom(r0),
                 );
             }
         },
