@@ -354,15 +354,16 @@ fn what_would_fit_plans_each_change() {
 }
 
 /// Planning asks the target, not the host: the GELU + linear backward's tile holds whole
-/// depth blocks of the target's GEMM, so an AVX-512 and an AVX2 target plan different scratch
-/// on any machine, and each target's plan is the same wherever it is made.
+/// depth blocks of the target's GEMM, so an AVX-512 target (512 deep, as AVX2's) and the
+/// portable one (no depth blocks) plan different scratch on any machine, and each target's
+/// plan is the same wherever it is made.
 #[test]
 fn planned_bytes_follow_the_target_not_the_host() {
     use snug_graph::CpuGemm;
     let fit = model();
     let scratch = |gemm: CpuGemm| {
         let target = Target::cpu(1, gemm);
-        let c = compile_step(&fit.model, shape(&fit, 8), target, &fit.step).unwrap();
+        let c = compile_step(&fit.model, shape(&fit, 10), target, &fit.step).unwrap();
         let g = &c.step.graph;
         assert_eq!(g.target(), target);
         let node = g
@@ -374,14 +375,15 @@ fn planned_bytes_follow_the_target_not_the_host() {
         let peak = plan(g, &PlanOptions::default()).unwrap().peak_bytes();
         (g.tensor(ws).size_bytes(), peak)
     };
-    // 8 × 256 = 2048 rows of width 4 · 384 = 1536 through at most 2^20 elements (682 rows):
-    // AVX-512 sums 384 deep, so tiles of 384 rows, evened out to 6 tiles of 342; AVX2 sums
-    // 512 deep: 4 tiles of 512.
+    // 10 × 256 = 2560 rows of width 4 · 384 = 1536 through at most 2^20 elements (682 rows):
+    // AVX-512 and AVX2 sum 512 deep, so 5 tiles of 512 rows; the portable path has no depth
+    // blocks: 4 tiles of 640.
     let (avx512, peak512) = scratch(CpuGemm::Avx512);
-    let (avx2, peak2) = scratch(CpuGemm::Avx2);
-    assert_eq!(avx512, 342 * 1536 * 4);
-    assert_eq!(avx2, 512 * 1536 * 4);
-    assert_ne!(peak512, peak2);
+    let (portable, peak_portable) = scratch(CpuGemm::Portable);
+    assert_eq!(avx512, 512 * 1536 * 4);
+    assert_eq!(scratch(CpuGemm::Avx2).0, avx512);
+    assert_eq!(portable, 640 * 1536 * 4);
+    assert_ne!(peak512, peak_portable);
     assert_eq!(scratch(CpuGemm::Avx512), (avx512, peak512), "repeatable");
 }
 
