@@ -683,7 +683,7 @@ unsafe fn head_forward_body(
         };
         for (r0, r1) in row_blocks(t) {
             let (m, s_blk) = (r1 - r0, s_rows.down(r0));
-            let (columns, depth) = (Causal::Columns(r0), Causal::Depth(r0));
+            let (cols, deep) = (Causal::Columns(r0), Causal::Depth(r0));
             gemm(
                 (m, r1, d),
                 s_blk,
@@ -691,12 +691,12 @@ unsafe fn head_forward_body(
                 false,
                 kt,
                 (scale, false),
-                columns,
+                cols,
             );
             for i in r0..r1 {
                 softmax_causal_row(i, &mut s[i * t..i * t + r1], &mut lse[i]);
             }
-            gemm((m, d, r1), y.down(r0), s_blk, false, v, (1.0, false), depth);
+            gemm((m, d, r1), y.down(r0), s_blk, false, v, (1.0, false), deep);
         }
     }
 }
@@ -763,18 +763,16 @@ unsafe fn head_backward_body(
             let kv_acc = accumulate_kv || r1 < t;
             let m = r1 - r0;
             let (p_blk, dp_blk) = (p_rows.down(r0), dp_rows.down(r0));
-            let (columns, depth) = (Causal::Columns(r0), Causal::Depth(r0));
-            let depth_from = Causal::DepthFrom(r0);
-            // P = exp(scale·QKᵀ − lse), zero above the diagonal.
-            gemm(
-                (m, r1, d),
-                p_blk,
-                h.q.down(r0),
-                false,
-                kt,
-                (scale, false),
-                columns,
+            let (cols, deep, from) = (
+                Causal::Columns(r0),
+                Causal::Depth(r0),
+                Causal::DepthFrom(r0),
             );
+            // The block's rows as `a` operands, and as `b` ones.
+            let (q_rows, dy_rows, dq_rows) = (h.q.down(r0), h.dy.down(r0), h.dq.down(r0));
+            let (q_blk, dy_blk) = (q.down(r0), dy.down(r0));
+            // P = exp(scale·QKᵀ − lse), zero above the diagonal.
+            gemm((m, r1, d), p_blk, q_rows, false, kt, (scale, false), cols);
             for i in r0..r1 {
                 let (live, masked) = p[i * t..i * t + r1].split_at_mut(i + 1);
                 let l = lse[i];
@@ -784,25 +782,8 @@ unsafe fn head_backward_body(
                 masked.fill(0.0);
             }
             // dV[0..r1] += Pᵀ · dY ;  dP = dY · Vᵀ
-            let dy_blk = dy.down(r0);
-            gemm(
-                (r1, d, m),
-                h.dv,
-                p_blk,
-                true,
-                dy_blk,
-                (1.0, kv_acc),
-                depth_from,
-            );
-            gemm(
-                (m, r1, d),
-                dp_blk,
-                h.dy.down(r0),
-                false,
-                vt,
-                (1.0, false),
-                columns,
-            );
+            gemm((r1, d, m), h.dv, p_blk, true, dy_blk, (1.0, kv_acc), from);
+            gemm((m, r1, d), dp_blk, dy_rows, false, vt, (1.0, false), cols);
             // dS = P ⊙ (dP − rowsum(dY ⊙ Y)); dP past the diagonal may be left out, and dS is
             // zero there.
             for i in r0..r1 {
@@ -817,25 +798,8 @@ unsafe fn head_backward_body(
                 masked.fill(0.0);
             }
             // dQ = scale · dS · K ;  dK[0..r1] += scale · dSᵀ · Q
-            gemm(
-                (m, d, r1),
-                h.dq.down(r0),
-                dp_blk,
-                false,
-                k,
-                (scale, false),
-                depth,
-            );
-            let q_blk = q.down(r0);
-            gemm(
-                (r1, d, m),
-                h.dk,
-                dp_blk,
-                true,
-                q_blk,
-                (scale, kv_acc),
-                depth_from,
-            );
+            gemm((m, d, r1), dq_rows, dp_blk, false, k, (scale, false), deep);
+            gemm((r1, d, m), h.dk, dp_blk, true, q_blk, (scale, kv_acc), from);
         }
     }
 }
