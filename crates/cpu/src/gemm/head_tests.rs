@@ -29,24 +29,45 @@ struct SmallJob {
     cases: Vec<SmallCase>,
 }
 
-unsafe extern "C" fn run_small(job: *mut c_void) {
-    // SAFETY: the test passes its job.
-    let job = unsafe { &mut *(job as *mut SmallJob) };
-    for case in job.cases.iter_mut() {
-        let (m, n, k) = case.dims;
-        let (a, a_rs, a_cs) = &case.a;
-        // SAFETY: the (emulated) CPU has the kernel's instructions; the strides stay inside
-        // the vectors.
-        unsafe {
-            (job.kernel)(
-                (m, n, k),
-                (case.c.as_mut_ptr(), n),
-                (a.as_ptr(), *a_rs, *a_cs),
-                (case.b.as_ptr(), 64, 64 * k),
-                case.scale_acc.0,
-                case.scale_acc.1,
-            )
-        };
+/// A test's cases, run in one call that allocates nothing, natively or on the emulated core.
+trait Cases {
+    fn run(&mut self);
+}
+
+unsafe extern "C" fn run_cases<J: Cases>(job: *mut c_void) {
+    // SAFETY: `on_tiger_lake` passes its job.
+    unsafe { &mut *(job as *mut J) }.run();
+}
+
+/// Runs `job`'s cases natively where `native`, else on an emulated Tiger Lake core (AVX2 and
+/// AVX-512F); `false` where the emulator is not there (the skip is reported).
+///
+/// # Safety
+/// `J::run` must allocate nothing and run only instructions the CPU has where `native`.
+unsafe fn on_tiger_lake<J: Cases>(native: bool, job: &mut J) -> bool {
+    let arg = job as *mut J as *mut c_void;
+    // SAFETY: as the caller vouched.
+    unsafe { run_job(native, Model::TigerLake, run_cases::<J>, arg) }
+}
+
+impl Cases for SmallJob {
+    fn run(&mut self) {
+        for case in self.cases.iter_mut() {
+            let (m, n, k) = case.dims;
+            let (a, a_rs, a_cs) = &case.a;
+            // SAFETY: the (emulated) CPU has the kernel's instructions; the strides stay inside
+            // the vectors.
+            unsafe {
+                (self.kernel)(
+                    (m, n, k),
+                    (case.c.as_mut_ptr(), n),
+                    (a.as_ptr(), *a_rs, *a_cs),
+                    (case.b.as_ptr(), 64, 64 * k),
+                    case.scale_acc.0,
+                    case.scale_acc.1,
+                )
+            };
+        }
     }
 }
 
@@ -86,10 +107,8 @@ fn small_gemm_matches_a_triple_loop_at_every_edge() {
             }
         }
         let mut job = SmallJob { kernel, cases };
-        let arg = &mut job as *mut SmallJob as *mut c_void;
-        // SAFETY: the kernel runs where its instructions are, natively or emulated;
-        // `run_small` allocates nothing and touches only the job.
-        if !unsafe { run_job(native, Model::TigerLake, run_small, arg) } {
+        // SAFETY: the cases' operands are made; the kernel runs where its instructions are.
+        if !unsafe { on_tiger_lake(native, &mut job) } {
             return;
         }
         for case in &job.cases {
@@ -120,14 +139,14 @@ struct TransposeJob {
     cases: Vec<TransposeCase>,
 }
 
-unsafe extern "C" fn run_transpose(job: *mut c_void) {
-    // SAFETY: the test passes its job.
-    let job = unsafe { &mut *(job as *mut TransposeJob) };
-    for case in job.cases.iter_mut() {
-        let ((x, x_rs), (out, out_rs)) = (&case.x, &mut case.out);
-        // SAFETY: the (emulated) CPU has the kernel's instructions; both extents fit their
-        // vectors.
-        unsafe { (job.kernel)((x.as_ptr(), *x_rs), case.dims, (out.as_mut_ptr(), *out_rs)) };
+impl Cases for TransposeJob {
+    fn run(&mut self) {
+        for case in self.cases.iter_mut() {
+            let ((x, x_rs), (out, out_rs)) = (&case.x, &mut case.out);
+            // SAFETY: the (emulated) CPU has the kernel's instructions; both extents fit their
+            // vectors.
+            unsafe { (self.kernel)((x.as_ptr(), *x_rs), case.dims, (out.as_mut_ptr(), *out_rs)) };
+        }
     }
 }
 
@@ -156,9 +175,8 @@ fn transpose_moves_every_element() {
         })
         .collect();
         let mut job = TransposeJob { kernel, cases };
-        let arg = &mut job as *mut TransposeJob as *mut c_void;
         // SAFETY: as in `small_gemm_matches_a_triple_loop_at_every_edge`.
-        if !unsafe { run_job(native, Model::TigerLake, run_transpose, arg) } {
+        if !unsafe { on_tiger_lake(native, &mut job) } {
             return;
         }
         for case in &job.cases {
@@ -192,25 +210,25 @@ struct CausalJob {
     cases: Vec<CausalCase>,
 }
 
-unsafe extern "C" fn run_causal(job: *mut c_void) {
-    // SAFETY: the test passes its job.
-    let job = unsafe { &mut *(job as *mut CausalJob) };
-    for case in job.cases.iter_mut() {
-        let (m, n, k) = case.dims;
-        let (a, a_rs, a_cs) = &case.a;
-        for (c, causal) in case.c.iter_mut().zip([case.causal, super::Causal::Whole]) {
-            // SAFETY: as in `run_small`.
-            unsafe {
-                super::causal_small_gemm(
-                    job.kernel,
-                    (m, n, k),
-                    (c.as_mut_ptr(), n),
-                    (a.as_ptr(), *a_rs, *a_cs),
-                    (case.b.as_ptr(), 64, 64 * k),
-                    case.scale_acc,
-                    causal,
-                )
-            };
+impl Cases for CausalJob {
+    fn run(&mut self) {
+        for case in self.cases.iter_mut() {
+            let (m, n, k) = case.dims;
+            let (a, a_rs, a_cs) = &case.a;
+            for (c, causal) in case.c.iter_mut().zip([case.causal, super::Causal::Whole]) {
+                // SAFETY: as in `SmallJob`'s cases.
+                unsafe {
+                    super::causal_small_gemm(
+                        self.kernel,
+                        (m, n, k),
+                        (c.as_mut_ptr(), n),
+                        (a.as_ptr(), *a_rs, *a_cs),
+                        (case.b.as_ptr(), 64, 64 * k),
+                        case.scale_acc,
+                        causal,
+                    )
+                };
+            }
         }
     }
 }
@@ -273,9 +291,8 @@ fn causal_small_products_match_the_whole_ones() {
             }
         }
         let mut job = CausalJob { kernel, cases };
-        let arg = &mut job as *mut CausalJob as *mut c_void;
         // SAFETY: as in `small_gemm_matches_a_triple_loop_at_every_edge`.
-        if !unsafe { run_job(native, Model::TigerLake, run_causal, arg) } {
+        if !unsafe { on_tiger_lake(native, &mut job) } {
             return;
         }
         for case in &job.cases {
