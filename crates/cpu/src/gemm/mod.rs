@@ -307,21 +307,14 @@ pub(crate) unsafe fn causal_small_gemm(
     (scale, accumulate): (f32, bool),
     causal: Causal,
 ) {
-    if causal == Causal::Whole {
-        // SAFETY: as the caller vouched.
-        return unsafe {
-            kernel(
-                (m, n, k),
-                (c, c_rs),
-                (a, a_rs, a_cs),
-                (b, b_rs, b_strip),
-                scale,
-                accumulate,
-            )
-        };
-    }
-    for i0 in (0..m).step_by(HEAD_TILE_ROWS) {
-        let rows = HEAD_TILE_ROWS.min(m - i0);
+    // A whole product is one call.
+    let group = if causal == Causal::Whole {
+        m.max(1)
+    } else {
+        HEAD_TILE_ROWS
+    };
+    for i0 in (0..m).step_by(group) {
+        let rows = group.min(m - i0);
         let (cols, depth) = causal.extent((i0, rows), (n, k));
         // SAFETY: rows `i0..i0 + rows` of `c` and `a`, the depth range of `a` and `b`: inside
         // the product the caller vouched for.

@@ -512,9 +512,9 @@ impl Right {
 
 /// `c (+)= scale · op(a) · b` (adding with `acc`) on one head's matrices, `op` transposing
 /// with `ta`, leaving out what `causal` says where the product runs on `small_gemm` (elsewhere
-/// computing the whole, which gives the same); in bf16 arithmetic on `bf16`'s tile where given (each operand rounded to bf16 as
-/// it is packed: the probabilities and score gradients, which are made in f32, included), else
-/// in f32.
+/// computing the whole, which gives the same); in bf16 arithmetic on `bf16`'s tile where
+/// given (each operand rounded to bf16 as it is packed: the probabilities and score
+/// gradients, which are made in f32, included), else in f32.
 ///
 /// # Safety
 /// Every pointer must be valid for the rows its shape and stride reach; `bf16`'s tile must be
@@ -545,6 +545,7 @@ unsafe fn head_gemm(
         };
         return;
     }
+    // The whole product below: what `causal` leaves out is zero or never read.
     let _ = causal;
     // On the bf16 tile, a `b` whose columns are contiguous (rows read in place) is one
     // product, so `a` is packed once rather than once a strip.
@@ -682,17 +683,9 @@ unsafe fn head_forward_body(
             stride: t,
         };
         for (r0, r1) in row_blocks(t) {
-            let (m, s_blk) = (r1 - r0, s_rows.down(r0));
+            let (m, s_blk, q_rows) = (r1 - r0, s_rows.down(r0), q.down(r0));
             let (cols, deep) = (Causal::Columns(r0), Causal::Depth(r0));
-            gemm(
-                (m, r1, d),
-                s_blk,
-                q.down(r0),
-                false,
-                kt,
-                (scale, false),
-                cols,
-            );
+            gemm((m, r1, d), s_blk, q_rows, false, kt, (scale, false), cols);
             for i in r0..r1 {
                 softmax_causal_row(i, &mut s[i * t..i * t + r1], &mut lse[i]);
             }
