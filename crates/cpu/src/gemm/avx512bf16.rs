@@ -465,9 +465,7 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn pairs_round_to_nearest_even_and_keep_order() {
-        use std::ffi::c_void;
-
-        use crate::gemm::test_support::{run_job, values};
+        use crate::gemm::test_support::{run_on, values, EmuJob};
         const W: usize = 24;
         const KC: usize = 7;
         let special = [
@@ -494,18 +492,23 @@ mod tests {
                 u32::from(bf16_bits(v))
             }
         };
-        unsafe extern "C" fn job(panel: *mut c_void) {
-            // SAFETY: the test passes a panel of W · KC floats; the CPU has the features.
-            unsafe { to_pairs::<W>(KC, panel as *mut f32) }
+        /// A panel of `W · KC` floats (the test's `rows`), paired in place.
+        struct Pairs(Vec<f32>);
+        impl EmuJob for Pairs {
+            unsafe fn run(&mut self) {
+                // SAFETY: the panel holds W · KC floats; the CPU has the features, as `run`'s
+                // caller vouches.
+                unsafe { to_pairs::<W>(KC, self.0.as_mut_ptr()) }
+            }
         }
-        let mut panel = rows.clone();
+        let mut pairs = Pairs(rows.clone());
         let native = crate::isa::CpuFeatures::host().bf16_arithmetic();
         let model = snug_testkit::emulate::Model::SapphireRapids;
-        let arg = panel.as_mut_ptr() as *mut c_void;
-        // SAFETY: `job` makes no system call and touches only the panel.
-        if !unsafe { run_job(native, model, job, arg) } {
+        // SAFETY: the job makes no system call and touches only its panel.
+        if !unsafe { run_on(native, model, &mut pairs) } {
             return;
         }
+        let panel = pairs.0;
         for q in 0..KC.div_ceil(2) {
             for l in 0..W {
                 let hi = if 2 * q + 1 < KC {

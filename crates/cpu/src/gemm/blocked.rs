@@ -1035,11 +1035,10 @@ pub(super) mod tests {
     #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
     #[test]
     fn the_avx512_tile_matches_a_triple_loop_on_an_emulated_core() {
-        use std::ffi::c_void;
-
         use snug_testkit::emulate::Model;
 
         use super::super::avx512::Avx512;
+        use super::super::test_support::{run_on, EmuJob};
 
         if Avx512::available() {
             return; // run natively by the test above
@@ -1053,25 +1052,25 @@ pub(super) mod tests {
             c: Vec<f32>,
             done: bool,
         }
-        /// Every case on the tile, one thread, nothing allocated: runnable where no kernel
-        /// answers system calls.
-        unsafe extern "C" fn run_cases(cases: *mut c_void) {
-            // SAFETY: the test passes its cases.
-            let cases = unsafe { &mut *(cases as *mut Vec<Case>) };
-            for case in cases.iter_mut() {
-                let ((a, a_rs, a_cs), (b, b_rs, b_cs)) = (&case.a, &case.b);
-                // SAFETY: the (emulated) CPU has AVX-512F; the strides stay inside the vectors.
-                case.done = unsafe {
-                    sgemm::<Avx512>(
-                        case.dims,
-                        (case.c.as_mut_ptr(), case.dims.1 as isize),
-                        (a.as_ptr(), *a_rs, *a_cs),
-                        (b.as_ptr(), *b_rs, *b_cs),
-                        case.scale_acc.0,
-                        case.scale_acc.1,
-                        Fused::NONE,
-                    )
-                };
+        struct Cases(Vec<Case>);
+        /// Every case on the tile, one thread, nothing allocated.
+        impl EmuJob for Cases {
+            unsafe fn run(&mut self) {
+                for case in self.0.iter_mut() {
+                    let ((a, a_rs, a_cs), (b, b_rs, b_cs)) = (&case.a, &case.b);
+                    // SAFETY: the (emulated) CPU has AVX-512F; the strides stay inside the vectors.
+                    case.done = unsafe {
+                        sgemm::<Avx512>(
+                            case.dims,
+                            (case.c.as_mut_ptr(), case.dims.1 as isize),
+                            (a.as_ptr(), *a_rs, *a_cs),
+                            (b.as_ptr(), *b_rs, *b_cs),
+                            case.scale_acc.0,
+                            case.scale_acc.1,
+                            Fused::NONE,
+                        )
+                    };
+                }
             }
         }
         let shapes = [
@@ -1101,13 +1100,13 @@ pub(super) mod tests {
             }
         }
         reserve_pack::<Avx512>();
-        let arg = &mut cases as *mut Vec<Case> as *mut c_void;
-        // SAFETY: `run_cases` makes no system call (its packing space is reserved) and
-        // touches only the cases, which nothing else writes meanwhile.
-        if !unsafe { crate::gemm::test_support::run_job(false, Model::TigerLake, run_cases, arg) } {
+        let mut job = Cases(cases);
+        // SAFETY: the job makes no system call (its packing space is reserved) and touches
+        // only its cases.
+        if !unsafe { run_on(false, Model::TigerLake, &mut job) } {
             return;
         }
-        for case in &cases {
+        for case in &job.0 {
             let (m, n, k) = case.dims;
             let ((a, a_rs, a_cs), (b, b_rs, b_cs)) = (&case.a, &case.b);
             let at = |x: &[f32], (rs, cs): (isize, isize), r: usize, col: usize| {

@@ -415,9 +415,7 @@ mod tests {
         emulated: snug_testkit::emulate::Model,
         reserve: fn(),
     ) {
-        use std::ffi::c_void;
-
-        use crate::gemm::test_support::run_job;
+        use crate::gemm::test_support::{run_on, EmuJob};
         use crate::gemm::{Fused, OwnTile};
 
         struct Case<'a> {
@@ -435,33 +433,32 @@ mod tests {
             out: &'a mut [Vec<f32>],
             ran: &'a mut [bool],
         }
-        /// Every case on the job's tile, one thread; no allocation, no panic, no I/O, so it
-        /// can run where no kernel answers system calls.
-        unsafe extern "C" fn run_cases(job: *mut c_void) {
-            // SAFETY: the test passes a `Job`.
-            let job = unsafe { &mut *(job as *mut Job<'_>) };
-            for ((case, c), ran) in job
-                .cases
-                .iter()
-                .zip(job.out.iter_mut())
-                .zip(job.ran.iter_mut())
-            {
-                let fused = Fused {
-                    bias: case.bias,
-                    ..Fused::NONE
-                };
-                // SAFETY: the CPU (real or emulated) has the tile's instructions; the operands
-                // cover the product and `c` holds `m · n`.
-                *ran = unsafe {
-                    gemm_fused_half_on(
-                        Some(job.tile),
-                        case.layout,
-                        (case.a, case.b),
-                        c,
-                        ::gemm::Parallelism::None,
-                        fused,
-                    )
-                };
+        /// Every case on the job's tile, one thread; no allocation, no panic, no I/O.
+        impl EmuJob for Job<'_> {
+            unsafe fn run(&mut self) {
+                for ((case, c), ran) in self
+                    .cases
+                    .iter()
+                    .zip(self.out.iter_mut())
+                    .zip(self.ran.iter_mut())
+                {
+                    let fused = Fused {
+                        bias: case.bias,
+                        ..Fused::NONE
+                    };
+                    // SAFETY: the CPU (real or emulated) has the tile's instructions; the operands
+                    // cover the product and `c` holds `m · n`.
+                    *ran = unsafe {
+                        gemm_fused_half_on(
+                            Some(self.tile),
+                            case.layout,
+                            (case.a, case.b),
+                            c,
+                            ::gemm::Parallelism::None,
+                            fused,
+                        )
+                    };
+                }
             }
         }
 
@@ -515,12 +512,10 @@ mod tests {
             out: &mut out,
             ran: &mut ran,
         };
-        let arg = &mut job as *mut Job<'_> as *mut c_void;
         reserve();
-        // SAFETY: the tile runs where its instructions are, natively or emulated; `run_cases`
-        // makes no system call (its packing space is reserved) and touches only the job,
-        // which nothing else writes meanwhile.
-        if !unsafe { run_job(native, emulated, run_cases, arg) } {
+        // SAFETY: the tile runs where its instructions are, natively or emulated; the job
+        // makes no system call (its packing space is reserved) and touches only itself.
+        if !unsafe { run_on(native, emulated, &mut job) } {
             return;
         }
         for ((case, c), ran) in cases.iter().zip(&out).zip(&ran) {

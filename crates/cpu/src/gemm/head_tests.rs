@@ -3,14 +3,12 @@
 //! core (`snug_testkit::emulate`; it has AVX2 and AVX-512F). Each test's cases are made first,
 //! run in one call that allocates nothing, then checked.
 
-use std::ffi::c_void;
-
 use snug_testkit::emulate::Model;
 
 use super::avx2::{self, Avx2};
 use super::avx512::{self, Avx512};
 use super::blocked::Tile;
-use super::test_support::{assert_product, run_job, values};
+use super::test_support::{assert_product, run_on, values, EmuJob};
 use super::{SmallGemm, Transpose};
 
 /// One `small_gemm` call's operands and result.
@@ -29,29 +27,8 @@ struct SmallJob {
     cases: Vec<SmallCase>,
 }
 
-/// A test's cases, run in one call that allocates nothing, natively or on the emulated core.
-trait Cases {
-    fn run(&mut self);
-}
-
-unsafe extern "C" fn run_cases<J: Cases>(job: *mut c_void) {
-    // SAFETY: `on_tiger_lake` passes its job.
-    unsafe { &mut *(job as *mut J) }.run();
-}
-
-/// Runs `job`'s cases natively where `native`, else on an emulated Tiger Lake core (AVX2 and
-/// AVX-512F); `false` where the emulator is not there (the skip is reported).
-///
-/// # Safety
-/// `J::run` must allocate nothing and run only instructions the CPU has where `native`.
-unsafe fn on_tiger_lake<J: Cases>(native: bool, job: &mut J) -> bool {
-    let arg = job as *mut J as *mut c_void;
-    // SAFETY: as the caller vouched.
-    unsafe { run_job(native, Model::TigerLake, run_cases::<J>, arg) }
-}
-
-impl Cases for SmallJob {
-    fn run(&mut self) {
+impl EmuJob for SmallJob {
+    unsafe fn run(&mut self) {
         for case in self.cases.iter_mut() {
             let (m, n, k) = case.dims;
             let (a, a_rs, a_cs) = &case.a;
@@ -108,7 +85,7 @@ fn small_gemm_matches_a_triple_loop_at_every_edge() {
         }
         let mut job = SmallJob { kernel, cases };
         // SAFETY: the cases' operands are made; the kernel runs where its instructions are.
-        if !unsafe { on_tiger_lake(native, &mut job) } {
+        if !unsafe { run_on(native, Model::TigerLake, &mut job) } {
             return;
         }
         for case in &job.cases {
@@ -139,8 +116,8 @@ struct TransposeJob {
     cases: Vec<TransposeCase>,
 }
 
-impl Cases for TransposeJob {
-    fn run(&mut self) {
+impl EmuJob for TransposeJob {
+    unsafe fn run(&mut self) {
         for case in self.cases.iter_mut() {
             let ((x, x_rs), (out, out_rs)) = (&case.x, &mut case.out);
             // SAFETY: the (emulated) CPU has the kernel's instructions; both extents fit their
@@ -176,7 +153,7 @@ fn transpose_moves_every_element() {
         .collect();
         let mut job = TransposeJob { kernel, cases };
         // SAFETY: as in `small_gemm_matches_a_triple_loop_at_every_edge`.
-        if !unsafe { on_tiger_lake(native, &mut job) } {
+        if !unsafe { run_on(native, Model::TigerLake, &mut job) } {
             return;
         }
         for case in &job.cases {
@@ -210,8 +187,8 @@ struct CausalJob {
     cases: Vec<CausalCase>,
 }
 
-impl Cases for CausalJob {
-    fn run(&mut self) {
+impl EmuJob for CausalJob {
+    unsafe fn run(&mut self) {
         for case in self.cases.iter_mut() {
             let (m, n, k) = case.dims;
             let (a, a_rs, a_cs) = &case.a;
@@ -292,7 +269,7 @@ fn causal_small_products_match_the_whole_ones() {
         }
         let mut job = CausalJob { kernel, cases };
         // SAFETY: as in `small_gemm_matches_a_triple_loop_at_every_edge`.
-        if !unsafe { on_tiger_lake(native, &mut job) } {
+        if !unsafe { run_on(native, Model::TigerLake, &mut job) } {
             return;
         }
         for case in &job.cases {

@@ -668,27 +668,42 @@ pub(crate) mod test_support {
         }
     }
 
-    /// Runs `job(arg)` on this CPU where `native` (it has the instructions), else on an
-    /// emulated `model` core (`snug_testkit::emulate`). Returns `false` where the emulator is
-    /// not installed, after a skip (a failure in CI): the test then returns.
+    /// A test's work, run in one call that allocates nothing and asks nothing of the OS, so it
+    /// can run on an emulated core (where no kernel answers system calls) as well as natively.
+    pub(crate) trait EmuJob {
+        /// # Safety
+        /// The CPU, real or emulated, must have the instructions the job's kernels use.
+        unsafe fn run(&mut self);
+    }
+
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    unsafe extern "C" fn run_job<J: EmuJob>(job: *mut std::ffi::c_void) {
+        // SAFETY: `run_on` passes its job, and runs it on a core with its instructions.
+        unsafe { (*(job as *mut J)).run() };
+    }
+
+    /// Runs `job` on this CPU where `native` (it has the instructions), else on an emulated
+    /// `model` core (`snug_testkit::emulate`). Returns `false` where the emulator is not
+    /// installed, after a skip (a failure in CI): the test then returns.
     ///
     /// # Safety
-    /// As [`snug_testkit::emulate::call`]; natively, `job(arg)` must be sound to call.
+    /// [`EmuJob::run`] must allocate nothing; where `native`, the CPU must have its
+    /// instructions, and elsewhere the emulated `model` must.
     #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-    pub(crate) unsafe fn run_job(
+    pub(crate) unsafe fn run_on<J: EmuJob>(
         native: bool,
         model: snug_testkit::emulate::Model,
-        job: unsafe extern "C" fn(*mut std::ffi::c_void),
-        arg: *mut std::ffi::c_void,
+        job: &mut J,
     ) -> bool {
         use snug_testkit::emulate::{call, EmuError};
         if native {
             // SAFETY: as the caller vouched.
-            unsafe { job(arg) };
+            unsafe { job.run() };
             return true;
         }
-        // SAFETY: as the caller vouched.
-        match unsafe { call(model, job, arg) } {
+        let arg = job as *mut J as *mut std::ffi::c_void;
+        // SAFETY: as the caller vouched; `arg` is the job `run_job::<J>` expects.
+        match unsafe { call(model, run_job::<J>, arg) } {
             Ok(()) => true,
             Err(EmuError::Unavailable(why)) => {
                 snug_testkit::skip_or_fail(&why);

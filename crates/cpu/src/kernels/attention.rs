@@ -1034,17 +1034,17 @@ mod tests {
         out: Head,
     }
 
-    unsafe extern "C" fn run_job(job: *mut std::ffi::c_void) {
-        // SAFETY: the test passes its job.
-        let job = unsafe { &mut *(job as *mut Job<'_>) };
-        let (case, tile) = (job.case, job.tile);
-        run_head(
-            case.dims,
-            case.inputs(),
-            &case.y_in,
-            Some(tile),
-            &mut job.out,
-        );
+    impl crate::gemm::test_support::EmuJob for Job<'_> {
+        unsafe fn run(&mut self) {
+            let (case, tile) = (self.case, self.tile);
+            run_head(
+                case.dims,
+                case.inputs(),
+                &case.y_in,
+                Some(tile),
+                &mut self.out,
+            );
+        }
     }
 
     /// The same head on AVX512-BF16's tile (`VDPBF16PS`): natively where the CPU has it, else
@@ -1068,12 +1068,10 @@ mod tests {
         tile.reserve();
         let _ = (crate::isa::current(), crate::gemm::head_kernels());
         let native = CpuFeatures::host().bf16_arithmetic();
-        let arg = &mut job as *mut Job<'_> as *mut std::ffi::c_void;
-        // SAFETY: the tile runs where its instructions are, natively or emulated; `run_job`
-        // allocates nothing and touches only the job.
-        let ran = unsafe {
-            crate::gemm::test_support::run_job(native, Model::SapphireRapids, run_job, arg)
-        };
+        // SAFETY: the tile runs where its instructions are, natively or emulated; the job
+        // allocates nothing and touches only itself.
+        let ran =
+            unsafe { crate::gemm::test_support::run_on(native, Model::SapphireRapids, &mut job) };
         if ran {
             case.check("vdpbf16ps", &job.out.outputs(), None);
         }
@@ -1115,50 +1113,50 @@ mod tests {
         }
     }
 
-    unsafe extern "C" fn run_paired(job: *mut std::ffi::c_void) {
-        // SAFETY: the test passes its job.
-        let job = unsafe { &mut *(job as *mut PairedJob<'_>) };
-        let (t, d) = job.case.dims;
-        let scale = 1.0 / (d as f32).sqrt();
-        let bits = |x: &[u16], at: usize, stride: usize| paired::Bits {
-            ptr: x[at..].as_ptr(),
-            stride,
-        };
-        let rows = |x: &mut [f32]| Rows {
-            ptr: x.as_mut_ptr(),
-            stride: d,
-        };
-        let qkv = [0, 1, 2].map(|p| bits(&job.qkv, p * d, 3 * d));
-        let [dq, dk, dv] = &mut job.out.grads;
-        // SAFETY: every operand holds `t` rows at its stride (pairable: `d` even, the
-        // vectors' bits word-aligned); the outputs and scratch are distinct; the CPU (or
-        // the emulated one) has AVX512-BF16.
-        unsafe {
-            job.done[0] = paired::head_forward(
-                (t, d, scale),
-                qkv,
-                rows(&mut job.out.y),
-                &mut job.ws,
-                &mut job.out.lse,
-            );
-            // The backward's scratch as unwritten as the forward's was.
-            job.ws.fill(f32::NAN);
-            let head = paired::HeadBits {
-                q: qkv[0],
-                k: qkv[1],
-                v: qkv[2],
-                y: bits(&job.y, 0, d),
-                dy: bits(&job.dy, 0, d),
+    impl crate::gemm::test_support::EmuJob for PairedJob<'_> {
+        unsafe fn run(&mut self) {
+            let (t, d) = self.case.dims;
+            let scale = 1.0 / (d as f32).sqrt();
+            let bits = |x: &[u16], at: usize, stride: usize| paired::Bits {
+                ptr: x[at..].as_ptr(),
+                stride,
             };
-            let grads = [rows(dq), rows(dk), rows(dv)];
-            job.done[1] = paired::head_backward(
-                (t, d, scale),
-                &head,
-                grads,
-                &job.out.lse,
-                &mut job.ws,
-                false,
-            );
+            let rows = |x: &mut [f32]| Rows {
+                ptr: x.as_mut_ptr(),
+                stride: d,
+            };
+            let qkv = [0, 1, 2].map(|p| bits(&self.qkv, p * d, 3 * d));
+            let [dq, dk, dv] = &mut self.out.grads;
+            // SAFETY: every operand holds `t` rows at its stride (pairable: `d` even, the
+            // vectors' bits word-aligned); the outputs and scratch are distinct; the CPU (or
+            // the emulated one) has AVX512-BF16.
+            unsafe {
+                self.done[0] = paired::head_forward(
+                    (t, d, scale),
+                    qkv,
+                    rows(&mut self.out.y),
+                    &mut self.ws,
+                    &mut self.out.lse,
+                );
+                // The backward's scratch as unwritten as the forward's was.
+                self.ws.fill(f32::NAN);
+                let head = paired::HeadBits {
+                    q: qkv[0],
+                    k: qkv[1],
+                    v: qkv[2],
+                    y: bits(&self.y, 0, d),
+                    dy: bits(&self.dy, 0, d),
+                };
+                let grads = [rows(dq), rows(dk), rows(dv)];
+                self.done[1] = paired::head_backward(
+                    (t, d, scale),
+                    &head,
+                    grads,
+                    &self.out.lse,
+                    &mut self.ws,
+                    false,
+                );
+            }
         }
     }
 
@@ -1180,11 +1178,10 @@ mod tests {
                 paired::pairable(dims.1, 3 * dims.1, job.qkv.as_ptr()),
                 "the test's rows are not word-aligned"
             );
-            let arg = &mut job as *mut PairedJob<'_> as *mut std::ffi::c_void;
-            // SAFETY: the kernels run where their instructions are, natively or emulated;
-            // `run_paired` allocates nothing and touches only the job.
+            // SAFETY: the kernels run where their instructions are, natively or emulated; the
+            // job allocates nothing and touches only itself.
             let ran = unsafe {
-                crate::gemm::test_support::run_job(native, Model::SapphireRapids, run_paired, arg)
+                crate::gemm::test_support::run_on(native, Model::SapphireRapids, &mut job)
             };
             if !ran {
                 return;
