@@ -670,6 +670,7 @@ pub(crate) mod test_support {
 
     /// A test's work, run in one call that allocates nothing and asks nothing of the OS, so it
     /// can run on an emulated core (where no kernel answers system calls) as well as natively.
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
     pub(crate) trait EmuJob {
         /// # Safety
         /// The CPU, real or emulated, must have the instructions the job's kernels use.
