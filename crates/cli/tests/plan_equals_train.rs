@@ -327,3 +327,26 @@ fn a_remat_mode_never_raises_the_planned_peak() {
         }
     }
 }
+
+/// A remat budget holds for the step that runs: each candidate is judged after the rewrites
+/// that follow remat (in-place writes; with fused updates in 16 bits, the casts' ties), and
+/// every mode is tried before a budget is refused. Each case is one a fuzz of the levers
+/// found wrong: the first two refused though `--remat block` (and, for the second, no remat
+/// at all) met the budget; the third chosen and then over it by 38,819 bytes.
+#[test]
+fn a_remat_budget_holds_for_the_step_that_runs() {
+    for case in [
+        "--preset tiny --remat budget:10.5MiB",
+        "--preset tiny --accumulation 2 --precision bf16 --optimizer sgd --grad-clip 0 \
+         --remat budget:6017717",
+        "--preset llama-tiny --batch 4 --precision bf16 --clip-mode previous --fused-update \
+         --lora 2 --lora-targets q_proj --quantize-base bf16 --remat budget:1950429",
+    ] {
+        let args: Vec<&str> = case.split_whitespace().collect();
+        let budget = args[args.len() - 1].trim_start_matches("budget:");
+        let budget = snug_plan::parse_bytes(budget).expect("a byte count") as u64;
+        let (plan, predicted, measured) = plan_and_train(&args);
+        assert_eq!((plan, predicted), (measured, measured), "{case}");
+        assert!(measured <= budget, "{case}: {measured} over {budget}");
+    }
+}

@@ -7,7 +7,7 @@ use crate::BudgetError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CompileError {
-    #[error("no rematerialization fits the budget of {} ({budget} bytes): recomputing everything still peaks at {} ({smallest} bytes) (raise the budget, or lower the batch or block size)", human_bytes(*budget), human_bytes(*smallest))]
+    #[error("no rematerialization fits the budget of {} ({budget} bytes): the least peak any recomputation reaches is {} ({smallest} bytes) (raise the budget, or lower the batch or block size)", human_bytes(*budget), human_bytes(*smallest))]
     RematBudget { budget: usize, smallest: usize },
     #[error("the budgeted rewrite lost the step's inputs")]
     LostInputs,

@@ -2,8 +2,9 @@
 //! whose recomputation costs the fewest FLOPs per byte saved, just enough of them for the
 //! planned peak to fit; the fixed policies (selective, every K blocks) compete too, and the
 //! fitting choice with the least recomputation wins. Every choice is judged by planning the
-//! rewritten step, never by estimate (the idea of Checkmate and of torch.compile's activation
-//! memory budget, with a greedy order instead of an ILP).
+//! rewritten step as it will run (after the passes that follow remat), never by estimate (the
+//! idea of Checkmate and of torch.compile's activation memory budget, with a greedy order
+//! instead of an ILP).
 
 use snug_graph::passes::{remat_candidates, rematerialize, rematerialize_dropping, RematPolicy};
 use snug_graph::{GraphError, StepGraph, TensorId};
@@ -25,7 +26,7 @@ pub struct BudgetedRemat {
 
 #[derive(Debug, thiserror::Error)]
 pub enum BudgetError {
-    #[error("the step cannot fit {budget} bytes: recomputing every candidate still peaks at {smallest} bytes")]
+    #[error("the step cannot fit {budget} bytes: the least peak any recomputation reaches is {smallest} bytes")]
     DoesNotFit { budget: usize, smallest: usize },
     #[error(transparent)]
     Graph(#[from] GraphError),
@@ -33,11 +34,15 @@ pub enum BudgetError {
     Plan(#[from] PlanError),
 }
 
-/// The least recomputation (by this greedy order) whose plan peaks at most `budget` bytes.
+/// The least recomputation (by this greedy order) whose plan peaks at most `budget` bytes, with
+/// `finish` (the rewrites that follow remat and renumber nothing: in-place writes, scheduling
+/// ties) applied to every candidate before it is planned, so the peak judged is the one that
+/// runs. Where nothing fits, the error names the least peak any candidate reached.
 pub fn remat_for_budget(
     step: &StepGraph,
     budget: usize,
     options: &PlanOptions,
+    finish: impl Fn(&mut StepGraph) -> Result<(), GraphError>,
 ) -> Result<BudgetedRemat, BudgetError> {
     let mut cands = remat_candidates(step);
     // Cheapest recomputation per byte first; bigger first among equals.
@@ -46,54 +51,52 @@ pub fn remat_for_budget(
         let kb = b.flops as f64 / b.bytes.max(1) as f64;
         ka.total_cmp(&kb).then(b.bytes.cmp(&a.bytes))
     });
-    let with = |k: usize| -> Result<BudgetedRemat, BudgetError> {
-        if k == 0 {
-            return Ok(BudgetedRemat {
-                plan: plan(step, options)?,
-                step: step.clone(),
-                dropped: 0,
-                candidates: cands.len(),
-                choice: "none".into(),
-                recompute_flops: 0,
-            });
-        }
-        let drop: Vec<TensorId> = cands[..k].iter().map(|c| c.tensor).collect();
-        let (r, _) = rematerialize_dropping(step, &drop)?;
-        let remat = step.rewritten(r, step.forward_nodes)?;
+    let judged = |mut remat: StepGraph, dropped: usize, choice: String| {
         let recompute_flops = remat.graph.flops().saturating_sub(step.graph.flops());
-        Ok(BudgetedRemat {
+        finish(&mut remat)?;
+        Ok::<_, BudgetError>(BudgetedRemat {
             plan: plan(&remat, options)?,
             step: remat,
-            dropped: k,
+            dropped,
             candidates: cands.len(),
-            choice: "greedy".into(),
+            choice,
             recompute_flops,
         })
     };
+    let with = |k: usize| -> Result<BudgetedRemat, BudgetError> {
+        if k == 0 {
+            return judged(step.clone(), 0, "none".into());
+        }
+        let drop: Vec<TensorId> = cands[..k].iter().map(|c| c.tensor).collect();
+        let (r, _) = rematerialize_dropping(step, &drop)?;
+        judged(step.rewritten(r, step.forward_nodes)?, k, "greedy".into())
+    };
+    let fits = |c: &BudgetedRemat| c.plan.peak_bytes() <= budget;
     let none = with(0)?;
-    if none.plan.peak_bytes() <= budget {
+    if fits(&none) {
         return Ok(none);
     }
+    let mut smallest = none.plan.peak_bytes();
     let all = with(cands.len())?;
-    if all.plan.peak_bytes() > budget {
-        return Err(BudgetError::DoesNotFit {
-            budget,
-            smallest: all.plan.peak_bytes(),
-        });
-    }
-    // The peak falls as more is dropped (not strictly): bisect for the fewest that fit.
-    let (mut lo, mut hi, mut best) = (0, cands.len(), all);
-    while hi - lo > 1 {
-        let mid = (lo + hi) / 2;
-        let c = with(mid)?;
-        if c.plan.peak_bytes() <= budget {
-            hi = mid;
-            best = c;
-        } else {
-            lo = mid;
+    smallest = smallest.min(all.plan.peak_bytes());
+    let mut best = None;
+    if fits(&all) {
+        // The peak falls as more is dropped (not strictly): bisect for the fewest that fit.
+        let (mut lo, mut hi, mut fewest) = (0, cands.len(), all);
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            let c = with(mid)?;
+            if fits(&c) {
+                hi = mid;
+                fewest = c;
+            } else {
+                lo = mid;
+            }
         }
+        best = Some(fewest);
     }
-    // The greedy order counts only each value's own op; a fixed policy can recompute less.
+    // The greedy order counts only each value's own op; a fixed policy can recompute less,
+    // and, the peak not falling strictly, can fit where dropping every candidate does not.
     let policies = [RematPolicy::Selective]
         .into_iter()
         .chain((1..=4).rev().map(|k| RematPolicy::Uniform {
@@ -103,25 +106,21 @@ pub fn remat_for_budget(
         let (r, _) = rematerialize(step, policy)?;
         let remat = step.rewritten(r, step.forward_nodes)?;
         let recompute_flops = remat.graph.flops().saturating_sub(step.graph.flops());
-        if recompute_flops >= best.recompute_flops {
+        if best
+            .as_ref()
+            .is_some_and(|b: &BudgetedRemat| recompute_flops >= b.recompute_flops)
+        {
             continue;
         }
-        let p = plan(&remat, options)?;
-        if p.peak_bytes() <= budget {
-            best = BudgetedRemat {
-                dropped: 0,
-                candidates: cands.len(),
-                choice: match policy {
-                    RematPolicy::Selective => "selective".into(),
-                    RematPolicy::Uniform { blocks_per_segment } => {
-                        format!("block:{blocks_per_segment}")
-                    }
-                },
-                plan: p,
-                step: remat,
-                recompute_flops,
-            };
+        let choice = match policy {
+            RematPolicy::Selective => "selective".into(),
+            RematPolicy::Uniform { blocks_per_segment } => format!("block:{blocks_per_segment}"),
+        };
+        let c = judged(remat, 0, choice)?;
+        smallest = smallest.min(c.plan.peak_bytes());
+        if fits(&c) {
+            best = Some(c);
         }
     }
-    Ok(best)
+    best.ok_or(BudgetError::DoesNotFit { budget, smallest })
 }

@@ -254,19 +254,20 @@ pub fn compile_exactly_sharded(
         feeds = feeds.rewritten(&r)?;
         step = step.rewritten(r, forward)?;
     }
-    let mut compiled = apply_remat(step, feeds, config.remat)?;
-    if config.passes.contains(&Pass::InPlace) {
-        // Marks nodes without renumbering tensors: the inputs and parameters keep their ids.
-        let (graph, _) = passes::write_in_place(&compiled.step.graph)?;
-        compiled.step.graph = graph;
-        compiled.plan = None;
-    }
-    if config.fused_update && low_precision {
-        let forward = compiled.step.forward_nodes;
-        tie_up_casts(&mut compiled.step.graph, forward);
-        compiled.plan = None;
-    }
-    Ok(compiled)
+    // What follows remat; a remat budget judges each candidate with it applied, so the peak it
+    // weighs is the one that runs. Neither renumbers tensors: the inputs keep their ids.
+    let in_place = config.passes.contains(&Pass::InPlace);
+    let tie_casts = config.fused_update && low_precision;
+    let finish = |step: &mut StepGraph| -> Result<(), snug_graph::GraphError> {
+        if in_place {
+            step.graph = passes::write_in_place(&step.graph)?.0;
+        }
+        if tie_casts {
+            tie_up_casts(&mut step.graph, step.forward_nodes);
+        }
+        Ok(())
+    };
+    apply_remat(step, feeds, config.remat, finish)
 }
 
 /// Makes each backward up-cast of a saved 16-bit activation wait for the other computed
@@ -360,16 +361,24 @@ impl Feeds {
     }
 }
 
-/// `step` checkpointed as `remat` says, with its batch inputs' new ids.
-fn apply_remat(step: StepGraph, feeds: Feeds, remat: Remat) -> Result<CompiledStep, CompileError> {
+/// `step` checkpointed as `remat` says, then `finish`ed, with its batch inputs' new ids.
+fn apply_remat(
+    mut step: StepGraph,
+    feeds: Feeds,
+    remat: Remat,
+    finish: impl Fn(&mut StepGraph) -> Result<(), snug_graph::GraphError>,
+) -> Result<CompiledStep, CompileError> {
     let policy = match remat {
-        Remat::None => return Ok(feeds.compiled(step, None)),
+        Remat::None => {
+            finish(&mut step)?;
+            return Ok(feeds.compiled(step, None));
+        }
         Remat::Blocks { blocks } => passes::RematPolicy::Uniform {
             blocks_per_segment: blocks,
         },
         Remat::Selective => passes::RematPolicy::Selective,
         Remat::Budget { bytes } => {
-            let chosen = remat_for_budget(&step, bytes, &PlanOptions::default())?;
+            let chosen = remat_for_budget(&step, bytes, &PlanOptions::default(), finish)?;
             // Inputs keep their positions in `StepGraph::inputs` through a rewrite.
             let find = |old: TensorId| {
                 let i = step.inputs.iter().position(|&t| t == old)?;
@@ -395,6 +404,7 @@ fn apply_remat(step: StepGraph, feeds: Feeds, remat: Remat) -> Result<CompiledSt
     };
     let (r, _) = passes::rematerialize(&step, policy)?;
     let feeds = feeds.rewritten(&r)?;
-    let step = step.rewritten(r, step.forward_nodes)?;
+    let mut step = step.rewritten(r, step.forward_nodes)?;
+    finish(&mut step)?;
     Ok(feeds.compiled(step, None))
 }

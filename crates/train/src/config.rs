@@ -207,7 +207,8 @@ train_keys! {
     grad_clip: f32,
     /// The norm --grad-clip bounds: global (default; every gradient's, so all are held until
     /// the first update), tensor (each gradient's own) or previous (the previous step's
-    /// global norm, kept in the checkpoint; the first step is not clipped).
+    /// global norm, kept in the checkpoint; the first step is not clipped). Tensor and
+    /// previous take one micro-batch (--accumulation 1) and no f16 loss scaling.
     #[flag(step, long, value_name = "MODE")]
     clip_mode: String,
     /// Update each parameter as soon as its gradient is complete and free the gradient, so

@@ -294,7 +294,7 @@ fn budgeted_remat_fits_the_budget_with_less_recompute() {
     let block_flops = block.graph.flops() - step.graph.flops();
 
     let budget = (plain_peak + block_peak) / 2;
-    let chosen = snug_compile::remat_for_budget(&step, budget, &opts).unwrap();
+    let chosen = snug_compile::remat_for_budget(&step, budget, &opts, |_| Ok(())).unwrap();
     assert!(chosen.plan.peak_bytes() <= budget);
     assert_ne!(chosen.choice, "none");
     assert!(chosen.dropped < chosen.candidates);
@@ -305,9 +305,9 @@ fn budgeted_remat_fits_the_budget_with_less_recompute() {
     assert!(plain == values, "bitwise");
 
     // A roomy budget changes nothing; an impossible one names the smallest reachable peak.
-    let roomy = snug_compile::remat_for_budget(&step, plain_peak, &opts).unwrap();
+    let roomy = snug_compile::remat_for_budget(&step, plain_peak, &opts, |_| Ok(())).unwrap();
     assert_eq!(roomy.dropped, 0);
-    match snug_compile::remat_for_budget(&step, 1000, &opts) {
+    match snug_compile::remat_for_budget(&step, 1000, &opts, |_| Ok(())) {
         Err(snug_compile::BudgetError::DoesNotFit { budget, smallest }) => {
             assert_eq!(budget, 1000);
             assert!(smallest > 1000 && smallest < plain_peak);
