@@ -107,6 +107,25 @@ fn bad_input_is_a_named_error() {
     fails_with(&["train", "--block", "0"], &["block"]);
     fails_with(&["train", "--steps", "0"], &["steps"]);
     fails_with(&["train", "--threads", "0"], &["threads"]);
+    // A micro-batch fits the budget, but the step's batch (prepared outside the plan) is
+    // beyond any machine: refused before a buffer is allocated (this aborted the process),
+    // and found without scanning 10^12 micro-batch sizes (which took minutes).
+    let huge = [
+        "--batch",
+        "1000000000000",
+        "--memory",
+        "4GiB",
+        "--steps",
+        "1",
+    ];
+    fails_with(
+        &[&["train", "--preset", "tiny", "--no-save"][..], &huge].concat(),
+        &[
+            "1000000000000 sequences",
+            "too large to prepare",
+            "lower --batch",
+        ],
+    );
     // Past the demo model's context of 128.
     fails_with(&["train", "--block", "129"], &["block", "129"]);
     fails_with(&["train", "--lr", "-1"], &["lr"]);

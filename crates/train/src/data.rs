@@ -377,6 +377,18 @@ impl Prefetcher {
         if let Err(e) = data.check_block(block) {
             return stopped(e);
         }
+        // The batches live outside the plan: one the machine could not hold is refused here,
+        // not left to abort the process when its buffer is allocated.
+        let bytes = count.checked_mul(block).and_then(|t| t.checked_mul(4 * 9));
+        let available = snug_runtime::process::available_memory();
+        if bytes.is_none_or(|b| available.is_some_and(|a| b > a)) {
+            return stopped(TrainError::BatchTooLarge {
+                count,
+                block,
+                bytes,
+                available,
+            });
+        }
         let (tx, rx) = sync_channel(2);
         let spawned = std::thread::Builder::new()
             .name("snug-prefetch".into())

@@ -98,6 +98,13 @@ pub enum TrainError {
     },
     #[error("the data prefetch thread stopped: {0}")]
     Prefetch(String),
+    #[error("a step's batch of {count} sequences × {block} tokens is too large to prepare: its token buffers (four batches in flight, 9 bytes a token) need {}, more than this machine has available ({}): lower --batch", bytes.map_or("over 16 EiB".into(), human_bytes), available.map_or("unknown".into(), human_bytes))]
+    BatchTooLarge {
+        count: usize,
+        block: usize,
+        bytes: Option<usize>,
+        available: Option<usize>,
+    },
     #[error("{path}: {message}")]
     ConfigFile { path: PathBuf, message: String },
     #[error("config: `{field}` {detail}")]
