@@ -369,7 +369,8 @@ impl Graph {
                 let outs: Vec<&TensorMeta> = n.outputs.iter().map(|&i| self.tensor(i)).collect();
                 n.op.flops(&ins, &outs)
             })
-            .sum()
+            // Saturating: `fit` plans candidates of absurd batches only to refuse them.
+            .fold(0, u64::saturating_add)
     }
 }
 
