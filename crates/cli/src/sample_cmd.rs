@@ -152,11 +152,11 @@ pub fn run(args: SampleArgs) -> Result<()> {
             args.tokens
         );
     }
-    // Each thread is a real OS thread: more than the CPUs only take turns (100,000 of them
-    // hung the run), as `train` refuses.
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if let Some(n) = args.threads.filter(|&n| n == 0 || n > cpus) {
-        bail!("--threads: {n} is not between 1 and this machine's {cpus} CPUs");
+    if let Some(n) = args.threads {
+        if n == 0 {
+            bail!("--threads: must be at least 1");
+        }
+        snug_train::config::check_threads_here(n)?;
     }
     let from = match &args.checkpoint {
         Some(p) => p.clone(),

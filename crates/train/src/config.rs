@@ -927,21 +927,9 @@ impl TrainConfig {
         })
     }
 
-    /// Refuses a thread count this machine cannot run: each thread is a real OS thread, and
-    /// more of them than CPUs only take turns. (Planning for another machine may name more.)
+    /// Refuses a thread count this machine cannot run ([`check_threads_here`]).
     pub fn check_threads_here(&self) -> Result<(), TrainError> {
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        if self.threads > cpus {
-            return Err(TrainError::Config {
-                field: "threads",
-                detail: format!(
-                    "{} is more than this machine's {cpus} CPUs (use at most {cpus}; the default is its {} physical cores)",
-                    self.threads,
-                    snug_cpu::physical_cores()
-                ),
-            });
-        }
-        Ok(())
+        check_threads_here(self.threads)
     }
 
     /// The step-level settings (optimizer, accumulation, clipping, passes, remat, precision).
@@ -1176,6 +1164,23 @@ impl TrainConfig {
         }
         Ok(cfg)
     }
+}
+
+/// Refuses a thread count this machine cannot run: each thread is a real OS thread, and more
+/// of them than CPUs only take turns (100,000 hung a run). Planning for another machine may
+/// name more; zero is refused where the configuration is checked.
+pub fn check_threads_here(threads: usize) -> Result<(), TrainError> {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if threads > cpus {
+        return Err(TrainError::Config {
+            field: "threads",
+            detail: format!(
+                "{threads} is more than this machine's {cpus} CPUs (use at most {cpus}; the default is its {} physical cores)",
+                snug_cpu::physical_cores()
+            ),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]
