@@ -306,6 +306,7 @@ fn run_child(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
     if let Some(p) = &args.passes {
         cmd.args(["--passes", p]);
     }
+    end_with_parent(&mut cmd);
     let out = cmd.output().context("running a bench case")?;
     if !out.status.success() {
         bail!(
@@ -322,6 +323,33 @@ fn run_child(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
     Ok(serde_json::from_str(line)?)
 }
 
+/// Has the case's process end when this one does: a bench stopped (SIGTERM, a timeout) would
+/// otherwise leave its case training on the cores, skewing whatever is timed next.
+fn end_with_parent(cmd: &mut std::process::Command) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        let parent = std::process::id() as libc::pid_t;
+        // SAFETY: `prctl` and `getppid` are async-signal-safe, as `pre_exec` requires.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The parent may have ended before the request above took effect.
+                if libc::getppid() != parent {
+                    return Err(std::io::Error::other(
+                        "snug bench ended before its case started",
+                    ));
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = cmd;
+}
+
 pub fn run(args: BenchArgs) -> Result<()> {
     if args.steps == 0 {
         bail!("--steps must be at least 1");
@@ -336,6 +364,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if cases.is_empty() {
         bail!("--cases names no case");
     }
+    crate::check_threads_flag(args.threads)?;
     if args.in_process {
         for case in cases {
             print_json("case", &run_case(case, &args)?)?;

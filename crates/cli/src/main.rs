@@ -178,7 +178,7 @@ fn train_over_ranks(args: train_cmd::TrainArgs) -> ExitCode {
         silence_stdout();
     }
     match train_cmd::run(args) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) if ranks > 1 => {
             eprintln!("error: rank {rank} of {ranks}: {e:#}");
             mpi.abort(1)
@@ -188,6 +188,18 @@ fn train_over_ranks(args: train_cmd::TrainArgs) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Refuses a `--threads` flag this machine cannot run: zero, or more than its CPUs (each is an
+/// OS thread; 100,000 of them hung a run). Checked before anything loads.
+fn check_threads_flag(threads: Option<usize>) -> anyhow::Result<()> {
+    if let Some(n) = threads {
+        if n == 0 {
+            anyhow::bail!("--threads: must be at least 1");
+        }
+        snug_train::config::check_threads_here(n)?;
+    }
+    Ok(())
 }
 
 /// Sends standard output to /dev/null: ranks other than 0 print nothing.

@@ -152,12 +152,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
             args.tokens
         );
     }
-    if let Some(n) = args.threads {
-        if n == 0 {
-            bail!("--threads: must be at least 1");
-        }
-        snug_train::config::check_threads_here(n)?;
-    }
+    crate::check_threads_flag(args.threads)?;
     let from = match &args.checkpoint {
         Some(p) => p.clone(),
         None => {

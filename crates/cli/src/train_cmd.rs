@@ -2,7 +2,8 @@
 //! evaluate, checkpoint, resume, and stop cleanly on Ctrl-C.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
@@ -146,7 +147,7 @@ impl Stdout {
             .and_then(|()| out.flush());
         if let Err(e) = written {
             self.broken = Some(e);
-            self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            self.stop.store(true, Ordering::Relaxed);
         }
     }
 
@@ -176,6 +177,29 @@ fn default_run_dir(cfg: &TrainConfig) -> PathBuf {
 }
 
 /// With `--memory`: runs fit and applies its choice, with the budget as a strict limit.
+/// Refuses a training budget beyond the memory of the device the run is on: it would choose a
+/// batch this machine cannot hold (`--batch auto` under 1,000,000 TiB chose a million
+/// sequences). `snug fit` and `snug plan` plan for other machines and take any size.
+fn check_budget_here(text: &str, budget: usize, cfg: &TrainConfig) -> Result<()> {
+    let (has, what) = if cfg.device.is_gpu() {
+        (cfg.device_memory, "--device-memory")
+    } else {
+        (
+            snug_runtime::process::total_memory(),
+            "this machine's memory",
+        )
+    };
+    match has {
+        Some(has) if budget > has => anyhow::bail!(
+            "--memory {text}: {} is more than {what} ({}); training runs here, so give at most \
+             that, or --memory auto (what is free now); `snug fit` plans for other machines",
+            human_bytes(budget),
+            human_bytes(has)
+        ),
+        _ => Ok(()),
+    }
+}
+
 /// Returns the machine profile fit used.
 fn fit_to_memory(
     args: &TrainArgs,
@@ -191,12 +215,14 @@ fn fit_to_memory(
         return Ok(None);
     };
     let budget = crate::fit_cmd::parse_budget(memory, cfg)?;
+    check_budget_here(memory, budget, cfg)?;
     if args.model.batch_auto() {
         cfg.batch = crate::fit_cmd::largest_batch(cfg, &model, budget)?;
         cfg.accumulation = 1;
         say!(
             out,
-            "--batch auto: {} sequences of {} tokens fit {} in one micro-batch",
+            "--batch auto: {} sequences of {} tokens a step, the most one micro-batch holds in {} \
+             (fit then chooses how to run them)",
             cfg.batch,
             cfg.block,
             human_bytes(budget)
@@ -254,21 +280,53 @@ fn parse_lower_at(text: &str) -> Result<(u64, usize)> {
     Ok((step, size))
 }
 
-/// Sets the stop flag on SIGINT/SIGTERM; a second signal ends the process at once.
-fn stop_flag() -> Result<Arc<AtomicBool>> {
-    let stop = Arc::new(AtomicBool::new(false));
-    #[cfg(unix)]
-    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        // Registered first, so it sees the flag as it was before this signal.
-        signal_hook::flag::register_conditional_shutdown(sig, 130, Arc::clone(&stop))
-            .context("installing the signal handler")?;
-        signal_hook::flag::register(sig, Arc::clone(&stop))
-            .context("installing the signal handler")?;
-    }
-    Ok(stop)
+/// The signals that stop a run cleanly: Ctrl-C, a scheduler's or `timeout`'s TERM, and the
+/// hang-up of a closed terminal or SSH session.
+#[cfg(unix)]
+const STOP_SIGNALS: [i32; 3] = [
+    signal_hook::consts::SIGINT,
+    signal_hook::consts::SIGTERM,
+    signal_hook::consts::SIGHUP,
+];
+
+/// What a stop signal sets: the flag the run checks between steps, and which signal it was (0:
+/// none), so the process can end as that signal's status once the state is saved.
+struct StopFlag {
+    stop: Arc<AtomicBool>,
+    signal: Arc<AtomicUsize>,
 }
 
-pub fn run(args: TrainArgs) -> Result<()> {
+impl StopFlag {
+    /// Installs the handlers; a second signal ends the process at once, with its status.
+    fn install() -> Result<StopFlag> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let signal = Arc::new(AtomicUsize::new(0));
+        #[cfg(unix)]
+        for sig in STOP_SIGNALS {
+            // Registered first, so it sees the flag as it was before this signal.
+            signal_hook::flag::register_conditional_shutdown(sig, 128 + sig, Arc::clone(&stop))
+                .context("installing the signal handler")?;
+            signal_hook::flag::register_usize(sig, Arc::clone(&signal), sig as usize)
+                .context("installing the signal handler")?;
+            signal_hook::flag::register(sig, Arc::clone(&stop))
+                .context("installing the signal handler")?;
+        }
+        Ok(StopFlag { stop, signal })
+    }
+
+    /// How the process ends after a run that finished or saved its state: 0, or, stopped by a
+    /// signal, 128 + its number as a shell reports it, so a script or scheduler (`&&`, Slurm's
+    /// requeue) does not take an interrupted run for a finished one.
+    fn exit_code(&self) -> ExitCode {
+        match self.signal.load(Ordering::Relaxed) {
+            0 => ExitCode::SUCCESS,
+            sig => ExitCode::from(u8::try_from(128 + sig).unwrap_or(u8::MAX)),
+        }
+    }
+}
+
+/// Trains; `Ok` carries the exit status (non-zero when a signal stopped the run after saving).
+pub fn run(args: TrainArgs) -> Result<ExitCode> {
     let (model, mut train) = args.model.sections(args.run.clone());
     let json = args.json;
     // Under mpirun the run spans the ranks it started; `--devices`, given, must say as many.
@@ -280,7 +338,8 @@ pub fn run(args: TrainArgs) -> Result<()> {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_IGN);
     }
-    let stop = stop_flag()?;
+    let stop_flag = StopFlag::install()?;
+    let stop = Arc::clone(&stop_flag.stop);
     let mut out = Stdout {
         broken: None,
         stop: Arc::clone(&stop),
@@ -747,7 +806,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
     }
     if json {
         out.json("summary", &summary)?;
-        return Ok(());
+        return Ok(stop_flag.exit_code());
     }
     let fmt_loss = |l: Option<f32>| l.map_or("-".into(), |l| format!("{l:.4}"));
     say!(
@@ -844,7 +903,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
     if let Some(e) = out.broken.take() {
         anyhow::bail!("standard output closed ({e}) after the run finished");
     }
-    Ok(())
+    Ok(stop_flag.exit_code())
 }
 
 /// The trained weights' accuracy on held-out additions, on the inference plan with an

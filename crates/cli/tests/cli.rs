@@ -109,6 +109,19 @@ fn bad_input_is_a_named_error() {
     fails_with(&["train", "--threads", "0"], &["threads"]);
     fails_with(&["sample", "--threads", "0"], &["threads", "at least 1"]);
     fails_with(&["sample", "--threads", "100000"], &["threads", "100000"]);
+    // A training budget beyond this machine would choose a batch it cannot hold.
+    fails_with(
+        &[
+            "train",
+            "--preset",
+            "tiny",
+            "--memory",
+            "1000000TiB",
+            "--batch",
+            "auto",
+        ],
+        &["--memory 1000000TiB", "more than this machine's memory"],
+    );
     // A micro-batch fits the budget, but the step's batch (prepared outside the plan) is
     // beyond any machine: refused before a buffer is allocated (this aborted the process),
     // and found without scanning 10^12 micro-batch sizes (which took minutes).
@@ -595,59 +608,66 @@ fn resume_from_a_run_directory_continues_exactly() {
     );
 }
 
-/// Ctrl-C (SIGINT) during training: the step in flight finishes, a checkpoint is saved, the
-/// process exits 0, and the checkpoint loads.
+/// Ctrl-C (SIGINT), a scheduler's SIGTERM and a closed terminal's SIGHUP during training: the
+/// step in flight finishes, a checkpoint is saved and loads, and the process ends as that signal's
+/// status (128 + its number), so `&&` or a scheduler does not take the run for finished.
 #[cfg(unix)]
 #[test]
-fn sigint_saves_a_loadable_checkpoint_and_exits_zero() {
+fn a_stop_signal_saves_a_loadable_checkpoint_and_exits_as_the_signal() {
     use std::io::{BufRead, BufReader};
     use std::process::Stdio;
 
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("run");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_snug"))
-        .args([
-            "train",
-            "--steps",
-            "100000",
-            "--threads",
-            "1",
-            "--eval-every",
-            "0",
-        ])
-        .args(["--json", "--out", out.to_str().unwrap()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut reader = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    // Wait until training is under way.
-    loop {
-        line.clear();
-        assert!(
-            reader.read_line(&mut line).unwrap() > 0,
-            "snug exited early"
-        );
-        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
-        if v["kind"] == "step" && v["step"].as_u64() >= Some(3) {
-            break;
+    for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("run");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_snug"))
+            .args([
+                "train",
+                "--steps",
+                "100000",
+                "--threads",
+                "1",
+                "--eval-every",
+                "0",
+            ])
+            .args(["--json", "--out", out.to_str().unwrap()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut reader = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        // Wait until training is under way.
+        loop {
+            line.clear();
+            assert!(
+                reader.read_line(&mut line).unwrap() > 0,
+                "snug exited early"
+            );
+            let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+            if v["kind"] == "step" && v["step"].as_u64() >= Some(3) {
+                break;
+            }
         }
+        // SAFETY: sending a signal to our own child process.
+        assert_eq!(unsafe { libc::kill(child.id() as i32, signal) }, 0);
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut reader, &mut rest).unwrap();
+        let status = child.wait().unwrap();
+        assert_eq!(
+            status.code(),
+            Some(128 + signal),
+            "signal {signal}: {status}"
+        );
+        let summary: serde_json::Value =
+            serde_json::from_str(rest.lines().last().expect("a summary line")).unwrap();
+        assert_eq!(summary["kind"], "summary");
+        assert_eq!(summary["interrupted"], true);
+        let step = summary["steps"].as_u64().unwrap();
+        assert!((3..100000).contains(&step));
+        let (_, ckpt) = snug_train::checkpoint::load(&out).unwrap();
+        assert_eq!(ckpt.step, step, "signal {signal}");
     }
-    // SAFETY: sending a signal to our own child process.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
-    let mut rest = String::new();
-    std::io::Read::read_to_string(&mut reader, &mut rest).unwrap();
-    let status = child.wait().unwrap();
-    assert!(status.success(), "exit status {status}");
-    let summary: serde_json::Value =
-        serde_json::from_str(rest.lines().last().expect("a summary line")).unwrap();
-    assert_eq!(summary["kind"], "summary");
-    assert_eq!(summary["interrupted"], true);
-    let step = summary["steps"].as_u64().unwrap();
-    assert!((3..100000).contains(&step));
-    let (_, ckpt) = snug_train::checkpoint::load(&out).unwrap();
-    assert_eq!(ckpt.step, step);
 }
 
 /// Train, sample from the checkpoint, export it in Hugging Face's layout, and start a new run
@@ -1107,6 +1127,65 @@ fn bench_reports_step_times_mfu_and_memory() {
     }
     fails_with(&["bench", "--cases", "resnet"], &["resnet", "char-small"]);
     fails_with(&["bench", "--steps", "0"], &["--steps"]);
+    // Refused before the probe starts threads (100,000 of them hung it).
+    fails_with(&["bench", "--threads", "0"], &["threads", "at least 1"]);
+    fails_with(&["bench", "--threads", "100000"], &["threads", "100000"]);
+}
+
+/// A bench stopped by a signal takes its case's process with it: a case left training would
+/// skew whatever is timed next.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_stopped_bench_leaves_no_case_running() {
+    use std::time::{Duration, Instant};
+
+    let mut parent = Command::new(env!("CARGO_BIN_EXE_snug"))
+        .args(["bench", "--cases", "tiny", "--steps", "1000000"])
+        .args(["--warmup", "0", "--threads", "1", "--json"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = parent.id();
+    let children = format!("/proc/{pid}/task/{pid}/children");
+    let started = Instant::now();
+    let case: u32 = loop {
+        let listed = std::fs::read_to_string(&children).unwrap_or_default();
+        if let Some(c) = listed.split_whitespace().next() {
+            break c.parse().unwrap();
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the case's process never started"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // SAFETY: signalling our own child.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGTERM) }, 0);
+    let status = parent.wait().unwrap();
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(libc::SIGTERM)
+    );
+    let alive = |p: u32| {
+        std::fs::read_to_string(format!("/proc/{p}/stat"))
+            // A zombie (state Z) has ended; it waits only for init to reap it.
+            .is_ok_and(|stat| {
+                stat.rsplit(')')
+                    .next()
+                    .is_some_and(|s| !s.trim_start().starts_with('Z'))
+            })
+    };
+    let stopped = Instant::now();
+    while alive(case) && stopped.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let left = alive(case);
+    if left {
+        // SAFETY: ending the orphan this test made.
+        unsafe { libc::kill(case as i32, libc::SIGKILL) };
+    }
+    assert!(!left, "the case's process {case} outlived its bench");
 }
 
 /// Without a terminal, `--dashboard` says so and trains with progress lines; with `--json` it is
