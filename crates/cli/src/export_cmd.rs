@@ -5,13 +5,17 @@
 //! itself a Hugging Face directory (converted to one f32 file). A LoRA run exports its base
 //! model and, beside it, its adapter as PEFT writes one (`adapter_model.safetensors`,
 //! `adapter_config.json`), or with `--merge` the model with every adapter folded in.
+//!
+//! A directory that is not empty is refused unless `--force`, which replaces the files export
+//! writes and nothing else; a run directory, and the directory being exported, never.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
 use snug_train::hf_tokenizer::{CHAT_TEMPLATE_FILE, CONFIG_FILE, TOKENIZER_FILE};
+use snug_train::output::{self, DirContents};
 use snug_train::{HfTokenizerFiles, Tokenizer};
 
 use crate::sample_cmd::Source;
@@ -22,9 +26,18 @@ pub struct ExportArgs {
     /// directory.
     #[arg(long, value_name = "PATH")]
     checkpoint: PathBuf,
-    /// Directory to write config.json, model.safetensors and the tokenizer's files into.
+    /// Directory to write config.json, model.safetensors and the tokenizer's files into
+    /// (created if missing). One that is not empty is refused unless --force; a run directory
+    /// always.
     #[arg(long, value_name = "DIR")]
     out: PathBuf,
+    /// Write into a directory that is not empty: replace the files export writes there
+    /// (config.json, model.safetensors, the tokenizer's and the adapter's), each atomically,
+    /// and remove those of them this export does not write, so no earlier export's file is
+    /// read with the new model; any other file is left. Never a run directory, a checkpoint,
+    /// or the directory being exported.
+    #[arg(long)]
+    force: bool,
     /// Fold a LoRA run's adapters into the base weights (W + alpha/r · B·A) and write the
     /// merged model alone, instead of the base model and a PEFT adapter beside it.
     #[arg(long)]
@@ -49,6 +62,29 @@ struct ExportReport {
     /// The adapters were folded into the weights.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     merged: bool,
+    /// Files an earlier export left in `--out` that this one does not write, removed
+    /// (`--force`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    removed: Vec<PathBuf>,
+}
+
+/// Every file export may write into its directory: what `--force` replaces.
+const EXPORT_FILES: [&str; 7] = [
+    snug_nn::hf_checkpoint::CONFIG_FILE,
+    snug_nn::hf_checkpoint::WEIGHTS_FILE,
+    TOKENIZER_FILE,
+    CONFIG_FILE,
+    CHAT_TEMPLATE_FILE,
+    snug_nn::lora::ADAPTER_WEIGHTS_FILE,
+    snug_nn::lora::ADAPTER_CONFIG_FILE,
+];
+
+/// Whether `a` and `b` are the same existing directory or file.
+fn same_path(a: &Path, b: &Path) -> bool {
+    matches!(
+        (std::fs::canonicalize(a), std::fs::canonicalize(b)),
+        (Ok(a), Ok(b)) if a == b
+    )
 }
 
 /// The tokenizer's files to write beside the weights, by name.
@@ -64,6 +100,13 @@ fn tokenizer_files(files: &HfTokenizerFiles) -> Vec<(&'static str, &str)> {
 }
 
 pub fn run(args: ExportArgs) -> Result<()> {
+    if same_path(&args.out, &args.checkpoint) {
+        bail!(
+            "--out {}: is the model being exported (--checkpoint); export into another directory",
+            args.out.display()
+        );
+    }
+    output::check_dir(&args.out, &EXPORT_FILES, DirContents::Nothing, args.force)?;
     let source = Source::open(&args.checkpoint)?;
     let model = source.model()?;
     // Everything is read and checked before anything is written.
@@ -166,6 +209,17 @@ pub fn run(args: ExportArgs) -> Result<()> {
             tokenizer_paths.push(path);
         }
     }
+    // An earlier export's files this one did not write (its adapter beside a merged model,
+    // its tokenizer where this model has none) would be read with the new ones.
+    let mut written_paths = vec![written.weights.clone(), written.config.clone()];
+    written_paths.extend(tokenizer_paths.iter().cloned());
+    if let Some(a) = &adapter {
+        written_paths.extend([a.weights.clone(), a.config.clone()]);
+    }
+    let removed = output::stale_files(&args.out, &EXPORT_FILES, &written_paths);
+    for path in &removed {
+        std::fs::remove_file(path).with_context(|| format!("removing {}", path.display()))?;
+    }
     let report = ExportReport {
         checkpoint: source.path(),
         step: source.step(),
@@ -176,6 +230,7 @@ pub fn run(args: ExportArgs) -> Result<()> {
         bytes: written.bytes,
         adapter,
         merged: args.merge,
+        removed,
     };
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -205,6 +260,9 @@ pub fn run(args: ExportArgs) -> Result<()> {
         }
         if report.merged {
             println!("LoRA adapters merged into the weights");
+        }
+        for path in &report.removed {
+            println!("removed {} (an earlier export's)", path.display());
         }
     }
     Ok(())

@@ -1,6 +1,7 @@
 //! `snug prepare`: tokenize a text corpus, or JSONL examples with their loss masks, once into
 //! `train.bin` and `val.bin`, which `snug train --data DIR` then memory-maps instead of
-//! tokenizing on every run.
+//! tokenizing on every run. Token files already there are replaced only with `--force`, and a
+//! run directory is never written into.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -10,6 +11,7 @@ use clap::{Args, ValueEnum};
 use serde::Serialize;
 use snug_plan::memory_plan::human_bytes;
 use snug_train::data::{TRAIN_FILE, VAL_FILE};
+use snug_train::output::{self, DirContents};
 use snug_train::token_file::TokenDtype;
 use snug_train::user_file::{read_text, MAX_TEXT_BYTES};
 use snug_train::{CharTokenizer, HfTokenizer, TokenFile, Tokenizer, TrainError};
@@ -28,9 +30,15 @@ pub struct PrepareArgs {
     /// between them; only completions and assistant turns count in the loss.
     #[arg(long, value_enum, default_value_t = Format::Text)]
     format: Format,
-    /// Directory to write train.bin and val.bin into (created if missing).
+    /// Directory to write train.bin and val.bin into (created if missing; other files in it
+    /// are left). Existing token files there are refused unless --force; a run directory
+    /// always.
     #[arg(long)]
     out: PathBuf,
+    /// Replace train.bin and val.bin where they already exist (each atomically). Never in a
+    /// run directory.
+    #[arg(long)]
+    force: bool,
     /// Share of the tokens, taken from the end, kept for validation.
     #[arg(long, default_value_t = 0.1)]
     val_fraction: f64,
@@ -95,6 +103,12 @@ pub fn run(args: PrepareArgs) -> Result<()> {
     if !(frac.is_finite() && frac > 0.0 && frac < 1.0) {
         bail!("--val-fraction: must be between 0 and 1 (exclusive), got {frac}");
     }
+    output::check_dir(
+        &args.out,
+        &[TRAIN_FILE, VAL_FILE],
+        DirContents::AnythingElse,
+        args.force,
+    )?;
     let text = read_text(&args.input, MAX_TEXT_BYTES, "text data")?;
     if text.is_empty() {
         return Err(TrainError::EmptyData { path: args.input }.into());

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use serde::Serialize;
 use snug_graph::ops::Op;
@@ -21,9 +21,14 @@ pub struct ProfileArgs {
     #[arg(long)]
     json: bool,
     /// Also write the profiled steps as a Chrome trace (JSON for Perfetto or
-    /// chrome://tracing): a slice per op, and the planned bytes held as a counter track.
+    /// chrome://tracing): a slice per op, and the planned bytes held as a counter track. An
+    /// existing file is refused unless --force; a checkpoint or a run's own file always.
     #[arg(long, value_name = "FILE")]
     trace: Option<std::path::PathBuf>,
+    /// Replace the --trace file if it exists (atomically). Never a checkpoint or a run's own
+    /// file.
+    #[arg(long, requires = "trace")]
+    force: bool,
 }
 
 #[derive(Serialize)]
@@ -40,6 +45,10 @@ struct OpRow {
 pub fn run(args: ProfileArgs) -> Result<()> {
     if args.model.batch_auto() {
         anyhow::bail!("--batch auto needs a memory budget: use it with `snug fit --memory SIZE` or `snug train --memory SIZE`");
+    }
+    // Before the steps run: a refused path wastes none of them.
+    if let Some(path) = &args.trace {
+        snug_train::output::check_file(path, args.force)?;
     }
     let (model, mut train) = args.model.sections(RunFlags::default());
     train.steps = Some(args.steps.max(1) + 1);
@@ -112,7 +121,7 @@ pub fn run(args: ProfileArgs) -> Result<()> {
             trainer.step_graph().forward_nodes,
         );
         let trace = snug_report::Trace::of_profile(&detail, &traced).to_json()?;
-        std::fs::write(path, trace).with_context(|| format!("writing {}", path.display()))?;
+        snug_nn::hf_checkpoint::write_file_atomically(path, trace.as_bytes())?;
     }
     let total: f64 = rows.values().map(|r| r.1).sum();
     let mut table: Vec<OpRow> = rows

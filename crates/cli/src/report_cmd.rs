@@ -1,6 +1,7 @@
 //! `snug report`: one HTML page, readable offline, of a step's memory (from `snug plan --json`,
 //! a run directory's checkpoint, or the model flags), fit's candidates (`snug fit --json`), a
-//! run's `metrics.jsonl` and the table of a device's memory.
+//! run's `metrics.jsonl` and the table of a device's memory. An existing page is replaced only
+//! with `--force`; a checkpoint or a run's own file never.
 
 use std::path::{Path, PathBuf};
 
@@ -33,7 +34,8 @@ pub struct ReportArgs {
     /// memory).
     #[arg(long, value_name = "SIZE")]
     device_memory: Option<String>,
-    /// Where to write the page.
+    /// Where to write the page. An existing file is refused unless --force; a checkpoint, a
+    /// run's metrics.jsonl or lock file always.
     #[arg(
         short = 'o',
         long,
@@ -41,6 +43,10 @@ pub struct ReportArgs {
         default_value = "snug-report.html"
     )]
     output: PathBuf,
+    /// Replace the file -o names if it exists (atomically: an interrupted write leaves the old
+    /// page whole). Never a checkpoint or a run's own file.
+    #[arg(long)]
+    force: bool,
     /// Print the figures drawn, as JSON.
     #[arg(long)]
     json: bool,
@@ -102,11 +108,12 @@ pub fn write_for_run(
         notes: vec![format!("plan: the step {} trained with", dir.display())],
     };
     let path = dir.join("report.html");
-    std::fs::write(&path, report.html()?).with_context(|| format!("writing {}", path.display()))?;
+    snug_nn::hf_checkpoint::write_file_atomically(&path, report.html()?.as_bytes())?;
     Ok(path)
 }
 
 pub fn run(args: ReportArgs) -> Result<()> {
+    snug_train::output::check_file(&args.output, args.force)?;
     let mut notes = Vec::new();
     let plan_doc = if let Some(path) = &args.plan_json {
         notes.push(format!("plan: {}", path.display()));
@@ -182,8 +189,7 @@ pub fn run(args: ReportArgs) -> Result<()> {
         notes,
     };
     let html = report.html()?;
-    std::fs::write(&args.output, html)
-        .with_context(|| format!("writing {}", args.output.display()))?;
+    snug_nn::hf_checkpoint::write_file_atomically(&args.output, html.as_bytes())?;
     let figures = report.figures();
     if args.json {
         println!("{}", serde_json::to_string_pretty(&figures)?);

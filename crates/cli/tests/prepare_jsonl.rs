@@ -42,6 +42,8 @@ fn jsonl_examples_become_masked_token_files() {
             "--val-fraction",
             "0.2",
             "--json",
+            // The second tokenizer's files replace the first's.
+            "--force",
         ]);
         let stderr = String::from_utf8_lossy(&o.stderr);
         assert!(o.status.success(), "{stderr}");

@@ -1,5 +1,9 @@
 //! No run loses its work: a run directory holds one run at a time (a lock, and a check of what
-//! is already there), and a run that stops on an error after a completed step saves it.
+//! is already there), and a run that stops on an error after a completed step saves it. The
+//! commands that write where a user says (`export`, `prepare`, `report`, `profile --trace`)
+//! replace nothing unless told to (`--force`), and never write over a run or a checkpoint.
+
+mod common;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -356,4 +360,240 @@ fn flags_a_run_cannot_honour_are_named() {
         "{}",
         stderr(&o)
     );
+}
+
+/// A finished two-step run in `cwd/run`, its only checkpoint `ckpt-00000002.safetensors`.
+fn finished_run(cwd: &Path) -> PathBuf {
+    let o = train(cwd, &["--steps", "2", "--out", "run"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let run = cwd.join("run");
+    assert_eq!(checkpoint_steps(&run), vec![2]);
+    run
+}
+
+const CHECKPOINT: &str = "run/ckpt-00000002.safetensors";
+
+#[test]
+fn export_replaces_a_directory_only_when_forced_and_never_a_run() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let cwd = tmp.path();
+    let run = finished_run(cwd);
+    let run_files = snapshot(&run);
+    let hf = cwd.join("hf");
+    common::ok(cwd, &["export", "--checkpoint", "run", "--out", "hf"]);
+    let exported = snapshot(&hf);
+
+    // The user's own file, an export's file spoiled, and an earlier export's tokenizer (this
+    // run has none): refused whole without --force.
+    std::fs::write(hf.join("notes.txt"), "mine").expect("a file");
+    std::fs::write(hf.join("config.json"), "spoiled").expect("a file");
+    std::fs::write(hf.join("tokenizer.json"), "stale").expect("a file");
+    let before = snapshot(&hf);
+    common::fails_with(
+        cwd,
+        &["export", "--checkpoint", "run", "--out", "hf"],
+        &["hf: is not empty", "--force"],
+    );
+    assert_eq!(
+        snapshot(&hf),
+        before,
+        "a refused export changed the directory"
+    );
+
+    // Forced: export's files replaced, the stale one removed, the user's kept.
+    let o = common::ok(
+        cwd,
+        &["export", "--checkpoint", "run", "--out", "hf", "--force"],
+    );
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("removed hf/tokenizer.json"),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
+    let mut want = exported.clone();
+    want.push((hf.join("notes.txt"), b"mine".to_vec()));
+    want.sort();
+    assert_eq!(snapshot(&hf), want);
+
+    // A run directory, a checkpoint and the model being exported: never, even forced.
+    common::fails_with(
+        cwd,
+        &["export", "--checkpoint", "hf", "--out", "run", "--force"],
+        &[
+            "run: is a run directory",
+            "checkpoints, up to step 2",
+            "even with --force",
+        ],
+    );
+    common::fails_with(
+        cwd,
+        &[
+            "export",
+            "--checkpoint",
+            "hf",
+            "--out",
+            CHECKPOINT,
+            "--force",
+        ],
+        &[CHECKPOINT, "is a snug checkpoint"],
+    );
+    common::fails_with(
+        cwd,
+        &["export", "--checkpoint", "hf", "--out", "hf", "--force"],
+        &["--out hf", "is the model being exported"],
+    );
+    assert_eq!(snapshot(&run), run_files, "the run's files changed");
+    assert_eq!(snapshot(&hf), want);
+}
+
+#[test]
+fn prepare_replaces_token_files_only_when_forced_and_never_in_a_run() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let cwd = tmp.path();
+    let run = finished_run(cwd);
+    let run_files = snapshot(&run);
+    let data = cwd.join("data");
+    std::fs::create_dir(&data).expect("a directory");
+    // The corpus beside its token files is no reason to refuse.
+    std::fs::write(
+        data.join("corpus.txt"),
+        "to be or not to be, that is the question\n".repeat(40),
+    )
+    .expect("a corpus");
+    let prepare = |extra: &[&'static str]| {
+        [
+            &[
+                "prepare",
+                "--input",
+                "data/corpus.txt",
+                "--tokenizer",
+                "char",
+            ][..],
+            extra,
+        ]
+        .concat()
+    };
+    common::ok(cwd, &prepare(&["--out", "data"]));
+    let prepared = snapshot(&data);
+
+    std::fs::write(data.join("val.bin"), "spoiled").expect("a file");
+    let before = snapshot(&data);
+    common::fails_with(
+        cwd,
+        &prepare(&["--out", "data"]),
+        &["data/train.bin: already exists", "--force"],
+    );
+    assert_eq!(
+        snapshot(&data),
+        before,
+        "a refused prepare changed the directory"
+    );
+    common::ok(cwd, &prepare(&["--out", "data", "--force"]));
+    assert_eq!(
+        snapshot(&data),
+        prepared,
+        "--force wrote the token files again"
+    );
+
+    common::fails_with(
+        cwd,
+        &prepare(&["--out", "run", "--force"]),
+        &["run: is a run directory", "even with --force"],
+    );
+    common::fails_with(
+        cwd,
+        &prepare(&["--out", CHECKPOINT, "--force"]),
+        &[CHECKPOINT, "is a snug checkpoint"],
+    );
+    assert_eq!(snapshot(&run), run_files, "the run's files changed");
+}
+
+#[test]
+fn report_replaces_a_page_only_when_forced_and_never_a_checkpoint() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let cwd = tmp.path();
+    let run = finished_run(cwd);
+    let page = cwd.join("page.html");
+    std::fs::write(&page, "mine").expect("a file");
+    common::fails_with(
+        cwd,
+        &["report", "--run", "run", "-o", "page.html"],
+        &["page.html: already exists", "--force"],
+    );
+    assert_eq!(std::fs::read(&page).expect("the page"), b"mine");
+    common::ok(
+        cwd,
+        &["report", "--run", "run", "-o", "page.html", "--force"],
+    );
+    let html = std::fs::read_to_string(&page).expect("the page");
+    assert!(
+        html.starts_with("<!DOCTYPE html>"),
+        "not replaced: {html:.40}"
+    );
+
+    // A new page may go beside the run's files; the run's files never, nor a checkpoint under
+    // another name (known by its header).
+    common::ok(cwd, &["report", "--run", "run", "-o", "run/report.html"]);
+    std::fs::remove_file(run.join("report.html")).expect("the page");
+    let run_files = snapshot(&run);
+    std::fs::copy(cwd.join(CHECKPOINT), cwd.join("weights.bin")).expect("a copy");
+    for (target, why) in [
+        (CHECKPOINT, "is a snug checkpoint"),
+        ("weights.bin", "is a snug checkpoint"),
+        ("run/metrics.jsonl", "is a run's own file"),
+    ] {
+        common::fails_with(
+            cwd,
+            &["report", "--run", "run", "-o", target, "--force"],
+            &[target, why, "even with --force"],
+        );
+    }
+    assert_eq!(snapshot(&run), run_files, "the run's files changed");
+    assert_eq!(
+        std::fs::read(cwd.join("weights.bin")).expect("the copy"),
+        std::fs::read(cwd.join(CHECKPOINT)).expect("the checkpoint")
+    );
+}
+
+#[test]
+fn profile_replaces_a_trace_only_when_forced_and_never_a_checkpoint() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let cwd = tmp.path();
+    let run = finished_run(cwd);
+    let run_files = snapshot(&run);
+    let profile = |extra: &[&'static str]| {
+        [
+            &[
+                "profile",
+                "--steps",
+                "1",
+                "--threads",
+                "1",
+                "--batch",
+                "4",
+                "--block",
+                "16",
+            ][..],
+            extra,
+        ]
+        .concat()
+    };
+    let trace = cwd.join("trace.json");
+    std::fs::write(&trace, "mine").expect("a file");
+    common::fails_with(
+        cwd,
+        &profile(&["--trace", "trace.json"]),
+        &["trace.json: already exists", "--force"],
+    );
+    assert_eq!(std::fs::read(&trace).expect("the trace"), b"mine");
+    common::ok(cwd, &profile(&["--trace", "trace.json", "--force"]));
+    let text = std::fs::read_to_string(&trace).expect("the trace");
+    assert!(text.contains("traceEvents"), "not replaced: {text:.40}");
+
+    common::fails_with(
+        cwd,
+        &profile(&["--trace", CHECKPOINT, "--force"]),
+        &[CHECKPOINT, "is a snug checkpoint", "even with --force"],
+    );
+    assert_eq!(snapshot(&run), run_files, "the run's files changed");
 }

@@ -717,6 +717,38 @@ impl CheckpointDir {
     }
 }
 
+/// The most header a safetensors file may have (the `safetensors` crate's own bound).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// Whether `path` is a snug checkpoint, a sharded one's manifest or one of its shards: by its
+/// name (`ckpt-…`) or, whatever its name, by the `format` in its safetensors header (only the
+/// header is read). Commands that write where a user says never write over one.
+pub fn is_checkpoint_file(path: &Path) -> bool {
+    let named = path.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+        n.starts_with(PREFIX)
+            && (n.ends_with(SUFFIX) || n.ends_with(crate::shards::MANIFEST_SUFFIX))
+    });
+    named || header_format(path).as_deref() == Some(FORMAT)
+}
+
+/// The `format` metadata of the safetensors header of the regular file `path`, if it has one.
+fn header_format(path: &Path) -> Option<String> {
+    use std::io::Read;
+    let size = crate::user_file::check_regular(path).ok()?;
+    let mut file = File::open(path).ok()?;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).ok()?;
+    let len = u64::from_le_bytes(len);
+    if len > MAX_HEADER_BYTES || len.saturating_add(8) > size {
+        return None;
+    }
+    let mut header = vec![0u8; len as usize];
+    file.read_exact(&mut header).ok()?;
+    let header: serde_json::Value = serde_json::from_slice(&header).ok()?;
+    let format = header.get("__metadata__")?.get("format")?.as_str()?;
+    Some(format.to_string())
+}
+
 /// Loads `path`: a checkpoint file, or the newest checkpoint in a directory.
 pub fn load(path: &Path) -> Result<(PathBuf, Checkpoint), TrainError> {
     if path.is_dir() {

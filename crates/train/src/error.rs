@@ -40,6 +40,13 @@ pub enum TrainError {
     RunDirBusy { dir: PathBuf },
     #[error("run directory {dir}: {detail}")]
     RunDirTaken { dir: PathBuf, detail: String },
+    /// A path a command was told to write that already holds something; `--force` replaces it.
+    #[error("{path}: {detail}")]
+    OutputExists { path: PathBuf, detail: String },
+    /// A path a command never writes, even with `--force`: a run directory or its files, a
+    /// checkpoint, a directory where a file goes, a device.
+    #[error("{path}: {detail}")]
+    OutputRefused { path: PathBuf, detail: String },
     /// Caught at load: resumed, it would surface steps later as a NaN loss.
     #[error("checkpoint {path}: tensor `{name}` holds {value} at index {index}: a checkpoint's values must be finite")]
     NonFiniteCheckpoint {

@@ -18,6 +18,8 @@
 //! - [`ranks`]: the ranks of a run over MPI agreeing on their settings at start-up.
 //! - [`run`]: the loop: evaluation, checkpoints, metrics file, clean stop on Ctrl-C.
 //! - [`user_file`]: reading the files a user names: regular files only, with a size bound.
+//! - [`output`]: writing where a user says: nothing replaced unless forced, and never a run
+//!   directory or a checkpoint.
 
 pub mod addition;
 pub mod calibration;
@@ -29,6 +31,7 @@ mod error;
 pub mod examples;
 pub mod hf_tokenizer;
 pub mod loss_scale;
+pub mod output;
 pub mod quantized;
 pub mod ranks;
 pub mod run;

@@ -12,6 +12,27 @@ use crate::TrainError;
 /// The lock file inside a run directory; left in place (deleting a lock file races).
 pub const LOCK_FILE: &str = ".snug.lock";
 
+/// Why `dir` is a run's directory, if it is one: it holds checkpoints, a run's lock file or its
+/// metrics. Commands that write where a user says (`export`, `prepare`, `report`, `profile`)
+/// never write into one (see [`crate::output`]).
+pub fn run_evidence(dir: &Path) -> Option<String> {
+    let present = |name: &str| fs::symlink_metadata(dir.join(name)).is_ok();
+    if let Some((step, _)) = CheckpointDir::open(dir)
+        .and_then(|c| c.list())
+        .ok()
+        .and_then(|saved| saved.last().cloned())
+    {
+        return Some(format!("it holds a run's checkpoints, up to step {step}"));
+    }
+    if present(LOCK_FILE) {
+        return Some(format!("it holds a run's lock file, {LOCK_FILE}"));
+    }
+    if present(METRICS_FILE) {
+        return Some(format!("it holds a run's {METRICS_FILE}"));
+    }
+    None
+}
+
 /// How a run means to use its directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {

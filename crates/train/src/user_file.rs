@@ -17,7 +17,7 @@ pub const MAX_TEXT_BYTES: u64 = 4 << 30;
 pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
 
 /// What `path` is, when it is not a regular file: `"a FIFO (named pipe)"`, `"a directory"`, ….
-fn irregular_kind(file_type: std::fs::FileType) -> Option<&'static str> {
+pub(crate) fn irregular_kind(file_type: std::fs::FileType) -> Option<&'static str> {
     if file_type.is_file() {
         return None;
     }
