@@ -37,6 +37,10 @@ pub struct PlanArgs {
     /// `snug sample --full-window`.
     #[arg(long, requires = "inference")]
     kv_cache: bool,
+    /// With --inference: the positions `snug sample --context N` holds (default: the model's
+    /// whole context, the most any request holds).
+    #[arg(long, value_name = "N", requires = "inference")]
+    context: Option<usize>,
     /// Plan one rank of a data-parallel run over this many devices: each rank's batch is
     /// --batch / N (N must divide it), and the report adds the bytes each rank sends and
     /// receives per step.
@@ -206,8 +210,8 @@ struct InferenceReport {
     model: ModelConfig,
     /// Always 1: the sampler generates one sequence.
     batch: usize,
-    /// The model's context: positions each token's forward pass runs over, or with the key/value
-    /// cache the rows of each cache.
+    /// Positions each token's forward pass runs over, or with the key/value cache the rows of
+    /// each cache: the model's context, or `--context`.
     window: usize,
     threads: usize,
     /// The plan is of a decode step with key/value caches (else of the whole window).
@@ -608,7 +612,7 @@ fn run_inference(
     model: &ModelConfig,
     start: Instant,
 ) -> Result<()> {
-    use snug_train::sample::{plan_inference_for, plan_kv_for};
+    use snug_train::sample::{plan_inference_on, plan_kv_on};
     // `snug sample --device` plans for the same target: the CPU's with these threads, or the
     // GPU's limits.
     let target = if cfg.device.is_gpu() {
@@ -616,12 +620,20 @@ fn run_inference(
     } else {
         snug_graph::Target::host(cfg.threads.max(1))
     };
+    let max_seq = model.max_seq();
+    let window = match args.context {
+        Some(n) if n == 0 || n > max_seq => anyhow::bail!(
+            "--context {n}: must be between 1 and the model's context of {max_seq} positions"
+        ),
+        Some(n) => n,
+        None => max_seq,
+    };
     let (graph, memory_plan, prefill) = if args.kv_cache {
-        let (g, p) = plan_kv_for(model, 1, target)?;
-        let (_, prefill) = plan_kv_for(model, model.max_seq(), target)?;
+        let (g, p) = plan_kv_on(model, 1, window, target, None)?;
+        let (_, prefill) = plan_kv_on(model, window, window, target, None)?;
         (g.graph, p, Some(prefill.peak_bytes()))
     } else {
-        let (g, p) = plan_inference_for(model, target)?;
+        let (g, p) = plan_inference_on(model, window, target, None)?;
         (g.graph, p, None)
     };
     let plan_ms = start.elapsed().as_secs_f64() * 1e3;
@@ -629,7 +641,7 @@ fn run_inference(
         preset: cfg.model.preset.clone().unwrap_or_default(),
         model: model.clone(),
         batch: 1,
-        window: model.max_seq(),
+        window,
         threads: cfg.threads,
         kv_cache: args.kv_cache,
         prefill_window_peak_bytes: prefill,

@@ -55,6 +55,12 @@ pub struct SampleArgs {
     /// Tokens to generate (at most 1,000,000).
     #[arg(long, default_value_t = 200)]
     tokens: usize,
+    /// Positions the model attends to at once, the key/value caches' length (at most the
+    /// model's context). Default: the prompt and --tokens together, at most the model's context,
+    /// so a short request on a long-context model (a Llama's 131,072 positions) holds only the
+    /// caches it uses. Past it the cache slides, keeping the most recent half.
+    #[arg(long, value_name = "N")]
+    context: Option<usize>,
     /// Softmax temperature; 0 picks the most likely token every time. Default 0.8, and 0 for
     /// the default addition problem (its answer is exact).
     #[arg(long, allow_negative_numbers = true)]
@@ -131,6 +137,8 @@ struct SampleReport {
     #[serde(skip_serializing_if = "Option::is_none")]
     end_of_turn: Option<bool>,
     mode: SampleMode,
+    /// Positions the sampler held (the caches' length).
+    context: usize,
     /// How the weight matrices were stored, when not in f32.
     #[serde(skip_serializing_if = "Option::is_none")]
     quantize: Option<snug_graph::ops::QuantizeBase>,
@@ -213,10 +221,44 @@ pub fn run(args: SampleArgs) -> Result<()> {
         .map(str::parse::<snug_graph::ops::QuantizeBase>)
         .transpose()
         .map_err(|e| anyhow::anyhow!("--quantize: {e}"))?;
+    let max_seq = model.max_seq();
+    let total = prompt.len().max(1).saturating_add(args.tokens);
+    let context = match args.context {
+        Some(n) if n == 0 || n > max_seq => {
+            bail!("--context {n}: must be between 1 and the model's context of {max_seq} positions")
+        }
+        Some(n) => n,
+        None => total.min(max_seq),
+    };
     let placement = Placement {
         device: args.device,
         quantize,
+        context: Some(context),
     };
+    // Before anything is allocated: a plan beyond this machine's memory is refused by name
+    // (untouched pages are never committed, so mapping it would seem to succeed).
+    if !args.device.is_gpu() {
+        let peak = snug_train::sample::planned_peak(
+            &model,
+            mode,
+            placement,
+            threads,
+            (prompt.len(), total),
+        )
+        .with_context(|| format!("planning to sample from {}", path.display()))?;
+        if let Some(available) = snug_runtime::process::available_memory() {
+            if peak > available {
+                bail!(
+                    "sampling from {} with a context of {context} positions plans a peak of {}, \
+                     more than this machine has available ({}): lower --context, or store the \
+                     weights smaller with --quantize int8 or nf4",
+                    path.display(),
+                    human_bytes(peak),
+                    human_bytes(available)
+                );
+            }
+        }
+    }
     let sampler = match &source {
         Source::Run(_, ckpt) => Sampler::placed(
             &model,
@@ -276,6 +318,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
         ids,
         end_of_turn,
         mode,
+        context,
         quantize,
         ms,
         planned_peak_bytes: planned,
@@ -293,14 +336,15 @@ pub fn run(args: SampleArgs) -> Result<()> {
             println!("{}{}", report.prompt.trim_start_matches('\n'), report.text);
         }
         eprintln!(
-            "({} tokens in {:.0} ms, {:.1} tok/s{}{} on {}; {} at step {}; inference plan peak {}, measured {})",
+            "({} tokens in {:.0} ms, {:.1} tok/s{} of {} positions{} on {}; {} at step {}; inference plan peak {}, measured {})",
             report.tokens,
             report.ms,
             report.tokens_per_s,
             match report.mode {
                 SampleMode::KvCache => ", key/value cache",
-                SampleMode::FullWindow => ", whole window per token",
+                SampleMode::FullWindow => ", a window per token",
             },
+            report.context,
             report
                 .quantize
                 .map_or(String::new(), |q| format!(", {q} weights")),

@@ -909,9 +909,18 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
 /// The trained weights' accuracy on held-out additions, on the inference plan with an
 /// allocator of its own (the training step's figures stay its own).
 fn addition_score(trainer: &Trainer) -> Result<AdditionScore> {
-    let mut sampler = Sampler::new(
-        trainer.model(),
+    let model = trainer.model();
+    // Only the problems' context: a model's whole window (a Llama's is 131,072 positions)
+    // would be caches no problem reads.
+    let placement = snug_train::Placement {
+        context: Some(addition::SCORING_CONTEXT.min(model.max_seq())),
+        ..snug_train::Placement::CPU
+    };
+    let mut sampler = Sampler::placed(
+        model,
         &trainer.model_weights()?,
+        snug_train::SampleMode::KvCache,
+        placement,
         trainer.config().threads,
         Allocator::default(),
     )?;

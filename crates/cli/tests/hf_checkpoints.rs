@@ -329,3 +329,59 @@ fn bad_directories_are_refused_before_anything_is_written() {
         &["hidden_act", "\"gelu\""],
     );
 }
+
+/// A model of a vast context (here 10^12 positions) samples a short request holding only the
+/// caches the request fills, exactly as planned; a context beyond the machine is refused by
+/// name before anything is allocated, and so is one beyond the model.
+#[test]
+fn a_long_context_model_samples_holding_only_the_request() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let dir = cwd.join("long");
+    copy_fixture("llama", &dir);
+    std::fs::copy(
+        fixture("tokenizer").join("tokenizer.json"),
+        dir.join("tokenizer.json"),
+    )
+    .unwrap();
+    let config = dir.join("config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let long = text.replace(
+        "\"max_position_embeddings\": 128",
+        "\"max_position_embeddings\": 1000000000000",
+    );
+    assert_ne!(long, text);
+    std::fs::write(&config, long).unwrap();
+    let d = dir.to_str().unwrap();
+    let sample = [
+        "sample",
+        "--checkpoint",
+        d,
+        "--prompt",
+        "hello",
+        "--tokens",
+        "5",
+    ];
+    let common = ["--threads", "1", "--json"];
+    let s = json(&ok(cwd, &[&sample[..], &common].concat()));
+    let prompt = s["prompt_ids"].as_array().unwrap().len() as u64;
+    assert_eq!(s["context"].as_u64(), Some(prompt + 5));
+    assert_eq!(s["planned_peak_bytes"], s["measured_peak_bytes"]);
+    // Weights of a few thousand parameters and caches of a few positions.
+    assert!(s["planned_peak_bytes"].as_u64().unwrap() < 1 << 20, "{s}");
+    for mode in [&[][..], &["--full-window"]] {
+        fails_with(
+            cwd,
+            &[&sample[..], &common, mode, &["--context", "1000000000000"]].concat(),
+            &[
+                "context of 1000000000000 positions",
+                "more than this machine has available",
+            ],
+        );
+    }
+    fails_with(
+        cwd,
+        &[&sample[..], &common, &["--context", "1000000000001"]].concat(),
+        &["--context 1000000000001", "1000000000000 positions"],
+    );
+}

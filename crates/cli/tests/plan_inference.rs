@@ -41,9 +41,6 @@ fn plan_inference_equals_what_sample_plans_and_measures() {
         train.extend(&common);
         ok(cwd, &train);
 
-        let mut plan = vec!["plan", "--inference", "--json"];
-        plan.extend(&common);
-        let planned = json(&ok(cwd, &plan));
         let sampled = json(&ok(
             cwd,
             &[
@@ -58,6 +55,30 @@ fn plan_inference_equals_what_sample_plans_and_measures() {
                 "--json",
             ],
         ));
+        // Sampling holds the context the request needs: the prompt (token 0 when empty) and
+        // the tokens asked for, below the model's.
+        let whole = json(&ok(
+            cwd,
+            &[&["plan", "--inference", "--json"][..], &common].concat(),
+        ));
+        let m = &whole["model"];
+        let max_seq = m["block_size"].as_u64().or(m["max_seq"].as_u64()).unwrap();
+        assert_eq!(whole["window"].as_u64(), Some(max_seq), "{flags:?}");
+        let prompt = sampled["prompt_ids"].as_array().unwrap().len().max(1) as u64;
+        let context = sampled["context"].as_u64().unwrap();
+        assert_eq!(context, (prompt + 5).min(max_seq), "{flags:?}");
+        assert!(
+            context < max_seq,
+            "{flags:?}: the test should hold less than the model's"
+        );
+        let context = context.to_string();
+        let mut plan = vec!["plan", "--inference", "--json", "--context", &context];
+        plan.extend(&common);
+        let planned = json(&ok(cwd, &plan));
+        assert!(
+            planned["peak_bytes"].as_u64() < whole["peak_bytes"].as_u64(),
+            "{flags:?}"
+        );
         let peak = planned["peak_bytes"].as_u64().unwrap();
         assert!(peak > 0, "{flags:?}");
         assert_eq!(
@@ -75,10 +96,7 @@ fn plan_inference_equals_what_sample_plans_and_measures() {
         assert_eq!(b["optimizer_state"], 0, "{flags:?}");
         assert_eq!(planned["batch"], 1);
         assert_eq!(planned["kv_cache"], false);
-        // The model's whole context: `block_size` (GPT) or `max_seq` (Llama).
-        let m = &planned["model"];
-        let context = m["block_size"].as_u64().or(m["max_seq"].as_u64());
-        assert_eq!(planned["window"].as_u64(), context, "{flags:?}");
+        assert_eq!(planned["window"], sampled["context"], "{flags:?}");
 
         // The training step of the same flags is another, larger plan.
         let mut train_plan = vec!["plan", "--json"];
@@ -157,10 +175,6 @@ fn plan_kv_cache_equals_what_sample_plans_and_measures() {
         train.extend(["--out", &run]);
         train.extend(&common);
         ok(cwd, &train);
-        let mut plan = vec!["plan", "--inference", "--kv-cache", "--json"];
-        plan.extend(&common);
-        let planned = json(&ok(cwd, &plan));
-        assert_eq!(planned["kv_cache"], true);
         let sample = [
             "sample",
             "--checkpoint",
@@ -173,6 +187,13 @@ fn plan_kv_cache_equals_what_sample_plans_and_measures() {
         ];
         let sampled = json(&ok(cwd, &sample));
         assert_eq!(sampled["mode"], "kv_cache");
+        let context = sampled["context"].to_string();
+        let mut plan = vec!["plan", "--inference", "--kv-cache", "--json"];
+        plan.extend(["--context", &context]);
+        plan.extend(&common);
+        let planned = json(&ok(cwd, &plan));
+        assert_eq!(planned["kv_cache"], true);
+        assert_eq!(planned["window"], sampled["context"]);
         let decode = &sampled["kv_cache"]["decode"];
         assert_eq!(
             decode["planned_peak_bytes"], planned["peak_bytes"],

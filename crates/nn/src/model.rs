@@ -306,9 +306,29 @@ impl ModelConfig {
         new_tokens: usize,
         target: impl Into<snug_graph::Target>,
     ) -> Result<crate::KvGraph, NnError> {
+        self.build_kv_window(new_tokens, self.max_seq(), target)
+    }
+
+    /// [`Self::build_kv`] with caches of `window` positions (1 to the model's `max_seq`): a
+    /// request that needs less context than the model takes holds only that much.
+    pub fn build_kv_window(
+        &self,
+        new_tokens: usize,
+        window: usize,
+        target: impl Into<snug_graph::Target>,
+    ) -> Result<crate::KvGraph, NnError> {
         self.validate()?;
         let dtype = snug_graph::DType::F32;
-        let window = self.max_seq();
+        let (max_name, max_seq) = match self {
+            ModelConfig::Gpt(c) => ("block_size", c.block_size),
+            ModelConfig::Llama(c) => ("max_position_embeddings", c.max_seq),
+        };
+        if window == 0 || window > max_seq {
+            return Err(NnError::Config {
+                field: "context",
+                detail: format!("{window} must be between 1 and the model's {max_name} {max_seq}"),
+            });
+        }
         let target = target.into();
         match self {
             ModelConfig::Gpt(c) => {

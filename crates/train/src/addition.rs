@@ -25,6 +25,11 @@ pub const DEFAULT_PROBLEMS: usize = 200;
 /// Most characters of an answer: three digits (99 + 99).
 const MAX_ANSWER_CHARS: usize = 3;
 
+/// The most tokens scoring one problem puts in the context: `"\n99+99="` and at most
+/// `MAX_ANSWER_CHARS + 1` generated tokens (the language is ASCII, so no token is shorter than
+/// a character). A sampler of this context holds all of it, however long the model's window.
+pub const SCORING_CONTEXT: usize = 7 + MAX_ANSWER_CHARS + 1;
+
 /// One addition, `a + b`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Problem {

@@ -93,7 +93,7 @@ pub fn plan_inference_for(
     model: &ModelConfig,
     target: Target,
 ) -> Result<(InferenceGraph, MemoryPlan), TrainError> {
-    plan_inference_on(model, target, None)
+    plan_inference_on(model, model.max_seq(), target, None)
 }
 
 /// [`plan_inference`] with the 2-D weights stored as `quantize` says (`snug sample
@@ -103,16 +103,23 @@ pub fn plan_inference_quantized(
     threads: usize,
     quantize: Option<QuantizeBase>,
 ) -> Result<(InferenceGraph, MemoryPlan), TrainError> {
-    plan_inference_on(model, Target::host(threads.max(1)), quantize)
+    plan_inference_on(
+        model,
+        model.max_seq(),
+        Target::host(threads.max(1)),
+        quantize,
+    )
 }
 
-/// [`plan_inference`] for `target`, with the 2-D weights stored as `quantize` says.
+/// [`plan_inference`] over `window` positions (at most the model's `max_seq`) for `target`,
+/// with the 2-D weights stored as `quantize` says.
 pub fn plan_inference_on(
     model: &ModelConfig,
+    window: usize,
     target: Target,
     quantize: Option<QuantizeBase>,
 ) -> Result<(InferenceGraph, MemoryPlan), TrainError> {
-    let mut g = model.build_inference(1, model.max_seq(), target)?;
+    let mut g = model.build_inference(1, window, target)?;
     if let Some(base) = quantize {
         let (r, params) = quantize_params(&g.graph, &g.params, base)?;
         g = InferenceGraph {
@@ -159,7 +166,7 @@ pub fn plan_kv_for(
     new_tokens: usize,
     target: Target,
 ) -> Result<(KvGraph, MemoryPlan), TrainError> {
-    plan_kv_on(model, new_tokens, target, None)
+    plan_kv_on(model, new_tokens, model.max_seq(), target, None)
 }
 
 /// [`plan_kv`] with the 2-D weights stored as `quantize` says.
@@ -169,17 +176,25 @@ pub fn plan_kv_quantized(
     threads: usize,
     quantize: Option<QuantizeBase>,
 ) -> Result<(KvGraph, MemoryPlan), TrainError> {
-    plan_kv_on(model, new_tokens, Target::host(threads.max(1)), quantize)
+    plan_kv_on(
+        model,
+        new_tokens,
+        model.max_seq(),
+        Target::host(threads.max(1)),
+        quantize,
+    )
 }
 
-/// [`plan_kv`] for `target`, with the 2-D weights stored as `quantize` says.
+/// [`plan_kv`] with caches of `window` positions (at most the model's `max_seq`) for
+/// `target`, with the 2-D weights stored as `quantize` says.
 pub fn plan_kv_on(
     model: &ModelConfig,
     new_tokens: usize,
+    window: usize,
     target: Target,
     quantize: Option<QuantizeBase>,
 ) -> Result<(KvGraph, MemoryPlan), TrainError> {
-    let mut g = model.build_kv(new_tokens, target)?;
+    let mut g = model.build_kv_window(new_tokens, window, target)?;
     if let Some(base) = quantize {
         let (r, params) = quantize_params(&g.graph, &g.params, base)?;
         g = KvGraph {
@@ -198,6 +213,41 @@ pub fn plan_kv_on(
     }
     let memory_plan = plan(&g.graph, &PlanOptions::default())?;
     Ok((g, memory_plan))
+}
+
+/// The most a [`Sampler`] loaded with `mode` and `placement` holds while it continues a prompt
+/// of `prompt` tokens to `total` tokens: its largest plan's peak (in key/value mode the largest
+/// of the decode step's, the prompt's prefill and, when `total` passes the window, the half
+/// window each slide prefills). A caller checks this against the machine before loading.
+pub fn planned_peak(
+    model: &ModelConfig,
+    mode: SampleMode,
+    placement: Placement,
+    threads: usize,
+    (prompt, total): (usize, usize),
+) -> Result<usize, TrainError> {
+    let target = placement.device.target(threads.max(1))?;
+    let window = placement.context.unwrap_or(model.max_seq());
+    let quantize = placement.quantize;
+    if mode == SampleMode::FullWindow {
+        return Ok(plan_inference_on(model, window, target, quantize)?
+            .1
+            .peak_bytes());
+    }
+    let mut lengths = vec![1, prompt.clamp(1, window)];
+    if total > window {
+        lengths.push(window.div_ceil(2));
+    }
+    lengths.dedup();
+    let mut peak = 0;
+    for n in lengths {
+        peak = peak.max(
+            plan_kv_on(model, n, window, target, quantize)?
+                .1
+                .peak_bytes(),
+        );
+    }
+    Ok(peak)
 }
 
 /// How a [`Sampler`] runs the model for each new token (see the module's documentation).
@@ -287,20 +337,25 @@ pub fn chat_prompt(
     Ok(ChatPrompt { text, ids, stop })
 }
 
-/// Where a [`Sampler`] runs and how its weights are stored.
+/// Where a [`Sampler`] runs, how its weights are stored and how much context it holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Placement {
     pub device: DeviceSpec,
     /// The 2-D weights quantized once as they are written, each dequantized just before the
     /// op that reads it (None: f32).
     pub quantize: Option<QuantizeBase>,
+    /// Positions the sampler's graphs span, the key/value caches' length (1 to the model's
+    /// `max_seq`; None: all of them). A Llama's 131,072 positions are gigabytes of caches
+    /// that a short request never reads.
+    pub context: Option<usize>,
 }
 
 impl Placement {
-    /// The CPU, weights in f32.
+    /// The CPU, weights in f32, the model's whole window.
     pub const CPU: Placement = Placement {
         device: DeviceSpec::Cpu,
         quantize: None,
+        context: None,
     };
 }
 
@@ -325,6 +380,8 @@ struct KvEngine {
     target: Target,
     /// How the 2-D weights are stored (None: f32).
     quantize: Option<QuantizeBase>,
+    /// The caches' length in positions.
+    window: usize,
     decode: (KvGraph, MemoryPlan),
     /// The last prefill built (rebuilt when the prompt's length changes).
     prefill: Option<(KvGraph, MemoryPlan)>,
@@ -376,6 +433,25 @@ impl Sampler {
                 return Err(TrainError::Config {
                     field: "parameters",
                     detail: format!("`{name}` is given twice"),
+                });
+            }
+        }
+        // Before planning: a config that disagrees with its weights (a checkpoint's
+        // `block_size` against its `wpe`) would otherwise size the session by the config.
+        model.validate()?;
+        for (name, shape) in model.parameter_shapes() {
+            let Some(v) = values.get(name.as_str()) else {
+                continue;
+            };
+            let n = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+            if n != Some(v.len()) {
+                return Err(TrainError::Config {
+                    field: "parameters",
+                    detail: format!(
+                        "`{name}` has {} values, but the model's config gives it shape {shape:?}: \
+                         the config does not match the weights",
+                        v.len()
+                    ),
                 });
             }
         }
@@ -455,12 +531,17 @@ impl Sampler {
         order: impl FnOnce(&[(String, TensorId)]) -> Result<Vec<(TensorId, &'v [f32])>, TrainError>,
     ) -> Result<(Sampler, Vec<(String, TensorId)>), TrainError> {
         let threads = threads.max(1);
-        let Placement { device, quantize } = placement;
+        let Placement {
+            device,
+            quantize,
+            context,
+        } = placement;
         let target = device.target(threads)?;
+        let window = context.unwrap_or(model.max_seq());
         // Planning allocates nothing, so the weights are still checked before any allocation.
         let (graph, memory_plan, params, engine) = match mode {
             SampleMode::FullWindow => {
-                let (g, p) = plan_inference_on(model, target, quantize)?;
+                let (g, p) = plan_inference_on(model, window, target, quantize)?;
                 let engine = Engine::Full {
                     tokens: g.tokens,
                     logits: g.logits,
@@ -469,12 +550,13 @@ impl Sampler {
             }
             SampleMode::KvCache => {
                 // The session starts on the decode step's graph: the smaller arena.
-                let (g, p) = plan_kv_on(model, 1, target, quantize)?;
+                let (g, p) = plan_kv_on(model, 1, window, target, quantize)?;
                 let (graph, params) = (g.graph.clone(), g.params.clone());
                 let engine = Engine::Kv(Box::new(KvEngine {
                     model: model.clone(),
                     target,
                     quantize,
+                    window,
                     decode: (g, p.clone()),
                     prefill: None,
                     holds: None,
@@ -493,7 +575,7 @@ impl Sampler {
         let sampler = Sampler {
             session,
             vocab: model.vocab_size(),
-            window: model.max_seq(),
+            window,
             engine,
         };
         Ok((sampler, params))
@@ -535,7 +617,7 @@ impl Sampler {
         &self.session
     }
 
-    /// Positions the model sees at once (its `max_seq`).
+    /// Positions the model sees at once (its `max_seq`, or the context asked for).
     pub fn window(&self) -> usize {
         self.window
     }
@@ -739,7 +821,13 @@ impl KvEngine {
                     .as_ref()
                     .map(|(g, _)| g.graph.tensor(g.tokens).shape[1]);
                 if built != Some(n) {
-                    self.prefill = Some(plan_kv_on(&self.model, n, self.target, self.quantize)?);
+                    self.prefill = Some(plan_kv_on(
+                        &self.model,
+                        n,
+                        self.window,
+                        self.target,
+                        self.quantize,
+                    )?);
                 }
                 let Some((g, p)) = &self.prefill else {
                     unreachable!("built above")
@@ -1129,10 +1217,24 @@ mod tests {
         short[1].1.pop();
         assert!(matches!(
             new(&short),
-            Err(TrainError::Runtime(
-                snug_runtime::RuntimeError::SizeMismatch { .. }
-            ))
+            Err(TrainError::Config {
+                field: "parameters",
+                ..
+            })
         ));
+        // A config that disagrees with its weights (a context of 2^30 over a `wpe` of 16
+        // rows) is refused by shape before its session (gigabytes of caches) is planned.
+        let mut long = model.clone();
+        long.override_shape(None, None, None, Some(1 << 30));
+        let refused = Sampler::with_mode(&long, &params, mode, 1, Allocator::default());
+        match refused {
+            Err(TrainError::Config {
+                field: "parameters",
+                detail,
+            }) => assert!(detail.contains("wpe.weight"), "{detail}"),
+            Err(other) => panic!("expected a shape refusal, got {other:?}"),
+            Ok(_) => panic!("a config that disagrees with its weights loaded"),
+        }
         let mut bad_model = model.clone();
         bad_model.override_shape(None, Some(3), None, None);
         assert!(matches!(
@@ -1260,6 +1362,67 @@ mod tests {
                 );
             }
             assert!(kv.kv_stats().unwrap().slides >= 3);
+        }
+    }
+
+    /// A sampler of a shorter context holds less (its caches or window are that long) and,
+    /// while the context fits it, makes the whole window's tokens; out of range it is refused.
+    #[test]
+    fn a_shorter_context_holds_less_and_samples_alike() {
+        for model in std::iter::once(gpt()).chain(llama_variants()) {
+            let params = random_params(&model, 13);
+            let max_seq = model.max_seq();
+            let prompt = [3u32, 1, 4];
+            let context = prompt.len() + 4;
+            assert!(context < max_seq);
+            for mode in MODES {
+                let load = |context| {
+                    let placement = Placement {
+                        context,
+                        ..Placement::CPU
+                    };
+                    Sampler::placed(&model, &params, mode, placement, 1, Allocator::default())
+                };
+                let mut whole = load(None).unwrap();
+                let mut short = load(Some(context)).unwrap();
+                assert_eq!(short.window(), context);
+                let a = whole.generate(&prompt, 4, greedy()).unwrap();
+                let b = short.generate(&prompt, 4, greedy()).unwrap();
+                assert_eq!(a, b, "{} {mode:?}", model.summary());
+                let peak = |s: &Sampler| match s.kv_stats() {
+                    Some(k) => k
+                        .prefill
+                        .planned_peak_bytes
+                        .max(k.decode.planned_peak_bytes),
+                    None => s.plan().peak_bytes(),
+                };
+                assert!(peak(&short) < peak(&whole), "{} {mode:?}", model.summary());
+                // What the caller checks before loading is what the sampler then held.
+                let planned = planned_peak(
+                    &model,
+                    mode,
+                    Placement {
+                        context: Some(context),
+                        ..Placement::CPU
+                    },
+                    1,
+                    (prompt.len(), prompt.len() + 4),
+                )
+                .unwrap();
+                assert_eq!(planned, peak(&short), "{} {mode:?}", model.summary());
+                for bad in [0, max_seq + 1] {
+                    assert!(
+                        matches!(
+                            load(Some(bad)),
+                            Err(TrainError::Model(NnError::Config {
+                                field: "context",
+                                ..
+                            })) | Err(TrainError::Model(NnError::Config { field: "block", .. }))
+                        ),
+                        "context {bad}"
+                    );
+                }
+            }
         }
     }
 

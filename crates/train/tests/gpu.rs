@@ -251,6 +251,7 @@ fn sampling_on_the_gpu_matches_the_cpu() {
                 Placement {
                     device,
                     quantize: None,
+                    context: None,
                 },
                 1,
                 Allocator::default(),
@@ -325,6 +326,7 @@ fn full_window_sampling_on_the_gpu_agrees_with_the_cache() {
             Placement {
                 device: DeviceSpec::Gpu(Selector::FirstGpu),
                 quantize: None,
+                context: None,
             },
             1,
             Allocator::default(),
@@ -576,6 +578,7 @@ fn quantized_sampling_on_the_gpu_matches_the_cpu() {
                 Placement {
                     device,
                     quantize: Some(quantize),
+                    context: None,
                 },
                 1,
                 Allocator::default(),

@@ -469,6 +469,7 @@ fn sampling_with_quantized_weights_follows_the_f32_model() {
         let placement = snug_train::Placement {
             device: snug_train::DeviceSpec::Cpu,
             quantize: q,
+            context: None,
         };
         let s = Sampler::placed(t.model(), &params, mode, placement, 1, alloc.clone()).unwrap();
         (s, alloc)
