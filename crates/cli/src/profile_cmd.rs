@@ -14,8 +14,8 @@ use crate::ModelArgs;
 pub struct ProfileArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Profiled steps (after one warm-up step); times are averaged over them.
-    #[arg(long, default_value_t = 3)]
+    /// Profiled steps (after one warm-up step), 1 to 1,000,000; times are averaged over them.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     steps: u64,
     /// Machine-readable output.
     #[arg(long)]
@@ -51,7 +51,7 @@ pub fn run(args: ProfileArgs) -> Result<()> {
         snug_train::output::check_file(path, args.force)?;
     }
     let (model, mut train) = args.model.sections(RunFlags::default());
-    train.steps = Some(args.steps.max(1) + 1);
+    train.steps = Some(args.steps + 1);
     let cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
     let data = TokenDataset::load(&DataSource::from(&cfg.data))?;
     let mut trainer = Trainer::new(cfg, data)?;
@@ -67,7 +67,7 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     };
     let micro = trainer.config().accumulation;
     let mut rows: BTreeMap<String, (usize, f64, u64, f64)> = BTreeMap::new();
-    let steps = args.steps.max(1);
+    let steps = args.steps;
     let mut traced = Vec::new();
     for _ in 0..steps {
         let (_, times) = trainer.train_step_profiled()?;

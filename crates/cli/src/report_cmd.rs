@@ -112,6 +112,13 @@ pub fn write_for_run(
     Ok(path)
 }
 
+/// Whether `dir` lists any checkpoint file, loadable or not.
+fn holds_checkpoints(dir: &Path) -> bool {
+    snug_train::checkpoint::CheckpointDir::open(dir)
+        .and_then(|d| d.list())
+        .is_ok_and(|l| !l.is_empty())
+}
+
 pub fn run(args: ReportArgs) -> Result<()> {
     snug_train::output::check_file(&args.output, args.force)?;
     let mut notes = Vec::new();
@@ -129,6 +136,10 @@ pub fn run(args: ReportArgs) -> Result<()> {
                     path.display()
                 ));
                 Some(plan_of(&ckpt.config, &ckpt.model()?)?)
+            }
+            // Checkpoints that are there but do not load are an error, not an absent plan.
+            Err(e @ TrainError::NoCheckpoint { .. }) if holds_checkpoints(dir) => {
+                return Err(e.into())
             }
             Err(TrainError::NoCheckpoint { .. }) => {
                 notes.push(format!(

@@ -107,6 +107,14 @@ fn bad_input_is_a_named_error() {
     fails_with(&["train", "--block", "0"], &["block"]);
     fails_with(&["train", "--steps", "0"], &["steps"]);
     fails_with(&["train", "--threads", "0"], &["threads"]);
+    fails_with(
+        &["train", "--eval-batches", "1000000000000"],
+        &["eval_batches", "1000000000000"],
+    );
+    // Past its bound a usage error (exit 2), never a count that wraps.
+    let o = snug(&["profile", "--steps", "18446744073709551615"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--steps"), "{}", stderr(&o));
     fails_with(&["sample", "--threads", "0"], &["threads", "at least 1"]);
     fails_with(&["sample", "--threads", "100000"], &["threads", "100000"]);
     // A training budget beyond this machine would choose a batch it cannot hold.
@@ -497,6 +505,13 @@ fn prepare_and_token_directory_errors_are_named() {
     fails(
         prepare(input_s, "sentencepiece", out_s),
         &["--tokenizer", "sentencepiece"],
+    );
+    // A tokenizer file of another name is named as given, not as tokenizer.json.
+    let broken = dir.path().join("my-tokenizer.json");
+    std::fs::write(&broken, "{\"model\":").unwrap();
+    fails(
+        prepare(input_s, broken.to_str().unwrap(), out_s),
+        &["my-tokenizer.json", "not a tokenizer"],
     );
     // An output "directory" below a regular file cannot be created.
     let blocked = input.join("sub");

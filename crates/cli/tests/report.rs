@@ -292,6 +292,28 @@ fn a_plan_of_another_version_is_refused_by_name() {
     assert!(!dir.join("r.html").exists());
 }
 
+/// A run directory whose checkpoints are all damaged is an error naming one, not a page
+/// without a plan.
+#[test]
+fn a_run_whose_checkpoints_do_not_load_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let run = dir.join("run");
+    std::fs::create_dir(&run).unwrap();
+    std::fs::write(run.join("ckpt-00000004.safetensors"), b"garbage").unwrap();
+    let e = snug(&["report", "--run", "run", "-o", "r.html"], dir);
+    assert_eq!(e.code, Some(1), "{}", e.stderr);
+    assert!(
+        e.stderr.contains("ckpt-00000004.safetensors"),
+        "{}",
+        e.stderr
+    );
+    assert!(!dir.join("r.html").exists());
+    // With no checkpoint at all, the page says there is no plan.
+    std::fs::remove_file(run.join("ckpt-00000004.safetensors")).unwrap();
+    ok(snug(&["report", "--run", "run", "-o", "r.html"], dir));
+}
+
 #[test]
 fn profile_writes_a_trace_with_a_slice_per_op_and_a_counter_of_bytes_held() {
     let tmp = tempfile::tempdir().unwrap();

@@ -566,7 +566,7 @@ pub fn merge_adapters(
     let r = lora.rank;
     let mut by_name: HashMap<String, Vec<f32>> = params.drain(..).collect();
     let missing = |name: &str| NnError::MissingTensor {
-        path: "<checkpoint>".into(),
+        path: "the adapted weights being merged".into(),
         name: name.to_string(),
     };
     for l in &layers {
@@ -595,7 +595,7 @@ pub fn merge_adapters(
     }
     if let Some(name) = by_name.keys().next() {
         return Err(NnError::UnexpectedTensor {
-            path: "<checkpoint>".into(),
+            path: "the adapted weights being merged".into(),
             name: name.clone(),
         });
     }

@@ -194,7 +194,10 @@ impl Checkpoint {
         }
         let bytes = read_whole(path)?;
         match Self::parse(path, &bytes)? {
-            (ckpt, None) => Ok(ckpt),
+            (ckpt, None) => {
+                check_step_matches_name(path, ckpt.step)?;
+                Ok(ckpt)
+            }
             (_, Some(of)) => Err(TrainError::Checkpoint {
                 path: path.to_path_buf(),
                 detail: format!(
@@ -567,6 +570,36 @@ pub(crate) fn sync_dir(_dir: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
+/// The step a checkpoint's name gives (`ckpt-<step>.safetensors`, or a sharded checkpoint's
+/// manifest); `None` for any other name.
+fn step_in_name(path: &Path) -> Option<u64> {
+    let name = path.file_name()?.to_str()?;
+    name.strip_prefix(PREFIX)?
+        .strip_suffix(SUFFIX)
+        .or_else(|| {
+            name.strip_prefix(PREFIX)?
+                .strip_suffix(crate::shards::MANIFEST_SUFFIX)
+        })?
+        .parse()
+        .ok()
+}
+
+/// Refuses a checkpoint whose name gives another step than its contents: a renamed or copied
+/// file would otherwise be listed as the newest and resume from an older state.
+pub(crate) fn check_step_matches_name(path: &Path, step: u64) -> Result<(), TrainError> {
+    match step_in_name(path) {
+        Some(named) if named != step => Err(TrainError::Checkpoint {
+            path: path.to_path_buf(),
+            detail: format!(
+                "holds the state after step {step}, but its name says step {named}: a renamed \
+                 or copied checkpoint (rename it {PREFIX}{step:08}{SUFFIX}, or load it by a \
+                 name of another form)"
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// A directory of checkpoints `ckpt-<step>.safetensors` (and sharded ones, each standing as its
 /// manifest `ckpt-<step>.manifest.json`), newest kept.
 #[derive(Debug, Clone)]
@@ -617,14 +650,8 @@ impl CheckpointDir {
         let mut found: Vec<(u64, PathBuf)> = entries
             .filter_map(|e| e.ok())
             .filter_map(|e| {
-                let name = e.file_name().to_string_lossy().into_owned();
-                let rest = name.strip_prefix(PREFIX)?;
-                let step = rest
-                    .strip_suffix(SUFFIX)
-                    .or_else(|| rest.strip_suffix(crate::shards::MANIFEST_SUFFIX))?
-                    .parse()
-                    .ok()?;
-                Some((step, e.path()))
+                let path = e.path();
+                Some((step_in_name(&path)?, path))
             })
             .collect();
         found.sort();

@@ -853,6 +853,16 @@ impl TrainConfig {
         if self.eval_batches == 0 {
             return err("eval_batches", "must be at least 1".into());
         }
+        if self.eval_batches > MAX_EVAL_BATCHES {
+            return err(
+                "eval_batches",
+                format!(
+                    "{} is more than {MAX_EVAL_BATCHES}: each is a forward pass at every evaluation, \
+                     so the run would never get past its first",
+                    self.eval_batches
+                ),
+            );
+        }
         if self.keep_checkpoints == 0 {
             return err("keep_checkpoints", "must be at least 1".into());
         }
@@ -1165,6 +1175,9 @@ impl TrainConfig {
         Ok(cfg)
     }
 }
+
+/// The most batches one evaluation runs per split.
+pub const MAX_EVAL_BATCHES: usize = 1_000_000;
 
 /// Refuses a thread count this machine cannot run: each thread is a real OS thread, and more
 /// of them than CPUs only take turns (100,000 hung a run). Planning for another machine may

@@ -36,6 +36,10 @@ pub enum TrainError {
     },
     #[error("checkpoint {path}: {detail}")]
     Checkpoint { path: PathBuf, detail: String },
+    /// A checkpoint, read whole, whose tensors do not fit the run restoring it (the caller,
+    /// which knows the file, names it).
+    #[error("the checkpoint does not fit this run: {detail}")]
+    CheckpointMismatch { detail: String },
     #[error("run directory {dir} is in use by another snug process (it holds the directory's lock); wait for it to finish or give another `--out`")]
     RunDirBusy { dir: PathBuf },
     #[error("run directory {dir}: {detail}")]

@@ -129,12 +129,22 @@ impl HfTokenizer {
             tokenizer_config_json: read_optional(&dir.join(CONFIG_FILE))?,
             chat_template_jinja: read_optional(&dir.join(CHAT_TEMPLATE_FILE))?,
         };
-        HfTokenizer::from_files(files, &dir)
+        // Errors name the file given, which need not be called tokenizer.json.
+        HfTokenizer::from_files_named(files, path, &dir)
     }
 
     /// The tokenizer `files` describe; `dir` only names the files in errors.
     pub fn from_files(files: HfTokenizerFiles, dir: &Path) -> Result<HfTokenizer, TrainError> {
-        let tok_path = dir.join(TOKENIZER_FILE);
+        HfTokenizer::from_files_named(files, &dir.join(TOKENIZER_FILE), dir)
+    }
+
+    /// [`Self::from_files`], naming the tokenizer file `tok_path` and the others in `dir`.
+    fn from_files_named(
+        files: HfTokenizerFiles,
+        tok_path: &Path,
+        dir: &Path,
+    ) -> Result<HfTokenizer, TrainError> {
+        let tok_path = tok_path.to_path_buf();
         let inner: tokenizers::Tokenizer = files
             .tokenizer_json
             .parse()
@@ -187,7 +197,10 @@ impl HfTokenizer {
                 file_error(
                     &config_path,
                     Some(field),
-                    format!("{text:?} is not in the vocabulary of {TOKENIZER_FILE}"),
+                    format!(
+                        "{text:?} is not in the vocabulary of {}",
+                        tok_path.display()
+                    ),
                 )
             })?;
             Ok(Some(SpecialToken { text, id }))

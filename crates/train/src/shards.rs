@@ -416,6 +416,7 @@ pub fn load(path: &Path) -> Result<Checkpoint, TrainError> {
             ),
         ));
     }
+    crate::checkpoint::check_step_matches_name(path, m.step)?;
     if m.ranks == 0
         || m.shards.len() != m.ranks
         || m.shards.iter().enumerate().any(|(r, s)| s.rank != r)

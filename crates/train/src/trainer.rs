@@ -3,7 +3,6 @@
 //! batch, run each micro-batch, and report. Evaluation, checkpoint and restore work on the
 //! same session.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -824,10 +823,7 @@ impl Trainer {
     /// ([`Checkpoint::per_rank`]) only on as many.
     pub fn restore(&mut self, ckpt: &Checkpoint) -> Result<(), TrainError> {
         self.drop_staged();
-        let bad = |detail: String| TrainError::Checkpoint {
-            path: PathBuf::from("<checkpoint>"),
-            detail,
-        };
+        let bad = |detail: String| TrainError::CheckpointMismatch { detail };
         // The moments of one optimizer mean nothing to another (8-bit codes are not f32).
         let (saved, now) = (ckpt.config.optimizer, self.config.optimizer);
         if saved != now {
@@ -1428,7 +1424,7 @@ impl Trainer {
             sum += self.session.read_f32(self.step_graph.loss)?[0] as f64;
         }
         self.session.release_arena()?;
-        let counted = (self.config.eval_batches * mb * block) as u64;
+        let counted = (self.config.eval_batches as u64).saturating_mul((mb * block) as u64);
         Ok(((sum / self.config.eval_batches as f64) as f32, counted))
     }
 

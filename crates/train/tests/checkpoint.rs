@@ -210,6 +210,34 @@ fn bad_checkpoints_are_named_errors() {
         .err()
         .unwrap();
     assert!(err.to_string().contains("wte.weight"), "{err}");
+    // Of a checkpoint read whole, it says what is wrong and leaves the file to the caller.
+    assert!(
+        matches!(&err, TrainError::CheckpointMismatch { .. }),
+        "{err:?}"
+    );
+    assert!(!err.to_string().contains('<'), "{err}");
+
+    // A checkpoint renamed to another step is refused by both steps, and a run directory
+    // resumes from the newest that is what its name says.
+    let saved = tempfile::tempdir().unwrap();
+    let ckpt_dir = CheckpointDir::create(saved.path()).unwrap();
+    let mut t = trainer(&cfg);
+    t.train_step().unwrap();
+    let one = ckpt_dir.save(&t.checkpoint().unwrap(), 5).unwrap();
+    let renamed = ckpt_dir.path_for(9);
+    std::fs::copy(&one, &renamed).unwrap();
+    let err = Checkpoint::load(&renamed).unwrap_err();
+    assert!(
+        matches!(&err, TrainError::Checkpoint { path, detail }
+            if *path == renamed && detail.contains("step 1") && detail.contains("step 9")),
+        "{err}"
+    );
+    let (path, latest) = ckpt_dir.load_latest().unwrap();
+    assert_eq!((path, latest.step), (one.clone(), 1));
+    // Under a name of another form, the contents alone say the step.
+    let plain = saved.path().join("weights.safetensors");
+    std::fs::copy(&one, &plain).unwrap();
+    assert_eq!(Checkpoint::load(&plain).unwrap().step, 1);
 
     // Optimizer state for another optimizer is refused, not silently dropped.
     let mut ckpt = trainer(&cfg).checkpoint().unwrap();
