@@ -297,21 +297,32 @@ struct StopFlag {
 }
 
 impl StopFlag {
-    /// Installs the handlers; a second signal ends the process at once, with its status.
-    fn install() -> Result<StopFlag> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let signal = Arc::new(AtomicUsize::new(0));
+    fn new() -> StopFlag {
+        StopFlag {
+            stop: Arc::new(AtomicBool::new(false)),
+            signal: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    /// Installs the handlers, as the loop starts: before it there is no state to save, and a
+    /// signal during setup (a long search or load) ends the process at once, as by default.
+    /// Once installed, a second signal ends the process at once, with its status.
+    fn install(&self) -> Result<()> {
         #[cfg(unix)]
         for sig in STOP_SIGNALS {
             // Registered first, so it sees the flag as it was before this signal.
-            signal_hook::flag::register_conditional_shutdown(sig, 128 + sig, Arc::clone(&stop))
+            signal_hook::flag::register_conditional_shutdown(
+                sig,
+                128 + sig,
+                Arc::clone(&self.stop),
+            )
+            .context("installing the signal handler")?;
+            signal_hook::flag::register_usize(sig, Arc::clone(&self.signal), sig as usize)
                 .context("installing the signal handler")?;
-            signal_hook::flag::register_usize(sig, Arc::clone(&signal), sig as usize)
-                .context("installing the signal handler")?;
-            signal_hook::flag::register(sig, Arc::clone(&stop))
+            signal_hook::flag::register(sig, Arc::clone(&self.stop))
                 .context("installing the signal handler")?;
         }
-        Ok(StopFlag { stop, signal })
+        Ok(())
     }
 
     /// How the process ends after a run that finished or saved its state: 0, or, stopped by a
@@ -338,7 +349,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_IGN);
     }
-    let stop_flag = StopFlag::install()?;
+    let stop_flag = StopFlag::new();
     let stop = Arc::clone(&stop_flag.stop);
     let mut out = Stdout {
         broken: None,
@@ -492,6 +503,8 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
         }
     }
     lower(trainer.steps_done());
+    // After the setup's long work, before the terminal is taken for the dashboard.
+    stop_flag.install()?;
     let bar = if json || args.dashboard {
         ProgressBar::hidden()
     } else {

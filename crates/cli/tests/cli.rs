@@ -685,6 +685,45 @@ fn a_stop_signal_saves_a_loadable_checkpoint_and_exits_as_the_signal() {
     }
 }
 
+/// A signal before the loop starts (during a long setup: a search, a large model's load) ends
+/// the process at once, as by default: nothing is trained yet, so nothing is saved, and the
+/// directory takes a fresh run afterwards.
+#[cfg(unix)]
+#[test]
+fn a_stop_signal_during_setup_ends_the_process_at_once() {
+    use std::os::unix::process::ExitStatusExt;
+    use std::time::{Duration, Instant};
+
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let out_s = out.to_str().unwrap();
+    let mut args = vec!["train", "--steps", "2", "--out", out_s];
+    args.extend(QUIET_TRAIN);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_snug"))
+        .args(&args)
+        .env("SNUG_SETUP_DELAY_MS", "20000")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let sent = Instant::now();
+    // SAFETY: sending a signal to our own child process.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let status = child.wait().unwrap();
+    assert_eq!(status.signal(), Some(libc::SIGTERM), "{status}");
+    assert!(
+        sent.elapsed() < Duration::from_secs(10),
+        "it waited for the setup"
+    );
+    assert!(
+        snug_train::checkpoint::load(&out).is_err(),
+        "nothing trained, nothing saved"
+    );
+    let again = snug(&args);
+    assert!(again.status.success(), "{}", stderr(&again));
+}
+
 /// Train, sample from the checkpoint, export it in Hugging Face's layout, and start a new run
 /// from the exported weights.
 #[test]

@@ -182,6 +182,15 @@ impl Trainer {
         config.loss_mask |= data.has_loss_mask();
         config.check_threads_here()?;
         check_world(&config)?;
+        // `SNUG_SETUP_DELAY_MS=N` (tests only): a setup as slow as a large model's, so a test
+        // can signal a run before its loop starts.
+        #[cfg(feature = "test-hooks")]
+        if let Some(ms) = std::env::var("SNUG_SETUP_DELAY_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+        }
         let model = config.model_for_vocab(data.tokenizer.vocab_size())?;
         let CompiledStep {
             step: step_graph,
