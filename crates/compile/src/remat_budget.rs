@@ -10,6 +10,10 @@ use snug_graph::passes::{remat_candidates, rematerialize, rematerialize_dropping
 use snug_graph::{GraphError, StepGraph, TensorId};
 use snug_plan::{plan, MemoryPlan, PlanError, PlanOptions};
 
+/// How many evenly spaced counts of dropped values are tried when dropping all of them misses
+/// the budget: each is one plan of the step.
+const SCAN_COUNTS: usize = 16;
+
 /// What [`remat_for_budget`] chose.
 #[derive(Debug, Clone)]
 pub struct BudgetedRemat {
@@ -77,15 +81,37 @@ pub fn remat_for_budget(
         return Ok(none);
     }
     let mut smallest = none.plan.peak_bytes();
-    let all = with(cands.len())?;
+    let n = cands.len();
+    let all = with(n)?;
     smallest = smallest.min(all.plan.peak_bytes());
+    // The peak falls as more is dropped, but not strictly: where dropping every candidate
+    // misses the budget, fewer may meet it (a budget was refused that a smaller count met).
+    // Find a count that fits, all or else the first of evenly spaced counts, with the last
+    // count that does not below it, then bisect between the two for the fewest.
+    let mut bracket = fits(&all).then(|| (0, n, all));
+    if bracket.is_none() {
+        let probes = n.min(SCAN_COUNTS);
+        let mut below = 0;
+        for i in 1..probes {
+            let k = n * i / probes;
+            if k <= below {
+                continue;
+            }
+            let c = with(k)?;
+            smallest = smallest.min(c.plan.peak_bytes());
+            if fits(&c) {
+                bracket = Some((below, k, c));
+                break;
+            }
+            below = k;
+        }
+    }
     let mut best = None;
-    if fits(&all) {
-        // The peak falls as more is dropped (not strictly): bisect for the fewest that fit.
-        let (mut lo, mut hi, mut fewest) = (0, cands.len(), all);
+    if let Some((mut lo, mut hi, mut fewest)) = bracket {
         while hi - lo > 1 {
             let mid = (lo + hi) / 2;
             let c = with(mid)?;
+            smallest = smallest.min(c.plan.peak_bytes());
             if fits(&c) {
                 hi = mid;
                 fewest = c;
