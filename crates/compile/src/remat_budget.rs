@@ -88,7 +88,7 @@ pub fn remat_for_budget(
     // misses the budget, fewer may meet it (a budget was refused that a smaller count met).
     // Find a count that fits, all or else the first of evenly spaced counts, with the last
     // count that does not below it, then bisect between the two for the fewest.
-    let mut bracket = fits(&all).then(|| (0, n, all));
+    let mut bracket = fits(&all).then_some((0, n, all));
     if bracket.is_none() {
         let probes = n.min(SCAN_COUNTS);
         let mut below = 0;
