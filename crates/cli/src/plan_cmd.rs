@@ -286,6 +286,9 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let compiled = compile(&cfg)?;
     let remat_dropped = compiled.remat_dropped;
     let step = compiled.step;
+    if gpu {
+        check_runs_on_gpu(&step.graph, &cfg)?;
+    }
     let memory_plan = plan(&step.graph, &PlanOptions::default())?;
     let plan_ms = start.elapsed().as_secs_f64() * 1e3;
     // Each pass's saving, measured by planning the step without it and with it, cumulatively:
@@ -604,6 +607,19 @@ pub fn run(args: PlanArgs) -> Result<()> {
     Ok(())
 }
 
+/// Refuses, as a GPU session would, a step with an op the GPU backend cannot run: a plan of
+/// a step that cannot run there is no prediction.
+fn check_runs_on_gpu(graph: &snug_graph::Graph, cfg: &TrainConfig) -> Result<()> {
+    snug_gpu::check_graph(graph).map_err(|(op, detail)| {
+        let why = if detail.contains(op) {
+            detail
+        } else {
+            format!("`{op}`: {detail}")
+        };
+        anyhow::anyhow!("--device {}: the step cannot run there: {why}", cfg.device)
+    })
+}
+
 /// Plans what `snug sample` would hold for the model of `cfg`: the sampler's own planning
 /// function, on the model a run trained with these flags saves.
 fn run_inference(
@@ -636,6 +652,9 @@ fn run_inference(
         let (g, p) = plan_inference_on(model, window, target, None)?;
         (g.graph, p, None)
     };
+    if cfg.device.is_gpu() {
+        check_runs_on_gpu(&graph, cfg)?;
+    }
     let plan_ms = start.elapsed().as_secs_f64() * 1e3;
     let report = InferenceReport {
         preset: cfg.model.preset.clone().unwrap_or_default(),

@@ -680,3 +680,51 @@ fn levers_run_on_the_gpu_from_the_command_line() {
         }
     }
 }
+
+/// What the GPU cannot run (clipping by the previous step's norm, double-quantized NF4, a run
+/// over ranks) `plan --device gpu` refuses as `train --device gpu` does, naming the op: a plan
+/// of a step that cannot run there is no prediction.
+#[test]
+fn plan_refuses_what_the_gpu_cannot_run_as_train_does() {
+    if !have_gpu() {
+        return;
+    }
+    let shape = [
+        "--preset",
+        "llama-tiny",
+        "--batch",
+        "4",
+        "--block",
+        "16",
+        "--threads",
+        "1",
+    ];
+    for (flags, op) in [
+        (
+            &["--optimizer", "sgd", "--clip-mode", "previous"][..],
+            "store_sum_squares",
+        ),
+        (
+            &["--lora", "4", "--quantize-base", "nf4", "--double-quant"][..],
+            "double-quant",
+        ),
+        (&["--devices", "2"][..], "collectives"),
+    ] {
+        let mut plan = vec!["plan", "--device", "gpu"];
+        plan.extend(shape);
+        plan.extend(flags);
+        let o = snug(&plan);
+        assert_eq!(o.status.code(), Some(1), "{flags:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(op), "{flags:?}: {}", stderr(&o));
+        // One process cannot train over two ranks; what it refuses is the rank count.
+        if flags[0] == "--devices" {
+            continue;
+        }
+        let mut train = vec!["train", "--steps", "1", "--no-save", "--device", "gpu"];
+        train.extend(shape);
+        train.extend(flags);
+        let o = snug(&train);
+        assert_eq!(o.status.code(), Some(1), "{flags:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(op), "{flags:?}: {}", stderr(&o));
+    }
+}

@@ -355,9 +355,7 @@ impl Backend for GpuBackend {
     }
 
     fn check(&self, graph: &Graph) -> Result<(), RuntimeError> {
-        for node in graph.nodes() {
-            launch::check(graph, node).map_err(|d| self.unsupported(node.op.name(), d))?;
-        }
+        launch::check_graph(graph).map_err(|(op, d)| self.unsupported(op, d))?;
         // Every input of one step fits one staging buffer of the ring.
         let inputs: u64 = graph
             .tensors()

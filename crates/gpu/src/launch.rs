@@ -4,7 +4,7 @@
 
 use snug_graph::ops::lm_head_loss::{head_vocab_of, tile};
 use snug_graph::ops::reduce::split_axis;
-use snug_graph::ops::{GeluApprox, Op};
+use snug_graph::ops::{GeluApprox, Op, QuantScheme};
 use snug_graph::{DType, Graph, Node};
 use snug_runtime::ExecCtx;
 
@@ -40,6 +40,19 @@ use crate::kernels::view::{pad, transpose};
 
 /// The widest attention head and RoPE head the kernels take.
 const MAX_HEAD_DIM: usize = 256;
+
+/// Why double-quantized NF4 cannot run here.
+pub(crate) const NF4_DQ: &str = "NF4 with double-quantized constants (--double-quant) has no \
+     GPU kernel yet: use --quantize-base nf4 without --double-quant on the GPU";
+
+/// The first op of `graph` the GPU backend cannot run, by name, and why: what a session on a
+/// GPU would refuse, for a planner to refuse first (`snug plan --device gpu`), with no device.
+pub fn check_graph(graph: &Graph) -> Result<(), (&'static str, String)> {
+    for node in graph.nodes() {
+        check(graph, node).map_err(|d| (node.op.name(), d))?;
+    }
+    Ok(())
+}
 
 /// Why `node` cannot run on the GPU, or `Ok`.
 pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
@@ -105,6 +118,7 @@ pub(crate) fn check(graph: &Graph, node: &Node) -> Result<(), String> {
         Op::GqaAttentionBackward(op) => {
             head_dim(shape(0).get(2).copied().unwrap_or(0) / op.n_head.max(1))
         }
+        Op::Dequantize(op) if op.scheme == QuantScheme::Nf4Dq => Err(NF4_DQ.into()),
         Op::Rope(op) if !op.head_dim.is_multiple_of(2) => {
             Err(format!("heads of {} (even)", op.head_dim))
         }

@@ -30,6 +30,7 @@ pub use adapter::{
 pub use backend::{copy_rate, gemm_rate, GpuBackend, GpuMemory, GpuNode, GpuSession};
 pub use device::GpuDevice;
 pub use error::{GpuError, Result};
+pub use launch::check_graph;
 pub use memory::{
     allocator_report, AllocatorReport, Arena, DeviceBuffer, DeviceSlice, MemorySource, Slot,
     BUFFER_LABEL,

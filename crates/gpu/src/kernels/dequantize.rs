@@ -34,9 +34,7 @@ pub fn dequantize<'a>(
             return Err(super::unsupported(
                 device,
                 "dequantize",
-                "NF4 with double-quantized constants (--double-quant) has no GPU kernel yet: \
-                 use --quantize-base nf4 without --double-quant on the GPU"
-                    .into(),
+                crate::launch::NF4_DQ.into(),
             ))
         }
     };
