@@ -106,12 +106,17 @@ struct Summary {
     tokens_per_step: usize,
     tokens_per_s: f64,
     model_flops_per_s: f64,
+    /// The plan the run ended on (after any recovery, the one it switched to) and the
+    /// allocator's peak under it.
     predicted_peak_bytes: usize,
     measured_peak_bytes: usize,
+    /// The most held at once over the whole run, under every plan it ran.
+    run_peak_bytes: usize,
     lower_bound_bytes: usize,
     arena_bytes: usize,
     peak_rss_bytes: Option<usize>,
     cache_bytes: usize,
+    /// The limit at the end (`--lower-memory-at` lowers it).
     memory_limit_bytes: Option<usize>,
     limit_overruns: u64,
     /// Out-of-memory recoveries during the run (each also printed as it happened).
@@ -790,13 +795,17 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
         tokens_per_step,
         tokens_per_s: per_s(tokens_per_step as f64),
         model_flops_per_s: per_s(flops_per_step),
-        predicted_peak_bytes: plan.peak_bytes(),
+        predicted_peak_bytes: trainer.plan().peak_bytes(),
         measured_peak_bytes: allocator.peak_bytes(),
-        lower_bound_bytes: plan.lower_bound_bytes,
-        arena_bytes: plan.arena_bytes,
+        run_peak_bytes: trainer.run_peak_bytes(),
+        lower_bound_bytes: trainer.plan().lower_bound_bytes,
+        arena_bytes: trainer.plan().arena_bytes,
         peak_rss_bytes: resident_set().map(|(_, peak)| peak),
         cache_bytes: allocator.cache_bytes(),
-        memory_limit_bytes: cfg.memory_limit,
+        memory_limit_bytes: match allocator.memory_limit() {
+            (usize::MAX, _) => None,
+            (limit, _) => Some(limit),
+        },
         limit_overruns: allocator.stats().limit_overruns,
         recoveries: run.recoveries.len(),
         parameters: params,
@@ -869,6 +878,13 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
         },
         summary.peak_rss_bytes.map_or("n/a".into(), human_bytes)
     );
+    if summary.run_peak_bytes != summary.measured_peak_bytes {
+        say!(
+            out,
+            "memory: the plan before the recovery held up to {}; the figures above are the plan the run switched to",
+            human_bytes(summary.run_peak_bytes)
+        );
+    }
     if let Some(page) = &summary.report {
         say!(out, "report: {}", page.display());
     }

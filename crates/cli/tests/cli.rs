@@ -1063,6 +1063,14 @@ fn memory_lowered_mid_run_is_recovered_without_losing_a_step() {
     }
     let steps: Vec<u64> = step_losses(&lines).iter().map(|s| s.0).collect();
     assert_eq!(steps, vec![1, 2, 3, 4, 5]);
+    // The summary measures the plan the run switched to, exactly, under the lowered limit;
+    // the run's own peak was the first plan's.
+    let summary = lines.last().unwrap();
+    assert_eq!(summary["kind"], "summary");
+    assert_eq!(summary["predicted_peak_bytes"], recovery[0]["to_peak_bytes"]);
+    assert_eq!(summary["measured_peak_bytes"], recovery[0]["to_peak_bytes"]);
+    assert_eq!(summary["memory_limit_bytes"], recovery[0]["failure"]["limit"]);
+    assert_eq!(summary["run_peak_bytes"], plain["peak_bytes"]);
     // The first two steps are those of an undisturbed run.
     let undisturbed = snug(&args);
     let undisturbed = step_losses(&json_lines(&undisturbed));

@@ -133,6 +133,9 @@ pub struct Trainer {
     state_dirty: bool,
     /// The rank whose memory ran out in the failure being recovered from.
     oom_rank: usize,
+    /// The allocator's peak under the plans before the last [`Trainer::reconfigure`], which
+    /// resets it so that the peak measured is the running plan's.
+    earlier_peak_bytes: usize,
     /// Whether `SNUG_INJECT_OOM` has fired (once a run).
     #[cfg(feature = "test-hooks")]
     oom_injected: bool,
@@ -362,6 +365,7 @@ impl Trainer {
             resumed_at: None,
             state_dirty: false,
             oom_rank: 0,
+            earlier_peak_bytes: 0,
             #[cfg(feature = "test-hooks")]
             oom_injected: false,
         })
@@ -399,6 +403,10 @@ impl Trainer {
         )?;
         let memory_plan = plan(&step.graph, &PlanOptions::default())?;
         self.session.replan(step.graph.clone(), memory_plan)?;
+        // From here the allocator's peak is the new plan's, to be measured against it.
+        let allocator = self.session.allocator();
+        self.earlier_peak_bytes = self.earlier_peak_bytes.max(allocator.peak_bytes());
+        allocator.reset_peak();
         self.forward = self.session.nodes_for(&[step.loss]);
         if step.loss_scale.is_none() {
             self.scaler = None;
@@ -631,6 +639,13 @@ impl Trainer {
             }
         }
         out
+    }
+
+    /// The most bytes the allocator held at once over this trainer's whole life, under every
+    /// plan it ran (its peak since the last reconfiguration is the running plan's alone).
+    pub fn run_peak_bytes(&self) -> usize {
+        self.earlier_peak_bytes
+            .max(self.session.allocator().peak_bytes())
     }
 
     /// `t`'s entry of [`Trainer::placements`], or its default.
