@@ -112,7 +112,8 @@ pub fn set_allowed(cfg: &mut TrainConfig, allow: Option<&str>) -> Result<()> {
 
 /// Runs the search for `cfg`'s model at `budget`. Every candidate is planned with nominal
 /// timings first, so a budget nothing fits is refused before the machine is measured; then
-/// with the cached (or a fresh) calibration, which never holds more than the budget.
+/// the same candidates are timed by the cached (or a fresh) calibration, which never holds
+/// more than the budget (peaks do not depend on the machine: nothing is planned twice).
 pub fn fit_config(
     cfg: &TrainConfig,
     model: snug_nn::ModelConfig,
@@ -140,8 +141,7 @@ pub fn fit_config(
     }
     if let snug_train::DeviceSpec::Gpu(selector) = cfg.device {
         let machine = gpu_profile(selector)?;
-        let report = search.run(&machine)?;
-        return Ok((report, machine));
+        return Ok((first.timed_by(&machine), machine));
     }
     let (machine, how) =
         snug_train::calibration::machine_profile(cfg.threads, recalibrate, Some(budget))?;
@@ -166,8 +166,7 @@ pub fn fit_config(
         ),
         Calibration::Cached => {}
     }
-    let report = search.run(&machine)?;
-    Ok((report, machine))
+    Ok((first.timed_by(&machine), machine))
 }
 
 /// The GEMM shape of the GPU's probe: the CPU bench's, so the two rates compare.
@@ -232,16 +231,21 @@ pub fn nothing_fits(
     let fitting: Vec<String> = suggestions
         .iter()
         .filter(|s| s.fits)
-        .map(|s| format!("  {} (peak {})", s.change, human_bytes(s.peak_bytes)))
+        .map(|s| format!("  {} (peak {})", s.change, human_bytes(s.least_bytes)))
         .collect();
     let advice = if fitting.is_empty() {
-        let smallest = suggestions.iter().map(|s| s.peak_bytes).min();
+        // The nearest miss, by what it needs at least (a planned peak, or its state alone).
+        let closest = suggestions.iter().min_by_key(|s| s.least_bytes);
         format!(
             "no change snug can make reaches it{}: a smaller model, or more memory",
-            smallest.map_or(String::new(), |p| format!(
-                " (every lever together peaks at {})",
-                human_bytes(p)
-            ))
+            closest.map_or(String::new(), |s| match s.peak_bytes {
+                Some(p) => format!(" (the closest, {}, peaks at {})", s.change, human_bytes(p)),
+                None => format!(
+                    " (the closest, {}, holds {} of parameters and optimizer state alone)",
+                    s.change,
+                    human_bytes(s.least_bytes)
+                ),
+            })
         )
     } else {
         format!("these would fit:\n{}", fitting.join("\n"))
@@ -283,6 +287,9 @@ pub fn print_table(report: &FitReport) {
         let verdict = match &c.verdict {
             Verdict::Chosen => "CHOSEN".to_string(),
             Verdict::OverBudget => "over budget".to_string(),
+            Verdict::OverLowerBound { .. } => {
+                "over budget by its parameters + optimizer state (not planned)".to_string()
+            }
             Verdict::Slower { ratio } => format!("fits, {ratio:.2}× slower"),
             Verdict::Failed { reason } => format!("failed: {reason}"),
         };
@@ -306,7 +313,14 @@ pub fn print_table(report: &FitReport) {
             } else {
                 c.config.levers.to_string()
             },
-            c.peak_bytes.map_or("-".into(), human_bytes),
+            match (&c.verdict, c.peak_bytes) {
+                (_, Some(p)) => human_bytes(p),
+                // Not planned: what it holds at least.
+                (Verdict::OverLowerBound { lower_bound_bytes }, None) => {
+                    format!("≥{}", human_bytes(*lower_bound_bytes))
+                }
+                _ => "-".into(),
+            },
             c.predicted_seconds
                 .map_or("-".into(), |s| format!("{:.3} s", s)),
             verdict

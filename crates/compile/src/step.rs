@@ -20,7 +20,8 @@ pub struct CompiledStep {
     pub targets: TensorId,
     /// The loss mask's inputs, when [`StepConfig::loss_mask`] asked for them.
     pub loss_mask: Option<LossMask>,
-    /// The step's plan, when compiling already made it (the budgeted remat plans its choice).
+    /// The step's plan with the default options, when compiling already made it (the budgeted
+    /// remat plans its choice; a fixed remat mode is planned to see whether it lowers the peak).
     pub plan: Option<MemoryPlan>,
     /// A fixed remat mode (`block`, `block:K`, `selective`) that was asked for but left out
     /// because its planned peak was no lower than without it: recomputation that saves no
@@ -97,17 +98,25 @@ pub fn compile_sharded(
     }
     // Remat is offered as a memory saver: where a fixed mode would not lower the peak (a
     // recomputed value can land at the peak it was meant to relieve), the step runs without it.
+    // The step returned keeps its plan, so a caller planning with the default options need
+    // not plan it again.
     let options = PlanOptions::default();
-    let with = snug_plan::plan(&compiled.step.graph, &options)?.peak_bytes();
+    let with_plan = snug_plan::plan(&compiled.step.graph, &options)?;
+    let with = with_plan.peak_bytes();
     let plain = StepConfig {
         remat: Remat::None,
         ..config.clone()
     };
     let mut without = compile_exactly_sharded(model, shape, target, &plain, sharding)?;
-    let without_peak = snug_plan::plan(&without.step.graph, &options)?.peak_bytes();
+    let without_plan = snug_plan::plan(&without.step.graph, &options)?;
+    let without_peak = without_plan.peak_bytes();
     if with < without_peak {
-        return Ok(compiled);
+        return Ok(CompiledStep {
+            plan: Some(with_plan),
+            ..compiled
+        });
     }
+    without.plan = Some(without_plan);
     without.remat_dropped = Some(RematDropped {
         remat: config.remat,
         peak_without_bytes: without_peak,

@@ -1,25 +1,70 @@
 //! What would fit when nothing in the search space does: the changes to the run itself that
 //! snug can make (a lighter optimizer, no global clipping, 16-bit activations, a shorter
-//! sequence, a lever the user did not allow), each planned at its smallest configuration, so the user hears which of them
-//! reaches the budget instead of only that nothing did.
+//! sequence, a lever the user did not allow), each planned at its smallest configuration, so
+//! the user hears which of them reaches the budget instead of only that nothing did. A change
+//! whose parameters and optimizer state alone exceed the budget ([`crate::floor`]) is not
+//! planned: no configuration of it can fit.
 
 use serde::Serialize;
-use snug_compile::{compile_step, OptimizerKind, Pass, Remat, StepConfig, StepShape};
-use snug_graph::{DType, Target};
+use snug_compile::{compile_exactly, OptimizerKind, Pass, Remat, StepConfig, StepShape};
+use snug_graph::{DType, Sharding, Target};
 use snug_plan::{plan, PlanOptions};
 
+use crate::floor::state_floor;
 use crate::levers::{ladder, Levers};
 use crate::search::FitModel;
 use crate::FitError;
 
-/// One change to the run and the smallest planned peak it reaches (micro-batch 1, the
-/// cheapest remat, every memory pass).
+/// One change to the run and the least it needs: the smallest planned peak it reaches
+/// (micro-batch 1, the cheapest remat, every memory pass), or where its parameters and
+/// optimizer state alone exceed the budget, those bytes, unplanned.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Suggestion {
     /// As the user would type it, e.g. `--optimizer sgd --block 128`.
     pub change: String,
-    pub peak_bytes: usize,
+    /// Its smallest planned peak; `None` where it was not planned (its state alone is over).
+    pub peak_bytes: Option<usize>,
+    /// The least it needs: the planned peak, else its parameters and optimizer state.
+    pub least_bytes: usize,
     pub fits: bool,
+}
+
+impl Suggestion {
+    /// `change` with `step` at `shape`: refused by its state where that alone is over
+    /// `budget`, else planned.
+    fn of(
+        change: String,
+        model: &FitModel,
+        shape: StepShape,
+        step: &StepConfig,
+        target: Target,
+        budget: usize,
+    ) -> Result<Suggestion, FitError> {
+        if let Some(floor) = floor_over(model, step, target, budget) {
+            return Ok(Suggestion {
+                change,
+                peak_bytes: None,
+                least_bytes: floor,
+                fits: false,
+            });
+        }
+        let peak = smallest_peak(model, shape, step, target)?;
+        Ok(Suggestion {
+            change,
+            peak_bytes: Some(peak),
+            least_bytes: peak,
+            fits: peak <= budget,
+        })
+    }
+}
+
+/// `step`'s parameters and optimizer state on one device, where they alone exceed `budget`
+/// (at any sequence length or micro-batch). A bound that does not compile says nothing: the
+/// plan it would spare then names the error.
+fn floor_over(model: &FitModel, step: &StepConfig, target: Target, budget: usize) -> Option<usize> {
+    state_floor(&model.model, model.block, step, target, &Sharding::SINGLE)
+        .ok()
+        .filter(|&floor| floor > budget)
 }
 
 /// The smallest peak of `model` at `shape` on `target` under `step`, with and without
@@ -37,6 +82,9 @@ pub fn smallest_peak(
         }
     }
     let mut best = usize::MAX;
+    // Remat compiled exactly: `compile_step` would plan it, and plan the step without it
+    // again, to drop a remat that does not lower the peak; the smaller of the two is all
+    // this needs, and both are planned here once.
     for remat in [Remat::None, Remat::Blocks { blocks: 1 }] {
         let config = StepConfig {
             accumulation: 1,
@@ -44,7 +92,7 @@ pub fn smallest_peak(
             passes: passes.clone(),
             ..step.clone()
         };
-        let c = compile_step(&model.model, shape, target, &config)?;
+        let c = compile_exactly(&model.model, shape, target, &config)?;
         best = best.min(plan(&c.step.graph, &PlanOptions::default())?.peak_bytes());
     }
     Ok(best)
@@ -97,15 +145,21 @@ pub fn what_would_fit(
     }
     let mut out = Vec::new();
     for (change, step) in &changes {
-        let peak = smallest_peak(model, one(model.block), step, target)?;
-        out.push(Suggestion {
-            change: change.clone(),
-            peak_bytes: peak,
-            fits: peak <= budget,
-        });
+        out.push(Suggestion::of(
+            change.clone(),
+            model,
+            one(model.block),
+            step,
+            target,
+            budget,
+        )?);
     }
-    // The longest sequence that fits, as it is and with every change above.
+    // The longest sequence that fits, as it is and with every change above; none does where
+    // the state alone is over, whatever the sequence.
     for (flags, step) in [(Vec::new(), base.clone()), (all_flags.clone(), all.clone())] {
+        if floor_over(model, &step, target, budget).is_some() {
+            continue;
+        }
         let mut block = model.block / 2;
         while block >= 8 {
             let peak = smallest_peak(model, one(block), &step, target)?;
@@ -117,7 +171,8 @@ pub fn what_would_fit(
                 change.push_str(&format!("--block {block}"));
                 out.push(Suggestion {
                     change,
-                    peak_bytes: peak,
+                    peak_bytes: Some(peak),
+                    least_bytes: peak,
                     fits: true,
                 });
                 break;
@@ -132,22 +187,26 @@ pub fn what_would_fit(
         if rung.iter().all(|l| model.levers.contains(l)) || step == base {
             continue;
         }
-        let peak = smallest_peak(model, one(model.block), &step, target)?;
-        out.push(Suggestion {
-            change: format!("--allow {rung}"),
-            peak_bytes: peak,
-            fits: peak <= budget,
-        });
+        out.push(Suggestion::of(
+            format!("--allow {rung}"),
+            model,
+            one(model.block),
+            &step,
+            target,
+            budget,
+        )?);
     }
     if all_flags.len() > 1 {
-        let peak = smallest_peak(model, one(model.block), &all, target)?;
-        out.push(Suggestion {
-            change: all_flags.join(" "),
-            peak_bytes: peak,
-            fits: peak <= budget,
-        });
+        out.push(Suggestion::of(
+            all_flags.join(" "),
+            model,
+            one(model.block),
+            &all,
+            target,
+            budget,
+        )?);
     }
-    out.sort_by_key(|s| (!s.fits, s.peak_bytes));
+    out.sort_by_key(|s| (!s.fits, s.least_bytes));
     Ok(out)
 }
 
@@ -176,7 +235,7 @@ pub fn largest_micro_batch(
     };
     // A size the planner refuses (an overflow) does not fit.
     let fits = |b: usize| smallest_peak(model, shape(b), &step, target).is_ok_and(|p| p <= budget);
-    if !fits(1) {
+    if floor_over(model, &step, target, budget).is_some() || !fits(1) {
         return Ok(None);
     }
     let (mut good, mut bad) = (1usize, None);

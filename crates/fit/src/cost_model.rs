@@ -37,6 +37,35 @@ fn one() -> f64 {
     1.0
 }
 
+/// A cached profile that cannot be trusted: the field (a JSON path such as
+/// `samples[3].seconds`) and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{field}` {detail}")]
+pub struct ProfileError {
+    pub field: String,
+    pub detail: String,
+}
+
+impl ProfileError {
+    fn new(field: impl Into<String>, detail: impl Into<String>) -> ProfileError {
+        ProfileError {
+            field: field.into(),
+            detail: detail.into(),
+        }
+    }
+}
+
+/// Rates beyond these are no machine's: 10 PFLOP/s is beyond any single device's f32 GEMM,
+/// 100 TB/s beyond any memory's bandwidth. A sample's work per second gets the larger bound
+/// (its work is FLOPs or bytes, and a small call's time is near the timer's resolution).
+const MAX_FLOPS: f64 = 1e16;
+const MAX_BYTES_PER_SECOND: f64 = 1e14;
+const MAX_SAMPLE_RATE: f64 = 1e18;
+/// A kernel that costs more than a second however small, or a probe call over an hour, was
+/// not measured by a calibration.
+const MAX_OVERHEAD_SECONDS: f64 = 1.0;
+const MAX_SAMPLE_SECONDS: f64 = 3600.0;
+
 /// What this machine's kernels cost, measured once and cached.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MachineProfile {
@@ -141,11 +170,100 @@ impl MachineProfile {
         )
     }
 
-    /// Parses a cached profile (check [`MachineProfile::version`] against [`PROFILE_VERSION`]).
-    pub fn from_json(text: &str) -> Result<MachineProfile, serde_json::Error> {
-        let mut p: MachineProfile = serde_json::from_str(text)?;
+    /// Parses a cached profile and checks its figures ([`MachineProfile::check`]); the caller
+    /// still checks [`MachineProfile::version`] against [`PROFILE_VERSION`]. A JSON `null` (how
+    /// a NaN or an infinity is written) is named by its path.
+    pub fn from_json(text: &str) -> Result<MachineProfile, ProfileError> {
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| ProfileError::new("(file)", e.to_string()))?;
+        if let Some(path) = first_null(&value, String::new()) {
+            return Err(ProfileError::new(
+                path,
+                "is null (how JSON writes a NaN or an infinity): not a measurement",
+            ));
+        }
+        // Serde names a missing or mistyped field itself.
+        let mut p: MachineProfile = serde_json::from_value(value)
+            .map_err(|e| ProfileError::new("(structure)", e.to_string()))?;
+        p.check()?;
         p.index();
         Ok(p)
+    }
+
+    /// Whether every figure is one a machine could have: a positive thread count, rates that
+    /// are positive and below any machine's ([`MAX_FLOPS`], [`MAX_BYTES_PER_SECOND`]), an
+    /// overhead in [0, 1 s], and samples (some of the GEMM, which every calibration times)
+    /// of positive work and time. The cost model divides by these; a cache that fails is
+    /// measured again rather than used.
+    pub fn check(&self) -> Result<(), ProfileError> {
+        if self.threads == 0 {
+            return Err(ProfileError::new("threads", "is 0"));
+        }
+        // `least` is where a measurement starts: above 0, or (with `zero_too`) at 0.
+        let figure = |field: &str, v: f64, zero_too: bool, most: f64, unit: &str| {
+            let low = if zero_too { v < 0.0 } else { v <= 0.0 };
+            if v.is_nan() || low || v > most {
+                let least = if zero_too { "at least 0" } else { "above 0" };
+                return Err(ProfileError::new(
+                    field,
+                    format!("is {v:e}{unit}: a measurement is {least} and at most {most:e}{unit}"),
+                ));
+            }
+            Ok(())
+        };
+        figure(
+            "gemm_peak_flops",
+            self.gemm_peak_flops,
+            false,
+            MAX_FLOPS,
+            " FLOP/s",
+        )?;
+        figure(
+            "bandwidth",
+            self.bandwidth,
+            false,
+            MAX_BYTES_PER_SECOND,
+            " B/s",
+        )?;
+        figure("overhead", self.overhead, true, MAX_OVERHEAD_SECONDS, " s")?;
+        // 0: calibrated before the drift probe existed (no rescaling).
+        figure("probe_flops", self.probe_flops, true, MAX_FLOPS, " FLOP/s")?;
+        if self.samples.is_empty() {
+            return Err(ProfileError::new(
+                "samples",
+                "is empty: a calibration times every kernel class",
+            ));
+        }
+        if !self.samples.iter().any(|s| s.class.starts_with("matmul")) {
+            return Err(ProfileError::new(
+                "samples",
+                "has no `matmul` entries: every calibration times the GEMM",
+            ));
+        }
+        for (i, s) in self.samples.iter().enumerate() {
+            if s.class.is_empty() {
+                return Err(ProfileError::new(format!("samples[{i}].class"), "is empty"));
+            }
+            if !(s.work > 0.0 && s.work.is_finite()) {
+                return Err(ProfileError::new(
+                    format!("samples[{i}].work"),
+                    format!("is {:e}: a call's work is above 0", s.work),
+                ));
+            }
+            let seconds = format!("samples[{i}].seconds");
+            figure(&seconds, s.seconds, false, MAX_SAMPLE_SECONDS, " s")?;
+            let rate = s.work / s.seconds;
+            if rate > MAX_SAMPLE_RATE {
+                return Err(ProfileError::new(
+                    seconds,
+                    format!(
+                        "is {:e} s for {:e} of work: {rate:e} a second is no machine's",
+                        s.seconds, s.work
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     pub fn to_json(&self) -> String {
@@ -250,24 +368,130 @@ impl MachineProfile {
     /// once per micro-batch, except the optimizer updates and the collectives that read summed
     /// gradients, which run on the last one only.
     pub fn node_step_seconds(&self, graph: &Graph, node: NodeId, micro_steps: usize) -> f64 {
-        let t = self.node_seconds(graph, node);
-        match &graph.node(node).op {
-            Op::AdamW(_) | Op::AdamW8bit(_) | Op::Sgd(_) | Op::ShardedAdamW(_) => t,
-            Op::AllReduce(c) if c.once_per_step => t,
-            Op::ReduceScatter(c) if c.once_per_step => t,
-            Op::AllGather(c) if c.once_per_step => t,
-            Op::CollectiveStart(c) if c.op.once_per_step() => t,
-            Op::CollectiveWait(c) if c.op.once_per_step() => t,
-            _ => t * micro_steps.max(1) as f64,
-        }
+        per_step(
+            self.node_seconds(graph, node),
+            once_per_step(&graph.node(node).op),
+            micro_steps,
+        )
     }
 
     /// Predicted seconds of one optimizer step of `step` run in `schedule` order.
     pub fn step_seconds(&self, step: &StepGraph, schedule: &[NodeId]) -> f64 {
-        schedule
+        self.work_seconds(&StepWork::of(step, schedule))
+    }
+
+    /// Predicted seconds of one optimizer step made of `work`: each kind of call timed once,
+    /// then every node's time summed in schedule order, as [`MachineProfile::step_seconds`]
+    /// sums them (so the two agree to the bit).
+    pub fn work_seconds(&self, work: &StepWork) -> f64 {
+        let seconds: Vec<f64> = work
+            .calls
             .iter()
-            .map(|&n| self.node_step_seconds(&step.graph, n, step.micro_steps))
+            .map(|w| self.seconds(&w.class, &w.family, w.work, w.flops))
+            .collect();
+        work.nodes
+            .iter()
+            .map(|&(call, once)| per_step(seconds[call as usize], once, work.micro_steps))
             .sum()
+    }
+}
+
+/// Whether `op` runs once per optimizer step (the updates, and the collectives that read
+/// summed gradients) rather than once per micro-batch.
+fn once_per_step(op: &Op) -> bool {
+    match op {
+        Op::AdamW(_) | Op::AdamW8bit(_) | Op::Sgd(_) | Op::ShardedAdamW(_) => true,
+        Op::AllReduce(c) => c.once_per_step,
+        Op::ReduceScatter(c) => c.once_per_step,
+        Op::AllGather(c) => c.once_per_step,
+        Op::CollectiveStart(c) => c.op.once_per_step(),
+        Op::CollectiveWait(c) => c.op.once_per_step(),
+        _ => false,
+    }
+}
+
+/// A node's seconds per optimizer step of `micro_steps` micro-batches.
+fn per_step(seconds: f64, once: bool, micro_steps: usize) -> f64 {
+    if once {
+        seconds
+    } else {
+        seconds * micro_steps.max(1) as f64
+    }
+}
+
+/// What a step's predicted time is made of, in schedule order: kept so that another
+/// machine's profile times it ([`MachineProfile::work_seconds`]) without compiling or
+/// planning the step again. A model's repeated layers make few distinct kinds of call.
+#[derive(Clone, PartialEq, Default)]
+pub struct StepWork {
+    /// Each distinct kind of call.
+    calls: Vec<NodeWork>,
+    /// Per node in schedule order: its call, and whether it runs once per step.
+    nodes: Vec<(u32, bool)>,
+    micro_steps: usize,
+}
+
+impl StepWork {
+    /// `step`'s work run in `schedule` order.
+    pub fn of(step: &StepGraph, schedule: &[NodeId]) -> StepWork {
+        let mut index: std::collections::HashMap<(String, String, u64, bool), u32> =
+            std::collections::HashMap::new();
+        let mut calls = Vec::new();
+        let nodes = schedule
+            .iter()
+            .map(|&n| {
+                let w = node_work(&step.graph, n);
+                let key = (w.class.clone(), w.family.clone(), w.work.to_bits(), w.flops);
+                let call = *index.entry(key).or_insert_with(|| {
+                    calls.push(w);
+                    (calls.len() - 1) as u32
+                });
+                (call, once_per_step(&step.graph.node(n).op))
+            })
+            .collect();
+        StepWork {
+            calls,
+            nodes,
+            micro_steps: step.micro_steps,
+        }
+    }
+}
+
+impl std::fmt::Debug for StepWork {
+    /// A summary: the nodes themselves would fill a test's failure message.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "StepWork({} nodes, {} kinds of call, {} micro-steps)",
+            self.nodes.len(),
+            self.calls.len(),
+            self.micro_steps
+        )
+    }
+}
+
+/// The path of the first `null` in `value` (`samples[3].seconds`), if any.
+fn first_null(value: &serde_json::Value, path: String) -> Option<String> {
+    use serde_json::Value;
+    match value {
+        Value::Null => Some(if path.is_empty() {
+            "(file)".into()
+        } else {
+            path
+        }),
+        Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .find_map(|(i, v)| first_null(v, format!("{path}[{i}]"))),
+        Value::Object(fields) => fields.iter().find_map(|(k, v)| {
+            let at = if path.is_empty() {
+                k.clone()
+            } else {
+                format!("{path}.{k}")
+            };
+            first_null(v, at)
+        }),
+        _ => None,
     }
 }
 

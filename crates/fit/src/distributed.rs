@@ -102,8 +102,12 @@ fn first_fitting(
         };
         let shape = StepShape { micro_batch, block };
         let c = compile_sharded(model, shape, target, &step, &sharding)?;
-        let p = plan(&c.step.graph, &PlanOptions::default())
-            .map_err(snug_compile::CompileError::from)?;
+        // A remat mode was planned while compiling (to drop it where it saves nothing).
+        let p = match c.plan {
+            Some(p) => p,
+            None => plan(&c.step.graph, &PlanOptions::default())
+                .map_err(snug_compile::CompileError::from)?,
+        };
         Ok::<_, FitError>((
             p.peak_bytes(),
             snug_graph::zero::comm_per_rank(&c.step.graph, 1),

@@ -7,6 +7,8 @@
 //! - [`cost_model`]: predicted seconds per node and per step from a [`MachineProfile`].
 //! - [`search`]: [`Search`]: the fastest configuration that fits, or the one to carry on with
 //!   after an out-of-memory, and the [`FitReport`] table.
+//! - [`floor`]: [`state_floor`]: the bytes every plan of a step holds (its parameters and
+//!   optimizer state), which lets the search and the advice refuse a space unplanned.
 //! - [`distributed`]: [`suggest_config`]: the ZeRO stage and step one rank of a
 //!   data-parallel run needs to fit each device, for a model or a parameter count.
 //! - [`levers`]: [`Levers`]: changes to what is trained (LoRA) that the search uses only when
@@ -17,12 +19,16 @@ pub mod advice;
 pub mod cost_model;
 pub mod distributed;
 mod error;
+pub mod floor;
 pub mod levers;
 pub mod search;
 
 pub use advice::{largest_micro_batch, what_would_fit, Suggestion};
-pub use cost_model::{node_work, MachineProfile, NodeWork, Sample, PROFILE_VERSION};
+pub use cost_model::{
+    node_work, MachineProfile, NodeWork, ProfileError, Sample, StepWork, PROFILE_VERSION,
+};
 pub use distributed::{llama_of_size, suggest_config, DeviceConfig};
 pub use error::FitError;
+pub use floor::state_floor;
 pub use levers::{Lever, LeverCost, Levers, UnknownLever};
 pub use search::{Candidate, FitConfig, FitModel, FitReport, MemoryFailure, Search, Verdict};

@@ -16,7 +16,12 @@
 //! allowed them and nothing with the user's own math fits: each rung of the ladder is the
 //! whole space again with its levers applied, and the first rung where anything fits ends the
 //! search.
+//!
+//! A space whose parameters and optimizer state alone exceed the budget ([`crate::floor`])
+//! is listed without planning any of it: each of its candidates is
+//! [`Verdict::OverLowerBound`], with that bound.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use rayon::prelude::*;
@@ -26,7 +31,8 @@ use snug_graph::{DType, Sharding, Target};
 use snug_nn::ModelConfig;
 use snug_plan::{plan, PlanOptions};
 
-use crate::cost_model::MachineProfile;
+use crate::cost_model::{MachineProfile, StepWork};
+use crate::floor::state_floor;
 use crate::levers::{ladder, Levers};
 use crate::FitError;
 
@@ -115,6 +121,21 @@ impl FitConfig {
     }
 }
 
+impl FitConfig {
+    /// What sets its parameters and optimizer state: its levers and ZeRO stage.
+    fn state_label(&self) -> String {
+        let levers = if self.levers.is_empty() {
+            "without levers".to_string()
+        } else {
+            format!("levers {}", self.levers)
+        };
+        match self.shard {
+            0 => levers,
+            stage => format!("ZeRO-{stage}, {levers}"),
+        }
+    }
+}
+
 impl std::fmt::Display for FitConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
@@ -144,6 +165,11 @@ pub enum Verdict {
     Chosen,
     /// Its planned peak exceeds the budget.
     OverBudget,
+    /// Not planned: its parameters and optimizer state alone, which every plan of it holds
+    /// throughout, exceed the budget ([`crate::floor`]).
+    OverLowerBound {
+        lower_bound_bytes: usize,
+    },
     /// It fits, but the chosen one is predicted faster by this factor.
     Slower {
         ratio: f64,
@@ -162,6 +188,44 @@ pub struct Candidate {
     pub predicted_seconds: Option<f64>,
     #[serde(flatten)]
     pub verdict: Verdict,
+    /// What `predicted_seconds` is made of, to time it on another machine.
+    #[serde(skip)]
+    timing: Option<Timing>,
+}
+
+/// A candidate's step work and its communication time (which no machine profile changes).
+#[derive(Debug, Clone, PartialEq)]
+struct Timing {
+    work: Arc<StepWork>,
+    comm_seconds: f64,
+}
+
+impl Timing {
+    /// Predicted seconds per step on `machine`, communication included.
+    fn seconds(&self, machine: &MachineProfile) -> f64 {
+        machine.work_seconds(&self.work) + self.comm_seconds
+    }
+}
+
+impl Candidate {
+    /// Refused unplanned: it needs at least `lower_bound_bytes`, more than the budget.
+    fn over_lower_bound(config: FitConfig, lower_bound_bytes: usize) -> Candidate {
+        Candidate {
+            config,
+            peak_bytes: None,
+            predicted_seconds: None,
+            verdict: Verdict::OverLowerBound { lower_bound_bytes },
+            timing: None,
+        }
+    }
+
+    /// What it is known to need at least: its planned peak, or the bound it was refused by.
+    pub fn least_bytes(&self) -> Option<usize> {
+        match self.verdict {
+            Verdict::OverLowerBound { lower_bound_bytes } => Some(lower_bound_bytes),
+            _ => self.peak_bytes,
+        }
+    }
 }
 
 /// Everything the search considered, and what it chose.
@@ -191,17 +255,54 @@ impl FitReport {
         self.chosen.map(|i| &self.candidates[i])
     }
 
-    /// The error a caller reports when nothing fits: the smallest peak any candidate reached.
+    /// The same search with its predictions made by `machine`. Which candidates a search
+    /// compiles and their peaks depend on the budget, never on the machine, so this is
+    /// [`Search::run`] with `machine`, to the bit, without compiling or planning anything
+    /// again: each planned step's work is timed by the new profile, and the choice and
+    /// verdicts are made anew.
+    pub fn timed_by(&self, machine: &MachineProfile) -> FitReport {
+        let start = Instant::now();
+        let mut candidates = self.candidates.clone();
+        for c in &mut candidates {
+            if let Some(t) = &c.timing {
+                c.predicted_seconds = Some(t.seconds(machine));
+            }
+        }
+        let chosen = decide(&mut candidates, self.budget);
+        FitReport {
+            budget: self.budget,
+            effective_batch: self.effective_batch,
+            devices: self.devices,
+            link_gb_per_s: self.link_gb_per_s,
+            block: self.block,
+            calibrated: machine.is_measured(),
+            machine_speed: machine.speed,
+            candidates,
+            chosen,
+            search_seconds: self.search_seconds + start.elapsed().as_secs_f64(),
+        }
+    }
+
+    /// The error a caller reports when nothing fits: the least any candidate needs, its
+    /// planned peak or, where it was refused unplanned, its lower bound.
     pub fn nothing_fits(&self) -> FitError {
         let smallest = self
             .candidates
             .iter()
-            .filter_map(|c| Some((c.peak_bytes?, c)))
+            .filter_map(|c| Some((c.least_bytes()?, c)))
             .min_by_key(|(p, _)| *p);
         FitError::NothingFits {
             budget: self.budget,
             smallest: smallest.map_or(0, |(p, _)| p),
-            config: smallest.map_or_else(|| "none compiled".into(), |(_, c)| c.config.to_string()),
+            config: smallest.map_or_else(
+                || "none compiled".into(),
+                |(_, c)| match c.verdict {
+                    // Unplanned, it stands for its whole space: what sets the state is named.
+                    Verdict::OverLowerBound { .. } => c.config.state_label(),
+                    _ => c.config.to_string(),
+                },
+            ),
+            planned: smallest.is_none_or(|(_, c)| c.peak_bytes.is_some()),
         }
     }
 }
@@ -217,6 +318,9 @@ pub struct Search<'a> {
     max_micro_batch: Option<usize>,
     devices: usize,
     link: Option<f64>,
+    /// Whether spaces over the budget by their state alone go unplanned (off only in tests,
+    /// which check that pruning changes nothing but the time).
+    prune: bool,
 }
 
 impl<'a> Search<'a> {
@@ -231,6 +335,7 @@ impl<'a> Search<'a> {
             max_micro_batch: None,
             devices: 1,
             link: None,
+            prune: true,
         }
     }
 
@@ -340,28 +445,7 @@ fn search(s: &Search<'_>, machine: &MachineProfile) -> Result<FitReport, FitErro
         }
     }
     let budget = s.budget;
-    let fastest = candidates
-        .iter()
-        .enumerate()
-        .filter_map(|(i, c)| match (c.peak_bytes, c.predicted_seconds) {
-            (Some(p), Some(t)) if p <= budget => Some((i, t)),
-            _ => None,
-        })
-        // Ties (equal predictions) go to the earlier candidate: larger micro-batch, less remat,
-        // lower stage.
-        .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
-    let chosen = fastest.map(|(i, _)| i);
-    for (i, c) in candidates.iter_mut().enumerate() {
-        if matches!(c.verdict, Verdict::Failed { .. }) {
-            continue;
-        }
-        c.verdict = match (fastest, c.peak_bytes, c.predicted_seconds) {
-            (Some((f, _)), _, _) if f == i => Verdict::Chosen,
-            (_, Some(p), _) if p > budget => Verdict::OverBudget,
-            (Some((_, best)), _, Some(t)) => Verdict::Slower { ratio: t / best },
-            _ => Verdict::OverBudget,
-        };
-    }
+    let chosen = decide(&mut candidates, budget);
     Ok(FitReport {
         budget,
         effective_batch: s.effective_batch,
@@ -374,6 +458,36 @@ fn search(s: &Search<'_>, machine: &MachineProfile) -> Result<FitReport, FitErro
         chosen,
         search_seconds: start.elapsed().as_secs_f64(),
     })
+}
+
+/// Chooses the fastest candidate that fits `budget` and gives every other its verdict;
+/// returns the chosen one's index.
+fn decide(candidates: &mut [Candidate], budget: usize) -> Option<usize> {
+    let fastest = candidates
+        .iter()
+        .enumerate()
+        .filter_map(|(i, c)| match (c.peak_bytes, c.predicted_seconds) {
+            (Some(p), Some(t)) if p <= budget => Some((i, t)),
+            _ => None,
+        })
+        // Ties (equal predictions) go to the earlier candidate: larger micro-batch, less remat,
+        // lower stage.
+        .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
+    for (i, c) in candidates.iter_mut().enumerate() {
+        if matches!(
+            c.verdict,
+            Verdict::Failed { .. } | Verdict::OverLowerBound { .. }
+        ) {
+            continue;
+        }
+        c.verdict = match (fastest, c.peak_bytes, c.predicted_seconds) {
+            (Some((f, _)), _, _) if f == i => Verdict::Chosen,
+            (_, Some(p), _) if p > budget => Verdict::OverBudget,
+            (Some((_, best)), _, Some(t)) => Verdict::Slower { ratio: t / best },
+            _ => Verdict::OverBudget,
+        };
+    }
+    fastest.map(|(i, _)| i)
 }
 
 /// The divisors of `n`, largest first, found in √n steps: a scan of 1..=n took minutes at
@@ -424,7 +538,21 @@ fn space(s: &Search<'_>, model: &FitModel, shard: u8, machine: &MachineProfile) 
     let low = model
         .low_precision
         .filter(|l| model.step.precision == DType::F32 && *l != DType::F32);
-    let evaluate = |c: FitConfig| evaluate(model, c, target, machine, devices, link);
+    // One compile bounds the whole space; where even that is over the budget, the space is
+    // still walked (every candidate listed, refused by the bound) but nothing is planned. A
+    // bound that does not compile prunes nothing: the candidates then say why they fail.
+    let refused_by = s
+        .prune
+        .then(|| {
+            let sharding = Sharding::new(devices, shard).ok()?;
+            state_floor(&model.model, model.block, &model.step, target, &sharding).ok()
+        })
+        .flatten()
+        .filter(|&floor| floor > budget);
+    let evaluate = |c: FitConfig| match refused_by {
+        Some(floor) => Candidate::over_lower_bound(c, floor),
+        None => evaluate(model, c, target, machine, devices, link),
+    };
     // No recomputation first; remat only where that does not fit.
     let largest = micro_batches.first().copied().unwrap_or(1);
     let mut pass_sets = vec![model.step.passes.clone()];
@@ -453,7 +581,7 @@ fn space(s: &Search<'_>, model: &FitModel, shard: u8, machine: &MachineProfile) 
         .skip(done)
         .collect();
     candidates.extend(plain.into_par_iter().map(evaluate).collect::<Vec<_>>());
-    let over = |c: &Candidate| c.peak_bytes.is_some_and(|p| p > budget);
+    let over = |c: &Candidate| c.least_bytes().is_some_and(|p| p > budget);
     // Lower precision only where f32 needs more than it is: recomputation or smaller
     // micro-batches then compete with it on time.
     if let Some(low) = low {
@@ -539,20 +667,22 @@ fn evaluate(
                 Some(p) => p,
                 None => plan(&c.step.graph, &PlanOptions::default())?,
             };
-            let comm = link.map_or(0.0, |l| {
+            let comm_seconds = link.map_or(0.0, |l| {
                 snug_graph::zero::comm_per_rank(&c.step.graph, c.step.micro_steps).seconds(l)
             });
-            Ok((
-                p.peak_bytes(),
-                machine.step_seconds(&c.step, &p.schedule) + comm,
-            ))
+            let timing = Timing {
+                work: Arc::new(StepWork::of(&c.step, &p.schedule)),
+                comm_seconds,
+            };
+            Ok((p.peak_bytes(), timing))
         });
     match result {
-        Ok((peak, seconds)) => Candidate {
+        Ok((peak, timing)) => Candidate {
             config,
             peak_bytes: Some(peak),
-            predicted_seconds: Some(seconds),
+            predicted_seconds: Some(timing.seconds(machine)),
             verdict: Verdict::OverBudget,
+            timing: Some(timing),
         },
         // A budget no remat reaches is a plain "does not fit", with the smallest peak.
         Err(FitError::Compile(CompileError::RematBudget { smallest, .. })) => Candidate {
@@ -560,6 +690,7 @@ fn evaluate(
             peak_bytes: Some(smallest),
             predicted_seconds: None,
             verdict: Verdict::OverBudget,
+            timing: None,
         },
         Err(e) => Candidate {
             config,
@@ -568,6 +699,7 @@ fn evaluate(
             verdict: Verdict::Failed {
                 reason: e.to_string(),
             },
+            timing: None,
         },
     }
 }
@@ -592,7 +724,9 @@ impl MemoryFailure {
 
 #[cfg(test)]
 mod tests {
-    use super::divisors_descending;
+    use super::*;
+    use crate::floor::state_floor;
+    use crate::levers::Levers;
 
     #[test]
     fn divisors_come_largest_first_and_miss_none() {
@@ -609,5 +743,187 @@ mod tests {
         assert_eq!(d.len(), 169);
         assert!(d.windows(2).all(|w| w[0] > w[1]));
         assert!(d.iter().all(|m| 1_000_000_000_000 % m == 0));
+    }
+
+    /// char-small over 64 characters, free to take bf16 and every lever.
+    fn every_lever_allowed() -> FitModel {
+        let mut m = ModelConfig::preset("char-small").unwrap();
+        m.set_vocab_size(65);
+        FitModel::new(m, 64, StepConfig::default())
+            .allowing(Some(DType::BF16))
+            .allowing_levers(Levers::all())
+    }
+
+    /// Refusing a space by its state changes nothing but what is planned: over budgets from
+    /// under every space's parameters and optimizer state to roomy, with every lever and bf16
+    /// allowed, on one device and on each ZeRO stage of two, the search with pruning chooses
+    /// what the search without it chooses, with the same peak and prediction; every candidate
+    /// it planned is the other's, verdict and all; no candidate that fits is refused; and a
+    /// refused one is over the budget there too, by at least its bound.
+    #[test]
+    fn pruning_by_the_state_floor_changes_only_what_is_planned() {
+        let fit = every_lever_allowed();
+        let target = Target::host(1);
+        let machine = MachineProfile::nominal(1);
+        // A budget under and one over each space's state, plus one under all and a roomy one.
+        let mut floors: Vec<usize> = std::iter::once(Levers::none())
+            .chain(ladder(&Levers::all()))
+            .map(|l| {
+                state_floor(
+                    &fit.model,
+                    fit.block,
+                    &l.apply(&fit.step),
+                    target,
+                    &Sharding::SINGLE,
+                )
+                .unwrap()
+            })
+            .collect();
+        floors.sort();
+        let mut budgets: Vec<usize> = floors.iter().flat_map(|&f| [f - 1, f + f / 4]).collect();
+        budgets.extend([1 << 20, 1 << 40]);
+        let (mut pruned_some, mut chose_past_a_pruned_space) = (false, false);
+        for devices in [1, 2] {
+            for &budget in &budgets {
+                let search = Search::new(&fit, target, budget)
+                    .effective_batch(4)
+                    .devices(devices);
+                let pruned = search.run(&machine).unwrap();
+                let full = Search {
+                    prune: false,
+                    ..search
+                }
+                .run(&machine)
+                .unwrap();
+                let what = format!("{devices} devices, budget {budget}");
+                let key = |c: &Candidate| {
+                    c.peak_bytes
+                        .zip(c.predicted_seconds)
+                        .map(|(p, t)| (c.config.clone(), p, t.to_bits()))
+                };
+                assert_eq!(
+                    pruned.chosen().and_then(key),
+                    full.chosen().and_then(key),
+                    "{what}"
+                );
+                let in_full = |c: &Candidate| full.candidates.iter().find(|f| f.config == c.config);
+                for c in &pruned.candidates {
+                    match c.verdict {
+                        Verdict::OverLowerBound { lower_bound_bytes } => {
+                            pruned_some = true;
+                            assert!(lower_bound_bytes > budget, "{what}: {c:?}");
+                            if let Some(f) = in_full(c) {
+                                assert!(
+                                    f.peak_bytes.is_none_or(|p| p >= lower_bound_bytes),
+                                    "{what}: {c:?} planned as {f:?}"
+                                );
+                            }
+                        }
+                        _ => assert_eq!(Some(c), in_full(c), "{what}"),
+                    }
+                }
+                for f in full
+                    .candidates
+                    .iter()
+                    .filter(|f| f.peak_bytes.is_some_and(|p| p <= budget))
+                {
+                    let c = pruned.candidates.iter().find(|c| c.config == f.config);
+                    assert_eq!(c, Some(f), "{what}: a candidate that fits");
+                }
+                let refused = pruned
+                    .candidates
+                    .iter()
+                    .any(|c| matches!(c.verdict, Verdict::OverLowerBound { .. }));
+                chose_past_a_pruned_space |= refused && pruned.chosen.is_some();
+                if pruned.chosen.is_none() {
+                    let (
+                        FitError::NothingFits {
+                            smallest: p,
+                            planned,
+                            ..
+                        },
+                        FitError::NothingFits { smallest: f, .. },
+                    ) = (pruned.nothing_fits(), full.nothing_fits())
+                    else {
+                        panic!("{what}: both name what nothing fits");
+                    };
+                    // A planned smallest is the full search's; a bound is under it.
+                    assert!(if planned { p == f } else { p <= f }, "{what}: {p} vs {f}");
+                }
+            }
+        }
+        assert!(pruned_some && chose_past_a_pruned_space);
+    }
+
+    /// A report timed by another machine is that machine's search, to the bit: the same
+    /// candidates with the same peaks, predictions and verdicts, and the same choice, on one
+    /// device and over two with a link, at budgets from under every plan to roomy.
+    #[test]
+    fn a_report_timed_by_another_machine_is_that_machines_search() {
+        let fit = every_lever_allowed();
+        let target = Target::host(1);
+        let nominal = MachineProfile::nominal(1);
+        // GEMMs far slower and copies far faster than the nominal figures.
+        let sample = |class: &str, work: f64, seconds: f64| crate::Sample {
+            class: class.into(),
+            family: String::new(),
+            work,
+            seconds,
+        };
+        let other = MachineProfile::new(
+            1,
+            "other".into(),
+            2e9,
+            200e9,
+            1e-5,
+            vec![sample("matmul", 1e8, 0.05), sample("matmul", 1e9, 0.4)],
+        );
+        let state =
+            state_floor(&fit.model, fit.block, &fit.step, target, &Sharding::SINGLE).unwrap();
+        let mut peaks: Vec<usize> = Search::new(&fit, target, state + 1)
+            .effective_batch(4)
+            .run(&nominal)
+            .unwrap()
+            .candidates
+            .iter()
+            .filter_map(|c| c.peak_bytes)
+            .collect();
+        peaks.sort();
+        let budgets = [
+            state + 1,
+            peaks[peaks.len() / 4],
+            peaks[peaks.len() / 2],
+            1 << 40,
+        ];
+        let mut retimed = 0;
+        for (devices, link) in [(1, None), (2, Some(10.0))] {
+            for budget in budgets {
+                let mut search = Search::new(&fit, target, budget)
+                    .effective_batch(4)
+                    .devices(devices);
+                if let Some(l) = link {
+                    search = search.link(l);
+                }
+                let first = search.run(&nominal).unwrap();
+                let direct = search.run(&other).unwrap();
+                let timed = first.timed_by(&other);
+                let what = format!("{devices} devices, budget {budget}");
+                assert_eq!(timed.candidates, direct.candidates, "{what}");
+                assert_eq!(timed.chosen, direct.chosen, "{what}");
+                assert_eq!(
+                    (timed.calibrated, timed.machine_speed),
+                    (direct.calibrated, direct.machine_speed)
+                );
+                retimed += first
+                    .candidates
+                    .iter()
+                    .zip(&timed.candidates)
+                    .filter(|(a, b)| {
+                        a.predicted_seconds.is_some() && a.predicted_seconds != b.predicted_seconds
+                    })
+                    .count();
+            }
+        }
+        assert!(retimed > 0, "the other machine predicts other times");
     }
 }

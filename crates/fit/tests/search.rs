@@ -25,6 +25,13 @@ fn shape(fit: &FitModel, micro_batch: usize) -> StepShape {
     }
 }
 
+/// A budget over `fit`'s parameters and optimizer state but under every plan of it: nothing
+/// fits, and nothing is refused unplanned.
+fn under_every_plan(fit: &FitModel) -> usize {
+    let single = snug_graph::Sharding::SINGLE;
+    snug_fit::state_floor(&fit.model, fit.block, &fit.step, cpu(), &single).unwrap() + 1
+}
+
 fn peak_of(fit: &FitModel, micro: usize, step: &StepConfig) -> usize {
     let c = compile_step(&fit.model, shape(fit, micro), cpu(), step).unwrap();
     plan(&c.step.graph, &PlanOptions::default())
@@ -101,28 +108,55 @@ fn under_a_tight_budget_the_fastest_fitting_candidate_is_chosen() {
 fn nothing_fits_names_the_smallest_peak() {
     let fit = model();
     let machine = MachineProfile::nominal(1);
-    let report = Search::new(&fit, cpu(), 1 << 20)
+    // Over the parameters and optimizer state, under every plan: planned, the smallest peak
+    // named.
+    let tight = under_every_plan(&fit);
+    let state = tight - 1;
+    let report = Search::new(&fit, cpu(), tight)
         .effective_batch(16)
         .run(&machine)
         .unwrap();
     assert!(report.chosen.is_none());
+    assert!(report.candidates.iter().all(|c| c.peak_bytes.is_some()));
     let smallest = report
         .candidates
         .iter()
         .filter_map(|c| c.peak_bytes)
         .min()
         .unwrap();
+    match report.nothing_fits() {
+        FitError::NothingFits {
+            budget,
+            smallest: s,
+            planned,
+            ..
+        } => {
+            assert_eq!(budget, tight);
+            assert_eq!((s, planned), (smallest, true));
+        }
+        other => panic!("expected NothingFits, got {other:?}"),
+    }
+    // Under the state itself: nothing is planned, and the state is what is named.
     match Search::new(&fit, cpu(), 1 << 20)
         .effective_batch(16)
         .choose(&machine)
     {
-        Err(FitError::NothingFits {
-            budget,
-            smallest: s,
-            ..
-        }) => {
-            assert_eq!(budget, 1 << 20);
-            assert_eq!(s, smallest);
+        Err(e @ FitError::NothingFits { .. }) => {
+            let FitError::NothingFits {
+                budget,
+                smallest: s,
+                planned,
+                ..
+            } = &e
+            else {
+                unreachable!()
+            };
+            assert_eq!((*budget, *s, *planned), (1 << 20, state, false));
+            assert!(
+                e.to_string()
+                    .contains("parameters and optimizer state alone"),
+                "{e}"
+            );
         }
         other => panic!("expected NothingFits, got {other:?}"),
     }
@@ -236,7 +270,7 @@ fn lower_precision_is_searched_only_where_allowed_and_needed() {
 
     // Where nothing fits, bf16 with recomputation is tried too, as the last resort, and the
     // error names the smallest peak of all.
-    let report = Search::new(&fit, cpu(), 1 << 20)
+    let report = Search::new(&fit, cpu(), under_every_plan(&fit))
         .effective_batch(16)
         .run(&machine)
         .unwrap();
@@ -343,9 +377,10 @@ fn what_would_fit_plans_each_change() {
         .iter()
         .find(|s| s.change.starts_with("--optimizer sgd ("))
         .expect("sgd suggested");
-    assert_eq!((s.peak_bytes, s.fits), (with_sgd, true));
+    assert_eq!((s.peak_bytes, s.fits), (Some(with_sgd), true));
     for s in &advice {
-        assert_eq!(s.fits, s.peak_bytes <= budget, "{s:?}");
+        assert_eq!(s.fits, s.least_bytes <= budget, "{s:?}");
+        assert!(s.peak_bytes.is_none_or(|p| p == s.least_bytes), "{s:?}");
     }
     assert!(
         advice.first().is_some_and(|s| s.fits),
@@ -415,7 +450,7 @@ fn levers_are_used_only_when_allowed_and_only_where_nothing_fits_without_them() 
         .iter()
         .find(|s| s.change == "--allow lora")
         .expect("the lever is suggested");
-    assert!(s.fits && s.peak_bytes <= budget, "{s:?}");
+    assert!(s.fits && s.least_bytes <= budget, "{s:?}");
 
     // Allowed: the lever is chosen, and its candidate is exactly the LoRA step's plan.
     let allowed = fit.clone().allowing_levers(lora.clone());
@@ -564,7 +599,7 @@ fn the_cheapest_rung_that_fits_is_taken() {
     let machine = MachineProfile::nominal(1);
     let rungs = ladder(&Levers::all());
     // The least the plain space reaches: its search at a budget nothing meets.
-    let plain_smallest = Search::new(&model(), cpu(), 1)
+    let plain_smallest = Search::new(&model(), cpu(), under_every_plan(&model()))
         .run(&machine)
         .unwrap()
         .candidates
@@ -638,5 +673,14 @@ fn updates_are_timed_once_per_step() {
             }
         }
         assert!(updates > 0, "{optimizer:?}");
+        // A step is its nodes summed in schedule order, to the bit.
+        let order: Vec<snug_graph::NodeId> = (0..g.nodes().len() as u32)
+            .map(snug_graph::NodeId)
+            .collect();
+        let summed: f64 = order
+            .iter()
+            .map(|&n| machine.node_step_seconds(g, n, c.step.micro_steps))
+            .sum();
+        assert_eq!(machine.step_seconds(&c.step, &order), summed);
     }
 }

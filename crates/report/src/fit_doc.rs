@@ -35,10 +35,14 @@ pub struct FitCandidate {
     pub config: FitKnobs,
     pub peak_bytes: Option<usize>,
     pub predicted_seconds: Option<f64>,
-    /// `chosen`, `over_budget`, `slower` or `failed`.
+    /// `chosen`, `over_budget`, `over_lower_bound` (not planned), `slower` or `failed`.
     pub verdict: String,
     #[serde(default)]
     pub ratio: Option<f64>,
+    /// With `over_lower_bound`: the parameters and optimizer state that alone exceed the
+    /// budget.
+    #[serde(default)]
+    pub lower_bound_bytes: Option<usize>,
     #[serde(default)]
     pub reason: Option<String>,
 }

@@ -323,12 +323,19 @@ fn fit_section(out: &mut String, fit: &FitDocument) -> Result<(), ReportError> {
     for c in &fit.candidates {
         let class = match c.verdict.as_str() {
             "chosen" => "chosen",
-            "over_budget" | "failed" => "grey",
+            "over_budget" | "over_lower_bound" | "failed" => "grey",
             _ => "",
         };
         let verdict = match (c.verdict.as_str(), c.ratio, &c.reason) {
             ("slower", Some(r), _) => format!("fits, {r:.2}× slower"),
             ("failed", _, Some(why)) => format!("failed: {why}"),
+            ("over_lower_bound", _, _) => match c.lower_bound_bytes {
+                Some(b) => format!(
+                    "over budget: parameters + optimizer state alone {} (not planned)",
+                    human_bytes(b)
+                ),
+                None => "over budget (not planned)".into(),
+            },
             (v, _, _) => v.replace('_', " "),
         };
         let _ = write!(

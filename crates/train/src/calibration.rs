@@ -50,12 +50,68 @@ pub fn cached(threads: usize) -> Option<MachineProfile> {
     load_profile(&cache_path(threads)?, threads)
 }
 
+/// Why a cache file's profile is not used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unusable {
+    /// No file, or one from another version of snug or another CPU: measured again, as
+    /// expected after an upgrade or a move.
+    Stale,
+    /// A file that cannot be trusted (unreadable, not a profile, or figures no machine has):
+    /// the field and what is wrong with it.
+    Invalid(snug_fit::ProfileError),
+}
+
 /// The profile in `path` if it is readable, from this version of snug, for `threads` threads
-/// on this CPU; anything else means "measure again".
+/// on this CPU; anything else means "measure again". A file that is there but invalid is
+/// named in a warning with its field (fit then measures again and replaces it).
 pub fn load_profile(path: &std::path::Path, threads: usize) -> Option<MachineProfile> {
-    let text = std::fs::read_to_string(path).ok()?;
-    let p = MachineProfile::from_json(&text).ok()?;
-    (p.version == PROFILE_VERSION && p.threads == threads && p.cpu == cpu_name()).then_some(p)
+    match read_profile(path, threads) {
+        Ok(p) => Some(p),
+        Err(Unusable::Stale) => None,
+        Err(Unusable::Invalid(e)) => {
+            tracing::warn!(
+                "the calibration cache {} is ignored: {e}; a calibration (`snug fit`, or \
+                 `snug fit --recalibrate`) measures this machine again and replaces it",
+                path.display()
+            );
+            None
+        }
+    }
+}
+
+/// [`load_profile`]'s verdict on `path`, with why it is not used.
+pub fn read_profile(path: &std::path::Path, threads: usize) -> Result<MachineProfile, Unusable> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(Unusable::Stale),
+        Err(e) => {
+            return Err(Unusable::Invalid(snug_fit::ProfileError {
+                field: "(file)".into(),
+                detail: format!("cannot be read: {e}"),
+            }))
+        }
+    };
+    // Another version's samples may mean something else, and may not even parse as this
+    // one's: the version is read first, from the bare JSON.
+    let version = serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|v| v.get("version")?.as_u64());
+    if version.is_some_and(|v| v != u64::from(PROFILE_VERSION)) {
+        return Err(Unusable::Stale);
+    }
+    let p = MachineProfile::from_json(&text).map_err(Unusable::Invalid)?;
+    if p.cpu != cpu_name() {
+        return Err(Unusable::Stale);
+    }
+    // The file is named for its thread count: another count inside is not a measurement of
+    // this file's.
+    if p.threads != threads {
+        return Err(Unusable::Invalid(snug_fit::ProfileError {
+            field: "threads".into(),
+            detail: format!("is {}, in the cache file for {threads} threads", p.threads),
+        }));
+    }
+    Ok(p)
 }
 
 /// Where a machine profile came from.
@@ -576,5 +632,138 @@ mod tests {
         assert_eq!(load_profile(&path, 2), None);
         std::fs::write(&path, "{ not json").unwrap();
         assert_eq!(load_profile(&path, 2), None);
+    }
+
+    /// A cache whose JSON is valid but whose figures no machine has (0, negative, NaN
+    /// written as null, 1e300 FLOP/s, a sample table without the GEMM or missing a field, no
+    /// threads) is refused by its field, never used: the cost model divides by these.
+    #[test]
+    fn absurd_caches_are_refused_by_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("machine-2t.json");
+        let valid: serde_json::Value =
+            serde_json::from_str(&profile(2).with_probe(1e11).to_json()).unwrap();
+        use serde_json::Value;
+        // What is spoiled, where (a JSON pointer), its new value (`None`: removed), and the
+        // field the refusal must name.
+        let cases: Vec<(&str, &str, Option<Value>, &str)> = vec![
+            (
+                "gemm 0",
+                "/gemm_peak_flops",
+                Some(0.0.into()),
+                "gemm_peak_flops",
+            ),
+            (
+                "gemm 1e300",
+                "/gemm_peak_flops",
+                Some(1e300.into()),
+                "gemm_peak_flops",
+            ),
+            (
+                "bandwidth < 0",
+                "/bandwidth",
+                Some((-1e9).into()),
+                "bandwidth",
+            ),
+            ("overhead NaN", "/overhead", Some(Value::Null), "overhead"),
+            ("overhead 1e9 s", "/overhead", Some(1e9.into()), "overhead"),
+            (
+                "probe 1e300",
+                "/probe_flops",
+                Some(1e300.into()),
+                "probe_flops",
+            ),
+            (
+                "probe < 0",
+                "/probe_flops",
+                Some((-5.0).into()),
+                "probe_flops",
+            ),
+            ("threads 0", "/threads", Some(0.into()), "threads"),
+            (
+                "a time NaN",
+                "/samples/0/seconds",
+                Some(Value::Null),
+                "samples[0].seconds",
+            ),
+            (
+                "a time 0",
+                "/samples/0/seconds",
+                Some(0.0.into()),
+                "samples[0].seconds",
+            ),
+            (
+                "a time 1e-300",
+                "/samples/0/seconds",
+                Some(1e-300.into()),
+                "samples[0].seconds",
+            ),
+            (
+                "a work < 0",
+                "/samples/0/work",
+                Some((-1.0).into()),
+                "samples[0].work",
+            ),
+            (
+                "no samples",
+                "/samples",
+                Some(serde_json::json!([])),
+                "samples",
+            ),
+            (
+                "no GEMM samples",
+                "/samples/0/class",
+                Some("gelu".into()),
+                "samples",
+            ),
+            (
+                "a sample missing its time",
+                "/samples/0/seconds",
+                None,
+                "(structure)",
+            ),
+            ("a rate missing", "/bandwidth", None, "(structure)"),
+        ];
+        for (what, pointer, value, field) in cases {
+            let mut v = valid.clone();
+            match value {
+                Some(x) => *v.pointer_mut(pointer).unwrap() = x,
+                None => {
+                    let (parent, key) = pointer.rsplit_once('/').unwrap();
+                    let parent = v.pointer_mut(parent).and_then(Value::as_object_mut);
+                    parent.unwrap().remove(key);
+                }
+            }
+            std::fs::write(&path, v.to_string()).unwrap();
+            match read_profile(&path, 2) {
+                Err(Unusable::Invalid(e)) => {
+                    assert_eq!(e.field, field, "{what}: {e}");
+                    if field == "(structure)" {
+                        assert!(e.detail.contains("missing field"), "{what}: {e}");
+                    }
+                }
+                other => panic!("{what}: expected the cache refused, got {other:?}"),
+            }
+            assert_eq!(load_profile(&path, 2), None, "{what}");
+        }
+        // Not JSON at all, and a file for other threads: refused by name too.
+        std::fs::write(&path, "{ not json").unwrap();
+        assert!(matches!(read_profile(&path, 2), Err(Unusable::Invalid(e)) if e.field == "(file)"));
+        std::fs::write(&path, valid.to_string()).unwrap();
+        assert!(
+            matches!(read_profile(&path, 4), Err(Unusable::Invalid(e)) if e.field == "threads")
+        );
+        // The untouched profile loads; another version is stale, not invalid, even where it
+        // would fail this version's checks.
+        assert!(read_profile(&path, 2).is_ok());
+        let mut old = valid.clone();
+        old["version"] = (PROFILE_VERSION - 1).into();
+        old["gemm_peak_flops"] = 0.0.into();
+        std::fs::write(&path, old.to_string()).unwrap();
+        assert_eq!(read_profile(&path, 2), Err(Unusable::Stale));
+        assert_eq!(
+            read_profile(&dir.path().join("absent.json"), 2),
+            Err(Unusable::Stale)
+        );
     }
 }
