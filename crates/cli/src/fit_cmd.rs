@@ -88,18 +88,13 @@ pub fn parse_budget(text: &str, cfg: &TrainConfig) -> Result<usize> {
     snug_runtime::parse_bytes(text).with_context(|| format!("--memory {text}"))
 }
 
-/// The devices a run is spread over, and the link between them.
+/// The devices a run is spread over, the link between them, and the ZeRO stage when it is
+/// the run's own (None: fit tries every stage).
 #[derive(Debug, Clone, Copy)]
 pub struct Spread {
     pub devices: usize,
     pub link: Option<f64>,
-}
-
-impl Spread {
-    pub const ONE: Spread = Spread {
-        devices: 1,
-        link: None,
-    };
+    pub stage: Option<u8>,
 }
 
 /// Sets `cfg.allow` from `--allow` where given (over the TOML key).
@@ -129,6 +124,12 @@ pub fn fit_config(
         .devices(spread.devices);
     if let Some(l) = spread.link {
         search = search.link(l);
+    }
+    if let Some(stage) = spread.stage {
+        search = search.stage(stage);
+    }
+    if let Some(check) = cfg.device.runnable() {
+        search = search.runnable(check);
     }
     let nominal = snug_fit::MachineProfile::nominal(cfg.threads);
     let first = search.run(&nominal)?;
@@ -349,7 +350,7 @@ pub fn run(args: FitArgs) -> Result<()> {
         cfg.accumulation = 1;
         if !args.json {
             println!(
-                "--batch auto: {} sequences of {} tokens fit {} in one micro-batch",
+                "--batch auto: {} sequences of {} tokens a step, the most one micro-batch holds in {}",
                 cfg.batch,
                 cfg.block,
                 human_bytes(budget)
@@ -360,6 +361,7 @@ pub fn run(args: FitArgs) -> Result<()> {
     let spread = Spread {
         devices: args.devices,
         link: args.link,
+        stage: None,
     };
     let (report, _) = fit_config(&cfg, model, budget, effective, args.recalibrate, spread)?;
     if args.json {

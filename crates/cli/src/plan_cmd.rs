@@ -610,14 +610,12 @@ pub fn run(args: PlanArgs) -> Result<()> {
 /// Refuses, as a GPU session would, a step with an op the GPU backend cannot run: a plan of
 /// a step that cannot run there is no prediction.
 fn check_runs_on_gpu(graph: &snug_graph::Graph, cfg: &TrainConfig) -> Result<()> {
-    snug_gpu::check_graph(graph).map_err(|(op, detail)| {
-        let why = if detail.contains(op) {
-            detail
-        } else {
-            format!("`{op}`: {detail}")
-        };
-        anyhow::anyhow!("--device {}: the step cannot run there: {why}", cfg.device)
-    })
+    match cfg.device.runnable() {
+        Some(check) => check(graph).map_err(|why| {
+            anyhow::anyhow!("--device {}: the step cannot run there: {why}", cfg.device)
+        }),
+        None => Ok(()),
+    }
 }
 
 /// Plans what `snug sample` would hold for the model of `cfg`: the sampler's own planning

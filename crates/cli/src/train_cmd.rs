@@ -222,6 +222,12 @@ fn fit_to_memory(
     let budget = crate::fit_cmd::parse_budget(memory, cfg)?;
     check_budget_here(memory, budget, cfg)?;
     if args.model.batch_auto() {
+        if cfg.devices > 1 {
+            anyhow::bail!(
+                "--batch auto searches one device: give --batch for a run over {} ranks",
+                cfg.devices
+            );
+        }
         cfg.batch = crate::fit_cmd::largest_batch(cfg, &model, budget)?;
         cfg.accumulation = 1;
         say!(
@@ -240,7 +246,12 @@ fn fit_to_memory(
         budget,
         cfg.batch,
         args.recalibrate,
-        crate::fit_cmd::Spread::ONE,
+        // Over ranks each plans one rank of its stage: the budget is each device's.
+        crate::fit_cmd::Spread {
+            devices: cfg.devices,
+            link: None,
+            stage: Some(cfg.shard),
+        },
     )?;
     let Some(chosen) = report.chosen() else {
         if !args.json {

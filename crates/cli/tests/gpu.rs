@@ -727,4 +727,47 @@ fn plan_refuses_what_the_gpu_cannot_run_as_train_does() {
         assert_eq!(o.status.code(), Some(1), "{flags:?}: {}", stderr(&o));
         assert!(stderr(&o).contains(op), "{flags:?}: {}", stderr(&o));
     }
+    // Fit refuses the same candidates: under a budget where fused updates (which clip by the
+    // previous norm) would be the fastest fit, it chooses a lever the GPU runs, and the run
+    // then trains at that plan.
+    let mut train = vec![
+        "train",
+        "--steps",
+        "2",
+        "--no-save",
+        "--device",
+        "gpu",
+        "--json",
+    ];
+    train.extend(shape);
+    train.extend([
+        "--device-memory",
+        "1MiB",
+        "--memory",
+        "1MiB",
+        "--allow",
+        "all",
+    ]);
+    let o = snug(&train);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let lines = json_lines(&o);
+    let fit = lines
+        .iter()
+        .find(|l| l["kind"] == "fit")
+        .expect("a fit line");
+    let candidates = fit["candidates"].as_array().unwrap();
+    let refused = |c: &&serde_json::Value| {
+        c["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("store_sum_squares"))
+    };
+    assert!(candidates.iter().any(|c| refused(&c)), "{fit}");
+    let chosen = candidates
+        .iter()
+        .find(|c| c["verdict"] == "chosen")
+        .unwrap();
+    assert!(!refused(&chosen));
+    let summary = lines.last().unwrap();
+    assert_eq!(summary["predicted_peak_bytes"], chosen["peak_bytes"]);
+    assert_eq!(summary["measured_peak_bytes"], chosen["peak_bytes"]);
 }

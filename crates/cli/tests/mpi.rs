@@ -437,3 +437,92 @@ fn an_out_of_memory_on_one_rank_is_recovered_by_all_with_no_step_lost() {
     assert_eq!(step_losses(&d)[..], losses[2..]);
     assert_eq!(weights(&direct), weights(&hit));
 }
+
+/// `mpirun -np 2 snug train --memory SIZE` fits each rank's step at the run's ZeRO stage to
+/// SIZE: fit's chosen peak is the one each rank then plans and measures. Each case is one a
+/// fuzz found wrong when fit sized the run as one device: a fitting budget refused, a budget
+/// equal to the rank's own plan refused, and a micro-batch of 8 split into ranks of 0.
+#[test]
+fn memory_over_ranks_fits_each_ranks_step_at_its_stage() {
+    if let Err(reason) = mpirun() {
+        return snug_testkit::skip_or_fail(&reason);
+    }
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let common = [
+        "train",
+        "--preset",
+        "tiny",
+        "--block",
+        "64",
+        "--threads",
+        "1",
+        "--devices",
+        "2",
+        "--steps",
+        "2",
+        "--no-save",
+        "--eval-every",
+        "0",
+        "--json",
+    ];
+    for (flags, memory) in [
+        (&["--batch", "16"][..], "11300000B"),
+        (
+            &[
+                "--batch",
+                "8",
+                "--precision",
+                "bf16",
+                "--grad-clip",
+                "0",
+                "--shard",
+                "3",
+            ],
+            "6148160B",
+        ),
+        (
+            &[
+                "--batch",
+                "8",
+                "--optimizer",
+                "sgd",
+                "--grad-clip",
+                "0",
+                "--shard",
+                "3",
+            ],
+            "5370432B",
+        ),
+    ] {
+        let o = two_ranks(
+            dir.path(),
+            &[&common[..], flags, &["--memory", memory]].concat(),
+        );
+        let budget = snug_plan::parse_bytes(memory).unwrap() as u64;
+        let fit = &lines(&o, "fit")[0];
+        let chosen = fit["candidates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["verdict"] == "chosen")
+            .expect("a chosen candidate");
+        let stage = flags
+            .iter()
+            .position(|&f| f == "--shard")
+            .map_or(0, |i| flags[i + 1].parse::<u64>().unwrap());
+        assert_eq!(chosen["config"]["shard"].as_u64(), Some(stage), "{flags:?}");
+        let summary = &lines(&o, "summary")[0];
+        let peak = chosen["peak_bytes"].as_u64().unwrap();
+        assert!(peak <= budget, "{flags:?}: {peak} over {budget}");
+        assert_eq!(
+            summary["predicted_peak_bytes"].as_u64(),
+            Some(peak),
+            "{flags:?}"
+        );
+        assert_eq!(
+            summary["measured_peak_bytes"].as_u64(),
+            Some(peak),
+            "{flags:?}"
+        );
+    }
+}

@@ -24,6 +24,9 @@ pub enum FitError {
     NoLlamaShape { parameters: usize },
     #[error("`{field}` {detail}")]
     Invalid { field: &'static str, detail: String },
+    /// The device the search is for cannot run the candidate's step (a missing kernel).
+    #[error("the device cannot run it: {0}")]
+    Unrunnable(String),
     #[error(transparent)]
     Compile(#[from] CompileError),
     #[error(transparent)]

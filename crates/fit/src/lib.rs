@@ -31,4 +31,6 @@ pub use distributed::{llama_of_size, suggest_config, DeviceConfig};
 pub use error::FitError;
 pub use floor::state_floor;
 pub use levers::{Lever, LeverCost, Levers, UnknownLever};
-pub use search::{Candidate, FitConfig, FitModel, FitReport, MemoryFailure, Search, Verdict};
+pub use search::{
+    Candidate, FitConfig, FitModel, FitReport, MemoryFailure, Runnable, Search, Verdict,
+};

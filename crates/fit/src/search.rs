@@ -321,7 +321,15 @@ pub struct Search<'a> {
     /// Whether spaces over the budget by their state alone go unplanned (off only in tests,
     /// which check that pruning changes nothing but the time).
     prune: bool,
+    /// Over several devices: the one ZeRO stage tried (None: every stage).
+    stage: Option<u8>,
+    /// Why the device cannot run a step graph, or `Ok`: a candidate it refuses is refused
+    /// here, never chosen (None: it runs anything the compiler makes).
+    runnable: Option<Runnable>,
 }
+
+/// A device's check of a compiled step graph: why it cannot run it, or `Ok`.
+pub type Runnable = fn(&snug_graph::Graph) -> Result<(), String>;
 
 impl<'a> Search<'a> {
     /// Candidates for `model` on `target` whose planned peak must fit `budget` bytes, one
@@ -336,6 +344,8 @@ impl<'a> Search<'a> {
             devices: 1,
             link: None,
             prune: true,
+            stage: None,
+            runnable: None,
         }
     }
 
@@ -343,6 +353,20 @@ impl<'a> Search<'a> {
     /// rank at each ZeRO stage, and the budget is per device.
     pub fn devices(mut self, devices: usize) -> Search<'a> {
         self.devices = devices;
+        self
+    }
+
+    /// Over several devices, tries only ZeRO stage `stage` (a run's own: training and recovery
+    /// keep the stage the user chose).
+    pub fn stage(mut self, stage: u8) -> Search<'a> {
+        self.stage = Some(stage);
+        self
+    }
+
+    /// Refuses the candidates `check` says the device cannot run (a GPU backend's missing
+    /// kernels), so none is chosen that would then fail to start.
+    pub fn runnable(mut self, check: Runnable) -> Search<'a> {
+        self.runnable = Some(check);
         self
     }
 
@@ -414,7 +438,15 @@ fn search(s: &Search<'_>, machine: &MachineProfile) -> Result<FitReport, FitErro
             detail: format!("{l}: a bandwidth in GB/s must be a positive number"),
         });
     }
-    let stages: &[u8] = if s.devices > 1 { &[0, 1, 2, 3] } else { &[0] };
+    let pinned;
+    let stages: &[u8] = match s.stage {
+        Some(stage) => {
+            pinned = [stage];
+            &pinned
+        }
+        None if s.devices > 1 => &[0, 1, 2, 3],
+        None => &[0],
+    };
     let fits = |c: &Candidate| c.peak_bytes.is_some_and(|p| p <= s.budget);
     let mut candidates = Vec::new();
     for &stage in stages {
@@ -551,7 +583,7 @@ fn space(s: &Search<'_>, model: &FitModel, shard: u8, machine: &MachineProfile) 
         .filter(|&floor| floor > budget);
     let evaluate = |c: FitConfig| match refused_by {
         Some(floor) => Candidate::over_lower_bound(c, floor),
-        None => evaluate(model, c, target, machine, devices, link),
+        None => evaluate(model, c, target, machine, (devices, link), s.runnable),
     };
     // No recomputation first; remat only where that does not fit.
     let largest = micro_batches.first().copied().unwrap_or(1);
@@ -566,7 +598,12 @@ fn space(s: &Search<'_>, model: &FitModel, shard: u8, machine: &MachineProfile) 
             || evaluate(config(largest, &pass_sets[0], Remat::None)),
             || evaluate(config(largest, &with, Remat::None)),
         );
-        let keep = matches!((fused.peak_bytes, plain.peak_bytes), (Some(f), Some(p)) if f < p);
+        // Kept too where the plain step failed (a device that cannot run it) and this did not.
+        let keep = match (fused.peak_bytes, plain.peak_bytes) {
+            (Some(f), Some(p)) => f < p,
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
         candidates.push(plain);
         if keep {
             candidates.push(fused);
@@ -641,8 +678,8 @@ fn evaluate(
     config: FitConfig,
     target: Target,
     machine: &MachineProfile,
-    devices: usize,
-    link: Option<f64>,
+    (devices, link): (usize, Option<f64>),
+    runnable: Option<Runnable>,
 ) -> Candidate {
     let step_config = config.apply(&model.step);
     let shape = StepShape {
@@ -663,6 +700,9 @@ fn evaluate(
             )?)
         })
         .and_then(|c| {
+            if let Some(check) = runnable {
+                check(&c.step.graph).map_err(FitError::Unrunnable)?;
+            }
             let p = match c.plan {
                 Some(p) => p,
                 None => plan(&c.step.graph, &PlanOptions::default())?,

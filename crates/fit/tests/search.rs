@@ -684,3 +684,77 @@ fn updates_are_timed_once_per_step() {
         assert_eq!(machine.step_seconds(&c.step, &order), summed);
     }
 }
+
+/// A search pinned to one ZeRO stage plans only that stage, so nothing fits names only a
+/// candidate of it; a device's check refuses the candidates it cannot run, which are then
+/// never chosen, and the fastest it can run is.
+#[test]
+fn a_pinned_stage_and_a_devices_check_bound_the_choice() {
+    let fit = model();
+    let machine = MachineProfile::nominal(1);
+    for stage in 0..=3u8 {
+        let report = Search::new(&fit, cpu(), 1 << 40)
+            .effective_batch(8)
+            .devices(4)
+            .stage(stage)
+            .choose(&machine)
+            .unwrap();
+        assert!(report.candidates.iter().all(|c| c.config.shard == stage));
+        assert_eq!(report.chosen().unwrap().config.shard, stage);
+    }
+    // Under every plan of stage 3 (the smallest per rank): nothing fits, and the error's
+    // candidate is of stage 0, the stage searched.
+    let floor3 = {
+        let sharding = snug_graph::Sharding::new(4, 3).unwrap();
+        snug_fit::state_floor(&fit.model, fit.block, &fit.step, cpu(), &sharding).unwrap()
+    };
+    let pinned = Search::new(&fit, cpu(), floor3 + 1)
+        .effective_batch(8)
+        .devices(4)
+        .stage(0)
+        .run(&machine)
+        .unwrap();
+    assert!(pinned.chosen().is_none());
+    match pinned.nothing_fits() {
+        FitError::NothingFits { config, .. } => assert!(!config.contains("ZeRO"), "{config}"),
+        other => panic!("expected nothing fits, got {other}"),
+    }
+
+    // A device that cannot run an unfused cross-entropy: every candidate with it is refused
+    // by the check, and the chosen one has the fused pass.
+    fn no_unfused_cross_entropy(g: &snug_graph::Graph) -> Result<(), String> {
+        match g.nodes().iter().find(|n| n.op.name() == "cross_entropy") {
+            Some(_) => Err("no unfused cross-entropy here".into()),
+            None => Ok(()),
+        }
+    }
+    let unfused = FitModel {
+        step: StepConfig {
+            passes: vec![],
+            ..fit.step.clone()
+        },
+        ..fit.clone()
+    };
+    let free = Search::new(&unfused, cpu(), 1 << 40)
+        .effective_batch(4)
+        .choose(&machine)
+        .unwrap();
+    assert!(
+        free.chosen().unwrap().config.passes.is_empty(),
+        "unchecked, the first wins"
+    );
+    let checked = Search::new(&unfused, cpu(), 1 << 40)
+        .effective_batch(4)
+        .runnable(no_unfused_cross_entropy)
+        .choose(&machine)
+        .unwrap();
+    let chosen = checked.chosen().unwrap();
+    assert!(!chosen.config.passes.is_empty(), "{:?}", chosen.config);
+    let refused: Vec<_> = checked
+        .candidates
+        .iter()
+        .filter(|c| matches!(&c.verdict, Verdict::Failed { reason } if reason.contains("no unfused cross-entropy here")))
+        .collect();
+    assert!(!refused.is_empty());
+    assert!(refused.iter().all(|c| c.config.passes.is_empty()));
+}

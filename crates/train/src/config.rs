@@ -987,6 +987,9 @@ impl TrainConfig {
             self.lora_targets = Some(lora.targets);
         }
         self.quantize_base = step.quantize_base;
+        if self.devices > 1 {
+            self.shard = fit.shard;
+        }
     }
 
     /// Sequences per forward/backward pass (of one rank).

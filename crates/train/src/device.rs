@@ -44,6 +44,26 @@ impl DeviceSpec {
             }
         }
     }
+
+    /// What fit must check of each candidate for this device: the GPU backend's kernels
+    /// (None on the CPU, which runs every op).
+    pub fn runnable(&self) -> Option<snug_fit::Runnable> {
+        match self {
+            DeviceSpec::Cpu => None,
+            DeviceSpec::Gpu(_) => Some(runs_on_gpu),
+        }
+    }
+}
+
+/// Why the GPU backend cannot run `graph`, naming the op, or `Ok`.
+fn runs_on_gpu(graph: &snug_graph::Graph) -> Result<(), String> {
+    snug_gpu::check_graph(graph).map_err(|(op, detail)| {
+        if detail.contains(op) {
+            detail
+        } else {
+            format!("`{op}`: {detail}")
+        }
+    })
 }
 
 impl FromStr for DeviceSpec {

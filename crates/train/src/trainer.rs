@@ -486,29 +486,25 @@ impl Trainer {
             failure: oom.clone(),
             detail: e.to_string(),
         };
-        let search = Search::new(
+        let mut search = Search::new(
             &fit_model,
             self.config.target(),
             failure.budget(from_peak_bytes),
         );
+        if let Some(check) = self.config.device.runnable() {
+            search = search.runnable(check);
+        }
         let chosen = if devices > 1 {
             // One rank's step at this stage: the whole batch stays, spread as before.
             let report = search
                 .devices(devices)
+                .stage(from.shard)
                 .effective_batch(self.config.batch)
                 .max_micro_batch(from.micro_batch)
-                .run(machine)
+                .choose(machine)
                 .map_err(unrecoverable)?;
-            let fastest = report
-                .candidates
-                .iter()
-                .filter(|c| c.config.shard == from.shard)
-                .filter(|c| c.peak_bytes.is_some_and(|p| p <= report.budget))
-                .filter_map(|c| Some((c, c.predicted_seconds?)))
-                .min_by(|a, b| a.1.total_cmp(&b.1))
-                .map(|(c, _)| c.clone());
-            match fastest {
-                Some(c) => c,
+            match report.chosen() {
+                Some(c) => c.clone(),
                 None => return Err(report.nothing_fits().into()),
             }
         } else {
