@@ -1067,9 +1067,15 @@ fn memory_lowered_mid_run_is_recovered_without_losing_a_step() {
     // the run's own peak was the first plan's.
     let summary = lines.last().unwrap();
     assert_eq!(summary["kind"], "summary");
-    assert_eq!(summary["predicted_peak_bytes"], recovery[0]["to_peak_bytes"]);
+    assert_eq!(
+        summary["predicted_peak_bytes"],
+        recovery[0]["to_peak_bytes"]
+    );
     assert_eq!(summary["measured_peak_bytes"], recovery[0]["to_peak_bytes"]);
-    assert_eq!(summary["memory_limit_bytes"], recovery[0]["failure"]["limit"]);
+    assert_eq!(
+        summary["memory_limit_bytes"],
+        recovery[0]["failure"]["limit"]
+    );
     assert_eq!(summary["run_peak_bytes"], plain["peak_bytes"]);
     // The first two steps are those of an undisturbed run.
     let undisturbed = snug(&args);
