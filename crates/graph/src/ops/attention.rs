@@ -36,7 +36,37 @@ pub fn dims(
             format!("width {c} is not divisible by {n_head} heads"),
         ));
     }
+    check_scratch(op, qkv[1], c / n_head)?;
     Ok((qkv[0], qkv[1], c, c / n_head))
+}
+
+/// The most threads whose scratch [`check_scratch`] vouches for.
+const MAX_SCRATCH_THREADS: usize = 1 << 12;
+
+/// Refuses a sequence whose per-head scratch (the scores, `t`² floats, for each of up to
+/// [`MAX_SCRATCH_THREADS`] threads) cannot even be counted in bytes: such a step is beyond any
+/// machine, and a count that wrapped would plan too little scratch for the kernel.
+pub(super) fn check_scratch(op: &'static str, t: usize, d: usize) -> Result<()> {
+    let scores = t.checked_mul(t).and_then(|n| n.checked_mul(2));
+    let across = t
+        .checked_next_multiple_of(64)
+        .and_then(|n| n.checked_mul(d))
+        .and_then(|n| n.checked_mul(2));
+    let bytes = scores
+        .zip(across)
+        .and_then(|(a, b)| a.checked_add(b))
+        .and_then(|n| n.checked_mul(4 * MAX_SCRATCH_THREADS));
+    if bytes.is_some_and(|b| b <= isize::MAX as usize) {
+        Ok(())
+    } else {
+        Err(shape_err(
+            op,
+            format!(
+                "a sequence of {t} positions: each head's attention scores ({t}² floats a \
+                 thread) are beyond any machine's memory"
+            ),
+        ))
+    }
 }
 
 impl OpRule for CausalAttention {
@@ -74,14 +104,15 @@ impl OpRule for CausalAttention {
             return 0;
         }
         let threads = target.threads();
-        dims(self.name(), &inputs[0].shape, self.n_head)
-            .map_or(0, |(_, t, _, d)| threads * forward_scratch(t, d))
+        dims(self.name(), &inputs[0].shape, self.n_head).map_or(0, |(_, t, _, d)| {
+            threads.saturating_mul(forward_scratch(t, d))
+        })
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         match dims(self.name(), &inputs[0].shape, self.n_head) {
             // QKᵀ and PV over the blocked causal pairs.
-            Ok((b, t, c, _)) => 4 * (b * score_pairs(t) * c) as u64,
+            Ok((b, t, c, _)) => pair_flops(4, b, score_pairs(t), c),
             Err(_) => 0,
         }
     }
@@ -125,17 +156,25 @@ impl OpRule for CausalAttentionBackward {
             return 0;
         }
         let threads = target.threads();
-        dims(self.name(), &inputs[0].shape, self.n_head)
-            .map_or(0, |(_, t, _, d)| threads * backward_scratch(t, d))
+        dims(self.name(), &inputs[0].shape, self.n_head).map_or(0, |(_, t, _, d)| {
+            threads.saturating_mul(backward_scratch(t, d))
+        })
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         match dims(self.name(), &inputs[0].shape, self.n_head) {
             // Recomputed QKᵀ, then dV, dP, dQ, dK.
-            Ok((b, t, c, _)) => 10 * (b * score_pairs(t) * c) as u64,
+            Ok((b, t, c, _)) => pair_flops(10, b, score_pairs(t), c),
             Err(_) => 0,
         }
     }
+}
+
+/// `k · b · pairs · c` FLOPs, saturating: a long sequence's count is past u64.
+pub(super) fn pair_flops(k: u64, b: usize, pairs: usize, c: usize) -> u64 {
+    [b, pairs, c]
+        .iter()
+        .fold(k, |f, &n| f.saturating_mul(n as u64))
 }
 
 /// Floats of one head's operand laid out with its `t` rows across, in strips of 64.
@@ -169,4 +208,42 @@ pub fn row_blocks(t: usize) -> impl DoubleEndedIterator<Item = (usize, usize)> {
     (0..t)
         .step_by(ROW_BLOCK)
         .map(move |r0| (r0, (r0 + ROW_BLOCK).min(t)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::GqaAttention;
+    use crate::{DType, Graph};
+
+    /// A sequence whose scores cannot be counted (2^32 positions: 2^64 floats a head) is a
+    /// shape error as the graph is built, for both attentions; a model's long context (a
+    /// Llama's 131,072) is not, and its FLOPs count saturates rather than wrapping.
+    #[test]
+    fn sequences_past_countable_scores_are_refused_at_build() {
+        for (t, refused) in [(1usize << 32, true), (1 << 24 | 1, true), (131_072, false)] {
+            let mut g = Graph::new();
+            let qkv = g.input("qkv", &[1, t, 3 * 64], DType::F32).unwrap();
+            let causal = g.apply(CausalAttention { n_head: 2 }, &[qkv]);
+            let q = g.input("q", &[1, t, 64], DType::F32).unwrap();
+            let kv = g.input("k", &[1, t, 32], DType::F32).unwrap();
+            let gqa = g.apply(
+                GqaAttention {
+                    n_head: 2,
+                    n_kv_head: 1,
+                },
+                &[q, kv, kv],
+            );
+            for (name, r) in [("causal", causal.map(|_| ())), ("gqa", gqa.map(|_| ()))] {
+                match r {
+                    Err(GraphError::Shape { detail, .. }) if refused => {
+                        assert!(detail.contains(&format!("{t} positions")), "{detail}")
+                    }
+                    Ok(()) if !refused => {}
+                    other => panic!("{name} at {t}: {other:?}"),
+                }
+            }
+        }
+        assert_eq!(pair_flops(10, 1 << 20, 1 << 40, 1 << 20), u64::MAX);
+    }
 }

@@ -67,6 +67,7 @@ pub fn dims(
             format!("k {k:?} and v {v:?} must be {kv:?} ({n_kv_head} kv heads of width {d})"),
         ));
     }
+    super::attention::check_scratch(op, t, d)?;
     Ok(Dims {
         b,
         t,
@@ -132,14 +133,20 @@ impl OpRule for GqaAttention {
         }
         let threads = target.threads();
         let (q, k, v) = (&inputs[0].shape, &inputs[1].shape, &inputs[2].shape);
-        dims(self.name(), self.n_head, self.n_kv_head, q, k, v)
-            .map_or(0, |s| threads.max(1) * forward_scratch(s.t, s.d))
+        dims(self.name(), self.n_head, self.n_kv_head, q, k, v).map_or(0, |s| {
+            threads.max(1).saturating_mul(forward_scratch(s.t, s.d))
+        })
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         // QKᵀ and PV per query head over the blocked causal pairs.
         let t = inputs[0].shape.get(1).copied().unwrap_or(1).max(1);
-        4 * (inputs[0].numel() / t * super::attention::score_pairs(t)) as u64
+        super::attention::pair_flops(
+            4,
+            inputs[0].numel() / t,
+            super::attention::score_pairs(t),
+            1,
+        )
     }
 }
 
@@ -194,13 +201,19 @@ impl OpRule for GqaAttentionBackward {
         }
         let threads = target.threads();
         let (q, k, v) = (&inputs[0].shape, &inputs[1].shape, &inputs[2].shape);
-        dims(self.name(), self.n_head, self.n_kv_head, q, k, v)
-            .map_or(0, |s| threads.max(1) * backward_scratch(s.t, s.d))
+        dims(self.name(), self.n_head, self.n_kv_head, q, k, v).map_or(0, |s| {
+            threads.max(1).saturating_mul(backward_scratch(s.t, s.d))
+        })
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         // Recomputed QKᵀ, then dV, dP, dQ, dK, per query head.
         let t = inputs[0].shape.get(1).copied().unwrap_or(1).max(1);
-        10 * (inputs[0].numel() / t * super::attention::score_pairs(t)) as u64
+        super::attention::pair_flops(
+            10,
+            inputs[0].numel() / t,
+            super::attention::score_pairs(t),
+            1,
+        )
     }
 }
