@@ -37,8 +37,8 @@ pub struct FitArgs {
     allow: Option<String>,
     /// Search one rank of a data-parallel run over this many devices (the budget is per
     /// device; --batch is the whole step's): every ZeRO stage 0-3 competes.
-    #[arg(long, default_value_t = 1, value_name = "N")]
-    devices: usize,
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    devices: u64,
     /// With --devices: add each candidate's communication time over a link of this many GB/s
     /// each way to its prediction.
     #[arg(long, value_name = "GB/s", requires = "devices")]
@@ -359,7 +359,7 @@ pub fn run(args: FitArgs) -> Result<()> {
     }
     let effective = args.effective_batch.unwrap_or(cfg.batch);
     let spread = Spread {
-        devices: args.devices,
+        devices: usize::try_from(args.devices)?,
         link: args.link,
         stage: None,
     };

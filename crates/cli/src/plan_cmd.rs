@@ -44,7 +44,7 @@ pub struct PlanArgs {
     /// Plan one rank of a data-parallel run over this many devices: each rank's batch is
     /// --batch / N (N must divide it), and the report adds the bytes each rank sends and
     /// receives per step.
-    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
     devices: u64,
     /// ZeRO stage: 0 replicates everything, 1 shards optimizer state, 2 also gradients, 3 also
     /// parameters (gathered per weight before its forward and its backward).
@@ -519,7 +519,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         "training step: batch {} x block {} = {} tokens, {:?}, {}, {} threads, remat {}; {} nodes, {:.1} GFLOP",
         cfg.batch,
         cfg.block,
-        cfg.batch * cfg.block,
+        cfg.batch.saturating_mul(cfg.block),
         cfg.optimizer,
         cfg.precision,
         cfg.threads,

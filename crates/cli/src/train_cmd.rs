@@ -465,7 +465,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
     }
     let plan = trainer.plan().clone();
     let params = trainer.step_graph().parameter_count();
-    let tokens_per_step = cfg.batch * cfg.block;
+    let tokens_per_step = cfg.batch.saturating_mul(cfg.block);
     let flops_per_step = trainer.model().flops_per_token(cfg.block) as f64 * tokens_per_step as f64;
     if !json && cfg.device.is_gpu() {
         say!(out, "device: {}", trainer.session().device_name());

@@ -107,6 +107,20 @@ fn bad_input_is_a_named_error() {
     fails_with(&["train", "--block", "0"], &["block"]);
     fails_with(&["train", "--steps", "0"], &["steps"]);
     fails_with(&["train", "--threads", "0"], &["threads"]);
+    // A plan for another machine may name more threads than this one has, but not past what
+    // its scratch sizes are counted for (4,611,686,018,427,387,904 threads planned as 4).
+    fails_with(&["plan", "--threads", "5000"], &["threads", "5000", "4096"]);
+    for cmd in ["plan", "fit"] {
+        let o = snug(&[
+            cmd,
+            "--devices",
+            "1099511627776",
+            "--batch",
+            "1099511627776",
+        ]);
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        assert!(stderr(&o).contains("--devices"), "{}", stderr(&o));
+    }
     fails_with(
         &["train", "--eval-batches", "1000000000000"],
         &["eval_batches", "1000000000000"],

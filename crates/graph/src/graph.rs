@@ -261,6 +261,15 @@ impl Graph {
         let metas: Vec<&TensorMeta> = inputs.iter().map(|&i| self.tensor(i)).collect();
         let specs = op.infer(&metas)?;
         let ws_elems = op.workspace_elems(&metas, &self.target);
+        // Checked like any output: a scratch too large to count in bytes is refused by name,
+        // never wrapped into a small one.
+        if ws_elems > 0 {
+            checked_numel(
+                &format!("{}'s workspace", op.name()),
+                &[ws_elems],
+                DType::F32,
+            )?;
+        }
         let node_id = NodeId(self.nodes.len() as u32);
         let role = self.build_role.unwrap_or(Role::Activation);
         let op_name = op.name();

@@ -30,6 +30,6 @@ pub use graph::{Graph, Node, NodeId};
 pub use step::{
     ClipMode, FrozenParam, OptimizerSpec, ParamSlot, StepGraph, StepOptions, PREVIOUS_SUM_SQUARES,
 };
-pub use target::{CpuGemm, DeviceKind, Fusions, MemoryLayout, Target};
+pub use target::{CpuGemm, DeviceKind, Fusions, MemoryLayout, Target, MAX_THREADS};
 pub use tensor::{Role, TensorId, TensorMeta};
 pub use zero::{CommVolume, Sharding};

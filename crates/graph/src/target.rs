@@ -5,6 +5,11 @@
 
 use serde::{Deserialize, Serialize};
 
+/// The most threads a target may name (a plan for another machine included): the op's scratch
+/// sizes are vouched for up to it (`ops::attention::check_scratch`), and no machine runs one
+/// step on more.
+pub const MAX_THREADS: usize = 1 << 12;
+
 /// Which GEMM runs a CPU's large products: its depth block decides how some fused ops tile
 /// their rows, hence their scratch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

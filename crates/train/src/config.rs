@@ -757,8 +757,29 @@ impl TrainConfig {
         if self.threads == 0 {
             return err("threads", "must be at least 1".into());
         }
+        // Also where planning for another machine: sizes per thread are counted up to it.
+        if self.threads > snug_graph::MAX_THREADS {
+            return err(
+                "threads",
+                format!(
+                    "{} is more than {} (no machine runs one step on more)",
+                    self.threads,
+                    snug_graph::MAX_THREADS
+                ),
+            );
+        }
         if self.devices == 0 {
             return err("devices", "must be at least 1".into());
+        }
+        if self.devices > MAX_DEVICES {
+            return err(
+                "devices",
+                format!(
+                    "{} is more than {MAX_DEVICES} (the shards' padding and traffic are counted \
+                     up to it)",
+                    self.devices
+                ),
+            );
         }
         if self.shard > 3 {
             return err(
@@ -1178,6 +1199,9 @@ impl TrainConfig {
         Ok(cfg)
     }
 }
+
+/// The most ranks a run may span (a plan for a larger cluster included).
+pub const MAX_DEVICES: usize = 1 << 20;
 
 /// The most batches one evaluation runs per split.
 pub const MAX_EVAL_BATCHES: usize = 1_000_000;

@@ -40,11 +40,8 @@ pub fn dims(
     Ok((qkv[0], qkv[1], c, c / n_head))
 }
 
-/// The most threads whose scratch [`check_scratch`] vouches for.
-const MAX_SCRATCH_THREADS: usize = 1 << 12;
-
 /// Refuses a sequence whose per-head scratch (the scores, `t`² floats, for each of up to
-/// [`MAX_SCRATCH_THREADS`] threads) cannot even be counted in bytes: such a step is beyond any
+/// [`crate::MAX_THREADS`] threads) cannot even be counted in bytes: such a step is beyond any
 /// machine, and a count that wrapped would plan too little scratch for the kernel.
 pub(super) fn check_scratch(op: &'static str, t: usize, d: usize) -> Result<()> {
     let scores = t.checked_mul(t).and_then(|n| n.checked_mul(2));
@@ -55,7 +52,7 @@ pub(super) fn check_scratch(op: &'static str, t: usize, d: usize) -> Result<()> 
     let bytes = scores
         .zip(across)
         .and_then(|(a, b)| a.checked_add(b))
-        .and_then(|n| n.checked_mul(4 * MAX_SCRATCH_THREADS));
+        .and_then(|n| n.checked_mul(4 * crate::MAX_THREADS));
     if bytes.is_some_and(|b| b <= isize::MAX as usize) {
         Ok(())
     } else {
@@ -112,7 +109,7 @@ impl OpRule for CausalAttention {
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         match dims(self.name(), &inputs[0].shape, self.n_head) {
             // QKᵀ and PV over the blocked causal pairs.
-            Ok((b, t, c, _)) => pair_flops(4, b, score_pairs(t), c),
+            Ok((b, t, c, _)) => super::flops_of(4, &[b, score_pairs(t), c]),
             Err(_) => 0,
         }
     }
@@ -164,17 +161,10 @@ impl OpRule for CausalAttentionBackward {
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         match dims(self.name(), &inputs[0].shape, self.n_head) {
             // Recomputed QKᵀ, then dV, dP, dQ, dK.
-            Ok((b, t, c, _)) => pair_flops(10, b, score_pairs(t), c),
+            Ok((b, t, c, _)) => super::flops_of(10, &[b, score_pairs(t), c]),
             Err(_) => 0,
         }
     }
-}
-
-/// `k · b · pairs · c` FLOPs, saturating: a long sequence's count is past u64.
-pub(super) fn pair_flops(k: u64, b: usize, pairs: usize, c: usize) -> u64 {
-    [b, pairs, c]
-        .iter()
-        .fold(k, |f, &n| f.saturating_mul(n as u64))
 }
 
 /// Floats of one head's operand laid out with its `t` rows across, in strips of 64.
@@ -244,6 +234,9 @@ mod tests {
                 }
             }
         }
-        assert_eq!(pair_flops(10, 1 << 20, 1 << 40, 1 << 20), u64::MAX);
+        assert_eq!(
+            crate::ops::flops_of(10, &[1 << 20, 1 << 40, 1 << 20]),
+            u64::MAX
+        );
     }
 }

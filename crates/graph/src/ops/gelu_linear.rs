@@ -90,8 +90,9 @@ impl OpRule for GeluLinear {
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
-        linear_dims(self.name(), &inputs[0].shape, &inputs[1].shape)
-            .map_or(0, |(rows, k, n)| (2 * rows * k * n + 8 * rows * k) as u64)
+        linear_dims(self.name(), &inputs[0].shape, &inputs[1].shape).map_or(0, |(rows, k, n)| {
+            super::flops_of(2, &[rows, k, n]).saturating_add(super::flops_of(8, &[rows, k]))
+        })
     }
 }
 
@@ -142,8 +143,9 @@ impl OpRule for GeluLinearBackward {
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
-        linear_dims(self.name(), &inputs[0].shape, &inputs[1].shape)
-            .map_or(0, |(rows, k, n)| (4 * rows * k * n + 20 * rows * k) as u64)
+        linear_dims(self.name(), &inputs[0].shape, &inputs[1].shape).map_or(0, |(rows, k, n)| {
+            super::flops_of(4, &[rows, k, n]).saturating_add(super::flops_of(20, &[rows, k]))
+        })
     }
 }
 

@@ -141,11 +141,9 @@ impl OpRule for GqaAttention {
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         // QKᵀ and PV per query head over the blocked causal pairs.
         let t = inputs[0].shape.get(1).copied().unwrap_or(1).max(1);
-        super::attention::pair_flops(
+        super::flops_of(
             4,
-            inputs[0].numel() / t,
-            super::attention::score_pairs(t),
-            1,
+            &[inputs[0].numel() / t, super::attention::score_pairs(t)],
         )
     }
 }
@@ -209,11 +207,9 @@ impl OpRule for GqaAttentionBackward {
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         // Recomputed QKᵀ, then dV, dP, dQ, dK, per query head.
         let t = inputs[0].shape.get(1).copied().unwrap_or(1).max(1);
-        super::attention::pair_flops(
+        super::flops_of(
             10,
-            inputs[0].numel() / t,
-            super::attention::score_pairs(t),
-            1,
+            &[inputs[0].numel() / t, super::attention::score_pairs(t)],
         )
     }
 }

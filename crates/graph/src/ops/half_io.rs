@@ -352,14 +352,17 @@ impl OpRule for HalfIo {
                 let staging = if target.is_gpu() {
                     0
                 } else {
-                    target.threads() * self.head_staging(inputs)
+                    target.threads().saturating_mul(self.head_staging(inputs))
                 };
                 let tile = if target.is_gpu() {
                     0
                 } else {
                     self.write_tile(&refs)
                 };
-                self.op.workspace_elems(&refs, target) + staging + tile
+                self.op
+                    .workspace_elems(&refs, target)
+                    .saturating_add(staging)
+                    .saturating_add(tile)
             }
             Err(_) => 0,
         }

@@ -153,13 +153,13 @@ impl OpRule for KvAttention {
     fn workspace_elems(&self, inputs: &[&TensorMeta], target: &crate::Target) -> usize {
         let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
         self.dims(&shapes)
-            .map_or(0, |s| target.threads().max(1) * s.s)
+            .map_or(0, |s| target.threads().max(1).saturating_mul(s.s))
     }
 
     /// At the most the position can be: every query row against the whole cache.
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
         self.dims(&shapes)
-            .map_or(0, |s| 4 * (s.b * s.t * s.h * s.d) as u64 * s.s as u64)
+            .map_or(0, |s| super::flops_of(4, &[s.b, s.t, s.h, s.d, s.s]))
     }
 }

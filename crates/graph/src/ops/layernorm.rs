@@ -105,7 +105,7 @@ impl OpRule for LayerNormBackward {
             return 0;
         }
         let threads = target.threads();
-        2 * threads * inputs[2].numel()
+        threads.saturating_mul(2).saturating_mul(inputs[2].numel())
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {

@@ -105,8 +105,9 @@ impl OpRule for LayerNormLinear {
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
-        linear_dims(self.name(), &inputs[0].shape, &inputs[3].shape)
-            .map_or(0, |(rows, k, n)| (2 * rows * k * n + 8 * rows * k) as u64)
+        linear_dims(self.name(), &inputs[0].shape, &inputs[3].shape).map_or(0, |(rows, k, n)| {
+            super::flops_of(2, &[rows, k, n]).saturating_add(super::flops_of(8, &[rows, k]))
+        })
     }
 }
 

@@ -113,9 +113,9 @@ impl OpRule for LmHeadLoss {
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
-        let (n, c) = (inputs[0].shape[0] as u64, inputs[0].shape[1] as u64);
-        let v = head_vocab(self.tb, inputs[1]) as u64;
-        2 * n * c * v + 3 * n * v
+        let (n, c) = (inputs[0].shape[0], inputs[0].shape[1]);
+        let v = head_vocab(self.tb, inputs[1]);
+        super::flops_of(2, &[n, c, v]).saturating_add(super::flops_of(3, &[n, v]))
     }
 }
 

@@ -204,7 +204,7 @@ impl OpRule for MatMul {
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {
         match self.dims(&inputs[0].shape, &inputs[1].shape) {
-            Ok(d) => 2 * (d.batch * d.m * d.n * d.k) as u64,
+            Ok(d) => super::flops_of(2, &[d.batch, d.m, d.n, d.k]),
             Err(_) => 0,
         }
     }

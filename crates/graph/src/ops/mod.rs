@@ -412,9 +412,41 @@ pub(crate) fn float_dtype(op: &'static str, inputs: &[&TensorMeta]) -> Result<DT
     Ok(dt)
 }
 
+/// `k` times the product of `dims`, saturating: an absurd shape's FLOPs are past u64, and a
+/// count that wrapped would rank it fast.
+pub(crate) fn flops_of(k: u64, dims: &[usize]) -> u64 {
+    dims.iter().fold(k, |f, &n| f.saturating_mul(n as u64))
+}
+
 #[cfg(test)]
 mod tests {
     use super::{tile_rows, tile_rows_in_blocks};
+
+    /// A workspace whose bytes cannot be counted (a per-thread partial of 2^60 floats on 4,096
+    /// threads) is refused by name as the op is added, as an output would be, not wrapped
+    /// into a small one.
+    #[test]
+    fn a_workspace_too_large_to_count_is_refused_by_name() {
+        use crate::{CpuGemm, DType, Graph, GraphError, Target};
+        let c = 1usize << 60;
+        let mut g = Graph::new().with_target(Target::cpu(crate::MAX_THREADS, CpuGemm::Portable));
+        let dy = g.input("dy", &[1, c], DType::F32).unwrap();
+        let x = g.input("x", &[1, c], DType::F32).unwrap();
+        let w = g.input("w", &[c], DType::F32).unwrap();
+        let rstd = g.input("rstd", &[1], DType::F32).unwrap();
+        match g.apply(super::RmsNormBackward, &[dy, x, w, rstd]) {
+            Err(GraphError::Overflow { name, .. }) => assert!(name.contains("workspace"), "{name}"),
+            other => panic!("expected an overflow naming the workspace, got {other:?}"),
+        }
+        // One thread's partial counts: the op is added.
+        let mut g = Graph::new().with_target(Target::cpu(1, CpuGemm::Portable));
+        let small = 1usize << 20;
+        let dy = g.input("dy", &[1, small], DType::F32).unwrap();
+        let x = g.input("x", &[1, small], DType::F32).unwrap();
+        let w = g.input("w", &[small], DType::F32).unwrap();
+        let rstd = g.input("rstd", &[1], DType::F32).unwrap();
+        assert!(g.apply(super::RmsNormBackward, &[dy, x, w, rstd]).is_ok());
+    }
 
     /// Equal tiles under the bound; where a tile holds a block of rows, a whole number of
     /// blocks (char-small's MLP backward at both tiles' blocks, and bounds under one block).

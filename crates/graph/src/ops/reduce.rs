@@ -166,7 +166,7 @@ impl OpRule for SumTo {
         let n: usize = self.shape.iter().product();
         let rows = inputs[0].numel() / n.max(1);
         if threads > 1 && rows >= 2 * threads && n * rows >= super::MIN_PAR_ELEMS {
-            threads * n
+            threads.saturating_mul(n)
         } else {
             0
         }

@@ -108,7 +108,7 @@ impl OpRule for RmsNormBackward {
             return 0;
         }
         let threads = target.threads();
-        threads.max(1) * inputs[2].numel()
+        threads.max(1).saturating_mul(inputs[2].numel())
     }
 
     fn flops(&self, inputs: &[&TensorMeta], _outputs: &[&TensorMeta]) -> u64 {

@@ -178,7 +178,7 @@ impl OpRule for Rope {
             return 0;
         }
         let threads = target.threads();
-        threads.max(1) * self.head_dim
+        threads.max(1).saturating_mul(self.head_dim)
     }
 
     fn flops(&self, _inputs: &[&TensorMeta], outputs: &[&TensorMeta]) -> u64 {
