@@ -337,10 +337,7 @@ fn flags_a_run_cannot_honour_are_named() {
     let o = train(tmp.path(), &["--steps", "1", "--threads", "100000"]);
     assert_eq!(o.status.code(), Some(1));
     let err = stderr(&o);
-    assert!(
-        err.contains("`threads` 100000 is more than"),
-        "{err}"
-    );
+    assert!(err.contains("`threads` 100000 is more than"), "{err}");
     assert!(
         !tmp.path().join("runs").exists(),
         "a refused run made a directory"
