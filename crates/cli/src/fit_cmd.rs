@@ -37,7 +37,7 @@ pub struct FitArgs {
     allow: Option<String>,
     /// Search one rank of a data-parallel run over this many devices (the budget is per
     /// device; --batch is the whole step's): every ZeRO stage 0-3 competes.
-    #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=snug_train::config::MAX_DEVICES as u64))]
     devices: u64,
     /// With --devices: add each candidate's communication time over a link of this many GB/s
     /// each way to its prediction.

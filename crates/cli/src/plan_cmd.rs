@@ -44,7 +44,7 @@ pub struct PlanArgs {
     /// Plan one rank of a data-parallel run over this many devices: each rank's batch is
     /// --batch / N (N must divide it), and the report adds the bytes each rank sends and
     /// receives per step.
-    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=snug_train::config::MAX_DEVICES as u64))]
     devices: u64,
     /// ZeRO stage: 0 replicates everything, 1 shards optimizer state, 2 also gradients, 3 also
     /// parameters (gathered per weight before its forward and its backward).
@@ -286,9 +286,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let compiled = compile(&cfg)?;
     let remat_dropped = compiled.remat_dropped;
     let step = compiled.step;
-    if gpu {
-        check_runs_on_gpu(&step.graph, &cfg)?;
-    }
+    check_runs_on_device(&step.graph, &cfg)?;
     let memory_plan = plan(&step.graph, &PlanOptions::default())?;
     let plan_ms = start.elapsed().as_secs_f64() * 1e3;
     // Each pass's saving, measured by planning the step without it and with it, cumulatively:
@@ -607,13 +605,13 @@ pub fn run(args: PlanArgs) -> Result<()> {
     Ok(())
 }
 
-/// Refuses, as a GPU session would, a step with an op the GPU backend cannot run: a plan of
-/// a step that cannot run there is no prediction.
-fn check_runs_on_gpu(graph: &snug_graph::Graph, cfg: &TrainConfig) -> Result<()> {
+/// Refuses, as the device's session would, a step with an op its backend cannot run (a GPU's
+/// missing kernels): a plan of a step that cannot run there is no prediction.
+fn check_runs_on_device(graph: &snug_graph::Graph, cfg: &TrainConfig) -> Result<()> {
     match cfg.device.runnable() {
-        Some(check) => check(graph).map_err(|why| {
-            anyhow::anyhow!("--device {}: the step cannot run there: {why}", cfg.device)
-        }),
+        Some(check) => {
+            check(graph).map_err(|why| anyhow::anyhow!("--device {}: {why}", cfg.device))
+        }
         None => Ok(()),
     }
 }
@@ -650,9 +648,7 @@ fn run_inference(
         let (g, p) = plan_inference_on(model, window, target, None)?;
         (g.graph, p, None)
     };
-    if cfg.device.is_gpu() {
-        check_runs_on_gpu(&graph, cfg)?;
-    }
+    check_runs_on_device(&graph, cfg)?;
     let plan_ms = start.elapsed().as_secs_f64() * 1e3;
     let report = InferenceReport {
         preset: cfg.model.preset.clone().unwrap_or_default(),

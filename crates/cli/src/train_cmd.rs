@@ -181,7 +181,6 @@ fn default_run_dir(cfg: &TrainConfig) -> PathBuf {
         .unwrap_or_else(|| runs.join(name))
 }
 
-/// With `--memory`: runs fit and applies its choice, with the budget as a strict limit.
 /// Refuses a training budget beyond the memory of the device the run is on: it would choose a
 /// batch this machine cannot hold (`--batch auto` under 1,000,000 TiB chose a million
 /// sequences). `snug fit` and `snug plan` plan for other machines and take any size.
@@ -205,6 +204,7 @@ fn check_budget_here(text: &str, budget: usize, cfg: &TrainConfig) -> Result<()>
     }
 }
 
+/// With `--memory`: runs fit and applies its choice, with the budget as a strict limit.
 /// Returns the machine profile fit used.
 fn fit_to_memory(
     args: &TrainArgs,

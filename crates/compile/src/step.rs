@@ -29,6 +29,16 @@ pub struct CompiledStep {
     pub remat_dropped: Option<RematDropped>,
 }
 
+impl CompiledStep {
+    /// The step's plan with the default options: the one compiling made, taken, or a new one.
+    pub fn take_plan(&mut self) -> Result<MemoryPlan, snug_plan::PlanError> {
+        match self.plan.take() {
+            Some(p) => Ok(p),
+            None => snug_plan::plan(&self.step.graph, &PlanOptions::default()),
+        }
+    }
+}
+
 /// The peaks of a step without and with a remat mode that did not lower it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct RematDropped {

@@ -6,7 +6,6 @@ use serde::Serialize;
 use snug_compile::{compile_sharded, Remat, StepConfig, StepShape};
 use snug_graph::{CommVolume, DType, Sharding, Target};
 use snug_nn::{LlamaConfig, ModelConfig};
-use snug_plan::{plan, PlanOptions};
 
 use crate::levers::{ladder, LeverCost, Levers};
 use crate::FitError;
@@ -101,13 +100,9 @@ fn first_fitting(
             ..base.clone()
         };
         let shape = StepShape { micro_batch, block };
-        let c = compile_sharded(model, shape, target, &step, &sharding)?;
+        let mut c = compile_sharded(model, shape, target, &step, &sharding)?;
         // A remat mode was planned while compiling (to drop it where it saves nothing).
-        let p = match c.plan {
-            Some(p) => p,
-            None => plan(&c.step.graph, &PlanOptions::default())
-                .map_err(snug_compile::CompileError::from)?,
-        };
+        let p = c.take_plan().map_err(snug_compile::CompileError::from)?;
         Ok::<_, FitError>((
             p.peak_bytes(),
             snug_graph::zero::comm_per_rank(&c.step.graph, 1),

@@ -29,7 +29,6 @@ use serde::Serialize;
 use snug_compile::{compile_exactly_sharded, CompileError, Pass, Remat, StepConfig, StepShape};
 use snug_graph::{DType, Sharding, Target};
 use snug_nn::ModelConfig;
-use snug_plan::{plan, PlanOptions};
 
 use crate::cost_model::{MachineProfile, StepWork};
 use crate::floor::state_floor;
@@ -438,12 +437,8 @@ fn search(s: &Search<'_>, machine: &MachineProfile) -> Result<FitReport, FitErro
             detail: format!("{l}: a bandwidth in GB/s must be a positive number"),
         });
     }
-    let pinned;
-    let stages: &[u8] = match s.stage {
-        Some(stage) => {
-            pinned = [stage];
-            &pinned
-        }
+    let stages: &[u8] = match &s.stage {
+        Some(stage) => std::slice::from_ref(stage),
         None if s.devices > 1 => &[0, 1, 2, 3],
         None => &[0],
     };
@@ -699,14 +694,11 @@ fn evaluate(
                 &sharding,
             )?)
         })
-        .and_then(|c| {
+        .and_then(|mut c| {
             if let Some(check) = runnable {
                 check(&c.step.graph).map_err(FitError::Unrunnable)?;
             }
-            let p = match c.plan {
-                Some(p) => p,
-                None => plan(&c.step.graph, &PlanOptions::default())?,
-            };
+            let p = c.take_plan()?;
             let comm_seconds = link.map_or(0.0, |l| {
                 snug_graph::zero::comm_per_rank(&c.step.graph, c.step.micro_steps).seconds(l)
             });

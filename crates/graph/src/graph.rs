@@ -263,12 +263,11 @@ impl Graph {
         let ws_elems = op.workspace_elems(&metas, &self.target);
         // Checked like any output: a scratch too large to count in bytes is refused by name,
         // never wrapped into a small one.
-        if ws_elems > 0 {
-            checked_numel(
-                &format!("{}'s workspace", op.name()),
-                &[ws_elems],
-                DType::F32,
-            )?;
+        if ws_elems.checked_mul(DType::F32.size_bytes()).is_none() {
+            return Err(GraphError::Overflow {
+                name: format!("{}'s workspace", op.name()),
+                shape: vec![ws_elems],
+            });
         }
         let node_id = NodeId(self.nodes.len() as u32);
         let role = self.build_role.unwrap_or(Role::Activation);

@@ -573,13 +573,9 @@ pub(crate) fn sync_dir(_dir: &Path) -> std::io::Result<()> {
 /// The step a checkpoint's name gives (`ckpt-<step>.safetensors`, or a sharded checkpoint's
 /// manifest); `None` for any other name.
 fn step_in_name(path: &Path) -> Option<u64> {
-    let name = path.file_name()?.to_str()?;
-    name.strip_prefix(PREFIX)?
-        .strip_suffix(SUFFIX)
-        .or_else(|| {
-            name.strip_prefix(PREFIX)?
-                .strip_suffix(crate::shards::MANIFEST_SUFFIX)
-        })?
+    let rest = path.file_name()?.to_str()?.strip_prefix(PREFIX)?;
+    rest.strip_suffix(SUFFIX)
+        .or_else(|| rest.strip_suffix(crate::shards::MANIFEST_SUFFIX))?
         .parse()
         .ok()
 }

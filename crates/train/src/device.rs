@@ -57,13 +57,7 @@ impl DeviceSpec {
 
 /// Why the GPU backend cannot run `graph`, naming the op, or `Ok`.
 fn runs_on_gpu(graph: &snug_graph::Graph) -> Result<(), String> {
-    snug_gpu::check_graph(graph).map_err(|(op, detail)| {
-        if detail.contains(op) {
-            detail
-        } else {
-            format!("`{op}`: {detail}")
-        }
-    })
+    snug_gpu::check_graph(graph).map_err(|(op, detail)| format!("cannot run `{op}`: {detail}"))
 }
 
 impl FromStr for DeviceSpec {

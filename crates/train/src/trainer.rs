@@ -12,7 +12,7 @@ use snug_cpu::kernels::collective::{installed as transport, world};
 use snug_fit::{FitConfig, MachineProfile, MemoryFailure, Search};
 use snug_graph::{Role, StepGraph, TensorId};
 use snug_nn::{LossMask, ModelConfig};
-use snug_plan::{plan, MemoryPlan, PlanOptions};
+use snug_plan::MemoryPlan;
 use snug_runtime::{Allocator, ExecCtx, OutOfMemory, RuntimeError};
 
 use crate::checkpoint::{Checkpoint, CheckpointRef, PerRankState, SavedBytes, SavedTensor};
@@ -195,6 +195,14 @@ impl Trainer {
             std::thread::sleep(std::time::Duration::from_millis(ms));
         }
         let model = config.model_for_vocab(data.tokenizer.vocab_size())?;
+        let mut compiled = compile_sharded(
+            &model,
+            config.step_shape(),
+            config.target(),
+            &config.step_config(),
+            &config.sharding()?,
+        )?;
+        let memory_plan = compiled.take_plan()?;
         let CompiledStep {
             step: step_graph,
             tokens,
@@ -202,13 +210,7 @@ impl Trainer {
             loss_mask,
             remat_dropped,
             ..
-        } = compile_sharded(
-            &model,
-            config.step_shape(),
-            config.target(),
-            &config.step_config(),
-            &config.sharding()?,
-        )?;
+        } = compiled;
         if let Some(d) = remat_dropped {
             tracing::warn!(
                 "remat {} left out: it would raise the planned peak from {} to {} bytes",
@@ -217,7 +219,6 @@ impl Trainer {
                 d.peak_with_bytes
             );
         }
-        let memory_plan = plan(&step_graph.graph, &PlanOptions::default())?;
         crate::ranks::check_agreement(&config, &memory_plan, &data)?;
         if let Some(limit) = config.memory_limit {
             allocator.set_memory_limit(limit, !config.strict_memory_limit);
@@ -388,20 +389,21 @@ impl Trainer {
             });
         }
         config.validate()?;
-        let CompiledStep {
-            step,
-            tokens,
-            targets,
-            loss_mask,
-            ..
-        } = compile_sharded(
+        let mut compiled = compile_sharded(
             &self.model,
             config.step_shape(),
             config.target(),
             &config.step_config(),
             &config.sharding()?,
         )?;
-        let memory_plan = plan(&step.graph, &PlanOptions::default())?;
+        let memory_plan = compiled.take_plan()?;
+        let CompiledStep {
+            step,
+            tokens,
+            targets,
+            loss_mask,
+            ..
+        } = compiled;
         self.session.replan(step.graph.clone(), memory_plan)?;
         // From here the allocator's peak is the new plan's, to be measured against it.
         let allocator = self.session.allocator();
@@ -494,28 +496,20 @@ impl Trainer {
         if let Some(check) = self.config.device.runnable() {
             search = search.runnable(check);
         }
-        let chosen = if devices > 1 {
+        let search = if devices > 1 {
             // One rank's step at this stage: the whole batch stays, spread as before.
-            let report = search
+            search
                 .devices(devices)
                 .stage(from.shard)
                 .effective_batch(self.config.batch)
                 .max_micro_batch(from.micro_batch)
-                .choose(machine)
-                .map_err(unrecoverable)?;
-            match report.chosen() {
-                Some(c) => c.clone(),
-                None => return Err(report.nothing_fits().into()),
-            }
         } else {
-            let report = search
-                .recovering_from(&from)
-                .choose(machine)
-                .map_err(unrecoverable)?;
-            match report.chosen() {
-                Some(c) => c.clone(),
-                None => return Err(report.nothing_fits().into()),
-            }
+            search.recovering_from(&from)
+        };
+        // `choose` refuses where nothing is chosen.
+        let report = search.choose(machine).map_err(unrecoverable)?;
+        let Some(chosen) = report.chosen().cloned() else {
+            return Err(report.nothing_fits().into());
         };
         let to = chosen.config.clone();
         let to_peak_bytes = chosen.peak_bytes.unwrap_or(0);

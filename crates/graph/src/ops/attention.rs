@@ -44,15 +44,7 @@ pub fn dims(
 /// [`crate::MAX_THREADS`] threads) cannot even be counted in bytes: such a step is beyond any
 /// machine, and a count that wrapped would plan too little scratch for the kernel.
 pub(super) fn check_scratch(op: &'static str, t: usize, d: usize) -> Result<()> {
-    let scores = t.checked_mul(t).and_then(|n| n.checked_mul(2));
-    let across = t
-        .checked_next_multiple_of(64)
-        .and_then(|n| n.checked_mul(d))
-        .and_then(|n| n.checked_mul(2));
-    let bytes = scores
-        .zip(across)
-        .and_then(|(a, b)| a.checked_add(b))
-        .and_then(|n| n.checked_mul(4 * crate::MAX_THREADS));
+    let bytes = checked_backward_scratch(t, d).and_then(|n| n.checked_mul(4 * crate::MAX_THREADS));
     if bytes.is_some_and(|b| b <= isize::MAX as usize) {
         Ok(())
     } else {
@@ -181,6 +173,17 @@ pub fn forward_scratch(t: usize, d: usize) -> usize {
 /// values laid across.
 pub fn backward_scratch(t: usize, d: usize) -> usize {
     2 * t * t + 2 * across_len(t, d)
+}
+
+/// [`backward_scratch`], `None` where it cannot be counted (the larger of the two scratches,
+/// so this bounds the forward's too).
+fn checked_backward_scratch(t: usize, d: usize) -> Option<usize> {
+    let scores = t.checked_mul(t)?.checked_mul(2)?;
+    let across = t
+        .checked_next_multiple_of(64)?
+        .checked_mul(d)?
+        .checked_mul(2)?;
+    scores.checked_add(across)
 }
 
 /// Query rows handled together. Row block `[r0, r1)` only needs keys `[0, r1)`, so working in
