@@ -7,7 +7,8 @@
 //! `adapter_config.json`), or with `--merge` the model with every adapter folded in.
 //!
 //! A directory that is not empty is refused unless `--force`, which replaces the files export
-//! writes and nothing else; a run directory, and the directory being exported, never.
+//! writes and removes those an earlier model left that loaders would read with the new one;
+//! a run directory, and the directory being exported, never.
 
 use std::path::{Path, PathBuf};
 
@@ -33,9 +34,11 @@ pub struct ExportArgs {
     out: PathBuf,
     /// Write into a directory that is not empty: replace the files export writes there
     /// (config.json, model.safetensors, the tokenizer's and the adapter's), each atomically,
-    /// and remove those of them this export does not write, so no earlier export's file is
-    /// read with the new model; any other file is left. Never a run directory, a checkpoint,
-    /// or the directory being exported.
+    /// and remove those of them this export does not write, and the files Hugging Face reads
+    /// with a model that export never writes (generation_config.json, a slow tokenizer's
+    /// files), so no earlier model's file is read with the new one; any other file is left.
+    /// Never a run directory, a checkpoint, a directory of sharded weights, or the directory
+    /// being exported.
     #[arg(long)]
     force: bool,
     /// Fold a LoRA run's adapters into the base weights (W + alpha/r · B·A) and write the
@@ -62,8 +65,8 @@ struct ExportReport {
     /// The adapters were folded into the weights.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     merged: bool,
-    /// Files an earlier export left in `--out` that this one does not write, removed
-    /// (`--force`).
+    /// Files an earlier model left in `--out` that this export does not write and loaders would
+    /// read with it, removed (`--force`).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     removed: Vec<PathBuf>,
 }
@@ -77,6 +80,19 @@ const EXPORT_FILES: [&str; 7] = [
     CHAT_TEMPLATE_FILE,
     snug_nn::lora::ADAPTER_WEIGHTS_FILE,
     snug_nn::lora::ADAPTER_CONFIG_FILE,
+];
+
+/// Files export never writes that Hugging Face's loaders read with a model's (its generation
+/// settings, a slow tokenizer's files): left by an earlier model in a directory `--force`
+/// replaces, they would be read with the new one. Weights are not among them: a directory
+/// holding sharded weights is refused, and other formats are not read beside safetensors.
+const HUB_FILES: [&str; 6] = [
+    "generation_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
 ];
 
 /// Whether `a` and `b` are the same existing directory or file.
@@ -107,6 +123,15 @@ pub fn run(args: ExportArgs) -> Result<()> {
         );
     }
     output::check_dir(&args.out, &EXPORT_FILES, DirContents::Nothing, args.force)?;
+    // Refused here, before an adapter is written beside it, rather than by the weights' writer.
+    let index = args.out.join(snug_nn::hf_checkpoint::INDEX_FILE);
+    if index.exists() {
+        bail!(
+            "{}: holds a sharded checkpoint ({}); export into another directory",
+            args.out.display(),
+            snug_nn::hf_checkpoint::INDEX_FILE
+        );
+    }
     let source = Source::open(&args.checkpoint)?;
     let model = source.model()?;
     // Everything is read and checked before anything is written.
@@ -216,7 +241,8 @@ pub fn run(args: ExportArgs) -> Result<()> {
     if let Some(a) = &adapter {
         written_paths.extend([a.weights.clone(), a.config.clone()]);
     }
-    let removed = output::stale_files(&args.out, &EXPORT_FILES, &written_paths);
+    let mut removed = output::stale_files(&args.out, &EXPORT_FILES, &written_paths);
+    removed.extend(output::stale_files(&args.out, &HUB_FILES, &[]));
     for path in &removed {
         std::fs::remove_file(path).with_context(|| format!("removing {}", path.display()))?;
     }
@@ -262,7 +288,7 @@ pub fn run(args: ExportArgs) -> Result<()> {
             println!("LoRA adapters merged into the weights");
         }
         for path in &report.removed {
-            println!("removed {} (an earlier export's)", path.display());
+            println!("removed {} (an earlier model's)", path.display());
         }
     }
     Ok(())

@@ -167,12 +167,14 @@ pub fn run(args: PrepareArgs) -> Result<()> {
         path: args.out.clone(),
         source,
     })?;
-    let write = |name: &str, (ids, mask): &Split| match mask {
-        Some(m) => TokenFile::write_masked(&args.out.join(name), &tokenizer, ids, m),
-        None => TokenFile::write(&args.out.join(name), &tokenizer, ids),
+    // Both splits are written before either replaces an earlier pair, so a failure or an
+    // interruption leaves the old pair whole rather than a new train.bin beside an old val.bin.
+    let stage = |name: &str, (ids, mask): &Split| {
+        TokenFile::stage(&args.out.join(name), &tokenizer, ids, mask.as_deref())
     };
-    let train_bytes = write(TRAIN_FILE, &train)?;
-    let val_bytes = write(VAL_FILE, &val)?;
+    let (train_file, val_file) = (stage(TRAIN_FILE, &train)?, stage(VAL_FILE, &val)?);
+    let train_bytes = train_file.commit()?;
+    let val_bytes = val_file.commit()?;
     let report = Report {
         vocab_size: tokenizer.vocab_size(),
         dtype: match TokenDtype::for_vocab(tokenizer.vocab_size()) {

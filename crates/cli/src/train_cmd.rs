@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -358,6 +358,13 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
     let json = args.json;
     // Under mpirun the run spans the ranks it started; `--devices`, given, must say as many.
     let (rank, ranks) = snug_cpu::kernels::collective::world();
+    // Said first: a batch that splits over the ranks asked for but not over those started
+    // would otherwise be refused for the wrong reason.
+    if let Some(devices) = train.devices.filter(|&d| d != ranks) {
+        bail!(
+            "--devices {devices}: this process is rank {rank} of {ranks}; launch the run with              `mpirun -np {devices} snug train …` (on a build with the `mpi` feature), or leave              --devices out"
+        );
+    }
     train.devices.get_or_insert(ranks);
     #[cfg(unix)]
     // SAFETY: changing one signal's disposition before any thread starts. A closed stdout

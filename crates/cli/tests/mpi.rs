@@ -175,7 +175,13 @@ fn sharding_needs_ranks() {
     fails_with(
         dir.path(),
         &[&RUN[..], &["--devices", "2", "--no-save"]].concat(),
-        &["`devices`", "rank 0 of 1", "mpirun -np 2"],
+        &["--devices 2", "rank 0 of 1", "mpirun -np 2"],
+    );
+    // RUN's batch of 4 does not split over 3: the ranks are what is wrong, and said first.
+    fails_with(
+        dir.path(),
+        &[&RUN[..], &["--devices", "3", "--no-save"]].concat(),
+        &["--devices 3", "rank 0 of 1", "mpirun -np 3"],
     );
     fails_with(
         dir.path(),

@@ -385,6 +385,11 @@ fn export_replaces_a_directory_only_when_forced_and_never_a_run() {
     std::fs::write(hf.join("notes.txt"), "mine").expect("a file");
     std::fs::write(hf.join("config.json"), "spoiled").expect("a file");
     std::fs::write(hf.join("tokenizer.json"), "stale").expect("a file");
+    // An earlier model's files export never writes but loaders read with the new one.
+    let earlier = ["generation_config.json", "merges.txt", "vocab.json"];
+    for name in earlier {
+        std::fs::write(hf.join(name), "earlier").expect("a file");
+    }
     let before = snapshot(&hf);
     common::fails_with(
         cwd,
@@ -407,6 +412,13 @@ fn export_replaces_a_directory_only_when_forced_and_never_a_run() {
         "{}",
         String::from_utf8_lossy(&o.stdout)
     );
+    for name in earlier {
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains(&format!("removed hf/{name}")),
+            "{name}: {}",
+            String::from_utf8_lossy(&o.stdout)
+        );
+    }
     let mut want = exported.clone();
     want.push((hf.join("notes.txt"), b"mine".to_vec()));
     want.sort();
@@ -441,6 +453,31 @@ fn export_replaces_a_directory_only_when_forced_and_never_a_run() {
     );
     assert_eq!(snapshot(&run), run_files, "the run's files changed");
     assert_eq!(snapshot(&hf), want);
+}
+
+#[test]
+fn a_lora_export_into_sharded_weights_writes_nothing() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let cwd = tmp.path();
+    let o = train(cwd, &["--steps", "2", "--lora", "4", "--out", "run"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let hf = cwd.join("hf");
+    std::fs::create_dir(&hf).expect("a directory");
+    std::fs::write(hf.join("model.safetensors.index.json"), "{}").expect("a file");
+    std::fs::write(hf.join("adapter_config.json"), "an earlier adapter's").expect("a file");
+    let before = snapshot(&hf);
+    // Refused before the adapter, which is written ahead of the base weights, replaced the
+    // earlier one.
+    common::fails_with(
+        cwd,
+        &["export", "--checkpoint", "run", "--out", "hf", "--force"],
+        &["hf: holds a sharded checkpoint"],
+    );
+    assert_eq!(
+        snapshot(&hf),
+        before,
+        "a refused export changed the directory"
+    );
 }
 
 #[test]

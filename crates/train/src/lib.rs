@@ -57,6 +57,6 @@ pub use run_dir::{Claim, RunDir};
 pub use sample::{
     chat_prompt, ChatPrompt, KvStats, PhaseMemory, Placement, SampleMode, SampleOptions, Sampler,
 };
-pub use token_file::{TokenFile, TokenFileProblem};
+pub use token_file::{StagedTokenFile, TokenFile, TokenFileProblem};
 pub use tokenizer::{CharTokenizer, Gpt2Tokenizer, Tokenizer, TokenizerSpec};
 pub use trainer::{EvalStats, LrSchedule, Recovery, StepStats, Trainer};

@@ -172,13 +172,56 @@ fn first_out_of_range(tokens: &[u32], vocab: usize) -> Option<(usize, u32)> {
         .map(|i| (i, tokens[i]))
 }
 
+/// A token file written and synced under a temporary name beside its path
+/// ([`TokenFile::stage`]), not yet in place.
+#[derive(Debug)]
+pub struct StagedTokenFile {
+    tmp: Option<PathBuf>,
+    path: PathBuf,
+    size: u64,
+}
+
+impl StagedTokenFile {
+    /// Renames the file over its path (an open mapping of the old file stays intact) and
+    /// syncs the directory. Returns the file's size.
+    pub fn commit(mut self) -> Result<u64, TrainError> {
+        let Some(tmp) = self.tmp.take() else {
+            unreachable!("a stage is committed once, by value")
+        };
+        if let Err(source) = std::fs::rename(&tmp, &self.path) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(TrainError::Io {
+                path: self.path.clone(),
+                source,
+            });
+        }
+        // Make the rename itself durable. Not every file system can sync a directory; the
+        // data is already synced, so a failure here loses nothing but the name.
+        #[cfg(unix)]
+        if let Some(dir) = tmp.parent() {
+            if let Ok(d) = File::open(dir) {
+                let _ = d.sync_all();
+            }
+        }
+        Ok(self.size)
+    }
+}
+
+impl Drop for StagedTokenFile {
+    fn drop(&mut self) {
+        if let Some(tmp) = self.tmp.take() {
+            let _ = std::fs::remove_file(tmp);
+        }
+    }
+}
+
 impl TokenFile {
     /// Writes `tokens` and `tokenizer`'s spec to `path` atomically: a temporary file in the same
     /// directory is written, synced and renamed over `path`, so a reader (or a crash) never sees
     /// a partial file and an open mapping of the old file stays intact. Returns the file's size.
     /// The file is version 1: every token counts.
     pub fn write(path: &Path, tokenizer: &Tokenizer, tokens: &[u32]) -> Result<u64, TrainError> {
-        Self::write_inner(path, tokenizer, tokens, None)
+        Self::stage(path, tokenizer, tokens, None)?.commit()
     }
 
     /// As [`TokenFile::write`], with the loss mask `mask` (one per token; `true`: the token
@@ -189,7 +232,20 @@ impl TokenFile {
         tokens: &[u32],
         mask: &[bool],
     ) -> Result<u64, TrainError> {
-        if mask.len() != tokens.len() {
+        Self::stage(path, tokenizer, tokens, Some(mask))?.commit()
+    }
+
+    /// Writes what [`TokenFile::write`] (no `mask`) or [`TokenFile::write_masked`] would into a
+    /// synced temporary file beside `path`, which [`StagedTokenFile::commit`] renames over it:
+    /// files that belong together (a corpus's splits) are all written before any replaces
+    /// its predecessor. The temporary file is removed if the stage is dropped uncommitted.
+    pub fn stage(
+        path: &Path,
+        tokenizer: &Tokenizer,
+        tokens: &[u32],
+        mask: Option<&[bool]>,
+    ) -> Result<StagedTokenFile, TrainError> {
+        if let Some(mask) = mask.filter(|m| m.len() != tokens.len()) {
             return Err(problem(
                 path,
                 TokenFileProblem::Mask {
@@ -197,15 +253,6 @@ impl TokenFile {
                 },
             ));
         }
-        Self::write_inner(path, tokenizer, tokens, Some(mask))
-    }
-
-    fn write_inner(
-        path: &Path,
-        tokenizer: &Tokenizer,
-        tokens: &[u32],
-        mask: Option<&[bool]>,
-    ) -> Result<u64, TrainError> {
         let vocab = tokenizer.vocab_size();
         if let Some((index, token)) = first_out_of_range(tokens, vocab) {
             return Err(problem(
@@ -284,21 +331,14 @@ impl TokenFile {
             }
             let file = w.into_inner().map_err(|e| e.into_error())?;
             file.sync_all()?;
-            let size = file.metadata()?.len();
-            drop(file);
-            std::fs::rename(&tmp, path)?;
-            Ok(size)
+            Ok(file.metadata()?.len())
         })();
         match result {
-            Ok(size) => {
-                // Make the rename itself durable. Not every file system can sync a directory;
-                // the data is already synced, so a failure here loses nothing but the name.
-                #[cfg(unix)]
-                if let Ok(d) = File::open(dir) {
-                    let _ = d.sync_all();
-                }
-                Ok(size)
-            }
+            Ok(size) => Ok(StagedTokenFile {
+                tmp: Some(tmp),
+                path: path.to_path_buf(),
+                size,
+            }),
             Err(source) => {
                 // Best effort: the temporary file may not exist if creating it failed.
                 let _ = std::fs::remove_file(&tmp);
@@ -593,6 +633,39 @@ fn check_ids(
 mod tests {
     use super::*;
     use crate::CharTokenizer;
+
+    #[test]
+    fn a_staged_file_replaces_its_path_only_when_committed() {
+        let dir = tempfile::tempdir().unwrap();
+        let tok = Tokenizer::Char(CharTokenizer::from_text("abc"));
+        let path = dir.path().join("train.bin");
+        TokenFile::write(&path, &tok, &[0, 1]).unwrap();
+        let old = std::fs::read(&path).unwrap();
+        let names = || {
+            let mut n: Vec<_> = std::fs::read_dir(dir.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
+            n.sort();
+            n
+        };
+        // Dropped uncommitted (a later file of the pair failed): the old file, and nothing else.
+        let staged = TokenFile::stage(&path, &tok, &[2, 2, 2], None).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), old);
+        drop(staged);
+        assert_eq!(std::fs::read(&path).unwrap(), old);
+        assert_eq!(names(), vec![std::ffi::OsString::from("train.bin")]);
+        // Committed: the new tokens, at the size it reports.
+        let staged = TokenFile::stage(&path, &tok, &[2, 2, 2], Some(&[true, false, true]));
+        let size = staged.unwrap().commit().unwrap();
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), size);
+        let file = TokenFile::open(&path).unwrap();
+        assert_eq!(file.len(), 3);
+        assert_eq!(names(), vec![std::ffi::OsString::from("train.bin")]);
+        // A mask of another length is refused before anything is written.
+        assert!(TokenFile::stage(&path, &tok, &[1], Some(&[true, true])).is_err());
+        assert_eq!(names(), vec![std::ffi::OsString::from("train.bin")]);
+    }
 
     fn header(version: u32, dtype: u8, count: u64, spec: &[u8]) -> Vec<u8> {
         let mut b = MAGIC.to_vec();
