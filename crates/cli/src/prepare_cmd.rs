@@ -76,7 +76,7 @@ struct Report {
 }
 
 /// `--tokenizer`'s Hugging Face tokenizer, if it names one.
-fn hf_tokenizer(arg: &str) -> Result<Option<HfTokenizer>> {
+pub(crate) fn hf_tokenizer(arg: &str) -> Result<Option<HfTokenizer>> {
     let path = Path::new(arg);
     if matches!(arg, "gpt2" | "char") {
         return Ok(None);

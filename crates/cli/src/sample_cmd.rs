@@ -52,6 +52,12 @@ pub struct SampleArgs {
     /// reads it. Norms and biases stay f32. Default: f32.
     #[arg(long, value_name = "TYPE")]
     quantize: Option<String>,
+    /// For a Hugging Face model directory: the tokenizer to encode the prompt and decode the
+    /// answer with, instead of its tokenizer.json (which it may lack): gpt2, or a Hugging
+    /// Face tokenizer's directory or tokenizer.json. It must cover the model's vocabulary. A
+    /// snug run samples with the tokenizer it trained with.
+    #[arg(long, value_name = "gpt2|PATH")]
+    tokenizer: Option<String>,
     /// Tokens to generate (at most 1,000,000).
     #[arg(long, default_value_t = 200)]
     tokens: usize,
@@ -173,12 +179,28 @@ pub fn run(args: SampleArgs) -> Result<()> {
         }
     };
     let source = Source::open(&from)?;
-    let (path, step, tokenizer, model) = (
-        source.path(),
-        source.step(),
-        source.tokenizer()?,
-        source.model()?,
-    );
+    let (path, step, model) = (source.path(), source.step(), source.model()?);
+    let tokenizer = match (&args.tokenizer, &source) {
+        (None, _) => source.tokenizer()?,
+        (Some(_), Source::Run(..)) => bail!(
+            "--tokenizer: {} is a snug run, which samples with the tokenizer it trained with",
+            path.display()
+        ),
+        (Some(arg), Source::Hf(_)) => {
+            let tokenizer = match crate::prepare_cmd::hf_tokenizer(arg)? {
+                Some(t) => Tokenizer::Hf(t),
+                None if arg == "gpt2" => Tokenizer::gpt2(),
+                None => bail!(
+                    "--tokenizer: char is made from a corpus; give gpt2, or a Hugging Face \
+                     tokenizer's directory or tokenizer.json"
+                ),
+            };
+            tokenizer
+                .check_model_vocab(model.vocab_size())
+                .with_context(|| format!("--tokenizer {arg}"))?;
+            tokenizer
+        }
+    };
     // A model of the built-in data shows what it learned: a sum it never saw, answered greedily.
     let addition_data =
         matches!(&source, Source::Run(_, c) if c.config.data == DataSourceConfig::Addition);
@@ -414,7 +436,8 @@ impl Source {
                     Tokenizer::gpt2()
                 } else {
                     bail!(
-                        "{}: no {} to encode text with",
+                        "{}: no {} to encode text with: copy the model's there, or give \
+                         sample --tokenizer",
                         c.dir().display(),
                         snug_train::hf_tokenizer::TOKENIZER_FILE
                     );

@@ -396,3 +396,56 @@ fn a_long_context_model_samples_holding_only_the_request() {
         &["--context 1000000000001", "1000000000000 positions"],
     );
 }
+
+/// A model directory without tokenizer.json samples with `--tokenizer`, exactly as it would
+/// with that tokenizer beside it; one that does not cover the model's vocabulary is refused.
+#[test]
+fn a_directory_without_a_tokenizer_samples_with_one_given() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let bare = cwd.join("bare");
+    copy_fixture("llama", &bare);
+    assert!(!bare.join("tokenizer.json").exists());
+    let beside = cwd.join("beside");
+    copy_fixture("llama", &beside);
+    let tokenizer = fixture("tokenizer").join("tokenizer.json");
+    std::fs::copy(&tokenizer, beside.join("tokenizer.json")).unwrap();
+    let t = tokenizer.to_str().unwrap();
+    fn strs(v: &[String]) -> Vec<&str> {
+        v.iter().map(String::as_str).collect()
+    }
+    let sample = |dir: &str, extra: &[&'static str]| -> Vec<String> {
+        let mut a = vec![
+            "sample",
+            "--checkpoint",
+            dir,
+            "--prompt",
+            "hello",
+            "--tokens",
+            "6",
+        ];
+        a.extend(["--seed", "3", "--threads", "1", "--json"]);
+        a.extend(extra);
+        a.into_iter().map(String::from).collect()
+    };
+    let bare_args = sample(bare.to_str().unwrap(), &[]);
+    fails_with(
+        cwd,
+        &strs(&bare_args),
+        &["bare: no tokenizer.json", "--tokenizer"],
+    );
+    let mut given = bare_args.clone();
+    given.extend(["--tokenizer".to_string(), t.to_string()]);
+    let with_flag = json(&ok(cwd, &strs(&given)));
+    let with_file = json(&ok(cwd, &strs(&sample(beside.to_str().unwrap(), &[]))));
+    for key in ["prompt_ids", "ids", "text"] {
+        assert!(with_file.get(key).is_some(), "{key} in {with_file}");
+        assert_eq!(with_flag[key], with_file[key], "{key}");
+    }
+    // GPT-2's 50,257 tokens index past this model's embedding.
+    fails_with(
+        cwd,
+        &strs(&sample(bare.to_str().unwrap(), &["--tokenizer", "gpt2"])),
+        &["--tokenizer gpt2"],
+    );
+}
