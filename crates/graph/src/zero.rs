@@ -245,28 +245,34 @@ pub fn comm_per_rank(graph: &Graph, micro_steps: usize) -> CommVolume {
                 once_per_step,
                 ..
             }) => {
-                let b: u64 = node.inputs.iter().map(bytes).sum();
-                let r = *ranks as u64;
-                (*ranks, *once_per_step, (2 * (r - 1) * b).div_ceil(r.max(1)))
+                let b = node.inputs.iter().map(bytes).fold(0, u64::saturating_add);
+                (*ranks, *once_per_step, all_reduce_bytes(*ranks, b))
             }
             Op::ReduceScatter(ReduceScatter {
                 ranks,
                 once_per_step,
             }) => {
-                let shards: u64 = node.outputs.iter().map(bytes).sum();
-                (*ranks, *once_per_step, (*ranks as u64 - 1) * shards)
+                let shards = node.outputs.iter().map(bytes).fold(0, u64::saturating_add);
+                (
+                    *ranks,
+                    *once_per_step,
+                    others(*ranks).saturating_mul(shards),
+                )
             }
             Op::AllGather(g) => {
                 let shard = bytes(&node.inputs[0]);
-                (g.ranks, g.once_per_step, (g.ranks as u64 - 1) * shard)
+                (
+                    g.ranks,
+                    g.once_per_step,
+                    others(g.ranks).saturating_mul(shard),
+                )
             }
             // A split collective moves its bytes once, counted at its start.
             Op::CollectiveStart(CollectiveStart { op }) => {
-                let r = op.ranks() as u64;
                 let per_run = match op {
                     Bucketed::AllReduce(_) => {
-                        let b: u64 = node.inputs.iter().map(bytes).sum();
-                        (2 * (r - 1) * b).div_ceil(r.max(1))
+                        let b = node.inputs.iter().map(bytes).fold(0, u64::saturating_add);
+                        all_reduce_bytes(op.ranks(), b)
                     }
                     Bucketed::ReduceScatter(_) => {
                         let shards: u64 = node
@@ -274,10 +280,11 @@ pub fn comm_per_rank(graph: &Graph, micro_steps: usize) -> CommVolume {
                             .iter()
                             .map(|t| {
                                 let m = graph.tensor(*t);
-                                (shard_len(m.numel(), op.ranks()) * m.dtype.size_bytes()) as u64
+                                (shard_len(m.numel(), op.ranks()) as u64)
+                                    .saturating_mul(m.dtype.size_bytes() as u64)
                             })
-                            .sum();
-                        (r - 1) * shards
+                            .fold(0, u64::saturating_add);
+                        others(op.ranks()).saturating_mul(shards)
                     }
                 };
                 (op.ranks(), op.once_per_step(), per_run)
@@ -288,9 +295,42 @@ pub fn comm_per_rank(graph: &Graph, micro_steps: usize) -> CommVolume {
             continue;
         }
         let runs = if once { 1 } else { micro_steps.max(1) as u64 };
-        v.sent_bytes += per_run * runs;
-        v.received_bytes += per_run * runs;
-        v.collectives += runs;
+        // Saturating, as the planner's counts: a plan for another machine may name up to
+        // MAX_DEVICES ranks, where a wrapped volume would read as a cheap link.
+        let moved = per_run.saturating_mul(runs);
+        v.sent_bytes = v.sent_bytes.saturating_add(moved);
+        v.received_bytes = v.received_bytes.saturating_add(moved);
+        v.collectives = v.collectives.saturating_add(runs);
     }
     v
+}
+
+/// The ranks each one exchanges with.
+fn others(ranks: usize) -> u64 {
+    ranks.saturating_sub(1) as u64
+}
+
+/// Bytes one rank sends (and receives) in a ring all-reduce of `bytes` over `ranks`:
+/// 2 (r - 1) / r of them, saturating.
+fn all_reduce_bytes(ranks: usize, bytes: u64) -> u64 {
+    let r = ranks.max(1) as u128;
+    let v = (2 * (r - 1) * u128::from(bytes)).div_ceil(r);
+    u64::try_from(v).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_volumes_are_hand_counted_and_saturate() {
+        // A ring all-reduce sends 2 (r - 1) / r of the bytes, rounded up.
+        assert_eq!(all_reduce_bytes(1, 100), 0);
+        assert_eq!(all_reduce_bytes(2, 100), 100);
+        assert_eq!(all_reduce_bytes(3, 100), 134);
+        assert_eq!(all_reduce_bytes(4, 100), 150);
+        assert_eq!(all_reduce_bytes(1 << 20, u64::MAX), u64::MAX);
+        assert_eq!(others(0), 0);
+        assert_eq!(others(8), 7);
+    }
 }
