@@ -633,13 +633,7 @@ fn run_inference(
         snug_graph::Target::host(cfg.threads.max(1))
     };
     let max_seq = model.max_seq();
-    let window = match args.context {
-        Some(n) if n == 0 || n > max_seq => anyhow::bail!(
-            "--context {n}: must be between 1 and the model's context of {max_seq} positions"
-        ),
-        Some(n) => n,
-        None => max_seq,
-    };
+    let window = crate::sample_cmd::context_flag(args.context, max_seq, max_seq)?;
     let (graph, memory_plan, prefill) = if args.kv_cache {
         let (g, p) = plan_kv_on(model, 1, window, target, None)?;
         let (_, prefill) = plan_kv_on(model, window, window, target, None)?;

@@ -88,6 +88,22 @@ pub struct SampleArgs {
     json: bool,
 }
 
+/// `--context`, checked against the model's `max_seq` positions (`sample` and
+/// `plan --inference` alike), or `default`.
+pub(crate) fn context_flag(
+    context: Option<usize>,
+    max_seq: usize,
+    default: usize,
+) -> Result<usize> {
+    match context {
+        Some(n) if n == 0 || n > max_seq => {
+            bail!("--context {n}: must be between 1 and the model's context of {max_seq} positions")
+        }
+        Some(n) => Ok(n),
+        None => Ok(default),
+    }
+}
+
 /// The conversation in `file`: a JSON list of messages, or an object holding one under
 /// "messages"; each message an object with a string "role".
 fn read_messages(file: &Path) -> Result<Vec<serde_json::Value>> {
@@ -245,13 +261,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("--quantize: {e}"))?;
     let max_seq = model.max_seq();
     let total = prompt.len().max(1).saturating_add(args.tokens);
-    let context = match args.context {
-        Some(n) if n == 0 || n > max_seq => {
-            bail!("--context {n}: must be between 1 and the model's context of {max_seq} positions")
-        }
-        Some(n) => n,
-        None => total.min(max_seq),
-    };
+    let context = context_flag(args.context, max_seq, total.min(max_seq))?;
     let placement = Placement {
         device: args.device,
         quantize,
