@@ -408,6 +408,18 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             }
             let mut cfg =
                 TrainConfig::resolve_resumed(ckpt.config.clone(), config_file, &model, &train)?;
+            // Nothing to train: refused before the checkpoint is saved again under flags no
+            // step used.
+            if cfg.steps <= ckpt.step {
+                bail!(
+                    "{}: the run is already at step {} of the {} asked for: give --steps above {} \
+                     to train further",
+                    path.display(),
+                    ckpt.step,
+                    cfg.steps,
+                    ckpt.step
+                );
+            }
             // A resumed run trains what it trained: recovery may change how, never what.
             cfg.allow = snug_fit::Levers::none();
             if rank != 0 {

@@ -631,3 +631,57 @@ fn profile_replaces_a_trace_only_when_forced_and_never_a_checkpoint() {
     );
     assert_eq!(snapshot(&run), run_files, "the run's files changed");
 }
+
+/// A run refused after its directory is claimed (here by its memory budget) leaves no
+/// directory behind: none holding only a lock file that later commands take for a run's,
+/// and no run number used up. A directory that was there before stays.
+#[test]
+fn a_refused_run_leaves_no_directory_it_made() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let cwd = tmp.path();
+    for _ in 0..2 {
+        let o = train(cwd, &["--steps", "1", "--memory", "1MiB"]);
+        assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+        assert!(stderr(&o).contains("1.00 MiB"), "{}", stderr(&o));
+    }
+    let left: Vec<_> = std::fs::read_dir(cwd.join("runs"))
+        .map(|d| d.map(|e| e.expect("an entry").path()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    // The next run takes the first number.
+    let o = train(cwd, &["--steps", "1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let made: Vec<_> = std::fs::read_dir(cwd.join("runs"))
+        .expect("runs/")
+        .map(|e| e.expect("an entry").file_name())
+        .collect();
+    assert_eq!(made.len(), 1, "{made:?}");
+    assert!(made[0].to_string_lossy().ends_with("-1"), "{made:?}");
+    // Given with --out and there already (empty): refused, and kept.
+    let mine = cwd.join("mine");
+    std::fs::create_dir(&mine).expect("a directory");
+    let o = train(cwd, &["--steps", "1", "--memory", "1MiB", "--out", "mine"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(mine.is_dir());
+}
+
+/// Resuming a run already at (or past) the steps asked for trains nothing and is refused,
+/// leaving its checkpoint as it was rather than saved again under flags no step used.
+#[test]
+fn resuming_with_no_steps_left_is_refused_and_changes_nothing() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let cwd = tmp.path();
+    let run = finished_run(cwd);
+    let before = snapshot(&run);
+    for steps in ["1", "2"] {
+        let o = snug(
+            &["train", "--resume", "run", "--steps", steps, "--lr", "0.05"],
+            cwd,
+        );
+        assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+        let err = stderr(&o);
+        assert!(err.contains("already at step 2"), "{err}");
+        assert!(err.contains("--steps above 2"), "{err}");
+        assert_eq!(snapshot(&run), before, "--steps {steps} changed the run");
+    }
+}

@@ -9,7 +9,8 @@ use crate::checkpoint::{Checkpoint, CheckpointDir};
 use crate::run::METRICS_FILE;
 use crate::TrainError;
 
-/// The lock file inside a run directory; left in place (deleting a lock file races).
+/// The lock file inside a run directory; left in place (deleting a lock file races), except
+/// where the claim made the directory and leaves it empty.
 pub const LOCK_FILE: &str = ".snug.lock";
 
 /// Why `dir` is a run's directory, if it is one: it holds checkpoints, a run's lock file or its
@@ -50,6 +51,29 @@ pub struct RunDir {
     checkpoints: CheckpointDir,
     /// Held open for the lock; released when the run directory is dropped or the process ends.
     _lock: File,
+    /// This claim made the directory: dropped holding nothing but its lock (a run refused
+    /// after the claim), it is removed again rather than left as an empty run's.
+    created: bool,
+}
+
+impl Drop for RunDir {
+    fn drop(&mut self) {
+        if !self.created {
+            return;
+        }
+        let dir = self.checkpoints.path();
+        let only_lock = fs::read_dir(dir).is_ok_and(|entries| {
+            entries
+                .map(|e| e.map(|e| e.file_name()))
+                .all(|name| name.is_ok_and(|n| n == LOCK_FILE))
+        });
+        if only_lock {
+            // Best effort: a directory another claim has written into since is not empty,
+            // and stays.
+            let _ = fs::remove_file(dir.join(LOCK_FILE));
+            let _ = fs::remove_dir(dir);
+        }
+    }
 }
 
 impl RunDir {
@@ -61,6 +85,7 @@ impl RunDir {
                 detail: "is empty: give a directory for the run".into(),
             });
         }
+        let created = fs::symlink_metadata(dir).is_err();
         let checkpoints = CheckpointDir::create(dir)?;
         let lock_path = dir.join(LOCK_FILE);
         let lock = OpenOptions::new()
@@ -89,6 +114,7 @@ impl RunDir {
         let run_dir = RunDir {
             checkpoints,
             _lock: lock,
+            created,
         };
         run_dir.check(claim)?;
         Ok(run_dir)
