@@ -385,6 +385,13 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
     // work, so a refusal comes at once.
     let (cfg, data, mut trainer, run_dir) = match &args.resume {
         Some(from) => {
+            if let Some(init) = &train.init_from {
+                bail!(
+                    "--init-from {}: a resumed run continues from its checkpoint's weights; \
+                     --init-from starts a new run from others (give one of the two)",
+                    init.display()
+                );
+            }
             let (path, ckpt) = checkpoint::load(from)?;
             // A sharded run's checkpoint consolidates, so one process continues it unsharded
             // unless told otherwise.

@@ -449,3 +449,79 @@ fn a_directory_without_a_tokenizer_samples_with_one_given() {
         &["--tokenizer gpt2"],
     );
 }
+
+/// `plan` and `fit` take `--init-from` and plan the run it starts, its text encoded with the
+/// directory's tokenizer (plan = train, to the byte); token files prepared with another
+/// tokenizer are refused, naming the model's, and those prepared with it train.
+#[test]
+fn init_from_plans_as_it_trains_and_refuses_data_of_another_tokenizer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    write_text(&cwd.join("text.txt"));
+    let dir = fixture("llama_tied");
+    let d = dir.to_str().unwrap();
+    let tok = dir.join("tokenizer.json");
+    let step = [
+        "--init-from",
+        d,
+        "--block",
+        "16",
+        "--batch",
+        "2",
+        "--threads",
+        "1",
+    ];
+    let plan = json(&ok(
+        cwd,
+        &[&["plan"][..], &step, &["--data", "text.txt", "--json"]].concat(),
+    ));
+    let run = [
+        &["train"][..],
+        &step,
+        &["--steps", "1", "--eval-every", "0", "--no-save", "--json"],
+    ]
+    .concat();
+    let trained = json(&ok(cwd, &[&run[..], &["--data", "text.txt"]].concat()));
+    assert_eq!(plan["peak_bytes"], trained["predicted_peak_bytes"]);
+    assert_eq!(plan["peak_bytes"], trained["measured_peak_bytes"]);
+    // fit plans the same step: at exactly that peak it keeps the configuration.
+    let budget = plan["peak_bytes"].as_u64().unwrap().to_string();
+    let fit = json(&ok(
+        cwd,
+        &[
+            &["fit"][..],
+            &step,
+            &["--data", "text.txt", "--memory", &budget, "--json"],
+        ]
+        .concat(),
+    ));
+    let chosen = &fit["candidates"][fit["chosen"].as_u64().unwrap() as usize];
+    assert_eq!(chosen["peak_bytes"], plan["peak_bytes"], "{fit}");
+    assert_eq!(chosen["config"]["micro_batch"], 2, "{fit}");
+
+    for (out, tokenizer) in [("chars", "char"), ("own", tok.to_str().unwrap())] {
+        ok(
+            cwd,
+            &[
+                "prepare",
+                "--input",
+                "text.txt",
+                "--out",
+                out,
+                "--tokenizer",
+                tokenizer,
+            ],
+        );
+    }
+    fails_with(
+        cwd,
+        &[&run[..], &["--data", "chars"]].concat(),
+        &[
+            "char tokenizer",
+            "tokenizer.json",
+            "snug prepare --tokenizer",
+        ],
+    );
+    let own = json(&ok(cwd, &[&run[..], &["--data", "own"]].concat()));
+    assert_eq!(own["predicted_peak_bytes"], own["measured_peak_bytes"]);
+}

@@ -685,3 +685,30 @@ fn resuming_with_no_steps_left_is_refused_and_changes_nothing() {
         assert_eq!(snapshot(&run), before, "--steps {steps} changed the run");
     }
 }
+
+/// `--init-from` starts a run from other weights; with `--resume` it is refused as such,
+/// before the checkpoint or the weights are read.
+#[test]
+fn resume_and_init_from_together_are_refused_by_name() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let cwd = tmp.path();
+    let run = finished_run(cwd);
+    let before = snapshot(&run);
+    let o = snug(
+        &[
+            "train",
+            "--resume",
+            "run",
+            "--steps",
+            "4",
+            "--init-from",
+            "elsewhere",
+        ],
+        cwd,
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("--init-from elsewhere"), "{err}");
+    assert!(err.contains("resumed run"), "{err}");
+    assert_eq!(snapshot(&run), before);
+}

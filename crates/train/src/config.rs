@@ -236,8 +236,9 @@ train_keys! {
     /// Start from pretrained weights instead of a random initialisation: a Hugging Face model
     /// directory (config.json and model.safetensors or shards; GPT-2, Llama, Mistral, Qwen2),
     /// whose configuration is then the model's and whose tokenizer.json, if any, encodes text
-    /// data; or a GPT-2 model.safetensors file (e.g. from `snug export`).
-    #[flag(run, long, value_name = "FILE")]
+    /// data (token files must have been prepared with it); or a GPT-2 model.safetensors file
+    /// (e.g. from `snug export`). `plan` and `fit` take it too, to plan the run it starts.
+    #[flag(step, long, value_name = "FILE")]
     init_from: PathBuf,
     /// Graph passes, comma-separated: fused-ce (LM head + cross-entropy in tiles, no logits
     /// tensor), cse (common subexpressions), dce (dead code), inplace (ops write over an input
@@ -1154,6 +1155,27 @@ impl TrainConfig {
             (DataSource::File(path), Some(tok)) => {
                 let tokenizer = crate::Tokenizer::Hf(crate::HfTokenizer::from_file(&tok)?);
                 crate::TokenDataset::from_file_with(path, tokenizer)?
+            }
+            (_, Some(tok)) => {
+                // Token files carry their own tokenizer: another's ids would mean other tokens
+                // to the pretrained weights, and train without complaint.
+                let data = crate::TokenDataset::load(&source)?;
+                let model = crate::Tokenizer::Hf(crate::HfTokenizer::from_file(&tok)?);
+                if !data.tokenizer.same_ids(&model) {
+                    return Err(TrainError::Config {
+                        field: "data",
+                        detail: format!(
+                            "its {} tokenizer (vocabulary {}) differs from {}, the tokenizer of \
+                             the weights it would train: prepare the text with `snug prepare \
+                             --tokenizer {}`",
+                            data.tokenizer.name(),
+                            data.tokenizer.vocab_size(),
+                            tok.display(),
+                            tok.display()
+                        ),
+                    });
+                }
+                data
             }
             _ => crate::TokenDataset::load(&source)?,
         };

@@ -312,6 +312,28 @@ impl Tokenizer {
         }
     }
 
+    /// Whether text gets the same ids from `self` and `other`: the same spec, the same
+    /// Hugging Face tokenizer.json, or the same vocabulary size with probe texts encoded alike
+    /// (GPT-2's built-in tokenizer and a GPT-2 model's tokenizer.json).
+    pub fn same_ids(&self, other: &Tokenizer) -> bool {
+        const PROBES: [&str; 4] = [
+            "The quick brown fox jumps over the lazy dog.",
+            "  Hello,\nworld!\t0123456789 (x + y) = z; \"quoted\" it's",
+            "ROMEO:\nBut, soft! what light through yonder window breaks?\n\n",
+            "naïve café – 東京 🙂",
+        ];
+        if let (Tokenizer::Hf(a), Tokenizer::Hf(b)) = (self, other) {
+            if a.files().tokenizer_json == b.files().tokenizer_json {
+                return true;
+            }
+        }
+        self.to_spec() == other.to_spec()
+            || (self.vocab_size() == other.vocab_size()
+                && PROBES
+                    .iter()
+                    .all(|p| matches!((self.encode(p), other.encode(p)), (Ok(a), Ok(b)) if a == b)))
+    }
+
     pub fn to_spec(&self) -> TokenizerSpec {
         match self {
             Tokenizer::Char(t) => TokenizerSpec::Char {
@@ -357,6 +379,23 @@ impl Tokenizer {
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn same_ids_tells_tokenizers_apart_by_what_they_encode() {
+        let chars = |t: &str| Tokenizer::Char(CharTokenizer::from_text(t));
+        let all: String = (' '..='~').chain(['\n', '\t']).collect();
+        assert!(chars("abc").same_ids(&chars("cab")), "the same set, sorted");
+        assert!(!chars("abc").same_ids(&chars("abd")));
+        // Same size, other ids: the probes tell them apart.
+        let reversed: String = all.chars().rev().collect();
+        assert!(
+            !chars(&all).same_ids(&Tokenizer::Char(CharTokenizer::from_chars(
+                reversed.chars().collect()
+            )))
+        );
+        assert!(Tokenizer::gpt2().same_ids(&Tokenizer::gpt2()));
+        assert!(!Tokenizer::gpt2().same_ids(&chars(&all)));
+    }
 
     /// About `bytes` of English-like text: words, punctuation, line breaks and blank lines, as
     /// in a play, generated from `seed`.
