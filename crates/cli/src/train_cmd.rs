@@ -613,12 +613,15 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
                     out_err.get_or_insert(e);
                 }
             } else if !quiet {
+                let at = if r.evaluation {
+                    format!("in the evaluation after step {}", r.step)
+                } else {
+                    format!("at step {} (micro-batch {})", r.step, r.micro)
+                };
                 bar.suspend(|| {
                     say!(
                         out,
-                        "recovered at step {} (micro-batch {}): out of memory under a limit of {}; now {} (planned peak {}, was {} with {})",
-                        r.step,
-                        r.micro,
+                        "recovered {at}: out of memory under a limit of {}; now {} (planned peak {}, was {} with {})",
                         human_bytes(r.failure.limit),
                         r.to,
                         human_bytes(r.to_peak_bytes),

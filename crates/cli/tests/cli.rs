@@ -699,6 +699,68 @@ fn a_stop_signal_saves_a_loadable_checkpoint_and_exits_as_the_signal() {
     }
 }
 
+/// A signal during an evaluation (here of 200,000 batches a split, minutes of work) abandons
+/// it: the run saves the step it finished and exits as the signal at once, before a
+/// scheduler's grace period runs out, with no evaluation reported for that step.
+#[cfg(unix)]
+#[test]
+fn a_stop_signal_during_an_evaluation_abandons_it_and_saves() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_snug"))
+        .args(["train", "--steps", "100", "--threads", "1"])
+        .args(["--eval-every", "1", "--eval-batches", "200000"])
+        .args(["--json", "--out", out.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut reader = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    // The first step's line comes just before its evaluation starts.
+    loop {
+        line.clear();
+        assert!(
+            reader.read_line(&mut line).unwrap() > 0,
+            "snug exited early"
+        );
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        if v["kind"] == "step" {
+            assert_eq!(v["step"], 1);
+            break;
+        }
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let sent = Instant::now();
+    // SAFETY: sending a signal to our own child process.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut reader, &mut rest).unwrap();
+    let status = child.wait().unwrap();
+    // The whole evaluation takes minutes; abandoning it, well under one.
+    assert!(
+        sent.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        sent.elapsed()
+    );
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{status}");
+    let lines: Vec<serde_json::Value> = rest
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(lines.iter().all(|l| l["kind"] != "eval"), "{rest}");
+    let summary = lines.last().expect("a summary line");
+    assert_eq!(summary["kind"], "summary");
+    assert_eq!(summary["interrupted"], true);
+    assert_eq!(summary["steps"], 1);
+    let (_, ckpt) = snug_train::checkpoint::load(&out).unwrap();
+    assert_eq!(ckpt.step, 1);
+}
+
 /// A signal before the loop starts (during a long setup: a search, a large model's load) ends
 /// the process at once, as by default: nothing is trained yet, so nothing is saved, and the
 /// directory takes a fresh run afterwards.
@@ -1095,6 +1157,47 @@ fn memory_lowered_mid_run_is_recovered_without_losing_a_step() {
     let undisturbed = snug(&args);
     let undisturbed = step_losses(&json_lines(&undisturbed));
     assert_eq!(step_losses(&lines)[..2], undisturbed[..2]);
+}
+
+/// Memory lowered just before an evaluation: the evaluation runs out, switches to a smaller
+/// configuration as a step would, and runs again; the run goes on with it, every step and
+/// every evaluation reported, the new plan measured exactly.
+#[test]
+fn memory_lowered_before_an_evaluation_is_recovered() {
+    let cache = calibrated_cache(1);
+    let shape = ["--batch", "16", "--block", "64", "--threads", "1"];
+    let plan = snug(&[&["plan", "--json"][..], &shape].concat());
+    let plain: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
+    // Lowered before step 3: after step 2's line, so in the evaluation that follows it.
+    let lowered = format!("3:{}", plain["peak_bytes"].as_u64().unwrap() / 2);
+    let args = [
+        &["train", "--json", "--steps", "4", "--eval-every", "1"][..],
+        &["--eval-batches", "2", "--lower-memory-at", &lowered],
+        &shape,
+    ]
+    .concat();
+    let o = snug_cached(&args, &cache);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let lines = json_lines(&o);
+    let recovery: Vec<_> = lines.iter().filter(|l| l["kind"] == "recovery").collect();
+    assert_eq!(recovery.len(), 1, "{lines:?}");
+    assert_eq!(recovery[0]["step"], 2);
+    assert_eq!(recovery[0]["evaluation"], true);
+    assert!(recovery[0]["to_peak_bytes"].as_u64() <= recovery[0]["failure"]["limit"].as_u64());
+    let steps: Vec<u64> = step_losses(&lines).iter().map(|s| s.0).collect();
+    assert_eq!(steps, vec![1, 2, 3, 4]);
+    let evals: Vec<_> = lines
+        .iter()
+        .filter(|l| l["kind"] == "eval")
+        .map(|l| l["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(evals, vec![1, 2, 3, 4]);
+    let summary = lines.last().unwrap();
+    assert_eq!(
+        summary["predicted_peak_bytes"],
+        recovery[0]["to_peak_bytes"]
+    );
+    assert_eq!(summary["measured_peak_bytes"], recovery[0]["to_peak_bytes"]);
 }
 
 /// f16 training with a loss scale so large that every scaled gradient overflows: each step is

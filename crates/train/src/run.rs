@@ -231,13 +231,7 @@ fn train_loop(
             break;
         }
         let s = trainer.train_step()?;
-        for r in trainer.take_recoveries() {
-            if let Some(m) = metrics.as_mut() {
-                m.write("recovery", &r)?;
-            }
-            on_event(Event::Recovered(&r));
-            summary.recoveries.push(r);
-        }
+        report_recoveries(trainer, metrics, summary, on_event)?;
         summary.first_loss.get_or_insert(s.loss);
         summary.final_loss = Some(s.loss);
         summary.step_ms.push(s.ms);
@@ -247,12 +241,16 @@ fn train_loop(
         }
         on_event(Event::Step(&s));
         if cfg.eval_every > 0 && (s.step % cfg.eval_every == 0 || s.step == cfg.steps) {
-            let e = trainer.evaluate()?;
-            if let Some(m) = metrics.as_mut() {
-                m.write("eval", &e)?;
+            let e = trainer.evaluate_unless(&|| stop_requested(stop))?;
+            report_recoveries(trainer, metrics, summary, on_event)?;
+            // Abandoned for a stop: the loop's next check ends the run and saves.
+            if let Some(e) = e {
+                if let Some(m) = metrics.as_mut() {
+                    m.write("eval", &e)?;
+                }
+                on_event(Event::Eval(&e));
+                summary.last_eval = Some(e);
             }
-            on_event(Event::Eval(&e));
-            summary.last_eval = Some(e);
         }
         if !matches!(saver, Saver::Nothing)
             && cfg.checkpoint_every > 0
@@ -266,6 +264,24 @@ fn train_loop(
             st.saved_at = Some(s.step);
             summary.checkpoint = Some(path);
         }
+    }
+    Ok(())
+}
+
+/// Hands on the configuration changes the trainer made to carry on after running out of
+/// memory: to the metrics, the caller and the summary.
+fn report_recoveries(
+    trainer: &mut Trainer,
+    metrics: &mut Option<MetricsFile>,
+    summary: &mut RunSummary,
+    on_event: &mut impl FnMut(Event<'_>),
+) -> Result<(), TrainError> {
+    for r in trainer.take_recoveries() {
+        if let Some(m) = metrics.as_mut() {
+            m.write("recovery", &r)?;
+        }
+        on_event(Event::Recovered(&r));
+        summary.recoveries.push(r);
     }
     Ok(())
 }

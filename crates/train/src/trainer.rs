@@ -155,6 +155,10 @@ pub struct Recovery {
     /// The step that was redone, and the micro-batch where the allocation failed.
     pub step: u64,
     pub micro: usize,
+    /// The allocation failed in the evaluation after `step`, which then ran again; no step
+    /// was redone.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub evaluation: bool,
     /// The rank whose memory ran out (0 in one process); every rank recovered with it.
     pub rank: usize,
     pub failure: MemoryFailure,
@@ -451,7 +455,14 @@ impl Trainer {
     /// whose memory ran out, [`crate::ranks::first_out_of_memory`]) and chooses the same
     /// configuration from what they share: the configuration, the plan, and nominal kernel
     /// timings rather than each machine's calibration. The ZeRO stage stays.
-    fn recover(&mut self, step: u64, micro: usize, oom: OutOfMemory) -> Result<(), TrainError> {
+    ///
+    /// `micro` is `None` for the evaluation after `step`, which is run again instead.
+    fn recover(
+        &mut self,
+        step: u64,
+        micro: Option<usize>,
+        oom: OutOfMemory,
+    ) -> Result<(), TrainError> {
         self.drop_staged();
         let failure = MemoryFailure {
             limit: oom.limit,
@@ -521,11 +532,12 @@ impl Trainer {
         // Reported to the caller as a `Recovery`; logged here for debugging only, so a user
         // reads one message per event.
         tracing::debug!(
-            "out of memory at step {step}, micro-batch {micro} ({oom}): redoing the step with {to} (planned peak {to_peak_bytes} bytes, was {from_peak_bytes} with {from})"
+            "out of memory at step {step}, micro-batch {micro:?} ({oom}): running on with {to} (planned peak {to_peak_bytes} bytes, was {from_peak_bytes} with {from})"
         );
         self.recoveries.push(Recovery {
             step,
-            micro,
+            micro: micro.unwrap_or(0),
+            evaluation: micro.is_none(),
             rank: self.oom_rank,
             failure,
             from,
@@ -1195,7 +1207,7 @@ impl Trainer {
                         if recoveries < MAX_RECOVERIES_PER_STEP =>
                     {
                         recoveries += 1;
-                        self.recover(step, micro, oom)?;
+                        self.recover(step, Some(micro), oom)?;
                         continue 'attempt;
                     }
                     Err(e) => {
@@ -1397,32 +1409,76 @@ impl Trainer {
     /// split, running the forward pass alone: parameters and optimizer state are untouched.
     /// Under a loss mask, the mean over the targets it counts in all of them.
     pub fn evaluate(&mut self) -> Result<EvalStats, TrainError> {
+        match self.evaluate_unless(&|| false)? {
+            Some(e) => Ok(e),
+            None => unreachable!("never asked to stop"),
+        }
+    }
+
+    /// [`Trainer::evaluate`], abandoned (`None`) as soon as `stop()` says so between batches:
+    /// a run told to stop saves without waiting for an evaluation of up to a million
+    /// batches. In one process, running out of memory switches to a smaller configuration as
+    /// a step does ([`Trainer::take_recoveries`] reports it) and evaluates again; over ranks
+    /// it ends the run, as the ranks would have to agree mid-evaluation.
+    pub fn evaluate_unless(
+        &mut self,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Option<EvalStats>, TrainError> {
+        let mut recoveries = 0;
+        loop {
+            match self.evaluate_once(stop) {
+                Err(TrainError::Runtime(RuntimeError::OutOfMemory(oom)))
+                    if self.config.devices == 1 && recoveries < MAX_RECOVERIES_PER_STEP =>
+                {
+                    recoveries += 1;
+                    self.session.release_arena()?;
+                    self.recover(self.step, None, oom)?;
+                }
+                result => return result,
+            }
+        }
+    }
+
+    fn evaluate_once(&mut self, stop: &dyn Fn() -> bool) -> Result<Option<EvalStats>, TrainError> {
         // Evaluation writes its own inputs over the staged ones.
         self.drop_staged();
         let start = Instant::now();
         let data = self.data.clone();
-        let (train_loss, train_loss_tokens) = self.mean_loss(&data.train)?;
-        let (val_loss, val_loss_tokens) = self.mean_loss(&data.val)?;
-        Ok(EvalStats {
+        let Some((train_loss, train_loss_tokens)) = self.mean_loss(&data.train, stop)? else {
+            return Ok(None);
+        };
+        let Some((val_loss, val_loss_tokens)) = self.mean_loss(&data.val, stop)? else {
+            return Ok(None);
+        };
+        Ok(Some(EvalStats {
             step: self.step,
             train_loss,
             val_loss,
             train_loss_tokens,
             val_loss_tokens,
             ms: start.elapsed().as_secs_f64() * 1e3,
-        })
+        }))
     }
 
-    /// The mean loss over a split's evaluation batches, and the targets it counted.
-    fn mean_loss(&mut self, split: &Tokens) -> Result<(f32, u64), TrainError> {
+    /// The mean loss over a split's evaluation batches, and the targets it counted; `None`
+    /// when `stop()` said so before a batch.
+    fn mean_loss(
+        &mut self,
+        split: &Tokens,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Option<(f32, u64)>, TrainError> {
         if self.loss_mask.is_some() {
-            return self.masked_mean_loss(split);
+            return self.masked_mean_loss(split, stop);
         }
         let (mb, block) = (self.config.micro_batch(), self.config.block);
         let vocab = self.model.vocab_size();
         let (mut starts, mut x, mut y) = (Vec::new(), vec![0; mb * block], vec![0; mb * block]);
         let mut sum = 0.0f64;
         for i in 0..self.config.eval_batches {
+            if stop() {
+                self.session.release_arena()?;
+                return Ok(None);
+            }
             batch_starts(
                 self.config.seed ^ EVAL_STREAM,
                 i as u64,
@@ -1439,13 +1495,20 @@ impl Trainer {
         }
         self.session.release_arena()?;
         let counted = (self.config.eval_batches as u64).saturating_mul((mb * block) as u64);
-        Ok(((sum / self.config.eval_batches as f64) as f32, counted))
+        Ok(Some((
+            (sum / self.config.eval_batches as f64) as f32,
+            counted,
+        )))
     }
 
     /// [`Trainer::mean_loss`] under a loss mask: each batch averages over its own counted
     /// targets, and the batches are weighed by them, so the result is the mean over every
     /// counted target (0 when none is).
-    fn masked_mean_loss(&mut self, split: &Tokens) -> Result<(f32, u64), TrainError> {
+    fn masked_mean_loss(
+        &mut self,
+        split: &Tokens,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Option<(f32, u64)>, TrainError> {
         let (mb, block) = (self.config.micro_batch(), self.config.block);
         let vocab = self.model.vocab_size();
         let n = mb * block;
@@ -1453,6 +1516,10 @@ impl Trainer {
         let mut mask = vec![true; n];
         let (mut sum, mut counted) = (0.0f64, 0u64);
         for i in 0..self.config.eval_batches {
+            if stop() {
+                self.session.release_arena()?;
+                return Ok(None);
+            }
             batch_starts(
                 self.config.seed ^ EVAL_STREAM,
                 i as u64,
@@ -1478,7 +1545,7 @@ impl Trainer {
         } else {
             (sum / counted as f64) as f32
         };
-        Ok((mean, counted))
+        Ok(Some((mean, counted)))
     }
 
     pub fn config(&self) -> &TrainConfig {
