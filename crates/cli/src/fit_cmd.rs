@@ -224,11 +224,8 @@ pub fn nothing_fits(
     model: &snug_fit::FitModel,
     cfg: &TrainConfig,
 ) -> anyhow::Error {
-    let base = anyhow::Error::new(report.nothing_fits());
-    let suggestions = match snug_fit::what_would_fit(model, report.budget, cfg.target()) {
-        Ok(s) => s,
-        Err(e) => return base.context(format!("(looking for what would fit failed: {e})")),
-    };
+    let base = report.nothing_fits();
+    let suggestions = snug_fit::what_would_fit(model, report.budget, cfg.target());
     let fitting: Vec<String> = suggestions
         .iter()
         .filter(|s| s.fits)
@@ -252,6 +249,32 @@ pub fn nothing_fits(
         format!("these would fit:\n{}", fitting.join("\n"))
     };
     anyhow::anyhow!("{base}\n{advice}")
+}
+
+/// fit chooses micro-batch × accumulation and remat itself (only `--batch` is kept): the
+/// accumulation and remat the run set (`set`), where `chosen` differs, named so the change is
+/// not silent.
+pub fn not_kept(
+    set: (Option<usize>, Option<snug_compile::Remat>),
+    chosen: &snug_fit::FitConfig,
+) -> Option<String> {
+    let mut dropped = Vec::new();
+    if let Some(a) = set.0.filter(|&a| a != chosen.accumulation) {
+        dropped.push(format!("--accumulation {a}"));
+    }
+    if let Some(r) = set.1.filter(|&r| r != chosen.remat) {
+        dropped.push(format!("--remat {r}"));
+    }
+    (!dropped.is_empty()).then(|| {
+        format!(
+            "fit chooses micro-batch × accumulation and remat itself: {} not kept (chosen: \
+             micro-batch {} × {}, remat {})",
+            dropped.join(" and "),
+            chosen.micro_batch,
+            chosen.accumulation,
+            chosen.remat
+        )
+    })
 }
 
 pub fn print_table(report: &FitReport) {
@@ -341,6 +364,13 @@ pub fn run(args: FitArgs) -> Result<()> {
     apply_device_memory(&mut cfg, args.device_memory.as_deref())?;
     let (_, model) = cfg.load_data_and_model()?;
     let model_for_advice = model.clone();
+    // Set by a flag, or to other than the default by the TOML: fit may choose otherwise.
+    let set = (
+        (args.model.step.accumulation.is_some() || cfg.accumulation != 1)
+            .then_some(cfg.accumulation),
+        (args.model.step.remat.is_some() || cfg.remat != snug_compile::Remat::None)
+            .then_some(cfg.remat),
+    );
     let budget = parse_budget(&args.memory, &cfg)?;
     if args.model.batch_auto() {
         if args.devices > 1 {
@@ -384,6 +414,9 @@ pub fn run(args: FitArgs) -> Result<()> {
                         cost.lever, cost.quality, cost.recompute, cost.speed
                     );
                 }
+            }
+            if let Some(note) = not_kept(set, &c.config) {
+                tracing::warn!("{note}");
             }
             Ok(())
         }

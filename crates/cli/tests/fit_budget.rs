@@ -87,6 +87,84 @@ fn a_budget_nothing_fits_is_refused_before_measuring_and_says_what_would() {
     assert_eq!(taken.code, Some(0), "{flags:?}: {}", taken.stderr);
 }
 
+/// f16 scales its loss, which the fused-update levers cannot take: the refusal still lists
+/// what would fit (it listed nothing, behind the compiler's error for that one rung), each
+/// under the budget, without internal error text; and the first, taken, fits.
+#[test]
+fn an_f16_refusal_lists_what_would_fit_without_the_levers_it_cannot_build() {
+    let cache = tempfile::tempdir().expect("a scratch directory");
+    let base = ["--preset", "tiny", "--precision", "f16", "--threads", "1"];
+    let e = snug(
+        &[&["fit", "--memory", "4MiB"][..], &base].concat(),
+        cache.path(),
+    );
+    bounded::assert_refused(
+        &e,
+        "fit --precision f16 --memory 4MiB",
+        &["nothing fits in 4.00 MiB", "these would fit:"],
+        100 << 20,
+    );
+    assert!(!e.stderr.contains("failed"), "{}", e.stderr);
+    assert!(!e.stderr.contains("fused-update"), "{}", e.stderr);
+    let listed: Vec<&str> = e
+        .stderr
+        .lines()
+        .skip_while(|l| !l.contains("these would fit:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .collect();
+    assert!(!listed.is_empty(), "{}", e.stderr);
+    for line in &listed {
+        let peak = line
+            .rsplit_once("(peak ")
+            .and_then(|(_, p)| p.strip_suffix(" MiB)"))
+            .and_then(|p| p.parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("a peak in MiB: {line}"));
+        assert!(peak <= 4.0, "{line}");
+    }
+    let flags: Vec<&str> = listed[0]
+        .split('(')
+        .next()
+        .expect("flags")
+        .split_whitespace()
+        .collect();
+    let taken = snug(
+        &[&["fit", "--memory", "4MiB"][..], &base, &flags].concat(),
+        cache.path(),
+    );
+    assert_eq!(taken.code, Some(0), "{flags:?}: {}", taken.stderr);
+}
+
+/// fit chooses micro-batch × accumulation and remat itself: an `--accumulation` or `--remat`
+/// it does not keep is named, not dropped silently.
+#[test]
+fn an_accumulation_fit_does_not_keep_is_named() {
+    let cache = tempfile::tempdir().expect("a scratch directory");
+    let args = [
+        "fit",
+        "--preset",
+        "tiny",
+        "--batch",
+        "8",
+        "--accumulation",
+        "4",
+        "--remat",
+        "block",
+        "--threads",
+        "1",
+        "--memory",
+        "12MiB",
+    ];
+    let e = snug(&args, cache.path());
+    assert_eq!(e.code, Some(0), "{}", e.stderr);
+    assert!(
+        e.stderr
+            .contains("--accumulation 4 and --remat block not kept"),
+        "{}",
+        e.stderr
+    );
+}
+
 /// A model whose weights alone are far over the budget is refused without planning a
 /// candidate (it planned 162, for about a minute): the refusal names the least state any
 /// configuration holds, and the suggestions are bounded the same way.

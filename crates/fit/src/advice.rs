@@ -3,7 +3,9 @@
 //! sequence, a lever the user did not allow), each planned at its smallest configuration, so
 //! the user hears which of them reaches the budget instead of only that nothing did. A change
 //! whose parameters and optimizer state alone exceed the budget ([`crate::floor`]) is not
-//! planned: no configuration of it can fit.
+//! planned: no configuration of it can fit. A change whose step cannot be built with the rest
+//! of the run (fused updates under f16's loss scaling) is not suggested: the search lists such
+//! a candidate as failed, and the advice names only what the user could run.
 
 use serde::Serialize;
 use snug_compile::{compile_exactly, OptimizerKind, Pass, Remat, StepConfig, StepShape};
@@ -31,7 +33,8 @@ pub struct Suggestion {
 
 impl Suggestion {
     /// `change` with `step` at `shape`: refused by its state where that alone is over
-    /// `budget`, else planned.
+    /// `budget`, else planned; `None` where its step cannot be built or planned (it is no
+    /// change the user could make).
     fn of(
         change: String,
         model: &FitModel,
@@ -39,17 +42,17 @@ impl Suggestion {
         step: &StepConfig,
         target: Target,
         budget: usize,
-    ) -> Result<Suggestion, FitError> {
+    ) -> Option<Suggestion> {
         if let Some(floor) = floor_over(model, step, target, budget) {
-            return Ok(Suggestion {
+            return Some(Suggestion {
                 change,
                 peak_bytes: None,
                 least_bytes: floor,
                 fits: false,
             });
         }
-        let peak = smallest_peak(model, shape, step, target)?;
-        Ok(Suggestion {
+        let peak = smallest_peak(model, shape, step, target).ok()?;
+        Some(Suggestion {
             change,
             peak_bytes: Some(peak),
             least_bytes: peak,
@@ -99,12 +102,10 @@ pub fn smallest_peak(
 }
 
 /// Each change snug can make that lowers `model`'s peak, alone and all together, with the
-/// peak it reaches; those that fit `budget` first.
-pub fn what_would_fit(
-    model: &FitModel,
-    budget: usize,
-    target: Target,
-) -> Result<Vec<Suggestion>, FitError> {
+/// peak it reaches; those that fit `budget` first. A change whose step does not build with
+/// the run's other settings is left out, not an error: one such rung (a lever f16 cannot
+/// take) must not cost the user every other suggestion.
+pub fn what_would_fit(model: &FitModel, budget: usize, target: Target) -> Vec<Suggestion> {
     let one = |block: usize| StepShape {
         micro_batch: 1,
         block,
@@ -145,25 +146,31 @@ pub fn what_would_fit(
     }
     let mut out = Vec::new();
     for (change, step) in &changes {
-        out.push(Suggestion::of(
+        out.extend(Suggestion::of(
             change.clone(),
             model,
             one(model.block),
             step,
             target,
             budget,
-        )?);
+        ));
     }
     // The longest sequence that fits, as it is and with every change above; none does where
     // the state alone is over, whatever the sequence.
-    for (flags, step) in [(Vec::new(), base.clone()), (all_flags.clone(), all.clone())] {
+    let mut runs = vec![(Vec::new(), base.clone())];
+    // With no change to make, "every change" is the run as it is: its length is said once.
+    if !all_flags.is_empty() {
+        runs.push((all_flags.clone(), all.clone()));
+    }
+    for (flags, step) in runs {
         if floor_over(model, &step, target, budget).is_some() {
             continue;
         }
         let mut block = model.block / 2;
         while block >= 8 {
-            let peak = smallest_peak(model, one(block), &step, target)?;
-            if peak <= budget {
+            // A length the step does not build at is not one to suggest.
+            let peak = smallest_peak(model, one(block), &step, target).ok();
+            if let Some(peak) = peak.filter(|&p| p <= budget) {
                 let mut change = flags.join(" ");
                 if !change.is_empty() {
                     change.push(' ');
@@ -187,27 +194,27 @@ pub fn what_would_fit(
         if rung.iter().all(|l| model.levers.contains(l)) || step == base {
             continue;
         }
-        out.push(Suggestion::of(
+        out.extend(Suggestion::of(
             format!("--allow {rung}"),
             model,
             one(model.block),
             &step,
             target,
             budget,
-        )?);
+        ));
     }
     if all_flags.len() > 1 {
-        out.push(Suggestion::of(
+        out.extend(Suggestion::of(
             all_flags.join(" "),
             model,
             one(model.block),
             &all,
             target,
             budget,
-        )?);
+        ));
     }
     out.sort_by_key(|s| (!s.fits, s.least_bytes));
-    Ok(out)
+    out
 }
 
 /// The user's step settings in the lowest precision fit may choose for them.

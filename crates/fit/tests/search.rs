@@ -372,7 +372,7 @@ fn what_would_fit_plans_each_change() {
     let as_is = snug_fit::advice::smallest_peak(&fit, shape(&fit, 1), &fit.step, cpu()).unwrap();
     assert!(with_sgd < as_is);
     let budget = with_sgd + (as_is - with_sgd) / 2;
-    let advice = snug_fit::what_would_fit(&fit, budget, cpu()).unwrap();
+    let advice = snug_fit::what_would_fit(&fit, budget, cpu());
     let s = advice
         .iter()
         .find(|s| s.change.starts_with("--optimizer sgd ("))
@@ -445,7 +445,7 @@ fn levers_are_used_only_when_allowed_and_only_where_nothing_fits_without_them() 
         Search::new(&fit, cpu(), budget).choose(&machine),
         Err(FitError::NothingFits { .. })
     ));
-    let advice = snug_fit::what_would_fit(&fit, budget, cpu()).unwrap();
+    let advice = snug_fit::what_would_fit(&fit, budget, cpu());
     let s = advice
         .iter()
         .find(|s| s.change == "--allow lora")
@@ -757,4 +757,48 @@ fn a_pinned_stage_and_a_devices_check_bound_the_choice() {
         .collect();
     assert!(!refused.is_empty());
     assert!(refused.iter().all(|c| c.config.passes.is_empty()));
+}
+
+/// f16 scales its loss, which fused updates (and clipping by the previous step's norm) cannot
+/// take: the advice leaves those levers out instead of failing as a whole (it named none), and
+/// what it lists is planned: a lever it says fits is chosen by the search under the budget.
+#[test]
+fn f16_advice_leaves_out_the_levers_it_cannot_build() {
+    use snug_fit::{Lever, Levers};
+    let f16 = StepConfig {
+        precision: DType::F16,
+        ..StepConfig::default()
+    };
+    let fit = FitModel::new(model().model, 256, f16);
+    let fused = Levers::of(&[Lever::FusedUpdate]).apply(&fit.step);
+    assert!(
+        snug_fit::advice::smallest_peak(&fit, shape(&fit, 1), &fused, cpu()).is_err(),
+        "fused updates under loss scaling do not build"
+    );
+    let lora = Levers::of(&[Lever::Lora]).apply(&fit.step);
+    let with_lora = snug_fit::advice::smallest_peak(&fit, shape(&fit, 1), &lora, cpu()).unwrap();
+    let as_is = snug_fit::advice::smallest_peak(&fit, shape(&fit, 1), &fit.step, cpu()).unwrap();
+    assert!(with_lora < as_is, "{with_lora} vs {as_is}");
+    let budget = with_lora + (as_is - with_lora) / 2;
+
+    let advice = snug_fit::what_would_fit(&fit, budget, cpu());
+    assert!(advice.iter().any(|s| s.fits), "{advice:?}");
+    for s in &advice {
+        assert!(!s.change.contains("fused-update"), "{s:?}");
+        assert_eq!(s.fits, s.least_bytes <= budget, "{s:?}");
+    }
+    let s = advice
+        .iter()
+        .find(|s| s.fits && s.change.starts_with("--allow "))
+        .expect("a lever that fits");
+    let levers: Levers = s.change["--allow ".len()..].parse().unwrap();
+    let step = levers.apply(&fit.step);
+    let planned = snug_fit::advice::smallest_peak(&fit, shape(&fit, 1), &step, cpu()).unwrap();
+    assert_eq!(s.peak_bytes, Some(planned), "the peak of the step it names");
+    let report = Search::new(&fit.clone().allowing_levers(levers), cpu(), budget)
+        .effective_batch(1)
+        .choose(&MachineProfile::nominal(1))
+        .unwrap();
+    let chosen = report.chosen().unwrap();
+    assert!(chosen.peak_bytes.is_some_and(|p| p <= budget), "{chosen:?}");
 }
