@@ -427,8 +427,10 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
                     ckpt.step
                 );
             }
-            // A resumed run trains what it trained: recovery may change how, never what.
+            // A resumed run trains what it trained: fit (`--memory`) and recovery may change
+            // how, never what; its precision changes only when asked (`--precision`).
             cfg.allow = snug_fit::Levers::none();
+            cfg.precision_pinned = true;
             if rank != 0 {
                 cfg.out = None; // rank 0 alone saves
             }
@@ -822,6 +824,8 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
         median_step_ms: median,
         // The calibration times this machine's CPU kernels.
         predicted_step_ms: machine
+            // Nominal figures rank candidates; they do not predict this machine's time.
+            .filter(|m| m.is_measured())
             .or_else(|| {
                 snug_train::calibration::cached_now(cfg.threads)
                     .ok()

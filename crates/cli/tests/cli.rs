@@ -1159,6 +1159,37 @@ fn memory_lowered_mid_run_is_recovered_without_losing_a_step() {
     assert_eq!(step_losses(&lines)[..2], undisturbed[..2]);
 }
 
+/// With no calibration (none cached, and the budget too small to measure this machine), fit
+/// ranks candidates by nominal figures: the summary then claims no predicted step time.
+#[test]
+fn nominal_figures_are_not_reported_as_a_prediction() {
+    let empty = tempfile::tempdir().unwrap();
+    let o = snug_cached(
+        &[
+            "train",
+            "--json",
+            "--steps",
+            "2",
+            "--memory",
+            "12MiB",
+            "--threads",
+            "1",
+            "--no-save",
+        ],
+        &empty,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("predictions are nominal"),
+        "{}",
+        stderr(&o)
+    );
+    let lines = json_lines(&o);
+    let summary = lines.last().unwrap();
+    assert_eq!(summary["kind"], "summary");
+    assert!(summary["predicted_step_ms"].is_null(), "{summary}");
+}
+
 /// Memory lowered just before an evaluation: the evaluation runs out, switches to a smaller
 /// configuration as a step would, and runs again; the run goes on with it, every step and
 /// every evaluation reported, the new plan measured exactly.

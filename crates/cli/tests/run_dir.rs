@@ -712,3 +712,53 @@ fn resume_and_init_from_together_are_refused_by_name() {
     assert!(err.contains("resumed run"), "{err}");
     assert_eq!(snapshot(&run), before);
 }
+
+/// A resumed run keeps its precision when `--memory` makes fit choose again: fit may change
+/// how it runs (micro-batches, remat), not what it trains. (Unpinned, fit takes bf16 here.)
+#[test]
+fn a_resumed_run_fitted_to_memory_keeps_its_precision() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let cwd = tmp.path();
+    let shape = [
+        "--preset",
+        "tiny",
+        "--threads",
+        "1",
+        "--block",
+        "64",
+        "--batch",
+        "8",
+    ];
+    let o = snug(
+        &[&["train"][..], &shape, &["--steps", "1", "--out", "run"]].concat(),
+        cwd,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let chosen = |o: &Output| -> serde_json::Value {
+        assert!(o.status.success(), "{}", stderr(o));
+        let fit: serde_json::Value = String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("JSON lines"))
+            .find(|l| l["kind"] == "fit")
+            .expect("a fit line");
+        let i = fit["chosen"].as_u64().expect("a choice") as usize;
+        fit["candidates"][i]["config"].clone()
+    };
+    let budget = ["--memory", "9MiB", "--json"];
+    let fresh = snug(
+        &[
+            &["train"][..],
+            &shape,
+            &["--steps", "1", "--no-save"],
+            &budget,
+        ]
+        .concat(),
+        cwd,
+    );
+    assert_eq!(chosen(&fresh)["precision"], "bf16", "the budget tempts fit");
+    let resumed = snug(
+        &[&["train", "--resume", "run", "--steps", "2"][..], &budget].concat(),
+        cwd,
+    );
+    assert_eq!(chosen(&resumed)["precision"], "f32");
+}
