@@ -225,7 +225,9 @@ pub fn nothing_fits(
     cfg: &TrainConfig,
 ) -> anyhow::Error {
     let base = report.nothing_fits();
-    let suggestions = snug_fit::what_would_fit(model, report.budget, cfg.target());
+    // Each device's share of the batch, as the search planned it.
+    let sequences = report.effective_batch / report.devices.max(1);
+    let suggestions = snug_fit::what_would_fit(model, report.budget, cfg.target(), sequences);
     let fitting: Vec<String> = suggestions
         .iter()
         .filter(|s| s.fits)

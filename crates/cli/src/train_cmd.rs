@@ -273,6 +273,14 @@ fn fit_to_memory(
             report.search_seconds
         );
     }
+    // Flags, not a resumed checkpoint's settings: those fit may change without a word.
+    let set = (
+        args.model.step.accumulation.map(|_| cfg.accumulation),
+        args.model.step.remat.as_ref().map(|_| cfg.remat),
+    );
+    if let Some(note) = crate::fit_cmd::not_kept(set, &chosen.config) {
+        tracing::warn!("{note}");
+    }
     cfg.apply_fit(&chosen.config);
     cfg.memory_limit = Some(budget);
     cfg.strict_memory_limit = true;

@@ -18,7 +18,8 @@ use crate::search::FitModel;
 use crate::FitError;
 
 /// One change to the run and the least it needs: the smallest planned peak it reaches
-/// (micro-batch 1, the cheapest remat, every memory pass), or where its parameters and
+/// (micro-batch 1 with the rest of the batch accumulated, the cheapest remat, every memory
+/// pass), or where its parameters and
 /// optimizer state alone exceed the budget, those bytes, unplanned.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Suggestion {
@@ -70,8 +71,8 @@ fn floor_over(model: &FitModel, step: &StepConfig, target: Target, budget: usize
         .filter(|&floor| floor > budget)
 }
 
-/// The smallest peak of `model` at `shape` on `target` under `step`, with and without
-/// per-block remat, every pass that lowers memory.
+/// The smallest peak of `model` at `shape` on `target` under `step` (its accumulation
+/// kept), with and without per-block remat, every pass that lowers memory.
 pub fn smallest_peak(
     model: &FitModel,
     shape: StepShape,
@@ -90,7 +91,6 @@ pub fn smallest_peak(
     // this needs, and both are planned here once.
     for remat in [Remat::None, Remat::Blocks { blocks: 1 }] {
         let config = StepConfig {
-            accumulation: 1,
             remat,
             passes: passes.clone(),
             ..step.clone()
@@ -102,15 +102,25 @@ pub fn smallest_peak(
 }
 
 /// Each change snug can make that lowers `model`'s peak, alone and all together, with the
-/// peak it reaches; those that fit `budget` first. A change whose step does not build with
-/// the run's other settings is left out, not an error: one such rung (a lever f16 cannot
-/// take) must not cost the user every other suggestion.
-pub fn what_would_fit(model: &FitModel, budget: usize, target: Target) -> Vec<Suggestion> {
+/// peak it reaches for the `sequences` a device trains each step (one at a time, the rest
+/// accumulated: a run of several holds gradient sums that a run of one does not); those that
+/// fit `budget` first. A change whose step does not build with the run's other settings is
+/// left out, not an error: one such rung (a lever f16 cannot take) must not cost the user
+/// every other suggestion.
+pub fn what_would_fit(
+    model: &FitModel,
+    budget: usize,
+    target: Target,
+    sequences: usize,
+) -> Vec<Suggestion> {
     let one = |block: usize| StepShape {
         micro_batch: 1,
         block,
     };
-    let base = lowest_allowed(model);
+    let base = StepConfig {
+        accumulation: sequences.max(1),
+        ..lowest_allowed(model)
+    };
     let mut changes: Vec<(String, StepConfig)> = Vec::new();
     let mut all = base.clone();
     let mut all_flags = Vec::new();
@@ -235,7 +245,11 @@ pub fn largest_micro_batch(
     most: usize,
     target: Target,
 ) -> Result<Option<usize>, FitError> {
-    let step = lowest_allowed(model);
+    // One micro-batch: no accumulation.
+    let step = StepConfig {
+        accumulation: 1,
+        ..lowest_allowed(model)
+    };
     let shape = |micro_batch: usize| StepShape {
         micro_batch,
         block: model.block,

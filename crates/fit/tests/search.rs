@@ -372,7 +372,7 @@ fn what_would_fit_plans_each_change() {
     let as_is = snug_fit::advice::smallest_peak(&fit, shape(&fit, 1), &fit.step, cpu()).unwrap();
     assert!(with_sgd < as_is);
     let budget = with_sgd + (as_is - with_sgd) / 2;
-    let advice = snug_fit::what_would_fit(&fit, budget, cpu());
+    let advice = snug_fit::what_would_fit(&fit, budget, cpu(), 1);
     let s = advice
         .iter()
         .find(|s| s.change.starts_with("--optimizer sgd ("))
@@ -445,7 +445,7 @@ fn levers_are_used_only_when_allowed_and_only_where_nothing_fits_without_them() 
         Search::new(&fit, cpu(), budget).choose(&machine),
         Err(FitError::NothingFits { .. })
     ));
-    let advice = snug_fit::what_would_fit(&fit, budget, cpu());
+    let advice = snug_fit::what_would_fit(&fit, budget, cpu(), 1);
     let s = advice
         .iter()
         .find(|s| s.change == "--allow lora")
@@ -781,7 +781,7 @@ fn f16_advice_leaves_out_the_levers_it_cannot_build() {
     assert!(with_lora < as_is, "{with_lora} vs {as_is}");
     let budget = with_lora + (as_is - with_lora) / 2;
 
-    let advice = snug_fit::what_would_fit(&fit, budget, cpu());
+    let advice = snug_fit::what_would_fit(&fit, budget, cpu(), 1);
     assert!(advice.iter().any(|s| s.fits), "{advice:?}");
     for s in &advice {
         assert!(!s.change.contains("fused-update"), "{s:?}");
