@@ -451,7 +451,21 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
                 .as_deref()
                 .map(|dir| RunDir::claim(dir, &claim))
                 .transpose()?;
-            let (data, model) = cfg.load_data_and_model()?;
+            let data_path = match &cfg.data {
+                DataSourceConfig::File(p) => Some(p.clone()),
+                DataSourceConfig::Addition => None,
+            };
+            let (data, model) = cfg
+                .load_data_and_model()
+                .with_context(|| match &data_path {
+                    // Saved as given, so relative to where the run started.
+                    Some(p) if p.is_relative() && !p.exists() => format!(
+                        "the run's data, {}, is named relative to the directory the run started \
+                     in: resume from there, or give --data",
+                        p.display()
+                    ),
+                    _ => "loading the run's data".into(),
+                })?;
             machine = fit_to_memory(&args, &mut cfg, model, &mut out)?;
             let summary = data_line(&data);
             let trainer = Trainer::resume(cfg.clone(), data, allocator.clone(), &ckpt)

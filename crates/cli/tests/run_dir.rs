@@ -762,3 +762,41 @@ fn a_resumed_run_fitted_to_memory_keeps_its_precision() {
     );
     assert_eq!(chosen(&resumed)["precision"], "f32");
 }
+
+/// A run's data path is saved as given: resumed from another directory, a relative one is not
+/// found, and the error says why and what to do; `--data` then resumes it.
+#[test]
+fn resuming_from_elsewhere_names_a_relative_data_path() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let start = tmp.path().join("start");
+    std::fs::create_dir(&start).expect("a directory");
+    std::fs::write(start.join("text.txt"), "to be or not to be\n".repeat(50)).expect("a file");
+    let o = train(
+        &start,
+        &["--steps", "1", "--data", "text.txt", "--out", "run"],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = snug(
+        &["train", "--resume", "start/run", "--steps", "2"],
+        tmp.path(),
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("text.txt, is named relative to the directory the run started in"),
+        "{}",
+        stderr(&o)
+    );
+    let o = snug(
+        &[
+            "train",
+            "--resume",
+            "start/run",
+            "--steps",
+            "2",
+            "--data",
+            "start/text.txt",
+        ],
+        tmp.path(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+}

@@ -205,6 +205,18 @@ impl TokenDataset {
                 },
             });
         }
+        // A step would average over no target: a loss and gradients of 0, every step.
+        if train.has_mask() && train.counted_targets() == 0 {
+            return Err(TrainError::TokenFile {
+                path: dir.join(TRAIN_FILE),
+                problem: TokenFileProblem::Mask {
+                    detail: "it keeps no target: no token of the training split counts in the \
+                             loss (every example's completion is empty?), so training would \
+                             learn nothing"
+                        .into(),
+                },
+            });
+        }
         Ok(TokenDataset {
             tokenizer: train.tokenizer().clone(),
             train: Tokens::Mapped(train),

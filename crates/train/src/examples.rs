@@ -95,6 +95,16 @@ impl Example {
                 }
                 None => return Err(format!("`messages[{i}].role` is missing")),
             }
+            // Text, or none (a tool call's turn); a list of parts is left to the template.
+            match m.get("content") {
+                None | Some(Json::Null | Json::String(_) | Json::Array(_)) => {}
+                Some(other) => {
+                    return Err(format!(
+                        "`messages[{i}].content` is {}, not a string",
+                        json_kind(other)
+                    ))
+                }
+            }
         }
         Ok(Example::Messages(messages))
     }
@@ -114,6 +124,8 @@ fn json_kind(v: &Json) -> &'static str {
 /// Every example of a JSONL text with its line number (from 1); blank lines are skipped.
 pub fn parse_jsonl(path: &Path, text: &str) -> Result<Vec<(usize, Example)>, TrainError> {
     let mut out = Vec::new();
+    // A byte-order mark (Windows editors write one) is no part of the first line's JSON.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;

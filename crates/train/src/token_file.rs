@@ -562,6 +562,23 @@ impl TokenFile {
         }
     }
 
+    /// Targets that count in the loss: tokens after the first (a first token is never a
+    /// target) that the mask keeps, all of them without one.
+    pub fn counted_targets(&self) -> usize {
+        let Some(at) = self.mask_offset else {
+            return self.len.saturating_sub(1);
+        };
+        let bits = &self.map[at..at + self.len.div_ceil(8)];
+        let set: usize = bits.iter().map(|b| b.count_ones() as usize).sum();
+        // Bits past the last token are zero as written, but a file is not trusted to be.
+        let past = match self.len % 8 {
+            0 => 0,
+            r => (bits[bits.len() - 1] >> r).count_ones() as usize,
+        };
+        let first = bits.first().map_or(0, |b| usize::from(b & 1));
+        set - past - first
+    }
+
     /// The whole loss mask (all `true` without one).
     pub fn mask_to_vec(&self) -> Vec<bool> {
         let mut out = vec![true; self.len];
@@ -665,6 +682,35 @@ mod tests {
         // A mask of another length is refused before anything is written.
         assert!(TokenFile::stage(&path, &tok, &[1], Some(&[true, true])).is_err());
         assert_eq!(names(), vec![std::ffi::OsString::from("train.bin")]);
+    }
+
+    #[test]
+    fn counted_targets_leave_out_the_first_token_and_count_the_mask() {
+        let dir = tempfile::tempdir().unwrap();
+        let tok = Tokenizer::Char(CharTokenizer::from_text("abc"));
+        let path = dir.path().join("t.bin");
+        let ids: Vec<u32> = (0..11).map(|i| i % 3).collect();
+        TokenFile::write(&path, &tok, &ids).unwrap();
+        assert_eq!(TokenFile::open(&path).unwrap().counted_targets(), 10);
+        // Tokens 0, 3, 9 and 10 kept: token 0 is no target, so three count.
+        let mask: Vec<bool> = (0..11).map(|i| [0, 3, 9, 10].contains(&i)).collect();
+        TokenFile::write_masked(&path, &tok, &ids, &mask).unwrap();
+        assert_eq!(TokenFile::open(&path).unwrap().counted_targets(), 3);
+        TokenFile::write_masked(&path, &tok, &ids, &[false; 11]).unwrap();
+        assert_eq!(TokenFile::open(&path).unwrap().counted_targets(), 0);
+        // A prepared directory whose training split keeps no target is refused by file.
+        TokenFile::write(&dir.path().join(crate::data::VAL_FILE), &tok, &ids).unwrap();
+        std::fs::rename(&path, dir.path().join(crate::data::TRAIN_FILE)).unwrap();
+        match crate::TokenDataset::from_dir(dir.path()) {
+            Err(TrainError::TokenFile {
+                path,
+                problem: TokenFileProblem::Mask { detail },
+            }) => {
+                assert!(path.ends_with(crate::data::TRAIN_FILE));
+                assert!(detail.contains("no target"), "{detail}");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     fn header(version: u32, dtype: u8, count: u64, spec: &[u8]) -> Vec<u8> {

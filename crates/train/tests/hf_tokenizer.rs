@@ -454,6 +454,10 @@ fn malformed_jsonl_lines_are_named_by_number() {
             "`messages[0].role` is missing",
         ),
         (r#"{"messages": ["x"]}"#, "not an object"),
+        (
+            r#"{"messages": [{"role": "user", "content": 5}]}"#,
+            "`messages[0].content` is a number",
+        ),
     ];
     for (line, want) in cases {
         let text = format!("{good}\n\n{good}\n{line}\n{good}\n");
@@ -469,6 +473,12 @@ fn malformed_jsonl_lines_are_named_by_number() {
             other => panic!("{line}: {other:?}"),
         }
     }
+    // A byte-order mark before the first line is not part of its JSON.
+    let parsed = parse_jsonl(path, &format!("\u{feff}{good}\n{good}\n")).unwrap();
+    assert_eq!(
+        parsed,
+        parse_jsonl(path, &format!("{good}\n{good}\n")).unwrap()
+    );
     // A chat the template refuses: the line and the template's message.
     let text = format!(
         "{good}\n{}\n",
