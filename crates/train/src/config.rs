@@ -1203,7 +1203,8 @@ impl TrainConfig {
             return Err(TrainError::Config {
                 field,
                 detail: format!(
-                    "a vocabulary of {vocab} is smaller than the data's {data_vocab} distinct symbols"
+                    "the model's vocabulary of {vocab} is smaller than the {data_vocab} ids of the \
+                     data's tokenizer"
                 ),
             });
         }
