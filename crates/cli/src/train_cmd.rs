@@ -423,12 +423,13 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             }
             let mut cfg =
                 TrainConfig::resolve_resumed(ckpt.config.clone(), config_file, &model, &train)?;
-            // Nothing to train: refused before the checkpoint is saved again under flags no
-            // step used.
-            if cfg.steps <= ckpt.step {
+            // Fewer steps than done: refused before the checkpoint is saved again under a step
+            // count the run has passed. As many re-saves it at once (how a checkpoint moves
+            // between one process and ranks, sharded or whole).
+            if cfg.steps < ckpt.step {
                 bail!(
-                    "{}: the run is already at step {} of the {} asked for: give --steps above {} \
-                     to train further",
+                    "{}: the run is already at step {}, past the {} asked for: give --steps \
+                     above {} to train further",
                     path.display(),
                     ckpt.step,
                     cfg.steps,
