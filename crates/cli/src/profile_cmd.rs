@@ -6,7 +6,7 @@ use anyhow::Result;
 use clap::Args;
 use serde::Serialize;
 use snug_graph::ops::Op;
-use snug_train::{DataSource, RunFlags, TokenDataset, TrainConfig, Trainer};
+use snug_train::{RunFlags, TrainConfig, Trainer};
 
 use crate::ModelArgs;
 
@@ -52,8 +52,10 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     }
     let (model, mut train) = args.model.sections(RunFlags::default());
     train.steps = Some(args.steps + 1);
-    let cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
-    let data = TokenDataset::load(&DataSource::from(&cfg.data))?;
+    let mut cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
+    // As train loads it: a pretrained model's tokenizer encodes text, and token files of
+    // another are refused.
+    let (data, _) = cfg.load_data_and_model()?;
     let mut trainer = Trainer::new(cfg, data)?;
     trainer.train_step()?;
     let graph = trainer.session().graph().clone();

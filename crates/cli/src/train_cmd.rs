@@ -273,10 +273,14 @@ fn fit_to_memory(
             report.search_seconds
         );
     }
-    // Flags, not a resumed checkpoint's settings: those fit may change without a word.
+    // Set by flag or file, as fit reads them; a resumed checkpoint's own settings fit may
+    // change without a word.
+    let fresh = args.resume.is_none();
     let set = (
-        args.model.step.accumulation.map(|_| cfg.accumulation),
-        args.model.step.remat.as_ref().map(|_| cfg.remat),
+        (args.model.step.accumulation.is_some() || (fresh && cfg.accumulation != 1))
+            .then_some(cfg.accumulation),
+        (args.model.step.remat.is_some() || (fresh && cfg.remat != snug_compile::Remat::None))
+            .then_some(cfg.remat),
     );
     if let Some(note) = crate::fit_cmd::not_kept(set, &chosen.config) {
         tracing::warn!("{note}");
@@ -313,6 +317,22 @@ const STOP_SIGNALS: [i32; 3] = [
     signal_hook::consts::SIGHUP,
 ];
 
+/// How soon the same stop signal again counts as the first one delivered twice.
+#[cfg(unix)]
+const REPEAT_MS: u64 = 250;
+
+/// Milliseconds of the monotonic clock, read in a signal handler.
+#[cfg(unix)]
+fn monotonic_ms() -> u64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `t` is a valid timespec; CLOCK_MONOTONIC always exists on Linux and macOS.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
+    (t.tv_sec as u64).saturating_mul(1000) + t.tv_nsec as u64 / 1_000_000
+}
+
 /// What a stop signal sets: the flag the run checks between steps, and which signal it was (0:
 /// none), so the process can end as that signal's status once the state is saved.
 struct StopFlag {
@@ -330,20 +350,32 @@ impl StopFlag {
 
     /// Installs the handlers, as the loop starts: before it there is no state to save, and a
     /// signal during setup (a long search or load) ends the process at once, as by default.
-    /// Once installed, a second signal ends the process at once, with its status.
+    /// Once installed, a second signal ends the process at once, with its status, except the
+    /// same signal again within [`REPEAT_MS`]: GNU `timeout` sends its TERM to the process
+    /// and then to its group, and a shell may pass a Ctrl-C on as well; taken for a second
+    /// signal, that lost the run it meant to stop cleanly.
     fn install(&self) -> Result<()> {
         #[cfg(unix)]
         for sig in STOP_SIGNALS {
-            // Registered first, so it sees the flag as it was before this signal.
-            signal_hook::flag::register_conditional_shutdown(
-                sig,
-                128 + sig,
-                Arc::clone(&self.stop),
-            )
-            .context("installing the signal handler")?;
-            signal_hook::flag::register_usize(sig, Arc::clone(&self.signal), sig as usize)
-                .context("installing the signal handler")?;
-            signal_hook::flag::register(sig, Arc::clone(&self.stop))
+            let (stop, signal) = (Arc::clone(&self.stop), Arc::clone(&self.signal));
+            let first_ms = Arc::new(std::sync::atomic::AtomicU64::new(0));
+            let handler = move || {
+                let now = monotonic_ms();
+                if stop.load(Ordering::SeqCst) {
+                    let repeat = signal.load(Ordering::SeqCst) == sig as usize
+                        && now.saturating_sub(first_ms.load(Ordering::SeqCst)) < REPEAT_MS;
+                    if !repeat {
+                        signal_hook::low_level::exit(128 + sig);
+                    }
+                    return;
+                }
+                first_ms.store(now, Ordering::SeqCst);
+                signal.store(sig as usize, Ordering::SeqCst);
+                stop.store(true, Ordering::SeqCst);
+            };
+            // SAFETY: the handler only reads the clock (clock_gettime is async-signal-safe),
+            // touches atomics and may call `_exit`; it allocates and locks nothing.
+            unsafe { signal_hook::low_level::register(sig, handler) }
                 .context("installing the signal handler")?;
         }
         Ok(())
@@ -370,7 +402,9 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
     // would otherwise be refused for the wrong reason.
     if let Some(devices) = train.devices.filter(|&d| d != ranks) {
         bail!(
-            "--devices {devices}: this process is rank {rank} of {ranks}; launch the run with              `mpirun -np {devices} snug train …` (on a build with the `mpi` feature), or leave              --devices out"
+            "--devices {devices}: this process is rank {rank} of {ranks}; launch the run with \
+             `mpirun -np {devices} snug train …` (on a build with the `mpi` feature), or leave \
+             --devices out"
         );
     }
     train.devices.get_or_insert(ranks);
@@ -423,6 +457,14 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             }
             let mut cfg =
                 TrainConfig::resolve_resumed(ckpt.config.clone(), config_file, &model, &train)?;
+            // The flag is refused above; a configuration file's is refused here alike.
+            if cfg.init_from != ckpt.config.init_from {
+                bail!(
+                    "init_from: a resumed run continues from its checkpoint's weights; a \
+                     configuration's init_from starts a new run from others (leave it out to \
+                     resume)"
+                );
+            }
             // Fewer steps than done: refused before the checkpoint is saved again under a step
             // count the run has passed. As many re-saves it at once (how a checkpoint moves
             // between one process and ranks, sharded or whole).

@@ -699,6 +699,66 @@ fn a_stop_signal_saves_a_loadable_checkpoint_and_exits_as_the_signal() {
     }
 }
 
+/// GNU `timeout` sends its TERM to the process and then to its group: the same signal twice
+/// at once is one stop, which saves (it was taken for a second signal and aborted unsaved,
+/// in half of such runs).
+#[cfg(unix)]
+#[test]
+fn a_signal_delivered_twice_at_once_is_one_stop_and_saves() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+
+    for round in 0..3 {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("run");
+        // Steps long enough that both signals arrive while one is in flight.
+        let mut child = Command::new(env!("CARGO_BIN_EXE_snug"))
+            .args([
+                "train",
+                "--preset",
+                "char-small",
+                "--batch",
+                "4",
+                "--block",
+                "256",
+            ])
+            .args(["--steps", "100000", "--threads", "1", "--eval-every", "0"])
+            .args(["--json", "--out", out.to_str().unwrap()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut reader = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(
+                reader.read_line(&mut line).unwrap() > 0,
+                "snug exited early"
+            );
+            let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+            if v["kind"] == "step" {
+                break;
+            }
+        }
+        for _ in 0..2 {
+            // SAFETY: sending a signal to our own child process.
+            assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+        }
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut reader, &mut rest).unwrap();
+        let status = child.wait().unwrap();
+        assert_eq!(
+            status.code(),
+            Some(128 + libc::SIGTERM),
+            "{round}: {status}"
+        );
+        let (_, ckpt) = snug_train::checkpoint::load(&out)
+            .unwrap_or_else(|e| panic!("round {round}: nothing saved ({e}): {rest}"));
+        assert!(ckpt.step >= 1);
+    }
+}
+
 /// A signal during an evaluation (here of 200,000 batches a split, minutes of work) abandons
 /// it: the run saves the step it finished and exits as the signal at once, before a
 /// scheduler's grace period runs out, with no evaluation reported for that step.

@@ -168,9 +168,34 @@ fn an_accumulation_fit_does_not_keep_is_named() {
         "{}",
         e.stderr
     );
-    // `train --memory` chooses through fit, and says the same.
+    // `train --memory` chooses through fit, and says the same, for flags and a file alike.
     let train = [&["train"][..], &args[1..], &["--steps", "1", "--no-save"]].concat();
     let e = snug(&train, cache.path());
+    assert_eq!(e.code, Some(0), "{}", e.stderr);
+    assert!(
+        e.stderr
+            .contains("--accumulation 4 and --remat block not kept"),
+        "{}",
+        e.stderr
+    );
+    let file = cache.path().join("c.toml");
+    std::fs::write(&file, "[train]\naccumulation = 4\nremat = \"block\"\n").expect("a file");
+    let from_file = [
+        &["train", "--config", file.to_str().expect("a path")][..],
+        &[
+            "--preset",
+            "tiny",
+            "--batch",
+            "8",
+            "--threads",
+            "1",
+            "--memory",
+            "12MiB",
+        ],
+        &["--steps", "1", "--no-save"],
+    ]
+    .concat();
+    let e = snug(&from_file, cache.path());
     assert_eq!(e.code, Some(0), "{}", e.stderr);
     assert!(
         e.stderr

@@ -713,6 +713,20 @@ fn resume_and_init_from_together_are_refused_by_name() {
     let err = stderr(&o);
     assert!(err.contains("--init-from elsewhere"), "{err}");
     assert!(err.contains("resumed run"), "{err}");
+    // Or from a configuration file.
+    std::fs::write(cwd.join("c.toml"), "[train]\ninit_from = \"elsewhere\"\n").expect("a file");
+    let o = snug(
+        &[
+            "train", "--resume", "run", "--steps", "4", "--config", "c.toml",
+        ],
+        cwd,
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("init_from: a resumed run"),
+        "{}",
+        stderr(&o)
+    );
     assert_eq!(snapshot(&run), before);
 }
 

@@ -205,17 +205,33 @@ impl TokenDataset {
                 },
             });
         }
-        // A step would average over no target: a loss and gradients of 0, every step.
-        if train.has_mask() && train.counted_targets() == 0 {
-            return Err(TrainError::TokenFile {
-                path: dir.join(TRAIN_FILE),
-                problem: TokenFileProblem::Mask {
-                    detail: "it keeps no target: no token of the training split counts in the \
-                             loss (every example's completion is empty?), so training would \
-                             learn nothing"
-                        .into(),
-                },
-            });
+        // A step would average over no target: a loss and gradients of 0, every step; an
+        // evaluation would report a validation loss of 0.
+        for (file, split, tokens, what) in [
+            (
+                TRAIN_FILE,
+                "training",
+                &train,
+                "training would learn nothing",
+            ),
+            (
+                VAL_FILE,
+                "validation",
+                &val,
+                "every validation loss would read 0",
+            ),
+        ] {
+            if tokens.has_mask() && tokens.counted_targets() == 0 {
+                return Err(TrainError::TokenFile {
+                    path: dir.join(file),
+                    problem: TokenFileProblem::Mask {
+                        detail: format!(
+                            "it keeps no target: no token of the {split} split counts in the \
+                             loss (its examples' completions are empty?), so {what}"
+                        ),
+                    },
+                });
+            }
         }
         Ok(TokenDataset {
             tokenizer: train.tokenizer().clone(),

@@ -179,7 +179,11 @@ pub fn stale_files(dir: &Path, files: &[&str], written: &[PathBuf]) -> Vec<PathB
     files
         .iter()
         .map(|name| dir.join(name))
-        .filter(|p| !written.contains(p) && fs::symlink_metadata(p).is_ok_and(|m| m.is_file()))
+        // A link (a Hugging Face cache snapshot's) is removed, never what it points to.
+        .filter(|p| {
+            !written.contains(p)
+                && fs::symlink_metadata(p).is_ok_and(|m| m.is_file() || m.file_type().is_symlink())
+        })
         .collect()
 }
 
@@ -253,5 +257,16 @@ mod tests {
             "only the named files"
         );
         assert!(stale_files(&out, &["a"], &[out.join("a")]).is_empty());
+        // A link is stale as a file is (removing it leaves what it points to).
+        #[cfg(unix)]
+        {
+            fs::write(dir.path().join("target"), "kept").unwrap();
+            std::os::unix::fs::symlink(dir.path().join("target"), out.join("b")).unwrap();
+            assert_eq!(
+                stale_files(&out, &["b"], &[]),
+                vec![out.join("b")],
+                "a link"
+            );
+        }
     }
 }

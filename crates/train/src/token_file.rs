@@ -711,6 +711,15 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+        // So is one whose validation split does (every validation loss would read 0).
+        let train = dir.path().join(crate::data::TRAIN_FILE);
+        TokenFile::write(&train, &tok, &ids).unwrap();
+        let val = dir.path().join(crate::data::VAL_FILE);
+        TokenFile::write_masked(&val, &tok, &ids, &[false; 11]).unwrap();
+        match crate::TokenDataset::from_dir(dir.path()) {
+            Err(TrainError::TokenFile { path, .. }) => assert_eq!(path, val),
+            other => panic!("{other:?}"),
+        }
     }
 
     fn header(version: u32, dtype: u8, count: u64, spec: &[u8]) -> Vec<u8> {

@@ -313,8 +313,9 @@ impl Tokenizer {
     }
 
     /// Whether text gets the same ids from `self` and `other`: the same spec, the same
-    /// Hugging Face tokenizer.json, or the same vocabulary size with probe texts encoded alike
-    /// (GPT-2's built-in tokenizer and a GPT-2 model's tokenizer.json).
+    /// Hugging Face tokenizer.json, or the same vocabulary, every id decoding alike, with
+    /// probe texts encoded alike (GPT-2's built-in tokenizer and a GPT-2 model's
+    /// tokenizer.json; not one whose ids of two tokens were swapped).
     pub fn same_ids(&self, other: &Tokenizer) -> bool {
         const PROBES: [&str; 4] = [
             "The quick brown fox jumps over the lazy dog.",
@@ -331,7 +332,9 @@ impl Tokenizer {
             || (self.vocab_size() == other.vocab_size()
                 && PROBES
                     .iter()
-                    .all(|p| matches!((self.encode(p), other.encode(p)), (Ok(a), Ok(b)) if a == b)))
+                    .all(|p| matches!((self.encode(p), other.encode(p)), (Ok(a), Ok(b)) if a == b))
+                && (0..self.vocab_size() as u32)
+                    .all(|id| self.decode(&[id]) == other.decode(&[id])))
     }
 
     pub fn to_spec(&self) -> TokenizerSpec {
@@ -394,6 +397,14 @@ mod tests {
             )))
         );
         assert!(Tokenizer::gpt2().same_ids(&Tokenizer::gpt2()));
+        // Two ids swapped: the probes encode alike, but those ids decode otherwise.
+        let mut sorted: Vec<char> = all.chars().collect();
+        sorted.sort_unstable();
+        let mut other = sorted.clone();
+        let n = other.len();
+        other.swap(n - 1, n - 2); // `}` and `~`, in no probe
+        assert!(!Tokenizer::Char(CharTokenizer::from_chars(sorted))
+            .same_ids(&Tokenizer::Char(CharTokenizer::from_chars(other))));
         assert!(!Tokenizer::gpt2().same_ids(&chars(&all)));
     }
 
