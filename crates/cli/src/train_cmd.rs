@@ -333,6 +333,52 @@ fn monotonic_ms() -> u64 {
     (t.tv_sec as u64).saturating_mul(1000) + t.tv_nsec as u64 / 1_000_000
 }
 
+/// Until the loop's handlers are installed: a stop signal during the setup removes the
+/// directory the run's claim made (it holds only the lock then; a directory holding anything
+/// else is not removed) and ends the process as the signal would by default. Dropped, the
+/// actions are removed.
+struct SetupGuard(Vec<signal_hook::SigId>);
+
+impl Drop for SetupGuard {
+    fn drop(&mut self) {
+        for id in self.0.drain(..) {
+            signal_hook::low_level::unregister(id);
+        }
+    }
+}
+
+fn guard_setup(run_dir: Option<&RunDir>) -> Result<SetupGuard> {
+    #[allow(unused_mut)]
+    let mut ids = Vec::new();
+    #[cfg(unix)]
+    if let Some(dir) = run_dir.filter(|d| d.created()) {
+        use std::os::unix::ffi::OsStrExt;
+        let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).ok();
+        let lock = c(&dir.path().join(snug_train::run_dir::LOCK_FILE));
+        if let (Some(lock), Some(path)) = (lock, c(dir.path())) {
+            let (lock, path) = (Arc::new(lock), Arc::new(path));
+            for sig in STOP_SIGNALS {
+                let (lock, path) = (Arc::clone(&lock), Arc::clone(&path));
+                let action = move || {
+                    // SAFETY: unlink and rmdir are async-signal-safe; the paths were made
+                    // before the handler was installed. rmdir fails on a directory that is
+                    // not empty, which then stays.
+                    unsafe {
+                        libc::unlink(lock.as_ptr());
+                        libc::rmdir(path.as_ptr());
+                    }
+                    let _ = signal_hook::low_level::emulate_default_handler(sig);
+                };
+                // SAFETY: the action allocates and locks nothing (see above).
+                let id = unsafe { signal_hook::low_level::register(sig, action) }
+                    .context("installing the signal handler")?;
+                ids.push(id);
+            }
+        }
+    }
+    Ok(SetupGuard(ids))
+}
+
 /// What a stop signal sets: the flag the run checks between steps, and which signal it was (0:
 /// none), so the process can end as that signal's status once the state is saved.
 struct StopFlag {
@@ -425,7 +471,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
     let machine;
     // The run directory is claimed (locked, checked to hold no other run) before the setup's
     // work, so a refusal comes at once.
-    let (cfg, data, mut trainer, run_dir) = match &args.resume {
+    let (cfg, data, mut trainer, run_dir, setup_guard) = match &args.resume {
         Some(from) => {
             if let Some(init) = &train.init_from {
                 bail!(
@@ -494,6 +540,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
                 .as_deref()
                 .map(|dir| RunDir::claim(dir, &claim))
                 .transpose()?;
+            let guard = guard_setup(run_dir.as_ref())?;
             let data_path = match &cfg.data {
                 DataSourceConfig::File(p) => Some(p.clone()),
                 DataSourceConfig::Addition => None,
@@ -514,7 +561,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             let trainer = Trainer::resume(cfg.clone(), data, allocator.clone(), &ckpt)
                 .with_context(|| format!("resuming from {}", path.display()))?;
             tracing::info!("resumed from {} at step {}", path.display(), ckpt.step);
-            (cfg, summary, trainer, run_dir)
+            (cfg, summary, trainer, run_dir, guard)
         }
         None => {
             let mut cfg = TrainConfig::resolve(config_file, &model, &train)?;
@@ -532,11 +579,12 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
                 .as_deref()
                 .map(|dir| RunDir::claim(dir, &Claim::Fresh))
                 .transpose()?;
+            let guard = guard_setup(run_dir.as_ref())?;
             machine = fit_to_memory(&args, &mut cfg, model, &mut out)?;
             let summary = data_line(&data);
             let trainer = Trainer::with_allocator(cfg.clone(), data, allocator.clone())
                 .context("setting up training")?;
-            (cfg, summary, trainer, run_dir)
+            (cfg, summary, trainer, run_dir, guard)
         }
     };
     // The device's allocator: on a GPU the trainer's own, over device memory.
@@ -613,6 +661,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
     }
     lower(trainer.steps_done());
     // After the setup's long work, before the terminal is taken for the dashboard.
+    drop(setup_guard);
     stop_flag.install()?;
     let bar = if json || args.dashboard {
         ProgressBar::hidden()

@@ -856,6 +856,12 @@ fn a_stop_signal_during_setup_ends_the_process_at_once() {
         snug_train::checkpoint::load(&out).is_err(),
         "nothing trained, nothing saved"
     );
+    // The directory the run made held only its lock: removed, as for a refused run.
+    assert!(
+        !out.exists(),
+        "left behind: {:?}",
+        std::fs::read_dir(&out).map(|d| d.count())
+    );
     let again = snug(&args);
     assert!(again.status.success(), "{}", stderr(&again));
 }

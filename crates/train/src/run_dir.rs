@@ -174,6 +174,11 @@ impl RunDir {
         &self.checkpoints
     }
 
+    /// Whether this claim made the directory (see [`RunDir`]'s drop).
+    pub fn created(&self) -> bool {
+        self.created
+    }
+
     pub fn path(&self) -> &Path {
         self.checkpoints.path()
     }
