@@ -443,3 +443,43 @@ fn fit_over_devices_searches_every_stage_per_rank() {
     );
     bounded::assert_refused(&bad, "fit --devices 3", &["devices", "divide"], 100 << 20);
 }
+
+/// `--batch auto` with levers allowed: where one sequence fits only with a lever, the batch is
+/// the most one micro-batch holds with the lightest such lever, and fit chooses among the
+/// levers for it (it said nothing fits, naming a configuration that did).
+#[test]
+fn batch_auto_takes_the_levers_allowed() {
+    let cache = tempfile::tempdir().expect("a scratch directory");
+    let base = [
+        "fit",
+        "--preset",
+        "tiny",
+        "--block",
+        "16",
+        "--batch",
+        "auto",
+        "--threads",
+        "1",
+        "--memory",
+        "3MiB",
+        "--json",
+    ];
+    let refused = snug(&base, cache.path());
+    assert_eq!(refused.code, Some(1), "{}", refused.stderr);
+    assert!(
+        refused.stderr.contains("--allow qlora"),
+        "{}",
+        refused.stderr
+    );
+    let e = snug(&[&base[..], &["--allow", "qlora"]].concat(), cache.path());
+    assert_eq!(e.code, Some(0), "{}", e.stderr);
+    let report: serde_json::Value = serde_json::from_str(&e.stdout).expect("JSON");
+    let chosen = &report["candidates"][report["chosen"].as_u64().expect("a choice") as usize];
+    assert!(chosen["peak_bytes"].as_u64() <= Some(3 << 20), "{chosen}");
+    assert_eq!(
+        chosen["config"]["levers"],
+        serde_json::json!(["qlora"]),
+        "{chosen}"
+    );
+    assert!(report["effective_batch"].as_u64() >= Some(1), "{report}");
+}

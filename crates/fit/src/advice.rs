@@ -238,7 +238,9 @@ pub fn lowest_allowed(model: &FitModel) -> StepConfig {
     }
 }
 
-/// The largest micro-batch (at most `most`) whose smallest peak fits `budget`, if 1 does.
+/// The largest micro-batch (at most `most`) whose smallest peak fits `budget`, if 1 does:
+/// as the run is, else with the lightest lever the model allows that lets one sequence fit
+/// (the search then chooses among the levers for that batch).
 pub fn largest_micro_batch(
     model: &FitModel,
     budget: usize,
@@ -250,6 +252,27 @@ pub fn largest_micro_batch(
         accumulation: 1,
         ..lowest_allowed(model)
     };
+    if let Some(b) = largest_micro_batch_of(model, &step, budget, most, target)? {
+        return Ok(Some(b));
+    }
+    for rung in ladder(&model.levers) {
+        let with = rung.apply(&step);
+        // A rung f16 cannot build, say, is one fewer to try.
+        if let Ok(Some(b)) = largest_micro_batch_of(model, &with, budget, most, target) {
+            return Ok(Some(b));
+        }
+    }
+    Ok(None)
+}
+
+fn largest_micro_batch_of(
+    model: &FitModel,
+    step: &StepConfig,
+    budget: usize,
+    most: usize,
+    target: Target,
+) -> Result<Option<usize>, FitError> {
+    let step = step.clone();
     let shape = |micro_batch: usize| StepShape {
         micro_batch,
         block: model.block,
