@@ -637,47 +637,53 @@ fn resume_from_a_run_directory_continues_exactly() {
     );
 }
 
+/// `snug train ARGS --json --out OUT`, its output read until a step line `until` accepts:
+/// the child, and its output from there on.
+#[cfg(unix)]
+fn train_until(
+    args: &[&str],
+    out: &std::path::Path,
+    until: impl Fn(u64) -> bool,
+) -> (
+    std::process::Child,
+    std::io::BufReader<std::process::ChildStdout>,
+) {
+    use std::io::BufRead;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_snug"))
+        .arg("train")
+        .args(args)
+        .args(["--json", "--out", out.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut reader = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(
+            reader.read_line(&mut line).unwrap() > 0,
+            "snug exited early"
+        );
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        if v["kind"] == "step" && until(v["step"].as_u64().unwrap()) {
+            return (child, reader);
+        }
+    }
+}
+
 /// Ctrl-C (SIGINT), a scheduler's SIGTERM and a closed terminal's SIGHUP during training: the
 /// step in flight finishes, a checkpoint is saved and loads, and the process ends as that signal's
 /// status (128 + its number), so `&&` or a scheduler does not take the run for finished.
 #[cfg(unix)]
 #[test]
 fn a_stop_signal_saves_a_loadable_checkpoint_and_exits_as_the_signal() {
-    use std::io::{BufRead, BufReader};
-    use std::process::Stdio;
-
     for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("run");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_snug"))
-            .args([
-                "train",
-                "--steps",
-                "100000",
-                "--threads",
-                "1",
-                "--eval-every",
-                "0",
-            ])
-            .args(["--json", "--out", out.to_str().unwrap()])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut reader = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
+        let args = ["--steps", "100000", "--threads", "1", "--eval-every", "0"];
         // Wait until training is under way.
-        loop {
-            line.clear();
-            assert!(
-                reader.read_line(&mut line).unwrap() > 0,
-                "snug exited early"
-            );
-            let v: serde_json::Value = serde_json::from_str(&line).unwrap();
-            if v["kind"] == "step" && v["step"].as_u64() >= Some(3) {
-                break;
-            }
-        }
+        let (mut child, mut reader) = train_until(&args, &out, |step| step >= 3);
         // SAFETY: sending a signal to our own child process.
         assert_eq!(unsafe { libc::kill(child.id() as i32, signal) }, 0);
         let mut rest = String::new();
@@ -705,42 +711,25 @@ fn a_stop_signal_saves_a_loadable_checkpoint_and_exits_as_the_signal() {
 #[cfg(unix)]
 #[test]
 fn a_signal_delivered_twice_at_once_is_one_stop_and_saves() {
-    use std::io::{BufRead, BufReader};
-    use std::process::Stdio;
-
     for round in 0..3 {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("run");
         // Steps long enough that both signals arrive while one is in flight.
-        let mut child = Command::new(env!("CARGO_BIN_EXE_snug"))
-            .args([
-                "train",
-                "--preset",
-                "char-small",
-                "--batch",
-                "4",
-                "--block",
-                "256",
-            ])
-            .args(["--steps", "100000", "--threads", "1", "--eval-every", "0"])
-            .args(["--json", "--out", out.to_str().unwrap()])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut reader = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        loop {
-            line.clear();
-            assert!(
-                reader.read_line(&mut line).unwrap() > 0,
-                "snug exited early"
-            );
-            let v: serde_json::Value = serde_json::from_str(&line).unwrap();
-            if v["kind"] == "step" {
-                break;
-            }
-        }
+        let args = [
+            "--preset",
+            "char-small",
+            "--batch",
+            "4",
+            "--block",
+            "256",
+            "--steps",
+            "100000",
+            "--threads",
+            "1",
+            "--eval-every",
+            "0",
+        ];
+        let (mut child, mut reader) = train_until(&args, &out, |_| true);
         for _ in 0..2 {
             // SAFETY: sending a signal to our own child process.
             assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
@@ -765,35 +754,20 @@ fn a_signal_delivered_twice_at_once_is_one_stop_and_saves() {
 #[cfg(unix)]
 #[test]
 fn a_stop_signal_during_an_evaluation_abandons_it_and_saves() {
-    use std::io::{BufRead, BufReader};
-    use std::process::Stdio;
     use std::time::{Duration, Instant};
 
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_snug"))
-        .args(["train", "--steps", "100", "--threads", "1"])
-        .args(["--eval-every", "1", "--eval-batches", "200000"])
-        .args(["--json", "--out", out.to_str().unwrap()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut reader = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
+    let args = ["--steps", "100", "--threads", "1", "--eval-every", "1"];
     // The first step's line comes just before its evaluation starts.
-    loop {
-        line.clear();
-        assert!(
-            reader.read_line(&mut line).unwrap() > 0,
-            "snug exited early"
-        );
-        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
-        if v["kind"] == "step" {
-            assert_eq!(v["step"], 1);
-            break;
-        }
-    }
+    let (mut child, mut reader) = train_until(
+        &[&args[..], &["--eval-batches", "200000"]].concat(),
+        &out,
+        |step| {
+            assert_eq!(step, 1);
+            true
+        },
+    );
     std::thread::sleep(Duration::from_millis(300));
     let sent = Instant::now();
     // SAFETY: sending a signal to our own child process.

@@ -68,21 +68,31 @@ fn a_budget_nothing_fits_is_refused_before_measuring_and_says_what_would() {
         cache.path(),
     );
     bounded::assert_refused(&e, "fit --memory 80MiB", &["these would fit:"], 100 << 20);
-    let first = e
-        .stderr
+    let first = listed(&e.stderr).into_iter().next().expect("a suggestion");
+    taken_fits("80MiB", &base, first, cache.path());
+}
+
+/// The lines of a refusal's "these would fit:" list.
+fn listed(stderr: &str) -> Vec<&str> {
+    stderr
         .lines()
         .skip_while(|l| !l.contains("these would fit:"))
-        .nth(1)
-        .expect("a suggestion");
-    let flags: Vec<&str> = first
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .collect()
+}
+
+/// The suggestion `line` (its flags, before the peak), taken: fit then chooses within `budget`.
+fn taken_fits(budget: &str, base: &[&str], line: &str, cache: &Path) {
+    let flags: Vec<&str> = line
         .split('(')
         .next()
         .expect("flags")
         .split_whitespace()
         .collect();
     let taken = snug(
-        &[&["fit", "--memory", "80MiB"][..], &base, &flags].concat(),
-        cache.path(),
+        &[&["fit", "--memory", budget][..], base, &flags].concat(),
+        cache,
     );
     assert_eq!(taken.code, Some(0), "{flags:?}: {}", taken.stderr);
 }
@@ -106,13 +116,7 @@ fn an_f16_refusal_lists_what_would_fit_without_the_levers_it_cannot_build() {
     );
     assert!(!e.stderr.contains("failed"), "{}", e.stderr);
     assert!(!e.stderr.contains("fused-update"), "{}", e.stderr);
-    let listed: Vec<&str> = e
-        .stderr
-        .lines()
-        .skip_while(|l| !l.contains("these would fit:"))
-        .skip(1)
-        .take_while(|l| l.starts_with("  "))
-        .collect();
+    let listed = listed(&e.stderr);
     assert!(!listed.is_empty(), "{}", e.stderr);
     for line in &listed {
         let peak = line
@@ -126,17 +130,7 @@ fn an_f16_refusal_lists_what_would_fit_without_the_levers_it_cannot_build() {
     // does not hold; `--optimizer sgd --grad-clip 0 --block 32` was listed at 3.22 MiB, and
     // needed 4.25), fits.
     for line in &listed {
-        let flags: Vec<&str> = line
-            .split('(')
-            .next()
-            .expect("flags")
-            .split_whitespace()
-            .collect();
-        let taken = snug(
-            &[&["fit", "--memory", "4MiB"][..], &base, &flags].concat(),
-            cache.path(),
-        );
-        assert_eq!(taken.code, Some(0), "{flags:?}: {}", taken.stderr);
+        taken_fits("4MiB", &base, line, cache.path());
     }
 }
 
