@@ -661,12 +661,17 @@ fn train_until(
     let mut line = String::new();
     loop {
         line.clear();
-        assert!(
-            reader.read_line(&mut line).unwrap() > 0,
-            "snug exited early"
-        );
-        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
-        if v["kind"] == "step" && until(v["step"].as_u64().unwrap()) {
+        let step = match reader.read_line(&mut line) {
+            Ok(n) if n > 0 => serde_json::from_str::<serde_json::Value>(&line)
+                .ok()
+                .filter(|v| v["kind"] == "step")
+                .and_then(|v| v["step"].as_u64()),
+            _ => {
+                let status = child.wait();
+                panic!("snug exited early: {status:?}");
+            }
+        };
+        if step.is_some_and(&until) {
             return (child, reader);
         }
     }
