@@ -545,8 +545,12 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
                 DataSourceConfig::File(p) => Some(p.clone()),
                 DataSourceConfig::Addition => None,
             };
+            // The checkpoint's weights and tokenizer replace the run's starting point: its
+            // directory is not needed again (and may have moved).
+            cfg.init_from = None;
+            let tokenizer = snug_train::Tokenizer::from_spec(&ckpt.tokenizer)?;
             let (data, model) = cfg
-                .load_data_and_model()
+                .load_data_and_model_with(Some(&tokenizer))
                 .with_context(|| match &data_path {
                     // Saved as given, so relative to where the run started.
                     Some(p) if p.is_relative() && !p.exists() => format!(

@@ -525,3 +525,44 @@ fn init_from_plans_as_it_trains_and_refuses_data_of_another_tokenizer() {
     let own = json(&ok(cwd, &[&run[..], &["--data", "own"]].concat()));
     assert_eq!(own["predicted_peak_bytes"], own["measured_peak_bytes"]);
 }
+
+/// A run started from a model directory carries its model: once the directory has moved, the
+/// run still samples, exports and resumes (it failed with the directory's "No such file").
+#[test]
+fn a_run_outlives_the_directory_it_started_from() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    write_text(&cwd.join("text.txt"));
+    copy_fixture("llama_tied", &cwd.join("base"));
+    let shape = [
+        "--block",
+        "16",
+        "--batch",
+        "2",
+        "--threads",
+        "1",
+        "--eval-every",
+        "0",
+    ];
+    let train = ["train", "--data", "text.txt", "--out", "run"];
+    ok(
+        cwd,
+        &[&train[..], &shape, &["--init-from", "base", "--steps", "2"]].concat(),
+    );
+    std::fs::rename(cwd.join("base"), cwd.join("moved")).unwrap();
+    ok(cwd, &["sample", "--checkpoint", "run", "--tokens", "3"]);
+    ok(cwd, &["export", "--checkpoint", "run", "--out", "exported"]);
+    assert_eq!(
+        std::fs::read(cwd.join("exported/tokenizer.json")).unwrap(),
+        std::fs::read(cwd.join("moved/tokenizer.json")).unwrap()
+    );
+    let resumed = json(&ok(
+        cwd,
+        &["train", "--resume", "run", "--steps", "3", "--json"],
+    ));
+    assert_eq!(resumed["steps"], 3);
+    assert_eq!(
+        resumed["predicted_peak_bytes"],
+        resumed["measured_peak_bytes"]
+    );
+}

@@ -41,6 +41,11 @@ pub struct ModelSection {
     /// holding one, instead of a preset.
     #[cfg_attr(feature = "clap", arg(long, value_name = "CONFIG_JSON"))]
     pub hf_config: Option<PathBuf>,
+    /// The text of `hf_config` as read when the run was set up: a checkpoint carries its model,
+    /// so resuming, sampling or exporting it never needs that directory again.
+    #[cfg_attr(feature = "clap", arg(skip))]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hf_config_text: Option<String>,
 }
 
 /// Declares every `[train]` key once, in the order the TOML errors list them: its type, its
@@ -504,6 +509,21 @@ impl TrainConfig {
             // Pretrained weights bring their model: its config.json, not the default preset.
             cfg.model.hf_config = Some(dir.to_path_buf());
             cfg.model.preset = None;
+        }
+        if let (Some(path), None) = (&cfg.model.hf_config, &cfg.model.hf_config_text) {
+            // Kept with the run (see `hf_config_text`); one that cannot be read is named by
+            // `base_model` below.
+            let file = if path.is_dir() {
+                path.join(snug_nn::hf_checkpoint::CONFIG_FILE)
+            } else {
+                path.clone()
+            };
+            cfg.model.hf_config_text = crate::user_file::read_text(
+                &file,
+                crate::user_file::MAX_CONFIG_BYTES,
+                "a model configuration",
+            )
+            .ok();
         }
         if let (None, Some(_)) = (cfg.model.vocab_size, cfg.hf_init_dir()) {
             // Pretrained weights fix the vocabulary, also once the run is resumed (when the
@@ -1124,9 +1144,21 @@ impl TrainConfig {
     /// may still change to fit the data (see [`TrainConfig::model_for_vocab`]).
     pub fn base_model(&self) -> Result<ModelConfig, TrainError> {
         let m = &self.model;
-        let mut cfg = match &m.hf_config {
-            Some(path) => ModelConfig::from_hf_file(path)?,
-            None => ModelConfig::preset(m.preset.as_deref().unwrap_or("tiny"))?,
+        let mut cfg = match (&m.hf_config, &m.hf_config_text) {
+            (Some(path), Some(text)) => {
+                // Named as the file it was read from.
+                let file = if path.is_dir() {
+                    path.join(snug_nn::hf_checkpoint::CONFIG_FILE)
+                } else {
+                    path.clone()
+                };
+                ModelConfig::from_hf_json(text).map_err(|error| snug_nn::NnError::HfConfig {
+                    path: file.display().to_string(),
+                    error,
+                })?
+            }
+            (Some(path), None) => ModelConfig::from_hf_file(path)?,
+            (None, _) => ModelConfig::preset(m.preset.as_deref().unwrap_or("tiny"))?,
         };
         cfg.override_shape(m.n_layer, m.n_head, m.n_embd, m.block_size);
         if let Some(v) = m.vocab_size {
@@ -1146,7 +1178,22 @@ impl TrainConfig {
     pub fn load_data_and_model(
         &mut self,
     ) -> Result<(crate::TokenDataset, ModelConfig), TrainError> {
+        self.load_data_and_model_with(None)
+    }
+
+    /// [`TrainConfig::load_data_and_model`], a text file encoded with `tokenizer` when given
+    /// (a resumed run's own, from its checkpoint).
+    pub fn load_data_and_model_with(
+        &mut self,
+        tokenizer: Option<&crate::Tokenizer>,
+    ) -> Result<(crate::TokenDataset, ModelConfig), TrainError> {
         let source = DataSource::from(&self.data);
+        if let (DataSource::File(path), Some(t)) = (&source, tokenizer) {
+            let data = crate::TokenDataset::from_file_with(path, t.clone())?;
+            data.check_block(self.block)?;
+            let model = self.model_for_vocab(data.tokenizer.vocab_size())?;
+            return Ok((data, model));
+        }
         let hf_tokenizer = self
             .hf_init_dir()
             .map(|d| d.join(crate::hf_tokenizer::TOKENIZER_FILE))
