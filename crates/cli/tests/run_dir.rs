@@ -644,10 +644,11 @@ fn a_refused_run_leaves_no_directory_it_made() {
         assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
         assert!(stderr(&o).contains("1.00 MiB"), "{}", stderr(&o));
     }
-    let left: Vec<_> = std::fs::read_dir(cwd.join("runs"))
-        .map(|d| d.map(|e| e.expect("an entry").path()).collect())
-        .unwrap_or_default();
-    assert!(left.is_empty(), "left behind: {left:?}");
+    // Nor `runs/`, which the first claim made.
+    assert!(!cwd.join("runs").exists(), "runs/ left behind");
+    let o = train(cwd, &["--steps", "1", "--memory", "1MiB", "--out", "a/b/c"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(!cwd.join("a").exists(), "a/b/ left behind");
     // The next run takes the first number.
     let o = train(cwd, &["--steps", "1"]);
     assert!(o.status.success(), "{}", stderr(&o));

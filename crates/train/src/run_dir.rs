@@ -54,6 +54,9 @@ pub struct RunDir {
     /// This claim made the directory: dropped holding nothing but its lock (a run refused
     /// after the claim), it is removed again rather than left as an empty run's.
     created: bool,
+    /// The parent directories the claim made too (`runs/` on a first run), innermost first:
+    /// removed with it while empty.
+    made_parents: Vec<PathBuf>,
 }
 
 impl Drop for RunDir {
@@ -71,7 +74,13 @@ impl Drop for RunDir {
             // Best effort: a directory another claim has written into since is not empty,
             // and stays.
             let _ = fs::remove_file(dir.join(LOCK_FILE));
-            let _ = fs::remove_dir(dir);
+            if fs::remove_dir(dir).is_ok() {
+                for parent in &self.made_parents {
+                    if fs::remove_dir(parent).is_err() {
+                        break;
+                    }
+                }
+            }
         }
     }
 }
@@ -86,6 +95,13 @@ impl RunDir {
             });
         }
         let created = fs::symlink_metadata(dir).is_err();
+        let made_parents: Vec<PathBuf> = dir
+            .ancestors()
+            .skip(1)
+            .filter(|p| !p.as_os_str().is_empty())
+            .take_while(|p| fs::symlink_metadata(p).is_err())
+            .map(Path::to_path_buf)
+            .collect();
         let checkpoints = CheckpointDir::create(dir)?;
         let lock_path = dir.join(LOCK_FILE);
         let lock = OpenOptions::new()
@@ -115,6 +131,7 @@ impl RunDir {
             checkpoints,
             _lock: lock,
             created,
+            made_parents,
         };
         run_dir.check(claim)?;
         Ok(run_dir)
