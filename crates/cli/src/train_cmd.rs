@@ -355,17 +355,26 @@ fn guard_setup(run_dir: Option<&RunDir>) -> Result<SetupGuard> {
         use std::os::unix::ffi::OsStrExt;
         let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).ok();
         let lock = c(&dir.path().join(snug_train::run_dir::LOCK_FILE));
-        if let (Some(lock), Some(path)) = (lock, c(dir.path())) {
-            let (lock, path) = (Arc::new(lock), Arc::new(path));
+        // The directory, then the parents the claim made, innermost first.
+        let dirs: Option<Vec<_>> = std::iter::once(dir.path())
+            .chain(dir.made_parents().iter().map(PathBuf::as_path))
+            .map(c)
+            .collect();
+        if let (Some(lock), Some(dirs)) = (lock, dirs) {
+            let (lock, dirs) = (Arc::new(lock), Arc::new(dirs));
             for sig in STOP_SIGNALS {
-                let (lock, path) = (Arc::clone(&lock), Arc::clone(&path));
+                let (lock, dirs) = (Arc::clone(&lock), Arc::clone(&dirs));
                 let action = move || {
                     // SAFETY: unlink and rmdir are async-signal-safe; the paths were made
                     // before the handler was installed. rmdir fails on a directory that is
-                    // not empty, which then stays.
+                    // not empty, which then stays, and so do its parents.
                     unsafe {
                         libc::unlink(lock.as_ptr());
-                        libc::rmdir(path.as_ptr());
+                        for d in dirs.iter() {
+                            if libc::rmdir(d.as_ptr()) != 0 {
+                                break;
+                            }
+                        }
                     }
                     let _ = signal_hook::low_level::emulate_default_handler(sig);
                 };

@@ -196,6 +196,11 @@ impl RunDir {
         self.created
     }
 
+    /// The parent directories the claim made too, innermost first.
+    pub fn made_parents(&self) -> &[PathBuf] {
+        &self.made_parents
+    }
+
     pub fn path(&self) -> &Path {
         self.checkpoints.path()
     }
