@@ -492,6 +492,16 @@ impl TrainConfig {
                 path: path.to_path_buf(),
                 message: e.to_string(),
             })?;
+            // The run's record of its model's config.json, written into checkpoints, not a
+            // setting: a file names the config by `hf_config`.
+            if parsed.model.hf_config_text.is_some() {
+                return Err(TrainError::ConfigFile {
+                    path: path.to_path_buf(),
+                    message: "`hf_config_text` is not a [model] key: give the config.json's path \
+                              as `hf_config`"
+                        .into(),
+                });
+            }
             block_set |= parsed.train.block.is_some();
             model_set |= parsed.model.preset.is_some() || parsed.model.hf_config.is_some();
             threads_set |= parsed.train.threads.is_some();
@@ -1372,6 +1382,19 @@ mod tests {
             ),
             Err(TrainError::ConfigFile { .. })
         ));
+        // The run's record of its model is no key of a file.
+        std::fs::write(&path, "[model]\nhf_config_text = \"{}\"\n").unwrap();
+        let err = TrainConfig::resolve(
+            Some(&path),
+            &ModelSection::default(),
+            &TrainSection::default(),
+        )
+        .unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("bad.toml") && msg.contains("hf_config_text"),
+            "{msg}"
+        );
     }
 
     #[test]
