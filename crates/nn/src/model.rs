@@ -76,11 +76,7 @@ impl ModelConfig {
     /// whose value snug cannot honour, an unknown architecture, or a missing or malformed field
     /// is an error naming the file, the field and the value.
     pub fn from_hf_file(path: &Path) -> Result<ModelConfig, NnError> {
-        let file = if path.is_dir() {
-            path.join(crate::hf_checkpoint::CONFIG_FILE)
-        } else {
-            path.to_path_buf()
-        };
+        let file = Self::hf_config_file(path);
         let error = |error| NnError::HfConfig {
             path: file.display().to_string(),
             error,
@@ -88,6 +84,16 @@ impl ModelConfig {
         let text = read_config_text(&file)
             .map_err(|detail| error(HfConfigError::Unreadable { detail }))?;
         Self::from_hf_json(&text).map_err(error)
+    }
+
+    /// The `config.json` that `path` names: the file itself, or the one in the model
+    /// directory `path`.
+    pub fn hf_config_file(path: &Path) -> std::path::PathBuf {
+        if path.is_dir() {
+            path.join(crate::hf_checkpoint::CONFIG_FILE)
+        } else {
+            path.to_path_buf()
+        }
     }
 
     /// Parses the text of a `config.json` (see [`crate::hf_config`]).

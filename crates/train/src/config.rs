@@ -523,13 +523,8 @@ impl TrainConfig {
         if let (Some(path), None) = (&cfg.model.hf_config, &cfg.model.hf_config_text) {
             // Kept with the run (see `hf_config_text`); one that cannot be read is named by
             // `base_model` below.
-            let file = if path.is_dir() {
-                path.join(snug_nn::hf_checkpoint::CONFIG_FILE)
-            } else {
-                path.clone()
-            };
             cfg.model.hf_config_text = crate::user_file::read_text(
-                &file,
+                &ModelConfig::hf_config_file(path),
                 crate::user_file::MAX_CONFIG_BYTES,
                 "a model configuration",
             )
@@ -1156,14 +1151,9 @@ impl TrainConfig {
         let m = &self.model;
         let mut cfg = match (&m.hf_config, &m.hf_config_text) {
             (Some(path), Some(text)) => {
-                // Named as the file it was read from.
-                let file = if path.is_dir() {
-                    path.join(snug_nn::hf_checkpoint::CONFIG_FILE)
-                } else {
-                    path.clone()
-                };
                 ModelConfig::from_hf_json(text).map_err(|error| snug_nn::NnError::HfConfig {
-                    path: file.display().to_string(),
+                    // Named as the file it was read from.
+                    path: ModelConfig::hf_config_file(path).display().to_string(),
                     error,
                 })?
             }
@@ -1198,22 +1188,19 @@ impl TrainConfig {
         tokenizer: Option<&crate::Tokenizer>,
     ) -> Result<(crate::TokenDataset, ModelConfig), TrainError> {
         let source = DataSource::from(&self.data);
-        if let (DataSource::File(path), Some(t)) = (&source, tokenizer) {
-            let data = crate::TokenDataset::from_file_with(path, t.clone())?;
-            data.check_block(self.block)?;
-            let model = self.model_for_vocab(data.tokenizer.vocab_size())?;
-            return Ok((data, model));
-        }
         let hf_tokenizer = self
             .hf_init_dir()
             .map(|d| d.join(crate::hf_tokenizer::TOKENIZER_FILE))
             .filter(|p| p.exists());
-        let data = match (&source, hf_tokenizer) {
-            (DataSource::File(path), Some(tok)) => {
+        let data = match (&source, tokenizer, hf_tokenizer) {
+            (DataSource::File(path), Some(t), _) => {
+                crate::TokenDataset::from_file_with(path, t.clone())?
+            }
+            (DataSource::File(path), None, Some(tok)) => {
                 let tokenizer = crate::Tokenizer::Hf(crate::HfTokenizer::from_file(&tok)?);
                 crate::TokenDataset::from_file_with(path, tokenizer)?
             }
-            (_, Some(tok)) => {
+            (_, _, Some(tok)) => {
                 // Token files carry their own tokenizer: another's ids would mean other tokens
                 // to the pretrained weights, and train without complaint.
                 let data = crate::TokenDataset::load(&source)?;
@@ -1365,32 +1352,20 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("bad.toml");
         std::fs::write(&path, "[train]\nstepz = 3\n").unwrap();
-        let err = TrainConfig::resolve(
-            Some(&path),
-            &ModelSection::default(),
-            &TrainSection::default(),
-        )
-        .unwrap_err();
-        let msg = err.to_string();
-        assert!(msg.contains("bad.toml") && msg.contains("stepz"), "{msg}");
-        std::fs::write(&path, "[train\nsteps = ").unwrap();
-        assert!(matches!(
+        let resolve = || {
             TrainConfig::resolve(
                 Some(&path),
                 &ModelSection::default(),
-                &TrainSection::default()
-            ),
-            Err(TrainError::ConfigFile { .. })
-        ));
+                &TrainSection::default(),
+            )
+        };
+        let msg = resolve().unwrap_err().to_string();
+        assert!(msg.contains("bad.toml") && msg.contains("stepz"), "{msg}");
+        std::fs::write(&path, "[train\nsteps = ").unwrap();
+        assert!(matches!(resolve(), Err(TrainError::ConfigFile { .. })));
         // The run's record of its model is no key of a file.
         std::fs::write(&path, "[model]\nhf_config_text = \"{}\"\n").unwrap();
-        let err = TrainConfig::resolve(
-            Some(&path),
-            &ModelSection::default(),
-            &TrainSection::default(),
-        )
-        .unwrap_err();
-        let msg = err.to_string();
+        let msg = resolve().unwrap_err().to_string();
         assert!(
             msg.contains("bad.toml") && msg.contains("hf_config_text"),
             "{msg}"

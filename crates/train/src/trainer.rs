@@ -199,14 +199,7 @@ impl Trainer {
             std::thread::sleep(std::time::Duration::from_millis(ms));
         }
         let model = config.model_for_vocab(data.tokenizer.vocab_size())?;
-        let mut compiled = compile_sharded(
-            &model,
-            config.step_shape(),
-            config.target(),
-            &config.step_config(),
-            &config.sharding()?,
-        )?;
-        let memory_plan = compiled.take_plan()?;
+        let (compiled, memory_plan) = compile_planned(&config, &model)?;
         let CompiledStep {
             step: step_graph,
             tokens,
@@ -393,14 +386,7 @@ impl Trainer {
             });
         }
         config.validate()?;
-        let mut compiled = compile_sharded(
-            &self.model,
-            config.step_shape(),
-            config.target(),
-            &config.step_config(),
-            &config.sharding()?,
-        )?;
-        let memory_plan = compiled.take_plan()?;
+        let (compiled, memory_plan) = compile_planned(&config, &self.model)?;
         let CompiledStep {
             step,
             tokens,
@@ -1651,6 +1637,22 @@ fn all_ranks(values: &[f32]) -> Vec<f32> {
         }
         None => values.to_vec(),
     }
+}
+
+/// `config`'s step of `model` on this rank, and the plan compiling it made.
+fn compile_planned(
+    config: &TrainConfig,
+    model: &ModelConfig,
+) -> Result<(CompiledStep, MemoryPlan), TrainError> {
+    let mut compiled = compile_sharded(
+        model,
+        config.step_shape(),
+        config.target(),
+        &config.step_config(),
+        &config.sharding()?,
+    )?;
+    let plan = compiled.take_plan()?;
+    Ok((compiled, plan))
 }
 
 /// The configured ranks are the world this process runs in.
