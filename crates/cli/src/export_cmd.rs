@@ -123,15 +123,6 @@ pub fn run(args: ExportArgs) -> Result<()> {
         );
     }
     output::check_dir(&args.out, &EXPORT_FILES, DirContents::Nothing, args.force)?;
-    // Refused here, before an adapter is written beside it, rather than by the weights' writer.
-    let index = args.out.join(snug_nn::hf_checkpoint::INDEX_FILE);
-    if index.exists() {
-        bail!(
-            "{}: holds a sharded checkpoint ({}); export into another directory",
-            args.out.display(),
-            snug_nn::hf_checkpoint::INDEX_FILE
-        );
-    }
     let source = Source::open(&args.checkpoint)?;
     let model = source.model()?;
     // Everything is read and checked before anything is written.
@@ -190,11 +181,22 @@ pub fn run(args: ExportArgs) -> Result<()> {
             snug_nn::save_hf_model_from(&args.out, &model, &params)?
         }
         (Source::Run(_, ckpt), lora) => {
+            // Straight from the loaded checkpoint: no second copy of its weights. The base
+            // first: its writer refuses a directory of sharded weights before anything is
+            // written, the adapter's included.
+            let read = |name: &str, out: &mut [f32]| -> Result<(), snug_nn::NnError> {
+                let t = ckpt.tensor(name).filter(|t| t.data.len() == out.len());
+                let t = t.ok_or_else(|| snug_nn::NnError::MissingTensor {
+                    path: args.checkpoint.display().to_string(),
+                    name: name.to_string(),
+                })?;
+                out.copy_from_slice(&t.data);
+                Ok(())
+            };
+            let written = snug_nn::save_hf_model(&args.out, &model, &read)?;
             if let Some(lora) = lora {
                 // The adapter names the directory it is written into as its base, so
                 // `train --init-from` that directory continues the run's adapters.
-                std::fs::create_dir_all(&args.out)
-                    .with_context(|| format!("creating {}", args.out.display()))?;
                 let base = std::fs::canonicalize(&args.out)
                     .unwrap_or_else(|_| args.out.clone())
                     .display()
@@ -208,17 +210,7 @@ pub fn run(args: ExportArgs) -> Result<()> {
                     &read,
                 )?);
             }
-            // Straight from the loaded checkpoint: no second copy of its weights.
-            let read = |name: &str, out: &mut [f32]| -> Result<(), snug_nn::NnError> {
-                let t = ckpt.tensor(name).filter(|t| t.data.len() == out.len());
-                let t = t.ok_or_else(|| snug_nn::NnError::MissingTensor {
-                    path: args.checkpoint.display().to_string(),
-                    name: name.to_string(),
-                })?;
-                out.copy_from_slice(&t.data);
-                Ok(())
-            };
-            snug_nn::save_hf_model(&args.out, &model, &read)?
+            written
         }
         (Source::Hf(ckpt), _) => {
             let read = |name: &str, out: &mut [f32]| ckpt.read_into(name, out);
