@@ -162,7 +162,7 @@ struct CaseResult {
     #[serde(default)]
     gpu_subgroups: Option<bool>,
     /// A bf16 case on the CPU: what its products computed, as `snug devices` says
-    /// (`vdpbf16ps`, `model` or `widen`). None for f32 cases and on a GPU.
+    /// (`amx`, `vdpbf16ps`, `model` or `widen`). None for f32 cases and on a GPU.
     #[serde(default)]
     bf16_products: Option<String>,
     final_loss: f32,

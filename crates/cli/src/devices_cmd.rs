@@ -30,8 +30,9 @@ struct CpuDevice {
     isa_levels: Vec<&'static str>,
     /// The GEMM's register tile (`avx512`, `avx2`, or `portable`: the gemm crate).
     gemm: &'static str,
-    /// How the products of a bf16 run compute on our GEMM tiles: `vdpbf16ps` (AVX512-BF16:
-    /// operands in bf16, sums in f32), `model` (the same rounding on the f32 tiles,
+    /// How the products of a bf16 run compute on our GEMM tiles: `amx` (AMX tiles:
+    /// operands in bf16, sums in f32; attention's heads on AVX512-BF16), `vdpbf16ps`
+    /// (AVX512-BF16: operands in bf16, sums in f32), `model` (the same rounding on the f32 tiles,
     /// `SNUG_BF16_MATH=model`) or `widen` (bf16 widened to f32: no AVX512-BF16, or
     /// `SNUG_BF16_MATH=widen`).
     bf16_products: &'static str,
@@ -152,6 +153,7 @@ pub fn run(args: DevicesArgs) -> Result<()> {
         c.isa,
         c.gemm,
         match c.bf16_products {
+            "amx" => "in bf16 arithmetic (AMX tiles)",
             "vdpbf16ps" => "in bf16 arithmetic (AVX512-BF16)",
             "model" => "rounded to bf16 on the f32 tiles (SNUG_BF16_MATH=model)",
             _ if snug_cpu::isa::CpuFeatures::host().bf16_arithmetic() => {

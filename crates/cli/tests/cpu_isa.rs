@@ -76,7 +76,7 @@ fn devices_names_the_level_and_every_level_the_cpu_runs() {
     assert_eq!(high["cpu"]["isa"].as_str(), levels.last().copied());
     assert!(["avx512", "avx2", "portable"].contains(&v["cpu"]["gemm"].as_str().unwrap()));
     // bf16 arithmetic, by default, exactly where the kernel reports AVX512-BF16 (and
-    // AVX-512F).
+    // AVX-512F); on AMX's tiles where it reports those too.
     if let Ok(cpuinfo) = std::fs::read_to_string("/proc/cpuinfo") {
         let flags: Vec<&str> = cpuinfo
             .lines()
@@ -87,7 +87,12 @@ fn devices_names_the_level_and_every_level_the_cpu_runs() {
             let has = |f: &str| flags.contains(&f);
             let native = has("avx512f") && has("avx512_bf16");
             assert_eq!(v["cpu"]["bf16_arithmetic"].as_bool(), Some(native));
-            let want = if native { "vdpbf16ps" } else { "widen" };
+            let amx = native && has("amx_bf16") && has("amx_tile");
+            let want = match (amx, native) {
+                (true, _) => "amx",
+                (false, true) => "vdpbf16ps",
+                (false, false) => "widen",
+            };
             assert_eq!(v["cpu"]["bf16_products"].as_str(), Some(want));
         }
     }

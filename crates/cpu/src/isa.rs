@@ -52,6 +52,9 @@ pub struct CpuFeatures {
     pub avx512dq: bool,
     pub avx512vl: bool,
     pub avx512bf16: bool,
+    /// AMX-TILE and AMX-BF16 that this process may use: the OS granted it tile state and the
+    /// tiles passed a check against an f64 product (`gemm::amx::usable`).
+    pub amx: bool,
 }
 
 impl CpuFeatures {
@@ -67,6 +70,7 @@ impl CpuFeatures {
                 avx512dq: is_x86_feature_detected!("avx512dq"),
                 avx512vl: is_x86_feature_detected!("avx512vl"),
                 avx512bf16: is_x86_feature_detected!("avx512bf16"),
+                amx: crate::gemm::amx::usable(),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -106,6 +110,7 @@ impl CpuFeatures {
         avx512dq: false,
         avx512vl: false,
         avx512bf16: false,
+        amx: false,
     };
     /// Skylake-SP, Ice Lake: AVX-512 F, BW, DQ and VL.
     pub(crate) const AVX512: CpuFeatures = CpuFeatures {
@@ -119,6 +124,11 @@ impl CpuFeatures {
     pub(crate) const AVX512_BF16: CpuFeatures = CpuFeatures {
         avx512bf16: true,
         ..CpuFeatures::AVX512
+    };
+    /// Sapphire Rapids with its AMX tiles granted: AVX512-BF16 and AMX-BF16.
+    pub(crate) const AMX: CpuFeatures = CpuFeatures {
+        amx: true,
+        ..CpuFeatures::AVX512_BF16
     };
 }
 
@@ -172,9 +182,10 @@ impl Bf16Math {
     }
 
     /// What a bf16 product computes on a CPU with `cpu`'s features under this setting:
-    /// `vdpbf16ps`, `model` (rounded operands on the f32 tiles) or `widen`.
+    /// `amx` (AMX tiles), `vdpbf16ps`, `model` (rounded operands on the f32 tiles) or `widen`.
     pub fn path(self, cpu: CpuFeatures) -> &'static str {
         match self {
+            Bf16Math::Native if cpu.amx && cpu.bf16_arithmetic() => "amx",
             Bf16Math::Native if cpu.bf16_arithmetic() => "vdpbf16ps",
             Bf16Math::Model => "model",
             _ => "widen",

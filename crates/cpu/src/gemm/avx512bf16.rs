@@ -56,7 +56,7 @@ impl Tile for Avx512Bf16 {
         }
         // SAFETY: the rows and columns lie inside `halves` (checked), `out` holds the panels,
         // and the CPU has the features, as the caller vouched.
-        unsafe { pack_b_bits(kc, nc, (halves.as_ptr(), rs), out) };
+        unsafe { pack_b_bits::<NR>(kc, nc, (halves.as_ptr(), rs), out) };
         true
     }
 
@@ -75,21 +75,49 @@ impl Tile for Avx512Bf16 {
 /// # Safety
 /// As [`Tile::pack_b`]; the CPU must have AVX512-BF16, BW and VL.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, (rs, cs): (isize, isize), out: *mut f32) {
-    for jr in (0..nc).step_by(NR) {
-        let nr = NR.min(nc - jr);
+unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, strides: (isize, isize), out: *mut f32) {
+    // SAFETY: as the caller vouched.
+    unsafe { pack_b_pairs::<NR>(kc, nc, b, strides, out) }
+}
+
+/// [`pack_b`] into panels `W` columns wide (a multiple of 16, at most 48): the AVX-512 tile's
+/// packing where `W` is its width, else [`avx512::transpose`](super::avx512::transpose) or
+/// element by element, before pairing.
+///
+/// # Safety
+/// As [`Tile::pack_b`] for panels of `W`; the CPU must have AVX512-BF16, BW and VL.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+pub(super) unsafe fn pack_b_pairs<const W: usize>(
+    kc: usize,
+    nc: usize,
+    b: *const f32,
+    (rs, cs): (isize, isize),
+    out: *mut f32,
+) {
+    for jr in (0..nc).step_by(W) {
+        let nr = W.min(nc - jr);
         // SAFETY (all blocks): reads stay within `kc` rows and `nc` columns of `b`, writes
-        // within the panel's `kc · NR` floats.
+        // within the panel's `kc · W` floats.
         unsafe {
             let dst = out.add(jr * kc);
             let src = b.offset(jr as isize * cs);
             if cs == 1 {
-                pair_rows(kc, nr, dst, |p, l, m| {
+                pair_rows::<W>(kc, nr, dst, |p, l, m| {
                     bits16(_mm512_maskz_loadu_ps(m, src.offset(p as isize * rs).add(l)))
                 });
             } else {
-                super::avx512::pack_b(kc, nr, src, (rs, cs), dst);
-                to_pairs::<NR>(kc, dst);
+                if W == NR {
+                    super::avx512::pack_b(kc, nr, src, (rs, cs), dst);
+                } else if rs == 1 && cs > 0 {
+                    // Each column of the panel runs down `b`'s memory: a transpose.
+                    if nr < W {
+                        std::ptr::write_bytes(dst, 0, W * kc);
+                    }
+                    super::avx512::transpose((src, cs as usize), (nr, kc), (dst, W));
+                } else {
+                    super::blocked::pack_b_any::<W>(kc, nr, src, (rs, cs), dst);
+                }
+                to_pairs::<W>(kc, dst);
             }
         }
     }
@@ -104,13 +132,18 @@ unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, (rs, cs): (isize, isize), 
 /// The rows and columns must lie inside the bits `b` points into; `out` must hold `kc ·
 /// nc.next_multiple_of(NR)` floats; the CPU must have AVX512-BF16, BW and VL.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-unsafe fn pack_b_bits(kc: usize, nc: usize, (b, rs): (*const u16, usize), out: *mut f32) {
-    for jr in (0..nc).step_by(NR) {
+pub(super) unsafe fn pack_b_bits<const W: usize>(
+    kc: usize,
+    nc: usize,
+    (b, rs): (*const u16, usize),
+    out: *mut f32,
+) {
+    for jr in (0..nc).step_by(W) {
         // SAFETY: rows `p < kc` and columns `jr + l` (those in the mask) lie inside the bits,
         // and the panel inside `out`, as the caller vouched.
         unsafe {
             let src = b.add(jr);
-            pair_rows(kc, NR.min(nc - jr), out.add(jr * kc), |p, l, m| {
+            pair_rows::<W>(kc, W.min(nc - jr), out.add(jr * kc), |p, l, m| {
                 _mm256_maskz_loadu_epi16(m, src.add(p * rs + l) as *const i16)
             });
         }
@@ -122,11 +155,11 @@ unsafe fn pack_b_bits(kc: usize, nc: usize, (b, rs): (*const u16, usize), out: *
 /// outside `mask` zero and unread.
 ///
 /// # Safety
-/// `dst` must hold `kc · NR` floats; `load` must be sound for every row `p < kc`, the masked
+/// `dst` must hold `kc · W` floats (`W` a multiple of 16, at most 48); `load` must be sound for every row `p < kc`, the masked
 /// lanes of the panel's first `nr` columns. The CPU must have AVX512-BF16, BW and VL.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 #[inline]
-unsafe fn pair_rows(
+unsafe fn pair_rows<const W: usize>(
     kc: usize,
     nr: usize,
     dst: *mut f32,
@@ -135,8 +168,8 @@ unsafe fn pair_rows(
     let masks = lane_masks(nr);
     for q in 0..kc.div_ceil(2) {
         // SAFETY: row `q` of pairs lies inside the panel, as the caller vouched.
-        let words = unsafe { dst.add(q * NR) } as *mut __m512i;
-        for (v, &m) in masks.iter().enumerate() {
+        let words = unsafe { dst.add(q * W) } as *mut __m512i;
+        for (v, &m) in masks.iter().take(W / 16).enumerate() {
             let lo = load(2 * q, 16 * v, m);
             let hi = if 2 * q + 1 < kc {
                 load(2 * q + 1, 16 * v, m)
@@ -149,7 +182,7 @@ unsafe fn pair_rows(
     }
 }
 
-/// A panel's three 16-lane masks: the lanes of its first `nr` columns.
+/// The 16-lane masks of a panel up to 48 wide: the lanes of its first `nr` columns.
 fn lane_masks(nr: usize) -> [__mmask16; NR / 16] {
     std::array::from_fn(|v| {
         let live = nr.saturating_sub(16 * v).min(16);
@@ -213,7 +246,7 @@ fn pairs8(x: __m256, y: __m256) -> __m256i {
 /// `panel` must hold `W · kc` floats; `W` a multiple of 8; the CPU must have AVX512-BF16, BW
 /// and VL.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-unsafe fn to_pairs<const W: usize>(kc: usize, panel: *mut f32) {
+pub(super) unsafe fn to_pairs<const W: usize>(kc: usize, panel: *mut f32) {
     debug_assert!(W.is_multiple_of(8));
     let words = panel as *mut u32;
     // SAFETY: rows `2q` and `2q + 1 < kc` of the panel are read, row `q` written, all inside
@@ -370,7 +403,7 @@ pub(crate) mod paired {
             // inside `out`, as the caller vouched.
             unsafe {
                 let src = x.add(j0);
-                pair_rows(k, NR.min(n - j0), out.add(p * stride), |q, l, m| {
+                pair_rows::<NR>(k, NR.min(n - j0), out.add(p * stride), |q, l, m| {
                     _mm256_maskz_loadu_epi16(m, src.add(q * rs + l) as *const i16)
                 });
             }

@@ -252,6 +252,29 @@ pub(crate) unsafe fn sgemm<T: Tile>(
     })
 }
 
+/// [`sgemm`] with packing space of its own: for a product that must run whatever this
+/// thread's space is doing (a tile's check of itself, once per process).
+///
+/// # Safety
+/// As [`sgemm`].
+pub(crate) unsafe fn sgemm_alone<T: Tile>(
+    dims: (usize, usize, usize),
+    c: (*mut f32, isize),
+    a: (*const f32, isize, isize),
+    b: (*const f32, isize, isize),
+    scale: f32,
+    accumulate: bool,
+    fused: Fused<'_>,
+) {
+    let mut buf = Vec::new();
+    let bp = aligned(&mut buf, pack_floats::<T>());
+    // SAFETY: the space holds both blocks; the caller vouches for the rest.
+    unsafe {
+        let ap = bp.add(T::KC * T::NC);
+        blocked::<T>(dims, c, a, b, (ap, bp), (scale, accumulate), fused);
+    }
+}
+
 /// Columns (or rows) of the operand the threads share, packed at a time: at most
 /// `KC × SHARED` floats, beside each worker's packing space.
 const SHARED: usize = 2304;
@@ -794,9 +817,14 @@ pub(super) mod tests {
                     $check::<Rounded<Avx2>>("avx2, modelled bf16");
                 }
                 if Avx512Bf16::available() {
+                    use super::super::amx::{Amx, Modelled};
                     $check::<Avx512Bf16>("avx512bf16");
+                    $check::<Amx<Modelled>>("amx, modelled tiles");
                 } else {
-                    eprintln!("skipped the AVX512-BF16 tile: this CPU has no AVX512-BF16");
+                    eprintln!(
+                        "skipped the AVX512-BF16 tile and AMX's (modelled): this CPU has no \
+                         AVX512-BF16"
+                    );
                 }
             }
         }};

@@ -380,6 +380,21 @@ mod tests {
         check_bf16_arithmetic(crate::gemm::OwnTile::Avx512Bf16, native, emulated, reserve);
     }
 
+    /// AMX's tile on the modelled tile registers (`amx::Modelled`): its packing, blocking, short
+    /// last depth blocks and configurations, on this CPU where it has AVX512-BF16 (which the
+    /// packing uses) and else on an emulated Sapphire Rapids core. The tile instructions
+    /// themselves run only on a CPU with AMX, which checks them before use (`amx::usable`).
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    #[test]
+    fn the_amx_tile_matches_an_f64_product_of_the_bf16_values() {
+        use crate::gemm::amx::{Amx, Modelled, TileUnit};
+        use crate::gemm::blocked::reserve_pack;
+        let native = Modelled::available();
+        let emulated = snug_testkit::emulate::Model::SapphireRapids;
+        let reserve = reserve_pack::<Amx<Modelled>>;
+        check_bf16_arithmetic(crate::gemm::OwnTile::AmxModel, native, emulated, reserve);
+    }
+
     /// `SNUG_BF16_MATH=model`'s tiles give the same numbers as the AVX512-BF16 one: AVX2's
     /// where this CPU has it, AVX-512's natively or on an emulated Tiger Lake core.
     #[cfg(all(target_arch = "x86_64", target_os = "linux"))]

@@ -5,6 +5,8 @@
 //! takes in as it packs (a LayerNorm or GELU [`Prologue`], a bias; [`fused`]).
 
 #[cfg(target_arch = "x86_64")]
+pub(crate) mod amx;
+#[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512;
@@ -88,6 +90,12 @@ pub(crate) fn linear_rows(
 /// Which of our register tiles ([`blocked`]) a product runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum OwnTile {
+    /// AMX's tiles (`TDPBF16PS`), for products in bf16 arithmetic.
+    #[cfg(target_arch = "x86_64")]
+    Amx,
+    /// AMX's tile on the modelled tile registers, for testing it on CPUs without AMX.
+    #[cfg(all(test, target_arch = "x86_64"))]
+    AmxModel,
     #[cfg(target_arch = "x86_64")]
     Avx512Bf16,
     /// AVX-512F's tile with its panels rounded to bf16 (`SNUG_BF16_MATH=model`).
@@ -141,14 +149,15 @@ fn choose_tile(
     }
 }
 
-/// The tile that computes a product in bf16 arithmetic as `math` says, if any: AVX512-BF16's
-/// (`Native`, on a CPU with it) or an f32 tile with its panels rounded (`Model`). `None`:
-/// bf16 operands are widened and the product is f32's.
+/// The tile that computes a product in bf16 arithmetic as `math` says, if any: AMX's or else
+/// AVX512-BF16's (`Native`, on a CPU with them) or an f32 tile with its panels rounded
+/// (`Model`). `None`: bf16 operands are widened and the product is f32's.
 fn bf16_tile(cpu: crate::isa::CpuFeatures, math: crate::isa::Bf16Math) -> Option<OwnTile> {
     #[cfg(target_arch = "x86_64")]
     {
         use crate::isa::Bf16Math;
         match math {
+            Bf16Math::Native if cpu.amx && cpu.bf16_arithmetic() => Some(OwnTile::Amx),
             Bf16Math::Native if cpu.bf16_arithmetic() => Some(OwnTile::Avx512Bf16),
             Bf16Math::Model if cpu.avx512f => Some(OwnTile::Avx512Model),
             Bf16Math::Model if cpu.avx2 && cpu.fma => Some(OwnTile::Avx2Model),
@@ -162,6 +171,18 @@ fn bf16_tile(cpu: crate::isa::CpuFeatures, math: crate::isa::Bf16Math) -> Option
     }
 }
 
+/// [`bf16_tile`] for attention's head products: AVX512-BF16's where it is AMX's, since the
+/// heads lay their operands out once for that tile ([`avx512bf16::paired`]).
+fn head_tile(cpu: crate::isa::CpuFeatures, math: crate::isa::Bf16Math) -> Option<HeadBf16> {
+    bf16_tile(cpu, math).map(|tile| {
+        #[cfg(target_arch = "x86_64")]
+        if tile == OwnTile::Amx {
+            return HeadBf16(OwnTile::Avx512Bf16);
+        }
+        HeadBf16(tile)
+    })
+}
+
 /// Where attention's head products on bf16 inputs run in bf16 arithmetic: the tile for them
 /// on this CPU under the [`Bf16Math`](crate::isa::Bf16Math) in force, at any size (the
 /// numbers must not depend on the sequence length). `None`: they run in f32 on the widened
@@ -172,7 +193,7 @@ pub(crate) struct HeadBf16(OwnTile);
 impl HeadBf16 {
     pub(crate) fn host() -> Option<HeadBf16> {
         let math = crate::isa::Bf16Math::current();
-        bf16_tile(crate::isa::CpuFeatures::host(), math).map(HeadBf16)
+        head_tile(crate::isa::CpuFeatures::host(), math)
     }
 
     /// Whether this is AVX512-BF16's own tile (`VDPBF16PS`), not a model of it.
@@ -185,7 +206,7 @@ impl HeadBf16 {
     /// (or an emulated one) has them.
     #[cfg(all(test, target_arch = "x86_64"))]
     pub(crate) fn on(cpu: crate::isa::CpuFeatures, math: crate::isa::Bf16Math) -> Option<HeadBf16> {
-        bf16_tile(cpu, math).map(HeadBf16)
+        head_tile(cpu, math)
     }
 
     /// Grows this thread's packing space for the tile now (see `blocked::reserve_pack`).
@@ -193,6 +214,8 @@ impl HeadBf16 {
     pub(crate) fn reserve(self) {
         use blocked::reserve_pack;
         match self.0 {
+            OwnTile::Amx => reserve_pack::<amx::Amx<amx::Hardware>>(),
+            OwnTile::AmxModel => reserve_pack::<amx::Amx<amx::Modelled>>(),
             OwnTile::Avx512Bf16 => reserve_pack::<avx512bf16::Avx512Bf16>(),
             OwnTile::Avx512Model => reserve_pack::<bf16_model::Rounded<avx512::Avx512>>(),
             OwnTile::Avx2Model => reserve_pack::<bf16_model::Rounded<avx2::Avx2>>(),
@@ -456,6 +479,7 @@ unsafe fn own_gemm(
         scale,
         accumulate,
     } = product;
+    use amx::Amx;
     use avx2::Avx2;
     use avx512::Avx512;
     use avx512bf16::Avx512Bf16;
@@ -463,6 +487,12 @@ unsafe fn own_gemm(
     use blocked::{sgemm, sgemm_threaded};
     let threaded = matches!(par, ::gemm::Parallelism::Rayon(_)) && m.max(n) >= 32;
     let run = match (tile, threaded) {
+        (OwnTile::Amx, false) => sgemm::<Amx<amx::Hardware>>,
+        (OwnTile::Amx, true) => sgemm_threaded::<Amx<amx::Hardware>>,
+        #[cfg(test)]
+        (OwnTile::AmxModel, false) => sgemm::<Amx<amx::Modelled>>,
+        #[cfg(test)]
+        (OwnTile::AmxModel, true) => sgemm_threaded::<Amx<amx::Modelled>>,
         (OwnTile::Avx512Bf16, false) => sgemm::<Avx512Bf16>,
         (OwnTile::Avx512Bf16, true) => sgemm_threaded::<Avx512Bf16>,
         (OwnTile::Avx512Model, false) => sgemm::<Rounded<Avx512>>,
@@ -741,7 +771,13 @@ mod tests {
         match own_kernel((1024, 1024, 1024), 1, super::Arith::F32) {
             // The bf16 tiles keep their f32 tile's blocking, so the plan is the same.
             #[cfg(target_arch = "x86_64")]
-            Some(OwnTile::Avx512 | OwnTile::Avx512Bf16 | OwnTile::Avx512Model) => CpuGemm::Avx512,
+            Some(
+                OwnTile::Avx512
+                | OwnTile::Avx512Bf16
+                | OwnTile::Avx512Model
+                | OwnTile::Amx
+                | OwnTile::AmxModel,
+            ) => CpuGemm::Avx512,
             #[cfg(target_arch = "x86_64")]
             Some(OwnTile::Avx2 | OwnTile::Avx2Model) => CpuGemm::Avx2,
             None => CpuGemm::Portable,
@@ -788,6 +824,7 @@ mod tests {
         let none = CpuFeatures::default();
         let (avx2, avx512) = (CpuFeatures::AVX2, CpuFeatures::AVX512);
         let bf16 = CpuFeatures::AVX512_BF16;
+        let amx = CpuFeatures::AMX;
         let big = (512, 512, 512);
         use crate::isa::Bf16Math::{Model, Native, Widen};
         let cases = [
@@ -808,6 +845,20 @@ mod tests {
             (bf16, Widen, true, Some(OwnTile::Avx512)),
             (bf16, Model, true, Some(OwnTile::Avx512Model)),
             (bf16, Model, false, Some(OwnTile::Avx512)),
+            (amx, Native, true, Some(OwnTile::Amx)),
+            (amx, Native, false, Some(OwnTile::Avx512)),
+            (amx, Widen, true, Some(OwnTile::Avx512)),
+            (amx, Model, true, Some(OwnTile::Avx512Model)),
+            // AMX's tiles without the AVX512-BF16 their packing uses: none of theirs.
+            (
+                CpuFeatures {
+                    avx512bf16: false,
+                    ..amx
+                },
+                Native,
+                true,
+                Some(OwnTile::Avx512),
+            ),
         ];
         for (cpu, math, half, want) in cases {
             let got = choose_tile(cpu, math, big, 1, half);
@@ -827,10 +878,17 @@ mod tests {
             (bf16, Native, Some(OwnTile::Avx512Bf16)),
             (bf16, Widen, None),
             (bf16, Model, Some(OwnTile::Avx512Model)),
+            (amx, Native, Some(OwnTile::Amx)),
+            (amx, Widen, None),
         ];
         for (cpu, math, want) in heads {
             assert_eq!(super::bf16_tile(cpu, math), want, "{cpu:?}, {math:?}");
         }
+        // Attention's heads keep AVX512-BF16's tile where the products run on AMX's.
+        let head = |cpu, math| super::head_tile(cpu, math).map(|h| h.0);
+        assert_eq!(head(amx, Native), Some(OwnTile::Avx512Bf16));
+        assert_eq!(head(bf16, Native), Some(OwnTile::Avx512Bf16));
+        assert_eq!(head(amx, Model), Some(OwnTile::Avx512Model));
         // Too small to pack, too narrow, or a strided output: the gemm crate, on every CPU;
         // except that bf16 arithmetic runs on its tile at any size, row-major.
         for (dims, c_cs) in [((8, 64, 64), 1), ((1024, 8, 1024), 1), (big, 2)] {
@@ -844,6 +902,7 @@ mod tests {
             }
             let bf16_arithmetic = [
                 (bf16, Native, OwnTile::Avx512Bf16),
+                (amx, Native, OwnTile::Amx),
                 (avx2, Model, OwnTile::Avx2Model),
             ];
             for (cpu, math, tile) in bf16_arithmetic {

@@ -1,0 +1,913 @@
+//! The AMX tile for our GEMM ([`blocked`](super::blocked)): bf16 arithmetic with f32
+//! accumulation on Intel's matrix tiles (`TDPBF16PS`, Sapphire Rapids and later Xeons), for
+//! the products AVX512-BF16's tile ([`super::avx512bf16`]) runs on CPUs without them.
+//!
+//! A 32 × 32 block of `c` is four 16 × 16 f32 tiles. Each step down the depth loads two `a`
+//! tiles (16 rows of 32 bf16 values) and two `b` tiles (16 pairs of rows of 16 columns) and
+//! issues four `TDPBF16PS` of 8,192 multiply-adds each. The blocking (`KC`, `MC`, `NC`) is the
+//! AVX-512 tile's, so the plan and the packing space are the same as there.
+//!
+//! Panels. `b`'s are AVX512-BF16's pairs of rows, 32 columns wide: row `q` holds the pairs
+//! `(b[2q][j], b[2q + 1][j])`, 128 bytes, which is what a `b` tile reads (16 columns of it,
+//! rows 128 bytes apart). `a`'s are packed in f32 as the other tiles pack them (with the
+//! prologue), rounded into pairs along the depth, then each block of 16 pairs is transposed so
+//! that a row's pairs lie together, as an `a` tile reads them. A depth that is not a multiple
+//! of 32 leaves a last, shorter block: the kernel multiplies it under a second tile
+//! configuration, so no panel is padded past the space the other tiles use.
+//!
+//! The tile instructions sit behind [`TileUnit`]: [`Hardware`] issues them (inline assembly;
+//! stable Rust has no AMX intrinsics) and the tests' `Modelled` computes what Intel's pseudo-code for
+//! each one says. The packing, blocking and configurations are tested through the model on
+//! CPUs without AMX (none of this project's test machines has it, nor does the emulator the
+//! other tiles' tests use), and a process checks the hardware against an f64 product before
+//! its first product on the tiles ([`usable`]), falling back to AVX512-BF16 if they disagree.
+
+use std::arch::x86_64::*;
+use std::cell::Cell;
+#[cfg(test)]
+use std::cell::RefCell;
+use std::marker::PhantomData;
+
+use super::avx512bf16::{pack_b_bits, pack_b_pairs, to_pairs};
+use super::blocked::{apply_prologue, pack_a_any, pack_a_half_panel, Tile};
+use super::fused::{Fused, Prologue};
+
+/// Rows of `c` one kernel call computes: two tiles of 16.
+pub(super) const MR: usize = 32;
+/// Columns of `c` one kernel call computes: two tiles of 16.
+pub(super) const NR: usize = 32;
+/// Pairs of depth a whole block holds: an `a` tile row's 64 bytes.
+const PAIRS: usize = 16;
+/// Bytes of one block of an `a` panel: `MR` rows of `PAIRS` pairs.
+const A_BLOCK: usize = MR * PAIRS * 4;
+/// Bytes of a row of pairs of a `b` panel, and of a row of the kernel's f32 block of `c`.
+const ROW: usize = NR * 4;
+
+/// The tile instructions the kernel issues, on this thread's tile registers. The kernel uses
+/// tiles 0–3 for `c` (16 rows of 16 f32 each), 4 and 5 for `a` (16 rows of `pairs` pairs) and
+/// 6 and 7 for `b` (`pairs` rows of 16 pairs), as [`Config`] lays them out.
+///
+/// # Safety
+/// Every method needs a CPU with AMX-TILE and AMX-BF16 whose tile data this process may use
+/// ([`Hardware`]), and every method but `configure` a configuration loaded on this thread.
+pub(crate) trait TileUnit {
+    /// Whether the tiles run here.
+    fn available() -> bool;
+    /// Makes the configuration for `pairs` pairs of depth (1–16) this thread's, unless it is
+    /// already; loading one zeroes every tile.
+    unsafe fn configure(pairs: usize);
+    unsafe fn zero<const T: u8>();
+    /// Loads tile `T`'s rows from `src`, `stride` bytes apart.
+    unsafe fn load<const T: u8>(src: *const u8, stride: usize);
+    /// Stores tile `T`'s rows to `dst`, `stride` bytes apart.
+    unsafe fn store<const T: u8>(dst: *mut u8, stride: usize);
+    /// `TDPBF16PS`: tile `C` += tile `A` · tile `B`, pairs of bf16 products summed in f32.
+    unsafe fn dot<const C: u8, const A: u8, const B: u8>();
+}
+
+/// A tile configuration (`LDTILECFG`'s 64 bytes, palette 1): tiles 0–3 hold 16 rows of 64
+/// bytes (16 f32), 4 and 5 hold 16 rows of `4 · pairs` bytes, 6 and 7 `pairs` rows of 64.
+#[repr(C, align(64))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Config([u8; 64]);
+
+impl Config {
+    const fn new(pairs: usize) -> Config {
+        let mut bytes = [0u8; 64];
+        bytes[0] = 1;
+        let mut t = 0;
+        while t < 8 {
+            let (rows, colsb) = match t {
+                0..=3 => (16, 64),
+                4 | 5 => (16, 4 * pairs),
+                _ => (pairs, 64),
+            };
+            bytes[16 + 2 * t] = colsb as u8;
+            bytes[17 + 2 * t] = (colsb >> 8) as u8;
+            bytes[48 + t] = rows as u8;
+            t += 1;
+        }
+        Config(bytes)
+    }
+
+    #[cfg(test)]
+    fn rows(&self, t: usize) -> usize {
+        usize::from(self.0[48 + t])
+    }
+
+    #[cfg(test)]
+    fn colsb(&self, t: usize) -> usize {
+        usize::from(u16::from_le_bytes([self.0[16 + 2 * t], self.0[17 + 2 * t]]))
+    }
+}
+
+/// The CPU's own tiles.
+pub(crate) struct Hardware;
+
+thread_local! {
+    /// The depth in pairs of the configuration this thread last loaded (0: none). The tile
+    /// configuration is per-thread state the OS saves and restores, so it stays loaded between
+    /// products; nothing else in this process configures tiles.
+    static LOADED: Cell<u8> = const { Cell::new(0) };
+}
+
+impl TileUnit for Hardware {
+    fn available() -> bool {
+        usable()
+    }
+
+    unsafe fn configure(pairs: usize) {
+        LOADED.with(|loaded| {
+            if usize::from(loaded.get()) != pairs {
+                let cfg = Config::new(pairs);
+                // SAFETY: the CPU has AMX, as the caller vouched; the configuration is valid.
+                unsafe {
+                    std::arch::asm!("ldtilecfg [{}]", in(reg) &cfg, options(nostack, readonly))
+                };
+                loaded.set(pairs as u8);
+            }
+        })
+    }
+
+    unsafe fn zero<const T: u8>() {
+        // SAFETY: as the caller vouched.
+        unsafe { std::arch::asm!("tilezero tmm{t}", t = const T, options(nostack, nomem)) }
+    }
+
+    unsafe fn load<const T: u8>(src: *const u8, stride: usize) {
+        // SAFETY: as the caller vouched: the configured rows and bytes lie inside `src`.
+        unsafe {
+            std::arch::asm!(
+                "tileloadd tmm{t}, [{p} + {s} * 1]",
+                t = const T,
+                p = in(reg) src,
+                s = in(reg) stride,
+                options(nostack, readonly)
+            )
+        }
+    }
+
+    unsafe fn store<const T: u8>(dst: *mut u8, stride: usize) {
+        // SAFETY: as the caller vouched: the configured rows and bytes lie inside `dst`.
+        unsafe {
+            std::arch::asm!(
+                "tilestored [{p} + {s} * 1], tmm{t}",
+                t = const T,
+                p = in(reg) dst,
+                s = in(reg) stride,
+                options(nostack)
+            )
+        }
+    }
+
+    unsafe fn dot<const C: u8, const A: u8, const B: u8>() {
+        // SAFETY: as the caller vouched.
+        unsafe {
+            std::arch::asm!(
+                "tdpbf16ps tmm{c}, tmm{a}, tmm{b}",
+                c = const C,
+                a = const A,
+                b = const B,
+                options(nostack, nomem)
+            )
+        }
+    }
+}
+
+/// The tiles as Intel's pseudo-code defines them, in plain Rust on this thread's copy: for
+/// testing everything but the instructions themselves on CPUs without AMX.
+#[cfg(test)]
+pub(crate) struct Modelled;
+
+/// A thread's modelled tile registers: 8 tiles of 16 rows of 16 words, and the configuration.
+#[cfg(test)]
+struct TileFile {
+    config: Option<Config>,
+    tiles: [[[u32; 16]; 16]; 8],
+}
+
+#[cfg(test)]
+thread_local! {
+    static MODEL: RefCell<TileFile> = const {
+        RefCell::new(TileFile {
+            config: None,
+            tiles: [[[0; 16]; 16]; 8],
+        })
+    };
+}
+
+#[cfg(test)]
+impl TileFile {
+    fn config(&self) -> Config {
+        self.config
+            .expect("a tile instruction before any configuration (#UD)")
+    }
+}
+
+/// A bf16 value as f32, a subnormal as zero (`TDPBF16PS` takes them as zero).
+#[cfg(test)]
+fn bf16_daz(h: u32) -> f32 {
+    let v = f32::from_bits(h << 16);
+    if v.is_subnormal() {
+        0.0f32.copysign(v)
+    } else {
+        v
+    }
+}
+
+/// An f32 result, a subnormal flushed to zero.
+#[cfg(test)]
+fn ftz(v: f32) -> f32 {
+    if v.is_subnormal() {
+        0.0f32.copysign(v)
+    } else {
+        v
+    }
+}
+
+#[cfg(test)]
+impl TileUnit for Modelled {
+    fn available() -> bool {
+        // The packing around the tiles uses AVX512-BF16, which every AMX CPU has.
+        crate::isa::CpuFeatures::host().bf16_arithmetic()
+    }
+
+    unsafe fn configure(pairs: usize) {
+        MODEL.with(|m| {
+            let mut m = m.borrow_mut();
+            let cfg = Config::new(pairs);
+            if m.config != Some(cfg) {
+                *m = TileFile {
+                    config: Some(cfg),
+                    tiles: [[[0; 16]; 16]; 8],
+                };
+            }
+        })
+    }
+
+    unsafe fn zero<const T: u8>() {
+        MODEL.with(|m| m.borrow_mut().tiles[usize::from(T)] = [[0; 16]; 16]);
+    }
+
+    unsafe fn load<const T: u8>(src: *const u8, stride: usize) {
+        MODEL.with(|m| {
+            let mut m = m.borrow_mut();
+            let cfg = m.config();
+            let t = usize::from(T);
+            let (rows, words) = (cfg.rows(t), cfg.colsb(t) / 4);
+            m.tiles[t] = [[0; 16]; 16];
+            for r in 0..rows {
+                for w in 0..words {
+                    // SAFETY: the configured rows and bytes lie inside `src`, as the caller
+                    // vouched.
+                    let word =
+                        unsafe { (src.add(r * stride + 4 * w) as *const u32).read_unaligned() };
+                    m.tiles[t][r][w] = word;
+                }
+            }
+        })
+    }
+
+    unsafe fn store<const T: u8>(dst: *mut u8, stride: usize) {
+        MODEL.with(|m| {
+            let m = m.borrow();
+            let cfg = m.config();
+            let t = usize::from(T);
+            for r in 0..cfg.rows(t) {
+                for w in 0..cfg.colsb(t) / 4 {
+                    // SAFETY: the configured rows and bytes lie inside `dst`, as the caller
+                    // vouched.
+                    unsafe {
+                        (dst.add(r * stride + 4 * w) as *mut u32).write_unaligned(m.tiles[t][r][w])
+                    };
+                }
+            }
+        })
+    }
+
+    unsafe fn dot<const C: u8, const A: u8, const B: u8>() {
+        MODEL.with(|m| {
+            let mut m = m.borrow_mut();
+            let cfg = m.config();
+            let (c, a, b) = (usize::from(C), usize::from(A), usize::from(B));
+            // The shapes the instruction requires, else it faults.
+            assert!(
+                cfg.rows(c) == cfg.rows(a)
+                    && cfg.colsb(c) == cfg.colsb(b)
+                    && cfg.colsb(a) == 4 * cfg.rows(b),
+                "TDPBF16PS on tiles of mismatched shapes (#UD)"
+            );
+            let (a_t, b_t) = (m.tiles[a], m.tiles[b]);
+            let (rows, depth, cols) = (cfg.rows(c), cfg.colsb(a) / 4, cfg.colsb(c) / 4);
+            for (a_row, c_row) in a_t.iter().zip(m.tiles[c].iter_mut()).take(rows) {
+                for (&pair, b_row) in a_row.iter().zip(&b_t).take(depth) {
+                    for (acc, &other) in c_row.iter_mut().zip(b_row).take(cols) {
+                        let mut tmp = f32::from_bits(*acc);
+                        tmp = ftz(tmp + bf16_daz(pair & 0xffff) * bf16_daz(other & 0xffff));
+                        tmp = ftz(tmp + bf16_daz(pair >> 16) * bf16_daz(other >> 16));
+                        *acc = tmp.to_bits();
+                    }
+                }
+            }
+        })
+    }
+}
+
+/// Whether this process runs products on the CPU's AMX tiles: the CPU has AMX-TILE, AMX-BF16
+/// and AVX512-BF16, the OS manages tile state and grants this process its use (Linux's
+/// `ARCH_REQ_XCOMP_PERM`), and the tiles agree with an f64 product on a check that covers
+/// partial tiles and a short last depth block. Found once per process; a disagreement is
+/// reported on standard error and the products run on AVX512-BF16.
+pub(crate) fn usable() -> bool {
+    static USABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *USABLE.get_or_init(|| {
+        if !(has_tiles() && permitted()) {
+            return false;
+        }
+        let agrees = agrees::<Hardware>();
+        if !agrees {
+            eprintln!(
+                "snug: this CPU's AMX tiles disagree with an f64 product on a check; bf16 \
+                 products run on AVX512-BF16 instead"
+            );
+        }
+        agrees
+    })
+}
+
+/// CPUID's AMX-TILE and AMX-BF16, AVX512-BF16 (the packing's), and the OS enabling tile state
+/// in XCR0.
+fn has_tiles() -> bool {
+    // CPUID leaf 7 is read only where leaf 0 lists it.
+    let max = __cpuid(0).eax;
+    let (leaf1, leaf7) = (__cpuid(1), (max >= 7).then(|| __cpuid_count(7, 0)));
+    let Some(leaf7) = leaf7 else {
+        return false;
+    };
+    let (amx_bf16, amx_tile) = (leaf7.edx >> 22 & 1 == 1, leaf7.edx >> 24 & 1 == 1);
+    let osxsave = leaf1.ecx >> 27 & 1 == 1;
+    if max < 0xd || !(amx_bf16 && amx_tile && osxsave) {
+        return false;
+    }
+    // SAFETY: OSXSAVE says XGETBV runs.
+    let xcr0 = unsafe { xgetbv0() };
+    // XTILECFG and XTILEDATA.
+    let tile_state = xcr0 >> 17 & 0b11 == 0b11;
+    tile_state && crate::isa::CpuFeatures::host().bf16_arithmetic()
+}
+
+/// # Safety
+/// The CPU must have XSAVE with OSXSAVE set.
+#[target_feature(enable = "xsave")]
+unsafe fn xgetbv0() -> u64 {
+    _xgetbv(0)
+}
+
+/// Asks the OS for this process's use of tile data: Linux enables it per process, on request.
+#[cfg(target_os = "linux")]
+fn permitted() -> bool {
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: the request takes two integers and changes only what this process may use.
+    unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        ) == 0
+    }
+}
+
+/// Elsewhere the tiles are not used: their permission is not something we can check here.
+#[cfg(not(target_os = "linux"))]
+fn permitted() -> bool {
+    false
+}
+
+/// Whether `Amx<U>` computes a 40 × 50 product 90 deep (two whole depth blocks and a short
+/// one, a whole and a partial tile each way), scaled, onto a bias, within f32 summation error
+/// of the f64 product of the bf16-rounded operands.
+pub(crate) fn agrees<U: TileUnit>() -> bool {
+    use super::half::round_to_bf16;
+    let (m, n, k) = (40, 50, 90);
+    let value = |i: usize, salt: usize| ((i * 37 + salt * 11) % 101) as f32 / 50.0 - 1.0;
+    let a: Vec<f32> = (0..m * k).map(|i| value(i, 1)).collect();
+    let b: Vec<f32> = (0..k * n).map(|i| value(i, 2)).collect();
+    let bias: Vec<f32> = (0..n).map(|j| value(j, 3)).collect();
+    let scale = 0.75f32;
+    let mut c = vec![f32::NAN; m * n];
+    let fused = Fused {
+        bias: Some(&bias),
+        ..Fused::NONE
+    };
+    // SAFETY: the tiles run here (checked by the caller for the hardware; the model runs
+    // anywhere AVX512-BF16 does); the operands cover the product.
+    unsafe {
+        super::blocked::sgemm_alone::<Amx<U>>(
+            (m, n, k),
+            (c.as_mut_ptr(), n as isize),
+            (a.as_ptr(), k as isize, 1),
+            (b.as_ptr(), n as isize, 1),
+            scale,
+            false,
+            fused,
+        )
+    };
+    (0..m).all(|i| {
+        (0..n).all(|j| {
+            let terms = (0..k).map(|p| {
+                f64::from(round_to_bf16(a[i * k + p])) * f64::from(round_to_bf16(b[p * n + j]))
+            });
+            let bound = f64::from(scale) * terms.clone().map(f64::abs).sum::<f64>();
+            let want = f64::from(scale) * terms.sum::<f64>() + f64::from(bias[j]);
+            let tol = (k + 2) as f64 * f64::from(f32::EPSILON) * (bound + f64::from(bias[j]).abs());
+            (f64::from(c[i * n + j]) - want).abs() <= tol
+        })
+    })
+}
+
+/// The 32 × 32 tile on unit `U`'s tiles.
+pub(crate) struct Amx<U>(PhantomData<U>);
+
+impl<U: TileUnit> Tile for Amx<U> {
+    const MR: usize = MR;
+    const NR: usize = NR;
+    const KC: usize = <super::avx512::Avx512 as Tile>::KC;
+    const MC: usize = <super::avx512::Avx512 as Tile>::MC;
+    const NC: usize = <super::avx512::Avx512 as Tile>::NC;
+
+    fn available() -> bool {
+        U::available()
+    }
+
+    unsafe fn pack_a(
+        kc: usize,
+        mr: usize,
+        a: *const f32,
+        strides: (isize, isize),
+        panel: (*mut f32, usize, usize),
+        prologue: Prologue<'_>,
+    ) {
+        // SAFETY: as the caller vouched.
+        unsafe { pack_a(kc, mr, a, strides, panel, prologue) }
+    }
+
+    unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, strides: (isize, isize), out: *mut f32) {
+        // SAFETY: as the caller vouched.
+        unsafe { pack_b_pairs::<NR>(kc, nc, b, strides, out) }
+    }
+
+    unsafe fn pack_a_half(
+        half: &super::half::HalfA<'_>,
+        dims: (usize, usize),
+        panel: (*mut f32, usize, usize),
+        prologue: Prologue<'_>,
+    ) {
+        // SAFETY: as the caller vouched.
+        unsafe { pack_a_half(half, dims, panel, prologue) }
+    }
+
+    unsafe fn finish_b(kc: usize, nc: usize, out: *mut f32) {
+        for jr in (0..nc).step_by(NR) {
+            // SAFETY: each panel holds `NR · kc` floats, as the caller vouched.
+            unsafe { to_pairs::<NR>(kc, out.add(jr * kc)) }
+        }
+    }
+
+    unsafe fn pack_b_bf16(
+        kc: usize,
+        nc: usize,
+        (halves, rs): (&[u16], usize),
+        out: *mut f32,
+    ) -> bool {
+        // The block's last value lies inside the bits: every read below is inside them.
+        if kc == 0 || nc == 0 || (kc - 1) * rs + nc > halves.len() {
+            return false;
+        }
+        // SAFETY: the rows and columns lie inside `halves` (checked), `out` holds the panels,
+        // and the CPU has the features, as the caller vouched.
+        unsafe { pack_b_bits::<NR>(kc, nc, (halves.as_ptr(), rs), out) };
+        true
+    }
+
+    unsafe fn kernel(
+        kc: usize,
+        panels: (*const f32, *const f32),
+        c: (*mut f32, isize),
+        tile: (usize, usize),
+        scale_bias: (f32, *const f32),
+        accumulate: bool,
+    ) {
+        // SAFETY: as the caller vouched.
+        unsafe { kernel::<U>(kc, panels, c, tile, scale_bias, accumulate) }
+    }
+}
+
+/// Packs `kc` columns of up to 32 rows of `a` in f32 (`out[p·32 + i]`, rows past `mr` zero),
+/// applies the prologue, then lays the panel out in bf16 blocks ([`to_blocks`]).
+///
+/// # Safety
+/// As [`Tile::pack_a`]; the CPU must have AVX512-BF16, BW and VL.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn pack_a(
+    kc: usize,
+    mr: usize,
+    a: *const f32,
+    (rs, cs): (isize, isize),
+    (out, i0, p0): (*mut f32, usize, usize),
+    prologue: Prologue<'_>,
+) {
+    // SAFETY (all blocks): reads stay within `mr` rows and `kc` columns of `a`; writes within
+    // the panel's `32·kc` floats.
+    unsafe {
+        if mr == MR && rs == 1 {
+            // `a` read transposed (a weight gradient): each column's rows are contiguous.
+            for p in 0..kc {
+                let (src, dst) = (a.offset(p as isize * cs), out.add(p * MR));
+                _mm512_storeu_ps(dst, _mm512_loadu_ps(src));
+                _mm512_storeu_ps(dst.add(16), _mm512_loadu_ps(src.add(16)));
+            }
+        } else if cs == 1 && rs > 0 {
+            if mr < MR {
+                std::ptr::write_bytes(out, 0, MR * kc);
+            }
+            super::avx512::transpose((a, rs as usize), (mr, kc), (out, MR));
+        } else {
+            pack_a_any::<MR>(kc, mr, a, (rs, cs), out);
+        }
+        if !matches!(prologue, Prologue::None) {
+            let panel = std::slice::from_raw_parts_mut(out, kc * MR);
+            apply_prologue::<MR>(prologue, panel, mr, (i0, p0));
+        }
+        to_blocks(kc, out);
+    }
+}
+
+/// [`Tile::pack_a_half`]: widened as the other tiles widen it, then the prologue, then laid
+/// out in blocks.
+///
+/// # Safety
+/// As [`Tile::pack_a_half`]; the CPU must have AVX512-BF16, BW and VL.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn pack_a_half(
+    half: &super::half::HalfA<'_>,
+    dims: (usize, usize),
+    panel: (*mut f32, usize, usize),
+    prologue: Prologue<'_>,
+) {
+    // SAFETY: as the caller vouched.
+    unsafe {
+        pack_a_half_panel::<MR>(half, dims, panel, prologue);
+        to_blocks(dims.0, panel.0);
+    }
+}
+
+/// 64-byte-aligned room for a 32 × 32 f32 block (4 KiB), or an `a` block's words.
+#[repr(C, align(64))]
+struct Block([f32; MR * NR]);
+
+/// Rounds an f32 `a` panel (`x[p·32 + i]`, `kc` deep) in place into bf16 pairs along the depth
+/// ([`to_pairs`]: word `q·32 + i` holds row `i`'s pair `q`), then transposes each block of 16
+/// pairs (the last block `r ≤ 16`) so that word `i·r + q'` holds row `i`'s pair `q'` of the
+/// block: an `a` tile's rows, `4r` bytes apart. Each block keeps its place (`32·r` words).
+///
+/// # Safety
+/// `panel` must hold `32 · kc` floats; the CPU must have AVX512-BF16, BW and VL.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn to_blocks(kc: usize, panel: *mut f32) {
+    let pairs = kc.div_ceil(2);
+    let mut scratch = Block([0.0; MR * NR]);
+    // SAFETY: each block's `32·r` words lie inside the panel's first `32·pairs`; the scratch
+    // holds a whole block. Words are moved, never computed with.
+    unsafe {
+        to_pairs::<MR>(kc, panel);
+        for q0 in (0..pairs).step_by(PAIRS) {
+            let r = PAIRS.min(pairs - q0);
+            let block = panel.add(q0 * MR);
+            std::ptr::copy_nonoverlapping(block, scratch.0.as_mut_ptr(), r * MR);
+            super::avx512::transpose((scratch.0.as_ptr(), MR), (r, MR), (block, r));
+        }
+    }
+}
+
+/// One 32 × 32 tile over a blocked `a` panel and a paired `b` panel, `kc` deep: `c (+)= scale ·
+/// a · b`, stored (its `mr × nr` corner) as the AVX-512 tile stores: `scale · sum`, plus `c`
+/// where accumulating, else plus the bias where there is one.
+///
+/// # Safety
+/// The panels as [`pack_a`] and [`Tile::pack_b`] leave them, `kc` deep; the tile (and its
+/// biases) inside `c` (and `bias`); the unit's tiles usable, and the CPU with AVX-512F.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn kernel<U: TileUnit>(
+    kc: usize,
+    (ap, bp): (*const f32, *const f32),
+    (c, c_rs): (*mut f32, isize),
+    (mr, nr): (usize, usize),
+    (scale, bias): (f32, *const f32),
+    accumulate: bool,
+) {
+    let pairs = kc.div_ceil(2);
+    let (blocks, rest) = (pairs / PAIRS, pairs % PAIRS);
+    let (a, b) = (ap as *const u8, bp as *const u8);
+    let mut sums = Block([0.0; MR * NR]);
+    let out = sums.0.as_mut_ptr() as *mut u8;
+    // SAFETY (all blocks): the panels hold `blocks` whole blocks and a last of `rest` pairs,
+    // as the caller vouched; the block of sums holds the four `c` tiles.
+    unsafe {
+        U::configure(PAIRS);
+        U::zero::<0>();
+        U::zero::<1>();
+        U::zero::<2>();
+        U::zero::<3>();
+        for blk in 0..blocks {
+            let (ab, bb) = (a.add(blk * A_BLOCK), b.add(blk * PAIRS * ROW));
+            U::load::<4>(ab, 4 * PAIRS);
+            U::load::<5>(ab.add(A_BLOCK / 2), 4 * PAIRS);
+            U::load::<6>(bb, ROW);
+            U::load::<7>(bb.add(64), ROW);
+            U::dot::<0, 4, 6>();
+            U::dot::<1, 4, 7>();
+            U::dot::<2, 5, 6>();
+            U::dot::<3, 5, 7>();
+        }
+        store_sums::<U>(out);
+        if rest > 0 {
+            // The short block's own configuration, which zeroes the tiles: the sums go back in.
+            U::configure(rest);
+            U::load::<0>(out, ROW);
+            U::load::<1>(out.add(64), ROW);
+            U::load::<2>(out.add(16 * ROW), ROW);
+            U::load::<3>(out.add(16 * ROW + 64), ROW);
+            let (ab, bb) = (a.add(blocks * A_BLOCK), b.add(blocks * PAIRS * ROW));
+            U::load::<4>(ab, 4 * rest);
+            U::load::<5>(ab.add(16 * 4 * rest), 4 * rest);
+            U::load::<6>(bb, ROW);
+            U::load::<7>(bb.add(64), ROW);
+            U::dot::<0, 4, 6>();
+            U::dot::<1, 4, 7>();
+            U::dot::<2, 5, 6>();
+            U::dot::<3, 5, 7>();
+            store_sums::<U>(out);
+        }
+        store(&sums, (c, c_rs), (mr, nr), (scale, bias), accumulate);
+    }
+}
+
+/// The four `c` tiles into a 32 × 32 block of f32 rows.
+///
+/// # Safety
+/// As [`TileUnit::store`]; `out` holds 32 rows of `ROW` bytes.
+#[inline(always)]
+unsafe fn store_sums<U: TileUnit>(out: *mut u8) {
+    // SAFETY: as the caller vouched.
+    unsafe {
+        U::store::<0>(out, ROW);
+        U::store::<1>(out.add(64), ROW);
+        U::store::<2>(out.add(16 * ROW), ROW);
+        U::store::<3>(out.add(16 * ROW + 64), ROW);
+    }
+}
+
+/// The `mr × nr` corner of the sums into `c`, as [`super::avx512::store_tile`] stores.
+///
+/// # Safety
+/// The corner (and its biases) inside `c` (and `bias`); the CPU has AVX-512F.
+#[target_feature(enable = "avx512f")]
+unsafe fn store(
+    sums: &Block,
+    (c, c_rs): (*mut f32, isize),
+    (mr, nr): (usize, usize),
+    (scale, bias): (f32, *const f32),
+    accumulate: bool,
+) {
+    let s = _mm512_set1_ps(scale);
+    // SAFETY: loads and stores are masked to the corner, as the caller vouched.
+    unsafe {
+        for i in 0..mr {
+            let out = c.offset(i as isize * c_rs);
+            for v in 0..NR / 16 {
+                let left = nr.saturating_sub(v * 16).min(16);
+                if left == 0 {
+                    break;
+                }
+                let mask = (((1u32 << left) - 1) & 0xffff) as __mmask16;
+                let dst = out.add(v * 16);
+                let mut x = _mm512_mul_ps(_mm512_loadu_ps(sums.0.as_ptr().add(i * NR + v * 16)), s);
+                if accumulate {
+                    x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, dst));
+                } else if !bias.is_null() {
+                    x = _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, bias.add(v * 16)));
+                }
+                _mm512_mask_storeu_ps(dst, mask, x);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Tile `T` of the model, row by row.
+    fn tile<const T: u8>() -> [[u32; 16]; 16] {
+        MODEL.with(|m| m.borrow().tiles[usize::from(T)])
+    }
+
+    /// The model's `TDPBF16PS` against hand-computed sums: pairs multiplied as Intel's
+    /// pseudo-code pairs them (low halves together, high halves together), a subnormal bf16
+    /// input taken as zero, a short configuration's rows and columns alone touched.
+    #[test]
+    fn the_model_computes_tdpbf16ps_as_specified() {
+        let bf = |v: f32| u32::from(super::super::half::bf16_bits(v));
+        let pair = |lo: f32, hi: f32| bf(lo) | bf(hi) << 16;
+        // Two pairs of depth: a 16 × 8-byte `a`, a 2 × 64-byte `b`.
+        let mut a = [0u32; 16 * 2];
+        let mut b = [0u32; 2 * 16];
+        for r in 0..16 {
+            a[r * 2] = pair(r as f32, 1.0);
+            a[r * 2 + 1] = pair(0.5, -2.0);
+        }
+        for n in 0..16 {
+            b[n] = pair(n as f32, 3.0);
+            b[16 + n] = pair(4.0, f32::from_bits(0x0001_0000)); // a subnormal bf16: zero
+        }
+        let mut c = [[0u32; 16]; 16];
+        for (r, row) in c.iter_mut().enumerate() {
+            for (n, v) in row.iter_mut().enumerate() {
+                *v = (100.0 * r as f32 + n as f32).to_bits();
+            }
+        }
+        // SAFETY: the model runs anywhere; the buffers hold the configured rows.
+        unsafe {
+            Modelled::configure(2);
+            Modelled::load::<0>(c.as_ptr() as *const u8, 64);
+            Modelled::load::<4>(a.as_ptr() as *const u8, 8);
+            Modelled::load::<6>(b.as_ptr() as *const u8, 64);
+            Modelled::dot::<0, 4, 6>();
+        }
+        let got = tile::<0>();
+        for (r, row) in got.iter().enumerate() {
+            for (n, &v) in row.iter().enumerate() {
+                let want = 100.0 * r as f32 + n as f32 + (r * n) as f32 + 3.0 + 0.5 * 4.0;
+                assert_eq!(f32::from_bits(v), want, "row {r}, column {n}");
+            }
+        }
+        // Loading a new configuration zeroes every tile, as `LDTILECFG` does.
+        // SAFETY: as above.
+        unsafe { Modelled::configure(16) };
+        assert_eq!(tile::<0>(), [[0; 16]; 16]);
+    }
+
+    /// The tile at its edges, one thread: outputs narrower and shorter than a tile and just
+    /// past one, depths of one value, of a short block alone, of whole blocks, whole blocks and
+    /// a short one, and past `KC`; every layout, scaling and accumulating. Each element within
+    /// f32 summation error of the f64 product of the bf16-rounded operands.
+    #[test]
+    fn the_modelled_tile_matches_an_f64_product_at_every_edge() {
+        use super::super::blocked::sgemm;
+        use super::super::half::round_to_bf16;
+        use super::super::test_support::values;
+        if !Modelled::available() {
+            eprintln!("skipped the AMX tile's edges: the packing needs AVX512-BF16");
+            return;
+        }
+        let shapes = [
+            (1, 1, 1),
+            (7, 5, 3),
+            (32, 32, 32),
+            (33, 31, 33),
+            (31, 33, 64),
+            (5, 40, 15),
+            (40, 5, 16),
+            (64, 70, 1030),
+        ];
+        for (m, n, k) in shapes {
+            for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                for (scale, accumulate) in [(1.0f32, false), (0.5, true)] {
+                    let (a, b) = (values(m * k, 51), values(k * n, 52));
+                    let start = values(m * n, 53);
+                    let mut c = start.clone();
+                    let (a_rs, a_cs) = if ta { (1, m as isize) } else { (k as isize, 1) };
+                    let (b_rs, b_cs) = if tb { (1, k as isize) } else { (n as isize, 1) };
+                    // SAFETY: the packing's features were checked; the strides stay inside
+                    // the vectors.
+                    let done = unsafe {
+                        sgemm::<Amx<Modelled>>(
+                            (m, n, k),
+                            (c.as_mut_ptr(), n as isize),
+                            (a.as_ptr(), a_rs, a_cs),
+                            (b.as_ptr(), b_rs, b_cs),
+                            scale,
+                            accumulate,
+                            Fused::NONE,
+                        )
+                    };
+                    assert!(done);
+                    let at = |x: &[f32], (rs, cs): (isize, isize), r: usize, col: usize| {
+                        f64::from(round_to_bf16(
+                            x[(r as isize * rs + col as isize * cs) as usize],
+                        ))
+                    };
+                    for i in 0..m {
+                        for j in 0..n {
+                            let terms = (0..k)
+                                .map(|p| at(&a, (a_rs, a_cs), i, p) * at(&b, (b_rs, b_cs), p, j));
+                            let base = if accumulate {
+                                f64::from(start[i * n + j])
+                            } else {
+                                0.0
+                            };
+                            let s = f64::from(scale);
+                            let want = base + s * terms.clone().sum::<f64>();
+                            let bound = s * terms.map(f64::abs).sum::<f64>() + base.abs();
+                            let tol = (k + 2) as f64 * f64::from(f32::EPSILON) * bound;
+                            let got = f64::from(c[i * n + j]);
+                            assert!(
+                                (got - want).abs() <= tol,
+                                "{m}×{k}×{n} ta={ta} tb={tb} scale={scale} at ({i}, {j}): \
+                                 {got} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A tile instruction on tiles whose configured shapes do not multiply faults.
+    #[test]
+    #[should_panic(expected = "mismatched shapes")]
+    fn the_model_refuses_mismatched_tiles() {
+        // SAFETY: the model runs anywhere.
+        unsafe {
+            Modelled::configure(4);
+            // `a`'s 16 bytes a row against `c` as `b`: 16 rows, not 4.
+            Modelled::dot::<1, 4, 0>();
+        }
+    }
+
+    /// The configuration bytes are `LDTILECFG`'s: palette 1, then each tile's bytes per row
+    /// (16-bit, little-endian, from byte 16) and rows (from byte 48).
+    #[test]
+    fn configurations_lay_out_the_tiles_the_kernel_uses() {
+        for pairs in 1..=16 {
+            let cfg = Config::new(pairs);
+            assert_eq!((cfg.0[0], cfg.0[1]), (1, 0));
+            for t in 0..4 {
+                assert_eq!((cfg.rows(t), cfg.colsb(t)), (16, 64));
+            }
+            for t in [4, 5] {
+                assert_eq!((cfg.rows(t), cfg.colsb(t)), (16, 4 * pairs));
+            }
+            for t in [6, 7] {
+                assert_eq!((cfg.rows(t), cfg.colsb(t)), (pairs, 64));
+            }
+            assert!(cfg.0[2..16]
+                .iter()
+                .chain(&cfg.0[32..48])
+                .chain(&cfg.0[56..])
+                .all(|&b| b == 0));
+        }
+    }
+
+    /// The check a process runs before using the tiles passes the model and fails a unit that
+    /// drops the high half of every pair.
+    #[test]
+    fn the_tiles_check_accepts_the_model_and_refuses_a_wrong_unit() {
+        if !Modelled::available() {
+            eprintln!("skipped the AMX tiles' check: the packing needs AVX512-BF16");
+            return;
+        }
+        /// The model, but each `b` pair's high half taken as zero.
+        struct Dropping;
+        impl TileUnit for Dropping {
+            fn available() -> bool {
+                true
+            }
+            unsafe fn configure(pairs: usize) {
+                unsafe { Modelled::configure(pairs) }
+            }
+            unsafe fn zero<const T: u8>() {
+                unsafe { Modelled::zero::<T>() }
+            }
+            unsafe fn load<const T: u8>(src: *const u8, stride: usize) {
+                unsafe { Modelled::load::<T>(src, stride) };
+                if T >= 6 {
+                    MODEL.with(|m| {
+                        for row in m.borrow_mut().tiles[usize::from(T)].iter_mut() {
+                            row.iter_mut().for_each(|w| *w &= 0xffff);
+                        }
+                    });
+                }
+            }
+            unsafe fn store<const T: u8>(dst: *mut u8, stride: usize) {
+                unsafe { Modelled::store::<T>(dst, stride) }
+            }
+            unsafe fn dot<const C: u8, const A: u8, const B: u8>() {
+                unsafe { Modelled::dot::<C, A, B>() }
+            }
+        }
+        assert!(agrees::<Modelled>());
+        assert!(!agrees::<Dropping>());
+    }
+}
