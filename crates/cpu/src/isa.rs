@@ -132,13 +132,17 @@ impl CpuFeatures {
     };
 }
 
-/// How products that read a bf16 operand compute: `SNUG_BF16_MATH` (`native`, `widen` or
-/// `model`; anything else, or unset, is `native`).
+/// How products that read a bf16 operand compute: `SNUG_BF16_MATH` (`native`, `vdpbf16ps`,
+/// `widen` or `model`; anything else, or unset, is `native`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Bf16Math {
-    /// bf16 arithmetic (`VDPBF16PS`: operands rounded to bf16, products summed in f32) where
-    /// the CPU has AVX512-BF16; elsewhere bf16 widened to f32.
+    /// bf16 arithmetic (operands rounded to bf16, products summed in f32) on AMX's tiles where
+    /// the CPU has them, else with `VDPBF16PS` where it has AVX512-BF16; elsewhere bf16 widened
+    /// to f32.
     Native,
+    /// As `Native`, but `VDPBF16PS` even where AMX's tiles would run: for timing one against
+    /// the other on a CPU with both.
+    Vdpbf16ps,
     /// Always bf16 widened to f32, never an f32 operand rounded: the same bits on every CPU.
     Widen,
     /// bf16 arithmetic's rounding on the f32 register tiles, on any CPU they run on: each
@@ -152,12 +156,18 @@ impl Bf16Math {
     pub fn name(self) -> &'static str {
         match self {
             Bf16Math::Native => "native",
+            Bf16Math::Vdpbf16ps => "vdpbf16ps",
             Bf16Math::Widen => "widen",
             Bf16Math::Model => "model",
         }
     }
 
-    const ALL: [Bf16Math; 3] = [Bf16Math::Native, Bf16Math::Widen, Bf16Math::Model];
+    const ALL: [Bf16Math; 4] = [
+        Bf16Math::Native,
+        Bf16Math::Vdpbf16ps,
+        Bf16Math::Widen,
+        Bf16Math::Model,
+    ];
 
     /// The setting in force: [`Bf16Math::set`]'s, else what `SNUG_BF16_MATH` asks for (read
     /// once).
@@ -186,7 +196,7 @@ impl Bf16Math {
     pub fn path(self, cpu: CpuFeatures) -> &'static str {
         match self {
             Bf16Math::Native if cpu.amx && cpu.bf16_arithmetic() => "amx",
-            Bf16Math::Native if cpu.bf16_arithmetic() => "vdpbf16ps",
+            Bf16Math::Native | Bf16Math::Vdpbf16ps if cpu.bf16_arithmetic() => "vdpbf16ps",
             Bf16Math::Model => "model",
             _ => "widen",
         }
@@ -310,5 +320,31 @@ mod tests {
         };
         assert_eq!(knl.isa(), Isa::Avx2);
         assert_eq!(CpuFeatures::AVX512_BF16.isa(), Isa::Avx512);
+    }
+
+    /// The path `snug devices` reports for each setting on each feature set: AMX's tiles only
+    /// under `native` on a CPU with them, `VDPBF16PS` wherever AVX512-BF16 is and AMX is not
+    /// chosen, widening elsewhere.
+    #[test]
+    fn bf16_products_take_the_path_the_setting_and_the_features_allow() {
+        let (avx512, bf16, amx) = (
+            CpuFeatures::AVX512,
+            CpuFeatures::AVX512_BF16,
+            CpuFeatures::AMX,
+        );
+        let cases = [
+            (Bf16Math::Native, amx, "amx"),
+            (Bf16Math::Native, bf16, "vdpbf16ps"),
+            (Bf16Math::Native, avx512, "widen"),
+            (Bf16Math::Vdpbf16ps, amx, "vdpbf16ps"),
+            (Bf16Math::Vdpbf16ps, bf16, "vdpbf16ps"),
+            (Bf16Math::Vdpbf16ps, avx512, "widen"),
+            (Bf16Math::Widen, amx, "widen"),
+            (Bf16Math::Model, amx, "model"),
+            (Bf16Math::Model, avx512, "model"),
+        ];
+        for (math, cpu, want) in cases {
+            assert_eq!(math.path(cpu), want, "{math:?} on {cpu:?}");
+        }
     }
 }

@@ -158,7 +158,9 @@ fn bf16_tile(cpu: crate::isa::CpuFeatures, math: crate::isa::Bf16Math) -> Option
         use crate::isa::Bf16Math;
         match math {
             Bf16Math::Native if cpu.amx && cpu.bf16_arithmetic() => Some(OwnTile::Amx),
-            Bf16Math::Native if cpu.bf16_arithmetic() => Some(OwnTile::Avx512Bf16),
+            Bf16Math::Native | Bf16Math::Vdpbf16ps if cpu.bf16_arithmetic() => {
+                Some(OwnTile::Avx512Bf16)
+            }
             Bf16Math::Model if cpu.avx512f => Some(OwnTile::Avx512Model),
             Bf16Math::Model if cpu.avx2 && cpu.fma => Some(OwnTile::Avx2Model),
             _ => None,
@@ -826,7 +828,7 @@ mod tests {
         let bf16 = CpuFeatures::AVX512_BF16;
         let amx = CpuFeatures::AMX;
         let big = (512, 512, 512);
-        use crate::isa::Bf16Math::{Model, Native, Widen};
+        use crate::isa::Bf16Math::{Model, Native, Vdpbf16ps, Widen};
         let cases = [
             (none, Native, false, None),
             (none, Native, true, None),
@@ -848,6 +850,9 @@ mod tests {
             (amx, Native, true, Some(OwnTile::Amx)),
             (amx, Native, false, Some(OwnTile::Avx512)),
             (amx, Widen, true, Some(OwnTile::Avx512)),
+            (amx, Vdpbf16ps, true, Some(OwnTile::Avx512Bf16)),
+            (bf16, Vdpbf16ps, true, Some(OwnTile::Avx512Bf16)),
+            (avx512, Vdpbf16ps, true, Some(OwnTile::Avx512)),
             (amx, Model, true, Some(OwnTile::Avx512Model)),
             // AMX's tiles without the AVX512-BF16 their packing uses: none of theirs.
             (
