@@ -268,6 +268,8 @@ fn own_kernel(dims: (usize, usize, usize), c_cs: isize, arith: Arith) -> Option<
 /// `r0 + i` of the sequence. Leaving out only terms that are zero (or outputs never read),
 /// a product gives bitwise what the whole one does on finite inputs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+// Only our x86-64 head kernels take a causal extent; elsewhere the heads run whole products.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) enum Causal {
     /// Nothing.
     Whole,
@@ -282,6 +284,7 @@ pub(crate) enum Causal {
     DepthFrom(usize),
 }
 
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 impl Causal {
     /// For the product's rows `i0..i0 + rows`: the columns it needs (of `n`) and the depth
     /// range (of `k`) where its `a` may be non-zero.
