@@ -520,6 +520,16 @@ unsafe fn pack_a(
     // SAFETY (all blocks): reads stay within `mr` rows and `kc` columns of `a`; writes within
     // the panel's `32·kc` floats.
     unsafe {
+        if cs == 1 && matches!(prologue, Prologue::None) {
+            // Rows along the depth, as an `a` tile reads them: straight to blocks.
+            return rows_to_blocks(kc, mr, out, |i, p, live| {
+                let src = a.offset(i as isize * rs).add(p);
+                let lo = _mm512_maskz_loadu_ps(live as __mmask16, src);
+                let hi = _mm512_maskz_loadu_ps((live >> 16) as __mmask16, src.add(16));
+                let (lo, hi) = (bits16(lo), bits16(hi));
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+            });
+        }
         if mr == MR && rs == 1 {
             // `a` read transposed (a weight gradient): each column's rows are contiguous.
             for p in 0..kc {
@@ -555,11 +565,72 @@ unsafe fn pack_a_half(
     panel: (*mut f32, usize, usize),
     prologue: Prologue<'_>,
 ) {
+    let (kc, mr) = dims;
+    let (out, i0, p0) = panel;
+    // The panel's last element lies inside the bits: every read below is inside them.
+    let inside = kc > 0 && mr > 0 && (i0 + mr - 1) * half.rs + p0 + kc - 1 < half.bits.len();
+    if half.cs == 1 && inside && matches!(prologue, Prologue::None) {
+        // Rows along the depth, already bf16: their bits are an `a` tile's rows.
+        let base = half.bits.as_ptr();
+        // SAFETY: rows `i < mr` and depths `p + l < kc` (those in `live`) lie inside the bits
+        // (checked); the panel holds `32·kc` floats, as the caller vouched.
+        return unsafe {
+            rows_to_blocks(kc, mr, out, |i, p, live| {
+                _mm512_maskz_loadu_epi16(live, base.add((i0 + i) * half.rs + p0 + p) as *const i16)
+            })
+        };
+    }
     // SAFETY: as the caller vouched.
     unsafe {
         pack_a_half_panel::<MR>(half, dims, panel, prologue);
-        to_blocks(dims.0, panel.0);
+        to_blocks(kc, out);
     }
+}
+
+/// An `a` panel of `mr` rows, `kc` deep, laid out in blocks as [`to_blocks`] leaves one,
+/// straight from rows: `row(i, p, live)` gives row `i`'s bf16 bits from depth `p`, lanes
+/// outside `live` zero and unread. Rows past `mr`, and the last pair's upper half where `kc`
+/// is odd, are zero.
+///
+/// # Safety
+/// `row` must be sound for every `i < mr` and the lanes it is given; `out` must hold `32 · kc`
+/// floats; the CPU must have AVX512-BF16, BW and VL.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[inline]
+unsafe fn rows_to_blocks(
+    kc: usize,
+    mr: usize,
+    out: *mut f32,
+    row: impl Fn(usize, usize, __mmask32) -> __m512i,
+) {
+    for p in (0..kc).step_by(2 * PAIRS) {
+        let len = (2 * PAIRS).min(kc - p);
+        let pairs = len.div_ceil(2);
+        let live = (u64::MAX >> (64 - len)) as __mmask32;
+        let words = (u32::MAX >> (32 - pairs)) as __mmask16;
+        // SAFETY: block `p / 32` starts at word `16·p` (the blocks before it whole) and holds
+        // `32·pairs` words, inside the panel; `row` is sound for these lanes, as the caller
+        // vouched.
+        unsafe {
+            let block = (out as *mut u32).add(MR * p / 2);
+            for i in 0..MR {
+                let bits = if i < mr {
+                    row(i, p, live)
+                } else {
+                    _mm512_setzero_si512()
+                };
+                _mm512_mask_storeu_epi32(block.add(i * pairs) as *mut i32, words, bits);
+            }
+        }
+    }
+}
+
+/// Sixteen f32 values rounded to bf16 bits as [`to_pairs`] rounds them (`VCVTNEPS2BF16`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[inline]
+fn bits16(x: __m512) -> __m256i {
+    // SAFETY: `__m256bh` and `__m256i` are the same 256 bits.
+    unsafe { std::mem::transmute(_mm512_cvtneps_pbh(x)) }
 }
 
 /// 64-byte-aligned room for a 32 × 32 f32 block (4 KiB), or an `a` block's words.
