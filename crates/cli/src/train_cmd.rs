@@ -335,8 +335,8 @@ fn monotonic_ms() -> u64 {
 
 /// Until the loop's handlers are installed: a stop signal during the setup removes the
 /// directory the run's claim made (it holds only the lock then; a directory holding anything
-/// else is not removed) and ends the process as the signal would by default. Dropped, the
-/// actions are removed.
+/// else is not removed), or in a directory that was there, the lock file the claim made, and
+/// ends the process as the signal would by default. Dropped, the actions are removed.
 struct SetupGuard(Vec<signal_hook::SigId>);
 
 impl Drop for SetupGuard {
@@ -351,12 +351,15 @@ fn guard_setup(run_dir: Option<&RunDir>) -> Result<SetupGuard> {
     #[allow(unused_mut)]
     let mut ids = Vec::new();
     #[cfg(unix)]
-    if let Some(dir) = run_dir.filter(|d| d.created()) {
+    if let Some(dir) = run_dir.filter(|d| d.created() || d.made_lock()) {
         use std::os::unix::ffi::OsStrExt;
         let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).ok();
         let lock = c(&dir.path().join(snug_train::run_dir::LOCK_FILE));
-        // The directory, then the parents the claim made, innermost first.
-        let dirs: Option<Vec<_>> = std::iter::once(dir.path())
+        // The directory, then the parents the claim made, innermost first; none where the
+        // directory was there before.
+        let made = dir.created().then_some(dir.path());
+        let dirs: Option<Vec<_>> = made
+            .into_iter()
             .chain(dir.made_parents().iter().map(PathBuf::as_path))
             .map(c)
             .collect();

@@ -658,12 +658,23 @@ fn a_refused_run_leaves_no_directory_it_made() {
         .collect();
     assert_eq!(made.len(), 1, "{made:?}");
     assert!(made[0].to_string_lossy().ends_with("-1"), "{made:?}");
-    // Given with --out and there already (empty): refused, and kept.
+    // Given with --out and there already (empty): refused, and kept as it was, without the
+    // lock file the claim made, which `export` would take for a run's.
     let mine = cwd.join("mine");
     std::fs::create_dir(&mine).expect("a directory");
     let o = train(cwd, &["--steps", "1", "--memory", "1MiB", "--out", "mine"]);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(mine.is_dir());
+    let left: Vec<_> = std::fs::read_dir(&mine)
+        .expect("mine/")
+        .map(|e| e.expect("an entry").file_name())
+        .collect();
+    assert!(left.is_empty(), "a refused run left {left:?}");
+    // A lock file that was there before stays: it may be another claim's.
+    std::fs::write(mine.join(snug_train::run_dir::LOCK_FILE), b"").expect("a lock file");
+    let o = train(cwd, &["--steps", "1", "--memory", "1MiB", "--out", "mine"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(mine.join(snug_train::run_dir::LOCK_FILE).exists());
 }
 
 /// Resuming a run past the steps asked for trains nothing and is refused, leaving its

@@ -9,8 +9,10 @@ use crate::checkpoint::{Checkpoint, CheckpointDir};
 use crate::run::METRICS_FILE;
 use crate::TrainError;
 
-/// The lock file inside a run directory; left in place (deleting a lock file races), except
-/// where the claim made the directory and leaves it empty.
+/// The lock file inside a run directory. A claim that made it removes it again where the run
+/// leaves nothing else of its own there (a refused run); a claim checks that the file it locked
+/// is still the one at this path, so removing a lock file while holding it cannot let two
+/// runs hold the directory.
 pub const LOCK_FILE: &str = ".snug.lock";
 
 /// Why `dir` is a run's directory, if it is one: it holds checkpoints, a run's lock file or its
@@ -32,6 +34,24 @@ pub fn run_evidence(dir: &Path) -> Option<String> {
         return Some(format!("it holds a run's {METRICS_FILE}"));
     }
     None
+}
+
+/// Whether `file` is the file at `path` now (on Unix, the same device and inode; elsewhere,
+/// where lock files are never removed, always).
+fn is_at(file: &File, path: &Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        match (file.metadata(), fs::metadata(path)) {
+            (Ok(held), Ok(named)) => held.dev() == named.dev() && held.ino() == named.ino(),
+            _ => false,
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = (file, path);
+        true
+    }
 }
 
 /// How a run means to use its directory.
@@ -57,14 +77,24 @@ pub struct RunDir {
     /// The parent directories the claim made too (`runs/` on a first run), innermost first:
     /// removed with it while empty.
     made_parents: Vec<PathBuf>,
+    /// This claim made the lock file: in a directory that was there before, it is removed
+    /// again where the run left no checkpoint and no metrics, so the directory is not taken
+    /// for a run's by the commands that refuse to write into one.
+    made_lock: bool,
 }
 
 impl Drop for RunDir {
     fn drop(&mut self) {
+        let dir = self.checkpoints.path();
         if !self.created {
+            let nothing_saved = self.checkpoints.list().is_ok_and(|saved| saved.is_empty())
+                && fs::metadata(dir.join(METRICS_FILE)).map_or(true, |m| m.len() == 0);
+            if self.made_lock && nothing_saved && cfg!(unix) {
+                // Best effort, while the lock is still held (see `LOCK_FILE`).
+                let _ = fs::remove_file(dir.join(LOCK_FILE));
+            }
             return;
         }
-        let dir = self.checkpoints.path();
         let only_lock = fs::read_dir(dir).is_ok_and(|entries| {
             entries
                 .map(|e| e.map(|e| e.file_name()))
@@ -104,34 +134,46 @@ impl RunDir {
             .collect();
         let checkpoints = CheckpointDir::create(dir)?;
         let lock_path = dir.join(LOCK_FILE);
-        let lock = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(|source| TrainError::Io {
-                path: lock_path.clone(),
-                source,
-            })?;
-        match lock.try_lock() {
-            Ok(()) => {}
-            Err(TryLockError::WouldBlock) => {
+        let io = |source| TrainError::Io {
+            path: lock_path.clone(),
+            source,
+        };
+        let made_lock = fs::symlink_metadata(&lock_path).is_err();
+        let mut attempts = 0;
+        let lock = loop {
+            let lock = OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&lock_path)
+                .map_err(io)?;
+            match lock.try_lock() {
+                Ok(()) => {}
+                Err(TryLockError::WouldBlock) => {
+                    return Err(TrainError::RunDirBusy {
+                        dir: dir.to_path_buf(),
+                    })
+                }
+                Err(TryLockError::Error(source)) => return Err(io(source)),
+            }
+            // A claim that held the file removed it before we locked what we had opened: the
+            // lock is on a file no other claim will find. Lock the one at the path now.
+            if is_at(&lock, &lock_path) {
+                break lock;
+            }
+            attempts += 1;
+            if attempts == 3 {
                 return Err(TrainError::RunDirBusy {
                     dir: dir.to_path_buf(),
-                })
+                });
             }
-            Err(TryLockError::Error(source)) => {
-                return Err(TrainError::Io {
-                    path: lock_path,
-                    source,
-                })
-            }
-        }
+        };
         let run_dir = RunDir {
             checkpoints,
             _lock: lock,
             created,
             made_parents,
+            made_lock,
         };
         run_dir.check(claim)?;
         Ok(run_dir)
@@ -187,6 +229,11 @@ impl RunDir {
         }
     }
 
+    /// Whether this claim made the lock file (see [`RunDir`]'s drop).
+    pub fn made_lock(&self) -> bool {
+        self.made_lock
+    }
+
     pub fn checkpoints(&self) -> &CheckpointDir {
         &self.checkpoints
     }
@@ -203,5 +250,46 @@ impl RunDir {
 
     pub fn path(&self) -> &Path {
         self.checkpoints.path()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A claim's lock is on the file at the path only while that file is the same one: one
+    /// removed and made again (as by a claim that removed its lock file) is another.
+    #[cfg(unix)]
+    #[test]
+    fn a_lock_file_made_again_is_not_the_one_held() {
+        let tmp = tempfile::tempdir().expect("a scratch directory");
+        let path = tmp.path().join(LOCK_FILE);
+        let held = File::create(&path).expect("a lock file");
+        assert!(is_at(&held, &path));
+        fs::remove_file(&path).expect("removed");
+        assert!(!is_at(&held, &path), "a removed file");
+        File::create(&path).expect("made again");
+        assert!(!is_at(&held, &path), "a file made again");
+    }
+
+    /// A claim in a directory that was there removes the lock file it made when the run
+    /// leaves nothing, keeps it once the run has saved, and never removes one it found.
+    #[cfg(unix)]
+    #[test]
+    fn a_claim_removes_only_the_lock_file_it_made_and_only_for_a_run_that_left_nothing() {
+        let tmp = tempfile::tempdir().expect("a scratch directory");
+        let dir = tmp.path().join("run");
+        fs::create_dir(&dir).expect("a directory");
+        let lock = dir.join(LOCK_FILE);
+        drop(RunDir::claim(&dir, &Claim::Fresh).expect("claimed"));
+        assert!(!lock.exists(), "the lock file of a run that left nothing");
+        {
+            let claimed = RunDir::claim(&dir, &Claim::Fresh).expect("claimed");
+            fs::write(claimed.path().join(METRICS_FILE), b"{}\n").expect("metrics");
+        }
+        assert!(lock.exists(), "the lock file of a run that wrote metrics");
+        fs::remove_file(dir.join(METRICS_FILE)).expect("removed");
+        drop(RunDir::claim(&dir, &Claim::Fresh).expect("claimed"));
+        assert!(lock.exists(), "a lock file the claim found");
     }
 }
