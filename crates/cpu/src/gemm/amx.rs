@@ -16,7 +16,7 @@
 //! configuration, so no panel is padded past the space the other tiles use.
 //!
 //! The tile instructions sit behind [`TileUnit`]: [`Hardware`] issues them (inline assembly;
-//! stable Rust has no AMX intrinsics) and the tests' `Modelled` computes what Intel's pseudo-code for
+//! stable Rust has no AMX intrinsics) and the tests' `Modelled` computes what the Intrinsics Guide's pseudo-code for
 //! each one says. The packing, blocking and configurations are tested through the model on
 //! CPUs without AMX (none of this project's test machines has it, nor does the emulator the
 //! other tiles' tests use), and a process checks the hardware against an f64 product before
@@ -53,9 +53,11 @@ const ROW: usize = NR * 4;
 pub(crate) trait TileUnit {
     /// Whether the tiles run here.
     fn available() -> bool;
-    /// Makes the configuration for `pairs` pairs of depth (1–16) this thread's, unless it is
-    /// already; loading one zeroes every tile.
+    /// Makes the configuration for `pairs` pairs of depth (1–16) this thread's, unless this
+    /// thread loaded it since its last [`TileUnit::release`]; loading one zeroes every tile.
     unsafe fn configure(pairs: usize);
+    /// `TILERELEASE`: the tiles and their configuration back to their initial state.
+    unsafe fn release();
     unsafe fn zero<const T: u8>();
     /// Loads tile `T`'s rows from `src`, `stride` bytes apart.
     unsafe fn load<const T: u8>(src: *const u8, stride: usize);
@@ -105,9 +107,11 @@ impl Config {
 pub(crate) struct Hardware;
 
 thread_local! {
-    /// The depth in pairs of the configuration this thread last loaded (0: none). The tile
-    /// configuration is per-thread state the OS saves and restores, so it stays loaded between
-    /// products; nothing else in this process configures tiles.
+    /// The depth in pairs of the configuration this thread loaded since its last release (0:
+    /// none). Tile state is the thread's own, which the OS saves and restores, but the ABI
+    /// makes it caller-saved: other code on the thread may change it between products. So it
+    /// is trusted only within a stretch of our kernel calls, each of which ends in a release
+    /// ([`Tile::done`]), which also leaves no tile data for the OS to save meanwhile.
     static LOADED: Cell<u8> = const { Cell::new(0) };
 }
 
@@ -127,6 +131,12 @@ impl TileUnit for Hardware {
                 loaded.set(pairs as u8);
             }
         })
+    }
+
+    unsafe fn release() {
+        // SAFETY: as the caller vouched.
+        unsafe { std::arch::asm!("tilerelease", options(nostack, nomem)) };
+        LOADED.with(|loaded| loaded.set(0));
     }
 
     unsafe fn zero<const T: u8>() {
@@ -174,8 +184,11 @@ impl TileUnit for Hardware {
     }
 }
 
-/// The tiles as Intel's pseudo-code defines them, in plain Rust on this thread's copy: for
-/// testing everything but the instructions themselves on CPUs without AMX.
+/// The tiles as the Intrinsics Guide's pseudo-code defines them, in plain Rust on this
+/// thread's copy: for testing everything but the instructions themselves on CPUs without AMX.
+/// (The SDM's pseudo-code for `TDPBF16PS` sums a pair's two products before adding them to
+/// `c`, which can differ in the last bit: the tests compare with f64 within f32 summation
+/// error, so either order passes them, as the hardware's must.)
 #[cfg(test)]
 pub(crate) struct Modelled;
 
@@ -243,6 +256,15 @@ impl TileUnit for Modelled {
                 };
             }
         })
+    }
+
+    unsafe fn release() {
+        MODEL.with(|m| {
+            *m.borrow_mut() = TileFile {
+                config: None,
+                tiles: [[[0; 16]; 16]; 8],
+            }
+        });
     }
 
     unsafe fn zero<const T: u8>() {
@@ -353,7 +375,13 @@ fn has_tiles() -> bool {
     let xcr0 = unsafe { xgetbv0() };
     // XTILECFG and XTILEDATA.
     let tile_state = xcr0 >> 17 & 0b11 == 0b11;
-    tile_state && crate::isa::CpuFeatures::host().bf16_arithmetic()
+    // Not through `CpuFeatures::host`, whose `amx` is what this finds (a re-entrant call of
+    // `usable`'s initialisation would wait on itself).
+    let packing = is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512bf16");
+    tile_state && packing
 }
 
 /// # Safety
@@ -488,6 +516,11 @@ impl<U: TileUnit> Tile for Amx<U> {
         // and the CPU has the features, as the caller vouched.
         unsafe { pack_b_bits::<NR>(kc, nc, (halves.as_ptr(), rs), out) };
         true
+    }
+
+    unsafe fn done() {
+        // SAFETY: as the caller vouched.
+        unsafe { U::release() }
     }
 
     unsafe fn kernel(
@@ -874,6 +907,8 @@ mod tests {
                         )
                     };
                     assert!(done);
+                    // The product gave its tile state up when it ended.
+                    assert_eq!(MODEL.with(|m| m.borrow().config), None, "left configured");
                     let at = |x: &[f32], (rs, cs): (isize, isize), r: usize, col: usize| {
                         f64::from(round_to_bf16(
                             x[(r as isize * rs + col as isize * cs) as usize],
@@ -957,6 +992,9 @@ mod tests {
             }
             unsafe fn configure(pairs: usize) {
                 unsafe { Modelled::configure(pairs) }
+            }
+            unsafe fn release() {
+                unsafe { Modelled::release() }
             }
             unsafe fn zero<const T: u8>() {
                 unsafe { Modelled::zero::<T>() }

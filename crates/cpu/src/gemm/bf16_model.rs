@@ -84,6 +84,11 @@ impl<T: Tile> Tile for Rounded<T> {
         }
     }
 
+    unsafe fn done() {
+        // SAFETY: as the caller vouched.
+        unsafe { T::done() }
+    }
+
     unsafe fn kernel(
         kc: usize,
         panels: (*const f32, *const f32),

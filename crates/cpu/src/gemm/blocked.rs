@@ -113,6 +113,15 @@ pub(crate) trait Tile {
         false
     }
 
+    /// Called on a thread after its share of a product's tiles (a whole product on one
+    /// thread, or one dealt range): where the tile keeps state in the CPU between kernel
+    /// calls (AMX's tile configuration), it gives it up here.
+    ///
+    /// # Safety
+    /// The CPU must have the instruction set.
+    #[inline(always)]
+    unsafe fn done() {}
+
     /// One `MR × NR` tile: `c (+)= scale · Σ_p a[p] ⊗ b[p]` over packed panels `kc` deep,
     /// storing its `mr × nr` corner; not accumulating, a non-null `bias` (the tile's `nr`
     /// columns) is added.
@@ -247,6 +256,7 @@ pub(crate) unsafe fn sgemm<T: Tile>(
                 (scale, accumulate),
                 fused,
             );
+            T::done();
         }
         true
     })
@@ -272,6 +282,7 @@ pub(crate) unsafe fn sgemm_alone<T: Tile>(
     unsafe {
         let ap = bp.add(T::KC * T::NC);
         blocked::<T>(dims, c, a, b, (ap, bp), (scale, accumulate), fused);
+        T::done();
     }
 }
 
@@ -418,8 +429,12 @@ fn with_pack<T: Tile>(f: impl FnOnce(*mut f32, *mut f32)) {
             Err(_) => &mut spare,
         };
         let bp = aligned(buf, pack_floats::<T>());
-        // SAFETY: the space holds `b`'s block, then `a`'s.
-        f(unsafe { bp.add(T::KC * T::NC) }, bp)
+        // SAFETY: the space holds `b`'s block, then `a`'s; the CPU has the tile's
+        // instructions, as the product's caller vouched.
+        unsafe {
+            f(bp.add(T::KC * T::NC), bp);
+            T::done();
+        }
     })
 }
 
