@@ -362,26 +362,28 @@ pub(crate) fn usable() -> bool {
 fn has_tiles() -> bool {
     // CPUID leaf 7 is read only where leaf 0 lists it.
     let max = __cpuid(0).eax;
-    let (leaf1, leaf7) = (__cpuid(1), (max >= 7).then(|| __cpuid_count(7, 0)));
-    let Some(leaf7) = leaf7 else {
-        return false;
+    let leaf1 = __cpuid(1);
+    let leaf7 = if max >= 7 { __cpuid_count(7, 0).edx } else { 0 };
+    let xcr0 = || {
+        // SAFETY: only called where CPUID says OSXSAVE, under which XGETBV runs.
+        unsafe { xgetbv0() }
     };
-    let (amx_bf16, amx_tile) = (leaf7.edx >> 22 & 1 == 1, leaf7.edx >> 24 & 1 == 1);
-    let osxsave = leaf1.ecx >> 27 & 1 == 1;
-    if max < 0xd || !(amx_bf16 && amx_tile && osxsave) {
-        return false;
-    }
-    // SAFETY: OSXSAVE says XGETBV runs.
-    let xcr0 = unsafe { xgetbv0() };
-    // XTILECFG and XTILEDATA.
-    let tile_state = xcr0 >> 17 & 0b11 == 0b11;
     // Not through `CpuFeatures::host`, whose `amx` is what this finds (a re-entrant call of
     // `usable`'s initialisation would wait on itself).
     let packing = is_x86_feature_detected!("avx512f")
         && is_x86_feature_detected!("avx512bw")
         && is_x86_feature_detected!("avx512vl")
         && is_x86_feature_detected!("avx512bf16");
-    tile_state && packing
+    packing && tiles_listed((max, leaf1.ecx, leaf7), xcr0)
+}
+
+/// Whether CPUID (`max` leaf, leaf 1's ECX, leaf 7's EDX) lists AMX-BF16 (bit 22) and
+/// AMX-TILE (bit 24) and OSXSAVE (bit 27), and the OS enables tile state in XCR0 (XTILECFG,
+/// bit 17, and XTILEDATA, bit 18); `xcr0` is read only where OSXSAVE is listed.
+fn tiles_listed((max, leaf1_ecx, leaf7_edx): (u32, u32, u32), xcr0: impl FnOnce() -> u64) -> bool {
+    let bit = |word: u32, at: u32| word >> at & 1 == 1;
+    let listed = max >= 0xd && bit(leaf7_edx, 22) && bit(leaf7_edx, 24) && bit(leaf1_ecx, 27);
+    listed && xcr0() >> 17 & 0b11 == 0b11
 }
 
 /// # Safety
@@ -938,6 +940,37 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// CPUID and XCR0 as a Sapphire Rapids core under Linux reports them list the tiles; each
+    /// missing bit (the instructions, OSXSAVE, either tile state, a CPUID without leaf 0xd)
+    /// is a CPU or OS without them, and XCR0 is not read where OSXSAVE is not listed.
+    #[test]
+    fn the_tiles_are_found_from_cpuid_and_xcr0() {
+        // Leaf 7's EDX: AMX-BF16 (22), AMX-TILE (24), AMX-INT8 (25); leaf 1's ECX: OSXSAVE
+        // (27), among others; XCR0: x87, SSE, AVX, the AVX-512 states, XTILECFG, XTILEDATA.
+        let (max, ecx, edx) = (0x20, 0x7ffa_fbff, 0x0743_4010 | 1 << 22 | 1 << 24 | 1 << 25);
+        let xcr0 = 0x6_02e7;
+        assert!(tiles_listed((max, ecx, edx), || xcr0));
+        assert!(
+            !tiles_listed((max, ecx, edx & !(1 << 22)), || xcr0),
+            "no AMX-BF16"
+        );
+        assert!(
+            !tiles_listed((max, ecx, edx & !(1 << 24)), || xcr0),
+            "no AMX-TILE"
+        );
+        assert!(
+            !tiles_listed((max, ecx, edx), || xcr0 & !(1 << 18)),
+            "no XTILEDATA"
+        );
+        assert!(
+            !tiles_listed((max, ecx, edx), || xcr0 & !(1 << 17)),
+            "no XTILECFG"
+        );
+        assert!(!tiles_listed((0xc, ecx, edx), || xcr0), "no leaf 0xd");
+        let unread = || -> u64 { panic!("XCR0 read without OSXSAVE") };
+        assert!(!tiles_listed((max, ecx & !(1 << 27), edx), unread));
     }
 
     /// A tile instruction on tiles whose configured shapes do not multiply faults.
