@@ -103,7 +103,10 @@ impl Config {
     }
 }
 
-/// The CPU's own tiles.
+/// The CPU's own tiles. Each instruction is its own `asm!` block, and the tiles carry the
+/// kernel's state from one block to the next without being declared: the compiler allocates
+/// tile registers only for AMX intrinsics, which nothing in this crate uses, so between these
+/// blocks nothing else touches them.
 pub(crate) struct Hardware;
 
 thread_local! {
