@@ -28,7 +28,7 @@ use std::cell::Cell;
 use std::cell::RefCell;
 use std::marker::PhantomData;
 
-use super::avx512bf16::{pack_b_bits, pack_b_pairs, to_pairs};
+use super::avx512bf16::{finish_b_pairs, pack_b_bf16_pairs, pack_b_pairs, to_pairs};
 use super::blocked::{apply_prologue, pack_a_any, pack_a_half_panel, Tile};
 use super::fused::{Fused, Prologue};
 
@@ -501,26 +501,13 @@ impl<U: TileUnit> Tile for Amx<U> {
     }
 
     unsafe fn finish_b(kc: usize, nc: usize, out: *mut f32) {
-        for jr in (0..nc).step_by(NR) {
-            // SAFETY: each panel holds `NR · kc` floats, as the caller vouched.
-            unsafe { to_pairs::<NR>(kc, out.add(jr * kc)) }
-        }
+        // SAFETY: as the caller vouched.
+        unsafe { finish_b_pairs::<NR>(kc, nc, out) }
     }
 
-    unsafe fn pack_b_bf16(
-        kc: usize,
-        nc: usize,
-        (halves, rs): (&[u16], usize),
-        out: *mut f32,
-    ) -> bool {
-        // The block's last value lies inside the bits: every read below is inside them.
-        if kc == 0 || nc == 0 || (kc - 1) * rs + nc > halves.len() {
-            return false;
-        }
-        // SAFETY: the rows and columns lie inside `halves` (checked), `out` holds the panels,
-        // and the CPU has the features, as the caller vouched.
-        unsafe { pack_b_bits::<NR>(kc, nc, (halves.as_ptr(), rs), out) };
-        true
+    unsafe fn pack_b_bf16(kc: usize, nc: usize, rows: (&[u16], usize), out: *mut f32) -> bool {
+        // SAFETY: as the caller vouched.
+        unsafe { pack_b_bf16_pairs::<NR>(kc, nc, rows, out) }
     }
 
     unsafe fn done() {

@@ -44,27 +44,47 @@ impl Tile for Avx512Bf16 {
         unsafe { to_pairs::<MR>(kc, panel) }
     }
 
-    unsafe fn pack_b_bf16(
-        kc: usize,
-        nc: usize,
-        (halves, rs): (&[u16], usize),
-        out: *mut f32,
-    ) -> bool {
-        // The block's last value lies inside the bits: every read below is inside them.
-        if kc == 0 || nc == 0 || (kc - 1) * rs + nc > halves.len() {
-            return false;
-        }
-        // SAFETY: the rows and columns lie inside `halves` (checked), `out` holds the panels,
-        // and the CPU has the features, as the caller vouched.
-        unsafe { pack_b_bits::<NR>(kc, nc, (halves.as_ptr(), rs), out) };
-        true
+    unsafe fn pack_b_bf16(kc: usize, nc: usize, rows: (&[u16], usize), out: *mut f32) -> bool {
+        // SAFETY: as the caller vouched.
+        unsafe { pack_b_bf16_pairs::<NR>(kc, nc, rows, out) }
     }
 
     unsafe fn finish_b(kc: usize, nc: usize, out: *mut f32) {
-        for jr in (0..nc).step_by(NR) {
-            // SAFETY: each panel holds `NR · kc` floats, as the caller vouched.
-            unsafe { to_pairs::<NR>(kc, out.add(jr * kc)) }
-        }
+        // SAFETY: as the caller vouched.
+        unsafe { finish_b_pairs::<NR>(kc, nc, out) }
+    }
+}
+
+/// [`Tile::pack_b_bf16`] for a tile whose `b` panels are `W` columns of pairs (this one's,
+/// AMX's): `false` where the block does not lie inside the bits.
+///
+/// # Safety
+/// As [`Tile::pack_b_bf16`] for panels of `W`; the CPU must have AVX512-BF16, BW and VL.
+pub(super) unsafe fn pack_b_bf16_pairs<const W: usize>(
+    kc: usize,
+    nc: usize,
+    (halves, rs): (&[u16], usize),
+    out: *mut f32,
+) -> bool {
+    // The block's last value lies inside the bits: every read below is inside them.
+    if kc == 0 || nc == 0 || (kc - 1) * rs + nc > halves.len() {
+        return false;
+    }
+    // SAFETY: the rows and columns lie inside `halves` (checked), `out` holds the panels, and
+    // the CPU has the features, as the caller vouched.
+    unsafe { pack_b_bits::<W>(kc, nc, (halves.as_ptr(), rs), out) };
+    true
+}
+
+/// [`Tile::finish_b`] for a tile whose `b` panels are `W` columns of pairs: each panel decoded
+/// in f32 paired in place.
+///
+/// # Safety
+/// As [`Tile::finish_b`] for panels of `W`; the CPU must have AVX512-BF16, BW and VL.
+pub(super) unsafe fn finish_b_pairs<const W: usize>(kc: usize, nc: usize, out: *mut f32) {
+    for jr in (0..nc).step_by(W) {
+        // SAFETY: each panel holds `W · kc` floats, as the caller vouched.
+        unsafe { to_pairs::<W>(kc, out.add(jr * kc)) }
     }
 }
 
@@ -132,7 +152,7 @@ pub(super) unsafe fn pack_b_pairs<const W: usize>(
 /// The rows and columns must lie inside the bits `b` points into; `out` must hold `kc ·
 /// nc.next_multiple_of(NR)` floats; the CPU must have AVX512-BF16, BW and VL.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-pub(super) unsafe fn pack_b_bits<const W: usize>(
+unsafe fn pack_b_bits<const W: usize>(
     kc: usize,
     nc: usize,
     (b, rs): (*const u16, usize),
