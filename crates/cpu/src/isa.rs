@@ -141,7 +141,8 @@ pub enum Bf16Math {
     /// to f32.
     Native,
     /// As `Native`, but `VDPBF16PS` even where AMX's tiles would run: for timing one against
-    /// the other on a CPU with both.
+    /// the other on a CPU with both. A process started under any setting but `Native` never
+    /// touches the tiles, not even to check them.
     Vdpbf16ps,
     /// Always bf16 widened to f32, never an f32 operand rounded: the same bits on every CPU.
     Widen,

@@ -341,11 +341,17 @@ impl TileUnit for Modelled {
 /// Whether this process runs products on the CPU's AMX tiles: the CPU has AMX-TILE, AMX-BF16
 /// and AVX512-BF16, the OS manages tile state and grants this process its use (Linux's
 /// `ARCH_REQ_XCOMP_PERM`), and the tiles agree with an f64 product on a check that covers
-/// partial tiles and a short last depth block. Found once per process; a disagreement is
-/// reported on standard error and the products run on AVX512-BF16.
+/// partial tiles and a short last depth block. Found once per process, the first time it is
+/// asked, and only under `SNUG_BF16_MATH=native` (the default); a disagreement is reported on
+/// standard error and the products run on AVX512-BF16.
 pub(crate) fn usable() -> bool {
     static USABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *USABLE.get_or_init(|| {
+        // Under any other setting the tiles are never touched, not even checked: the way out
+        // should a CPU or hypervisor list AMX and fault on it.
+        if crate::isa::Bf16Math::current() != crate::isa::Bf16Math::Native {
+            return false;
+        }
         if !(has_tiles() && permitted()) {
             return false;
         }
