@@ -832,9 +832,12 @@ pub(super) mod tests {
                     $check::<Rounded<Avx2>>("avx2, modelled bf16");
                 }
                 if Avx512Bf16::available() {
-                    use super::super::amx::{Amx, Modelled};
+                    use super::super::amx::{Amx, Hardware, Modelled};
                     $check::<Avx512Bf16>("avx512bf16");
                     $check::<Amx<Modelled>>("amx, modelled tiles");
+                    if super::super::amx::usable() {
+                        $check::<Amx<Hardware>>("amx");
+                    }
                 } else {
                     eprintln!(
                         "skipped the AVX512-BF16 tile and AMX's (modelled): this CPU has no \

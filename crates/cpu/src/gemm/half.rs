@@ -393,6 +393,14 @@ mod tests {
         let emulated = snug_testkit::emulate::Model::SapphireRapids;
         let reserve = reserve_pack::<Amx<Modelled>>;
         check_bf16_arithmetic(crate::gemm::OwnTile::AmxModel, native, emulated, reserve);
+        // The instructions themselves, where this CPU has them.
+        if crate::gemm::amx::usable() {
+            use crate::gemm::amx::Hardware;
+            let reserve = reserve_pack::<Amx<Hardware>>;
+            check_bf16_arithmetic(crate::gemm::OwnTile::Amx, true, emulated, reserve);
+        } else {
+            eprintln!("the AMX tiles themselves: not on this CPU (the modelled ones ran)");
+        }
     }
 
     /// `SNUG_BF16_MATH=model`'s tiles give the same numbers as the AVX512-BF16 one: AVX2's
