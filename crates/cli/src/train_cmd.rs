@@ -17,7 +17,9 @@ use snug_train::addition::{self, AdditionScore};
 use snug_train::calibration::{SpeedTracker, StepSpeed};
 use snug_train::checkpoint;
 use snug_train::config::DataSourceConfig;
-use snug_train::{Claim, Event, RunDir, RunFlags, Sampler, TokenDataset, TrainConfig, Trainer};
+use snug_train::{
+    Claim, Event, RunDir, RunFlags, Sampler, TokenDataset, TrainConfig, TrainError, Trainer,
+};
 
 use crate::dashboard::{Dashboard, DashboardState};
 use crate::ModelArgs;
@@ -165,6 +167,25 @@ impl Stdout {
 
 macro_rules! say {
     ($out:expr, $($arg:tt)*) => { $out.line(format_args!($($arg)*)) };
+}
+
+/// Claims `cfg.out` for a new run, if there is one. A directory snug numbered itself that
+/// another run claimed first (two runs started at once both found it free) gives way to the
+/// next number.
+fn claim_fresh(cfg: &mut TrainConfig, numbered: bool) -> Result<Option<RunDir>> {
+    let Some(mut dir) = cfg.out.clone() else {
+        return Ok(None);
+    };
+    for _ in 0..100 {
+        match RunDir::claim(&dir, &Claim::Fresh) {
+            Err(TrainError::RunDirBusy { .. } | TrainError::RunDirTaken { .. }) if numbered => {
+                dir = default_run_dir(cfg);
+                cfg.out = Some(dir.clone());
+            }
+            claimed => return Ok(Some(claimed?)),
+        }
+    }
+    Ok(Some(RunDir::claim(&dir, &Claim::Fresh)?))
 }
 
 /// `runs/<model>-<N>` for the smallest N not taken, under the current directory.
@@ -582,19 +603,18 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
         None => {
             let mut cfg = TrainConfig::resolve(config_file, &model, &train)?;
             crate::fit_cmd::set_allowed(&mut cfg, args.allow.as_deref())?;
+            // Whether snug numbered the run's directory itself.
+            let mut numbered = false;
             if rank != 0 {
                 cfg.out = None; // rank 0 alone saves
             } else if cfg.out.is_none() && !args.no_save {
                 cfg.out = Some(default_run_dir(&cfg));
+                numbered = true;
             }
             // Bad data or flags are refused before a run directory is made for them.
             let (data, model) = cfg.load_data_and_model()?;
             cfg.check_threads_here()?;
-            let run_dir = cfg
-                .out
-                .as_deref()
-                .map(|dir| RunDir::claim(dir, &Claim::Fresh))
-                .transpose()?;
+            let run_dir = claim_fresh(&mut cfg, numbered)?;
             let guard = guard_setup(run_dir.as_ref())?;
             machine = fit_to_memory(&args, &mut cfg, model, &mut out)?;
             let summary = data_line(&data);

@@ -829,3 +829,97 @@ fn resuming_from_elsewhere_names_a_relative_data_path() {
     );
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+/// A run that fails before its first checkpoint (out of memory at step 1) leaves what it found:
+/// a directory that was there keeps its own files alone (no lock file, no empty metrics file,
+/// which `prepare` would take for a run's), and one it made goes with the parents it made.
+#[test]
+fn a_run_that_fails_before_saving_leaves_what_it_found() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let cwd = tmp.path();
+    let fail = ["--steps", "3", "--lower-memory-at", "1:1KiB"];
+    let mine = cwd.join("mine");
+    std::fs::create_dir(&mine).expect("a directory");
+    std::fs::write(mine.join("notes.txt"), b"keep").expect("a file");
+    let before = snapshot(&mine);
+    let o = train(cwd, &[&fail[..], &["--out", "mine"]].concat());
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(snapshot(&mine), before, "the directory changed");
+    let names: Vec<_> = std::fs::read_dir(&mine)
+        .expect("mine/")
+        .map(|e| e.expect("an entry").file_name())
+        .collect();
+    assert_eq!(names, ["notes.txt"], "left behind");
+    std::fs::write(cwd.join("text.txt"), "some text to prepare\n".repeat(50)).expect("text");
+    let o = snug(
+        &[
+            "prepare",
+            "--input",
+            "text.txt",
+            "--tokenizer",
+            "char",
+            "--out",
+            "mine",
+        ],
+        cwd,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = train(cwd, &[&fail[..], &["--out", "p/q/d"]].concat());
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(!cwd.join("p").exists(), "p/q/d left behind");
+}
+
+/// Two runs started at once in one directory, each numbering its own run directory, both
+/// train: the one that finds its number claimed takes the next.
+#[test]
+fn runs_started_at_once_number_their_directories_apart() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let cwd = tmp.path();
+    let start = || {
+        snug_cmd(&[&["train"], &QUICK[..], &["--steps", "3"]].concat(), cwd)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("the snug binary runs")
+    };
+    let (a, b) = (start(), start());
+    for child in [a, b] {
+        let o = child.wait_with_output().expect("the run ends");
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    let mut made: Vec<String> = std::fs::read_dir(cwd.join("runs"))
+        .expect("runs/")
+        .map(|e| {
+            e.expect("an entry")
+                .file_name()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    made.sort();
+    assert_eq!(made.len(), 2, "{made:?}");
+    assert!(
+        made[0].ends_with("-1") && made[1].ends_with("-2"),
+        "{made:?}"
+    );
+}
+
+/// A lock file that is a link is refused by name, and nothing is made where it points.
+#[cfg(unix)]
+#[test]
+fn a_lock_file_that_is_a_link_is_refused() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let cwd = tmp.path();
+    let dir = cwd.join("linked");
+    std::fs::create_dir(&dir).expect("a directory");
+    std::os::unix::fs::symlink("../elsewhere", dir.join(".snug.lock")).expect("a link");
+    let o = train(cwd, &["--steps", "1", "--out", "linked"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(".snug.lock is not a plain file"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!cwd.join("elsewhere").exists(), "made through the link");
+    assert!(dir.join(".snug.lock").is_symlink(), "the link was removed");
+}

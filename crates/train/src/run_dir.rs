@@ -30,7 +30,8 @@ pub fn run_evidence(dir: &Path) -> Option<String> {
     if present(LOCK_FILE) {
         return Some(format!("it holds a run's lock file, {LOCK_FILE}"));
     }
-    if present(METRICS_FILE) {
+    // An empty one holds nothing to keep, and `train` takes the directory too.
+    if fs::metadata(dir.join(METRICS_FILE)).is_ok_and(|m| m.len() > 0) {
         return Some(format!("it holds a run's {METRICS_FILE}"));
     }
     None
@@ -42,7 +43,7 @@ fn is_at(file: &File, path: &Path) -> bool {
     #[cfg(unix)]
     {
         use std::os::unix::fs::MetadataExt;
-        match (file.metadata(), fs::metadata(path)) {
+        match (file.metadata(), fs::symlink_metadata(path)) {
             (Ok(held), Ok(named)) => held.dev() == named.dev() && held.ino() == named.ino(),
             _ => false,
         }
@@ -81,15 +82,26 @@ pub struct RunDir {
     /// again where the run left no checkpoint and no metrics, so the directory is not taken
     /// for a run's by the commands that refuse to write into one.
     made_lock: bool,
+    /// The directory held no metrics file when claimed: an empty one the run left (it ended
+    /// before logging a step) is removed with the lock.
+    no_metrics_before: bool,
 }
 
 impl Drop for RunDir {
     fn drop(&mut self) {
         let dir = self.checkpoints.path();
+        let metrics = dir.join(METRICS_FILE);
+        let metrics_empty = fs::metadata(&metrics).ok().map(|m| m.len() == 0);
+        let nothing_saved = self.checkpoints.list().is_ok_and(|saved| saved.is_empty())
+            && metrics_empty != Some(false);
+        if !nothing_saved {
+            return;
+        }
+        if self.no_metrics_before && metrics_empty == Some(true) {
+            let _ = fs::remove_file(&metrics);
+        }
         if !self.created {
-            let nothing_saved = self.checkpoints.list().is_ok_and(|saved| saved.is_empty())
-                && fs::metadata(dir.join(METRICS_FILE)).map_or(true, |m| m.len() == 0);
-            if self.made_lock && nothing_saved && cfg!(unix) {
+            if self.made_lock && cfg!(unix) {
                 // Best effort, while the lock is still held (see `LOCK_FILE`).
                 let _ = fs::remove_file(dir.join(LOCK_FILE));
             }
@@ -138,15 +150,26 @@ impl RunDir {
             path: lock_path.clone(),
             source,
         };
-        let made_lock = fs::symlink_metadata(&lock_path).is_err();
+        let found = fs::symlink_metadata(&lock_path).ok();
+        if found.as_ref().is_some_and(|m| !m.is_file()) {
+            return Err(TrainError::RunDirTaken {
+                dir: dir.to_path_buf(),
+                detail: format!(
+                    "its {LOCK_FILE} is not a plain file (a link or a directory), which a run's \
+                     lock never is: remove it, or give another `--out`"
+                ),
+            });
+        }
+        let made_lock = found.is_none();
+        let no_metrics_before = fs::symlink_metadata(dir.join(METRICS_FILE)).is_err();
         let mut attempts = 0;
         let lock = loop {
-            let lock = OpenOptions::new()
-                .create(true)
-                .truncate(false)
-                .write(true)
-                .open(&lock_path)
-                .map_err(io)?;
+            let mut options = OpenOptions::new();
+            options.create(true).truncate(false).write(true);
+            // Never through a link made after the check above.
+            #[cfg(unix)]
+            std::os::unix::fs::OpenOptionsExt::custom_flags(&mut options, libc::O_NOFOLLOW);
+            let lock = options.open(&lock_path).map_err(io)?;
             match lock.try_lock() {
                 Ok(()) => {}
                 Err(TryLockError::WouldBlock) => {
@@ -174,6 +197,7 @@ impl RunDir {
             created,
             made_parents,
             made_lock,
+            no_metrics_before,
         };
         run_dir.check(claim)?;
         Ok(run_dir)
@@ -270,6 +294,17 @@ mod tests {
         assert!(!is_at(&held, &path), "a removed file");
         File::create(&path).expect("made again");
         assert!(!is_at(&held, &path), "a file made again");
+    }
+
+    /// An empty metrics file is no run's: `train` takes its directory, and so do the commands
+    /// that refuse a run's; one with a line in it is a run's.
+    #[test]
+    fn an_empty_metrics_file_is_no_evidence_of_a_run() {
+        let tmp = tempfile::tempdir().expect("a scratch directory");
+        fs::write(tmp.path().join(METRICS_FILE), b"").expect("metrics");
+        assert_eq!(run_evidence(tmp.path()), None);
+        fs::write(tmp.path().join(METRICS_FILE), b"{}\n").expect("metrics");
+        assert!(run_evidence(tmp.path()).is_some_and(|why| why.contains(METRICS_FILE)));
     }
 
     /// A claim in a directory that was there removes the lock file it made when the run
