@@ -176,16 +176,19 @@ fn claim_fresh(cfg: &mut TrainConfig, numbered: bool) -> Result<Option<RunDir>> 
     let Some(mut dir) = cfg.out.clone() else {
         return Ok(None);
     };
-    for _ in 0..100 {
+    let mut tries = 0;
+    loop {
         match RunDir::claim(&dir, &Claim::Fresh) {
-            Err(TrainError::RunDirBusy { .. } | TrainError::RunDirTaken { .. }) if numbered => {
+            Err(TrainError::RunDirBusy { .. } | TrainError::RunDirTaken { .. })
+                if numbered && tries < 100 =>
+            {
+                tries += 1;
                 dir = default_run_dir(cfg);
                 cfg.out = Some(dir.clone());
             }
             claimed => return Ok(Some(claimed?)),
         }
     }
-    Ok(Some(RunDir::claim(&dir, &Claim::Fresh)?))
 }
 
 /// `runs/<model>-<N>` for the smallest N not taken, under the current directory.

@@ -262,8 +262,8 @@ pub(crate) unsafe fn sgemm<T: Tile>(
     })
 }
 
-/// [`sgemm`] with packing space of its own: for a product that must run whatever this
-/// thread's space is doing (a tile's check of itself, once per process).
+/// [`sgemm`] that runs whatever this thread's packing space is doing, on a fresh one if it is
+/// in use ([`with_pack`]): for a tile's check of itself, once per process.
 ///
 /// # Safety
 /// As [`sgemm`].
@@ -276,14 +276,10 @@ pub(crate) unsafe fn sgemm_alone<T: Tile>(
     accumulate: bool,
     fused: Fused<'_>,
 ) {
-    let mut buf = Vec::new();
-    let bp = aligned(&mut buf, pack_floats::<T>());
     // SAFETY: the space holds both blocks; the caller vouches for the rest.
-    unsafe {
-        let ap = bp.add(T::KC * T::NC);
-        blocked::<T>(dims, c, a, b, (ap, bp), (scale, accumulate), fused);
-        T::done();
-    }
+    with_pack::<T>(|ap, bp| unsafe {
+        blocked::<T>(dims, c, a, b, (ap, bp), (scale, accumulate), fused)
+    });
 }
 
 /// Columns (or rows) of the operand the threads share, packed at a time: at most
