@@ -1264,6 +1264,14 @@ fn memory_lowered_before_an_evaluation_is_recovered() {
         .map(|l| l["step"].as_u64().unwrap())
         .collect();
     assert_eq!(evals, vec![1, 2, 3, 4]);
+    // Each evaluation, before the switch and after, covers 2 batches of 16 windows of 64.
+    for e in lines.iter().filter(|l| l["kind"] == "eval") {
+        assert_eq!(e["val_loss_tokens"], 2 * 16 * 64, "{e}");
+    }
+    let micro = recovery[0]["to"]["micro_batch"]
+        .as_u64()
+        .expect("the new micro-batch");
+    assert!(micro < 16, "{}", recovery[0]);
     let summary = lines.last().unwrap();
     assert_eq!(
         summary["predicted_peak_bytes"],

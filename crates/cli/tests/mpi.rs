@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use common::fails_with;
 use snug_train::checkpoint;
 
-/// The tiny model on the built-in data, 5 steps of a batch of 4, one thread.
+/// The tiny model on the built-in data, 5 steps of a batch of 4, one thread, evaluated at the end.
 const RUN: [&str; 16] = [
     "train",
     "--preset",
@@ -29,7 +29,7 @@ const RUN: [&str; 16] = [
     "--threads",
     "1",
     "--eval-every",
-    "0",
+    "5",
     "--warmup-steps",
     "2",
     "--json",
@@ -107,6 +107,18 @@ fn two_ranks_train_what_one_process_does_and_rank_0_alone_reports() {
         // The loss over the whole batch, its four micro-batches summed in one order: bitwise.
         assert_eq!(a["loss"], b["loss"], "step {}", a["step"]);
         assert_eq!(a["tokens_seen"], b["tokens_seen"]);
+    }
+    // The evaluation covers the same 8 batches of 4 windows: one process in micro-batches
+    // of 2, each rank its half of every batch, summed over the ranks.
+    let (ea, eb) = (lines(&single, "eval"), lines(&ranks, "eval"));
+    assert_eq!((ea.len(), eb.len()), (1, 1), "{}", text(&ranks.stdout));
+    for key in ["train_loss_tokens", "val_loss_tokens"] {
+        assert_eq!(ea[0][key], 8 * 4 * 16, "{key}");
+        assert_eq!(eb[0][key], ea[0][key], "{key}");
+    }
+    for key in ["train_loss", "val_loss"] {
+        let (x, y) = (ea[0][key].as_f64().unwrap(), eb[0][key].as_f64().unwrap());
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "{key}: {x} against {y}");
     }
     // Each rank runs a micro-batch of 2 as one process does: the same plan, measured.
     let summary = &lines(&ranks, "summary")[0];

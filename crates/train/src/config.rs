@@ -224,7 +224,7 @@ train_keys! {
     /// Evaluate train and validation loss every this many steps and at the end (0: never).
     #[flag(run, long)]
     eval_every: u64,
-    /// Micro-batches per evaluation.
+    /// Batches (of the step's `batch` windows) per evaluation.
     #[flag(run, long)]
     eval_batches: usize,
     /// Run directory: checkpoints (ckpt-<step>.safetensors) and metrics.jsonl. The final

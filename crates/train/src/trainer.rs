@@ -1391,9 +1391,10 @@ impl Trainer {
         Ok(())
     }
 
-    /// Mean loss over `eval_batches` fixed micro-batches of the training and the validation
-    /// split, running the forward pass alone: parameters and optimizer state are untouched.
-    /// Under a loss mask, the mean over the targets it counts in all of them.
+    /// Mean loss over `eval_batches` fixed batches (of the step's `batch` windows) of the
+    /// training and the validation split, running the forward pass alone: parameters and
+    /// optimizer state are untouched. Under a loss mask, the mean over the targets it counts
+    /// in all of them.
     pub fn evaluate(&mut self) -> Result<EvalStats, TrainError> {
         match self.evaluate_unless(&|| false)? {
             Some(e) => Ok(e),
@@ -1447,85 +1448,67 @@ impl Trainer {
     }
 
     /// The mean loss over a split's evaluation batches, and the targets it counted; `None`
-    /// when `stop()` said so before a batch.
+    /// when `stop()` said so before a micro-batch.
+    ///
+    /// Evaluation batch `i` is `batch` windows drawn from `(seed, i)` alone, so every run of
+    /// one `batch` evaluates the same windows however it runs its step: any micro-batch or
+    /// accumulation, a configuration switched to after running out of memory, or ranks (each
+    /// takes its equal share of every batch, in micro-batches, and the ranks then combine
+    /// their sums). Each micro-batch averages over its own counted targets (all of them
+    /// without a loss mask) and is weighed by them: the result is the mean over every
+    /// counted target (0 when none is).
     fn mean_loss(
         &mut self,
         split: &Tokens,
         stop: &dyn Fn() -> bool,
     ) -> Result<Option<(f32, u64)>, TrainError> {
-        if self.loss_mask.is_some() {
-            return self.masked_mean_loss(split, stop);
-        }
-        let (mb, block) = (self.config.micro_batch(), self.config.block);
-        let vocab = self.model.vocab_size();
-        let (mut starts, mut x, mut y) = (Vec::new(), vec![0; mb * block], vec![0; mb * block]);
-        let mut sum = 0.0f64;
-        for i in 0..self.config.eval_batches {
-            if stop() {
-                self.session.release_arena()?;
-                return Ok(None);
-            }
-            batch_starts(
-                self.config.seed ^ EVAL_STREAM,
-                i as u64,
-                split.len(),
-                mb,
-                block,
-                &mut starts,
-            );
-            fill_batch(split, &starts, block, &mut x, &mut y);
-            self.session.write_i32(self.tokens, &x, vocab)?;
-            self.session.write_i32(self.targets, &y, vocab)?;
-            self.session.run_only(ExecCtx::default(), &self.forward)?;
-            sum += self.session.read_f32(self.step_graph.loss)?[0] as f64;
-        }
-        self.session.release_arena()?;
-        let counted = (self.config.eval_batches as u64).saturating_mul((mb * block) as u64);
-        Ok(Some((
-            (sum / self.config.eval_batches as f64) as f32,
-            counted,
-        )))
-    }
-
-    /// [`Trainer::mean_loss`] under a loss mask: each batch averages over its own counted
-    /// targets, and the batches are weighed by them, so the result is the mean over every
-    /// counted target (0 when none is).
-    fn masked_mean_loss(
-        &mut self,
-        split: &Tokens,
-        stop: &dyn Fn() -> bool,
-    ) -> Result<Option<(f32, u64)>, TrainError> {
-        let (mb, block) = (self.config.micro_batch(), self.config.block);
+        let (mb, block, batch) = (
+            self.config.micro_batch(),
+            self.config.block,
+            self.config.batch,
+        );
+        let share = batch / self.config.devices;
+        let first = world().0 * share;
         let vocab = self.model.vocab_size();
         let n = mb * block;
         let (mut starts, mut x, mut y) = (Vec::new(), vec![0; n], vec![0; n]);
         let mut mask = vec![true; n];
         let (mut sum, mut counted) = (0.0f64, 0u64);
         for i in 0..self.config.eval_batches {
-            if stop() {
-                self.session.release_arena()?;
-                return Ok(None);
-            }
             batch_starts(
                 self.config.seed ^ EVAL_STREAM,
                 i as u64,
                 split.len(),
-                mb,
+                batch,
                 block,
                 &mut starts,
             );
-            fill_batch(split, &starts, block, &mut x, &mut y);
-            fill_mask(split, &starts, block, &mut mask);
-            let count = mask.iter().filter(|&&c| c).count();
-            self.session.write_i32(self.tokens, &x, vocab)?;
-            self.session.write_i32(self.targets, &y, vocab)?;
-            self.write_loss_mask(Some(&mask), n, count as f32)?;
-            self.session.run_only(ExecCtx::default(), &self.forward)?;
-            let loss = self.session.read_f32(self.step_graph.loss)?[0] as f64;
-            sum += loss * count as f64;
-            counted += count as u64;
+            for chunk in starts[first..first + share].chunks_exact(mb) {
+                if stop() {
+                    self.session.release_arena()?;
+                    return Ok(None);
+                }
+                fill_batch(split, chunk, block, &mut x, &mut y);
+                let count = if self.loss_mask.is_some() {
+                    fill_mask(split, chunk, block, &mut mask);
+                    let count = mask.iter().filter(|&&c| c).count();
+                    self.write_loss_mask(Some(&mask), n, count as f32)?;
+                    count
+                } else {
+                    n
+                };
+                self.session.write_i32(self.tokens, &x, vocab)?;
+                self.session.write_i32(self.targets, &y, vocab)?;
+                self.session.run_only(ExecCtx::default(), &self.forward)?;
+                let loss = self.session.read_f32(self.step_graph.loss)?[0] as f64;
+                sum += loss * count as f64;
+                counted += count as u64;
+            }
         }
         self.session.release_arena()?;
+        if self.config.devices > 1 {
+            (sum, counted) = sum_over_ranks(sum, counted);
+        }
         let mean = if counted == 0 {
             0.0
         } else {
@@ -1637,6 +1620,20 @@ fn all_ranks(values: &[f32]) -> Vec<f32> {
         }
         None => values.to_vec(),
     }
+}
+
+/// Every rank's loss sum and count of targets, summed in rank order (the same result on
+/// every rank). The sums travel as f32 (a loss needs no more); the counts in 16-bit limbs,
+/// each exact in an f32, so a count past 2^24 arrives whole.
+fn sum_over_ranks(sum: f64, counted: u64) -> (f64, u64) {
+    let limb = |k: u32| ((counted >> (16 * k)) & 0xFFFF) as f32;
+    let mine = [sum as f32, limb(0), limb(1), limb(2), limb(3)];
+    all_ranks(&mine)
+        .chunks_exact(mine.len())
+        .fold((0.0, 0), |(s, c), r| {
+            let count = (0..4).fold(0u64, |acc, k| acc | ((r[k + 1] as u64) << (16 * k)));
+            (s + r[0] as f64, c + count)
+        })
 }
 
 /// `config`'s step of `model` on this rank, and the plan compiling it made.

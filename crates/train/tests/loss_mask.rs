@@ -327,7 +327,7 @@ fn a_prompt_completion_run_trains_and_reports_only_the_completions() {
         "the completions' loss {last} did not fall well below {prompt_floor}: {losses:?}"
     );
     let eval = t.evaluate().unwrap();
-    let eval_targets = (cfg.eval_batches * cfg.micro_batch() * BLOCK) as u64;
+    let eval_targets = (cfg.eval_batches * cfg.batch * BLOCK) as u64;
     assert_eq!(eval.val_loss_tokens, eval_targets / 4);
     assert_eq!(eval.train_loss_tokens, eval_targets / 4);
     assert!(eval.val_loss < 0.2 * prompt_floor, "{eval:?}");

@@ -193,3 +193,44 @@ fn no_kernel_reads_arena_bytes_it_did_not_write() {
         assert_eq!(parameters(&clean), parameters(&poisoned));
     }
 }
+
+/// An evaluation covers the same windows however the step runs: the batch's windows, in
+/// micro-batches of eight, four or two sequences, and after running out of memory during the
+/// evaluation itself (the trainer switches to micro-batches of two and evaluates again).
+#[test]
+fn an_evaluation_covers_the_same_windows_however_the_step_runs() {
+    let evaluate = |accumulation: usize, limit: Option<f64>| {
+        let mut cfg = config(accumulation);
+        cfg.block = 64;
+        let allocator = Allocator::new(Device::Cpu);
+        let mut t = trainer(&cfg, &allocator);
+        if let Some(share) = limit {
+            allocator.set_memory_limit((t.plan().peak_bytes() as f64 * share) as usize, false);
+        }
+        let e = t.evaluate().unwrap();
+        (e, t.take_recoveries().len(), t.config().micro_batch())
+    };
+    let (whole, none, mb) = evaluate(1, None);
+    assert_eq!((none, mb), (0, 8));
+    let tokens = (config(1).eval_batches * 8 * 64) as u64;
+    assert_eq!(
+        (whole.train_loss_tokens, whole.val_loss_tokens),
+        (tokens, tokens)
+    );
+    for (accumulation, limit) in [(2, None), (4, None), (1, Some(0.8))] {
+        let (e, recoveries, mb) = evaluate(accumulation, limit);
+        assert_eq!(recoveries, usize::from(limit.is_some()));
+        assert!(mb < 8, "micro-batch {mb}");
+        assert_eq!((e.train_loss_tokens, e.val_loss_tokens), (tokens, tokens));
+        // The same windows, summed in other groupings: within f32 rounding of the whole.
+        for (a, b) in [
+            (e.train_loss, whole.train_loss),
+            (e.val_loss, whole.val_loss),
+        ] {
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs(),
+                "{a} against {b} ({accumulation}, {limit:?})"
+            );
+        }
+    }
+}
