@@ -123,6 +123,13 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    // Mesa's device-select Vulkan layer, loaded into every Vulkan process, orders the GPUs by
+    // the display it finds, and on a machine without one prints "error: XDG_RUNTIME_DIR is
+    // invalid" at every enumeration. Without it `gpu:N` counts alike with a display or
+    // without; a user's own setting is kept. Set before any thread starts.
+    if std::env::var_os("NODEVICE_SELECT").is_none() {
+        std::env::set_var("NODEVICE_SELECT", "1");
+    }
     // Diagnostics (checkpoints saved, runs resumed, warnings) go to stderr through `tracing`;
     // `SNUG_LOG=debug` (or any filter) changes the level.
     // Of the ranks of a run over MPI, rank 0 alone reports; the others say only errors.

@@ -90,6 +90,23 @@ fn devices_lists_the_cpu_and_every_adapter() {
     assert!(String::from_utf8_lossy(&text.stdout).starts_with("cpu "));
 }
 
+/// On a machine without a display, listing the GPUs prints nothing on standard error: Mesa's
+/// device-select layer (installed with its Vulkan drivers) would print an "error:" line per
+/// enumeration when it looks for one.
+#[test]
+fn devices_without_a_display_print_no_driver_errors() {
+    let o = Command::new(env!("CARGO_BIN_EXE_snug"))
+        .arg("devices")
+        .env_remove("XDG_RUNTIME_DIR")
+        .env_remove("WAYLAND_DISPLAY")
+        .env_remove("DISPLAY")
+        .env_remove("NODEVICE_SELECT")
+        .output()
+        .expect("the snug binary runs");
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stderr(&o), "");
+}
+
 /// `SNUG_GPU_SUBGROUPS=0` turns the subgroup reductions off: `devices` says so, and training
 /// gives the same losses bit for bit (both paths fold in one order).
 #[test]
