@@ -288,6 +288,12 @@ impl Checkpoint {
                     )));
                 }
             }
+            // A value the step computes, which earlier builds saved as a parameter
+            // (`embed.narrow#1`, a GPT's position rows read from a quantized `wpe`): only
+            // computed values' names hold `#`, and the model computes it again.
+            if name.contains('#') {
+                continue;
+            }
             if view.dtype() == Dtype::U8 {
                 quantized.push(SavedBytes {
                     name,

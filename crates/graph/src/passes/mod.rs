@@ -97,7 +97,15 @@ pub(crate) fn copy_node(
     for (&o, &n) in node.outputs.iter().zip(&outs) {
         let m = old.tensor(o);
         new.rename(n, m.name.clone());
-        new.set_role(n, m.role);
+        // A view has its base's role (as `apply` gave it). A view of a persistent tensor that
+        // the copy computes instead (a narrowed weight now read from its quantized codes)
+        // is an activation: kept as a parameter, it was planned, saved and loaded as one.
+        let role = match (m.view_of, new.tensor(n).view_of) {
+            (_, Some(_)) => new.tensor(n).role,
+            (Some(_), None) => crate::Role::Activation,
+            (None, None) => m.role,
+        };
+        new.set_role(n, role);
     }
     Ok(outs)
 }
