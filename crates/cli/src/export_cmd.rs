@@ -103,6 +103,65 @@ fn same_path(a: &Path, b: &Path) -> bool {
     )
 }
 
+/// A character tokenizer as Hugging Face files: a `tokenizer.json` that splits text into
+/// characters, gives each its id and joins them back without spaces, and a
+/// `tokenizer_config.json` naming the plain fast tokenizer, so `transformers` adds no token
+/// (a Llama's BOS) of its own. Checked to encode and decode the vocabulary as the run did
+/// before anything is written.
+fn char_tokenizer_files(tokenizer: &Tokenizer) -> Result<HfTokenizerFiles> {
+    let snug_train::TokenizerSpec::Char { chars } = tokenizer.to_spec() else {
+        bail!("not a character tokenizer");
+    };
+    let vocab: serde_json::Map<String, serde_json::Value> = chars
+        .chars()
+        .enumerate()
+        .map(|(id, c)| (c.to_string(), id.into()))
+        .collect();
+    let json = serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [],
+        "normalizer": null,
+        "pre_tokenizer": {
+            "type": "Split",
+            "pattern": { "Regex": "(?s)." },
+            "behavior": "Isolated",
+            "invert": false
+        },
+        "post_processor": null,
+        "decoder": { "type": "Fuse" },
+        "model": {
+            "type": "BPE",
+            "dropout": null,
+            "unk_token": null,
+            "continuing_subword_prefix": null,
+            "end_of_word_suffix": null,
+            "fuse_unk": false,
+            "byte_fallback": false,
+            "ignore_merges": false,
+            "vocab": vocab,
+            "merges": []
+        }
+    });
+    let config = serde_json::json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 1_000_000_000_000_000_000u64,
+        "clean_up_tokenization_spaces": false
+    });
+    let files = HfTokenizerFiles {
+        tokenizer_json: serde_json::to_string_pretty(&json)?,
+        tokenizer_config_json: Some(serde_json::to_string_pretty(&config)?),
+        chat_template_jinja: None,
+    };
+    let hf = snug_train::HfTokenizer::from_files(files.clone(), Path::new("."))?;
+    let ids: Vec<u32> = (0..chars.chars().count() as u32).collect();
+    if hf.encode(&chars, false)? != ids || hf.decode(&ids, false) != chars {
+        bail!("the character vocabulary does not round-trip through a tokenizer.json");
+    }
+    Ok(files)
+}
+
 /// The tokenizer's files to write beside the weights, by name.
 fn tokenizer_files(files: &HfTokenizerFiles) -> Vec<(&'static str, &str)> {
     let mut out = vec![(TOKENIZER_FILE, files.tokenizer_json.as_str())];
@@ -140,6 +199,7 @@ pub fn run(args: ExportArgs) -> Result<()> {
     }
     let hf_files = match &tokenizer {
         Some(Tokenizer::Hf(t)) => Some(t.files().clone()),
+        Some(t @ Tokenizer::Char(_)) => Some(char_tokenizer_files(t)?),
         _ => None,
     };
     let lora = match &source {

@@ -239,6 +239,8 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let mut cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
     // The same data, hence the same vocabulary, that `snug train` would load.
     let (_, gpt) = cfg.load_data_and_model()?;
+    // The weights a run would start from, as `snug train` checks them.
+    cfg.check_init_from(&gpt)?;
     let gpu = cfg.device.is_gpu();
     if gpu && args.target_cpu.is_some() {
         bail!(

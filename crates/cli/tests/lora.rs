@@ -160,6 +160,63 @@ fn train_export_merge_and_continue_from_the_adapter() {
         m.tensor(norm).unwrap().data()
     );
 
+    // Sampled greedily, the run, its base with the adapter beside it and the merged model
+    // say the same: the adapter is folded into the weights as they are read. The base alone
+    // says something else.
+    let sample = |from: &Path| {
+        let o = ok(
+            dir.path(),
+            &[
+                "sample",
+                "--checkpoint",
+                from.to_str().unwrap(),
+                "--prompt",
+                "12+34=",
+                "--tokens",
+                "8",
+                "--temperature",
+                "0",
+                "--threads",
+                "1",
+                "--json",
+            ],
+        );
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["text"].as_str().expect("the sampled text").to_string()
+    };
+    let from_run = sample(&run);
+    assert_eq!(sample(&out), from_run);
+    assert_eq!(sample(&merged), from_run);
+    let bare = dir.path().join("bare");
+    std::fs::create_dir(&bare).unwrap();
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::copy(out.join(f), bare.join(f)).unwrap();
+    }
+    assert_ne!(sample(&bare), from_run);
+    // A damaged adapter is refused by name rather than left out.
+    std::fs::copy(
+        out.join("adapter_model.safetensors"),
+        bare.join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    std::fs::write(bare.join("adapter_config.json"), r#"{"r": "x"}"#).unwrap();
+    fails_with(
+        dir.path(),
+        &[
+            "sample",
+            "--checkpoint",
+            bare.to_str().unwrap(),
+            "--tokens",
+            "2",
+        ],
+        &["adapter_config.json"],
+    );
+
     // Continuing from the exported adapter starts where the run ended.
     let mut args = vec![
         "train",

@@ -355,3 +355,66 @@ fn a_remat_budget_holds_for_the_step_that_runs() {
         assert!(measured <= budget, "{case}: {measured} over {budget}");
     }
 }
+
+/// Plan and fit check the weights a run would start from as train does (headers only), so
+/// they never give a peak for a run train then refuses; and what train takes, plan plans.
+#[test]
+fn plan_and_fit_refuse_the_weights_train_refuses() {
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let run = dir.path().join("run");
+    let trained = snug(&[
+        "train",
+        "--preset",
+        "tiny",
+        "--steps",
+        "1",
+        "--eval-every",
+        "0",
+        "--threads",
+        "1",
+        "--out",
+        run.to_str().unwrap(),
+    ]);
+    assert!(trained.status.success(), "{}", stderr(&trained));
+    let export = dir.path().join("export");
+    let exported = snug(&[
+        "export",
+        "--checkpoint",
+        run.to_str().unwrap(),
+        "--out",
+        export.to_str().unwrap(),
+    ]);
+    assert!(exported.status.success(), "{}", stderr(&exported));
+    let weights = export.join("model.safetensors");
+    let weights = weights.to_str().unwrap();
+    let missing = dir.path().join("missing.safetensors");
+    let missing = missing.to_str().unwrap();
+    let cases: [(&[&str], &str); 3] = [
+        (
+            &["--preset", "tiny", "--init-from", missing],
+            "missing.safetensors",
+        ),
+        (
+            &["--preset", "char-small", "--init-from", weights],
+            "has shape",
+        ),
+        (&["--init-from", weights], "needs its shape"),
+    ];
+    for (args, needle) in cases {
+        for cmd in [
+            &["plan", "--threads", "1"][..],
+            &["fit", "--memory", "1GiB", "--threads", "1"],
+            &["train", "--steps", "1", "--no-save", "--threads", "1"],
+        ] {
+            let o = snug(&[cmd, args].concat());
+            let err = stderr(&o);
+            assert_eq!(o.status.code(), Some(1), "{cmd:?} {args:?}: {err}");
+            assert!(
+                err.contains(needle),
+                "{cmd:?} {args:?}: `{needle}` in {err}"
+            );
+        }
+    }
+    let (plan, predicted, measured) = plan_and_train(&["--preset", "tiny", "--init-from", weights]);
+    assert_eq!((plan, predicted), (predicted, measured));
+}

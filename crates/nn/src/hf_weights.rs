@@ -310,6 +310,61 @@ pub fn load_gpt2_safetensors(
     path: &Path,
     cfg: &GptConfig,
 ) -> Result<Vec<(String, Vec<f32>)>, NnError> {
+    with_gpt2_tensors(path, cfg, |shapes, mut found, lm_head| {
+        let mut params = Vec::with_capacity(shapes.len());
+        for (name, _) in shapes {
+            let tensor = found
+                .remove(name.as_str())
+                .ok_or_else(|| NnError::MissingTensor {
+                    path: path_str(path),
+                    name: name.clone(),
+                })?;
+            let values = tensor.to_vec();
+            // Decoded values, so an f64 too large for f32 is caught as the infinity it became.
+            if let Some((index, value)) = crate::safetensors_file::first_non_finite(&values) {
+                return Err(NnError::NonFiniteWeight {
+                    path: path_str(path),
+                    name: name.clone(),
+                    index,
+                    value,
+                });
+            }
+            params.push((name.clone(), values));
+        }
+        if let Some(head) = lm_head {
+            let tied = params
+                .iter()
+                .find(|(n, _)| n == "wte.weight")
+                .is_some_and(|(_, wte)| head.equals(wte));
+            if !tied {
+                return Err(NnError::UntiedHead {
+                    path: path_str(path),
+                });
+            }
+        }
+        Ok(params)
+    })
+}
+
+/// [`load_gpt2_safetensors`]'s checks of the file's header alone: every tensor named, shaped
+/// and typed as `cfg` needs, none missing, none left over. No weight is decoded, so planning a
+/// run that starts from a multi-gigabyte file costs its header.
+pub fn check_gpt2_safetensors(path: &Path, cfg: &GptConfig) -> Result<(), NnError> {
+    with_gpt2_tensors(path, cfg, |_, _, _| Ok(()))
+}
+
+/// Maps the GPT-2 safetensors file at `path`, checks its header against `cfg`, and hands
+/// `then` the parameter shapes, each parameter's tensor by snug name, and the untied
+/// `lm_head.weight` if the file holds one beside `wte.weight`.
+fn with_gpt2_tensors<T>(
+    path: &Path,
+    cfg: &GptConfig,
+    then: impl FnOnce(
+        &[(String, Vec<usize>)],
+        HashMap<&str, Tensor<'_>>,
+        Option<Tensor<'_>>,
+    ) -> Result<T, NnError>,
+) -> Result<T, NnError> {
     cfg.validate()?;
     // Before opening: a FIFO would block `open`, and a device's length is no bound.
     crate::model::regular_file_len(path).map_err(|e| file_error(path, e))?;
@@ -391,39 +446,13 @@ pub fn load_gpt2_safetensors(
             found.insert("wte.weight", head);
         }
     }
-
-    let mut params = Vec::with_capacity(shapes.len());
-    for (name, _) in &shapes {
-        let tensor = found
-            .remove(name.as_str())
-            .ok_or_else(|| NnError::MissingTensor {
-                path: path_str(path),
-                name: name.clone(),
-            })?;
-        let values = tensor.to_vec();
-        // Decoded values, so an f64 too large for f32 is caught as the infinity it became.
-        if let Some((index, value)) = crate::safetensors_file::first_non_finite(&values) {
-            return Err(NnError::NonFiniteWeight {
-                path: path_str(path),
-                name: name.clone(),
-                index,
-                value,
-            });
-        }
-        params.push((name.clone(), values));
+    if let Some((name, _)) = shapes.iter().find(|(n, _)| !found.contains_key(n.as_str())) {
+        return Err(NnError::MissingTensor {
+            path: path_str(path),
+            name: name.clone(),
+        });
     }
-    if let Some(head) = lm_head {
-        let tied = params
-            .iter()
-            .find(|(n, _)| n == "wte.weight")
-            .is_some_and(|(_, wte)| head.equals(wte));
-        if !tied {
-            return Err(NnError::UntiedHead {
-                path: path_str(path),
-            });
-        }
-    }
-    Ok(params)
+    then(&shapes, found, lm_head)
 }
 
 #[cfg(test)]

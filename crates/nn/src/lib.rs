@@ -24,7 +24,8 @@ pub use gpt::{GptConfig, InferenceGraph, KvGraph, LossMask, ModelGraph, NnError,
 pub use hf_checkpoint::{is_hf_dir, save_hf_model, save_hf_model_from, HfCheckpoint, HfExport};
 pub use hf_config::HfConfigError;
 pub use hf_weights::{
-    hf_config_json, load_gpt2_safetensors, save_gpt2_safetensors, write_hf_config_json,
+    check_gpt2_safetensors, hf_config_json, load_gpt2_safetensors, save_gpt2_safetensors,
+    write_hf_config_json,
 };
 pub use llama::{LlamaArch, LlamaConfig, RopeScaling, LLAMA_PRESETS};
 pub use lora::{LoraConfig, LoraTargets};

@@ -602,6 +602,53 @@ pub fn merge_adapters(
     Ok(())
 }
 
+/// A PEFT adapter ready to fold into its base one weight at a time, as a model is read from
+/// its files: no copy of the whole model beside the one being loaded.
+#[derive(Debug)]
+pub struct AdapterFolds {
+    scale: f32,
+    rank: usize,
+    /// By the base weight each adapts: its input width, `lora_A [r, in]`, `lora_B [out, r]`.
+    by_weight: HashMap<String, (usize, Vec<f32>, Vec<f32>)>,
+}
+
+impl AdapterFolds {
+    /// `adapter`'s layers (as [`load_peft_adapter`] read and checked them) by their weights.
+    pub fn new(model: &ModelConfig, adapter: PeftAdapter) -> Result<AdapterFolds, NnError> {
+        let mut tensors: HashMap<String, Vec<f32>> = adapter.tensors.into_iter().collect();
+        let mut by_weight = HashMap::new();
+        for l in adapter.lora.layers(model)? {
+            let mut take = |name: &str| {
+                tensors.remove(name).ok_or_else(|| NnError::MissingTensor {
+                    path: "the adapter being folded".into(),
+                    name: name.to_string(),
+                })
+            };
+            let (a, b) = (take(&l.lora_a)?, take(&l.lora_b)?);
+            by_weight.insert(l.weight, (l.in_features, a, b));
+        }
+        Ok(AdapterFolds {
+            scale: adapter.lora.scale(),
+            rank: adapter.lora.rank,
+            by_weight,
+        })
+    }
+
+    /// Folds the adapter of weight `name` into `w` (`[in, out]`), if it has one: `true` then.
+    pub fn fold(&self, name: &str, w: &mut [f32]) -> Result<bool, NnError> {
+        let Some((n_in, a, b)) = self.by_weight.get(name) else {
+            return Ok(false);
+        };
+        if w.len() != n_in * (b.len() / self.rank.max(1)) {
+            return Err(NnError::Lora {
+                detail: format!("`{name}`'s adapters do not match its shape"),
+            });
+        }
+        merge_layer(w, a, b, *n_in, self.rank, self.scale);
+        Ok(true)
+    }
+}
+
 /// `w [in, out] += scale · (b [out, r] · a [r, in])ᵀ`.
 fn merge_layer(w: &mut [f32], a: &[f32], b: &[f32], n_in: usize, r: usize, scale: f32) {
     let n_out = w.len() / n_in.max(1);

@@ -1140,6 +1140,32 @@ impl TrainConfig {
         Ok(())
     }
 
+    /// Checks that the run can start from `init_from` on `model`, as the trainer will read it,
+    /// reading headers alone (no weight is decoded): `plan` and `fit` refuse what `train`
+    /// refuses, and `train` refuses it before allocating its step.
+    pub fn check_init_from(&self, model: &ModelConfig) -> Result<(), TrainError> {
+        let Some(path) = &self.init_from else {
+            return Ok(());
+        };
+        if let Some(dir) = self.hf_init_dir() {
+            snug_nn::HfCheckpoint::open(dir)?.check_model(model)?;
+            return Ok(());
+        }
+        match model {
+            ModelConfig::Gpt(gpt) => Ok(snug_nn::check_gpt2_safetensors(path, gpt)?),
+            ModelConfig::Llama(_) => Err(TrainError::Config {
+                field: "init_from",
+                detail: format!(
+                    "{}: a Llama-family model starts from a Hugging Face model directory \
+                     (config.json beside model.safetensors or its shards), not a lone weights \
+                     file; a lone GPT-2 model.safetensors (as `snug export` writes one) needs \
+                     its shape: --preset gpt2 (or tiny, char-small, ...) or --hf-config",
+                    path.display()
+                ),
+            }),
+        }
+    }
+
     /// `init_from` when it is a Hugging Face model directory (not a lone weights file).
     pub fn hf_init_dir(&self) -> Option<&Path> {
         self.init_from.as_deref().filter(|p| snug_nn::is_hf_dir(p))

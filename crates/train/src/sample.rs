@@ -508,13 +508,25 @@ impl Sampler {
         allocator: Allocator,
     ) -> Result<Sampler, TrainError> {
         ckpt.check_model(model)?;
+        // A LoRA run exported without merging is its base model with a PEFT adapter beside it
+        // (`snug export`): the adapter is folded into each weight as it is read. Read first,
+        // so a damaged adapter is refused before anything is allocated.
+        let folds = if snug_nn::lora::is_adapter_dir(ckpt.dir()) {
+            let adapter = snug_nn::lora::load_peft_adapter(ckpt.dir(), model)?;
+            Some(snug_nn::lora::AdapterFolds::new(model, adapter)?)
+        } else {
+            None
+        };
         let quantize = placement.quantize;
         let (mut sampler, params) =
             Self::load(model, (mode, placement), threads, allocator, |_| {
                 Ok(Vec::new())
             })?;
         for (name, id) in params {
-            let v = ckpt.read(&name)?;
+            let mut v = ckpt.read(&name)?;
+            if let Some(f) = &folds {
+                f.fold(&name, &mut v)?;
+            }
             crate::quantized::write_param(&mut sampler.session, quantize, id, &v)?;
         }
         Ok(sampler)

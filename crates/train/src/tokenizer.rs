@@ -328,6 +328,15 @@ impl Tokenizer {
                 return true;
             }
         }
+        if let (Tokenizer::Char(c), o) | (o, Tokenizer::Char(c)) = (self, other) {
+            // A character vocabulary (and the tokenizer.json `snug export` writes for one):
+            // the probes hold characters it lacks, so its own characters are the probe.
+            let n = c.chars().len() as u32;
+            let all: String = c.chars().iter().collect();
+            return o.vocab_size() == n as usize
+                && matches!(o.encode(&all), Ok(ids) if ids.iter().copied().eq(0..n))
+                && (0..n).all(|id| self.decode(&[id]) == other.decode(&[id]));
+        }
         self.to_spec() == other.to_spec()
             || (self.vocab_size() == other.vocab_size()
                 && PROBES

@@ -199,6 +199,7 @@ impl Trainer {
             std::thread::sleep(std::time::Duration::from_millis(ms));
         }
         let model = config.model_for_vocab(data.tokenizer.vocab_size())?;
+        config.check_init_from(&model)?;
         let (compiled, memory_plan) = compile_planned(&config, &model)?;
         let CompiledStep {
             step: step_graph,
@@ -262,16 +263,14 @@ impl Trainer {
                     .into_iter()
                     .map(Ok),
             ),
-            (Some(path), ModelConfig::Llama(_), None) => {
-                return Err(TrainError::Config {
-                    field: "init_from",
-                    detail: format!(
-                        "{}: a Llama-family model starts from a Hugging Face model directory \
-                         (config.json beside model.safetensors or its shards), not a lone \
-                         weights file",
-                        path.display()
-                    ),
-                })
+            (Some(_), ModelConfig::Llama(_), None) => {
+                // `check_init_from` refused it before the session was made.
+                return Err(config.check_init_from(&model).err().unwrap_or_else(|| {
+                    TrainError::Config {
+                        field: "init_from",
+                        detail: "a Llama-family model starts from a model directory".into(),
+                    }
+                }));
             }
         };
         // LoRA adapters start from the adapter continued, or as PEFT initialises them.
