@@ -35,7 +35,8 @@ pub struct SampleArgs {
     #[arg(long)]
     chat: bool,
     /// With --chat: a JSON file holding the conversation, a list of {"role", "content"}
-    /// objects (or an object with such a list under "messages").
+    /// objects (or an object with such a list under "messages"). Each content is a string or
+    /// a list of {"type": "text", "text"} parts, which are joined.
     #[arg(
         long,
         value_name = "FILE.json",
@@ -105,13 +106,14 @@ pub(crate) fn context_flag(
 }
 
 /// The conversation in `file`: a JSON list of messages, or an object holding one under
-/// "messages"; each message an object with a string "role".
+/// "messages"; each message an object with a string "role" and "content" (see
+/// `check_messages`, which joins a list of text parts).
 fn read_messages(file: &Path) -> Result<Vec<serde_json::Value>> {
     let text = std::fs::read_to_string(file)
         .with_context(|| format!("--messages: reading {}", file.display()))?;
     let value: serde_json::Value = serde_json::from_str(&text)
         .with_context(|| format!("--messages: {} is not JSON", file.display()))?;
-    let list = match value {
+    let mut list = match value {
         serde_json::Value::Array(list) => list,
         serde_json::Value::Object(mut o) => match o.remove("messages") {
             Some(serde_json::Value::Array(list)) => list,
@@ -128,14 +130,8 @@ fn read_messages(file: &Path) -> Result<Vec<serde_json::Value>> {
     if list.is_empty() {
         bail!("--messages: {} holds no message", file.display());
     }
-    for (i, m) in list.iter().enumerate() {
-        if !m.get("role").is_some_and(serde_json::Value::is_string) {
-            bail!(
-                "--messages: {} message {i} is not an object with a string \"role\"",
-                file.display()
-            );
-        }
-    }
+    snug_train::examples::check_messages(&mut list)
+        .map_err(|detail| anyhow::anyhow!("--messages: {}: {detail}", file.display()))?;
     Ok(list)
 }
 

@@ -137,3 +137,84 @@ fn a_malformed_line_is_named_and_nothing_is_written() {
     );
     assert!(!out.exists());
 }
+
+/// Chat content a template would render as something else (a missing content as an empty
+/// turn, null as "None", a list of parts as its Python text) is refused by line and field;
+/// a list of text parts trains as their joined text.
+#[test]
+fn chat_content_is_text_or_text_parts() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokenizer = tokenizer_dir();
+    let prepare = |name: &str, lines: &[&str]| {
+        let input = dir.path().join(format!("{name}.jsonl"));
+        std::fs::write(&input, lines.join("\n")).unwrap();
+        let out = dir.path().join(name);
+        let o = snug(&[
+            "prepare",
+            "--format",
+            "jsonl",
+            "--input",
+            input.to_str().unwrap(),
+            "--tokenizer",
+            tokenizer.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        (o, out)
+    };
+    let good = r#"{"messages": [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]}"#;
+    for (name, line, needle) in [
+        (
+            "null",
+            r#"{"messages": [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": null}]}"#,
+            "null.jsonl: line 2: `messages[1].content` is null, not a string",
+        ),
+        (
+            "missing",
+            r#"{"messages": [{"role": "user"}, {"role": "assistant", "content": "4"}]}"#,
+            "missing.jsonl: line 2: `messages[0].content` is missing",
+        ),
+        (
+            "image",
+            r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}, {"role": "assistant", "content": "4"}]}"#,
+            r#"image.jsonl: line 2: `messages[0].content[0]` is a part of type "image_url""#,
+        ),
+        (
+            "role",
+            r#"{"messages": [{"role": null, "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]}"#,
+            "role.jsonl: line 2: `messages[0].role` is null, not a string",
+        ),
+    ] {
+        let (o, out) = prepare(name, &[good, line, good]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{name}: {err}");
+        assert!(err.contains(needle), "{name}: {err}");
+        assert!(!out.exists(), "{name}");
+    }
+    // Text parts are the same example as their joined text; "" is an empty turn.
+    let parts = r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "2 + "}, {"type": "text", "text": "2?"}]}, {"role": "assistant", "content": "4"}]}"#;
+    let empty =
+        r#"{"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "4"}]}"#;
+    let files = |name: &str, lines: &[&str]| {
+        let (o, out) = prepare(name, lines);
+        assert!(
+            o.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        ["train.bin", "val.bin"].map(|f| {
+            let t = TokenFile::open(&out.join(f)).unwrap();
+            (t.to_vec(), t.mask_to_vec())
+        })
+    };
+    assert_eq!(
+        files("parts", &[good, parts]),
+        files("strings", &[good, good])
+    );
+    let [_, (ids, _)] = files("empty", &[good, empty]);
+    let text = TokenFile::open(&dir.path().join("empty/val.bin"))
+        .unwrap()
+        .tokenizer()
+        .decode(&ids);
+    assert!(text.contains("<|im_start|>user\n<|im_end|>"), "{text}");
+}

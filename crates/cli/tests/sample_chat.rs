@@ -1,6 +1,7 @@
 //! `snug sample --chat`: a conversation rendered through the tokenizer's chat template with the
 //! generation prompt, generation that stops at the end of the model's turn, the prompt's and
-//! the answer's ids in `--json`, and named errors for models that cannot chat.
+//! the answer's ids in `--json`, and named errors for models that cannot chat and for messages
+//! without a string role and content.
 
 mod common;
 
@@ -120,9 +121,16 @@ fn chat_renders_the_template_and_reports_ids() {
     std::fs::write(cwd.join("list.json"), messages.to_string()).unwrap();
     let wrapped = serde_json::json!({ "messages": messages });
     std::fs::write(cwd.join("object.json"), wrapped.to_string()).unwrap();
+    // Text parts are their joined text.
+    let parts = serde_json::json!([{"role": "user", "content": [
+        {"type": "text", "text": "What is "},
+        {"type": "text", "text": "2 + 2?"},
+    ]}]);
+    std::fs::write(cwd.join("parts.json"), parts.to_string()).unwrap();
     for extra in [
         &["--messages", "list.json"][..],
         &["--messages", "object.json"],
+        &["--messages", "parts.json"],
         &["--prompt", question, "--full-window"],
     ] {
         let b = with(extra);
@@ -184,10 +192,40 @@ fn models_that_cannot_chat_are_named() {
         &chat("model", &["--messages", "tool.json"]),
         &["Unknown role: tool"],
     );
-    // Files that hold no conversation.
+    // Files that hold no conversation, or messages without a string role and content.
     for (name, text, needle) in [
         ("empty.json", "[]", "no message"),
-        ("norole.json", r#"[{"content": "x"}]"#, "message 0"),
+        (
+            "norole.json",
+            r#"[{"content": "x"}]"#,
+            "`messages[0].role` is missing",
+        ),
+        (
+            "nullrole.json",
+            r#"[{"role": null, "content": "x"}]"#,
+            "`messages[0].role` is null, not a string",
+        ),
+        // Content a template would render otherwise: "None", an empty turn, Python text.
+        (
+            "null.json",
+            r#"{"messages": [{"role": "user", "content": null}]}"#,
+            "`messages[0].content` is null, not a string",
+        ),
+        (
+            "nocontent.json",
+            r#"[{"role": "system", "content": "x"}, {"role": "user"}]"#,
+            "`messages[1].content` is missing",
+        ),
+        (
+            "number.json",
+            r#"[{"role": "user", "content": 5}]"#,
+            "`messages[0].content` is a number, not a string",
+        ),
+        (
+            "image.json",
+            r#"[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]"#,
+            r#"`messages[0].content[0]` is a part of type "image_url""#,
+        ),
         ("bad.json", "{", "not JSON"),
         ("other.json", r#"{"turns": []}"#, "\"messages\""),
     ] {

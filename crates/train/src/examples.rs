@@ -7,8 +7,9 @@
 //! | `{"prompt": P, "completion": C}` | `P` (with special tokens), `C` (without), EOS | `C`'s tokens and EOS |
 //! | `{"messages": [...]}` | the chat template's rendering, then EOS unless it already ends with it | each assistant turn as the template renders it, from after its generation prompt to the start of the next message (its end-of-turn token included) |
 //!
-//! Other keys on a line are ignored. P and C are tokenized apart, so the prompt ends on a token
-//! boundary and its last token predicts the completion's first.
+//! A chat's messages need a string `role` and `content`; a list of text parts is joined (see
+//! [`check_messages`]). Other keys on a line are ignored. P and C are tokenized apart, so the
+//! prompt ends on a token boundary and its last token predicts the completion's first.
 //!
 //! **The mask belongs to targets.** `mask[j]` says whether token `j`, predicted from the tokens
 //! before it, counts in the loss. A window of inputs `ids[s..s + n]` has targets
@@ -32,7 +33,8 @@ pub enum Example {
         prompt: String,
         completion: String,
     },
-    /// Objects with a string `role`; the rest (`content`, `tool_calls`, …) is the template's.
+    /// Objects with a string `role` and a string `content` (see [`check_messages`]); the rest
+    /// (`tool_calls`, …) is the template's.
     Messages(Vec<Json>),
 }
 
@@ -72,42 +74,89 @@ impl Example {
             let completion = string("completion")?;
             return Ok(Example::PromptCompletion { prompt, completion });
         }
-        let messages = match obj.remove("messages") {
+        let mut messages = match obj.remove("messages") {
             Some(Json::Array(m)) if !m.is_empty() => m,
             Some(Json::Array(_)) => return Err("`messages` is empty".into()),
             Some(other) => return Err(format!("`messages` is {}, not a list", json_kind(&other))),
             None => unreachable!("the shape test found `messages`"),
         };
-        for (i, m) in messages.iter().enumerate() {
-            match m.get("role") {
-                _ if !m.is_object() => {
-                    return Err(format!(
-                        "`messages[{i}]` is {}, not an object",
-                        json_kind(m)
-                    ))
-                }
-                Some(Json::String(_)) => {}
-                Some(other) => {
-                    return Err(format!(
-                        "`messages[{i}].role` is {}, not a string",
-                        json_kind(other)
-                    ))
-                }
-                None => return Err(format!("`messages[{i}].role` is missing")),
-            }
-            // Text, or none (a tool call's turn); a list of parts is left to the template.
-            match m.get("content") {
-                None | Some(Json::Null | Json::String(_) | Json::Array(_)) => {}
-                Some(other) => {
-                    return Err(format!(
-                        "`messages[{i}].content` is {}, not a string",
-                        json_kind(other)
-                    ))
-                }
-            }
-        }
+        check_messages(&mut messages)?;
         Ok(Example::Messages(messages))
     }
+}
+
+/// Checks a conversation before a chat template sees it, and puts each `content` in the form
+/// templates expect. Templates render whatever they are given: a missing content as an empty
+/// turn, a null one as "None", a list of parts as its Python text. So each message must be an
+/// object with a string `role` and a string `content` (`""` is an empty turn), except a
+/// tool-call turn (a non-empty `tool_calls` list), whose content may be missing or null as
+/// OpenAI writes it. A list of text parts (`[{"type": "text", "text": T}, ...]`, the
+/// OpenAI / Hugging Face multimodal form) becomes the concatenation of its texts, as templates
+/// that accept parts render them; any other part is refused, since a text-only model cannot
+/// take it. The error names the message and field, as `messages[1].content`.
+pub fn check_messages(messages: &mut [Json]) -> Result<(), String> {
+    for (i, m) in messages.iter_mut().enumerate() {
+        let Json::Object(m) = m else {
+            return Err(format!(
+                "`messages[{i}]` is {}, not an object",
+                json_kind(m)
+            ));
+        };
+        match m.get("role") {
+            Some(Json::String(_)) => {}
+            Some(other) => {
+                return Err(format!(
+                    "`messages[{i}].role` is {}, not a string",
+                    json_kind(other)
+                ))
+            }
+            None => return Err(format!("`messages[{i}].role` is missing")),
+        }
+        let calls_tools = matches!(m.get("tool_calls"), Some(Json::Array(c)) if !c.is_empty());
+        let text = match m.get("content") {
+            Some(Json::String(_)) => continue,
+            None | Some(Json::Null) if calls_tools => continue,
+            None => {
+                return Err(format!(
+                    "`messages[{i}].content` is missing (give a string; \"\" for an empty turn)"
+                ))
+            }
+            Some(Json::Array(parts)) => text_parts(i, parts)?,
+            Some(other) => {
+                return Err(format!(
+                    "`messages[{i}].content` is {}, not a string",
+                    json_kind(other)
+                ))
+            }
+        };
+        m.insert("content".into(), Json::String(text));
+    }
+    Ok(())
+}
+
+/// The concatenated texts of message `i`'s content `parts`, all of which must be text parts.
+fn text_parts(i: usize, parts: &[Json]) -> Result<String, String> {
+    const TEXT_PART: &str = r#"{"type": "text", "text": ...}"#;
+    let mut text = String::new();
+    for (j, part) in parts.iter().enumerate() {
+        let at = format!("messages[{i}].content[{j}]");
+        match part.get("type") {
+            Some(Json::String(t)) if t == "text" => match part.get("text") {
+                Some(Json::String(s)) => text.push_str(s),
+                Some(other) => {
+                    return Err(format!("`{at}.text` is {}, not a string", json_kind(other)))
+                }
+                None => return Err(format!("`{at}.text` is missing")),
+            },
+            Some(Json::String(t)) => {
+                return Err(format!(
+                    "`{at}` is a part of type \"{t}\": only text parts ({TEXT_PART}) are accepted"
+                ))
+            }
+            _ => return Err(format!("`{at}` is not a text part ({TEXT_PART})")),
+        }
+    }
+    Ok(text)
 }
 
 fn json_kind(v: &Json) -> &'static str {
@@ -371,4 +420,97 @@ pub fn tokenize_jsonl(
         tokenized.extend(p?);
     }
     Ok(PackedExamples::pack(tokenized))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(messages: &str) -> Result<Example, String> {
+        Example::from_json_line(&format!(r#"{{"messages": {messages}}}"#))
+    }
+
+    #[test]
+    fn content_must_be_text() {
+        let user_then = |content: &str| {
+            chat(&format!(
+                r#"[{{"role": "user", "content": "hi"}}, {{"role": "assistant"{content}}}]"#
+            ))
+        };
+        for (content, err) in [
+            (
+                "",
+                "`messages[1].content` is missing (give a string; \"\" for an empty turn)",
+            ),
+            (
+                r#", "content": null"#,
+                "`messages[1].content` is null, not a string",
+            ),
+            (
+                r#", "content": 4"#,
+                "`messages[1].content` is a number, not a string",
+            ),
+            (
+                r#", "content": {"text": "4"}"#,
+                "`messages[1].content` is an object, not a string",
+            ),
+        ] {
+            assert_eq!(user_then(content), Err(err.to_string()), "{content}");
+        }
+        // An empty turn is a turn.
+        assert!(user_then(r#", "content": """#).is_ok());
+        // A tool-call turn has no text of its own.
+        assert!(user_then(r#", "content": null, "tool_calls": [{"type": "function"}]"#).is_ok());
+        assert!(user_then(r#", "content": null, "tool_calls": []"#).is_err());
+    }
+
+    #[test]
+    fn text_parts_are_joined_and_other_parts_refused() {
+        let parts = r#"[{"type": "text", "text": "2 + "}, {"type": "text", "text": "2?"}]"#;
+        let ex = chat(&format!(r#"[{{"role": "user", "content": {parts}}}]"#)).unwrap();
+        let Example::Messages(m) = ex else {
+            panic!("a chat: {ex:?}")
+        };
+        assert_eq!(m[0]["content"], "2 + 2?");
+        assert_eq!(m[0]["role"], "user");
+        for (content, err) in [
+            (
+                r#"[{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]"#,
+                r#"`messages[0].content[1]` is a part of type "image_url": only text parts ({"type": "text", "text": ...}) are accepted"#,
+            ),
+            (
+                r#"[{"type": "text", "text": null}]"#,
+                "`messages[0].content[0].text` is null, not a string",
+            ),
+            (
+                r#"[{"type": "text"}]"#,
+                "`messages[0].content[0].text` is missing",
+            ),
+            (
+                r#"["hi"]"#,
+                r#"`messages[0].content[0]` is not a text part ({"type": "text", "text": ...})"#,
+            ),
+        ] {
+            let line = format!(r#"[{{"role": "user", "content": {content}}}]"#);
+            assert_eq!(chat(&line), Err(err.to_string()), "{content}");
+        }
+    }
+
+    #[test]
+    fn role_must_be_a_string() {
+        for (role, err) in [
+            ("", "`messages[0].role` is missing"),
+            (
+                r#""role": null, "#,
+                "`messages[0].role` is null, not a string",
+            ),
+            (
+                r#""role": ["user"], "#,
+                "`messages[0].role` is a list, not a string",
+            ),
+        ] {
+            let line = format!(r#"[{{{role}"content": "hi"}}]"#);
+            assert_eq!(chat(&line), Err(err.to_string()), "{role}");
+        }
+    }
 }
