@@ -220,3 +220,36 @@ fn plan_kv_cache_equals_what_sample_plans_and_measures() {
     let o = snug(cwd, &["plan", "--kv-cache"]);
     assert_eq!(o.status.code(), Some(2));
 }
+
+/// Sampling reads the data for its vocabulary alone: a model whose context (here 131,072
+/// positions, a Llama 3's) is longer than the built-in data's splits plans for sampling, at
+/// its whole context and at `--context N`, while a training step that long is refused.
+#[test]
+fn a_context_longer_than_the_data_plans_for_sampling() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.json");
+    std::fs::write(
+        &config,
+        r#"{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 320, "max_position_embeddings": 131072}"#,
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    let base = ["plan", "--hf-config", config, "--threads", "1", "--json"];
+    let whole = json(&ok(
+        dir.path(),
+        &[&base[..], &["--inference", "--kv-cache"]].concat(),
+    ));
+    let short = json(&ok(
+        dir.path(),
+        &[
+            &base[..],
+            &["--inference", "--kv-cache", "--context", "1024"],
+        ]
+        .concat(),
+    ));
+    let (whole, short) = (&whole["peak_bytes"], &short["peak_bytes"]);
+    assert!(whole.as_u64() > short.as_u64(), "{whole} against {short}");
+    common::fails_with(dir.path(), &base, &["too few for one sequence"]);
+}

@@ -1213,6 +1213,24 @@ impl TrainConfig {
         &mut self,
         tokenizer: Option<&crate::Tokenizer>,
     ) -> Result<(crate::TokenDataset, ModelConfig), TrainError> {
+        let loaded = self.load_data_and_model_unchecked(tokenizer)?;
+        loaded.0.check_block(self.block)?;
+        Ok(loaded)
+    }
+
+    /// [`TrainConfig::load_data_and_model`] for sampling, which reads the data for its
+    /// vocabulary alone: a split shorter than `block` (a long-context model's default, on
+    /// the built-in data) is no reason to refuse it.
+    pub fn load_data_and_model_for_sampling(
+        &mut self,
+    ) -> Result<(crate::TokenDataset, ModelConfig), TrainError> {
+        self.load_data_and_model_unchecked(None)
+    }
+
+    fn load_data_and_model_unchecked(
+        &mut self,
+        tokenizer: Option<&crate::Tokenizer>,
+    ) -> Result<(crate::TokenDataset, ModelConfig), TrainError> {
         let source = DataSource::from(&self.data);
         let hf_tokenizer = self
             .hf_init_dir()
@@ -1249,7 +1267,6 @@ impl TrainConfig {
             }
             _ => crate::TokenDataset::load(&source)?,
         };
-        data.check_block(self.block)?;
         self.loss_mask |= data.has_loss_mask();
         let model = self.model_for_vocab(data.tokenizer.vocab_size())?;
         if let Some(dir) = self.hf_init_dir() {
