@@ -400,6 +400,9 @@ impl Source {
         if snug_nn::is_hf_dir(from) {
             return Ok(Source::Hf(snug_nn::HfCheckpoint::open(from)?));
         }
+        if let Some(why) = snug_nn::config_missing_beside_weights(from) {
+            bail!(why);
+        }
         let (path, ckpt) = checkpoint::load(from)?;
         Ok(Source::Run(path, Box::new(ckpt)))
     }

@@ -566,3 +566,27 @@ fn a_run_outlives_the_directory_it_started_from() {
         resumed["measured_peak_bytes"]
     );
 }
+
+/// A model directory whose config.json was left behind is named as such by every command
+/// that reads one, rather than taken for a run directory without checkpoints or a lone
+/// weights file.
+#[test]
+fn weights_without_their_config_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    for f in ["model.safetensors", "tokenizer.json"] {
+        std::fs::copy(fixture("llama_tied").join(f), model.join(f)).unwrap();
+    }
+    let m = model.to_str().unwrap();
+    let out = dir.path().join("out");
+    for args in [
+        &["sample", "--checkpoint", m, "--tokens", "2"][..],
+        &["export", "--checkpoint", m, "--out", out.to_str().unwrap()],
+        &["train", "--init-from", m, "--steps", "1", "--no-save"],
+        &["plan", "--init-from", m],
+    ] {
+        fails_with(dir.path(), args, &["no config.json beside them"]);
+    }
+    assert!(!out.exists());
+}

@@ -40,6 +40,21 @@ pub fn is_hf_dir(path: &Path) -> bool {
     path.is_dir() && path.join(CONFIG_FILE).exists()
 }
 
+/// Why `path` cannot be read as a model directory when it holds a model's weights but no
+/// `config.json` beside them (a copy that left it behind); `None` otherwise.
+pub fn config_missing_beside_weights(path: &Path) -> Option<String> {
+    let weights = [WEIGHTS_FILE, INDEX_FILE]
+        .iter()
+        .any(|f| path.join(f).exists());
+    (path.is_dir() && weights && !path.join(CONFIG_FILE).exists()).then(|| {
+        format!(
+            "{}: holds a model's weights but no {CONFIG_FILE} beside them, which a Hugging Face \
+             model directory needs (copy the model's {CONFIG_FILE} there)",
+            path.display()
+        )
+    })
+}
+
 /// One parameter as a Hugging Face checkpoint stores it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HfTensor {

@@ -21,7 +21,10 @@ pub mod model;
 pub mod safetensors_file;
 
 pub use gpt::{GptConfig, InferenceGraph, KvGraph, LossMask, ModelGraph, NnError, PRESETS};
-pub use hf_checkpoint::{is_hf_dir, save_hf_model, save_hf_model_from, HfCheckpoint, HfExport};
+pub use hf_checkpoint::{
+    config_missing_beside_weights, is_hf_dir, save_hf_model, save_hf_model_from, HfCheckpoint,
+    HfExport,
+};
 pub use hf_config::HfConfigError;
 pub use hf_weights::{
     check_gpt2_safetensors, hf_config_json, load_gpt2_safetensors, save_gpt2_safetensors,

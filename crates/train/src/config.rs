@@ -1151,6 +1151,12 @@ impl TrainConfig {
             snug_nn::HfCheckpoint::open(dir)?.check_model(model)?;
             return Ok(());
         }
+        if let Some(why) = snug_nn::config_missing_beside_weights(path) {
+            return Err(TrainError::Config {
+                field: "init_from",
+                detail: why,
+            });
+        }
         match model {
             ModelConfig::Gpt(gpt) => Ok(snug_nn::check_gpt2_safetensors(path, gpt)?),
             ModelConfig::Llama(_) => Err(TrainError::Config {
