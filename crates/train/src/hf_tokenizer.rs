@@ -7,7 +7,7 @@
 //! write them back byte for byte.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use minijinja::value::{Kwargs, Serde};
 use minijinja::{Environment, ErrorKind, Value};
@@ -26,6 +26,12 @@ pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
 const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
 /// The template's name in the environment, shown in minijinja's error locations.
 const TEMPLATE_NAME: &str = "chat_template";
+/// Target size of the pieces a long text is encoded in: one `tokenizers` call keeps an
+/// `Encoding` (ids, tokens, offsets, masks) and the normalized text with its alignments, about
+/// 150 bytes per byte of text, so a whole corpus in one call needs 150 times its size.
+const PIECE_BYTES: usize = 256 * 1024;
+/// The most pieces encoded at once, each on its own thread with its own working set.
+const MAX_PIECE_THREADS: usize = 8;
 
 /// The files a Hugging Face tokenizer is built from, as read: what token files and checkpoints
 /// store to rebuild it.
@@ -71,6 +77,9 @@ struct Inner {
     special: SpecialTokens,
     /// The compiled template and the file it came from.
     chat: Option<(Environment<'static>, PathBuf)>,
+    /// How long texts are encoded piece by piece, or why they cannot be; worked out on the
+    /// first long text, since it clones the model.
+    pieces: OnceLock<Result<PiecePlan, String>>,
 }
 
 impl PartialEq for HfTokenizer {
@@ -262,6 +271,7 @@ impl HfTokenizer {
             vocab_size,
             special,
             chat,
+            pieces: OnceLock::new(),
         })))
     }
 
@@ -290,9 +300,92 @@ impl HfTokenizer {
 
     /// Ids of `text`. Added tokens written in the text (`"<|im_end|>"`) become their ids, as in
     /// transformers; `add_special_tokens` runs the tokenizer's post-processor (Llama's adds
-    /// `<|begin_of_text|>`).
+    /// `<|begin_of_text|>`). A long text without special tokens added is encoded in pieces cut
+    /// at line ends where that gives the ids of one call (see [`PiecePlan`]), so memory follows
+    /// the ids rather than the text.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TrainError> {
-        Ok(self.encode_with_offsets(text, add_special_tokens)?.0)
+        if !add_special_tokens && text.len() > 2 * PIECE_BYTES {
+            if let Some(ids) = self.encode_in_pieces(text, PIECE_BYTES)? {
+                return Ok(ids);
+            }
+        }
+        let enc = self
+            .0
+            .tokenizer
+            .encode_fast(text, add_special_tokens)
+            .map_err(|e| encode_error(text, e))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Why a long text is encoded in one call rather than in pieces, if it is (a text may still
+    /// be encoded whole when it has no place to cut, or holds an added token where the
+    /// tokenizer restarts its prefix after each).
+    pub fn whole_text_reason(&self) -> Option<&str> {
+        self.piece_plan().err()
+    }
+
+    fn piece_plan(&self) -> Result<&PiecePlan, &str> {
+        self.0
+            .pieces
+            .get_or_init(|| PiecePlan::new(&self.0.tokenizer))
+            .as_ref()
+            .map_err(String::as_str)
+    }
+
+    /// `text`'s ids from pieces of about `target` bytes encoded apart, or None when this
+    /// tokenizer or this text must be encoded whole.
+    fn encode_in_pieces(&self, text: &str, target: usize) -> Result<Option<Vec<u32>>, TrainError> {
+        let Ok(plan) = self.piece_plan() else {
+            return Ok(None);
+        };
+        if plan.prefix_per_segment && plan.added.iter().any(|a| text.contains(a.as_str())) {
+            return Ok(None);
+        }
+        let pieces = line_pieces(text, target);
+        if pieces.len() < 2 {
+            return Ok(None);
+        }
+        let rest = plan.rest.as_ref().unwrap_or(&self.0.tokenizer);
+        let encode = |first: bool, piece: &str| -> Result<Vec<u32>, TrainError> {
+            let tokenizer = if first { &self.0.tokenizer } else { rest };
+            let enc = tokenizer
+                .encode_fast(piece, false)
+                .map_err(|e| encode_error(piece, e))?;
+            Ok(enc.get_ids().to_vec())
+        };
+        // Rounds of one piece per thread, appended in order to one vector, sized after the
+        // first round from its ids per byte so it does not double past the ids it holds.
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .clamp(1, MAX_PIECE_THREADS);
+        let mut ids: Vec<u32> = Vec::new();
+        let mut done_bytes = 0;
+        for (round, batch) in pieces.chunks(threads).enumerate() {
+            let parts: Vec<Result<Vec<u32>, TrainError>> = std::thread::scope(|s| {
+                let handles: Vec<_> = batch
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &piece)| s.spawn(move || encode(round + k == 0, piece)))
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| {
+                        h.join().unwrap_or_else(|_| {
+                            Err(TrainError::Tokenizer("an encoding thread panicked".into()))
+                        })
+                    })
+                    .collect()
+            });
+            for part in parts {
+                ids.extend(part?);
+            }
+            done_bytes += batch.iter().map(|p| p.len()).sum::<usize>();
+            if round == 0 {
+                let estimate = ids.len() as f64 / done_bytes as f64 * text.len() as f64 * 1.05;
+                ids.reserve((estimate as usize).saturating_sub(ids.len()));
+            }
+        }
+        Ok(Some(ids))
     }
 
     /// Ids of `text` and each token's byte range in it.
@@ -305,7 +398,7 @@ impl HfTokenizer {
             .0
             .tokenizer
             .encode(text, add_special_tokens)
-            .map_err(|e| TrainError::Tokenizer(format!("encoding {} bytes: {e}", text.len())))?;
+            .map_err(|e| encode_error(text, e))?;
         Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
     }
 
@@ -365,6 +458,327 @@ impl HfTokenizer {
         render().map_err(|e| TrainError::ChatTemplate {
             path: path.clone(),
             message: template_message(&e),
+        })
+    }
+}
+
+fn encode_error(text: &str, e: tokenizers::Error) -> TrainError {
+    TrainError::Tokenizer(format!("encoding {} bytes: {e}", text.len()))
+}
+
+/// Cuts `text` into pieces of at least `target` bytes (except the last), each cut right after a
+/// line break that has a printable ASCII character on either side (`b"x\ny"`). Such a line
+/// break is one pre-token of its own under the regexes [`PiecePlan`] accepts, and a symbol no
+/// merge joins under the models it accepts otherwise; the ASCII neighbours stay outside
+/// whitespace under the normalizers it accepts. ASCII bytes never occur inside a multi-byte
+/// character, so every cut is a character boundary.
+fn line_pieces(text: &str, target: usize) -> Vec<&str> {
+    let b = text.as_bytes();
+    let mut pieces = Vec::new();
+    let mut start = 0;
+    for i in 1..b.len().saturating_sub(1) {
+        if b[i] == b'\n'
+            && i + 1 - start >= target
+            && b[i - 1].is_ascii_graphic()
+            && b[i + 1].is_ascii_graphic()
+        {
+            pieces.push(&text[start..=i]);
+            start = i + 1;
+        }
+    }
+    pieces.push(&text[start..]);
+    pieces
+}
+
+/// Pre-tokenizer regexes under which a line break between printable characters is a pre-token
+/// of its own in the left piece as in the whole text, and the right piece starts a match:
+/// GPT-2's (ByteLevel's own), Llama 3's, and Qwen2's. In GPT-2's, `\s+(?!\S)` at the end of
+/// the left piece and `\s+` in the whole both match just the `\n`; in the others,
+/// `\s*[\r\n]+` or the `[\r\n]*` after punctuation ends the match at the `\n` either way. None
+/// looks behind, so matching after the cut starts afresh as it does in the whole text.
+const LINE_SAFE_REGEXES: [&str; 3] = [
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+];
+
+/// Where a tokenizer adds a prefix (`▁` or a space) that one call adds once.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Prefix {
+    None,
+    /// Only at the start of the text (Metaspace's `prepend_scheme: first`).
+    First,
+    /// At the start of every stretch between added tokens (a `Prepend` normalizer, Metaspace's
+    /// `always`, ByteLevel's `add_prefix_space`).
+    PerSegment,
+}
+
+/// How a tokenizer encodes a text in pieces cut by [`line_pieces`] to exactly the ids of one
+/// call, found from its configuration; a tokenizer outside what is checked here is encoded
+/// whole. Every stage must treat the cut alike:
+/// - added tokens: none holds a line break (so none spans a cut) or strips whitespace to its
+///   left (it would eat the line break before a cut);
+/// - normalizer: character by character, keeping a line break and not turning printable ASCII
+///   into whitespace (Unicode normal forms, lowercase, accent stripping, plain replacements,
+///   `Prepend`);
+/// - pre-tokenizer: splits at the line break (a [`LINE_SAFE_REGEXES`] regex, whitespace
+///   splitting), or does not split there and the model is a BPE whose line break symbol no
+///   merge joins (SentencePiece's Llama and Mistral: no pre-tokenizer or Metaspace);
+/// - the prefix added at the start of a call: pieces after the first are encoded by a copy of
+///   the tokenizer that adds none;
+/// - truncation and padding would apply to each piece, so none may be set.
+struct PiecePlan {
+    /// Encodes every piece after the first: the tokenizer without its start-of-text prefix
+    /// (None: it adds none, so the tokenizer itself).
+    rest: Option<tokenizers::Tokenizer>,
+    /// The prefix also follows every added token, which `rest` would leave out: a text that
+    /// holds one is encoded whole.
+    prefix_per_segment: bool,
+    /// The added tokens' contents, to look for when `prefix_per_segment`.
+    added: Vec<String>,
+}
+
+/// The parts of a `Sequence` (normalizers or pre-tokenizers), flattened; a lone part is itself.
+fn flatten(v: &Json, list_key: &str, out: &mut Vec<Json>) {
+    match (v["type"].as_str(), v[list_key].as_array()) {
+        (Some("Sequence"), Some(parts)) => parts.iter().for_each(|p| flatten(p, list_key, out)),
+        _ => out.push(v.clone()),
+    }
+}
+
+fn sequence(type_key: &str, parts: Vec<Json>) -> Json {
+    match parts.len() {
+        0 => Json::Null,
+        _ => serde_json::json!({ "type": "Sequence", type_key: parts }),
+    }
+}
+
+impl PiecePlan {
+    /// The plan for `tokenizer`, or why it must encode texts whole. Works on the serialized
+    /// stages, where every default is spelled out.
+    fn new(tokenizer: &tokenizers::Tokenizer) -> Result<PiecePlan, String> {
+        fn to_json<T: Serialize>(v: Option<&T>) -> Result<Json, String> {
+            v.map_or(Ok(Json::Null), |v| {
+                serde_json::to_value(v).map_err(|e| e.to_string())
+            })
+        }
+        if tokenizer.get_truncation().is_some() || tokenizer.get_padding().is_some() {
+            return Err("it truncates or pads what it encodes".into());
+        }
+        let mut added = Vec::new();
+        let mut normalized_added = false;
+        for t in tokenizer.get_added_tokens_decoder().values() {
+            if t.lstrip {
+                return Err(format!(
+                    "its added token {:?} strips the whitespace before it",
+                    t.content
+                ));
+            }
+            if t.content.contains('\n') {
+                return Err(format!(
+                    "its added token {:?} holds a line break",
+                    t.content
+                ));
+            }
+            normalized_added |= t.normalized;
+            added.push(t.content.clone());
+        }
+        let mut prefix = Prefix::None;
+
+        let mut normalizers = Vec::new();
+        flatten(
+            &to_json(tokenizer.get_normalizer())?,
+            "normalizers",
+            &mut normalizers,
+        );
+        let mut rest_normalizers = Vec::new();
+        for n in normalizers {
+            let kind = n["type"].as_str().unwrap_or("");
+            match kind {
+                "" if n.is_null() => continue,
+                "NFC" | "NFD" | "NFKC" | "NFKD" | "Lowercase" | "StripAccents" => {}
+                "Prepend" => {
+                    prefix = prefix.max(Prefix::PerSegment);
+                    continue;
+                }
+                "Replace" => {
+                    let (Some(pattern), Some(content)) =
+                        (n["pattern"]["String"].as_str(), n["content"].as_str())
+                    else {
+                        return Err("its Replace normalizer has a regex".into());
+                    };
+                    // No match spans a line break; whitespace appears only for whitespace.
+                    let blank = |s: &str| s.chars().all(char::is_whitespace);
+                    if pattern.is_empty()
+                        || pattern.contains('\n')
+                        || content.contains('\n')
+                        || (!blank(pattern) && content.chars().any(char::is_whitespace))
+                    {
+                        return Err(format!("its Replace normalizer of {pattern:?} by {content:?} may act across a line break"));
+                    }
+                }
+                other => {
+                    return Err(format!(
+                        "its {other} normalizer is not one checked for cutting at line ends"
+                    ))
+                }
+            }
+            rest_normalizers.push(n);
+        }
+
+        let mut pre = Vec::new();
+        flatten(
+            &to_json(tokenizer.get_pre_tokenizer())?,
+            "pretokenizers",
+            &mut pre,
+        );
+        pre.retain(|p| !p.is_null());
+        // Whether every cut is a pre-token boundary, and the line break as the model sees it.
+        let (mut splits, mut newline) = (false, '\n');
+        let count = pre.len();
+        for (i, p) in pre.iter_mut().enumerate() {
+            let kind = p["type"].as_str().unwrap_or("").to_string();
+            // ByteLevel and Metaspace change characters, which the stages after them would see.
+            let maps_chars = matches!(kind.as_str(), "ByteLevel" | "Metaspace");
+            if maps_chars && i + 1 != count {
+                return Err(format!("its {kind} pre-tokenizer is followed by others"));
+            }
+            match kind.as_str() {
+                "Whitespace" | "WhitespaceSplit" | "BertPreTokenizer" => splits = true,
+                "Split" => {
+                    if p["invert"] != Json::Bool(false) {
+                        return Err("its Split pre-tokenizer is inverted".into());
+                    }
+                    match (&p["pattern"]["Regex"], &p["pattern"]["String"]) {
+                        (Json::String(re), _)
+                            if LINE_SAFE_REGEXES.contains(&re.as_str())
+                                && p["behavior"] == "Isolated" =>
+                        {
+                            splits = true
+                        }
+                        // A plain string without a line break neither spans nor makes a cut.
+                        (_, Json::String(s)) if !s.is_empty() && !s.contains('\n') => {}
+                        _ => return Err("its Split pre-tokenizer's pattern is not one checked for cutting at line ends".into()),
+                    }
+                }
+                "ByteLevel" => {
+                    splits |= p["use_regex"] == Json::Bool(true);
+                    newline = 'Ċ';
+                    if p["add_prefix_space"] == Json::Bool(true) {
+                        if i != 0 {
+                            return Err(
+                                "its ByteLevel pre-tokenizer adds a space to every pre-token"
+                                    .into(),
+                            );
+                        }
+                        prefix = prefix.max(Prefix::PerSegment);
+                        p["add_prefix_space"] = Json::Bool(false);
+                    }
+                }
+                "Metaspace" => {
+                    let scheme = p["prepend_scheme"].as_str().unwrap_or("").to_string();
+                    match scheme.as_str() {
+                        "never" => {}
+                        "first" => prefix = prefix.max(Prefix::First),
+                        "always" if i == 0 => prefix = prefix.max(Prefix::PerSegment),
+                        _ => return Err(format!("its Metaspace pre-tokenizer prepends {scheme:?} after other pre-tokenizers")),
+                    }
+                    p["prepend_scheme"] = "never".into();
+                }
+                other => {
+                    return Err(format!(
+                        "its {other} pre-tokenizer is not one checked for cutting at line ends"
+                    ))
+                }
+            }
+        }
+
+        let tokenizers::models::ModelWrapper::BPE(bpe) = tokenizer.get_model() else {
+            if splits {
+                // Other models see one pre-token at a time and are deterministic.
+                return PiecePlan::finish(
+                    tokenizer,
+                    prefix,
+                    rest_normalizers,
+                    pre,
+                    added,
+                    normalized_added,
+                );
+            }
+            return Err("nothing splits at line ends and its model is not a BPE".into());
+        };
+        if bpe.dropout.is_some_and(|d| d > 0.0) {
+            return Err("its BPE dropout makes the ids random".into());
+        }
+        if !splits {
+            let set = |s: &Option<String>| s.as_deref().is_some_and(|s| !s.is_empty());
+            if set(&bpe.continuing_subword_prefix) || set(&bpe.end_of_word_suffix) {
+                return Err(
+                    "nothing splits at line ends and its BPE marks where words start or end".into(),
+                );
+            }
+            if bpe.ignore_merges {
+                return Err("nothing splits at line ends and its BPE looks whole words up".into());
+            }
+            // The line break must stay a symbol of its own: merges only build vocabulary
+            // tokens, so no token may hold it with anything else.
+            let vocab = tokenizers::Model::get_vocab(bpe);
+            let nl = newline.to_string();
+            if vocab.keys().any(|k| k.contains(newline) && *k != nl) {
+                return Err("nothing splits at line ends and its vocabulary joins line breaks to other text".into());
+            }
+            let known =
+                vocab.contains_key(&nl) || (bpe.byte_fallback && vocab.contains_key("<0x0A>"));
+            if bpe.fuse_unk && !known {
+                return Err(
+                    "its line break is an unknown token, fused with unknown neighbours".into(),
+                );
+            }
+        }
+        PiecePlan::finish(
+            tokenizer,
+            prefix,
+            rest_normalizers,
+            pre,
+            added,
+            normalized_added,
+        )
+    }
+
+    /// The plan, with `rest` built from the stages as edited to add no prefix.
+    fn finish(
+        tokenizer: &tokenizers::Tokenizer,
+        prefix: Prefix,
+        normalizers: Vec<Json>,
+        pre_tokenizers: Vec<Json>,
+        added: Vec<String>,
+        normalized_added: bool,
+    ) -> Result<PiecePlan, String> {
+        if prefix == Prefix::PerSegment && normalized_added {
+            return Err(
+                "its prefix follows every added token, some matched only after normalizing".into(),
+            );
+        }
+        let rest = match prefix {
+            Prefix::None => None,
+            Prefix::First | Prefix::PerSegment => {
+                let normalizer: Option<tokenizers::NormalizerWrapper> =
+                    serde_json::from_value(sequence("normalizers", normalizers))
+                        .map_err(|e| e.to_string())?;
+                let pre_tokenizer: Option<tokenizers::PreTokenizerWrapper> =
+                    serde_json::from_value(sequence("pretokenizers", pre_tokenizers))
+                        .map_err(|e| e.to_string())?;
+                let mut rest = tokenizer.clone();
+                rest.with_normalizer(normalizer)
+                    .map_err(|e| e.to_string())?;
+                rest.with_pre_tokenizer(pre_tokenizer);
+                Some(rest)
+            }
+        };
+        Ok(PiecePlan {
+            rest,
+            prefix_per_segment: prefix == Prefix::PerSegment,
+            added,
         })
     }
 }
@@ -488,6 +902,228 @@ mod tests {
             tojson("{{ v | tojson(indent=2) }}", ctx),
             "{\n  \"a\": [\n    1,\n    \"x<y>&'\"\n  ],\n  \"b\": {},\n  \"c\": null,\n  \"d\": \"é\"\n}"
         );
+    }
+
+    /// The byte-level fixture (GPT-2's pre-tokenizer) with merges that join line breaks to
+    /// each other and to a space, so cutting a run of them apart would change the ids.
+    fn byte_level_json() -> Json {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../nn/tests/fixtures/hf/tokenizer")
+            .join(TOKENIZER_FILE);
+        let mut json: Json = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let vocab = json["model"]["vocab"].as_object_mut().unwrap();
+        let next = vocab.len() as u64 + 3;
+        vocab.insert("ĊĊ".into(), next.into());
+        vocab.insert("ĠĊ".into(), (next + 1).into());
+        let merges = json["model"]["merges"].as_array_mut().unwrap();
+        merges.insert(0, serde_json::json!(["Ċ", "Ċ"]));
+        merges.insert(0, serde_json::json!(["Ġ", "Ċ"]));
+        json
+    }
+
+    /// A SentencePiece BPE as Llama 2's `tokenizer.json` writes it: `▁` prepended and standing
+    /// for spaces, no pre-tokenizer, byte fallback for the line break.
+    fn sentencepiece_json() -> Json {
+        let mut vocab = serde_json::Map::new();
+        for t in ["<unk>", "<s>", "</s>"] {
+            vocab.insert(t.into(), vocab.len().into());
+        }
+        for b in 0..=255u8 {
+            vocab.insert(format!("<0x{b:02X}>"), vocab.len().into());
+        }
+        let merges = [
+            "▁ t",
+            "h e",
+            "▁t he",
+            "▁ a",
+            "a n",
+            "▁a n",
+            "▁an d",
+            "i n",
+            "▁ ▁",
+            "▁▁ ▁",
+            "▁ T",
+            "▁T he",
+            "e r",
+            "o u",
+            "▁ y",
+            "▁y ou",
+            "' s",
+            "1 2",
+        ];
+        for c in "▁abcdefghijklmnopqrstuvwxyzTHE.,'!?12é".chars() {
+            vocab.insert(c.to_string(), vocab.len().into());
+        }
+        for m in merges {
+            vocab.insert(m.replace(' ', ""), vocab.len().into());
+        }
+        let added: Vec<Json> = ["<unk>", "<s>", "</s>"]
+            .iter()
+            .enumerate()
+            .map(|(id, t)| {
+                serde_json::json!({"id": id, "content": t, "single_word": false, "lstrip": false,
+                    "rstrip": false, "normalized": false, "special": true})
+            })
+            .collect();
+        serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+            "normalizer": {"type": "Sequence", "normalizers": [
+                {"type": "Prepend", "prepend": "▁"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
+            "pre_tokenizer": null, "post_processor": null, "decoder": null,
+            "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>",
+                "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": true,
+                "byte_fallback": true, "ignore_merges": false, "vocab": vocab, "merges": merges}
+        })
+    }
+
+    fn build(json: &Json) -> HfTokenizer {
+        let files = HfTokenizerFiles {
+            tokenizer_json: json.to_string(),
+            tokenizer_config_json: None,
+            chat_template_jinja: None,
+        };
+        HfTokenizer::from_files(files, Path::new("")).unwrap()
+    }
+
+    /// Tokenizers of every shape the plan accepts: GPT-2's, Llama 3's, Llama 2's and Mistral's
+    /// SentencePiece (a `Prepend` normalizer, or Metaspace first or always), and a byte-level
+    /// one that prepends a space.
+    fn piecewise_tokenizers() -> Vec<(&'static str, HfTokenizer)> {
+        let gpt2 = byte_level_json();
+        let mut llama3 = gpt2.clone();
+        llama3["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": LINE_SAFE_REGEXES[1]}, "behavior": "Isolated",
+                "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+                "use_regex": false}]});
+        llama3["model"]["ignore_merges"] = true.into();
+        let mut spaced = gpt2.clone();
+        spaced["pre_tokenizer"]["add_prefix_space"] = true.into();
+        let llama2 = sentencepiece_json();
+        let metaspace = |scheme: &str, split: bool| {
+            let mut j = llama2.clone();
+            j["normalizer"] = Json::Null;
+            j["pre_tokenizer"] = serde_json::json!({"type": "Metaspace", "replacement": "▁",
+                "prepend_scheme": scheme, "split": split});
+            j
+        };
+        vec![
+            ("gpt2", build(&gpt2)),
+            ("llama3", build(&llama3)),
+            ("byte-level with a prefix space", build(&spaced)),
+            ("llama2", build(&llama2)),
+            ("metaspace first", build(&metaspace("first", false))),
+            ("metaspace always, split", build(&metaspace("always", true))),
+        ]
+    }
+
+    /// Random text dense in line breaks with and without whitespace around them, and added
+    /// tokens now and then.
+    fn lines(rng: &mut rand_chacha::ChaCha8Rng, n: usize, with_added: bool) -> String {
+        use rand::Rng;
+        let alphabet = [
+            "the", "The", "and", "you", "a", " ", " ", "  ", "\n", "\n", "\n", "\n\n", " \n",
+            "\n ", "\r\n", "\t", ".", ",", "'s", "12", "12345", "é", "日本", "!", "?", "x\ny", "T",
+        ];
+        let added = ["<s>", "</s>", "<|im_end|>", "<|endoftext|>"];
+        (0..n)
+            .map(|_| {
+                if with_added && rng.random_range(0..40) == 0 {
+                    added[rng.random_range(0..added.len())]
+                } else {
+                    alphabet[rng.random_range(0..alphabet.len())]
+                }
+            })
+            .collect()
+    }
+
+    /// Encoding in pieces gives exactly the ids of one call, for every tokenizer shape and cut
+    /// density; texts with added tokens are encoded whole where the prefix follows them.
+    #[test]
+    fn pieces_encode_to_the_ids_of_the_whole_text() {
+        use rand::SeedableRng;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        for (name, t) in piecewise_tokenizers() {
+            assert_eq!(t.whole_text_reason(), None, "{name}");
+            let mut cut = 0;
+            for round in 0..30 {
+                let text = lines(&mut rng, 300, round % 3 == 0);
+                let whole = t.encode_with_offsets(&text, false).unwrap().0;
+                for target in [1, 5, 40] {
+                    if let Some(ids) = t.encode_in_pieces(&text, target).unwrap() {
+                        assert_eq!(ids, whole, "{name}, pieces of {target}: {text:?}");
+                        cut += 1;
+                    }
+                }
+            }
+            assert!(cut > 40, "{name}: only {cut} texts were cut");
+        }
+    }
+
+    /// A long text goes through the pieces by itself.
+    #[test]
+    fn long_texts_are_encoded_in_pieces() {
+        use rand::SeedableRng;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(12);
+        let text = lines(&mut rng, 2 * PIECE_BYTES, false);
+        assert!(text.len() > 2 * PIECE_BYTES && line_pieces(&text, PIECE_BYTES).len() > 2);
+        for (name, t) in piecewise_tokenizers().into_iter().step_by(3) {
+            let whole = t.encode_with_offsets(&text, false).unwrap().0;
+            assert_eq!(t.encode(&text, false).unwrap(), whole, "{name}");
+        }
+    }
+
+    #[test]
+    fn cuts_fall_after_a_line_break_between_printable_characters() {
+        assert_eq!(
+            line_pieces("ab\ncd\n\nef \ngh\nij", 1),
+            ["ab\n", "cd\n\nef \ngh\n", "ij"]
+        );
+        assert_eq!(line_pieces("ab\ncd\nef", 4), ["ab\ncd\n", "ef"]);
+        assert_eq!(line_pieces("\nab\n", 1), ["\nab\n"]);
+        assert_eq!(line_pieces("", 1), [""]);
+    }
+
+    /// Stages that could act across a line break, or prefixes the pieces could not reproduce,
+    /// keep the tokenizer to whole texts.
+    #[test]
+    fn unchecked_stages_encode_whole() {
+        let refused = |edit: &dyn Fn(&mut Json), why: &str| {
+            let mut json = byte_level_json();
+            edit(&mut json);
+            let reason = build(&json).whole_text_reason().map(str::to_string);
+            assert!(
+                reason.as_deref().is_some_and(|r| r.contains(why)),
+                "{reason:?} lacks {why:?}"
+            );
+        };
+        refused(
+            &|j| {
+                j["normalizer"] =
+                    serde_json::json!({"type": "Strip", "strip_left": true, "strip_right": true})
+            },
+            "Strip",
+        );
+        refused(&|j| j["added_tokens"][0]["lstrip"] = true.into(), "strips");
+        refused(
+            &|j| j["added_tokens"][0]["content"] = "\n\n".into(),
+            "line break",
+        );
+        refused(
+            &|j| j["pre_tokenizer"]["use_regex"] = false.into(),
+            "joins line breaks",
+        );
+        refused(
+            &|j| {
+                j["truncation"] = serde_json::json!({"direction": "Right", "max_length": 8,
+            "strategy": "LongestFirst", "stride": 0})
+            },
+            "truncates",
+        );
+        let mut sp = sentencepiece_json();
+        sp["model"]["vocab"]["a\nb"] = 999.into();
+        assert!(build(&sp).whole_text_reason().is_some());
     }
 
     #[test]

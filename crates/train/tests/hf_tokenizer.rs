@@ -502,3 +502,15 @@ fn malformed_jsonl_lines_are_named_by_number() {
     let p = tokenize_jsonl(path, good, &Tokenizer::gpt2()).unwrap();
     assert_eq!(p.ids, [482, 50256]);
 }
+
+/// `snug prepare` encodes a long corpus in pieces cut at line ends; through the public API the
+/// ids are exactly those of one call.
+#[test]
+fn a_long_text_encodes_in_pieces_to_the_ids_of_one_call() {
+    let t = fixture();
+    assert_eq!(t.whole_text_reason(), None);
+    let stanza = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\r\n  \n\tYou are all resolved rather to die than to famish?<|im_end|>\n";
+    let text = stanza.repeat(700_000 / stanza.len());
+    let whole = t.encode_with_offsets(&text, false).unwrap().0;
+    assert_eq!(t.encode(&text, false).unwrap(), whole);
+}
