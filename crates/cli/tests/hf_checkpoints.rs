@@ -590,3 +590,35 @@ fn weights_without_their_config_are_named() {
     }
     assert!(!out.exists());
 }
+
+/// An export killed mid-write leaves its temporary file (as large as the model's weights);
+/// the next export into that directory removes it, but never one of a process still running.
+#[cfg(target_os = "linux")]
+#[test]
+fn an_export_removes_what_a_killed_one_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    // PIDs stop below 2^22: 4,000,000,000 was never a process.
+    let stale = out.join(".model.safetensors.4000000000.0.tmp");
+    let live = out.join(format!(".model.safetensors.{}.0.tmp", std::process::id()));
+    let other = out.join(".model.safetensors.4000000000.0.tmp.keep");
+    for f in [&stale, &live, &other] {
+        std::fs::write(f, b"partial").unwrap();
+    }
+    let from = fixture("llama_tied");
+    ok(
+        dir.path(),
+        &[
+            "export",
+            "--checkpoint",
+            from.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--force",
+        ],
+    );
+    assert!(out.join("model.safetensors").exists());
+    assert!(!stale.exists());
+    assert!(live.exists() && other.exists());
+}

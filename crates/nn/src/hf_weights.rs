@@ -184,6 +184,7 @@ pub(crate) fn write_atomically(
         COUNTER.fetch_add(1, Ordering::Relaxed)
     ));
     let tmp = dir.join(tmp_name);
+    remove_stale_temporaries(&dir, name);
     let result = write(&tmp)
         .and_then(|()| {
             File::open(&tmp)
@@ -202,6 +203,43 @@ pub(crate) fn write_atomically(
         .and_then(|d| d.sync_all())
         .map_err(|e| file_error(path, format!("syncing directory {}: {e}", dir.display())))?;
     Ok(())
+}
+
+/// Removes what an earlier writer of `name` in `dir` left when it was killed mid-write
+/// ([`write_atomically`]'s `.NAME.PID.N.tmp`, as large as the model for the weights): a
+/// temporary of a process still running is another writer's, and stays. Linux only, where
+/// `/proc` tells a running process.
+fn remove_stale_temporaries(dir: &Path, name: &std::ffi::OsStr) {
+    #[cfg(target_os = "linux")]
+    {
+        let prefix = format!(".{}.", name.to_string_lossy());
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let file = entry.file_name();
+            let file = file.to_string_lossy();
+            let Some(rest) = file
+                .strip_prefix(prefix.as_str())
+                .and_then(|r| r.strip_suffix(".tmp"))
+            else {
+                continue;
+            };
+            let Some((pid, n)) = rest.split_once('.') else {
+                continue;
+            };
+            let (Ok(pid), Ok(_)) = (pid.parse::<u32>(), n.parse::<u64>()) else {
+                continue;
+            };
+            let running =
+                pid == std::process::id() || Path::new("/proc").join(pid.to_string()).exists();
+            if !running {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (dir, name);
 }
 
 /// `h.N.attn.bias` / `h.N.attn.masked_bias`: the causal mask buffers older `transformers`
