@@ -223,11 +223,19 @@ pub fn parse(text: &str) -> Result<ModelConfig> {
         _ => ModelConfig::Llama(llama(&f, model_type)?),
     };
     cfg.validate().map_err(|e| match e {
-        NnError::Config { field, detail } => HfConfigError::Invalid {
-            field: field.to_string(),
-            value: f.get(field).map_or("-".into(), Value::to_string),
-            detail,
-        },
+        NnError::Config { field, detail } => {
+            // Named as the file names it: GPT-2's context is `n_positions` (or `n_ctx`).
+            let key = match (model_type, field) {
+                ("gpt2", "block_size") if f.get("n_positions").is_none() => "n_ctx",
+                ("gpt2", "block_size") => "n_positions",
+                _ => field,
+            };
+            HfConfigError::Invalid {
+                field: key.to_string(),
+                value: f.get(key).map_or("-".into(), Value::to_string),
+                detail,
+            }
+        }
         other => HfConfigError::Invalid {
             field: "-".into(),
             value: "-".into(),
@@ -307,6 +315,10 @@ fn llama(f: &Fields, model_type: &str) -> Result<LlamaConfig> {
     };
     let n_head = f.int("num_attention_heads")?;
     let hidden = f.int("hidden_size")?;
+    if hidden == 0 {
+        // Before `head_dim` is compared with it, which would then be named.
+        return Err(invalid("hidden_size", &json!(0), "must be at least 1"));
+    }
     let n_layer = f.int("num_hidden_layers")?;
     let max_seq = f.int_or("max_position_embeddings", 4096)?;
     f.refuse_unless(
@@ -792,5 +804,28 @@ mod tests {
             let cfg = parse(&text).unwrap();
             assert_eq!(parse(&to_json(&cfg)).unwrap(), cfg, "{text}");
         }
+    }
+
+    /// A size the model refuses is named by the file's key and value, not snug's field.
+    #[test]
+    fn invalid_sizes_are_named_as_the_file_names_them() {
+        let named = |text: &str| match parse(text) {
+            Err(HfConfigError::Invalid { field, value, .. }) => (field, value),
+            other => panic!("{text}: {other:?}"),
+        };
+        let gpt2 = |positions: &str| {
+            format!(
+                r#"{{"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 32,
+                {positions}, "vocab_size": 320}}"#
+            )
+        };
+        assert_eq!(
+            named(&gpt2(r#""n_positions": 0"#)),
+            ("n_positions".into(), "0".into())
+        );
+        assert_eq!(named(&gpt2(r#""n_ctx": 0"#)), ("n_ctx".into(), "0".into()));
+        let llama =
+            llama_text("").replace(r#""hidden_size": 32"#, r#""hidden_size": 0, "head_dim": 8"#);
+        assert_eq!(named(&llama), ("hidden_size".into(), "0".into()));
     }
 }
