@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use snug_plan::memory_plan::human_bytes;
 use snug_plan::{plan, PlanOptions};
@@ -93,10 +93,7 @@ pub fn write_for_run(
     doc.block = Some(cfg.block);
     doc.remat = Some(cfg.remat.to_string());
     let metrics = dir.join(snug_train::run::METRICS_FILE);
-    let run = metrics
-        .is_file()
-        .then(|| RunMetrics::read(&metrics))
-        .transpose()?;
+    let run = read_metrics(&metrics)?;
     let device = snug_runtime::process::available_memory()
         .map(|b| ("this machine's available memory".to_string(), b));
     let report = Report {
@@ -117,6 +114,17 @@ fn holds_checkpoints(dir: &Path) -> bool {
     snug_train::checkpoint::CheckpointDir::open(dir)
         .and_then(|d| d.list())
         .is_ok_and(|l| !l.is_empty())
+}
+
+/// A run's metrics file: `None` where there is none (a run that has not logged yet); anything
+/// else at its path (a directory) is an error naming it, not a page without the run.
+fn read_metrics(path: &Path) -> Result<Option<RunMetrics>> {
+    match std::fs::metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Ok(m) if m.is_file() => Ok(Some(RunMetrics::read(path)?)),
+        Ok(_) => bail!("{}: not a file", path.display()),
+        Err(e) => bail!("{}: {e}", path.display()),
+    }
 }
 
 pub fn run(args: ReportArgs) -> Result<()> {
@@ -170,12 +178,11 @@ pub fn run(args: ReportArgs) -> Result<()> {
     let run = match &args.run {
         Some(dir) => {
             let path = dir.join(snug_train::run::METRICS_FILE);
-            if path.is_file() {
-                Some(RunMetrics::read(&path)?)
-            } else {
+            let run = read_metrics(&path)?;
+            if run.is_none() {
                 notes.push(format!("no run curves: {} not found", path.display()));
-                None
             }
+            run
         }
         None => None,
     };

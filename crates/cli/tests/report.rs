@@ -368,3 +368,20 @@ fn profile_writes_a_trace_with_a_slice_per_op_and_a_counter_of_bytes_held() {
         .collect();
     assert_eq!(counters[..ops], timeline[..]);
 }
+
+/// Something other than a file where a run's metrics belong is named, not drawn as a run
+/// without curves.
+#[test]
+fn metrics_that_are_not_a_file_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    std::fs::create_dir_all(dir.join("run/metrics.jsonl")).unwrap();
+    let e = snug(&["report", "--run", "run", "-o", "r.html"], dir);
+    assert_eq!(e.code, Some(1), "{}", e.stderr);
+    assert!(
+        e.stderr.contains("metrics.jsonl: not a file"),
+        "{}",
+        e.stderr
+    );
+    assert!(!dir.join("r.html").exists());
+}

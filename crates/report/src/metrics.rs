@@ -67,9 +67,17 @@ enum Line {
 
 impl RunMetrics {
     pub fn read(path: &Path) -> Result<RunMetrics, ReportError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ReportError::Io {
+        let bytes = std::fs::read(path).map_err(|source| ReportError::Io {
             path: path.to_path_buf(),
             source,
+        })?;
+        let text = String::from_utf8(bytes).map_err(|e| {
+            let valid = &e.as_bytes()[..e.utf8_error().valid_up_to()];
+            ReportError::MetricsLine {
+                path: path.to_path_buf(),
+                line: valid.iter().filter(|&&b| b == b'\n').count() + 1,
+                detail: "not UTF-8 text".into(),
+            }
         })?;
         RunMetrics::parse(&text, path)
     }
@@ -152,6 +160,23 @@ mod tests {
         match RunMetrics::parse(&text, Path::new("m.jsonl")) {
             Err(ReportError::MetricsLine { line: 1, .. }) => {}
             other => panic!("expected a line-1 error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn bytes_that_are_not_text_are_named_by_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        let mut bytes = format!("{STEP1}\n{STEP1}\n").into_bytes();
+        bytes.extend(b"{\"kind\": \"st\xffep\"}\n");
+        std::fs::write(&path, bytes).unwrap();
+        match RunMetrics::read(&path) {
+            Err(ReportError::MetricsLine {
+                line: 3, detail, ..
+            }) => {
+                assert_eq!(detail, "not UTF-8 text")
+            }
+            other => panic!("expected a line-3 error, got {other:?}"),
         }
     }
 
