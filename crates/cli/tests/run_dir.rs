@@ -380,11 +380,12 @@ fn export_replaces_a_directory_only_when_forced_and_never_a_run() {
     common::ok(cwd, &["export", "--checkpoint", "run", "--out", "hf"]);
     let exported = snapshot(&hf);
 
-    // The user's own file, an export's file spoiled, and an earlier export's tokenizer (this
-    // run has none): refused whole without --force.
+    // The user's own file, export's files spoiled, and an earlier export's chat template
+    // (this run's tokenizer has none): refused whole without --force.
     std::fs::write(hf.join("notes.txt"), "mine").expect("a file");
     std::fs::write(hf.join("config.json"), "spoiled").expect("a file");
     std::fs::write(hf.join("tokenizer.json"), "stale").expect("a file");
+    std::fs::write(hf.join("chat_template.jinja"), "stale").expect("a file");
     // An earlier model's files export never writes but loaders read with the new one.
     let earlier = ["generation_config.json", "merges.txt", "vocab.json"];
     for name in earlier {
@@ -408,7 +409,7 @@ fn export_replaces_a_directory_only_when_forced_and_never_a_run() {
         &["export", "--checkpoint", "run", "--out", "hf", "--force"],
     );
     assert!(
-        String::from_utf8_lossy(&o.stdout).contains("removed hf/tokenizer.json"),
+        String::from_utf8_lossy(&o.stdout).contains("removed hf/chat_template.jinja"),
         "{}",
         String::from_utf8_lossy(&o.stdout)
     );
