@@ -131,17 +131,12 @@ fn char_tokenizer_files(tokenizer: &Tokenizer) -> Result<HfTokenizerFiles> {
         },
         "post_processor": null,
         "decoder": { "type": "Fuse" },
+        // A character outside the vocabulary is an error, as it is to the run's tokenizer:
+        // the unknown token is none of the pieces (a BPE with no unknown token would drop it).
         "model": {
-            "type": "BPE",
-            "dropout": null,
-            "unk_token": null,
-            "continuing_subword_prefix": null,
-            "end_of_word_suffix": null,
-            "fuse_unk": false,
-            "byte_fallback": false,
-            "ignore_merges": false,
+            "type": "WordLevel",
             "vocab": vocab,
-            "merges": []
+            "unk_token": "<unk>"
         }
     });
     let config = serde_json::json!({
