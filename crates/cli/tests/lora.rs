@@ -186,6 +186,18 @@ fn train_export_merge_and_continue_from_the_adapter() {
     };
     let from_run = sample(&run);
     assert_eq!(sample(&out), from_run);
+    // A character the run's vocabulary lacks is refused by the exported tokenizer as by the
+    // run's, not dropped.
+    for from in [&run, &out] {
+        let args = [
+            "sample",
+            "--checkpoint",
+            from.to_str().unwrap(),
+            "--prompt",
+            "1x2",
+        ];
+        fails_with(dir.path(), &args, &["encoding --prompt"]);
+    }
     assert_eq!(sample(&merged), from_run);
     let bare = dir.path().join("bare");
     std::fs::create_dir(&bare).unwrap();
