@@ -125,7 +125,9 @@ fn char_tokenizer_files(tokenizer: &Tokenizer) -> Result<HfTokenizerFiles> {
         "normalizer": null,
         "pre_tokenizer": {
             "type": "Split",
-            "pattern": { "Regex": "(?s)." },
+            // Any one character, newlines too, in Oniguruma (Python's `tokenizers`) as in
+            // fancy-regex, which has no inline flags in common.
+            "pattern": { "Regex": "[\\s\\S]" },
             "behavior": "Isolated",
             "invert": false
         },

@@ -592,7 +592,8 @@ fn weights_without_their_config_are_named() {
 }
 
 /// An export killed mid-write leaves its temporary file (as large as the model's weights);
-/// the next export into that directory removes it, but never one of a process still running.
+/// the next export into that directory removes it, but never one of a process still running
+/// or one written to within the hour.
 #[cfg(target_os = "linux")]
 #[test]
 fn an_export_removes_what_a_killed_one_left() {
@@ -602,9 +603,16 @@ fn an_export_removes_what_a_killed_one_left() {
     // PIDs stop below 2^22: 4,000,000,000 was never a process.
     let stale = out.join(".model.safetensors.4000000000.0.tmp");
     let live = out.join(format!(".model.safetensors.{}.0.tmp", std::process::id()));
+    // A writer this machine cannot see (another container) keeps writing to its file.
+    let recent = out.join(".model.safetensors.4000000001.0.tmp");
     let other = out.join(".model.safetensors.4000000000.0.tmp.keep");
-    for f in [&stale, &live, &other] {
+    let two_hours_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(7200);
+    for f in [&stale, &live, &recent, &other] {
         std::fs::write(f, b"partial").unwrap();
+        if f != &recent {
+            let file = std::fs::File::options().write(true).open(f).unwrap();
+            file.set_modified(two_hours_ago).unwrap();
+        }
     }
     let from = fixture("llama_tied");
     ok(
@@ -620,5 +628,5 @@ fn an_export_removes_what_a_killed_one_left() {
     );
     assert!(out.join("model.safetensors").exists());
     assert!(!stale.exists());
-    assert!(live.exists() && other.exists());
+    assert!(live.exists() && recent.exists() && other.exists());
 }

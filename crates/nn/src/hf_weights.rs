@@ -207,11 +207,12 @@ pub(crate) fn write_atomically(
 
 /// Removes what an earlier writer of `name` in `dir` left when it was killed mid-write
 /// ([`write_atomically`]'s `.NAME.PID.N.tmp`, as large as the model for the weights): a
-/// temporary of a process still running is another writer's, and stays. Linux only, where
-/// `/proc` tells a running process.
+/// temporary of a process still running, or written to within the hour, is another writer's,
+/// and stays. Linux only, where `/proc` tells a running process.
 fn remove_stale_temporaries(dir: &Path, name: &std::ffi::OsStr) {
     #[cfg(target_os = "linux")]
     {
+        const STALE_AFTER: std::time::Duration = std::time::Duration::from_secs(3600);
         let prefix = format!(".{}.", name.to_string_lossy());
         let Ok(entries) = std::fs::read_dir(dir) else {
             return;
@@ -233,7 +234,16 @@ fn remove_stale_temporaries(dir: &Path, name: &std::ffi::OsStr) {
             };
             let running =
                 pid == std::process::id() || Path::new("/proc").join(pid.to_string()).exists();
-            if !running {
+            // A writer elsewhere (another container sharing the directory, a hidden /proc) is
+            // not seen: its file grows all the while, so only one left alone for an hour is
+            // taken for dead.
+            let idle = entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_some_and(|age| age >= STALE_AFTER);
+            if !running && idle {
                 let _ = std::fs::remove_file(entry.path());
             }
         }

@@ -635,8 +635,8 @@ impl AdapterFolds {
     }
 
     /// Folds the adapter of weight `name` into `w` (`[in, out]`), if it has one: `true` then.
-    pub fn fold(&self, name: &str, w: &mut [f32]) -> Result<bool, NnError> {
-        let Some((n_in, a, b)) = self.by_weight.get(name) else {
+    pub fn fold(&mut self, name: &str, w: &mut [f32]) -> Result<bool, NnError> {
+        let Some((n_in, a, b)) = self.by_weight.remove(name) else {
             return Ok(false);
         };
         if w.len() != n_in * (b.len() / self.rank.max(1)) {
@@ -644,8 +644,19 @@ impl AdapterFolds {
                 detail: format!("`{name}`'s adapters do not match its shape"),
             });
         }
-        merge_layer(w, a, b, *n_in, self.rank, self.scale);
+        merge_layer(w, &a, &b, n_in, self.rank, self.scale);
         Ok(true)
+    }
+
+    /// Every adapter was folded: one whose weight was never read would leave the model
+    /// sampled without it.
+    pub fn finish(self) -> Result<(), NnError> {
+        match self.by_weight.keys().min() {
+            Some(name) => Err(NnError::Lora {
+                detail: format!("the adapter of `{name}` was not folded: no such weight was read"),
+            }),
+            None => Ok(()),
+        }
     }
 }
 
@@ -720,6 +731,24 @@ mod tests {
             assert_eq!(merged, &expect);
             assert_ne!(merged, orig);
         }
+        // Folded one weight at a time as a model is read: the same weights, bit for bit; a
+        // weight never read leaves its adapter unfolded, which is an error.
+        let adapter = || PeftAdapter {
+            lora: lora.clone(),
+            base: None,
+            tensors: adapters.clone(),
+        };
+        let mut folds = AdapterFolds::new(&model, adapter()).unwrap();
+        for ((name, merged), (_, orig)) in params.iter().zip(&base) {
+            let mut w = orig.clone();
+            folds.fold(name, &mut w).unwrap();
+            assert_eq!(&w, merged, "{name}");
+        }
+        folds.finish().unwrap();
+        let mut folds = AdapterFolds::new(&model, adapter()).unwrap();
+        let mut w = base[0].1.clone();
+        folds.fold(&base[0].0, &mut w).unwrap();
+        assert!(matches!(folds.finish(), Err(NnError::Lora { .. })));
     }
 
     #[test]

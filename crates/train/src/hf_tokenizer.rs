@@ -607,12 +607,15 @@ impl PiecePlan {
                     else {
                         return Err("its Replace normalizer has a regex".into());
                     };
-                    // No match spans a line break; whitespace appears only for whitespace.
+                    // No match spans a line break; whitespace appears only for whitespace; and
+                    // no printable character vanishes (one before a cut would leave the line
+                    // break beside whatever preceded it).
                     let blank = |s: &str| s.chars().all(char::is_whitespace);
                     if pattern.is_empty()
                         || pattern.contains('\n')
                         || content.contains('\n')
                         || (!blank(pattern) && content.chars().any(char::is_whitespace))
+                        || (!blank(pattern) && content.is_empty())
                     {
                         return Err(format!("its Replace normalizer of {pattern:?} by {content:?} may act across a line break"));
                     }
@@ -1120,6 +1123,13 @@ mod tests {
             "strategy": "LongestFirst", "stride": 0})
             },
             "truncates",
+        );
+        // Deleting a printable character can leave a cut's line break beside a space.
+        refused(
+            &|j| {
+                j["normalizer"] = serde_json::json!({"type": "Replace", "pattern": {"String": "`"}, "content": ""})
+            },
+            "Replace",
         );
         let mut sp = sentencepiece_json();
         sp["model"]["vocab"]["a\nb"] = 999.into();

@@ -511,7 +511,7 @@ impl Sampler {
         // A LoRA run exported without merging is its base model with a PEFT adapter beside it
         // (`snug export`): the adapter is folded into each weight as it is read. Read first,
         // so a damaged adapter is refused before anything is allocated.
-        let folds = if snug_nn::lora::is_adapter_dir(ckpt.dir()) {
+        let mut folds = if snug_nn::lora::is_adapter_dir(ckpt.dir()) {
             let adapter = snug_nn::lora::load_peft_adapter(ckpt.dir(), model)?;
             Some(snug_nn::lora::AdapterFolds::new(model, adapter)?)
         } else {
@@ -524,10 +524,13 @@ impl Sampler {
             })?;
         for (name, id) in params {
             let mut v = ckpt.read(&name)?;
-            if let Some(f) = &folds {
+            if let Some(f) = folds.as_mut() {
                 f.fold(&name, &mut v)?;
             }
             crate::quantized::write_param(&mut sampler.session, quantize, id, &v)?;
+        }
+        if let Some(f) = folds {
+            f.finish()?;
         }
         Ok(sampler)
     }
