@@ -330,11 +330,22 @@ impl Tokenizer {
         }
         if let (Tokenizer::Char(c), o) | (o, Tokenizer::Char(c)) = (self, other) {
             // A character vocabulary (and the tokenizer.json `snug export` writes for one):
-            // the probes hold characters it lacks, so its own characters are the probe.
+            // the probes hold characters it lacks, so its own characters are the probe, in
+            // order and, for a vocabulary of up to 256, every pair of them side by side (a
+            // normalizer composing `e` and U+0301 acts on a pair).
             let n = c.chars().len() as u32;
-            let all: String = c.chars().iter().collect();
+            let chars = c.chars();
+            let mut probe: Vec<char> = chars.to_vec();
+            if chars.len() <= 256 {
+                for &a in chars {
+                    for &b in chars {
+                        probe.extend([a, b]);
+                    }
+                }
+            }
+            let text: String = probe.iter().collect();
             return o.vocab_size() == n as usize
-                && matches!(o.encode(&all), Ok(ids) if ids.iter().copied().eq(0..n))
+                && matches!((o.encode(&text), c.encode(&text)), (Ok(a), Ok(b)) if a == b)
                 && (0..n).all(|id| self.decode(&[id]) == other.decode(&[id]));
         }
         self.to_spec() == other.to_spec()
@@ -415,6 +426,42 @@ mod tests {
         assert!(!Tokenizer::Char(CharTokenizer::from_chars(sorted))
             .same_ids(&Tokenizer::Char(CharTokenizer::from_chars(other))));
         assert!(!Tokenizer::gpt2().same_ids(&chars(&all)));
+    }
+
+    /// A character vocabulary against a tokenizer.json of the same characters (as `snug
+    /// export` writes one): the same ids, unless a normalizer composes a pair of them.
+    #[test]
+    fn a_character_vocabulary_matches_its_tokenizer_json_unless_pairs_change() {
+        let vocab = "ae\u{301}\u{e9}\n ";
+        let char_tok = Tokenizer::Char(CharTokenizer::from_text(vocab));
+        let json = |normalizer: serde_json::Value| {
+            let Tokenizer::Char(c) = &char_tok else {
+                unreachable!()
+            };
+            let ids: serde_json::Map<String, serde_json::Value> = c
+                .chars()
+                .iter()
+                .enumerate()
+                .map(|(i, ch)| (ch.to_string(), i.into()))
+                .collect();
+            let text = serde_json::json!({
+                "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+                "normalizer": normalizer,
+                "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "[\\s\\S]"},
+                    "behavior": "Isolated", "invert": false},
+                "post_processor": null, "decoder": {"type": "Fuse"},
+                "model": {"type": "WordLevel", "vocab": ids, "unk_token": "<unk>"}
+            });
+            let files = crate::HfTokenizerFiles {
+                tokenizer_json: text.to_string(),
+                tokenizer_config_json: None,
+                chat_template_jinja: None,
+            };
+            Tokenizer::Hf(crate::HfTokenizer::from_files(files, std::path::Path::new("")).unwrap())
+        };
+        assert!(char_tok.same_ids(&json(serde_json::Value::Null)));
+        // NFC makes `e` + U+0301 one `é`: alone, each character encodes as before.
+        assert!(!char_tok.same_ids(&json(serde_json::json!({"type": "NFC"}))));
     }
 
     /// About `bytes` of English-like text: words, punctuation, line breaks and blank lines, as
