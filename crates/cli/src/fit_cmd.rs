@@ -365,7 +365,6 @@ pub fn run(args: FitArgs) -> Result<()> {
     set_allowed(&mut cfg, args.allow.as_deref())?;
     apply_device_memory(&mut cfg, args.device_memory.as_deref())?;
     let (_, model) = cfg.load_data_and_model()?;
-    cfg.check_init_from(&model)?;
     let model_for_advice = model.clone();
     // Set by a flag, or to other than the default by the TOML: fit may choose otherwise.
     let set = (

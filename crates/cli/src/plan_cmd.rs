@@ -238,14 +238,13 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let (model, train) = args.model.sections(RunFlags::default());
     let mut cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
     // The same data, hence the same vocabulary, that `snug train` would load (for sampling,
-    // only its vocabulary: a long context need not fit in its splits).
+    // only its vocabulary: a long context need not fit in its splits), and the weights
+    // `--init-from` names, checked as `snug train` checks them.
     let (_, gpt) = if args.inference {
         cfg.load_data_and_model_for_sampling()?
     } else {
         cfg.load_data_and_model()?
     };
-    // The weights a run would start from, as `snug train` checks them.
-    cfg.check_init_from(&gpt)?;
     let gpu = cfg.device.is_gpu();
     if gpu && args.target_cpu.is_some() {
         bail!(

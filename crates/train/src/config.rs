@@ -1141,8 +1141,9 @@ impl TrainConfig {
     }
 
     /// Checks that the run can start from `init_from` on `model`, as the trainer will read it,
-    /// reading headers alone (no weight is decoded): `plan` and `fit` refuse what `train`
-    /// refuses, and `train` refuses it before allocating its step.
+    /// reading headers alone (no weight is decoded). Loading the data and model does it, so
+    /// `plan` and `fit` refuse what `train` refuses; the trainer does it again before
+    /// allocating its step, for a library caller that loaded neither.
     pub fn check_init_from(&self, model: &ModelConfig) -> Result<(), TrainError> {
         let Some(path) = &self.init_from else {
             return Ok(());
@@ -1159,16 +1160,7 @@ impl TrainConfig {
         }
         match model {
             ModelConfig::Gpt(gpt) => Ok(snug_nn::check_gpt2_safetensors(path, gpt)?),
-            ModelConfig::Llama(_) => Err(TrainError::Config {
-                field: "init_from",
-                detail: format!(
-                    "{}: a Llama-family model starts from a Hugging Face model directory \
-                     (config.json beside model.safetensors or its shards), not a lone weights \
-                     file; a lone GPT-2 model.safetensors (as `snug export` writes one) needs \
-                     its shape: --preset gpt2 (or tiny, char-small, ...) or --hf-config",
-                    path.display()
-                ),
-            }),
+            ModelConfig::Llama(_) => Err(lone_weights_for_llama(path)),
         }
     }
 
@@ -1275,9 +1267,7 @@ impl TrainConfig {
         };
         self.loss_mask |= data.has_loss_mask();
         let model = self.model_for_vocab(data.tokenizer.vocab_size())?;
-        if let Some(dir) = self.hf_init_dir() {
-            snug_nn::HfCheckpoint::open(dir)?.check_model(&model)?;
-        }
+        self.check_init_from(&model)?;
         Ok((data, model))
     }
 
@@ -1337,6 +1327,20 @@ pub fn check_threads_here(threads: usize) -> Result<(), TrainError> {
         });
     }
     Ok(())
+}
+
+/// A lone weights file given to start a Llama-family model, which starts from a directory.
+pub(crate) fn lone_weights_for_llama(path: &Path) -> TrainError {
+    TrainError::Config {
+        field: "init_from",
+        detail: format!(
+            "{}: a Llama-family model starts from a Hugging Face model directory (config.json \
+             beside model.safetensors or its shards), not a lone weights file; a lone GPT-2 \
+             model.safetensors (as `snug export` writes one) needs its shape: --preset gpt2 (or \
+             tiny, char-small, ...) or --hf-config",
+            path.display()
+        ),
+    }
 }
 
 #[cfg(test)]

@@ -263,14 +263,8 @@ impl Trainer {
                     .into_iter()
                     .map(Ok),
             ),
-            (Some(_), ModelConfig::Llama(_), None) => {
-                // `check_init_from` refused it before the session was made.
-                return Err(config.check_init_from(&model).err().unwrap_or_else(|| {
-                    TrainError::Config {
-                        field: "init_from",
-                        detail: "a Llama-family model starts from a model directory".into(),
-                    }
-                }));
+            (Some(path), ModelConfig::Llama(_), None) => {
+                return Err(crate::config::lone_weights_for_llama(path))
             }
         };
         // LoRA adapters start from the adapter continued, or as PEFT initialises them.
