@@ -8,7 +8,8 @@
 //!
 //! A directory that is not empty is refused unless `--force`, which replaces the files export
 //! writes and removes those an earlier model left that loaders would read with the new one;
-//! a run directory, and the directory being exported, never.
+//! a run directory, and the directory being exported, never. The files are staged and moved
+//! in together ([`output::StagedDir`]), so a failure or a kill leaves the earlier model whole.
 
 use std::path::{Path, PathBuf};
 
@@ -33,8 +34,8 @@ pub struct ExportArgs {
     #[arg(long, value_name = "DIR")]
     out: PathBuf,
     /// Write into a directory that is not empty: replace the files export writes there
-    /// (config.json, model.safetensors, the tokenizer's and the adapter's), each atomically,
-    /// and remove those of them this export does not write, and the files Hugging Face reads
+    /// (config.json, model.safetensors, the tokenizer's and the adapter's), all together once
+    /// every one is written, and remove those of them this export does not write, and the files Hugging Face reads
     /// with a model that export never writes (generation_config.json, a slow tokenizer's
     /// files), so no earlier model's file is read with the new one; any other file is left.
     /// Never a run directory, a checkpoint, a directory of sharded weights, or the directory
@@ -213,6 +214,21 @@ pub fn run(args: ExportArgs) -> Result<()> {
             args.checkpoint.display()
         );
     }
+    if args.out.join(snug_nn::hf_checkpoint::INDEX_FILE).exists() {
+        bail!(
+            "{}: holds a sharded checkpoint ({}); export into another directory",
+            args.out.display(),
+            snug_nn::hf_checkpoint::INDEX_FILE
+        );
+    }
+    // Written beside the output and moved in together: an error or a kill part-way leaves an
+    // earlier export whole, never new weights beside its adapter or tokenizer.
+    let staged = output::StagedDir::new(&args.out)?;
+    // What an export of an earlier version, which wrote in place, left when it was killed.
+    for name in EXPORT_FILES {
+        snug_nn::remove_stale_temporaries(&args.out, &format!(".{name}."), ".tmp");
+    }
+    let dir = staged.path();
     let mut adapter = None;
     let written = match (&source, &lora) {
         (source, Some(lora)) if args.merge => {
@@ -235,12 +251,10 @@ pub fn run(args: ExportArgs) -> Result<()> {
                 params.extend(a.tensors);
                 snug_nn::lora::merge_adapters(&model, lora, &mut params)?;
             }
-            snug_nn::save_hf_model_from(&args.out, &model, &params)?
+            snug_nn::save_hf_model_from(dir, &model, &params)?
         }
         (Source::Run(_, ckpt), lora) => {
-            // Straight from the loaded checkpoint: no second copy of its weights. The base
-            // first: its writer refuses a directory of sharded weights before anything is
-            // written, the adapter's included.
+            // Straight from the loaded checkpoint: no second copy of its weights.
             let read = |name: &str, out: &mut [f32]| -> Result<(), snug_nn::NnError> {
                 let t = ckpt.tensor(name).filter(|t| t.data.len() == out.len());
                 let t = t.ok_or_else(|| snug_nn::NnError::MissingTensor {
@@ -250,17 +264,19 @@ pub fn run(args: ExportArgs) -> Result<()> {
                 out.copy_from_slice(&t.data);
                 Ok(())
             };
-            let written = snug_nn::save_hf_model(&args.out, &model, &read)?;
+            let written = snug_nn::save_hf_model(dir, &model, &read)?;
             if let Some(lora) = lora {
                 // The adapter names the directory it is written into as its base, so
                 // `train --init-from` that directory continues the run's adapters.
+                // The directory may not exist until the files move in.
                 let base = std::fs::canonicalize(&args.out)
+                    .or_else(|_| std::path::absolute(&args.out))
                     .unwrap_or_else(|_| args.out.clone())
                     .display()
                     .to_string();
                 let read = |name: &str| ckpt.tensor(name).map(|t| t.data.clone());
                 adapter = Some(snug_nn::lora::save_peft_adapter(
-                    &args.out,
+                    dir,
                     &model,
                     lora,
                     Some(&base),
@@ -271,35 +287,49 @@ pub fn run(args: ExportArgs) -> Result<()> {
         }
         (Source::Hf(ckpt), _) => {
             let read = |name: &str, out: &mut [f32]| ckpt.read_into(name, out);
-            snug_nn::save_hf_model(&args.out, &model, &read)?
+            snug_nn::save_hf_model(dir, &model, &read)?
         }
     };
     let mut tokenizer_paths = Vec::new();
     if let Some(files) = &hf_files {
         for (name, text) in tokenizer_files(files) {
-            let path = args.out.join(name);
+            let path = dir.join(name);
             snug_nn::hf_checkpoint::write_file_atomically(&path, text.as_bytes())
-                .with_context(|| format!("writing {}", path.display()))?;
-            tokenizer_paths.push(path);
+                .with_context(|| format!("writing {}", args.out.join(name).display()))?;
+            tokenizer_paths.push(staged.final_path(&path));
         }
+    }
+    let (weights, config) = (
+        staged.final_path(&written.weights),
+        staged.final_path(&written.config),
+    );
+    if let Some(a) = &mut adapter {
+        a.weights = staged.final_path(&a.weights);
+        a.config = staged.final_path(&a.config);
     }
     // An earlier export's files this one did not write (its adapter beside a merged model,
     // its tokenizer where this model has none) would be read with the new ones.
-    let mut written_paths = vec![written.weights.clone(), written.config.clone()];
+    let mut written_paths = vec![weights.clone(), config.clone()];
     written_paths.extend(tokenizer_paths.iter().cloned());
     if let Some(a) = &adapter {
         written_paths.extend([a.weights.clone(), a.config.clone()]);
     }
     let mut removed = output::stale_files(&args.out, &EXPORT_FILES, &written_paths);
     removed.extend(output::stale_files(&args.out, &HUB_FILES, &[]));
-    for path in &removed {
+    let replaceable: Vec<&str> = EXPORT_FILES.iter().chain(&HUB_FILES).copied().collect();
+    staged.commit(&replaceable)?;
+    // Gone already where the directory was replaced whole.
+    for path in removed
+        .iter()
+        .filter(|p| std::fs::symlink_metadata(p).is_ok())
+    {
         std::fs::remove_file(path).with_context(|| format!("removing {}", path.display()))?;
     }
     let report = ExportReport {
         checkpoint: source.path(),
         step: source.step(),
-        weights: written.weights,
-        config: written.config,
+        weights,
+        config,
         tokenizer_files: tokenizer_paths,
         parameters: written.parameters,
         bytes: written.bytes,

@@ -591,22 +591,42 @@ fn weights_without_their_config_are_named() {
     assert!(!out.exists());
 }
 
-/// An export killed mid-write leaves its temporary file (as large as the model's weights);
-/// the next export into that directory removes it, but never one of a process still running
-/// or one written to within the hour.
+/// An export killed mid-write leaves its staging directory beside the output (its files as
+/// large as the model's weights), or an earlier version's temporary file inside it; the next
+/// export into that directory removes them, but never one of a process still running or one
+/// written to within the hour.
 #[cfg(target_os = "linux")]
 #[test]
 fn an_export_removes_what_a_killed_one_left() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
     std::fs::create_dir(&out).unwrap();
+    let staging = |pid: u32| dir.path().join(format!(".snug-staging.out.{pid}.0"));
+    let (stale_dir, live_dir, recent_dir) = (
+        staging(4_000_000_000),
+        staging(std::process::id()),
+        staging(4_000_000_001),
+    );
+    let two_hours_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(7200);
+    for d in [&stale_dir, &live_dir, &recent_dir] {
+        std::fs::create_dir(d).unwrap();
+        let f = d.join("model.safetensors");
+        std::fs::write(&f, b"partial").unwrap();
+        if d != &recent_dir {
+            for p in [&f, d] {
+                std::fs::File::open(p)
+                    .unwrap()
+                    .set_modified(two_hours_ago)
+                    .unwrap();
+            }
+        }
+    }
     // PIDs stop below 2^22: 4,000,000,000 was never a process.
     let stale = out.join(".model.safetensors.4000000000.0.tmp");
     let live = out.join(format!(".model.safetensors.{}.0.tmp", std::process::id()));
     // A writer this machine cannot see (another container) keeps writing to its file.
     let recent = out.join(".model.safetensors.4000000001.0.tmp");
     let other = out.join(".model.safetensors.4000000000.0.tmp.keep");
-    let two_hours_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(7200);
     for f in [&stale, &live, &recent, &other] {
         std::fs::write(f, b"partial").unwrap();
         if f != &recent {
@@ -627,6 +647,7 @@ fn an_export_removes_what_a_killed_one_left() {
         ],
     );
     assert!(out.join("model.safetensors").exists());
-    assert!(!stale.exists());
+    assert!(!stale.exists() && !stale_dir.exists());
     assert!(live.exists() && recent.exists() && other.exists());
+    assert!(live_dir.exists() && recent_dir.exists());
 }

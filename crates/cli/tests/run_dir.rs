@@ -456,6 +456,77 @@ fn export_replaces_a_directory_only_when_forced_and_never_a_run() {
     assert_eq!(snapshot(&hf), want);
 }
 
+/// An export killed at any moment leaves the directory it replaces holding one model whole:
+/// the earlier export or the new one, never new weights beside the earlier adapter. The files
+/// are written into a staging directory and moved in together.
+#[cfg(unix)]
+#[test]
+fn an_export_killed_at_any_moment_leaves_one_model_whole() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let cwd = tmp.path();
+    for (out, seed) in [("a", "1"), ("b", "2")] {
+        let o = train(
+            cwd,
+            &["--steps", "2", "--lora", "4", "--seed", seed, "--out", out],
+        );
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    let hf = cwd.join("hf");
+    let export = |from: &str| {
+        let mut c = snug_cmd(
+            &["export", "--checkpoint", from, "--out", "hf", "--force"],
+            cwd,
+        );
+        c.stdout(Stdio::null()).stderr(Stdio::null());
+        c
+    };
+    let run = |from: &str| {
+        let status = export(from).status().expect("the snug binary runs");
+        assert!(status.success(), "export --checkpoint {from} failed");
+        snapshot(&hf)
+    };
+    let new = run("b");
+    let old = run("a");
+    assert_ne!(old, new);
+    // Each file, and which export's it is.
+    let names = |files: &[(PathBuf, Vec<u8>)]| {
+        let names: Vec<_> = files
+            .iter()
+            .map(|f| {
+                let whose = if old.contains(f) {
+                    "earlier"
+                } else if new.contains(f) {
+                    "new"
+                } else {
+                    "neither"
+                };
+                format!("{} ({whose})", f.0.display())
+            })
+            .collect();
+        names.join(", ")
+    };
+    let mut interrupted = 0;
+    for delay_ms in (0..60).step_by(3) {
+        let mut child = export("b").spawn().expect("the snug binary runs");
+        std::thread::sleep(std::time::Duration::from_millis(delay_ms));
+        let _ = child.kill();
+        let status = child.wait().expect("the export ends");
+        interrupted += usize::from(!status.success());
+        let now = snapshot(&hf);
+        assert!(
+            now == old || now == new,
+            "killed after {delay_ms} ms, the directory holds neither export whole: {}",
+            names(&now)
+        );
+        if now != old {
+            assert_eq!(run("a"), old);
+        }
+    }
+    assert!(interrupted > 0, "every export ended before its kill");
+    // What the killed exports left is not taken for output.
+    assert_eq!(run("b"), new);
+}
+
 #[test]
 fn a_lora_export_into_sharded_weights_writes_nothing() {
     let tmp = tempfile::tempdir().expect("a scratch directory");

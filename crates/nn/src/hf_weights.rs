@@ -184,7 +184,7 @@ pub(crate) fn write_atomically(
         COUNTER.fetch_add(1, Ordering::Relaxed)
     ));
     let tmp = dir.join(tmp_name);
-    remove_stale_temporaries(&dir, name);
+    remove_stale_temporaries(&dir, &format!(".{}.", name.to_string_lossy()), ".tmp");
     let result = write(&tmp)
         .and_then(|()| {
             File::open(&tmp)
@@ -205,24 +205,30 @@ pub(crate) fn write_atomically(
     Ok(())
 }
 
-/// Removes what an earlier writer of `name` in `dir` left when it was killed mid-write
-/// ([`write_atomically`]'s `.NAME.PID.N.tmp`, as large as the model for the weights): a
-/// temporary of a process still running, or written to within the hour, is another writer's,
-/// and stays. Linux only, where `/proc` tells a running process.
-fn remove_stale_temporaries(dir: &Path, name: &std::ffi::OsStr) {
+/// Removes what earlier writers in `dir` left when they were killed mid-write: entries named
+/// `PREFIX PID.N SUFFIX` ([`write_atomically`]'s `.NAME.PID.N.tmp`, as large as the model for
+/// the weights, or a staging directory of files written together). One of a process still
+/// running, or written to within the hour, is another writer's, and stays. Linux only, where
+/// `/proc` tells a running process.
+pub fn remove_stale_temporaries(dir: &Path, prefix: &str, suffix: &str) {
     #[cfg(target_os = "linux")]
     {
         const STALE_AFTER: std::time::Duration = std::time::Duration::from_secs(3600);
-        let prefix = format!(".{}.", name.to_string_lossy());
         let Ok(entries) = std::fs::read_dir(dir) else {
             return;
+        };
+        let idle = |meta: std::io::Result<std::fs::Metadata>| {
+            meta.and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok())
+                .is_some_and(|age| age >= STALE_AFTER)
         };
         for entry in entries.flatten() {
             let file = entry.file_name();
             let file = file.to_string_lossy();
             let Some(rest) = file
-                .strip_prefix(prefix.as_str())
-                .and_then(|r| r.strip_suffix(".tmp"))
+                .strip_prefix(prefix)
+                .and_then(|r| r.strip_suffix(suffix))
             else {
                 continue;
             };
@@ -235,21 +241,29 @@ fn remove_stale_temporaries(dir: &Path, name: &std::ffi::OsStr) {
             let running =
                 pid == std::process::id() || Path::new("/proc").join(pid.to_string()).exists();
             // A writer elsewhere (another container sharing the directory, a hidden /proc) is
-            // not seen: its file grows all the while, so only one left alone for an hour is
-            // taken for dead.
-            let idle = entry
-                .metadata()
-                .and_then(|m| m.modified())
-                .ok()
-                .and_then(|t| t.elapsed().ok())
-                .is_some_and(|age| age >= STALE_AFTER);
-            if !running && idle {
+            // not seen: its files grow all the while, so only what was left alone for an hour
+            // is taken for dead.
+            let Ok(kind) = entry.file_type() else {
+                continue;
+            };
+            if running || !idle(entry.metadata()) {
+                continue;
+            }
+            if kind.is_dir() {
+                let inner = std::fs::read_dir(entry.path());
+                let all_idle = inner
+                    .map(|es| es.flatten().all(|e| idle(e.metadata())))
+                    .unwrap_or(false);
+                if all_idle {
+                    let _ = std::fs::remove_dir_all(entry.path());
+                }
+            } else {
                 let _ = std::fs::remove_file(entry.path());
             }
         }
     }
     #[cfg(not(target_os = "linux"))]
-    let _ = (dir, name);
+    let _ = (dir, prefix, suffix);
 }
 
 /// `h.N.attn.bias` / `h.N.attn.masked_bias`: the causal mask buffers older `transformers`

@@ -27,8 +27,8 @@ pub use hf_checkpoint::{
 };
 pub use hf_config::HfConfigError;
 pub use hf_weights::{
-    check_gpt2_safetensors, hf_config_json, load_gpt2_safetensors, save_gpt2_safetensors,
-    write_hf_config_json,
+    check_gpt2_safetensors, hf_config_json, load_gpt2_safetensors, remove_stale_temporaries,
+    save_gpt2_safetensors, write_hf_config_json,
 };
 pub use llama::{LlamaArch, LlamaConfig, RopeScaling, LLAMA_PRESETS};
 pub use lora::{LoraConfig, LoraTargets};

@@ -147,9 +147,11 @@ pub fn check_dir(
             path: dir.to_path_buf(),
             source,
         })?;
+        // Another command's staging directory is not an earlier output.
         let mut held: Vec<String> = entries
             .filter_map(|e| e.ok())
             .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|name| !name.starts_with(STAGING_PREFIX))
             .collect();
         if !held.is_empty() {
             held.sort();
@@ -187,6 +189,255 @@ pub fn stale_files(dir: &Path, files: &[&str], written: &[PathBuf]) -> Vec<PathB
         .collect()
 }
 
+/// The name a staging directory starts with: inside the output directory, then `PID.N`;
+/// beside it, the output's name, then `.PID.N`.
+const STAGING_PREFIX: &str = ".snug-staging.";
+
+/// Files a command writes together (a model's weights, configuration, adapter and tokenizer),
+/// written first into a hidden staging directory and moved into the output directory only
+/// once every one is complete, so an error or a kill while they are written leaves the
+/// earlier output whole rather than new weights beside an old adapter.
+///
+/// The staging directory lies beside the output where it can (the same file system, the
+/// output not a link): then a new output directory appears whole with one rename, and one
+/// holding nothing but files the command writes is exchanged for the staging directory in one
+/// step (Linux's `RENAME_EXCHANGE`), so no moment shows a mix. Where the output also holds
+/// other files, which are left as they are, or the staging directory has to lie inside it,
+/// the files are moved in one rename each, nothing written between them.
+///
+/// Dropped before [`StagedDir::commit`], the staged files are removed (and an output
+/// directory made for them, if still empty); a killed process's are removed by a later
+/// staging in the same place once an hour has passed.
+pub struct StagedDir {
+    dir: PathBuf,
+    staging: Option<PathBuf>,
+    /// The staging directory is the output's sibling, on its file system.
+    beside: bool,
+    /// The output directory was made for this output.
+    created: bool,
+}
+
+impl StagedDir {
+    /// An empty staging directory for the output directory `dir`.
+    pub fn new(dir: &Path) -> Result<StagedDir, TrainError> {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| TrainError::Io { path, source }
+        };
+        let unique = || {
+            format!(
+                "{}.{}",
+                std::process::id(),
+                COUNTER.fetch_add(1, Ordering::Relaxed)
+            )
+        };
+        let parent = match dir.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .filter(|_| sibling_possible(dir, parent));
+        if let Some(name) = name {
+            let prefix = format!("{STAGING_PREFIX}{name}.");
+            if fs::create_dir_all(parent).is_ok() {
+                snug_nn::remove_stale_temporaries(parent, &prefix, "");
+                let staging = parent.join(format!("{prefix}{}", unique()));
+                if fs::create_dir(&staging).is_ok() {
+                    return Ok(StagedDir {
+                        dir: dir.to_path_buf(),
+                        staging: Some(staging),
+                        beside: true,
+                        created: false,
+                    });
+                }
+            }
+        }
+        // Inside the output: its parent is not writable, or another file system.
+        let created = !dir.exists();
+        fs::create_dir_all(dir).map_err(io(dir))?;
+        snug_nn::remove_stale_temporaries(dir, STAGING_PREFIX, "");
+        let staging = dir.join(format!("{STAGING_PREFIX}{}", unique()));
+        fs::create_dir(&staging).map_err(io(&staging))?;
+        Ok(StagedDir {
+            dir: dir.to_path_buf(),
+            staging: Some(staging),
+            beside: false,
+            created,
+        })
+    }
+
+    /// Where the files are written until [`StagedDir::commit`].
+    pub fn path(&self) -> &Path {
+        self.staging.as_deref().unwrap_or(&self.dir)
+    }
+
+    /// Where a file written at `staged` ends up.
+    pub fn final_path(&self, staged: &Path) -> PathBuf {
+        match staged.file_name() {
+            Some(name) => self.dir.join(name),
+            None => staged.to_path_buf(),
+        }
+    }
+
+    /// Moves every staged file into the output directory and makes it durable. An output
+    /// directory holding nothing but names among `replaceable` is replaced whole, so what it
+    /// held goes with it; otherwise each file is renamed over its namesake and the rest is
+    /// left. Returns the files' final paths.
+    pub fn commit(mut self, replaceable: &[&str]) -> Result<Vec<PathBuf>, TrainError> {
+        let Some(staging) = self.staging.take() else {
+            return Ok(Vec::new());
+        };
+        let io = |path: &Path, source| TrainError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let names = staged_names(&staging).map_err(|e| io(&staging, e));
+        let names = match names {
+            Ok(n) => n,
+            Err(e) => {
+                let _ = fs::remove_dir_all(&staging);
+                return Err(e);
+            }
+        };
+        let finals: Vec<PathBuf> = names.iter().map(|n| self.dir.join(n)).collect();
+        let whole = if self.beside {
+            match fs::symlink_metadata(&self.dir) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    Some(fs::rename(&staging, &self.dir))
+                }
+                Ok(m) if m.is_dir() && holds_only(&self.dir, replaceable) => {
+                    exchange(&staging, &self.dir)
+                }
+                _ => None,
+            }
+        } else {
+            None
+        };
+        let result = match whole {
+            Some(Ok(())) => {
+                sync_dir(self.dir.parent().unwrap_or(Path::new(".")));
+                Ok(())
+            }
+            Some(Err(e)) => Err(io(&self.dir, e)),
+            None => {
+                let moved = names
+                    .iter()
+                    .zip(&finals)
+                    .try_for_each(|(n, to)| fs::rename(staging.join(n), to).map_err(|e| io(to, e)));
+                sync_dir(&self.dir);
+                moved
+            }
+        };
+        // After an exchange, the earlier output's files; otherwise what is left unmoved.
+        let _ = fs::remove_dir_all(&staging);
+        result.map(|()| finals)
+    }
+}
+
+impl Drop for StagedDir {
+    fn drop(&mut self) {
+        if let Some(staging) = self.staging.take() {
+            let _ = fs::remove_dir_all(staging);
+            if self.created {
+                // Only if still empty: nothing another process put there is removed.
+                let _ = fs::remove_dir(&self.dir);
+            }
+        }
+    }
+}
+
+/// Whether a staging directory beside `dir` (in `parent`) can take its place with a rename:
+/// `dir` is not a link, and is on `parent`'s file system (or does not exist yet).
+fn sibling_possible(dir: &Path, parent: &Path) -> bool {
+    match fs::symlink_metadata(dir) {
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+        Ok(m) if !m.is_dir() => false,
+        #[cfg(unix)]
+        Ok(m) => {
+            use std::os::unix::fs::MetadataExt;
+            fs::metadata(parent).is_ok_and(|p| p.dev() == m.dev())
+        }
+        #[cfg(not(unix))]
+        Ok(_) => false,
+    }
+}
+
+/// The regular files in a staging directory, by name, sorted.
+fn staged_names(staging: &Path) -> std::io::Result<Vec<std::ffi::OsString>> {
+    let mut names = Vec::new();
+    for entry in fs::read_dir(staging)? {
+        let entry = entry?;
+        if entry.file_type()?.is_file() {
+            names.push(entry.file_name());
+        }
+    }
+    names.sort();
+    Ok(names)
+}
+
+/// Whether every entry of `dir` is named in `names` (and is no directory).
+fn holds_only(dir: &Path, names: &[&str]) -> bool {
+    fs::read_dir(dir).is_ok_and(|entries| {
+        entries.into_iter().all(|e| {
+            e.is_ok_and(|e| {
+                e.file_type().is_ok_and(|t| !t.is_dir())
+                    && e.file_name().to_str().is_some_and(|n| names.contains(&n))
+            })
+        })
+    })
+}
+
+/// Swaps two directories in one step; `None` where the system cannot.
+fn exchange(a: &Path, b: &Path) -> Option<std::io::Result<()>> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).ok();
+        let (Some(a), Some(b)) = (c(a), c(b)) else {
+            return None;
+        };
+        // SAFETY: both paths are NUL-terminated strings that outlive the call.
+        let rc = unsafe {
+            libc::renameat2(
+                libc::AT_FDCWD,
+                a.as_ptr(),
+                libc::AT_FDCWD,
+                b.as_ptr(),
+                libc::RENAME_EXCHANGE,
+            )
+        };
+        if rc == 0 {
+            return Some(Ok(()));
+        }
+        let err = std::io::Error::last_os_error();
+        // A file system or kernel without the exchange: the renames one by one instead.
+        match err.raw_os_error() {
+            Some(libc::EINVAL) | Some(libc::ENOSYS) | Some(libc::EXDEV) => None,
+            _ => Some(Err(err)),
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (a, b);
+        None
+    }
+}
+
+/// Makes renames in `dir` durable. Not every file system syncs a directory; the files' data
+/// is already synced, so a failure loses nothing but the names.
+fn sync_dir(dir: &Path) {
+    #[cfg(unix)]
+    if let Ok(d) = fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    #[cfg(not(unix))]
+    let _ = dir;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -197,6 +448,125 @@ mod tests {
 
     fn refused_(r: Result<(), TrainError>) -> bool {
         matches!(r, Err(TrainError::OutputRefused { .. }))
+    }
+
+    fn listing(dir: &Path) -> Vec<(String, Vec<u8>)> {
+        let mut files: Vec<_> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap())
+            .map(|e| {
+                let bytes = fs::read(e.path()).unwrap_or_default();
+                (e.file_name().to_string_lossy().into_owned(), bytes)
+            })
+            .collect();
+        files.sort();
+        files
+    }
+
+    #[test]
+    fn staged_files_replace_the_old_ones_together_or_not_at_all() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("model");
+        fs::create_dir(&dir).unwrap();
+        fs::write(dir.join("weights"), "old weights").unwrap();
+        fs::write(dir.join("adapter"), "old adapter").unwrap();
+        let before = listing(&dir);
+        let parent = listing(tmp.path());
+        let names = ["weights", "adapter", "config"];
+
+        // Dropped part-way (an error after the first file): nothing changes.
+        let staged = StagedDir::new(&dir).unwrap();
+        fs::write(staged.path().join("weights"), "new weights").unwrap();
+        drop(staged);
+        assert_eq!(listing(&dir), before);
+        assert_eq!(listing(tmp.path()), parent, "a staging directory stayed");
+
+        // Holding only the command's files, the directory is replaced whole: the earlier
+        // adapter, not written this time, goes with it.
+        let staged = StagedDir::new(&dir).unwrap();
+        let w = staged.path().join("weights");
+        fs::write(&w, "new weights").unwrap();
+        fs::write(staged.path().join("config"), "new config").unwrap();
+        assert_eq!(staged.final_path(&w), dir.join("weights"));
+        let moved = staged.commit(&names).unwrap();
+        assert_eq!(moved, vec![dir.join("config"), dir.join("weights")]);
+        let want = |files: &[(&str, &str)]| -> Vec<(String, Vec<u8>)> {
+            files
+                .iter()
+                .map(|(n, b)| (n.to_string(), b.as_bytes().to_vec()))
+                .collect()
+        };
+        assert_eq!(
+            listing(&dir),
+            want(&[("config", "new config"), ("weights", "new weights")])
+        );
+        assert_eq!(listing(tmp.path()), parent, "a staging directory stayed");
+
+        // Beside a file of the user's, each file is moved in and the rest left.
+        fs::write(dir.join("notes.txt"), "mine").unwrap();
+        fs::write(dir.join("adapter"), "old adapter").unwrap();
+        let staged = StagedDir::new(&dir).unwrap();
+        fs::write(staged.path().join("weights"), "newer weights").unwrap();
+        staged.commit(&names).unwrap();
+        assert_eq!(
+            listing(&dir),
+            want(&[
+                ("adapter", "old adapter"),
+                ("config", "new config"),
+                ("notes.txt", "mine"),
+                ("weights", "newer weights")
+            ])
+        );
+    }
+
+    #[test]
+    fn a_new_output_directory_appears_whole_or_not_at_all() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("new");
+        let staged = StagedDir::new(&dir).unwrap();
+        fs::write(staged.path().join("weights"), "w").unwrap();
+        assert!(
+            !dir.exists(),
+            "the output showed before its files were complete"
+        );
+        drop(staged);
+        assert!(
+            listing(tmp.path()).is_empty(),
+            "a failed write left something"
+        );
+
+        let staged = StagedDir::new(&dir).unwrap();
+        fs::write(staged.path().join("weights"), "w").unwrap();
+        staged.commit(&[]).unwrap();
+        assert_eq!(listing(&dir), vec![("weights".to_string(), b"w".to_vec())]);
+        assert_eq!(listing(tmp.path()).len(), 1, "a staging directory stayed");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn through_a_link_the_files_are_staged_inside_and_the_link_stays() {
+        let tmp = tempfile::tempdir().unwrap();
+        let target = tmp.path().join("target");
+        fs::create_dir(&target).unwrap();
+        fs::write(target.join("weights"), "old").unwrap();
+        let link = tmp.path().join("link");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let staged = StagedDir::new(&link).unwrap();
+        assert!(staged.path().starts_with(&link));
+        // Another command's staging in progress is not earlier output.
+        assert!(check_dir(&link, &["other"], DirContents::Nothing, false).is_err());
+        fs::remove_file(target.join("weights")).unwrap();
+        assert!(check_dir(&link, &["weights"], DirContents::Nothing, false).is_ok());
+        fs::write(staged.path().join("weights"), "new").unwrap();
+        staged.commit(&["weights"]).unwrap();
+        assert!(fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert_eq!(
+            listing(&target),
+            vec![("weights".to_string(), b"new".to_vec())]
+        );
     }
 
     #[test]
