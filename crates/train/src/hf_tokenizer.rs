@@ -696,20 +696,30 @@ impl PiecePlan {
             }
         }
 
-        let tokenizers::models::ModelWrapper::BPE(bpe) = tokenizer.get_model() else {
-            if splits {
-                // Other models see one pre-token at a time and are deterministic.
-                return PiecePlan::finish(
-                    tokenizer,
-                    prefix,
-                    rest_normalizers,
-                    pre,
-                    added,
-                    normalized_added,
-                );
-            }
-            return Err("nothing splits at line ends and its model is not a BPE".into());
-        };
+        match tokenizer.get_model() {
+            tokenizers::models::ModelWrapper::BPE(bpe) => Self::check_bpe(bpe, splits, newline)?,
+            // Other models see one pre-token at a time and are deterministic.
+            _ if splits => {}
+            _ => return Err("nothing splits at line ends and its model is not a BPE".into()),
+        }
+        PiecePlan::finish(
+            tokenizer,
+            prefix,
+            rest_normalizers,
+            pre,
+            added,
+            normalized_added,
+        )
+    }
+
+    /// Whether a BPE's ids for a text cut after line breaks are those of the whole text:
+    /// deterministic, and where no pre-tokenizer splits there, a line break stays a symbol of
+    /// its own (`newline` as the model sees it).
+    fn check_bpe(
+        bpe: &tokenizers::models::bpe::BPE,
+        splits: bool,
+        newline: char,
+    ) -> Result<(), String> {
         if bpe.dropout.is_some_and(|d| d > 0.0) {
             return Err("its BPE dropout makes the ids random".into());
         }
@@ -738,14 +748,7 @@ impl PiecePlan {
                 );
             }
         }
-        PiecePlan::finish(
-            tokenizer,
-            prefix,
-            rest_normalizers,
-            pre,
-            added,
-            normalized_added,
-        )
+        Ok(())
     }
 
     /// The plan, with `rest` built from the stages as edited to add no prefix.
