@@ -1145,12 +1145,22 @@ impl TrainConfig {
     /// `plan` and `fit` refuse what `train` refuses; the trainer does it again before
     /// allocating its step, for a library caller that loaded neither.
     pub fn check_init_from(&self, model: &ModelConfig) -> Result<(), TrainError> {
+        self.open_init_from(model).map(drop)
+    }
+
+    /// [`TrainConfig::check_init_from`], returning a Hugging Face directory's checkpoint
+    /// (opened, its headers read) for the caller to read the weights from.
+    pub fn open_init_from(
+        &self,
+        model: &ModelConfig,
+    ) -> Result<Option<snug_nn::HfCheckpoint>, TrainError> {
         let Some(path) = &self.init_from else {
-            return Ok(());
+            return Ok(None);
         };
         if let Some(dir) = self.hf_init_dir() {
-            snug_nn::HfCheckpoint::open(dir)?.check_model(model)?;
-            return Ok(());
+            let ckpt = snug_nn::HfCheckpoint::open(dir)?;
+            ckpt.check_model(model)?;
+            return Ok(Some(ckpt));
         }
         if let Some(why) = snug_nn::config_missing_beside_weights(path) {
             return Err(TrainError::Config {
@@ -1159,7 +1169,7 @@ impl TrainConfig {
             });
         }
         match model {
-            ModelConfig::Gpt(gpt) => Ok(snug_nn::check_gpt2_safetensors(path, gpt)?),
+            ModelConfig::Gpt(gpt) => Ok(snug_nn::check_gpt2_safetensors(path, gpt).map(|()| None)?),
             ModelConfig::Llama(_) => Err(lone_weights_for_llama(path)),
         }
     }

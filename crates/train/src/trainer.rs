@@ -199,7 +199,9 @@ impl Trainer {
             std::thread::sleep(std::time::Duration::from_millis(ms));
         }
         let model = config.model_for_vocab(data.tokenizer.vocab_size())?;
-        config.check_init_from(&model)?;
+        // A Hugging Face directory is then decoded one parameter at a time from its mapped
+        // files.
+        let hf = config.open_init_from(&model)?;
         let (compiled, memory_plan) = compile_planned(&config, &model)?;
         let CompiledStep {
             step: step_graph,
@@ -240,15 +242,6 @@ impl Trainer {
         };
         // Each tensor is written as it is made, so the arena (touched whole when the session
         // is made) never sits beside a second copy of every parameter.
-        // A Hugging Face directory is decoded one parameter at a time from its mapped files.
-        let hf = match config.hf_init_dir() {
-            Some(dir) => {
-                let ckpt = snug_nn::HfCheckpoint::open(dir)?;
-                ckpt.check_model(&model)?;
-                Some(ckpt)
-            }
-            None => None,
-        };
         type Init<'a> = Box<dyn Iterator<Item = Result<(String, Vec<f32>), TrainError>> + 'a>;
         let init: Init = match (&config.init_from, &model, &hf) {
             (None, _, _) => Box::new(model.init_parameters_iter(config.seed).map(Ok)),
