@@ -654,3 +654,74 @@ fn a_rank_killed_mid_run_leaves_the_last_complete_checkpoint_to_resume() {
     assert!(!orphan.exists());
     assert_eq!(checkpoint::load(&run).unwrap().1.step, k + 2);
 }
+
+/// Ranks stopped together by an out-of-memory they cannot recover from (no smaller
+/// configuration fits the lowered limit; an evaluation, which over ranks does not switch
+/// configurations) save their shards together, as one process saves its whole state: no
+/// completed step is lost, and two ranks resume from it.
+#[test]
+fn ranks_stopped_together_by_memory_save_their_shards() {
+    if let Err(reason) = mpirun() {
+        return snug_testkit::skip_or_fail(&reason);
+    }
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    // A step of some activations, so that the limits below stop step 3 or the evaluation
+    // after step 2 but not what ran before.
+    let shape = [
+        "--batch", "16", "--block", "64", "--steps", "4", "--shard", "2",
+    ];
+    let cases = [
+        (
+            "step",
+            vec!["--lower-memory-at", "3:4MB", "--eval-every", "0"],
+        ),
+        (
+            "evaluation",
+            vec!["--lower-memory-at", "3:9377994B", "--eval-every", "2"],
+        ),
+    ];
+    for (case, extra) in cases {
+        let out = dir.path().join(case);
+        let mut cmd = mpirun().expect("checked above");
+        let o = cmd
+            .args(["-np", "2", env!("CARGO_BIN_EXE_snug")])
+            .args(RUN)
+            .args(shape)
+            .args(&extra)
+            .args(["--out", out.to_str().unwrap()])
+            .current_dir(dir.path())
+            .output()
+            .expect("mpirun runs");
+        let err = text(&o.stderr);
+        assert!(!o.status.success(), "{case}: the run did not stop");
+        let why = match case {
+            "step" => "no smaller configuration fits",
+            _ => "out of memory in the evaluation after step 2",
+        };
+        assert!(err.contains(why), "{case}: {err}");
+        assert!(
+            err.contains("is saved") && err.contains("--resume"),
+            "{case}: {err}"
+        );
+        assert_eq!(losses(&o).len(), 2, "{case}: {}", text(&o.stdout));
+        assert_eq!(manifest(&out, 2)["step"].as_u64(), Some(2), "{case}");
+        assert_eq!(shard_files(&out, 2).len(), 2, "{case}");
+    }
+    // The saved state resumes on two ranks to the end of the run.
+    let resumed = two_ranks(
+        dir.path(),
+        &[
+            "train",
+            "--resume",
+            dir.path().join("step").to_str().unwrap(),
+            "--json",
+        ],
+    );
+    assert_eq!(
+        lines(&resumed, "step")
+            .iter()
+            .map(|l| l["step"].as_u64().expect("a step"))
+            .collect::<Vec<_>>(),
+        [3, 4]
+    );
+}

@@ -136,6 +136,11 @@ pub enum TrainError {
         limit: Option<usize>,
     },
     #[error(
+        "out of memory in the evaluation after step {step}: {detail} (over several ranks an \
+         evaluation does not switch to a smaller configuration as a step does)"
+    )]
+    EvaluationOutOfMemory { step: u64, detail: String },
+    #[error(
         "out of memory at step {step} ({failure}) and no smaller configuration fits: {detail}"
     )]
     Unrecoverable {

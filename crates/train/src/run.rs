@@ -126,12 +126,12 @@ pub fn run(
         return result.map(|()| summary);
     }
     // After an error, save only a state some step of this run reached. A sharded save takes
-    // every rank, and after an error on one the others are elsewhere: the last checkpoint
-    // stands.
+    // every rank: after an error on one rank alone the others are elsewhere, and the last
+    // checkpoint stands; after one they all reached together, they save together.
     let worth_saving = match &result {
         Ok(()) => true,
         Err(_) => {
-            !matches!(saver, Saver::Sharded { .. })
+            (!matches!(saver, Saver::Sharded { .. }) || trainer.failed_together())
                 && trainer.steps_done() > summary.start_step
                 && trainer.state_is_consistent()
         }

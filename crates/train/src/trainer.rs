@@ -133,6 +133,10 @@ pub struct Trainer {
     state_dirty: bool,
     /// The rank whose memory ran out in the failure being recovered from.
     oom_rank: usize,
+    /// The last error was one every rank reached at the same point of the run: an
+    /// out-of-memory they agreed on and could not recover from. Then they can still save a
+    /// sharded checkpoint together.
+    failed_together: bool,
     /// The allocator's peak under the plans before the last [`Trainer::reconfigure`], which
     /// resets it so that the peak measured is the running plan's.
     earlier_peak_bytes: usize,
@@ -349,6 +353,7 @@ impl Trainer {
             resumed_at: None,
             state_dirty: false,
             oom_rank: 0,
+            failed_together: false,
             earlier_peak_bytes: 0,
             #[cfg(feature = "test-hooks")]
             oom_injected: false,
@@ -471,6 +476,10 @@ impl Trainer {
             failure: oom.clone(),
             detail: e.to_string(),
         };
+        // The search below is a function of what the ranks share (the configuration, the
+        // agreed failure, nominal timings): where it finds nothing, it finds nothing on every
+        // rank.
+        self.failed_together = true;
         let mut search = Search::new(
             &fit_model,
             self.config.target(),
@@ -494,6 +503,7 @@ impl Trainer {
         let Some(chosen) = report.chosen().cloned() else {
             return Err(report.nothing_fits().into());
         };
+        self.failed_together = false;
         let to = chosen.config.clone();
         let to_peak_bytes = chosen.peak_bytes.unwrap_or(0);
         let mut config = self.config.clone();
@@ -1185,11 +1195,13 @@ impl Trainer {
                     Err(e) => {
                         // Out of memory comes before any kernel runs; anything else in the
                         // last micro-batch may have come after some of the update.
-                        if micro + 1 == k
-                            && !matches!(e, TrainError::Runtime(RuntimeError::OutOfMemory(_)))
-                        {
+                        let oom = matches!(e, TrainError::Runtime(RuntimeError::OutOfMemory(_)));
+                        if micro + 1 == k && !oom {
                             self.state_dirty = true;
                         }
+                        // Every rank learns of an out-of-memory before the step's first
+                        // collective, and counts the same recoveries.
+                        self.failed_together = oom;
                         return Err(e);
                     }
                 }
@@ -1407,6 +1419,16 @@ impl Trainer {
                     self.session.release_arena()?;
                     self.recover(self.step, None, oom)?;
                 }
+                Err(e @ TrainError::Runtime(RuntimeError::OutOfMemory(_)))
+                    if self.config.devices > 1 =>
+                {
+                    // Agreed on over the ranks as a step's is (`take_memory`).
+                    self.failed_together = true;
+                    return Err(TrainError::EvaluationOutOfMemory {
+                        step: self.step,
+                        detail: e.to_string(),
+                    });
+                }
                 result => return result,
             }
         }
@@ -1546,6 +1568,13 @@ impl Trainer {
     /// update may have run.
     pub fn state_is_consistent(&self) -> bool {
         !self.state_dirty
+    }
+
+    /// Whether the error that ended the run stopped every rank at the same point (an
+    /// out-of-memory they agreed on and could not recover from), so that they can save a
+    /// sharded checkpoint together. Always true of such an error in one process.
+    pub fn failed_together(&self) -> bool {
+        self.failed_together
     }
 
     /// The model's weights as inference reads them: with LoRA, the adapters folded into their
