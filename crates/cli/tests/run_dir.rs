@@ -995,3 +995,77 @@ fn a_lock_file_that_is_a_link_is_refused() {
     assert!(!cwd.join("elsewhere").exists(), "made through the link");
     assert!(dir.join(".snug.lock").is_symlink(), "the link was removed");
 }
+
+/// The evaluations in a run directory's metrics, by step, with their losses.
+fn evaluations(run: &Path) -> Vec<(u64, String, String)> {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).expect("the run's metrics");
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["kind"] == "eval")
+        .map(|v| {
+            let step = v["step"].as_u64().expect("a step");
+            (step, v["train_loss"].to_string(), v["val_loss"].to_string())
+        })
+        .collect()
+}
+
+/// A stop during the evaluation after a step saves that step with the evaluation cut short
+/// (here: its line taken out of the metrics); the resumed run evaluates it first, to the
+/// figures the uninterrupted run had, also where it was the final one. An evaluation the
+/// metrics hold is not run again.
+#[test]
+fn a_resumed_run_makes_up_the_evaluation_a_stop_cut_short() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let run = tmp.path().join("run");
+    let run_s = run.to_str().expect("a UTF-8 path");
+    let args = |steps: &'static str| -> Vec<&str> {
+        let mut a = vec!["train", "--steps", steps, "--threads", "1", "--batch", "4"];
+        a.extend(["--block", "16", "--eval-every", "2", "--eval-batches", "2"]);
+        a.extend(["--checkpoint-every", "2", "--json"]);
+        a
+    };
+    let o = snug(&[&args("4")[..], &["--out", run_s]].concat(), tmp.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let whole = evaluations(&run);
+    assert_eq!(whole.iter().map(|e| e.0).collect::<Vec<_>>(), [2, 4]);
+    let drop_eval_at = |step: u64| {
+        let path = run.join("metrics.jsonl");
+        let text = std::fs::read_to_string(&path).expect("the run's metrics");
+        let kept: Vec<&str> = text
+            .lines()
+            .filter(|l| {
+                !(l.contains("\"kind\":\"eval\"") && l.contains(&format!("\"step\":{step},")))
+            })
+            .collect();
+        assert_eq!(kept.len() + 1, text.lines().count(), "one line taken out");
+        std::fs::write(&path, kept.join("\n") + "\n").expect("the metrics rewritten");
+    };
+    // The final evaluation cut short: resuming at the last step evaluates, and says so.
+    drop_eval_at(4);
+    let o = snug(&["train", "--resume", run_s, "--json"], tmp.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(evaluations(&run), whole);
+    let summary: serde_json::Value = serde_json::from_str(
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .last()
+            .expect("a summary"),
+    )
+    .expect("a JSON summary");
+    let as_f32 = |v: &str| v.parse::<f64>().expect("a loss") as f32;
+    assert_eq!(
+        as_f32(&summary["val_loss"].to_string()),
+        as_f32(&whole[1].2)
+    );
+    // Held already: resuming again runs no evaluation.
+    let o = snug(&["train", "--resume", run_s, "--json"], tmp.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("\"kind\":\"eval\""));
+    assert_eq!(evaluations(&run), whole);
+    // One cut short mid-run, resumed from that step's checkpoint to the end.
+    std::fs::remove_file(run.join("ckpt-00000004.safetensors")).expect("the last checkpoint");
+    drop_eval_at(2);
+    let o = snug(&["train", "--resume", run_s, "--json"], tmp.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(evaluations(&run), whole);
+}

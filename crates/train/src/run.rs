@@ -222,6 +222,20 @@ fn train_loop(
 ) -> Result<(), TrainError> {
     let (cfg, saver) = (st.cfg, st.saver);
     let (metrics, summary) = (&mut st.metrics, &mut st.summary);
+    let due = |step: u64| {
+        cfg.eval_every > 0 && (step.is_multiple_of(cfg.eval_every) || step == cfg.steps)
+    };
+    // A stop during the evaluation after a step saves that step with the evaluation cut
+    // short; the resumed run evaluates it then, so its metrics and result hold every one.
+    let at = trainer.steps_done();
+    if trainer.resumed_at().is_some()
+        && at > 0
+        && due(at)
+        && metrics.as_ref().is_none_or(|m| m.evaluated != Some(at))
+        && !stop_requested(stop)
+    {
+        evaluate(trainer, metrics, summary, stop, on_event)?;
+    }
     while trainer.steps_done() < cfg.steps {
         if stop_requested(stop) {
             summary.interrupted = true;
@@ -240,17 +254,8 @@ fn train_loop(
             m.write("step", &s)?;
         }
         on_event(Event::Step(&s));
-        if cfg.eval_every > 0 && (s.step % cfg.eval_every == 0 || s.step == cfg.steps) {
-            let e = trainer.evaluate_unless(&|| stop_requested(stop))?;
-            report_recoveries(trainer, metrics, summary, on_event)?;
-            // Abandoned for a stop: the loop's next check ends the run and saves.
-            if let Some(e) = e {
-                if let Some(m) = metrics.as_mut() {
-                    m.write("eval", &e)?;
-                }
-                on_event(Event::Eval(&e));
-                summary.last_eval = Some(e);
-            }
+        if due(s.step) {
+            evaluate(trainer, metrics, summary, stop, on_event)?;
         }
         if !matches!(saver, Saver::Nothing)
             && cfg.checkpoint_every > 0
@@ -264,6 +269,27 @@ fn train_loop(
             st.saved_at = Some(s.step);
             summary.checkpoint = Some(path);
         }
+    }
+    Ok(())
+}
+
+/// Evaluates, and records the result where the run's results go; abandoned for a stop, the
+/// loop's next check ends the run and saves.
+fn evaluate(
+    trainer: &mut Trainer,
+    metrics: &mut Option<MetricsFile>,
+    summary: &mut RunSummary,
+    stop: &AtomicBool,
+    on_event: &mut impl FnMut(Event<'_>),
+) -> Result<(), TrainError> {
+    let e = trainer.evaluate_unless(&|| stop_requested(stop))?;
+    report_recoveries(trainer, metrics, summary, on_event)?;
+    if let Some(e) = e {
+        if let Some(m) = metrics.as_mut() {
+            m.write("eval", &e)?;
+        }
+        on_event(Event::Eval(&e));
+        summary.last_eval = Some(e);
     }
     Ok(())
 }
@@ -291,6 +317,8 @@ fn report_recoveries(
 struct MetricsFile {
     path: PathBuf,
     file: File,
+    /// The step resumed from, where the file already holds its evaluation.
+    evaluated: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -313,16 +341,21 @@ impl MetricsFile {
             return Ok(MetricsFile {
                 path: path.to_path_buf(),
                 file,
+                evaluated: None,
             });
         }
+        let mut evaluated = None;
         if let Ok(text) = fs::read_to_string(path) {
             let kept: String = text
                 .lines()
                 .filter(|l| {
-                    serde_json::from_str::<serde_json::Value>(l)
-                        .ok()
-                        .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
-                        .is_some_and(|s| s <= resume_step)
+                    let v = serde_json::from_str::<serde_json::Value>(l).ok();
+                    let step = v.as_ref().and_then(|v| v.get("step")?.as_u64());
+                    if step == Some(resume_step) && v.as_ref().is_some_and(|v| v["kind"] == "eval")
+                    {
+                        evaluated = Some(resume_step);
+                    }
+                    step.is_some_and(|s| s <= resume_step)
                 })
                 .flat_map(|l| [l, "\n"])
                 .collect();
@@ -340,6 +373,7 @@ impl MetricsFile {
         Ok(MetricsFile {
             path: path.to_path_buf(),
             file,
+            evaluated,
         })
     }
 
