@@ -1069,3 +1069,30 @@ fn a_resumed_run_makes_up_the_evaluation_a_stop_cut_short() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(evaluations(&run), whole);
 }
+
+/// A run killed before its first checkpoint (here: its checkpoint taken away) leaves metrics
+/// and nothing to resume: resuming it and starting over in it are both refused, saying so.
+#[test]
+fn a_run_stopped_before_its_first_checkpoint_is_named_as_such() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let o = train(tmp.path(), &["--steps", "3", "--out", "run"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let run = tmp.path().join("run");
+    std::fs::remove_file(run.join("ckpt-00000003.safetensors")).expect("the checkpoint");
+    let before = snapshot(&run);
+    for args in [
+        vec!["train", "--resume", "run"],
+        vec!["train", "--steps", "3", "--out", "run"],
+    ] {
+        let o = snug(&args, tmp.path());
+        assert!(!o.status.success(), "{args:?}");
+        let err = stderr(&o);
+        assert!(
+            err.contains("stopped before its first checkpoint")
+                && err.contains("3 step(s)")
+                && err.contains("new `--out` directory"),
+            "{args:?}: {err}"
+        );
+    }
+    assert_eq!(snapshot(&run), before, "the run's files changed");
+}

@@ -738,7 +738,15 @@ impl CheckpointDir {
         Err(TrainError::NoCheckpoint {
             dir: self.dir.clone(),
             detail: if errors.is_empty() {
-                format!("no {PREFIX}<step>{SUFFIX} files")
+                match crate::run::last_recorded_step(&self.dir) {
+                    Some(step) => format!(
+                        "no {PREFIX}<step>{SUFFIX} files: the run there stopped before its first \
+                         checkpoint (its {} records {step} step(s), lost with it); start it \
+                         again with a new `--out` directory, or remove that file and start it there",
+                        crate::run::METRICS_FILE
+                    ),
+                    None => format!("no {PREFIX}<step>{SUFFIX} files"),
+                }
             } else {
                 format!("none loads: {}", errors.join("; "))
             },

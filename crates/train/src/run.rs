@@ -54,6 +54,17 @@ pub struct RunSummary {
 /// Name of the metrics file in the run directory.
 pub const METRICS_FILE: &str = "metrics.jsonl";
 
+/// The last step a run directory's metrics record, if any: what a run that stopped before
+/// its first checkpoint did (and lost).
+pub(crate) fn last_recorded_step(dir: &Path) -> Option<u64> {
+    let text = fs::read_to_string(dir.join(METRICS_FILE)).ok()?;
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["kind"] == "step")
+        .filter_map(|v| v["step"].as_u64())
+        .max()
+}
+
 /// Trains until the configured step count or until `stop` is set, evaluating, logging and
 /// checkpointing as the configuration says. With a run directory (`out`; claimed here unless
 /// the caller claimed it first, see [`RunDir::claim`]), the final state is always saved:

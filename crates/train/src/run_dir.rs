@@ -244,8 +244,15 @@ impl RunDir {
                 }
                 let metrics = dir.join(METRICS_FILE);
                 if fs::metadata(&metrics).is_ok_and(|m| m.len() > 0) {
+                    let what = match crate::run::last_recorded_step(dir) {
+                        Some(step) => format!(
+                            "the {METRICS_FILE} of a run that stopped before its first checkpoint \
+                             ({step} step(s) recorded, nothing to resume)"
+                        ),
+                        None => format!("another run's {METRICS_FILE}"),
+                    };
                     return Err(taken(format!(
-                        "it holds another run's {METRICS_FILE}: give a new `--out` directory, or remove that file"
+                        "it holds {what}: give a new `--out` directory, or remove that file"
                     )));
                 }
                 Ok(())
