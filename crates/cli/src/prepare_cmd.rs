@@ -14,7 +14,7 @@ use snug_train::data::{TRAIN_FILE, VAL_FILE};
 use snug_train::output::{self, DirContents};
 use snug_train::token_file::TokenDtype;
 use snug_train::user_file::{read_text, MAX_TEXT_BYTES};
-use snug_train::{CharTokenizer, HfTokenizer, TokenFile, Tokenizer, TrainError};
+use snug_train::{CharTokenizer, HfTokenizer, StagedTokenFile, TokenFile, Tokenizer, TrainError};
 
 #[derive(Args, Debug)]
 pub struct PrepareArgs {
@@ -173,8 +173,8 @@ pub fn run(args: PrepareArgs) -> Result<()> {
         TokenFile::stage(&args.out.join(name), &tokenizer, ids, mask.as_deref())
     };
     let (train_file, val_file) = (stage(TRAIN_FILE, &train)?, stage(VAL_FILE, &val)?);
-    let train_bytes = train_file.commit()?;
-    let val_bytes = val_file.commit()?;
+    let sizes = StagedTokenFile::commit_together(vec![train_file, val_file])?;
+    let (train_bytes, val_bytes) = (sizes[0], sizes[1]);
     let report = Report {
         vocab_size: tokenizer.vocab_size(),
         dtype: match TokenDtype::for_vocab(tokenizer.vocab_size()) {

@@ -1096,3 +1096,46 @@ fn a_run_stopped_before_its_first_checkpoint_is_named_as_such() {
     }
     assert_eq!(snapshot(&run), before, "the run's files changed");
 }
+
+/// A prepare killed mid-write leaves its temporary token file (as large as the tokens); the
+/// next one into that directory removes it, but never one of a process still running or one
+/// written to within the hour.
+#[cfg(target_os = "linux")]
+#[test]
+fn prepare_removes_what_a_killed_one_left() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let data = tmp.path().join("data");
+    std::fs::create_dir(&data).expect("a directory");
+    std::fs::write(data.join("corpus.txt"), "a few words of text\n".repeat(50)).expect("text");
+    // PIDs stop below 2^22: 4,000,000,000 was never a process.
+    let stale = data.join(".train.bin.4000000000.0.tmp");
+    let live = data.join(format!(".val.bin.{}.0.tmp", std::process::id()));
+    let recent = data.join(".train.bin.4000000001.0.tmp");
+    let two_hours_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(7200);
+    for f in [&stale, &live, &recent] {
+        std::fs::write(f, b"partial").expect("a file");
+        if f != &recent {
+            let file = std::fs::File::options()
+                .write(true)
+                .open(f)
+                .expect("the file");
+            file.set_modified(two_hours_ago).expect("an older time");
+        }
+    }
+    let o = snug(
+        &[
+            "prepare",
+            "--input",
+            "data/corpus.txt",
+            "--tokenizer",
+            "char",
+            "--out",
+            "data",
+        ],
+        tmp.path(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(data.join("train.bin").exists() && data.join("val.bin").exists());
+    assert!(!stale.exists());
+    assert!(live.exists() && recent.exists());
+}

@@ -184,26 +184,39 @@ pub struct StagedTokenFile {
 impl StagedTokenFile {
     /// Renames the file over its path (an open mapping of the old file stays intact) and
     /// syncs the directory. Returns the file's size.
-    pub fn commit(mut self) -> Result<u64, TrainError> {
-        let Some(tmp) = self.tmp.take() else {
-            unreachable!("a stage is committed once, by value")
-        };
-        if let Err(source) = std::fs::rename(&tmp, &self.path) {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(TrainError::Io {
-                path: self.path.clone(),
-                source,
-            });
+    pub fn commit(self) -> Result<u64, TrainError> {
+        Ok(Self::commit_together(vec![self])?[0])
+    }
+
+    /// Renames each file over its path, one rename after another with nothing written or
+    /// synced between them (files written together, such as a corpus's two splits, are
+    /// replaced as nearly at once as the file system allows), then syncs their directories.
+    /// Returns the files' sizes.
+    pub fn commit_together(mut files: Vec<StagedTokenFile>) -> Result<Vec<u64>, TrainError> {
+        let mut dirs = Vec::new();
+        for f in &mut files {
+            let Some(tmp) = f.tmp.take() else {
+                unreachable!("a stage is committed once, by value")
+            };
+            if let Err(source) = std::fs::rename(&tmp, &f.path) {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(TrainError::Io {
+                    path: f.path.clone(),
+                    source,
+                });
+            }
+            dirs.extend(tmp.parent().map(Path::to_path_buf));
         }
-        // Make the rename itself durable. Not every file system can sync a directory; the
-        // data is already synced, so a failure here loses nothing but the name.
+        dirs.dedup();
+        // Make the renames durable. Not every file system can sync a directory; the data is
+        // already synced, so a failure here loses nothing but the names.
         #[cfg(unix)]
-        if let Some(dir) = tmp.parent() {
+        for dir in dirs {
             if let Ok(d) = File::open(dir) {
                 let _ = d.sync_all();
             }
         }
-        Ok(self.size)
+        Ok(files.iter().map(|f| f.size).collect())
     }
 }
 
@@ -289,10 +302,14 @@ impl TokenFile {
             Some(d) if !d.as_os_str().is_empty() => d,
             _ => Path::new("."),
         };
+        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let prefix = format!(".{}.", name.to_string_lossy());
+        // What a killed writer left (as large as the file) goes once no process holds it.
+        snug_nn::remove_stale_temporaries(dir, &prefix, ".tmp");
         let tmp = dir.join(format!(
-            ".{}.tmp-{}",
-            name.to_string_lossy(),
-            std::process::id()
+            "{prefix}{}.{}.tmp",
+            std::process::id(),
+            COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         ));
         let result = (|| -> std::io::Result<u64> {
             let file = File::create(&tmp)?;
