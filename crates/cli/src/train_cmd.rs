@@ -243,7 +243,11 @@ fn fit_to_memory(
         }
         return Ok(None);
     };
-    let budget = crate::fit_cmd::parse_budget(memory, cfg)?;
+    let mut budget = crate::fit_cmd::parse_budget(memory, cfg)?;
+    if memory.trim() == "auto" {
+        // Ranks on one machine share its memory, and must plan alike.
+        budget = snug_train::ranks::shared_auto_budget(budget);
+    }
     check_budget_here(memory, budget, cfg)?;
     if args.model.batch_auto() {
         if cfg.devices > 1 {

@@ -544,3 +544,36 @@ fn memory_over_ranks_fits_each_ranks_step_at_its_stage() {
         );
     }
 }
+
+/// `--memory auto` over ranks on one machine: the ranks share its available memory, each
+/// planning for its part (every rank the same budget), rather than each for nearly all of it.
+#[cfg(target_os = "linux")]
+#[test]
+fn memory_auto_over_ranks_on_one_machine_shares_it() {
+    if let Err(reason) = mpirun() {
+        return snug_testkit::skip_or_fail(&reason);
+    }
+    let available = || -> u64 {
+        let info = std::fs::read_to_string("/proc/meminfo").expect("/proc/meminfo");
+        let line = info
+            .lines()
+            .find(|l| l.starts_with("MemAvailable:"))
+            .expect("MemAvailable");
+        let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+        kib * 1024
+    };
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let before = available();
+    let o = two_ranks(
+        dir.path(),
+        &[&RUN[..], &["--no-save", "--memory", "auto"]].concat(),
+    );
+    let most = before.max(available());
+    let fit = lines(&o, "fit");
+    let budget = fit[0]["budget"].as_u64().expect("the budget");
+    // Each rank's part: at most half of what is available, less snug's reserve.
+    assert!(budget <= most / 2, "{budget} of {most} available");
+    assert!(budget >= most / 4, "{budget} of {most} available");
+    let summary = lines(&o, "summary");
+    assert_eq!(summary[0]["memory_limit_bytes"].as_u64(), Some(budget));
+}

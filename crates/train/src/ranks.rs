@@ -164,6 +164,42 @@ pub(crate) fn first_out_of_memory(mine: Option<&OutOfMemory>) -> Option<(usize, 
     ))
 }
 
+/// A name for the machine this process runs on: ranks with the same one share its memory.
+fn host_id() -> u64 {
+    use std::hash::{Hash, Hasher};
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::env::var("HOSTNAME"))
+        .unwrap_or_default();
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    name.trim().hash(&mut h);
+    h.finish()
+}
+
+/// The memory budget every rank plans for when each was given its machine's available
+/// memory (`--memory auto`), `mine` being this rank's reading: the ranks on one machine share
+/// it, each taking its part, and all take the smallest part any rank has, so that they plan
+/// alike. `mine` itself in a world of one.
+pub fn shared_auto_budget(mine: usize) -> usize {
+    let Some(t) = installed().filter(|t| t.size() > 1) else {
+        return mine;
+    };
+    let host = host_id();
+    let mut status = [0.0f32; 8];
+    status[..4].copy_from_slice(&words(mine));
+    status[4..].copy_from_slice(&words(host as usize));
+    let mut all = vec![0.0; status.len() * t.size()];
+    t.all_gather(&status, &mut all);
+    let ranks: Vec<(usize, usize)> = all
+        .chunks_exact(status.len())
+        .map(|s| (from_words(&s[..4]), from_words(&s[4..])))
+        .collect();
+    ranks
+        .iter()
+        .map(|&(budget, host)| budget / ranks.iter().filter(|r| r.1 == host).count().max(1))
+        .min()
+        .unwrap_or(mine)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
