@@ -166,7 +166,8 @@ pub fn compile_exactly_sharded(
         }
         if sharding.is_distributed() {
             return Err(refuse(
-                "quantized frozen weights are not sharded across ranks yet (use one device)",
+                "quantized frozen weights are not supported over several ranks yet, at any ZeRO \
+                 stage (use one device)",
             ));
         }
     }

@@ -222,7 +222,7 @@ impl StepGraph {
                 op: "step",
                 detail: format!(
                     "clipping by the {} norm is built for one micro-batch, no loss scaling and \
-                     one device",
+                     one device (clip by the global norm, --clip-mode global, otherwise)",
                     match opts.clip_mode {
                         ClipMode::Tensor => "per-tensor",
                         _ => "previous step's",

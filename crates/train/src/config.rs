@@ -213,7 +213,7 @@ train_keys! {
     /// The norm --grad-clip bounds: global (default; every gradient's, so all are held until
     /// the first update), tensor (each gradient's own) or previous (the previous step's
     /// global norm, kept in the checkpoint; the first step is not clipped). Tensor and
-    /// previous take one micro-batch (--accumulation 1) and no f16 loss scaling.
+    /// previous take one micro-batch (--accumulation 1), no f16 loss scaling and one device.
     #[flag(step, long, value_name = "MODE")]
     clip_mode: String,
     /// Update each parameter as soon as its gradient is complete and free the gradient, so
@@ -828,8 +828,20 @@ impl TrainConfig {
             return err(
                 "accumulation",
                 format!(
-                    "must be at least 1 and divide the batch of each rank ({per_rank}), got {}",
-                    self.accumulation
+                    "must be at least 1 and divide the batch of each rank ({per_rank}: --batch {} \
+                     over {} rank(s)), got {}{}",
+                    self.batch,
+                    self.devices,
+                    self.accumulation,
+                    match (1..=per_rank)
+                        .rev()
+                        .find(|a| per_rank.is_multiple_of(*a) && *a <= self.accumulation)
+                    {
+                        Some(a) if self.accumulation > 0 => {
+                            format!(" (--accumulation {a} divides it)")
+                        }
+                        _ => String::new(),
+                    }
                 ),
             );
         }
@@ -1377,6 +1389,22 @@ mod tests {
             panic!("char-small is a GPT")
         };
         assert_eq!((model.n_layer, model.n_embd), (2, 384));
+    }
+
+    #[test]
+    fn an_accumulation_that_does_not_divide_names_one_that_does() {
+        let flags = TrainSection {
+            batch: Some(6),
+            accumulation: Some(4),
+            ..Default::default()
+        };
+        let err = TrainConfig::resolve(None, &ModelSection::default(), &flags)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--batch 6 over 1 rank(s)") && err.contains("--accumulation 3 divides it"),
+            "{err}"
+        );
     }
 
     #[test]
