@@ -77,7 +77,8 @@ pub struct TrainArgs {
     #[arg(long)]
     json: bool,
     /// When the run ends, write `report.html` into the run directory: the plan it trained
-    /// with (its memory timeline by role), its curves, this machine's memory table.
+    /// with (its memory timeline by role), its curves, this machine's memory table. Not kept
+    /// in the checkpoint: give it again with --resume (or run `snug report --run DIR`).
     #[arg(long, conflicts_with = "no_save")]
     report: bool,
     /// Show the run in a full-screen terminal view (loss and memory over steps, the planned
