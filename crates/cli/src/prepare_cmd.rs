@@ -169,8 +169,19 @@ pub fn run(args: PrepareArgs) -> Result<()> {
     })?;
     // Both splits are written before either replaces an earlier pair, so a failure or an
     // interruption leaves the old pair whole rather than a new train.bin beside an old val.bin.
+    // One mark in both files: a pair that does not share it is refused when read.
+    let prepared = snug_train::token_file::prepare_mark(&[
+        (&train.0, train.1.as_deref()),
+        (&val.0, val.1.as_deref()),
+    ]);
     let stage = |name: &str, (ids, mask): &Split| {
-        TokenFile::stage(&args.out.join(name), &tokenizer, ids, mask.as_deref())
+        TokenFile::stage(
+            &args.out.join(name),
+            &tokenizer,
+            ids,
+            mask.as_deref(),
+            Some(&prepared),
+        )
     };
     let (train_file, val_file) = (stage(TRAIN_FILE, &train)?, stage(VAL_FILE, &val)?);
     let sizes = StagedTokenFile::commit_together(vec![train_file, val_file])?;

@@ -1139,3 +1139,64 @@ fn prepare_removes_what_a_killed_one_left() {
     assert!(!stale.exists());
     assert!(live.exists() && recent.exists());
 }
+
+/// A `train.bin` and a `val.bin` written by two different prepares (one stopped between
+/// replacing them) are refused by name, not trained on as one corpus.
+#[test]
+fn token_files_of_two_prepares_are_refused_as_a_pair() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let data = tmp.path().join("data");
+    std::fs::create_dir(&data).expect("a directory");
+    let prepare = |text: &str| {
+        std::fs::write(data.join("corpus.txt"), text.repeat(40)).expect("a corpus");
+        let o = snug(
+            &[
+                "prepare",
+                "--input",
+                "data/corpus.txt",
+                "--tokenizer",
+                "char",
+                "--out",
+                "data",
+                "--force",
+            ],
+            tmp.path(),
+        );
+        assert!(o.status.success(), "{}", stderr(&o));
+    };
+    prepare("to be or not to be\n");
+    let old_val = std::fs::read(data.join("val.bin")).expect("val.bin");
+    // The same characters, another corpus: the tokenizers agree.
+    prepare("not to be or to be\n");
+    let train = |cwd: &Path| {
+        snug(
+            &[
+                "train",
+                "--data",
+                "data",
+                "--steps",
+                "1",
+                "--no-save",
+                "--batch",
+                "2",
+                "--block",
+                "8",
+                "--threads",
+                "1",
+                "--eval-every",
+                "0",
+            ],
+            cwd,
+        )
+    };
+    let o = train(tmp.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::write(data.join("val.bin"), old_val).expect("the earlier val.bin");
+    let o = train(tmp.path());
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("val.bin") && stderr(&o).contains("another `snug prepare`"),
+        "{}",
+        stderr(&o)
+    );
+}

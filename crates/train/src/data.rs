@@ -205,6 +205,20 @@ impl TokenDataset {
                 },
             });
         }
+        if let (Some(t), Some(v)) = (train.prepared(), val.prepared()) {
+            if t != v {
+                return Err(TrainError::TokenFile {
+                    path: val_path,
+                    problem: TokenFileProblem::Spec {
+                        detail: format!(
+                            "it was written by another `snug prepare` than {TRAIN_FILE} beside \
+                             it (one stopped between replacing the two?): prepare the corpus \
+                             again"
+                        ),
+                    },
+                });
+            }
+        }
         // A step would average over no target: a loss and gradients of 0, every step; an
         // evaluation would report a validation loss of 0.
         for (file, split, tokens, what) in [

@@ -10,7 +10,7 @@
 //! | 1 | dtype: bytes per token, 2 (u16, when the vocabulary has at most 65,536 ids) or 4 (u32) |
 //! | 8 | token count, u64 |
 //! | 4 | tokenizer spec length in bytes, u32 |
-//! | n | tokenizer spec, JSON ([`TokenizerSpec`]) |
+//! | n | tokenizer spec, JSON ([`TokenizerSpec`]); `snug prepare` adds a `"prepared"` key, the same in both splits |
 //! | count × dtype | tokens |
 //! | ⌈count / 8⌉ | version 2 only: the loss mask, one bit per token (token `i` is bit `i % 8` of byte `i / 8`; unused bits 0) |
 //!
@@ -136,6 +136,9 @@ pub struct TokenFile {
     tokenizer: Tokenizer,
     /// Byte offset of the loss mask (version 2); `None`: every token counts.
     mask_offset: Option<usize>,
+    /// The `snug prepare` that wrote the file (its spec's `"prepared"` key), shared by the
+    /// splits it wrote together.
+    prepared: Option<String>,
 }
 
 impl std::fmt::Debug for TokenFile {
@@ -228,13 +231,30 @@ impl Drop for StagedTokenFile {
     }
 }
 
+/// The mark [`TokenFile::stage`] gives the splits of one corpus: a CRC-32 of every split's
+/// tokens and mask, so the same corpus prepared again writes the same bytes, and splits of
+/// two corpora are told apart.
+pub fn prepare_mark(splits: &[(&[u32], Option<&[bool]>)]) -> String {
+    let mut h = crc32fast::Hasher::new();
+    for (tokens, mask) in splits {
+        h.update(&(tokens.len() as u64).to_le_bytes());
+        for t in *tokens {
+            h.update(&t.to_le_bytes());
+        }
+        if let Some(mask) = mask {
+            h.update(&pack_bits(mask));
+        }
+    }
+    format!("{:08x}", h.finalize())
+}
+
 impl TokenFile {
     /// Writes `tokens` and `tokenizer`'s spec to `path` atomically: a temporary file in the same
     /// directory is written, synced and renamed over `path`, so a reader (or a crash) never sees
     /// a partial file and an open mapping of the old file stays intact. Returns the file's size.
     /// The file is version 1: every token counts.
     pub fn write(path: &Path, tokenizer: &Tokenizer, tokens: &[u32]) -> Result<u64, TrainError> {
-        Self::stage(path, tokenizer, tokens, None)?.commit()
+        Self::stage(path, tokenizer, tokens, None, None)?.commit()
     }
 
     /// As [`TokenFile::write`], with the loss mask `mask` (one per token; `true`: the token
@@ -245,18 +265,20 @@ impl TokenFile {
         tokens: &[u32],
         mask: &[bool],
     ) -> Result<u64, TrainError> {
-        Self::stage(path, tokenizer, tokens, Some(mask))?.commit()
+        Self::stage(path, tokenizer, tokens, Some(mask), None)?.commit()
     }
 
     /// Writes what [`TokenFile::write`] (no `mask`) or [`TokenFile::write_masked`] would into a
     /// synced temporary file beside `path`, which [`StagedTokenFile::commit`] renames over it:
     /// files that belong together (a corpus's splits) are all written before any replaces
     /// its predecessor. The temporary file is removed if the stage is dropped uncommitted.
+    /// `prepared` marks files written together (see [`TokenFile::prepared`]).
     pub fn stage(
         path: &Path,
         tokenizer: &Tokenizer,
         tokens: &[u32],
         mask: Option<&[bool]>,
+        prepared: Option<&str>,
     ) -> Result<StagedTokenFile, TrainError> {
         if let Some(mask) = mask.filter(|m| m.len() != tokens.len()) {
             return Err(problem(
@@ -277,7 +299,7 @@ impl TokenFile {
                 },
             ));
         }
-        let spec = serde_json::to_vec(&tokenizer.to_spec()).map_err(|e| {
+        let mut spec = serde_json::to_vec(&tokenizer.to_spec()).map_err(|e| {
             problem(
                 path,
                 TokenFileProblem::Spec {
@@ -285,6 +307,14 @@ impl TokenFile {
                 },
             )
         })?;
+        // An extra key of the spec's object, which its readers (older ones too) pass over;
+        // unmarked files keep their bytes.
+        if let (Some(mark), Some(b'}')) = (prepared, spec.last()) {
+            spec.pop();
+            spec.extend_from_slice(
+                format!(",\"prepared\":{}}}", serde_json::json!(mark)).as_bytes(),
+            );
+        }
         let spec_len = u32::try_from(spec.len()).map_err(|_| {
             problem(
                 path,
@@ -416,15 +446,21 @@ impl TokenFile {
         if (offset as u64) > file_len {
             return Err(truncated("tokenizer", offset));
         }
-        let spec: TokenizerSpec =
-            serde_json::from_slice(&map[FIXED_HEADER..offset]).map_err(|e| {
-                problem(
-                    path,
-                    TokenFileProblem::Spec {
-                        detail: e.to_string(),
-                    },
-                )
-            })?;
+        let spec_problem = |e: serde_json::Error| {
+            problem(
+                path,
+                TokenFileProblem::Spec {
+                    detail: e.to_string(),
+                },
+            )
+        };
+        let spec_json: serde_json::Value =
+            serde_json::from_slice(&map[FIXED_HEADER..offset]).map_err(spec_problem)?;
+        let prepared = spec_json
+            .get("prepared")
+            .and_then(|m| m.as_str())
+            .map(str::to_string);
+        let spec: TokenizerSpec = serde_json::from_value(spec_json).map_err(spec_problem)?;
         let tokenizer = Tokenizer::from_spec(&spec).map_err(|e| {
             problem(
                 path,
@@ -499,11 +535,19 @@ impl TokenFile {
             dtype,
             tokenizer,
             mask_offset,
+            prepared,
         })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Which `snug prepare` wrote the file: the splits of one corpus share it, so a pair that
+    /// does not (a prepare stopped between replacing its two files) is told apart. `None` for
+    /// files written otherwise, or by an older snug.
+    pub fn prepared(&self) -> Option<&str> {
+        self.prepared.as_deref()
     }
 
     pub fn len(&self) -> usize {
@@ -684,20 +728,20 @@ mod tests {
             n
         };
         // Dropped uncommitted (a later file of the pair failed): the old file, and nothing else.
-        let staged = TokenFile::stage(&path, &tok, &[2, 2, 2], None).unwrap();
+        let staged = TokenFile::stage(&path, &tok, &[2, 2, 2], None, None).unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), old);
         drop(staged);
         assert_eq!(std::fs::read(&path).unwrap(), old);
         assert_eq!(names(), vec![std::ffi::OsString::from("train.bin")]);
         // Committed: the new tokens, at the size it reports.
-        let staged = TokenFile::stage(&path, &tok, &[2, 2, 2], Some(&[true, false, true]));
+        let staged = TokenFile::stage(&path, &tok, &[2, 2, 2], Some(&[true, false, true]), None);
         let size = staged.unwrap().commit().unwrap();
         assert_eq!(std::fs::metadata(&path).unwrap().len(), size);
         let file = TokenFile::open(&path).unwrap();
         assert_eq!(file.len(), 3);
         assert_eq!(names(), vec![std::ffi::OsString::from("train.bin")]);
         // A mask of another length is refused before anything is written.
-        assert!(TokenFile::stage(&path, &tok, &[1], Some(&[true, true])).is_err());
+        assert!(TokenFile::stage(&path, &tok, &[1], Some(&[true, true]), None).is_err());
         assert_eq!(names(), vec![std::ffi::OsString::from("train.bin")]);
     }
 

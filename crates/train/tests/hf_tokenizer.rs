@@ -514,3 +514,32 @@ fn a_long_text_encodes_in_pieces_to_the_ids_of_one_call() {
     let whole = t.encode_with_offsets(&text, false).unwrap().0;
     assert_eq!(t.encode(&text, false).unwrap(), whole);
 }
+
+/// The mark `snug prepare` puts in a token file's tokenizer spec reads back for every kind of
+/// tokenizer, leaving the tokenizer as it was; a file without one has none.
+#[test]
+fn a_prepare_mark_reads_back_beside_every_kind_of_tokenizer() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokenizers = [
+        Tokenizer::Hf(fixture()),
+        Tokenizer::gpt2(),
+        Tokenizer::Char(snug_train::CharTokenizer::from_text("abc")),
+    ];
+    for (i, tok) in tokenizers.iter().enumerate() {
+        let path = dir.path().join(format!("t{i}.bin"));
+        TokenFile::stage(&path, tok, &[0, 1, 2], None, Some("p-1"))
+            .unwrap()
+            .commit()
+            .unwrap();
+        let f = TokenFile::open(&path).unwrap();
+        assert_eq!(f.prepared(), Some("p-1"), "{}", tok.name());
+        assert_eq!(f.tokenizer().to_spec(), tok.to_spec());
+        // A reader of the spec alone (an older snug's) passes over the mark.
+        let bytes = std::fs::read(&path).unwrap();
+        let len = u32::from_le_bytes(bytes[21..25].try_into().unwrap()) as usize;
+        let spec: TokenizerSpec = serde_json::from_slice(&bytes[25..25 + len]).unwrap();
+        assert_eq!(spec, tok.to_spec());
+        TokenFile::write(&path, tok, &[0, 1, 2]).unwrap();
+        assert_eq!(TokenFile::open(&path).unwrap().prepared(), None);
+    }
+}
