@@ -310,6 +310,8 @@ impl StagedDir {
                     Some(fs::rename(&staging, &self.dir))
                 }
                 Ok(m) if m.is_dir() && holds_only(&self.dir, replaceable) => {
+                    // The directory that takes the output's place keeps its permissions.
+                    let _ = fs::set_permissions(&staging, m.permissions());
                     exchange(&staging, &self.dir)
                 }
                 _ => None,
@@ -482,7 +484,13 @@ mod tests {
         assert_eq!(listing(tmp.path()), parent, "a staging directory stayed");
 
         // Holding only the command's files, the directory is replaced whole: the earlier
-        // adapter, not written this time, goes with it.
+        // adapter, not written this time, goes with it; the directory's permissions stay.
+        #[cfg(unix)]
+        let mode = {
+            use std::os::unix::fs::PermissionsExt;
+            fs::set_permissions(&dir, fs::Permissions::from_mode(0o750)).unwrap();
+            || fs::metadata(&dir).unwrap().permissions().mode() & 0o777
+        };
         let staged = StagedDir::new(&dir).unwrap();
         let w = staged.path().join("weights");
         fs::write(&w, "new weights").unwrap();
@@ -500,6 +508,8 @@ mod tests {
             listing(&dir),
             want(&[("config", "new config"), ("weights", "new weights")])
         );
+        #[cfg(unix)]
+        assert_eq!(mode(), 0o750);
         assert_eq!(listing(tmp.path()), parent, "a staging directory stayed");
 
         // Beside a file of the user's, each file is moved in and the rest left.
