@@ -1572,7 +1572,8 @@ impl Trainer {
 
     /// Whether the error that ended the run stopped every rank at the same point (an
     /// out-of-memory they agreed on and could not recover from), so that they can save a
-    /// sharded checkpoint together. Always true of such an error in one process.
+    /// sharded checkpoint together. One process saves its whole state after any error that
+    /// leaves it consistent, and does not ask.
     pub fn failed_together(&self) -> bool {
         self.failed_together
     }
