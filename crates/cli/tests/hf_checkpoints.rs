@@ -607,18 +607,13 @@ fn an_export_removes_what_a_killed_one_left() {
         staging(std::process::id()),
         staging(4_000_000_001),
     );
-    let two_hours_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(7200);
     for d in [&stale_dir, &live_dir, &recent_dir] {
         std::fs::create_dir(d).unwrap();
         let f = d.join("model.safetensors");
         std::fs::write(&f, b"partial").unwrap();
         if d != &recent_dir {
-            for p in [&f, d] {
-                std::fs::File::open(p)
-                    .unwrap()
-                    .set_modified(two_hours_ago)
-                    .unwrap();
-            }
+            common::untouched_for_two_hours(&f);
+            common::untouched_for_two_hours(d);
         }
     }
     // PIDs stop below 2^22: 4,000,000,000 was never a process.
@@ -630,8 +625,7 @@ fn an_export_removes_what_a_killed_one_left() {
     for f in [&stale, &live, &recent, &other] {
         std::fs::write(f, b"partial").unwrap();
         if f != &recent {
-            let file = std::fs::File::options().write(true).open(f).unwrap();
-            file.set_modified(two_hours_ago).unwrap();
+            common::untouched_for_two_hours(f);
         }
     }
     let from = fixture("llama_tied");

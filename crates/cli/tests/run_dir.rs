@@ -1097,6 +1097,20 @@ fn a_run_stopped_before_its_first_checkpoint_is_named_as_such() {
     assert_eq!(snapshot(&run), before, "the run's files changed");
 }
 
+/// `snug prepare` of `data/corpus.txt` by characters into `data`, in `cwd`.
+fn prepare_char(cwd: &Path, extra: &[&str]) -> Output {
+    let args = [
+        "prepare",
+        "--input",
+        "data/corpus.txt",
+        "--tokenizer",
+        "char",
+        "--out",
+        "data",
+    ];
+    snug(&[&args[..], extra].concat(), cwd)
+}
+
 /// A prepare killed mid-write leaves its temporary token file (as large as the tokens); the
 /// next one into that directory removes it, but never one of a process still running or one
 /// written to within the hour.
@@ -1111,29 +1125,13 @@ fn prepare_removes_what_a_killed_one_left() {
     let stale = data.join(".train.bin.4000000000.0.tmp");
     let live = data.join(format!(".val.bin.{}.0.tmp", std::process::id()));
     let recent = data.join(".train.bin.4000000001.0.tmp");
-    let two_hours_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(7200);
     for f in [&stale, &live, &recent] {
         std::fs::write(f, b"partial").expect("a file");
         if f != &recent {
-            let file = std::fs::File::options()
-                .write(true)
-                .open(f)
-                .expect("the file");
-            file.set_modified(two_hours_ago).expect("an older time");
+            common::untouched_for_two_hours(f);
         }
     }
-    let o = snug(
-        &[
-            "prepare",
-            "--input",
-            "data/corpus.txt",
-            "--tokenizer",
-            "char",
-            "--out",
-            "data",
-        ],
-        tmp.path(),
-    );
+    let o = prepare_char(tmp.path(), &[]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(data.join("train.bin").exists() && data.join("val.bin").exists());
     assert!(!stale.exists());
@@ -1149,19 +1147,7 @@ fn token_files_of_two_prepares_are_refused_as_a_pair() {
     std::fs::create_dir(&data).expect("a directory");
     let prepare = |text: &str| {
         std::fs::write(data.join("corpus.txt"), text.repeat(40)).expect("a corpus");
-        let o = snug(
-            &[
-                "prepare",
-                "--input",
-                "data/corpus.txt",
-                "--tokenizer",
-                "char",
-                "--out",
-                "data",
-                "--force",
-            ],
-            tmp.path(),
-        );
+        let o = prepare_char(tmp.path(), &["--force"]);
         assert!(o.status.success(), "{}", stderr(&o));
     };
     prepare("to be or not to be\n");

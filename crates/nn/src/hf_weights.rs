@@ -168,23 +168,11 @@ pub(crate) fn write_atomically(
     path: &Path,
     write: impl FnOnce(&Path) -> Result<(), String>,
 ) -> Result<(), NnError> {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let name = path
-        .file_name()
-        .ok_or_else(|| file_error(path, "not a file path"))?;
+    let tmp = temporary_beside(path).ok_or_else(|| file_error(path, "not a file path"))?;
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(name);
-    tmp_name.push(format!(
-        ".{}.{}.tmp",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    let tmp = dir.join(tmp_name);
-    remove_stale_temporaries(&dir, &format!(".{}.", name.to_string_lossy()), ".tmp");
     let result = write(&tmp)
         .and_then(|()| {
             File::open(&tmp)
@@ -203,6 +191,22 @@ pub(crate) fn write_atomically(
         .and_then(|d| d.sync_all())
         .map_err(|e| file_error(path, format!("syncing directory {}: {e}", dir.display())))?;
     Ok(())
+}
+
+/// A fresh temporary path beside `path` (`.NAME.PID.N.tmp`, in its directory) for a file to
+/// be written and then renamed over it, once what killed writers of `NAME` left there is
+/// removed ([`remove_stale_temporaries`]). `None` where `path` names no file.
+pub fn temporary_beside(path: &Path) -> Option<PathBuf> {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let name = path.file_name()?.to_string_lossy().into_owned();
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let prefix = format!(".{name}.");
+    remove_stale_temporaries(dir, &prefix, ".tmp");
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    Some(dir.join(format!("{prefix}{}.{n}.tmp", std::process::id())))
 }
 
 /// Removes what earlier writers in `dir` left when they were killed mid-write: entries named

@@ -28,7 +28,7 @@ pub use hf_checkpoint::{
 pub use hf_config::HfConfigError;
 pub use hf_weights::{
     check_gpt2_safetensors, hf_config_json, load_gpt2_safetensors, remove_stale_temporaries,
-    save_gpt2_safetensors, write_hf_config_json,
+    save_gpt2_safetensors, temporary_beside, write_hf_config_json,
 };
 pub use llama::{LlamaArch, LlamaConfig, RopeScaling, LLAMA_PRESETS};
 pub use lora::{LoraConfig, LoraTargets};

@@ -324,23 +324,11 @@ impl TokenFile {
             )
         })?;
         let dtype = TokenDtype::for_vocab(vocab);
-        let name = path.file_name().ok_or_else(|| TrainError::Io {
+        // What a killed writer left (as large as the file) goes once no process holds it.
+        let tmp = snug_nn::temporary_beside(path).ok_or_else(|| TrainError::Io {
             path: path.to_path_buf(),
             source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a file name"),
         })?;
-        let dir = match path.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d,
-            _ => Path::new("."),
-        };
-        static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let prefix = format!(".{}.", name.to_string_lossy());
-        // What a killed writer left (as large as the file) goes once no process holds it.
-        snug_nn::remove_stale_temporaries(dir, &prefix, ".tmp");
-        let tmp = dir.join(format!(
-            "{prefix}{}.{}.tmp",
-            std::process::id(),
-            COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        ));
         let result = (|| -> std::io::Result<u64> {
             let file = File::create(&tmp)?;
             let mut w = BufWriter::with_capacity(1 << 20, file);

@@ -43,3 +43,12 @@ pub fn fails_with(cwd: &Path, args: &[&str], needles: &[&str]) {
         assert!(err.contains(n), "{args:?}: `{n}` missing from: {err}");
     }
 }
+
+/// Dates `path` (a file or a directory) two hours back, as if no writer had touched it since:
+/// what snug takes for a killed writer's leftovers once no process holds them.
+pub fn untouched_for_two_hours(path: &Path) {
+    let then = std::time::SystemTime::now() - std::time::Duration::from_secs(7200);
+    std::fs::File::open(path)
+        .and_then(|f| f.set_modified(then))
+        .expect("an older modification time");
+}
