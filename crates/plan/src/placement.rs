@@ -2,6 +2,9 @@
 //! planner and XLA's heap simulator. A pure function of sizes and lifetimes, so it is tested
 //! with hand-written intervals.
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
 /// A block of `size` bytes live over schedule positions `first..=last`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Interval {
@@ -164,13 +167,35 @@ pub fn place_in_chunks(strategy: Strategy, intervals: &[Interval], chunk: usize)
     // insert moves at most a run's blocks, not every block after it (one sorted vector's
     // inserts made the placement quadratic in its moves alone).
     let mut runs: Vec<Run> = vec![Run::empty()];
+    // In order of first use, a block that died before this interval's first use is dead for
+    // every later interval as well, so it leaves the scan for good: what is scanned is the
+    // blocks still live, as a heap allocator's free list sees them.
+    let retire = strategy == Strategy::BestFitByFirstUse;
+    let mut deaths: BinaryHeap<Reverse<(u32, (usize, usize), u32)>> = BinaryHeap::new();
     let mut arena = 0usize;
     for &i in &order {
         let iv = intervals[i];
         let (first, last) = (position(iv.first), position(iv.last));
-        let mut best: Option<(usize, usize)> = None; // (gap size, offset)
-        let mut cursor = 0usize;
+        while let Some(&Reverse((died, block, born))) = deaths.peek() {
+            if died >= first {
+                break;
+            }
+            deaths.pop();
+            remove(&mut runs, block, (born, died));
+        }
+        let mut fit = BestFit::new(iv.size, chunk);
         'scan: for run in &runs {
+            if run.len == 0 || run.max_last < first || run.min_first > last {
+                continue; // coexists with none of them
+            }
+            if run.max_first <= last && run.min_last >= first && run.widest_gap < iv.size {
+                // Coexists with all of them, and no gap between them could hold it: for this
+                // interval the run is one block.
+                if fit.block(run.bytes[0].0, run.top) {
+                    break 'scan;
+                }
+                continue;
+            }
             let mut live = [0u8; RUN];
             for ((h, &f), &l) in live
                 .iter_mut()
@@ -187,26 +212,20 @@ pub fn place_in_chunks(strategy: Strategy, intervals: &[Interval], chunk: usize)
                 while word != 0 {
                     let (start, stop) = run.bytes[8 * w + word.trailing_zeros() as usize / 8];
                     word &= word - 1;
-                    if start > cursor {
-                        let gap = start - cursor;
-                        let at = fit_in_chunk(cursor, iv.size, chunk);
-                        if at.saturating_add(iv.size) <= start && best.is_none_or(|(g, _)| gap < g)
-                        {
-                            best = Some((gap, at));
-                            if gap == iv.size {
-                                // No later gap can be smaller than an exact fit.
-                                break 'scan;
-                            }
-                        }
+                    if fit.block(start, stop) {
+                        break 'scan;
                     }
-                    cursor = cursor.max(stop);
                 }
             }
         }
-        let offset = best.map_or_else(|| fit_in_chunk(cursor, iv.size, chunk), |(_, off)| off);
+        let offset = fit.offset();
         offsets[i] = offset;
         arena = arena.max(offset + iv.size);
-        insert(&mut runs, (offset, offset + iv.size), (first, last));
+        let block = (offset, offset + iv.size);
+        insert(&mut runs, block, (first, last));
+        if retire {
+            deaths.push(Reverse((last, block, first)));
+        }
     }
     let (lower_bound_bytes, peak_position) = max_live(intervals);
     Placement {
@@ -217,14 +236,71 @@ pub fn place_in_chunks(strategy: Strategy, intervals: &[Interval], chunk: usize)
     }
 }
 
+/// The smallest gap that holds `size` bytes (inside one chunk) among blocks met in offset
+/// order, or the offset above them all.
+struct BestFit {
+    size: usize,
+    chunk: usize,
+    /// The highest end met so far: free space starts there.
+    cursor: usize,
+    /// (gap size, offset) of the best gap so far.
+    best: Option<(usize, usize)>,
+}
+
+impl BestFit {
+    fn new(size: usize, chunk: usize) -> BestFit {
+        BestFit {
+            size,
+            chunk,
+            cursor: 0,
+            best: None,
+        }
+    }
+
+    /// Meets the next block in offset order; true once a gap of exactly `size` is found, which
+    /// no later gap can beat.
+    fn block(&mut self, start: usize, stop: usize) -> bool {
+        if start > self.cursor {
+            let gap = start - self.cursor;
+            let at = fit_in_chunk(self.cursor, self.size, self.chunk);
+            if at.saturating_add(self.size) <= start && self.best.is_none_or(|(g, _)| gap < g) {
+                self.best = Some((gap, at));
+                if gap == self.size {
+                    return true;
+                }
+            }
+        }
+        self.cursor = self.cursor.max(stop);
+        false
+    }
+
+    fn offset(&self) -> usize {
+        self.best.map_or_else(
+            || fit_in_chunk(self.cursor, self.size, self.chunk),
+            |(_, at)| at,
+        )
+    }
+}
+
 /// Blocks in a run of placed ones.
 const RUN: usize = 64;
 
 /// Up to [`RUN`] placed blocks, consecutive in (start, end) order: their byte ranges, and
-/// apart from them their lifetimes, which the scan reads for every block.
+/// apart from them their lifetimes, which the scan reads for every block. A summary lets the
+/// scan pass over a run whole: one that coexists with none of its blocks, or with all of them
+/// where none of their gaps could hold the interval (blocks of one size stacked by the greedy
+/// orders, and the live blocks left in order of first use, mostly are).
 #[derive(Clone)]
 struct Run {
     len: usize,
+    /// Bounds of the blocks' first and last positions.
+    min_first: u32,
+    max_first: u32,
+    min_last: u32,
+    max_last: u32,
+    /// The widest gap between the blocks, and the highest end among them.
+    widest_gap: usize,
+    top: usize,
     firsts: [u32; RUN],
     lasts: [u32; RUN],
     bytes: [(usize, usize); RUN],
@@ -234,6 +310,12 @@ impl Run {
     fn empty() -> Run {
         Run {
             len: 0,
+            min_first: 0,
+            max_first: 0,
+            min_last: 0,
+            max_last: 0,
+            widest_gap: 0,
+            top: 0,
             firsts: [0; RUN],
             lasts: [0; RUN],
             bytes: [(0, 0); RUN],
@@ -248,6 +330,34 @@ impl Run {
         self.lasts.copy_within(at..n, at + 1);
         (self.bytes[at], self.firsts[at], self.lasts[at]) = (block, first, last);
         self.len += 1;
+        self.summarise();
+    }
+
+    /// Takes out the block at `at`.
+    fn remove(&mut self, at: usize) {
+        let n = self.len;
+        self.bytes.copy_within(at + 1..n, at);
+        self.firsts.copy_within(at + 1..n, at);
+        self.lasts.copy_within(at + 1..n, at);
+        self.len -= 1;
+        self.summarise();
+    }
+
+    fn summarise(&mut self) {
+        let n = self.len;
+        let (firsts, lasts) = (&self.firsts[..n], &self.lasts[..n]);
+        self.min_first = firsts.iter().copied().min().unwrap_or(0);
+        self.max_first = firsts.iter().copied().max().unwrap_or(0);
+        self.min_last = lasts.iter().copied().min().unwrap_or(0);
+        self.max_last = lasts.iter().copied().max().unwrap_or(0);
+        let (mut gap, mut top) = (0usize, 0usize);
+        for (k, &(start, stop)) in self.bytes[..n].iter().enumerate() {
+            if k > 0 {
+                gap = gap.max(start.saturating_sub(top));
+            }
+            top = top.max(stop);
+        }
+        (self.widest_gap, self.top) = (gap, top);
     }
 
     /// Moves the second half of the blocks into a new run.
@@ -259,6 +369,8 @@ impl Run {
         upper.firsts[..n - half].copy_from_slice(&self.firsts[half..n]);
         upper.lasts[..n - half].copy_from_slice(&self.lasts[half..n]);
         self.len = half;
+        self.summarise();
+        upper.summarise();
         upper
     }
 }
@@ -266,8 +378,8 @@ impl Run {
 /// Inserts a placed block after every block that sorts at or before it: where one sorted
 /// vector of all of them would put it.
 fn insert(runs: &mut Vec<Run>, block: (usize, usize), lifetime: (u32, u32)) {
-    // The first run with a block after this one; the last run if none has. (Only the first
-    // run is ever empty, before the first insert.)
+    // The first run with a block after this one; the last run if none has. (Only a lone run
+    // is ever empty: before the first insert, or once every block has been removed.)
     let r = runs
         .partition_point(|run| run.bytes[..run.len].last().is_some_and(|&p| p <= block))
         .min(runs.len() - 1);
@@ -286,6 +398,30 @@ fn insert(runs: &mut Vec<Run>, block: (usize, usize), lifetime: (u32, u32)) {
     let run = &mut runs[r];
     let at = run.bytes[..run.len].partition_point(|&p| p <= block);
     run.insert(at, block, lifetime);
+}
+
+/// Takes a placed block out of the runs (one of the same bytes and lifetime), dropping its run
+/// if that leaves it empty and others remain.
+fn remove(runs: &mut Vec<Run>, block: (usize, usize), (first, last): (u32, u32)) {
+    let mut r = runs.partition_point(|run| run.bytes[..run.len].last().is_some_and(|&p| p < block));
+    while r < runs.len() {
+        let run = &mut runs[r];
+        let mut at = run.bytes[..run.len].partition_point(|&p| p < block);
+        while at < run.len && run.bytes[at] == block {
+            if (run.firsts[at], run.lasts[at]) == (first, last) {
+                run.remove(at);
+                if run.len == 0 && runs.len() > 1 {
+                    runs.remove(r);
+                }
+                return;
+            }
+            at += 1;
+        }
+        if at < run.len {
+            return;
+        }
+        r += 1;
+    }
 }
 
 /// A schedule position as the placement stores it: positions index the step's nodes, whose ids

@@ -334,6 +334,52 @@ fn placement_chooses_the_reference_offsets() {
     }
 }
 
+/// Intervals shaped like a training step's: each layer's forward saves stacks of equal-sized
+/// activations kept until its backward (nested lifetimes), beside short temporaries of a few
+/// sizes and small long-lived blocks, over a schedule far longer than the random cases'. Here
+/// the runs of placed blocks fill, split and (in order of first use, where dead blocks leave
+/// the scan) empty; whole runs are passed over; the offsets must still be the reference's.
+#[test]
+fn step_shaped_placements_choose_the_reference_offsets() {
+    let mut rng = ChaCha8Rng::seed_from_u64(0x57e9);
+    for case in 0..6 {
+        let layers = rng.random_range(20..50);
+        let per_layer = 12;
+        let end = 2 * layers * per_layer + 4;
+        let backward = |l: usize| end - 2 - (l + 1) * per_layer;
+        let mut intervals = Vec::new();
+        for l in 0..layers {
+            let at = 2 + l * per_layer;
+            for k in 0..3 {
+                let size = 64 << (4 + 2 * k);
+                intervals.push(iv(size, at + k, backward(l) + k));
+            }
+            intervals.push(iv(64, at, backward(l) + rng.random_range(0..per_layer)));
+            for t in 0..per_layer {
+                let size = 64 * [1, 16, 4096, 16][rng.random_range(0..4)];
+                let (first, back) = (at + t, backward(l) + t);
+                intervals.push(iv(size, first, first + rng.random_range(0..3)));
+                intervals.push(iv(size, back, (back + rng.random_range(0..3)).min(end)));
+            }
+        }
+        // Parameters' gradients, live from their layer's backward to the end.
+        for l in 0..layers {
+            intervals.push(iv(64 * 512, backward(l), end));
+        }
+        for strategy in Strategy::ALL {
+            for chunk in [usize::MAX, 64 * rng.random_range(5000..20000)] {
+                let p = place_in_chunks(strategy, &intervals, chunk);
+                assert_eq!(
+                    p.offsets,
+                    reference_place(strategy, &intervals, chunk),
+                    "case {case}, {strategy:?}, chunk {chunk}"
+                );
+                assert_eq!(find_overlap(&intervals, &p), None, "case {case}");
+            }
+        }
+    }
+}
+
 /// An arena cut into chunks: every placement stays valid, no interval straddles a multiple of
 /// the chunk size, and where the plain placement already fits one chunk the offsets are its.
 #[test]
