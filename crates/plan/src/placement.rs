@@ -171,7 +171,7 @@ pub fn place_in_chunks(strategy: Strategy, intervals: &[Interval], chunk: usize)
     // every later interval as well, so it leaves the scan for good: what is scanned is the
     // blocks still live, as a heap allocator's free list sees them.
     let retire = strategy == Strategy::BestFitByFirstUse;
-    let mut deaths: BinaryHeap<Reverse<(u32, (usize, usize), u32)>> = BinaryHeap::new();
+    let mut deaths: BinaryHeap<Reverse<Death>> = BinaryHeap::new();
     let mut arena = 0usize;
     for &i in &order {
         let iv = intervals[i];
@@ -235,6 +235,9 @@ pub fn place_in_chunks(strategy: Strategy, intervals: &[Interval], chunk: usize)
         peak_position,
     }
 }
+
+/// A placed block by its last position: (last, its bytes, first).
+type Death = (u32, (usize, usize), u32);
 
 /// The smallest gap that holds `size` bytes (inside one chunk) among blocks met in offset
 /// order, or the offset above them all.
