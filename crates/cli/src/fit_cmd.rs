@@ -14,8 +14,9 @@ use crate::ModelArgs;
 pub struct FitArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Memory budget: a size (2GiB, 800MB) or `auto` (available RAM minus a reserve of 10%,
-    /// at least 512 MiB; on a GPU, its memory minus 10%: see --device-memory).
+    /// Memory budget: a size (2GiB, 800MB) or `auto` (the memory available to this process,
+    /// within any container's or job's control-group limit, minus a reserve of 10%, at least
+    /// 512 MiB; on a GPU, its memory minus 10%: see --device-memory).
     #[arg(long, value_name = "SIZE|auto")]
     memory: String,
     /// The GPU's memory (e.g. 12GiB), for `--memory auto` where it cannot be read from the
@@ -58,8 +59,8 @@ pub fn apply_device_memory(cfg: &mut TrainConfig, flag: Option<&str>) -> Result<
     Ok(())
 }
 
-/// Bytes for a `--memory` value on the run's device. `auto` on the CPU reads the host's
-/// available memory. On a GPU it takes the device's memory less 10% (its driver's own
+/// Bytes for a `--memory` value on the run's device. `auto` on the CPU reads the memory
+/// available to this process: the host's, within any control-group (container, job) limit. On a GPU it takes the device's memory less 10% (its driver's own
 /// allocations, the input staging ring): `--device-memory` (or `device_memory`) where given;
 /// else a CPU driver's (lavapipe allocates from the host: the host's available memory, as on
 /// the CPU); else it is refused, since wgpu reports no other device's memory.
@@ -82,8 +83,7 @@ pub fn parse_budget(text: &str, cfg: &TrainConfig) -> Result<usize> {
     if text.trim() == "auto" {
         let available = snug_runtime::process::available_memory()
             .context("--memory auto: the OS does not report available memory here (give a size)")?;
-        let reserve = (available / 10).max(512 << 20);
-        return Ok(available.saturating_sub(reserve));
+        return Ok(snug_runtime::process::auto_budget(available));
     }
     snug_runtime::parse_bytes(text).with_context(|| format!("--memory {text}"))
 }

@@ -247,7 +247,9 @@ fn fit_to_memory(
     let mut budget = crate::fit_cmd::parse_budget(memory, cfg)?;
     if memory.trim() == "auto" {
         // Ranks on one machine share its memory, and must plan alike.
-        budget = snug_train::ranks::shared_auto_budget(budget);
+        let host_memory =
+            !matches!(cfg.device, snug_train::DeviceSpec::Gpu(_)) || cfg.device_memory.is_none();
+        budget = snug_train::ranks::shared_auto_budget(budget, host_memory);
     }
     check_budget_here(memory, budget, cfg)?;
     if args.model.batch_auto() {
@@ -480,6 +482,22 @@ impl StopFlag {
 }
 
 /// Trains; `Ok` carries the exit status (non-zero when a signal stopped the run after saving).
+/// A warmup as long as the run (the default's 20 steps, say, in a short fine-tune) never
+/// reaches the peak learning rate and never decays: said before it starts.
+fn warmup_note(cfg: &TrainConfig) -> Option<String> {
+    (cfg.steps > 0 && cfg.warmup_steps >= cfg.steps).then(|| {
+        format!(
+            "--warmup-steps {} is not below --steps {}: the learning rate rises to {:.3e}, never \
+             reaching --lr {:.3e}, and never decays (give --warmup-steps N, N < {})",
+            cfg.warmup_steps,
+            cfg.steps,
+            cfg.lr * cfg.steps as f32 / cfg.warmup_steps as f32,
+            cfg.lr,
+            cfg.steps
+        )
+    })
+}
+
 pub fn run(args: TrainArgs) -> Result<ExitCode> {
     let (model, mut train) = args.model.sections(args.run.clone());
     let json = args.json;
@@ -611,6 +629,9 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
         None => {
             let mut cfg = TrainConfig::resolve(config_file, &model, &train)?;
             crate::fit_cmd::set_allowed(&mut cfg, args.allow.as_deref())?;
+            if let Some(note) = warmup_note(&cfg) {
+                tracing::warn!("{note}");
+            }
             // Whether snug numbered the run's directory itself.
             let mut numbered = false;
             if rank != 0 {
@@ -1209,4 +1230,29 @@ pub(crate) fn stats(v: &[f64]) -> (f64, f64, f64) {
         s.first().copied().unwrap_or(0.0),
         s.last().copied().unwrap_or(0.0),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_warmup_as_long_as_the_run_is_named_with_the_rate_it_reaches() {
+        let mut cfg = TrainConfig {
+            steps: 5,
+            warmup_steps: 20,
+            lr: 1e-3,
+            ..TrainConfig::default()
+        };
+        let note = warmup_note(&cfg).expect("a note");
+        // 5 of 20 warmup steps: a quarter of the peak.
+        assert!(note.contains("rises to 2.500e-4"), "{note}");
+        assert!(note.contains("N < 5"), "{note}");
+        cfg.warmup_steps = 5;
+        assert!(warmup_note(&cfg).is_some());
+        cfg.warmup_steps = 4;
+        assert_eq!(warmup_note(&cfg), None);
+        cfg.steps = 0;
+        assert_eq!(warmup_note(&cfg), None);
+    }
 }

@@ -477,3 +477,40 @@ fn batch_auto_takes_the_levers_allowed() {
     );
     assert!(report["effective_batch"].as_u64() >= Some(1), "{report}");
 }
+
+/// `--memory auto` in a container or batch job: a control group's memory limit that is
+/// tighter than the machine's available memory is the budget's base (a made-up cgroup v2
+/// hierarchy: a job limited to 1 GiB, holding 256 MiB of which 128 MiB is inactive file cache).
+#[test]
+fn memory_auto_keeps_within_a_control_groups_limit() {
+    let cache = tempfile::tempdir().expect("a scratch directory");
+    let cgroups = tempfile::tempdir().expect("a scratch directory");
+    let job = cgroups.path().join("job_42");
+    std::fs::create_dir(&job).expect("the job's group");
+    std::fs::write(cgroups.path().join("cgroup"), "0::/job_42\n").expect("the cgroup file");
+    std::fs::write(job.join("memory.max"), format!("{}\n", 1u64 << 30)).expect("memory.max");
+    std::fs::write(job.join("memory.current"), format!("{}\n", 256u64 << 20))
+        .expect("memory.current");
+    std::fs::write(
+        job.join("memory.stat"),
+        format!("anon 1\ninactive_file {}\n", 128u64 << 20),
+    )
+    .expect("memory.stat");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_snug"));
+    cmd.args(["fit", "--preset", "tiny", "--memory", "auto", "--json"])
+        .env("SNUG_CACHE_DIR", cache.path())
+        .env("SNUG_TEST_CGROUP_ROOT", cgroups.path())
+        .current_dir(cache.path());
+    let ended = bounded::run(
+        cmd,
+        Limits {
+            timeout: Duration::from_secs(30),
+            kill_above_rss: 1 << 30,
+        },
+    );
+    assert_eq!(ended.code, Some(0), "{}", ended.stderr);
+    let report: serde_json::Value = serde_json::from_str(&ended.stdout).expect("fit's JSON");
+    // 1 GiB less the 128 MiB held, less the reserve (a tenth, at least 512 MiB).
+    let room = (1u64 << 30) - (128 << 20);
+    assert_eq!(report["budget"].as_u64(), Some(room - (512 << 20)));
+}

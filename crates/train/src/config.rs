@@ -143,22 +143,23 @@ train_keys! {
     /// Tokens per sequence (default: the model's block size).
     #[flag(step, long)]
     block: usize,
-    /// Peak learning rate.
+    /// Peak learning rate (default 3e-3).
     #[flag(run, long, allow_negative_numbers = true)]
     lr: f32,
     /// Learning rate at the end of the cosine decay (default: a tenth of `lr`).
     #[flag(run, long, allow_negative_numbers = true)]
     min_lr: f32,
-    /// Steps of linear warmup.
+    /// Steps of linear warmup (default 20), from lr/warmup at step 1 to lr at this step; a
+    /// cosine decay to --min-lr at the last step follows.
     #[flag(run, long)]
     warmup_steps: u64,
-    /// AdamW's first-moment decay.
+    /// AdamW's first-moment decay (default 0.9).
     #[key]
     beta1: f32,
-    /// AdamW's second-moment decay.
+    /// AdamW's second-moment decay (default 0.95).
     #[key]
     beta2: f32,
-    /// Decoupled weight decay (weights and embeddings only).
+    /// Decoupled weight decay (default 0.1; weights and embeddings only).
     #[flag(run, long, allow_negative_numbers = true)]
     weight_decay: f32,
     /// Seed for initialisation and batch sampling.

@@ -164,38 +164,48 @@ pub(crate) fn first_out_of_memory(mine: Option<&OutOfMemory>) -> Option<(usize, 
     ))
 }
 
-/// A name for the machine this process runs on: ranks with the same one share its memory.
-fn host_id() -> u64 {
-    use std::hash::{Hash, Hasher};
-    let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .or_else(|_| std::env::var("HOSTNAME"))
-        .unwrap_or_default();
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    name.trim().hash(&mut h);
-    h.finish()
-}
-
-/// The memory budget every rank plans for when each was given its machine's available
-/// memory (`--memory auto`), `mine` being this rank's reading: the ranks on one machine share
-/// it, each taking its part, and all take the smallest part any rank has, so that they plan
-/// alike. `mine` itself in a world of one.
-pub fn shared_auto_budget(mine: usize) -> usize {
+/// The memory budget every rank plans for when each was given its available memory
+/// (`--memory auto`), `mine` being this rank's budget: ranks that share memory divide it, and
+/// all take the smallest part any rank has, so that they plan alike. `mine` itself in a world
+/// of one. On the host (`host_memory`), the ranks on one machine (one kernel: containers
+/// included) share its memory, and those under one control-group limit, where that limit
+/// bounds them (a container's, a Slurm job's), share its room.
+pub fn shared_auto_budget(mine: usize, host_memory: bool) -> usize {
     let Some(t) = installed().filter(|t| t.size() > 1) else {
         return mine;
     };
-    let host = host_id();
-    let mut status = [0.0f32; 8];
-    status[..4].copy_from_slice(&words(mine));
-    status[4..].copy_from_slice(&words(host as usize));
+    use snug_runtime::process;
+    let machine = process::machine_id();
+    let available = process::machine_available();
+    let (group, machine_budget) = if host_memory {
+        let group = process::cgroup_room()
+            .filter(|g| available.is_none_or(|m| g.bytes < m))
+            .map_or(0, |g| g.inode);
+        (group, available.map_or(mine, process::auto_budget))
+    } else {
+        (0, mine)
+    };
+    let mut status = [0.0f32; 16];
+    for (i, n) in [mine, machine_budget, machine as usize, group as usize]
+        .into_iter()
+        .enumerate()
+    {
+        status[4 * i..4 * i + 4].copy_from_slice(&words(n));
+    }
     let mut all = vec![0.0; status.len() * t.size()];
     t.all_gather(&status, &mut all);
-    let ranks: Vec<(usize, usize)> = all
+    let ranks: Vec<[usize; 4]> = all
         .chunks_exact(status.len())
-        .map(|s| (from_words(&s[..4]), from_words(&s[4..])))
+        .map(|s| [0, 1, 2, 3].map(|i| from_words(&s[4 * i..4 * i + 4])))
         .collect();
+    let sharing = |same: &dyn Fn(&[usize; 4]) -> bool| ranks.iter().filter(|r| same(r)).count();
     ranks
         .iter()
-        .map(|&(budget, host)| budget / ranks.iter().filter(|r| r.1 == host).count().max(1))
+        .map(|&[budget, machine_budget, machine, group]| {
+            let on_machine = sharing(&|r| r[2] == machine).max(1);
+            let in_group = sharing(&|r| r[2] == machine && r[3] == group).max(1);
+            (budget / in_group).min(machine_budget / on_machine)
+        })
         .min()
         .unwrap_or(mine)
 }
