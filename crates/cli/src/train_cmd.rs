@@ -488,7 +488,7 @@ fn warmup_note(cfg: &TrainConfig) -> Option<String> {
     (cfg.steps > 0 && cfg.warmup_steps >= cfg.steps).then(|| {
         format!(
             "--warmup-steps {} is not below --steps {}: the learning rate rises to {:.3e}, never \
-             reaching --lr {:.3e}, and never decays (give --warmup-steps N, N < {})",
+             reaching --lr {:.3e}, and never decays (give a --warmup-steps below {})",
             cfg.warmup_steps,
             cfg.steps,
             cfg.lr * cfg.steps as f32 / cfg.warmup_steps as f32,
@@ -1247,7 +1247,7 @@ mod tests {
         let note = warmup_note(&cfg).expect("a note");
         // 5 of 20 warmup steps: a quarter of the peak.
         assert!(note.contains("rises to 2.500e-4"), "{note}");
-        assert!(note.contains("N < 5"), "{note}");
+        assert!(note.contains("below 5"), "{note}");
         cfg.warmup_steps = 5;
         assert!(warmup_note(&cfg).is_some());
         cfg.warmup_steps = 4;
