@@ -85,3 +85,36 @@ fn sample_without_a_run_says_how_to_get_one() {
     std::fs::create_dir_all(dir.path().join("runs/tiny-1")).expect("a run directory");
     expect_refusal("a run directory without a checkpoint");
 }
+
+/// Where the process may use fewer CPUs than the machine has (`taskset`, a Slurm job's or a
+/// container's cpuset), `snug train` with no `--threads` runs on the cores it may use (it
+/// refused its own default, the machine's core count, before), and `plan` plans for them.
+#[cfg(target_os = "linux")]
+#[test]
+fn the_default_threads_fit_a_process_held_to_one_cpu() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let on_cpu_0 = |args: &[&str]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_snug"));
+        cmd.args(args).current_dir(dir.path());
+        // SAFETY: only async-signal-safe calls between fork and exec: the set is built on
+        // this stack and `sched_setaffinity` is a system call.
+        unsafe {
+            cmd.pre_exec(|| {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(0, &mut set);
+                if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        cmd.output().expect("the snug binary runs")
+    };
+    let o = on_cpu_0(&["train", "--steps", "1", "--no-save", "--json"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let o = on_cpu_0(&["plan", "--json"]);
+    assert!(o.status.success(), "{}", text(&o.stderr));
+    let plan: serde_json::Value = serde_json::from_slice(&o.stdout).expect("plan's JSON");
+    assert_eq!(plan["threads"], 1, "{plan}");
+}

@@ -13,9 +13,59 @@ use snug_runtime::{
 
 use crate::kernel::{Kernel, TensorArg};
 
-/// Physical cores of this machine (hyper-threads share FPUs, so GEMM gains nothing from them).
+/// Physical cores this process may run on (hyper-threads share FPUs, so GEMM gains nothing
+/// from them): the machine's cores among the CPUs its affinity allows (`taskset`, a Slurm job's
+/// or a container's cpuset), and no more than the CPUs its quota grants (a container's
+/// `--cpus`), which [`std::thread::available_parallelism`] reports. The default worker count.
 pub fn physical_cores() -> usize {
-    num_cpus::get_physical().max(1)
+    let usable = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let physical = allowed_physical_cores().unwrap_or_else(num_cpus::get_physical);
+    physical.min(usable).max(1)
+}
+
+/// Distinct (package, core) pairs among the CPUs this process's affinity allows, from sysfs's
+/// topology; None where either cannot be read.
+#[cfg(target_os = "linux")]
+fn allowed_physical_cores() -> Option<usize> {
+    // SAFETY: a zeroed `cpu_set_t` is a valid empty set, and `sched_getaffinity` writes at
+    // most its size.
+    let set = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return None;
+        }
+        set
+    };
+    // SAFETY: `CPU_ISSET` reads the set at an index below `CPU_SETSIZE`.
+    let allowed =
+        (0..libc::CPU_SETSIZE as usize).filter(|&cpu| unsafe { libc::CPU_ISSET(cpu, &set) });
+    count_cores(allowed, |cpu| {
+        let read = |name: &str| {
+            std::fs::read_to_string(format!("/sys/devices/system/cpu/cpu{cpu}/topology/{name}"))
+                .ok()?
+                .trim()
+                .parse::<i64>()
+                .ok()
+        };
+        Some((read("physical_package_id")?, read("core_id")?))
+    })
+}
+
+#[cfg(not(target_os = "linux"))]
+fn allowed_physical_cores() -> Option<usize> {
+    None
+}
+
+/// The distinct cores of `cpus`, given each one's (package, core); None if any is unknown.
+fn count_cores(
+    cpus: impl Iterator<Item = usize>,
+    core_of: impl Fn(usize) -> Option<(i64, i64)>,
+) -> Option<usize> {
+    let mut cores = std::collections::BTreeSet::new();
+    for cpu in cpus {
+        cores.insert(core_of(cpu)?);
+    }
+    (!cores.is_empty()).then_some(cores.len())
 }
 
 /// Host memory, `threads` workers, and the GEMM this CPU runs.
@@ -263,5 +313,31 @@ impl Deref for CpuSession {
 impl DerefMut for CpuSession {
     fn deref_mut(&mut self) -> &mut Session<CpuBackend> {
         &mut self.0
+    }
+}
+
+#[cfg(test)]
+mod core_count_tests {
+    use super::*;
+
+    #[test]
+    fn cores_are_counted_once_per_package_and_core_among_the_allowed_cpus() {
+        // Two packages of two cores, each core two hyper-threads: CPU n is core (n / 2) % 2 of
+        // package n / 4.
+        let topology = |cpu: usize| (cpu < 8).then_some(((cpu / 4) as i64, ((cpu / 2) % 2) as i64));
+        assert_eq!(count_cores(0..8, topology), Some(4));
+        // A job allowed both threads of one core, and one thread of a core in each package.
+        assert_eq!(count_cores([2, 3].into_iter(), topology), Some(1));
+        assert_eq!(count_cores([0, 4].into_iter(), topology), Some(2));
+        // One unknown CPU: no count, so the caller falls back.
+        assert_eq!(count_cores([0, 9].into_iter(), topology), None);
+        assert_eq!(count_cores(std::iter::empty(), topology), None);
+    }
+
+    #[test]
+    fn the_default_worker_count_stays_within_what_the_process_may_use() {
+        let usable = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cores = physical_cores();
+        assert!((1..=usable).contains(&cores), "{cores} of {usable}");
     }
 }

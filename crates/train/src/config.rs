@@ -165,7 +165,7 @@ train_keys! {
     /// Seed for initialisation and batch sampling.
     #[flag(run, long)]
     seed: u64,
-    /// Worker threads (default: physical cores).
+    /// Worker threads (default: the physical cores this process may run on).
     #[flag(step, long)]
     threads: usize,
     /// Device to train on: cpu (default), gpu (the first GPU), or gpu:N (the adapter
@@ -1344,7 +1344,7 @@ pub fn check_threads_here(threads: usize) -> Result<(), TrainError> {
         return Err(TrainError::Config {
             field: "threads",
             detail: format!(
-                "{threads} is more than this machine's {cpus} CPUs (use at most {cpus}; the default is its {} physical cores)",
+                "{threads} is more than the {cpus} CPUs this process may use (use at most {cpus}; the default is the {} physical cores among them)",
                 snug_cpu::physical_cores()
             ),
         });
