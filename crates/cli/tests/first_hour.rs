@@ -118,3 +118,26 @@ fn the_default_threads_fit_a_process_held_to_one_cpu() {
     let plan: serde_json::Value = serde_json::from_slice(&o.stdout).expect("plan's JSON");
     assert_eq!(plan["threads"], 1, "{plan}");
 }
+
+/// Ranks that mpirun started on one machine without binding them (`--bind-to none`) share its
+/// cores by default rather than each taking them all (the environment Open MPI gives a rank
+/// says how many share the machine).
+#[test]
+fn unbound_ranks_on_one_machine_default_to_their_share_of_its_cores() {
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let threads = |local: Option<&str>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_snug"));
+        cmd.args(["plan", "--json"]).current_dir(dir.path());
+        if let Some(n) = local {
+            cmd.env("OMPI_COMM_WORLD_LOCAL_SIZE", n);
+        }
+        let o = cmd.output().expect("the snug binary runs");
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        let plan: serde_json::Value = serde_json::from_slice(&o.stdout).expect("plan's JSON");
+        plan["threads"].as_u64().expect("threads")
+    };
+    let alone = threads(None);
+    assert_eq!(threads(Some("1")), alone);
+    assert_eq!(threads(Some("2")), (alone / 2).max(1));
+    assert_eq!(threads(Some("64")), 1);
+}

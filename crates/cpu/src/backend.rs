@@ -23,6 +23,48 @@ pub fn physical_cores() -> usize {
     physical.min(usable).max(1)
 }
 
+/// CPUs this process's affinity allows, and the pool they are drawn from: the CPUs of its
+/// container's cpuset where that can be read (cgroup v2 `cpuset.cpus.effective`, v1
+/// `cpuset.effective_cpus`), else the machine's online CPUs. Equal where nothing (`taskset`,
+/// an mpirun binding) holds the process to part of what it could run on. None where the
+/// affinity cannot be read.
+pub fn cpu_counts() -> Option<(usize, usize)> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: as in `allowed_physical_cores`.
+        let allowed = unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+                return None;
+            }
+            usize::try_from(libc::CPU_COUNT(&set)).ok()?
+        };
+        let pool = [
+            "/sys/fs/cgroup/cpuset.cpus.effective",
+            "/sys/fs/cgroup/cpuset/cpuset.effective_cpus",
+            "/sys/devices/system/cpu/online",
+        ]
+        .iter()
+        .find_map(|path| cpu_list_len(&std::fs::read_to_string(path).ok()?))?;
+        Some((allowed, pool.max(allowed)))
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        None
+    }
+}
+
+/// CPUs in a kernel CPU list (`0-3,8,10-11`); None if it is not one or is empty.
+pub fn cpu_list_len(list: &str) -> Option<usize> {
+    let mut n = 0usize;
+    for part in list.trim().split(',') {
+        let (a, b) = part.split_once('-').unwrap_or((part, part));
+        let (a, b): (usize, usize) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
+        n += b.checked_sub(a)? + 1;
+    }
+    (n > 0).then_some(n)
+}
+
 /// Distinct (package, core) pairs among the CPUs this process's affinity allows, from sysfs's
 /// topology; None where either cannot be read.
 #[cfg(target_os = "linux")]
@@ -332,6 +374,16 @@ mod core_count_tests {
         // One unknown CPU: no count, so the caller falls back.
         assert_eq!(count_cores([0, 9].into_iter(), topology), None);
         assert_eq!(count_cores(std::iter::empty(), topology), None);
+    }
+
+    #[test]
+    fn kernel_cpu_lists_are_counted() {
+        assert_eq!(cpu_list_len("0-1\n"), Some(2));
+        assert_eq!(cpu_list_len("0-3,8,10-11"), Some(7));
+        assert_eq!(cpu_list_len("5"), Some(1));
+        assert_eq!(cpu_list_len(""), None);
+        assert_eq!(cpu_list_len("3-1"), None);
+        assert_eq!(cpu_list_len("x"), None);
     }
 
     #[test]

@@ -22,6 +22,6 @@ pub mod kernels;
 pub mod math;
 pub mod par;
 
-pub use backend::{physical_cores, CpuBackend, CpuNode, CpuSession};
+pub use backend::{cpu_counts, physical_cores, CpuBackend, CpuNode, CpuSession};
 pub use kernel::{CpuKernel, Kernel, TensorArg};
 pub use kernels::run;

@@ -414,7 +414,7 @@ impl Default for TrainConfig {
             beta2: 0.95,
             weight_decay: 0.1,
             seed: 1337,
-            threads: snug_cpu::physical_cores(),
+            threads: default_threads(),
             device: DeviceSpec::Cpu,
             device_memory: None,
             log_every: 0,
@@ -546,7 +546,7 @@ impl TrainConfig {
         }
         if block_fixed && !threads_set {
             // A resumed run keeps its configuration, but not another machine's core count.
-            cfg.threads = cfg.threads.min(snug_cpu::physical_cores());
+            cfg.threads = cfg.threads.min(default_threads());
         }
         if !block_set {
             // Without an explicit block, train on the model's full context.
@@ -1338,6 +1338,31 @@ pub const MAX_EVAL_BATCHES: usize = 1_000_000;
 /// Refuses a thread count this machine cannot run: each thread is a real OS thread, and more
 /// of them than CPUs only take turns (100,000 hung a run). Planning for another machine may
 /// name more; zero is refused where the configuration is checked.
+/// The default worker count: the physical cores this process may run on, shared with the
+/// other ranks of its machine (`OMPI_COMM_WORLD_LOCAL_SIZE`, or MPICH's `MPI_LOCALNRANKS`)
+/// that run on the same CPUs. Which those are is judged from this rank's share of the CPUs it
+/// could run on: all of them (`mpirun --bind-to none`), every rank shares them; a part (ranks
+/// bound to a package each, or to a core), as many ranks as such parts fit in the pool.
+pub fn default_threads() -> usize {
+    let local = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
+        .iter()
+        .find_map(|key| std::env::var(key).ok()?.trim().parse::<usize>().ok())
+        .unwrap_or(1);
+    let (allowed, pool) = snug_cpu::cpu_counts().unwrap_or((1, 1));
+    threads_for(snug_cpu::physical_cores(), local, allowed, pool)
+}
+
+/// `cores` shared by the `local` ranks of one machine, each allowed `allowed` of a `pool` of
+/// CPUs: those sharing this rank's CPUs are `allowed / (pool / local)` of them (rounded).
+fn threads_for(cores: usize, local: usize, allowed: usize, pool: usize) -> usize {
+    let local = local.max(1);
+    let sharing = (allowed * local + pool / 2)
+        .checked_div(pool)
+        .unwrap_or(1)
+        .clamp(1, local);
+    (cores / sharing).max(1)
+}
+
 pub fn check_threads_here(threads: usize) -> Result<(), TrainError> {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     if threads > cpus {
@@ -1542,5 +1567,22 @@ mod tests {
             cfg.model_for_vocab(13),
             Err(TrainError::Config { field: "block", .. })
         ));
+    }
+
+    #[test]
+    fn ranks_on_one_machine_share_the_cores_they_run_on() {
+        // One process: its cores.
+        assert_eq!(threads_for(16, 1, 32, 32), 16);
+        // Four unbound ranks on a 16-core machine: a quarter each.
+        assert_eq!(threads_for(16, 4, 32, 32), 4);
+        assert_eq!(threads_for(16, 3, 32, 32), 5);
+        // More ranks than cores: one thread each, never none.
+        assert_eq!(threads_for(2, 4, 2, 2), 1);
+        // Eight ranks bound to one of two packages each: four share a package's 16 cores.
+        assert_eq!(threads_for(16, 8, 32, 64), 4);
+        // Ranks bound to a core each, or given CPUs of their own (a Slurm task's cpuset).
+        assert_eq!(threads_for(1, 2, 1, 2), 1);
+        assert_eq!(threads_for(8, 8, 8, 64), 8);
+        assert_eq!(threads_for(0, 1, 0, 0), 1);
     }
 }
