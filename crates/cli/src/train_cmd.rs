@@ -483,19 +483,25 @@ impl StopFlag {
 
 /// Trains; `Ok` carries the exit status (non-zero when a signal stopped the run after saving).
 /// A warmup as long as the run (the default's 20 steps, say, in a short fine-tune) never
-/// reaches the peak learning rate and never decays: said before it starts.
+/// decays, and a longer one never reaches the peak learning rate: said before it starts.
 fn warmup_note(cfg: &TrainConfig) -> Option<String> {
-    (cfg.steps > 0 && cfg.warmup_steps >= cfg.steps).then(|| {
+    let (warmup, steps) = (cfg.warmup_steps, cfg.steps);
+    if steps == 0 || warmup < steps {
+        return None;
+    }
+    let reached = if warmup == steps {
+        format!("reaches --lr {:.3e} only at the last step", cfg.lr)
+    } else {
         format!(
-            "--warmup-steps {} is not below --steps {}: the learning rate rises to {:.3e}, never \
-             reaching --lr {:.3e}, and never decays (give a --warmup-steps below {})",
-            cfg.warmup_steps,
-            cfg.steps,
-            cfg.lr * cfg.steps as f32 / cfg.warmup_steps as f32,
-            cfg.lr,
-            cfg.steps
+            "rises to {:.3e}, never reaching --lr {:.3e},",
+            cfg.lr * steps as f32 / warmup as f32,
+            cfg.lr
         )
-    })
+    };
+    Some(format!(
+        "--warmup-steps {warmup} is not below --steps {steps}: the learning rate {reached} and \
+         never decays (give a --warmup-steps below {steps})"
+    ))
 }
 
 pub fn run(args: TrainArgs) -> Result<ExitCode> {
@@ -1249,7 +1255,11 @@ mod tests {
         assert!(note.contains("rises to 2.500e-4"), "{note}");
         assert!(note.contains("below 5"), "{note}");
         cfg.warmup_steps = 5;
-        assert!(warmup_note(&cfg).is_some());
+        let note = warmup_note(&cfg).expect("a note");
+        assert!(
+            note.contains("reaches --lr 1.000e-3 only at the last step"),
+            "{note}"
+        );
         cfg.warmup_steps = 4;
         assert_eq!(warmup_note(&cfg), None);
         cfg.steps = 0;

@@ -99,6 +99,7 @@ fn allowed_physical_cores() -> Option<usize> {
 }
 
 /// The distinct cores of `cpus`, given each one's (package, core); None if any is unknown.
+#[cfg(any(target_os = "linux", test))]
 fn count_cores(
     cpus: impl Iterator<Item = usize>,
     core_of: impl Fn(usize) -> Option<(i64, i64)>,

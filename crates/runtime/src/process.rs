@@ -66,24 +66,41 @@ pub struct CgroupRoom {
 /// their ancestors: a container's, a batch job's (Slurm confines a job's memory this way), a
 /// systemd slice's. None where no group has a limit, or none can be read.
 pub fn cgroup_room() -> Option<CgroupRoom> {
+    cgroup_limits().into_iter().min_by_key(|room| room.bytes)
+}
+
+/// [`cgroup_room`] for the hierarchies mounted under `root`, given `/proc/self/cgroup`'s
+/// text: the tightest of [`cgroup_limits_in`].
+pub fn cgroup_room_in(root: &std::path::Path, own: &str) -> Option<CgroupRoom> {
+    cgroup_limits_in(root, own)
+        .into_iter()
+        .min_by_key(|room| room.bytes)
+}
+
+/// Every control group over this process with a memory limit, innermost first (see
+/// [`cgroup_limits_in`]).
+pub fn cgroup_limits() -> Vec<CgroupRoom> {
     // Tests give a made-up hierarchy (its `cgroup` file standing for /proc/self/cgroup).
     #[cfg(feature = "test-hooks")]
     if let Some(root) = std::env::var_os("SNUG_TEST_CGROUP_ROOT") {
         let root = std::path::PathBuf::from(root);
-        let own = std::fs::read_to_string(root.join("cgroup")).ok()?;
-        return cgroup_room_in(&root, &own);
+        return std::fs::read_to_string(root.join("cgroup"))
+            .map(|own| cgroup_limits_in(&root, &own))
+            .unwrap_or_default();
     }
-    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    cgroup_room_in(std::path::Path::new("/sys/fs/cgroup"), &own)
+    std::fs::read_to_string("/proc/self/cgroup")
+        .map(|own| cgroup_limits_in(std::path::Path::new("/sys/fs/cgroup"), &own))
+        .unwrap_or_default()
 }
 
-/// [`cgroup_room`] for the hierarchies mounted under `root`, given `/proc/self/cgroup`'s
-/// text: cgroup v2 (`0::/path`, files `memory.max`, `memory.current`) at `root`, v1's memory
-/// controller (`N:memory:/path`, files `memory.limit_in_bytes`, `memory.usage_in_bytes`) at
-/// `root/memory`. Each group from the process's own up to the hierarchy's root is read (in a
-/// container, the root is its own group).
-pub fn cgroup_room_in(root: &std::path::Path, own: &str) -> Option<CgroupRoom> {
-    let mut tightest: Option<CgroupRoom> = None;
+/// The room under each memory limit of the control groups over a process, for the
+/// hierarchies mounted under `root`, given `/proc/self/cgroup`'s text: cgroup v2 (`0::/path`,
+/// files `memory.max`, `memory.current`) at `root`, v1's memory controller (`N:memory:/path`,
+/// files `memory.limit_in_bytes`, `memory.usage_in_bytes`) at `root/memory`. Each group from
+/// the process's own up to the hierarchy's root is read, innermost first (in a container, the
+/// root is its own group).
+pub fn cgroup_limits_in(root: &std::path::Path, own: &str) -> Vec<CgroupRoom> {
+    let mut limits = Vec::new();
     for line in own.lines() {
         let mut fields = line.splitn(3, ':');
         let (Some(_), Some(controllers), Some(path)) =
@@ -98,23 +115,24 @@ pub fn cgroup_room_in(root: &std::path::Path, own: &str) -> Option<CgroupRoom> {
         } else {
             continue;
         };
-        let mut dir = mount.join(path.trim().trim_start_matches('/'));
-        if !dir.is_dir() {
-            // The path is another mount namespace's view: read the hierarchy's root only.
+        let relative = std::path::Path::new(path.trim().trim_start_matches('/'));
+        let mut dir = mount.join(relative);
+        let inside = relative
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)));
+        if !inside || !dir.is_dir() {
+            // Another namespace's view (a group outside this one's root shows as `/..`):
+            // read the hierarchy's root only.
             dir = mount.clone();
         }
         loop {
-            if let Some(room) = group_room(&dir, files) {
-                if tightest.as_ref().is_none_or(|t| room.bytes < t.bytes) {
-                    tightest = Some(room);
-                }
-            }
+            limits.extend(group_room(&dir, files));
             if dir == mount || !dir.pop() || !dir.starts_with(&mount) {
                 break;
             }
         }
     }
-    tightest
+    limits
 }
 
 /// A hierarchy's file names: limit, usage, and the `memory.stat` key of inactive file cache.
@@ -142,7 +160,7 @@ fn group_room(dir: &std::path::Path, files: GroupFiles) -> Option<CgroupRoom> {
     let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();
     // v2 writes "max" for none; v1 a page-rounded i64::MAX, larger than any machine.
     let limit: usize = read(files.limit)?.trim().parse().ok()?;
-    if limit >= 1 << 60 {
+    if limit as u64 >= 1 << 60 {
         return None;
     }
     let usage: usize = read(files.usage)?.trim().parse().ok()?;
@@ -305,6 +323,14 @@ mod tests {
         );
         let room = cgroup_room_in(r, "0::/job_7/step_0\n").expect("a limit");
         assert_eq!((room.bytes, room.dir), (1 << 30, r.join("job_7/step_0")));
+        // Both limits, innermost first.
+        let limits = cgroup_limits_in(r, "0::/job_7/step_0\n");
+        let dirs: Vec<_> = limits.iter().map(|l| l.dir.clone()).collect();
+        assert_eq!(dirs, [r.join("job_7/step_0"), r.join("job_7")]);
+        // A group outside the namespace's root (`/..`) never reads above the mount.
+        let above = cgroup_limits_in(&r.join("job_7"), "0::/..\n");
+        assert_eq!(above.len(), 1);
+        assert_eq!(above[0].dir, r.join("job_7"));
         // A path from another namespace's view reads the hierarchy's root.
         group(
             r,

@@ -168,8 +168,9 @@ pub(crate) fn first_out_of_memory(mine: Option<&OutOfMemory>) -> Option<(usize, 
 /// (`--memory auto`), `mine` being this rank's budget: ranks that share memory divide it, and
 /// all take the smallest part any rank has, so that they plan alike. `mine` itself in a world
 /// of one. On the host (`host_memory`), the ranks on one machine (one kernel: containers
-/// included) share its memory, and those under one control-group limit, where that limit
-/// bounds them (a container's, a Slurm job's), share its room.
+/// included) share its memory, and the ranks under one control-group limit share its room:
+/// both this rank's tightest limit and its outermost (a job's, over each step's or task's
+/// own) are divided among the ranks under them.
 pub fn shared_auto_budget(mine: usize, host_memory: bool) -> usize {
     let Some(t) = installed().filter(|t| t.size() > 1) else {
         return mine;
@@ -177,37 +178,71 @@ pub fn shared_auto_budget(mine: usize, host_memory: bool) -> usize {
     use snug_runtime::process;
     let machine = process::machine_id();
     let available = process::machine_available();
-    let (group, machine_budget) = if host_memory {
-        let group = process::cgroup_room()
-            .filter(|g| available.is_none_or(|m| g.bytes < m))
-            .map_or(0, |g| g.inode);
-        (group, available.map_or(mine, process::auto_budget))
+    let machine_budget = if host_memory {
+        available.map_or(mine, process::auto_budget)
     } else {
-        (0, mine)
+        mine
     };
-    let mut status = [0.0f32; 16];
-    for (i, n) in [mine, machine_budget, machine as usize, group as usize]
-        .into_iter()
-        .enumerate()
-    {
+    // (group, budget under it) for the tightest and the outermost limit; 0 for none.
+    let limits = if host_memory {
+        process::cgroup_limits()
+    } else {
+        Vec::new()
+    };
+    let group = |room: Option<&process::CgroupRoom>| {
+        room.map_or((0, machine_budget), |g| {
+            (g.inode as usize, process::auto_budget(g.bytes))
+        })
+    };
+    let tightest = group(limits.iter().min_by_key(|g| g.bytes));
+    let outermost = group(limits.last());
+    let mine_words = [
+        mine,
+        machine_budget,
+        machine as usize,
+        tightest.0,
+        outermost.0,
+        outermost.1,
+    ];
+    let mut status = [0.0f32; 24];
+    for (i, n) in mine_words.into_iter().enumerate() {
         status[4 * i..4 * i + 4].copy_from_slice(&words(n));
     }
     let mut all = vec![0.0; status.len() * t.size()];
     t.all_gather(&status, &mut all);
-    let ranks: Vec<[usize; 4]> = all
+    let ranks: Vec<[usize; 6]> = all
         .chunks_exact(status.len())
-        .map(|s| [0, 1, 2, 3].map(|i| from_words(&s[4 * i..4 * i + 4])))
+        .map(|s| [0, 1, 2, 3, 4, 5].map(|i| from_words(&s[4 * i..4 * i + 4])))
         .collect();
-    let sharing = |same: &dyn Fn(&[usize; 4]) -> bool| ranks.iter().filter(|r| same(r)).count();
     ranks
         .iter()
-        .map(|&[budget, machine_budget, machine, group]| {
-            let on_machine = sharing(&|r| r[2] == machine).max(1);
-            let in_group = sharing(&|r| r[2] == machine && r[3] == group).max(1);
-            (budget / in_group).min(machine_budget / on_machine)
-        })
+        .map(|r| shared_part(r, &ranks))
         .min()
         .unwrap_or(mine)
+}
+
+/// One rank's part: `[budget, machine budget, machine, tightest group, outermost group,
+/// budget under the outermost]`, each divided among the ranks that share it (a group of 0 is
+/// none, which only ranks on the same machine share).
+fn shared_part(r: &[usize; 6], ranks: &[[usize; 6]]) -> usize {
+    let [budget, machine_budget, machine, tightest, outermost, outer_budget] = *r;
+    let sharing =
+        |same: &dyn Fn(&[usize; 6]) -> bool| ranks.iter().filter(|o| same(o)).count().max(1);
+    let on_machine = sharing(&|o| o[2] == machine);
+    let under = |group: usize| sharing(&|o| o[2] == machine && (o[3] == group || o[4] == group));
+    let in_tightest = if tightest == 0 {
+        on_machine
+    } else {
+        under(tightest)
+    };
+    let in_outermost = if outermost == 0 {
+        on_machine
+    } else {
+        under(outermost)
+    };
+    (budget / in_tightest)
+        .min(outer_budget / in_outermost)
+        .min(machine_budget / on_machine)
 }
 
 #[cfg(test)]
@@ -219,5 +254,31 @@ mod tests {
         for n in [0, 1, 65_535, 65_536, 328_174_080, usize::MAX] {
             assert_eq!(from_words(&words(n)), n);
         }
+    }
+
+    #[test]
+    fn ranks_under_one_limit_divide_it_whatever_level_binds_them() {
+        const G: usize = 1 << 30;
+        // Two ranks on one machine (id 7) of 64 GiB, both under a job (group 100) of 8 GiB;
+        // rank 0's step has its own 1 GiB limit (group 200), rank 1's has none.
+        let ranks = [
+            [G, 64 * G, 7, 200, 100, 8 * G],
+            [8 * G, 64 * G, 7, 100, 100, 8 * G],
+        ];
+        // Rank 0: its 1 GiB alone, the job's 8 GiB shared by both; rank 1: the job's half.
+        assert_eq!(shared_part(&ranks[0], &ranks), G);
+        assert_eq!(shared_part(&ranks[1], &ranks), 4 * G);
+        // No limits: the machine's memory is halved.
+        let free = [
+            [60 * G, 60 * G, 7, 0, 0, 60 * G],
+            [60 * G, 60 * G, 7, 0, 0, 60 * G],
+        ];
+        assert_eq!(shared_part(&free[0], &free), 30 * G);
+        // Ranks on two machines share nothing.
+        let apart = [
+            [60 * G, 60 * G, 7, 0, 0, 60 * G],
+            [60 * G, 60 * G, 8, 0, 0, 60 * G],
+        ];
+        assert_eq!(shared_part(&apart[0], &apart), 60 * G);
     }
 }
