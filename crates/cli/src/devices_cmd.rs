@@ -21,7 +21,10 @@ pub struct DevicesArgs {
 struct CpuDevice {
     /// `--device cpu`.
     device: &'static str,
+    /// Physical cores this process may run on (its affinity and CPU quota): the default
+    /// `--threads`.
     physical_cores: usize,
+    /// Logical CPUs this process may run on.
     logical_cpus: usize,
     /// The vector instructions the kernels run with (`baseline`, `avx2`, `avx512`): the
     /// highest the CPU has, or lower where `SNUG_CPU_ISA` asks.
@@ -147,7 +150,7 @@ pub fn run(args: DevicesArgs) -> Result<()> {
     }
     let c = &devices.cpu;
     println!(
-        "cpu     this machine's CPU: {} physical cores, {} logical CPUs; kernels {}, GEMM tile {}; \
+        "cpu     the CPUs this process may use: {} physical cores, {} logical CPUs; kernels {}, GEMM tile {}; \
          bf16 products {}",
         c.physical_cores,
         c.logical_cpus,
