@@ -31,14 +31,9 @@ pub fn physical_cores() -> usize {
 pub fn cpu_counts() -> Option<(usize, usize)> {
     #[cfg(target_os = "linux")]
     {
-        // SAFETY: as in `allowed_physical_cores`.
-        let allowed = unsafe {
-            let mut set: libc::cpu_set_t = std::mem::zeroed();
-            if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
-                return None;
-            }
-            usize::try_from(libc::CPU_COUNT(&set)).ok()?
-        };
+        let set = affinity()?;
+        // SAFETY: `CPU_COUNT` reads a set `sched_getaffinity` filled.
+        let allowed = usize::try_from(unsafe { libc::CPU_COUNT(&set) }).ok()?;
         let pool = [
             "/sys/fs/cgroup/cpuset.cpus.effective",
             "/sys/fs/cgroup/cpuset/cpuset.effective_cpus",
@@ -65,19 +60,23 @@ pub fn cpu_list_len(list: &str) -> Option<usize> {
     (n > 0).then_some(n)
 }
 
+/// The CPUs this process's affinity allows; None where it cannot be read.
+#[cfg(target_os = "linux")]
+fn affinity() -> Option<libc::cpu_set_t> {
+    // SAFETY: a zeroed `cpu_set_t` is a valid empty set, and `sched_getaffinity` writes at
+    // most its size.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        (libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) == 0)
+            .then_some(set)
+    }
+}
+
 /// Distinct (package, core) pairs among the CPUs this process's affinity allows, from sysfs's
 /// topology; None where either cannot be read.
 #[cfg(target_os = "linux")]
 fn allowed_physical_cores() -> Option<usize> {
-    // SAFETY: a zeroed `cpu_set_t` is a valid empty set, and `sched_getaffinity` writes at
-    // most its size.
-    let set = unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
-            return None;
-        }
-        set
-    };
+    let set = affinity()?;
     // SAFETY: `CPU_ISSET` reads the set at an index below `CPU_SETSIZE`.
     let allowed =
         (0..libc::CPU_SETSIZE as usize).filter(|&cpu| unsafe { libc::CPU_ISSET(cpu, &set) });

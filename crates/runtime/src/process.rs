@@ -69,14 +69,6 @@ pub fn cgroup_room() -> Option<CgroupRoom> {
     cgroup_limits().into_iter().min_by_key(|room| room.bytes)
 }
 
-/// [`cgroup_room`] for the hierarchies mounted under `root`, given `/proc/self/cgroup`'s
-/// text: the tightest of [`cgroup_limits_in`].
-pub fn cgroup_room_in(root: &std::path::Path, own: &str) -> Option<CgroupRoom> {
-    cgroup_limits_in(root, own)
-        .into_iter()
-        .min_by_key(|room| room.bytes)
-}
-
 /// Every control group over this process with a memory limit, innermost first (see
 /// [`cgroup_limits_in`]).
 pub fn cgroup_limits() -> Vec<CgroupRoom> {
@@ -275,6 +267,13 @@ mod tests {
         assert_eq!(CpuTicks::parse("cpu  1 2 3\n"), None);
         assert_eq!(CpuTicks::parse("cpu  1 2 3 4 5 6 x 8\n"), None);
         assert_eq!(CpuTicks::parse("intr 5\n"), None);
+    }
+
+    /// The tightest of [`cgroup_limits_in`], as [`cgroup_room`] takes it.
+    fn cgroup_room_in(root: &std::path::Path, own: &str) -> Option<CgroupRoom> {
+        cgroup_limits_in(root, own)
+            .into_iter()
+            .min_by_key(|room| room.bytes)
     }
 
     /// A control group under `root` (a v1 hierarchy's memory controller lives in `memory/`).
