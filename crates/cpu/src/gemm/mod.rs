@@ -173,16 +173,12 @@ fn bf16_tile(cpu: crate::isa::CpuFeatures, math: crate::isa::Bf16Math) -> Option
     }
 }
 
-/// [`bf16_tile`] for attention's head products: AVX512-BF16's where it is AMX's, since the
-/// heads lay their operands out once for that tile ([`avx512bf16::paired`]).
+/// [`bf16_tile`] for attention's head products: the same tile. On an AMX CPU the heads once
+/// stayed on `VDPBF16PS` (for its paired layout, [`avx512bf16::paired`]), but on Emerald
+/// Rapids that made bf16 attention slower than f32's; AMX's tiles made it faster (see
+/// docs/benchmarks.md, the twenty-fifth session).
 fn head_tile(cpu: crate::isa::CpuFeatures, math: crate::isa::Bf16Math) -> Option<HeadBf16> {
-    bf16_tile(cpu, math).map(|tile| {
-        #[cfg(target_arch = "x86_64")]
-        if tile == OwnTile::Amx {
-            return HeadBf16(OwnTile::Avx512Bf16);
-        }
-        HeadBf16(tile)
-    })
+    bf16_tile(cpu, math).map(HeadBf16)
 }
 
 /// Where attention's head products on bf16 inputs run in bf16 arithmetic: the tile for them
@@ -209,6 +205,16 @@ impl HeadBf16 {
     #[cfg(all(test, target_arch = "x86_64"))]
     pub(crate) fn on(cpu: crate::isa::CpuFeatures, math: crate::isa::Bf16Math) -> Option<HeadBf16> {
         head_tile(cpu, math)
+    }
+
+    /// AMX's tile, modelled or (where [`amx::usable`] holds) the instructions themselves.
+    #[cfg(all(test, target_arch = "x86_64"))]
+    pub(crate) fn amx(hardware: bool) -> HeadBf16 {
+        HeadBf16(if hardware {
+            OwnTile::Amx
+        } else {
+            OwnTile::AmxModel
+        })
     }
 
     /// Grows this thread's packing space for the tile now (see `blocked::reserve_pack`).
@@ -892,9 +898,10 @@ mod tests {
         for (cpu, math, want) in heads {
             assert_eq!(super::bf16_tile(cpu, math), want, "{cpu:?}, {math:?}");
         }
-        // Attention's heads keep AVX512-BF16's tile where the products run on AMX's.
+        // Attention's heads run on the products' tile.
         let head = |cpu, math| super::head_tile(cpu, math).map(|h| h.0);
-        assert_eq!(head(amx, Native), Some(OwnTile::Avx512Bf16));
+        assert_eq!(head(amx, Native), Some(OwnTile::Amx));
+        assert_eq!(head(amx, Vdpbf16ps), Some(OwnTile::Avx512Bf16));
         assert_eq!(head(bf16, Native), Some(OwnTile::Avx512Bf16));
         assert_eq!(head(amx, Model), Some(OwnTile::Avx512Model));
         // Too small to pack, too narrow, or a strided output: the gemm crate, on every CPU;

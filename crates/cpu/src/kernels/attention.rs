@@ -1077,6 +1077,42 @@ mod tests {
         }
     }
 
+    /// The same head on AMX's tile, which the heads take on a CPU with AMX: its model
+    /// (natively where the CPU has AVX512-BF16, whose packing it uses, else on an emulated
+    /// Sapphire Rapids core), and the tile instructions themselves where this CPU has them.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn amx_head_products_round_their_operands_as_bf16_arithmetic_does() {
+        use snug_testkit::emulate::Model;
+        let case = Case::new((100, 24));
+        let mut job = Job {
+            case: &case,
+            tile: HeadBf16::amx(false),
+            out: Head::new(case.dims),
+        };
+        job.tile.reserve();
+        let _ = (crate::isa::current(), crate::gemm::head_kernels());
+        let native = CpuFeatures::host().bf16_arithmetic();
+        // SAFETY: the modelled tile runs where AVX512-BF16 is, natively or emulated; the job
+        // allocates nothing and touches only itself.
+        let ran =
+            unsafe { crate::gemm::test_support::run_on(native, Model::SapphireRapids, &mut job) };
+        if ran {
+            case.check("modelled amx", &job.out.outputs(), None);
+        }
+        if crate::gemm::amx::usable() {
+            for dims in [(100, 24), (70, 80)] {
+                let case = Case::new(dims);
+                let mut out = Head::new(case.dims);
+                let tile = HeadBf16::amx(true);
+                run_head(case.dims, case.inputs(), &case.y_in, Some(tile), &mut out);
+                case.check("amx", &out.outputs(), None);
+            }
+        } else {
+            eprintln!("the AMX tiles themselves: not on this CPU (the modelled ones ran)");
+        }
+    }
+
     /// A head's bf16 inputs as the paired kernels read them: `q`, `k`, `v` side by side in
     /// rows of `3d` (as in `qkv`), `y` and `dy` in rows of `d`; scratch filled with NaN, so a
     /// value read from a piece the kernels did not write shows in the outputs.
