@@ -34,7 +34,7 @@ struct CpuDevice {
     /// The GEMM's register tile (`avx512`, `avx2`, or `portable`: the gemm crate).
     gemm: &'static str,
     /// How the products of a bf16 run compute on our GEMM tiles: `amx` (AMX tiles:
-    /// operands in bf16, sums in f32; attention's heads on AVX512-BF16), `vdpbf16ps`
+    /// operands in bf16, sums in f32, attention's heads too), `vdpbf16ps`
     /// (AVX512-BF16: operands in bf16, sums in f32; `SNUG_BF16_MATH=vdpbf16ps` chooses it over
     /// AMX), `model` (the same rounding on the f32 tiles,
     /// `SNUG_BF16_MATH=model`) or `widen` (bf16 widened to f32: no AVX512-BF16, or
