@@ -115,6 +115,8 @@ pub struct CpuBackend {
     allocator: Allocator,
     pool: rayon::ThreadPool,
     target: Target,
+    /// The CPUs this process may use, when the backend was made.
+    cpus: usize,
 }
 
 impl CpuBackend {
@@ -132,6 +134,7 @@ impl CpuBackend {
             allocator,
             pool,
             target: Target::host(threads),
+            cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
         })
     }
 
@@ -205,6 +208,7 @@ impl Backend for CpuBackend {
         mut times: Option<&mut Vec<f64>>,
     ) -> Result<(), RuntimeError> {
         self.pool.install(|| {
+            let _awake = crate::par::KeepAwake::start(self.cpus);
             for (i, n) in nodes.iter().enumerate() {
                 if selected.is_some_and(|m| !m.get(i).copied().unwrap_or(false)) {
                     continue;

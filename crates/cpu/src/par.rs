@@ -199,3 +199,156 @@ pub fn map2(a: &[f32], b: &[f32], y: &mut [f32], f: impl Fn(f32, f32) -> f32 + S
         },
     );
 }
+
+/// While alive, keeps the current pool's other workers polling for work instead of sleeping:
+/// a launch's kernels open hundreds of parallel regions a step with short serial stretches
+/// between them, and a rayon worker that finds no work for a few microseconds sleeps, to be
+/// woken (a futex, under a hypervisor an inter-processor interrupt) at the next region. On
+/// 2 vCPUs of an Emerald Rapids host that was ~600 sleeps a step; OpenMP's workers (PyTorch's)
+/// spin instead. Made on a worker thread, inside the pool it keeps; it is not made where the
+/// workers outnumber the CPUs this process may use, since a spinner would then take a CPU a
+/// working thread needs.
+pub(crate) struct KeepAwake {
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl KeepAwake {
+    /// Spawns one poller for each other worker of the current pool; `None` where there are
+    /// none, or more workers than CPUs (see above), or outside a pool.
+    pub(crate) fn start(cpus: usize) -> Option<KeepAwake> {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let me = rayon::current_thread_index()?;
+        let workers = rayon::current_num_threads();
+        if workers < 2 || workers > cpus {
+            return None;
+        }
+        let done = std::sync::Arc::new(AtomicBool::new(false));
+        for _ in 1..workers {
+            let done = done.clone();
+            rayon::spawn(move || {
+                // Taken by the launching thread itself (waiting in a join), it must not stay:
+                // the launch could not go on to end it.
+                if rayon::current_thread_index() == Some(me) {
+                    return;
+                }
+                while !done.load(Ordering::Acquire) {
+                    // Runs pending work (stolen halves of the launch's joins) as it appears.
+                    if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                        std::hint::spin_loop();
+                    }
+                }
+            });
+        }
+        Some(KeepAwake { done })
+    }
+}
+
+impl Drop for KeepAwake {
+    fn drop(&mut self) {
+        self.done.store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::KeepAwake;
+    use std::sync::Barrier;
+    use std::time::{Duration, Instant};
+
+    /// Each worker's voluntary context switches so far (Linux's count for its thread), by
+    /// worker index.
+    #[cfg(target_os = "linux")]
+    fn voluntary_switches(pool: &rayon::ThreadPool) -> Vec<u64> {
+        pool.broadcast(|_| {
+            let status = std::fs::read_to_string("/proc/thread-self/status").unwrap();
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .unwrap()
+        })
+    }
+
+    /// A launch's pattern: serial stretches (here 300 µs) between small parallel regions.
+    fn stretches_and_regions() -> u64 {
+        let mut total = 0u64;
+        for i in 0..200u64 {
+            let until = Instant::now() + Duration::from_micros(300);
+            while Instant::now() < until {
+                std::hint::spin_loop();
+            }
+            let (a, b) = rayon::join(
+                || std::hint::black_box(i * 3),
+                || std::hint::black_box(i * 5),
+            );
+            total += a + b;
+        }
+        total
+    }
+
+    /// Kept awake, the other worker takes each region's work without sleeping between them;
+    /// left alone it sleeps in (nearly) every stretch, which is what the poller is for. Only
+    /// the other worker's sleeps count: the launching one may sleep in a join whose stolen half
+    /// waits on a busy machine, which is not the poller's to prevent.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn other_workers_poll_between_regions_while_kept_awake() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let run = |keep: bool| {
+            let before = voluntary_switches(&pool);
+            let (total, me) = pool.install(|| {
+                let _awake = keep.then(|| KeepAwake::start(2).expect("a poller"));
+                (
+                    stretches_and_regions(),
+                    rayon::current_thread_index().unwrap(),
+                )
+            });
+            assert_eq!(total, (0..200u64).map(|i| 8 * i).sum::<u64>());
+            let other = 1 - me;
+            voluntary_switches(&pool)[other] - before[other]
+        };
+        let (kept, left) = (run(true), run(false));
+        eprintln!("voluntary context switches over 200 regions: {kept} kept awake, {left} not");
+        assert!(kept < 40, "{kept} sleeps over 200 regions while kept awake");
+    }
+
+    /// After a launch, pollers let go of their workers: a job that needs every worker at once
+    /// runs, and nested parallel work under a poller finishes with the right result.
+    #[test]
+    fn pollers_release_their_workers() {
+        for threads in [2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let sum: u64 = pool.install(|| {
+                let _awake = KeepAwake::start(threads).expect("a poller");
+                use rayon::prelude::*;
+                (0..10_000u64).into_par_iter().map(|i| i % 7).sum()
+            });
+            assert_eq!(sum, (0..10_000u64).map(|i| i % 7).sum::<u64>());
+            let all = Barrier::new(threads);
+            pool.broadcast(|_| {
+                all.wait();
+            });
+        }
+    }
+
+    #[test]
+    fn no_poller_where_workers_outnumber_the_cpus_or_outside_a_pool() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        assert!(pool.install(|| KeepAwake::start(2)).is_none());
+        let one = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        assert!(one.install(|| KeepAwake::start(8)).is_none());
+        assert!(KeepAwake::start(8).is_none(), "outside any pool");
+    }
+}
