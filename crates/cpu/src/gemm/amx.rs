@@ -755,7 +755,13 @@ unsafe fn kernel<U: TileUnit>(
             U::dot::<3, 5, 7>();
             store_sums::<U>(out);
         }
-        store(sums.assume_init_ref(), (c, c_rs), (mr, nr), (scale, bias), accumulate);
+        store(
+            sums.assume_init_ref(),
+            (c, c_rs),
+            (mr, nr),
+            (scale, bias),
+            accumulate,
+        );
     }
 }
 
