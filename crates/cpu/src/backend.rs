@@ -23,6 +23,30 @@ pub fn physical_cores() -> usize {
     physical.min(usable).max(1)
 }
 
+/// How many ranks of this machine's job, this one included, run on this process's CPUs:
+/// the ranks started on the machine (`OMPI_COMM_WORLD_LOCAL_SIZE`, or MPICH's
+/// `MPI_LOCALNRANKS`; 1 outside mpirun) that [`ranks_sharing`] judges to share them.
+pub fn ranks_sharing_cpus() -> usize {
+    let local = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
+        .iter()
+        .find_map(|key| std::env::var(key).ok()?.trim().parse::<usize>().ok())
+        .unwrap_or(1);
+    let (allowed, pool) = cpu_counts().unwrap_or((1, 1));
+    ranks_sharing(local, allowed, pool)
+}
+
+/// Of `local` ranks on one machine, each allowed `allowed` of a `pool` of CPUs, how many run
+/// on this rank's CPUs, judged from its share of the pool: all of it (`mpirun --bind-to
+/// none`), every rank; a part (ranks bound to a package each, or to a core), as many ranks as
+/// such parts fit in the pool: `allowed / (pool / local)`, rounded, 1 to `local`.
+pub fn ranks_sharing(local: usize, allowed: usize, pool: usize) -> usize {
+    let local = local.max(1);
+    (allowed * local + pool / 2)
+        .checked_div(pool)
+        .unwrap_or(1)
+        .clamp(1, local)
+}
+
 /// CPUs this process's affinity allows, and the pool they are drawn from: the CPUs of its
 /// container's cpuset where that can be read (cgroup v2 `cpuset.cpus.effective`, v1
 /// `cpuset.effective_cpus`), else the machine's online CPUs. Equal where nothing (`taskset`,
@@ -115,7 +139,8 @@ pub struct CpuBackend {
     allocator: Allocator,
     pool: rayon::ThreadPool,
     target: Target,
-    /// The CPUs this process may use, when the backend was made.
+    /// This process's part of the CPUs it may use, where other ranks of its job run on them
+    /// too, when the backend was made: its workers poll between regions only within it.
     cpus: usize,
 }
 
@@ -134,7 +159,10 @@ impl CpuBackend {
             allocator,
             pool,
             target: Target::host(threads),
-            cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            cpus: {
+                let usable = std::thread::available_parallelism().map_or(1, |n| n.get());
+                (usable / ranks_sharing_cpus()).max(1)
+            },
         })
     }
 

@@ -22,6 +22,8 @@ pub mod kernels;
 pub mod math;
 pub mod par;
 
-pub use backend::{cpu_counts, physical_cores, CpuBackend, CpuNode, CpuSession};
+pub use backend::{
+    cpu_counts, physical_cores, ranks_sharing, ranks_sharing_cpus, CpuBackend, CpuNode, CpuSession,
+};
 pub use kernel::{CpuKernel, Kernel, TensorArg};
 pub use kernels::run;

@@ -1335,34 +1335,25 @@ pub const MAX_DEVICES: usize = 1 << 20;
 /// The most batches one evaluation runs per split.
 pub const MAX_EVAL_BATCHES: usize = 1_000_000;
 
-/// Refuses a thread count this machine cannot run: each thread is a real OS thread, and more
-/// of them than CPUs only take turns (100,000 hung a run). Planning for another machine may
-/// name more; zero is refused where the configuration is checked.
 /// The default worker count: the physical cores this process may run on, shared with the
 /// other ranks of its machine (`OMPI_COMM_WORLD_LOCAL_SIZE`, or MPICH's `MPI_LOCALNRANKS`)
 /// that run on the same CPUs. Which those are is judged from this rank's share of the CPUs it
 /// could run on: all of them (`mpirun --bind-to none`), every rank shares them; a part (ranks
 /// bound to a package each, or to a core), as many ranks as such parts fit in the pool.
 pub fn default_threads() -> usize {
-    let local = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
-        .iter()
-        .find_map(|key| std::env::var(key).ok()?.trim().parse::<usize>().ok())
-        .unwrap_or(1);
-    let (allowed, pool) = snug_cpu::cpu_counts().unwrap_or((1, 1));
-    threads_for(snug_cpu::physical_cores(), local, allowed, pool)
+    (snug_cpu::physical_cores() / snug_cpu::ranks_sharing_cpus()).max(1)
 }
 
 /// `cores` shared by the `local` ranks of one machine, each allowed `allowed` of a `pool` of
-/// CPUs: those sharing this rank's CPUs are `allowed / (pool / local)` of them (rounded).
+/// CPUs ([`snug_cpu::ranks_sharing`]).
+#[cfg(test)]
 fn threads_for(cores: usize, local: usize, allowed: usize, pool: usize) -> usize {
-    let local = local.max(1);
-    let sharing = (allowed * local + pool / 2)
-        .checked_div(pool)
-        .unwrap_or(1)
-        .clamp(1, local);
-    (cores / sharing).max(1)
+    (cores / snug_cpu::ranks_sharing(local, allowed, pool)).max(1)
 }
 
+/// Refuses a thread count this machine cannot run: each thread is a real OS thread, and more
+/// of them than CPUs only take turns (100,000 hung a run). Planning for another machine may
+/// name more; zero is refused where the configuration is checked.
 pub fn check_threads_here(threads: usize) -> Result<(), TrainError> {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     if threads > cpus {
