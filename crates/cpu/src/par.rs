@@ -223,22 +223,22 @@ impl KeepAwake {
             return None;
         }
         let done = std::sync::Arc::new(AtomicBool::new(false));
-        // One poller a worker, each in that worker's own queue, so each worker runs its own
-        // (spawned ones, all in this worker's deque, could be taken by one thief, nested).
-        let polling = done.clone();
-        rayon::spawn_broadcast(move |ctx| {
-            // The launching thread's own copy, which it may run waiting in a join, must not
-            // stay: the launch could not go on to end it.
-            if ctx.index() == me {
-                return;
-            }
-            while !polling.load(Ordering::Acquire) {
-                // Runs pending work (stolen halves of the launch's joins) as it appears.
-                if rayon::yield_now() != Some(rayon::Yield::Executed) {
-                    std::hint::spin_loop();
+        for _ in 1..workers {
+            let done = done.clone();
+            rayon::spawn(move || {
+                // Taken by the launching thread itself (waiting in a join), it must not stay:
+                // the launch could not go on to end it.
+                if rayon::current_thread_index() == Some(me) {
+                    return;
                 }
-            }
-        });
+                while !done.load(Ordering::Acquire) {
+                    // Runs pending work (stolen halves of the launch's joins) as it appears.
+                    if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                        std::hint::spin_loop();
+                    }
+                }
+            });
+        }
         Some(KeepAwake { done })
     }
 }
@@ -286,43 +286,33 @@ mod tests {
         total
     }
 
-    /// Kept awake, the other workers take each region's work without sleeping between them;
-    /// left alone they sleep in (nearly) every stretch, which is what the pollers are for.
-    /// Only the other workers' sleeps count: the launching one may sleep in a join whose
-    /// stolen half waits on a busy machine, which is not a poller's to prevent. With three
-    /// workers, each of the two others.
+    /// Kept awake, the other worker takes each region's work without sleeping between them;
+    /// left alone it sleeps in (nearly) every stretch, which is what the poller is for. Only
+    /// the other worker's sleeps count: the launching one may sleep in a join whose stolen half
+    /// waits on a busy machine, which is not the poller's to prevent.
     #[cfg(target_os = "linux")]
     #[test]
     fn other_workers_poll_between_regions_while_kept_awake() {
-        for threads in [2, 3] {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            let run = |keep: bool| {
-                let before = voluntary_switches(&pool);
-                let (total, me) = pool.install(|| {
-                    let _awake = keep.then(|| KeepAwake::start(threads).expect("pollers"));
-                    (
-                        stretches_and_regions(),
-                        rayon::current_thread_index().unwrap(),
-                    )
-                });
-                assert_eq!(total, (0..200u64).map(|i| 8 * i).sum::<u64>());
-                let after = voluntary_switches(&pool);
-                (0..threads)
-                    .filter(|&w| w != me)
-                    .map(|w| after[w] - before[w])
-                    .max()
-                    .unwrap()
-            };
-            let (kept, left) = (run(true), run(false));
-            eprintln!(
-                "{threads} workers, most voluntary context switches of another over 200 \
-                 regions: {kept} kept awake, {left} not"
-            );
-            assert!(kept < 40, "{kept} sleeps over 200 regions while kept awake");
-        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let run = |keep: bool| {
+            let before = voluntary_switches(&pool);
+            let (total, me) = pool.install(|| {
+                let _awake = keep.then(|| KeepAwake::start(2).expect("a poller"));
+                (
+                    stretches_and_regions(),
+                    rayon::current_thread_index().unwrap(),
+                )
+            });
+            assert_eq!(total, (0..200u64).map(|i| 8 * i).sum::<u64>());
+            let other = 1 - me;
+            voluntary_switches(&pool)[other] - before[other]
+        };
+        let (kept, left) = (run(true), run(false));
+        eprintln!("voluntary context switches over 200 regions: {kept} kept awake, {left} not");
+        assert!(kept < 40, "{kept} sleeps over 200 regions while kept awake");
     }
 
     /// After a launch, pollers let go of their workers: a job that needs every worker at once
