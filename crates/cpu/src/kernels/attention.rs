@@ -1052,11 +1052,19 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn vdpbf16ps_head_products_round_their_operands_as_bf16_arithmetic_does() {
-        use snug_testkit::emulate::Model;
         let features = CpuFeatures::AVX512_BF16;
         let Some(tile) = HeadBf16::on(features, Bf16Math::Native) else {
             panic!("AVX512-BF16's features chose no bf16 tile");
         };
+        check_head_on_sapphire_rapids(tile, "vdpbf16ps");
+    }
+
+    /// A (100, 24) head on `tile`, natively where this CPU has AVX512-BF16 (which the bf16
+    /// tiles' packing uses), else on an emulated Sapphire Rapids core, checked against the
+    /// reference that rounds the same operands.
+    #[cfg(target_os = "linux")]
+    fn check_head_on_sapphire_rapids(tile: HeadBf16, label: &str) {
+        use snug_testkit::emulate::Model;
         let case = Case::new((100, 24));
         let mut job = Job {
             case: &case,
@@ -1073,7 +1081,7 @@ mod tests {
         let ran =
             unsafe { crate::gemm::test_support::run_on(native, Model::SapphireRapids, &mut job) };
         if ran {
-            case.check("vdpbf16ps", &job.out.outputs(), None);
+            case.check(label, &job.out.outputs(), None);
         }
     }
 
@@ -1083,23 +1091,7 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn amx_head_products_round_their_operands_as_bf16_arithmetic_does() {
-        use snug_testkit::emulate::Model;
-        let case = Case::new((100, 24));
-        let mut job = Job {
-            case: &case,
-            tile: HeadBf16::amx(false),
-            out: Head::new(case.dims),
-        };
-        job.tile.reserve();
-        let _ = (crate::isa::current(), crate::gemm::head_kernels());
-        let native = CpuFeatures::host().bf16_arithmetic();
-        // SAFETY: the modelled tile runs where AVX512-BF16 is, natively or emulated; the job
-        // allocates nothing and touches only itself.
-        let ran =
-            unsafe { crate::gemm::test_support::run_on(native, Model::SapphireRapids, &mut job) };
-        if ran {
-            case.check("modelled amx", &job.out.outputs(), None);
-        }
+        check_head_on_sapphire_rapids(HeadBf16::amx(false), "modelled amx");
         if crate::gemm::amx::usable() {
             for dims in [(100, 24), (70, 80)] {
                 let case = Case::new(dims);
