@@ -20,6 +20,8 @@ pub enum OptimizerSpec {
     AdamW(AdamW),
     /// AdamW with both moments block-wise quantized to one byte per element
     /// ([`crate::ops::adamw8bit`]); weights stay f32 and weight decay is as for AdamW.
+    /// Parameters of fewer than [`adamw8bit::MIN_8BIT_SIZE`] elements (whole, not a shard's)
+    /// keep f32 moments and AdamW's update, as bitsandbytes' 8-bit optimizers do.
     AdamW8bit(AdamW),
     /// Plain SGD (no optimizer state); weight decay as for AdamW.
     Sgd(Sgd),
@@ -415,8 +417,9 @@ impl StepGraph {
             // Weight decay follows the weight's own rank, not its shard's.
             let rank = unsharded.shape(&graph, p).len();
             let mut moment_scales = None;
+            let whole_numel: usize = unsharded.shape(&graph, p).iter().product();
             let moments = match optimizer {
-                OptimizerSpec::AdamW8bit(adamw) => {
+                OptimizerSpec::AdamW8bit(adamw) if whole_numel >= adamw8bit::MIN_8BIT_SIZE => {
                     let shape = graph.tensor(g).shape.clone();
                     let nb = adamw8bit::blocks(shape.iter().product());
                     let mut state = |suffix: &str, shape: &[usize], dtype| {
@@ -441,7 +444,7 @@ impl StepGraph {
                     moment_scales = Some((ma, va));
                     Some((m, v))
                 }
-                OptimizerSpec::AdamW(adamw) => {
+                OptimizerSpec::AdamW(adamw) | OptimizerSpec::AdamW8bit(adamw) => {
                     // Moments are shaped as the gradient: whole, or this rank's shard.
                     let shape = graph.tensor(g).shape.clone();
                     let m = graph.add_leaf(

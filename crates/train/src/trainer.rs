@@ -625,6 +625,87 @@ impl Trainer {
         out
     }
 
+    /// The f32 moments this run keeps that `ckpt` holds as 8-bit codes. Until parameters of
+    /// fewer than [`MIN_8BIT_SIZE`](snug_graph::ops::adamw8bit::MIN_8BIT_SIZE) elements kept
+    /// f32 moments under 8-bit AdamW, every parameter's were quantized, so a run saved then
+    /// resumes with those moments dequantized: the values its codes stood for, which the
+    /// earlier version's next step would have read.
+    fn legacy_moments(
+        &self,
+        ckpt: &Checkpoint,
+        places: &std::collections::HashMap<TensorId, Placement>,
+    ) -> Result<LegacyMoments, TrainError> {
+        use snug_graph::ops::adamw8bit::{blocks, dequantize, dynamic_code};
+        let mut out = LegacyMoments::default();
+        if self.config.optimizer != crate::OptimizerKind::AdamW8bit {
+            return Ok(out);
+        }
+        let bad = |detail: String| TrainError::CheckpointMismatch { detail };
+        let g = &self.step_graph.graph;
+        let f32_moments = self.step_graph.params.iter().filter_map(|s| match s {
+            snug_graph::ParamSlot {
+                moments: Some((m, v)),
+                moment_scales: None,
+                ..
+            } => Some([
+                (*m, ".adam_m", ".adam8_m", true),
+                (*v, ".adam_v", ".adam8_v", false),
+            ]),
+            _ => None,
+        });
+        for (t, suffix, old_suffix, signed) in f32_moments.flatten() {
+            let (name, shape, place) = self.placement(places, t);
+            let held = ckpt.tensor(&name).is_some()
+                || (ckpt.per_rank.iter())
+                    .any(|p| p.tensors.iter().flatten().any(|s| s.name == name));
+            let Some(stem) = g.tensor(t).name.strip_suffix(suffix) else {
+                continue;
+            };
+            if held {
+                continue;
+            }
+            let (codes_name, absmax_name) = (
+                format!("{stem}{old_suffix}"),
+                format!("{stem}{old_suffix}_absmax"),
+            );
+            let per_rank_codes = (ckpt.per_rank.iter())
+                .any(|p| p.quantized.iter().flatten().any(|q| q.name == codes_name));
+            if per_rank_codes {
+                // Under ZeRO-3 they were each rank's shard's codes, from which the whole f32
+                // moments this run saves are not remade here.
+                return Err(bad(format!(
+                    "tensor `{name}` is missing: the checkpoint holds `{codes_name}` per rank as \
+                     8-bit codes, from a snug that quantized the moments of tensors under {} \
+                     elements too; resume it with that version",
+                    snug_graph::ops::adamw8bit::MIN_8BIT_SIZE
+                )));
+            }
+            let codes = ckpt.quantized.iter().find(|q| q.name == codes_name);
+            let (Some(codes), Some(absmax), Layout::Whole) =
+                (codes, ckpt.tensor(&absmax_name), place)
+            else {
+                continue;
+            };
+            let numel: usize = shape.iter().product();
+            if codes.data.len() != numel || absmax.data.len() != blocks(numel) {
+                return Err(bad(format!(
+                    "tensors `{codes_name}` and `{absmax_name}` hold {} codes and {} block \
+                     scales; the model's `{name}` has {numel} elements, {} blocks of {}",
+                    codes.data.len(),
+                    absmax.data.len(),
+                    blocks(numel),
+                    snug_graph::ops::adamw8bit::BLOCK
+                )));
+            }
+            let mut data = vec![0.0; numel];
+            dequantize(&dynamic_code(signed), &codes.data, &absmax.data, &mut data);
+            out.codes.insert(codes_name);
+            out.tensors.insert(absmax_name);
+            out.values.insert(name, data);
+        }
+        Ok(out)
+    }
+
     /// The most bytes the allocator held at once over this trainer's whole life, under every
     /// plan it ran (its peak since the last reconfiguration is the running plan's alone).
     pub fn run_peak_bytes(&self) -> usize {
@@ -886,7 +967,9 @@ impl Trainer {
             .saved_tensors(false)
             .map(|t| (t, self.placement(&places, t)))
             .collect();
-        let mut used = std::collections::HashSet::new();
+        let legacy = self.legacy_moments(ckpt, &places)?;
+        let mut used: std::collections::HashSet<&str> =
+            legacy.codes.iter().map(String::as_str).collect();
         for (t, (name, shape, place)) in &codes {
             let saved = if *place == Layout::PerRank {
                 per_rank(name)?.quantized[rank]
@@ -916,27 +999,31 @@ impl Trainer {
             )));
         }
         used.clear();
+        used.extend(legacy.tensors.iter().map(String::as_str));
         for (t, (name, shape, place)) in &values {
-            let saved = if *place == Layout::PerRank {
-                per_rank(name)?.tensors[rank]
-                    .iter()
-                    .find(|q| &q.name == name)
-                    .ok_or_else(|| missing(name))?
+            let data: &[f32] = if let Some(data) = legacy.values.get(name) {
+                data
             } else {
-                used.insert(name.as_str());
-                ckpt.tensor(name).ok_or_else(|| missing(name))?
+                let saved = if *place == Layout::PerRank {
+                    per_rank(name)?.tensors[rank]
+                        .iter()
+                        .find(|q| &q.name == name)
+                        .ok_or_else(|| missing(name))?
+                } else {
+                    used.insert(name.as_str());
+                    ckpt.tensor(name).ok_or_else(|| missing(name))?
+                };
+                if &saved.shape != shape {
+                    return Err(wrong_shape(name, &saved.shape, shape));
+                }
+                &saved.data
             };
-            if &saved.shape != shape {
-                return Err(wrong_shape(name, &saved.shape, shape));
-            }
             match place {
-                Layout::Sharded => self
-                    .session
-                    .write_f32(*t, &rank_shard(&saved.data, ranks))?,
-                Layout::PerRank => self.session.write_f32(*t, &saved.data)?,
+                Layout::Sharded => self.session.write_f32(*t, &rank_shard(data, ranks))?,
+                Layout::PerRank => self.session.write_f32(*t, data)?,
                 Layout::Whole => {
                     let base = self.config.quantize_base;
-                    crate::quantized::write_param(&mut self.session, base, *t, &saved.data)?
+                    crate::quantized::write_param(&mut self.session, base, *t, data)?
                 }
             }
         }
@@ -1613,6 +1700,15 @@ impl Trainer {
 }
 
 /// This rank's equal block of `values` over `ranks`, zero-padded to the block's length.
+/// What [`Trainer::legacy_moments`] found: f32 moments by saved name, and the names of the
+/// checkpoint's codes and block scales they were made from.
+#[derive(Default)]
+struct LegacyMoments {
+    values: std::collections::HashMap<String, Vec<f32>>,
+    codes: std::collections::HashSet<String>,
+    tensors: std::collections::HashSet<String>,
+}
+
 fn rank_shard(values: &[f32], ranks: usize) -> Vec<f32> {
     let s = snug_graph::ops::shard_len(values.len(), ranks);
     let rank = world().0;

@@ -1,11 +1,13 @@
 //! 8-bit AdamW through the trainer: the planned peak equals the measured one, the optimizer
-//! state is a quarter of AdamW's plus one f32 per 2048-element block, a checkpoint holds the
-//! u8 codes and resumes bit for bit, a checkpoint of the other AdamW is refused by name, and
-//! the loss follows AdamW's.
+//! state is a quarter of AdamW's plus one f32 per 2048-element block (f32 moments for tensors
+//! under 4,096 elements, as bitsandbytes keeps them), a checkpoint holds the u8 codes and
+//! resumes bit for bit, one that quantized every moment resumes with the small ones
+//! dequantized, a checkpoint of the other AdamW is refused by name, and the loss follows
+//! AdamW's.
 
-use snug_graph::ops::adamw8bit::blocks;
+use snug_graph::ops::adamw8bit::{blocks, dequantize, dynamic_code, quantize, MIN_8BIT_SIZE};
 use snug_runtime::Allocator;
-use snug_train::checkpoint::{Checkpoint, CheckpointDir};
+use snug_train::checkpoint::{Checkpoint, CheckpointDir, SavedBytes, SavedTensor};
 use snug_train::{
     DataSource, ModelSection, TokenDataset, TrainConfig, TrainError, TrainSection, Trainer,
 };
@@ -47,11 +49,17 @@ fn planned_peak_is_measured_and_the_state_is_a_quarter_of_adamw() {
         .map(|(_, v)| v.len())
         .collect();
     // Two u8 codes per element and two f32 absmaxes per block, exactly, each buffer rounded
-    // up to the plan's 64-byte alignment.
+    // up to the plan's 64-byte alignment; two f32 moments for a small tensor. The tiny model
+    // has both kinds.
     let align = |b: usize| b.div_ceil(64) * 64;
+    let small = |n: usize| n < MIN_8BIT_SIZE;
+    assert!(numels.iter().any(|&n| small(n)) && numels.iter().any(|&n| !small(n)));
     let want: usize = numels
         .iter()
-        .map(|&n| 2 * align(n) + 2 * align(4 * blocks(n)))
+        .map(|&n| match small(n) {
+            true => 2 * align(4 * n),
+            false => 2 * align(n) + 2 * align(4 * blocks(n)),
+        })
         .sum();
     assert_eq!(t.plan().breakdown().optimizer_state, want);
     let adamw = trainer(&config("adamw", 3));
@@ -145,4 +153,124 @@ fn loss_follows_adamw() {
     );
     // And it learned: the tail is well below the first loss (ln of the vocabulary).
     assert!(eight < 0.8 * (20f32).ln(), "{eight}");
+}
+
+/// Parameters under 4,096 elements keep f32 moments: after two steps from the same start (the
+/// first, at the warmup's rate of 0, moves nothing), each is bitwise what AdamW made it, while
+/// every larger one, whose moments went through the codes, is not; the checkpoint holds their
+/// moments as f32 tensors.
+#[test]
+fn small_tensors_step_as_adamw_does() {
+    let start = trainer(&config("adamw", 4)).parameters().unwrap();
+    let two_steps = |optimizer: &str| {
+        let mut t = trainer(&config(optimizer, 4));
+        t.train_step().unwrap();
+        t.train_step().unwrap();
+        (t.parameters().unwrap(), t.checkpoint().unwrap())
+    };
+    let ((eight, ckpt), (full, _)) = (two_steps("adamw8bit"), two_steps("adamw"));
+    assert_eq!(eight.len(), full.len());
+    for (((name, e), (_, f)), (_, s)) in eight.iter().zip(&full).zip(&start) {
+        assert!(e != s, "{name} moved");
+        if e.len() < MIN_8BIT_SIZE {
+            assert!(e == f, "{name}: f32 moments give AdamW's update");
+            assert!(ckpt.tensor(&format!("{name}.adam_m")).is_some(), "{name}");
+            assert!(ckpt.tensor(&format!("{name}.adam8_m_absmax")).is_none());
+        } else {
+            assert!(e != f, "{name}: 8-bit moments round the update");
+            assert!(ckpt
+                .quantized
+                .iter()
+                .any(|q| q.name == format!("{name}.adam8_m")));
+            assert!(ckpt.tensor(&format!("{name}.adam_m")).is_none(), "{name}");
+        }
+    }
+}
+
+/// `held` as a snug that quantized every parameter's moments saved it: each small tensor's
+/// f32 moments replaced by codes and block absmaxes. Returns it and the f32 moments the codes
+/// stand for, by name.
+fn with_every_moment_quantized(held: &Checkpoint) -> (Checkpoint, Vec<(String, Vec<f32>)>) {
+    let mut old = held.clone();
+    old.tensors.clear();
+    let mut stands_for = Vec::new();
+    for t in &held.tensors {
+        let (stem, suffix, signed) = if let Some(s) = t.name.strip_suffix(".adam_m") {
+            (s, "adam8_m", true)
+        } else if let Some(s) = t.name.strip_suffix(".adam_v") {
+            (s, "adam8_v", false)
+        } else {
+            old.tensors.push(t.clone());
+            continue;
+        };
+        let code = dynamic_code(signed);
+        let mut codes = vec![0u8; t.data.len()];
+        let mut absmax = vec![0f32; blocks(t.data.len())];
+        quantize(&code, &t.data, &mut codes, &mut absmax);
+        let mut values = vec![0f32; t.data.len()];
+        dequantize(&code, &codes, &absmax, &mut values);
+        stands_for.push((t.name.clone(), values));
+        old.quantized.push(SavedBytes {
+            name: format!("{stem}.{suffix}"),
+            shape: t.shape.clone(),
+            data: codes,
+        });
+        old.tensors.push(SavedTensor {
+            name: format!("{stem}.{suffix}_absmax"),
+            shape: vec![absmax.len()],
+            data: absmax,
+        });
+    }
+    (old, stands_for)
+}
+
+/// A checkpoint saved when every moment was quantized resumes: saved and loaded as files, it
+/// restores each small tensor's f32 moments as the values its codes stand for, and trains on.
+#[test]
+fn a_checkpoint_with_every_moment_quantized_resumes() {
+    let cfg = config("adamw8bit", 6);
+    let held = checkpoint_after(&cfg, 3);
+    let (old, stands_for) = with_every_moment_quantized(&held);
+    assert!(!stands_for.is_empty());
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt_dir = CheckpointDir::create(dir.path()).unwrap();
+    ckpt_dir.save(&old, 3).unwrap();
+    let (_, loaded) = ckpt_dir.load_latest().unwrap();
+    let data = TokenDataset::load(&DataSource::Addition).unwrap();
+    let mut t =
+        Trainer::resume(loaded.config.clone(), data, Allocator::default(), &loaded).unwrap();
+    let now = t.checkpoint().unwrap();
+    for (name, values) in &stands_for {
+        let got = now.tensor(name).expect("f32 moments again");
+        assert!(&got.data == values, "{name}");
+        assert!(now.tensor(&format!("{name}_absmax")).is_none());
+    }
+    // The large tensors' codes came back as they were.
+    assert!(now.quantized == held.quantized);
+    let s = t.train_step().unwrap();
+    assert_eq!(s.step, 4);
+    assert!(s.loss.is_finite());
+}
+
+/// Old codes that do not cover their tensor are refused by name, not read past their end.
+#[test]
+fn old_codes_of_the_wrong_length_are_refused_by_name() {
+    let held = checkpoint_after(&config("adamw8bit", 4), 1);
+    let (mut old, _) = with_every_moment_quantized(&held);
+    let q = old
+        .quantized
+        .iter_mut()
+        .find(|q| q.name.ends_with(".adam8_v") && q.data.len() < MIN_8BIT_SIZE)
+        .unwrap();
+    q.data.pop();
+    q.shape = vec![q.data.len()];
+    let name = q.name.clone();
+    let data = TokenDataset::load(&DataSource::Addition).unwrap();
+    match Trainer::resume(old.config.clone(), data, Allocator::default(), &old) {
+        Err(TrainError::CheckpointMismatch { detail }) => {
+            assert!(detail.contains(&name), "{detail}")
+        }
+        Err(other) => panic!("{other}"),
+        Ok(_) => panic!("resumed from short codes"),
+    }
 }

@@ -24,6 +24,11 @@ use crate::{DType, GraphError, Result};
 /// block size for 8-bit optimizers).
 pub const BLOCK: usize = 2048;
 
+/// Parameters with fewer elements keep f32 moments under 8-bit AdamW, as bitsandbytes'
+/// `min_8bit_size` default: biases and norm gains, whose state is a few kilobytes in all, and
+/// whose one block would share a single absmax across values of very different sizes.
+pub const MIN_8BIT_SIZE: usize = 4096;
+
 /// Blocks of a tensor of `numel` elements (the last one may be partial).
 pub fn blocks(numel: usize) -> usize {
     numel.div_ceil(BLOCK)
