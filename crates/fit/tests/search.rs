@@ -802,3 +802,63 @@ fn f16_advice_leaves_out_the_levers_it_cannot_build() {
     let chosen = report.chosen().unwrap();
     assert!(chosen.peak_bytes.is_some_and(|p| p <= budget), "{chosen:?}");
 }
+
+/// A bf16 run's products and fused ops are classes of their own in the cost model: measured
+/// at four times f32's rate (as AMX runs them), its step is predicted at well under f32's.
+/// Pooled with f32's samples under one class, each family had two rates and the bf16 step was
+/// predicted near f32's.
+#[test]
+fn a_bf16_runs_products_are_timed_apart_from_f32_ones() {
+    use snug_fit::{node_work, Sample};
+    let fit = model();
+    let compiled = |precision| {
+        let step = StepConfig {
+            precision,
+            ..StepConfig::default()
+        };
+        let c = compile_step(&fit.model, shape(&fit, 4), cpu(), &step).unwrap();
+        let p = plan(&c.step.graph, &PlanOptions::default()).unwrap();
+        (c, p.schedule)
+    };
+    let (f32_step, bf16_step) = (compiled(DType::F32), compiled(DType::BF16));
+    let works = |(c, schedule): &(snug_compile::CompiledStep, Vec<snug_graph::NodeId>)| {
+        schedule
+            .iter()
+            .map(|&n| node_work(&c.step.graph, n))
+            .filter(|w| w.work > 0.0)
+            .collect::<Vec<_>>()
+    };
+    let (plain, half) = (works(&f32_step), works(&bf16_step));
+    assert!(plain.iter().all(|w| !w.class.starts_with("half_")));
+    for class in [
+        "half_matmul",
+        "half_layer_norm_linear",
+        "half_gelu_linear_backward",
+    ] {
+        assert!(half.iter().any(|w| w.class == class), "{class}");
+    }
+    // Every call measured: f32's at 100 G units of work a second, bf16's own four times that.
+    let samples: Vec<Sample> = plain
+        .iter()
+        .chain(&half)
+        .map(|w| {
+            let rate = if w.class.starts_with("half_") {
+                4e11
+            } else {
+                1e11
+            };
+            Sample {
+                class: w.class.clone(),
+                family: w.family.clone(),
+                work: w.work,
+                seconds: w.work / rate,
+            }
+        })
+        .collect();
+    let profile = MachineProfile::new(1, "test".into(), 1e11, 1e11, 1e-6, samples);
+    let predict = |(c, schedule): &(snug_compile::CompiledStep, Vec<snug_graph::NodeId>)| {
+        profile.step_seconds(&c.step, schedule)
+    };
+    let (f, b) = (predict(&f32_step), predict(&bf16_step));
+    assert!(b < 0.5 * f, "bf16 {b} s against f32 {f} s");
+}
