@@ -414,10 +414,11 @@ impl StepGraph {
         {
             let coef = coef.or(local);
             let meta = graph.tensor(p).clone();
-            // Weight decay follows the weight's own rank, not its shard's.
-            let rank = unsharded.shape(&graph, p).len();
+            // Weight decay follows the weight's own rank, and 8-bit moments its own size, not
+            // its shard's.
+            let whole = unsharded.shape(&graph, p);
+            let (rank, whole_numel) = (whole.len(), whole.iter().product::<usize>());
             let mut moment_scales = None;
-            let whole_numel: usize = unsharded.shape(&graph, p).iter().product();
             let moments = match optimizer {
                 OptimizerSpec::AdamW8bit(adamw) if whole_numel >= adamw8bit::MIN_8BIT_SIZE => {
                     let shape = graph.tensor(g).shape.clone();
