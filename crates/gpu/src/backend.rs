@@ -534,7 +534,7 @@ impl From<GpuError> for RuntimeError {
             } => device(d, format!("cannot bind {what}: {detail}")),
             GpuError::Backend { device: d, detail } => device(d, detail),
             GpuError::Map { device: d, detail } => {
-                device(d, format!("reading back from the device failed: {detail}"))
+                device(d, format!("mapping a host-visible buffer failed: {detail}"))
             }
         }
     }

@@ -235,6 +235,17 @@ impl GpuDevice {
         })
     }
 
+    /// Runs the callbacks of work the device has finished, without blocking, then reports any
+    /// error since.
+    pub fn poll(&self) -> Result<()> {
+        let polled = self.inner.device.poll(wgpu::PollType::Poll);
+        self.check()?;
+        polled.map(|_| ()).map_err(|e| GpuError::DeviceLost {
+            device: self.name().to_string(),
+            reason: e.to_string(),
+        })
+    }
+
     /// The device's loss, or the first error wgpu reported outside a scope since the last
     /// check (taking it).
     pub fn check(&self) -> Result<()> {

@@ -50,8 +50,8 @@ pub enum GpuError {
     /// wgpu reported a validation or internal error (a bug on our side, or the driver's).
     #[error("{device}: {detail}")]
     Backend { device: String, detail: String },
-    /// Mapping a buffer for reading failed.
-    #[error("{device}: reading back from the device failed: {detail}")]
+    /// Mapping a host-visible buffer (a readback, or a staging buffer for inputs) failed.
+    #[error("{device}: mapping a host-visible buffer failed: {detail}")]
     Map { device: String, detail: String },
 }
 

@@ -119,7 +119,7 @@ pub const RING_DEPTH: usize = 2;
 struct RingSlot {
     buffer: wgpu::Buffer,
     /// Set by the map callback: the buffer is mapped and the GPU is done reading it.
-    mapped: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    mapped: std::sync::Arc<MapSignal>,
     /// Bytes written since it was last submitted.
     used: u64,
     /// (offset in the slot, destination buffer, destination offset, bytes).
@@ -168,7 +168,7 @@ impl StagingRing {
                     usage: wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
                     mapped_at_creation: true,
                 }),
-                mapped: std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true)),
+                mapped: std::sync::Arc::new(MapSignal::new(MapState::Mapped)),
                 used: 0,
                 copies: Vec::new(),
             })
@@ -218,15 +218,15 @@ impl StagingRing {
         if at + len > self.slot_bytes {
             return Ok(false);
         }
-        if !slot.mapped.load(std::sync::atomic::Ordering::Acquire) {
+        if !slot.mapped.is_mapped() {
             // The step that last read this buffer, RING_DEPTH launches ago, is still running.
             device.wait()?;
-            if !slot.mapped.load(std::sync::atomic::Ordering::Acquire) {
-                return Err(GpuError::Map {
+            slot.mapped
+                .wait(MAP_WAIT, || device.poll())
+                .map_err(|detail| GpuError::Map {
                     device: device.name().to_string(),
-                    detail: "a staging buffer did not map again after its step".into(),
-                });
-            }
+                    detail: format!("a staging buffer did not map again after its step: {detail}"),
+                })?;
         }
         slot.buffer
             .get_mapped_range_mut(at..at + len)
@@ -258,8 +258,7 @@ impl StagingRing {
             return None;
         }
         slot.buffer.unmap();
-        slot.mapped
-            .store(false, std::sync::atomic::Ordering::Release);
+        slot.mapped.set(MapState::Pending);
         for (src, dst, at, len) in slot.copies.drain(..) {
             encoder.copy_buffer_to_buffer(&slot.buffer, src, &dst, at, len);
         }
@@ -275,8 +274,150 @@ impl StagingRing {
         if let Some(s) = self.slots.get(slot) {
             let mapped = std::sync::Arc::clone(&s.mapped);
             s.buffer.map_async(wgpu::MapMode::Write, .., move |r| {
-                mapped.store(r.is_ok(), std::sync::atomic::Ordering::Release);
+                mapped.set(match r {
+                    Ok(()) => MapState::Mapped,
+                    Err(e) => MapState::Failed(e.to_string()),
+                });
             });
         }
+    }
+}
+
+/// How long a staging buffer may take to map once the device has run every submit: its map
+/// callback is then due at once, so reaching this means the callback was lost.
+pub const MAP_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Where a staging buffer's map request stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MapState {
+    Pending,
+    Mapped,
+    /// wgpu's reason.
+    Failed(String),
+}
+
+/// A map callback's outcome, shared with the thread that runs it. wgpu runs a map callback on
+/// whichever thread polls (or submits to) the device first after the GPU work is done: when a
+/// device is shared between threads, that may be another one, still running it after this
+/// thread's own wait has returned. So a waiter blocks on the outcome, not on its own poll.
+#[derive(Debug)]
+pub struct MapSignal {
+    state: std::sync::Mutex<MapState>,
+    changed: std::sync::Condvar,
+}
+
+impl MapSignal {
+    pub fn new(state: MapState) -> MapSignal {
+        MapSignal {
+            state: std::sync::Mutex::new(state),
+            changed: std::sync::Condvar::new(),
+        }
+    }
+
+    pub fn set(&self, state: MapState) {
+        // A poisoned lock still holds a state: a panicking waiter must not lose the outcome.
+        *self.state.lock().unwrap_or_else(|p| p.into_inner()) = state;
+        self.changed.notify_all();
+    }
+
+    pub fn is_mapped(&self) -> bool {
+        *self.state.lock().unwrap_or_else(|p| p.into_inner()) == MapState::Mapped
+    }
+
+    /// Blocks until the buffer is mapped, calling `poll` (a non-blocking device poll, which
+    /// runs callbacks no thread has collected yet) between short waits. Errs with wgpu's
+    /// reason where the map failed, or where `limit` passes with no outcome.
+    pub fn wait(
+        &self,
+        limit: std::time::Duration,
+        mut poll: impl FnMut() -> Result<()>,
+    ) -> std::result::Result<(), String> {
+        let start = std::time::Instant::now();
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            match &*state {
+                MapState::Mapped => return Ok(()),
+                MapState::Failed(reason) => return Err(reason.clone()),
+                MapState::Pending => {}
+            }
+            let waited = start.elapsed();
+            if waited >= limit {
+                return Err(format!("no map callback within {} s", limit.as_secs_f64()));
+            }
+            let slice = (limit - waited).min(std::time::Duration::from_millis(10));
+            state = self
+                .changed
+                .wait_timeout(state, slice)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+            if *state == MapState::Pending {
+                // The callback runs on the polling thread: never poll while holding the lock.
+                drop(state);
+                poll().map_err(|e| e.to_string())?;
+                state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    /// The callback lands on another thread after the waiter's own poll found nothing: the
+    /// waiter blocks for it instead of calling the buffer lost.
+    #[test]
+    fn a_map_completed_on_another_thread_is_waited_for() {
+        let signal = Arc::new(MapSignal::new(MapState::Pending));
+        let other = Arc::clone(&signal);
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            other.set(MapState::Mapped);
+        });
+        let mut polls = 0;
+        let waited = signal.wait(Duration::from_secs(10), || {
+            polls += 1;
+            Ok(())
+        });
+        late.join().expect("the setter runs");
+        assert_eq!(waited, Ok(()));
+        assert!(signal.is_mapped());
+        assert!(polls >= 1, "the waiter polls while it waits");
+    }
+
+    #[test]
+    fn a_failed_map_reports_wgpus_reason() {
+        let signal = MapSignal::new(MapState::Pending);
+        signal.set(MapState::Failed("the buffer was destroyed".into()));
+        assert_eq!(
+            signal.wait(Duration::from_secs(10), || Ok(())),
+            Err("the buffer was destroyed".into())
+        );
+    }
+
+    #[test]
+    fn a_map_that_never_lands_is_an_error_after_the_limit() {
+        let signal = MapSignal::new(MapState::Pending);
+        let err = signal
+            .wait(Duration::from_millis(50), || Ok(()))
+            .expect_err("no callback ever runs");
+        assert!(err.contains("no map callback"), "{err}");
+    }
+
+    /// A poll that reports the device lost ends the wait with that error.
+    #[test]
+    fn a_lost_device_ends_the_wait() {
+        let signal = MapSignal::new(MapState::Pending);
+        let err = signal
+            .wait(Duration::from_secs(10), || {
+                Err(GpuError::DeviceLost {
+                    device: "test".into(),
+                    reason: "gone".into(),
+                })
+            })
+            .expect_err("the poll fails");
+        assert!(err.contains("gone"), "{err}");
     }
 }
