@@ -160,10 +160,16 @@ pub fn run(args: DevicesArgs) -> Result<()> {
             "amx" => "in bf16 arithmetic (AMX tiles)",
             "vdpbf16ps" => "in bf16 arithmetic (AVX512-BF16)",
             "model" => "rounded to bf16 on the f32 tiles (SNUG_BF16_MATH=model)",
-            _ if snug_cpu::isa::CpuFeatures::host().bf16_arithmetic() => {
+            "widen" if !snug_cpu::isa::CpuFeatures::host().bf16_arithmetic() => {
+                "widened to f32 (no AVX512-BF16)"
+            }
+            _ if snug_cpu::isa::Bf16Math::current() == snug_cpu::isa::Bf16Math::Widen => {
                 "widened to f32 (SNUG_BF16_MATH=widen)"
             }
-            _ => "widened to f32 (no AVX512-BF16)",
+            _ => {
+                "widened to f32 (this CPU's VDPBF16PS runs at half its f32 rate; \
+                 SNUG_BF16_MATH=vdpbf16ps takes it)"
+            }
         }
     );
     if devices.gpus.is_empty() {

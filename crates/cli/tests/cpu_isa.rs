@@ -75,33 +75,43 @@ fn devices_names_the_level_and_every_level_the_cpu_runs() {
         serde_json::from_slice(&snug_env(&["devices", "--json"], Some("avx512")).stdout).unwrap();
     assert_eq!(high["cpu"]["isa"].as_str(), levels.last().copied());
     assert!(["avx512", "avx2", "portable"].contains(&v["cpu"]["gemm"].as_str().unwrap()));
-    // bf16 arithmetic, by default, exactly where the kernel reports AVX512-BF16 (and
-    // AVX-512F); on AMX's tiles where it reports those too.
+    // bf16 arithmetic, by default, on AMX's tiles where the kernel reports those (with
+    // AVX512-BF16 and AVX-512F), else on `VDPBF16PS` where it reports AVX512-BF16 on a CPU
+    // not Intel's (whose VDPBF16PS runs at half its f32 rate).
+    let mut has_vdpbf16ps = None;
     if let Ok(cpuinfo) = std::fs::read_to_string("/proc/cpuinfo") {
-        let flags: Vec<&str> = cpuinfo
-            .lines()
-            .find(|l| l.starts_with("flags"))
-            .map(|l| l.split_whitespace().collect())
-            .unwrap_or_default();
+        let field = |name: &str| {
+            cpuinfo
+                .lines()
+                .find(|l| l.split(':').next().map(str::trim) == Some(name))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.split_whitespace().collect::<Vec<_>>())
+                .unwrap_or_default()
+        };
+        let flags = field("flags");
         if cfg!(target_arch = "x86_64") && !flags.is_empty() {
             let has = |f: &str| flags.contains(&f);
-            let native = has("avx512f") && has("avx512_bf16");
-            assert_eq!(v["cpu"]["bf16_arithmetic"].as_bool(), Some(native));
-            let amx = native && has("amx_bf16") && has("amx_tile");
-            let want = match (amx, native) {
+            let instructions = has("avx512f") && has("avx512_bf16");
+            let intel = field("vendor_id") == ["GenuineIntel"];
+            let amx = instructions && has("amx_bf16") && has("amx_tile");
+            let want = match (amx, instructions && !intel) {
                 (true, _) => "amx",
                 (false, true) => "vdpbf16ps",
                 (false, false) => "widen",
             };
             assert_eq!(v["cpu"]["bf16_products"].as_str(), Some(want));
+            assert_eq!(v["cpu"]["bf16_arithmetic"].as_bool(), Some(want != "widen"));
+            has_vdpbf16ps = Some(instructions);
         }
     }
-    // `vdpbf16ps` is the default's path except where that is AMX's.
+    // `vdpbf16ps` takes VDPBF16PS wherever the CPU has it; with AMX or on Intel's CPUs that
+    // is not the default's path.
     let default = v["cpu"]["bf16_products"].as_str().unwrap();
-    let vdpbf16ps = if default == "amx" {
-        "vdpbf16ps"
-    } else {
-        default
+    let vdpbf16ps = match has_vdpbf16ps {
+        Some(true) => "vdpbf16ps",
+        Some(false) => "widen",
+        None if default == "amx" => "vdpbf16ps",
+        None => default,
     };
     for (math, want) in [
         ("widen", "widen"),

@@ -55,6 +55,10 @@ pub struct CpuFeatures {
     /// AMX-TILE and AMX-BF16 that this process may use: the OS granted it tile state and the
     /// tiles passed a check against an f64 product (`gemm::amx::usable`).
     pub amx: bool,
+    /// Made by Intel (`GenuineIntel`). Its `VDPBF16PS` retires at a quarter of the rate of its
+    /// f32 FMAs, so half their multiply-adds (Emerald Rapids, a 24-accumulator loop over L1:
+    /// 1.1 against 4.5 G instructions/s); Zen 4's keeps pace with its FMAs.
+    pub intel: bool,
 }
 
 impl CpuFeatures {
@@ -71,6 +75,7 @@ impl CpuFeatures {
                 avx512vl: is_x86_feature_detected!("avx512vl"),
                 avx512bf16: is_x86_feature_detected!("avx512bf16"),
                 amx: crate::gemm::amx::usable(),
+                intel: vendor() == *b"GenuineIntel",
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -82,6 +87,15 @@ impl CpuFeatures {
     pub fn bf16_arithmetic(self) -> bool {
         // Every CPU with AVX512-BF16 has BW and VL, which its packing uses.
         self.avx512f && self.avx512bw && self.avx512vl && self.avx512bf16
+    }
+
+    /// Whether a bf16 run's products take `VDPBF16PS` unasked: where the CPU has it and no AMX
+    /// tiles, and it outruns the f32 tiles. On Intel's CPUs it does not (see
+    /// [`CpuFeatures::intel`]): a bf16 step there ran 1.7–2.4 times as long on it as with its
+    /// operands widened to f32, so without AMX their products widen
+    /// (`SNUG_BF16_MATH=vdpbf16ps` still takes it).
+    pub fn vdpbf16ps_by_default(self) -> bool {
+        self.bf16_arithmetic() && !self.intel
     }
 
     /// The highest level these features run (each level needs every feature its functions
@@ -98,6 +112,19 @@ impl CpuFeatures {
     }
 }
 
+/// The CPU's vendor string (CPUID leaf 0: EBX, EDX, ECX).
+#[cfg(target_arch = "x86_64")]
+fn vendor() -> [u8; 12] {
+    // SAFETY: CPUID leaf 0 exists on every x86-64 CPU.
+    #[allow(unused_unsafe)]
+    let r = unsafe { std::arch::x86_64::__cpuid(0) };
+    let mut v = [0u8; 12];
+    v[..4].copy_from_slice(&r.ebx.to_le_bytes());
+    v[4..8].copy_from_slice(&r.edx.to_le_bytes());
+    v[8..].copy_from_slice(&r.ecx.to_le_bytes());
+    v
+}
+
 /// Representative feature sets, for tests of the choices made from them.
 #[cfg(test)]
 impl CpuFeatures {
@@ -111,6 +138,7 @@ impl CpuFeatures {
         avx512vl: false,
         avx512bf16: false,
         amx: false,
+        intel: false,
     };
     /// Skylake-SP, Ice Lake: AVX-512 F, BW, DQ and VL.
     pub(crate) const AVX512: CpuFeatures = CpuFeatures {
@@ -120,15 +148,21 @@ impl CpuFeatures {
         avx512vl: true,
         ..CpuFeatures::AVX2
     };
-    /// Sapphire Rapids, Zen 4: AVX-512 with AVX512-BF16.
+    /// Zen 4: AVX-512 with AVX512-BF16.
     pub(crate) const AVX512_BF16: CpuFeatures = CpuFeatures {
         avx512bf16: true,
         ..CpuFeatures::AVX512
     };
+    /// Cooper Lake, or Sapphire Rapids where the OS grants no AMX tile state: Intel's
+    /// AVX512-BF16 without AMX.
+    pub(crate) const INTEL_BF16: CpuFeatures = CpuFeatures {
+        intel: true,
+        ..CpuFeatures::AVX512_BF16
+    };
     /// Sapphire Rapids with its AMX tiles granted: AVX512-BF16 and AMX-BF16.
     pub(crate) const AMX: CpuFeatures = CpuFeatures {
         amx: true,
-        ..CpuFeatures::AVX512_BF16
+        ..CpuFeatures::INTEL_BF16
     };
 }
 
@@ -197,7 +231,8 @@ impl Bf16Math {
     pub fn path(self, cpu: CpuFeatures) -> &'static str {
         match self {
             Bf16Math::Native if cpu.amx && cpu.bf16_arithmetic() => "amx",
-            Bf16Math::Native | Bf16Math::Vdpbf16ps if cpu.bf16_arithmetic() => "vdpbf16ps",
+            Bf16Math::Native if cpu.vdpbf16ps_by_default() => "vdpbf16ps",
+            Bf16Math::Vdpbf16ps if cpu.bf16_arithmetic() => "vdpbf16ps",
             Bf16Math::Model => "model",
             _ => "widen",
         }
@@ -324,21 +359,25 @@ mod tests {
     }
 
     /// The path `snug devices` reports for each setting on each feature set: AMX's tiles only
-    /// under `native` on a CPU with them, `VDPBF16PS` wherever AVX512-BF16 is and AMX is not
-    /// chosen, widening elsewhere.
+    /// under `native` on a CPU with them; `VDPBF16PS` under `native` where AVX512-BF16 is, AMX
+    /// is not and the CPU is not Intel's, and under `vdpbf16ps` wherever AVX512-BF16 is;
+    /// widening elsewhere.
     #[test]
     fn bf16_products_take_the_path_the_setting_and_the_features_allow() {
-        let (avx512, bf16, amx) = (
+        let (avx512, bf16, intel, amx) = (
             CpuFeatures::AVX512,
             CpuFeatures::AVX512_BF16,
+            CpuFeatures::INTEL_BF16,
             CpuFeatures::AMX,
         );
         let cases = [
             (Bf16Math::Native, amx, "amx"),
             (Bf16Math::Native, bf16, "vdpbf16ps"),
+            (Bf16Math::Native, intel, "widen"),
             (Bf16Math::Native, avx512, "widen"),
             (Bf16Math::Vdpbf16ps, amx, "vdpbf16ps"),
             (Bf16Math::Vdpbf16ps, bf16, "vdpbf16ps"),
+            (Bf16Math::Vdpbf16ps, intel, "vdpbf16ps"),
             (Bf16Math::Vdpbf16ps, avx512, "widen"),
             (Bf16Math::Widen, amx, "widen"),
             (Bf16Math::Model, amx, "model"),
