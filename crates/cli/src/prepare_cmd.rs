@@ -92,6 +92,47 @@ pub(crate) fn hf_tokenizer(arg: &str) -> Result<Option<HfTokenizer>> {
     Ok(Some(t))
 }
 
+/// Refuses an `--input` that is one of the files prepare writes into `out` (given by that
+/// name, through a symlink, or as a hard link to it): `--force` would replace the corpus with
+/// its own tokens. A `train.bin` that is itself a symlink to the input is not refused: the
+/// rename replaces the link and leaves the corpus whole.
+fn refuse_overwriting_input(input: &Path, out: &Path) -> Result<()> {
+    for name in [TRAIN_FILE, VAL_FILE] {
+        let target = out.join(name);
+        if same_file(input, &target) {
+            bail!(
+                "--input {} is the file prepare would write as {}: it would overwrite the \
+                 corpus with its tokens, even with --force; give another --out or move the input",
+                input.display(),
+                target.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Whether `input` (followed through symlinks) is the entry `target` names (not followed: the
+/// entry a rename replaces). The same device and inode, so a hard link counts too. Either
+/// missing is not the same file; a missing input is named where it is read.
+#[cfg(unix)]
+fn same_file(input: &Path, target: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(input), std::fs::symlink_metadata(target)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
+}
+
+/// Without inodes, the same resolved path (a hard link goes unnoticed).
+#[cfg(not(unix))]
+fn same_file(input: &Path, target: &Path) -> bool {
+    let is_link = std::fs::symlink_metadata(target).is_ok_and(|m| m.file_type().is_symlink());
+    match (std::fs::canonicalize(input), std::fs::canonicalize(target)) {
+        (Ok(a), Ok(b)) => !is_link && a == b,
+        _ => false,
+    }
+}
+
 pub fn run(args: PrepareArgs) -> Result<()> {
     let start = Instant::now();
     // Check the cheap arguments before reading a corpus that may be large.
@@ -103,6 +144,8 @@ pub fn run(args: PrepareArgs) -> Result<()> {
     if !(frac.is_finite() && frac > 0.0 && frac < 1.0) {
         bail!("--val-fraction: must be between 0 and 1 (exclusive), got {frac}");
     }
+    // Before check_dir: its advice (`--force`) would be the wrong fix here.
+    refuse_overwriting_input(&args.input, &args.out)?;
     output::check_dir(
         &args.out,
         &[TRAIN_FILE, VAL_FILE],

@@ -1,6 +1,7 @@
 //! The `snug` binary end to end: the demo trains, `plan` reports, and bad input gives a named
 //! error with a non-zero exit and no panic.
 
+use std::path::Path;
 use std::process::{Command, Output};
 
 fn snug(args: &[&str]) -> Output {
@@ -481,6 +482,83 @@ fn prepare_writes_token_files_that_train_reads() {
         stdout.contains("train.bin") && stdout.contains("val.bin"),
         "{stdout}"
     );
+}
+
+/// `prepare --force` never writes over its own input: given as `DIR/train.bin`, through a
+/// symlink, as a hard link, through a symlinked `--out`, or as JSONL. Each is refused naming
+/// the input and the file it would become, and the corpus keeps its bytes.
+#[cfg(unix)]
+#[test]
+fn prepare_never_overwrites_its_own_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("data");
+    std::fs::create_dir(&out).unwrap();
+    let text = shakespeare_like();
+    let corpus = out.join("train.bin");
+    std::fs::write(&corpus, &text).unwrap();
+    // `input`, given as `--input`, is refused as `target`, and the corpus at `kept` is whole.
+    let refused = |input: &Path, out: &Path, target: &Path, kept: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "prepare",
+            "--input",
+            input.to_str().unwrap(),
+            "--tokenizer",
+            "char",
+            "--out",
+            out.to_str().unwrap(),
+            "--force",
+        ];
+        args.extend(extra);
+        let needles = [
+            input.to_str().unwrap(),
+            target.to_str().unwrap(),
+            "overwrite",
+        ];
+        fails_with(&args, &needles);
+        assert_eq!(std::fs::read_to_string(kept).unwrap(), text, "{args:?}");
+    };
+    refused(&corpus, &out, &corpus, &corpus, &[]);
+    let jsonl = ["--format", "jsonl", "--tokenizer", "gpt2"];
+    refused(&corpus, &out, &corpus, &corpus, &jsonl);
+    let link = dir.path().join("corpus-link.txt");
+    std::os::unix::fs::symlink(&corpus, &link).unwrap();
+    refused(&link, &out, &corpus, &corpus, &[]);
+    let hard = dir.path().join("corpus-hard.txt");
+    std::fs::hard_link(&corpus, &hard).unwrap();
+    refused(&hard, &out, &corpus, &corpus, &[]);
+    let out_link = dir.path().join("data-link");
+    std::os::unix::fs::symlink(&out, &out_link).unwrap();
+    refused(
+        &corpus,
+        &out_link,
+        &out_link.join("train.bin"),
+        &corpus,
+        &[],
+    );
+    // The corpus as val.bin is refused too.
+    let val_bin = out.join("val.bin");
+    std::fs::rename(&corpus, &val_bin).unwrap();
+    refused(&val_bin, &out, &val_bin, &val_bin, &[]);
+
+    // A train.bin that is a symlink to the corpus is replaced as a link: the corpus is kept.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let kept = elsewhere.path().join("corpus.txt");
+    std::fs::write(&kept, &text).unwrap();
+    let out2 = elsewhere.path().join("data");
+    std::fs::create_dir(&out2).unwrap();
+    std::os::unix::fs::symlink(&kept, out2.join("train.bin")).unwrap();
+    let o = snug(&[
+        "prepare",
+        "--input",
+        kept.to_str().unwrap(),
+        "--tokenizer",
+        "char",
+        "--out",
+        out2.to_str().unwrap(),
+        "--force",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(std::fs::read_to_string(&kept).unwrap(), text);
 }
 
 #[test]
