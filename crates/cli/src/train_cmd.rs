@@ -261,14 +261,19 @@ fn fit_to_memory(
         }
         cfg.batch = crate::fit_cmd::largest_batch(cfg, &model, budget)?;
         cfg.accumulation = 1;
-        say!(
-            out,
+        let said = format!(
             "--batch auto: {} sequences of {} tokens a step, the most one micro-batch holds in {} \
              (fit then chooses how to run them)",
             cfg.batch,
             cfg.block,
             human_bytes(budget)
         );
+        // Under --json stdout is JSON lines alone; the batch is in the `fit` line too.
+        if args.json {
+            eprintln!("{said}");
+        } else {
+            say!(out, "{said}");
+        }
     }
     let fit_model = cfg.fit_model(model.clone());
     let (report, machine) = crate::fit_cmd::fit_config(

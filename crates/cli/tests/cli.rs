@@ -1116,6 +1116,42 @@ fn snug_cached(args: &[&str], cache: &tempfile::TempDir) -> Output {
     snug_with(args, &[("SNUG_CACHE_DIR", cache.path())])
 }
 
+/// Under `--json` stdout is JSON alone (one object for fit, JSON lines for train): what
+/// `--batch auto` chose, said in words, goes to stderr.
+#[test]
+fn json_stdout_holds_nothing_but_json() {
+    let cache = calibrated_cache(1);
+    let auto = [
+        "--preset",
+        "tiny",
+        "--threads",
+        "1",
+        "--memory",
+        "20MiB",
+        "--batch",
+        "auto",
+        "--json",
+    ];
+    let o = snug_cached(
+        &[&["train", "--steps", "1", "--no-save"][..], &auto].concat(),
+        &cache,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    for line in stdout.lines() {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("train --json printed `{line}`, not JSON: {e}"));
+        assert!(v["kind"].is_string(), "{line}");
+    }
+    assert!(stdout.contains(r#""kind":"summary""#), "{stdout}");
+    assert!(stderr(&o).contains("--batch auto: "), "{}", stderr(&o));
+    let o = snug_cached(&[&["fit"][..], &auto].concat(), &cache);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let report: serde_json::Value =
+        serde_json::from_slice(&o.stdout).expect("fit --json's stdout is one JSON object");
+    assert!(report["effective_batch"].as_u64() >= Some(1), "{report}");
+}
+
 #[test]
 fn fit_chooses_what_fits_and_train_holds_to_it() {
     let cache = calibrated_cache(1);
