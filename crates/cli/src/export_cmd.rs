@@ -4,7 +4,8 @@
 //! loads. GPT-2 and the Llama family (Llama, Mistral, Qwen2); the checkpoint may be a snug run or
 //! itself a Hugging Face directory (converted to one f32 file). A LoRA run exports its base
 //! model and, beside it, its adapter as PEFT writes one (`adapter_model.safetensors`,
-//! `adapter_config.json`), or with `--merge` the model with every adapter folded in.
+//! `adapter_config.json`), or with `--merge` the model with every adapter folded in; so does a
+//! model directory with an adapter beside it.
 //!
 //! A directory that is not empty is refused unless `--force`, which replaces the files export
 //! writes and removes those an earlier model left that loaders would read with the new one;
@@ -60,7 +61,8 @@ struct ExportReport {
     tokenizer_files: Vec<PathBuf>,
     parameters: usize,
     bytes: u64,
-    /// The PEFT adapter written beside the base model (a LoRA run exported without --merge).
+    /// The PEFT adapter written beside the base model (a LoRA run, or a model directory with
+    /// an adapter beside it, exported without --merge).
     #[serde(skip_serializing_if = "Option::is_none")]
     adapter: Option<snug_nn::lora::AdapterExport>,
     /// The adapters were folded into the weights.
@@ -172,6 +174,17 @@ fn tokenizer_files(files: &HfTokenizerFiles) -> Vec<(&'static str, &str)> {
     out
 }
 
+/// The base model an exported adapter names: the directory it is written into, so
+/// `train --init-from` that directory continues its adapters. The directory may not exist
+/// until the files move in.
+fn adapter_base(out: &Path) -> String {
+    std::fs::canonicalize(out)
+        .or_else(|_| std::path::absolute(out))
+        .unwrap_or_else(|_| out.to_path_buf())
+        .display()
+        .to_string()
+}
+
 pub fn run(args: ExportArgs) -> Result<()> {
     if same_path(&args.out, &args.checkpoint) {
         bail!(
@@ -266,28 +279,41 @@ pub fn run(args: ExportArgs) -> Result<()> {
             };
             let written = snug_nn::save_hf_model(dir, &model, &read)?;
             if let Some(lora) = lora {
-                // The adapter names the directory it is written into as its base, so
-                // `train --init-from` that directory continues the run's adapters.
-                // The directory may not exist until the files move in.
-                let base = std::fs::canonicalize(&args.out)
-                    .or_else(|_| std::path::absolute(&args.out))
-                    .unwrap_or_else(|_| args.out.clone())
-                    .display()
-                    .to_string();
                 let read = |name: &str| ckpt.tensor(name).map(|t| t.data.clone());
                 adapter = Some(snug_nn::lora::save_peft_adapter(
                     dir,
                     &model,
                     lora,
-                    Some(&base),
+                    Some(&adapter_base(&args.out)),
                     &read,
                 )?);
             }
             written
         }
-        (Source::Hf(ckpt), _) => {
+        (Source::Hf(ckpt), lora) => {
+            // Read before anything is written, so a damaged adapter is refused first.
+            let peft = match lora {
+                Some(_) => Some(snug_nn::lora::load_peft_adapter(ckpt.dir(), &model)?),
+                None => None,
+            };
             let read = |name: &str, out: &mut [f32]| ckpt.read_into(name, out);
-            snug_nn::save_hf_model(dir, &model, &read)?
+            let written = snug_nn::save_hf_model(dir, &model, &read)?;
+            // The adapter beside the model goes with it, or the new directory would sample
+            // as the bare base.
+            if let Some(peft) = peft {
+                let read = |name: &str| {
+                    let found = peft.tensors.iter().find(|(n, _)| n == name);
+                    found.map(|(_, v)| v.clone())
+                };
+                adapter = Some(snug_nn::lora::save_peft_adapter(
+                    dir,
+                    &model,
+                    &peft.lora,
+                    Some(&adapter_base(&args.out)),
+                    &read,
+                )?);
+            }
+            written
         }
     };
     let mut tokenizer_paths = Vec::new();

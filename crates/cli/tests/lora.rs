@@ -186,6 +186,18 @@ fn train_export_merge_and_continue_from_the_adapter() {
     };
     let from_run = sample(&run);
     assert_eq!(sample(&out), from_run);
+    // Exported again, the model directory takes its adapter along.
+    let again = dir.path().join("again");
+    let args = [
+        "export",
+        "--checkpoint",
+        out.to_str().unwrap(),
+        "--out",
+        again.to_str().unwrap(),
+    ];
+    ok(dir.path(), &args);
+    assert!(again.join("adapter_config.json").exists());
+    assert_eq!(sample(&again), from_run);
     // A character the run's vocabulary lacks is refused by the exported tokenizer as by the
     // run's, not dropped.
     for from in [&run, &out] {
@@ -210,6 +222,51 @@ fn train_export_merge_and_continue_from_the_adapter() {
         std::fs::copy(out.join(f), bare.join(f)).unwrap();
     }
     assert_ne!(sample(&bare), from_run);
+    // The adapter's weights without its configuration are refused by name, not left unread
+    // (which would sample, continue and export the bare base), and so is the converse.
+    std::fs::copy(
+        out.join("adapter_model.safetensors"),
+        bare.join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    let bare_s = bare.to_str().unwrap();
+    let half = |present: &str, missing: &str| {
+        let needles = [bare_s, &format!("holds {present} but no {missing}")];
+        let tokens = ["--tokens", "2", "--threads", "1"];
+        let sample = [&["sample", "--checkpoint", bare_s][..], &tokens].concat();
+        fails_with(dir.path(), &sample, &needles);
+        let run = dir.path().join("half-run");
+        let train = [
+            "train",
+            "--steps",
+            "1",
+            "--threads",
+            "1",
+            "--init-from",
+            bare_s,
+            "--out",
+            run.to_str().unwrap(),
+        ];
+        fails_with(dir.path(), &train, &needles);
+        let to = dir.path().join("half-export");
+        let export = [
+            "export",
+            "--checkpoint",
+            bare_s,
+            "--out",
+            to.to_str().unwrap(),
+        ];
+        fails_with(dir.path(), &export, &needles);
+        assert!(!run.exists() && !to.exists());
+    };
+    half("adapter_model.safetensors", "adapter_config.json");
+    std::fs::remove_file(bare.join("adapter_model.safetensors")).unwrap();
+    std::fs::copy(
+        out.join("adapter_config.json"),
+        bare.join("adapter_config.json"),
+    )
+    .unwrap();
+    half("adapter_config.json", "adapter_model.safetensors");
     // A damaged adapter is refused by name rather than left out.
     std::fs::copy(
         out.join("adapter_model.safetensors"),

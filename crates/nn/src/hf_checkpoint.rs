@@ -236,9 +236,14 @@ impl HfCheckpoint {
     /// checks that they are exactly the model's parameters. Every mismatch is an error naming
     /// the file and the tensor: a tensor missing, unexpected or given twice, a shape or dtype
     /// the model cannot take, a truncated shard, a tensor the index does not list or places in
-    /// another shard, an LM head that differs from the embedding it is tied to.
+    /// another shard, an LM head that differs from the embedding it is tied to, and one file
+    /// of a PEFT adapter beside the model without the other
+    /// ([`crate::lora::check_adapter_files`]).
     pub fn open(dir: &Path) -> Result<HfCheckpoint, NnError> {
         let config = ModelConfig::from_hf_file(&dir.join(CONFIG_FILE))?;
+        // Every reader of the directory (sample, train --init-from, export) opens it here, so
+        // none reads a half-copied adapter as no adapter.
+        crate::lora::check_adapter_files(dir)?;
         let index_path = dir.join(INDEX_FILE);
         let single = dir.join(WEIGHTS_FILE);
         let (files, weight_map) = if index_path.exists() {

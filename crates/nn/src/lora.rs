@@ -382,8 +382,39 @@ pub fn save_peft_adapter(
 }
 
 /// Whether `path` is a PEFT adapter directory (it holds `adapter_config.json`).
+/// [`check_adapter_files`] refuses a directory holding one of the adapter's files alone.
 pub fn is_adapter_dir(path: &Path) -> bool {
     path.is_dir() && path.join(ADAPTER_CONFIG_FILE).exists()
+}
+
+/// Refuses a directory holding one of a PEFT adapter's two files without the other (a copy
+/// that left one behind). Without its configuration the weights would go unread, and the
+/// directory sample or train as its base model alone; without its weights nothing could be
+/// applied. Either way the error names the directory and the missing file.
+pub fn check_adapter_files(dir: &Path) -> Result<(), NnError> {
+    let has = |f: &str| dir.join(f).exists();
+    let (config, weights) = (has(ADAPTER_CONFIG_FILE), has(ADAPTER_WEIGHTS_FILE));
+    let (present, missing, meaning) = match (config, weights) {
+        (true, true) | (false, false) => return Ok(()),
+        (false, true) => (
+            ADAPTER_WEIGHTS_FILE,
+            ADAPTER_CONFIG_FILE,
+            "a LoRA adapter's weights without the configuration that says how to apply them, \
+             which would leave the model its bare base",
+        ),
+        (true, false) => (
+            ADAPTER_CONFIG_FILE,
+            ADAPTER_WEIGHTS_FILE,
+            "a LoRA adapter's configuration without its weights, so there is no adapter to apply",
+        ),
+    };
+    Err(adapter_error(
+        dir,
+        format!(
+            "holds {present} but no {missing} beside it: {meaning} (copy the adapter's \
+             {missing} there, or remove {present} to use the base model)"
+        ),
+    ))
 }
 
 /// A PEFT adapter read from its directory.

@@ -511,6 +511,35 @@ fn refused_config_fields_stop_the_load() {
     }
 }
 
+/// One file of a PEFT adapter beside the model without the other is refused when the
+/// directory is opened, naming the directory and the missing file: weights alone would
+/// otherwise go unread, and the model sample as its base.
+#[test]
+fn half_an_adapter_beside_the_model_is_refused_by_name() {
+    use snug_nn::lora::{ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE};
+    let tmp = copy_fixture("llama");
+    let dir = tmp.path();
+    for (present, missing) in [
+        (ADAPTER_WEIGHTS_FILE, ADAPTER_CONFIG_FILE),
+        (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE),
+    ] {
+        // The check is on presence alone: the contents are read (and checked) later.
+        std::fs::write(dir.join(present), b"{}").unwrap();
+        match open_err(dir) {
+            NnError::Adapter { path, detail } => {
+                assert_eq!(path, path_of(dir));
+                assert!(
+                    detail.contains(&format!("{present} but no {missing}")),
+                    "{detail}"
+                );
+            }
+            other => panic!("{present} alone: {other:?}"),
+        }
+        std::fs::remove_file(dir.join(present)).unwrap();
+    }
+    HfCheckpoint::open(dir).expect("no adapter at all");
+}
+
 /// A model whose parameters differ from the checkpoint's is refused naming the tensor.
 #[test]
 fn check_model_names_the_first_difference() {
