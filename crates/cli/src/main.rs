@@ -230,11 +230,16 @@ fn command() -> clap::Command {
             // A switch declared as `num_args = 0` takes no value, and clap (in debug builds)
             // refuses negative numbers on it.
             let takes_value = a.get_num_args().is_none_or(|n| n.max_values() > 0);
-            if a.get_action().takes_values() && takes_value {
-                a.allow_negative_numbers(true)
-            } else {
-                a
+            if !(a.get_action().takes_values() && takes_value) {
+                return a;
             }
+            // `-1GiB` is no number, so clap would take it for the flag `-1`; a size flag takes
+            // any value and its own parser names the flag. (Its cost: `--memory --json` reads
+            // `--json` as the size, which is refused by name too.)
+            let size = a
+                .get_value_names()
+                .is_some_and(|names| names.iter().any(|n| n.contains("SIZE")));
+            a.allow_negative_numbers(true).allow_hyphen_values(size)
         })
     })
 }

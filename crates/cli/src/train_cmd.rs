@@ -510,6 +510,16 @@ fn warmup_note(cfg: &TrainConfig) -> Option<String> {
 }
 
 pub fn run(args: TrainArgs) -> Result<ExitCode> {
+    // Parsed again where the run resolves, whose error names the TOML key, not the flag.
+    if let Some(text) = &args.run.memory_limit {
+        snug_runtime::parse_bytes(text).with_context(|| format!("--memory-limit {text}"))?;
+    }
+    // Checked before the run is set up, which may take long.
+    let lower_at = args
+        .lower_memory_at
+        .as_deref()
+        .map(parse_lower_at)
+        .transpose()?;
     let (model, mut train) = args.model.sections(args.run.clone());
     let json = args.json;
     // Under mpirun the run spans the ranks it started; `--devices`, given, must say as many.
@@ -710,11 +720,6 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             cfg.batch / cfg.devices
         );
     }
-    let lower_at = args
-        .lower_memory_at
-        .as_deref()
-        .map(parse_lower_at)
-        .transpose()?;
     let lower = |step: u64| {
         if let Some((at, bytes)) = lower_at {
             if step + 1 == at {

@@ -202,6 +202,27 @@ fn bad_input_is_a_named_error() {
     assert!(!stderr(&o).contains("panicked"));
 }
 
+/// A negative size is a bad value of its flag, named with the value, whether written
+/// `--flag -1GiB` or `--flag=-1GiB` (clap took `-1GiB` for an unknown flag `-1`).
+#[test]
+fn negative_sizes_are_refused_naming_the_flag() {
+    let cases: [(&[&str], &str, &str); 7] = [
+        (&["train", "--no-save"], "--memory", "-1GiB"),
+        (&["train", "--no-save"], "--memory-limit", "-1GiB"),
+        (&["train", "--no-save"], "--lower-memory-at", "-3:1GiB"),
+        (&["fit"], "--memory", "-1.5GiB"),
+        (&["fit", "--memory", "1GiB"], "--device-memory", "-2GiB"),
+        (&["report", "--preset", "tiny"], "--device-memory", "-1GiB"),
+        (&["devices"], "--device-memory", "-1GiB"),
+    ];
+    for (command, flag, value) in cases {
+        let joined = format!("{flag}={value}");
+        for spelling in [vec![flag, value], vec![joined.as_str()]] {
+            fails_with(&[command, &spelling[..]].concat(), &[flag, value]);
+        }
+    }
+}
+
 #[test]
 fn config_file_trains_and_flags_override_it() {
     let dir = tempfile::tempdir().unwrap();
