@@ -109,16 +109,17 @@ fn same_path(a: &Path, b: &Path) -> bool {
 /// A character tokenizer as Hugging Face files: a `tokenizer.json` that splits text into
 /// characters, gives each its id and joins them back without spaces, and a
 /// `tokenizer_config.json` naming the plain fast tokenizer, so `transformers` adds no token
-/// (a Llama's BOS) of its own. Checked to encode and decode the vocabulary as the run did
-/// before anything is written.
+/// (a Llama's BOS) of its own. Checked before anything is written: it encodes and decodes the
+/// vocabulary as the run did, refuses a character outside it, and declares no unknown token
+/// outside it.
 fn char_tokenizer_files(tokenizer: &Tokenizer) -> Result<HfTokenizerFiles> {
     let snug_train::TokenizerSpec::Char { chars } = tokenizer.to_spec() else {
         bail!("not a character tokenizer");
     };
-    let vocab: serde_json::Map<String, serde_json::Value> = chars
+    // Each character a piece of its own, its id its place in the list.
+    let vocab: Vec<serde_json::Value> = chars
         .chars()
-        .enumerate()
-        .map(|(id, c)| (c.to_string(), id.into()))
+        .map(|c| serde_json::json!([c.to_string(), 0.0]))
         .collect();
     let json = serde_json::json!({
         "version": "1.0",
@@ -136,12 +137,16 @@ fn char_tokenizer_files(tokenizer: &Tokenizer) -> Result<HfTokenizerFiles> {
         },
         "post_processor": null,
         "decoder": { "type": "Fuse" },
-        // A character outside the vocabulary is an error, as it is to the run's tokenizer:
-        // the unknown token is none of the pieces (a BPE with no unknown token would drop it).
+        // A character outside the vocabulary is an error, as it is to the run's tokenizer. A
+        // Unigram model may declare no unknown token (`unk_id` null), and then refuses what
+        // it cannot piece together; a WordLevel must name one, which here could only be a
+        // token outside the vocabulary (the `<unk>` earlier exports declared), and a BPE
+        // without one drops the character.
         "model": {
-            "type": "WordLevel",
+            "type": "Unigram",
+            "unk_id": null,
             "vocab": vocab,
-            "unk_token": "<unk>"
+            "byte_fallback": false
         }
     });
     let config = serde_json::json!({
@@ -159,7 +164,67 @@ fn char_tokenizer_files(tokenizer: &Tokenizer) -> Result<HfTokenizerFiles> {
     if hf.encode(&chars, false)? != ids || hf.decode(&ids, false) != chars {
         bail!("the character vocabulary does not round-trip through a tokenizer.json");
     }
+    let outside = ['\u{FFFD}', '\u{0}', 'Z', 'z']
+        .into_iter()
+        .find(|c| !chars.contains(*c));
+    if outside.is_some_and(|c| hf.encode(&c.to_string(), false).is_ok()) {
+        bail!("the character tokenizer.json encodes a character outside its vocabulary");
+    }
+    if let Some(unk) = unknown_token_outside_vocab(&json["model"]) {
+        bail!(
+            "the character tokenizer.json declares an unknown token ({unk}) outside its vocabulary"
+        );
+    }
     Ok(files)
+}
+
+/// The unknown token a `tokenizer.json` model declares where its vocabulary lacks it: text
+/// outside the vocabulary then fails to encode with "Missing [UNK] token", which reads as if
+/// the file were damaged.
+fn unknown_token_outside_vocab(model: &serde_json::Value) -> Option<String> {
+    match (&model["unk_token"], &model["unk_id"], &model["vocab"]) {
+        (serde_json::Value::String(unk), _, serde_json::Value::Object(vocab)) => {
+            (!vocab.contains_key(unk)).then(|| format!("{unk:?}"))
+        }
+        (_, serde_json::Value::Number(id), serde_json::Value::Array(vocab)) => id
+            .as_u64()
+            .filter(|&id| id as usize >= vocab.len())
+            .map(|id| format!("id {id}")),
+        _ => None,
+    }
+}
+
+/// A Hugging Face tokenizer's files to write: as they were, except a character tokenizer's
+/// `tokenizer.json` as an earlier export wrote it (a WordLevel declaring `<unk>`, which its
+/// vocabulary lacks), written as export writes one now: the same ids for every text it
+/// encoded, and a character outside the vocabulary still an error. Another tokenizer is kept
+/// as its authors wrote it.
+fn hf_tokenizer_files(tokenizer: &snug_train::HfTokenizer) -> Result<HfTokenizerFiles> {
+    let files = tokenizer.files().clone();
+    let json: serde_json::Value = serde_json::from_str(&files.tokenizer_json)
+        .context("the tokenizer's tokenizer.json is not JSON")?;
+    if unknown_token_outside_vocab(&json["model"]).is_none() {
+        return Ok(files);
+    }
+    // Its vocabulary as a character list in id order, if it is one.
+    let chars: Option<String> = (0..tokenizer.vocab_size() as u32)
+        .map(|id| {
+            let token = tokenizer.id_to_token(id)?;
+            let mut it = token.chars();
+            it.next().filter(|_| it.next().is_none())
+        })
+        .collect();
+    let Some(chars) = chars else {
+        return Ok(files);
+    };
+    let as_chars = match Tokenizer::from_spec(&snug_train::TokenizerSpec::Char { chars }) {
+        Ok(t) if t.same_ids(&Tokenizer::Hf(tokenizer.clone())) => t,
+        _ => return Ok(files),
+    };
+    Ok(HfTokenizerFiles {
+        tokenizer_json: char_tokenizer_files(&as_chars)?.tokenizer_json,
+        ..files
+    })
 }
 
 /// The tokenizer's files to write beside the weights, by name.
@@ -209,7 +274,7 @@ pub fn run(args: ExportArgs) -> Result<()> {
         t.check_model_vocab(model.vocab_size())?;
     }
     let hf_files = match &tokenizer {
-        Some(Tokenizer::Hf(t)) => Some(t.files().clone()),
+        Some(Tokenizer::Hf(t)) => Some(hf_tokenizer_files(t)?),
         Some(t @ Tokenizer::Char(_)) => Some(char_tokenizer_files(t)?),
         _ => None,
     };

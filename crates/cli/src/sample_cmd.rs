@@ -135,6 +135,22 @@ fn read_messages(file: &Path) -> Result<Vec<serde_json::Value>> {
     Ok(list)
 }
 
+/// The first character of `text` that `tokenizer` cannot encode on its own, in words (its code
+/// point and byte offset): what a failed encoding is about, which the tokenizer library's
+/// message does not say (a WordLevel's "Missing [UNK] token from the vocabulary"). None where
+/// every character encodes alone.
+pub(crate) fn unencodable_char(tokenizer: &Tokenizer, text: &str) -> Option<String> {
+    let mut tried = std::collections::HashSet::new();
+    let (at, c) = text
+        .char_indices()
+        .find(|&(_, c)| tried.insert(c) && tokenizer.encode(c.encode_utf8(&mut [0; 4])).is_err())?;
+    Some(format!(
+        "its character {c:?} (U+{:04X}, at byte {at}) is outside the tokenizer's vocabulary, \
+         which has no unknown token to stand for it",
+        c as u32
+    ))
+}
+
 /// Where `snug train` saves runs by default, under the current directory.
 const RUNS_DIR: &str = "runs";
 
@@ -228,18 +244,52 @@ pub fn run(args: SampleArgs) -> Result<()> {
         ),
         _ => (String::new(), args.temperature.unwrap_or(0.8)),
     };
+    // Encoding errors name the text, the tokenizer and the character it cannot encode.
+    let tokenizer_name = match (&args.tokenizer, &source) {
+        (Some(arg), _) => format!("--tokenizer {arg}"),
+        (None, Source::Hf(c)) => {
+            let file = c.dir().join(snug_train::hf_tokenizer::TOKENIZER_FILE);
+            if file.exists() {
+                file.display().to_string()
+            } else {
+                "GPT-2's tokenizer".to_string()
+            }
+        }
+        (None, Source::Run(..)) => "the checkpoint's tokenizer".to_string(),
+    };
+    let what = match (&args.messages, &args.prompt) {
+        (Some(file), _) => format!("--messages {}", file.display()),
+        (None, Some(_)) => "--prompt".to_string(),
+        (None, None) => "the prompt".to_string(),
+    };
     let (prompt_text, prompt, stop) = if args.chat {
         let messages = match &args.messages {
             Some(file) => read_messages(file)?,
             None => vec![serde_json::json!({"role": "user", "content": prompt_text})],
         };
-        let chat = snug_train::chat_prompt(&tokenizer, &messages)
-            .with_context(|| format!("--chat with {}", path.display()))?;
+        let chat = snug_train::chat_prompt(&tokenizer, &messages).map_err(|e| {
+            // The rendering encoded again, a character at a time, to find the one at fault.
+            let rendered = match &tokenizer {
+                Tokenizer::Hf(t) => t.render_chat(&messages, true).ok(),
+                _ => None,
+            };
+            match rendered.and_then(|text| unencodable_char(&tokenizer, &text)) {
+                Some(why) => anyhow::anyhow!(
+                    "--chat: encoding {what}, as the chat template renders it, with \
+                     {tokenizer_name}: {why}"
+                ),
+                None => anyhow::Error::new(e).context(format!("--chat with {}", path.display())),
+            }
+        })?;
         (chat.text, chat.ids, chat.stop)
     } else {
-        let ids = tokenizer
-            .encode(&prompt_text)
-            .context("encoding --prompt with the checkpoint's tokenizer")?;
+        let ids = tokenizer.encode(&prompt_text).map_err(|e| {
+            let context = format!("encoding {what} with {tokenizer_name}");
+            match unencodable_char(&tokenizer, &prompt_text) {
+                Some(why) => anyhow::anyhow!("{context}: {why}"),
+                None => anyhow::Error::new(e).context(context),
+            }
+        })?;
         (prompt_text, ids, Vec::new())
     };
     let allocator = Allocator::default();

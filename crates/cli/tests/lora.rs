@@ -199,8 +199,9 @@ fn train_export_merge_and_continue_from_the_adapter() {
     assert!(again.join("adapter_config.json").exists());
     assert_eq!(sample(&again), from_run);
     // A character the run's vocabulary lacks is refused by the exported tokenizer as by the
-    // run's, not dropped.
-    for from in [&run, &out] {
+    // run's, not dropped, naming the prompt, the tokenizer and the character.
+    let out_tokenizer = out.join("tokenizer.json");
+    let refuses_x = |from: &Path, tokenizer: &str| {
         let args = [
             "sample",
             "--checkpoint",
@@ -208,8 +209,70 @@ fn train_export_merge_and_continue_from_the_adapter() {
             "--prompt",
             "1x2",
         ];
-        fails_with(dir.path(), &args, &["encoding --prompt"]);
+        let needles = [
+            "encoding --prompt with",
+            tokenizer,
+            "'x' (U+0078, at byte 1)",
+        ];
+        fails_with(dir.path(), &args, &needles);
+        let err = String::from_utf8_lossy(&common::snug(dir.path(), &args).stderr).to_string();
+        assert!(!err.contains("Missing [UNK]"), "{err}");
+    };
+    refuses_x(&run, "the checkpoint's tokenizer");
+    refuses_x(&out, out_tokenizer.to_str().unwrap());
+    // The exported tokenizer.json declares no unknown token its vocabulary lacks.
+    let tok: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&out_tokenizer).unwrap()).unwrap();
+    let model = &tok["model"];
+    if let Some(unk) = model["unk_token"].as_str() {
+        assert!(model["vocab"].get(unk).is_some(), "{model}");
     }
+    if let Some(id) = model["unk_id"].as_u64() {
+        assert!(
+            (id as usize) < model["vocab"].as_array().unwrap().len(),
+            "{model}"
+        );
+    }
+    // An earlier export's tokenizer.json (a WordLevel declaring `<unk>`, which its vocabulary
+    // lacks): the same clear refusal, and exported again it is written as export writes one
+    // now, with the same ids.
+    let old = dir.path().join("old");
+    std::fs::create_dir(&old).unwrap();
+    for entry in std::fs::read_dir(&out).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, old.join(p.file_name().unwrap())).unwrap();
+    }
+    let chars: Vec<String> = match model["vocab"].as_array() {
+        Some(pieces) => pieces
+            .iter()
+            .map(|p| p[0].as_str().unwrap().into())
+            .collect(),
+        None => panic!("a Unigram vocabulary: {model}"),
+    };
+    let mut old_tok = tok.clone();
+    old_tok["model"] = serde_json::json!({
+        "type": "WordLevel",
+        "vocab": chars.iter().enumerate().map(|(i, c)| (c.clone(), i.into()))
+            .collect::<serde_json::Map<String, serde_json::Value>>(),
+        "unk_token": "<unk>"
+    });
+    std::fs::write(old.join("tokenizer.json"), old_tok.to_string()).unwrap();
+    assert_eq!(sample(&old), from_run);
+    refuses_x(&old, old.join("tokenizer.json").to_str().unwrap());
+    let again_old = dir.path().join("again-old");
+    let args = [
+        "export",
+        "--checkpoint",
+        old.to_str().unwrap(),
+        "--out",
+        again_old.to_str().unwrap(),
+    ];
+    ok(dir.path(), &args);
+    assert_eq!(
+        std::fs::read(again_old.join("tokenizer.json")).unwrap(),
+        std::fs::read(&out_tokenizer).unwrap()
+    );
+    assert_eq!(sample(&again_old), from_run);
     assert_eq!(sample(&merged), from_run);
     let bare = dir.path().join("bare");
     std::fs::create_dir(&bare).unwrap();
