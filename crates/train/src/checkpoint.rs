@@ -242,6 +242,13 @@ impl Checkpoint {
         let version: u32 = field("version")?
             .parse()
             .map_err(|_| bad("metadata `version` is not a number".into()))?;
+        if version > VERSION {
+            return Err(TrainError::CheckpointTooNew {
+                path: path.to_path_buf(),
+                version,
+                newest: VERSION,
+            });
+        }
         if !(OLDEST_VERSION..=VERSION).contains(&version) {
             return Err(bad(format!(
                 "checkpoint version {version}; this snug reads versions {OLDEST_VERSION} to {VERSION}"
@@ -670,17 +677,30 @@ impl CheckpointDir {
     pub fn save_ref(&self, ckpt: &CheckpointRef<'_>, keep: usize) -> Result<PathBuf, TrainError> {
         let path = self.path_for(ckpt.step);
         ckpt.save(&path)?;
-        self.retire(keep, ckpt.step, &path)?;
+        self.retire(keep, ckpt.step, &path, ckpt.config)?;
         Ok(path)
     }
 
-    /// After the save of `saved` (step `step`): deletes the other checkpoint of that step, if
-    /// any (a sharded one where a whole one was just saved, or the reverse: the same state,
-    /// resumed and saved again), all but the newest `keep` checkpoints, temporary files an
-    /// interrupted save left behind, and shard files no manifest names.
-    pub(crate) fn retire(&self, keep: usize, step: u64, saved: &Path) -> Result<(), TrainError> {
-        let (replaced, all): (Vec<_>, Vec<_>) = self
+    /// After the save of `saved` (step `step`) by the run `ours` configures: deletes the other
+    /// checkpoint of that step, if any (a sharded one where a whole one was just saved, or the
+    /// reverse: the same state, resumed and saved again), all but the newest `keep` of the
+    /// run's checkpoints, temporary files an interrupted save left behind, and shard files no
+    /// manifest names. Another run's checkpoints, and files it cannot tell the run of, stay.
+    pub(crate) fn retire(
+        &self,
+        keep: usize,
+        step: u64,
+        saved: &Path,
+        ours: &TrainConfig,
+    ) -> Result<(), TrainError> {
+        let (mine, others): (Vec<_>, Vec<_>) = self
             .list()?
+            .into_iter()
+            .partition(|(_, p)| p.file_name() == saved.file_name() || is_of_run(p, ours));
+        for (_, p) in &others {
+            tracing::debug!("kept {}: not this run's checkpoint", p.display());
+        }
+        let (replaced, all): (Vec<_>, Vec<_>) = mine
             .into_iter()
             .partition(|(s, p)| *s == step && p.file_name() != saved.file_name());
         let retired = all.len().saturating_sub(keep.max(1));
@@ -704,12 +724,11 @@ impl CheckpointDir {
         Ok(())
     }
 
-    /// Moves the checkpoint `path` (of `step`) aside, renamed `….damaged`: kept, never
-    /// deleted, and no longer listed. A sharded checkpoint's shard files go with its manifest.
+    /// Moves the checkpoint `path` (of `step`) aside, renamed `….damaged` (`….damaged.2`, … where
+    /// an earlier one holds that name): kept, never deleted, and no longer listed. A sharded
+    /// checkpoint's shard files go with its manifest.
     pub fn move_aside(&self, step: u64, path: &Path) -> Result<PathBuf, TrainError> {
-        let mut aside = path.as_os_str().to_owned();
-        aside.push(".damaged");
-        let aside = PathBuf::from(aside);
+        let aside = aside_path(path);
         fs::rename(path, &aside).map_err(|source| TrainError::Io {
             path: path.to_path_buf(),
             source,
@@ -721,7 +740,8 @@ impl CheckpointDir {
     }
 
     /// The newest checkpoint that loads; a newer file that does not (damaged, or not a regular
-    /// file) is skipped with a warning.
+    /// file) is skipped with a warning. One written by a newer snug is an error: resuming an
+    /// older one would fork the run.
     pub fn load_latest(&self) -> Result<(PathBuf, Checkpoint), TrainError> {
         let mut errors = Vec::new();
         for (_, path) in self.list()?.into_iter().rev() {
@@ -732,6 +752,7 @@ impl CheckpointDir {
                     }
                     return Ok((path, c));
                 }
+                Err(e @ TrainError::CheckpointTooNew { .. }) => return Err(e),
                 Err(e) => errors.push(e.to_string()),
             }
         }
@@ -768,8 +789,53 @@ pub fn is_checkpoint_file(path: &Path) -> bool {
     named || header_format(path).as_deref() == Some(FORMAT)
 }
 
+/// `path`, renamed `….damaged`, or `….damaged.N` for the first N from 2 that no file holds: an
+/// earlier damaged file moved aside is never replaced. (The run directory's lock keeps other
+/// snug processes out between the check and the rename.)
+pub(crate) fn aside_path(path: &Path) -> PathBuf {
+    let named = |suffix: String| {
+        let mut aside = path.as_os_str().to_owned();
+        aside.push(suffix);
+        PathBuf::from(aside)
+    };
+    std::iter::once(".damaged".to_string())
+        .chain((2u64..).map(|n| format!(".damaged.{n}")))
+        .map(named)
+        .find(|p| fs::symlink_metadata(p).is_err())
+        .unwrap_or_else(|| named(".damaged".into()))
+}
+
+/// Whether the checkpoint at `path` (a manifest: its first shard's) was saved by the run
+/// `ours` configures, from its header alone: by the run id, or, where it was saved before runs
+/// had ids, by its model being `ours`'s. A file whose header does not read is not.
+fn is_of_run(path: &Path, ours: &TrainConfig) -> bool {
+    let header = if crate::shards::is_manifest(path) {
+        crate::shards::first_shard(path).and_then(|p| header_metadata(&p))
+    } else {
+        header_metadata(path)
+    };
+    let Some(config) = header
+        .as_ref()
+        .and_then(|m| m.get("config"))
+        .and_then(|c| c.as_str())
+        .and_then(|c| serde_json::from_str::<serde_json::Value>(c).ok())
+    else {
+        return false;
+    };
+    match config.get("run_id") {
+        Some(id) => id.as_str().is_some() && id.as_str() == ours.run_id.as_deref(),
+        None => serde_json::to_value(&ours.model).ok().as_ref() == config.get("model"),
+    }
+}
+
 /// The `format` metadata of the safetensors header of the regular file `path`, if it has one.
 fn header_format(path: &Path) -> Option<String> {
+    let meta = header_metadata(path)?;
+    Some(meta.get("format")?.as_str()?.to_string())
+}
+
+/// The `__metadata__` of the safetensors header of the regular file `path`, if it has one.
+fn header_metadata(path: &Path) -> Option<serde_json::Map<String, serde_json::Value>> {
     use std::io::Read;
     let size = crate::user_file::check_regular(path).ok()?;
     let mut file = File::open(path).ok()?;
@@ -782,8 +848,7 @@ fn header_format(path: &Path) -> Option<String> {
     let mut header = vec![0u8; len as usize];
     file.read_exact(&mut header).ok()?;
     let header: serde_json::Value = serde_json::from_slice(&header).ok()?;
-    let format = header.get("__metadata__")?.get("format")?.as_str()?;
-    Some(format.to_string())
+    header.get("__metadata__")?.as_object().cloned()
 }
 
 /// Loads `path`: a checkpoint file, or the newest checkpoint in a directory.

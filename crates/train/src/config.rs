@@ -370,6 +370,11 @@ pub struct TrainConfig {
     /// Ranks the step's batch is split over (the MPI world's size), and the ZeRO stage.
     pub devices: usize,
     pub shard: u8,
+    /// Names the run its checkpoints belong to: minted when a trainer starts a run (the same on
+    /// every rank), kept through resumes. Retention deletes only its own run's checkpoints.
+    /// Not a user's setting; `None` in checkpoints saved before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<String>,
 }
 
 /// Serializable form of [`DataSource`].
@@ -445,6 +450,7 @@ impl Default for TrainConfig {
             quantize_base: None,
             devices: 1,
             shard: 0,
+            run_id: None,
         }
     }
 }
@@ -483,6 +489,7 @@ impl TrainConfig {
         let mut threads_set = train.threads.is_some();
         let mut lr_set = train.lr.is_some();
         let mut min_lr_set = train.min_lr.is_some();
+        let data_before = cfg.data.clone();
         if let Some(path) = file {
             let text = crate::user_file::read_text(
                 path,
@@ -511,6 +518,15 @@ impl TrainConfig {
             cfg.apply(&parsed.model, &parsed.train)?;
         }
         cfg.apply(model, train)?;
+        if cfg.data != data_before {
+            if let DataSourceConfig::File(p) = &mut cfg.data {
+                // Saved with the run as an absolute path: a resume from another directory
+                // reads this file, never one of the same name there.
+                if let Ok(abs) = std::path::absolute(&*p) {
+                    *p = abs;
+                }
+            }
+        }
         if lr_set && !min_lr_set {
             // The decay's floor follows a learning rate given without one: `--lr 1e-4` alone
             // must not fail against the default floor (3e-4, the demo's `lr` over ten).

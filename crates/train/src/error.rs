@@ -36,6 +36,14 @@ pub enum TrainError {
     },
     #[error("checkpoint {path}: {detail}")]
     Checkpoint { path: PathBuf, detail: String },
+    /// Written by a newer snug: not damaged, and never moved aside or passed over for an
+    /// older checkpoint (that would fork the run's history).
+    #[error("checkpoint {path} was written by a newer snug (format version {version}; this snug reads versions up to {newest}): continue the run with that snug or a newer one; the file is left as it is")]
+    CheckpointTooNew {
+        path: PathBuf,
+        version: u32,
+        newest: u32,
+    },
     /// A checkpoint, read whole, whose tensors do not fit the run restoring it (the caller,
     /// which knows the file, names it).
     #[error("the checkpoint does not fit this run: {detail}")]

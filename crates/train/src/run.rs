@@ -341,7 +341,8 @@ struct Line<'a, T: Serialize> {
 
 impl MetricsFile {
     /// Opens for appending. Lines from steps after `resume_step` (run before a crash, then
-    /// lost with their unsaved state) are dropped, so a resumed run's file reads as one run.
+    /// lost with their unsaved state) are dropped, so a resumed run's file reads as one run;
+    /// every other line (one without a step, or not JSON: a note of the user's) is kept.
     fn open(path: &Path, resume_step: u64) -> Result<MetricsFile, TrainError> {
         let io = |source| TrainError::Io {
             path: path.to_path_buf(),
@@ -366,12 +367,15 @@ impl MetricsFile {
                     {
                         evaluated = Some(resume_step);
                     }
-                    step.is_some_and(|s| s <= resume_step)
+                    step.is_none_or(|s| s <= resume_step)
                 })
                 .flat_map(|l| [l, "\n"])
                 .collect();
             if kept.len() != text.len() {
-                let tmp = path.with_extension("jsonl.tmp");
+                // A name no file of the user's has: the run directory's lock keeps other snug
+                // processes out, and hidden, per-process names keep clear of anything else.
+                let name = format!(".{METRICS_FILE}.{}.tmp", std::process::id());
+                let tmp = path.with_file_name(name);
                 fs::write(&tmp, kept).map_err(io)?;
                 fs::rename(&tmp, path).map_err(io)?;
             }

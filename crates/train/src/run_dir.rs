@@ -85,6 +85,19 @@ pub struct RunDir {
     /// The directory held no metrics file when claimed: an empty one the run left (it ended
     /// before logging a step) is removed with the lock.
     no_metrics_before: bool,
+    /// The checkpoints and the metrics file's length when claimed: a claim that changed
+    /// neither (refused, or stopped before its first step) removes the lock it made, also
+    /// where the directory holds another run's files.
+    found: (Vec<(u64, PathBuf)>, Option<u64>),
+}
+
+/// The checkpoints in `dir` and the length of its metrics file.
+fn contents(checkpoints: &CheckpointDir) -> (Vec<(u64, PathBuf)>, Option<u64>) {
+    let metrics = checkpoints.path().join(METRICS_FILE);
+    (
+        checkpoints.list().unwrap_or_default(),
+        fs::metadata(metrics).ok().map(|m| m.len()),
+    )
 }
 
 impl Drop for RunDir {
@@ -95,6 +108,10 @@ impl Drop for RunDir {
         let nothing_saved = self.checkpoints.list().is_ok_and(|saved| saved.is_empty())
             && metrics_empty != Some(false);
         if !nothing_saved {
+            if self.made_lock && cfg!(unix) && contents(&self.checkpoints) == self.found {
+                // Best effort, while the lock is still held (see `LOCK_FILE`).
+                let _ = fs::remove_file(dir.join(LOCK_FILE));
+            }
             return;
         }
         if self.no_metrics_before && metrics_empty == Some(true) {
@@ -191,6 +208,7 @@ impl RunDir {
                 });
             }
         };
+        let found = contents(&checkpoints);
         let run_dir = RunDir {
             checkpoints,
             _lock: lock,
@@ -198,6 +216,7 @@ impl RunDir {
             made_parents,
             made_lock,
             no_metrics_before,
+            found,
         };
         run_dir.check(claim)?;
         Ok(run_dir)
@@ -220,7 +239,11 @@ impl RunDir {
                     // A newer file that does not load is why an older one was resumed: move
                     // it aside (kept, never deleted) so retention cannot mistake it for ours.
                     // (A sharded checkpoint's shard files go aside with its manifest.)
-                    if Checkpoint::load(path).is_err() {
+                    let loaded = Checkpoint::load(path);
+                    if let Err(e @ TrainError::CheckpointTooNew { .. }) = loaded {
+                        return Err(e);
+                    }
+                    if loaded.is_err() {
                         let aside = self.checkpoints.move_aside(*s, path)?;
                         tracing::warn!(
                             "moved the damaged checkpoint of step {s} aside to {}",

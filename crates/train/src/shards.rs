@@ -329,7 +329,7 @@ pub fn save(
     if let Some((ckpt_dir, keep)) = retire {
         // An earlier save of this step (resumed from it, saved again) had other files.
         remove_shards(dir, shard.step, Some(save));
-        ckpt_dir.retire(keep, shard.step, &manifest)?;
+        ckpt_dir.retire(keep, shard.step, &manifest, shard.config)?;
     }
     Ok(manifest)
 }
@@ -406,6 +406,13 @@ pub fn load(path: &Path) -> Result<Checkpoint, TrainError> {
             path,
             format!("`format` is `{}`, expected `{FORMAT}`", m.format),
         ));
+    }
+    if m.version > VERSION {
+        return Err(TrainError::CheckpointTooNew {
+            path: path.to_path_buf(),
+            version: m.version,
+            newest: VERSION,
+        });
     }
     if m.version != VERSION {
         return Err(bad(
@@ -703,6 +710,14 @@ pub(crate) fn remove_shards(dir: &Path, step: u64, keep: Option<u32>) {
     }
 }
 
+/// The path of the first shard file the manifest at `path` names, if it reads.
+pub(crate) fn first_shard(path: &Path) -> Option<PathBuf> {
+    let text =
+        crate::user_file::read_text(path, MAX_MANIFEST_BYTES, "a checkpoint manifest").ok()?;
+    let m: Manifest = serde_json::from_str(&text).ok()?;
+    Some(path.parent()?.join(&m.shards.first()?.file))
+}
+
 /// Removes shard files no manifest names: a save that did not finish (a rank died), or one a
 /// later save of the same step replaced. Files whose manifest cannot be read are kept.
 pub(crate) fn remove_orphans(dir: &Path) {
@@ -731,8 +746,7 @@ pub(crate) fn remove_orphans(dir: &Path) {
 pub(crate) fn move_shards_aside(dir: &Path, step: u64) -> Result<(), TrainError> {
     for (path, _, s, _) in shard_files(dir) {
         if s == step {
-            let mut aside = path.as_os_str().to_owned();
-            aside.push(".damaged");
+            let aside = crate::checkpoint::aside_path(&path);
             fs::rename(&path, &aside).map_err(|source| TrainError::Io {
                 path: path.clone(),
                 source,

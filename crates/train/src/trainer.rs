@@ -193,6 +193,9 @@ impl Trainer {
         config.loss_mask |= data.has_loss_mask();
         config.check_threads_here()?;
         check_world(&config)?;
+        if config.run_id.is_none() {
+            config.run_id = Some(mint_run_id());
+        }
         // `SNUG_SETUP_DELAY_MS=N` (tests only): a setup as slow as a large model's, so a test
         // can signal a run before its loop starts.
         #[cfg(feature = "test-hooks")]
@@ -1765,6 +1768,23 @@ fn compile_planned(
 }
 
 /// The configured ranks are the world this process runs in.
+/// A fresh run's id: 100 random bits, rank 0's on every rank (summed with zeros from the
+/// others; each f32 carries 20 bits exactly).
+fn mint_run_id() -> String {
+    let rank0 = world().0 == 0;
+    let mut parts: [f32; 5] = std::array::from_fn(|_| {
+        if rank0 {
+            (rand::random::<u32>() & 0xF_FFFF) as f32
+        } else {
+            0.0
+        }
+    });
+    if let Some(t) = transport() {
+        t.all_reduce_sum(&mut parts);
+    }
+    parts.iter().map(|&p| format!("{:05x}", p as u32)).collect()
+}
+
 fn check_world(config: &TrainConfig) -> Result<(), TrainError> {
     let (rank, size) = world();
     if config.devices != size {
