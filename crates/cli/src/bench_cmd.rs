@@ -217,7 +217,7 @@ fn run_case(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
         threads: args.threads,
         device: Some(args.device.to_string()),
         precision: Some(case.precision.into()),
-        steps: Some(args.warmup + args.steps),
+        steps: Some(total_steps(args)?),
         eval_every: Some(0),
         passes: args.passes.clone(),
         ..Default::default()
@@ -228,7 +228,7 @@ fn run_case(case: &Case, args: &BenchArgs) -> Result<CaseResult> {
     let mut times = Vec::new();
     let mut loss = f32::NAN;
     let mut timed_from = None;
-    for i in 0..args.warmup + args.steps {
+    for i in 0..total_steps(args)? {
         if i == args.warmup {
             timed_from = CpuTicks::now();
         }
@@ -350,10 +350,24 @@ fn end_with_parent(cmd: &mut std::process::Command) {
     let _ = cmd;
 }
 
+/// Warm-up and timed steps together. Refused where they overflow: the sum wrapped to 1 and
+/// the case timed no step at all.
+fn total_steps(args: &BenchArgs) -> Result<u64> {
+    args.warmup.checked_add(args.steps).with_context(|| {
+        format!(
+            "--warmup {} and --steps {} add up to more than {} steps, the most a case counts",
+            args.warmup,
+            args.steps,
+            u64::MAX
+        )
+    })
+}
+
 pub fn run(args: BenchArgs) -> Result<()> {
     if args.steps == 0 {
         bail!("--steps must be at least 1");
     }
+    total_steps(&args)?;
     let cases: Vec<&Case> = args
         .cases
         .split(',')

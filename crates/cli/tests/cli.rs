@@ -223,6 +223,36 @@ fn negative_sizes_are_refused_naming_the_flag() {
     }
 }
 
+/// `bench --warmup` and `--steps` whose sum overflows are refused by name before the probe or
+/// any case runs (the sum wrapped, no step was timed, and the error was a JSON parse error).
+#[test]
+fn bench_step_counts_that_overflow_are_named() {
+    let max = u64::MAX.to_string();
+    for (warmup, steps) in [(max.as_str(), "2"), ("2", max.as_str())] {
+        let args = [
+            "bench",
+            "--cases",
+            "tiny",
+            "--threads",
+            "1",
+            "--warmup",
+            warmup,
+            "--steps",
+            steps,
+        ];
+        let o = snug(&args);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stderr(&o));
+        for needle in ["--warmup", "--steps", &max] {
+            assert!(stderr(&o).contains(needle), "{needle}: {}", stderr(&o));
+        }
+        assert!(
+            o.stdout.is_empty(),
+            "{}",
+            String::from_utf8_lossy(&o.stdout)
+        );
+    }
+}
+
 #[test]
 fn config_file_trains_and_flags_override_it() {
     let dir = tempfile::tempdir().unwrap();
