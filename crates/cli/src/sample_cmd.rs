@@ -135,22 +135,6 @@ fn read_messages(file: &Path) -> Result<Vec<serde_json::Value>> {
     Ok(list)
 }
 
-/// The first character of `text` that `tokenizer` cannot encode on its own, in words (its code
-/// point and byte offset): what a failed encoding is about, which the tokenizer library's
-/// message does not say (a WordLevel's "Missing [UNK] token from the vocabulary"). None where
-/// every character encodes alone.
-pub(crate) fn unencodable_char(tokenizer: &Tokenizer, text: &str) -> Option<String> {
-    let mut tried = std::collections::HashSet::new();
-    let (at, c) = text
-        .char_indices()
-        .find(|&(_, c)| tried.insert(c) && tokenizer.encode(c.encode_utf8(&mut [0; 4])).is_err())?;
-    Some(format!(
-        "its character {c:?} (U+{:04X}, at byte {at}) is outside the tokenizer's vocabulary, \
-         which has no unknown token to stand for it",
-        c as u32
-    ))
-}
-
 /// Where `snug train` saves runs by default, under the current directory.
 const RUNS_DIR: &str = "runs";
 
@@ -273,7 +257,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
                 Tokenizer::Hf(t) => t.render_chat(&messages, true).ok(),
                 _ => None,
             };
-            match rendered.and_then(|text| unencodable_char(&tokenizer, &text)) {
+            match rendered.and_then(|text| tokenizer.unencodable_char(&text)) {
                 Some(why) => anyhow::anyhow!(
                     "--chat: encoding {what}, as the chat template renders it, with \
                      {tokenizer_name}: {why}"
@@ -285,7 +269,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
     } else {
         let ids = tokenizer.encode(&prompt_text).map_err(|e| {
             let context = format!("encoding {what} with {tokenizer_name}");
-            match unencodable_char(&tokenizer, &prompt_text) {
+            match tokenizer.unencodable_char(&prompt_text) {
                 Some(why) => anyhow::anyhow!("{context}: {why}"),
                 None => anyhow::Error::new(e).context(context),
             }

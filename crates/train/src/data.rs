@@ -161,7 +161,15 @@ impl TokenDataset {
                 path: path.to_path_buf(),
             });
         }
-        let ids = tokenizer.encode(&text)?;
+        let ids = tokenizer
+            .encode(&text)
+            .map_err(|e| TrainError::DataEncoding {
+                path: path.to_path_buf(),
+                tokenizer: tokenizer.name().to_string(),
+                detail: tokenizer
+                    .unencodable_char(&text)
+                    .unwrap_or_else(|| e.to_string()),
+            })?;
         let split = ids.len() * 9 / 10;
         let (train, val) = ids.split_at(split);
         Ok(TokenDataset {

@@ -71,6 +71,13 @@ pub enum TrainError {
     NoCheckpoint { dir: PathBuf, detail: String },
     #[error("character {ch:?} is not in the tokenizer's vocabulary of {vocab} symbols")]
     UnknownChar { ch: char, vocab: usize },
+    /// Text data the run's tokenizer cannot encode.
+    #[error("{path}: the {tokenizer} tokenizer cannot encode this text: {detail}")]
+    DataEncoding {
+        path: PathBuf,
+        tokenizer: String,
+        detail: String,
+    },
     #[error("tokenizer: {0}")]
     Tokenizer(String),
     /// A Hugging Face tokenizer file (`tokenizer.json`, `tokenizer_config.json`, the chat

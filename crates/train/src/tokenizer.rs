@@ -290,6 +290,22 @@ impl Tokenizer {
         Ok(())
     }
 
+    /// The first character of `text` this tokenizer cannot encode on its own, in words (its
+    /// code point and byte offset): what a failed encoding is about, which a tokenizer
+    /// library's message does not say ("Missing [UNK] token from the vocabulary"). None where
+    /// every character encodes alone.
+    pub fn unencodable_char(&self, text: &str) -> Option<String> {
+        let mut tried = std::collections::HashSet::new();
+        let (at, c) = text
+            .char_indices()
+            .find(|&(_, c)| tried.insert(c) && self.encode(c.encode_utf8(&mut [0; 4])).is_err())?;
+        Some(format!(
+            "its character {c:?} (U+{:04X}, at byte {at}) is outside the tokenizer's vocabulary, \
+             which has no unknown token to stand for it",
+            c as u32
+        ))
+    }
+
     /// Ids of `text`, with no special tokens added; for the character tokenizer a character
     /// outside the vocabulary is an error naming it.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TrainError> {

@@ -275,3 +275,21 @@ fn a_refused_claim_removes_the_lock_it_made() {
     assert!(RunDir::claim(dir.path(), &Claim::Fresh).is_err());
     assert!(dir.path().join(".snug.lock").exists());
 }
+
+/// Text the run's tokenizer cannot encode is an error naming the file, the tokenizer and the
+/// first character at fault.
+#[test]
+fn data_the_tokenizer_cannot_encode_names_the_file_and_the_character() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("text.txt");
+    std::fs::write(&path, "12+3=15\n7+1=8\nhello").unwrap();
+    let addition = TokenDataset::load(&DataSource::Addition).unwrap().tokenizer;
+    match TokenDataset::from_file_with(&path, addition) {
+        Err(e @ TrainError::DataEncoding { .. }) => {
+            let text = e.to_string();
+            assert!(text.contains(&path.display().to_string()), "{text}");
+            assert!(text.contains("'h' (U+0068, at byte 14)"), "{text}");
+        }
+        other => panic!("expected a named encoding error, got {other:?}"),
+    }
+}
