@@ -214,3 +214,21 @@ fn non_finite_values_are_refused_at_load() {
         assert_eq!(ckpt_dir.load_latest().unwrap().1.step, 1);
     }
 }
+
+/// A negative second moment (finite, checksums agreeing) is refused at load naming the tensor
+/// and the index, instead of stopping the run steps later as a NaN loss naming nothing.
+#[test]
+fn a_negative_second_moment_is_refused_at_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt_dir = CheckpointDir::create(dir.path()).unwrap();
+    let mut t = trainer();
+    t.train_step().unwrap();
+    let mut ckpt = t.checkpoint().unwrap();
+    let name = "h.0.attn.c_proj.weight.adam_v";
+    let tensor = ckpt.tensors.iter_mut().find(|t| t.name == name).unwrap();
+    tensor.data[5] = -0.25;
+    let path = ckpt_dir.save(&ckpt, 3).unwrap();
+    let detail = checkpoint_error(&path);
+    assert!(detail.contains(name), "{detail}");
+    assert!(detail.contains("-0.25 at index 5"), "{detail}");
+}
