@@ -324,11 +324,12 @@ impl Checkpoint {
             }
             // AdamW's second moment and an 8-bit block's absmax are never negative: resumed,
             // one would surface steps later as a NaN loss naming nothing.
-            if name.ends_with(".adam_v") || name.ends_with("_absmax") {
+            let absmax = name.ends_with(".adam8_m_absmax") || name.ends_with(".adam8_v_absmax");
+            if name.ends_with(".adam_v") || absmax {
                 if let Some((index, value)) = data.iter().enumerate().find(|(_, v)| **v < 0.0) {
                     return Err(bad(format!(
                         "tensor `{name}` holds {value} at index {index}: {} is never negative",
-                        if name.ends_with("_absmax") {
+                        if absmax {
                             "an 8-bit block's absmax"
                         } else {
                             "AdamW's second moment"
