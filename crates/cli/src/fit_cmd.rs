@@ -361,7 +361,7 @@ pub fn print_table(report: &FitReport) {
 
 pub fn run(args: FitArgs) -> Result<()> {
     let (model, train) = args.model.sections(RunFlags::default());
-    let mut cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
+    let mut cfg = args.model.resolve(&model, &train)?;
     set_allowed(&mut cfg, args.allow.as_deref())?;
     apply_device_memory(&mut cfg, args.device_memory.as_deref())?;
     let (_, model) = cfg.load_data_and_model()?;

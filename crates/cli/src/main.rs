@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
-use snug_train::{ModelSection, RunFlags, StepFlags, TrainSection};
+use snug_train::{ModelSection, RunFlags, StepFlags, TrainConfig, TrainSection};
 
 #[derive(Parser)]
 #[command(
@@ -112,6 +112,69 @@ impl ModelArgs {
         };
         train.block = train.block.or(self.seq);
         (self.model.clone(), train)
+    }
+
+    /// The run `--config` and the flags describe ([`TrainConfig::resolve`]), refusing a model
+    /// they describe ambiguously: a file naming both a preset and a config.json, and a flag
+    /// naming the model beside a file's shape keys, which were written for the file's model
+    /// and which the flag's would drop (a model named by a flag starts from that model alone).
+    fn resolve(&self, model: &ModelSection, train: &TrainSection) -> anyhow::Result<TrainConfig> {
+        let file = self.config.as_deref();
+        let cfg = TrainConfig::resolve(file, model, train)?;
+        let Some(file) = file else {
+            return Ok(cfg);
+        };
+        // Both come from the file: the flags conflict, and one names the model alone.
+        if let (Some(preset), Some(hf)) = (&cfg.model.preset, &cfg.model.hf_config) {
+            anyhow::bail!(
+                "{}: [model] names both preset `{preset}` and hf_config {}: give one",
+                file.display(),
+                hf.display()
+            );
+        }
+        let flag = match (&model.preset, &model.hf_config) {
+            (Some(p), _) => format!("--preset {p}"),
+            (None, Some(p)) => format!("--hf-config {}", p.display()),
+            (None, None) => return Ok(cfg),
+        };
+        // The file's [model] as it resolves without the flag. Where that fails (a file whose
+        // model validates only with the flag's), nothing is known to be dropped.
+        let unnamed = ModelSection {
+            preset: None,
+            hf_config: None,
+            ..model.clone()
+        };
+        let Ok(alone) = TrainConfig::resolve(Some(file), &unnamed, train) else {
+            return Ok(cfg);
+        };
+        let (a, c) = (&alone.model, &cfg.model);
+        let mut keys = vec![
+            ("n_layer", a.n_layer, c.n_layer),
+            ("n_head", a.n_head, c.n_head),
+            ("n_embd", a.n_embd, c.n_embd),
+            ("block_size", a.block_size, c.block_size),
+        ];
+        // Pretrained weights set the vocabulary themselves, where the file gave none.
+        if cfg.hf_init_dir().is_none() {
+            keys.push(("vocab_size", a.vocab_size, c.vocab_size));
+        }
+        let dropped: Vec<String> = keys
+            .into_iter()
+            .filter_map(|(key, in_file, used)| match in_file {
+                Some(v) if used != in_file => Some(format!("{key} = {v}")),
+                _ => None,
+            })
+            .collect();
+        if !dropped.is_empty() {
+            anyhow::bail!(
+                "{flag} names the model, and {}'s [model] sets {}, written for the model the file \
+                 names: a flag's model starts from that model alone and would drop them; name \
+                 the model in the file (preset or hf_config) or take those keys out",
+                file.display(),
+                dropped.join(", ")
+            );
+        }
+        Ok(cfg)
     }
 }
 
@@ -226,6 +289,13 @@ fn silence_stdout() {
 /// be appended to a command as it is.
 fn command() -> clap::Command {
     Cli::command().mut_subcommands(|sub| {
+        // A preset and a config.json both name the model; given both, one was ignored unsaid.
+        let names_model = |id: &str| sub.get_arguments().any(|a| a.get_id() == id);
+        let sub = if names_model("preset") && names_model("hf_config") {
+            sub.mut_arg("preset", |a| a.conflicts_with("hf_config"))
+        } else {
+            sub
+        };
         sub.args_override_self(true).mut_args(|a| {
             // A switch declared as `num_args = 0` takes no value, and clap (in debug builds)
             // refuses negative numbers on it.

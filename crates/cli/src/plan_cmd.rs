@@ -236,7 +236,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         anyhow::bail!("--batch auto needs a memory budget: use it with `snug fit --memory SIZE` or `snug train --memory SIZE`");
     }
     let (model, train) = args.model.sections(RunFlags::default());
-    let mut cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
+    let mut cfg = args.model.resolve(&model, &train)?;
     // The same data, hence the same vocabulary, that `snug train` would load (for sampling,
     // only its vocabulary: a long context need not fit in its splits), and the weights
     // `--init-from` names, checked as `snug train` checks them.

@@ -6,7 +6,7 @@ use anyhow::Result;
 use clap::Args;
 use serde::Serialize;
 use snug_graph::ops::Op;
-use snug_train::{RunFlags, TrainConfig, Trainer};
+use snug_train::{RunFlags, Trainer};
 
 use crate::ModelArgs;
 
@@ -52,7 +52,7 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     }
     let (model, mut train) = args.model.sections(RunFlags::default());
     train.steps = Some(args.steps + 1);
-    let mut cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
+    let mut cfg = args.model.resolve(&model, &train)?;
     // As train loads it: a pretrained model's tokenizer encodes text, and token files of
     // another are refused.
     let (data, _) = cfg.load_data_and_model()?;

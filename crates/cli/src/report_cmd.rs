@@ -163,7 +163,7 @@ pub fn run(args: ReportArgs) -> Result<()> {
             anyhow::bail!("--batch auto needs a memory budget: plan with `snug fit --memory SIZE` and report from `snug plan --json`");
         }
         let (model, train) = args.model.sections(snug_train::RunFlags::default());
-        let mut cfg = TrainConfig::resolve(args.model.config.as_deref(), &model, &train)?;
+        let mut cfg = args.model.resolve(&model, &train)?;
         let (_, gpt) = cfg.load_data_and_model()?;
         notes.push("plan: the model flags (no pass savings: give --plan-json for them)".into());
         Some(plan_of(&cfg, &gpt)?)

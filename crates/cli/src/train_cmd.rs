@@ -648,7 +648,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             (cfg, summary, trainer, run_dir, guard)
         }
         None => {
-            let mut cfg = TrainConfig::resolve(config_file, &model, &train)?;
+            let mut cfg = args.model.resolve(&model, &train)?;
             crate::fit_cmd::set_allowed(&mut cfg, args.allow.as_deref())?;
             if let Some(note) = warmup_note(&cfg) {
                 tracing::warn!("{note}");

@@ -281,6 +281,79 @@ fn config_file_trains_and_flags_override_it() {
     assert_eq!(summary["tokens_per_step"].as_u64(), Some(4 * 16));
 }
 
+/// The model named twice is refused, not half-ignored: `--preset` with `--hf-config` on every
+/// command taking both (the Qwen2 model was planned and called `tiny`), a file naming both, and
+/// a flag naming the model beside a file's shape keys, which the flag's model would drop. A
+/// flag naming the model over the file's `preset` alone overrides it, as flags do.
+#[test]
+fn a_model_named_two_ways_is_refused() {
+    let qwen2 = Path::new(env!("CARGO_MANIFEST_DIR")).join("../nn/tests/fixtures/hf/qwen2");
+    let qwen2 = qwen2.to_str().unwrap();
+    for command in [
+        &["plan"][..],
+        &["fit", "--memory", "1GiB"],
+        &["train", "--no-save"],
+        &["profile"],
+        &["report"],
+    ] {
+        let args = [command, &["--preset", "tiny", "--hf-config", qwen2]].concat();
+        let o = snug(&args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains("--preset") && stderr(&o).contains("--hf-config"),
+            "{args:?}: {}",
+            stderr(&o)
+        );
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let toml = dir.path().join("run.toml");
+    let config = toml.to_str().unwrap();
+    std::fs::write(
+        &toml,
+        "[model]\npreset = \"tiny\"\nn_layer = 1\nn_embd = 64\n",
+    )
+    .unwrap();
+    for command in [
+        &["plan"][..],
+        &["fit", "--memory", "1GiB"],
+        &["train", "--no-save"],
+    ] {
+        for flag in [["--preset", "gpt2"], ["--hf-config", qwen2]] {
+            let args = [command, &["--config", config], &flag].concat();
+            let named = flag.join(" ");
+            fails_with(&args, &[&named, config, "n_layer = 1", "n_embd = 64"]);
+        }
+    }
+    // Flags that do not name the model keep the file's keys.
+    let plan = |args: &[&str]| -> serde_json::Value {
+        let o = snug(&[&["plan", "--json"][..], args].concat());
+        assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let kept = plan(&["--config", config, "--vocab", "70"]);
+    assert_eq!(
+        kept["model"]["n_layer"].as_u64(),
+        Some(1),
+        "{}",
+        kept["model"]
+    );
+    // The file's preset alone is overridden by the flag's.
+    std::fs::write(&toml, "[model]\npreset = \"tiny\"\n").unwrap();
+    assert_eq!(
+        plan(&["--config", config, "--preset", "gpt2"])["preset"],
+        "gpt2"
+    );
+    std::fs::write(
+        &toml,
+        format!("[model]\npreset = \"tiny\"\nhf_config = {qwen2:?}\n"),
+    )
+    .unwrap();
+    fails_with(
+        &["plan", "--config", config],
+        &[config, "preset", "hf_config"],
+    );
+}
+
 #[test]
 fn profile_times_every_op_kind() {
     let o = snug(&[
