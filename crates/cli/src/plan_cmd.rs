@@ -230,6 +230,19 @@ struct InferenceReport {
     plan_ms: f64,
 }
 
+/// What a remat mode left out would have done to the peak: it is left out where it does not
+/// lower it, which includes leaving it as it was. Exact bytes where the rounded figures agree.
+fn remat_effect(without: usize, with: usize) -> String {
+    let (a, b) = (human_bytes(without), human_bytes(with));
+    match with.cmp(&without) {
+        std::cmp::Ordering::Greater if a == b => {
+            format!("it would raise the peak from {without} to {with} bytes ({a})")
+        }
+        std::cmp::Ordering::Greater => format!("it would raise the peak from {a} to {b}"),
+        _ => format!("it would not lower the peak of {a}"),
+    }
+}
+
 pub fn run(args: PlanArgs) -> Result<()> {
     let start = Instant::now();
     if args.model.batch_auto() {
@@ -595,10 +608,9 @@ pub fn run(args: PlanArgs) -> Result<()> {
     }
     if let Some(d) = &report.remat_dropped {
         println!(
-            "remat {} left out: it would raise the peak from {} to {}, so the step keeps every activation",
+            "remat {} left out: {}, so the step keeps every activation",
             d.remat,
-            human_bytes(d.peak_without_bytes),
-            human_bytes(d.peak_with_bytes)
+            remat_effect(d.peak_without_bytes, d.peak_with_bytes)
         );
     }
     if let Some(ms) = report.predicted_step_ms {
@@ -707,4 +719,26 @@ fn run_inference(
 
 fn is_zero(n: &usize) -> bool {
     *n == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::remat_effect;
+
+    #[test]
+    fn a_remat_left_out_is_described_truly() {
+        assert_eq!(
+            remat_effect(11_849_000, 11_849_000),
+            "it would not lower the peak of 11.30 MiB"
+        );
+        // Apart by less than the figures round to: the bytes say it.
+        assert_eq!(
+            remat_effect(11_849_000, 11_849_512),
+            "it would raise the peak from 11849000 to 11849512 bytes (11.30 MiB)"
+        );
+        assert_eq!(
+            remat_effect(10 << 20, 12 << 20),
+            "it would raise the peak from 10.00 MiB to 12.00 MiB"
+        );
+    }
 }

@@ -354,6 +354,21 @@ fn a_model_named_two_ways_is_refused() {
     );
 }
 
+/// A remat mode left out because it leaves the peak as it was says so, not that it would
+/// raise the peak "from 11.30 MiB to 11.30 MiB".
+#[test]
+fn a_remat_that_changes_nothing_is_not_said_to_raise_the_peak() {
+    let o = snug(&["plan", "--remat", "block:99"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("remat block:99 left out"))
+        .unwrap_or_else(|| panic!("no line on the remat left out in:\n{stdout}"));
+    assert!(line.contains("would not lower the peak"), "{line}");
+    assert!(!line.contains("raise"), "{line}");
+}
+
 #[test]
 fn profile_times_every_op_kind() {
     let o = snug(&[
