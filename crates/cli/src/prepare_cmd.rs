@@ -133,12 +133,42 @@ fn same_file(input: &Path, target: &Path) -> bool {
     }
 }
 
+/// Refuses, before the corpus is read, a Hugging Face tokenizer with no end-of-sequence token
+/// for JSONL, naming the `tokenizer_config.json` that would give it by its full path (the
+/// error deeper down names the file alone, not which directory's).
+fn check_eos(arg: &str, tokenizer: &HfTokenizer) -> Result<()> {
+    if tokenizer.special_tokens().eos.is_some() {
+        return Ok(());
+    }
+    let given = Path::new(arg);
+    let dir = if given.is_dir() {
+        given
+    } else {
+        given.parent().unwrap_or(Path::new(""))
+    };
+    let config = dir.join(snug_train::hf_tokenizer::CONFIG_FILE);
+    let problem = if config.exists() {
+        "has no `eos_token`"
+    } else {
+        "is missing, so there is no `eos_token`"
+    };
+    bail!(
+        "--tokenizer {arg}: {} {problem}: JSONL examples are packed with an end-of-sequence \
+         token between them (vocabulary of {})",
+        config.display(),
+        tokenizer.vocab_size()
+    );
+}
+
 pub fn run(args: PrepareArgs) -> Result<()> {
     let start = Instant::now();
     // Check the cheap arguments before reading a corpus that may be large.
     let hf = hf_tokenizer(&args.tokenizer)?;
     if args.format == Format::Jsonl && args.tokenizer == "char" {
         bail!("--tokenizer: char has no end-of-sequence token to separate JSONL examples with; use gpt2 or a Hugging Face tokenizer");
+    }
+    if let (Format::Jsonl, Some(t)) = (args.format, &hf) {
+        check_eos(&args.tokenizer, t)?;
     }
     let frac = args.val_fraction;
     if !(frac.is_finite() && frac > 0.0 && frac < 1.0) {

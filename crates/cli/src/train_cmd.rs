@@ -638,7 +638,18 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
                      in: resume from there, or give --data",
                         p.display()
                     ),
-                    _ => "loading the run's data".into(),
+                    // The tokenizer is the checkpoint's, which other data may not fit.
+                    Some(p) => format!(
+                        "loading the run's data, {}, with the tokenizer saved in its checkpoint \
+                         {} (a resumed run keeps the tokenizer it trained with)",
+                        p.display(),
+                        path.display()
+                    ),
+                    None => format!(
+                        "loading the run's built-in data with the tokenizer saved in its \
+                         checkpoint {}",
+                        path.display()
+                    ),
                 })?;
             machine = fit_to_memory(&args, &mut cfg, model, &mut out)?;
             let summary = data_line(&data);

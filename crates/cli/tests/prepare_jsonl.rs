@@ -218,3 +218,59 @@ fn chat_content_is_text_or_text_parts() {
         .decode(&ids);
     assert!(text.contains("<|im_start|>user\n<|im_end|>"), "{text}");
 }
+
+/// A tokenizer with no end-of-sequence token is refused before the corpus is read, naming the
+/// `tokenizer_config.json` by its path (the error named the file alone, not whose it was).
+#[test]
+fn a_tokenizer_without_eos_names_its_config_by_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let mine = dir.path().join("ex").join("mine");
+    std::fs::create_dir_all(&mine).unwrap();
+    std::fs::copy(
+        tokenizer_dir().join("tokenizer.json"),
+        mine.join("tokenizer.json"),
+    )
+    .unwrap();
+    let config_text = std::fs::read_to_string(tokenizer_dir().join("tokenizer_config.json"));
+    let mut config: serde_json::Value = serde_json::from_str(&config_text.unwrap()).unwrap();
+    config.as_object_mut().unwrap().remove("eos_token");
+    let config_path = mine.join("tokenizer_config.json");
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let input = dir.path().join("data.jsonl");
+    std::fs::write(&input, "{\"text\": \"hello\"}\n{\"text\": \"world\"}\n").unwrap();
+    let out = dir.path().join("prepared");
+    let prepare = |tokenizer: &Path| {
+        snug(&[
+            "prepare",
+            "--format",
+            "jsonl",
+            "--input",
+            input.to_str().unwrap(),
+            "--tokenizer",
+            tokenizer.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ])
+    };
+    for tokenizer in [mine.join("tokenizer.json"), mine.clone()] {
+        let o = prepare(&tokenizer);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{stderr}");
+        for needle in [
+            config_path.to_str().unwrap(),
+            "has no `eos_token`",
+            "end-of-sequence",
+        ] {
+            assert!(stderr.contains(needle), "{needle}: {stderr}");
+        }
+    }
+    // Without the file at all, it is named as missing.
+    std::fs::remove_file(&config_path).unwrap();
+    let o = prepare(&mine);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        stderr.contains(config_path.to_str().unwrap()) && stderr.contains("is missing"),
+        "{stderr}"
+    );
+    assert!(!out.exists(), "nothing was written");
+}

@@ -902,6 +902,36 @@ fn resuming_from_elsewhere_names_a_relative_data_path() {
     assert!(o.status.success(), "{}", stderr(&o));
 }
 
+/// Resumed on data its checkpoint's tokenizer cannot encode, the error names the data file and
+/// the checkpoint the tokenizer came from (it named neither the file nor where the 13-symbol
+/// tokenizer was from).
+#[test]
+fn resuming_on_data_the_runs_tokenizer_cannot_encode_names_both() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    finished_run(tmp.path());
+    std::fs::write(tmp.path().join("shakes.txt"), "First Citizen:\n".repeat(50)).expect("a file");
+    let o = snug(
+        &[
+            "train",
+            "--resume",
+            "run",
+            "--steps",
+            "3",
+            "--data",
+            "shakes.txt",
+        ],
+        tmp.path(),
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    for needle in [
+        "shakes.txt",
+        "tokenizer saved in its checkpoint",
+        CHECKPOINT,
+    ] {
+        assert!(stderr(&o).contains(needle), "{needle}: {}", stderr(&o));
+    }
+}
+
 /// A run that fails before its first checkpoint (out of memory at step 1) leaves what it found:
 /// a directory that was there keeps its own files alone (no lock file, no empty metrics file,
 /// which `prepare` would take for a run's), and one it made goes with the parents it made.
