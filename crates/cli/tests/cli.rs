@@ -411,7 +411,7 @@ fn memory_limit_flags() {
     );
     fails_with(
         &["train", "--steps", "1", "--memory-limit", "lots"],
-        &["memory_limit", "lots"],
+        &["--memory-limit lots", "not a byte size"],
     );
     let o = snug(&["train", "--steps", "2", "--memory-limit", "10MB", "--json"]);
     assert!(o.status.success(), "{}", stderr(&o));
