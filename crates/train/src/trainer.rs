@@ -219,12 +219,18 @@ impl Trainer {
             ..
         } = compiled;
         if let Some(d) = remat_dropped {
-            tracing::warn!(
-                "remat {} left out: it would raise the planned peak from {} to {} bytes",
-                d.remat,
-                d.peak_without_bytes,
-                d.peak_with_bytes
-            );
+            let (without, with) = (d.peak_without_bytes, d.peak_with_bytes);
+            if with > without {
+                tracing::warn!(
+                    "remat {} left out: it would raise the planned peak from {without} to {with} bytes",
+                    d.remat
+                );
+            } else {
+                tracing::warn!(
+                    "remat {} left out: it would not lower the planned peak of {without} bytes",
+                    d.remat
+                );
+            }
         }
         crate::ranks::check_agreement(&config, &memory_plan, &data)?;
         if let Some(limit) = config.memory_limit {
