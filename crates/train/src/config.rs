@@ -375,6 +375,12 @@ pub struct TrainConfig {
     /// Not a user's setting; `None` in checkpoints saved before it existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run_id: Option<String>,
+    /// CRC-32 of the tokens the run trains and evaluates on ([`crate::TokenDataset::fingerprint`]),
+    /// recorded when a trainer starts: a resume on data that changed since (a corpus edited or
+    /// prepared again under the same name) is refused, unless `data` is given again. Not a
+    /// user's setting.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_crc32: Option<u32>,
 }
 
 /// Serializable form of [`DataSource`].
@@ -451,6 +457,7 @@ impl Default for TrainConfig {
             devices: 1,
             shard: 0,
             run_id: None,
+            data_crc32: None,
         }
     }
 }
@@ -490,6 +497,7 @@ impl TrainConfig {
         let mut lr_set = train.lr.is_some();
         let mut min_lr_set = train.min_lr.is_some();
         let data_before = cfg.data.clone();
+        let mut data_given = train.data.is_some();
         if let Some(path) = file {
             let text = crate::user_file::read_text(
                 path,
@@ -511,6 +519,7 @@ impl TrainConfig {
                 });
             }
             block_set |= parsed.train.block.is_some();
+            data_given |= parsed.train.data.is_some();
             model_set |= parsed.model.preset.is_some() || parsed.model.hf_config.is_some();
             threads_set |= parsed.train.threads.is_some();
             lr_set |= parsed.train.lr.is_some();
@@ -518,6 +527,10 @@ impl TrainConfig {
             cfg.apply(&parsed.model, &parsed.train)?;
         }
         cfg.apply(model, train)?;
+        if data_given {
+            // Data named again: trained on as it is now, whatever the run trained on before.
+            cfg.data_crc32 = None;
+        }
         if cfg.data != data_before {
             if let DataSourceConfig::File(p) = &mut cfg.data {
                 // Saved with the run as an absolute path: a resume from another directory

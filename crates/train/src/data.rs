@@ -102,6 +102,27 @@ impl Tokens {
         }
     }
 
+    /// Feeds every token (as little-endian u32) and, where the tokens carry one, the loss mask
+    /// into `hasher`, a window at a time: the same for the same ids however they are stored.
+    fn hash_into(&self, hasher: &mut crc32fast::Hasher) {
+        const WINDOW: usize = 1 << 20;
+        let mut ids = vec![0i32; WINDOW.min(self.len())];
+        let mut mask = vec![false; if self.has_mask() { ids.len() } else { 0 }];
+        let mut start = 0;
+        while start < self.len() {
+            let n = WINDOW.min(self.len() - start);
+            self.window(start, &mut ids[..n]);
+            let bytes: Vec<u8> = ids[..n].iter().flat_map(|id| id.to_le_bytes()).collect();
+            hasher.update(&bytes);
+            if !mask.is_empty() {
+                self.mask_window(start, &mut mask[..n]);
+                let bytes: Vec<u8> = mask[..n].iter().map(|&m| u8::from(m)).collect();
+                hasher.update(&bytes);
+            }
+            start += n;
+        }
+    }
+
     /// Every token, in memory.
     pub fn to_vec(&self) -> Vec<u32> {
         match self {
@@ -129,6 +150,15 @@ pub struct TokenDataset {
 }
 
 impl TokenDataset {
+    /// CRC-32 of the training then the validation tokens (and their loss masks): a run records
+    /// it, and a resume on data that changed since is refused (see `TrainConfig::data_crc32`).
+    pub fn fingerprint(&self) -> u32 {
+        let mut hasher = crc32fast::Hasher::new();
+        self.train.hash_into(&mut hasher);
+        self.val.hash_into(&mut hasher);
+        hasher.finalize()
+    }
+
     pub fn load(source: &DataSource) -> Result<TokenDataset, TrainError> {
         match source {
             DataSource::Addition => Ok(Self::from_text(

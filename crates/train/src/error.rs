@@ -71,6 +71,9 @@ pub enum TrainError {
     NoCheckpoint { dir: PathBuf, detail: String },
     #[error("character {ch:?} is not in the tokenizer's vocabulary of {vocab} symbols")]
     UnknownChar { ch: char, vocab: usize },
+    /// A resumed run's data is not the data it trained on.
+    #[error("the run's data ({data}) is not what it trained on: its tokens' CRC-32 is {now:08x}, the checkpoint recorded {saved:08x}, so a resume on it would not continue the run exactly; give `--data` (this path or another) to train on it anyway")]
+    DataChanged { data: String, saved: u32, now: u32 },
     /// Text data the run's tokenizer cannot encode.
     #[error("{path}: the {tokenizer} tokenizer cannot encode this text: {detail}")]
     DataEncoding {

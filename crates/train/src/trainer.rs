@@ -196,6 +196,17 @@ impl Trainer {
         if config.run_id.is_none() {
             config.run_id = Some(mint_run_id());
         }
+        let crc = data.fingerprint();
+        match config.data_crc32 {
+            Some(saved) if saved != crc => {
+                return Err(TrainError::DataChanged {
+                    data: data.name.clone(),
+                    saved,
+                    now: crc,
+                })
+            }
+            _ => config.data_crc32 = Some(crc),
+        }
         // `SNUG_SETUP_DELAY_MS=N` (tests only): a setup as slow as a large model's, so a test
         // can signal a run before its loop starts.
         #[cfg(feature = "test-hooks")]

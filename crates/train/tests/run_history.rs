@@ -293,3 +293,64 @@ fn data_the_tokenizer_cannot_encode_names_the_file_and_the_character() {
         other => panic!("expected a named encoding error, got {other:?}"),
     }
 }
+
+/// A resume on data that changed since the run saved (the corpus rewritten in place, same
+/// characters) is refused, naming it; named again (`--data`), it trains on the data as it is.
+#[test]
+fn a_resume_on_changed_data_is_refused_unless_the_data_is_named_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = dir.path().join("corpus.txt");
+    std::fs::write(
+        &corpus,
+        "to be or not to be, that is the question\n".repeat(40),
+    )
+    .unwrap();
+    let model = ModelSection {
+        preset: Some("tiny".into()),
+        ..Default::default()
+    };
+    let train = TrainSection {
+        data: Some(corpus.clone()),
+        steps: Some(4),
+        batch: Some(2),
+        block: Some(8),
+        threads: Some(1),
+        warmup_steps: Some(1),
+        ..Default::default()
+    };
+    let mut cfg = TrainConfig::resolve(None, &model, &train).unwrap();
+    let (data, _) = cfg.load_data_and_model().unwrap();
+    let mut t = Trainer::new(cfg, data).unwrap();
+    t.train_step().unwrap();
+    let mut ckpt = t.checkpoint().unwrap();
+    assert!(ckpt.config.data_crc32.is_some());
+    // Unchanged, it resumes.
+    let (data, _) = ckpt.config.load_data_and_model().unwrap();
+    Trainer::resume(ckpt.config.clone(), data, Allocator::default(), &ckpt).unwrap();
+    // Rewritten with the same characters in another order.
+    std::fs::write(
+        &corpus,
+        "that is the question, to be or not to be\n".repeat(40),
+    )
+    .unwrap();
+    let (data, _) = ckpt.config.load_data_and_model().unwrap();
+    match Trainer::resume(ckpt.config.clone(), data, Allocator::default(), &ckpt) {
+        Err(e @ TrainError::DataChanged { .. }) => {
+            assert!(e.to_string().contains("corpus.txt"), "{e}")
+        }
+        other => panic!(
+            "expected the changed data refused, got {:?}",
+            other.map(|_| ())
+        ),
+    }
+    let again = TrainSection {
+        data: Some(corpus),
+        ..Default::default()
+    };
+    let mut cfg =
+        TrainConfig::resolve_resumed(ckpt.config.clone(), None, &ModelSection::default(), &again)
+            .unwrap();
+    let (data, _) = cfg.load_data_and_model().unwrap();
+    let mut t = Trainer::resume(cfg, data, Allocator::default(), &ckpt).unwrap();
+    assert_eq!(t.train_step().unwrap().step, 2);
+}
