@@ -691,6 +691,17 @@ impl CheckpointDir {
     /// As [`CheckpointDir::save`], for a borrowed checkpoint.
     pub fn save_ref(&self, ckpt: &CheckpointRef<'_>, keep: usize) -> Result<PathBuf, TrainError> {
         let path = self.path_for(ckpt.step);
+        if fs::symlink_metadata(&path).is_ok() && !is_of_run(&path, ckpt.config) {
+            return Err(TrainError::Checkpoint {
+                path,
+                detail: format!(
+                    "it holds another run's checkpoint of step {} (or one whose header does not \
+                     read), which this run never replaces: move it away, or continue into \
+                     another `--out` directory",
+                    ckpt.step
+                ),
+            });
+        }
         ckpt.save(&path)?;
         self.retire(keep, ckpt.step, &path, ckpt.config)?;
         Ok(path)

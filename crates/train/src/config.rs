@@ -497,7 +497,7 @@ impl TrainConfig {
         let mut lr_set = train.lr.is_some();
         let mut min_lr_set = train.min_lr.is_some();
         let data_before = cfg.data.clone();
-        let mut data_given = train.data.is_some();
+        let data_given = train.data.is_some();
         if let Some(path) = file {
             let text = crate::user_file::read_text(
                 path,
@@ -519,7 +519,6 @@ impl TrainConfig {
                 });
             }
             block_set |= parsed.train.block.is_some();
-            data_given |= parsed.train.data.is_some();
             model_set |= parsed.model.preset.is_some() || parsed.model.hf_config.is_some();
             threads_set |= parsed.train.threads.is_some();
             lr_set |= parsed.train.lr.is_some();
@@ -527,11 +526,14 @@ impl TrainConfig {
             cfg.apply(&parsed.model, &parsed.train)?;
         }
         cfg.apply(model, train)?;
+        // Data named again by flag, or other data named by a file: trained on as it is now,
+        // whatever the run trained on before (a file a resume is given again names its data
+        // again without asking for that).
+        let data_given = data_given || cfg.data != data_before;
         if data_given {
-            // Data named again: trained on as it is now, whatever the run trained on before.
             cfg.data_crc32 = None;
         }
-        if cfg.data != data_before {
+        if data_given {
             if let DataSourceConfig::File(p) = &mut cfg.data {
                 // Saved with the run as an absolute path: a resume from another directory
                 // reads this file, never one of the same name there.

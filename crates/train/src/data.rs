@@ -108,15 +108,18 @@ impl Tokens {
         const WINDOW: usize = 1 << 20;
         let mut ids = vec![0i32; WINDOW.min(self.len())];
         let mut mask = vec![false; if self.has_mask() { ids.len() } else { 0 }];
+        let mut bytes = Vec::with_capacity(4 * ids.len());
         let mut start = 0;
         while start < self.len() {
             let n = WINDOW.min(self.len() - start);
             self.window(start, &mut ids[..n]);
-            let bytes: Vec<u8> = ids[..n].iter().flat_map(|id| id.to_le_bytes()).collect();
+            bytes.clear();
+            bytes.extend(ids[..n].iter().flat_map(|id| id.to_le_bytes()));
             hasher.update(&bytes);
             if !mask.is_empty() {
                 self.mask_window(start, &mut mask[..n]);
-                let bytes: Vec<u8> = mask[..n].iter().map(|&m| u8::from(m)).collect();
+                bytes.clear();
+                bytes.extend(mask[..n].iter().map(|&m| u8::from(m)));
                 hasher.update(&bytes);
             }
             start += n;

@@ -11,7 +11,9 @@ use crate::{TokenDataset, TrainConfig, TrainError};
 
 /// Keys a rank may set for itself: where rank 0 saves (the others save nothing) and how many
 /// threads its machine runs.
-const PER_RANK_KEYS: [&str; 2] = ["out", "threads"];
+// `data`: a path made absolute in each rank's own directory; the contents are compared
+// (`data_hash`).
+const PER_RANK_KEYS: [&str; 3] = ["out", "threads", "data"];
 
 /// The named parts a rank's run is hashed in, in a fixed order.
 fn parts(

@@ -358,8 +358,17 @@ impl MetricsFile {
         }
         let mut evaluated = None;
         if let Ok(text) = fs::read_to_string(path) {
+            // An unterminated last line that does not parse is a write a crash cut short: kept,
+            // it would sit mid-file once this run appends.
+            let torn = !text.ends_with('\n')
+                && text
+                    .lines()
+                    .next_back()
+                    .is_some_and(|l| serde_json::from_str::<serde_json::Value>(l).is_err());
+            let whole = text.lines().count() - usize::from(torn);
             let kept: String = text
                 .lines()
+                .take(whole)
                 .filter(|l| {
                     let v = serde_json::from_str::<serde_json::Value>(l).ok();
                     let step = v.as_ref().and_then(|v| v.get("step")?.as_u64());

@@ -193,8 +193,9 @@ impl Trainer {
         config.loss_mask |= data.has_loss_mask();
         config.check_threads_here()?;
         check_world(&config)?;
+        let minted = mint_run_id();
         if config.run_id.is_none() {
-            config.run_id = Some(mint_run_id());
+            config.run_id = Some(minted);
         }
         let crc = data.fingerprint();
         match config.data_crc32 {
@@ -387,6 +388,9 @@ impl Trainer {
     pub fn reconfigure(&mut self, mut config: TrainConfig) -> Result<(), TrainError> {
         self.drop_staged();
         config.loss_mask = self.config.loss_mask;
+        // The same run, on the same data, whatever configuration a caller built.
+        config.run_id.clone_from(&self.config.run_id);
+        config.data_crc32 = self.config.data_crc32;
         if config.batch != self.config.batch || config.block != self.config.block {
             return Err(TrainError::Config {
                 field: "batch",
@@ -1784,9 +1788,10 @@ fn compile_planned(
     Ok((compiled, plan))
 }
 
-/// The configured ranks are the world this process runs in.
 /// A fresh run's id: 100 random bits, rank 0's on every rank (summed with zeros from the
-/// others; each f32 carries 20 bits exactly).
+/// others; each f32 carries 20 bits exactly). Every rank calls it, whether or not its own
+/// configuration already has an id, so the collective matches on every rank and ranks that
+/// loaded different checkpoints reach `check_agreement`, which names the difference.
 fn mint_run_id() -> String {
     let rank0 = world().0 == 0;
     let mut parts: [f32; 5] = std::array::from_fn(|_| {
@@ -1802,6 +1807,7 @@ fn mint_run_id() -> String {
     parts.iter().map(|&p| format!("{:05x}", p as u32)).collect()
 }
 
+/// The configured ranks are the world this process runs in.
 fn check_world(config: &TrainConfig) -> Result<(), TrainError> {
     let (rank, size) = world();
     if config.devices != size {

@@ -104,6 +104,13 @@ fn a_resumed_run_keeps_its_id() {
     let mut resumed =
         Trainer::resume(ckpt.config.clone(), data, Allocator::default(), &ckpt).unwrap();
     assert_eq!(resumed.config().run_id, first.config().run_id);
+    // A configuration a library caller built has no id: the running trainer keeps its own.
+    let mut built = config("tiny", 8);
+    built.run_id = None;
+    built.data_crc32 = None;
+    resumed.reconfigure(built).unwrap();
+    assert_eq!(resumed.config().run_id, first.config().run_id);
+    assert!(resumed.config().data_crc32.is_some());
     resumed.train_step().unwrap();
     ckpts.save(&resumed.checkpoint().unwrap(), 1).unwrap();
     assert_eq!(steps_in(dir.path()), vec![2]);
@@ -184,6 +191,8 @@ fn a_resume_keeps_the_metrics_lines_it_does_not_own() {
     let metrics = dir.path().join("metrics.jsonl");
     let mut text = std::fs::read_to_string(&metrics).unwrap();
     text.push_str("{\"kind\":\"note\",\"text\":\"my annotation\"}\nnot json at all\n");
+    // A write a crash cut short: no newline, not JSON.
+    text.push_str("{\"kind\":\"step\",\"st");
     std::fs::write(&metrics, &text).unwrap();
     // Resume from step 2, as after a crash that lost step 4's checkpoint.
     std::fs::remove_file(CheckpointDir::open(dir.path()).unwrap().path_for(4)).unwrap();
@@ -211,6 +220,8 @@ fn a_resume_keeps_the_metrics_lines_it_does_not_own() {
         vec![1, 2, 3],
         "step 3 and 4's first lines dropped, step 3 again"
     );
+    assert!(!after.contains("\"st\n"), "the torn line is gone: {after}");
+    assert!(after.ends_with('\n'));
     let names: Vec<PathBuf> = std::fs::read_dir(dir.path())
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -245,7 +256,66 @@ fn a_relative_data_path_is_saved_absolute() {
         &TrainSection::default(),
     )
     .unwrap();
-    assert_eq!(kept.data, DataSourceConfig::File(want));
+    assert_eq!(kept.data, DataSourceConfig::File(want.clone()));
+    // A checkpoint saved before paths were made absolute, resumed with `--data` naming the same
+    // relative path: saved absolute from then on.
+    let mut old = cfg;
+    old.data = DataSourceConfig::File(PathBuf::from("corpus.txt"));
+    let again = TrainSection {
+        data: Some(PathBuf::from("corpus.txt")),
+        ..Default::default()
+    };
+    let resumed =
+        TrainConfig::resolve_resumed(old, None, &ModelSection::default(), &again).unwrap();
+    assert_eq!(resumed.data, DataSourceConfig::File(want));
+}
+
+/// A checkpoint of another run at the step this run saves is never replaced: the save is a
+/// named error and the file stays as it was.
+#[test]
+fn a_save_never_replaces_another_runs_checkpoint_of_that_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpts = CheckpointDir::create(dir.path()).unwrap();
+    let mut other = trainer(&config("tiny", 4));
+    other.train_step().unwrap();
+    ckpts.save(&other.checkpoint().unwrap(), 3).unwrap();
+    let before = std::fs::read(ckpts.path_for(1)).unwrap();
+    let mut ours = trainer(&config("tiny", 4));
+    ours.train_step().unwrap();
+    match ckpts.save(&ours.checkpoint().unwrap(), 3) {
+        Err(e @ TrainError::Checkpoint { .. }) => {
+            assert!(
+                e.to_string().contains("another run's checkpoint of step 1"),
+                "{e}"
+            )
+        }
+        other => panic!("expected the save refused, got {other:?}"),
+    }
+    assert_eq!(std::fs::read(ckpts.path_for(1)).unwrap(), before);
+    // The run's own checkpoint of a step is saved again (a resume that saves at once).
+    ckpts.save(&other.checkpoint().unwrap(), 3).unwrap();
+}
+
+/// Resumed with the configuration file it started from, which names its data, the run still
+/// checks its data: only `--data`, or a file naming other data, asks to train on it as it is.
+#[test]
+fn a_config_file_naming_the_same_data_keeps_the_check() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = dir.path().join("corpus.txt");
+    let file = dir.path().join("run.toml");
+    let text = format!("[train]\ndata = {:?}\n", corpus.display().to_string());
+    std::fs::write(&file, text).unwrap();
+    let mut cfg = config("tiny", 4);
+    cfg.data = DataSourceConfig::File(corpus);
+    cfg.data_crc32 = Some(7);
+    let resumed = TrainConfig::resolve_resumed(
+        cfg,
+        Some(&file),
+        &ModelSection::default(),
+        &TrainSection::default(),
+    )
+    .unwrap();
+    assert_eq!(resumed.data_crc32, Some(7));
 }
 
 /// A claim refused because the directory holds another run leaves no lock behind: the
