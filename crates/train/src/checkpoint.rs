@@ -220,6 +220,17 @@ impl Checkpoint {
             path: path.to_path_buf(),
             detail,
         };
+        // A newer snug's file may hold what this one cannot parse (a new dtype, a new field):
+        // its version, read first, says so before anything else can call it damaged.
+        if let Some(version) = raw_version(bytes) {
+            if version > VERSION {
+                return Err(TrainError::CheckpointTooNew {
+                    path: path.to_path_buf(),
+                    version,
+                    newest: VERSION,
+                });
+            }
+        }
         let st = snug_nn::safetensors_file::deserialize(bytes)
             .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
         // The header parsed above; read again for its metadata, which `SafeTensors` keeps private.
@@ -813,6 +824,22 @@ pub fn is_checkpoint_file(path: &Path) -> bool {
             && (n.ends_with(SUFFIX) || n.ends_with(crate::shards::MANIFEST_SUFFIX))
     });
     named || header_format(path).as_deref() == Some(FORMAT)
+}
+
+/// The `version` in a snug checkpoint's safetensors header, read as plain JSON (nothing else of
+/// the header need parse), if the bytes hold one.
+fn raw_version(bytes: &[u8]) -> Option<u32> {
+    let len = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+    let end = 8usize.checked_add(usize::try_from(len).ok()?)?;
+    if len > MAX_HEADER_BYTES {
+        return None;
+    }
+    let header: serde_json::Value = serde_json::from_slice(bytes.get(8..end)?).ok()?;
+    let meta = header.get("__metadata__")?;
+    if meta.get("format")?.as_str()? != FORMAT {
+        return None;
+    }
+    meta.get("version")?.as_str()?.parse().ok()
 }
 
 /// `path`, renamed `….damaged`, or `….damaged.N` for the first N from 2 that no file holds: an

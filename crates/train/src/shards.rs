@@ -399,6 +399,19 @@ pub fn load(path: &Path) -> Result<Checkpoint, TrainError> {
         detail,
     };
     let text = crate::user_file::read_text(path, MAX_MANIFEST_BYTES, "a checkpoint manifest")?;
+    // A newer snug's manifest may not parse here at all: its version, read first, says so.
+    let raw: Option<serde_json::Value> = serde_json::from_str(&text).ok();
+    let version = raw
+        .as_ref()
+        .filter(|v| v.get("format").and_then(|f| f.as_str()) == Some(FORMAT))
+        .and_then(|v| v.get("version")?.as_u64());
+    if let Some(version) = version.filter(|&v| v > u64::from(VERSION)) {
+        return Err(TrainError::CheckpointTooNew {
+            path: path.to_path_buf(),
+            version: u32::try_from(version).unwrap_or(u32::MAX),
+            newest: VERSION,
+        });
+    }
     let m: Manifest = serde_json::from_str(&text)
         .map_err(|e| bad(path, format!("not a snug checkpoint manifest: {e}")))?;
     if m.format != FORMAT {
