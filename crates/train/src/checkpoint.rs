@@ -830,16 +830,21 @@ pub fn is_checkpoint_file(path: &Path) -> bool {
 /// the header need parse), if the bytes hold one.
 fn raw_version(bytes: &[u8]) -> Option<u32> {
     let len = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
-    let end = 8usize.checked_add(usize::try_from(len).ok()?)?;
     if len > MAX_HEADER_BYTES {
         return None;
     }
-    let header: serde_json::Value = serde_json::from_slice(bytes.get(8..end)?).ok()?;
-    let meta = header.get("__metadata__")?;
+    let end = 8usize.checked_add(usize::try_from(len).ok()?)?;
+    let meta = metadata_in(bytes.get(8..end)?)?;
     if meta.get("format")?.as_str()? != FORMAT {
         return None;
     }
     meta.get("version")?.as_str()?.parse().ok()
+}
+
+/// The `__metadata__` object of a safetensors header's JSON, parsed as plain JSON.
+fn metadata_in(header: &[u8]) -> Option<serde_json::Map<String, serde_json::Value>> {
+    let header: serde_json::Value = serde_json::from_slice(header).ok()?;
+    header.get("__metadata__")?.as_object().cloned()
 }
 
 /// `path`, renamed `….damaged`, or `….damaged.N` for the first N from 2 that no file holds: an
@@ -900,8 +905,7 @@ fn header_metadata(path: &Path) -> Option<serde_json::Map<String, serde_json::Va
     }
     let mut header = vec![0u8; len as usize];
     file.read_exact(&mut header).ok()?;
-    let header: serde_json::Value = serde_json::from_slice(&header).ok()?;
-    header.get("__metadata__")?.as_object().cloned()
+    metadata_in(&header)
 }
 
 /// Loads `path`: a checkpoint file, or the newest checkpoint in a directory.
