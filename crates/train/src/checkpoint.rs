@@ -702,17 +702,7 @@ impl CheckpointDir {
     /// As [`CheckpointDir::save`], for a borrowed checkpoint.
     pub fn save_ref(&self, ckpt: &CheckpointRef<'_>, keep: usize) -> Result<PathBuf, TrainError> {
         let path = self.path_for(ckpt.step);
-        if fs::symlink_metadata(&path).is_ok() && !is_of_run(&path, ckpt.config) {
-            return Err(TrainError::Checkpoint {
-                path,
-                detail: format!(
-                    "it holds another run's checkpoint of step {} (or one whose header does not \
-                     read), which this run never replaces: move it away, or continue into \
-                     another `--out` directory",
-                    ckpt.step
-                ),
-            });
-        }
+        check_step_is_ours(&self.dir, ckpt.step, ckpt.config)?;
         ckpt.save(&path)?;
         self.retire(keep, ckpt.step, &path, ckpt.config)?;
         Ok(path)
@@ -861,6 +851,35 @@ pub(crate) fn aside_path(path: &Path) -> PathBuf {
         .map(named)
         .find(|p| fs::symlink_metadata(p).is_err())
         .unwrap_or_else(|| named(".damaged".into()))
+}
+
+/// Refuses a save of `step` by the run `ours` configures where the directory holds another
+/// run's checkpoint of that step, whole or sharded (or one whose header does not read): a
+/// save never replaces it, and the directory would otherwise hold two checkpoints of the
+/// step from different runs, either of which a resume could take.
+pub(crate) fn check_step_is_ours(
+    dir: &Path,
+    step: u64,
+    ours: &TrainConfig,
+) -> Result<(), TrainError> {
+    let paths = [
+        dir.join(format!("{PREFIX}{step:08}{SUFFIX}")),
+        crate::shards::manifest_path(dir, step),
+    ];
+    match paths
+        .into_iter()
+        .find(|p| fs::symlink_metadata(p).is_ok() && !is_of_run(p, ours))
+    {
+        Some(path) => Err(TrainError::Checkpoint {
+            path,
+            detail: format!(
+                "it holds another run's checkpoint of step {step} (or one whose header does \
+                 not read), which this run never replaces: move it away, or continue into \
+                 another `--out` directory"
+            ),
+        }),
+        None => Ok(()),
+    }
 }
 
 /// Whether the checkpoint at `path` (a manifest: its first shard's) was saved by the run

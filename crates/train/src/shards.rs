@@ -224,7 +224,7 @@ fn path_from(bytes: Vec<u8>) -> PathBuf {
 }
 
 /// The number rank 0 draws for a save, which names its files.
-fn agree_save_number(rank: usize) -> u32 {
+fn agree_save_number(rank: usize, refuse: bool) -> (u32, bool) {
     let mine = if rank == 0 {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -236,8 +236,11 @@ fn agree_save_number(rank: usize) -> u32 {
     } else {
         0
     };
-    let all = gather(&pieces(u64::from(mine), 2).collect::<Vec<_>>());
-    from_pieces(&all[..2]) as u32
+    let piece: Vec<f32> = pieces(u64::from(mine), 2)
+        .chain([f32::from(u8::from(refuse))])
+        .collect();
+    let all = gather(&piece);
+    (from_pieces(&all[..2]) as u32, all[2] != 0.0)
 }
 
 /// Length and CRC-32 of the file `path`, read in pieces.
@@ -272,7 +275,25 @@ pub fn save(
     shard: &ShardRef<'_>,
     retire: Option<(&CheckpointDir, usize)>,
 ) -> Result<PathBuf, TrainError> {
-    let save = agree_save_number(shard.rank);
+    // Rank 0 alone looks for another run's checkpoint of this step (the directory is shared
+    // or the same on every rank) and every rank learns its verdict before writing anything.
+    let refused = (shard.rank == 0)
+        .then(|| checkpoint::check_step_is_ours(dir, shard.step, shard.config).err())
+        .flatten();
+    let (save, anyone_refused) = agree_save_number(shard.rank, refused.is_some());
+    if let Some(e) = refused {
+        return Err(e);
+    }
+    if anyone_refused {
+        return Err(TrainError::Checkpoint {
+            path: manifest_path(dir, shard.step),
+            detail: format!(
+                "rank 0 found another run's checkpoint of step {} in its run directory, which \
+                 this run never replaces",
+                shard.step
+            ),
+        });
+    }
     let file = shard_file_name(shard.step, save, shard.rank, shard.ranks);
     let written = write_shard(&dir.join(&file), shard);
     let mine: Vec<f32> = match &written {

@@ -245,3 +245,98 @@ fn a_whole_save_of_the_same_step_replaces_a_sharded_one_and_retention_takes_its_
     assert!(!manifest.exists());
     assert!(files.iter().all(|f| !f.exists()));
 }
+
+/// Every file in `dir` with its bytes, to show a refused save changed nothing.
+fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let p = e.unwrap().path();
+            let bytes = std::fs::read(&p).unwrap();
+            (p, bytes)
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+fn refused_naming(result: Result<PathBuf, TrainError>, expected: &Path) {
+    match result {
+        Err(TrainError::Checkpoint { path, detail }) => {
+            assert_eq!(path, expected, "{detail}");
+            assert!(detail.contains("another run"), "{detail}");
+        }
+        other => panic!(
+            "expected a refusal naming {}, got {other:?}",
+            expected.display()
+        ),
+    }
+}
+
+#[test]
+fn no_save_replaces_another_runs_sharded_checkpoint_of_its_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt_dir = CheckpointDir::create(dir.path()).unwrap();
+    // Another run's sharded checkpoint of step 1, copied in.
+    let mut other = trainer();
+    other.train_step().unwrap();
+    let (manifest, _) = write_sharded(dir.path(), &other.checkpoint().unwrap(), 2);
+    let before = snapshot(dir.path());
+
+    let mut t = trainer();
+    t.train_step().unwrap();
+    // Sharded (as one rank of one) and whole: both refused, naming the manifest, and no file
+    // written, replaced or removed.
+    let sharded = shards::save(dir.path(), &t.shard_ref().unwrap(), Some((&ckpt_dir, 3)));
+    refused_naming(sharded, &manifest);
+    refused_naming(ckpt_dir.save(&t.checkpoint().unwrap(), 3), &manifest);
+    assert_eq!(snapshot(dir.path()), before);
+
+    // The next step saves, sharded, and retention by run keeps the other run's checkpoint
+    // however few of its own it keeps.
+    for _ in 0..3 {
+        t.train_step().unwrap();
+        shards::save(dir.path(), &t.shard_ref().unwrap(), Some((&ckpt_dir, 1))).unwrap();
+    }
+    let listed = ckpt_dir.list().unwrap();
+    assert_eq!(
+        listed,
+        [
+            (1, manifest.clone()),
+            (4, shards::manifest_path(dir.path(), 4))
+        ]
+    );
+    // The other run's files are as they were: its manifest and both its shards.
+    let now = snapshot(dir.path());
+    for file in &before {
+        assert!(now.contains(file), "{} changed or went", file.0.display());
+    }
+    // One shard file of ours beside them: step 4's; steps 2 and 3 went with their manifests.
+    assert_eq!(now.len(), before.len() + 2, "{now:?}");
+    assert_eq!(
+        Checkpoint::load(&shards::manifest_path(dir.path(), 4))
+            .unwrap()
+            .step,
+        4
+    );
+}
+
+#[test]
+fn a_sharded_save_replaces_the_runs_own_checkpoint_of_its_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt_dir = CheckpointDir::create(dir.path()).unwrap();
+    let mut t = trainer();
+    t.train_step().unwrap();
+    let whole = ckpt_dir.save(&t.checkpoint().unwrap(), 3).unwrap();
+    // Resumed from step 1 and saved again, sharded: the run's own whole file gives way.
+    let first = shards::save(dir.path(), &t.shard_ref().unwrap(), Some((&ckpt_dir, 3))).unwrap();
+    assert!(!whole.exists());
+    // And again: the earlier save's shard goes, one manifest and one shard stay.
+    let again = shards::save(dir.path(), &t.shard_ref().unwrap(), Some((&ckpt_dir, 3))).unwrap();
+    assert_eq!(first, again);
+    assert_eq!(snapshot(dir.path()).len(), 2);
+    assert_eq!(
+        bits(&Checkpoint::load(&again).unwrap()),
+        bits(&t.checkpoint().unwrap())
+    );
+}
