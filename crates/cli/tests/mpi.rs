@@ -577,3 +577,51 @@ fn memory_auto_over_ranks_on_one_machine_shares_it() {
     let summary = lines(&o, "summary");
     assert_eq!(summary[0]["memory_limit_bytes"].as_u64(), Some(budget));
 }
+
+/// Each rank started in its own directory with `--data corpus.txt`: the relative path names a
+/// file in each rank's directory, so the paths differ and are not compared; the contents are.
+#[test]
+fn ranks_compare_their_data_by_contents_not_by_path() {
+    let mut cmd = match mpirun() {
+        Ok(c) => c,
+        Err(reason) => return snug_testkit::skip_or_fail(&reason),
+    };
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let corpus: String = (0..400)
+        .map(|i| format!("line {i} of the corpus\n"))
+        .collect();
+    // The same characters, as many of them, in another order: the same vocabulary and plan.
+    let reordered: String = corpus.lines().rev().map(|l| format!("{l}\n")).collect();
+    assert_eq!(corpus.len(), reordered.len());
+    let exe = env!("CARGO_BIN_EXE_snug");
+    let run = |cmd: &mut Command, b_text: &str| -> Output {
+        for (d, t) in [(&a, corpus.as_str()), (&b, b_text)] {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::write(d.join("corpus.txt"), t).unwrap();
+        }
+        let start = Instant::now();
+        let o = cmd
+            .args(["-np", "1", "-wdir", a.to_str().unwrap(), exe])
+            .args(RUN)
+            .args(["--data", "corpus.txt", "--no-save", ":"])
+            .args(["-np", "1", "-wdir", b.to_str().unwrap(), exe])
+            .args(RUN)
+            .args(["--data", "corpus.txt", "--no-save"])
+            .output()
+            .expect("mpirun runs");
+        assert!(start.elapsed() < Duration::from_secs(60), "no rank hung");
+        o
+    };
+    let same = run(&mut cmd, &corpus);
+    assert!(same.status.success(), "{}", text(&same.stderr));
+    assert_eq!(lines(&same, "step").len(), 5, "rank 0 reports every step");
+
+    let mut cmd = mpirun().expect("checked above");
+    let other = run(&mut cmd, &reordered);
+    let err = text(&other.stderr);
+    assert!(!other.status.success(), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(err.contains("rank 1 differs from rank 0 in data"), "{err}");
+    assert!(lines(&other, "step").is_empty(), "no step ran");
+}
