@@ -1203,3 +1203,96 @@ fn token_files_of_two_prepares_are_refused_as_a_pair() {
         stderr(&o)
     );
 }
+
+/// Every tensor of the newest checkpoint in `run`, as bits, with its step.
+fn final_state(run: &Path) -> (u64, Vec<(String, Vec<u32>)>) {
+    let (_, ckpt) = snug_train::checkpoint::load(run).expect("a checkpoint loads");
+    let mut tensors: Vec<(String, Vec<u32>)> = ckpt
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.data.iter().map(|x| x.to_bits()).collect()))
+        .collect();
+    tensors.sort();
+    (ckpt.step, tensors)
+}
+
+/// Each training step's loss in `run`'s metrics, in the order written.
+fn step_losses(run: &Path) -> Vec<(u64, String)> {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).expect("the run's metrics");
+    text.lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("every line whole"))
+        .filter(|v| v["kind"] == "step")
+        .map(|v| (v["step"].as_u64().expect("a step"), v["loss"].to_string()))
+        .collect()
+}
+
+/// SIGKILL (nothing to catch, no save on the way out) at moments spread over a run that saves
+/// every step, so some land inside a save; after each, `--resume` goes on. The run ends with
+/// the state, and the metrics, of a run never stopped: every step's loss once, bit for bit.
+#[cfg(unix)]
+#[test]
+fn a_run_killed_at_any_moment_resumes_to_the_state_of_one_never_stopped() {
+    use std::time::{Duration, Instant};
+
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["--steps", "30", "--checkpoint-every", "1"];
+    let straight = dir.path().join("straight");
+    let o = train(
+        dir.path(),
+        &[&args[..], &["--out", straight.to_str().unwrap()]].concat(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    let run = dir.path().join("killed");
+    let run_arg = run.to_str().unwrap();
+    let newest = || match run.exists() {
+        true => checkpoint_steps(&run).last().copied().unwrap_or(0),
+        false => 0,
+    };
+    let mut kills = 0;
+    // Delays after the first checkpoint appears, in ms: from at once to most of a run.
+    for delay in [0u64, 3, 11, 17, 29, 41, 60, 90, 150] {
+        let mut cmd = if kills == 0 {
+            snug_cmd(
+                &[&["train"], &QUICK[..], &args[..], &["--out", run_arg]].concat(),
+                dir.path(),
+            )
+        } else {
+            snug_cmd(&["train", "--resume", run_arg], dir.path())
+        };
+        let mut child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let start = Instant::now();
+        let before = newest();
+        // A new checkpoint (or the run's end) first, so each run makes progress.
+        while newest() <= before && child.try_wait().unwrap().is_none() {
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "no checkpoint came"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(delay));
+        if child.try_wait().unwrap().is_some() {
+            break; // finished before the kill
+        }
+        // SAFETY: signalling our own child.
+        assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGKILL) }, 0);
+        let status = child.wait().unwrap();
+        assert!(!status.success());
+        kills += 1;
+    }
+    assert!(kills >= 3, "only {kills} kills landed mid-run");
+    // To the end.
+    let o = snug(&["train", "--resume", run_arg], dir.path());
+    let err = stderr(&o);
+    assert!(
+        o.status.success() || err.contains("past"),
+        "the last resume: {err}"
+    );
+    assert_eq!(final_state(&run), final_state(&straight));
+    assert_eq!(step_losses(&run), step_losses(&straight));
+}
