@@ -812,6 +812,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
     let mut tracked: Vec<StepSpeed> = Vec::new();
     let mut out_err: Option<serde_json::Error> = None;
     let mut saved: Option<(u64, PathBuf)> = None;
+    let started_at = trainer.steps_done();
     let mut print_event = |event: Event<'_>| match event {
         Event::Recovered(r) => {
             // The prediction was for the configuration the run started with.
@@ -979,10 +980,16 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
     let run = match result {
         Ok(run) => run,
         Err(e) => {
-            return Err(match saved {
-                Some((step, _)) => anyhow::Error::new(e).context(resume_hint(step)),
-                None => e.into(),
-            })
+            return Err(match (saved, &args.resume) {
+                (Some((step, _)), _) => anyhow::Error::new(e).context(resume_hint(step)),
+                // A resumed run that saved nothing leaves the checkpoint it resumed from.
+                (None, Some(from)) if started_at > 0 => anyhow::Error::new(e).context(format!(
+                    "nothing saved since step {started_at}, the checkpoint this run resumed: \
+                     continue with `snug train --resume {}`",
+                    from.display()
+                )),
+                (None, _) => e.into(),
+            });
         }
     };
     if let Some(e) = out.broken.take() {

@@ -1296,3 +1296,54 @@ fn a_run_killed_at_any_moment_resumes_to_the_state_of_one_never_stopped() {
     assert_eq!(final_state(&run), final_state(&straight));
     assert_eq!(step_losses(&run), step_losses(&straight));
 }
+
+/// A resumed run whose every save fails (a full disk) stops at its first checkpoint, saying
+/// the checkpoint it resumed from is the run's state, which is as it was; no temporary file
+/// is left.
+#[test]
+fn a_resumed_run_that_cannot_save_names_the_checkpoint_it_resumed() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let run_arg = run.to_str().unwrap();
+    let o = train(dir.path(), &["--steps", "2", "--out", run_arg]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let before = snapshot(&run);
+    let o = snug_cmd(
+        &[
+            "train",
+            "--resume",
+            run_arg,
+            "--steps",
+            "4",
+            "--checkpoint-every",
+            "1",
+        ],
+        dir.path(),
+    )
+    .env("SNUG_FULL_DISK", "1")
+    .output()
+    .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("nothing saved since step 2, the checkpoint this run resumed")
+            && err.contains(&format!("snug train --resume {run_arg}"))
+            && err.contains("no space left on device"),
+        "{err}"
+    );
+    // The checkpoint is as it was; the metrics have step 3's line beside it.
+    let after = snapshot(&run);
+    let ckpt = |s: &[(PathBuf, Vec<u8>)]| {
+        s.iter()
+            .filter(|(p, _)| p.extension().is_some_and(|e| e == "safetensors"))
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(ckpt(&after), ckpt(&before));
+    assert_eq!(checkpoint_steps(&run), [2]);
+    let names: Vec<String> = std::fs::read_dir(&run)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(!names.iter().any(|n| n.ends_with(".tmp")), "{names:?}");
+}

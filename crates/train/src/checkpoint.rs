@@ -520,6 +520,19 @@ impl CheckpointRef<'_> {
                 detail: e.to_string(),
             })
             .and_then(|()| File::open(&tmp).and_then(|f| f.sync_all()).map_err(io));
+        // `SNUG_FULL_DISK=1` (tests only): every checkpoint write fails as on a full disk, once
+        // its bytes are written, so the temporary file has to be cleaned up.
+        #[cfg(feature = "test-hooks")]
+        let written = written.and_then(|()| match std::env::var_os("SNUG_FULL_DISK") {
+            Some(_) => Err(TrainError::Io {
+                path: tmp.clone(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::StorageFull,
+                    "no space left on device (SNUG_FULL_DISK)",
+                ),
+            }),
+            None => Ok(()),
+        });
         if let Err(e) = written {
             let _ = fs::remove_file(&tmp);
             return Err(e);
