@@ -725,3 +725,50 @@ fn ranks_stopped_together_by_memory_save_their_shards() {
         [3, 4]
     );
 }
+
+/// A rank whose shard cannot be written (its disk full) stops every rank at that save, named;
+/// no manifest is written, and the shard the other rank wrote goes with it rather than filling
+/// the disk until the next save.
+#[test]
+fn a_shard_one_rank_cannot_write_stops_every_rank_and_leaves_no_files() {
+    let mut cmd = match mpirun() {
+        Ok(c) => c,
+        Err(reason) => return snug_testkit::skip_or_fail(&reason),
+    };
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let run = dir.path().join("run");
+    let exe = env!("CARGO_BIN_EXE_snug");
+    let sharded = [
+        "--shard",
+        "1",
+        "--checkpoint-every",
+        "2",
+        "--out",
+        run.to_str().unwrap(),
+    ];
+    let start = Instant::now();
+    let o = cmd
+        .args(["-np", "1", exe])
+        .args(RUN)
+        .args(sharded)
+        .args([":", "-np", "1", "env", "SNUG_FULL_DISK=1", exe])
+        .args(RUN)
+        .args(sharded)
+        .current_dir(dir.path())
+        .output()
+        .expect("mpirun runs");
+    let err = text(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("rank 1 could not write its shard of step 2"),
+        "{err}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(60), "no rank hung");
+    let left: Vec<String> = std::fs::read_dir(&run)
+        .expect("the run directory rank 0 made")
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("ckpt-"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}

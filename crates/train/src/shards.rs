@@ -314,6 +314,11 @@ pub fn save(
         .map(|(r, _)| r.to_string())
         .collect();
     if !failed.is_empty() {
+        // No manifest will name this rank's shard: it goes now rather than at the next save,
+        // since a full disk is the likely cause.
+        if let Err(e) = fs::remove_file(dir.join(&file)) {
+            tracing::warn!("could not remove the unused shard {file}: {e}");
+        }
         return Err(TrainError::Checkpoint {
             path: manifest,
             detail: format!(
