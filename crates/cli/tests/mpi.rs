@@ -13,61 +13,13 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use common::fails_with;
+#[cfg(target_os = "linux")]
+use common::mpi::ranks_of;
+use common::mpi::{self, lines, mpirun, text, two_ranks};
 use snug_train::checkpoint;
 
 /// The tiny model on the built-in data, 5 steps of a batch of 4, one thread, evaluated at the end.
-const RUN: [&str; 16] = [
-    "train",
-    "--preset",
-    "tiny",
-    "--steps",
-    "5",
-    "--batch",
-    "4",
-    "--block",
-    "16",
-    "--threads",
-    "1",
-    "--eval-every",
-    "5",
-    "--warmup-steps",
-    "2",
-    "--json",
-];
-
-/// `mpirun` for `np` ranks of `snug`, or the reason this test cannot run.
-fn mpirun() -> Result<Command, String> {
-    if !cfg!(feature = "mpi") {
-        return Err(
-            "snug was built without the `mpi` feature (cargo test -p snug-cli --features mpi)"
-                .into(),
-        );
-    }
-    let found = Command::new("mpirun").arg("--version").output();
-    if !found.is_ok_and(|o| o.status.success()) {
-        return Err(
-            "`mpirun` is not on PATH (Debian: apt-get install openmpi-bin libopenmpi-dev)".into(),
-        );
-    }
-    let mut cmd = Command::new("mpirun");
-    cmd.args(["--bind-to", "none", "--oversubscribe"])
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
-    Ok(cmd)
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-/// The `kind` lines of a `--json` run's output.
-fn lines(o: &Output, kind: &str) -> Vec<serde_json::Value> {
-    text(&o.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v["kind"] == kind)
-        .collect()
-}
+const RUN: [&str; 16] = mpi::run("5");
 
 fn weights(dir: &Path) -> Vec<(String, Vec<f32>)> {
     let (_, ckpt) = checkpoint::load(dir).expect("the run's checkpoint");
@@ -203,19 +155,6 @@ fn sharding_needs_ranks() {
     assert!(!dir.path().join("runs").exists());
 }
 
-/// Runs `snug args` as two ranks in `cwd`; they must succeed.
-fn two_ranks(cwd: &Path, args: &[&str]) -> Output {
-    let mut cmd = mpirun().expect("checked by the caller");
-    let o = cmd
-        .args(["-np", "2", env!("CARGO_BIN_EXE_snug")])
-        .args(args)
-        .current_dir(cwd)
-        .output()
-        .expect("mpirun runs");
-    assert!(o.status.success(), "{args:?}: {}", text(&o.stderr));
-    o
-}
-
 #[test]
 fn two_ranks_resume_bit_exact() {
     if let Err(reason) = mpirun() {
@@ -242,31 +181,6 @@ fn two_ranks_resume_bit_exact() {
     };
     assert_eq!(losses(&all)[3..], losses(&rest)[..], "steps 4 and 5");
     assert_eq!(weights(&straight), weights(&resumed));
-}
-
-/// The process ids of `mpirun`'s children (the ranks), with their rank.
-#[cfg(target_os = "linux")]
-fn ranks_of(mpirun: u32) -> Vec<(u32, usize)> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter_map(|pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            // The parent's id is the second field after the parenthesised command name.
-            let after = &stat[stat.rfind(')')? + 2..];
-            let ppid: u32 = after.split(' ').nth(1)?.parse().ok()?;
-            if ppid != mpirun {
-                return None;
-            }
-            let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-            let rank = env
-                .split(|&b| b == 0)
-                .find_map(|kv| kv.strip_prefix(b"OMPI_COMM_WORLD_RANK="))?;
-            Some((pid, std::str::from_utf8(rank).ok()?.parse().ok()?))
-        })
-        .collect()
 }
 
 #[cfg(target_os = "linux")]

@@ -2,6 +2,8 @@
 //! it needs (hence the allowance: no file uses them all).
 #![allow(dead_code)]
 
+pub mod mpi;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
