@@ -328,7 +328,11 @@ pub fn chat_prompt(
     let ids = t.encode(&text, false)?;
     let mut stop: Vec<u32> = tokenizer.eos_id().into_iter().collect();
     for token in END_OF_TURN {
-        if let [id] = t.encode(token, false)?[..] {
+        // A marker this tokenizer cannot encode at all (no unknown token) is not one of its own.
+        let Ok(ids) = t.encode(token, false) else {
+            continue;
+        };
+        if let [id] = ids[..] {
             if t.id_to_token(id).as_deref() == Some(token) && !stop.contains(&id) {
                 stop.push(id);
             }

@@ -543,3 +543,65 @@ fn a_prepare_mark_reads_back_beside_every_kind_of_tokenizer() {
         assert_eq!(TokenFile::open(&path).unwrap().prepared(), None);
     }
 }
+
+/// A character-level WordLevel tokenizer with no unknown token and ChatML's markers as added
+/// special tokens: text outside its characters does not encode at all.
+fn chatml_characters() -> Tokenizer {
+    let mut vocab = serde_json::Map::new();
+    for (i, t) in ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        .iter()
+        .enumerate()
+    {
+        vocab.insert(t.to_string(), json!(i));
+    }
+    for c in "abcdefghijklmnopqrstuvwxyz ,.!?\n".chars() {
+        let id = vocab.len();
+        vocab.insert(c.to_string(), json!(id));
+    }
+    let added: Vec<Value> = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        .iter()
+        .enumerate()
+        .map(|(id, t)| {
+            json!({"id": id, "content": t, "single_word": false, "lstrip": false,
+                   "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let tokenizer = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Split", "pattern": {"String": ""}, "behavior": "Isolated",
+                          "invert": false},
+        "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<missing>"}
+    });
+    let template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n\
+                    {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    let config = json!({"eos_token": "<|endoftext|>", "chat_template": template});
+    let files = HfTokenizerFiles {
+        tokenizer_json: tokenizer.to_string(),
+        tokenizer_config_json: Some(config.to_string()),
+        chat_template_jinja: None,
+    };
+    Tokenizer::Hf(HfTokenizer::from_files(files, Path::new("chatml-characters")).unwrap())
+}
+
+/// The end-of-turn markers a chat prompt stops on are looked up in the tokenizer: one it
+/// cannot encode (here `<|eot_id|>`, with no unknown token) is simply not its own, and the
+/// prompt encodes as the template renders it.
+#[test]
+fn a_chat_prompt_encodes_with_a_tokenizer_that_has_no_unknown_token() {
+    let t = chatml_characters();
+    let messages = [json!({"role": "user", "content": "hi"})];
+    let chat = snug_train::chat_prompt(&t, &messages).unwrap();
+    assert_eq!(
+        chat.text,
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    assert_eq!(chat.ids, t.encode(&chat.text).unwrap());
+    assert_eq!(chat.ids[0], 1);
+    // `<|endoftext|>` (its EOS) and `<|im_end|>`: the markers it has.
+    assert_eq!(chat.stop, [0, 2]);
+    // Text it cannot encode is still an error.
+    let bad = [json!({"role": "user", "content": "HI"})];
+    assert!(snug_train::chat_prompt(&t, &bad).is_err());
+}
