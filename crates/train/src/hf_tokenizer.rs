@@ -438,8 +438,23 @@ impl HfTokenizer {
                 "is missing: this tokenizer has no chat template",
             )
         })?;
+        // transformers leaves a message's null fields out (an assistant turn of `tool_calls`
+        // has `"content": null`): a template sees them undefined, not as `None` to print.
+        let messages = messages
+            .iter()
+            .map(|m| match m {
+                Json::Object(fields) => Json::Object(
+                    fields
+                        .iter()
+                        .filter(|(_, v)| !v.is_null())
+                        .map(|(k, v)| (k.clone(), v.clone()))
+                        .collect(),
+                ),
+                other => other.clone(),
+            })
+            .collect();
         let mut ctx = serde_json::Map::new();
-        ctx.insert("messages".into(), Json::Array(messages.to_vec()));
+        ctx.insert("messages".into(), Json::Array(messages));
         ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
         for (name, token) in [
             ("bos_token", &self.0.special.bos),

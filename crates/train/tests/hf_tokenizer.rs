@@ -547,6 +547,13 @@ fn a_prepare_mark_reads_back_beside_every_kind_of_tokenizer() {
 /// A character-level WordLevel tokenizer with no unknown token and ChatML's markers as added
 /// special tokens: text outside its characters does not encode at all.
 fn chatml_characters() -> Tokenizer {
+    let template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n\
+                    {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    Tokenizer::Hf(characters_with_template(template))
+}
+
+/// [`chatml_characters`]'s tokenizer with another chat template.
+fn characters_with_template(template: &str) -> HfTokenizer {
     let mut vocab = serde_json::Map::new();
     for (i, t) in ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
         .iter()
@@ -574,15 +581,13 @@ fn chatml_characters() -> Tokenizer {
         "post_processor": null, "decoder": null,
         "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<missing>"}
     });
-    let template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n\
-                    {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
     let config = json!({"eos_token": "<|endoftext|>", "chat_template": template});
     let files = HfTokenizerFiles {
         tokenizer_json: tokenizer.to_string(),
         tokenizer_config_json: Some(config.to_string()),
         chat_template_jinja: None,
     };
-    Tokenizer::Hf(HfTokenizer::from_files(files, Path::new("chatml-characters")).unwrap())
+    HfTokenizer::from_files(files, Path::new("chatml-characters")).unwrap()
 }
 
 /// The end-of-turn markers a chat prompt stops on are looked up in the tokenizer: one it
@@ -604,4 +609,25 @@ fn a_chat_prompt_encodes_with_a_tokenizer_that_has_no_unknown_token() {
     // Text it cannot encode is still an error.
     let bad = [json!({"role": "user", "content": "HI"})];
     assert!(snug_train::chat_prompt(&t, &bad).is_err());
+}
+
+/// As transformers renders them (4.46 and 5.24 alike): objects keep their keys in the order
+/// written, in `tojson` and `items()`, and a message's null field is left out (an assistant
+/// turn of tool calls has `"content": null`), not printed as `None`.
+#[test]
+fn templates_see_keys_in_order_and_no_null_fields() {
+    let t = characters_with_template(
+        "{{ messages[0] | tojson }}|{% for k, v in messages[0].items() %}{{ k }}={{ v }};\
+         {% endfor %}|{{ {\"b\": 1, \"a\": 2} | tojson }}|{% for m in messages %}\
+         [{{ m.content }}{% if m.content is defined %}+{% endif %}]{% endfor %}",
+    );
+    let messages: Vec<Value> = serde_json::from_str(
+        r#"[{"role": "user", "content": "hi"}, {"role": "assistant", "content": null}]"#,
+    )
+    .unwrap();
+    // transformers' `apply_chat_template(messages, tokenize=False)` of the same template.
+    assert_eq!(
+        t.render_chat(&messages, false).unwrap(),
+        r#"{"role": "user", "content": "hi"}|role=user;content=hi;|{"b": 1, "a": 2}|[hi+][]"#
+    );
 }
