@@ -267,6 +267,37 @@ struct PeftConfig {
     use_dora: bool,
     #[serde(default)]
     modules_to_save: Option<serde_json::Value>,
+    /// PEFT's other fields, read only to refuse those that change what an adapter computes
+    /// ([`REFUSED_FIELDS`]) where they are set.
+    #[serde(flatten, skip_serializing)]
+    other: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Fields of PEFT's `LoraConfig` that change which layers carry adapters, their ranks or
+/// scales, or what else is trained: an adapter with any of them set computes something snug
+/// would not, so it is refused by name rather than read as if they were unset.
+const REFUSED_FIELDS: [&str; 10] = [
+    "alpha_pattern",
+    "rank_pattern",
+    "layers_to_transform",
+    "exclude_modules",
+    "lora_bias",
+    "target_parameters",
+    "layer_replication",
+    "trainable_token_indices",
+    "use_qalora",
+    "use_bdlora",
+];
+
+/// Whether a configuration value is set: not null, false, empty or an empty list or map.
+fn is_set(v: &serde_json::Value) -> bool {
+    match v {
+        serde_json::Value::Null | serde_json::Value::Bool(false) => false,
+        serde_json::Value::String(s) => !s.is_empty(),
+        serde_json::Value::Array(a) => !a.is_empty(),
+        serde_json::Value::Object(o) => !o.is_empty(),
+        _ => true,
+    }
 }
 
 fn none_bias() -> String {
@@ -353,6 +384,7 @@ pub fn save_peft_adapter(
         use_rslora: false,
         use_dora: false,
         modules_to_save: None,
+        other: serde_json::Map::new(),
     };
     let text = serde_json::to_string_pretty(&config).map_err(|e| NnError::WeightsFile {
         path: dir.display().to_string(),
@@ -480,6 +512,12 @@ pub fn read_adapter_config(
     }
     if c.modules_to_save.as_ref().is_some_and(|m| !m.is_null()) {
         return Err(refuse("modules_to_save", "set"));
+    }
+    if let Some((field, value)) = REFUSED_FIELDS
+        .iter()
+        .find_map(|&f| Some((f, c.other.get(f).filter(|v| is_set(v))?)))
+    {
+        return Err(refuse(field, &format!("set ({value})")));
     }
     let targets = match &c.target_modules {
         serde_json::Value::String(s) if s == "all-linear" => LoraTargets::AllLinear,
@@ -780,6 +818,52 @@ mod tests {
         let mut w = base[0].1.clone();
         folds.fold(&base[0].0, &mut w).unwrap();
         assert!(matches!(folds.finish(), Err(NnError::Lora { .. })));
+    }
+
+    /// Fields that change what an adapter computes are refused by name where they are set,
+    /// and read as PEFT writes them unset (null, false, `{}`).
+    #[test]
+    fn adapter_configs_with_fields_snug_does_not_train_are_refused_by_name() {
+        let model = ModelConfig::preset("llama-tiny").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let base = serde_json::json!({
+            "peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+            "alpha_pattern": {}, "rank_pattern": {}, "layers_to_transform": null,
+            "exclude_modules": null, "lora_bias": false, "target_parameters": null,
+            "layer_replication": null, "trainable_token_indices": null, "use_qalora": false,
+            "layers_pattern": null, "use_dora": false, "use_rslora": false,
+        });
+        let read = |config: &serde_json::Value| {
+            std::fs::write(dir.path().join(ADAPTER_CONFIG_FILE), config.to_string()).unwrap();
+            read_adapter_config(dir.path(), &model)
+        };
+        let (lora, _) = read(&base).unwrap();
+        assert_eq!((lora.rank, lora.alpha), (4, 8.0));
+        for (field, value) in [
+            ("alpha_pattern", serde_json::json!({"v_proj": 32})),
+            ("rank_pattern", serde_json::json!({"v_proj": 2})),
+            ("layers_to_transform", serde_json::json!([1])),
+            ("exclude_modules", serde_json::json!(["q_proj"])),
+            ("lora_bias", serde_json::json!(true)),
+            ("target_parameters", serde_json::json!(["mlp.experts"])),
+            ("layer_replication", serde_json::json!([[0, 1]])),
+            ("trainable_token_indices", serde_json::json!([0])),
+            ("use_qalora", serde_json::json!(true)),
+            ("use_dora", serde_json::json!(true)),
+            ("use_rslora", serde_json::json!(true)),
+            ("bias", serde_json::json!("all")),
+            ("modules_to_save", serde_json::json!(["lm_head"])),
+        ] {
+            let mut config = base.clone();
+            config[field] = value;
+            match read(&config) {
+                Err(NnError::Adapter { path, detail }) => {
+                    assert!(path.ends_with(ADAPTER_CONFIG_FILE), "{path}");
+                    assert!(detail.contains(&format!("`{field}`")), "{field}: {detail}");
+                }
+                other => panic!("{field}: expected a refusal, got {other:?}"),
+            }
+        }
     }
 
     #[test]
