@@ -567,6 +567,34 @@ fn a_run_outlives_the_directory_it_started_from() {
     );
 }
 
+/// Pretrained weights with no tokenizer.json beside them cannot train on text: a character
+/// tokenizer made from the text would give ids that mean other tokens to them. `train` and
+/// `plan` refuse it by name; the built-in data (a toy whatever its ids) still trains.
+#[test]
+fn text_for_weights_without_their_tokenizer_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    write_text(&cwd.join("text.txt"));
+    let llama = fixture("llama");
+    assert!(!llama.join("tokenizer.json").exists());
+    let d = llama.to_str().unwrap();
+    let shape = ["--batch", "2", "--block", "16", "--threads", "1"];
+    for command in [&["train", "--steps", "1"][..], &["plan"]] {
+        fails_with(
+            cwd,
+            &[command, &["--init-from", d, "--data", "text.txt"], &shape].concat(),
+            &[
+                "has no tokenizer.json",
+                "character tokenizer",
+                "other tokens",
+            ],
+        );
+    }
+    assert!(!cwd.join("runs").exists());
+    let train = ["train", "--init-from", d, "--steps", "1", "--no-save"];
+    ok(cwd, &[&train[..], &shape].concat());
+}
+
 /// A model directory whose config.json was left behind is named as such by every command
 /// that reads one, rather than taken for a run directory without checkpoints or a lone
 /// weights file.

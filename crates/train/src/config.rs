@@ -1322,6 +1322,26 @@ impl TrainConfig {
         self.loss_mask |= data.has_loss_mask();
         let model = self.model_for_vocab(data.tokenizer.vocab_size())?;
         self.check_init_from(&model)?;
+        // Pretrained weights beside no tokenizer: a character tokenizer made from the data
+        // would number its characters as the weights never saw them, and train silently.
+        // (The built-in data is a toy whatever its ids; a resume keeps the run's tokenizer.)
+        if let (None, Some(dir), crate::Tokenizer::Char(_), DataSourceConfig::File(_)) =
+            (tokenizer, self.hf_init_dir(), &data.tokenizer, &self.data)
+        {
+            return Err(TrainError::Config {
+                field: "data",
+                detail: format!(
+                    "{} has no {}, so its weights' token ids are unknown; the data's character \
+                     tokenizer (vocabulary {}) would give them ids that mean other tokens to \
+                     them: put the model's {} beside its weights, or give token files `snug \
+                     prepare` made with its tokenizer",
+                    dir.display(),
+                    crate::hf_tokenizer::TOKENIZER_FILE,
+                    data.tokenizer.vocab_size(),
+                    crate::hf_tokenizer::TOKENIZER_FILE
+                ),
+            });
+        }
         Ok((data, model))
     }
 
