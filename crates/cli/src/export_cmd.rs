@@ -85,12 +85,12 @@ const EXPORT_FILES: [&str; 7] = [
     snug_nn::lora::ADAPTER_CONFIG_FILE,
 ];
 
-/// Files export never writes that Hugging Face's loaders read with a model's (its generation
-/// settings, a slow tokenizer's files): left by an earlier model in a directory `--force`
-/// replaces, they would be read with the new one. Weights are not among them: a directory
+/// Files beside a model that Hugging Face's loaders read with it (its generation settings, a
+/// slow tokenizer's files): left by an earlier model in a directory `--force` replaces, they
+/// would be read with the new one, so those this export does not write go. Weights are not among them: a directory
 /// holding sharded weights is refused, and other formats are not read beside safetensors.
 const HUB_FILES: [&str; 6] = [
-    "generation_config.json",
+    GENERATION_CONFIG,
     "special_tokens_map.json",
     "added_tokens.json",
     "vocab.json",
@@ -250,6 +250,85 @@ fn adapter_base(out: &Path) -> String {
         .to_string()
 }
 
+/// The token ids a Hugging Face config names (`bos_token_id`, `eos_token_id`, `pad_token_id`):
+/// the source's own config.json's where the model came from one (a Llama 3's list of EOS ids
+/// included), else its tokenizer's special tokens (GPT-2's BPE: `<|endoftext|>`, 50256). A
+/// character tokenizer has none. Without them transformers takes its class defaults, which
+/// name other tokens, and `generate()` never stops at the model's end of text.
+fn token_ids(
+    source: &Source,
+    tokenizer: Option<&Tokenizer>,
+) -> serde_json::Map<String, serde_json::Value> {
+    const KEYS: [&str; 3] = ["bos_token_id", "eos_token_id", "pad_token_id"];
+    let original = match source {
+        Source::Run(_, ckpt) => ckpt.config.model.hf_config_text.clone(),
+        Source::Hf(c) => std::fs::read_to_string(c.dir().join("config.json")).ok(),
+    };
+    let original = original.and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+    if let Some(serde_json::Value::Object(config)) = original {
+        return KEYS
+            .iter()
+            .filter_map(|&k| Some((k.to_string(), config.get(k)?.clone())))
+            .collect();
+    }
+    let ids: [Option<u32>; 3] = match tokenizer {
+        Some(Tokenizer::Hf(t)) => {
+            let s = t.special_tokens();
+            [&s.bos, &s.eos, &s.pad].map(|t| t.as_ref().map(|t| t.id))
+        }
+        Some(t @ Tokenizer::Gpt2(_)) => {
+            let end = t.eos_id();
+            [end, end, None]
+        }
+        _ => [None; 3],
+    };
+    KEYS.iter()
+        .zip(ids)
+        .filter_map(|(&k, id)| Some((k.to_string(), serde_json::Value::from(id?))))
+        .collect()
+}
+
+/// Adds `ids` to the config.json just written at `path`, and writes generation_config.json
+/// beside it: the source directory's own where it has one (its sampling settings), else
+/// transformers' form of one made from the config. Returns its path, if written.
+fn write_token_ids(
+    path: &Path,
+    ids: &serde_json::Map<String, serde_json::Value>,
+    source: &Source,
+) -> Result<Option<PathBuf>> {
+    if !ids.is_empty() {
+        let text = std::fs::read_to_string(path)?;
+        let mut config: serde_json::Value = serde_json::from_str(&text)?;
+        if let serde_json::Value::Object(c) = &mut config {
+            c.extend(ids.clone());
+        }
+        snug_nn::hf_checkpoint::write_file_atomically(
+            path,
+            serde_json::to_string_pretty(&config)?.as_bytes(),
+        )?;
+    }
+    let own = match source {
+        Source::Hf(c) => std::fs::read_to_string(c.dir().join(GENERATION_CONFIG)).ok(),
+        Source::Run(..) => None,
+    };
+    let text = match own {
+        Some(text) => text,
+        None if ids.is_empty() => return Ok(None),
+        None => {
+            let mut g = serde_json::Map::new();
+            g.insert("_from_model_config".into(), true.into());
+            g.extend(ids.clone());
+            serde_json::to_string_pretty(&g)?
+        }
+    };
+    let generation = path.with_file_name(GENERATION_CONFIG);
+    snug_nn::hf_checkpoint::write_file_atomically(&generation, text.as_bytes())?;
+    Ok(Some(generation))
+}
+
+/// transformers' generation settings file.
+const GENERATION_CONFIG: &str = "generation_config.json";
+
 pub fn run(args: ExportArgs) -> Result<()> {
     if same_path(&args.out, &args.checkpoint) {
         bail!(
@@ -390,6 +469,13 @@ pub fn run(args: ExportArgs) -> Result<()> {
             tokenizer_paths.push(staged.final_path(&path));
         }
     }
+    let generation = write_token_ids(
+        &written.config,
+        &token_ids(&source, tokenizer.as_ref()),
+        &source,
+    )
+    .with_context(|| format!("writing the token ids into {}", args.out.display()))?
+    .map(|p| staged.final_path(&p));
     let (weights, config) = (
         staged.final_path(&written.weights),
         staged.final_path(&written.config),
@@ -406,7 +492,8 @@ pub fn run(args: ExportArgs) -> Result<()> {
         written_paths.extend([a.weights.clone(), a.config.clone()]);
     }
     let mut removed = output::stale_files(&args.out, &EXPORT_FILES, &written_paths);
-    removed.extend(output::stale_files(&args.out, &HUB_FILES, &[]));
+    let hub_written: Vec<PathBuf> = generation.iter().cloned().collect();
+    removed.extend(output::stale_files(&args.out, &HUB_FILES, &hub_written));
     let replaceable: Vec<&str> = EXPORT_FILES.iter().chain(&HUB_FILES).copied().collect();
     staged.commit(&replaceable)?;
     // Gone already where the directory was replaced whole.

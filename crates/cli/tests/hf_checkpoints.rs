@@ -121,6 +121,22 @@ fn train_sample_and_export_from_a_hugging_face_directory() {
         serde_json::from_slice(&std::fs::read(cwd.join("exported/config.json")).unwrap()).unwrap();
     assert_eq!(config["architectures"][0], "LlamaForCausalLM");
     assert_eq!(config["tie_word_embeddings"], true);
+    // The token ids of the config.json the run started from, and an f32 setting written as
+    // that file had it, not as the f64 nearest the f32.
+    let original: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    for key in ["bos_token_id", "eos_token_id", "rms_norm_eps"] {
+        assert_eq!(config[key], original[key], "{key}");
+    }
+    // And generation settings transformers reads, with the same ids.
+    let generation: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(cwd.join("exported/generation_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        (&generation["bos_token_id"], &generation["eos_token_id"]),
+        (&original["bos_token_id"], &original["eos_token_id"])
+    );
     // Three AdamW steps at lr 1e-9 move no weight by more than about 3e-9.
     let got = tensors(&cwd.join("exported/model.safetensors"));
     let want = tensors(&dir.join("model.safetensors"));

@@ -546,8 +546,8 @@ fn llama_json(c: &LlamaConfig) -> Value {
         "head_dim": c.head_dim(),
         "hidden_act": "silu",
         "max_position_embeddings": c.max_seq,
-        "rms_norm_eps": c.rms_eps,
-        "rope_theta": c.rope_theta,
+        "rms_norm_eps": shortest(c.rms_eps),
+        "rope_theta": shortest(c.rope_theta),
         "rope_scaling": rope_scaling,
         "tie_word_embeddings": c.tie_word_embeddings,
         "vocab_size": c.vocab_size,
@@ -573,6 +573,12 @@ fn llama_json(c: &LlamaConfig) -> Value {
         v.extend(extra);
     }
     v
+}
+
+/// An f32 written as the shortest decimal that reads back as it (`1e-6`, not the f64 nearest
+/// the f32, `9.999999974752427e-7`), as the config.json it came from most likely had it.
+fn shortest(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(f64::from(x))
 }
 
 #[cfg(test)]
