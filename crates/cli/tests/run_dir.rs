@@ -1281,8 +1281,9 @@ fn a_run_killed_at_any_moment_resumes_to_the_state_of_one_never_stopped() {
         }
         // SAFETY: signalling our own child.
         assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGKILL) }, 0);
-        let status = child.wait().unwrap();
-        assert!(!status.success());
+        if child.wait().unwrap().success() {
+            break; // finished between the check and the signal
+        }
         kills += 1;
     }
     assert!(kills >= 3, "only {kills} kills landed mid-run");
