@@ -232,6 +232,18 @@ struct InferenceReport {
 
 /// What a remat mode left out would have done to the peak: it is left out where it does not
 /// lower it, which includes leaving it as it was. Exact bytes where the rounded figures agree.
+/// A step's floating-point operations in GFLOP, or, where the count saturated (an absurd
+/// batch, planned only to be refused), what it is at least.
+fn gflop(flops: u64) -> String {
+    match flops {
+        u64::MAX => format!(
+            "over {:.3e} GFLOP (more than 64 bits count)",
+            u64::MAX as f64 / 1e9
+        ),
+        f => format!("{:.1} GFLOP", f as f64 / 1e9),
+    }
+}
+
 fn remat_effect(without: usize, with: usize) -> String {
     let (a, b) = (human_bytes(without), human_bytes(with));
     match with.cmp(&without) {
@@ -533,7 +545,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         );
     }
     println!(
-        "training step: batch {} x block {} = {} tokens, {:?}, {}, {} threads, remat {}; {} nodes, {:.1} GFLOP",
+        "training step: batch {} x block {} = {} tokens, {:?}, {}, {} threads, remat {}; {} nodes, {}",
         cfg.batch,
         cfg.block,
         cfg.batch.saturating_mul(cfg.block),
@@ -542,7 +554,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         cfg.threads,
         report.remat,
         report.nodes,
-        report.flops_per_step as f64 / 1e9
+        gflop(report.flops_per_step)
     );
     if let Some(d) = &report.distributed {
         println!(
@@ -723,7 +735,16 @@ fn is_zero(n: &usize) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::remat_effect;
+    use super::{gflop, remat_effect};
+
+    #[test]
+    fn a_saturated_flop_count_is_not_printed_as_a_figure() {
+        assert_eq!(gflop(12_345_600_000), "12.3 GFLOP");
+        assert_eq!(
+            gflop(u64::MAX),
+            "over 1.845e10 GFLOP (more than 64 bits count)"
+        );
+    }
 
     #[test]
     fn a_remat_left_out_is_described_truly() {
