@@ -445,8 +445,9 @@ fn rope(f: &Fields) -> Result<(f32, Option<RopeScaling>)> {
     )
     .map_err(|e| rename(e, &name("partial_rotary_factor")))?;
     // transformers 4.4x wrote `type`; later versions `rope_type`.
-    let kind = match (p.get("rope_type"), p.get("type")) {
-        (Some(t), _) | (None, Some(t)) => t,
+    let (kind_key, kind) = match (p.get("rope_type"), p.get("type")) {
+        (Some(t), _) => ("rope_type", t),
+        (None, Some(t)) => ("type", t),
         (None, None) => {
             return Err(HfConfigError::Missing {
                 field: name("rope_type"),
@@ -480,7 +481,7 @@ fn rope(f: &Fields) -> Result<(f32, Option<RopeScaling>)> {
             Ok((theta, Some(scaling)))
         }
         _ => Err(unsupported(
-            &name("rope_type"),
+            &name(kind_key),
             kind,
             "snug scales rotary frequencies as Llama 3 does (`llama3`) or not at all (`default`)",
         )),
@@ -663,7 +664,7 @@ mod tests {
             ),
             (
                 llama_text(r#", "rope_scaling": {"type": "linear", "factor": 2.0}"#),
-                "rope_scaling.rope_type",
+                "rope_scaling.type",
                 "\"linear\"",
             ),
             (
