@@ -265,12 +265,6 @@ fn token_ids(
         Source::Hf(c) => std::fs::read_to_string(c.dir().join("config.json")).ok(),
     };
     let original = original.and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
-    if let Some(serde_json::Value::Object(config)) = original {
-        return KEYS
-            .iter()
-            .filter_map(|&k| Some((k.to_string(), config.get(k)?.clone())))
-            .collect();
-    }
     let ids: [Option<u32>; 3] = match tokenizer {
         Some(Tokenizer::Hf(t)) => {
             let s = t.special_tokens();
@@ -282,9 +276,13 @@ fn token_ids(
         }
         _ => [None; 3],
     };
+    // Key by key: a config.json that names some ids keeps them, the tokenizer fills the rest.
     KEYS.iter()
         .zip(ids)
-        .filter_map(|(&k, id)| Some((k.to_string(), serde_json::Value::from(id?))))
+        .filter_map(|(&k, id)| {
+            let own = original.as_ref().and_then(|c| c.get(k)).cloned();
+            Some((k.to_string(), own.or(id.map(serde_json::Value::from))?))
+        })
         .collect()
 }
 
@@ -336,7 +334,12 @@ pub fn run(args: ExportArgs) -> Result<()> {
             args.out.display()
         );
     }
-    output::check_dir(&args.out, &EXPORT_FILES, DirContents::Nothing, args.force)?;
+    let writes: Vec<&str> = EXPORT_FILES
+        .iter()
+        .chain([&GENERATION_CONFIG])
+        .copied()
+        .collect();
+    output::check_dir(&args.out, &writes, DirContents::Nothing, args.force)?;
     let source = Source::open(&args.checkpoint)?;
     let model = source.model()?;
     // Everything is read and checked before anything is written.

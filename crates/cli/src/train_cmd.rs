@@ -983,11 +983,12 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             return Err(match (saved, &args.resume) {
                 (Some((step, _)), _) => anyhow::Error::new(e).context(resume_hint(step)),
                 // A resumed run that saved nothing leaves the checkpoint it resumed from.
-                (None, Some(from)) if started_at > 0 => anyhow::Error::new(e).context(format!(
-                    "nothing saved since step {started_at}, the checkpoint this run resumed: \
+                (None, Some(from)) if started_at > 0 && cfg.out.is_some() => anyhow::Error::new(e)
+                    .context(format!(
+                        "nothing saved since step {started_at}, the checkpoint this run resumed: \
                      continue with `snug train --resume {}`",
-                    from.display()
-                )),
+                        from.display()
+                    )),
                 (None, _) => e.into(),
             });
         }

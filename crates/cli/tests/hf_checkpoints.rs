@@ -689,3 +689,39 @@ fn an_export_removes_what_a_killed_one_left() {
     assert!(live.exists() && recent.exists() && other.exists());
     assert!(live_dir.exists() && recent_dir.exists());
 }
+
+/// Export takes each token id from the model's config.json where it names it and from its
+/// tokenizer where it does not, and keeps the directory's own generation settings.
+#[test]
+fn export_fills_token_ids_the_config_lacks_from_the_tokenizer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let model = cwd.join("model");
+    std::fs::create_dir(&model).unwrap();
+    let from = fixture("llama_tied");
+    for entry in std::fs::read_dir(&from).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, model.join(path.file_name().unwrap())).unwrap();
+    }
+    let read = |p: &Path| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
+    };
+    let mut config = read(&model.join("config.json"));
+    let eos = config.as_object_mut().unwrap().remove("eos_token_id");
+    assert_eq!(eos, Some(serde_json::json!(2)));
+    std::fs::write(model.join("config.json"), config.to_string()).unwrap();
+    ok(
+        cwd,
+        &["export", "--checkpoint", "model", "--out", "exported"],
+    );
+    let exported = read(&cwd.join("exported/config.json"));
+    // bos and pad (null, as the config says) from the config; eos (`<|im_end|>`, 2) from
+    // tokenizer_config.json.
+    assert_eq!(exported["bos_token_id"], 1);
+    assert_eq!(exported["eos_token_id"], 2);
+    assert_eq!(exported.get("pad_token_id"), Some(&serde_json::Value::Null));
+    assert_eq!(
+        std::fs::read(cwd.join("exported/generation_config.json")).unwrap(),
+        std::fs::read(from.join("generation_config.json")).unwrap()
+    );
+}

@@ -276,7 +276,8 @@ struct PeftConfig {
 /// Fields of PEFT's `LoraConfig` that change which layers carry adapters, their ranks or
 /// scales, or what else is trained: an adapter with any of them set computes something snug
 /// would not, so it is refused by name rather than read as if they were unset.
-const REFUSED_FIELDS: [&str; 10] = [
+const REFUSED_FIELDS: [&str; 11] = [
+    "alora_invocation_tokens",
     "alpha_pattern",
     "rank_pattern",
     "layers_to_transform",
@@ -512,6 +513,20 @@ pub fn read_adapter_config(
     }
     if c.modules_to_save.as_ref().is_some_and(|m| !m.is_null()) {
         return Err(refuse("modules_to_save", "set"));
+    }
+    // PiSSA, OLoRA, CorDA and LoftQ start from base weights they changed: over the original
+    // base the adapter computes something else (unless PEFT converted it on saving, which
+    // then records the plain initialisation).
+    if let Some(init) = c.other.get("init_lora_weights").and_then(|v| v.as_str()) {
+        if ["pissa", "olora", "corda", "loftq"]
+            .iter()
+            .any(|m| init.to_ascii_lowercase().starts_with(m))
+        {
+            return Err(refuse(
+                "init_lora_weights",
+                &format!("`{init}` (trained against base weights it changed)"),
+            ));
+        }
     }
     if let Some((field, value)) = REFUSED_FIELDS
         .iter()
@@ -839,6 +854,12 @@ mod tests {
         };
         let (lora, _) = read(&base).unwrap();
         assert_eq!((lora.rank, lora.alpha), (4, 8.0));
+        // Initialisations that leave the base as it was read as usual.
+        for init in [serde_json::json!(true), serde_json::json!("gaussian")] {
+            let mut config = base.clone();
+            config["init_lora_weights"] = init;
+            read(&config).unwrap();
+        }
         for (field, value) in [
             ("alpha_pattern", serde_json::json!({"v_proj": 32})),
             ("rank_pattern", serde_json::json!({"v_proj": 2})),
@@ -849,6 +870,9 @@ mod tests {
             ("layer_replication", serde_json::json!([[0, 1]])),
             ("trainable_token_indices", serde_json::json!([0])),
             ("use_qalora", serde_json::json!(true)),
+            ("alora_invocation_tokens", serde_json::json!([5, 6])),
+            ("init_lora_weights", serde_json::json!("pissa_niter_4")),
+            ("init_lora_weights", serde_json::json!("olora")),
             ("use_dora", serde_json::json!(true)),
             ("use_rslora", serde_json::json!(true)),
             ("bias", serde_json::json!("all")),

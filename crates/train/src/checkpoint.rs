@@ -523,15 +523,15 @@ impl CheckpointRef<'_> {
         // `SNUG_FULL_DISK=1` (tests only): every checkpoint write fails as on a full disk, once
         // its bytes are written, so the temporary file has to be cleaned up.
         #[cfg(feature = "test-hooks")]
-        let written = written.and_then(|()| match std::env::var_os("SNUG_FULL_DISK") {
-            Some(_) => Err(TrainError::Io {
+        let written = written.and_then(|()| match std::env::var("SNUG_FULL_DISK").as_deref() {
+            Ok("1") => Err(TrainError::Io {
                 path: tmp.clone(),
                 source: std::io::Error::new(
                     std::io::ErrorKind::StorageFull,
                     "no space left on device (SNUG_FULL_DISK)",
                 ),
             }),
-            None => Ok(()),
+            _ => Ok(()),
         });
         if let Err(e) = written {
             let _ = fs::remove_file(&tmp);

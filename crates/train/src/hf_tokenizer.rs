@@ -438,7 +438,7 @@ impl HfTokenizer {
                 "is missing: this tokenizer has no chat template",
             )
         })?;
-        // transformers leaves a message's null fields out (an assistant turn of `tool_calls`
+        // transformers 5 leaves a message's null fields out (an assistant turn of `tool_calls`
         // has `"content": null`): a template sees them undefined, not as `None` to print.
         let messages = messages
             .iter()

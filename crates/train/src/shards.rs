@@ -351,7 +351,13 @@ pub fn save(
             })
             .collect(),
     };
-    write_manifest(&manifest, &m)?;
+    if let Err(e) = write_manifest(&manifest, &m) {
+        // No manifest names these shards: they go now, as a full disk is the likely cause.
+        for s in &m.shards {
+            let _ = fs::remove_file(dir.join(&s.file));
+        }
+        return Err(e);
+    }
     if let Some((ckpt_dir, keep)) = retire {
         // An earlier save of this step (resumed from it, saved again) had other files.
         remove_shards(dir, shard.step, Some(save));
@@ -383,7 +389,9 @@ fn write_shard(path: &Path, shard: &ShardRef<'_>) -> Result<(u64, u32), TrainErr
         }),
     }
     .save(path)?;
-    file_digest(path)
+    file_digest(path).inspect_err(|_| {
+        let _ = fs::remove_file(path);
+    })
 }
 
 /// Writes the manifest to a temporary file, syncs it, renames it into place and syncs the

@@ -340,3 +340,24 @@ fn a_sharded_save_replaces_the_runs_own_checkpoint_of_its_step() {
         bits(&t.checkpoint().unwrap())
     );
 }
+
+/// A manifest that cannot be written (here its temporary name is taken by a directory) leaves
+/// no shard file of that save behind: no manifest would ever name them.
+#[test]
+fn a_save_whose_manifest_cannot_be_written_leaves_no_shards() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt_dir = CheckpointDir::create(dir.path()).unwrap();
+    let mut t = trainer();
+    t.train_step().unwrap();
+    let blocker = dir.path().join(".ckpt-00000001.manifest.json.tmp");
+    std::fs::create_dir(&blocker).unwrap();
+    std::fs::write(blocker.join("inside"), b"x").unwrap();
+    let saved = shards::save(dir.path(), &t.shard_ref().unwrap(), Some((&ckpt_dir, 3)));
+    assert!(saved.is_err(), "{saved:?}");
+    let left: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".safetensors"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
