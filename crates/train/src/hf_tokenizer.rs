@@ -842,8 +842,38 @@ fn chat_environment(source: String) -> Result<Environment<'static>, minijinja::E
         },
     );
     env.add_filter("tojson", python_tojson);
-    env.add_template_owned(TEMPLATE_NAME, source)?;
+    env.add_template_owned(TEMPLATE_NAME, generation_blocks_as_ifs(&source))?;
     Ok(env)
+}
+
+/// transformers' `{% generation %}…{% endgeneration %}` (it marks the assistant's tokens for
+/// `return_assistant_tokens_mask`, and renders its body as it is) as `{% if true %}…{% endif %}`,
+/// whitespace control kept: snug finds the assistant's tokens by rendering prefixes, so the
+/// marks add nothing, and minijinja does not know the statement.
+fn generation_blocks_as_ifs(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(open) = rest.find("{%") {
+        let Some(len) = rest[open..].find("%}") else {
+            break;
+        };
+        let tag = &rest[open..open + len + 2];
+        let inner = &tag[2..tag.len() - 2];
+        let core = inner.trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
+        let replacement = match core {
+            "generation" => Some("if true"),
+            "endgeneration" => Some("endif"),
+            _ => None,
+        };
+        out.push_str(&rest[..open]);
+        match replacement {
+            Some(r) => out.push_str(&tag.replacen(core, r, 1)),
+            None => out.push_str(tag),
+        }
+        rest = &rest[open + len + 2..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// Jinja's `tojson` as transformers defines it: `json.dumps(value, ensure_ascii=False,

@@ -631,3 +631,24 @@ fn templates_see_keys_in_order_and_no_null_fields() {
         r#"{"role": "user", "content": "hi"}|role=user;content=hi;|{"b": 1, "a": 2}|[hi+][]"#
     );
 }
+
+/// transformers' `{% generation %}` blocks (assistant-token marks) render their body, with
+/// the tags' whitespace control, as transformers renders them.
+#[test]
+fn generation_blocks_render_as_transformers_renders_them() {
+    let t = characters_with_template(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == \"assistant\" %}\
+         {% generation %}{{ m.content }}<|im_end|>{% endgeneration %}{% else %}\
+         {{ m.content }}<|im_end|>{% endif %}\n{%- generation -%}  {%- endgeneration %}\n\
+         {% endfor %}",
+    );
+    let messages = [
+        json!({"role": "user", "content": "hi"}),
+        json!({"role": "assistant", "content": "yo"}),
+    ];
+    // transformers' `apply_chat_template(messages, tokenize=False)` of the same template.
+    assert_eq!(
+        t.render_chat(&messages, false).unwrap(),
+        "<|im_start|>user\nhi<|im_end|><|im_start|>assistant\nyo<|im_end|>"
+    );
+}
