@@ -87,8 +87,9 @@ const EXPORT_FILES: [&str; 7] = [
 
 /// Files beside a model that Hugging Face's loaders read with it (its generation settings, a
 /// slow tokenizer's files): left by an earlier model in a directory `--force` replaces, they
-/// would be read with the new one, so those this export does not write go. Weights are not among them: a directory
-/// holding sharded weights is refused, and other formats are not read beside safetensors.
+/// would be read with the new one, so those this export does not write go. Weights are not
+/// among them: a directory holding sharded weights is refused, and other formats are not read
+/// beside safetensors.
 const HUB_FILES: [&str; 6] = [
     GENERATION_CONFIG,
     "special_tokens_map.json",

@@ -685,7 +685,7 @@ impl CheckpointDir {
     }
 
     pub fn path_for(&self, step: u64) -> PathBuf {
-        self.dir.join(format!("{PREFIX}{step:08}{SUFFIX}"))
+        whole_path(&self.dir, step)
     }
 
     /// Checkpoints by step, oldest first: whole files and sharded checkpoints' manifests
@@ -866,6 +866,11 @@ pub(crate) fn aside_path(path: &Path) -> PathBuf {
         .unwrap_or_else(|| named(".damaged".into()))
 }
 
+/// The whole (unsharded) checkpoint file of `step` in `dir`: `ckpt-<step>.safetensors`.
+fn whole_path(dir: &Path, step: u64) -> PathBuf {
+    dir.join(format!("{PREFIX}{step:08}{SUFFIX}"))
+}
+
 /// Refuses a save of `step` by the run `ours` configures where the directory holds another
 /// run's checkpoint of that step, whole or sharded (or one whose header does not read): a
 /// save never replaces it, and the directory would otherwise hold two checkpoints of the
@@ -876,7 +881,7 @@ pub(crate) fn check_step_is_ours(
     ours: &TrainConfig,
 ) -> Result<(), TrainError> {
     let paths = [
-        dir.join(format!("{PREFIX}{step:08}{SUFFIX}")),
+        whole_path(dir, step),
         crate::shards::manifest_path(dir, step),
     ];
     match paths

@@ -60,6 +60,16 @@ pub fn lines(o: &Output, kind: &str) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// Checks that an mpirun job failed without a panic, its standard error holding `needle`;
+/// returns that standard error.
+pub fn refused(o: &Output, needle: &str) -> String {
+    let err = text(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(err.contains(needle), "`{needle}` missing from: {err}");
+    err
+}
+
 /// Runs `snug args` as two ranks in `cwd`; they must succeed.
 pub fn two_ranks(cwd: &Path, args: &[&str]) -> Output {
     let mut cmd = mpirun().expect("checked by the caller");
