@@ -227,10 +227,20 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            print_error(format_args!("error: {e:#}"));
             ExitCode::FAILURE
         }
     }
+}
+
+/// Writes one line to standard error in one `write`. `eprintln!` writes a message piece by
+/// piece (anyhow's chain of causes, each a write of its own), and under `mpirun` the ranks'
+/// pieces reach the terminal through one pipe, so two ranks' errors came out interleaved
+/// mid-sentence. A pipe keeps a write of up to 4 KiB whole.
+fn print_error(message: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let line = format!("{message}\n");
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
 }
 
 /// `snug train`, as one rank of a run `mpirun` (or `srun`) started, or alone. An error on one
@@ -239,7 +249,7 @@ fn train_over_ranks(args: train_cmd::TrainArgs) -> ExitCode {
     let mpi = match snug_mpi::init() {
         Ok(m) => m,
         Err(e) => {
-            eprintln!("error: {e}");
+            print_error(format_args!("error: {e}"));
             return ExitCode::FAILURE;
         }
     };
@@ -250,11 +260,11 @@ fn train_over_ranks(args: train_cmd::TrainArgs) -> ExitCode {
     match train_cmd::run(args) {
         Ok(code) => code,
         Err(e) if ranks > 1 => {
-            eprintln!("error: rank {rank} of {ranks}: {e:#}");
+            print_error(format_args!("error: rank {rank} of {ranks}: {e:#}"));
             mpi.abort(1)
         }
         Err(e) => {
-            eprintln!("error: {e:#}");
+            print_error(format_args!("error: {e:#}"));
             ExitCode::FAILURE
         }
     }

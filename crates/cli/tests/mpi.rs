@@ -121,6 +121,42 @@ fn ranks_started_with_different_settings_stop_naming_the_keys() {
     assert!(start.elapsed() < Duration::from_secs(60), "no rank hung");
 }
 
+/// Both ranks refuse the step as they set it up, each writing its error as the other does.
+/// Each error is one write: `eprintln!` wrote anyhow's causes one by one, and through
+/// mpirun's one pipe the two ranks' pieces came out interleaved mid-sentence.
+#[test]
+fn each_ranks_error_reaches_the_terminal_whole() {
+    if let Err(reason) = mpirun() {
+        return snug_testkit::skip_or_fail(&reason);
+    }
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let cause = "quantized frozen weights are not supported over several ranks yet";
+    for _ in 0..3 {
+        let mut cmd = mpirun().expect("checked above");
+        let o = cmd
+            .args(["-np", "2", env!("CARGO_BIN_EXE_snug")])
+            .args(RUN)
+            .args(["--no-save", "--lora", "2", "--quantize-base", "nf4"])
+            .current_dir(dir.path())
+            .output()
+            .expect("mpirun runs");
+        let err = refused(&o, cause);
+        let errors: Vec<&str> = err.lines().filter(|l| l.contains("error: rank")).collect();
+        assert!(!errors.is_empty(), "{err}");
+        for line in errors {
+            let whole = (0..2).any(|r| {
+                line.starts_with(&format!("error: rank {r} of 2: setting up training: "))
+                    && line.contains(cause)
+                    && line.matches("error: rank").count() == 1
+            });
+            assert!(
+                whole,
+                "an error line broken by another's: {line:?} in {err}"
+            );
+        }
+    }
+}
+
 #[test]
 fn sharding_needs_ranks() {
     let dir = tempfile::tempdir().expect("a scratch directory");
