@@ -739,7 +739,7 @@ fn evaluate(
 /// What failed: the allocator's limit and the request it refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct MemoryFailure {
-    /// The limit in force (`usize::MAX` when the system itself refused).
+    /// The limit that refused (`usize::MAX` when the system itself refused, under the limit).
     pub limit: usize,
     pub requested: usize,
     pub active: usize,
@@ -747,8 +747,8 @@ pub struct MemoryFailure {
 
 impl MemoryFailure {
     /// The budget a configuration must meet to carry on after this failure of a plan peaking
-    /// at `current_peak`: under the limit, or, when the system refused with no limit set,
-    /// under the current peak.
+    /// at `current_peak`: under the limit, or, when the system refused, under the current
+    /// peak.
     pub fn budget(&self, current_peak: usize) -> usize {
         self.limit.min(current_peak.saturating_sub(1))
     }

@@ -202,7 +202,7 @@ fn recovery_fits_under_the_limit_without_growing_the_micro_batch() {
     assert!(to.peak_bytes.unwrap() <= failure.limit);
     assert!(to.config.micro_batch <= 8);
     assert_eq!(to.config.micro_batch * to.config.accumulation, 16);
-    // The system refusing with no limit set: anything below the current plan.
+    // The system refusing: anything below the current plan.
     let system = MemoryFailure {
         limit: usize::MAX,
         ..failure

@@ -145,12 +145,12 @@ pub enum TrainError {
         human_bytes(*needed),
         match limit {
             Some(l) => format!("the memory limit is {} ({l} bytes)", human_bytes(*l)),
-            None => "the system could not provide it (no memory limit was set)".into(),
+            None => "the system (a GPU's driver, on a GPU) could not provide it, under any memory limit set".into(),
         }
     )]
     DoesNotFit {
         needed: usize,
-        /// The limit that refused it; `None` when the system itself did.
+        /// The limit that refused it; `None` when the system itself did, under the limit.
         limit: Option<usize>,
     },
     #[error(

@@ -53,14 +53,15 @@ impl fmt::Display for Device {
     human_bytes(*active),
     human_bytes(*cached),
     if *limit == usize::MAX {
-        "no limit set: the system refused".to_string()
+        format!("refused by the {}", if *device == Device::Cpu { "system" } else { "device" })
     } else {
         format!("limit {}", human_bytes(*limit))
     }
 )]
 pub struct OutOfMemory {
     pub requested: usize,
-    /// `usize::MAX` when no limit was set (the system refused).
+    /// The limit that refused it; `usize::MAX` where the system (the device, for a GPU
+    /// source) refused a request under the limit, or with none set.
     pub limit: usize,
     pub active: usize,
     pub cached: usize,
@@ -406,9 +407,12 @@ impl Allocator {
                 while let Some(b) = s.cache.pop_oldest() {
                     s.source.release(b);
                 }
-                s.source
-                    .allocate(capacity)
-                    .ok_or_else(|| self.oom(&s, bytes))?
+                s.source.allocate(capacity).ok_or_else(|| OutOfMemory {
+                    // The system's refusal, not the limit's, whatever limit is set: the
+                    // request was under it.
+                    limit: usize::MAX,
+                    ..self.oom(&s, bytes)
+                })?
             }
         };
         s.allocations += 1;

@@ -255,7 +255,7 @@ fn large_blocks_are_huge_page_mappings_that_come_back_zeroed() {
 }
 
 /// The message says what the figures are in human units, and never prints `usize::MAX` as a
-/// limit when none was set.
+/// limit where the system refused.
 #[test]
 fn out_of_memory_reads_in_human_units() {
     let oom = |limit| OutOfMemory {
@@ -270,7 +270,10 @@ fn out_of_memory_reads_in_human_units() {
         "out of memory on cpu: requested 3.00 MiB with 1.00 GiB active and 0 B cached, limit 2.00 GiB"
     );
     let none = oom(usize::MAX).to_string();
-    assert!(none.ends_with("no limit set: the system refused"), "{none}");
+    assert!(
+        none.ends_with("0 B cached, refused by the system"),
+        "{none}"
+    );
     assert!(!none.contains(&usize::MAX.to_string()), "{none}");
 }
 
@@ -342,4 +345,37 @@ fn a_device_buffer_has_no_host_address() {
     let a = Allocator::with_source(Arc::new(CountingDevice::default()));
     let b = a.alloc(8).unwrap();
     let _ = b.as_ptr();
+}
+
+/// A device that refuses every allocation, as a GPU whose memory is full does.
+#[derive(Debug)]
+struct FullDevice;
+
+impl MemorySource for FullDevice {
+    fn device(&self) -> Device {
+        Device::Gpu(0)
+    }
+    fn allocate(&self, _: usize) -> Option<Block> {
+        None
+    }
+    fn release(&self, _: Block) {}
+    fn zero(&self, _: &Block, _: usize) {}
+}
+
+/// A request under the limit that the device (or the system) refuses is the device's refusal,
+/// not the limit's: an error naming the limit would send the user to raise it.
+#[test]
+fn a_refusal_under_the_limit_is_the_systems_not_the_limits() {
+    let a = Allocator::with_source(Arc::new(FullDevice));
+    for limit in [None, Some(20 * K)] {
+        if let Some(l) = limit {
+            a.set_memory_limit(l, false);
+        }
+        let err = a.alloc(K).unwrap_err();
+        assert_eq!((err.requested, err.limit), (K, usize::MAX), "{limit:?}");
+        assert!(err.to_string().ends_with("refused by the device"), "{err}");
+    }
+    // Over the limit, the limit refuses, and says so.
+    let err = a.alloc(30 * K).unwrap_err();
+    assert_eq!(err.limit, 20 * K);
 }
