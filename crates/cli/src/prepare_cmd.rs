@@ -99,7 +99,7 @@ pub(crate) fn hf_tokenizer(arg: &str) -> Result<Option<HfTokenizer>> {
 fn refuse_overwriting_input(input: &Path, out: &Path) -> Result<()> {
     for name in [TRAIN_FILE, VAL_FILE] {
         let target = out.join(name);
-        if same_file(input, &target) {
+        if snug_train::output::same_file(input, &target) {
             bail!(
                 "--input {} is the file prepare would write as {}: it would overwrite the \
                  corpus with its tokens, even with --force; give another --out or move the input",
@@ -109,28 +109,6 @@ fn refuse_overwriting_input(input: &Path, out: &Path) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// Whether `input` (followed through symlinks) is the entry `target` names (not followed: the
-/// entry a rename replaces). The same device and inode, so a hard link counts too. Either
-/// missing is not the same file; a missing input is named where it is read.
-#[cfg(unix)]
-fn same_file(input: &Path, target: &Path) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    match (std::fs::metadata(input), std::fs::symlink_metadata(target)) {
-        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
-        _ => false,
-    }
-}
-
-/// Without inodes, the same resolved path (a hard link goes unnoticed).
-#[cfg(not(unix))]
-fn same_file(input: &Path, target: &Path) -> bool {
-    let is_link = std::fs::symlink_metadata(target).is_ok_and(|m| m.file_type().is_symlink());
-    match (std::fs::canonicalize(input), std::fs::canonicalize(target)) {
-        (Ok(a), Ok(b)) => !is_link && a == b,
-        _ => false,
-    }
 }
 
 /// Refuses, before the corpus is read, a Hugging Face tokenizer with no end-of-sequence token

@@ -103,10 +103,43 @@ pub fn write_for_run(
         run,
         device,
         notes: vec![format!("plan: the step {} trained with", dir.display())],
+        run_id: trainer.config().run_id.clone(),
     };
-    let path = dir.join("report.html");
+    let path = dir.join(RUN_PAGE);
     snug_nn::hf_checkpoint::write_file_atomically(&path, report.html()?.as_bytes())?;
     Ok(path)
+}
+
+/// The page `snug train --report` writes into its run directory.
+pub const RUN_PAGE: &str = "report.html";
+
+/// Refuses, before a run starts, a `--report` whose page could not be written or would replace
+/// a file that is not this run's own page (one an earlier `--report` of the run wrote, before
+/// a resume): a file of yours named `report.html` in the run directory, a directory there.
+/// `run_id` is the resumed run's; a fresh run (none) owns no page yet.
+pub fn check_run_page(dir: &Path, run_id: Option<&str>) -> Result<()> {
+    let path = dir.join(RUN_PAGE);
+    snug_train::output::check_file(&path, true)?;
+    let meta = match std::fs::metadata(&path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => bail!("--report: {}: {e}", path.display()),
+    };
+    // A page of a long run is a few MiB; anything far larger is not one.
+    let ours = meta.len() <= 1 << 30
+        && run_id.is_some_and(|id| {
+            std::fs::read_to_string(&path).is_ok_and(|html| snug_report::is_page_of_run(&html, id))
+        });
+    if !ours {
+        bail!(
+            "--report: {} exists and is not a page of this run: snug never writes over it; move \
+             it, or train without --report and write the page elsewhere afterwards with `snug \
+             report --run {} -o FILE`",
+            path.display(),
+            dir.display()
+        );
+    }
+    Ok(())
 }
 
 /// Whether `dir` lists any checkpoint file, loadable or not.
@@ -129,6 +162,21 @@ fn read_metrics(path: &Path) -> Result<Option<RunMetrics>> {
 
 pub fn run(args: ReportArgs) -> Result<()> {
     snug_train::output::check_file(&args.output, args.force)?;
+    // --force replaces an old page, never what this one is made from.
+    for (flag, input) in [
+        ("--plan-json", &args.plan_json),
+        ("--fit-json", &args.fit_json),
+    ] {
+        if let Some(input) = input {
+            if snug_train::output::same_file(input, &args.output) {
+                bail!(
+                    "-o {}: is the file {flag} reads; snug never writes over its input, even \
+                     with --force: give another path",
+                    args.output.display()
+                );
+            }
+        }
+    }
     let mut notes = Vec::new();
     let plan_doc = if let Some(path) = &args.plan_json {
         notes.push(format!("plan: {}", path.display()));
@@ -205,6 +253,7 @@ pub fn run(args: ReportArgs) -> Result<()> {
         run,
         device,
         notes,
+        run_id: None,
     };
     let html = report.html()?;
     snug_nn::hf_checkpoint::write_file_atomically(&args.output, html.as_bytes())?;

@@ -611,6 +611,9 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             if rank != 0 {
                 cfg.out = None; // rank 0 alone saves
             }
+            if let (true, Some(dir)) = (args.report, &cfg.out) {
+                crate::report_cmd::check_run_page(dir, cfg.run_id.as_deref())?;
+            }
             let claim = Claim::Resume {
                 from: from.clone(),
                 step: ckpt.step,
@@ -675,6 +678,9 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             // Bad data or flags are refused before a run directory is made for them.
             let (data, model) = cfg.load_data_and_model()?;
             cfg.check_threads_here()?;
+            if let (true, Some(dir)) = (args.report, &cfg.out) {
+                crate::report_cmd::check_run_page(dir, None)?;
+            }
             let run_dir = claim_fresh(&mut cfg, numbered)?;
             let guard = guard_setup(run_dir.as_ref())?;
             machine = fit_to_memory(&args, &mut cfg, model, &mut out)?;

@@ -272,6 +272,90 @@ fn train_report_writes_the_runs_page_into_its_directory() {
     }
 }
 
+/// `train --report` replaces only a page of its own run (an earlier `--report`, before a
+/// resume), and refuses anything else at its path before the run starts: nothing trained,
+/// nothing saved, the file as it was.
+#[test]
+fn train_report_replaces_only_its_own_runs_page() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let train = |extra: &[&str]| snug(&[&["train", "--json"][..], extra, &SHAPE].concat(), dir);
+    ok(train(&["--steps", "2", "--out", "run", "--report"]));
+    let page = dir.join("run/report.html");
+    let first = std::fs::read_to_string(&page).unwrap();
+    // Resumed with --report: the run's own page, replaced by one of four steps.
+    ok(train(&["--steps", "4", "--resume", "run", "--report"]));
+    let second = std::fs::read_to_string(&page).unwrap();
+    assert_ne!(first, second);
+    assert!(second.contains("\"step\":4"), "the page of steps 1 to 4");
+    let checkpoints = || {
+        let mut names: Vec<String> = std::fs::read_dir(dir.join("run"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("ckpt-"))
+            .collect();
+        names.sort();
+        names
+    };
+    let saved = checkpoints();
+    // A file of yours at that path, on a resume and on a fresh run into a directory.
+    std::fs::write(&page, "my notes").unwrap();
+    let e = train(&["--steps", "6", "--resume", "run", "--report"]);
+    assert_eq!(e.code, Some(1), "{}", e.stderr);
+    assert!(
+        e.stderr
+            .contains("report.html exists and is not a page of this run"),
+        "{}",
+        e.stderr
+    );
+    assert_eq!(std::fs::read_to_string(&page).unwrap(), "my notes");
+    assert_eq!(checkpoints(), saved, "nothing trained or saved");
+    std::fs::create_dir(dir.join("fresh")).unwrap();
+    std::fs::write(dir.join("fresh/report.html"), "mine").unwrap();
+    let e = train(&["--steps", "2", "--out", "fresh", "--report"]);
+    assert_eq!(e.code, Some(1), "{}", e.stderr);
+    assert!(
+        e.stderr.contains("is not a page of this run"),
+        "{}",
+        e.stderr
+    );
+    let left: Vec<_> = std::fs::read_dir(dir.join("fresh")).unwrap().collect();
+    assert_eq!(left.len(), 1, "the directory as it was");
+    // A directory there would fail the write after training: refused before it.
+    std::fs::remove_file(&page).unwrap();
+    std::fs::create_dir(&page).unwrap();
+    let e = train(&["--steps", "6", "--resume", "run", "--report"]);
+    assert_eq!(e.code, Some(1), "{}", e.stderr);
+    assert!(e.stderr.contains("is a directory"), "{}", e.stderr);
+    assert_eq!(checkpoints(), saved);
+}
+
+/// `--force` replaces an old page, never the file the page is made from.
+#[test]
+fn report_never_writes_over_its_input() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let plan = ok(snug(&[&["plan", "--json"][..], &SHAPE].concat(), dir));
+    std::fs::write(dir.join("plan.json"), &plan.stdout).unwrap();
+    std::fs::hard_link(dir.join("plan.json"), dir.join("hard.json")).unwrap();
+    for out in ["plan.json", "./plan.json", "hard.json"] {
+        let e = snug(
+            &["report", "--plan-json", "plan.json", "-o", out, "--force"],
+            dir,
+        );
+        assert_eq!(e.code, Some(1), "{out}: {}", e.stderr);
+        assert!(
+            e.stderr.contains("is the file --plan-json reads"),
+            "{}",
+            e.stderr
+        );
+    }
+    assert_eq!(
+        std::fs::read(dir.join("plan.json")).unwrap(),
+        plan.stdout.as_bytes()
+    );
+}
+
 #[test]
 fn a_plan_of_another_version_is_refused_by_name() {
     let tmp = tempfile::tempdir().unwrap();

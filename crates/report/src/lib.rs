@@ -26,7 +26,7 @@ pub use device::{DeviceRow, DeviceTable};
 pub use error::ReportError;
 pub use fit_doc::{FitCandidate, FitDocument};
 pub use metrics::{EvalLine, RecoveryLine, RunMetrics, SkippedLine, StepLine};
-pub use page::{Figures, Report, FIGURES_VERSION};
+pub use page::{is_page_of_run, Figures, Report, FIGURES_VERSION};
 pub use plan_doc::{PassSaving, PlanDocument, PLAN_FORMAT_VERSION};
 pub use timeline::{LiveTensor, Phase, PhaseSpan, RoleSeries, TimelineDetail};
 pub use trace::{Trace, TraceEvent};

@@ -28,6 +28,21 @@ pub struct Report {
     pub device: Option<(String, usize)>,
     /// Where the inputs came from, and anything else the reader should know.
     pub notes: Vec<String>,
+    /// The run a page of `snug train --report` is of, marked in its head, so that run's next
+    /// `--report` knows the page as its own (see [`is_page_of_run`]).
+    pub run_id: Option<String>,
+}
+
+/// The head's mark of a run's page.
+fn run_mark(run_id: &str) -> String {
+    format!("<meta name=\"snug-run\" content=\"{}\">", esc(run_id))
+}
+
+/// Whether `html` is a page [`Report::html`] made of the run `run_id`: one that run's
+/// `--report` may replace. Anything else at its path is someone's file.
+pub fn is_page_of_run(html: &str, run_id: &str) -> bool {
+    let head = html.split("</head>").next().unwrap_or("");
+    html.starts_with("<!DOCTYPE html>") && head.contains(&run_mark(run_id))
 }
 
 /// The numbers a page draws: embedded in it, and what `snug report --json` prints.
@@ -118,12 +133,13 @@ impl Report {
         }
         Ok(format!(
             "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
-             <meta name=\"viewport\" content=\"width=device-width\">\
+             <meta name=\"viewport\" content=\"width=device-width\">{mark}\
              <title>{title}</title><style>{STYLE}</style></head>\n<body>\
              <h1>{title}</h1>{notes}{body}\
              <script type=\"application/json\" id=\"snug-figures\">{json}</script>\
              <script>{SCRIPT}</script></body></html>\n",
             title = esc(&figures.title),
+            mark = self.run_id.as_deref().map(run_mark).unwrap_or_default(),
         ))
     }
 }

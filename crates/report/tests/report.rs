@@ -208,6 +208,7 @@ fn the_page_shows_the_plans_and_the_runs_figures_and_references_nothing_outside(
         run: Some(run),
         device: Some(("--device-memory 12MiB".into(), 12 << 20)),
         notes: vec![],
+        run_id: None,
     };
     let html = report.html().unwrap();
     for outside in ["http:", "https:", "src=", "href=", "@import", "url("] {

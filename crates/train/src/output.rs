@@ -102,6 +102,28 @@ pub fn check_file(path: &Path, force: bool) -> Result<(), TrainError> {
     })
 }
 
+/// Whether `input` (followed through symlinks) is the entry `target` names (not followed: the
+/// entry a rename replaces). The same device and inode, so a hard link counts too. Either
+/// missing is not the same file; a missing input is named where it is read.
+#[cfg(unix)]
+pub fn same_file(input: &Path, target: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(input), std::fs::symlink_metadata(target)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
+}
+
+/// Without inodes, the same resolved path (a hard link goes unnoticed).
+#[cfg(not(unix))]
+pub fn same_file(input: &Path, target: &Path) -> bool {
+    let is_link = std::fs::symlink_metadata(target).is_ok_and(|m| m.file_type().is_symlink());
+    match (std::fs::canonicalize(input), std::fs::canonicalize(target)) {
+        (Ok(a), Ok(b)) => !is_link && a == b,
+        _ => false,
+    }
+}
+
 /// Checks that the directory `dir` may take the `files` a command writes into it (creating it
 /// if missing). Never a run directory or a path that is not a directory; without `force`, a
 /// directory holding anything ([`DirContents::Nothing`]) or holding one of `files`
