@@ -210,12 +210,27 @@ fn default_run_dir(cfg: &TrainConfig) -> PathBuf {
 /// batch this machine cannot hold (`--batch auto` under 1,000,000 TiB chose a million
 /// sequences). `snug fit` and `snug plan` plan for other machines and take any size.
 fn check_budget_here(text: &str, budget: usize, cfg: &TrainConfig) -> Result<()> {
-    let (has, what) = if cfg.device.is_gpu() {
-        (cfg.device_memory, "--device-memory")
+    let (has, what) = if let snug_train::DeviceSpec::Gpu(selector) = cfg.device {
+        // A CPU driver's memory is the machine's, which a run cannot exceed whatever
+        // --device-memory says; wgpu reports no other adapter's.
+        let known = snug_gpu::adapter::find(selector)?
+            .and_then(|a| Some((usize::try_from(a.memory_bytes?).ok()?, a.memory_source()?)));
+        match (cfg.device_memory, known) {
+            (Some(given), Some((has, source))) if given > has => anyhow::bail!(
+                "--device-memory {}: is more than --device {}'s memory ({}, {source}); training \
+                 runs here, so give at most that; `snug fit` plans for other machines",
+                human_bytes(given),
+                cfg.device,
+                human_bytes(has)
+            ),
+            (Some(given), _) => (Some(given), "--device-memory".to_string()),
+            (None, Some((has, source))) => (Some(has), format!("the adapter's memory ({source})")),
+            (None, None) => (None, String::new()),
+        }
     } else {
         (
             snug_runtime::process::total_memory(),
-            "this machine's memory",
+            "this machine's memory".to_string(),
         )
     };
     match has {

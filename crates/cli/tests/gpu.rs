@@ -506,6 +506,43 @@ fn memory_auto_on_a_gpu_takes_the_devices_memory() {
     for g in v["gpus"].as_array().into_iter().flatten() {
         assert!(g["memory_bytes"].as_u64() > Some(0), "{g}");
     }
+    // A budget, or a --device-memory, beyond an adapter whose memory is known (a CPU
+    // driver's: the machine's) is refused before anything is planned, as on the CPU; fit
+    // plans for other machines and takes it.
+    let first = &v["gpus"][0];
+    let known = first["memory_bytes"]
+        .as_u64()
+        .filter(|_| first["memory_from"] == "system memory (a CPU driver)");
+    if let Some(has) = known {
+        let over = format!("{}KiB", (has >> 10) * 2);
+        let run = ["--steps", "1", "--no-save"];
+        for (flag, value, needle) in [
+            (
+                "--memory",
+                over.as_str(),
+                "is more than the adapter's memory",
+            ),
+            (
+                "--device-memory",
+                over.as_str(),
+                "is more than --device gpu's memory",
+            ),
+        ] {
+            let mut args = vec!["train", "--device", "gpu", flag, value];
+            if flag == "--device-memory" {
+                args.extend(["--memory", "1MiB"]);
+            }
+            args.extend(tiny);
+            args.extend(run);
+            let o = snug(&args);
+            assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stderr(&o));
+            assert!(stderr(&o).contains(needle), "{}", stderr(&o));
+        }
+        let mut args = vec!["fit", "--device", "gpu", "--memory", over.as_str()];
+        args.extend(tiny);
+        let o = snug(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
     let o = snug(&[
         "fit",
         "--device",
