@@ -458,6 +458,9 @@ pub struct PeftAdapter {
     pub base: Option<String>,
     /// By snug name, PEFT's layout (`lora_A [r, in]`, `lora_B [out, r]`).
     pub tensors: Vec<(String, Vec<f32>)>,
+    /// What the configuration sets that snug reads but does not do, for the caller to warn
+    /// of (each names the file and field): [`adapter_notes`].
+    pub notes: Vec<String>,
 }
 
 fn adapter_error(path: &Path, detail: impl std::fmt::Display) -> NnError {
@@ -473,6 +476,36 @@ pub fn read_adapter_config(
     dir: &Path,
     model: &ModelConfig,
 ) -> Result<(LoraConfig, Option<String>), NnError> {
+    let (path, c) = read_peft_config(dir)?;
+    let lora = lora_config_of(&path, &c, model)?;
+    Ok((lora, c.base_model_name_or_path))
+}
+
+/// What the configuration of the adapter in `dir` sets that snug reads but does not do, one
+/// sentence each naming the file and field, for the caller to warn of: a `lora_dropout`
+/// above zero (snug trains adapters without dropout; sampling and merging, as PEFT's
+/// inference, use none either). Empty for a configuration snug follows in full.
+pub fn adapter_notes(dir: &Path) -> Result<Vec<String>, NnError> {
+    let (path, c) = read_peft_config(dir)?;
+    Ok(notes_of(&path, &c))
+}
+
+fn notes_of(path: &Path, c: &PeftConfig) -> Vec<String> {
+    let mut notes = Vec::new();
+    if c.lora_dropout > 0.0 {
+        notes.push(format!(
+            "{}: `lora_dropout` is {}, but snug trains adapters without dropout: training \
+             continues this adapter with none (sampling and merging, as PEFT's inference, use \
+             none either)",
+            path.display(),
+            c.lora_dropout
+        ));
+    }
+    notes
+}
+
+/// `adapter_config.json` in `dir`, parsed: its path and fields.
+fn read_peft_config(dir: &Path) -> Result<(PathBuf, PeftConfig), NnError> {
     use std::io::Read;
     let path = dir.join(ADAPTER_CONFIG_FILE);
     crate::model::regular_file_len(&path).map_err(|e| adapter_error(&path, e))?;
@@ -490,15 +523,21 @@ pub fn read_adapter_config(
         ));
     }
     let c: PeftConfig = serde_json::from_str(&text).map_err(|e| adapter_error(&path, e))?;
+    Ok((path, c))
+}
+
+/// The LoRA settings `c` (read from `path`) give `model`, or an error naming the field snug
+/// cannot follow.
+fn lora_config_of(path: &Path, c: &PeftConfig, model: &ModelConfig) -> Result<LoraConfig, NnError> {
     if c.peft_type != "LORA" {
         return Err(adapter_error(
-            &path,
+            path,
             format!("`peft_type` is `{}`; snug reads LORA adapters", c.peft_type),
         ));
     }
     let refuse = |field: &str, what: &str| {
         adapter_error(
-            &path,
+            path,
             format!("`{field}` is {what}, which snug does not train"),
         )
     };
@@ -534,19 +573,34 @@ pub fn read_adapter_config(
     {
         return Err(refuse(field, &format!("set ({value})")));
     }
+    // PEFT's nn.Dropout refuses a probability above one (at or below zero it adds none).
+    if c.lora_dropout > 1.0 {
+        return Err(adapter_error(
+            path,
+            format!(
+                "`lora_dropout` is {}; a dropout probability is at most 1",
+                c.lora_dropout
+            ),
+        ));
+    }
     let targets = match &c.target_modules {
-        serde_json::Value::String(s) if s == "all-linear" => LoraTargets::AllLinear,
+        // PEFT compares the shorthand without case.
+        serde_json::Value::String(s) if s.eq_ignore_ascii_case("all-linear") => {
+            LoraTargets::AllLinear
+        }
         serde_json::Value::Array(items) => {
             let names = items
                 .iter()
                 .map(|v| v.as_str().map(str::to_string))
                 .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| adapter_error(&path, "`target_modules` holds a non-string"))?;
-            LoraTargets::Modules(names)
+                .ok_or_else(|| adapter_error(path, "`target_modules` holds a non-string"))?;
+            LoraTargets::Modules(
+                peft_target_names(model, &names).map_err(|e| adapter_error(path, e))?,
+            )
         }
         other => {
             return Err(adapter_error(
-                &path,
+                path,
                 format!("`target_modules` is {other}; snug reads a list of module names"),
             ))
         }
@@ -556,14 +610,106 @@ pub fn read_adapter_config(
         alpha: c.lora_alpha,
         targets,
     };
-    lora.layers(model).map_err(|e| adapter_error(&path, e))?;
-    Ok((lora, c.base_model_name_or_path))
+    lora.layers(model).map_err(|e| adapter_error(path, e))?;
+    Ok(lora)
+}
+
+/// The path Hugging Face gives the module of snug's weight `name`, which PEFT matches
+/// `target_modules` against: `model.layers.0.self_attn.q_proj`, GPT-2's
+/// `transformer.h.0.attn.c_attn`.
+fn hf_module_path(model: &ModelConfig, name: &str) -> String {
+    let key = peft_key(model, name.strip_suffix(".weight").unwrap_or(name));
+    match key.strip_prefix("base_model.model.") {
+        Some(path) => path.to_string(),
+        None => key,
+    }
+}
+
+/// Whether PEFT's `check_target_module_exists` matches module `path` to `target`: the same
+/// path, or one ending in `.` and the target.
+fn peft_matches(target: &str, path: &str) -> bool {
+    path == target
+        || path
+            .strip_suffix(target)
+            .is_some_and(|head| head.ends_with('.'))
+}
+
+/// A PEFT `target_modules` list as the module names snug adapts (`q_proj`, ...), in
+/// [`linear_modules`]' order. PEFT matches each module path to the targets by suffix
+/// ([`peft_matches`]), and writes them as module names, as the paths of single modules
+/// (`all-linear` is saved as every linear layer's path) or as the shortest suffixes that pick
+/// out the same modules (a long list). Any of these is read, as long as each target ends in
+/// one of the model's linear module names and matches one of its layers, and together they
+/// adapt all of the model's layers of a name or none: snug adapts the same modules in every
+/// layer, so a set that differs by layer is refused, naming a layer adapted and one of the
+/// same name that is not. An empty list stays empty (refused by [`LoraConfig::layers`]).
+fn peft_target_names(model: &ModelConfig, targets: &[String]) -> Result<Vec<String>, String> {
+    let known = linear_modules(model);
+    let all = LoraConfig {
+        rank: 1,
+        alpha: 1.0,
+        targets: LoraTargets::AllLinear,
+    };
+    // Every layer that could carry an adapter: snug name, module path.
+    let linear: Vec<(String, String)> = model
+        .parameter_shapes()
+        .into_iter()
+        .filter(|(name, shape)| shape.len() == 2 && all.selects(model, name))
+        .map(|(name, _)| {
+            let path = hf_module_path(model, &name);
+            (name, path)
+        })
+        .collect();
+    for t in targets {
+        let last = t.rsplit('.').next().unwrap_or(t);
+        if !known.contains(&last) || !linear.iter().any(|(_, p)| peft_matches(t, p)) {
+            let example = linear.first().map_or(String::new(), |(_, p)| {
+                format!(", or paths to them such as `{p}`")
+            });
+            return Err(format!(
+                "`target_modules`: `{t}` names no linear layer of this model (its linear \
+                 layers: {}{example}; or all-linear)",
+                known.join(", ")
+            ));
+        }
+    }
+    let adapted = |path: &str| targets.iter().any(|t| peft_matches(t, path));
+    let kind = |name: &str| module_of(name).unwrap_or_default().to_string();
+    let names: Vec<String> = known
+        .iter()
+        .map(|k| k.to_string())
+        .filter(|k| linear.iter().any(|(n, p)| &kind(n) == k && adapted(p)))
+        .collect();
+    let left_out: Vec<&(String, String)> = linear
+        .iter()
+        .filter(|(n, p)| names.contains(&kind(n)) && !adapted(p))
+        .collect();
+    if let Some((name, path)) = left_out.first() {
+        let name_kind = kind(name);
+        let like = linear
+            .iter()
+            .find(|(n, p)| kind(n) == name_kind && adapted(p))
+            .map_or("", |(_, p)| p.as_str());
+        let more = match left_out.len() - 1 {
+            0 => String::new(),
+            n => format!(" (nor {n} more layers)"),
+        };
+        return Err(format!(
+            "`target_modules` adapts `{like}` but not `{path}`{more}: snug adapts all of a \
+             model's `{name_kind}` layers or none, the same modules in every layer, so it \
+             cannot apply this adapter as PEFT does"
+        ));
+    }
+    Ok(names)
 }
 
 /// Reads the PEFT adapter in `dir` for `model`: every adapter its configuration implies must
 /// be there with its shape, and nothing else.
 pub fn load_peft_adapter(dir: &Path, model: &ModelConfig) -> Result<PeftAdapter, NnError> {
-    let (lora, base) = read_adapter_config(dir, model)?;
+    let (config_path, c) = read_peft_config(dir)?;
+    let lora = lora_config_of(&config_path, &c, model)?;
+    let notes = notes_of(&config_path, &c);
+    let base = c.base_model_name_or_path;
     let layers = lora.layers(model)?;
     let path = dir.join(ADAPTER_WEIGHTS_FILE);
     let len = crate::model::regular_file_len(&path).map_err(|e| adapter_error(&path, e))?;
@@ -613,6 +759,17 @@ pub fn load_peft_adapter(dir: &Path, model: &ModelConfig) -> Result<PeftAdapter,
         }
         let mut values = vec![0f32; numel];
         crate::hf_weights::decode_into(view.dtype(), view.data(), &mut values);
+        // Decoded values, so an f64 too large for f32 is caught as the infinity it became;
+        // otherwise a NaN surfaces steps later as a diverged loss, or blamed on the base
+        // weight it was merged into.
+        if let Some((index, value)) = crate::safetensors_file::first_non_finite(&values) {
+            return Err(NnError::NonFiniteWeight {
+                path: path.display().to_string(),
+                name: key,
+                index,
+                value,
+            });
+        }
         seen.insert(key);
         tensors.push((name.clone(), values));
     }
@@ -634,6 +791,7 @@ pub fn load_peft_adapter(dir: &Path, model: &ModelConfig) -> Result<PeftAdapter,
         lora,
         base,
         tensors,
+        notes,
     })
 }
 
@@ -821,6 +979,7 @@ mod tests {
             lora: lora.clone(),
             base: None,
             tensors: adapters.clone(),
+            notes: Vec::new(),
         };
         let mut folds = AdapterFolds::new(&model, adapter()).unwrap();
         for ((name, merged), (_, orig)) in params.iter().zip(&base) {
