@@ -143,7 +143,7 @@ pub fn check_run_page(dir: &Path, run_id: Option<&str>) -> Result<()> {
 }
 
 /// Whether `dir` lists any checkpoint file, loadable or not.
-fn holds_checkpoints(dir: &Path) -> bool {
+pub fn holds_checkpoints(dir: &Path) -> bool {
     snug_train::checkpoint::CheckpointDir::open(dir)
         .and_then(|d| d.list())
         .is_ok_and(|l| !l.is_empty())

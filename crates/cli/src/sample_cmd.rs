@@ -432,6 +432,16 @@ impl Source {
     /// file.
     pub fn open(from: &Path) -> Result<Source> {
         if snug_nn::is_hf_dir(from) {
+            // Either reading would silently pass over the other: the pretrained weights, or
+            // what a run trained from them.
+            if crate::report_cmd::holds_checkpoints(from) {
+                bail!(
+                    "{}: holds both a Hugging Face model (config.json and its weights) and a \
+                     run's checkpoints: name the run's checkpoint file, or move the model or the \
+                     run into a directory of its own",
+                    from.display()
+                );
+            }
             return Ok(Source::Hf(snug_nn::HfCheckpoint::open(from)?));
         }
         if let Some(why) = snug_nn::config_missing_beside_weights(from) {

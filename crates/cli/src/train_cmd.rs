@@ -696,6 +696,25 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             if let (true, Some(dir)) = (args.report, &cfg.out) {
                 crate::report_cmd::check_run_page(dir, None)?;
             }
+            if let Some(init) = cfg
+                .init_from
+                .as_deref()
+                .filter(|p| snug_nn::lora::is_adapter_dir(p))
+            {
+                for note in snug_nn::lora::adapter_notes(init)? {
+                    tracing::warn!("{note}");
+                }
+            }
+            if let (Some(init), Some(out)) = (&cfg.init_from, &cfg.out) {
+                if init.is_dir() && snug_train::output::same_file(init, out) {
+                    anyhow::bail!(
+                        "--out {}: is the model directory --init-from reads; a run there would \
+                         leave a directory that is both, which `sample` and `export` cannot \
+                         tell apart: give the run a directory of its own",
+                        out.display()
+                    );
+                }
+            }
             let run_dir = claim_fresh(&mut cfg, numbered)?;
             let guard = guard_setup(run_dir.as_ref())?;
             machine = fit_to_memory(&args, &mut cfg, model, &mut out)?;

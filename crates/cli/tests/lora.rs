@@ -396,3 +396,124 @@ fn train_export_merge_and_continue_from_the_adapter() {
         &["--merge", "no LoRA adapter"],
     );
 }
+
+/// A directory that is both a model (`config.json` and weights) and a run (checkpoints) is
+/// read as neither: `sample` and `export` would have taken the pretrained weights and passed
+/// over what the run trained. `train --out` the directory `--init-from` reads would make one,
+/// and is refused. An adapter's `lora_dropout`, which snug does not apply, is warned of.
+#[test]
+fn a_directory_that_is_both_model_and_run_is_refused_and_dropout_is_warned_of() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let (run, model) = (path("run"), path("model"));
+    let mut args = vec!["train", "--steps", "2", "--out", &run];
+    args.extend(LORA);
+    ok(dir.path(), &args);
+    ok(
+        dir.path(),
+        &["export", "--checkpoint", &run, "--out", &model],
+    );
+    let listing = |d: &str| {
+        let mut names: Vec<_> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        names
+    };
+    let before = listing(&model);
+    let mut args = vec![
+        "train",
+        "--steps",
+        "1",
+        "--init-from",
+        &model,
+        "--out",
+        &model,
+    ];
+    args.extend(LORA);
+    fails_with(
+        dir.path(),
+        &args,
+        &["is the model directory --init-from reads"],
+    );
+    let mut args = vec![
+        "train",
+        "--steps",
+        "1",
+        "--init-from",
+        &model,
+        "--out",
+        "./model/.",
+    ];
+    args.extend(LORA);
+    fails_with(
+        dir.path(),
+        &args,
+        &["is the model directory --init-from reads"],
+    );
+    assert_eq!(listing(&model), before, "the model directory as it was");
+
+    let both = path("both");
+    std::fs::create_dir(&both).unwrap();
+    for f in before.iter().map(|n| n.to_str().unwrap()) {
+        std::fs::copy(Path::new(&model).join(f), Path::new(&both).join(f)).unwrap();
+    }
+    let ckpt = "ckpt-00000002.safetensors";
+    std::fs::copy(Path::new(&run).join(ckpt), Path::new(&both).join(ckpt)).unwrap();
+    let needles = [both.as_str(), "holds both a Hugging Face model"];
+    let sample = [
+        "sample",
+        "--checkpoint",
+        &both,
+        "--tokens",
+        "2",
+        "--threads",
+        "1",
+    ];
+    fails_with(dir.path(), &sample, &needles);
+    let to = path("exported");
+    fails_with(
+        dir.path(),
+        &["export", "--checkpoint", &both, "--out", &to],
+        &needles,
+    );
+    assert!(!Path::new(&to).exists());
+    // The checkpoint named as a file is the run's, unambiguously.
+    let file = format!("{both}/{ckpt}");
+    ok(
+        dir.path(),
+        &[
+            "sample",
+            "--checkpoint",
+            &file,
+            "--tokens",
+            "2",
+            "--threads",
+            "1",
+        ],
+    );
+
+    let config = Path::new(&model).join("adapter_config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
+    c["lora_dropout"] = serde_json::json!(0.05);
+    std::fs::write(&config, c.to_string()).unwrap();
+    let cont = path("cont");
+    let mut args = vec![
+        "train",
+        "--steps",
+        "1",
+        "--init-from",
+        &model,
+        "--out",
+        &cont,
+    ];
+    args.extend(LORA);
+    let o = ok(dir.path(), &args);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("`lora_dropout` is 0.05, but snug trains adapters without dropout"),
+        "{err}"
+    );
+}
