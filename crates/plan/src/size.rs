@@ -8,8 +8,9 @@ pub struct SizeError {
     pub reason: &'static str,
 }
 
-/// Parses a byte size; decimal units (KB, MB, GB, TB) are powers of 1000, binary units (KiB,
-/// MiB, GiB, TiB) powers of 1024; a bare number is bytes. Case-insensitive.
+/// Parses a byte size; decimal units (KB, MB, GB, TB, PB, EB) are powers of 1000, binary units
+/// (KiB, MiB, GiB, TiB, PiB, EiB, as snug prints sizes) powers of 1024; a bare number is whole
+/// bytes. Case-insensitive.
 pub fn parse_bytes(input: &str) -> Result<usize, SizeError> {
     let err = |reason| SizeError {
         input: input.to_string(),
@@ -30,12 +31,19 @@ pub fn parse_bytes(input: &str) -> Result<usize, SizeError> {
         "mb" | "m" => 1e6,
         "gb" | "g" => 1e9,
         "tb" | "t" => 1e12,
+        "pb" | "p" => 1e15,
+        "eb" | "e" => 1e18,
         "kib" => 1024.0,
         "mib" => 1024.0 * 1024.0,
         "gib" => 1024.0 * 1024.0 * 1024.0,
         "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        "pib" => 1024.0 * 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        "eib" => 1024.0 * 1024.0 * 1024.0 * 1024.0 * 1024.0 * 1024.0,
         _ => return Err(err("unknown unit")),
     };
+    if scale == 1.0 && value.fract() != 0.0 {
+        return Err(err("a fraction of a byte"));
+    }
     let bytes = (value * scale).round();
     if !bytes.is_finite() || bytes >= usize::MAX as f64 {
         return Err(err("too large"));
@@ -54,6 +62,10 @@ mod tests {
         assert_eq!(parse_bytes("1.5GiB"), Ok(1_610_612_736));
         assert_eq!(parse_bytes(" 2 kib "), Ok(2048));
         assert_eq!(parse_bytes("0"), Ok(0));
+        assert_eq!(parse_bytes("2PiB"), Ok(1 << 51));
+        assert_eq!(parse_bytes("1EiB"), Ok(1 << 60));
+        assert_eq!(parse_bytes("3PB"), Ok(3_000_000_000_000_000));
+        assert_eq!(parse_bytes("1.5KB"), Ok(1500));
     }
 
     #[test]
@@ -66,6 +78,9 @@ mod tests {
             "12 parsecs",
             "1e400",
             "99999999999999999999TiB",
+            "16EiB",
+            "0.5",
+            "10.5B",
         ] {
             assert!(parse_bytes(bad).is_err(), "{bad}");
         }
