@@ -191,6 +191,16 @@ pub fn run(args: ReportArgs) -> Result<()> {
                     "plan: the configuration of {} (no pass savings: give --plan-json for them)",
                     path.display()
                 ));
+                if let snug_train::DeviceSpec::Gpu(selector) = ckpt.config.device {
+                    if !matches!(snug_gpu::adapter::find(selector), Ok(Some(_))) {
+                        notes.push(format!(
+                            "the run trained on --device {}, which this machine does not have: \
+                             planned with the default GPU layout (alignment, largest buffer), \
+                             which that adapter's may differ from",
+                            ckpt.config.device
+                        ));
+                    }
+                }
                 Some(plan_of(&ckpt.config, &ckpt.model()?)?)
             }
             // Checkpoints that are there but do not load are an error, not an absent plan.

@@ -216,6 +216,22 @@ fn resume_on_the_gpu_continues_exactly() {
     assert_eq!(tail.first().map(|s| s.0), Some(5));
     assert_eq!(&step_losses(&straight)[4..], &tail[..]);
     assert_ne!(json_lines(&resumed).pop().unwrap()["device"], "cpu");
+    // The run's page, here and on a machine without the adapter (no Vulkan driver found),
+    // which plans with the default layout and says so.
+    let notes = |vars: &[(&str, &str)]| {
+        let page = dir.path().join(format!("page-{}.html", vars.len()));
+        let page = page.to_str().unwrap();
+        let o = snug_env(&["report", "--run", out_s, "-o", page, "--json"], vars);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let figures: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        figures["notes"].to_string()
+    };
+    assert!(!notes(&[]).contains("does not have"));
+    let elsewhere = notes(&[("VK_ICD_FILENAMES", "/nonexistent.json")]);
+    assert!(
+        elsewhere.contains("which this machine does not have: planned with the default GPU"),
+        "{elsewhere}"
+    );
 }
 
 /// `--device gpu:N` past the last adapter names every adapter found, for train, plan and
