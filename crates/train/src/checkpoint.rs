@@ -32,8 +32,12 @@ use crate::{LossScaler, TrainConfig, TrainError};
 
 /// The `format` metadata value of a snug checkpoint.
 pub const FORMAT: &str = "snug-checkpoint";
-/// Bumped when the layout changes: 2 added the per-tensor checksums.
-pub const VERSION: u32 = 2;
+/// Bumped when the layout changes: 2 added the per-tensor checksums, 3 a double-quantized
+/// base's stored codes and statistics (`<weight>.codes`, `<weight>.absmax`) beside its values.
+pub const VERSION: u32 = 3;
+/// The version of a file without what version 3 added, which a snug that reads version 2
+/// reads whole.
+const VERSION_WITHOUT_STORED_BASE: u32 = 2;
 /// The oldest version this snug reads (version 1: no checksums).
 const OLDEST_VERSION: u32 = 1;
 /// Metadata key of the per-tensor checksums.
@@ -54,7 +58,9 @@ pub struct Checkpoint {
     /// graph order, with their shapes.
     pub tensors: Vec<SavedTensor>,
     /// 8-bit AdamW's moment codes (`<param>.adam8_m`, `.adam8_v`), stored as u8; their
-    /// per-block absmaxes are f32 and sit in `tensors`.
+    /// per-block absmaxes are f32 and sit in `tensors`. Also a double-quantized base's codes
+    /// (`<weight>.codes`, see [`crate::quantized::STORED_CODES_SUFFIX`]), whose statistics sit
+    /// in `tensors` as `<weight>.absmax`: its values alone do not give them back.
     pub quantized: Vec<SavedBytes>,
     /// The dynamic loss scale's state (f16 training).
     pub loss_scale: Option<LossScaler>,
@@ -114,15 +120,27 @@ impl Checkpoint {
         self.tensors.iter().find(|t| t.name == name)
     }
 
-    /// The model's weights alone (no optimizer state), by Hugging Face name; a LoRA run's
-    /// with its adapters folded into the base weights, as inference and a merged export read
-    /// them. (Adapters that do not fold, in a damaged checkpoint, are left as they are, for
-    /// the reader to refuse by name.)
+    /// Whether f32 tensor `name` is the statistics of a quantized weight whose stored codes
+    /// the checkpoint holds (`<weight>.absmax` beside `<weight>.codes`).
+    fn is_stored_statistics(&self, name: &str) -> bool {
+        let suffix = crate::quantized::STORED_CODES_SUFFIX;
+        name.strip_suffix(".absmax").is_some_and(|weight| {
+            self.quantized
+                .iter()
+                .any(|q| q.name.strip_suffix(suffix) == Some(weight))
+        })
+    }
+
+    /// The model's weights alone (no optimizer state, no stored form of a quantized base),
+    /// by Hugging Face name; a LoRA run's with its adapters folded into the base weights, as
+    /// inference and a merged export read them. (Adapters that do not fold, in a damaged
+    /// checkpoint, are left as they are, for the reader to refuse by name.)
     pub fn parameters(&self) -> Vec<(String, Vec<f32>)> {
         let params: Vec<(String, Vec<f32>)> = self
             .tensors
             .iter()
             .filter(|t| !OPTIMIZER_SUFFIXES.iter().any(|s| t.name.ends_with(s)))
+            .filter(|t| !self.is_stored_statistics(&t.name))
             .map(|t| (t.name.clone(), t.data.clone()))
             .collect();
         let (Some(lora), Ok(model)) = (self.config.lora_config(), self.model()) else {
@@ -175,7 +193,7 @@ impl Checkpoint {
                 .iter()
                 .map(|t| {
                     (
-                        t.name.as_str(),
+                        Cow::Borrowed(t.name.as_str()),
                         t.shape.as_slice(),
                         Cow::Borrowed(t.data.as_slice()),
                     )
@@ -431,8 +449,9 @@ pub(crate) fn read_whole(path: &Path) -> Result<Vec<u8>, TrainError> {
 /// copied back from a device).
 pub type TensorRef<'a> = (&'a str, &'a [usize], Cow<'a, [f32]>);
 
-/// One u8 tensor of a [`CheckpointRef`] (quantized optimizer state).
-pub type BytesRef<'a> = (&'a str, &'a [usize], Cow<'a, [u8]>);
+/// One u8 tensor of a [`CheckpointRef`] (quantized optimizer state, a double-quantized base's
+/// codes, whose name is made for the checkpoint).
+pub type BytesRef<'a> = (Cow<'a, str>, &'a [usize], Cow<'a, [u8]>);
 
 /// A checkpoint whose tensors are borrowed (from a live session), so saving a host session
 /// copies nothing.
@@ -444,7 +463,8 @@ pub struct CheckpointRef<'a> {
     pub tokenizer: TokenizerSpec,
     /// Name, shape and values of each tensor.
     pub tensors: Vec<TensorRef<'a>>,
-    /// Name, shape and codes of each quantized optimizer state.
+    /// Name, shape and codes of each quantized optimizer state (and of a double-quantized
+    /// base's stored codes).
     pub quantized: Vec<BytesRef<'a>>,
     pub loss_scale: Option<LossScaler>,
     /// Set on one rank's shard of a sharded checkpoint (see [`crate::shards`]).
@@ -491,7 +511,7 @@ impl CheckpointRef<'_> {
                     detail: format!("tensor `{name}`: {e}"),
                 }
             })?;
-            views.push((name, view));
+            views.push((name.as_ref(), view));
         }
         // Checksums of the borrowed bytes: one more read of the weights, no copy. Sorted, so
         // the same state always writes the same header.
@@ -503,7 +523,7 @@ impl CheckpointRef<'_> {
             .chain(
                 self.quantized
                     .iter()
-                    .map(|(name, _, b)| (*name, crc32fast::hash(b))),
+                    .map(|(name, _, b)| (name.as_ref(), crc32fast::hash(b))),
             )
             .collect();
         let mut metadata = self.metadata()?;
@@ -551,9 +571,17 @@ impl CheckpointRef<'_> {
                 detail: e.to_string(),
             })
         };
+        // The lowest version that reads the file whole: one without a stored base stays
+        // readable by a snug from before version 3.
+        let stored = crate::quantized::STORED_CODES_SUFFIX;
+        let version = if self.quantized.iter().any(|q| q.0.ends_with(stored)) {
+            VERSION
+        } else {
+            VERSION_WITHOUT_STORED_BASE
+        };
         let mut meta = HashMap::from([
             ("format".to_string(), FORMAT.to_string()),
-            ("version".to_string(), VERSION.to_string()),
+            ("version".to_string(), version.to_string()),
             ("step".to_string(), self.step.to_string()),
             ("tokens_seen".to_string(), self.tokens_seen.to_string()),
             (

@@ -473,7 +473,9 @@ impl TrainConfig {
     }
 
     /// `base` (a checkpoint's configuration), then `file` and the overrides, validated: the
-    /// configuration of a resumed run.
+    /// configuration of a resumed run. Overrides that would change what the saved state
+    /// computes (a lever: LoRA's rank, alpha or layers, the base's storage, the optimizer) are
+    /// refused, naming the field ([`TrainConfig::check_resumes`]).
     pub fn resolve_resumed(
         base: TrainConfig,
         file: Option<&Path>,
@@ -490,6 +492,8 @@ impl TrainConfig {
         model: &ModelSection,
         train: &TrainSection,
     ) -> Result<TrainConfig, TrainError> {
+        // A resumed run's checkpoint configuration, which its levers must keep.
+        let saved = block_fixed.then(|| cfg.clone());
         let mut block_set = block_fixed || train.block.is_some();
         // A resumed run keeps its model; a fresh one may name it here or in the file.
         let mut model_set = block_fixed || model.preset.is_some() || model.hf_config.is_some();
@@ -582,6 +586,10 @@ impl TrainConfig {
         if !block_set {
             // Without an explicit block, train on the model's full context.
             cfg.block = cfg.base_model()?.max_seq();
+        }
+        // Before validation, whose advice (add --lora to quantize the base) a resume cannot take.
+        if let Some(saved) = &saved {
+            cfg.check_resumes(saved)?;
         }
         cfg.validate()?;
         Ok(cfg)
@@ -1026,6 +1034,182 @@ impl TrainConfig {
                 .clone()
                 .unwrap_or(snug_nn::LoraTargets::AllLinear),
         })
+    }
+
+    /// Refuses this configuration for continuing a run saved under `saved` (its checkpoint's
+    /// configuration) where it would change what the saved state means or computes: the
+    /// optimizer (whose moments the checkpoint holds), the LoRA adapters (rank, alpha, the
+    /// layers they adapt), how the frozen base is stored (`quantize_base`, `double_quant`),
+    /// and whether the state keeps the previous step's gradient norm (`clip_mode` previous,
+    /// `grad_clip` above 0). A resumed run never adds, drops or changes a lever; the error
+    /// names the field and both values, before anything is set up. The rest (steps, learning
+    /// rate, precision, how the step runs) a resume may change.
+    pub fn check_resumes(&self, saved: &TrainConfig) -> Result<(), TrainError> {
+        let refuse =
+            |field: &'static str, detail: String| Err(TrainError::Config { field, detail });
+        // The moments of one optimizer mean nothing to another (8-bit codes are not f32).
+        let (was, now) = (saved.optimizer, self.optimizer);
+        if was != now {
+            return refuse(
+                "optimizer",
+                format!(
+                    "the checkpoint's optimizer state is {}'s and this run uses {}: its moments \
+                     cannot be reinterpreted; resume with --optimizer {}",
+                    was.name(),
+                    now.name(),
+                    was.name()
+                ),
+            );
+        }
+        match (saved.lora, self.lora) {
+            (was, now) if was == now => {}
+            (0, now) => {
+                return refuse(
+                    "lora",
+                    format!(
+                        "the checkpoint's run trains every weight and this run asks for LoRA \
+                         adapters of rank {now}: a resumed run never adds a lever (from here it \
+                         would train other weights than it did); resume without --lora"
+                    ),
+                )
+            }
+            (was, 0) => {
+                return refuse(
+                    "lora",
+                    format!(
+                        "the checkpoint's run trains LoRA adapters of rank {was} and this run \
+                         trains every weight: a resumed run never drops a lever; resume with \
+                         --lora {was}"
+                    ),
+                )
+            }
+            (was, now) => {
+                return refuse(
+                    "lora",
+                    format!(
+                        "the checkpoint's LoRA adapters are of rank {was} and this run asks for \
+                         rank {now}: the saved adapters cannot take another shape; resume with \
+                         --lora {was}"
+                    ),
+                )
+            }
+        }
+        if let (Some(was), Some(now)) = (saved.lora_config(), self.lora_config()) {
+            if was.alpha != now.alpha {
+                return refuse(
+                    "lora_alpha",
+                    format!(
+                        "the checkpoint's LoRA adapters were trained at alpha {} (their output \
+                         scaled by alpha / rank = {}) and this run asks for alpha {}: the scale \
+                         multiplies what the adapters add to every output, so the saved weights \
+                         would compute another model; resume with --lora-alpha {}",
+                        was.alpha,
+                        was.alpha / was.rank as f32,
+                        now.alpha,
+                        was.alpha
+                    ),
+                );
+            }
+            // Two spellings of the same layers (`all-linear` and every module by name) adapt
+            // the same weights.
+            let layers = |c: &TrainConfig, lora: &snug_nn::LoraConfig| {
+                let model = c.base_model().ok()?;
+                let layers = lora.layers(&model).ok()?;
+                Some(layers.into_iter().map(|l| l.weight).collect::<Vec<_>>())
+            };
+            if was.targets != now.targets
+                && (layers(saved, &was).is_none() || layers(saved, &was) != layers(self, &now))
+            {
+                return refuse(
+                    "lora_targets",
+                    format!(
+                        "the checkpoint's LoRA adapters sit beside the layers `{}` names and this \
+                         run asks for `{}`: adapters would be added or dropped, so the saved \
+                         weights would not compute what they did; resume with --lora-targets {}",
+                        was.targets, now.targets, was.targets
+                    ),
+                );
+            }
+        }
+        if saved.quantize_base != self.quantize_base {
+            use QuantizeBase::{Nf4, Nf4Dq};
+            let stored = |q: Option<QuantizeBase>| match q {
+                None => "f32".to_string(),
+                Some(Nf4Dq) => "nf4 with its block scales double-quantized".to_string(),
+                Some(q) => q.name().to_string(),
+            };
+            let again = "its frozen weights would be stored again from the values the \
+                         checkpoint holds, so they (and what the saved adapters were trained \
+                         over) would change";
+            return match (saved.quantize_base, self.quantize_base) {
+                (Some(Nf4), Some(Nf4Dq)) => refuse(
+                    "double_quant",
+                    format!(
+                        "the checkpoint's base is stored as nf4 with f32 block scales and this \
+                         run asks to double-quantize them: {again}; resume without \
+                         --double-quant"
+                    ),
+                ),
+                (Some(Nf4Dq), Some(Nf4)) => refuse(
+                    "double_quant",
+                    format!(
+                        "the checkpoint's base is stored as {} and this run asks for f32 block \
+                         scales: {again}; resume with --double-quant",
+                        stored(saved.quantize_base)
+                    ),
+                ),
+                (was, now) => refuse(
+                    "quantize_base",
+                    format!(
+                        "the checkpoint's base is stored as {} and this run asks for {}: {again}; \
+                         resume {}",
+                        stored(was),
+                        stored(now),
+                        match was {
+                            None => "without --quantize-base".to_string(),
+                            Some(Nf4Dq) => "with --quantize-base nf4 --double-quant".to_string(),
+                            Some(q) => format!("with --quantize-base {q}"),
+                        }
+                    ),
+                ),
+            };
+        }
+        // Clipping by the previous step's norm keeps that norm in the checkpoint.
+        let keeps_norm =
+            |c: &TrainConfig| c.clip_mode == snug_graph::ClipMode::Previous && c.grad_clip > 0.0;
+        if keeps_norm(saved) != keeps_norm(self) {
+            let clipping = |c: &TrainConfig| {
+                if c.grad_clip > 0.0 {
+                    format!("clips by the {} norm", c.clip_mode.name())
+                } else {
+                    "does not clip (grad_clip 0)".to_string()
+                }
+            };
+            let (field, flag) = if saved.clip_mode != self.clip_mode {
+                (
+                    "clip_mode",
+                    format!("--clip-mode {}", saved.clip_mode.name()),
+                )
+            } else {
+                ("grad_clip", format!("--grad-clip {}", saved.grad_clip))
+            };
+            let detail = if keeps_norm(saved) {
+                format!(
+                    "the checkpoint's run clips by the previous step's gradient norm, which its \
+                     state keeps, and this run {}: the kept norm would be dropped; resume with \
+                     {flag}",
+                    clipping(self)
+                )
+            } else {
+                format!(
+                    "the checkpoint's run {} and this run asks to clip by the previous step's \
+                     gradient norm, which the checkpoint does not keep; resume with {flag}",
+                    clipping(saved)
+                )
+            };
+            return refuse(field, detail);
+        }
+        Ok(())
     }
 
     /// Refuses a thread count this machine cannot run ([`check_threads_here`]).

@@ -98,6 +98,85 @@ pub(crate) fn absmax_tensors(graph: &Graph) -> std::collections::HashSet<TensorI
         .collect()
 }
 
+/// Suffix of the checkpoint entry that holds a double-quantized weight's codes (u8, as the
+/// session stores them: the NF4 codes, then the block scales' codes); the weight's f32
+/// statistics (the scales of those codes, then their offset) sit beside it under their graph
+/// name, `<weight>.absmax`.
+pub const STORED_CODES_SUFFIX: &str = ".codes";
+
+/// The frozen weights whose stored form a checkpoint keeps beside their values, each with the
+/// f32 tensor stored with it: those of a double-quantized NF4 base. Quantizing NF4 or int8
+/// values again gives back their codes, and bf16 values their bits, but double quantization
+/// is not idempotent (quantized again, the block scales' mean moves and they round anew), so
+/// its codes and statistics cannot be remade from the values: restored from values alone, a
+/// base loaded from pretrained weights would change at each resume.
+pub(crate) fn stored_forms(
+    graph: &Graph,
+    base: Option<QuantizeBase>,
+) -> Result<Vec<(TensorId, TensorId)>, TrainError> {
+    if base != Some(QuantizeBase::Nf4Dq) {
+        return Ok(Vec::new());
+    }
+    let absmax = absmax_tensors(graph);
+    (0..graph.tensors().len() as u32)
+        .map(TensorId)
+        .filter(|&t| {
+            let m = graph.tensor(t);
+            m.role == snug_graph::Role::Parameter
+                && m.view_of.is_none()
+                && m.dtype == DType::U8
+                && !absmax.contains(&t)
+        })
+        .map(|t| Ok((t, absmax_of(graph, t)?)))
+        .collect()
+}
+
+/// Writes double-quantized weight `t` and its statistics `stats` as a checkpoint stored them
+/// (`codes`, `scales`), once they are checked to give exactly `values`, the weight's values
+/// saved beside them (which the step's readers, sampling and export, take): the restore is
+/// then bit for bit whatever the session held.
+pub(crate) fn write_stored(
+    session: &mut StepSession,
+    t: TensorId,
+    stats: TensorId,
+    codes: &crate::checkpoint::SavedBytes,
+    scales: &crate::checkpoint::SavedTensor,
+    values: &[f32],
+) -> Result<(), TrainError> {
+    let graph = session.graph();
+    let (weight, held) = (graph.tensor(t), graph.tensor(stats));
+    let bad = |detail: String| TrainError::CheckpointMismatch { detail };
+    if codes.shape != weight.shape || scales.shape != held.shape {
+        return Err(bad(format!(
+            "tensors `{}` and `{}` have shapes {:?} and {:?}, the model stores `{}` as {:?} \
+             codes and {:?} statistics",
+            codes.name,
+            scales.name,
+            codes.shape,
+            scales.shape,
+            weight.name,
+            weight.shape,
+            held.shape
+        )));
+    }
+    let shape = value_shape(graph, t);
+    let given = QuantizeBase::Nf4Dq.dequantize(&codes.data, &scales.data, shape);
+    let same = given.len() == values.len()
+        && given
+            .iter()
+            .zip(values)
+            .all(|(x, y)| x.to_bits() == y.to_bits());
+    if !same {
+        return Err(bad(format!(
+            "tensor `{}` holds other values than its stored codes `{}` and statistics `{}` give",
+            weight.name, codes.name, scales.name
+        )));
+    }
+    session.write_bytes(t, &codes.data)?;
+    session.write_f32(stats, &scales.data)?;
+    Ok(())
+}
+
 /// Writes parameter `t` of the session's graph from its f32 `values`, quantizing them as the
 /// graph stores it (`base`: how its quantized weights are stored).
 pub(crate) fn write_param(
@@ -131,7 +210,8 @@ pub(crate) fn write_param(
         // Quantizing a double-quantized base's values again rounds its block scales a second
         // time (their mean offset moves), so where the stored codes already give exactly these
         // values (a checkpoint restored over the base it was trained on) they are kept: the
-        // restore is then bit for bit.
+        // restore is then bit for bit. (A checkpoint holds the codes it needs since version 3,
+        // restored by `write_stored`; this serves those saved before.)
         if let Some(a) = scales {
             let shape = shape.to_vec();
             let (codes, stats) = (session.get_bytes(t)?, session.get_f32(a)?);

@@ -380,7 +380,7 @@ fn write_shard(path: &Path, shard: &ShardRef<'_>) -> Result<(u64, u32), TrainErr
         quantized: shard
             .quantized
             .iter()
-            .map(|(n, s, d)| (n.as_str(), s.as_slice(), Cow::Borrowed(&**d)))
+            .map(|(n, s, d)| (Cow::Borrowed(n.as_str()), s.as_slice(), Cow::Borrowed(&**d)))
             .collect(),
         loss_scale: shard.loss_scale,
         shard: Some(ShardOf {

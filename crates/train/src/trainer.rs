@@ -571,6 +571,8 @@ impl Trainer {
                 ),
             });
         }
+        // Refused before the step is set up: what the checkpoint's state computes is kept.
+        config.check_resumes(&ckpt.config)?;
         // The checkpoint's weights replace any starting point the run was created from.
         let config = TrainConfig {
             init_from: None,
@@ -859,7 +861,7 @@ impl Trainer {
     pub fn checkpoint(&self) -> Result<Checkpoint, TrainError> {
         self.check_state_is_whole()?;
         let g = &self.step_graph.graph;
-        let tensors = self
+        let mut tensors = self
             .saved_tensors(false)
             .map(|t| {
                 Ok(SavedTensor {
@@ -869,7 +871,7 @@ impl Trainer {
                 })
             })
             .collect::<Result<Vec<_>, TrainError>>()?;
-        let quantized = self
+        let mut quantized = self
             .saved_tensors(true)
             .map(|t| {
                 Ok(SavedBytes {
@@ -879,6 +881,18 @@ impl Trainer {
                 })
             })
             .collect::<Result<Vec<_>, TrainError>>()?;
+        for (t, stats) in crate::quantized::stored_forms(g, self.config.quantize_base)? {
+            quantized.push(SavedBytes {
+                name: stored_codes_name(g, t),
+                shape: g.tensor(t).shape.clone(),
+                data: self.session.read_u8(t)?.to_vec(),
+            });
+            tensors.push(SavedTensor {
+                name: g.tensor(stats).name.clone(),
+                shape: g.tensor(stats).shape.clone(),
+                data: self.session.read_f32(stats)?.to_vec(),
+            });
+        }
         Ok(Checkpoint {
             step: self.step,
             tokens_seen: self.tokens_seen,
@@ -895,7 +909,7 @@ impl Trainer {
     pub fn checkpoint_ref(&self) -> Result<CheckpointRef<'_>, TrainError> {
         self.check_state_is_whole()?;
         let g = &self.step_graph.graph;
-        let tensors = self
+        let mut tensors = self
             .saved_tensors(false)
             .map(|t| {
                 let m = g.tensor(t);
@@ -906,17 +920,24 @@ impl Trainer {
                 ))
             })
             .collect::<Result<Vec<_>, TrainError>>()?;
-        let quantized = self
+        let mut quantized = self
             .saved_tensors(true)
             .map(|t| {
                 let m = g.tensor(t);
                 Ok((
-                    m.name.as_str(),
+                    m.name.as_str().into(),
                     m.shape.as_slice(),
                     self.session.read_u8(t)?,
                 ))
             })
             .collect::<Result<Vec<_>, TrainError>>()?;
+        for (t, stats) in crate::quantized::stored_forms(g, self.config.quantize_base)? {
+            let (m, s) = (g.tensor(t), g.tensor(stats));
+            let codes = self.session.read_u8(t)?;
+            quantized.push((stored_codes_name(g, t).into(), m.shape.as_slice(), codes));
+            let scales = self.session.read_f32(stats)?;
+            tensors.push((s.name.as_str(), s.shape.as_slice(), scales));
+        }
         Ok(CheckpointRef {
             step: self.step,
             tokens_seen: self.tokens_seen,
@@ -937,20 +958,8 @@ impl Trainer {
     pub fn restore(&mut self, ckpt: &Checkpoint) -> Result<(), TrainError> {
         self.drop_staged();
         let bad = |detail: String| TrainError::CheckpointMismatch { detail };
-        // The moments of one optimizer mean nothing to another (8-bit codes are not f32).
-        let (saved, now) = (ckpt.config.optimizer, self.config.optimizer);
-        if saved != now {
-            return Err(TrainError::Config {
-                field: "optimizer",
-                detail: format!(
-                    "the checkpoint's optimizer state is {}'s and this run uses {}: its moments \
-                     cannot be reinterpreted; resume with --optimizer {}",
-                    saved.name(),
-                    now.name(),
-                    saved.name()
-                ),
-            });
-        }
+        // The optimizer, the adapters and the base's storage are the checkpoint's.
+        self.config.check_resumes(&ckpt.config)?;
         let (rank, ranks) = (world().0, self.config.devices);
         // Sought whole, held only per rank by the run that saved it.
         let missing = |name: &str| match &ckpt.per_rank {
@@ -994,6 +1003,24 @@ impl Trainer {
         let legacy = self.legacy_moments(ckpt, &places)?;
         let mut used: std::collections::HashSet<&str> =
             legacy.codes.iter().map(String::as_str).collect();
+        // A double-quantized base as it was stored, where the checkpoint holds it (saved
+        // before it did, the base is quantized again from its values).
+        let g = &self.step_graph.graph;
+        let mut stored = std::collections::HashMap::new();
+        for (t, stats) in crate::quantized::stored_forms(g, self.config.quantize_base)? {
+            let codes_name = stored_codes_name(g, t);
+            let stats_name = &g.tensor(stats).name;
+            let codes = ckpt.quantized.iter().find(|q| q.name == codes_name);
+            match (codes, ckpt.tensor(stats_name)) {
+                (Some(codes), Some(scales)) => {
+                    used.insert(codes.name.as_str());
+                    stored.insert(t, (stats, codes, scales));
+                }
+                (None, None) => {}
+                (None, Some(_)) => return Err(missing(&codes_name)),
+                (Some(_), None) => return Err(missing(stats_name)),
+            }
+        }
         for (t, (name, shape, place)) in &codes {
             let saved = if *place == Layout::PerRank {
                 per_rank(name)?.quantized[rank]
@@ -1024,6 +1051,7 @@ impl Trainer {
         }
         used.clear();
         used.extend(legacy.tensors.iter().map(String::as_str));
+        used.extend(stored.values().map(|(_, _, scales)| scales.name.as_str()));
         for (t, (name, shape, place)) in &values {
             let data: &[f32] = if let Some(data) = legacy.values.get(name) {
                 data
@@ -1045,10 +1073,20 @@ impl Trainer {
             match place {
                 Layout::Sharded => self.session.write_f32(*t, &rank_shard(data, ranks))?,
                 Layout::PerRank => self.session.write_f32(*t, data)?,
-                Layout::Whole => {
-                    let base = self.config.quantize_base;
-                    crate::quantized::write_param(&mut self.session, base, *t, data)?
-                }
+                Layout::Whole => match stored.get(t) {
+                    Some(&(stats, codes, scales)) => crate::quantized::write_stored(
+                        &mut self.session,
+                        *t,
+                        stats,
+                        codes,
+                        scales,
+                        data,
+                    )?,
+                    None => {
+                        let base = self.config.quantize_base;
+                        crate::quantized::write_param(&mut self.session, base, *t, data)?
+                    }
+                },
             }
         }
         if let Some(extra) = ckpt
@@ -1723,7 +1761,15 @@ impl Trainer {
     }
 }
 
-/// This rank's equal block of `values` over `ranks`, zero-padded to the block's length.
+/// The checkpoint name of quantized weight `t`'s stored codes (its values keep its own name).
+fn stored_codes_name(g: &snug_graph::Graph, t: TensorId) -> String {
+    format!(
+        "{}{}",
+        g.tensor(t).name,
+        crate::quantized::STORED_CODES_SUFFIX
+    )
+}
+
 /// What [`Trainer::legacy_moments`] found: f32 moments by saved name, and the names of the
 /// checkpoint's codes and block scales they were made from.
 #[derive(Default)]
@@ -1733,6 +1779,7 @@ struct LegacyMoments {
     tensors: std::collections::HashSet<String>,
 }
 
+/// This rank's equal block of `values` over `ranks`, zero-padded to the block's length.
 fn rank_shard(values: &[f32], ranks: usize) -> Vec<f32> {
     let s = snug_graph::ops::shard_len(values.len(), ranks);
     let rank = world().0;

@@ -1,6 +1,7 @@
 //! LoRA end to end on the CPU: adapter gradients against finite differences, a frozen base
 //! that no step touches, the planned peak equal to the measured one and below full
-//! fine-tuning's, the loss falling, and the PEFT export read back bit for bit.
+//! fine-tuning's, the loss falling, the PEFT export read back bit for bit, and a resume that
+//! would change a lever refused by name.
 
 use snug_compile::{compile_step, StepConfig, StepShape};
 use snug_cpu::CpuSession;
@@ -9,7 +10,9 @@ use snug_nn::lora::{init_adapters, load_peft_adapter, peft_key, save_peft_adapte
 use snug_nn::{LlamaConfig, LoraConfig, LoraTargets, ModelConfig};
 use snug_plan::{plan, PlanOptions};
 use snug_runtime::{Allocator, ExecCtx};
-use snug_train::{DataSource, ModelSection, TokenDataset, TrainConfig, TrainSection, Trainer};
+use snug_train::{
+    DataSource, ModelSection, TokenDataset, TrainConfig, TrainError, TrainSection, Trainer,
+};
 
 fn llama() -> ModelConfig {
     let mut c = LlamaConfig::preset("llama-tiny").unwrap();
@@ -362,4 +365,173 @@ fn bad_lora_settings_are_named_errors_before_anything_runs() {
     assert!(e.contains("need a LoRA rank"), "{e}");
     let e = resolve(Some(4), Some("q proj"), "llama-tiny");
     assert!(e.contains("lora_targets"), "{e}");
+}
+
+/// A resume never changes what the saved weights compute: flags that would change a lever of
+/// the checkpoint's run (LoRA's rank, alpha or layers, how the base is stored, the optimizer,
+/// the previous step's norm the state keeps) are refused by the configuration a resume
+/// resolves and by the library's resume alike, naming the field and both values, and the
+/// checkpoint is left as it was. (They were taken: `--lora-alpha 800` trained on silently
+/// with another model, `--quantize-base int8` quantized an NF4 base again, `--double-quant`
+/// rounded its block scales anew, a plain LoRA run turned QLoRA; a rank or layers changed, or
+/// clipping by the previous norm added, stopped on a tensor missing or misshapen.)
+#[test]
+fn a_resume_that_would_change_a_lever_is_refused_by_name_and_leaves_the_checkpoint() {
+    // The saved runs: QLoRA (rank 4, the default alpha 8 and layers q_proj,v_proj, an NF4
+    // base), plain LoRA, and full fine-tuning.
+    let qlora = || TrainSection {
+        lora: Some(4),
+        quantize_base: Some("nf4".into()),
+        ..Default::default()
+    };
+    let lora = || TrainSection {
+        lora: Some(4),
+        ..Default::default()
+    };
+    let full = TrainSection::default;
+    let with = |mut s: TrainSection, change: &dyn Fn(&mut TrainSection)| {
+        change(&mut s);
+        s
+    };
+    let resolve = |s: &TrainSection| {
+        let model = ModelSection {
+            preset: Some("llama-tiny".into()),
+            ..Default::default()
+        };
+        let s = TrainSection {
+            steps: Some(4),
+            batch: Some(4),
+            block: Some(16),
+            threads: Some(1),
+            warmup_steps: Some(1),
+            ..s.clone()
+        };
+        TrainConfig::resolve(None, &model, &s).unwrap()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let mut saved = Vec::new();
+    for (name, section) in [("qlora", qlora()), ("lora", lora()), ("full", full())] {
+        let data = TokenDataset::load(&DataSource::Addition).unwrap();
+        let mut t = Trainer::new(resolve(&section), data).unwrap();
+        t.train_step().unwrap();
+        let run = snug_train::checkpoint::CheckpointDir::create(&dir.path().join(name)).unwrap();
+        let path = run.save(&t.checkpoint().unwrap(), 1).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        saved.push((name, section, path, bytes));
+    }
+    type Change = fn(&mut TrainSection);
+    let cases: [(&str, Change, &str, [&str; 2]); 11] = [
+        (
+            "qlora",
+            |s| s.lora_alpha = Some(800.0),
+            "lora_alpha",
+            ["alpha 8 ", "alpha 800"],
+        ),
+        ("qlora", |s| s.lora = Some(8), "lora", ["rank 4", "rank 8"]),
+        (
+            "qlora",
+            |s| s.lora_targets = Some("all-linear".into()),
+            "lora_targets",
+            ["q_proj,v_proj", "all-linear"],
+        ),
+        (
+            "qlora",
+            |s| s.lora_targets = Some("q_proj".into()),
+            "lora_targets",
+            ["q_proj,v_proj", "`q_proj`"],
+        ),
+        (
+            "qlora",
+            |s| s.quantize_base = Some("int8".into()),
+            "quantize_base",
+            ["as nf4 ", "int8"],
+        ),
+        (
+            "qlora",
+            |s| s.quantize_base = Some("bf16".into()),
+            "quantize_base",
+            ["as nf4 ", "bf16"],
+        ),
+        (
+            "qlora",
+            |s| s.double_quant = Some(true),
+            "double_quant",
+            ["nf4 with f32 block scales", "double-quantize"],
+        ),
+        (
+            "lora",
+            |s| s.quantize_base = Some("nf4".into()),
+            "quantize_base",
+            ["as f32", "nf4"],
+        ),
+        (
+            "full",
+            |s| s.lora = Some(4),
+            "lora",
+            ["trains every weight", "rank 4"],
+        ),
+        (
+            "qlora",
+            |s| s.optimizer = Some("adamw8bit".into()),
+            "optimizer",
+            ["adamw's", "adamw8bit"],
+        ),
+        (
+            "qlora",
+            |s| {
+                s.fused_update = Some(true);
+                s.clip_mode = Some("previous".into());
+            },
+            "clip_mode",
+            ["global norm", "previous step's gradient norm"],
+        ),
+    ];
+    for (run, change, field, [was, now]) in cases {
+        let (_, section, path, _) = saved.iter().find(|s| s.0 == run).unwrap();
+        let ckpt = snug_train::checkpoint::Checkpoint::load(path).unwrap();
+        let given = with(TrainSection::default(), &change);
+        let check = |e: TrainError, how: &str| match e {
+            TrainError::Config { field: f, detail } => {
+                assert_eq!(f, field, "{run} {how}: {detail}");
+                assert!(
+                    detail.contains(was) && detail.contains(now),
+                    "{run} {how}: `{field}` names both values: {detail}"
+                );
+            }
+            e => panic!("{run} {how}: `{field}` refused as {e:?}"),
+        };
+        // As `snug train --resume` resolves its flags over the checkpoint's configuration.
+        let model = ModelSection::default();
+        let resumed = TrainConfig::resolve_resumed(ckpt.config.clone(), None, &model, &given);
+        check(resumed.expect_err("refused"), "flags over the checkpoint");
+        // As a library caller resumes with a configuration of its own.
+        let data = TokenDataset::load(&DataSource::Addition).unwrap();
+        let own = resolve(&with(section.clone(), &change));
+        let resumed = Trainer::resume(own, data, Allocator::default(), &ckpt);
+        check(resumed.err().expect("refused"), "Trainer::resume");
+    }
+    // The same levers named again, as saved, resume.
+    let (_, _, path, _) = &saved[0];
+    let ckpt = snug_train::checkpoint::Checkpoint::load(path).unwrap();
+    let again = TrainSection {
+        lora: Some(4),
+        lora_alpha: Some(8.0),
+        lora_targets: Some("v_proj,q_proj".into()),
+        quantize_base: Some("nf4".into()),
+        clip_mode: Some("tensor".into()),
+        steps: Some(5),
+        ..Default::default()
+    };
+    let cfg =
+        TrainConfig::resolve_resumed(ckpt.config.clone(), None, &ModelSection::default(), &again)
+            .unwrap();
+    let data = TokenDataset::load(&DataSource::Addition).unwrap();
+    let mut t = Trainer::resume(cfg, data, Allocator::default(), &ckpt).unwrap();
+    t.train_step().unwrap();
+    // Every refusal left each checkpoint as it was, alone in its directory.
+    for (name, _, path, bytes) in &saved {
+        assert_eq!(&std::fs::read(path).unwrap(), bytes, "{name}");
+        let files = std::fs::read_dir(path.parent().unwrap()).unwrap().count();
+        assert_eq!(files, 1, "{name}");
+    }
 }

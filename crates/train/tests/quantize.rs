@@ -1,8 +1,9 @@
 //! Frozen weights stored in bf16, int8 or NF4 under LoRA (QLoRA = NF4 + LoRA), on the CPU:
 //! the quantized step computes exactly what an f32 step computes on the dequantized weights,
 //! adapter gradients over an NF4 base equal finite differences, planned == measured for every
-//! base through the trainer, checkpoints hold the dequantized values and restore them bit for
-//! bit, quantizing without LoRA is a named error, and a QLoRA run's loss falls on
+//! base through the trainer, checkpoints hold the dequantized values (a double-quantized
+//! base's codes and statistics too) and restore them bit for bit, also over pretrained
+//! weights, quantizing without LoRA is a named error, and a QLoRA run's loss falls on
 //! tinyshakespeare.
 
 use std::collections::HashMap;
@@ -320,7 +321,15 @@ fn the_base_holds_its_quantized_values_and_checkpoints_restore_them_bit_for_bit(
         let ckpt = snug_train::checkpoint::Checkpoint::load(&path).unwrap();
         assert_eq!(ckpt.config.quantize_base, Some(base));
         let saved = t.parameters().unwrap();
-        assert!(ckpt.tensors.iter().all(|s| !s.name.ends_with(".absmax")));
+        // A double-quantized base's codes and statistics are saved beside its values (they
+        // cannot be remade from them); no other base's are.
+        let stored = ckpt.tensors.iter().filter(|s| s.name.ends_with(".absmax"));
+        assert_eq!(stored.count(), ckpt.quantized.len(), "{base}");
+        assert_eq!(
+            ckpt.quantized.is_empty(),
+            base != QuantizeBase::Nf4Dq,
+            "{base}"
+        );
         // The frozen base is saved as its dequantized values, under its own name and shape.
         let q = ckpt
             .tensors
@@ -757,4 +766,123 @@ fn a_quantized_base_checkpoint_holds_only_the_models_weights_and_samples() {
             t.restore(&back).unwrap();
         }
     }
+}
+
+/// QLoRA with double quantization started from pretrained weights (a Hugging Face directory,
+/// whose base the seed's initialisation is not) resumes bit for bit: the same losses, and the
+/// frozen base, its codes and statistics, the same as the uninterrupted run's. A checkpoint
+/// holds the values the base's codes give; double quantization is not idempotent (quantized
+/// again, the block scales' mean moves and they round anew), so a resume that quantized the
+/// base again from those values trained on another base, drifting at every resume: the audit
+/// saw 90 % of a weight's values change. The checkpoint now holds the codes and statistics
+/// too, and refuses values they do not give; one saved before them still resumes, from its
+/// values, and is written as the version a snug of then reads.
+#[test]
+fn a_double_quantized_base_from_pretrained_weights_resumes_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let pretrained = dir.path().join("pretrained");
+    let model = ModelConfig::preset("llama-tiny").unwrap();
+    snug_nn::save_hf_model_from(&pretrained, &model, &model.init_parameters(7)).unwrap();
+    let train = TrainSection {
+        steps: Some(6),
+        batch: Some(4),
+        block: Some(32),
+        threads: Some(1),
+        warmup_steps: Some(2),
+        lr: Some(1e-2),
+        lora: Some(4),
+        lora_targets: Some("all-linear".into()),
+        quantize_base: Some("nf4".into()),
+        double_quant: Some(true),
+        init_from: Some(pretrained),
+        ..Default::default()
+    };
+    let cfg = TrainConfig::resolve(None, &ModelSection::default(), &train).unwrap();
+    assert_eq!(cfg.quantize_base, Some(QuantizeBase::Nf4Dq));
+    assert_eq!(cfg.seed, 1337, "not the pretrained weights' seed");
+    let data = || TokenDataset::load(&DataSource::Addition).unwrap();
+    let run = |t: &mut Trainer, n: usize| -> Vec<u32> {
+        (0..n)
+            .map(|_| t.train_step().unwrap().loss.to_bits())
+            .collect()
+    };
+
+    let mut straight = Trainer::new(cfg.clone(), data()).unwrap();
+    let straight_losses = run(&mut straight, 6);
+    let mut first = Trainer::new(cfg.clone(), data()).unwrap();
+    let mut losses = run(&mut first, 3);
+    let path = dir.path().join("ckpt-00000003.safetensors");
+    first.checkpoint_ref().unwrap().save(&path).unwrap();
+    let ckpt = snug_train::checkpoint::Checkpoint::load(&path).unwrap();
+    drop(first);
+    let mut resumed =
+        Trainer::resume(ckpt.config.clone(), data(), Allocator::default(), &ckpt).unwrap();
+    losses.extend(run(&mut resumed, 3));
+    assert_eq!(losses, straight_losses);
+    let (a, b) = (
+        straight.checkpoint().unwrap(),
+        resumed.checkpoint().unwrap(),
+    );
+    let mut frozen = 0;
+    for (x, y) in a.tensors.iter().zip(&b.tensors) {
+        assert_eq!(x.name, y.name);
+        assert_eq!(bits(&x.data), bits(&y.data), "{}", x.name);
+        frozen += usize::from(x.name.ends_with("mlp.up_proj.weight"));
+    }
+    assert_eq!(frozen, 2);
+    assert_eq!(a.quantized, b.quantized, "the base's codes");
+
+    // The file holds each quantized weight's codes and statistics beside its values, as
+    // version 3; the model's weights are the values alone.
+    let version = |path: &std::path::Path| {
+        let bytes = std::fs::read(path).unwrap();
+        let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        header.metadata().as_ref().unwrap()["version"].clone()
+    };
+    assert_eq!(version(&path), "3");
+    let codes: Vec<&str> = ckpt.quantized.iter().map(|q| q.name.as_str()).collect();
+    // Every 2-D weight is frozen and stored quantized (the embedding and head too).
+    let matrices = model
+        .parameter_shapes()
+        .iter()
+        .filter(|(_, s)| s.len() == 2)
+        .count();
+    assert_eq!(codes.len(), matrices);
+    for name in &codes {
+        let weight = name.strip_suffix(".codes").unwrap();
+        assert!(ckpt.tensor(weight).is_some() && ckpt.tensor(&absmax_name(weight)).is_some());
+    }
+    let params = ckpt.parameters();
+    assert!(params.iter().all(|(n, _)| !n.ends_with(".absmax")));
+    assert_eq!(params.len(), model.parameter_shapes().len());
+
+    // Values the stored codes do not give are refused, naming the weight.
+    let mut edited = ckpt.clone();
+    let w = "model.layers.1.self_attn.k_proj.weight";
+    edited
+        .tensors
+        .iter_mut()
+        .find(|t| t.name == w)
+        .unwrap()
+        .data[5] += 1.0;
+    match Trainer::resume(edited.config.clone(), data(), Allocator::default(), &edited) {
+        Err(TrainError::CheckpointMismatch { detail }) => {
+            assert!(detail.contains(&format!("`{w}`")), "{detail}")
+        }
+        other => panic!("{:?}", other.err()),
+    }
+
+    // Saved before the codes were (values alone): written as version 2, and resumed from
+    // its values.
+    let mut older = ckpt.clone();
+    older.quantized.clear();
+    older.tensors.retain(|t| !t.name.ends_with(".absmax"));
+    let old_path = dir.path().join("old").join("ckpt-00000003.safetensors");
+    std::fs::create_dir(old_path.parent().unwrap()).unwrap();
+    older.save(&old_path).unwrap();
+    assert_eq!(version(&old_path), "2");
+    let older = snug_train::checkpoint::Checkpoint::load(&old_path).unwrap();
+    let mut t =
+        Trainer::resume(older.config.clone(), data(), Allocator::default(), &older).unwrap();
+    assert!(f32::from_bits(run(&mut t, 1)[0]).is_finite());
 }
