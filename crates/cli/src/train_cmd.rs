@@ -342,6 +342,18 @@ fn fit_to_memory(
     Ok(Some(machine))
 }
 
+/// Refuses a `--lower-memory-at` step outside the steps a run starting after `done` trains,
+/// before a run directory is claimed for it.
+fn check_lower_at(lower_at: Option<(u64, usize)>, done: u64, steps: u64) -> Result<()> {
+    match lower_at {
+        Some((at, _)) if at <= done || at > steps => anyhow::bail!(
+            "--lower-memory-at {at}: this run trains steps {} to {steps}",
+            done + 1
+        ),
+        _ => Ok(()),
+    }
+}
+
 /// `STEP:SIZE` of `--lower-memory-at`.
 fn parse_lower_at(text: &str) -> Result<(u64, usize)> {
     let (step, size) = text
@@ -626,6 +638,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             if rank != 0 {
                 cfg.out = None; // rank 0 alone saves
             }
+            check_lower_at(lower_at, ckpt.step, cfg.steps)?;
             if let (true, Some(dir)) = (args.report, &cfg.out) {
                 crate::report_cmd::check_run_page(dir, cfg.run_id.as_deref())?;
             }
@@ -693,6 +706,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             // Bad data or flags are refused before a run directory is made for them.
             let (data, model) = cfg.load_data_and_model()?;
             cfg.check_threads_here()?;
+            check_lower_at(lower_at, 0, cfg.steps)?;
             if let (true, Some(dir)) = (args.report, &cfg.out) {
                 crate::report_cmd::check_run_page(dir, None)?;
             }
@@ -782,15 +796,6 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             }
         }
     };
-    if let Some((at, _)) = lower_at {
-        if at <= trainer.steps_done() || at > cfg.steps {
-            anyhow::bail!(
-                "--lower-memory-at {at}: this run trains steps {} to {}",
-                trainer.steps_done() + 1,
-                cfg.steps
-            );
-        }
-    }
     lower(trainer.steps_done());
     // After the setup's long work, before the terminal is taken for the dashboard.
     drop(setup_guard);

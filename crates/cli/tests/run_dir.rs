@@ -232,6 +232,50 @@ fn a_failed_recovery_saves_the_last_completed_step() {
     assert_eq!(checkpoint_steps(&run), vec![2, 3]);
 }
 
+/// A `--lower-memory-at` step outside the steps a run trains is refused before the run claims
+/// its directory: none is made for a fresh run, and a resumed one's is left as it was.
+#[test]
+fn a_lowered_limit_outside_the_run_is_refused_before_its_directory_is_claimed() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let run = tmp.path().join("run");
+    let run_s = run.to_str().expect("a UTF-8 path");
+    let o = train(
+        tmp.path(),
+        &[
+            "--steps",
+            "3",
+            "--out",
+            run_s,
+            "--lower-memory-at",
+            "4:1GiB",
+        ],
+    );
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("this run trains steps 1 to 3"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(!run.exists(), "no directory made for a refused run");
+    let o = train(tmp.path(), &["--steps", "2", "--out", run_s]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let listing = || std::fs::read_dir(&run).unwrap().count();
+    let before = listing();
+    let resume = [&["train", "--steps", "4", "--resume", run_s], &QUICK[..]].concat();
+    let o = snug(
+        &[&resume[..], &["--lower-memory-at", "2:1GiB"]].concat(),
+        tmp.path(),
+    );
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("this run trains steps 3 to 4"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(checkpoint_steps(&run), vec![2]);
+    assert_eq!(listing(), before, "no lock or other file left");
+}
+
 #[test]
 fn a_limit_lowered_before_step_one_bites_at_step_one() {
     let tmp = tempfile::tempdir().expect("a scratch directory");
