@@ -125,16 +125,23 @@ pub fn check_run_page(dir: &Path, run_id: Option<&str>) -> Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
         Err(e) => bail!("--report: {}: {e}", path.display()),
     };
-    // A page of a long run is a few MiB; anything far larger is not one.
-    let ours = meta.len() <= 1 << 30
-        && run_id.is_some_and(|id| {
-            std::fs::read_to_string(&path).is_ok_and(|html| snug_report::is_page_of_run(&html, id))
-        });
+    // The mark sits in the page's head, in its first few hundred bytes.
+    let head = || -> std::io::Result<String> {
+        use std::io::Read;
+        let mut head = Vec::new();
+        std::fs::File::open(&path)?
+            .take(64 << 10)
+            .read_to_end(&mut head)?;
+        Ok(String::from_utf8_lossy(&head).into_owned())
+    };
+    let ours = meta.is_file()
+        && run_id.is_some_and(|id| head().is_ok_and(|h| snug_report::is_page_of_run(&h, id)));
     if !ours {
         bail!(
-            "--report: {} exists and is not a page of this run: snug never writes over it; move \
-             it, or train without --report and write the page elsewhere afterwards with `snug \
-             report --run {} -o FILE`",
+            "--report: {} exists and is not a page of this run (a page of an older snug's, or \
+             of `snug report -o`, counts as not): snug never writes over it; move it, or train \
+             without --report and write the page elsewhere afterwards with `snug report --run \
+             {} -o FILE`",
             path.display(),
             dir.display()
         );

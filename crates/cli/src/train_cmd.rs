@@ -215,15 +215,17 @@ fn check_budget_here(text: &str, budget: usize, cfg: &TrainConfig) -> Result<()>
         // --device-memory says; wgpu reports no other adapter's.
         let known = snug_gpu::adapter::find(selector)?
             .and_then(|a| Some((usize::try_from(a.memory_bytes?).ok()?, a.memory_source()?)));
+        // `device_memory` is the flag's, the TOML key's, or a resumed run's saved value.
         match (cfg.device_memory, known) {
             (Some(given), Some((has, source))) if given > has => anyhow::bail!(
-                "--device-memory {}: is more than --device {}'s memory ({}, {source}); training \
+                "device memory {} (--device-memory, or the TOML key device_memory, or the \
+                 resumed run's): is more than --device {}'s memory, {} of {source}; training \
                  runs here, so give at most that; `snug fit` plans for other machines",
                 human_bytes(given),
                 cfg.device,
                 human_bytes(has)
             ),
-            (Some(given), _) => (Some(given), "--device-memory".to_string()),
+            (Some(given), _) => (Some(given), "the device memory given".to_string()),
             (None, Some((has, source))) => (Some(has), format!("the adapter's memory ({source})")),
             (None, None) => (None, String::new()),
         }
@@ -235,7 +237,7 @@ fn check_budget_here(text: &str, budget: usize, cfg: &TrainConfig) -> Result<()>
     };
     match has {
         Some(has) if budget > has => anyhow::bail!(
-            "--memory {text}: {} is more than {what} ({}); training runs here, so give at most \
+            "--memory {text}: {} is more than {what}, {}; training runs here, so give at most \
              that, or --memory auto (what is free now); `snug fit` plans for other machines",
             human_bytes(budget),
             human_bytes(has)
@@ -703,13 +705,25 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
                 cfg.out = Some(default_run_dir(&cfg));
                 numbered = true;
             }
-            // Bad data or flags are refused before a run directory is made for them.
-            let (data, model) = cfg.load_data_and_model()?;
-            cfg.check_threads_here()?;
+            // Refused at once, before the data and weights load.
             check_lower_at(lower_at, 0, cfg.steps)?;
             if let (true, Some(dir)) = (args.report, &cfg.out) {
                 crate::report_cmd::check_run_page(dir, None)?;
             }
+            if let (Some(init), Some(out)) = (&cfg.init_from, &cfg.out) {
+                let resolved = |p: &Path| std::fs::canonicalize(p).ok();
+                if init.is_dir() && resolved(init).is_some() && resolved(init) == resolved(out) {
+                    anyhow::bail!(
+                        "--out {}: is the model directory --init-from reads; a run there would \
+                         leave a directory that is both, which `sample` and `export` cannot \
+                         tell apart: give the run a directory of its own",
+                        out.display()
+                    );
+                }
+            }
+            // Bad data or flags are refused before a run directory is made for them.
+            let (data, model) = cfg.load_data_and_model()?;
+            cfg.check_threads_here()?;
             if let Some(init) = cfg
                 .init_from
                 .as_deref()
@@ -717,16 +731,6 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             {
                 for note in snug_nn::lora::adapter_notes(init)? {
                     tracing::warn!("{note}");
-                }
-            }
-            if let (Some(init), Some(out)) = (&cfg.init_from, &cfg.out) {
-                if init.is_dir() && snug_train::output::same_file(init, out) {
-                    anyhow::bail!(
-                        "--out {}: is the model directory --init-from reads; a run there would \
-                         leave a directory that is both, which `sample` and `export` cannot \
-                         tell apart: give the run a directory of its own",
-                        out.display()
-                    );
                 }
             }
             let run_dir = claim_fresh(&mut cfg, numbered)?;
@@ -875,8 +879,8 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
                 bar.suspend(|| {
                     say!(
                         out,
-                        "recovered {at}: out of memory under a limit of {}; now {} (planned peak {}, was {} with {})",
-                        human_bytes(r.failure.limit),
+                        "recovered {at}: out of memory {}; now {} (planned peak {}, was {} with {})",
+                        r.failure.cause(),
                         r.to,
                         human_bytes(r.to_peak_bytes),
                         human_bytes(r.from_peak_bytes),
@@ -991,9 +995,9 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
                 Event::Step(s) => view.state.step(s),
                 Event::Eval(e) => view.state.eval(e),
                 Event::Recovered(r) => view.state.say(format!(
-                    "step {}: out of memory under {}; now {} (planned peak {})",
+                    "step {}: out of memory {}; now {} (planned peak {})",
                     r.step,
-                    human_bytes(r.failure.limit),
+                    r.failure.cause(),
                     r.to,
                     human_bytes(r.to_peak_bytes)
                 )),
@@ -1120,8 +1124,12 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
     };
     // After the figures above, so the page's memory is in none of them.
     if let (true, Some(dir)) = (args.report, &cfg.out) {
-        let page = crate::report_cmd::write_for_run(&trainer, &cfg, dir)?;
-        summary.report = Some(page);
+        // Checked again: a page written there while the run trained (`snug report -o`) is
+        // someone's, and a run that saved its state does not fail for want of a page.
+        match crate::report_cmd::check_run_page(dir, trainer.config().run_id.as_deref()) {
+            Ok(()) => summary.report = Some(crate::report_cmd::write_for_run(&trainer, &cfg, dir)?),
+            Err(e) => tracing::warn!("{e:#}; no page written"),
+        }
     }
     // After the figures above, so the scoring's memory is in none of them.
     if cfg.data == DataSourceConfig::Addition && !run.interrupted {

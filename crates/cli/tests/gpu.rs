@@ -227,7 +227,8 @@ fn resume_on_the_gpu_continues_exactly() {
         figures["notes"].to_string()
     };
     assert!(!notes(&[]).contains("does not have"));
-    let elsewhere = notes(&[("VK_ICD_FILENAMES", "/nonexistent.json")]);
+    let none = "/nonexistent.json";
+    let elsewhere = notes(&[("VK_ICD_FILENAMES", none), ("VK_DRIVER_FILES", none)]);
     assert!(
         elsewhere.contains("which this machine does not have: planned with the default GPU"),
         "{elsewhere}"
@@ -525,10 +526,15 @@ fn memory_auto_on_a_gpu_takes_the_devices_memory() {
     // A budget, or a --device-memory, beyond an adapter whose memory is known (a CPU
     // driver's: the machine's) is refused before anything is planned, as on the CPU; fit
     // plans for other machines and takes it.
-    let first = &v["gpus"][0];
-    let known = first["memory_bytes"]
+    // The adapter `--device gpu` takes.
+    let chosen = v["gpus"]
+        .as_array()
+        .and_then(|g| g.iter().find(|a| a["default"] == true))
+        .cloned()
+        .unwrap_or_default();
+    let known = chosen["memory_bytes"]
         .as_u64()
-        .filter(|_| first["memory_from"] == "system memory (a CPU driver)");
+        .filter(|_| chosen["memory_from"] == "system memory (a CPU driver)");
     if let Some(has) = known {
         let over = format!("{}KiB", (has >> 10) * 2);
         let run = ["--steps", "1", "--no-save"];

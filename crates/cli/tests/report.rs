@@ -330,6 +330,50 @@ fn train_report_replaces_only_its_own_runs_page() {
     assert_eq!(checkpoints(), saved);
 }
 
+/// A page written into the run directory while the run trains (`snug report -o
+/// run/report.html`) is someone's: the run, ending, leaves it and says so, and does not fail.
+#[test]
+fn train_report_keeps_a_page_written_while_it_ran() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let child = Command::new(env!("CARGO_BIN_EXE_snug"))
+        .args(
+            [
+                &["train", "--steps", "1000000", "--out", "run", "--report"][..],
+                &SHAPE,
+            ]
+            .concat(),
+        )
+        .env("SNUG_CACHE_DIR", dir)
+        .current_dir(dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let metrics = dir.join("run/metrics.jsonl");
+    let start = std::time::Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(true, |m| m.is_empty()) {
+        assert!(start.elapsed() < Duration::from_secs(60), "no step logged");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::fs::write(dir.join("run/report.html"), "mine").unwrap();
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(
+        o.status.code(),
+        Some(130),
+        "stopped by the signal, saved: {err}"
+    );
+    assert!(err.contains("is not a page of this run"), "{err}");
+    assert!(err.contains("no page written"), "{err}");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("run/report.html")).unwrap(),
+        "mine"
+    );
+}
+
 /// `--force` replaces an old page, never the file the page is made from.
 #[test]
 fn report_never_writes_over_its_input() {

@@ -739,13 +739,33 @@ fn evaluate(
 /// What failed: the allocator's limit and the request it refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct MemoryFailure {
-    /// The limit that refused (`usize::MAX` when the system itself refused, under the limit).
+    /// The limit that refused (`usize::MAX` when the system itself refused, under the limit;
+    /// `null` in JSON).
+    #[serde(serialize_with = "limit_or_null")]
     pub limit: usize,
     pub requested: usize,
     pub active: usize,
 }
 
+fn limit_or_null<S: serde::Serializer>(limit: &usize, s: S) -> Result<S::Ok, S::Error> {
+    match *limit {
+        usize::MAX => s.serialize_none(),
+        l => s.serialize_u64(l as u64),
+    }
+}
+
 impl MemoryFailure {
+    /// What refused the memory, for a message: `under a limit of 2.00 GiB`, or the system.
+    pub fn cause(&self) -> String {
+        match self.limit {
+            usize::MAX => "refused by the system".to_string(),
+            l => format!(
+                "under a limit of {}",
+                snug_plan::memory_plan::human_bytes(l)
+            ),
+        }
+    }
+
     /// The budget a configuration must meet to carry on after this failure of a plan peaking
     /// at `current_peak`: under the limit, or, when the system refused, under the current
     /// peak.

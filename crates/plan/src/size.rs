@@ -31,8 +31,9 @@ pub fn parse_bytes(input: &str) -> Result<usize, SizeError> {
         "mb" | "m" => 1e6,
         "gb" | "g" => 1e9,
         "tb" | "t" => 1e12,
-        "pb" | "p" => 1e15,
-        "eb" | "e" => 1e18,
+        // No bare `e`: `5e` would read as a mistyped exponent.
+        "pb" => 1e15,
+        "eb" => 1e18,
         "kib" => 1024.0,
         "mib" => 1024.0 * 1024.0,
         "gib" => 1024.0 * 1024.0 * 1024.0,
@@ -81,6 +82,8 @@ mod tests {
             "16EiB",
             "0.5",
             "10.5B",
+            "5e",
+            "1e9",
         ] {
             assert!(parse_bytes(bad).is_err(), "{bad}");
         }

@@ -145,7 +145,7 @@ pub enum TrainError {
         human_bytes(*needed),
         match limit {
             Some(l) => format!("the memory limit is {} ({l} bytes)", human_bytes(*l)),
-            None => "the system (a GPU's driver, on a GPU) could not provide it, under any memory limit set".into(),
+            None => "the system (or the GPU's driver) refused it, below any memory limit set".into(),
         }
     )]
     DoesNotFit {

@@ -407,11 +407,18 @@ impl Allocator {
                 while let Some(b) = s.cache.pop_oldest() {
                     s.source.release(b);
                 }
-                s.source.allocate(capacity).ok_or_else(|| OutOfMemory {
-                    // The system's refusal, not the limit's, whatever limit is set: the
-                    // request was under it.
-                    limit: usize::MAX,
-                    ..self.oom(&s, bytes)
+                s.source.allocate(capacity).ok_or_else(|| {
+                    let oom = self.oom(&s, bytes);
+                    // Under the limit, the system's refusal, not the limit's. Over a relaxed
+                    // one, the limit stays named: recovery must get under it too.
+                    if over(&s) {
+                        oom
+                    } else {
+                        OutOfMemory {
+                            limit: usize::MAX,
+                            ..oom
+                        }
+                    }
                 })?
             }
         };
