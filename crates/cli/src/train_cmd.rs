@@ -344,6 +344,45 @@ fn fit_to_memory(
     Ok(Some(machine))
 }
 
+/// On another number of ranks than the checkpoint's, a resume keeps the run's micro-batch
+/// (sequences per rank per forward pass) by scaling the accumulation, unless it is given: each
+/// step then sums the same per-micro-batch gradients in the same order, so the run continues
+/// bit for bit (two ranks' micro-batches of 2 are one process's two of 2, not one of 4). Where
+/// the micro-batch cannot be kept (more ranks than it has micro-batches), the resume warns
+/// that the last bits of the losses may differ from an uninterrupted run's.
+fn keep_micro_batch(
+    train: &mut snug_train::TrainSection,
+    saved: &TrainConfig,
+    ranks: usize,
+    config_file: bool,
+) {
+    if saved.devices == ranks || train.accumulation.is_some() || config_file {
+        return;
+    }
+    let micro_batches = saved.devices * saved.accumulation;
+    if micro_batches % ranks == 0 {
+        let accumulation = micro_batches / ranks;
+        if accumulation != saved.accumulation {
+            tracing::info!(
+                "resuming a run of {} ranks on {ranks}: its micro-batch of {} sequences kept, \
+                 accumulating {accumulation} a step",
+                saved.devices,
+                saved.micro_batch()
+            );
+            train.accumulation = Some(accumulation);
+        }
+    } else {
+        tracing::warn!(
+            "resuming a run of {} ranks on {ranks}: its {micro_batches} micro-batches of {} \
+             sequences a step do not divide among {ranks} ranks, so the step sums its gradients \
+             in other groups: the losses may differ from an uninterrupted run's in their last \
+             bits",
+            saved.devices,
+            saved.micro_batch()
+        );
+    }
+}
+
 /// Refuses a `--lower-memory-at` step outside the steps a run starting after `done` trains,
 /// before a run directory is claimed for it.
 fn check_lower_at(lower_at: Option<(u64, usize)>, done: u64, steps: u64) -> Result<()> {
@@ -600,6 +639,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
                 );
                 train.shard = Some(0);
             }
+            keep_micro_batch(&mut train, &ckpt.config, ranks, config_file.is_some());
             if train.out.is_none() {
                 // Keep saving where the run lives.
                 train.out = Some(if from.is_dir() {

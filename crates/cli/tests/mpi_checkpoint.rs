@@ -1,6 +1,7 @@
 //! Sharded checkpoints of `mpirun -np 2 snug train --shard S`: each rank writes its shard and
 //! rank 0 the manifest; resuming on two ranks is bit-exact at every stage; one process continues
-//! a sharded run and two ranks a single process's, from the consolidated tensors; `snug export`
+//! a sharded run and two ranks a single process's, from the consolidated tensors, bit for bit
+//! (the micro-batch kept, the accumulation scaled); `snug export`
 //! consolidates; 8-bit AdamW's per-shard state resumes on as many ranks, and elsewhere is a
 //! named error; a damaged or missing shard is an error naming its file; and a rank killed
 //! mid-run leaves the last complete checkpoint to resume from.
@@ -78,14 +79,6 @@ fn state(path: &Path) -> BTreeMap<String, (Vec<usize>, Vec<u32>)> {
             )
         })
         .collect()
-}
-
-/// `a` and `b` within `rel` of each other, relative to `a`.
-fn close(a: &[f64], b: &[f64], rel: f64) {
-    assert_eq!(a.len(), b.len(), "{a:?} against {b:?}");
-    for (x, y) in a.iter().zip(b) {
-        assert!((x - y).abs() <= rel * x.abs(), "{a:?} against {b:?}");
-    }
 }
 
 #[test]
@@ -258,16 +251,18 @@ fn one_process_continues_a_sharded_run_and_exports_it_as_stage_0() {
     // Step 3 in one process (unsharded): saved again at once, its state is the consolidated
     // shards', bit for bit, and the whole file replaces the sharded one.
     copy_sharded(&two, &one, 3);
-    common::ok(
+    let resaved = common::ok(
         dir.path(),
         &["train", "--resume", one.to_str().unwrap(), "--steps", "3"],
     );
+    let said = text(&resaved.stderr);
+    assert!(said.contains("accumulating 2 a step"), "{said}");
     assert!(one.join("ckpt-00000003.safetensors").is_file());
     assert!(!manifest_of(&one, 3).exists());
     assert_eq!(state(&one), state(&manifest_of(&two, 3)));
-    // Steps 4 and 5 in one process with the ranks' micro-batch (the step count, set to 3 by
-    // the save above, back to 5: the same learning-rate schedule): the same data, the
-    // gradients summed in another order.
+    // Steps 4 and 5 in one process (the step count, set to 3 by the save above, back to 5:
+    // the same learning-rate schedule), which kept the ranks' micro-batch by accumulating
+    // two: the same micro-batches summed in the same order, so bit for bit.
     let rest = common::ok(
         dir.path(),
         &[
@@ -276,12 +271,10 @@ fn one_process_continues_a_sharded_run_and_exports_it_as_stage_0() {
             one.to_str().unwrap(),
             "--steps",
             "5",
-            "--accumulation",
-            "2",
             "--json",
         ],
     );
-    close(&losses(&all)[3..], &losses(&rest), 1e-6);
+    assert_eq!(&losses(&all)[3..], &losses(&rest)[..]);
 
     // The sharded step 5 exported, and the same weights as one process's whole checkpoint
     // exported: the same files.
@@ -366,7 +359,8 @@ fn two_ranks_continue_a_single_process_run_sharded() {
     assert!(manifest_of(&two, 3).is_file());
     assert!(!two.join(name).exists());
     assert_eq!(state(&two), state(&one.join(name)));
-    // Steps 4 and 5 on the two ranks (stage 3, kept from the checkpoint).
+    // Steps 4 and 5 on the two ranks (stage 3, kept from the checkpoint), each a micro-batch
+    // of the single process's two: bit for bit.
     let rest = two_ranks(
         dir.path(),
         &[
@@ -378,7 +372,7 @@ fn two_ranks_continue_a_single_process_run_sharded() {
             "--json",
         ],
     );
-    close(&losses(&single)[3..], &losses(&rest), 1e-6);
+    assert_eq!(&losses(&single)[3..], &losses(&rest)[..]);
     assert_eq!(manifest(&two, 5)["stage"], 3);
 }
 
