@@ -360,7 +360,7 @@ fn keep_micro_batch(
         return;
     }
     let micro_batches = saved.devices * saved.accumulation;
-    if micro_batches % ranks == 0 {
+    if micro_batches.is_multiple_of(ranks) {
         let accumulation = micro_batches / ranks;
         if accumulation != saved.accumulation {
             tracing::info!(
