@@ -36,6 +36,25 @@ fn plan_shows_each_base_storage_and_its_saving() {
     let dir = tempfile::tempdir().unwrap();
     let f32_plan = plan(dir.path(), &[]);
     assert!(f32_plan.get("quantize_base").is_none());
+    // `f32`, the default the help names, is the base as it is; anything else unknown is
+    // refused by its field.
+    let mut same = plan(dir.path(), &["--quantize-base", "f32"]);
+    same["plan_ms"] = f32_plan["plan_ms"].clone();
+    assert_eq!(same, f32_plan);
+    let args = [
+        "plan",
+        "--preset",
+        "llama-tiny",
+        "--lora",
+        "4",
+        "--quantize-base",
+        "fp8",
+    ];
+    fails_with(
+        dir.path(),
+        &args,
+        &["quantize_base", "`fp8`", "or f32 for none"],
+    );
     let mut last = f32_plan["peak_bytes"].as_u64().unwrap();
     for q in ["bf16", "int8", "nf4"] {
         let p = plan(dir.path(), &["--quantize-base", q]);

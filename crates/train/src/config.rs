@@ -681,14 +681,17 @@ impl TrainConfig {
                 detail,
             })?);
         }
-        if let Some(q) = &t.quantize_base {
+        // `f32`, the default the help names, stores the base as it is.
+        if let Some(q) = t.quantize_base.as_deref().filter(|q| *q != "f32") {
             let q: QuantizeBase = q.parse().map_err(|detail| TrainError::Config {
                 field: "quantize_base",
-                detail,
+                detail: format!("{detail}, or f32 for none"),
             })?;
             // NF4 named again keeps the double quantization an earlier layer asked for.
             let kept = q == QuantizeBase::Nf4 && self.quantize_base == Some(QuantizeBase::Nf4Dq);
             self.quantize_base = Some(if kept { QuantizeBase::Nf4Dq } else { q });
+        } else if t.quantize_base.is_some() {
+            self.quantize_base = None;
         }
         if let Some(dq) = t.double_quant {
             self.quantize_base = match (self.quantize_base, dq) {
