@@ -210,11 +210,18 @@ impl fmt::Display for Levers {
     }
 }
 
-/// A lever name `--allow` does not know.
+/// A lever name `--allow` does not know, or `all` or `none` among other names (`all,none`
+/// was taken as all).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown lever `{name}`: the levers are {}, or `all` or `none`", Lever::ALL.map(Lever::name).join(", "))]
+#[error(
+    "{}: the levers are {}, or `all` or `none` alone",
+    if *among_others { format!("`{name}` stands alone, not in a list") } else { format!("unknown lever `{name}`") },
+    Lever::ALL.map(Lever::name).join(", ")
+)]
 pub struct UnknownLever {
     pub name: String,
+    /// `all` or `none` given with other names.
+    pub among_others: bool,
 }
 
 impl FromStr for Levers {
@@ -222,16 +229,30 @@ impl FromStr for Levers {
 
     /// `lora,adam8bit,...`, `all` or `none` (also the empty string).
     fn from_str(s: &str) -> Result<Levers, UnknownLever> {
+        let names: Vec<&str> = s
+            .split(',')
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .collect();
         let mut set = BTreeSet::new();
-        for name in s.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        for &name in &names {
             match name.to_ascii_lowercase().as_str() {
+                "all" | "none" if names.len() > 1 => {
+                    return Err(UnknownLever {
+                        name: name.into(),
+                        among_others: true,
+                    })
+                }
                 "all" => set.extend(Lever::ALL),
                 "none" => {}
                 other => {
                     let lever = Lever::ALL
                         .into_iter()
                         .find(|l| l.name() == other)
-                        .ok_or_else(|| UnknownLever { name: name.into() })?;
+                        .ok_or_else(|| UnknownLever {
+                            name: name.into(),
+                            among_others: false,
+                        })?;
                     set.insert(lever);
                 }
             }
@@ -276,6 +297,12 @@ mod tests {
         let e = "lora,galore".parse::<Levers>().unwrap_err();
         assert_eq!(e.name, "galore");
         assert!(e.to_string().contains("lora"), "{e}");
+        // `all,none` was taken as all: either word stands alone.
+        for list in ["all,none", "none,lora", "lora, ALL"] {
+            let e = list.parse::<Levers>().unwrap_err();
+            assert!(e.among_others, "{list}");
+            assert!(e.to_string().contains("stands alone"), "{e}");
+        }
     }
 
     #[test]
