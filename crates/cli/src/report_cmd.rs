@@ -149,13 +149,6 @@ pub fn check_run_page(dir: &Path, run_id: Option<&str>) -> Result<()> {
     Ok(())
 }
 
-/// Whether `dir` lists any checkpoint file, loadable or not.
-pub fn holds_checkpoints(dir: &Path) -> bool {
-    snug_train::checkpoint::CheckpointDir::open(dir)
-        .and_then(|d| d.list())
-        .is_ok_and(|l| !l.is_empty())
-}
-
 /// A run's metrics file: `None` where there is none (a run that has not logged yet); anything
 /// else at its path (a directory) is an error naming it, not a page without the run.
 fn read_metrics(path: &Path) -> Result<Option<RunMetrics>> {
@@ -211,7 +204,9 @@ pub fn run(args: ReportArgs) -> Result<()> {
                 Some(plan_of(&ckpt.config, &ckpt.model()?)?)
             }
             // Checkpoints that are there but do not load are an error, not an absent plan.
-            Err(e @ TrainError::NoCheckpoint { .. }) if holds_checkpoints(dir) => {
+            Err(e @ TrainError::NoCheckpoint { .. })
+                if snug_train::checkpoint::holds_checkpoints(dir) =>
+            {
                 return Err(e.into())
             }
             Err(TrainError::NoCheckpoint { .. }) => {

@@ -434,7 +434,7 @@ impl Source {
         if snug_nn::is_hf_dir(from) {
             // Either reading would silently pass over the other: the pretrained weights, or
             // what a run trained from them.
-            if crate::report_cmd::holds_checkpoints(from) {
+            if checkpoint::holds_checkpoints(from) {
                 bail!(
                     "{}: holds both a Hugging Face model (config.json and its weights) and a \
                      run's checkpoints: name the run's checkpoint file, or move the model or the \

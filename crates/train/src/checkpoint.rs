@@ -676,6 +676,13 @@ pub(crate) fn check_step_matches_name(path: &Path, step: u64) -> Result<(), Trai
     }
 }
 
+/// Whether `dir` lists any checkpoint file, loadable or not.
+pub fn holds_checkpoints(dir: &Path) -> bool {
+    CheckpointDir::open(dir)
+        .and_then(|d| d.list())
+        .is_ok_and(|l| !l.is_empty())
+}
+
 /// A directory of checkpoints `ckpt-<step>.safetensors` (and sharded ones, each standing as its
 /// manifest `ckpt-<step>.manifest.json`), newest kept.
 #[derive(Debug, Clone)]
