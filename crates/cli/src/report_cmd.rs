@@ -292,6 +292,11 @@ pub fn run(args: ReportArgs) -> Result<()> {
             println!("metrics.jsonl line {} skipped: {}", s.line, s.reason);
         }
     }
+    // Where the figures came from, and what the page lacks and why (a run directory with no
+    // checkpoint or metrics yet): the page says it, and so does the terminal.
+    for n in &figures.notes {
+        println!("note: {n}");
+    }
     println!("wrote {}", args.output.display());
     Ok(())
 }

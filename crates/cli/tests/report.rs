@@ -420,6 +420,24 @@ fn a_plan_of_another_version_is_refused_by_name() {
     assert!(!dir.join("r.html").exists());
 }
 
+/// A run directory with nothing in it yet gives a page that says so, and the terminal says
+/// why too (it said only where the page went).
+#[test]
+fn an_empty_run_directory_says_what_the_page_lacks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    std::fs::create_dir(dir.join("run")).unwrap();
+    let e = ok(snug(&["report", "--run", "run", "-o", "page.html"], dir));
+    assert!(
+        e.stdout.contains("note: no plan: run holds no checkpoint"),
+        "{}",
+        e.stdout
+    );
+    assert!(e.stdout.contains("note: no run curves"), "{}", e.stdout);
+    let page = std::fs::read_to_string(dir.join("page.html")).unwrap();
+    assert!(page.contains("holds no checkpoint"));
+}
+
 /// A run directory whose checkpoints are all damaged is an error naming one, not a page
 /// without a plan.
 #[test]
