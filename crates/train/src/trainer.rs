@@ -857,50 +857,33 @@ impl Trainer {
         Ok(crate::quantized::read_param(&self.session, g, base, t)?.into())
     }
 
-    /// The training state after the steps run so far.
+    /// The training state after the steps run so far: [`Trainer::checkpoint_ref`]'s, copied.
     pub fn checkpoint(&self) -> Result<Checkpoint, TrainError> {
-        self.check_state_is_whole()?;
-        let g = &self.step_graph.graph;
-        let mut tensors = self
-            .saved_tensors(false)
-            .map(|t| {
-                Ok(SavedTensor {
-                    name: g.tensor(t).name.clone(),
-                    shape: crate::quantized::value_shape(g, t).to_vec(),
-                    data: self.read_values(t)?.to_vec(),
-                })
-            })
-            .collect::<Result<Vec<_>, TrainError>>()?;
-        let mut quantized = self
-            .saved_tensors(true)
-            .map(|t| {
-                Ok(SavedBytes {
-                    name: g.tensor(t).name.clone(),
-                    shape: g.tensor(t).shape.clone(),
-                    data: self.session.read_u8(t)?.to_vec(),
-                })
-            })
-            .collect::<Result<Vec<_>, TrainError>>()?;
-        for (t, stats) in crate::quantized::stored_forms(g, self.config.quantize_base)? {
-            quantized.push(SavedBytes {
-                name: stored_codes_name(g, t),
-                shape: g.tensor(t).shape.clone(),
-                data: self.session.read_u8(t)?.to_vec(),
-            });
-            tensors.push(SavedTensor {
-                name: g.tensor(stats).name.clone(),
-                shape: g.tensor(stats).shape.clone(),
-                data: self.session.read_f32(stats)?.to_vec(),
-            });
-        }
+        let r = self.checkpoint_ref()?;
         Ok(Checkpoint {
-            step: self.step,
-            tokens_seen: self.tokens_seen,
-            config: self.config.clone(),
-            tokenizer: self.data.tokenizer.to_spec(),
-            tensors,
-            quantized,
-            loss_scale: self.scaler,
+            step: r.step,
+            tokens_seen: r.tokens_seen,
+            config: r.config.clone(),
+            tokenizer: r.tokenizer,
+            tensors: r
+                .tensors
+                .into_iter()
+                .map(|(name, shape, data)| SavedTensor {
+                    name: name.to_string(),
+                    shape: shape.to_vec(),
+                    data: data.into_owned(),
+                })
+                .collect(),
+            quantized: r
+                .quantized
+                .into_iter()
+                .map(|(name, shape, data)| SavedBytes {
+                    name: name.into_owned(),
+                    shape: shape.to_vec(),
+                    data: data.into_owned(),
+                })
+                .collect(),
+            loss_scale: r.loss_scale,
             per_rank: None,
         })
     }
