@@ -30,8 +30,9 @@ pub struct ReportArgs {
     /// checkpoint's configuration.
     #[arg(long, value_name = "DIR")]
     run: Option<PathBuf>,
-    /// The device's memory for the table (e.g. 12GiB; default: this machine's available
-    /// memory).
+    /// The device's memory for the table (e.g. 12GiB; default: the planned run's device's:
+    /// this machine's available memory on the CPU; on a GPU the memory the run was given, or
+    /// the adapter's where it is known).
     #[arg(long, value_name = "SIZE")]
     device_memory: Option<String>,
     /// Where to write the page. An existing file is refused unless --force; a checkpoint, a
@@ -94,15 +95,15 @@ pub fn write_for_run(
     doc.remat = Some(cfg.remat.to_string());
     let metrics = dir.join(snug_train::run::METRICS_FILE);
     let run = read_metrics(&metrics)?;
-    let device = snug_runtime::process::available_memory()
-        .map(|b| ("this machine's available memory".to_string(), b));
+    let mut notes = vec![format!("plan: the step {} trained with", dir.display())];
+    let device = run_device_memory(cfg, &mut notes);
     let report = Report {
         title: format!("snug report: {}", dir.display()),
         plan: Some(doc),
         fit: None,
         run,
         device,
-        notes: vec![format!("plan: the step {} trained with", dir.display())],
+        notes,
         run_id: trainer.config().run_id.clone(),
     };
     let path = dir.join(RUN_PAGE);
@@ -149,6 +150,36 @@ pub fn check_run_page(dir: &Path, run_id: Option<&str>) -> Result<()> {
     Ok(())
 }
 
+/// The memory of the device `cfg` runs on, for the device table: on the CPU this machine's
+/// available memory; on a GPU the memory given (`--device-memory`, or the run's saved
+/// `device_memory`), else the adapter's where it is known (a CPU driver's is the machine's),
+/// else none, with a note: the machine's memory says nothing of a GPU's.
+fn run_device_memory(cfg: &TrainConfig, notes: &mut Vec<String>) -> Option<(String, usize)> {
+    let snug_train::DeviceSpec::Gpu(selector) = cfg.device else {
+        return snug_runtime::process::available_memory()
+            .map(|b| ("this machine's available memory".to_string(), b));
+    };
+    if let Some(given) = cfg.device_memory {
+        return Some((
+            format!("--device {}, its device memory as given", cfg.device),
+            given,
+        ));
+    }
+    let adapter = snug_gpu::adapter::find(selector).ok().flatten();
+    if let Some((bytes, source)) = adapter
+        .as_ref()
+        .and_then(|a| Some((usize::try_from(a.memory_bytes?).ok()?, a.memory_source()?)))
+    {
+        return Some((format!("--device {}, {source}", cfg.device), bytes));
+    }
+    notes.push(format!(
+        "no device table: the memory of --device {} cannot be read through wgpu here (give \
+         --device-memory SIZE)",
+        cfg.device
+    ));
+    None
+}
+
 /// A run's metrics file: `None` where there is none (a run that has not logged yet); anything
 /// else at its path (a directory) is an error naming it, not a page without the run.
 fn read_metrics(path: &Path) -> Result<Option<RunMetrics>> {
@@ -178,6 +209,8 @@ pub fn run(args: ReportArgs) -> Result<()> {
         }
     }
     let mut notes = Vec::new();
+    // The configuration the plan came from, whose device the table is of.
+    let mut planned_cfg: Option<TrainConfig> = None;
     let plan_doc = if let Some(path) = &args.plan_json {
         notes.push(format!("plan: {}", path.display()));
         Some(
@@ -201,7 +234,9 @@ pub fn run(args: ReportArgs) -> Result<()> {
                         ));
                     }
                 }
-                Some(plan_of(&ckpt.config, &ckpt.model()?)?)
+                let doc = plan_of(&ckpt.config, &ckpt.model()?)?;
+                planned_cfg = Some(ckpt.config);
+                Some(doc)
             }
             // Checkpoints that are there but do not load are an error, not an absent plan.
             Err(e @ TrainError::NoCheckpoint { .. })
@@ -226,7 +261,9 @@ pub fn run(args: ReportArgs) -> Result<()> {
         let mut cfg = args.model.resolve(&model, &train)?;
         let (_, gpt) = cfg.load_data_and_model()?;
         notes.push("plan: the model flags (no pass savings: give --plan-json for them)".into());
-        Some(plan_of(&cfg, &gpt)?)
+        let doc = plan_of(&cfg, &gpt)?;
+        planned_cfg = Some(cfg);
+        Some(doc)
     };
     let fit = match &args.fit_json {
         Some(path) => Some(
@@ -251,8 +288,11 @@ pub fn run(args: ReportArgs) -> Result<()> {
             format!("--device-memory {text}"),
             snug_plan::parse_bytes(text).with_context(|| format!("--device-memory {text}"))?,
         )),
-        None => snug_runtime::process::available_memory()
-            .map(|b| ("this machine's available memory".to_string(), b)),
+        None => match &planned_cfg {
+            Some(cfg) => run_device_memory(cfg, &mut notes),
+            None => snug_runtime::process::available_memory()
+                .map(|b| ("this machine's available memory".to_string(), b)),
+        },
     };
     let title = match plan_doc.as_ref().map(|p| p.preset.as_str()) {
         Some(preset) if !preset.is_empty() => format!("snug report: {preset}"),

@@ -210,7 +210,7 @@ fn default_run_dir(cfg: &TrainConfig) -> PathBuf {
 /// batch this machine cannot hold (`--batch auto` under 1,000,000 TiB chose a million
 /// sequences). `snug fit` and `snug plan` plan for other machines and take any size.
 fn check_budget_here(text: &str, budget: usize, cfg: &TrainConfig) -> Result<()> {
-    let (has, what) = if let snug_train::DeviceSpec::Gpu(selector) = cfg.device {
+    let (has, what, of) = if let snug_train::DeviceSpec::Gpu(selector) = cfg.device {
         // A CPU driver's memory is the machine's, which a run cannot exceed whatever
         // --device-memory says; wgpu reports no other adapter's.
         let known = snug_gpu::adapter::find(selector)?
@@ -225,20 +225,23 @@ fn check_budget_here(text: &str, budget: usize, cfg: &TrainConfig) -> Result<()>
                 cfg.device,
                 human_bytes(has)
             ),
-            (Some(given), _) => (Some(given), "the device memory given".to_string()),
-            (None, Some((has, source))) => (Some(has), format!("the adapter's memory ({source})")),
-            (None, None) => (None, String::new()),
+            (Some(given), _) => (Some(given), "the device memory given", String::new()),
+            (None, Some((has, source))) => {
+                (Some(has), "the adapter's memory", format!(" of {source}"))
+            }
+            (None, None) => (None, "", String::new()),
         }
     } else {
         (
             snug_runtime::process::total_memory(),
-            "this machine's memory".to_string(),
+            "this machine's memory",
+            String::new(),
         )
     };
     match has {
         Some(has) if budget > has => anyhow::bail!(
-            "--memory {text}: {} is more than {what}, {}; training runs here, so give at most \
-             that, or --memory auto (what is free now); `snug fit` plans for other machines",
+            "--memory {text}: {} is more than {what}, {}{of}; training runs here, so give at \
+             most that, or --memory auto (what is free now); `snug fit` plans for other machines",
             human_bytes(budget),
             human_bytes(has)
         ),

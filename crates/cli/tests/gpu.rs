@@ -217,22 +217,50 @@ fn resume_on_the_gpu_continues_exactly() {
     assert_eq!(&step_losses(&straight)[4..], &tail[..]);
     assert_ne!(json_lines(&resumed).pop().unwrap()["device"], "cpu");
     // The run's page, here and on a machine without the adapter (no Vulkan driver found),
-    // which plans with the default layout and says so.
-    let notes = |vars: &[(&str, &str)]| {
+    // which plans with the default layout and says so. Its device table is of the GPU's
+    // memory (lavapipe's: the machine's total), not of what the host has free; with no
+    // adapter to read it from there is no table, and a note says why.
+    let figures = |vars: &[(&str, &str)]| {
         let page = dir.path().join(format!("page-{}.html", vars.len()));
         let page = page.to_str().unwrap();
         let o = snug_env(&["report", "--run", out_s, "-o", page, "--json"], vars);
         assert!(o.status.success(), "{}", stderr(&o));
-        let figures: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-        figures["notes"].to_string()
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
     };
-    assert!(!notes(&[]).contains("does not have"));
+    let here = figures(&[]);
+    assert!(!here["notes"].to_string().contains("does not have"));
+    let adapter = devices()["gpus"]
+        .as_array()
+        .and_then(|g| g.iter().find(|a| a["default"] == true))
+        .cloned()
+        .unwrap_or_default();
+    if adapter["memory_from"] == "system memory (a CPU driver)" {
+        assert_eq!(here["device"]["device_bytes"], adapter["memory_bytes"], "{here}");
+        let label = here["device"]["device"].as_str().unwrap_or_default();
+        assert!(label.contains("--device gpu"), "{here}");
+    }
     let none = "/nonexistent.json";
-    let elsewhere = notes(&[("VK_ICD_FILENAMES", none), ("VK_DRIVER_FILES", none)]);
+    let elsewhere = figures(&[("VK_ICD_FILENAMES", none), ("VK_DRIVER_FILES", none)]);
+    let notes = elsewhere["notes"].to_string();
     assert!(
-        elsewhere.contains("which this machine does not have: planned with the default GPU"),
-        "{elsewhere}"
+        notes.contains("which this machine does not have: planned with the default GPU"),
+        "{notes}"
     );
+    assert!(elsewhere["device"].is_null(), "{elsewhere}");
+    assert!(notes.contains("no device table"), "{notes}");
+    // Given to the run, the device memory is the table's.
+    let given = dir.path().join("given");
+    let given_s = given.to_str().unwrap();
+    let mut small = vec!["train", "--steps", "1", "--device", "gpu", "--device-memory"];
+    small.extend(["64MiB", "--out", given_s]);
+    small.extend(common);
+    let small = snug(&small);
+    assert!(small.status.success(), "{}", stderr(&small));
+    let page = dir.path().join("given.html");
+    let o = snug(&["report", "--run", given_s, "-o", page.to_str().unwrap(), "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["device"]["device_bytes"], 64 << 20, "{v}");
 }
 
 /// `--device gpu:N` past the last adapter names every adapter found, for train, plan and
@@ -542,7 +570,7 @@ fn memory_auto_on_a_gpu_takes_the_devices_memory() {
             (
                 "--memory",
                 over.as_str(),
-                "is more than the adapter's memory",
+                "is more than the adapter's memory, ",
             ),
             (
                 "--device-memory",
@@ -559,6 +587,7 @@ fn memory_auto_on_a_gpu_takes_the_devices_memory() {
             let o = snug(&args);
             assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stderr(&o));
             assert!(stderr(&o).contains(needle), "{}", stderr(&o));
+            assert!(stderr(&o).contains(" of system memory (a CPU driver)"), "{}", stderr(&o));
         }
         let mut args = vec!["fit", "--device", "gpu", "--memory", over.as_str()];
         args.extend(tiny);
