@@ -235,7 +235,10 @@ fn resume_on_the_gpu_continues_exactly() {
         .cloned()
         .unwrap_or_default();
     if adapter["memory_from"] == "system memory (a CPU driver)" {
-        assert_eq!(here["device"]["device_bytes"], adapter["memory_bytes"], "{here}");
+        assert_eq!(
+            here["device"]["device_bytes"], adapter["memory_bytes"],
+            "{here}"
+        );
         let label = here["device"]["device"].as_str().unwrap_or_default();
         assert!(label.contains("--device gpu"), "{here}");
     }
@@ -251,13 +254,27 @@ fn resume_on_the_gpu_continues_exactly() {
     // Given to the run, the device memory is the table's.
     let given = dir.path().join("given");
     let given_s = given.to_str().unwrap();
-    let mut small = vec!["train", "--steps", "1", "--device", "gpu", "--device-memory"];
+    let mut small = vec![
+        "train",
+        "--steps",
+        "1",
+        "--device",
+        "gpu",
+        "--device-memory",
+    ];
     small.extend(["64MiB", "--out", given_s]);
     small.extend(common);
     let small = snug(&small);
     assert!(small.status.success(), "{}", stderr(&small));
     let page = dir.path().join("given.html");
-    let o = snug(&["report", "--run", given_s, "-o", page.to_str().unwrap(), "--json"]);
+    let o = snug(&[
+        "report",
+        "--run",
+        given_s,
+        "-o",
+        page.to_str().unwrap(),
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["device"]["device_bytes"], 64 << 20, "{v}");
@@ -587,7 +604,11 @@ fn memory_auto_on_a_gpu_takes_the_devices_memory() {
             let o = snug(&args);
             assert_eq!(o.status.code(), Some(1), "{args:?}: {}", stderr(&o));
             assert!(stderr(&o).contains(needle), "{}", stderr(&o));
-            assert!(stderr(&o).contains(" of system memory (a CPU driver)"), "{}", stderr(&o));
+            assert!(
+                stderr(&o).contains(" of system memory (a CPU driver)"),
+                "{}",
+                stderr(&o)
+            );
         }
         let mut args = vec!["fit", "--device", "gpu", "--memory", over.as_str()];
         args.extend(tiny);
