@@ -238,9 +238,14 @@ fn main() -> ExitCode {
 /// pieces reach the terminal through one pipe, so two ranks' errors came out interleaved
 /// mid-sentence. A pipe keeps a write of up to 4 KiB whole.
 fn print_error(message: std::fmt::Arguments<'_>) {
-    use std::io::Write;
-    let line = format!("{message}\n");
-    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+    let _ = write_line_whole(&mut std::io::stderr().lock(), message);
+}
+
+fn write_line_whole(
+    out: &mut impl std::io::Write,
+    message: std::fmt::Arguments<'_>,
+) -> std::io::Result<()> {
+    out.write_all(format!("{message}\n").as_bytes())
 }
 
 /// `snug train`, as one rank of a run `mpirun` (or `srun`) started, or alone. An error on one
@@ -331,5 +336,37 @@ mod tests {
     #[test]
     fn the_command_line_is_consistent() {
         super::command().debug_assert();
+    }
+
+    /// Each `write` it is given, as a pipe would pass it on.
+    struct Writes(Vec<String>);
+
+    impl std::io::Write for Writes {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.push(String::from_utf8_lossy(buf).into_owned());
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A rank's error, an anyhow chain of causes, reaches the terminal in one write, which a
+    /// pipe keeps whole among other ranks' (`eprintln!` writes the pieces one by one:
+    /// `cli/tests/mpi.rs` sees that as a race, this sees it every time).
+    #[test]
+    fn an_error_with_its_causes_is_one_write() {
+        let e = anyhow::anyhow!("the cause").context("setting up training");
+        let mut out = Writes(Vec::new());
+        super::write_line_whole(&mut out, format_args!("error: rank 1 of 2: {e:#}")).unwrap();
+        assert_eq!(
+            out.0,
+            ["error: rank 1 of 2: setting up training: the cause\n"]
+        );
+        // What eprintln! does, for contrast: the same line in several writes.
+        let mut pieces = Writes(Vec::new());
+        std::io::Write::write_fmt(&mut pieces, format_args!("error: rank 1 of 2: {e:#}\n"))
+            .unwrap();
+        assert!(pieces.0.len() > 1, "{:?}", pieces.0);
     }
 }
