@@ -8,8 +8,10 @@
 //! | `{"messages": [...]}` | the chat template's rendering, then EOS unless it already ends with it | each assistant turn as the template renders it, from after its generation prompt to the start of the next message (its end-of-turn token included) |
 //!
 //! A chat's messages need a string `role` and `content`; a list of text parts is joined (see
-//! [`check_messages`]). Other keys on a line are ignored. P and C are tokenized apart, so the
-//! prompt ends on a token boundary and its last token predicts the completion's first.
+//! [`check_messages`]). Other keys on a line are ignored. P is tokenized alone, so the prompt
+//! ends on a token boundary and its last token predicts the completion's first; C's ids are
+//! those `P + C` gives after P's where P's are their start, else C's own without the prefix a
+//! tokenizer adds at the start of a text (see [`crate::HfTokenizer::encode_continuation`]).
 //!
 //! **The mask belongs to targets.** `mask[j]` says whether token `j`, predicted from the tokens
 //! before it, counts in the loss. A window of inputs `ids[s..s + n]` has targets
@@ -238,7 +240,12 @@ pub fn tokenize_example(
         Example::PromptCompletion { prompt, completion } => {
             ex.ids = encode_piece(tokenizer, prompt, true)?;
             ex.mask = vec![false; ex.ids.len()];
-            let c = encode_piece(tokenizer, completion, false)?;
+            let c = match tokenizer {
+                // As the completion is encoded after the prompt in one text (no SentencePiece
+                // `▁` of its own at its start, which the data does not have).
+                Tokenizer::Hf(t) => t.encode_continuation(prompt, completion)?,
+                other => other.encode(completion)?,
+            };
             ex.mask.resize(ex.ids.len() + c.len() + 1, true);
             ex.ids.extend(c);
             ex.ids.push(eos);

@@ -80,6 +80,9 @@ struct Inner {
     /// How long texts are encoded piece by piece, or why they cannot be; worked out on the
     /// first long text, since it clones the model.
     pieces: OnceLock<Result<PiecePlan, String>>,
+    /// The tokenizer without the prefix it adds at the start of a call (None: it adds none),
+    /// for a text that continues another; worked out on first use, as `pieces`.
+    continuation: OnceLock<Result<Option<tokenizers::Tokenizer>, String>>,
 }
 
 impl PartialEq for HfTokenizer {
@@ -272,6 +275,7 @@ impl HfTokenizer {
             special,
             chat,
             pieces: OnceLock::new(),
+            continuation: OnceLock::new(),
         })))
     }
 
@@ -313,6 +317,35 @@ impl HfTokenizer {
             .0
             .tokenizer
             .encode_fast(text, add_special_tokens)
+            .map_err(|e| encode_error(text, e))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Ids of `text` where it follows `before` in one text: the ids `encode(before + text)`
+    /// gives after `encode(before)`'s where those are its start (the boundary is a token
+    /// boundary, as transformers' trainers assume of a prompt and its completion); else `text`
+    /// encoded alone without the prefix a call adds at its start (SentencePiece's `▁`), which
+    /// is not in the data. Without special tokens added.
+    pub fn encode_continuation(&self, before: &str, text: &str) -> Result<Vec<u32>, TrainError> {
+        let head = self.encode(before, false)?;
+        let whole = self.encode(&format!("{before}{text}"), false)?;
+        if let Some(tail) = whole.strip_prefix(head.as_slice()) {
+            return Ok(tail.to_vec());
+        }
+        let plain = self
+            .0
+            .continuation
+            .get_or_init(|| continuation_tokenizer(&self.0.tokenizer))
+            .as_ref()
+            .map_err(|why| {
+                TrainError::Tokenizer(format!(
+                    "{text:?} does not start on a token boundary after {before:?}, and it cannot \
+                     be encoded apart without the tokenizer's start-of-text prefix: {why}"
+                ))
+            })?;
+        let tokenizer = plain.as_ref().unwrap_or(&self.0.tokenizer);
+        let enc = tokenizer
+            .encode_fast(text, false)
             .map_err(|e| encode_error(text, e))?;
         Ok(enc.get_ids().to_vec())
     }
@@ -528,6 +561,94 @@ enum Prefix {
     PerSegment,
 }
 
+/// `tokenizer`'s normalizers and pre-tokenizers, each list flattened, with the prefix a call
+/// adds at its start taken out (a `Prepend` normalizer dropped, ByteLevel's
+/// `add_prefix_space` and Metaspace's `prepend_scheme` off), and where the prefix was added.
+/// An error where the prefix cannot be taken out alone.
+fn prefix_free_stages(
+    tokenizer: &tokenizers::Tokenizer,
+) -> Result<(Prefix, Vec<Json>, Vec<Json>), String> {
+    fn to_json<T: Serialize>(v: Option<&T>) -> Result<Json, String> {
+        v.map_or(Ok(Json::Null), |v| {
+            serde_json::to_value(v).map_err(|e| e.to_string())
+        })
+    }
+    let mut prefix = Prefix::None;
+    let mut normalizers = Vec::new();
+    flatten(
+        &to_json(tokenizer.get_normalizer())?,
+        "normalizers",
+        &mut normalizers,
+    );
+    normalizers.retain(|n| {
+        let prepends = n["type"] == "Prepend";
+        if prepends {
+            prefix = prefix.max(Prefix::PerSegment);
+        }
+        !n.is_null() && !prepends
+    });
+    let mut pre = Vec::new();
+    flatten(
+        &to_json(tokenizer.get_pre_tokenizer())?,
+        "pretokenizers",
+        &mut pre,
+    );
+    pre.retain(|p| !p.is_null());
+    for (i, p) in pre.iter_mut().enumerate() {
+        match p["type"].as_str().unwrap_or("") {
+            "ByteLevel" if p["add_prefix_space"] == Json::Bool(true) => {
+                if i != 0 {
+                    return Err(
+                        "its ByteLevel pre-tokenizer adds a space to every pre-token".into(),
+                    );
+                }
+                prefix = prefix.max(Prefix::PerSegment);
+                p["add_prefix_space"] = Json::Bool(false);
+            }
+            "Metaspace" => {
+                let scheme = p["prepend_scheme"].as_str().unwrap_or("").to_string();
+                match scheme.as_str() {
+                    "never" => {}
+                    "first" => prefix = prefix.max(Prefix::First),
+                    "always" if i == 0 => prefix = prefix.max(Prefix::PerSegment),
+                    _ => return Err(format!("its Metaspace pre-tokenizer prepends {scheme:?} after other pre-tokenizers")),
+                }
+                p["prepend_scheme"] = "never".into();
+            }
+            _ => {}
+        }
+    }
+    Ok((prefix, normalizers, pre))
+}
+
+/// `tokenizer` with `normalizers` and `pre_tokenizers` (flattened lists) as its stages.
+fn with_stages(
+    tokenizer: &tokenizers::Tokenizer,
+    normalizers: Vec<Json>,
+    pre_tokenizers: Vec<Json>,
+) -> Result<tokenizers::Tokenizer, String> {
+    let normalizer: Option<tokenizers::NormalizerWrapper> =
+        serde_json::from_value(sequence("normalizers", normalizers)).map_err(|e| e.to_string())?;
+    let pre_tokenizer: Option<tokenizers::PreTokenizerWrapper> =
+        serde_json::from_value(sequence("pretokenizers", pre_tokenizers))
+            .map_err(|e| e.to_string())?;
+    let mut out = tokenizer.clone();
+    out.with_normalizer(normalizer).map_err(|e| e.to_string())?;
+    out.with_pre_tokenizer(pre_tokenizer);
+    Ok(out)
+}
+
+/// The tokenizer that encodes a text as it is encoded after other text in one call: without
+/// the prefix added at the start of a call (None where there is none).
+fn continuation_tokenizer(
+    tokenizer: &tokenizers::Tokenizer,
+) -> Result<Option<tokenizers::Tokenizer>, String> {
+    match prefix_free_stages(tokenizer)? {
+        (Prefix::None, ..) => Ok(None),
+        (_, normalizers, pre) => with_stages(tokenizer, normalizers, pre).map(Some),
+    }
+}
+
 /// How a tokenizer encodes a text in pieces cut by [`line_pieces`] to exactly the ids of one
 /// call, found from its configuration; a tokenizer outside what is checked here is encoded
 /// whole. Every stage must treat the cut alike:
@@ -572,11 +693,6 @@ impl PiecePlan {
     /// The plan for `tokenizer`, or why it must encode texts whole. Works on the serialized
     /// stages, where every default is spelled out.
     fn new(tokenizer: &tokenizers::Tokenizer) -> Result<PiecePlan, String> {
-        fn to_json<T: Serialize>(v: Option<&T>) -> Result<Json, String> {
-            v.map_or(Ok(Json::Null), |v| {
-                serde_json::to_value(v).map_err(|e| e.to_string())
-            })
-        }
         if tokenizer.get_truncation().is_some() || tokenizer.get_padding().is_some() {
             return Err("it truncates or pads what it encodes".into());
         }
@@ -598,24 +714,11 @@ impl PiecePlan {
             normalized_added |= t.normalized;
             added.push(t.content.clone());
         }
-        let mut prefix = Prefix::None;
-
-        let mut normalizers = Vec::new();
-        flatten(
-            &to_json(tokenizer.get_normalizer())?,
-            "normalizers",
-            &mut normalizers,
-        );
-        let mut rest_normalizers = Vec::new();
-        for n in normalizers {
-            let kind = n["type"].as_str().unwrap_or("");
-            match kind {
-                "" if n.is_null() => continue,
+        // Pieces after the first are encoded without the prefix a call adds at its start.
+        let (prefix, normalizers, mut pre) = prefix_free_stages(tokenizer)?;
+        for n in &normalizers {
+            match n["type"].as_str().unwrap_or("") {
                 "NFC" | "NFD" | "NFKC" | "NFKD" | "Lowercase" | "StripAccents" => {}
-                "Prepend" => {
-                    prefix = prefix.max(Prefix::PerSegment);
-                    continue;
-                }
                 "Replace" => {
                     let (Some(pattern), Some(content)) =
                         (n["pattern"]["String"].as_str(), n["content"].as_str())
@@ -641,16 +744,8 @@ impl PiecePlan {
                     ))
                 }
             }
-            rest_normalizers.push(n);
         }
 
-        let mut pre = Vec::new();
-        flatten(
-            &to_json(tokenizer.get_pre_tokenizer())?,
-            "pretokenizers",
-            &mut pre,
-        );
-        pre.retain(|p| !p.is_null());
         // Whether every cut is a pre-token boundary, and the line break as the model sees it.
         let (mut splits, mut newline) = (false, '\n');
         let count = pre.len();
@@ -682,27 +777,8 @@ impl PiecePlan {
                 "ByteLevel" => {
                     splits |= p["use_regex"] == Json::Bool(true);
                     newline = 'Ċ';
-                    if p["add_prefix_space"] == Json::Bool(true) {
-                        if i != 0 {
-                            return Err(
-                                "its ByteLevel pre-tokenizer adds a space to every pre-token"
-                                    .into(),
-                            );
-                        }
-                        prefix = prefix.max(Prefix::PerSegment);
-                        p["add_prefix_space"] = Json::Bool(false);
-                    }
                 }
-                "Metaspace" => {
-                    let scheme = p["prepend_scheme"].as_str().unwrap_or("").to_string();
-                    match scheme.as_str() {
-                        "never" => {}
-                        "first" => prefix = prefix.max(Prefix::First),
-                        "always" if i == 0 => prefix = prefix.max(Prefix::PerSegment),
-                        _ => return Err(format!("its Metaspace pre-tokenizer prepends {scheme:?} after other pre-tokenizers")),
-                    }
-                    p["prepend_scheme"] = "never".into();
-                }
+                "Metaspace" => {}
                 other => {
                     return Err(format!(
                         "its {other} pre-tokenizer is not one checked for cutting at line ends"
@@ -717,14 +793,7 @@ impl PiecePlan {
             _ if splits => {}
             _ => return Err("nothing splits at line ends and its model is not a BPE".into()),
         }
-        PiecePlan::finish(
-            tokenizer,
-            prefix,
-            rest_normalizers,
-            pre,
-            added,
-            normalized_added,
-        )
+        PiecePlan::finish(tokenizer, prefix, normalizers, pre, added, normalized_added)
     }
 
     /// Whether a BPE's ids for a text cut after line breaks are those of the whole text:
@@ -783,17 +852,7 @@ impl PiecePlan {
         let rest = match prefix {
             Prefix::None => None,
             Prefix::First | Prefix::PerSegment => {
-                let normalizer: Option<tokenizers::NormalizerWrapper> =
-                    serde_json::from_value(sequence("normalizers", normalizers))
-                        .map_err(|e| e.to_string())?;
-                let pre_tokenizer: Option<tokenizers::PreTokenizerWrapper> =
-                    serde_json::from_value(sequence("pretokenizers", pre_tokenizers))
-                        .map_err(|e| e.to_string())?;
-                let mut rest = tokenizer.clone();
-                rest.with_normalizer(normalizer)
-                    .map_err(|e| e.to_string())?;
-                rest.with_pre_tokenizer(pre_tokenizer);
-                Some(rest)
+                Some(with_stages(tokenizer, normalizers, pre_tokenizers)?)
             }
         };
         Ok(PiecePlan {
@@ -1110,6 +1169,47 @@ mod tests {
             }
             assert!(cut > 40, "{name}: only {cut} texts were cut");
         }
+    }
+
+    /// A completion's ids are those it has after its prompt in one text: no SentencePiece `▁`
+    /// or byte-level space of its own at its start (a completion "ou" after "and y" is "ou",
+    /// not "▁ou"), and where the prompt ends on a token boundary, exactly the joint text's.
+    #[test]
+    fn a_continuation_is_encoded_as_it_is_after_its_prompt() {
+        let tokens = |t: &HfTokenizer, ids: &[u32]| -> Vec<String> {
+            ids.iter().map(|&i| t.id_to_token(i).unwrap()).collect()
+        };
+        for (name, t) in piecewise_tokenizers() {
+            for (prompt, completion) in [
+                ("and you", " the"),
+                ("and you", "the"),
+                ("the\n", "The end."),
+                ("", "the"),
+                ("12", "345"),
+            ] {
+                let head = t.encode(prompt, false).unwrap();
+                let whole = t.encode(&format!("{prompt}{completion}"), false).unwrap();
+                let tail = t.encode_continuation(prompt, completion).unwrap();
+                if whole.starts_with(&head) {
+                    assert_eq!(
+                        [head, tail].concat(),
+                        whole,
+                        "{name}: {prompt:?} + {completion:?}"
+                    );
+                }
+            }
+        }
+        // Where the prompt's end merges with the completion's start, the completion alone,
+        // with no prefix of its own: with Llama 2's `Prepend` the old encoding was `▁` `ou`.
+        let llama2 = build(&sentencepiece_json());
+        let tail = llama2.encode_continuation("and y", "ou").unwrap();
+        assert_eq!(tokens(&llama2, &tail), ["ou"]);
+        let tail = llama2.encode_continuation("and you", " the").unwrap();
+        assert_eq!(tokens(&llama2, &tail), ["▁the"]);
+        assert_eq!(
+            tokens(&llama2, &llama2.encode(" the", false).unwrap()),
+            ["▁", "▁the"]
+        );
     }
 
     /// A long text goes through the pieces by itself.
