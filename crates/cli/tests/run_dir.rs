@@ -1158,6 +1158,40 @@ fn a_run_stopped_before_its_first_checkpoint_is_named_as_such() {
     assert_eq!(snapshot(&run), before, "the run's files changed");
 }
 
+/// A run still training before its first checkpoint is not one that stopped: resuming it, or
+/// sampling from it, says a run is training there, not to remove its metrics.
+#[test]
+fn a_run_training_before_its_first_checkpoint_is_not_called_stopped() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let o = train(tmp.path(), &["--steps", "3", "--out", "run"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let run = tmp.path().join("run");
+    std::fs::remove_file(run.join("ckpt-00000003.safetensors")).expect("the checkpoint");
+    // This process holds the run's lock, as the live run would.
+    let lock = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(run.join(".snug.lock"))
+        .expect("the lock file");
+    lock.lock().expect("locked");
+    let before = snapshot(&run);
+    for args in [
+        vec!["train", "--resume", "run"],
+        vec!["sample", "--checkpoint", "run", "--prompt", "1+1="],
+    ] {
+        let o = snug(&args, tmp.path());
+        assert!(!o.status.success(), "{args:?}");
+        let err = stderr(&o);
+        assert!(
+            err.contains("a run is training there now") && !err.contains("remove that file"),
+            "{args:?}: {err}"
+        );
+    }
+    assert_eq!(snapshot(&run), before, "the run's files changed");
+    drop(lock);
+}
+
 /// `snug prepare` of `data/corpus.txt` by characters into `data`, in `cwd`.
 fn prepare_char(cwd: &Path, extra: &[&str]) -> Output {
     let args = [

@@ -835,6 +835,14 @@ impl CheckpointDir {
             dir: self.dir.clone(),
             detail: if errors.is_empty() {
                 match crate::run::last_recorded_step(&self.dir) {
+                    // Not a run that stopped: one in progress, whose files must not be removed.
+                    Some(step) if crate::run_dir::held_by_a_run(&self.dir) => format!(
+                        "no {PREFIX}<step>{SUFFIX} files yet: a run is training there now (it \
+                         holds the directory's lock; its {} records {step} step(s)) and has not \
+                         saved its first checkpoint; wait for one (`--checkpoint-every`) or for \
+                         the run to end",
+                        crate::run::METRICS_FILE
+                    ),
                     Some(step) => format!(
                         "no {PREFIX}<step>{SUFFIX} files: the run there stopped before its first \
                          checkpoint (its {} records {step} step(s), lost with it); start it \

@@ -37,6 +37,14 @@ pub fn run_evidence(dir: &Path) -> Option<String> {
     None
 }
 
+/// Whether a run holds `dir` now (its lock file is locked by a live process). A probe, for
+/// what an error should say: it takes a shared lock for an instant, so it is asked only where
+/// something is already refused.
+pub fn held_by_a_run(dir: &Path) -> bool {
+    File::open(dir.join(LOCK_FILE))
+        .is_ok_and(|f| matches!(f.try_lock_shared(), Err(TryLockError::WouldBlock)))
+}
+
 /// Whether `file` is the file at `path` now (on Unix, the same device and inode; elsewhere,
 /// where lock files are never removed, always).
 fn is_at(file: &File, path: &Path) -> bool {
