@@ -274,20 +274,60 @@ struct PeftConfig {
 }
 
 /// Fields of PEFT's `LoraConfig` that change which layers carry adapters, their ranks or
-/// scales, or what else is trained: an adapter with any of them set computes something snug
-/// would not, so it is refused by name rather than read as if they were unset.
-const REFUSED_FIELDS: [&str; 11] = [
-    "alora_invocation_tokens",
-    "alpha_pattern",
-    "rank_pattern",
-    "layers_to_transform",
-    "exclude_modules",
-    "lora_bias",
-    "target_parameters",
-    "layer_replication",
-    "trainable_token_indices",
-    "use_qalora",
-    "use_bdlora",
+/// scales, what they compute or what else is trained, each with what it does: an adapter with
+/// any of them set computes something snug would not, so it is refused by name rather than
+/// read as if they were unset. (`exclude_modules` is followed; the initialisation configs
+/// `loftq_config`, `eva_config`, `corda_config` and `lora_ga_config` are read by PEFT only
+/// when creating an adapter, and `megatron_core` and `qalora_group_size` only beside fields
+/// refused here.)
+const REFUSED_FIELDS: [(&str, &str); 16] = [
+    (
+        "alora_invocation_tokens",
+        "activated LoRA, applied only from its invocation tokens on",
+    ),
+    ("alpha_pattern", "other scales for some layers"),
+    ("rank_pattern", "other ranks for some layers"),
+    ("layers_to_transform", "adapters in some layers only"),
+    (
+        "layers_pattern",
+        "where `layers_to_transform` counts layers (PEFT refuses it alone)",
+    ),
+    ("lora_bias", "a bias on `lora_B`"),
+    (
+        "target_parameters",
+        "adapters on parameters rather than modules",
+    ),
+    (
+        "layer_replication",
+        "layers repeated, each copy with its own adapter",
+    ),
+    (
+        "trainable_token_indices",
+        "embedding rows trained beside the adapters",
+    ),
+    ("use_qalora", "QALoRA, over inputs pooled in groups"),
+    ("use_bdlora", "block-diagonal factors"),
+    ("megatron_config", "adapters on Megatron's parallel layers"),
+    (
+        "velora_config",
+        "VeLoRA, trained through compressed activations with tensors of its own",
+    ),
+    ("monteclora_config", "Monte Carlo sampled adapters"),
+    ("arrow_config", "Arrow's routing among adapters"),
+    (
+        "kasa_config",
+        "KaSA, over a truncated base weight with singular values between A and B",
+    ),
+];
+
+/// `task_type`s PEFT gives models with another head than a causal LM's (or none): their
+/// adapters were trained for that head, and are written for its module names.
+const OTHER_TASKS: [&str; 5] = [
+    "SEQ_CLS",
+    "SEQ_2_SEQ_LM",
+    "TOKEN_CLS",
+    "QUESTION_ANS",
+    "FEATURE_EXTRACTION",
 ];
 
 /// Whether a configuration value is set: not null, false, empty or an empty list or map.
@@ -450,7 +490,8 @@ pub fn check_adapter_files(dir: &Path) -> Result<(), NnError> {
     ))
 }
 
-/// A PEFT adapter read from its directory.
+/// A PEFT adapter read from its directory. What its configuration sets that snug reads but
+/// does not do is [`adapter_notes`]'.
 #[derive(Debug, Clone)]
 pub struct PeftAdapter {
     pub lora: LoraConfig,
@@ -458,9 +499,6 @@ pub struct PeftAdapter {
     pub base: Option<String>,
     /// By snug name, PEFT's layout (`lora_A [r, in]`, `lora_B [out, r]`).
     pub tensors: Vec<(String, Vec<f32>)>,
-    /// What the configuration sets that snug reads but does not do, for the caller to warn
-    /// of (each names the file and field): [`adapter_notes`].
-    pub notes: Vec<String>,
 }
 
 fn adapter_error(path: &Path, detail: impl std::fmt::Display) -> NnError {
@@ -484,13 +522,11 @@ pub fn read_adapter_config(
 /// What the configuration of the adapter in `dir` sets that snug reads but does not do, one
 /// sentence each naming the file and field, for the caller to warn of: a `lora_dropout`
 /// above zero (snug trains adapters without dropout; sampling and merging, as PEFT's
-/// inference, use none either). Empty for a configuration snug follows in full.
+/// inference, use none either), and MiCA's initialisation (PEFT then trains `lora_A` alone;
+/// snug trains both factors). Neither changes what the adapter computes as read. Empty for a
+/// configuration snug follows in full.
 pub fn adapter_notes(dir: &Path) -> Result<Vec<String>, NnError> {
     let (path, c) = read_peft_config(dir)?;
-    Ok(notes_of(&path, &c))
-}
-
-fn notes_of(path: &Path, c: &PeftConfig) -> Vec<String> {
     let mut notes = Vec::new();
     if c.lora_dropout > 0.0 {
         notes.push(format!(
@@ -501,7 +537,20 @@ fn notes_of(path: &Path, c: &PeftConfig) -> Vec<String> {
             c.lora_dropout
         ));
     }
-    notes
+    if init_lora_weights(&c).is_some_and(|i| i.eq_ignore_ascii_case("mica")) {
+        notes.push(format!(
+            "{}: `init_lora_weights` is `mica`: PEFT keeps MiCA's `lora_B` frozen and trains \
+             `lora_A` alone, but snug trains both: training continues this adapter with `lora_B` \
+             trained too (sampling and merging compute what PEFT's do)",
+            path.display()
+        ));
+    }
+    Ok(notes)
+}
+
+/// `init_lora_weights`, where it names a method (`true` and `false` are PEFT's plain ones).
+fn init_lora_weights(c: &PeftConfig) -> Option<&str> {
+    c.other.get("init_lora_weights").and_then(|v| v.as_str())
 }
 
 /// `adapter_config.json` in `dir`, parsed: its path and fields.
@@ -535,6 +584,16 @@ fn lora_config_of(path: &Path, c: &PeftConfig, model: &ModelConfig) -> Result<Lo
             format!("`peft_type` is `{}`; snug reads LORA adapters", c.peft_type),
         ));
     }
+    // Other strings, and none, PEFT reads with its plain `PeftModel`: the causal LM's.
+    if let Some(task) = c.task_type.as_deref().filter(|t| OTHER_TASKS.contains(t)) {
+        return Err(adapter_error(
+            path,
+            format!(
+                "`task_type` is `{task}`: an adapter for a model with another head than a \
+                 causal LM's, which snug's models are"
+            ),
+        ));
+    }
     let refuse = |field: &str, what: &str| {
         adapter_error(
             path,
@@ -550,14 +609,14 @@ fn lora_config_of(path: &Path, c: &PeftConfig, model: &ModelConfig) -> Result<Lo
     if c.bias != "none" {
         return Err(refuse("bias", &format!("`{}`", c.bias)));
     }
-    if c.modules_to_save.as_ref().is_some_and(|m| !m.is_null()) {
+    if c.modules_to_save.as_ref().is_some_and(is_set) {
         return Err(refuse("modules_to_save", "set"));
     }
-    // PiSSA, OLoRA, CorDA and LoftQ start from base weights they changed: over the original
-    // base the adapter computes something else (unless PEFT converted it on saving, which
-    // then records the plain initialisation).
-    if let Some(init) = c.other.get("init_lora_weights").and_then(|v| v.as_str()) {
-        if ["pissa", "olora", "corda", "loftq"]
+    // PiSSA, OLoRA, CorDA, LoftQ and LoRA-GA start from base weights they changed: over the
+    // original base the adapter computes something else (unless PEFT converted it on saving,
+    // which then records the plain initialisation).
+    if let Some(init) = init_lora_weights(c) {
+        if ["pissa", "olora", "corda", "loftq", "lora_ga"]
             .iter()
             .any(|m| init.to_ascii_lowercase().starts_with(m))
         {
@@ -567,11 +626,17 @@ fn lora_config_of(path: &Path, c: &PeftConfig, model: &ModelConfig) -> Result<Lo
             ));
         }
     }
-    if let Some((field, value)) = REFUSED_FIELDS
+    if let Some((field, why, value)) = REFUSED_FIELDS
         .iter()
-        .find_map(|&f| Some((f, c.other.get(f).filter(|v| is_set(v))?)))
+        .find_map(|&(f, why)| Some((f, why, c.other.get(f).filter(|v| is_set(v))?)))
     {
-        return Err(refuse(field, &format!("set ({value})")));
+        return Err(adapter_error(
+            path,
+            format!(
+                "`{field}` is set ({value}): {why}, which snug does not do: it adapts the same \
+                 modules in every layer with one rank and one scale, as plain LoRA"
+            ),
+        ));
     }
     // PEFT's nn.Dropout refuses a probability above one (at or below zero it adds none).
     if c.lora_dropout > 1.0 {
@@ -583,27 +648,20 @@ fn lora_config_of(path: &Path, c: &PeftConfig, model: &ModelConfig) -> Result<Lo
             ),
         ));
     }
-    let targets = match &c.target_modules {
-        // PEFT compares the shorthand without case.
-        serde_json::Value::String(s) if s.eq_ignore_ascii_case("all-linear") => {
-            LoraTargets::AllLinear
-        }
-        serde_json::Value::Array(items) => {
-            let names = items
-                .iter()
-                .map(|v| v.as_str().map(str::to_string))
-                .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| adapter_error(path, "`target_modules` holds a non-string"))?;
-            LoraTargets::Modules(
-                peft_target_names(model, &names).map_err(|e| adapter_error(path, e))?,
-            )
-        }
-        other => {
-            return Err(adapter_error(
-                path,
-                format!("`target_modules` is {other}; snug reads a list of module names"),
-            ))
-        }
+    let target = ModuleSelector::target_modules(&c.target_modules);
+    let exclude = c
+        .other
+        .get("exclude_modules")
+        .filter(|v| is_set(v))
+        .map(ModuleSelector::exclude_modules)
+        .transpose();
+    let targets = match (target, exclude) {
+        (Ok(ModuleSelector::AllLinear), Ok(None)) => LoraTargets::AllLinear,
+        (Ok(target), Ok(exclude)) => LoraTargets::Modules(
+            peft_target_names(model, &target, exclude.as_ref())
+                .map_err(|e| adapter_error(path, e))?,
+        ),
+        (Err(e), _) | (_, Err(e)) => return Err(adapter_error(path, e)),
     };
     let lora = LoraConfig {
         rank: c.r,
@@ -612,6 +670,130 @@ fn lora_config_of(path: &Path, c: &PeftConfig, model: &ModelConfig) -> Result<Lo
     };
     lora.layers(model).map_err(|e| adapter_error(path, e))?;
     Ok(lora)
+}
+
+/// A PEFT module selector, `target_modules` or `exclude_modules`, as PEFT's
+/// `check_target_module_exists` applies it to each module's path.
+#[derive(Debug)]
+enum ModuleSelector {
+    /// `all-linear` (any case): every linear layer of every block, not the LM head.
+    AllLinear,
+    /// Module names or paths ([`peft_matches`]).
+    Names(Vec<String>),
+    /// Any other string: a regular expression the whole path must match (Python's
+    /// `re.fullmatch`), kept as written to name it.
+    Pattern(String, regex::Regex),
+}
+
+impl ModuleSelector {
+    fn target_modules(v: &serde_json::Value) -> Result<ModuleSelector, String> {
+        match v {
+            serde_json::Value::String(s) if s.eq_ignore_ascii_case("all-linear") => {
+                Ok(ModuleSelector::AllLinear)
+            }
+            _ => Self::read("target_modules", v),
+        }
+    }
+
+    /// PEFT has no shorthand here: a string is a pattern.
+    fn exclude_modules(v: &serde_json::Value) -> Result<ModuleSelector, String> {
+        Self::read("exclude_modules", v)
+    }
+
+    fn read(field: &str, v: &serde_json::Value) -> Result<ModuleSelector, String> {
+        match v {
+            serde_json::Value::String(s) => Ok(ModuleSelector::Pattern(
+                s.clone(),
+                full_match_regex(field, s)?,
+            )),
+            serde_json::Value::Array(items) => items
+                .iter()
+                .map(|v| v.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>()
+                .map(ModuleSelector::Names)
+                .ok_or_else(|| format!("`{field}` holds a non-string")),
+            other => Err(format!(
+                "`{field}` is {other}; snug reads a list of module names, all-linear or a \
+                 regular expression"
+            )),
+        }
+    }
+
+    /// Whether the module at `path` is selected; `linear`: whether it is a block's linear
+    /// layer.
+    fn matches(&self, path: &str, linear: bool) -> bool {
+        match self {
+            ModuleSelector::AllLinear => linear,
+            ModuleSelector::Names(n) => n.iter().any(|t| peft_matches(t, path)),
+            ModuleSelector::Pattern(_, re) => re.is_match(path),
+        }
+    }
+
+    /// The field as an error names it, with its pattern.
+    fn describe(&self, field: &str) -> String {
+        match self {
+            ModuleSelector::Pattern(p, _) => format!("`{field}` `{p}`"),
+            _ => format!("`{field}`"),
+        }
+    }
+}
+
+/// `pattern` compiled to match a whole module path, as Python's `re.fullmatch`, or an error
+/// naming `field`, the pattern and what is wrong: syntax snug's `regex` cannot compile
+/// (Python's look-arounds, back-references), or reads otherwise than Python
+/// ([`read_otherwise_than_python`]).
+fn full_match_regex(field: &str, pattern: &str) -> Result<regex::Regex, String> {
+    if let Some(what) = read_otherwise_than_python(pattern) {
+        return Err(format!(
+            "`{field}` `{pattern}` holds {what}, which Python's `re` (PEFT's) reads otherwise \
+             than snug's regular expressions: snug cannot match it as PEFT does"
+        ));
+    }
+    // Compiled alone first, so an error points into the pattern as written, and one that
+    // closes a group early cannot escape the anchors.
+    regex::Regex::new(pattern)
+        .and_then(|_| regex::Regex::new(&format!("^(?:{pattern})$")))
+        .map_err(|e| {
+            format!("`{field}` `{pattern}` is not a regular expression snug can read: {e}")
+        })
+}
+
+/// The first construct of `pattern` that the `regex` crate and Python's `re` both accept but
+/// read differently: `\<`, `\>` and `\b{...}` are word boundaries to `regex` but characters
+/// to Python, and a `[`, `&&`, `--` or `~~` inside a class nests or combines classes
+/// (`[[:alpha:]]`) to `regex` but is characters to Python.
+fn read_otherwise_than_python(pattern: &str) -> Option<&'static str> {
+    let c: Vec<char> = pattern.chars().collect();
+    // Inside a class: where its members start (a `]` there is one).
+    let mut class: Option<usize> = None;
+    let mut i = 0;
+    while i < c.len() {
+        let next = c.get(i + 1).copied();
+        match (c[i], class) {
+            ('\\', None) if matches!(next, Some('<' | '>')) => {
+                return Some("`\\<` or `\\>` (a word boundary)")
+            }
+            ('\\', None) if matches!(next, Some('b' | 'B')) && c.get(i + 2) == Some(&'{') => {
+                return Some("`\\b{...}` (a word boundary)")
+            }
+            // The escaped character, whatever it is.
+            ('\\', _) => i += 1,
+            ('[', None) => {
+                let first = if next == Some('^') { i + 2 } else { i + 1 };
+                class = Some(first);
+                i = first;
+                continue;
+            }
+            (']', Some(first)) if i > first => class = None,
+            ('[', Some(_)) => return Some("a `[` inside a character class (a nested class)"),
+            (op @ ('&' | '-' | '~'), Some(_)) if next == Some(op) => {
+                return Some("`&&`, `--` or `~~` inside a character class (a class operation)")
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    None
 }
 
 /// The path Hugging Face gives the module of snug's weight `name`, which PEFT matches
@@ -625,6 +807,56 @@ fn hf_module_path(model: &ModelConfig, name: &str) -> String {
     }
 }
 
+/// Every module of `model` as transformers' `named_modules()` lists them (less the root),
+/// which PEFT matches `target_modules` against: those holding parameters and their parents,
+/// and those holding none (activations, dropouts, the rotary table, an LM head tied to the
+/// embedding).
+fn hf_modules(model: &ModelConfig) -> Vec<String> {
+    let mut seen = BTreeSet::new();
+    let mut out = Vec::new();
+    let mut add = |path: String| {
+        if seen.insert(path.clone()) {
+            out.push(path);
+        }
+    };
+    for (name, _) in model.parameter_shapes() {
+        let key = peft_key(model, &name);
+        // `model.layers.0.input_layernorm.weight` (a weight, or a bias) → its module.
+        let param = key.strip_prefix("base_model.model.").unwrap_or(&key);
+        let module = param.rsplit_once('.').map_or(param, |(m, _)| m);
+        for (i, _) in module.match_indices('.') {
+            add(module[..i].to_string());
+        }
+        add(module.to_string());
+    }
+    let (layers, shared, per_layer): (usize, &[&str], &[&str]) = match model {
+        ModelConfig::Gpt(g) => (
+            g.n_layer,
+            &["transformer.drop"],
+            &[
+                "transformer.h.{}.attn.attn_dropout",
+                "transformer.h.{}.attn.resid_dropout",
+                "transformer.h.{}.mlp.act",
+                "transformer.h.{}.mlp.dropout",
+            ],
+        ),
+        ModelConfig::Llama(l) => (
+            l.n_layer,
+            &["model.rotary_emb"],
+            &["model.layers.{}.mlp.act_fn"],
+        ),
+    };
+    for m in shared.iter().chain(&["lm_head"]) {
+        add(m.to_string());
+    }
+    for i in 0..layers {
+        for m in per_layer {
+            add(m.replace("{}", &i.to_string()));
+        }
+    }
+    out
+}
+
 /// Whether PEFT's `check_target_module_exists` matches module `path` to `target`: the same
 /// path, or one ending in `.` and the target.
 fn peft_matches(target: &str, path: &str) -> bool {
@@ -634,16 +866,22 @@ fn peft_matches(target: &str, path: &str) -> bool {
             .is_some_and(|head| head.ends_with('.'))
 }
 
-/// A PEFT `target_modules` list as the module names snug adapts (`q_proj`, ...), in
-/// [`linear_modules`]' order. PEFT matches each module path to the targets by suffix
-/// ([`peft_matches`]), and writes them as module names, as the paths of single modules
-/// (`all-linear` is saved as every linear layer's path) or as the shortest suffixes that pick
-/// out the same modules (a long list). Any of these is read, as long as each target ends in
-/// one of the model's linear module names and matches one of its layers, and together they
-/// adapt all of the model's layers of a name or none: snug adapts the same modules in every
-/// layer, so a set that differs by layer is refused, naming a layer adapted and one of the
-/// same name that is not. An empty list stays empty (refused by [`LoraConfig::layers`]).
-fn peft_target_names(model: &ModelConfig, targets: &[String]) -> Result<Vec<String>, String> {
+/// The module names snug adapts (`q_proj`, ...), in [`linear_modules`]' order, for the
+/// modules of `model` that PEFT adapts with `target` less `exclude`: PEFT matches each module
+/// path of the model ([`hf_modules`]) to them. PEFT writes a list as module names, as the
+/// paths of single modules (`all-linear` is saved as every linear layer's path) or as the
+/// shortest suffixes that pick out the same modules (a long list); each of these must end in
+/// one of the model's linear module names and match one of its layers. A pattern may match
+/// anything, but must match a linear layer, and nothing else: PEFT would adapt an embedding
+/// or the LM head, which snug does not, and refuses other modules. Together they must adapt
+/// all of the model's layers of a name or none: snug adapts the same modules in every layer,
+/// so a set that differs by layer is refused, naming a layer adapted and one of the same name
+/// that is not. An empty list stays empty (refused by [`LoraConfig::layers`]).
+fn peft_target_names(
+    model: &ModelConfig,
+    target: &ModuleSelector,
+    exclude: Option<&ModuleSelector>,
+) -> Result<Vec<String>, String> {
     let known = linear_modules(model);
     let all = LoraConfig {
         rank: 1,
@@ -660,26 +898,61 @@ fn peft_target_names(model: &ModelConfig, targets: &[String]) -> Result<Vec<Stri
             (name, path)
         })
         .collect();
-    for t in targets {
-        let last = t.rsplit('.').next().unwrap_or(t);
-        if !known.contains(&last) || !linear.iter().any(|(_, p)| peft_matches(t, p)) {
-            let example = linear.first().map_or(String::new(), |(_, p)| {
-                format!(", or paths to them such as `{p}`")
-            });
-            return Err(format!(
-                "`target_modules`: `{t}` names no linear layer of this model (its linear \
-                 layers: {}{example}; or all-linear)",
-                known.join(", ")
-            ));
+    let example = linear.first().map_or("", |(_, p)| p.as_str());
+    if let ModuleSelector::Names(targets) = target {
+        for t in targets {
+            let last = t.rsplit('.').next().unwrap_or(t);
+            if !known.contains(&last) || !linear.iter().any(|(_, p)| peft_matches(t, p)) {
+                return Err(format!(
+                    "`target_modules`: `{t}` names no linear layer of this model (its linear \
+                     layers: {}, or paths to them such as `{example}`; or all-linear)",
+                    known.join(", ")
+                ));
+            }
         }
     }
-    let adapted = |path: &str| targets.iter().any(|t| peft_matches(t, path));
+    let is_linear = |path: &str| linear.iter().any(|(_, p)| p == path);
+    let excluded = |path: &str| exclude.is_some_and(|e| e.matches(path, is_linear(path)));
+    let adapted = |path: &str| target.matches(path, is_linear(path)) && !excluded(path);
+    if let Some(other) = hf_modules(model)
+        .into_iter()
+        .find(|p| !is_linear(p) && adapted(p))
+    {
+        let what = if other == "lm_head" {
+            "the LM head, which PEFT would adapt"
+        } else if ["embed_tokens", "wte", "wpe"].contains(&other.rsplit('.').next().unwrap_or("")) {
+            "an embedding, which PEFT would adapt"
+        } else {
+            "no linear layer (PEFT refuses to adapt it)"
+        };
+        return Err(format!(
+            "{} matches `{other}`, {what}: snug adapts only the linear layers of the blocks",
+            target.describe("target_modules")
+        ));
+    }
     let kind = |name: &str| module_of(name).unwrap_or_default().to_string();
     let names: Vec<String> = known
         .iter()
         .map(|k| k.to_string())
         .filter(|k| linear.iter().any(|(n, p)| &kind(n) == k && adapted(p)))
         .collect();
+    let empty_list = matches!(target, ModuleSelector::Names(t) if t.is_empty());
+    if names.is_empty() && !empty_list {
+        let exclude = exclude.filter(|_| linear.iter().any(|(_, p)| target.matches(p, true)));
+        return Err(match exclude {
+            Some(e) => format!(
+                "{} excludes every layer {} adapts",
+                e.describe("exclude_modules"),
+                target.describe("target_modules")
+            ),
+            None => format!(
+                "{} matches no linear layer of this model: PEFT matches it against a whole \
+                 module path, such as `{example}` (its linear layers: {})",
+                target.describe("target_modules"),
+                known.join(", ")
+            ),
+        });
+    }
     let left_out: Vec<&(String, String)> = linear
         .iter()
         .filter(|(n, p)| names.contains(&kind(n)) && !adapted(p))
@@ -694,10 +967,15 @@ fn peft_target_names(model: &ModelConfig, targets: &[String]) -> Result<Vec<Stri
             0 => String::new(),
             n => format!(" (nor {n} more layers)"),
         };
+        let less = match exclude {
+            Some(e) => format!(" less {}", e.describe("exclude_modules")),
+            None => String::new(),
+        };
         return Err(format!(
-            "`target_modules` adapts `{like}` but not `{path}`{more}: snug adapts all of a \
-             model's `{name_kind}` layers or none, the same modules in every layer, so it \
-             cannot apply this adapter as PEFT does"
+            "{}{less} adapts `{like}` but not `{path}`{more}: snug adapts all of a model's \
+             `{name_kind}` layers or none, the same modules in every layer, so it cannot apply \
+             this adapter as PEFT does",
+            target.describe("target_modules")
         ));
     }
     Ok(names)
@@ -708,7 +986,6 @@ fn peft_target_names(model: &ModelConfig, targets: &[String]) -> Result<Vec<Stri
 pub fn load_peft_adapter(dir: &Path, model: &ModelConfig) -> Result<PeftAdapter, NnError> {
     let (config_path, c) = read_peft_config(dir)?;
     let lora = lora_config_of(&config_path, &c, model)?;
-    let notes = notes_of(&config_path, &c);
     let base = c.base_model_name_or_path;
     let layers = lora.layers(model)?;
     let path = dir.join(ADAPTER_WEIGHTS_FILE);
@@ -791,7 +1068,6 @@ pub fn load_peft_adapter(dir: &Path, model: &ModelConfig) -> Result<PeftAdapter,
         lora,
         base,
         tensors,
-        notes,
     })
 }
 
@@ -979,7 +1255,6 @@ mod tests {
             lora: lora.clone(),
             base: None,
             tensors: adapters.clone(),
-            notes: Vec::new(),
         };
         let mut folds = AdapterFolds::new(&model, adapter()).unwrap();
         for ((name, merged), (_, orig)) in params.iter().zip(&base) {
@@ -1023,7 +1298,6 @@ mod tests {
             ("alpha_pattern", serde_json::json!({"v_proj": 32})),
             ("rank_pattern", serde_json::json!({"v_proj": 2})),
             ("layers_to_transform", serde_json::json!([1])),
-            ("exclude_modules", serde_json::json!(["q_proj"])),
             ("lora_bias", serde_json::json!(true)),
             ("target_parameters", serde_json::json!(["mlp.experts"])),
             ("layer_replication", serde_json::json!([[0, 1]])),
