@@ -47,6 +47,8 @@ pub struct ExportArgs {
     /// merged model alone, instead of the base model and a PEFT adapter beside it.
     #[arg(long)]
     merge: bool,
+    /// Print what was written (its paths, parameters and bytes, the source and its step), as
+    /// JSON.
     #[arg(long)]
     json: bool,
 }

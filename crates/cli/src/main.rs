@@ -31,7 +31,7 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Train a model (with no arguments: a small GPT on built-in generated addition data).
+    /// Train a model (with no arguments: a small Llama, `llama-tiny`, on built-in generated addition data).
     Train(Box<train_cmd::TrainArgs>),
     /// Print a training step's predicted peak memory and its breakdown, allocating no tensor.
     Plan(plan_cmd::PlanArgs),

@@ -21,6 +21,9 @@ pub fn parse_bytes(input: &str) -> Result<usize, SizeError> {
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(s.len());
     let (number, unit) = s.split_at(split);
+    if s.starts_with('-') {
+        return Err(err("a size is not negative"));
+    }
     if number.is_empty() {
         return Err(err("no number"));
     }
@@ -55,6 +58,13 @@ pub fn parse_bytes(input: &str) -> Result<usize, SizeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_negative_size_is_named_as_such() {
+        let e = parse_bytes("-1GiB").unwrap_err();
+        assert_eq!(e.reason, "a size is not negative");
+        assert!(e.to_string().contains("`-1GiB`"), "{e}");
+    }
 
     #[test]
     fn parses_decimal_and_binary_units() {
