@@ -603,9 +603,6 @@ fn lora_config_of(path: &Path, c: &PeftConfig, model: &ModelConfig) -> Result<Lo
     if c.use_dora {
         return Err(refuse("use_dora", "true (DoRA)"));
     }
-    if c.use_rslora {
-        return Err(refuse("use_rslora", "true (rank-stabilised scale)"));
-    }
     if c.bias != "none" {
         return Err(refuse("bias", &format!("`{}`", c.bias)));
     }
@@ -665,7 +662,13 @@ fn lora_config_of(path: &Path, c: &PeftConfig, model: &ModelConfig) -> Result<Lo
     };
     let lora = LoraConfig {
         rank: c.r,
-        alpha: c.lora_alpha,
+        // rsLoRA scales by alpha / √r; snug's scale is alpha / r, so the same scale is the
+        // alpha √r (an export writes that alpha, with the plain scale).
+        alpha: if c.use_rslora {
+            c.lora_alpha * (c.r as f32).sqrt()
+        } else {
+            c.lora_alpha
+        },
         targets,
     };
     lora.layers(model).map_err(|e| adapter_error(path, e))?;
@@ -1288,6 +1291,11 @@ mod tests {
         };
         let (lora, _) = read(&base).unwrap();
         assert_eq!((lora.rank, lora.alpha), (4, 8.0));
+        // rsLoRA's scale, 8 / √4 = 4, is snug's alpha / r with alpha 16.
+        let mut rs = base.clone();
+        rs["use_rslora"] = true.into();
+        let (lora, _) = read(&rs).unwrap();
+        assert_eq!((lora.rank, lora.alpha), (4, 16.0));
         // Initialisations that leave the base as it was read as usual.
         for init in [serde_json::json!(true), serde_json::json!("gaussian")] {
             let mut config = base.clone();
@@ -1307,7 +1315,6 @@ mod tests {
             ("init_lora_weights", serde_json::json!("pissa_niter_4")),
             ("init_lora_weights", serde_json::json!("olora")),
             ("use_dora", serde_json::json!(true)),
-            ("use_rslora", serde_json::json!(true)),
             ("bias", serde_json::json!("all")),
             ("modules_to_save", serde_json::json!(["lm_head"])),
         ] {
