@@ -791,7 +791,15 @@ impl CheckpointDir {
         if let Ok(entries) = fs::read_dir(&self.dir) {
             for e in entries.filter_map(|e| e.ok()) {
                 let name = e.file_name().to_string_lossy().into_owned();
-                if name.starts_with(&format!(".{PREFIX}")) && name.ends_with(".tmp") {
+                // Only a save's own temporary names (`.` + a checkpoint's, shard's or
+                // manifest's name + `.tmp`): a user's `.ckpt-notes.tmp` is not ours.
+                let saved_name = name
+                    .strip_prefix('.')
+                    .and_then(|n| n.strip_suffix(".tmp"))
+                    .is_some_and(|n| {
+                        step_in_name(Path::new(n)).is_some() || crate::shards::is_shard_name(n)
+                    });
+                if saved_name {
                     let _ = fs::remove_file(e.path());
                 }
             }

@@ -27,6 +27,12 @@ pub fn run_evidence(dir: &Path) -> Option<String> {
     {
         return Some(format!("it holds a run's checkpoints, up to step {step}"));
     }
+    if let Some(shard) = crate::shards::unnamed_shard(dir) {
+        return Some(format!(
+            "it holds a checkpoint shard no manifest names ({shard}): the unfinished save of a \
+             run, which only its resume may clear away"
+        ));
+    }
     if present(LOCK_FILE) {
         return Some(format!("it holds a run's lock file, {LOCK_FILE}"));
     }
@@ -273,6 +279,13 @@ impl RunDir {
                         dir.display()
                     )));
                 }
+                // A new run's first save clears away shards no manifest names: never another's.
+                if let Some(shard) = crate::shards::unnamed_shard(dir) {
+                    return Err(taken(format!(
+                        "it holds a checkpoint shard no manifest names ({shard}), the unfinished \
+                         save of another run: give a new `--out` directory, or move it away"
+                    )));
+                }
                 let metrics = dir.join(METRICS_FILE);
                 if fs::metadata(&metrics).is_ok_and(|m| m.len() > 0) {
                     let what = match crate::run::last_recorded_step(dir) {
@@ -343,6 +356,25 @@ mod tests {
         assert_eq!(run_evidence(tmp.path()), None);
         fs::write(tmp.path().join(METRICS_FILE), b"{}\n").expect("metrics");
         assert!(run_evidence(tmp.path()).is_some_and(|why| why.contains(METRICS_FILE)));
+    }
+
+    /// A shard file no manifest names is some run's unfinished save: a new run's first save
+    /// would clear it away, so a new run refuses the directory and leaves it.
+    #[test]
+    fn a_new_run_refuses_a_directory_with_a_shard_no_manifest_names() {
+        let tmp = tempfile::tempdir().expect("a scratch directory");
+        let shard = tmp
+            .path()
+            .join("ckpt-00000500.0000002a.shard-0-of-2.safetensors");
+        fs::write(&shard, b"someone's").expect("a shard");
+        match RunDir::claim(tmp.path(), &Claim::Fresh) {
+            Err(TrainError::RunDirTaken { detail, .. }) => {
+                assert!(detail.contains("shard-0-of-2"), "{detail}")
+            }
+            other => panic!("expected a refusal, got {:?}", other.map(|_| ())),
+        }
+        assert_eq!(fs::read(&shard).expect("kept"), b"someone's");
+        assert!(run_evidence(tmp.path()).is_some_and(|why| why.contains("shard")));
     }
 
     /// A claim in a directory that was there removes the lock file it made when the run

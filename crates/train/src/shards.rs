@@ -732,6 +732,20 @@ fn consolidate(
 }
 
 /// Shard files in `dir`: name, step and save number.
+/// A shard file in `dir` that no manifest names, if there is one: the unfinished save of some
+/// run, which only that run's resume may clear away.
+pub(crate) fn unnamed_shard(dir: &Path) -> Option<String> {
+    shard_files(dir)
+        .into_iter()
+        .find(|(_, _, step, _)| fs::symlink_metadata(manifest_path(dir, *step)).is_err())
+        .map(|(_, name, _, _)| name)
+}
+
+/// Whether `name` is a shard file's name (the temporary files of a save are named after it).
+pub(crate) fn is_shard_name(name: &str) -> bool {
+    parse_shard_name(name).is_some()
+}
+
 fn shard_files(dir: &Path) -> Vec<(PathBuf, String, u64, u32)> {
     let Ok(entries) = fs::read_dir(dir) else {
         return Vec::new();
