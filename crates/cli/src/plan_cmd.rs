@@ -220,6 +220,10 @@ struct InferenceReport {
     /// sampler holds (the figures below are the decode step's).
     #[serde(skip_serializing_if = "Option::is_none")]
     prefill_window_peak_bytes: Option<usize>,
+    /// The most `snug sample` holds at once: with the key/value cache the larger of the
+    /// decode step's peak and a whole-window prefill's (the prefill's, as a rule); else the
+    /// full-window forward's peak.
+    sample_peak_bytes: usize,
     parameters: usize,
     nodes: usize,
     tensors: usize,
@@ -682,6 +686,9 @@ fn run_inference(
         threads: cfg.threads,
         kv_cache: args.kv_cache,
         prefill_window_peak_bytes: prefill,
+        sample_peak_bytes: prefill.map_or(memory_plan.peak_bytes(), |p| {
+            p.max(memory_plan.peak_bytes())
+        }),
         parameters: model.parameter_count(),
         nodes: graph.nodes().len(),
         tensors: graph.tensors().len(),
@@ -702,14 +709,16 @@ fn run_inference(
     );
     match report.prefill_window_peak_bytes {
         Some(prefill) => println!(
-            "inference (snug sample): one decode step against key/value caches of {} positions, \
-             f32, {} threads; {} nodes, at most {:.3} GFLOP per token; a prefill of the whole \
-             window peaks at {}",
+            "inference (snug sample): holds at most {} ({} B); a prefill of the whole window \
+             peaks at {}; below, one decode step against key/value caches of {} positions, f32, \
+             {} threads; {} nodes, at most {:.3} GFLOP per token",
+            human_bytes(report.sample_peak_bytes),
+            report.sample_peak_bytes,
+            human_bytes(prefill),
             report.window,
             report.threads,
             report.nodes,
             report.flops_per_token as f64 / 1e9,
-            human_bytes(prefill)
         ),
         None => println!(
             "inference (snug sample --full-window): batch 1 x window {} positions, f32, {} \

@@ -210,11 +210,25 @@ fn plan_kv_cache_equals_what_sample_plans_and_measures() {
         );
         let window_prefill = planned["prefill_window_peak_bytes"].as_u64().unwrap();
         assert!(prefill["planned_peak_bytes"].as_u64().unwrap() <= window_prefill);
+        // The most sample holds, whatever the prompt: neither phase above it.
+        let most = planned["sample_peak_bytes"].as_u64().unwrap();
+        assert_eq!(
+            most,
+            window_prefill.max(planned["peak_bytes"].as_u64().unwrap())
+        );
+        for phase in [prefill, decode] {
+            assert!(
+                phase["measured_peak_bytes"].as_u64().unwrap() <= most,
+                "{flags:?}"
+            );
+        }
         // The caches are their own part of the plan; the whole-window plan has none.
         assert!(planned["breakdown"]["kv_cache"].as_u64().unwrap() > 0);
         let mut full = vec!["plan", "--inference", "--json"];
         full.extend(&common);
-        assert!(json(&ok(cwd, &full))["breakdown"].get("kv_cache").is_none());
+        let full = json(&ok(cwd, &full));
+        assert!(full["breakdown"].get("kv_cache").is_none());
+        assert_eq!(full["sample_peak_bytes"], full["peak_bytes"]);
     }
     // Without --inference it is a usage error.
     let o = snug(cwd, &["plan", "--kv-cache"]);
