@@ -131,6 +131,10 @@ struct Summary {
     addition_accuracy: Option<f64>,
     /// The held-out additions scored, their time and a few wrong answers.
     addition: Option<AdditionScore>,
+    /// Why the held-out additions were not scored, where they were not (the scoring did not
+    /// fit the memory limit).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    addition_skipped: Option<String>,
     /// The page `--report` wrote.
     report: Option<PathBuf>,
 }
@@ -1163,6 +1167,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
         metrics: run.metrics.clone(),
         addition_accuracy: None,
         addition: None,
+        addition_skipped: None,
         report: None,
     };
     // After the figures above, so the page's memory is in none of them.
@@ -1174,12 +1179,18 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             Err(e) => tracing::warn!("{e:#}; no page written"),
         }
     }
-    // After the figures above, so the scoring's memory is in none of them.
+    // After the step's figures above, so the scoring's memory is in none of them; the peak
+    // RSS is the whole process's, scoring included.
     if cfg.data == DataSourceConfig::Addition && !run.interrupted {
-        let score = addition_score(&trainer).context("scoring held-out additions")?;
-        summary.addition_accuracy = Some(score.accuracy());
-        summary.addition = Some(score);
+        match addition_score(trainer, &allocator).context("scoring held-out additions")? {
+            Ok(score) => {
+                summary.addition_accuracy = Some(score.accuracy());
+                summary.addition = Some(score);
+            }
+            Err(why) => summary.addition_skipped = Some(why),
+        }
     }
+    summary.peak_rss_bytes = resident_set().map(|(_, peak)| peak);
     if json {
         out.json("summary", &summary)?;
         return Ok(stop_flag.exit_code());
@@ -1250,6 +1261,9 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             cfg.memory_limit.map_or("-".into(), human_bytes)
         );
     }
+    if let Some(why) = &summary.addition_skipped {
+        say!(out, "{why}");
+    }
     if let Some(a) = &summary.addition {
         say!(
             out,
@@ -1289,29 +1303,78 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
     Ok(stop_flag.exit_code())
 }
 
-/// The trained weights' accuracy on held-out additions, on the inference plan with an
-/// allocator of its own (the training step's figures stay its own).
-fn addition_score(trainer: &Trainer) -> Result<AdditionScore> {
-    let model = trainer.model();
+/// The trained weights' accuracy on held-out additions, on the inference plan (the training
+/// step's figures stay its own), or why they were not scored. The trainer goes first, so its
+/// memory is free for the scoring. On the CPU under `--memory`, the scoring keeps to the same
+/// limit, its copy of the weights counted: where it needs more, it is left out, not run over
+/// the budget.
+fn addition_score(
+    trainer: Trainer,
+    allocator: &Allocator,
+) -> Result<std::result::Result<AdditionScore, String>> {
+    let model = trainer.model().clone();
+    let tokenizer = trainer.data().tokenizer.clone();
+    let threads = trainer.config().threads;
+    let on_cpu = !trainer.config().device.is_gpu();
+    let (limit, relaxed) = allocator.memory_limit();
+    // The weights as the sampler takes them: every parameter in f32 (a QLoRA base merged).
+    let held = 4 * model.parameter_count();
+    let skipped = |needed: Option<usize>| {
+        format!(
+            "held-out additions not scored: scoring needs more than the memory limit of {} \
+             ({}its copy of the weights {} included)",
+            human_bytes(limit),
+            needed.map_or(String::new(), |n| format!("at least {}, ", human_bytes(n))),
+            human_bytes(held)
+        )
+    };
+    let limited = on_cpu && limit != usize::MAX;
+    if limited && held >= limit {
+        return Ok(Err(skipped(None)));
+    }
+    let weights = trainer.model_weights()?;
+    drop(trainer);
     // Only the problems' context: a model's whole window (a Llama's is 131,072 positions)
     // would be caches no problem reads.
     let placement = snug_train::Placement {
         context: Some(addition::SCORING_CONTEXT.min(model.max_seq())),
         ..snug_train::Placement::CPU
     };
-    let mut sampler = Sampler::placed(
-        model,
-        &trainer.model_weights()?,
-        snug_train::SampleMode::KvCache,
-        placement,
-        trainer.config().threads,
-        Allocator::default(),
-    )?;
-    Ok(addition::held_out_accuracy(
+    let scoring = if limited {
+        allocator.clear_cache();
+        allocator.set_memory_limit(limit - held, relaxed);
+        let placed = Sampler::placed(
+            &model,
+            &weights,
+            snug_train::SampleMode::KvCache,
+            placement,
+            threads,
+            allocator.clone(),
+        );
+        allocator.set_memory_limit(limit, relaxed);
+        match placed {
+            Err(snug_train::TrainError::Runtime(snug_runtime::RuntimeError::OutOfMemory(oom))) => {
+                return Ok(Err(skipped(Some(oom.active + oom.requested))));
+            }
+            other => other?,
+        }
+    } else {
+        Sampler::placed(
+            &model,
+            &weights,
+            snug_train::SampleMode::KvCache,
+            placement,
+            threads,
+            Allocator::default(),
+        )?
+    };
+    let mut sampler = scoring;
+    drop(weights);
+    Ok(Ok(addition::held_out_accuracy(
         &mut sampler,
-        &trainer.data().tokenizer,
+        &tokenizer,
         addition::DEFAULT_PROBLEMS,
-    )?)
+    )?))
 }
 
 fn data_line(data: &TokenDataset) -> String {

@@ -141,3 +141,59 @@ fn unbound_ranks_on_one_machine_default_to_their_share_of_its_cores() {
     assert_eq!(threads(Some("2")), (alone / 2).max(1));
     assert_eq!(threads(Some("64")), 1);
 }
+
+/// Under a strict `--memory`, the demo's scoring keeps to the limit too: a QLoRA run whose
+/// training fits but whose scoring (the weights merged to f32) does not is not scored, and
+/// says why; under a limit that holds it, it is scored.
+#[test]
+fn the_demos_scoring_keeps_to_the_memory_limit() {
+    let dir = tempfile::tempdir().expect("a scratch directory");
+    let summary = |memory: &str| {
+        let o = snug(
+            dir.path(),
+            &[
+                "train",
+                "--preset",
+                "char-small",
+                "--batch",
+                "1",
+                "--block",
+                "8",
+                "--threads",
+                "1",
+                "--lora",
+                "2",
+                "--quantize-base",
+                "nf4",
+                "--steps",
+                "2",
+                "--eval-every",
+                "0",
+                "--no-save",
+                "--json",
+                "--memory",
+                memory,
+            ],
+        );
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        text(&o.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|v| v["kind"] == "summary")
+            .expect("a summary line")
+    };
+    let tight = summary("12000000");
+    assert!(
+        tight["measured_peak_bytes"].as_u64() <= Some(12_000_000),
+        "{tight}"
+    );
+    assert!(tight["addition_accuracy"].is_null(), "{tight}");
+    let why = tight["addition_skipped"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("not scored") && why.contains("memory limit"),
+        "{tight}"
+    );
+    let roomy = summary("300MB");
+    assert!(roomy["addition_accuracy"].is_f64(), "{roomy}");
+    assert!(roomy.get("addition_skipped").is_none(), "{roomy}");
+}
