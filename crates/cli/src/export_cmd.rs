@@ -501,7 +501,12 @@ pub fn run(args: ExportArgs) -> Result<()> {
     let hub_written: Vec<PathBuf> = generation.iter().cloned().collect();
     removed.extend(output::stale_files(&args.out, &HUB_FILES, &hub_written));
     let replaceable: Vec<&str> = EXPORT_FILES.iter().chain(&HUB_FILES).copied().collect();
-    staged.commit(&replaceable)?;
+    // config.json last: a kill part-way leaves no loadable mix (see `commit_replacing`).
+    staged.commit_replacing(
+        &replaceable,
+        &removed,
+        Some(snug_nn::hf_checkpoint::CONFIG_FILE),
+    )?;
     // Gone already where the directory was replaced whole.
     for path in removed
         .iter()

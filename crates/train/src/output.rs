@@ -309,7 +309,22 @@ impl StagedDir {
     /// directory holding nothing but names among `replaceable` is replaced whole, so what it
     /// held goes with it; otherwise each file is renamed over its namesake and the rest is
     /// left. Returns the files' final paths.
-    pub fn commit(mut self, replaceable: &[&str]) -> Result<Vec<PathBuf>, TrainError> {
+    pub fn commit(self, replaceable: &[&str]) -> Result<Vec<PathBuf>, TrainError> {
+        self.commit_replacing(replaceable, &[], None)
+    }
+
+    /// [`StagedDir::commit`], with the earlier output's `stale` files (ones this output does
+    /// not write, which would be read with it) removed, and `marker` (a model's
+    /// `config.json`, without which nothing loads the directory) as the commit point where the
+    /// files are moved one by one: the earlier marker goes first, then the stale files, then
+    /// the new files, the new marker last. A kill or an error part-way then leaves a directory
+    /// without a marker, which loaders refuse, never new weights beside an old adapter.
+    pub fn commit_replacing(
+        mut self,
+        replaceable: &[&str],
+        stale: &[PathBuf],
+        marker: Option<&str>,
+    ) -> Result<Vec<PathBuf>, TrainError> {
         let Some(staging) = self.staging.take() else {
             return Ok(Vec::new());
         };
@@ -348,10 +363,25 @@ impl StagedDir {
             }
             Some(Err(e)) => Err(io(&self.dir, e)),
             None => {
-                let moved = names
-                    .iter()
-                    .zip(&finals)
-                    .try_for_each(|(n, to)| fs::rename(staging.join(n), to).map_err(|e| io(to, e)));
+                let marker = marker.filter(|m| names.iter().any(|n| n.as_os_str() == *m));
+                let remove = |p: &Path| match fs::remove_file(p) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(p, e)),
+                    _ => Ok(()),
+                };
+                let moved = (|| {
+                    if let Some(m) = marker {
+                        remove(&self.dir.join(m))?;
+                        sync_dir(&self.dir);
+                    }
+                    stale.iter().try_for_each(|p| remove(p))?;
+                    let (last, first): (Vec<_>, Vec<_>) = names
+                        .iter()
+                        .zip(&finals)
+                        .partition(|(n, _)| marker.is_some_and(|m| n.as_os_str() == m));
+                    first.into_iter().chain(last).try_for_each(|(n, to)| {
+                        fs::rename(staging.join(n), to).map_err(|e| io(to, e))
+                    })
+                })();
                 sync_dir(&self.dir);
                 moved
             }
@@ -549,6 +579,47 @@ mod tests {
                 ("weights", "newer weights")
             ])
         );
+    }
+
+    /// Moved in one by one (beside a user's file), the earlier marker goes first and the new
+    /// one comes last, the stale files before any new file: a move that fails part-way leaves
+    /// no marker, so nothing reads new weights beside the old adapter.
+    #[test]
+    fn files_moved_one_by_one_leave_no_marker_until_all_are_in() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("out");
+        fs::create_dir(&dir).unwrap();
+        for (n, b) in [
+            ("config", "old config"),
+            ("adapter", "old adapter"),
+            ("notes.txt", "mine"),
+        ] {
+            fs::write(dir.join(n), b).unwrap();
+        }
+        // `weights` cannot be renamed over: a directory holding a file stands there.
+        fs::create_dir(dir.join("weights")).unwrap();
+        fs::write(dir.join("weights").join("x"), "x").unwrap();
+        let staged = StagedDir::new(&dir).unwrap();
+        fs::write(staged.path().join("config"), "new config").unwrap();
+        fs::write(staged.path().join("weights"), "new weights").unwrap();
+        let names = ["config", "weights", "adapter"];
+        let stale = [dir.join("adapter")];
+        assert!(staged
+            .commit_replacing(&names, &stale, Some("config"))
+            .is_err());
+        assert!(!dir.join("config").exists(), "a marker beside a mix");
+        assert!(!dir.join("adapter").exists(), "the stale adapter stayed");
+        assert_eq!(fs::read(dir.join("notes.txt")).unwrap(), b"mine");
+        // Once the obstacle is gone, the next commit puts the whole output in.
+        fs::remove_dir_all(dir.join("weights")).unwrap();
+        let staged = StagedDir::new(&dir).unwrap();
+        fs::write(staged.path().join("config"), "new config").unwrap();
+        fs::write(staged.path().join("weights"), "new weights").unwrap();
+        staged
+            .commit_replacing(&names, &[], Some("config"))
+            .unwrap();
+        assert_eq!(fs::read(dir.join("config")).unwrap(), b"new config");
+        assert_eq!(fs::read(dir.join("weights")).unwrap(), b"new weights");
     }
 
     #[test]
