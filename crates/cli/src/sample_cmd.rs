@@ -12,7 +12,7 @@ use snug_runtime::Allocator;
 use snug_train::addition;
 use snug_train::checkpoint::{self, CheckpointDir};
 use snug_train::config::DataSourceConfig;
-use snug_train::sample::MAX_NEW_TOKENS;
+use snug_train::sample::{GenerationConfig, SamplingFlags, MAX_NEW_TOKENS};
 use snug_train::{KvStats, Placement, SampleMode, SampleOptions, Sampler, Tokenizer};
 
 #[derive(Args, Debug)]
@@ -23,15 +23,20 @@ pub struct SampleArgs {
     /// `snug train` saves.
     #[arg(long, value_name = "PATH")]
     checkpoint: Option<PathBuf>,
-    /// Text to continue (with --chat: the user's message). Default: for a model of the
-    /// built-in data, a held-out addition problem (`48+39=`); otherwise empty (start from
-    /// token 0).
+    /// Text to continue (with --chat: the user's message). A Hugging Face tokenizer encodes it
+    /// with its special tokens, as transformers' `tokenizer(prompt)` does (Llama's
+    /// `<|begin_of_text|>` or `<s>` first; one typed at the prompt's start is not doubled).
+    /// Default: for a model of the built-in data, a held-out addition problem (`48+39=`);
+    /// otherwise empty. An empty prompt starts from the beginning-of-sequence token (the
+    /// model's `bos_token_id`, else the tokenizer's `bos_token`; GPT-2's `<|endoftext|>`), is
+    /// refused where there is none, and for a character vocabulary starts from token 0.
     #[arg(long)]
     prompt: Option<String>,
     /// Answer as a chat model: the conversation (--prompt as one user message, or
     /// --messages) is rendered through the tokenizer's chat template with the generation
-    /// prompt, and generation stops at the end of the model's turn (the tokenizer's eos token
-    /// or the template's end-of-turn token).
+    /// prompt, and generation stops at the end of the model's turn: an end-of-sequence token
+    /// (see --ignore-eos) or the template's end-of-turn token (`<|im_end|>`, `<|eot_id|>`,
+    /// `<|end|>`, `<end_of_turn>`).
     #[arg(long)]
     chat: bool,
     /// With --chat: a JSON file holding the conversation, a list of {"role", "content"}
@@ -68,13 +73,29 @@ pub struct SampleArgs {
     /// caches it uses. Past it the cache slides, keeping the most recent half.
     #[arg(long, value_name = "N")]
     context: Option<usize>,
-    /// Softmax temperature; 0 picks the most likely token every time. Default 0.8, and 0 for
-    /// the default addition problem (its answer is exact).
+    /// Softmax temperature; 0 picks the most likely token every time, above 0 samples.
+    /// Default: a Hugging Face model's generation_config.json (its `temperature` where
+    /// `do_sample` is true, else 0: greedy, as transformers' `generate`); otherwise 0.8, and 0
+    /// for the default addition problem (its answer is exact).
     #[arg(long, allow_negative_numbers = true)]
     temperature: Option<f32>,
-    /// Sample among the K most likely tokens only.
+    /// Sample among the K most likely tokens only; 0 keeps every token. Default: with a
+    /// generation_config.json, its `top_k` (transformers' 50 where it names none); otherwise
+    /// every token.
     #[arg(long)]
     top_k: Option<usize>,
+    /// Nucleus sampling: after --top-k, sample among the most likely tokens whose
+    /// probabilities together first reach P, in (0, 1] (1 keeps every token). Default: a
+    /// generation_config.json's `top_p`; otherwise 1.
+    #[arg(long, value_name = "P", allow_negative_numbers = true)]
+    top_p: Option<f32>,
+    /// Do not stop at end-of-sequence or end-of-turn tokens: generate all --tokens, a raw
+    /// continuation. By default generation stops at the first of the model's
+    /// generation_config.json `eos_token_id` (one id or a list; config.json's where there is
+    /// no generation_config.json), the tokenizer's `eos_token`, and with --chat the
+    /// template's end-of-turn token.
+    #[arg(long)]
+    ignore_eos: bool,
     #[arg(long, default_value_t = 1337)]
     seed: u64,
     /// Worker threads (default: physical cores).
@@ -148,12 +169,31 @@ struct SampleReport {
     prompt: String,
     prompt_ids: Vec<u32>,
     text: String,
-    /// The generated ids, the end-of-turn token included when one stopped a chat answer.
+    /// The generated ids, the stop token included when one ended the generation.
     ids: Vec<u32>,
     tokens: usize,
     /// With --chat: whether the model ended its turn (rather than running out of --tokens).
     #[serde(skip_serializing_if = "Option::is_none")]
     end_of_turn: Option<bool>,
+    /// `stop`: a stop token ended the generation (`stop_token_id`); `length`: --tokens ran out.
+    finish_reason: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stop_token_id: Option<u32>,
+    /// The stop token's text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stop_token: Option<String>,
+    /// The ids generation stops at (none with --ignore-eos).
+    stop_ids: Vec<u32>,
+    /// The prompt's first tokens left out because the prompt is longer than `context`.
+    prompt_tokens_dropped: usize,
+    /// How tokens were drawn: `temperature` 0 is greedy; `top_k` and `top_p` null when
+    /// unused.
+    temperature: f32,
+    top_k: Option<usize>,
+    top_p: Option<f32>,
+    /// The model's generation_config.json, when it gave a default (a flag not given).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    generation_config: Option<PathBuf>,
     mode: SampleMode,
     /// Positions the sampler held (the caches' length).
     context: usize,
@@ -179,6 +219,11 @@ pub fn run(args: SampleArgs) -> Result<()> {
         );
     }
     crate::check_threads_flag(args.threads)?;
+    if let Some(p) = args.top_p {
+        if snug_train::sample::check_top_p(Some(p)).is_err() {
+            bail!("--top-p {p}: must be a probability in (0, 1] (1 keeps every token)");
+        }
+    }
     let from = match &args.checkpoint {
         Some(p) => p.clone(),
         None => {
@@ -213,21 +258,54 @@ pub fn run(args: SampleArgs) -> Result<()> {
             tokenizer
         }
     };
+    // What the model's generation_config.json (or config.json) says: its stop ids, its
+    // beginning-of-sequence id, and the sampling defaults of a flag not given.
+    let generation = match &source {
+        Source::Hf(c) => GenerationConfig::read(c.dir())?,
+        Source::Run(_, c) => match &c.config.model.hf_config_text {
+            // A run from pretrained weights keeps the config.json it started from.
+            Some(text) => GenerationConfig::parse(None, Some((Path::new("config.json"), text)))
+                .with_context(|| format!("the model config kept in {}", path.display()))?,
+            None => GenerationConfig::default(),
+        },
+    };
     // A model of the built-in data shows what it learned: a sum it never saw, answered greedily.
     let addition_data =
         matches!(&source, Source::Run(_, c) if c.config.data == DataSourceConfig::Addition);
     let problem = (args.prompt.is_none() && addition_data)
         .then(|| addition::held_out_problems(1, args.seed).first().copied())
         .flatten();
-    let (prompt_text, temperature) = match (&args.prompt, problem) {
-        (Some(p), _) => (p.clone(), args.temperature.unwrap_or(0.8)),
+    let (prompt_text, default_temperature) = match (&args.prompt, problem) {
+        (Some(p), _) => (p.clone(), 0.8),
         // After a newline: the start of a line, as every sum in training begins.
-        (None, Some(p)) if !args.chat => (
-            format!("\n{}", p.question()),
-            args.temperature.unwrap_or(0.0),
-        ),
-        _ => (String::new(), args.temperature.unwrap_or(0.8)),
+        (None, Some(p)) if !args.chat => (format!("\n{}", p.question()), 0.0),
+        _ => (String::new(), 0.8),
     };
+    let flags = SamplingFlags {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+    };
+    let sampling = generation.sampling(flags, default_temperature);
+    if sampling.temperature == 0.0 {
+        let unused: Vec<&str> = [args.top_k.map(|_| "--top-k"), args.top_p.map(|_| "--top-p")]
+            .into_iter()
+            .flatten()
+            .collect();
+        if !unused.is_empty() {
+            let why = match (&args.temperature, &generation.file) {
+                (None, Some(file)) => format!(
+                    "sampling is greedy, as {} says (do_sample is not true)",
+                    file.display()
+                ),
+                _ => "sampling is greedy at temperature 0".to_string(),
+            };
+            eprintln!(
+                "warning: {} has no effect: {why}; give --temperature T (above 0) to sample",
+                unused.join(" and ")
+            );
+        }
+    }
     // Encoding errors name the text, the tokenizer and the character it cannot encode.
     let tokenizer_name = match (&args.tokenizer, &source) {
         (Some(arg), _) => format!("--tokenizer {arg}"),
@@ -246,7 +324,9 @@ pub fn run(args: SampleArgs) -> Result<()> {
         (None, Some(_)) => "--prompt".to_string(),
         (None, None) => "the prompt".to_string(),
     };
-    let (prompt_text, prompt, stop) = if args.chat {
+    // Refused once the model has loaded, so that what is wrong with the model is said first.
+    let mut no_start = None;
+    let (prompt_text, prompt) = if args.chat {
         let messages = match &args.messages {
             Some(file) => read_messages(file)?,
             None => vec![serde_json::json!({"role": "user", "content": prompt_text})],
@@ -265,16 +345,58 @@ pub fn run(args: SampleArgs) -> Result<()> {
                 None => anyhow::Error::new(e).context(format!("--chat with {}", path.display())),
             }
         })?;
-        (chat.text, chat.ids, chat.stop)
+        (chat.text, chat.ids)
     } else {
-        let ids = tokenizer.encode(&prompt_text).map_err(|e| {
+        let encoded = encode_prompt(&tokenizer, &prompt_text).map_err(|e| {
             let context = format!("encoding {what} with {tokenizer_name}");
             match tokenizer.unencodable_char(&prompt_text) {
                 Some(why) => anyhow::anyhow!("{context}: {why}"),
                 None => anyhow::Error::new(e).context(context),
             }
         })?;
-        (prompt_text, ids, Vec::new())
+        if let Some(bos) = &encoded.kept_once {
+            eprintln!(
+                "note: {what} begins with {bos}, which the tokenizer adds at the start of a \
+                 text itself: it is kept once"
+            );
+        }
+        let mut ids = encoded.ids;
+        if ids.is_empty() && !matches!(tokenizer, Tokenizer::Char(_)) {
+            // As transformers' `generate` without input: from the beginning of a sequence.
+            let bos = match &tokenizer {
+                Tokenizer::Hf(t) => {
+                    generation
+                        .bos
+                        .or(t.special_tokens().bos.as_ref().map(|b| b.id))
+                }
+                _ => generation.bos.or(tokenizer.eos_id()),
+            };
+            match bos {
+                Some(bos) => ids.push(bos),
+                None => {
+                    let give = match args.prompt {
+                        Some(_) => "give a prompt that is not empty",
+                        None => "give --prompt TEXT",
+                    };
+                    no_start = Some(format!(
+                        "{}: neither {} nor {tokenizer_name} names a beginning-of-sequence \
+                         token (`bos_token_id`, `bos_token`) for generation to start from; \
+                         {give}",
+                        match args.prompt {
+                            Some(_) => "--prompt is empty",
+                            None => "no --prompt",
+                        },
+                        path.display()
+                    ));
+                }
+            }
+        }
+        (prompt_text, ids)
+    };
+    let stop = if args.ignore_eos {
+        Vec::new()
+    } else {
+        snug_train::sample::stop_ids(&tokenizer, &generation.eos, args.chat)
     };
     let allocator = Allocator::default();
     let threads = args.threads.unwrap_or_else(snug_cpu::physical_cores);
@@ -292,6 +414,22 @@ pub fn run(args: SampleArgs) -> Result<()> {
     let max_seq = model.max_seq();
     let total = prompt.len().max(1).saturating_add(args.tokens);
     let context = context_flag(args.context, max_seq, total.min(max_seq))?;
+    // The sampler reads the prompt's most recent `context` tokens: a longer prompt loses its
+    // start, said here rather than silently.
+    let dropped = prompt.len().saturating_sub(context);
+    if dropped > 0 {
+        let limit = match args.context {
+            Some(n) if n < max_seq => {
+                format!("--context {n} (the model's context is {max_seq} positions)")
+            }
+            _ => format!("the model's context of {max_seq} positions"),
+        };
+        eprintln!(
+            "warning: the prompt is {} tokens, more than {limit}: its first {dropped} tokens \
+             are dropped, and generation continues from its last {context}",
+            prompt.len()
+        );
+    }
     let placement = Placement {
         device: args.device,
         quantize,
@@ -335,23 +473,26 @@ pub fn run(args: SampleArgs) -> Result<()> {
         }
     };
     let mut sampler = sampler.with_context(|| format!("loading {}", path.display()))?;
+    if let Some(why) = no_start {
+        bail!(why);
+    }
     let opts = SampleOptions {
-        temperature,
-        top_k: args.top_k,
+        temperature: sampling.temperature,
+        top_k: sampling.top_k,
         seed: args.seed,
     };
     let start = Instant::now();
-    let ids = sampler.generate_until(&prompt, args.tokens, opts, &stop)?;
+    let ids = sampler.generate_with(&prompt, args.tokens, opts, sampling.top_p, &stop)?;
     let ms = start.elapsed().as_secs_f64() * 1e3;
-    let end_of_turn = args
-        .chat
-        .then(|| ids.last().is_some_and(|t| stop.contains(t)));
-    // The answer's text leaves out the token that ended the turn.
-    let shown = match end_of_turn {
-        Some(true) => &ids[..ids.len() - 1],
-        _ => &ids[..],
+    let stop_token_id = ids.last().copied().filter(|t| stop.contains(t));
+    let end_of_turn = args.chat.then_some(stop_token_id.is_some());
+    // The text leaves out the token that ended the generation.
+    let shown = match stop_token_id {
+        Some(_) => &ids[..ids.len() - 1],
+        None => &ids[..],
     };
     let text = tokenizer.decode(shown);
+    let stop_token = stop_token_id.map(|t| tokenizer.decode(&[t]));
     let kv_cache = sampler.kv_stats();
     let (planned, measured) = match kv_cache {
         Some(k) => (
@@ -379,6 +520,22 @@ pub fn run(args: SampleArgs) -> Result<()> {
         tokens_per_s: ids.len() as f64 / (ms / 1e3).max(1e-9),
         ids,
         end_of_turn,
+        finish_reason: if stop_token_id.is_some() {
+            "stop"
+        } else {
+            "length"
+        },
+        stop_token_id,
+        stop_token,
+        stop_ids: stop,
+        prompt_tokens_dropped: dropped,
+        temperature: sampling.temperature,
+        top_k: sampling.top_k,
+        top_p: sampling.top_p,
+        generation_config: generation
+            .file
+            .clone()
+            .filter(|_| sampling.from_generation_config),
         mode,
         context,
         quantize,
@@ -397,8 +554,25 @@ pub fn run(args: SampleArgs) -> Result<()> {
             // The default prompt's leading newline only marks a line start for the model.
             println!("{}{}", report.prompt.trim_start_matches('\n'), report.text);
         }
+        let drawn = match (report.temperature, report.top_k, report.top_p) {
+            (0.0, _, _) => "greedy".to_string(),
+            (t, k, p) => format!(
+                "temperature {t}{}{}",
+                k.map_or(String::new(), |k| format!(", top-k {k}")),
+                p.map_or(String::new(), |p| format!(", top-p {p}"))
+            ),
+        };
+        let drawn = match &report.generation_config {
+            Some(_) => format!("{drawn}, from generation_config.json"),
+            None => drawn,
+        };
+        let ended = match (&report.stop_token, report.stop_token_id) {
+            (Some(text), Some(id)) => format!("stopped at {text:?} ({id})"),
+            _ if report.stop_ids.is_empty() => "no stop token".to_string(),
+            _ => "no stop token made".to_string(),
+        };
         eprintln!(
-            "({} tokens in {:.0} ms, {:.1} tok/s{} of {} positions{} on {}; {} at step {}; inference plan peak {}, measured {})",
+            "({} tokens in {:.0} ms, {:.1} tok/s, {drawn}, {ended}{} of {} positions{} on {}; {} at step {}; inference plan peak {}, measured {})",
             report.tokens,
             report.ms,
             report.tokens_per_s,
@@ -418,6 +592,47 @@ pub fn run(args: SampleArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// A plain prompt's ids.
+struct EncodedPrompt {
+    ids: Vec<u32>,
+    /// The special token the prompt began with that the tokenizer adds itself, kept once.
+    kept_once: Option<String>,
+}
+
+/// `text`'s ids: a Hugging Face tokenizer adds its special tokens (a post-processor's BOS), as
+/// transformers' `tokenizer(text)` does, except that one the text already begins with is not
+/// added again (transformers would hold it twice, which no model trained on); GPT-2's and a
+/// character vocabulary add none.
+fn encode_prompt(
+    tokenizer: &Tokenizer,
+    text: &str,
+) -> Result<EncodedPrompt, snug_train::TrainError> {
+    let Tokenizer::Hf(t) = tokenizer else {
+        return Ok(EncodedPrompt {
+            ids: tokenizer.encode(text)?,
+            kept_once: None,
+        });
+    };
+    let with = t.encode(text, true)?;
+    let plain = t.encode(text, false)?;
+    // Where the text's own ids sit among those with the special tokens added.
+    let added = (with.len() >= plain.len())
+        .then(|| (0..=with.len() - plain.len()).find(|&k| with[k..].starts_with(&plain)))
+        .flatten();
+    match added {
+        Some(k) if k > 0 && !plain.is_empty() && plain.starts_with(&with[..k]) => {
+            Ok(EncodedPrompt {
+                kept_once: Some(tokenizer.decode(&with[..k])),
+                ids: with[k..].to_vec(),
+            })
+        }
+        _ => Ok(EncodedPrompt {
+            ids: with,
+            kept_once: None,
+        }),
+    }
 }
 
 /// What a model is sampled (or exported) from: a snug run's checkpoint, or a Hugging Face

@@ -326,18 +326,7 @@ pub fn chat_prompt(
     };
     let text = t.render_chat(messages, true)?;
     let ids = t.encode(&text, false)?;
-    let mut stop: Vec<u32> = tokenizer.eos_id().into_iter().collect();
-    for token in END_OF_TURN {
-        // A marker this tokenizer cannot encode at all (no unknown token) is not one of its own.
-        let Ok(ids) = t.encode(token, false) else {
-            continue;
-        };
-        if let [id] = ids[..] {
-            if t.id_to_token(id).as_deref() == Some(token) && !stop.contains(&id) {
-                stop.push(id);
-            }
-        }
-    }
+    let stop = stop_ids(tokenizer, &[], true);
     Ok(ChatPrompt { text, ids, stop })
 }
 
@@ -682,7 +671,25 @@ impl Sampler {
         opts: SampleOptions,
         stop: &[u32],
     ) -> Result<Vec<u32>, TrainError> {
+        self.generate_with(prompt, max_new_tokens, opts, None, stop)
+    }
+
+    /// [`Sampler::generate_until`] with nucleus sampling: at a temperature above 0, after
+    /// `opts.top_k`, only the most likely tokens whose probabilities together first reach
+    /// `top_p` (in (0, 1], see [`check_top_p`]) are drawn from, as transformers'
+    /// `TopPLogitsWarper` keeps them. `None` or 1 keeps every token, drawing exactly as
+    /// [`Sampler::generate_until`] does.
+    pub fn generate_with(
+        &mut self,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        opts: SampleOptions,
+        top_p: Option<f32>,
+        stop: &[u32],
+    ) -> Result<Vec<u32>, TrainError> {
         opts.validate()?;
+        check_top_p(top_p)?;
+        let top_p = top_p.filter(|&p| p < 1.0).map(f64::from);
         if max_new_tokens > MAX_NEW_TOKENS {
             return Err(TrainError::Config {
                 field: "tokens",
@@ -703,7 +710,7 @@ impl Sampler {
         let mut candidates = Vec::with_capacity(self.vocab);
         for _ in 0..max_new_tokens {
             let logits = self.forward(&context)?;
-            let next = choose(&logits, &opts, &mut rng, &mut candidates);
+            let next = choose(&logits, &opts, top_p, &mut rng, &mut candidates);
             context.push(next);
             if stop.contains(&next) {
                 break;
@@ -912,10 +919,11 @@ fn argmax(logits: &[f32]) -> usize {
     best
 }
 
-/// Picks the next token from finite, non-empty `logits`.
+/// Picks the next token from finite, non-empty `logits`; `top_p` (below 1) keeps the nucleus.
 fn choose(
     logits: &[f32],
     opts: &SampleOptions,
+    top_p: Option<f64>,
     rng: &mut ChaCha8Rng,
     candidates: &mut Vec<(usize, f64)>,
 ) -> u32 {
@@ -941,6 +949,9 @@ fn choose(
         c.1 = ((c.1 - max) / t).exp();
         total += c.1;
     }
+    if let Some(p) = top_p {
+        total = keep_nucleus(candidates, total, p);
+    }
     let mut u = rng.random::<f64>() * total;
     for &(i, w) in candidates.iter() {
         if u < w {
@@ -954,6 +965,312 @@ fn choose(
         .rev()
         .find(|c| c.1 > 0.0)
         .map_or(0, |c| c.0) as u32
+}
+
+/// Keeps the nucleus of `candidates` (unnormalized weights summing to `total`): in order of
+/// weight (then id), each token while the weights before it sum to less than `p` of the whole,
+/// which is what transformers' `TopPLogitsWarper` keeps (it drops the least likely tokens whose
+/// probabilities sum to at most 1 - `p`), and always the most likely one. Returns the kept
+/// weights' sum.
+fn keep_nucleus(candidates: &mut Vec<(usize, f64)>, total: f64, p: f64) -> f64 {
+    candidates.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    let limit = p * total;
+    let mut before = 0.0;
+    let mut keep = 0;
+    for c in candidates.iter() {
+        if keep > 0 && before >= limit {
+            break;
+        }
+        before += c.1;
+        keep += 1;
+    }
+    candidates.truncate(keep);
+    before
+}
+
+/// `top_p` for nucleus sampling: in (0, 1] (1 keeps every token), else a [`TrainError::Config`]
+/// naming `top_p`.
+pub fn check_top_p(top_p: Option<f32>) -> Result<(), TrainError> {
+    match top_p {
+        Some(p) if !(p > 0.0 && p <= 1.0) => Err(TrainError::Config {
+            field: "top_p",
+            detail: format!("must be a probability in (0, 1] (1 keeps every token), not {p}"),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// transformers' generation settings, beside a model's `config.json`.
+pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
+
+/// The most of a `generation_config.json` or `config.json` read into memory.
+const MAX_MODEL_JSON_BYTES: u64 = 16 << 20;
+
+/// What a Hugging Face model directory says about generating: `generation_config.json`'s
+/// sampling settings, and the end- and beginning-of-sequence ids it names (or `config.json`
+/// names, where it names none), as transformers' `generate` reads them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GenerationConfig {
+    /// The `generation_config.json` read (None: the model has none, and only `config.json`'s
+    /// ids are known).
+    pub file: Option<std::path::PathBuf>,
+    pub do_sample: Option<bool>,
+    pub temperature: Option<f32>,
+    /// transformers' `top_k`: 0 keeps every token.
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    /// `eos_token_id`, one id or a list (Llama 3's `<|end_of_text|>`, `<|eom_id|>`,
+    /// `<|eot_id|>`), in the file's order.
+    pub eos: Vec<u32>,
+    pub bos: Option<u32>,
+}
+
+/// The sampling flags a user gave (None: not given).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SamplingFlags {
+    pub temperature: Option<f32>,
+    /// 0: every token, as in transformers.
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+}
+
+/// How tokens are drawn once flags and a model's `generation_config.json` are combined.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Sampling {
+    /// 0: greedy.
+    pub temperature: f32,
+    /// Only while sampling (above temperature 0).
+    pub top_k: Option<usize>,
+    /// Only while sampling, and below 1.
+    pub top_p: Option<f32>,
+    /// Whether a default came from `generation_config.json` (a flag not given).
+    pub from_generation_config: bool,
+}
+
+impl GenerationConfig {
+    /// transformers' defaults for what a `generation_config.json` leaves unset
+    /// (`GenerationConfig._get_default_generation_params`).
+    pub const HF_TEMPERATURE: f32 = 1.0;
+    pub const HF_TOP_K: usize = 50;
+
+    /// `dir`'s `generation_config.json` where it has one, and `config.json`'s
+    /// `eos_token_id` and `bos_token_id` where the former names none. A file that cannot be
+    /// read or holds a setting of the wrong type is an error naming it and the key.
+    pub fn read(dir: &std::path::Path) -> Result<GenerationConfig, TrainError> {
+        let read = |name: &str| -> Result<Option<(std::path::PathBuf, String)>, TrainError> {
+            let path = dir.join(name);
+            match std::fs::metadata(&path) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                _ => {
+                    let text = crate::user_file::read_text(
+                        &path,
+                        MAX_MODEL_JSON_BYTES,
+                        "a model's settings",
+                    )?;
+                    Ok(Some((path, text)))
+                }
+            }
+        };
+        let generation = read(GENERATION_CONFIG_FILE)?;
+        let config = read("config.json")?;
+        GenerationConfig::parse(
+            generation.as_ref().map(|(p, t)| (p.as_path(), t.as_str())),
+            config.as_ref().map(|(p, t)| (p.as_path(), t.as_str())),
+        )
+    }
+
+    /// [`GenerationConfig::read`] of texts already read: `generation` a
+    /// `generation_config.json`, `config` a `config.json` (each with its path, for errors).
+    pub fn parse(
+        generation: Option<(&std::path::Path, &str)>,
+        config: Option<(&std::path::Path, &str)>,
+    ) -> Result<GenerationConfig, TrainError> {
+        fn object<'a>(
+            (path, text): (&'a std::path::Path, &str),
+        ) -> Result<
+            (
+                &'a std::path::Path,
+                serde_json::Map<String, serde_json::Value>,
+            ),
+            TrainError,
+        > {
+            match serde_json::from_str::<serde_json::Value>(text) {
+                Ok(serde_json::Value::Object(o)) => Ok((path, o)),
+                Ok(_) => Err(TrainError::ConfigFile {
+                    path: path.to_path_buf(),
+                    message: "is not a JSON object".into(),
+                }),
+                Err(e) => Err(TrainError::ConfigFile {
+                    path: path.to_path_buf(),
+                    message: format!("is not JSON: {e}"),
+                }),
+            }
+        }
+        let generation = generation.map(object).transpose()?;
+        let config = config.map(object).transpose()?;
+        let mut out = GenerationConfig::default();
+        if let Some((path, g)) = &generation {
+            out.file = Some(path.to_path_buf());
+            out.do_sample = setting(path, g, "do_sample", |v| v.as_bool(), "true or false")?;
+            out.temperature = setting(
+                path,
+                g,
+                "temperature",
+                |v| {
+                    v.as_f64()
+                        .map(|t| t as f32)
+                        .filter(|t| t.is_finite() && *t >= 0.0)
+                },
+                "a finite number ≥ 0",
+            )?;
+            out.top_k = setting(
+                path,
+                g,
+                "top_k",
+                |v| v.as_u64().and_then(|k| usize::try_from(k).ok()),
+                "a whole number ≥ 0",
+            )?;
+            out.top_p = setting(
+                path,
+                g,
+                "top_p",
+                |v| {
+                    v.as_f64()
+                        .map(|p| p as f32)
+                        .filter(|p| *p > 0.0 && *p <= 1.0)
+                },
+                "a probability in (0, 1]",
+            )?;
+        }
+        // Key by key: generation_config.json's where it names one, else config.json's.
+        for (key, ids) in [("eos_token_id", true), ("bos_token_id", false)] {
+            let mut found = None;
+            for (path, o) in generation.iter().chain(&config) {
+                if let Some(v) = token_ids(path, o, key)? {
+                    found = Some(v);
+                    break;
+                }
+            }
+            let found = found.unwrap_or_default();
+            if ids {
+                out.eos = found;
+            } else {
+                out.bos = found.first().copied();
+            }
+        }
+        Ok(out)
+    }
+
+    /// The sampling `flags` give, each unset one from this `generation_config.json` as
+    /// transformers' `generate` would read it (`do_sample` false, its default, is greedy; while
+    /// sampling, an unset `temperature` is 1, `top_k` 50, `top_p` 1): a flag overrides its
+    /// setting, and `--temperature` above 0 samples whatever `do_sample` says. Without a
+    /// `generation_config.json`, `default_temperature` and no top-k or top-p.
+    pub fn sampling(&self, flags: SamplingFlags, default_temperature: f32) -> Sampling {
+        let has_file = self.file.is_some();
+        let temperature = match (flags.temperature, has_file) {
+            (Some(t), _) => t,
+            (None, false) => default_temperature,
+            (None, true) if self.do_sample == Some(true) => {
+                self.temperature.unwrap_or(Self::HF_TEMPERATURE)
+            }
+            (None, true) => 0.0,
+        };
+        let top_k = match (flags.top_k, has_file) {
+            (Some(k), _) => Some(k),
+            (None, true) => Some(self.top_k.unwrap_or(Self::HF_TOP_K)),
+            (None, false) => None,
+        };
+        let top_p = flags.top_p.or(if has_file { self.top_p } else { None });
+        let sampling = temperature > 0.0;
+        Sampling {
+            temperature,
+            top_k: top_k.filter(|&k| sampling && k > 0),
+            top_p: top_p.filter(|&p| sampling && p < 1.0),
+            from_generation_config: has_file
+                && (flags.temperature.is_none()
+                    || (sampling && (flags.top_k.is_none() || flags.top_p.is_none()))),
+        }
+    }
+}
+
+/// `key` of the JSON object `o` read from `path` as `get` reads it; absent or null is None,
+/// anything else `get` refuses an error naming the file, the key and `expected`.
+fn setting<T>(
+    path: &std::path::Path,
+    o: &serde_json::Map<String, serde_json::Value>,
+    key: &str,
+    get: impl Fn(&serde_json::Value) -> Option<T>,
+    expected: &str,
+) -> Result<Option<T>, TrainError> {
+    match o.get(key) {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(v) => get(v).map(Some).ok_or_else(|| TrainError::ConfigFile {
+            path: path.to_path_buf(),
+            message: format!("`{key}` is {v}, not {expected}"),
+        }),
+    }
+}
+
+/// A token-id setting (`eos_token_id`): one id or a list of ids; absent, null or an empty list
+/// is None.
+fn token_ids(
+    path: &std::path::Path,
+    o: &serde_json::Map<String, serde_json::Value>,
+    key: &str,
+) -> Result<Option<Vec<u32>>, TrainError> {
+    let id = |v: &serde_json::Value| v.as_u64().and_then(|i| u32::try_from(i).ok());
+    let ids = setting(
+        path,
+        o,
+        key,
+        |v| match v {
+            serde_json::Value::Array(list) => list.iter().map(id).collect(),
+            one => id(one).map(|i| vec![i]),
+        },
+        "a token id or a list of token ids",
+    )?;
+    Ok(ids.filter(|ids| !ids.is_empty()))
+}
+
+/// The ids generation stops at: `generation`'s end-of-sequence ids (the model's
+/// `generation_config.json`, or `config.json`), the tokenizer's `eos_token`, and with `chat`
+/// the end-of-turn tokens of common templates ([`END_OF_TURN`]) its vocabulary holds as one
+/// token; each once, in that order.
+pub fn stop_ids(tokenizer: &crate::Tokenizer, generation: &[u32], chat: bool) -> Vec<u32> {
+    let mut stop: Vec<u32> = Vec::new();
+    let turn = match (chat, tokenizer) {
+        (true, crate::Tokenizer::Hf(t)) => end_of_turn_ids(t),
+        _ => Vec::new(),
+    };
+    for id in generation
+        .iter()
+        .copied()
+        .chain(tokenizer.eos_id())
+        .chain(turn)
+    {
+        if !stop.contains(&id) {
+            stop.push(id);
+        }
+    }
+    stop
+}
+
+/// Whichever of [`END_OF_TURN`] `t`'s vocabulary holds as one token.
+fn end_of_turn_ids(t: &crate::HfTokenizer) -> Vec<u32> {
+    let mut ids = Vec::new();
+    for token in END_OF_TURN {
+        // A marker this tokenizer cannot encode at all (no unknown token) is not one of its own.
+        let Ok(encoded) = t.encode(token, false) else {
+            continue;
+        };
+        if let [id] = encoded[..] {
+            if t.id_to_token(id).as_deref() == Some(token) && !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+    }
+    ids
 }
 
 #[cfg(test)]
@@ -1527,5 +1844,171 @@ mod tests {
                 free
             );
         }
+    }
+
+    /// Nucleus sampling keeps exactly transformers' set, samples greedily at a tiny `top_p`,
+    /// draws exactly as without it at 1, and refuses a `top_p` outside (0, 1] by name.
+    #[test]
+    fn top_p_keeps_the_nucleus() {
+        // Weights 4, 3, 2, 1 of 10: 0.6 needs the first two (4 < 6, 4 + 3 ≥ 6).
+        let weights = |ids: &[(usize, f64)]| ids.iter().map(|c| c.0).collect::<Vec<_>>();
+        for (p, kept) in [
+            (0.6, vec![2, 0]),
+            (0.4, vec![2]),
+            (0.41, vec![2, 0]),
+            (1.0, vec![2, 0, 3, 1]),
+        ] {
+            let mut c = vec![(0, 3.0), (1, 1.0), (2, 4.0), (3, 2.0)];
+            let total = keep_nucleus(&mut c, 10.0, p);
+            assert_eq!(weights(&c), kept, "top_p {p}");
+            assert_eq!(total, c.iter().map(|c| c.1).sum::<f64>());
+        }
+        for mode in MODES {
+            let model = llama();
+            let mut s = sampler_in(&model, 16, mode);
+            let prompt = [2u32, 7];
+            let warm = SampleOptions {
+                temperature: 1.0,
+                top_k: None,
+                seed: 5,
+            };
+            let free = s.generate(&prompt, 12, warm).unwrap();
+            let whole = s.generate_with(&prompt, 12, warm, Some(1.0), &[]).unwrap();
+            assert_eq!(free, whole, "top_p 1 draws as without it");
+            let narrow = s.generate_with(&prompt, 12, warm, Some(1e-6), &[]).unwrap();
+            assert_eq!(narrow, s.generate(&prompt, 12, greedy()).unwrap());
+            assert_ne!(free, narrow, "the seed samples away from greedy here");
+            for bad in [0.0, -0.1, 1.5, f32::NAN, f32::INFINITY] {
+                match s.generate_with(&prompt, 3, warm, Some(bad), &[]) {
+                    Err(TrainError::Config { field: "top_p", .. }) => {}
+                    other => panic!("top_p {bad}: {other:?}"),
+                }
+            }
+        }
+    }
+
+    fn generation(g: &str, c: &str) -> Result<GenerationConfig, TrainError> {
+        let (gp, cp) = (
+            std::path::Path::new(GENERATION_CONFIG_FILE),
+            std::path::Path::new("config.json"),
+        );
+        GenerationConfig::parse(
+            (!g.is_empty()).then_some((gp, g)),
+            (!c.is_empty()).then_some((cp, c)),
+        )
+    }
+
+    /// `eos_token_id` is one id or a list, from generation_config.json, else config.json; the
+    /// sampling settings are read with their types checked by key.
+    #[test]
+    fn generation_config_reads_eos_lists_and_settings() {
+        let g = generation(
+            r#"{"bos_token_id": 700, "eos_token_id": [701, 705, 704], "do_sample": true,
+                "temperature": 0.6, "top_p": 0.9, "top_k": null}"#,
+            r#"{"eos_token_id": 9, "bos_token_id": 8}"#,
+        )
+        .unwrap();
+        assert_eq!(g.eos, [701, 705, 704]);
+        assert_eq!(g.bos, Some(700));
+        assert_eq!(
+            (g.do_sample, g.temperature, g.top_k, g.top_p),
+            (Some(true), Some(0.6), None, Some(0.9))
+        );
+        assert!(g.file.is_some());
+        // Without a generation_config.json: config.json's ids, no file, no settings.
+        let c = generation(
+            "",
+            r#"{"eos_token_id": 2, "bos_token_id": 1, "temperature": 5}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (c.eos.clone(), c.bos, c.file.clone()),
+            (vec![2], Some(1), None)
+        );
+        assert_eq!(c.temperature, None);
+        // A generation_config.json without ids: config.json's.
+        let both = generation(r#"{"do_sample": false}"#, r#"{"eos_token_id": [3, 4]}"#).unwrap();
+        assert_eq!(both.eos, [3, 4]);
+        assert_eq!(generation("", "").unwrap(), GenerationConfig::default());
+        for (g, needle) in [
+            (r#"{"eos_token_id": "x"}"#, "`eos_token_id`"),
+            (r#"{"eos_token_id": [1, -2]}"#, "`eos_token_id`"),
+            (r#"{"temperature": -1}"#, "`temperature`"),
+            (r#"{"top_p": 0}"#, "`top_p`"),
+            (r#"{"top_k": 2.5}"#, "`top_k`"),
+            (r#"{"do_sample": "yes"}"#, "`do_sample`"),
+            ("[]", "not a JSON object"),
+            ("{", "not JSON"),
+        ] {
+            let e = generation(g, "").unwrap_err().to_string();
+            assert!(
+                e.contains(needle) && e.contains(GENERATION_CONFIG_FILE),
+                "{g}: {e}"
+            );
+        }
+    }
+
+    /// transformers' precedence: a flag, else generation_config.json (do_sample false or
+    /// absent is greedy; while sampling an unset top_k is 50), else snug's defaults.
+    #[test]
+    fn sampling_defaults_follow_generation_config() {
+        let none = SamplingFlags::default();
+        let file = |g: &str| generation(g, "").unwrap();
+        let s = |t: f32, k: Option<usize>, p: Option<f32>, from: bool| Sampling {
+            temperature: t,
+            top_k: k,
+            top_p: p,
+            from_generation_config: from,
+        };
+        // No generation_config.json: snug's defaults, flags as given (top-k 0: every token).
+        let bare = GenerationConfig::default();
+        assert_eq!(bare.sampling(none, 0.8), s(0.8, None, None, false));
+        let flags = SamplingFlags {
+            temperature: Some(0.5),
+            top_k: Some(0),
+            top_p: Some(0.9),
+        };
+        assert_eq!(bare.sampling(flags, 0.8), s(0.5, None, Some(0.9), false));
+        // do_sample absent or false: greedy.
+        for g in [
+            "{}",
+            r#"{"do_sample": false, "temperature": 0.7, "top_k": 3}"#,
+        ] {
+            assert_eq!(file(g).sampling(none, 0.8), s(0.0, None, None, true), "{g}");
+        }
+        let llama = file(r#"{"do_sample": true, "temperature": 0.6, "top_p": 0.9}"#);
+        assert_eq!(llama.sampling(none, 0.8), s(0.6, Some(50), Some(0.9), true));
+        let all = SamplingFlags {
+            temperature: Some(1.2),
+            top_k: Some(7),
+            top_p: Some(1.0),
+        };
+        assert_eq!(llama.sampling(all, 0.8), s(1.2, Some(7), None, false));
+        let greedy_flag = SamplingFlags {
+            temperature: Some(0.0),
+            ..none
+        };
+        assert_eq!(llama.sampling(greedy_flag, 0.8), s(0.0, None, None, false));
+        // --temperature above 0 samples whatever do_sample says, with the file's top-k.
+        let warm = SamplingFlags {
+            temperature: Some(0.7),
+            ..none
+        };
+        let greedy_file = file(r#"{"do_sample": false, "top_k": 3}"#);
+        assert_eq!(greedy_file.sampling(warm, 0.8), s(0.7, Some(3), None, true));
+        let sampled = file(r#"{"do_sample": true}"#);
+        assert_eq!(sampled.sampling(none, 0.0), s(1.0, Some(50), None, true));
+    }
+
+    /// Stop ids: the model's eos ids, then the tokenizer's eos, each once; a character
+    /// vocabulary adds none.
+    #[test]
+    fn stop_ids_are_the_union_in_order() {
+        let gpt2 = crate::Tokenizer::gpt2();
+        assert_eq!(stop_ids(&gpt2, &[5, 50256, 7], false), [5, 50256, 7]);
+        assert_eq!(stop_ids(&gpt2, &[], true), [50256]);
+        let chars = crate::Tokenizer::Char(crate::tokenizer::CharTokenizer::from_text("ab"));
+        assert!(stop_ids(&chars, &[], false).is_empty());
+        assert_eq!(stop_ids(&chars, &[1], true), [1]);
     }
 }
