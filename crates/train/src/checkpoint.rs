@@ -693,6 +693,16 @@ pub struct CheckpointDir {
 impl CheckpointDir {
     /// Opens (creating if needed) a checkpoint directory.
     pub fn create(dir: &Path) -> Result<CheckpointDir, TrainError> {
+        // A file (or a link to one, or a dangling link) where the directory belongs is named
+        // as such, not as the OS's "File exists".
+        if fs::symlink_metadata(dir).is_ok() && !dir.is_dir() {
+            return Err(TrainError::RunDirTaken {
+                dir: dir.to_path_buf(),
+                detail: "it is not a directory (a file, or a link to something else): give a \
+                         directory for the run"
+                    .into(),
+            });
+        }
         fs::create_dir_all(dir).map_err(|source| TrainError::Io {
             path: dir.to_path_buf(),
             source,

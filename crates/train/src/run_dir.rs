@@ -191,6 +191,17 @@ impl RunDir {
                 ),
             });
         }
+        // Metrics are appended where the name points: through a link, into a file outside
+        // the run (a lock file through a link is refused likewise).
+        if fs::symlink_metadata(dir.join(METRICS_FILE)).is_ok_and(|m| !m.is_file()) {
+            return Err(TrainError::RunDirTaken {
+                dir: dir.to_path_buf(),
+                detail: format!(
+                    "its {METRICS_FILE} is not a plain file (a link or a directory), which a \
+                     run's metrics never are: remove it, or give another `--out`"
+                ),
+            });
+        }
         let made_lock = found.is_none();
         let no_metrics_before = fs::symlink_metadata(dir.join(METRICS_FILE)).is_err();
         let mut attempts = 0;
@@ -356,6 +367,49 @@ mod tests {
         assert_eq!(run_evidence(tmp.path()), None);
         fs::write(tmp.path().join(METRICS_FILE), b"{}\n").expect("metrics");
         assert!(run_evidence(tmp.path()).is_some_and(|why| why.contains(METRICS_FILE)));
+    }
+
+    /// A file, or a link to one or to nothing, where the run's directory belongs is named as
+    /// not a directory, and left as it was.
+    #[test]
+    fn a_file_where_the_run_directory_belongs_is_named_as_such() {
+        let tmp = tempfile::tempdir().expect("a scratch directory");
+        let file = tmp.path().join("notes.txt");
+        fs::write(&file, b"mine").expect("a file");
+        let mut paths = vec![file.clone()];
+        #[cfg(unix)]
+        {
+            let dangling = tmp.path().join("dangling");
+            std::os::unix::fs::symlink(tmp.path().join("nowhere"), &dangling).expect("a link");
+            let to_file = tmp.path().join("to-file");
+            std::os::unix::fs::symlink(&file, &to_file).expect("a link");
+            paths.extend([dangling, to_file]);
+        }
+        for path in paths {
+            match RunDir::claim(&path, &Claim::Fresh) {
+                Err(TrainError::RunDirTaken { detail, .. }) => {
+                    assert!(detail.contains("not a directory"), "{detail}")
+                }
+                other => panic!("{}: {:?}", path.display(), other.map(|_| ())),
+            }
+        }
+        assert_eq!(fs::read(&file).expect("kept"), b"mine");
+        assert!(!tmp.path().join("nowhere").exists());
+        // Metrics through a link would be appended to the file it names, outside the run.
+        #[cfg(unix)]
+        {
+            let run = tmp.path().join("run");
+            fs::create_dir(&run).expect("a directory");
+            let outside = tmp.path().join("log.jsonl");
+            fs::write(&outside, b"").expect("a file");
+            std::os::unix::fs::symlink(&outside, run.join(METRICS_FILE)).expect("a link");
+            match RunDir::claim(&run, &Claim::Fresh) {
+                Err(TrainError::RunDirTaken { detail, .. }) => {
+                    assert!(detail.contains("not a plain file"), "{detail}")
+                }
+                other => panic!("{:?}", other.map(|_| ())),
+            }
+        }
     }
 
     /// A shard file no manifest names is some run's unfinished save: a new run's first save
