@@ -48,7 +48,7 @@ pub fn run(args: ProfileArgs) -> Result<()> {
     }
     // Before the steps run: a refused path wastes none of them.
     if let Some(path) = &args.trace {
-        snug_train::output::check_file(path, args.force)?;
+        snug_train::output::check_document_file(path, args.force)?;
     }
     let (model, mut train) = args.model.sections(RunFlags::default());
     train.steps = Some(args.steps + 1);

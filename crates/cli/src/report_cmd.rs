@@ -120,7 +120,7 @@ pub const RUN_PAGE: &str = "report.html";
 /// `run_id` is the resumed run's; a fresh run (none) owns no page yet.
 pub fn check_run_page(dir: &Path, run_id: Option<&str>) -> Result<()> {
     let path = dir.join(RUN_PAGE);
-    snug_train::output::check_file(&path, true)?;
+    snug_train::output::check_document_file(&path, true)?;
     let meta = match std::fs::metadata(&path) {
         Ok(m) => m,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
@@ -192,7 +192,7 @@ fn read_metrics(path: &Path) -> Result<Option<RunMetrics>> {
 }
 
 pub fn run(args: ReportArgs) -> Result<()> {
-    snug_train::output::check_file(&args.output, args.force)?;
+    snug_train::output::check_document_file(&args.output, args.force)?;
     // --force replaces an old page, never what this one is made from.
     for (flag, input) in [
         ("--plan-json", &args.plan_json),

@@ -195,6 +195,21 @@ pub fn check_dir(
     Ok(())
 }
 
+/// [`check_file`] for a file a command writes on its own (a report's page, a profile's trace),
+/// which is never a model's weights either: those are replaced only by `export`, which writes
+/// a model.
+pub fn check_document_file(path: &Path, force: bool) -> Result<(), TrainError> {
+    check_file(path, force)?;
+    if crate::checkpoint::is_weights_file(path) {
+        return Err(refused(
+            path,
+            "holds a model's weights (safetensors); snug never writes a page or a trace over \
+             them, even with --force: give another path",
+        ));
+    }
+    Ok(())
+}
+
 /// The files among `files` in `dir` that a forced write left from what it replaced, by path:
 /// an earlier output's files this one did not write (`written`), which would otherwise be read
 /// with the new ones (an old adapter beside a merged model, an old tokenizer beside a model
@@ -702,6 +717,25 @@ mod tests {
         let ckpt = dir.path().join("ckpt-00000002.safetensors");
         fs::write(&ckpt, "x").unwrap();
         assert!(refused_(check_file(&ckpt, true)));
+        // Any model's weights, by name or by their safetensors header: a page or a trace
+        // never goes over them.
+        let weights = dir.path().join("model.safetensors");
+        fs::write(&weights, b"not even a header").unwrap();
+        assert!(
+            check_file(&weights, true).is_ok(),
+            "export replaces its own"
+        );
+        assert!(refused_(check_document_file(&weights, true)));
+        let unnamed = dir.path().join("weights.bin");
+        let header = br#"{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#;
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header);
+        bytes.extend_from_slice(&[0; 4]);
+        fs::write(&unnamed, &bytes).unwrap();
+        assert!(refused_(check_document_file(&unnamed, true)));
+        let page = dir.path().join("page.html");
+        fs::write(&page, b"<html>").unwrap();
+        assert!(check_document_file(&page, true).is_ok());
         assert!(refused_(check_dir(&ckpt, &[], DirContents::Nothing, true)));
     }
 
