@@ -13,7 +13,8 @@
 //!   data-parallel run needs to fit each device, for a model or a parameter count.
 //! - [`levers`]: [`Levers`]: changes to what is trained (LoRA) that the search uses only when
 //!   allowed and nothing else fits, and what each costs.
-//! - [`advice`]: when nothing fits, [`what_would_fit`]: the changes to the run that would.
+//! - [`advice`]: when nothing fits, [`Search::advice`] (and [`what_would_fit`]): the changes
+//!   to the run that would, each at the figure `fit` with that change reports.
 
 pub mod advice;
 pub mod cost_model;
@@ -23,7 +24,7 @@ pub mod floor;
 pub mod levers;
 pub mod search;
 
-pub use advice::{largest_micro_batch, what_would_fit, Suggestion};
+pub use advice::{largest_micro_batch, what_would_fit, Advice, Skipped, Suggestion};
 pub use cost_model::{
     node_work, MachineProfile, NodeWork, ProfileError, Sample, StepWork, PROFILE_VERSION,
 };

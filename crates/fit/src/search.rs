@@ -20,13 +20,19 @@
 //! A space whose parameters and optimizer state alone exceed the budget ([`crate::floor`])
 //! is listed without planning any of it: each of its candidates is
 //! [`Verdict::OverLowerBound`], with that bound.
+//!
+//! Every row is what `plan` and `train` run with its flags: a fixed remat mode that does not
+//! lower the peak of the same step without remat is left out there, so its row holds that
+//! step's peak and time, and says so ([`Candidate::remat_dropped`]).
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use rayon::prelude::*;
 use serde::Serialize;
-use snug_compile::{compile_exactly_sharded, CompileError, Pass, Remat, StepConfig, StepShape};
+use snug_compile::{
+    compile_exactly_sharded, CompileError, Pass, Remat, RematDropped, StepConfig, StepShape,
+};
 use snug_graph::{DType, Sharding, Target};
 use snug_nn::ModelConfig;
 
@@ -187,6 +193,12 @@ pub struct Candidate {
     pub predicted_seconds: Option<f64>,
     #[serde(flatten)]
     pub verdict: Verdict,
+    /// A fixed remat mode (`selective`, `block`, `block:K`) that does not lower the peak of
+    /// the same candidate without remat: `plan` and `train` leave it out with these flags and
+    /// run without it (`snug_compile::compile_step`), so `peak_bytes` and `predicted_seconds`
+    /// are that step's, and this holds the peak without and with the mode.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remat_dropped: Option<RematDropped>,
     /// What `predicted_seconds` is made of, to time it on another machine.
     #[serde(skip)]
     timing: Option<Timing>,
@@ -214,6 +226,7 @@ impl Candidate {
             peak_bytes: None,
             predicted_seconds: None,
             verdict: Verdict::OverLowerBound { lower_bound_bytes },
+            remat_dropped: None,
             timing: None,
         }
     }
@@ -411,6 +424,32 @@ impl<'a> Search<'a> {
     /// The whole table, whether or not anything fits.
     pub fn run(&self, machine: &MachineProfile) -> Result<FitReport, FitError> {
         search(self, machine)
+    }
+
+    /// This search (target, budget, batch, devices, link, stage, device check) for `model`.
+    pub(crate) fn with_model<'b>(&self, model: &'b FitModel) -> Search<'b> {
+        Search {
+            model,
+            target: self.target,
+            budget: self.budget,
+            effective_batch: self.effective_batch,
+            max_micro_batch: self.max_micro_batch,
+            devices: self.devices,
+            link: self.link,
+            prune: self.prune,
+            stage: self.stage,
+            runnable: self.runnable,
+        }
+    }
+
+    /// The model searched.
+    pub fn model(&self) -> &'a FitModel {
+        self.model
+    }
+
+    /// The budget every candidate must fit.
+    pub fn budget(&self) -> usize {
+        self.budget
     }
 }
 
@@ -665,7 +704,56 @@ fn space(s: &Search<'_>, model: &FitModel, shard: u8, machine: &MachineProfile) 
             .collect();
         candidates.extend(last.into_par_iter().map(evaluate).collect::<Vec<_>>());
     }
+    drop_remat_that_does_not_lower(&mut candidates);
     candidates
+}
+
+/// Each row made what `plan` and `train` run with its flags: they compile a fixed remat mode
+/// (`selective`, `block`, `block:K`) only where it lowers the peak of the same step without
+/// remat, and run that step otherwise (`snug_compile::compile_step`, the same comparison:
+/// both compiled exactly, planned with the default options). The search compiles each mode
+/// exactly, and every such candidate is made from its plain twin in the same space, planned
+/// already, so the comparison costs nothing here: where the mode does not lower the twin's
+/// peak, the row takes the twin's peak and timing, and says what was dropped. Listed at the
+/// mode's own peak, such a row was a configuration no command runs (over budget, so never
+/// chosen, but shown as what those flags would hold).
+///
+/// A twin that was not planned (failed, or refused by the device) leaves the row as it is:
+/// what `plan` would do then cannot be told from the table.
+fn drop_remat_that_does_not_lower(candidates: &mut [Candidate]) {
+    let fixed = |r: Remat| matches!(r, Remat::Selective | Remat::Blocks { .. });
+    for i in 0..candidates.len() {
+        let c = &candidates[i];
+        let (Some(with), Some(_)) = (c.peak_bytes, &c.timing) else {
+            continue;
+        };
+        if !fixed(c.config.remat) || c.remat_dropped.is_some() {
+            continue;
+        }
+        let plain = FitConfig {
+            remat: Remat::None,
+            ..c.config.clone()
+        };
+        let Some(twin) = candidates.iter().find(|t| t.config == plain) else {
+            continue;
+        };
+        let (Some(without), Some(timing)) = (twin.peak_bytes, twin.timing.clone()) else {
+            continue;
+        };
+        if with < without {
+            continue;
+        }
+        let predicted = twin.predicted_seconds;
+        let c = &mut candidates[i];
+        c.remat_dropped = Some(RematDropped {
+            remat: c.config.remat,
+            peak_without_bytes: without,
+            peak_with_bytes: with,
+        });
+        c.peak_bytes = Some(without);
+        c.predicted_seconds = predicted;
+        c.timing = Some(timing);
+    }
 }
 
 fn evaluate(
@@ -681,8 +769,8 @@ fn evaluate(
         micro_batch: config.micro_batch,
         block: model.block,
     };
-    // Each candidate is exactly what it says: a remat mode that raises the peak loses to its
-    // plain twin on both peak and time, so the search never chooses it.
+    // Compiled exactly (each remat mode as given): where a fixed mode does not lower the peak,
+    // `drop_remat_that_does_not_lower` makes the row what `plan` and `train` run instead.
     let result = Sharding::new(devices, config.shard)
         .map_err(|e| FitError::Compile(e.into()))
         .and_then(|sharding| {
@@ -714,6 +802,7 @@ fn evaluate(
             peak_bytes: Some(peak),
             predicted_seconds: Some(timing.seconds(machine)),
             verdict: Verdict::OverBudget,
+            remat_dropped: None,
             timing: Some(timing),
         },
         // A budget no remat reaches is a plain "does not fit", with the smallest peak.
@@ -722,6 +811,7 @@ fn evaluate(
             peak_bytes: Some(smallest),
             predicted_seconds: None,
             verdict: Verdict::OverBudget,
+            remat_dropped: None,
             timing: None,
         },
         Err(e) => Candidate {
@@ -731,6 +821,7 @@ fn evaluate(
             verdict: Verdict::Failed {
                 reason: e.to_string(),
             },
+            remat_dropped: None,
             timing: None,
         },
     }
