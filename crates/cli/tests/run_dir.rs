@@ -1426,3 +1426,40 @@ fn a_resumed_run_that_cannot_save_names_the_checkpoint_it_resumed() {
         .collect();
     assert!(!names.iter().any(|n| n.ends_with(".tmp")), "{names:?}");
 }
+
+/// A checkpoint of another run copied into a run's directory is not resumed as if it were the
+/// run's: the directory mixes two runs, which `--resume DIR` refuses, naming the other's file,
+/// and nothing there changes. Resumed from its file into a new directory, it continues.
+#[test]
+fn a_directory_mixing_two_runs_checkpoints_is_not_resumed() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let ok = |o: Output| assert!(o.status.success(), "{}", stderr(&o));
+    ok(train(
+        tmp.path(),
+        &["--steps", "2", "--checkpoint-every", "1", "--out", "mine"],
+    ));
+    ok(train(
+        tmp.path(),
+        &["--steps", "3", "--preset", "tiny", "--out", "theirs"],
+    ));
+    let mine = tmp.path().join("mine");
+    let copied = mine.join("ckpt-00000003.safetensors");
+    std::fs::copy(tmp.path().join("theirs/ckpt-00000003.safetensors"), &copied).expect("copied");
+    let before = snapshot(&mine);
+    let o = snug(&["train", "--resume", "mine", "--steps", "5"], tmp.path());
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(
+        err.contains("mixes two runs") && err.contains("ckpt-0000000"),
+        "{err}"
+    );
+    assert_eq!(snapshot(&mine), before, "the run's files changed");
+    let copied = copied.to_str().expect("a UTF-8 path");
+    let o = snug(
+        &[
+            "train", "--resume", copied, "--steps", "4", "--out", "again",
+        ],
+        tmp.path(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+}

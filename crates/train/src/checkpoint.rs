@@ -965,23 +965,30 @@ pub(crate) fn check_step_is_ours(
 /// `ours` configures, from its header alone: by the run id, or, where it was saved before runs
 /// had ids, by its model being `ours`'s. A file whose header does not read is not.
 fn is_of_run(path: &Path, ours: &TrainConfig) -> bool {
-    let header = if crate::shards::is_manifest(path) {
-        crate::shards::first_shard(path).and_then(|p| header_metadata(&p))
-    } else {
-        header_metadata(path)
-    };
-    let Some(config) = header
-        .as_ref()
-        .and_then(|m| m.get("config"))
-        .and_then(|c| c.as_str())
-        .and_then(|c| serde_json::from_str::<serde_json::Value>(c).ok())
-    else {
+    let Some(config) = header_config(path) else {
         return false;
     };
     match config.get("run_id") {
         Some(id) => id.as_str().is_some() && id.as_str() == ours.run_id.as_deref(),
         None => serde_json::to_value(&ours.model).ok().as_ref() == config.get("model"),
     }
+}
+
+/// The configuration in the header of the checkpoint at `path` (a manifest: its first
+/// shard's), as JSON, where the header reads.
+fn header_config(path: &Path) -> Option<serde_json::Value> {
+    let header = if crate::shards::is_manifest(path) {
+        crate::shards::first_shard(path).and_then(|p| header_metadata(&p))
+    } else {
+        header_metadata(path)
+    };
+    serde_json::from_str(header.as_ref()?.get("config")?.as_str()?).ok()
+}
+
+/// The id of the run that saved the checkpoint at `path`, from its header alone (None for a
+/// checkpoint saved before runs had ids, or a header that does not read).
+pub(crate) fn run_id_in(path: &Path) -> Option<String> {
+    Some(header_config(path)?.get("run_id")?.as_str()?.to_string())
 }
 
 /// The `format` metadata of the safetensors header of the regular file `path`, if it has one.

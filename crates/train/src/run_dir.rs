@@ -191,17 +191,6 @@ impl RunDir {
                 ),
             });
         }
-        // Metrics are appended where the name points: through a link, into a file outside
-        // the run (a lock file through a link is refused likewise).
-        if fs::symlink_metadata(dir.join(METRICS_FILE)).is_ok_and(|m| !m.is_file()) {
-            return Err(TrainError::RunDirTaken {
-                dir: dir.to_path_buf(),
-                detail: format!(
-                    "its {METRICS_FILE} is not a plain file (a link or a directory), which a \
-                     run's metrics never are: remove it, or give another `--out`"
-                ),
-            });
-        }
         let made_lock = found.is_none();
         let no_metrics_before = fs::symlink_metadata(dir.join(METRICS_FILE)).is_err();
         let mut attempts = 0;
@@ -260,6 +249,20 @@ impl RunDir {
         };
         match claim {
             Claim::Resume { from, step } if same_dir(from) => {
+                // One directory, one run: a checkpoint of another run beside the one resumed
+                // (copied in) would have the two histories' files and metrics mixed.
+                let resumed = saved.iter().find(|(s, _)| s == step);
+                if let Some(id) = resumed.and_then(|(_, p)| crate::checkpoint::run_id_in(p)) {
+                    let other = saved.iter().find(|(s, p)| {
+                        s != step && crate::checkpoint::run_id_in(p).is_some_and(|o| o != id)
+                    });
+                    if let Some((s, p)) = other {
+                        return Err(taken(format!(
+                            "its checkpoint of step {s} ({}) is another run's than the one of step {step} resumed: the directory mixes two runs; resume the one you mean from its file into a new `--out` directory (`--resume FILE --out NEW`)",
+                            p.display()
+                        )));
+                    }
+                }
                 for (s, path) in saved.iter().filter(|(s, _)| s > step) {
                     // A newer file that does not load is why an older one was resumed: move
                     // it aside (kept, never deleted) so retention cannot mistake it for ours.
@@ -395,21 +398,6 @@ mod tests {
         }
         assert_eq!(fs::read(&file).expect("kept"), b"mine");
         assert!(!tmp.path().join("nowhere").exists());
-        // Metrics through a link would be appended to the file it names, outside the run.
-        #[cfg(unix)]
-        {
-            let run = tmp.path().join("run");
-            fs::create_dir(&run).expect("a directory");
-            let outside = tmp.path().join("log.jsonl");
-            fs::write(&outside, b"").expect("a file");
-            std::os::unix::fs::symlink(&outside, run.join(METRICS_FILE)).expect("a link");
-            match RunDir::claim(&run, &Claim::Fresh) {
-                Err(TrainError::RunDirTaken { detail, .. }) => {
-                    assert!(detail.contains("not a plain file"), "{detail}")
-                }
-                other => panic!("{:?}", other.map(|_| ())),
-            }
-        }
     }
 
     /// A shard file no manifest names is some run's unfinished save: a new run's first save
