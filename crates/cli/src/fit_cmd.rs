@@ -319,6 +319,12 @@ pub fn print_table(report: &FitReport) {
             Verdict::Slower { ratio } => format!("fits, {ratio:.2}× slower"),
             Verdict::Failed { reason } => format!("failed: {reason}"),
         };
+        // plan and train run such a row without its remat: say so, or it reads as a step
+        // that holds the same as one without.
+        let verdict = match &c.remat_dropped {
+            Some(_) => format!("{verdict} (remat left out: it does not lower the peak)"),
+            None => verdict,
+        };
         println!(
             "{:>6} {:>4} {:>4}  {:<14} {:<16} {:<5} {:<8} {:>12} {:>11}  {}",
             c.config.micro_batch,

@@ -174,4 +174,14 @@ fn each_fixed_remat_row_is_what_plan_gives_with_its_flags() {
         checked >= 3 && dropped > 0,
         "{checked} rows, {dropped} dropped"
     );
+    // The table says which rows run without their remat.
+    let text = [&["fit"][..], &shape, &["--memory", "8000000"]].concat();
+    let e = snug(&text, cache.path());
+    assert_eq!(e.code, Some(0), "{}", e.stderr);
+    let marked = e
+        .stdout
+        .lines()
+        .filter(|l| l.contains("remat left out: it does not lower the peak"))
+        .count();
+    assert_eq!(marked, dropped, "{}", e.stdout);
 }
