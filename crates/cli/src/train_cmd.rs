@@ -63,8 +63,9 @@ pub struct TrainArgs {
     /// device. TOML key `device_memory`.
     #[arg(long, value_name = "SIZE")]
     device_memory: Option<String>,
-    /// Simulate memory pressure: lower the strict memory limit to SIZE before step STEP (the
-    /// run recovers with a smaller configuration, redoing that step).
+    /// Simulate memory pressure: lower the strict memory limit to SIZE once step STEP−1 ends,
+    /// so before any evaluation that follows it and before step STEP (the run recovers with a
+    /// smaller configuration, redoing what ran out).
     #[arg(long, value_name = "STEP:SIZE")]
     lower_memory_at: Option<String>,
     /// After every step, time the cost model's 0.2 s GEMM probe and print the step's
@@ -841,7 +842,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             if step + 1 == at {
                 allocator.set_memory_limit(bytes, false);
                 tracing::warn!(
-                    "memory limit lowered to {} (strict) before step {at}",
+                    "memory limit lowered to {} (strict) after step {step}, before step {at}",
                     human_bytes(bytes)
                 );
             }
