@@ -225,13 +225,26 @@ pub fn run(args: ReportArgs) -> Result<()> {
                     path.display()
                 ));
                 if let snug_train::DeviceSpec::Gpu(selector) = ckpt.config.device {
-                    if !matches!(snug_gpu::adapter::find(selector), Ok(Some(_))) {
-                        notes.push(format!(
-                            "the run trained on --device {}, which this machine does not have: \
-                             planned with the default GPU layout (alignment, largest buffer), \
-                             which that adapter's may differ from",
+                    match snug_gpu::adapter::find(selector) {
+                        Ok(Some(here)) => {
+                            if let Some(saved) =
+                                ckpt.config.adapter.as_ref().filter(|&s| *s != here.label())
+                            {
+                                notes.push(format!(
+                                    "the run trained on {saved}; --device {} here is {}: \
+                                     planned with its layout (alignment, largest buffer), \
+                                     which the run's adapter's may differ from",
+                                    ckpt.config.device,
+                                    here.label()
+                                ));
+                            }
+                        }
+                        _ => notes.push(format!(
+                            "the run trained on --device {}, which this machine does not \
+                             have: planned with the default GPU layout (alignment, largest \
+                             buffer), which that adapter's may differ from",
                             ckpt.config.device
-                        ));
+                        )),
                     }
                 }
                 let doc = plan_of(&ckpt.config, &ckpt.model()?)?;

@@ -229,6 +229,9 @@ fn resume_on_the_gpu_continues_exactly() {
     };
     let here = figures(&[]);
     assert!(!here["notes"].to_string().contains("does not have"));
+    assert!(!here["notes"]
+        .to_string()
+        .contains("planned with its layout"));
     let adapter = devices()["gpus"]
         .as_array()
         .and_then(|g| g.iter().find(|a| a["default"] == true))
@@ -243,6 +246,31 @@ fn resume_on_the_gpu_continues_exactly() {
         assert!(label.contains("--device gpu"), "{here}");
     }
     let none = "/nonexistent.json";
+    // The checkpoint names the adapter it trained on; where this machine's adapter of that
+    // index is another (the saved name changed by a byte here), the page says whose layout
+    // it planned with.
+    let label = adapter["name"].as_str().unwrap_or_default().to_string();
+    let mut ckpts: Vec<_> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    ckpts.sort();
+    let ckpt = ckpts.pop().expect("the run's newest checkpoint");
+    let mut bytes = std::fs::read(&ckpt).unwrap();
+    let header_end = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let at = bytes[..header_end]
+        .windows(label.len())
+        .position(|w| w == label.as_bytes())
+        .expect("the adapter's name in the checkpoint's header");
+    bytes[at] = if bytes[at] == b'X' { b'Y' } else { b'X' };
+    std::fs::write(&ckpt, &bytes).unwrap();
+    let other = figures(&[("SNUG_TEST", "another adapter")]);
+    let notes = other["notes"].to_string();
+    assert!(
+        notes.contains("the run trained on") && notes.contains("planned with its layout"),
+        "{notes}"
+    );
     let elsewhere = figures(&[("VK_ICD_FILENAMES", none), ("VK_DRIVER_FILES", none)]);
     let notes = elsewhere["notes"].to_string();
     assert!(

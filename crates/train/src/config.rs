@@ -381,6 +381,11 @@ pub struct TrainConfig {
     /// user's setting.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_crc32: Option<u32>,
+    /// The GPU adapter the run trained on last (its label, `name (backend, type)`), recorded
+    /// when a trainer opens one: `report --run` on a machine whose adapter of that index is
+    /// another says it plans with that one's layout. Not a user's setting.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapter: Option<String>,
 }
 
 /// Serializable form of [`DataSource`].
@@ -458,6 +463,7 @@ impl Default for TrainConfig {
             shard: 0,
             run_id: None,
             data_crc32: None,
+            adapter: None,
         }
     }
 }

@@ -265,6 +265,9 @@ impl Trainer {
             }
             other => other?,
         };
+        if config.device.is_gpu() {
+            config.adapter = Some(session.device_name());
+        }
         // Each tensor is written as it is made, so the arena (touched whole when the session
         // is made) never sits beside a second copy of every parameter.
         type Init<'a> = Box<dyn Iterator<Item = Result<(String, Vec<f32>), TrainError>> + 'a>;
