@@ -161,6 +161,7 @@ fn char_tokenizer_files(tokenizer: &Tokenizer) -> Result<HfTokenizerFiles> {
         tokenizer_json: serde_json::to_string_pretty(&json)?,
         tokenizer_config_json: Some(serde_json::to_string_pretty(&config)?),
         chat_template_jinja: None,
+        special_tokens_map_json: None,
     };
     let hf = snug_train::HfTokenizer::from_files(files.clone(), Path::new("."))?;
     let ids: Vec<u32> = (0..chars.chars().count() as u32).collect();

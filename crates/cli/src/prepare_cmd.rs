@@ -73,6 +73,9 @@ struct Report {
     examples: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     loss_tokens: Option<usize>,
+    /// What prepare wrote but `train` will refuse or make little of (also on stderr).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    warnings: Vec<String>,
 }
 
 /// `--tokenizer`'s Hugging Face tokenizer, if it names one.
@@ -113,7 +116,8 @@ fn refuse_overwriting_input(input: &Path, out: &Path) -> Result<()> {
 
 /// Refuses, before the corpus is read, a Hugging Face tokenizer with no end-of-sequence token
 /// for JSONL, naming the `tokenizer_config.json` that would give it by its full path (the
-/// error deeper down names the file alone, not which directory's).
+/// error deeper down names the file alone, not which directory's). `special_tokens_map.json`
+/// may give it too, where transformers reads that file.
 fn check_eos(arg: &str, tokenizer: &HfTokenizer) -> Result<()> {
     if tokenizer.special_tokens().eos.is_some() {
         return Ok(());
@@ -131,9 +135,10 @@ fn check_eos(arg: &str, tokenizer: &HfTokenizer) -> Result<()> {
         "is missing, so there is no `eos_token`"
     };
     bail!(
-        "--tokenizer {arg}: {} {problem}: JSONL examples are packed with an end-of-sequence \
-         token between them (vocabulary of {})",
+        "--tokenizer {arg}: {} {problem} (nor does a {} that transformers reads): JSONL \
+         examples are packed with an end-of-sequence token between them (vocabulary of {})",
         config.display(),
+        snug_train::hf_tokenizer::SPECIAL_TOKENS_MAP_FILE,
         tokenizer.vocab_size()
     );
 }
@@ -207,13 +212,29 @@ pub fn run(args: PrepareArgs) -> Result<()> {
     let encode_seconds = encode_start.elapsed().as_secs_f64();
     let (train_tokens, val_tokens) = (train.0.len(), val.0.len());
     let tokens = train_tokens + val_tokens;
-    let loss_tokens = examples.map(|_| {
-        [&train.1, &val.1]
-            .iter()
-            .filter_map(|m| m.as_ref())
-            .map(|m| m.iter().filter(|&&b| b).count())
-            .sum()
-    });
+    let counted =
+        |mask: &Option<Vec<bool>>| mask.as_ref().map(|m| m.iter().filter(|&&b| b).count());
+    let loss_tokens =
+        examples.map(|_| counted(&train.1).unwrap_or(0) + counted(&val.1).unwrap_or(0));
+    // A split in which nothing counts: `train` refuses it (a loss of 0, or a validation loss
+    // that always reads 0), which is better heard now than after the data is moved.
+    let mut warnings = Vec::new();
+    for (split, mask, file) in [
+        ("training", &train.1, TRAIN_FILE),
+        ("validation", &val.1, VAL_FILE),
+    ] {
+        if counted(mask) == Some(0) {
+            warnings.push(format!(
+                "no token of the {split} split ({}) counts in the loss: none of its examples \
+                 has a completion or an assistant turn to learn (conversations of user turns \
+                 only?), and `snug train` refuses such data",
+                args.out.join(file).display()
+            ));
+        }
+    }
+    for w in &warnings {
+        eprintln!("warning: {w}");
+    }
     std::fs::create_dir_all(&args.out).map_err(|source| TrainError::Io {
         path: args.out.clone(),
         source,
@@ -254,6 +275,7 @@ pub fn run(args: PrepareArgs) -> Result<()> {
         seconds: start.elapsed().as_secs_f64(),
         examples,
         loss_tokens,
+        warnings,
         input: args.input,
         out: args.out,
     };

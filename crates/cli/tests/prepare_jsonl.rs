@@ -274,3 +274,105 @@ fn a_tokenizer_without_eos_names_its_config_by_path() {
     );
     assert!(!out.exists(), "nothing was written");
 }
+
+/// A tokenizer whose EOS only `special_tokens_map.json` names (its `tokenizer_config.json`,
+/// as transformers saved it before 4.34, has no `added_tokens_decoder`): transformers finds
+/// the EOS there, and so does prepare.
+#[test]
+fn an_eos_in_special_tokens_map_json_is_found() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = dir.path().join("old");
+    std::fs::create_dir_all(&tok).unwrap();
+    std::fs::copy(
+        tokenizer_dir().join("tokenizer.json"),
+        tok.join("tokenizer.json"),
+    )
+    .unwrap();
+    let text = std::fs::read_to_string(tokenizer_dir().join("tokenizer_config.json")).unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let c = config.as_object_mut().unwrap();
+    c.remove("eos_token");
+    c.remove("added_tokens_decoder");
+    std::fs::write(tok.join("tokenizer_config.json"), config.to_string()).unwrap();
+    std::fs::write(
+        tok.join("special_tokens_map.json"),
+        r#"{"eos_token": {"content": "<|im_end|>", "lstrip": false}}"#,
+    )
+    .unwrap();
+    let input = dir.path().join("data.jsonl");
+    std::fs::write(&input, "{\"text\": \"hello\"}\n{\"text\": \"world\"}\n").unwrap();
+    let out = dir.path().join("prepared");
+    let o = snug(&[
+        "prepare",
+        "--format",
+        "jsonl",
+        "--input",
+        input.to_str().unwrap(),
+        "--tokenizer",
+        tok.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--val-fraction",
+        "0.5",
+    ]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    let train = TokenFile::open(&out.join("train.bin")).unwrap();
+    assert_eq!(train.to_vec().last(), Some(&2), "ends with <|im_end|>");
+    assert_eq!(train.tokenizer().eos_id(), Some(2));
+}
+
+/// A split in which no token counts in the loss (its conversations have no assistant turn) is
+/// written, with a warning for that split on stderr and in `--json`: `train` would refuse it.
+#[test]
+fn a_split_with_nothing_to_learn_is_warned_about() {
+    let dir = tempfile::tempdir().unwrap();
+    let asks = r#"{"messages": [{"role": "user", "content": "2 + 2?"}]}"#;
+    let pc = r#"{"prompt": "Hello,", "completion": " world!"}"#;
+    let prepare = |name: &str, lines: &[&str]| {
+        let input = dir.path().join(format!("{name}.jsonl"));
+        std::fs::write(&input, lines.join("\n")).unwrap();
+        let out = dir.path().join(name);
+        let o = snug(&[
+            "prepare",
+            "--format",
+            "jsonl",
+            "--input",
+            input.to_str().unwrap(),
+            "--tokenizer",
+            tokenizer_dir().to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--val-fraction",
+            "0.25",
+            "--json",
+        ]);
+        let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{name}: {stderr}");
+        let report: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        (report, stderr, out)
+    };
+    let (report, stderr, out) = prepare("none", &[asks, asks, asks, asks]);
+    assert_eq!(report["loss_tokens"], 0);
+    let warnings = report["warnings"].as_array().unwrap();
+    assert_eq!(warnings.len(), 2, "{report}");
+    for (w, split, file) in [
+        (&warnings[0], "training split", "train.bin"),
+        (&warnings[1], "validation split", "val.bin"),
+    ] {
+        let w = w.as_str().unwrap();
+        assert!(w.contains(split) && w.contains(file), "{w}");
+        assert!(stderr.contains(&format!("warning: {w}")), "{stderr}");
+    }
+    assert!(out.join("train.bin").exists() && out.join("val.bin").exists());
+    // Only the validation split (the last example) has nothing to learn.
+    let (report, stderr, _) = prepare("val", &[pc, pc, pc, asks]);
+    let warnings = report["warnings"].as_array().unwrap();
+    assert_eq!(warnings.len(), 1, "{report}");
+    assert!(warnings[0].as_str().unwrap().contains("validation split"));
+    assert_eq!(stderr.matches("warning:").count(), 1, "{stderr}");
+    // Nothing to warn about: no `warnings` key, nothing on stderr.
+    let (report, stderr, _) = prepare("fine", &[pc, pc, pc, pc]);
+    assert!(report.get("warnings").is_none(), "{report}");
+    assert!(!stderr.contains("warning"), "{stderr}");
+}

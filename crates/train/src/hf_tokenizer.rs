@@ -1,5 +1,6 @@
 //! Hugging Face tokenizers: `tokenizer.json` through the `tokenizers` crate, the special tokens
-//! and the chat template of `tokenizer_config.json` (or `chat_template.jinja`), the template
+//! of `tokenizer_config.json` (and of `special_tokens_map.json` where transformers reads it),
+//! the chat template of `tokenizer_config.json` (or `chat_template.jinja`), the template
 //! rendered by `minijinja` set up as transformers sets up Jinja.
 //!
 //! The files are kept verbatim ([`HfTokenizerFiles`]): a token file or checkpoint stores them,
@@ -22,6 +23,10 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 pub const CONFIG_FILE: &str = "tokenizer_config.json";
 /// Where transformers 4.47 and later save the chat template; it wins over the config's.
 pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
+/// The special tokens as older transformers saved them. transformers 5.24 (as 4.x) reads it
+/// only where `tokenizer_config.json` has no `added_tokens_decoder` (or is missing), and then
+/// its `bos_token`, `eos_token`, `pad_token` and `unk_token` replace the config's.
+pub const SPECIAL_TOKENS_MAP_FILE: &str = "special_tokens_map.json";
 /// The most snug reads of one tokenizer file (Llama 3's `tokenizer.json` is about 9 MB).
 const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
 /// The template's name in the environment, shown in minijinja's error locations.
@@ -42,16 +47,22 @@ pub struct HfTokenizerFiles {
     pub tokenizer_config_json: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chat_template_jinja: Option<String>,
+    /// `special_tokens_map.json`, kept only where transformers reads it (the config has no
+    /// `added_tokens_decoder`): elsewhere it changes nothing, and leaving it out keeps the
+    /// files (and a token file's or checkpoint's spec) as they were before snug read it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub special_tokens_map_json: Option<String>,
 }
 
-/// A special token of `tokenizer_config.json` and its id.
+/// A special token of `tokenizer_config.json` (or `special_tokens_map.json`) and its id.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpecialToken {
     pub text: String,
     pub id: u32,
 }
 
-/// The special tokens `tokenizer_config.json` names (each may be absent).
+/// The special tokens `tokenizer_config.json` and `special_tokens_map.json` name (each may be
+/// absent).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SpecialTokens {
     pub bos: Option<SpecialToken>,
@@ -121,25 +132,37 @@ fn read_optional(path: &Path) -> Result<Option<String>, TrainError> {
 }
 
 impl HfTokenizer {
-    /// `dir/tokenizer.json` (required) with `tokenizer_config.json` and `chat_template.jinja`
-    /// beside it where they exist.
+    /// `dir/tokenizer.json` (required) with `tokenizer_config.json`, `chat_template.jinja` and
+    /// `special_tokens_map.json` beside it where they exist.
     pub fn from_dir(dir: &Path) -> Result<HfTokenizer, TrainError> {
         HfTokenizer::from_file(&dir.join(TOKENIZER_FILE))
     }
 
-    /// The `tokenizer.json` at `path`, with `tokenizer_config.json` and `chat_template.jinja`
-    /// from the same directory where they exist (without them: no special tokens beyond the
-    /// tokenizer's own, no chat template).
+    /// The `tokenizer.json` at `path`, with `tokenizer_config.json`, `chat_template.jinja` and
+    /// `special_tokens_map.json` from the same directory where they exist (without them: no
+    /// special tokens beyond the tokenizer's own, no chat template).
     pub fn from_file(path: &Path) -> Result<HfTokenizer, TrainError> {
         let tokenizer_json = crate::user_file::read_text(path, MAX_TOKENIZER_BYTES, "a tokenizer")?;
         let dir = match path.parent() {
             Some(d) => d.to_path_buf(),
             None => PathBuf::new(),
         };
+        let tokenizer_config_json = read_optional(&dir.join(CONFIG_FILE))?;
+        // Kept only where transformers reads it: a config that is not a JSON object is
+        // refused below, whatever is kept.
+        let map_read = match tokenizer_config_json.as_deref().map(serde_json::from_str) {
+            Some(Ok(Json::Object(config))) => !config.contains_key("added_tokens_decoder"),
+            _ => true,
+        };
+        let special_tokens_map_json = match map_read {
+            true => read_optional(&dir.join(SPECIAL_TOKENS_MAP_FILE))?,
+            false => None,
+        };
         let files = HfTokenizerFiles {
             tokenizer_json,
-            tokenizer_config_json: read_optional(&dir.join(CONFIG_FILE))?,
+            tokenizer_config_json,
             chat_template_jinja: read_optional(&dir.join(CHAT_TEMPLATE_FILE))?,
+            special_tokens_map_json,
         };
         // Errors name the file given, which need not be called tokenizer.json.
         HfTokenizer::from_files_named(files, path, &dir)
@@ -179,8 +202,29 @@ impl HfTokenizer {
                 Err(e) => return Err(file_error(&config_path, None, format!("not JSON: {e}"))),
             },
         };
+        // transformers reads special_tokens_map.json only where the config has no
+        // `added_tokens_decoder` (files saved before 4.34), and then each token it names
+        // replaces the config's, a null one included.
+        let map_path = dir.join(SPECIAL_TOKENS_MAP_FILE);
+        let map_read = config
+            .as_ref()
+            .is_none_or(|c| !c.contains_key("added_tokens_decoder"));
+        let map: Option<serde_json::Map<String, Json>> =
+            match (&files.special_tokens_map_json, map_read) {
+                (Some(text), true) => match serde_json::from_str(text) {
+                    Ok(Json::Object(map)) => Some(map),
+                    Ok(_) => return Err(file_error(&map_path, None, "is not a JSON object")),
+                    Err(e) => return Err(file_error(&map_path, None, format!("not JSON: {e}"))),
+                },
+                _ => None,
+            };
         let special_token = |field: &str| -> Result<Option<SpecialToken>, TrainError> {
-            let Some(value) = config.as_ref().and_then(|c| c.get(field)) else {
+            let from_map = map.as_ref().and_then(|m| m.get(field));
+            let (value, path) = match from_map {
+                Some(v) => (Some(v), &map_path),
+                None => (config.as_ref().and_then(|c| c.get(field)), &config_path),
+            };
+            let Some(value) = value else {
                 return Ok(None);
             };
             // A string, or (older files) an AddedToken object with its `content`.
@@ -191,7 +235,7 @@ impl HfTokenizer {
                     Some(Json::String(s)) => s.clone(),
                     _ => {
                         return Err(file_error(
-                            &config_path,
+                            path,
                             Some(field),
                             "is an object without a string `content`",
                         ))
@@ -199,7 +243,7 @@ impl HfTokenizer {
                 },
                 other => {
                     return Err(file_error(
-                        &config_path,
+                        path,
                         Some(field),
                         format!("is {other}, not a token"),
                     ))
@@ -207,7 +251,7 @@ impl HfTokenizer {
             };
             let id = inner.token_to_id(&text).ok_or_else(|| {
                 file_error(
-                    &config_path,
+                    path,
                     Some(field),
                     format!(
                         "{text:?} is not in the vocabulary of {}",
@@ -488,6 +532,9 @@ impl HfTokenizer {
             .collect();
         let mut ctx = serde_json::Map::new();
         ctx.insert("messages".into(), Json::Array(messages));
+        // transformers passes both, None without tools or documents: defined, and none.
+        ctx.insert("tools".into(), Json::Null);
+        ctx.insert("documents".into(), Json::Null);
         ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
         for (name, token) in [
             ("bos_token", &self.0.special.bos),
@@ -879,9 +926,11 @@ const RAISED: &str = "raise_exception: ";
 
 /// minijinja set up as transformers sets up Jinja for chat templates: `trim_blocks` and
 /// `lstrip_blocks`, loop controls, `raise_exception`, Python's string methods (`.strip()`,
-/// `.startswith()`), and a `tojson` that writes what Python's `json.dumps` writes. Left out on
-/// purpose: `strftime_now` (templates then use their fixed date, so prepared data does not
-/// depend on the day it was prepared).
+/// `.startswith()`, `.rsplit()`), and a `tojson` that writes what Python's `json.dumps` writes
+/// (`indent`, `separators`, `sort_keys`, `ensure_ascii`). Left out on purpose: `strftime_now`
+/// (templates then use their fixed date, so prepared data does not depend on the day it was
+/// prepared). Not available: Python's `'%s' % x` (minijinja's `%` is numbers' only; the
+/// `format` filter and `.format()` are there).
 fn chat_environment(source: String) -> Result<Environment<'static>, minijinja::Error> {
     let mut env = Environment::new();
     env.set_syntax(
@@ -890,7 +939,12 @@ fn chat_environment(source: String) -> Result<Environment<'static>, minijinja::E
             .lstrip_blocks(true)
             .build()?,
     );
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.set_unknown_method_callback(
+        |state, value, method, args| match (value.as_str(), method) {
+            (Some(s), "rsplit") => python_rsplit(s, args),
+            _ => minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args),
+        },
+    );
     env.add_function(
         "raise_exception",
         |message: String| -> Result<Value, minijinja::Error> {
@@ -936,55 +990,175 @@ fn generation_blocks_as_ifs(source: &str) -> String {
 }
 
 /// Jinja's `tojson` as transformers defines it: `json.dumps(value, ensure_ascii=False,
-/// indent=indent)`, so `", "` and `": "` separators without indent, and no HTML escaping.
+/// indent=None, separators=None, sort_keys=False)`, its arguments those of `json.dumps`: so
+/// `", "` and `": "` separators without indent (`","` with one), and no HTML escaping.
 fn python_tojson(value: &Value, kwargs: Kwargs) -> Result<Value, minijinja::Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
     kwargs.assert_all_used()?;
+    let (item_sep, key_sep) = match separators.as_deref() {
+        None => (if indent.is_some() { "," } else { ", " }, ": "),
+        Some([item, key]) => (item.as_str(), key.as_str()),
+        Some(_) => {
+            return Err(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson: separators must be an (item separator, key separator) pair",
+            ))
+        }
+    };
     let json = serde_json::to_value(value)
         .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let style = JsonStyle {
+        indent,
+        item_sep,
+        key_sep,
+        sort_keys: sort_keys.unwrap_or(false),
+        ensure_ascii: ensure_ascii.unwrap_or(false),
+    };
     let mut out = String::new();
-    write_python_json(&json, indent, 0, &mut out);
+    style.write(&json, 0, &mut out);
     Ok(Value::from_safe_string(out))
 }
 
-fn write_python_json(v: &Json, indent: Option<usize>, depth: usize, out: &mut String) {
-    let newline = |out: &mut String, depth: usize| {
-        if let Some(n) = indent {
-            out.push('\n');
-            out.push_str(&" ".repeat(n * depth));
+/// How Python's `json.dumps` is asked to write.
+struct JsonStyle<'a> {
+    indent: Option<usize>,
+    item_sep: &'a str,
+    key_sep: &'a str,
+    sort_keys: bool,
+    ensure_ascii: bool,
+}
+
+impl JsonStyle<'_> {
+    fn write(&self, v: &Json, depth: usize, out: &mut String) {
+        let newline = |out: &mut String, depth: usize| {
+            if let Some(n) = self.indent {
+                out.push('\n');
+                out.push_str(&" ".repeat(n * depth));
+            }
+        };
+        match v {
+            Json::Array(items) if !items.is_empty() => {
+                out.push('[');
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(self.item_sep);
+                    }
+                    newline(out, depth + 1);
+                    self.write(item, depth + 1, out);
+                }
+                newline(out, depth);
+                out.push(']');
+            }
+            Json::Object(map) if !map.is_empty() => {
+                let mut entries: Vec<(&String, &Json)> = map.iter().collect();
+                if self.sort_keys {
+                    entries.sort_by(|a, b| a.0.cmp(b.0));
+                }
+                out.push('{');
+                for (i, (k, item)) in entries.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(self.item_sep);
+                    }
+                    newline(out, depth + 1);
+                    self.scalar(&Json::String(k.clone()), out);
+                    out.push_str(self.key_sep);
+                    self.write(item, depth + 1, out);
+                }
+                newline(out, depth);
+                out.push('}');
+            }
+            other => self.scalar(other, out),
+        }
+    }
+
+    /// Scalars and empty containers, which serde_json writes as Python does; with
+    /// `ensure_ascii`, other characters than ASCII as `\uXXXX` (UTF-16, lowercase hex).
+    fn scalar(&self, v: &Json, out: &mut String) {
+        let text = v.to_string();
+        if !self.ensure_ascii || text.is_ascii() {
+            out.push_str(&text);
+            return;
+        }
+        for c in text.chars() {
+            if c.is_ascii() {
+                out.push(c);
+            } else {
+                let mut units = [0u16; 2];
+                for u in c.encode_utf16(&mut units) {
+                    out.push_str(&format!("\\u{:04x}", u));
+                }
+            }
+        }
+    }
+}
+
+/// Python's `str.rsplit(sep=None, maxsplit=-1)`, which minijinja's Python methods lack: from
+/// the right, at most `maxsplit` cuts; without `sep`, at runs of whitespace, ignoring it at
+/// the ends.
+fn python_rsplit(s: &str, args: &[Value]) -> Result<Value, minijinja::Error> {
+    let (sep, maxsplit, kwargs): (Option<Value>, Option<i64>, Kwargs) =
+        minijinja::value::from_args(args)?;
+    let sep = match kwargs.get::<Option<Value>>("sep")? {
+        Some(v) => Some(v),
+        None => sep,
+    };
+    let maxsplit = kwargs.get::<Option<i64>>("maxsplit")?.or(maxsplit);
+    kwargs.assert_all_used()?;
+    let max = maxsplit.and_then(|m| usize::try_from(m).ok());
+    let sep: Option<String> = match sep {
+        Some(v) if v.is_none() || v.is_undefined() => None,
+        Some(v) => Some(
+            v.as_str()
+                .ok_or_else(|| {
+                    minijinja::Error::new(
+                        ErrorKind::InvalidOperation,
+                        "rsplit: sep must be a string",
+                    )
+                })?
+                .to_string(),
+        ),
+        None => None,
+    };
+    let mut parts: Vec<&str> = match sep.as_deref() {
+        Some("") => {
+            return Err(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                "rsplit: empty separator",
+            ))
+        }
+        Some(sep) => match max {
+            Some(m) => s.rsplitn(m + 1, sep).collect(),
+            None => s.rsplit(sep).collect(),
+        },
+        None => {
+            let mut parts = Vec::new();
+            let mut rest = s.trim_end();
+            while !rest.is_empty() {
+                if max == Some(parts.len()) {
+                    parts.push(rest);
+                    break;
+                }
+                match rest.char_indices().rev().find(|(_, c)| c.is_whitespace()) {
+                    Some((at, c)) => {
+                        parts.push(&rest[at + c.len_utf8()..]);
+                        rest = rest[..at].trim_end();
+                    }
+                    None => {
+                        parts.push(rest);
+                        break;
+                    }
+                }
+            }
+            parts
         }
     };
-    let item_sep = if indent.is_some() { "," } else { ", " };
-    match v {
-        Json::Array(items) if !items.is_empty() => {
-            out.push('[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(item_sep);
-                }
-                newline(out, depth + 1);
-                write_python_json(item, indent, depth + 1, out);
-            }
-            newline(out, depth);
-            out.push(']');
-        }
-        Json::Object(map) if !map.is_empty() => {
-            out.push('{');
-            for (i, (k, item)) in map.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(item_sep);
-                }
-                newline(out, depth + 1);
-                out.push_str(&Json::String(k.clone()).to_string());
-                out.push_str(": ");
-                write_python_json(item, indent, depth + 1, out);
-            }
-            newline(out, depth);
-            out.push('}');
-        }
-        // Scalars and empty containers: serde_json writes them as Python does.
-        other => out.push_str(&other.to_string()),
-    }
+    parts.reverse();
+    Ok(Value::from(
+        parts.into_iter().map(Value::from).collect::<Vec<_>>(),
+    ))
 }
 
 #[cfg(test)]
@@ -1092,6 +1266,7 @@ mod tests {
             tokenizer_json: json.to_string(),
             tokenizer_config_json: None,
             chat_template_jinja: None,
+            special_tokens_map_json: None,
         };
         HfTokenizer::from_files(files, Path::new("")).unwrap()
     }

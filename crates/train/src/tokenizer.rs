@@ -472,6 +472,7 @@ mod tests {
                 tokenizer_json: text.to_string(),
                 tokenizer_config_json: None,
                 chat_template_jinja: None,
+                special_tokens_map_json: None,
             };
             Tokenizer::Hf(crate::HfTokenizer::from_files(files, std::path::Path::new("")).unwrap())
         };

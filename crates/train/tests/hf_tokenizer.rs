@@ -240,6 +240,126 @@ fn bad_files_are_named_errors() {
     assert_eq!(t.special_tokens().bos.as_ref().map(|b| b.id), Some(0));
 }
 
+/// An edit of a `tokenizer_config.json`.
+type ConfigEdit = dyn Fn(&mut serde_json::Map<String, Value>);
+
+/// `special_tokens_map.json` as transformers 5.24 reads it (`AutoTokenizer.from_pretrained`
+/// of the same files, `tokenizer_class` `PreTrainedTokenizerFast`, whose class names no
+/// default tokens): only where `tokenizer_config.json` has no `added_tokens_decoder` or is
+/// missing, and then each token it names replaces the config's, a null one included; a string
+/// or an object with its `content`. The file is kept (in a token file's spec) only there.
+#[test]
+fn special_tokens_map_is_read_where_transformers_reads_it() {
+    let base: serde_json::Map<String, Value> =
+        serde_json::from_str(files().tokenizer_config_json.as_deref().unwrap()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let load = |name: &str, edit: Option<&ConfigEdit>, map: Value| {
+        let d = dir.path().join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("tokenizer.json"), files().tokenizer_json).unwrap();
+        if let Some(edit) = edit {
+            let mut c = base.clone();
+            c.insert("tokenizer_class".into(), json!("PreTrainedTokenizerFast"));
+            edit(&mut c);
+            std::fs::write(
+                d.join("tokenizer_config.json"),
+                Value::Object(c).to_string(),
+            )
+            .unwrap();
+        }
+        std::fs::write(d.join("special_tokens_map.json"), map.to_string()).unwrap();
+        HfTokenizer::from_dir(&d)
+    };
+    let texts = |t: &HfTokenizer| {
+        let s = t.special_tokens();
+        [&s.bos, &s.eos, &s.pad, &s.unk].map(|t| t.as_ref().map(|t| t.text.clone()))
+    };
+    let some = |s: &str| Some(s.to_string());
+    // The config lacks the EOS: the map's fills it in, and the template sees it.
+    let t = load(
+        "fills",
+        Some(&|c| {
+            c.remove("added_tokens_decoder");
+            c.remove("eos_token");
+            c["chat_template"] = json!("{{ bos_token }}|{{ eos_token }}");
+        }),
+        json!({"eos_token": "<|im_end|>"}),
+    )
+    .unwrap();
+    assert_eq!(
+        texts(&t),
+        [
+            some("<|im_start|>"),
+            some("<|im_end|>"),
+            some("<|im_end|>"),
+            some("<|endoftext|>")
+        ]
+    );
+    assert_eq!(Tokenizer::Hf(t.clone()).eos_id(), Some(2));
+    let user = [json!({"role": "user", "content": "x"})];
+    assert_eq!(
+        t.render_chat(&user, false).unwrap(),
+        "<|im_start|>|<|im_end|>"
+    );
+    // It travels in the spec, and rebuilds the same tokens.
+    assert!(t.files().special_tokens_map_json.is_some());
+    let spec = serde_json::to_string(&Tokenizer::Hf(t.clone()).to_spec()).unwrap();
+    let back = Tokenizer::from_spec(&serde_json::from_str(&spec).unwrap()).unwrap();
+    assert_eq!(back.eos_id(), Some(2));
+    // Its tokens replace the config's, as an object or null.
+    let t = load(
+        "replaces",
+        Some(&|c| {
+            c.remove("added_tokens_decoder");
+        }),
+        json!({"eos_token": {"content": "<|endoftext|>", "lstrip": false}, "pad_token": null}),
+    )
+    .unwrap();
+    assert_eq!(
+        texts(&t),
+        [
+            some("<|im_start|>"),
+            some("<|endoftext|>"),
+            None,
+            some("<|endoftext|>")
+        ]
+    );
+    // A config with `added_tokens_decoder` (transformers 4.34 and later): not read, not kept.
+    let t = load(
+        "ignored",
+        Some(&|c| {
+            c.remove("eos_token");
+        }),
+        json!({"eos_token": "<|im_end|>"}),
+    )
+    .unwrap();
+    assert_eq!(t.special_tokens().eos, None);
+    assert_eq!(t.files().special_tokens_map_json, None);
+    // No config at all.
+    let t = load(
+        "alone",
+        None,
+        json!({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}),
+    )
+    .unwrap();
+    assert_eq!(
+        texts(&t),
+        [some("<|im_start|>"), some("<|im_end|>"), None, None]
+    );
+    // A bad map is named.
+    let missing = |c: &mut serde_json::Map<String, Value>| {
+        c.remove("added_tokens_decoder");
+    };
+    let err = load("outside", Some(&missing), json!({"eos_token": "<|nope|>"})).unwrap_err();
+    assert!(
+        matches!(&err, TrainError::HfTokenizerFile { path, field: Some(f), .. }
+            if f == "eos_token" && path.ends_with("special_tokens_map.json")),
+        "{err}"
+    );
+    let err = load("list", Some(&missing), json!(["<|im_end|>"])).unwrap_err();
+    assert!(err.to_string().contains("special_tokens_map.json"), "{err}");
+}
+
 #[test]
 fn the_spec_rebuilds_the_same_tokenizer_and_survives_a_token_file() {
     let tok = Tokenizer::Hf(fixture());
@@ -250,6 +370,9 @@ fn the_spec_rebuilds_the_same_tokenizer_and_survives_a_token_file() {
         "{}",
         &json[..40]
     );
+    // No special_tokens_map.json beside it: the spec is what it was before snug read one,
+    // and one written then reads back.
+    assert!(!json.contains("special_tokens_map_json"));
     let back: TokenizerSpec = serde_json::from_str(&json).unwrap();
     let rebuilt = Tokenizer::from_spec(&back).unwrap();
     assert_eq!(rebuilt, tok);
@@ -318,8 +441,9 @@ fn prompt_completion_counts_the_completion_and_its_eos() {
 }
 
 /// The fixture's second conversation: its one assistant turn, `"Paris.<|im_end|>\n"`, is ids
-/// 53..60 of transformers' 84 (50 279 75 85 16 2 201); `<|im_end|>` is appended after the final
-/// `"\n"` and does not count.
+/// 53..60 of transformers' 84 (50 279 75 85 16 2 201). The rendering ends with `<|im_end|>`
+/// (the EOS) and a line break, so no other EOS follows (`<|im_end|>\n<|im_end|>` was appended
+/// before, which neither transformers nor TRL has).
 #[test]
 fn chat_example_counts_the_assistant_turn_only() {
     let exp = expected();
@@ -327,11 +451,10 @@ fn chat_example_counts_the_assistant_turn_only() {
     assert_eq!(case["add_generation_prompt"], false);
     let messages = case["messages"].as_array().unwrap().clone();
     let ex = tokenize_example(&hf(), &Example::Messages(messages)).unwrap();
-    let mut ids = ids_of(&case["ids"]);
+    let ids = ids_of(&case["ids"]);
     assert_eq!(ids.len(), 84);
-    ids.push(2);
     assert_eq!(ex.ids, ids);
-    let mask: Vec<bool> = (0..85).map(|i| (53..60).contains(&i)).collect();
+    let mask: Vec<bool> = (0..84).map(|i| (53..60).contains(&i)).collect();
     assert_eq!(ex.mask, mask);
     assert_eq!(&ex.ids[53..60], [50, 279, 75, 85, 16, 2, 201]);
     let Tokenizer::Hf(t) = hf() else { panic!() };
@@ -355,23 +478,214 @@ fn chat_example_counts_the_assistant_turn_only() {
     assert_eq!(t.decode(&counted, false), "b<|im_end|>\nd<|im_end|>\n");
 }
 
-/// A template that renders earlier turns differently once later ones exist cannot be masked by
-/// prefixes: refused, not guessed.
+/// A template that ends an assistant turn one way when it is the last message and another
+/// way when more follow: its end-of-turn here cannot be told, so the line is refused, naming
+/// the message and why, not guessed. So is one that renders a content twice.
 #[test]
-fn a_template_that_is_not_prefix_stable_is_refused() {
-    let t = with_config(|c| {
-        c["chat_template"] = json!(
-            "{% for m in messages %}{% if loop.last %}[{{ m.content }}]{% else %}({{ m.content }}){% endif %}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
-        )
-    })
-    .unwrap();
+fn a_turn_that_cannot_be_located_is_refused_with_the_reason() {
     let msgs = vec![
         json!({"role": "user", "content": "a"}),
         json!({"role": "assistant", "content": "b"}),
         json!({"role": "user", "content": "c"}),
     ];
-    let err = tokenize_example(&Tokenizer::Hf(t), &Example::Messages(msgs)).unwrap_err();
-    assert!(err.to_string().contains("prefix"), "{err}");
+    let refused = |template: &str| {
+        let t = with_config(|c| c["chat_template"] = json!(template)).unwrap();
+        tokenize_example(&Tokenizer::Hf(t), &Example::Messages(msgs.clone()))
+            .unwrap_err()
+            .to_string()
+    };
+    let err = refused(
+        "{% for m in messages %}{% if loop.last %}[{{ m.content }}]{% else %}({{ m.content }}){% endif %}{% endfor %}{% if add_generation_prompt %}>{% endif %}",
+    );
+    for needle in [
+        "assistant message 1 cannot be located",
+        "prefix",
+        r#"ends it with "]" where it is the last message, but with ")" here"#,
+        "end-of-turn",
+    ] {
+        assert!(err.contains(needle), "{needle}: {err}");
+    }
+    let err = refused(
+        "{{ messages | length }}{% for m in messages %}<{{ m.content }}|{{ m.content }}>{% endfor %}",
+    );
+    assert!(
+        err.contains("assistant message 1") && err.contains("renders its content 2 times"),
+        "{err}"
+    );
+}
+
+/// The decoded text of `ex`'s counted tokens.
+fn counted(t: &HfTokenizer, ex: &TokenizedExample) -> String {
+    let ids: Vec<u32> = ex
+        .ids
+        .iter()
+        .zip(&ex.mask)
+        .filter(|(_, &m)| m)
+        .map(|(&i, _)| i)
+        .collect();
+    t.decode(&ids, false)
+}
+
+/// Mistral-7B-Instruct-v0.3's chat template without its tool branches: the system message goes
+/// into the last user turn, so no earlier turn renders as a prefix.
+const MISTRAL_V03: &str = r#"{%- if messages[0]["role"] == "system" %}
+    {%- set system_message = messages[0]["content"] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+{%- set user_messages = loop_messages | selectattr("role", "equalto", "user") | list %}
+{%- set ns = namespace() %}
+{%- set ns.index = 0 %}
+{%- for message in loop_messages %}
+    {%- if not (message.role == "tool" or message.role == "tool_results" or (message.tool_calls is defined and message.tool_calls is not none)) %}
+        {%- if (message["role"] == "user") != (ns.index % 2 == 0) %}
+            {{- raise_exception("After the optional system message, conversation roles must alternate user/assistant/user/assistant/...") }}
+        {%- endif %}
+        {%- set ns.index = ns.index + 1 %}
+    {%- endif %}
+{%- endfor %}
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if message["role"] == "user" %}
+        {%- if loop.last and system_message is defined %}
+            {{- "[INST] " + system_message + "\n\n" + message["content"] + "[/INST]" }}
+        {%- else %}
+            {{- "[INST] " + message["content"] + "[/INST]" }}
+        {%- endif %}
+    {%- elif message["role"] == "assistant" %}
+        {{- " " + message["content"]|trim + eos_token}}
+    {%- else %}
+        {{- raise_exception("Only user and assistant roles are supported, with the exception of an initial optional system message!") }}
+    {%- endif %}
+{%- endfor %}
+"#;
+
+/// transformers 5.24 with the fixture tokenizer and Mistral v0.3's template, its assistant
+/// line wrapped in `{% generation %}` (`" " + content|trim + eos_token`) for
+/// `return_assistant_tokens_mask`: the system message sits in the last user turn, and each
+/// answer counts as its text and `<|im_end|>` (the fixture's EOS). snug finds the first answer
+/// with content markers (prefixes do not hold for it) and the second by prefixes.
+#[test]
+fn mistral_v03_with_a_system_message_counts_each_answer_and_its_end() {
+    let t = with_config(|c| c["chat_template"] = json!(MISTRAL_V03)).unwrap();
+    let msgs = vec![
+        json!({"role": "system", "content": "Be brief."}),
+        json!({"role": "user", "content": "2 + 2?"}),
+        json!({"role": "assistant", "content": "4"}),
+        json!({"role": "user", "content": "And 3 + 3?"}),
+        json!({"role": "assistant", "content": " 6. "}),
+    ];
+    let ex = tokenize_example(&Tokenizer::Hf(t.clone()), &Example::Messages(msgs)).unwrap();
+    let hf_ids = [
+        1, 61, 43, 48, 53, 54, 63, 313, 223, 13, 313, 33, 61, 17, 43, 48, 53, 54, 63, 315, 2, 61,
+        43, 48, 53, 54, 63, 223, 35, 80, 70, 314, 223, 13, 314, 33, 61, 17, 43, 48, 53, 54, 63,
+        223, 24, 16, 2,
+    ];
+    let hf_mask = "00000000000000000001100000000000000000000001111";
+    // The rendering ends with the EOS: nothing appended.
+    assert_eq!(ex.ids, hf_ids);
+    let mask: String = ex.mask.iter().map(|&m| if m { '1' } else { '0' }).collect();
+    assert_eq!(mask, hf_mask);
+    assert_eq!(counted(&t, &ex), " 4<|im_end|> 6.<|im_end|>");
+}
+
+/// A conversation that starts with an assistant turn: before it there is no conversation to
+/// render (a template reading `messages[0]` fails on none; transformers refuses an empty one),
+/// so it is found by its content. transformers 5.24's `assistant_masks` with the template's
+/// assistant text and `<|im_end|>\n` in `{% generation %}`.
+#[test]
+fn a_conversation_may_start_with_the_assistant() {
+    let template = "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}{%- else %}{{- '<|im_start|>system\nYou are a tiny test model.<|im_end|>\n' }}{%- endif %}{%- for message in messages %}{%- if message.role == 'system' and loop.first %}{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant\n' }}{{- message.content + '<|im_end|>\n' }}{%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}";
+    let msgs = vec![
+        json!({"role": "assistant", "content": "Hello."}),
+        json!({"role": "user", "content": "Hi!"}),
+        json!({"role": "assistant", "content": "Bye."}),
+    ];
+    let hf_ids = [
+        1, 85, 91, 268, 71, 79, 201, 59, 81, 87, 223, 279, 71, 284, 261, 270, 91, 261, 71, 268,
+        285, 81, 297, 78, 16, 2, 201, 1, 67, 85, 85, 75, 268, 263, 86, 201, 42, 71, 78, 78, 81, 16,
+        2, 201, 1, 87, 85, 264, 201, 42, 75, 3, 2, 201, 1, 67, 85, 85, 75, 268, 263, 86, 201, 36,
+        91, 71, 16, 2, 201,
+    ];
+    let hf_mask = "000000000000000000000000000000000000111111110000000000000000000111111";
+    let t = with_config(|c| c["chat_template"] = json!(template)).unwrap();
+    // The template cannot render an empty conversation: prefixes cannot start.
+    assert!(t.render_chat(&[], true).is_err());
+    let ex = tokenize_example(&Tokenizer::Hf(t.clone()), &Example::Messages(msgs.clone())).unwrap();
+    assert_eq!(ex.ids, hf_ids);
+    let mask: String = ex.mask.iter().map(|&m| if m { '1' } else { '0' }).collect();
+    assert_eq!(mask, hf_mask);
+    assert_eq!(counted(&t, &ex), "Hello.<|im_end|>\nBye.<|im_end|>\n");
+    // The fixture's own template renders an empty conversation as the generation prompt
+    // alone, which is no prefix of its default system turn: found by content too.
+    let ex = tokenize_example(&hf(), &Example::Messages(msgs)).unwrap();
+    assert_eq!(
+        counted(&fixture(), &ex),
+        "Hello.<|im_end|>\nBye.<|im_end|>\n"
+    );
+}
+
+/// Templates that look ahead (the number of messages, the last message, `loop.last`) render
+/// no earlier turn as a prefix; each turn is found by its content and counts as ChatML's
+/// prefixes would count it.
+#[test]
+fn templates_that_look_ahead_are_located() {
+    let chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    let msgs = vec![
+        json!({"role": "user", "content": "a"}),
+        json!({"role": "assistant", "content": "b"}),
+        json!({"role": "user", "content": "c"}),
+        json!({"role": "assistant", "content": "d"}),
+        json!({"role": "user", "content": "e"}),
+    ];
+    for head in [
+        "{{ messages | length }} messages\n",
+        "{% if messages[-1].role == 'user' %}(asks){% endif %}",
+        "{% for m in messages %}{% if loop.last %}{{ loop.length }}{% endif %}{% endfor %}",
+    ] {
+        let t = with_config(|c| c["chat_template"] = json!(format!("{head}{chatml}"))).unwrap();
+        let ex = tokenize_example(&Tokenizer::Hf(t.clone()), &Example::Messages(msgs.clone()))
+            .unwrap_or_else(|e| panic!("{head}: {e}"));
+        assert_eq!(counted(&t, &ex), "b<|im_end|>\nd<|im_end|>\n", "{head}");
+        assert_eq!(
+            ex.ids,
+            t.encode(&t.render_chat(&msgs, false).unwrap(), false)
+                .unwrap()
+        );
+    }
+}
+
+/// EOS follows a chat unless its rendering ends with EOS, whitespace after it allowed.
+#[test]
+fn a_chat_gets_an_eos_unless_the_template_ended_it_with_one() {
+    let msgs = vec![
+        json!({"role": "user", "content": "hi"}),
+        json!({"role": "assistant", "content": "yo"}),
+    ];
+    // EOS `<|endoftext|>` (0), the rendering ends `<|im_end|>\n`: appended, and not counted.
+    let Tokenizer::Hf(t) = chatml_characters() else {
+        unreachable!()
+    };
+    let ex = tokenize_example(&Tokenizer::Hf(t.clone()), &Example::Messages(msgs.clone())).unwrap();
+    assert_eq!(
+        ex.ids[ex.ids.len() - 3..],
+        [2, t.encode("\n", false).unwrap()[0], 0]
+    );
+    assert_eq!(ex.mask[ex.mask.len() - 3..], [true, true, false]);
+    // EOS `<|im_end|>` (2): the rendering's own ends the example.
+    let ex = tokenize_example(&hf(), &Example::Messages(msgs.clone())).unwrap();
+    assert_eq!(ex.ids[ex.ids.len() - 2..], [2, 201]);
+    assert_eq!(counted(&fixture(), &ex), "yo<|im_end|>\n");
+    // So does a user turn's.
+    let mut asks = msgs;
+    asks.push(json!({"role": "user", "content": "bye"}));
+    let ex = tokenize_example(&hf(), &Example::Messages(asks)).unwrap();
+    assert_eq!(ex.ids[ex.ids.len() - 2..], [2, 201]);
+    assert_eq!(counted(&fixture(), &ex), "yo<|im_end|>\n");
 }
 
 #[test]
@@ -434,7 +748,8 @@ fn jsonl_of_all_three_shapes_packs_into_one_stream() {
         .collect();
     assert_eq!(p.starts, [0, 13, 26]);
     assert_eq!(p, PackedExamples::pack(singles));
-    assert!(p.ids[12] == 2 && p.ids[25] == 2 && *p.ids.last().unwrap() == 2);
+    // The chat ends as its template ends it: `<|im_end|>` (the EOS) and a line break.
+    assert!(p.ids[12] == 2 && p.ids[25] == 2 && p.ids[p.len() - 2..] == [2, 201]);
 }
 
 #[test]
@@ -586,6 +901,7 @@ fn characters_with_template(template: &str) -> HfTokenizer {
         tokenizer_json: tokenizer.to_string(),
         tokenizer_config_json: Some(config.to_string()),
         chat_template_jinja: None,
+        special_tokens_map_json: None,
     };
     HfTokenizer::from_files(files, Path::new("chatml-characters")).unwrap()
 }
@@ -651,4 +967,37 @@ fn generation_blocks_render_as_transformers_renders_them() {
         t.render_chat(&messages, false).unwrap(),
         "<|im_start|>user\nhi<|im_end|><|im_start|>assistant\nyo<|im_end|>"
     );
+}
+
+/// Template features transformers 5.24 gives and snug now matches: `tojson`'s `sort_keys`,
+/// `ensure_ascii` and `separators` (Python's `json.dumps`), `str.rsplit`, and `tools` and
+/// `documents` defined as none. The expected text is transformers'
+/// `apply_chat_template(messages, tokenize=False)` of the same template.
+#[test]
+fn tojson_options_rsplit_and_tools_render_as_transformers_renders_them() {
+    let template = concat!(
+        "{% set v = {'b': [1, 'é😀'], 'a': {'d': none, 'c': true}} %}",
+        "{{ v | tojson(sort_keys=true) }}|{{ v | tojson(ensure_ascii=true) }}|",
+        "{{ v | tojson(separators=(',', ':')) }}|",
+        "{{ v | tojson(indent=1, sort_keys=true, separators=(',', ' = ')) }}|",
+        "{{ '  a b  c '.rsplit() | join('/') }};{{ '  a b  c '.rsplit(none, 1) | join('/') }};",
+        "{{ 'a,b,,c'.rsplit(',') | join('/') }};{{ 'a,b,,c'.rsplit(',', 2) | join('/') }};",
+        "{{ 'x</think>y</think>z'.rsplit('</think>', 1)[-1] }};",
+        "{{ ''.rsplit() | length }}{{ ''.rsplit(',') | length }};",
+        "{{ 'a b'.rsplit(maxsplit=0) | join('/') }};",
+        "{{ 'a\u{3000}b c'.rsplit(sep=none, maxsplit=1) | join('/') }}|",
+        "{% if tools is defined and tools is none and documents is defined and documents is none %}none{% endif %}",
+    );
+    let t = with_config(|c| c["chat_template"] = json!(template)).unwrap();
+    let rendered = t
+        .render_chat(&[json!({"role": "user", "content": "hi"})], false)
+        .unwrap();
+    let want = concat!(
+        r#"{"a": {"c": true, "d": null}, "b": [1, "é😀"]}|"#,
+        r#"{"b": [1, "\u00e9\ud83d\ude00"], "a": {"d": null, "c": true}}|"#,
+        r#"{"b":[1,"é😀"],"a":{"d":null,"c":true}}|"#,
+        "{\n \"a\" = {\n  \"c\" = true,\n  \"d\" = null\n },\n \"b\" = [\n  1,\n  \"é😀\"\n ]\n}|",
+        "a/b/c;  a b/c;a/b//c;a,b//c;z;01;a b;a\u{3000}b/c|none",
+    );
+    assert_eq!(rendered, want);
 }
