@@ -502,12 +502,21 @@ pub fn run(args: ExportArgs) -> Result<()> {
     let hub_written: Vec<PathBuf> = generation.iter().cloned().collect();
     removed.extend(output::stale_files(&args.out, &HUB_FILES, &hub_written));
     let replaceable: Vec<&str> = EXPORT_FILES.iter().chain(&HUB_FILES).copied().collect();
-    // config.json last: a kill part-way leaves no loadable mix (see `commit_replacing`).
-    staged.commit_replacing(
-        &replaceable,
-        &removed,
-        Some(snug_nn::hf_checkpoint::CONFIG_FILE),
-    )?;
+    // The configurations last: a kill part-way leaves no loadable mix (see
+    // `commit_replacing`), neither as a model nor as a PEFT adapter.
+    staged
+        .commit_replacing(
+            &replaceable,
+            &removed,
+            &[
+                snug_nn::hf_checkpoint::CONFIG_FILE,
+                snug_nn::lora::ADAPTER_CONFIG_FILE,
+            ],
+        )
+        .context(
+            "moving the export into place: the directory may now hold part of it, without a \
+             config.json or adapter_config.json, which nothing loads; export again",
+        )?;
     // Gone already where the directory was replaced whole.
     for path in removed
         .iter()

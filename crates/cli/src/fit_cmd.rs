@@ -227,7 +227,16 @@ pub fn nothing_fits(
     let base = report.nothing_fits();
     // Each device's share of the batch, as the search planned it.
     let sequences = report.effective_batch / report.devices.max(1);
-    let suggestions = snug_fit::what_would_fit(model, report.budget, cfg.target(), sequences);
+    // The search fit ran, so each change is judged as `fit` with it would judge it: on a GPU
+    // the rows its backend cannot run (fused updates' previous-norm clipping) are not offered.
+    let mut search =
+        Search::new(model, cfg.target(), report.budget).effective_batch(sequences.max(1));
+    if let Some(check) = cfg.device.runnable() {
+        search = search.runnable(check);
+    }
+    let suggestions = search
+        .advice(&snug_fit::MachineProfile::nominal(cfg.threads))
+        .suggestions;
     let fitting: Vec<String> = suggestions
         .iter()
         .filter(|s| s.fits)

@@ -426,7 +426,8 @@ pub fn run(args: SampleArgs) -> Result<()> {
         };
         eprintln!(
             "warning: the prompt is {} tokens, more than {limit}: its first {dropped} tokens \
-             are dropped, and generation continues from its last {context}",
+             are dropped (the first new token sees the last {context}; the window then slides \
+             as usual)",
             prompt.len()
         );
     }

@@ -63,7 +63,7 @@ pub struct TrainArgs {
     /// device. TOML key `device_memory`.
     #[arg(long, value_name = "SIZE")]
     device_memory: Option<String>,
-    /// Simulate memory pressure: lower the strict memory limit to SIZE once step STEP−1 ends,
+    /// Simulate memory pressure: lower the strict memory limit to SIZE once step STEP-1 ends,
     /// so before any evaluation that follows it and before step STEP (the run recovers with a
     /// smaller configuration, redoing what ran out).
     #[arg(long, value_name = "STEP:SIZE")]
@@ -1318,64 +1318,65 @@ fn addition_score(
     let threads = trainer.config().threads;
     let on_cpu = !trainer.config().device.is_gpu();
     let (limit, relaxed) = allocator.memory_limit();
-    // The weights as the sampler takes them: every parameter in f32 (a QLoRA base merged).
-    let held = 4 * model.parameter_count();
-    let skipped = |needed: Option<usize>| {
-        format!(
-            "held-out additions not scored: scoring needs more than the memory limit of {} \
-             ({}its copy of the weights {} included)",
-            human_bytes(limit),
-            needed.map_or(String::new(), |n| format!("at least {}, ", human_bytes(n))),
-            human_bytes(held)
-        )
+    // Only the problems' context: a model's whole window (a Llama's is 131,072 positions)
+    // would be caches no problem reads.
+    let window = addition::SCORING_CONTEXT.min(model.max_seq());
+    let placement = snug_train::Placement {
+        context: Some(window),
+        ..snug_train::Placement::CPU
     };
+    let mode = snug_train::SampleMode::KvCache;
+    // The weights as the sampler is made from them: every parameter in f32 (a QLoRA base
+    // merged), a copy beside the trainer's memory until that is freed.
+    let held = 4 * model.parameter_count();
     let limited = on_cpu && limit != usize::MAX;
-    if limited && held >= limit {
-        return Ok(Err(skipped(None)));
+    if limited {
+        let planned =
+            snug_train::sample::planned_peak(&model, mode, placement, threads, (window, window))?;
+        let needed = (planned + held).max(allocator.active_bytes() + held);
+        if needed > limit {
+            return Ok(Err(format!(
+                "held-out additions not scored: scoring needs {} (its plan {}, its f32 copy of \
+                 the weights {}, and the trainer's memory while the copy is made), over the \
+                 memory limit of {}",
+                human_bytes(needed),
+                human_bytes(planned),
+                human_bytes(held),
+                human_bytes(limit)
+            )));
+        }
     }
     let weights = trainer.model_weights()?;
     drop(trainer);
-    // Only the problems' context: a model's whole window (a Llama's is 131,072 positions)
-    // would be caches no problem reads.
-    let placement = snug_train::Placement {
-        context: Some(addition::SCORING_CONTEXT.min(model.max_seq())),
-        ..snug_train::Placement::CPU
+    let out_of_memory = |e: &snug_train::TrainError| {
+        matches!(
+            e,
+            snug_train::TrainError::Runtime(snug_runtime::RuntimeError::OutOfMemory(_))
+        )
     };
-    let scoring = if limited {
+    // Planned within the limit above, so these never run out; if they do, the run that
+    // trained is not failed for its scoring.
+    let not_scored = |e: snug_train::TrainError| format!("held-out additions not scored: {e}");
+    let on = if limited {
         allocator.clear_cache();
         allocator.set_memory_limit(limit - held, relaxed);
-        let placed = Sampler::placed(
-            &model,
-            &weights,
-            snug_train::SampleMode::KvCache,
-            placement,
-            threads,
-            allocator.clone(),
-        );
-        allocator.set_memory_limit(limit, relaxed);
-        match placed {
-            Err(snug_train::TrainError::Runtime(snug_runtime::RuntimeError::OutOfMemory(oom))) => {
-                return Ok(Err(skipped(Some(oom.active + oom.requested))));
-            }
-            other => other?,
-        }
+        allocator.clone()
     } else {
-        Sampler::placed(
-            &model,
-            &weights,
-            snug_train::SampleMode::KvCache,
-            placement,
-            threads,
-            Allocator::default(),
-        )?
+        Allocator::default()
     };
-    let mut sampler = scoring;
+    let placed = Sampler::placed(&model, &weights, mode, placement, threads, on);
+    if limited {
+        allocator.set_memory_limit(limit, relaxed);
+    }
     drop(weights);
-    Ok(Ok(addition::held_out_accuracy(
-        &mut sampler,
-        &tokenizer,
-        addition::DEFAULT_PROBLEMS,
-    )?))
+    let mut sampler = match placed {
+        Err(e) if out_of_memory(&e) => return Ok(Err(not_scored(e))),
+        other => other?,
+    };
+    match addition::held_out_accuracy(&mut sampler, &tokenizer, addition::DEFAULT_PROBLEMS) {
+        Err(e) if out_of_memory(&e) => Ok(Err(not_scored(e))),
+        other => Ok(Ok(other?)),
+    }
 }
 
 fn data_line(data: &TokenDataset) -> String {

@@ -112,6 +112,55 @@ fn each_listed_change_is_chosen_at_the_peak_the_refusal_names() {
     }
 }
 
+/// On a GPU the advice is fit's on that GPU: a change whose rows its backend cannot run
+/// (fused updates, whose clipping there would take the previous step's norm) is not listed,
+/// and every change listed is chosen at its peak by `fit --device gpu` with it.
+#[test]
+fn on_a_gpu_each_listed_change_is_one_fit_there_chooses() {
+    let cache = tempfile::tempdir().expect("a scratch directory");
+    let devices = snug(&["devices", "--json"], cache.path());
+    let listed_gpus: serde_json::Value = serde_json::from_str(&devices.stdout).unwrap_or_default();
+    if listed_gpus["gpus"].as_array().is_none_or(Vec::is_empty) {
+        return snug_testkit::skip_or_fail("no GPU adapter");
+    }
+    let run = [
+        "fit",
+        "--device",
+        "gpu",
+        "--preset",
+        "tiny",
+        "--batch",
+        "2",
+        "--block",
+        "8",
+        "--threads",
+        "1",
+        "--memory",
+        "4000000",
+    ];
+    let e = snug(&run, cache.path());
+    let what = run.join(" ");
+    bounded::assert_refused(&e, &what, &["these would fit:"], 200 << 20);
+    let list = listed(&e.stderr);
+    assert!(!list.is_empty(), "{what}: {}", e.stderr);
+    for (change, peak) in &list {
+        let change: Vec<&str> = change.iter().map(String::as_str).collect();
+        let taken = [&run[..], &change].concat();
+        let t = snug(&taken, cache.path());
+        assert_eq!(t.code, Some(0), "{}: {}", taken.join(" "), t.stderr);
+        let chosen = t
+            .stdout
+            .lines()
+            .find(|l| l.starts_with("chosen: "))
+            .expect("a choice");
+        assert!(
+            chosen.contains(&format!("(planned peak {peak},")),
+            "{}: listed at {peak}, chosen as {chosen}",
+            taken.join(" ")
+        );
+    }
+}
+
 /// tiny 4 × 48 at 8,000,000 bytes: the table had listed selective and block remat at 2 × 2
 /// above the plain row, where plan and train leave the remat out and run the plain step. Each
 /// fixed-remat row in the user's own passes and precision is what `plan` gives with its flags.

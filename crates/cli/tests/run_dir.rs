@@ -1450,7 +1450,7 @@ fn a_directory_mixing_two_runs_checkpoints_is_not_resumed() {
     assert!(!o.status.success());
     let err = stderr(&o);
     assert!(
-        err.contains("mixes two runs") && err.contains("ckpt-0000000"),
+        err.contains("mixes two runs") && err.contains("ckpt-00000001.safetensors"),
         "{err}"
     );
     assert_eq!(snapshot(&mine), before, "the run's files changed");

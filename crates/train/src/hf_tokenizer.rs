@@ -1387,6 +1387,42 @@ mod tests {
         );
     }
 
+    /// A prompt/completion example with Llama 2's tokenizer: the completion's tokens are the
+    /// ones the joint text has (`▁the`, not `▁` `▁the`), or where the prompt's end merges
+    /// with it, its own without a `▁` of its own (`ou`), and those are what count.
+    #[test]
+    fn a_completion_example_counts_the_tokens_the_data_has() {
+        let files = HfTokenizerFiles {
+            tokenizer_json: sentencepiece_json().to_string(),
+            tokenizer_config_json: Some(r#"{"eos_token": "</s>"}"#.into()),
+            chat_template_jinja: None,
+            special_tokens_map_json: None,
+        };
+        let t = HfTokenizer::from_files(files, Path::new("")).unwrap();
+        let tokenizer = crate::Tokenizer::Hf(t.clone());
+        for (prompt, completion, counted) in [
+            ("and you", " the", vec!["▁the", "</s>"]),
+            ("and y", "ou", vec!["ou", "</s>"]),
+        ] {
+            let ex = crate::examples::tokenize_example(
+                &tokenizer,
+                &crate::Example::PromptCompletion {
+                    prompt: prompt.into(),
+                    completion: completion.into(),
+                },
+            )
+            .unwrap();
+            let kept: Vec<String> = ex
+                .ids
+                .iter()
+                .zip(&ex.mask)
+                .filter(|(_, &m)| m)
+                .map(|(&id, _)| t.id_to_token(id).unwrap())
+                .collect();
+            assert_eq!(kept, counted, "{prompt:?} + {completion:?}");
+        }
+    }
+
     /// A long text goes through the pieces by itself.
     #[test]
     fn long_texts_are_encoded_in_pieces() {

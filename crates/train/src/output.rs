@@ -200,7 +200,7 @@ pub fn check_dir(
 /// a model.
 pub fn check_document_file(path: &Path, force: bool) -> Result<(), TrainError> {
     check_file(path, force)?;
-    if crate::checkpoint::is_weights_file(path) {
+    if fs::symlink_metadata(path).is_ok() && crate::checkpoint::is_weights_file(path) {
         return Err(refused(
             path,
             "holds a model's weights (safetensors); snug never writes a page or a trace over \
@@ -325,20 +325,21 @@ impl StagedDir {
     /// held goes with it; otherwise each file is renamed over its namesake and the rest is
     /// left. Returns the files' final paths.
     pub fn commit(self, replaceable: &[&str]) -> Result<Vec<PathBuf>, TrainError> {
-        self.commit_replacing(replaceable, &[], None)
+        self.commit_replacing(replaceable, &[], &[])
     }
 
     /// [`StagedDir::commit`], with the earlier output's `stale` files (ones this output does
-    /// not write, which would be read with it) removed, and `marker` (a model's
-    /// `config.json`, without which nothing loads the directory) as the commit point where the
-    /// files are moved one by one: the earlier marker goes first, then the stale files, then
-    /// the new files, the new marker last. A kill or an error part-way then leaves a directory
-    /// without a marker, which loaders refuse, never new weights beside an old adapter.
+    /// not write, which would be read with it) removed, and `markers` (a model's
+    /// `config.json` and an adapter's `adapter_config.json`, without which nothing loads
+    /// either) as the commit point where the files are moved one by one: the earlier markers
+    /// go first, then the stale files, then the new files, the new markers last. A kill or an
+    /// error part-way then leaves a directory without them, which loaders refuse, never new
+    /// weights beside an old adapter.
     pub fn commit_replacing(
         mut self,
         replaceable: &[&str],
         stale: &[PathBuf],
-        marker: Option<&str>,
+        markers: &[&str],
     ) -> Result<Vec<PathBuf>, TrainError> {
         let Some(staging) = self.staging.take() else {
             return Ok(Vec::new());
@@ -378,21 +379,20 @@ impl StagedDir {
             }
             Some(Err(e)) => Err(io(&self.dir, e)),
             None => {
-                let marker = marker.filter(|m| names.iter().any(|n| n.as_os_str() == *m));
+                let is_marker =
+                    |n: &std::ffi::OsString| markers.iter().any(|m| n.as_os_str() == *m);
                 let remove = |p: &Path| match fs::remove_file(p) {
                     Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(p, e)),
                     _ => Ok(()),
                 };
                 let moved = (|| {
-                    if let Some(m) = marker {
-                        remove(&self.dir.join(m))?;
+                    if !markers.is_empty() {
+                        markers.iter().try_for_each(|m| remove(&self.dir.join(m)))?;
                         sync_dir(&self.dir);
                     }
                     stale.iter().try_for_each(|p| remove(p))?;
-                    let (last, first): (Vec<_>, Vec<_>) = names
-                        .iter()
-                        .zip(&finals)
-                        .partition(|(n, _)| marker.is_some_and(|m| n.as_os_str() == m));
+                    let (last, first): (Vec<_>, Vec<_>) =
+                        names.iter().zip(&finals).partition(|(n, _)| is_marker(n));
                     first.into_iter().chain(last).try_for_each(|(n, to)| {
                         fs::rename(staging.join(n), to).map_err(|e| io(to, e))
                     })
@@ -620,7 +620,7 @@ mod tests {
         let names = ["config", "weights", "adapter"];
         let stale = [dir.join("adapter")];
         assert!(staged
-            .commit_replacing(&names, &stale, Some("config"))
+            .commit_replacing(&names, &stale, &["config"])
             .is_err());
         assert!(!dir.join("config").exists(), "a marker beside a mix");
         assert!(!dir.join("adapter").exists(), "the stale adapter stayed");
@@ -630,9 +630,7 @@ mod tests {
         let staged = StagedDir::new(&dir).unwrap();
         fs::write(staged.path().join("config"), "new config").unwrap();
         fs::write(staged.path().join("weights"), "new weights").unwrap();
-        staged
-            .commit_replacing(&names, &[], Some("config"))
-            .unwrap();
+        staged.commit_replacing(&names, &[], &["config"]).unwrap();
         assert_eq!(fs::read(dir.join("config")).unwrap(), b"new config");
         assert_eq!(fs::read(dir.join("weights")).unwrap(), b"new weights");
     }

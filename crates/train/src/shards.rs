@@ -731,7 +731,6 @@ fn consolidate(
     })
 }
 
-/// Shard files in `dir`: name, step and save number.
 /// A shard file in `dir` that no manifest names, if there is one: the unfinished save of some
 /// run, which only that run's resume may clear away.
 pub(crate) fn unnamed_shard(dir: &Path) -> Option<String> {
@@ -746,6 +745,7 @@ pub(crate) fn is_shard_name(name: &str) -> bool {
     parse_shard_name(name).is_some()
 }
 
+/// Shard files in `dir`: path, name, step and save number.
 fn shard_files(dir: &Path) -> Vec<(PathBuf, String, u64, u32)> {
     let Ok(entries) = fs::read_dir(dir) else {
         return Vec::new();
