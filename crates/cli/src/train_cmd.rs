@@ -772,6 +772,16 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             // Bad data or flags are refused before a run directory is made for them.
             let (data, model) = cfg.load_data_and_model()?;
             cfg.check_threads_here()?;
+            if let Some(file) = cfg.init_from.as_deref().filter(|p| p.is_file()) {
+                // A model directory's tokenizer.json is checked against the data; a lone file
+                // brings none, so ids the data gives another meaning would train silently.
+                tracing::warn!(
+                    "--init-from {}: a lone weights file names no tokenizer, so the data's token \
+                     ids are taken to mean what they meant to these weights; give its model \
+                     directory (with tokenizer.json) to have that checked",
+                    file.display()
+                );
+            }
             if let Some(init) = cfg
                 .init_from
                 .as_deref()

@@ -1122,6 +1122,12 @@ fn sample_export_and_init_from_round_trip() {
     args.extend(&common);
     let o = snug(&args);
     assert!(o.status.success(), "{}", stderr(&o));
+    // Its tokenizer is not known: the run says what it takes on trust.
+    assert!(
+        stderr(&o).contains("a lone weights file names no tokenizer"),
+        "{}",
+        stderr(&o)
+    );
     let loss = json_lines(&o)[0]["loss"].as_f64().unwrap();
     assert!(
         (loss - final_loss).abs() < (first_loss - final_loss) / 2.0,
