@@ -43,6 +43,26 @@ fn listed(stderr: &str) -> Vec<(Vec<String>, String)> {
         .collect()
 }
 
+/// Each listed change, added to the refused `run`, is chosen by fit at the peak listed.
+fn each_is_chosen_at_its_peak(run: &[&str], list: &[(Vec<String>, String)], cache: &Path) {
+    for (change, peak) in list {
+        let change: Vec<&str> = change.iter().map(String::as_str).collect();
+        let taken = [run, &change].concat();
+        let t = snug(&taken, cache);
+        assert_eq!(t.code, Some(0), "{}: {}", taken.join(" "), t.stderr);
+        let chosen = t
+            .stdout
+            .lines()
+            .find(|l| l.starts_with("chosen: "))
+            .expect("a choice");
+        assert!(
+            chosen.contains(&format!("(planned peak {peak},")),
+            "{}: listed at {peak}, chosen as {chosen}",
+            taken.join(" ")
+        );
+    }
+}
+
 /// The auditor's runs, tiny 2 × 8: under fused updates every lever had vanished from the
 /// advice, which planned each change at one sequence with the rest accumulated (more than the
 /// whole batch at once where the weights dominate): `--allow qlora` was said to miss budgets
@@ -93,22 +113,7 @@ fn each_listed_change_is_chosen_at_the_peak_the_refusal_names() {
             "{what}: `{expected}` not listed:\n{}",
             e.stderr
         );
-        for (change, peak) in &list {
-            let change: Vec<&str> = change.iter().map(String::as_str).collect();
-            let taken = [&run[..], &change].concat();
-            let t = snug(&taken, cache.path());
-            assert_eq!(t.code, Some(0), "{}: {}", taken.join(" "), t.stderr);
-            let chosen = t
-                .stdout
-                .lines()
-                .find(|l| l.starts_with("chosen: "))
-                .expect("a choice");
-            assert!(
-                chosen.contains(&format!("(planned peak {peak},")),
-                "{}: listed at {peak}, chosen as {chosen}",
-                taken.join(" ")
-            );
-        }
+        each_is_chosen_at_its_peak(&run, &list, cache.path());
     }
 }
 
@@ -143,22 +148,7 @@ fn on_a_gpu_each_listed_change_is_one_fit_there_chooses() {
     bounded::assert_refused(&e, &what, &["these would fit:"], 200 << 20);
     let list = listed(&e.stderr);
     assert!(!list.is_empty(), "{what}: {}", e.stderr);
-    for (change, peak) in &list {
-        let change: Vec<&str> = change.iter().map(String::as_str).collect();
-        let taken = [&run[..], &change].concat();
-        let t = snug(&taken, cache.path());
-        assert_eq!(t.code, Some(0), "{}: {}", taken.join(" "), t.stderr);
-        let chosen = t
-            .stdout
-            .lines()
-            .find(|l| l.starts_with("chosen: "))
-            .expect("a choice");
-        assert!(
-            chosen.contains(&format!("(planned peak {peak},")),
-            "{}: listed at {peak}, chosen as {chosen}",
-            taken.join(" ")
-        );
-    }
+    each_is_chosen_at_its_peak(&run, &list, cache.path());
 }
 
 /// tiny 4 × 48 at 8,000,000 bytes: the table had listed selective and block remat at 2 × 2

@@ -1001,31 +1001,20 @@ fn header_format(path: &Path) -> Option<String> {
 /// safetensors header (any model's weights, a snug checkpoint's or a Hugging Face one's).
 /// Commands that write a page or a trace never write over one, even with `--force`.
 pub fn is_weights_file(path: &Path) -> bool {
-    use std::io::Read;
-    if path.extension().is_some_and(|e| e == "safetensors") {
-        return true;
-    }
-    let Ok(size) = crate::user_file::check_regular(path) else {
-        return false;
-    };
-    let mut len = [0u8; 8];
-    let Ok(mut file) = File::open(path) else {
-        return false;
-    };
-    if file.read_exact(&mut len).is_err() {
-        return false;
-    }
-    let len = u64::from_le_bytes(len);
-    if !(2..=MAX_HEADER_BYTES).contains(&len) || len.saturating_add(8) > size {
-        return false;
-    }
-    let mut header = vec![0u8; len as usize];
-    file.read_exact(&mut header).is_ok()
-        && serde_json::from_slice::<serde_json::Value>(&header).is_ok_and(|h| h.is_object())
+    path.extension().is_some_and(|e| e == "safetensors")
+        || header_bytes(path).is_some_and(|h| {
+            serde_json::from_slice::<serde_json::Value>(&h).is_ok_and(|h| h.is_object())
+        })
 }
 
 /// The `__metadata__` of the safetensors header of the regular file `path`, if it has one.
 fn header_metadata(path: &Path) -> Option<serde_json::Map<String, serde_json::Value>> {
+    metadata_in(&header_bytes(path)?)
+}
+
+/// The safetensors header's JSON bytes of the regular file `path`, where its length prefix
+/// fits the file and [`MAX_HEADER_BYTES`].
+fn header_bytes(path: &Path) -> Option<Vec<u8>> {
     use std::io::Read;
     let size = crate::user_file::check_regular(path).ok()?;
     let mut file = File::open(path).ok()?;
@@ -1037,7 +1026,7 @@ fn header_metadata(path: &Path) -> Option<serde_json::Map<String, serde_json::Va
     }
     let mut header = vec![0u8; len as usize];
     file.read_exact(&mut header).ok()?;
-    metadata_in(&header)
+    Some(header)
 }
 
 /// Loads `path`: a checkpoint file, or the newest checkpoint in a directory.

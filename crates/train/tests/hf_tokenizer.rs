@@ -528,41 +528,7 @@ fn counted(t: &HfTokenizer, ex: &TokenizedExample) -> String {
 
 /// Mistral-7B-Instruct-v0.3's chat template without its tool branches: the system message goes
 /// into the last user turn, so no earlier turn renders as a prefix.
-const MISTRAL_V03: &str = r#"{%- if messages[0]["role"] == "system" %}
-    {%- set system_message = messages[0]["content"] %}
-    {%- set loop_messages = messages[1:] %}
-{%- else %}
-    {%- set loop_messages = messages %}
-{%- endif %}
-{%- if not tools is defined %}
-    {%- set tools = none %}
-{%- endif %}
-{%- set user_messages = loop_messages | selectattr("role", "equalto", "user") | list %}
-{%- set ns = namespace() %}
-{%- set ns.index = 0 %}
-{%- for message in loop_messages %}
-    {%- if not (message.role == "tool" or message.role == "tool_results" or (message.tool_calls is defined and message.tool_calls is not none)) %}
-        {%- if (message["role"] == "user") != (ns.index % 2 == 0) %}
-            {{- raise_exception("After the optional system message, conversation roles must alternate user/assistant/user/assistant/...") }}
-        {%- endif %}
-        {%- set ns.index = ns.index + 1 %}
-    {%- endif %}
-{%- endfor %}
-{{- bos_token }}
-{%- for message in loop_messages %}
-    {%- if message["role"] == "user" %}
-        {%- if loop.last and system_message is defined %}
-            {{- "[INST] " + system_message + "\n\n" + message["content"] + "[/INST]" }}
-        {%- else %}
-            {{- "[INST] " + message["content"] + "[/INST]" }}
-        {%- endif %}
-    {%- elif message["role"] == "assistant" %}
-        {{- " " + message["content"]|trim + eos_token}}
-    {%- else %}
-        {{- raise_exception("Only user and assistant roles are supported, with the exception of an initial optional system message!") }}
-    {%- endif %}
-{%- endfor %}
-"#;
+const MISTRAL_V03: &str = include_str!("../../nn/tests/fixtures/hf/mistral_v03.jinja");
 
 /// transformers 5.24 with the fixture tokenizer and Mistral v0.3's template, its assistant
 /// line wrapped in `{% generation %}` (`" " + content|trim + eos_token`) for
