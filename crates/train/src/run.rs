@@ -385,8 +385,12 @@ impl MetricsFile {
                 // processes out, and hidden, per-process names keep clear of anything else.
                 let name = format!(".{METRICS_FILE}.{}.tmp", std::process::id());
                 let tmp = path.with_file_name(name);
-                fs::write(&tmp, kept).map_err(io)?;
-                fs::rename(&tmp, path).map_err(io)?;
+                // A full disk fails the write after the file is made: the temporary file is
+                // ours to remove, or it stays behind in the run directory.
+                if let Err(e) = fs::write(&tmp, kept).and_then(|()| fs::rename(&tmp, path)) {
+                    let _ = fs::remove_file(&tmp);
+                    return Err(io(e));
+                }
             }
         }
         let file = OpenOptions::new()
@@ -413,5 +417,40 @@ impl MetricsFile {
                 path: self.path.clone(),
                 source,
             })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A resume that drops lines from the metrics rewrites the file through a temporary one;
+    /// where that write fails (a full disk), the error names the metrics file, which is as it
+    /// was, and the temporary file is gone.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_failed_metrics_rewrite_leaves_no_temporary_file() {
+        let dir = tempfile::tempdir().expect("a scratch directory");
+        let path = dir.path().join(METRICS_FILE);
+        let lines = "{\"kind\":\"step\",\"step\":1}\n{\"kind\":\"step\",\"step\":2}\n";
+        fs::write(&path, lines).expect("metrics");
+        // The temporary file's name, where every write fails with "no space left on device".
+        let tmp = dir
+            .path()
+            .join(format!(".{METRICS_FILE}.{}.tmp", std::process::id()));
+        std::os::unix::fs::symlink("/dev/full", &tmp).expect("a symlink");
+        let err = match MetricsFile::open(&path, 1) {
+            Err(e) => e,
+            Ok(_) => panic!("a write to /dev/full succeeded"),
+        };
+        assert!(
+            matches!(&err, TrainError::Io { path: p, .. } if *p == path),
+            "{err:?}"
+        );
+        assert!(
+            fs::symlink_metadata(&tmp).is_err(),
+            "the temporary file stayed"
+        );
+        assert_eq!(fs::read_to_string(&path).expect("metrics"), lines);
     }
 }
