@@ -138,6 +138,8 @@ struct Summary {
     addition_skipped: Option<String>,
     /// The page `--report` wrote.
     report: Option<PathBuf>,
+    /// True only for a resume that found nothing left to train (and so wrote nothing).
+    already_complete: bool,
 }
 
 /// Standard output that may close under a run (`snug train | head`): a failed write stops the
@@ -562,6 +564,71 @@ impl StopFlag {
     }
 }
 
+/// The run directory a checkpoint (or a sharded checkpoint's manifest) at `path` lies in.
+fn run_dir_of(path: &Path) -> PathBuf {
+    path.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+}
+
+/// Whether `a` and `b` are the same existing directory.
+fn same_dir(a: &Path, b: &Path) -> bool {
+    matches!(
+        (std::fs::canonicalize(a), std::fs::canonicalize(b)),
+        (Ok(a), Ok(b)) if a == b
+    )
+}
+
+/// What `--json` says of a resume that found nothing to train (`already_complete`).
+#[derive(Serialize)]
+struct Complete<'a> {
+    already_complete: bool,
+    steps: u64,
+    start_step: u64,
+    interrupted: bool,
+    checkpoint: &'a Path,
+}
+
+/// Says that the run resumed from the checkpoint at `path` (in `dir`) is already at its last
+/// step `step`, so nothing was trained and nothing written.
+fn already_complete(
+    out: &mut Stdout,
+    json: bool,
+    path: &Path,
+    dir: &Path,
+    step: u64,
+    report: bool,
+) -> Result<()> {
+    if report {
+        tracing::warn!(
+            "--report: no page written, as nothing ran; `snug report --run {}` writes one",
+            dir.display()
+        );
+    }
+    if json {
+        let done = Complete {
+            already_complete: true,
+            steps: step,
+            start_step: step,
+            interrupted: false,
+            checkpoint: path,
+        };
+        out.json("summary", &done)?;
+    } else {
+        say!(
+            out,
+            "{}: the run is already complete (step {step} of --steps {step}); nothing trained, \
+             nothing in {} written: give --steps above {step} to train further",
+            path.display(),
+            dir.display()
+        );
+    }
+    match out.broken.take() {
+        Some(e) => Err(anyhow::Error::new(e).context("standard output closed")),
+        None => Ok(()),
+    }
+}
+
 /// Trains; `Ok` carries the exit status (non-zero when a signal stopped the run after saving).
 /// A warmup as long as the run (the default's 20 steps, say, in a short fine-tune) never
 /// decays, and a longer one never reaches the peak learning rate: said before it starts.
@@ -669,8 +736,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
                 );
             }
             // Fewer steps than done: refused before the checkpoint is saved again under a step
-            // count the run has passed. As many re-saves it at once (how a checkpoint moves
-            // between one process and ranks, sharded or whole).
+            // count the run has passed.
             if cfg.steps < ckpt.step {
                 bail!(
                     "{}: the run is already at step {}, past the {} asked for: give --steps \
@@ -680,6 +746,19 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
                     cfg.steps,
                     ckpt.step
                 );
+            }
+            // As many: nothing to train. Saved again into its own directory, the checkpoint
+            // would record whatever flags were given here (a mistyped --lr), so the run is
+            // left as it is, unless it owes the evaluation a stop cut short. Into another
+            // `--out` it is saved as before: how a checkpoint moves between one process and
+            // ranks, sharded or whole.
+            let home = run_dir_of(&path);
+            if cfg.steps == ckpt.step
+                && cfg.out.as_deref().is_some_and(|out| same_dir(out, &home))
+                && !snug_train::run::evaluation_owed(&cfg, &home, ckpt.step)
+            {
+                already_complete(&mut out, json, &path, &home, ckpt.step, args.report)?;
+                return Ok(ExitCode::SUCCESS);
             }
             // A resumed run trains what it trained: fit (`--memory`) and recovery may change
             // how, never what; its precision changes only when asked (`--precision`).
@@ -1180,6 +1259,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
         addition: None,
         addition_skipped: None,
         report: None,
+        already_complete: false,
     };
     // After the figures above, so the page's memory is in none of them.
     if let (true, Some(dir)) = (args.report, &cfg.out) {

@@ -248,21 +248,33 @@ fn one_process_continues_a_sharded_run_and_exports_it_as_stage_0() {
         ]
         .concat(),
     );
-    // Step 3 in one process (unsharded): saved again at once, its state is the consolidated
-    // shards', bit for bit, and the whole file replaces the sharded one.
+    // Step 3 in one process (unsharded), in its own directory: nothing left to train, so
+    // nothing is written there. Into another directory it is saved at once, whole: its
+    // state is the consolidated shards', bit for bit.
     copy_sharded(&two, &one, 3);
-    let resaved = common::ok(
+    let whole3 = dir.path().join("whole3");
+    common::ok(
         dir.path(),
         &["train", "--resume", one.to_str().unwrap(), "--steps", "3"],
     );
-    let said = text(&resaved.stderr);
-    assert!(said.contains("accumulating 2 a step"), "{said}");
-    assert!(one.join("ckpt-00000003.safetensors").is_file());
-    assert!(!manifest_of(&one, 3).exists());
-    assert_eq!(state(&one), state(&manifest_of(&two, 3)));
-    // Steps 4 and 5 in one process (the step count, set to 3 by the save above, back to 5:
-    // the same learning-rate schedule), which kept the ranks' micro-batch by accumulating
-    // two: the same micro-batches summed in the same order, so bit for bit.
+    assert!(manifest_of(&one, 3).is_file());
+    assert!(!one.join("ckpt-00000003.safetensors").exists());
+    common::ok(
+        dir.path(),
+        &[
+            "train",
+            "--resume",
+            one.to_str().unwrap(),
+            "--steps",
+            "3",
+            "--out",
+            whole3.to_str().unwrap(),
+        ],
+    );
+    assert!(whole3.join("ckpt-00000003.safetensors").is_file());
+    assert_eq!(state(&whole3), state(&manifest_of(&two, 3)));
+    // Steps 4 and 5 in one process, which kept the ranks' micro-batch by accumulating two:
+    // the same micro-batches summed in the same order, so bit for bit.
     let rest = common::ok(
         dir.path(),
         &[
@@ -274,6 +286,8 @@ fn one_process_continues_a_sharded_run_and_exports_it_as_stage_0() {
             "--json",
         ],
     );
+    let said = text(&rest.stderr);
+    assert!(said.contains("accumulating 2 a step"), "{said}");
     assert_eq!(&losses(&all)[3..], &losses(&rest)[..]);
 
     // The sharded step 5 exported, and the same weights as one process's whole checkpoint

@@ -795,8 +795,8 @@ fn a_refused_run_leaves_no_directory_it_made() {
 
 /// Resuming a run past the steps asked for trains nothing and is refused, leaving its
 /// checkpoint as it was rather than saved again under a step count the run has passed. (As
-/// many steps as done re-saves it: how a checkpoint moves between one process and ranks, see
-/// `mpi_checkpoint.rs`.)
+/// many steps as done trains nothing and writes nothing: see
+/// `resuming_a_complete_run_writes_nothing_into_its_directory`.)
 #[test]
 fn resuming_past_the_steps_asked_for_is_refused_and_changes_nothing() {
     let tmp = tempfile::tempdir().expect("a scratch directory");
@@ -815,6 +815,98 @@ fn resuming_past_the_steps_asked_for_is_refused_and_changes_nothing() {
     );
     assert!(err.contains("--steps above 2"), "{err}");
     assert_eq!(snapshot(&run), before, "a refused resume changed the run");
+}
+
+/// Every entry of `dir` (hidden ones too) with its bytes and modification time, and the
+/// directory's own modification time, which a file made and removed again changes.
+#[allow(clippy::type_complexity)]
+fn entries_and_times(
+    dir: &Path,
+) -> (
+    std::time::SystemTime,
+    Vec<(PathBuf, Vec<u8>, std::time::SystemTime)>,
+) {
+    let modified = |p: &Path| {
+        std::fs::symlink_metadata(p)
+            .and_then(|m| m.modified())
+            .expect("a modification time")
+    };
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .expect("the run directory")
+        .map(|e| e.expect("an entry").path())
+        .map(|p| {
+            let bytes = std::fs::read(&p).unwrap_or_default();
+            let time = modified(&p);
+            (p, bytes, time)
+        })
+        .collect();
+    files.sort();
+    (modified(dir), files)
+}
+
+/// A resume with no step left to train (the checkpoint at `--steps`, given or saved) writes
+/// nothing into the run directory, whatever else it is given (another `--lr` would have been
+/// saved as the run's configuration): no checkpoint, no metrics, no lock file made and
+/// removed. It says the run is complete (`already_complete` in `--json`) and succeeds; the run
+/// still samples, and a raised `--steps` trains on.
+#[test]
+fn resuming_a_complete_run_writes_nothing_into_its_directory() {
+    let tmp = tempfile::tempdir().expect("a scratch directory");
+    let cwd = tmp.path();
+    let run = finished_run(cwd);
+    let before = entries_and_times(&run);
+    let o = snug(
+        &[
+            "train", "--resume", "run", "--steps", "2", "--lr", "0.05", "--json",
+        ],
+        cwd,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let last = out.lines().last().expect("a summary line");
+    let summary: serde_json::Value = serde_json::from_str(last).expect("JSON");
+    assert_eq!(summary["kind"], "summary", "{out}");
+    assert_eq!(summary["already_complete"], true, "{out}");
+    assert_eq!(summary["steps"], 2, "{out}");
+    assert_eq!(
+        entries_and_times(&run),
+        before,
+        "a complete run's resume wrote"
+    );
+    // From the checkpoint file, in words, the steps the run saved (2).
+    let o = snug(
+        &[
+            "train",
+            "--resume",
+            CHECKPOINT,
+            "--lr",
+            "0.05",
+            "--warmup-steps",
+            "7",
+        ],
+        cwd,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let said = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        said.contains("already complete") && said.contains("--steps above 2"),
+        "{said}"
+    );
+    assert_eq!(
+        entries_and_times(&run),
+        before,
+        "a complete run's resume wrote"
+    );
+    let o = snug(&["sample", "--checkpoint", "run", "--tokens", "3"], cwd);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // More steps: trained, and saved with the flags given.
+    let o = snug(&["train", "--resume", "run", "--steps", "3", "--json"], cwd);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let summary: serde_json::Value =
+        serde_json::from_str(out.lines().last().expect("a summary line")).expect("JSON");
+    assert_eq!(summary["already_complete"], false, "{out}");
+    assert_eq!(checkpoint_steps(&run), vec![2, 3]);
 }
 
 /// `--init-from` starts a run from other weights; with `--resume` it is refused as such,

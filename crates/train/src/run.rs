@@ -65,6 +65,25 @@ pub(crate) fn last_recorded_step(dir: &Path) -> Option<u64> {
         .max()
 }
 
+/// Whether an evaluation falls after `step` under `cfg` (`eval_every`, and the last step).
+fn evaluation_due(cfg: &TrainConfig, step: u64) -> bool {
+    cfg.eval_every > 0 && (step.is_multiple_of(cfg.eval_every) || step == cfg.steps)
+}
+
+/// Whether a run resumed in `dir` at `step` owes the evaluation after that step: one is due
+/// there and the metrics hold none (a stop cut it short), so the resumed run makes it up
+/// before anything else ([`run`]) and writes it into the metrics.
+pub fn evaluation_owed(cfg: &TrainConfig, dir: &Path, step: u64) -> bool {
+    if step == 0 || !evaluation_due(cfg, step) {
+        return false;
+    }
+    let text = fs::read_to_string(dir.join(METRICS_FILE)).unwrap_or_default();
+    !text.lines().any(|l| {
+        serde_json::from_str::<serde_json::Value>(l)
+            .is_ok_and(|v| v["kind"] == "eval" && v["step"].as_u64() == Some(step))
+    })
+}
+
 /// Trains until the configured step count or until `stop` is set, evaluating, logging and
 /// checkpointing as the configuration says. With a run directory (`out`; claimed here unless
 /// the caller claimed it first, see [`RunDir::claim`]), the final state is always saved:
@@ -233,9 +252,7 @@ fn train_loop(
 ) -> Result<(), TrainError> {
     let (cfg, saver) = (st.cfg, st.saver);
     let (metrics, summary) = (&mut st.metrics, &mut st.summary);
-    let due = |step: u64| {
-        cfg.eval_every > 0 && (step.is_multiple_of(cfg.eval_every) || step == cfg.steps)
-    };
+    let due = |step: u64| evaluation_due(cfg, step);
     // A stop during the evaluation after a step saves that step with the evaluation cut
     // short; the resumed run evaluates it then, so its metrics and result hold every one.
     let at = trainer.steps_done();
@@ -452,5 +469,31 @@ mod tests {
             "the temporary file stayed"
         );
         assert_eq!(fs::read_to_string(&path).expect("metrics"), lines);
+    }
+
+    #[test]
+    fn an_evaluation_is_owed_only_where_due_and_missing() {
+        let dir = tempfile::tempdir().expect("a scratch directory");
+        let cfg = TrainConfig {
+            steps: 4,
+            eval_every: 3,
+            ..TrainConfig::default()
+        };
+        // Due at 3 and at the last step, 4; never at 0 or 2.
+        for (step, owed) in [(0, false), (2, false), (3, true), (4, true)] {
+            assert_eq!(evaluation_owed(&cfg, dir.path(), step), owed, "{step}");
+        }
+        fs::write(
+            dir.path().join(METRICS_FILE),
+            "{\"kind\":\"step\",\"step\":4}\n{\"kind\":\"eval\",\"step\":4}\n",
+        )
+        .expect("metrics");
+        assert!(!evaluation_owed(&cfg, dir.path(), 4));
+        assert!(evaluation_owed(&cfg, dir.path(), 3));
+        let never = TrainConfig {
+            eval_every: 0,
+            ..cfg
+        };
+        assert!(!evaluation_owed(&never, dir.path(), 3));
     }
 }
