@@ -17,7 +17,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
-use snug_train::hf_tokenizer::{CHAT_TEMPLATE_FILE, CONFIG_FILE, TOKENIZER_FILE};
+use snug_train::hf_tokenizer::{
+    CHAT_TEMPLATE_FILE, CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE, TOKENIZER_FILE,
+};
 use snug_train::output::{self, DirContents};
 use snug_train::{HfTokenizerFiles, Tokenizer};
 
@@ -77,12 +79,13 @@ struct ExportReport {
 }
 
 /// Every file export may write into its directory: what `--force` replaces.
-const EXPORT_FILES: [&str; 7] = [
+const EXPORT_FILES: [&str; 8] = [
     snug_nn::hf_checkpoint::CONFIG_FILE,
     snug_nn::hf_checkpoint::WEIGHTS_FILE,
     TOKENIZER_FILE,
     CONFIG_FILE,
     CHAT_TEMPLATE_FILE,
+    SPECIAL_TOKENS_MAP_FILE,
     snug_nn::lora::ADAPTER_WEIGHTS_FILE,
     snug_nn::lora::ADAPTER_CONFIG_FILE,
 ];
@@ -92,9 +95,8 @@ const EXPORT_FILES: [&str; 7] = [
 /// would be read with the new one, so those this export does not write go. Weights are not
 /// among them: a directory holding sharded weights is refused, and other formats are not read
 /// beside safetensors.
-const HUB_FILES: [&str; 6] = [
+const HUB_FILES: [&str; 5] = [
     GENERATION_CONFIG,
-    "special_tokens_map.json",
     "added_tokens.json",
     "vocab.json",
     "merges.txt",
@@ -240,6 +242,9 @@ fn tokenizer_files(files: &HfTokenizerFiles) -> Vec<(&'static str, &str)> {
     if let Some(t) = &files.chat_template_jinja {
         out.push((CHAT_TEMPLATE_FILE, t.as_str()));
     }
+    if let Some(t) = &files.special_tokens_map_json {
+        out.push((SPECIAL_TOKENS_MAP_FILE, t.as_str()));
+    }
     out
 }
 
@@ -328,6 +333,10 @@ fn write_token_ids(
     Ok(Some(generation))
 }
 
+/// The most export reads of a model directory's `special_tokens_map.json` (a few hundred
+/// bytes in practice).
+const MAX_SPECIAL_TOKENS_MAP_BYTES: u64 = 16 << 20;
+
 /// transformers' generation settings file.
 const GENERATION_CONFIG: &str = "generation_config.json";
 
@@ -359,11 +368,26 @@ pub fn run(args: ExportArgs) -> Result<()> {
     if let Some(t) = &tokenizer {
         t.check_model_vocab(model.vocab_size())?;
     }
-    let hf_files = match &tokenizer {
+    let mut hf_files = match &tokenizer {
         Some(Tokenizer::Hf(t)) => Some(hf_tokenizer_files(t)?),
         Some(t @ Tokenizer::Char(_)) => Some(char_tokenizer_files(t)?),
         _ => None,
     };
+    // The tokenizer keeps special_tokens_map.json only where transformers reads it (a run's
+    // checkpoint likewise); a model directory's is carried over as it is whatever its config,
+    // so an export loses none of the directory's tokenizer files.
+    if let (Source::Hf(c), Some(Tokenizer::Hf(_)), Some(files)) =
+        (&source, &tokenizer, &mut hf_files)
+    {
+        let map = c.dir().join(SPECIAL_TOKENS_MAP_FILE);
+        if files.special_tokens_map_json.is_none() && std::fs::symlink_metadata(&map).is_ok() {
+            files.special_tokens_map_json = Some(snug_train::user_file::read_text(
+                &map,
+                MAX_SPECIAL_TOKENS_MAP_BYTES,
+                "a tokenizer file",
+            )?);
+        }
+    }
     let lora = match &source {
         Source::Run(_, ckpt) => ckpt.config.lora_config(),
         Source::Hf(c) if snug_nn::lora::is_adapter_dir(c.dir()) => {

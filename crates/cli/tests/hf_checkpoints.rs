@@ -725,3 +725,79 @@ fn export_fills_token_ids_the_config_lacks_from_the_tokenizer() {
         std::fs::read(from.join("generation_config.json")).unwrap()
     );
 }
+
+/// `special_tokens_map.json` goes out with the tokenizer it came with: a model directory's is
+/// exported as it is (here beside a config with `added_tokens_decoder`, which transformers reads
+/// instead), and is written, not removed as an earlier model's, by `--force` into that export;
+/// a run keeps one where transformers reads it (a config without `added_tokens_decoder`) and
+/// exports it byte for byte. A model without one still clears an earlier one away.
+#[test]
+fn special_tokens_map_json_is_exported_with_its_tokenizer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cwd = tmp.path();
+    let map = "{\n  \"bos_token\": \"<|im_start|>\",\n  \"eos_token\": \"<|im_end|>\"\n}\n";
+    let model = cwd.join("model");
+    copy_fixture("llama_tied", &model);
+    std::fs::write(model.join("special_tokens_map.json"), map).unwrap();
+    let read_map =
+        |dir: &str| std::fs::read_to_string(cwd.join(dir).join("special_tokens_map.json"));
+    let export = ["export", "--checkpoint", "model", "--out", "exported"];
+    let report = json(&ok(cwd, &[&export[..], &["--json"]].concat()));
+    assert_eq!(read_map("exported").unwrap(), map);
+    assert!(
+        report["tokenizer_files"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f.as_str().unwrap().ends_with("special_tokens_map.json")),
+        "{report}"
+    );
+    ok(cwd, &[&export[..], &["--force"]].concat());
+    assert_eq!(read_map("exported").unwrap(), map, "removed by --force");
+    let bare = fixture("llama_tied");
+    let bare = [
+        "export",
+        "--checkpoint",
+        bare.to_str().unwrap(),
+        "--out",
+        "exported",
+    ];
+    ok(cwd, &[&bare[..], &["--force"]].concat());
+    assert!(
+        read_map("exported").is_err(),
+        "an earlier model's map stayed"
+    );
+
+    // A config transformers reads the map beside: the run keeps it, and its export has it.
+    let config = model.join("tokenizer_config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    c.as_object_mut().unwrap().remove("added_tokens_decoder");
+    std::fs::write(&config, serde_json::to_string_pretty(&c).unwrap()).unwrap();
+    write_text(&cwd.join("text.txt"));
+    ok(
+        cwd,
+        &[
+            "train",
+            "--init-from",
+            "model",
+            "--data",
+            "text.txt",
+            "--steps",
+            "1",
+            "--block",
+            "16",
+            "--batch",
+            "2",
+            "--threads",
+            "1",
+            "--eval-every",
+            "0",
+            "--out",
+            "run",
+        ],
+    );
+    std::fs::remove_dir_all(&model).unwrap();
+    ok(cwd, &["export", "--checkpoint", "run", "--out", "from-run"]);
+    assert_eq!(read_map("from-run").unwrap(), map);
+}
