@@ -75,8 +75,9 @@ pub struct SampleArgs {
     context: Option<usize>,
     /// Softmax temperature; 0 picks the most likely token every time, above 0 samples.
     /// Default: a Hugging Face model's generation_config.json (its `temperature` where
-    /// `do_sample` is true, else 0: greedy, as transformers' `generate`); otherwise 0.8, and 0
-    /// for the default addition problem (its answer is exact).
+    /// `do_sample` is true, else 0: greedy, as transformers' `generate`); a Hugging Face model
+    /// directory without one, 0 (greedy, as `generate`) unless --top-k or --top-p is given;
+    /// otherwise 0.8, and 0 for the default addition problem (its answer is exact).
     #[arg(long, allow_negative_numbers = true)]
     temperature: Option<f32>,
     /// Sample among the K most likely tokens only; 0 keeps every token. Default: with a
@@ -194,6 +195,9 @@ struct SampleReport {
     /// The model's generation_config.json, when it gave a default (a flag not given).
     #[serde(skip_serializing_if = "Option::is_none")]
     generation_config: Option<PathBuf>,
+    /// True where a Hugging Face model directory without generation_config.json sampled
+    /// greedily by default, as transformers' `generate` does (do_sample false).
+    greedy_without_generation_config: bool,
     mode: SampleMode,
     /// Positions the sampler held (the caches' length).
     context: usize,
@@ -285,6 +289,16 @@ pub fn run(args: SampleArgs) -> Result<()> {
         temperature: args.temperature,
         top_k: args.top_k,
         top_p: args.top_p,
+    };
+    // A Hugging Face directory without generation_config.json: transformers' `generate`
+    // takes do_sample=False then, so greedy, as it would be. A sampling flag given asks to
+    // sample (snug's 0.8 unless --temperature says); a snug run keeps snug's defaults.
+    let greedy_without_generation_config = matches!(source, Source::Hf(_))
+        && generation.file.is_none()
+        && flags == SamplingFlags::default();
+    let default_temperature = match greedy_without_generation_config {
+        true => 0.0,
+        false => default_temperature,
     };
     let sampling = generation.sampling(flags, default_temperature);
     if sampling.temperature == 0.0 {
@@ -537,6 +551,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
             .file
             .clone()
             .filter(|_| sampling.from_generation_config),
+        greedy_without_generation_config,
         mode,
         context,
         quantize,
@@ -565,6 +580,9 @@ pub fn run(args: SampleArgs) -> Result<()> {
         };
         let drawn = match &report.generation_config {
             Some(_) => format!("{drawn}, from generation_config.json"),
+            None if report.greedy_without_generation_config => {
+                format!("{drawn}: no generation_config.json, as transformers")
+            }
             None => drawn,
         };
         let ended = match (&report.stop_token, report.stop_token_id) {

@@ -299,7 +299,8 @@ fn a_plain_prompt_gets_the_tokenizers_bos_once() {
 
 /// generation_config.json's `do_sample`, `temperature`, `top_k` and `top_p` are the defaults of
 /// flags not given, as in transformers (no `do_sample`: greedy; sampling without a `top_k`:
-/// 50); a flag overrides its setting; without the file, snug's defaults.
+/// 50); a flag overrides its setting; without the file, greedy as transformers' `generate`
+/// (said in `--json`), unless a sampling flag asks to sample.
 #[test]
 fn generation_config_sets_the_sampling_defaults() {
     let tmp = tempfile::tempdir().unwrap();
@@ -361,15 +362,27 @@ fn generation_config_sets_the_sampling_defaults() {
     let all = run(&["--top-k", "0", "--top-p", "1"]);
     assert_eq!((drawn(&all).1, drawn(&all).2), (None, None));
 
-    // Without generation_config.json: snug's 0.8, every token.
+    assert_eq!(default["greedy_without_generation_config"], false);
+
+    // Without generation_config.json: greedy, as transformers' `generate` (do_sample false),
+    // and said so; the same tokens as --temperature 0.
     std::fs::remove_file(dir.join("generation_config.json")).unwrap();
     let bare = run(&[]);
-    let (t, k, p) = drawn(&bare);
-    assert!(
-        (t - 0.8).abs() < 1e-6 && k.is_none() && p.is_none(),
-        "{bare}"
-    );
+    assert_eq!(drawn(&bare), (0.0, None, None), "{bare}");
+    assert_eq!(bare["greedy_without_generation_config"], true, "{bare}");
+    assert_eq!(bare["ids"], greedy["ids"]);
     assert!(bare.get("generation_config").is_none());
+    // A sampling flag asks to sample: snug's 0.8 with it, no top-k.
+    let asked = run(&["--top-p", "0.9"]);
+    let (t, k, p) = drawn(&asked);
+    assert!(
+        (t - 0.8).abs() < 1e-6 && k.is_none() && (p.unwrap() - 0.9).abs() < 1e-6,
+        "{asked}"
+    );
+    assert_eq!(asked["greedy_without_generation_config"], false, "{asked}");
+    let given = run(&["--temperature", "0.5"]);
+    assert!((drawn(&given).0 - 0.5).abs() < 1e-6, "{given}");
+    assert_eq!(given["greedy_without_generation_config"], false);
 }
 
 /// --top-p outside (0, 1] is refused by name before anything loads; a tiny one keeps only the
@@ -480,6 +493,7 @@ fn a_character_run_samples_as_before() {
     assert_eq!(r["tokens"], 6);
     assert_eq!(r["finish_reason"], "length");
     assert!((r["temperature"].as_f64().unwrap() - 0.8).abs() < 1e-6);
+    assert_eq!(r["greedy_without_generation_config"], false);
     // The built-in demo: a held-out sum, answered greedily.
     let (r, _) = sample(cwd, &["--checkpoint", "run", "--tokens", "4"]);
     assert_eq!(r["temperature"], 0.0);
