@@ -302,6 +302,12 @@ pub(super) unsafe fn store_tile(
 /// Rows of [`small_gemm`]'s register tile; its columns are four zmm vectors (64 floats, one
 /// attention head's width).
 const SMALL_MR: usize = super::HEAD_TILE_ROWS;
+/// Rows of `b` ahead that [`small_tile`] prefetches. A head's keys, values and output
+/// gradients are rows of the token-major `qkv`, `3C` floats apart, a stride the L1
+/// prefetcher does not follow: fetched 4 rows ahead, GPT-2's heads (t 1,024) ran 5–10 %
+/// faster forward and backward and char-small's (t 256) 3–6 % (one thread, best of 16,
+/// interleaved with no prefetch in one process); 2 to 6 ahead measured alike.
+const SMALL_PREFETCH: usize = 4;
 
 /// `c (+)= scale · a · b` for the small products of one attention head (tens to hundreds of
 /// rows, columns and depth), nothing packed per product: `a`'s elements are broadcast from
@@ -397,6 +403,11 @@ unsafe fn small_tile<const R: usize, const V: usize>(
         let a = a.add(i0 * a_rs);
         for p in 0..k {
             let bq = b.add(p * b_rs);
+            // A hint only: past the last row it fetches nothing the product reads.
+            let ahead = bq.wrapping_add(SMALL_PREFETCH * b_rs);
+            for v in 0..V {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(16 * v) as *const i8);
+            }
             let bv: [__m512; V] =
                 std::array::from_fn(|v| _mm512_maskz_loadu_ps(masks[v], bq.wrapping_add(16 * v)));
             let aq = a.add(p * a_cs);
