@@ -439,7 +439,11 @@ pub(crate) fn agrees<U: TileUnit>() -> bool {
         bias: Some(&bias),
         ..Fused::NONE
     };
-    let runs = [(1.0f32, false, biased), (0.75, true, Fused::NONE), (1.0, true, Fused::NONE)];
+    let runs = [
+        (1.0f32, false, biased),
+        (0.75, true, Fused::NONE),
+        (1.0, true, Fused::NONE),
+    ];
     let scale: f32 = runs.iter().map(|r| r.0).sum();
     for (s, accumulate, fused) in runs {
         // SAFETY: the tiles run here (checked by the caller for the hardware; the model runs
@@ -463,10 +467,8 @@ pub(crate) fn agrees<U: TileUnit>() -> bool {
             });
             let bound = f64::from(scale) * terms.clone().map(f64::abs).sum::<f64>();
             let want = f64::from(scale) * terms.sum::<f64>() + f64::from(bias[j]);
-            let tol = 3.0
-                * (k + 2) as f64
-                * f64::from(f32::EPSILON)
-                * (bound + f64::from(bias[j]).abs());
+            let tol =
+                3.0 * (k + 2) as f64 * f64::from(f32::EPSILON) * (bound + f64::from(bias[j]).abs());
             (f64::from(c[i * n + j]) - want).abs() <= tol
         })
     })
