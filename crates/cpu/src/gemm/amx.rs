@@ -620,10 +620,71 @@ unsafe fn pack_a_half(
             })
         };
     }
+    let row_wise = match prologue {
+        Prologue::LayerNorm { tokens_down, .. } => tokens_down,
+        Prologue::Gelu(_) => true,
+        Prologue::None => false,
+    };
+    if half.cs == 1 && inside && row_wise {
+        // Rows along the depth, each element made as `apply_prologue` makes it (the same
+        // expression, element by element), straight into the blocks: the panel of f32
+        // columns, its pairing and its transposes back into rows are left out.
+        let base = half.bits.as_ptr();
+        // SAFETY: as above; the prologue's statistics and gains cover the panel's rows and
+        // depths, as the caller vouched.
+        return unsafe {
+            rows_to_blocks(kc, mr, out, |i, p, live| {
+                let src = base.add((i0 + i) * half.rs + p0 + p) as *const i16;
+                let bits = _mm512_maskz_loadu_epi16(live, src);
+                let mut x = [0f32; 2 * 16];
+                let widen = |h: __m256i| {
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+                };
+                _mm512_storeu_ps(x.as_mut_ptr(), widen(_mm512_castsi512_si256(bits)));
+                _mm512_storeu_ps(
+                    x.as_mut_ptr().add(16),
+                    widen(_mm512_extracti64x4_epi64::<1>(bits)),
+                );
+                let len = (kc - p).min(32);
+                prologue_row(prologue, &mut x[..len], (i0 + i, p0 + p));
+                let lo = bits16(_mm512_loadu_ps(x.as_ptr()));
+                let hi = bits16(_mm512_loadu_ps(x.as_ptr().add(16)));
+                // Lanes past the depth stay zero, as the panel's padding is.
+                _mm512_maskz_mov_epi16(
+                    live,
+                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi),
+                )
+            })
+        };
+    }
     // SAFETY: as the caller vouched.
     unsafe {
         pack_a_half_panel::<MR>(half, dims, panel, prologue);
         to_blocks(kc, out);
+    }
+}
+
+/// A row prologue on `x`, the elements of row `i` of `a` from depth `p` on: token `i`'s
+/// LayerNorm over features `p..` (a LayerNorm with tokens down the rows), or GELU, each
+/// element by the expression [`apply_prologue`] uses, so bitwise its values.
+#[inline(always)]
+fn prologue_row(prologue: Prologue<'_>, x: &mut [f32], (i, p): (usize, usize)) {
+    match prologue {
+        Prologue::None => {}
+        Prologue::Gelu(approx) => {
+            for v in x.iter_mut() {
+                *v = crate::math::gelu(approx, *v);
+            }
+        }
+        Prologue::LayerNorm {
+            mean, rstd, w, b, ..
+        } => {
+            let (m, r) = (mean[i], rstd[i]);
+            let (wk, bk) = (&w[p..p + x.len()], &b[p..p + x.len()]);
+            for ((v, &wf), &bf) in x.iter_mut().zip(wk).zip(bk) {
+                *v = (*v - m) * r * wf + bf;
+            }
+        }
     }
 }
 
@@ -1017,6 +1078,101 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// A bf16 `a` with its LayerNorm (tokens down the rows) or GELU made as it is packed is
+    /// bitwise the product of the same prologue made first in f32 and rounded to bf16: the
+    /// row-wise packing makes each element as the panel's does. Depths odd and even, one
+    /// block and several, partial tiles.
+    #[test]
+    fn a_prologue_made_along_bf16_rows_is_bitwise_the_materialised_one() {
+        if !Modelled::available() {
+            eprintln!("skipped the AMX tile's row prologue: the packing needs AVX512-BF16");
+            return;
+        }
+        check_row_prologue::<Modelled>();
+        if usable() {
+            check_row_prologue::<Hardware>();
+        }
+    }
+
+    fn check_row_prologue<U: TileUnit>() {
+        use super::super::blocked::apply_prologue;
+        use super::super::half::{bf16_bits, widen, HalfA};
+        use super::super::test_support::values;
+        use snug_graph::ops::GeluApprox;
+        for (m, n, k) in [(40, 50, 90), (33, 64, 71), (32, 32, 32), (5, 7, 3)] {
+            let bits: Vec<u16> = values(m * k, 61)
+                .iter()
+                .map(|&v| bf16_bits(4.0 * v))
+                .collect();
+            let b = values(k * n, 62);
+            let (mean, rstd) = (values(m, 63), values(m, 64));
+            let rstd: Vec<f32> = rstd.iter().map(|r| 1.5 + r).collect();
+            let (w, bias) = (values(k, 65), values(k, 66));
+            let prologues = [
+                Prologue::LayerNorm {
+                    mean: &mean,
+                    rstd: &rstd,
+                    w: &w,
+                    b: &bias,
+                    tokens_down: true,
+                },
+                Prologue::Gelu(GeluApprox::Tanh),
+                Prologue::Gelu(GeluApprox::Exact),
+            ];
+            for (prologue, label) in prologues.into_iter().zip(["layer norm", "tanh", "erf"]) {
+                // The prologue made first: one row-major panel of the whole `a`, token `i`
+                // per row, through the panel function itself.
+                let mut made = vec![0f32; m * k];
+                for i in 0..m {
+                    let mut col: Vec<f32> = (0..k).map(|p| widen(bits[i * k + p])).collect();
+                    // A panel of one row: `k` columns of 1 (MR = 1).
+                    apply_prologue::<1>(prologue, &mut col, 1, (i, 0));
+                    made[i * k..(i + 1) * k].copy_from_slice(&col);
+                }
+                let mut want = vec![f32::NAN; m * n];
+                let mut got = vec![f32::NAN; m * n];
+                let fused = Fused {
+                    prologue,
+                    half_a: Some(HalfA {
+                        bits: &bits,
+                        rs: k,
+                        cs: 1,
+                    }),
+                    ..Fused::NONE
+                };
+                // SAFETY: the packing's features were checked; the operands cover the product.
+                unsafe {
+                    super::super::blocked::sgemm_alone::<Amx<U>>(
+                        (m, n, k),
+                        (want.as_mut_ptr(), n as isize),
+                        (made.as_ptr(), k as isize, 1),
+                        (b.as_ptr(), n as isize, 1),
+                        1.0,
+                        false,
+                        Fused::NONE,
+                    );
+                    super::super::blocked::sgemm_alone::<Amx<U>>(
+                        (m, n, k),
+                        (got.as_mut_ptr(), n as isize),
+                        (std::ptr::null(), 0, 0),
+                        (b.as_ptr(), n as isize, 1),
+                        1.0,
+                        false,
+                        fused,
+                    );
+                }
+                let same = want
+                    .iter()
+                    .zip(&got)
+                    .all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(
+                    same,
+                    "{m}×{k}×{n} {label}: not bitwise the materialised product"
+                );
             }
         }
     }
