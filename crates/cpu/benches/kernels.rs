@@ -1,5 +1,6 @@
 //! Criterion benches of the hot kernels at char-small's shapes (batch 16 × block 256 = 4,096
-//! tokens, width 384, 6 heads, MLP 1,536): `cargo bench -p snug-cpu --bench kernels`.
+//! tokens, width 384, 6 heads, MLP 1,536), and attention at GPT-2 small's too: `cargo bench -p
+//! snug-cpu --bench kernels`.
 //! Each builds a one-op graph, plans it and times `CpuSession::run` on physical-core threads;
 //! criterion's "elements" throughput is the op's FLOPs.
 
@@ -90,6 +91,21 @@ fn kernels(c: &mut Criterion) {
         "causal_attention_backward",
         CausalAttentionBackward { n_head: 6 },
         &[qkv, &[16, 256, C], &[16, 6, 256], &[16, 256, C]],
+    );
+    // GPT-2 small's heads (4 × 1,024 tokens, 12 heads of 64), where a head's rows are
+    // 2,304 floats apart and its products hundreds of rows deep.
+    let qkv_gpt2: &[usize] = &[4, 1024, 3 * 768];
+    bench(
+        c,
+        "causal_attention t1024",
+        CausalAttention { n_head: 12 },
+        &[qkv_gpt2],
+    );
+    bench(
+        c,
+        "causal_attention_backward t1024",
+        CausalAttentionBackward { n_head: 12 },
+        &[qkv_gpt2, &[4, 1024, 768], &[4, 12, 1024], &[4, 1024, 768]],
     );
     bench(
         c,
