@@ -565,6 +565,23 @@ impl TokenFile {
         &self.map[self.offset + start * w..self.offset + (start + n) * w]
     }
 
+    /// Drops this process's mapping of the file's pages, so the pages a reader touched stop
+    /// counting in its resident set: the page cache keeps them (they are clean, and the next
+    /// read maps them again without going to disk), but a long run's random batches, or one
+    /// pass over the whole file (the run's CRC, the mask's count), would otherwise leave every
+    /// page it read resident in the process, the whole corpus at worst, outside the memory
+    /// plan and any `--memory` budget. Readers call it after each batch or window; a failure
+    /// (an advice the kernel does not take) leaves the pages mapped, which costs memory only.
+    pub fn release_pages(&self) {
+        // SAFETY: `MADV_DONTNEED` on a read-only shared file mapping drops page-table entries
+        // only: the next access faults the same bytes back in from the page cache (or the
+        // file). Nothing written through the map could be lost, as nothing is.
+        let _ = unsafe {
+            self.map
+                .unchecked_advise(memmap2::UncheckedAdvice::DontNeed)
+        };
+    }
+
     /// Copies tokens `start..start + out.len()` into `out`. Panics past the end.
     pub fn copy_window(&self, start: usize, out: &mut [i32]) {
         let bytes = self.bytes(start, out.len());
@@ -618,7 +635,11 @@ impl TokenFile {
             return self.len.saturating_sub(1);
         };
         let bits = &self.map[at..at + self.len.div_ceil(8)];
-        let set: usize = bits.iter().map(|b| b.count_ones() as usize).sum();
+        let mut set = 0usize;
+        for chunk in bits.chunks(1 << 20) {
+            set += chunk.iter().map(|b| b.count_ones() as usize).sum::<usize>();
+            self.release_pages();
+        }
         // Bits past the last token are zero as written, but a file is not trusted to be.
         let past = match self.len % 8 {
             0 => 0,
