@@ -256,12 +256,33 @@ fn check_budget_here(text: &str, budget: usize, cfg: &TrainConfig) -> Result<()>
     }
 }
 
+/// `--memory SIZE` given as a size (not `auto`, which is measured after the data is in
+/// memory, so already leaves it out), in bytes.
+fn explicit_budget(args: &TrainArgs, cfg: &TrainConfig) -> Result<Option<u64>> {
+    match args.memory.as_deref() {
+        Some(m) if m.trim() != "auto" => Ok(Some(crate::fit_cmd::parse_budget(m, cfg)? as u64)),
+        _ => Ok(None),
+    }
+}
+
+/// Under `--memory SIZE`, refuses before reading it a text `--data` file whose loading would
+/// take the whole budget (the text and its ids live outside the plan).
+fn check_text_data(args: &TrainArgs, cfg: &TrainConfig) -> Result<()> {
+    if let (DataSourceConfig::File(p), Some(budget)) = (&cfg.data, explicit_budget(args, cfg)?) {
+        if !p.is_dir() {
+            snug_train::data::check_text_data_budget(p, budget)?;
+        }
+    }
+    Ok(())
+}
+
 /// With `--memory`: runs fit and applies its choice, with the budget as a strict limit.
 /// Returns the machine profile fit used.
 fn fit_to_memory(
     args: &TrainArgs,
     cfg: &mut TrainConfig,
     model: snug_nn::ModelConfig,
+    data_bytes: u64,
     out: &mut Stdout,
 ) -> Result<Option<snug_fit::MachineProfile>> {
     crate::fit_cmd::apply_device_memory(cfg, args.device_memory.as_deref())?;
@@ -279,6 +300,32 @@ fn fit_to_memory(
         budget = snug_train::ranks::shared_auto_budget(budget, host_memory);
     }
     check_budget_here(memory, budget, cfg)?;
+    // A text file's ids are held beside the arena, outside the plan: a size given is the whole
+    // process's, so the plan gets what they leave (`auto` is measured with them in memory).
+    if memory.trim() != "auto" && data_bytes > 0 {
+        let held = usize::try_from(data_bytes).unwrap_or(usize::MAX);
+        if held >= budget {
+            anyhow::bail!(
+                "--memory {memory}: the data's token ids hold {} in memory, outside the plan, \
+                 and leave nothing of {} for training; prepare the text once with `snug \
+                 prepare` and train on its directory, whose token files are memory-mapped",
+                human_bytes(held),
+                human_bytes(budget)
+            );
+        }
+        let said = format!(
+            "--memory {memory}: the data's token ids hold {} outside the plan; fit plans within \
+             the {} they leave (`snug prepare` memory-maps them instead)",
+            human_bytes(held),
+            human_bytes(budget - held)
+        );
+        if args.json {
+            eprintln!("{said}");
+        } else {
+            say!(out, "{said}");
+        }
+        budget -= held;
+    }
     if args.model.batch_auto() {
         if cfg.devices > 1 {
             anyhow::bail!(
@@ -789,6 +836,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             // directory is not needed again (and may have moved).
             cfg.init_from = None;
             let tokenizer = snug_train::Tokenizer::from_spec(&ckpt.tokenizer)?;
+            check_text_data(&args, &cfg)?;
             let (data, model) = cfg
                 .load_data_and_model_with(Some(&tokenizer))
                 .with_context(|| match &data_path {
@@ -811,7 +859,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
                         path.display()
                     ),
                 })?;
-            machine = fit_to_memory(&args, &mut cfg, model, &mut out)?;
+            machine = fit_to_memory(&args, &mut cfg, model, data.resident_bytes(), &mut out)?;
             let summary = data_line(&data);
             let trainer = Trainer::resume(cfg.clone(), data, allocator.clone(), &ckpt)
                 .with_context(|| format!("resuming from {}", path.display()))?;
@@ -849,6 +897,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
                 }
             }
             // Bad data or flags are refused before a run directory is made for them.
+            check_text_data(&args, &cfg)?;
             let (data, model) = cfg.load_data_and_model()?;
             cfg.check_threads_here()?;
             if let Some(file) = cfg.init_from.as_deref().filter(|p| p.is_file()) {
@@ -872,7 +921,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             }
             let run_dir = claim_fresh(&mut cfg, numbered)?;
             let guard = guard_setup(run_dir.as_ref())?;
-            machine = fit_to_memory(&args, &mut cfg, model, &mut out)?;
+            machine = fit_to_memory(&args, &mut cfg, model, data.resident_bytes(), &mut out)?;
             let summary = data_line(&data);
             let trainer = Trainer::with_allocator(cfg.clone(), data, allocator.clone())
                 .context("setting up training")?;

@@ -23,6 +23,13 @@ pub enum TrainError {
         what: &'static str,
         limit: u64,
     },
+    #[error("{path}: a text file is read and tokenized in memory, outside the plan: its {} of text take up to {} while they load (the text, its ids while encoded, the two splits' copies) and {} is the whole --memory budget; prepare it once (`snug prepare --input {path} --tokenizer char --out DIR`) and train on DIR, whose token files are memory-mapped", snug_plan::memory_plan::human_bytes(usize::try_from(*.text_bytes).unwrap_or(usize::MAX)), snug_plan::memory_plan::human_bytes(usize::try_from(*.load_bytes).unwrap_or(usize::MAX)), snug_plan::memory_plan::human_bytes(usize::try_from(*.budget).unwrap_or(usize::MAX)))]
+    TextDataOverBudget {
+        path: PathBuf,
+        text_bytes: u64,
+        load_bytes: u64,
+        budget: u64,
+    },
     #[error("{path}: the data file is empty")]
     EmptyData { path: PathBuf },
     #[error("{what}: the {split} split holds {tokens} tokens, too few for one sequence of block + 1 = {needed} tokens")]
