@@ -681,7 +681,9 @@ impl Source {
         if let Some(why) = snug_nn::config_missing_beside_weights(from) {
             bail!(why);
         }
-        let (path, ckpt) = checkpoint::load(from)?;
+        // Sampling and exporting read the weights alone: the optimizer's state (twice the
+        // weights under AdamW) is checked, never held.
+        let (path, ckpt) = checkpoint::load_keeping(from, checkpoint::Keep::Weights)?;
         Ok(Source::Run(path, Box::new(ckpt)))
     }
 

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use snug_train::checkpoint::{Checkpoint, CheckpointDir};
+use snug_train::checkpoint::{Checkpoint, CheckpointDir, Keep};
 use snug_train::TrainError;
 use snug_train::{DataSource, ModelSection, TokenDataset, TrainConfig, TrainSection, Trainer};
 
@@ -93,6 +93,44 @@ fn a_flipped_bit_in_tensor_data_names_the_tensor_and_the_previous_checkpoint_loa
     std::fs::write(&newest, &bytes).unwrap();
     let detail = checkpoint_error(&newest);
     assert!(detail.contains("h.0.ln_1.bias"), "{detail}");
+}
+
+/// What `sample` and `export` read of a run: the weights alone, bit for bit those a whole
+/// load holds, no optimizer state; and a damaged optimizer tensor still refuses the file. The
+/// checkpoint is over a mebibyte, so it is mapped rather than read (and each tensor's pages
+/// let go once read), as a real one is.
+#[test]
+fn a_load_of_the_weights_alone_holds_no_optimizer_state_and_still_checks_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ckpt-00000001.safetensors");
+    let mut t = trainer();
+    t.train_step().unwrap();
+    t.checkpoint().unwrap().save(&path).unwrap();
+    assert!(std::fs::metadata(&path).unwrap().len() > 1 << 20, "mapped");
+    let all = Checkpoint::load(&path).unwrap();
+    let weights = Checkpoint::load_keeping(&path, Keep::Weights).unwrap();
+    let optimizer = |name: &str| name.ends_with(".adam_m") || name.ends_with(".adam_v");
+    assert!(all.tensors.iter().any(|t| optimizer(&t.name)));
+    assert!(!weights.tensors.iter().any(|t| optimizer(&t.name)));
+    let kept: Vec<_> = all.tensors.iter().filter(|t| !optimizer(&t.name)).collect();
+    assert_eq!(kept, weights.tensors.iter().collect::<Vec<_>>());
+    assert_eq!(all.parameters(), weights.parameters());
+    assert_eq!((all.step, &all.config), (weights.step, &weights.config));
+
+    let name = "h.1.attn.c_attn.weight.adam_v";
+    let range = data_range(&path, name);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[range.start + 4 * 11] ^= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    match Checkpoint::load_keeping(&path, Keep::Weights) {
+        Err(TrainError::Checkpoint { detail, .. }) => {
+            assert!(
+                detail.contains(name) && detail.contains("CRC-32"),
+                "{detail}"
+            )
+        }
+        other => panic!("expected a checkpoint error, got {other:?}"),
+    }
 }
 
 #[test]
