@@ -205,13 +205,16 @@ pub fn map2(a: &[f32], b: &[f32], y: &mut [f32], f: impl Fn(f32, f32) -> f32 + S
 /// between them, and a rayon worker that finds no work for a few microseconds sleeps, to be
 /// woken (a futex, under a hypervisor an inter-processor interrupt) at the next region. On
 /// 2 vCPUs of an Emerald Rapids host that was ~600 sleeps a step; OpenMP's workers (PyTorch's)
-/// spin instead. Ours yield their CPU between polls, which costs nothing where no other
-/// process wants it. Made on a worker thread, inside the pool it keeps; it is not made where the
+/// spin instead. Ours spin too, yielding their CPU every [`YIELD_EVERY`] polls, so another
+/// process on the machine still gets its share. Made on a worker thread, inside the pool it keeps; it is not made where the
 /// workers outnumber the CPUs this process may use, since a spinner would then take a CPU a
 /// working thread needs.
 pub(crate) struct KeepAwake {
     done: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
+
+/// Polls a poller spins between yields of its CPU.
+const YIELD_EVERY: u32 = 64;
 
 impl KeepAwake {
     /// Spawns one poller for each other worker of the current pool; `None` where there are
@@ -236,13 +239,21 @@ impl KeepAwake {
             }
             #[cfg(test)]
             let _polling = tests::Polling::enter();
+            let mut polls = 0u32;
             while !flag.load(Ordering::Acquire) {
                 // Runs pending work (stolen halves of the launch's joins) as it appears. Else
-                // it yields its CPU, which returns at once where nothing else is runnable there
-                // and lets another process run where something is: beside one busy process
-                // char-small's f32 step took 2.6 s so, 3.0–3.1 s spinning; alone, the same.
+                // it spins, yielding its CPU every `YIELD_EVERY` polls: where nothing else is
+                // runnable there the yield returns at once, and where another process is, it
+                // gets the CPU. Beside one busy process char-small's step took 2.7–2.8 s in
+                // f32 and 1.4–1.6 s in bf16 so, 3.1–3.2 and 2.1 s spinning alone; yielding at
+                // every poll, as fast there, cost a tenth of the bf16 step on an idle host.
                 if rayon::yield_now() != Some(rayon::Yield::Executed) {
-                    std::thread::yield_now();
+                    polls = polls.wrapping_add(1);
+                    if polls.is_multiple_of(YIELD_EVERY) {
+                        std::thread::yield_now();
+                    } else {
+                        std::hint::spin_loop();
+                    }
                 }
             }
         });
