@@ -303,28 +303,19 @@ fn fit_to_memory(
     // A text file's ids are held beside the arena, outside the plan: a size given is the whole
     // process's, so the plan gets what they leave (`auto` is measured with them in memory).
     if memory.trim() != "auto" && data_bytes > 0 {
-        let held = usize::try_from(data_bytes).unwrap_or(usize::MAX);
-        if held >= budget {
-            anyhow::bail!(
-                "--memory {memory}: the data's token ids hold {} in memory, outside the plan, \
-                 and leave nothing of {} for training; prepare the text once with `snug \
-                 prepare` and train on its directory, whose token files are memory-mapped",
-                human_bytes(held),
-                human_bytes(budget)
-            );
-        }
+        let left = crate::fit_cmd::budget_left_by_data(memory, budget, data_bytes)?;
         let said = format!(
             "--memory {memory}: the data's token ids hold {} outside the plan; fit plans within \
              the {} they leave (`snug prepare` memory-maps them instead)",
-            human_bytes(held),
-            human_bytes(budget - held)
+            human_bytes(budget - left),
+            human_bytes(left)
         );
         if args.json {
             eprintln!("{said}");
         } else {
             say!(out, "{said}");
         }
-        budget -= held;
+        budget = left;
     }
     if args.model.batch_auto() {
         if cfg.devices > 1 {
@@ -859,7 +850,8 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
                         path.display()
                     ),
                 })?;
-            machine = fit_to_memory(&args, &mut cfg, model, data.resident_bytes(), &mut out)?;
+            let held = crate::fit_cmd::text_data_held(&cfg, &data);
+            machine = fit_to_memory(&args, &mut cfg, model, held, &mut out)?;
             let summary = data_line(&data);
             let trainer = Trainer::resume(cfg.clone(), data, allocator.clone(), &ckpt)
                 .with_context(|| format!("resuming from {}", path.display()))?;
@@ -921,7 +913,8 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             }
             let run_dir = claim_fresh(&mut cfg, numbered)?;
             let guard = guard_setup(run_dir.as_ref())?;
-            machine = fit_to_memory(&args, &mut cfg, model, data.resident_bytes(), &mut out)?;
+            let held = crate::fit_cmd::text_data_held(&cfg, &data);
+            machine = fit_to_memory(&args, &mut cfg, model, held, &mut out)?;
             let summary = data_line(&data);
             let trainer = Trainer::with_allocator(cfg.clone(), data, allocator.clone())
                 .context("setting up training")?;
