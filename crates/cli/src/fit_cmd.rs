@@ -374,37 +374,12 @@ pub fn print_table(report: &FitReport) {
     );
 }
 
-/// Bytes a text `--data` file's token ids hold in memory, outside the plan (a prepared
-/// directory's are memory-mapped, and the built-in data's are under a mebibyte: none counted).
-pub fn text_data_held(cfg: &TrainConfig, data: &snug_train::TokenDataset) -> u64 {
-    match &cfg.data {
-        snug_train::config::DataSourceConfig::File(p) if !p.is_dir() => data.resident_bytes(),
-        _ => 0,
-    }
-}
-
-/// The budget `memory` (`budget` bytes) leaves for the plan beside `held` bytes of token
-/// ids; refused where they take it all.
-pub fn budget_left_by_data(memory: &str, budget: usize, held: u64) -> Result<usize> {
-    let held = usize::try_from(held).unwrap_or(usize::MAX);
-    if held >= budget {
-        anyhow::bail!(
-            "--memory {memory}: the data's token ids hold {} in memory, outside the plan, and \
-             leave nothing of {} for training; prepare the text once with `snug prepare` and \
-             train on its directory, whose token files are memory-mapped",
-            human_bytes(held),
-            human_bytes(budget)
-        );
-    }
-    Ok(budget - held)
-}
-
 pub fn run(args: FitArgs) -> Result<()> {
     let (model, train) = args.model.sections(RunFlags::default());
     let mut cfg = args.model.resolve(&model, &train)?;
     set_allowed(&mut cfg, args.allow.as_deref())?;
     apply_device_memory(&mut cfg, args.device_memory.as_deref())?;
-    let (data, model) = cfg.load_data_and_model()?;
+    let (_, model) = cfg.load_data_and_model()?;
     let model_for_advice = model.clone();
     // Set by a flag, or to other than the default by the TOML: fit may choose otherwise.
     let set = (
@@ -413,19 +388,7 @@ pub fn run(args: FitArgs) -> Result<()> {
         (args.model.step.remat.is_some() || cfg.remat != snug_compile::Remat::None)
             .then_some(cfg.remat),
     );
-    let mut budget = parse_budget(&args.memory, &cfg)?;
-    // As `train --memory` plans: a text file's ids are held outside the plan.
-    let held = text_data_held(&cfg, &data);
-    if held > 0 && args.memory.trim() != "auto" {
-        budget = budget_left_by_data(&args.memory, budget, held)?;
-        eprintln!(
-            "--memory {}: the data's token ids hold {} outside the plan; fit plans within the {} \
-             they leave (`snug prepare` memory-maps them instead)",
-            args.memory,
-            human_bytes(held as usize),
-            human_bytes(budget)
-        );
-    }
+    let budget = parse_budget(&args.memory, &cfg)?;
     if args.model.batch_auto() {
         if args.devices > 1 {
             anyhow::bail!("--batch auto searches one device: give --batch with --devices");

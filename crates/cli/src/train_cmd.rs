@@ -303,19 +303,28 @@ fn fit_to_memory(
     // A text file's ids are held beside the arena, outside the plan: a size given is the whole
     // process's, so the plan gets what they leave (`auto` is measured with them in memory).
     if memory.trim() != "auto" && data_bytes > 0 {
-        let left = crate::fit_cmd::budget_left_by_data(memory, budget, data_bytes)?;
+        let held = usize::try_from(data_bytes).unwrap_or(usize::MAX);
+        if held >= budget {
+            anyhow::bail!(
+                "--memory {memory}: the data's token ids hold {} in memory, outside the plan, \
+                 and leave nothing of {} for training; prepare the text once with `snug \
+                 prepare` and train on its directory, whose token files are memory-mapped",
+                human_bytes(held),
+                human_bytes(budget)
+            );
+        }
         let said = format!(
             "--memory {memory}: the data's token ids hold {} outside the plan; fit plans within \
              the {} they leave (`snug prepare` memory-maps them instead)",
-            human_bytes(budget - left),
-            human_bytes(left)
+            human_bytes(held),
+            human_bytes(budget - held)
         );
         if args.json {
             eprintln!("{said}");
         } else {
             say!(out, "{said}");
         }
-        budget = left;
+        budget -= held;
     }
     if args.model.batch_auto() {
         if cfg.devices > 1 {
@@ -850,8 +859,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
                         path.display()
                     ),
                 })?;
-            let held = crate::fit_cmd::text_data_held(&cfg, &data);
-            machine = fit_to_memory(&args, &mut cfg, model, held, &mut out)?;
+            machine = fit_to_memory(&args, &mut cfg, model, data.resident_bytes(), &mut out)?;
             let summary = data_line(&data);
             let trainer = Trainer::resume(cfg.clone(), data, allocator.clone(), &ckpt)
                 .with_context(|| format!("resuming from {}", path.display()))?;
@@ -913,8 +921,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             }
             let run_dir = claim_fresh(&mut cfg, numbered)?;
             let guard = guard_setup(run_dir.as_ref())?;
-            let held = crate::fit_cmd::text_data_held(&cfg, &data);
-            machine = fit_to_memory(&args, &mut cfg, model, held, &mut out)?;
+            machine = fit_to_memory(&args, &mut cfg, model, data.resident_bytes(), &mut out)?;
             let summary = data_line(&data);
             let trainer = Trainer::with_allocator(cfg.clone(), data, allocator.clone())
                 .context("setting up training")?;
