@@ -282,7 +282,6 @@ fn fit_to_memory(
     args: &TrainArgs,
     cfg: &mut TrainConfig,
     model: snug_nn::ModelConfig,
-    data_bytes: u64,
     out: &mut Stdout,
 ) -> Result<Option<snug_fit::MachineProfile>> {
     crate::fit_cmd::apply_device_memory(cfg, args.device_memory.as_deref())?;
@@ -300,32 +299,6 @@ fn fit_to_memory(
         budget = snug_train::ranks::shared_auto_budget(budget, host_memory);
     }
     check_budget_here(memory, budget, cfg)?;
-    // A text file's ids are held beside the arena, outside the plan: a size given is the whole
-    // process's, so the plan gets what they leave (`auto` is measured with them in memory).
-    if memory.trim() != "auto" && data_bytes > 0 {
-        let held = usize::try_from(data_bytes).unwrap_or(usize::MAX);
-        if held >= budget {
-            anyhow::bail!(
-                "--memory {memory}: the data's token ids hold {} in memory, outside the plan, \
-                 and leave nothing of {} for training; prepare the text once with `snug \
-                 prepare` and train on its directory, whose token files are memory-mapped",
-                human_bytes(held),
-                human_bytes(budget)
-            );
-        }
-        let said = format!(
-            "--memory {memory}: the data's token ids hold {} outside the plan; fit plans within \
-             the {} they leave (`snug prepare` memory-maps them instead)",
-            human_bytes(held),
-            human_bytes(budget - held)
-        );
-        if args.json {
-            eprintln!("{said}");
-        } else {
-            say!(out, "{said}");
-        }
-        budget -= held;
-    }
     if args.model.batch_auto() {
         if cfg.devices > 1 {
             anyhow::bail!(
@@ -859,7 +832,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
                         path.display()
                     ),
                 })?;
-            machine = fit_to_memory(&args, &mut cfg, model, data.resident_bytes(), &mut out)?;
+            machine = fit_to_memory(&args, &mut cfg, model, &mut out)?;
             let summary = data_line(&data);
             let trainer = Trainer::resume(cfg.clone(), data, allocator.clone(), &ckpt)
                 .with_context(|| format!("resuming from {}", path.display()))?;
@@ -921,7 +894,7 @@ pub fn run(args: TrainArgs) -> Result<ExitCode> {
             }
             let run_dir = claim_fresh(&mut cfg, numbered)?;
             let guard = guard_setup(run_dir.as_ref())?;
-            machine = fit_to_memory(&args, &mut cfg, model, data.resident_bytes(), &mut out)?;
+            machine = fit_to_memory(&args, &mut cfg, model, &mut out)?;
             let summary = data_line(&data);
             let trainer = Trainer::with_allocator(cfg.clone(), data, allocator.clone())
                 .context("setting up training")?;
