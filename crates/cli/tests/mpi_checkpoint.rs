@@ -353,16 +353,18 @@ fn two_ranks_continue_a_single_process_run_sharded() {
         ]
         .concat(),
     );
-    std::fs::create_dir(&two).unwrap();
     let name = "ckpt-00000003.safetensors";
-    std::fs::copy(one.join(name), two.join(name)).expect("the step-3 checkpoint");
-    // On two ranks at stage 3, saved again at once: each rank's shards of the whole tensors,
-    // which consolidate to them bit for bit; the sharded checkpoint replaces the whole file.
+    // On two ranks at stage 3, saved at once into another directory (a resume at its last
+    // step writes nothing into its own): each rank's shards of the whole tensors, which
+    // consolidate to them bit for bit; the whole file is left as it was.
+    let before = std::fs::read(one.join(name)).expect("the step-3 checkpoint");
     two_ranks(
         dir.path(),
         &[
             "train",
             "--resume",
+            one.join(name).to_str().unwrap(),
+            "--out",
             two.to_str().unwrap(),
             "--shard",
             "3",
@@ -371,7 +373,7 @@ fn two_ranks_continue_a_single_process_run_sharded() {
         ],
     );
     assert!(manifest_of(&two, 3).is_file());
-    assert!(!two.join(name).exists());
+    assert_eq!(std::fs::read(one.join(name)).unwrap(), before);
     assert_eq!(state(&two), state(&one.join(name)));
     // Steps 4 and 5 on the two ranks (stage 3, kept from the checkpoint), each a micro-batch
     // of the single process's two: bit for bit.
