@@ -107,9 +107,11 @@ pub struct SavedBytes {
 
 /// Optimizer state is named after its parameter with one of these suffixes (or, for the
 /// previous step's gradient norm, is named by it).
-const OPTIMIZER_SUFFIXES: [&str; 5] = [
+const OPTIMIZER_SUFFIXES: [&str; 7] = [
     ".adam_m",
     ".adam_v",
+    ".adam8_m",
+    ".adam8_v",
     ".adam8_m_absmax",
     ".adam8_v_absmax",
     snug_graph::PREVIOUS_SUM_SQUARES,
@@ -139,7 +141,7 @@ impl Checkpoint {
         let params: Vec<(String, Vec<f32>)> = self
             .tensors
             .iter()
-            .filter(|t| !OPTIMIZER_SUFFIXES.iter().any(|s| t.name.ends_with(s)))
+            .filter(|t| !is_optimizer_state(&t.name))
             .filter(|t| !self.is_stored_statistics(&t.name))
             .map(|t| (t.name.clone(), t.data.clone()))
             .collect();
@@ -446,8 +448,6 @@ pub enum Keep {
 /// and their absmaxes, the previous step's gradient norm).
 fn is_optimizer_state(name: &str) -> bool {
     OPTIMIZER_SUFFIXES.iter().any(|s| name.ends_with(s))
-        || name.ends_with(".adam8_m")
-        || name.ends_with(".adam8_v")
 }
 
 /// A checkpoint file's bytes: read whole where it is small (or says it is: a `/proc` file
